@@ -1,0 +1,107 @@
+"""The training batch iterator: shuffled windows of a token stream, resumable from a small state.
+
+Letters: N tokens, W windows, S sequence length, L = S + 1 tokens per window, B batch size.
+
+Window w is `tokens[w*S : w*S + L]`, so consecutive windows share one token and every token but
+the first is a target exactly once per epoch. The pipeline is grain's MapDataset: windows ->
+shuffle -> repeat forever -> batch. Grain's shuffle of a repeated dataset draws a new permutation
+for each epoch from (seed, epoch). Epochs count windows, so a batch may straddle two epochs and
+no window is ever dropped.
+
+The position is grain's index of the next batch. `get_state()` returns it together with what the
+stream was built from (seed, shapes, token count and checksum), all plain ints; `set_state()`
+refuses a state from a different stream rather than silently yielding other batches.
+"""
+from __future__ import annotations
+
+import zlib
+
+import grain
+import numpy as np
+
+from moejax.errors import DataError
+
+
+def num_windows(num_tokens: int, seq_len: int) -> int:
+  """How many windows of seq_len + 1 tokens, with stride seq_len, fit in num_tokens."""
+  return max(num_tokens - 1, 0) // seq_len
+
+
+def windows(tokens_N: np.ndarray, seq_len: int) -> np.ndarray:
+  """int32[W, L] read-only view of the windows of tokens_N (no copy)."""
+  w = num_windows(len(tokens_N), seq_len)
+  if w == 0:
+    return np.zeros((0, seq_len + 1), np.int32)
+  view_NxL = np.lib.stride_tricks.sliding_window_view(tokens_N, seq_len + 1)
+  return view_NxL[: w * seq_len : seq_len]
+
+
+def to_example(windows_BxL: np.ndarray) -> dict[str, np.ndarray]:
+  """Batch of windows -> {"inputs": int32[B, S], "targets": int32[B, S]} (targets shifted by 1)."""
+  return {
+      "inputs": np.ascontiguousarray(windows_BxL[:, :-1], np.int32),
+      "targets": np.ascontiguousarray(windows_BxL[:, 1:], np.int32),
+  }
+
+
+def shuffle_seed(seed: int) -> int:
+  """The 32-bit seed grain shuffles with, mixed from `seed` so that nearby seeds are unrelated."""
+  return int(np.random.SeedSequence([seed, 0x5EED]).generate_state(1)[0])
+
+
+class TrainIterator:
+  """Infinite iterator of training batches; `next(it)` -> {"inputs", "targets"}: int32[B, S]."""
+
+  def __init__(self, tokens_N: np.ndarray, *, batch_size: int, seq_len: int, seed: int,
+               prefetch: int = 2):
+    tokens_N = np.asarray(tokens_N, np.int32)
+    windows_WxL = windows(tokens_N, seq_len)
+    if len(windows_WxL) < batch_size:
+      raise DataError(f"{len(tokens_N)} tokens make {len(windows_WxL)} windows of {seq_len + 1}, "
+                      f"fewer than one batch of {batch_size}")
+    self.batch_size, self.seq_len, self.num_windows = batch_size, seq_len, len(windows_WxL)
+    self._stream = {
+        "seed": int(seed),
+        "batch_size": int(batch_size),
+        "seq_len": int(seq_len),
+        "num_tokens": int(len(tokens_N)),
+        "tokens_crc32": zlib.crc32(tokens_N.tobytes()),
+    }
+    ds = (grain.MapDataset.source(windows_WxL)
+          .shuffle(seed=shuffle_seed(seed))
+          .repeat()
+          .batch(batch_size, drop_remainder=True)
+          .map(to_example))
+    options = grain.ReadOptions(num_threads=1 if prefetch else 0, prefetch_buffer_size=prefetch)
+    self._it = ds.to_iter_dataset(options).__iter__()
+
+  def __iter__(self) -> TrainIterator:
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    return next(self._it)
+
+  @property
+  def epoch(self) -> int:
+    """The epoch the next batch starts in (0-based)."""
+    return self._it.get_state()["next_index"] * self.batch_size // self.num_windows
+
+  def get_state(self) -> dict[str, int]:
+    return {"next_batch": int(self._it.get_state()["next_index"]), **self._stream}
+
+  def set_state(self, state) -> None:
+    for key, want in self._stream.items():
+      if key not in state:
+        raise DataError(f"data iterator state lacks '{key}' (keys: {sorted(state)})")
+      if int(state[key]) != want:
+        raise DataError(f"data iterator state is for another stream: {key} is {int(state[key])} "
+                        f"in the state, {want} in this pipeline")
+    if "next_batch" not in state or int(state["next_batch"]) < 0:
+      raise DataError(f"data iterator state needs a non-negative 'next_batch', got "
+                      f"{state.get('next_batch')!r}")
+    self._it.set_state({"next_index": int(state["next_batch"])})
+
+  def close(self) -> None:
+    close = getattr(self._it, "close", None)
+    if close is not None:
+      close()

@@ -1,0 +1,120 @@
+"""Tokenizers: bytes, or a Hugging Face `tokenizer.json`, behind one small interface.
+
+Both classes have `name`, `vocab_size`, `eos_id`, `encode(text) -> list[int]`,
+`decode(ids) -> str` and `encode_documents(docs) -> int32[N]`, the token stream the pipeline
+trains on: every document's ids followed by `eos_id`. `encode` adds no special tokens (no BOS,
+no post-processor template); documents are separated by the one EOS that `encode_documents`
+appends. `decode` leaves special tokens (EOS included) out of the text.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from moejax.errors import DataError
+
+# Looked up in this order in a tokenizer.json's vocabulary; the first one present is EOS.
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eos|>", "[EOS]")
+
+
+class ByteTokenizer:
+  """UTF-8 bytes: ids 0..255 are the bytes, 256 is EOS."""
+
+  name = "bytes"
+  eos_id = 256
+  vocab_size = 257
+
+  def encode(self, text: str) -> list[int]:
+    return _utf8(text).tolist()
+
+  def decode(self, ids: Iterable[int]) -> str:
+    ids_N = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids).reshape(-1)
+    return ids_N[ids_N < 256].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+  def encode_documents(self, docs: Sequence[str]) -> np.ndarray:
+    eos_1 = np.full((1,), self.eos_id, np.int32)
+    return _concat_with_eos([_utf8(d) for d in docs], eos_1)
+
+  def __repr__(self) -> str:
+    return "ByteTokenizer()"
+
+
+class HFTokenizer:
+  """A `tokenizers.Tokenizer` read from a tokenizer.json file (or a folder holding one).
+
+  EOS is the first of `EOS_CANDIDATES` in the vocabulary. A tokenizer that has none of them gets
+  one extra id right after its largest id, so that `vocab_size` is one more than the file's; that
+  id decodes to nothing.
+  """
+
+  def __init__(self, path: str):
+    import tokenizers  # Imported here: only needed for tokenizer.json files.
+
+    if os.path.isdir(path):
+      path = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(path):
+      raise DataError(f"{path}: tokenizer file not found")
+    try:
+      self._tok = tokenizers.Tokenizer.from_file(path)
+    except Exception as e:  # tokenizers raises a bare Exception for every parse error.
+      reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+      raise DataError(f"{path}: not a valid tokenizer.json ({reason})") from None
+    self.name = path
+    vocab = self._tok.get_vocab(with_added_tokens=True)
+    if not vocab:
+      raise DataError(f"{path}: tokenizer has an empty vocabulary")
+    num_ids = max(vocab.values()) + 1
+    eos = next((t for t in EOS_CANDIDATES if t in vocab), None)
+    if eos is not None:
+      self.eos_token, self.eos_id, self.vocab_size = eos, vocab[eos], num_ids
+    else:
+      self.eos_token, self.eos_id, self.vocab_size = None, num_ids, num_ids + 1
+
+  def encode(self, text: str) -> list[int]:
+    return self._tok.encode(text, add_special_tokens=False).ids
+
+  def decode(self, ids: Iterable[int]) -> str:
+    ids = [int(i) for i in (ids.reshape(-1) if isinstance(ids, np.ndarray) else ids)]
+    if self.eos_token is None:
+      ids = [i for i in ids if i != self.eos_id]
+    return self._tok.decode(ids, skip_special_tokens=True)
+
+  def encode_documents(self, docs: Sequence[str]) -> np.ndarray:
+    encodings = self._tok.encode_batch(list(docs), add_special_tokens=False)
+    eos_1 = np.full((1,), self.eos_id, np.int32)
+    return _concat_with_eos([np.asarray(e.ids, np.int32) for e in encodings], eos_1)
+
+  def __repr__(self) -> str:
+    return f"HFTokenizer({self.name!r})"
+
+
+Tokenizer = ByteTokenizer | HFTokenizer
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+  """"bytes" -> ByteTokenizer; anything else is a path to a tokenizer.json (or its folder)."""
+  if spec == "bytes":
+    return ByteTokenizer()
+  return HFTokenizer(spec)
+
+
+def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
+  """Raises DataError if the tokenizer can produce ids the model's embedding cannot hold."""
+  if tokenizer.vocab_size > model_vocab_size:
+    raise DataError(
+        f"{tokenizer.name}: tokenizer vocab_size {tokenizer.vocab_size} exceeds the model's "
+        f"vocab_size {model_vocab_size}; set the model vocab_size to at least "
+        f"{tokenizer.vocab_size}")
+
+
+def _utf8(text: str) -> np.ndarray:
+  return np.frombuffer(text.encode("utf-8"), np.uint8)
+
+
+def _concat_with_eos(ids: list[np.ndarray], eos_1: np.ndarray) -> np.ndarray:
+  parts = []
+  for ids_N in ids:
+    parts.extend((ids_N, eos_1))
+  return np.concatenate(parts).astype(np.int32) if parts else np.zeros((0,), np.int32)

@@ -1,0 +1,25 @@
+"""Errors that carry a one-line message meant for the user.
+
+`train.py` and the other entry points print these as a single line and exit non-zero; anything
+else is a bug and keeps its traceback.
+"""
+
+
+class MoejaxError(Exception):
+  """Base class: the message names the field, file or value and what would be valid."""
+
+
+class ConfigError(MoejaxError):
+  """A config field has a bad value or an inconsistent combination."""
+
+
+class DataError(MoejaxError):
+  """A data file or tokenizer cannot be used."""
+
+
+class CheckpointError(MoejaxError):
+  """A checkpoint cannot be read, is incomplete, or does not match the config."""
+
+
+class TrainingError(MoejaxError):
+  """Training cannot continue (for example, a non-finite loss)."""

@@ -1,0 +1,58 @@
+"""Causal self-attention with rotary embeddings and QK-norm (OLMoE).
+
+Letters: B batch, S sequence, D model width, H heads, Dh head width.
+QK-norm normalizes the whole projected q (and k) vector of width H*Dh before the heads are split,
+as OLMoE does. Rotary embeddings use the half-split (rotate_half) convention.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moejax.layers.norm import rms_norm
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float):
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  angles_SxHalf = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+  angles_SxDh = jnp.concatenate([angles_SxHalf, angles_SxHalf], axis=-1)
+  return jnp.cos(angles_SxDh), jnp.sin(angles_SxDh)
+
+
+def apply_rotary(x_BxSxHxDh, cos_SxDh, sin_SxDh):
+  x32 = x_BxSxHxDh.astype(jnp.float32)
+  half = x32.shape[-1] // 2
+  rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+  cos, sin = cos_SxDh[None, :, None, :], sin_SxDh[None, :, None, :]
+  return (x32 * cos + rotated * sin).astype(x_BxSxHxDh.dtype)
+
+
+class Attention(nnx.Module):
+  def __init__(self, d_model: int, num_heads: int, head_dim: int, *, rope_theta: float,
+               norm_eps: float, init_std: float, rngs: nnx.Rngs):
+    hd = num_heads * head_dim
+    init = jax.nn.initializers.normal(init_std)
+    self.wq = nnx.Param(init(rngs.params(), (d_model, hd), jnp.float32))
+    self.wk = nnx.Param(init(rngs.params(), (d_model, hd), jnp.float32))
+    self.wv = nnx.Param(init(rngs.params(), (d_model, hd), jnp.float32))
+    self.wo = nnx.Param(init(rngs.params(), (hd, d_model), jnp.float32))
+    self.q_norm = nnx.Param(jnp.ones((hd,), jnp.float32))
+    self.k_norm = nnx.Param(jnp.ones((hd,), jnp.float32))
+    self.num_heads, self.head_dim = num_heads, head_dim
+    self.rope_theta, self.norm_eps = rope_theta, norm_eps
+
+  def __call__(self, x_BxSxD):
+    b, s, _ = x_BxSxD.shape
+    dtype = x_BxSxD.dtype
+    q = rms_norm(x_BxSxD @ self.wq[...].astype(dtype), self.q_norm[...], self.norm_eps)
+    k = rms_norm(x_BxSxD @ self.wk[...].astype(dtype), self.k_norm[...], self.norm_eps)
+    v = x_BxSxD @ self.wv[...].astype(dtype)
+    shape = (b, s, self.num_heads, self.head_dim)
+    q_BxSxHxDh, k_BxSxHxDh, v_BxSxHxDh = q.reshape(shape), k.reshape(shape), v.reshape(shape)
+    cos, sin = rotary_tables(s, self.head_dim, self.rope_theta)
+    q_BxSxHxDh = apply_rotary(q_BxSxHxDh, cos, sin)
+    k_BxSxHxDh = apply_rotary(k_BxSxHxDh, cos, sin)
+    out_BxSxHxDh = jax.nn.dot_product_attention(q_BxSxHxDh, k_BxSxHxDh, v_BxSxHxDh,
+                                                is_causal=True)
+    return out_BxSxHxDh.reshape(b, s, -1) @ self.wo[...].astype(dtype)

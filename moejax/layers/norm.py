@@ -1,0 +1,21 @@
+"""RMSNorm (statistics in fp32, output in the input's dtype)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def rms_norm(x, scale, eps: float):
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, dim: int, *, eps: float = 1e-5):
+    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+    self.eps = eps
+
+  def __call__(self, x):
+    return rms_norm(x, self.scale[...], self.eps)

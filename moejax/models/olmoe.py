@@ -1,0 +1,97 @@
+"""OLMoE decoder LM: embedding -> L x (RMSNorm, rotary attention with QK-norm, RMSNorm, MoE)
+-> RMSNorm -> untied LM head. Layers run under `lax.scan` over stacked parameters.
+
+Letters: B batch, S sequence, D width, V vocabulary, L layers.
+
+Parameters are a plain nested dict of fp32 arrays (`init_params`), layer parameters stacked with a
+leading L axis. `forward` is the single forward pass used everywhere: on one device, and inside
+the sharded train step, where `gather(name, shards)` turns each parameter group's shards into
+full bf16 parameters just in time (the sharding hook) and `dispatch` says where experts live.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moejax.config import Config
+from moejax.layers.attention import Attention
+from moejax.layers.dispatch import LOCAL, Dispatch
+from moejax.layers.moe import MoEBlock, MoESpec
+from moejax.layers.norm import RMSNorm, rms_norm
+
+COMPUTE_DTYPE = jnp.bfloat16
+
+
+class DecoderLayer(nnx.Module):
+  def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+    m, moe = cfg.model, cfg.moe
+    self.attn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
+    self.attn = Attention(m.d_model, m.num_heads, m.head_dim, rope_theta=m.rope_theta,
+                          norm_eps=m.norm_eps, init_std=m.init_std, rngs=rngs)
+    self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
+    self.moe = MoEBlock(m.d_model, moe.expert_hidden,
+                        MoESpec(moe.num_experts, moe.top_k, moe.score, moe.renormalize),
+                        init_std=m.init_std, rngs=rngs)
+
+  def __call__(self, h_BxSxD, *, dispatch: Dispatch = LOCAL, axis_name=None):
+    h_BxSxD = h_BxSxD + self.attn(self.attn_norm(h_BxSxD))
+    y_BxSxD, aux = self.moe(self.ffn_norm(h_BxSxD), dispatch=dispatch, axis_name=axis_name)
+    return h_BxSxD + y_BxSxD, aux
+
+
+def _layer_params(cfg: Config, key) -> dict:
+  return nnx.to_pure_dict(nnx.state(DecoderLayer(cfg, rngs=nnx.Rngs(params=key)), nnx.Param))
+
+
+def init_params(cfg: Config, key: jax.Array) -> dict:
+  m = cfg.model
+  k_embed, k_layers, k_head = jax.random.split(key, 3)
+  init = jax.nn.initializers.normal(m.init_std)
+  return {
+      "embed": init(k_embed, (m.vocab_size, m.d_model), jnp.float32),
+      "layers": jax.vmap(functools.partial(_layer_params, cfg))(
+          jax.random.split(k_layers, m.num_layers)),
+      "final_norm": jnp.ones((m.d_model,), jnp.float32),
+      "lm_head": init(k_head, (m.d_model, m.vocab_size), jnp.float32),
+  }
+
+
+@functools.cache
+def _layer_template(cfg: Config):
+  return nnx.split(nnx.eval_shape(lambda: DecoderLayer(cfg, rngs=nnx.Rngs(0))))
+
+
+def layer_from_params(cfg: Config, layer_params: dict) -> DecoderLayer:
+  """A DecoderLayer module holding the given (one layer's) parameter arrays."""
+  graphdef, template = _layer_template(cfg)
+  state = jax.tree.map(lambda v: v, template)
+  nnx.replace_by_pure_dict(state, layer_params)
+  return nnx.merge(graphdef, state)
+
+
+def cast_gather(name: str, tree, dtype=COMPUTE_DTYPE):
+  """The hook outside a mesh: parameters are already whole; just cast to the compute dtype."""
+  del name
+  return jax.tree.map(lambda x: x.astype(dtype), tree)
+
+
+def forward(cfg: Config, params: dict, tokens_BxS, *, gather=cast_gather,
+            dispatch: Dispatch = LOCAL, axis_name=None, remat: bool = True):
+  """Returns (logits_BxSxV fp32, aux) with aux a dict of per-layer arrays [L, ...]."""
+  embed_VxD = gather("embed", params["embed"])
+  h_BxSxD = jnp.take(embed_VxD, tokens_BxS, axis=0)
+
+  def layer_step(h_BxSxD, layer_shards):
+    layer = layer_from_params(cfg, gather("layers", layer_shards))
+    return layer(h_BxSxD, dispatch=dispatch, axis_name=axis_name)
+
+  if remat:
+    layer_step = jax.checkpoint(layer_step)
+  h_BxSxD, aux_L = jax.lax.scan(layer_step, h_BxSxD, params["layers"])
+  h_BxSxD = rms_norm(h_BxSxD, gather("final_norm", params["final_norm"]), cfg.model.norm_eps)
+  logits_BxSxV = jnp.dot(h_BxSxD, gather("lm_head", params["lm_head"]),
+                         preferred_element_type=jnp.float32)
+  return logits_BxSxV, aux_L

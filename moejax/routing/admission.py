@@ -1,0 +1,285 @@
+"""Capacity-limited affinity admission: which top-k assignments each expert accepts.
+
+Letters: T tokens (on this device), D router input width, E experts, K experts chosen per token,
+N = T*K assignments, G groups (E experts plus one "no group" bucket).
+
+After top-k, an expert's candidates are the (token, slot) assignments that chose it. The
+*affinity* of token t and expert e is the cosine similarity between the router input x_t and the
+expert's router vector w_e (column e of the router weight). An expert admits the candidates whose
+affinity is >= `threshold`, highest affinity first (ties: lower token index first), up to its
+capacity. Rejection by one expert leaves the token's other assignments untouched.
+
+Policies:
+  none     identity: every valid assignment is kept, capacity and threshold are ignored.
+  strict   rejected assignments are dropped (expert id E, weight 0, kept False).
+  reroute  strict admission first (its decisions are final, nothing it accepted is ever evicted,
+           so strict-kept is a subset of reroute-kept); then each rejected assignment moves to the
+           most similar expert (by affinity) that clears the threshold, still has room, and is not
+           already one of the token's experts; if none qualifies it is dropped.
+
+Reroute runs in rounds. In each round every token that has rejected assignments and at least one
+qualifying expert proposes its lowest pending slot to its most similar qualifying expert (ties:
+lower expert id); each expert accepts proposals in descending affinity (ties: lower token index)
+up to its remaining room. Accepted placements are final. A proposal that loses leaves its expert
+full, and one that wins makes the expert one of the token's own: either way every proposing token
+loses its current best option each round, so the loop ends after at most E rounds. Consequence,
+tested: every rerouted assignment sits on the most similar expert that, at the end, is above the
+threshold, not full and not already one of the token's experts; every assignment dropped by
+reroute had no such expert left.
+
+Cost: the affinity matrix is one [T, D] x [D, E] matmul; strict admission is one sort of N keys;
+reroute adds at most E rounds of O(T*E) masking plus one sort of T keys each (the loop stops as
+soon as no token can propose, usually after a few rounds).
+
+Combine weights:
+  * a slot kept by strict admission keeps its weight unchanged, so with ample capacity and
+    threshold -1 the output is identical to plain top-k;
+  * a dropped slot gets weight 0 and, by default, the token's other weights are NOT renormalized:
+    the token's MoE output shrinks and the residual stream carries it, as with Switch/GShard token
+    dropping. Renormalizing would scale up the surviving experts by an amount that depends on how
+    many *other* tokens competed for the same experts, which the router never scored.
+    `renormalize_kept=True` rescales the kept slots so each token's weights sum to what they
+    summed to before admission (a token with nothing kept stays all zero);
+  * a rerouted slot gets the router score of its NEW expert, in the normalization of the slot's
+    original weight: scores[t, new] * weights[t, k] / scores[t, old]. The factor is exactly 1 for
+    raw top-k weights and 1/sum(top-k scores) after `top_k_route(renormalize=True)`. The router
+    thus receives gradient for the expert that actually processes the token.
+
+Gradients flow to the router through `weights_TxK` and `scores_TxE`; the decisions themselves are
+not differentiable (affinities are computed under `stop_gradient`).
+
+Capacity is per call: inside `shard_map` each device admits its own tokens against `capacity_E`
+(expert-side limits of the local batch). All functions use static shapes and work under plain
+`jit` (also with sharding annotations) and inside `shard_map`.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+POLICIES = ("none", "strict", "reroute")
+
+
+class Admission(NamedTuple):
+  """Result of `admit` (a pytree)."""
+  experts_TxK: jax.Array    # int32; the expert that processes the slot, E where dropped
+  weights_TxK: jax.Array    # fp32 combine weights; 0 where dropped
+  kept_TxK: jax.Array       # bool
+  rerouted_TxK: jax.Array   # bool; kept, on an expert other than the one top-k chose
+  affinity_TxK: jax.Array   # fp32, no gradient; with the final expert where kept, with the
+                            # originally chosen expert where dropped, 0 for invalid input slots
+
+
+def affinity(x_TxD: jax.Array, router_w_DxE: jax.Array) -> jax.Array:
+  """Cosine similarity of each router input and each expert's router vector, [T, E] fp32.
+
+  Computed under `stop_gradient` at full fp32 precision, clipped to [-1, 1]; a zero vector has
+  affinity 0 with everything.
+  """
+  x_TxD = jax.lax.stop_gradient(x_TxD).astype(jnp.float32)
+  w_DxE = jax.lax.stop_gradient(router_w_DxE).astype(jnp.float32)
+  x_norm_Tx1 = jnp.linalg.norm(x_TxD, axis=-1, keepdims=True)
+  w_norm_1xE = jnp.linalg.norm(w_DxE, axis=0, keepdims=True)
+  x_TxD = x_TxD / jnp.maximum(x_norm_Tx1, 1e-30)
+  w_DxE = w_DxE / jnp.maximum(w_norm_1xE, 1e-30)
+  cos_TxE = jnp.matmul(x_TxD, w_DxE, precision=jax.lax.Precision.HIGHEST)
+  return jnp.clip(cos_TxE, -1.0, 1.0)
+
+
+def _rank_within_group(group_N: jax.Array, key_N: jax.Array, num_groups: int) -> jax.Array:
+  """Rank of each item among the items of its group: key descending, then index ascending.
+
+  `group_N` holds ids in [0, num_groups]; id num_groups is a bucket that is ranked too but that
+  callers ignore. One sort of N keys.
+  """
+  n = group_N.shape[0]
+  index_N = jnp.arange(n, dtype=jnp.int32)
+  key_N = jnp.where(key_N == 0, 0.0, key_N)  # -0.0 and 0.0 tie
+  group_sorted_N, _, index_sorted_N = jax.lax.sort(
+      (group_N, -key_N, index_N), num_keys=3)
+  counts_G = jnp.zeros(num_groups + 1, jnp.int32).at[group_N].add(1)
+  starts_G = jnp.cumsum(counts_G) - counts_G
+  rank_sorted_N = index_N - starts_G[group_sorted_N]
+  return jnp.zeros(n, jnp.int32).at[index_sorted_N].set(rank_sorted_N)
+
+
+def _strict(experts_TxK, valid_TxK, affinity_TxK, capacity_E, threshold, num_experts):
+  num_tokens, k = experts_TxK.shape
+  eligible_TxK = valid_TxK & (affinity_TxK >= threshold)
+  group_N = jnp.where(eligible_TxK, experts_TxK, num_experts).reshape(num_tokens * k)
+  rank_N = _rank_within_group(group_N, affinity_TxK.reshape(num_tokens * k), num_experts)
+  capacity_N = capacity_E[jnp.minimum(group_N, num_experts - 1)]
+  return eligible_TxK & (rank_N < capacity_N).reshape(num_tokens, k)
+
+
+def _reroute(experts_TxK, valid_TxK, strict_kept_TxK, affinity_TxE, capacity_E, threshold,
+             num_experts):
+  """Final expert per slot after rerouting the strict rejects (E where dropped)."""
+  clears_TxE = affinity_TxE >= threshold
+  safe_experts_TxK = jnp.where(valid_TxK, experts_TxK, 0)
+  member_TxE = jnp.any(
+      jax.nn.one_hot(safe_experts_TxK, num_experts, dtype=jnp.bool_) & valid_TxK[..., None],
+      axis=1)
+  kept_counts_E = jnp.zeros(num_experts, jnp.int32).at[
+      jnp.where(strict_kept_TxK, experts_TxK, num_experts).reshape(-1)].add(1, mode="drop")
+  room_E = capacity_E - kept_counts_E
+  pending_TxK = valid_TxK & ~strict_kept_TxK
+  target_TxK = jnp.where(strict_kept_TxK, experts_TxK, num_experts)
+
+  def proposals(room_E, member_TxE, pending_TxK):
+    options_TxE = clears_TxE & (room_E > 0)[None, :] & ~member_TxE
+    proposing_T = jnp.any(pending_TxK, axis=1) & jnp.any(options_TxE, axis=1)
+    masked_TxE = jnp.where(options_TxE, affinity_TxE, -jnp.inf)
+    best_T = jnp.argmax(masked_TxE, axis=1).astype(jnp.int32)  # ties: lower expert id
+    return proposing_T, best_T
+
+  def cond(carry):
+    round_, room_E, member_TxE, pending_TxK, _ = carry
+    proposing_T, _ = proposals(room_E, member_TxE, pending_TxK)
+    return (round_ < num_experts) & jnp.any(proposing_T)
+
+  def body(carry):
+    round_, room_E, member_TxE, pending_TxK, target_TxK = carry
+    proposing_T, best_T = proposals(room_E, member_TxE, pending_TxK)
+    group_T = jnp.where(proposing_T, best_T, num_experts)
+    key_T = jnp.take_along_axis(affinity_TxE, best_T[:, None], axis=1)[:, 0]
+    rank_T = _rank_within_group(group_T, key_T, num_experts)
+    accepted_T = proposing_T & (rank_T < room_E[best_T])
+    first_pending_TxK = pending_TxK & (jnp.cumsum(pending_TxK, axis=1) == 1)
+    placed_TxK = first_pending_TxK & accepted_T[:, None]
+    target_TxK = jnp.where(placed_TxK, best_T[:, None], target_TxK)
+    pending_TxK = pending_TxK & ~placed_TxK
+    member_TxE = member_TxE | (
+        jax.nn.one_hot(best_T, num_experts, dtype=jnp.bool_) & accepted_T[:, None])
+    room_E = room_E - jnp.zeros(num_experts, jnp.int32).at[
+        jnp.where(accepted_T, best_T, num_experts)].add(1, mode="drop")
+    return round_ + 1, room_E, member_TxE, pending_TxK, target_TxK
+
+  carry = (jnp.int32(0), room_E, member_TxE, pending_TxK, target_TxK)
+  return jax.lax.while_loop(cond, body, carry)[-1]
+
+
+def admit(x_TxD: jax.Array, router_w_DxE: jax.Array, experts_TxK: jax.Array,
+          weights_TxK: jax.Array, scores_TxE: jax.Array, *, capacity_E: jax.Array,
+          threshold: float | jax.Array, policy: str,
+          renormalize_kept: bool = False) -> Admission:
+  """Capacity-limited affinity admission of top-k assignments (see the module docstring).
+
+  Args:
+    x_TxD: the router input (the hidden state fed to the router).
+    router_w_DxE: the router weight; column e is expert e's router vector.
+    experts_TxK, weights_TxK, scores_TxE: `top_k_route` outputs. Expert ids outside [0, E) mark
+      slots that are already empty; they are never kept.
+    capacity_E: int, per-expert capacity for this call (may be traced, may differ per expert).
+    threshold: minimum affinity (cosine similarity, may be traced); -1 admits everything.
+    policy: one of POLICIES (static).
+    renormalize_kept: rescale kept weights so each token's total is what it was before admission.
+  """
+  if policy not in POLICIES:
+    raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+  num_tokens, k = experts_TxK.shape
+  num_experts = router_w_DxE.shape[-1]
+  if scores_TxE.shape != (num_tokens, num_experts) or weights_TxK.shape != (num_tokens, k):
+    raise ValueError(
+        f"shapes disagree: experts_TxK {experts_TxK.shape}, weights_TxK {weights_TxK.shape}, "
+        f"scores_TxE {scores_TxE.shape}, router_w_DxE {router_w_DxE.shape}")
+  experts_TxK = experts_TxK.astype(jnp.int32)
+  weights_TxK = weights_TxK.astype(jnp.float32)
+  scores_TxE = scores_TxE.astype(jnp.float32)
+  capacity_E = jnp.maximum(jnp.asarray(capacity_E, jnp.int32), 0)
+  threshold = jnp.asarray(threshold, jnp.float32)
+
+  valid_TxK = (experts_TxK >= 0) & (experts_TxK < num_experts)
+  safe_experts_TxK = jnp.where(valid_TxK, experts_TxK, 0)
+  affinity_TxE = affinity(x_TxD, router_w_DxE)
+  chosen_affinity_TxK = jnp.where(
+      valid_TxK, jnp.take_along_axis(affinity_TxE, safe_experts_TxK, axis=1), 0.0)
+
+  if policy == "none":
+    kept_TxK = valid_TxK
+    final_TxK = jnp.where(valid_TxK, experts_TxK, num_experts)
+  else:
+    kept_TxK = _strict(experts_TxK, valid_TxK, chosen_affinity_TxK, capacity_E, threshold,
+                       num_experts)
+    if policy == "strict":
+      final_TxK = jnp.where(kept_TxK, experts_TxK, num_experts)
+    else:
+      final_TxK = _reroute(experts_TxK, valid_TxK, kept_TxK, affinity_TxE, capacity_E,
+                           threshold, num_experts)
+  strict_kept_TxK = kept_TxK
+  kept_TxK = final_TxK < num_experts
+  rerouted_TxK = kept_TxK & ~strict_kept_TxK
+
+  safe_final_TxK = jnp.where(kept_TxK, final_TxK, 0)
+  new_score_TxK = jnp.take_along_axis(scores_TxE, safe_final_TxK, axis=1)
+  old_score_TxK = jnp.take_along_axis(scores_TxE, safe_experts_TxK, axis=1)
+  old_nonzero_TxK = old_score_TxK != 0
+  scale_TxK = jnp.where(old_nonzero_TxK,
+                        weights_TxK / jnp.where(old_nonzero_TxK, old_score_TxK, 1.0), 1.0)
+  out_weights_TxK = jnp.where(strict_kept_TxK, weights_TxK,
+                              jnp.where(rerouted_TxK, new_score_TxK * scale_TxK, 0.0))
+  if renormalize_kept:
+    before_Tx1 = jnp.sum(jnp.where(valid_TxK, weights_TxK, 0.0), axis=1, keepdims=True)
+    after_Tx1 = jnp.sum(out_weights_TxK, axis=1, keepdims=True)
+    has_Tx1 = after_Tx1 != 0
+    out_weights_TxK = out_weights_TxK * jnp.where(
+        has_Tx1, before_Tx1 / jnp.where(has_Tx1, after_Tx1, 1.0), 0.0)
+
+  affinity_TxK = jnp.where(
+      kept_TxK, jnp.take_along_axis(affinity_TxE, safe_final_TxK, axis=1), chosen_affinity_TxK)
+  return Admission(experts_TxK=final_TxK.astype(jnp.int32), weights_TxK=out_weights_TxK,
+                   kept_TxK=kept_TxK, rerouted_TxK=rerouted_TxK, affinity_TxK=affinity_TxK)
+
+
+def _ceil(value: float) -> int:
+  # Forgives float noise: 1.25 * 8 * 2 / 4 must give 5, not 6.
+  return max(0, math.ceil(value - 1e-9))
+
+
+def capacity_schedule(step: int | jax.Array, *, num_tokens: int, k: int, num_experts: int,
+                      factor: float, factor_warmup: float | None = None, warmup_steps: int = 0,
+                      layer: int | jax.Array | None = None,
+                      layer_factors: Sequence[float | None] | None = None,
+                      expert_share_E: jax.Array | None = None) -> jax.Array:
+  """Per-expert capacity for one layer at one step, int32 [E].
+
+  capacity_e = ceil(f * num_tokens * k * share_e), share_e = 1/E unless `expert_share_E` (a
+  distribution over experts, e.g. from a load history) is given. The factor f is
+  `factor_warmup` while step < warmup_steps, then `factor`; `layer_factors[layer]`, when given
+  and not None, replaces `factor` (after warm-up) for that layer. `step` and `layer` may be
+  traced (a scan over layers); the table of factors is static. Capacity is fixed for the whole
+  micro-batch. With uniform shares the figures are computed exactly on the host.
+  """
+  if factor <= 0:
+    raise ValueError(f"factor={factor}: must be positive")
+  if factor_warmup is None:
+    factor_warmup = factor
+  if factor_warmup <= 0:
+    raise ValueError(f"factor_warmup={factor_warmup}: must be positive")
+  if warmup_steps < 0:
+    raise ValueError(f"warmup_steps={warmup_steps}: must be >= 0")
+  if layer_factors is not None:
+    if layer is None:
+      raise ValueError("layer_factors needs the layer index `layer`")
+    bad = [f for f in layer_factors if f is not None and f <= 0]
+    if bad:
+      raise ValueError(f"layer_factors={list(layer_factors)}: factors must be positive")
+    after_L = [factor if f is None else f for f in layer_factors]
+  else:
+    after_L = [factor]
+    layer = 0
+  assignments = num_tokens * k
+  warming = jnp.asarray(step) < warmup_steps
+  if expert_share_E is None:
+    warm_cap = _ceil(factor_warmup * assignments / num_experts)
+    cap_L = jnp.asarray([_ceil(f * assignments / num_experts) for f in after_L], jnp.int32)
+    cap = jnp.where(warming, warm_cap, cap_L[layer])
+    return jnp.broadcast_to(cap, (num_experts,)).astype(jnp.int32)
+  f = jnp.where(warming, factor_warmup, jnp.asarray(after_L, jnp.float32)[layer])
+  share_E = jnp.asarray(expert_share_E, jnp.float32)
+  cap_E = jnp.ceil(f * assignments * share_E - 1e-6)
+  return jnp.maximum(cap_E, 0).astype(jnp.int32)

@@ -1,0 +1,94 @@
+"""Token-side routers and their auxiliary losses: pure functions on arrays.
+
+Letters: T tokens (on this device), E experts, K experts chosen per token.
+
+Every loss takes an optional `axis_name`. With it, the statistics that define the loss are
+summed over that mesh axis (inside `shard_map`) and the function returns *this device's share*,
+so that summing the shares over devices gives the loss of the whole global batch, exactly as a
+single device holding the whole batch would compute it. Without it (plain `jit`, including with
+sharding annotations), it returns the loss of the tokens it is given. Gradients never flow through
+a collective: only non-differentiable counts are summed.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+
+def _psum(x, axis_name):
+  return x if axis_name is None else jax.lax.psum(x, axis_name)
+
+
+def router_scores(logits_TxE: jax.Array, score: str = "softmax") -> jax.Array:
+  """Per-expert scores in fp32: softmax over experts, or independent sigmoids."""
+  logits_TxE = logits_TxE.astype(jnp.float32)
+  if score == "softmax":
+    return jax.nn.softmax(logits_TxE, axis=-1)
+  if score == "sigmoid":
+    return jax.nn.sigmoid(logits_TxE)
+  raise ValueError(f"score must be one of {SCORE_FUNCTIONS}, got {score!r}")
+
+
+def top_k_route(logits_TxE: jax.Array, k: int, *, score: str = "softmax",
+                renormalize: bool = False):
+  """Token-side top-k.
+
+  Returns (weights_TxK fp32, experts_TxK int32, scores_TxE fp32). Ties go to the lower expert id
+  (`lax.top_k` order), so the choice is deterministic.
+  """
+  scores_TxE = router_scores(logits_TxE, score)
+  weights_TxK, experts_TxK = jax.lax.top_k(scores_TxE, k)
+  if renormalize:
+    weights_TxK = weights_TxK / jnp.sum(weights_TxK, axis=-1, keepdims=True)
+  return weights_TxK, experts_TxK.astype(jnp.int32), scores_TxE
+
+
+def expert_counts(experts_TxK: jax.Array, num_experts: int,
+                  valid_TxK: jax.Array | None = None) -> jax.Array:
+  """Assignments per expert, [E] int32 (only those marked valid, if a mask is given)."""
+  one_hot_TxKxE = jax.nn.one_hot(experts_TxK, num_experts, dtype=jnp.int32)
+  if valid_TxK is not None:
+    one_hot_TxKxE = one_hot_TxKxE * valid_TxK[..., None].astype(jnp.int32)
+  return jnp.sum(one_hot_TxKxE, axis=(0, 1))
+
+
+def load_balancing_loss(scores_TxE: jax.Array, experts_TxK: jax.Array, *,
+                        axis_name=None) -> jax.Array:
+  """Switch/OLMoE load-balancing loss: E * sum_e f_e * P_e.
+
+  f_e is the fraction of all T*K assignments that went to expert e (no gradient), P_e the mean
+  router score of expert e over all tokens.
+  """
+  num_tokens, k = experts_TxK.shape
+  num_experts = scores_TxE.shape[-1]
+  counts_E = _psum(expert_counts(experts_TxK, num_experts), axis_name)
+  total_tokens = _psum(jnp.asarray(num_tokens, jnp.float32), axis_name)
+  frac_E = jax.lax.stop_gradient(counts_E.astype(jnp.float32) / (total_tokens * k))
+  score_sum_E = jnp.sum(scores_TxE.astype(jnp.float32), axis=0)
+  return num_experts * jnp.sum(frac_E * score_sum_E) / total_tokens
+
+
+def router_z_loss(logits_TxE: jax.Array, *, axis_name=None) -> jax.Array:
+  """ST-MoE z-loss: mean over tokens of logsumexp(logits)^2."""
+  lse_T = jax.nn.logsumexp(logits_TxE.astype(jnp.float32), axis=-1)
+  total_tokens = _psum(jnp.asarray(lse_T.shape[0], jnp.float32), axis_name)
+  return jnp.sum(lse_T**2) / total_tokens
+
+
+def locality_loss(scores_TxE: jax.Array, local_E: jax.Array, *, axis_name=None) -> jax.Array:
+  """Mean over tokens of the fraction of router score mass on experts outside this device's group.
+
+  `local_E` is a 0/1 (or bool) mask of the experts held by this device's expert-parallel group or
+  node, e.g. `owner_group_E == my_group`. Each token's non-local mass is divided by its total
+  score mass, so the loss lies in [0, 1] for softmax and sigmoid scores alike (for softmax the
+  total is 1). The caller applies the weight.
+  """
+  scores_TxE = scores_TxE.astype(jnp.float32)
+  remote_1xE = 1.0 - jnp.asarray(local_E, jnp.float32)[None, :]
+  remote_T = jnp.sum(scores_TxE * remote_1xE, axis=-1)
+  total_T = jnp.sum(scores_TxE, axis=-1)
+  frac_T = remote_T / jnp.maximum(total_T, jnp.finfo(jnp.float32).tiny)
+  total_tokens = _psum(jnp.asarray(scores_TxE.shape[0], jnp.float32), axis_name)
+  return jnp.sum(frac_T) / total_tokens

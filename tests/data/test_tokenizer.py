@@ -1,0 +1,87 @@
+"""Byte and tokenizer.json tokenizers: round trips, EOS choice, load errors, check_vocab."""
+import json
+import re
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from moejax.data.tokenizer import ByteTokenizer, HFTokenizer, check_vocab, load_tokenizer
+from moejax.errors import DataError
+
+
+def test_bytes_round_trip_non_ascii():
+  tok = load_tokenizer("bytes")
+  text = "héllo ✓ 🙂 \x00 end"
+  ids = tok.encode(text)
+  assert isinstance(tok, ByteTokenizer)
+  assert ids == list(text.encode("utf-8"))
+  assert tok.decode(ids) == text
+  assert tok.decode(np.asarray(ids + [tok.eos_id], np.int32)) == text  # EOS decodes to nothing.
+  assert (tok.vocab_size, tok.eos_id) == (257, 256)
+
+
+def test_bytes_encode_documents_appends_eos_after_each():
+  tok = ByteTokenizer()
+  tokens_N = tok.encode_documents(["ab", "", "é"])
+  assert tokens_N.dtype == np.int32
+  assert tokens_N.tolist() == [97, 98, 256, 256, 0xC3, 0xA9, 256]
+
+
+def test_hf_word_level_eos_from_vocab(word_tokenizer_path):
+  tok = load_tokenizer(word_tokenizer_path)
+  raw = Tokenizer.from_file(word_tokenizer_path)
+  assert isinstance(tok, HFTokenizer)
+  assert tok.eos_id == raw.token_to_id("<|endoftext|>")
+  assert tok.vocab_size == raw.get_vocab_size()
+  ids = tok.encode("the dog sang")
+  assert ids == [raw.token_to_id(w) for w in ("the", "dog", "sang")]
+  assert tok.decode(ids + [tok.eos_id]) == "the dog sang"
+  tokens_N = tok.encode_documents(["the cat", "a song"])
+  assert tokens_N.tolist() == tok.encode("the cat") + [tok.eos_id] + tok.encode("a song") + [
+      tok.eos_id]
+
+
+def test_hf_folder_path_reads_tokenizer_json(word_tokenizer_path):
+  folder = word_tokenizer_path.rsplit("/", 1)[0]
+  assert load_tokenizer(folder).encode("the cat") == load_tokenizer(word_tokenizer_path).encode(
+      "the cat")
+
+
+def test_hf_without_eos_token_gets_one_extra_id(bpe_no_eos_path):
+  tok = load_tokenizer(bpe_no_eos_path)
+  file_ids = Tokenizer.from_file(bpe_no_eos_path).get_vocab_size()
+  assert tok.eos_token is None
+  assert (tok.eos_id, tok.vocab_size) == (file_ids, file_ids + 1)
+  ids = tok.encode("the mat")
+  assert max(ids) < file_ids
+  assert tok.decode(ids + [tok.eos_id]) == tok.decode(ids)
+  assert "mat" in tok.decode(ids)
+
+
+def test_missing_tokenizer_file(tmp_path):
+  path = str(tmp_path / "nope.json")
+  with pytest.raises(DataError, match=f"^{re.escape(path)}: tokenizer file not found$"):
+    load_tokenizer(path)
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"model": 3})])
+def test_unparseable_tokenizer_file(tmp_path, content):
+  path = tmp_path / "tokenizer.json"
+  path.write_text(content)
+  pattern = f"^{re.escape(str(path))}: not a valid tokenizer.json \\("
+  with pytest.raises(DataError, match=pattern) as e:
+    load_tokenizer(str(path))
+  assert "\n" not in str(e.value)
+
+
+def test_check_vocab(word_tokenizer_path):
+  check_vocab(ByteTokenizer(), 257)
+  check_vocab(ByteTokenizer(), 50304)
+  with pytest.raises(DataError, match="^bytes: tokenizer vocab_size 257 exceeds the model's "
+                                      "vocab_size 256;"):
+    check_vocab(ByteTokenizer(), 256)
+  tok = load_tokenizer(word_tokenizer_path)
+  pattern = f"^{re.escape(word_tokenizer_path)}: .* {tok.vocab_size} .* vocab_size 4;"
+  with pytest.raises(DataError, match=pattern):
+    check_vocab(tok, 4)

@@ -1,0 +1,110 @@
+"""Top-k router and its losses: hand-computed values, and the axis_name share convention."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from moejax.routing import router
+
+# 4 tokens, 3 experts, k=2. Logits are logs of small integers, so softmax scores are the
+# integers divided by their row sum: t0 1:2:3, t1 3:2:1, t2 2:3:1, t3 1:1:2.
+ROWS = np.array([[1, 2, 3], [3, 2, 1], [2, 3, 1], [1, 1, 2]], np.float64)
+LOGITS = jnp.asarray(np.log(ROWS), jnp.float32)
+
+
+def _mesh():
+  return Mesh(np.array(jax.devices()), ("d",))
+
+
+def test_top_k_route_by_hand():
+  weights, experts, scores = jax.jit(lambda l: router.top_k_route(l, 2))(LOGITS)
+  np.testing.assert_allclose(scores, [[1/6, 2/6, 3/6], [3/6, 2/6, 1/6], [2/6, 3/6, 1/6],
+                                      [1/4, 1/4, 2/4]], rtol=1e-6)
+  # t3 ties experts 0 and 1 at 1/4: the lower id wins.
+  np.testing.assert_array_equal(experts, [[2, 1], [0, 1], [1, 0], [2, 0]])
+  assert experts.dtype == jnp.int32
+  np.testing.assert_allclose(weights, [[3/6, 2/6], [3/6, 2/6], [3/6, 2/6], [2/4, 1/4]],
+                             rtol=1e-6)
+  renorm, _, _ = router.top_k_route(LOGITS, 2, renormalize=True)
+  np.testing.assert_allclose(renorm, [[3/5, 2/5], [3/5, 2/5], [3/5, 2/5], [2/3, 1/3]],
+                             rtol=1e-6)
+
+
+def test_sigmoid_scores_by_hand():
+  scores = router.router_scores(jnp.asarray([[0.0, math.log(3.0)]]), "sigmoid")
+  np.testing.assert_allclose(scores, [[0.5, 0.75]], rtol=1e-6)
+  with pytest.raises(ValueError, match="score must be one of"):
+    router.router_scores(LOGITS, "relu")
+
+
+def test_losses_by_hand():
+  _, experts, scores = router.top_k_route(LOGITS, 2)
+  # Assignments per expert: e0 {t1,t2,t3}=3, e1 {t0,t1,t2}=3, e2 {t0,t3}=2 of 8.
+  # Mean scores: e0 (1/6+3/6+2/6+1/4)/4 = 5/16, e1 (2/6+2/6+3/6+1/4)/4 = 17/48,
+  # e2 (3/6+1/6+1/6+2/4)/4 = 1/3.  E * sum f*P = 3 * (3/8*15/48 + 3/8*17/48 + 2/8*16/48) = 1.
+  lb = jax.jit(router.load_balancing_loss)(scores, experts)
+  np.testing.assert_allclose(lb, 1.0, rtol=1e-6)
+  # logsumexp of log(row) = log(row sum): 6, 6, 6, 4.
+  z = jax.jit(router.router_z_loss)(LOGITS)
+  np.testing.assert_allclose(z, (3 * math.log(6) ** 2 + math.log(4) ** 2) / 4, rtol=1e-6)
+
+
+def test_locality_loss_by_hand():
+  _, _, scores = router.top_k_route(LOGITS, 2)
+  local = jnp.asarray([True, False, True])  # expert 1 is remote
+  loss = jax.jit(router.locality_loss)(scores, local)
+  np.testing.assert_allclose(loss, (2/6 + 2/6 + 3/6 + 1/4) / 4, rtol=1e-6)
+  # The same mask given as owner ids against this device's group, and as 0/1 ints.
+  owner = jnp.asarray([0, 1, 0])
+  np.testing.assert_allclose(router.locality_loss(scores, owner == 0), loss, rtol=1e-6)
+  np.testing.assert_allclose(router.locality_loss(scores, jnp.asarray([1, 0, 1])), loss,
+                             rtol=1e-6)
+  # Sigmoid scores: the remote fraction of each token's score mass.
+  sig = jnp.asarray([[0.5, 0.25, 0.25], [0.2, 0.6, 0.2]])
+  np.testing.assert_allclose(router.locality_loss(sig, local), (0.25 + 0.6) / 2, rtol=1e-6)
+  assert router.locality_loss(scores, jnp.ones(3, bool)) == 0.0
+  grad = jax.grad(lambda l: router.locality_loss(router.router_scores(l), local))(LOGITS)
+  assert np.all(np.asarray(grad[:, 1]) > 0)  # pushing mass to the remote expert costs
+
+
+def _shard_shares(loss_fn, *args):
+  """Runs loss_fn(*per-device args, axis_name='d') on 8 devices; returns the 8 shares."""
+  body = lambda *a: loss_fn(*a, axis_name="d")[None]
+  specs = tuple(P("d") if a.ndim == 2 else P() for a in args)
+  f = jax.shard_map(body, mesh=_mesh(), in_specs=specs, out_specs=P("d"), check_vma=False)
+  return jax.jit(f)(*args)
+
+
+def test_share_convention_under_shard_map():
+  rng = np.random.default_rng(0)
+  logits = jnp.asarray(rng.normal(size=(64, 6)) * 2, jnp.float32)
+  _, experts, scores = router.top_k_route(logits, 2)
+  local = jnp.asarray([1, 1, 0, 0, 1, 0], jnp.float32)
+  cases = [
+      (router.load_balancing_loss, (scores, experts)),
+      (lambda l, axis_name: router.router_z_loss(l, axis_name=axis_name), (logits,)),
+      (lambda s, m, axis_name: router.locality_loss(s, m, axis_name=axis_name), (scores, local)),
+  ]
+  for loss_fn, args in cases:
+    whole = loss_fn(*args, axis_name=None)
+    shares = _shard_shares(loss_fn, *args)
+    assert shares.shape == (8,)
+    assert not np.allclose(shares, shares[0])  # the shards really differ
+    np.testing.assert_allclose(jnp.sum(shares), whole, rtol=1e-5)
+
+
+def test_share_gradients_match_whole_batch_gradient():
+  rng = np.random.default_rng(1)
+  logits = jnp.asarray(rng.normal(size=(64, 6)), jnp.float32)
+
+  def loss(l, axis_name=None):
+    _, experts, scores = router.top_k_route(l, 2)
+    return router.load_balancing_loss(scores, experts, axis_name=axis_name)
+
+  whole_grad = jax.grad(loss)(logits)
+  sharded = jax.shard_map(jax.grad(lambda l: loss(l, "d")), mesh=_mesh(), in_specs=P("d"),
+                          out_specs=P("d"), check_vma=False)
+  np.testing.assert_allclose(jax.jit(sharded)(logits), whole_grad, rtol=1e-5, atol=1e-7)
