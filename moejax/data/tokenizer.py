@@ -30,7 +30,7 @@ class ByteTokenizer:
     return _utf8(text).tolist()
 
   def decode(self, ids: Iterable[int]) -> str:
-    ids_N = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids).reshape(-1)
+    ids_N = _as_ids(ids)
     return ids_N[ids_N < 256].astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
   def encode_documents(self, docs: Sequence[str]) -> np.ndarray:
@@ -76,10 +76,10 @@ class HFTokenizer:
     return self._tok.encode(text, add_special_tokens=False).ids
 
   def decode(self, ids: Iterable[int]) -> str:
-    ids = [int(i) for i in (ids.reshape(-1) if isinstance(ids, np.ndarray) else ids)]
+    ids_N = _as_ids(ids)
     if self.eos_token is None:
-      ids = [i for i in ids if i != self.eos_id]
-    return self._tok.decode(ids, skip_special_tokens=True)
+      ids_N = ids_N[ids_N != self.eos_id]
+    return self._tok.decode(ids_N.tolist(), skip_special_tokens=True)
 
   def encode_documents(self, docs: Sequence[str]) -> np.ndarray:
     encodings = self._tok.encode_batch(list(docs), add_special_tokens=False)
@@ -107,6 +107,10 @@ def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
         f"{tokenizer.name}: tokenizer vocab_size {tokenizer.vocab_size} exceeds the model's "
         f"vocab_size {model_vocab_size}; set the model vocab_size to at least "
         f"{tokenizer.vocab_size}")
+
+
+def _as_ids(ids: Iterable[int]) -> np.ndarray:
+  return np.asarray(ids if isinstance(ids, np.ndarray) else list(ids), np.int64).reshape(-1)
 
 
 def _utf8(text: str) -> np.ndarray:

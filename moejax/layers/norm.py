@@ -9,7 +9,8 @@ from flax import nnx
 def rms_norm(x, scale, eps: float):
   x32 = x.astype(jnp.float32)
   y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return (y * scale.astype(jnp.float32)).astype(x.dtype)
+  scale = scale.astype(jnp.float32).reshape((1,) * (x.ndim - 1) + scale.shape)
+  return (y * scale).astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):

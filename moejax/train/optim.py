@@ -9,6 +9,8 @@ from moejax.config import Config
 
 def lr_schedule(cfg: Config) -> optax.Schedule:
   o = cfg.optim
+  if o.warmup_steps >= cfg.steps:   # a short run that never leaves warm-up
+    return optax.linear_schedule(0.0, o.lr, o.warmup_steps)
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=o.lr, warmup_steps=o.warmup_steps,
       decay_steps=cfg.steps, end_value=o.lr * o.min_lr_ratio)

@@ -80,17 +80,21 @@ def _load_figures(load_LxE):
           "top1_share": jnp.max(load_LxE, axis=-1) / total_L}
 
 
-def make_train_step(cfg: Config, mesh, lay: StateLayout, tx: optax.GradientTransformation,
-                    schedule: optax.Schedule):
-  check_divisibility(cfg, mesh)
-
+def make_grad_fn(cfg: Config, mesh, lay: StateLayout):
+  """(params, batch) -> (grads sharded like params, summed loss parts): the shard_map body."""
   def grads_body(params, batch):
     grads, parts = jax.grad(functools.partial(_loss_share, cfg, lay, mesh), has_aux=True)(
         params, batch)
     return grads, jax.lax.psum(parts, DEVICES)
 
-  sharded_grads = jax.shard_map(grads_body, mesh=mesh, in_specs=(lay.param_specs, BATCH_SPEC),
-                                out_specs=(lay.param_specs, P()), check_vma=False)
+  return jax.shard_map(grads_body, mesh=mesh, in_specs=(lay.param_specs, BATCH_SPEC),
+                       out_specs=(lay.param_specs, P()), check_vma=False)
+
+
+def make_train_step(cfg: Config, mesh, lay: StateLayout, tx: optax.GradientTransformation,
+                    schedule: optax.Schedule):
+  check_divisibility(cfg, mesh)
+  sharded_grads = make_grad_fn(cfg, mesh, lay)
 
   def train_step(state: TrainState, batch):
     grads, parts = sharded_grads(state.params, batch)

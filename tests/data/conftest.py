@@ -50,7 +50,7 @@ def erasing_tokenizer_path(tmp_path):
 
 @pytest.fixture
 def unique_words(tmp_path):
-  """(text path, tokenizer path): 500 distinct words, one token each, so a token id is a position."""
+  """(text path, tokenizer path): 500 distinct words, one token each: an id names a position."""
   words = [f"w{i}" for i in range(500)]
   text = tmp_path / "words.txt"
   text.write_text(" ".join(words))

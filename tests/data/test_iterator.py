@@ -71,7 +71,7 @@ def test_resume_yields_the_uninterrupted_batches(n):
   assert state["next_batch"] == n
   resumed = _iterator(seed=5, prefetch=0)
   resumed.set_state(state)
-  for want, got in zip(reference[n:], _take(resumed, 6)):
+  for want, got in zip(reference[n:], _take(resumed, 6), strict=True):
     np.testing.assert_array_equal(got["inputs"], want["inputs"])
     np.testing.assert_array_equal(got["targets"], want["targets"])
 

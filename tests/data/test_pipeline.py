@@ -28,7 +28,7 @@ def test_builtin_bytes_batches_come_from_the_training_split():
   for batch in batches:
     assert batch["inputs"].shape == (8, 64) and batch["inputs"].dtype == np.int32
     np.testing.assert_array_equal(batch["inputs"][:, 1:], batch["targets"][:, :-1])
-    for inputs_S, targets_S in zip(batch["inputs"], batch["targets"]):
+    for inputs_S, targets_S in zip(batch["inputs"], batch["targets"], strict=True):
       window_L = np.concatenate([inputs_S, targets_S[-1:]])
       assert np.all(train_windows_WxL == window_L, axis=1).any()
   text = "".join(data.tokenizer.decode(b["inputs"].ravel()) for b in batches)
@@ -50,8 +50,8 @@ def _timed(fn):
 def test_same_seed_same_batches_other_seed_other_batches():
   a, b, c = (_take(make_data(DataSpec(seed=s), batch_size=2, seq_len=32).train, 3)
              for s in (7, 7, 8))
-  assert all(np.array_equal(x["inputs"], y["inputs"]) for x, y in zip(a, b))
-  assert not all(np.array_equal(x["inputs"], z["inputs"]) for x, z in zip(a, c))
+  assert all(np.array_equal(x["inputs"], y["inputs"]) for x, y in zip(a, b, strict=True))
+  assert not all(np.array_equal(x["inputs"], z["inputs"]) for x, z in zip(a, c, strict=True))
 
 
 def test_resume_through_make_data():
@@ -62,7 +62,7 @@ def test_resume_through_make_data():
   want = _take(data.train, 3)
   restored = make_data(spec, batch_size=4, seq_len=16)
   restored.train.set_state(state)
-  for w, g in zip(want, _take(restored.train, 3)):
+  for w, g in zip(want, _take(restored.train, 3), strict=True):
     np.testing.assert_array_equal(g["inputs"], w["inputs"])
   with pytest.raises(DataError, match="batch_size is 4 in the state, 2 in this pipeline"):
     make_data(spec, batch_size=2, seq_len=16).train.set_state(state)
@@ -88,7 +88,7 @@ def test_val_batches_are_fixed_across_calls_and_seeds():
   other = make_data(DataSpec(seed=9), batch_size=4, seq_len=32)
   three = first.val_batches(3)
   assert len(three) == 3 and three[0]["inputs"].shape == (4, 32)
-  for a, b, c in zip(three, first.val_batches(5), other.val_batches(3)):
+  for a, b, c in zip(three, first.val_batches(5)[:3], other.val_batches(3), strict=True):
     np.testing.assert_array_equal(a["inputs"], b["inputs"])
     np.testing.assert_array_equal(a["targets"], c["targets"])
   assert not np.array_equal(three[0]["inputs"], three[1]["inputs"])

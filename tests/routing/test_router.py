@@ -53,20 +53,26 @@ def test_losses_by_hand():
 
 
 def test_locality_loss_by_hand():
-  _, _, scores = router.top_k_route(LOGITS, 2)
   local = jnp.asarray([True, False, True])  # expert 1 is remote
-  loss = jax.jit(router.locality_loss)(scores, local)
-  np.testing.assert_allclose(loss, (2/6 + 2/6 + 3/6 + 1/4) / 4, rtol=1e-6)
-  # The same mask given as owner ids against this device's group, and as 0/1 ints.
-  owner = jnp.asarray([0, 1, 0])
-  np.testing.assert_allclose(router.locality_loss(scores, owner == 0), loss, rtol=1e-6)
-  np.testing.assert_allclose(router.locality_loss(scores, jnp.asarray([1, 0, 1])), loss,
-                             rtol=1e-6)
-  # Sigmoid scores: the remote fraction of each token's score mass.
   sig = jnp.asarray([[0.5, 0.25, 0.25], [0.2, 0.6, 0.2]])
-  np.testing.assert_allclose(router.locality_loss(sig, local), (0.25 + 0.6) / 2, rtol=1e-6)
-  assert router.locality_loss(scores, jnp.ones(3, bool)) == 0.0
-  grad = jax.grad(lambda l: router.locality_loss(router.router_scores(l), local))(LOGITS)
+
+  @jax.jit
+  def losses(logits):
+    scores = router.router_scores(logits)
+    return (router.locality_loss(scores, local),
+            router.locality_loss(scores, jnp.asarray([0, 1, 0]) == 0),  # owner ids vs group 0
+            router.locality_loss(scores, jnp.asarray([1, 0, 1])),       # a 0/1 int mask
+            router.locality_loss(sig, local),
+            router.locality_loss(scores, jnp.ones(3, bool)),
+            jax.grad(lambda l: router.locality_loss(router.router_scores(l), local))(logits))
+
+  loss, by_owner, by_int, sigmoid, all_local, grad = losses(LOGITS)
+  want = (2/6 + 2/6 + 3/6 + 1/4) / 4  # expert 1's softmax scores, averaged over tokens
+  for value in (loss, by_owner, by_int):
+    np.testing.assert_allclose(value, want, rtol=1e-6)
+  # Sigmoid scores: the remote fraction of each token's score mass.
+  np.testing.assert_allclose(sigmoid, (0.25 + 0.6) / 2, rtol=1e-6)
+  assert float(all_local) == 0.0
   assert np.all(np.asarray(grad[:, 1]) > 0)  # pushing mass to the remote expert costs
 
 

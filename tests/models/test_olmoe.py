@@ -1,0 +1,62 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from moejax import config as config_lib
+from moejax.models import olmoe
+from tests.helpers import tiny_config
+import configs.olmoe as olmoe_configs
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  cfg = tiny_config()
+  params = jax.jit(lambda k: olmoe.init_params(cfg, k))(jax.random.key(0))
+  fwd = jax.jit(lambda p, t: olmoe.forward(cfg, p, t, remat=False))
+  return cfg, params, fwd
+
+
+def test_shapes(tiny):
+  cfg, params, fwd = tiny
+  tokens = jnp.zeros((3, 16), jnp.int32)
+  logits, aux = fwd(params, tokens)
+  L, E = cfg.model.num_layers, cfg.moe.num_experts
+  assert logits.shape == (3, 16, cfg.model.vocab_size) and logits.dtype == jnp.float32
+  assert aux["load_E"].shape == (L, E)
+  assert aux["aux_loss"].shape == (L,)
+  # every token makes exactly top_k assignments in every layer
+  np.testing.assert_array_equal(np.sum(aux["load_E"], axis=-1), 3 * 16 * cfg.moe.top_k)
+  assert params["layers"]["moe"]["w_gate"].shape == (L, E, cfg.model.d_model,
+                                                    cfg.moe.expert_hidden)
+
+
+def test_causal(tiny):
+  """Changing a future token cannot change an earlier logit."""
+  cfg, params, fwd = tiny
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, cfg.model.vocab_size, (2, 16)).astype(np.int32)
+  changed = tokens.copy()
+  changed[:, 10:] = (changed[:, 10:] + 7) % cfg.model.vocab_size
+  a, _ = fwd(params, tokens)
+  b, _ = fwd(params, changed)
+  np.testing.assert_array_equal(np.asarray(a[:, :10]), np.asarray(b[:, :10]))
+  assert not np.allclose(np.asarray(a[:, 10:]), np.asarray(b[:, 10:]))
+
+
+def test_param_count_matches_init():
+  cfg = tiny_config()
+  shapes = jax.eval_shape(lambda k: olmoe.init_params(cfg, k), jax.random.key(0))
+  total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+  assert total == config_lib.num_params(cfg)["total"]
+
+
+def test_1b7b_builds_abstractly_with_published_counts():
+  cfg = config_lib.from_config_dict(olmoe_configs.get_config("1b7b"))
+  shapes = jax.eval_shape(lambda k: olmoe.init_params(cfg, k), jax.random.key(0))
+  total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+  counts = config_lib.num_params(cfg)
+  assert total == counts["total"]
+  # OLMoE-1B-7B model card: 6.92B total, 1.28B active parameters.
+  assert abs(total - 6.92e9) / 6.92e9 < 0.01
+  assert abs(counts["active"] - 1.28e9) / 1.28e9 < 0.01
