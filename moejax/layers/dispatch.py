@@ -31,6 +31,7 @@ class Dispatch:
   kind: str = "local"                 # "local" | "ep"
   axis_names: tuple = ()
   num_devices: int = 1
+  devices_per_node: int = 1
   capacity_factor: float = 0.0        # ep only; 0 = dropless
 
 

@@ -1,14 +1,15 @@
 """The MoE feed-forward block, usable in any Flax NNX model (and Linen via `nnx.bridge`).
 
 One step per stage, each replaceable:
-  router -> admission -> placement/dispatch -> experts -> combine
+  router (top-k) -> admission (capacity, affinity) -> placement/dispatch -> experts -> combine
 Letters: B batch, S sequence, T = B*S tokens, D width, E experts, K chosen per token, F expert
 hidden width.
 
 `__call__(x_BxSxD) -> (y_BxSxD, aux)`. `aux` holds this device's shares of the auxiliary losses
-(`aux_loss`, `z_loss`; see `moejax.routing.router` for the share convention), the assignment
-counts per expert `load_E`, and `dropped` (assignments lost to a full dispatch buffer).
-The block is pure: nothing is mutated, so it runs under jit, scan, remat and shard_map.
+(`aux_loss`, `z_loss`, `locality_loss`; see `moejax.routing.router` for the share convention),
+the router's assignment counts per expert `load_E` (before admission), `dropped` (assignments
+lost to a full dispatch buffer) and `routing`, the telemetry of `moejax.routing.stats` after
+admission. The block is pure: it runs under jit, scan, remat and shard_map.
 """
 from __future__ import annotations
 
@@ -17,9 +18,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 
 from moejax.layers import dispatch as dispatch_lib
+from moejax.routing import admission as admission_lib
 from moejax.routing import router as router_lib
+from moejax.routing import stats as stats_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +32,21 @@ class MoESpec:
   top_k: int
   score: str = "softmax"
   renormalize: bool = False
+  # Capacity-limited affinity admission (moejax.routing.admission): "none" | "strict" | "reroute".
+  admission: str = "none"
+  threshold: float = -1.0
+  capacity_factor: float = 1.25           # capacity = ceil(factor * T * K / E) per expert
+  capacity_factor_warmup: float = 2.0     # ... while step < warmup_steps
+  warmup_steps: int = 0
+  locality_weight: float = 0.0            # > 0: add the locality loss (ep placement)
+
+
+def local_experts_mask(dispatch: dispatch_lib.Dispatch, num_experts: int):
+  """[E] bool: experts owned by a device on this device's node (ep placement)."""
+  per_device = num_experts // dispatch.num_devices
+  my_node = lax.axis_index(dispatch.axis_names) // dispatch.devices_per_node
+  owner_node_E = (jnp.arange(num_experts) // per_device) // dispatch.devices_per_node
+  return owner_node_E == my_node
 
 
 class MoEBlock(nnx.Module):
@@ -42,13 +61,13 @@ class MoEBlock(nnx.Module):
     self.spec = spec
 
   def __call__(self, x_BxSxD, *, dispatch: dispatch_lib.Dispatch = dispatch_lib.LOCAL,
-               axis_name=None):
+               axis_name=None, step=0):
     b, s, d = x_BxSxD.shape
     spec = self.spec
     x_TxD = x_BxSxD.reshape(b * s, d)
-    # Router: logits in fp32 for stable softmax / z-loss.
-    logits_TxE = jnp.dot(x_TxD, self.router[...].astype(x_TxD.dtype),
-                         preferred_element_type=jnp.float32)
+    router_DxE = self.router[...].astype(x_TxD.dtype)
+    # Router: logits in fp32 for a stable softmax and z-loss.
+    logits_TxE = jnp.dot(x_TxD, router_DxE, preferred_element_type=jnp.float32)
     weights_TxK, experts_TxK, scores_TxE = router_lib.top_k_route(
         logits_TxE, spec.top_k, score=spec.score, renormalize=spec.renormalize)
     aux = {
@@ -56,6 +75,23 @@ class MoEBlock(nnx.Module):
         "z_loss": router_lib.router_z_loss(logits_TxE, axis_name=axis_name),
         "load_E": router_lib.expert_counts(experts_TxK, spec.num_experts),
     }
+    kept_TxK = rerouted_TxK = None
+    if spec.admission != "none":
+      capacity_E = admission_lib.capacity_schedule(
+          step, num_tokens=b * s, k=spec.top_k, num_experts=spec.num_experts,
+          factor=spec.capacity_factor, factor_warmup=spec.capacity_factor_warmup,
+          warmup_steps=spec.warmup_steps)
+      admitted = admission_lib.admit(x_TxD, router_DxE, experts_TxK, weights_TxK, scores_TxE,
+                                     capacity_E=capacity_E, threshold=spec.threshold,
+                                     policy=spec.admission)
+      experts_TxK, weights_TxK = admitted.experts_TxK, admitted.weights_TxK
+      kept_TxK, rerouted_TxK = admitted.kept_TxK, admitted.rerouted_TxK
+    aux["locality_loss"] = jnp.zeros((), jnp.float32)
+    if spec.locality_weight > 0 and dispatch.kind == "ep":
+      aux["locality_loss"] = router_lib.locality_loss(
+          scores_TxE, local_experts_mask(dispatch, spec.num_experts), axis_name=axis_name)
+    aux["routing"] = stats_lib.routing_stats(experts_TxK, spec.num_experts, kept_TxK=kept_TxK,
+                                             rerouted_TxK=rerouted_TxK, axis_name=axis_name)
     w = (self.w_gate[...].astype(x_TxD.dtype), self.w_up[...].astype(x_TxD.dtype),
          self.w_down[...].astype(x_TxD.dtype))
     if dispatch.kind == "local":

@@ -25,6 +25,14 @@ from moejax.layers.norm import RMSNorm, rms_norm
 COMPUTE_DTYPE = jnp.bfloat16
 
 
+def moe_spec(cfg: Config) -> MoESpec:
+  moe, r = cfg.moe, cfg.routing
+  return MoESpec(moe.num_experts, moe.top_k, score=moe.score, renormalize=moe.renormalize,
+                 admission=r.admission, threshold=r.threshold, capacity_factor=r.capacity_factor,
+                 capacity_factor_warmup=r.capacity_factor_warmup, warmup_steps=r.warmup_steps,
+                 locality_weight=r.locality_weight)
+
+
 class DecoderLayer(nnx.Module):
   def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
     m, moe = cfg.model, cfg.moe
@@ -33,12 +41,12 @@ class DecoderLayer(nnx.Module):
                           norm_eps=m.norm_eps, init_std=m.init_std, rngs=rngs)
     self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
     self.moe = MoEBlock(m.d_model, moe.expert_hidden,
-                        MoESpec(moe.num_experts, moe.top_k, moe.score, moe.renormalize),
-                        init_std=m.init_std, rngs=rngs)
+                        moe_spec(cfg), init_std=m.init_std, rngs=rngs)
 
-  def __call__(self, h_BxSxD, *, dispatch: Dispatch = LOCAL, axis_name=None):
+  def __call__(self, h_BxSxD, *, dispatch: Dispatch = LOCAL, axis_name=None, step=0):
     h_BxSxD = h_BxSxD + self.attn(self.attn_norm(h_BxSxD))
-    y_BxSxD, aux = self.moe(self.ffn_norm(h_BxSxD), dispatch=dispatch, axis_name=axis_name)
+    y_BxSxD, aux = self.moe(self.ffn_norm(h_BxSxD), dispatch=dispatch, axis_name=axis_name,
+                            step=step)
     return h_BxSxD + y_BxSxD, aux
 
 
@@ -79,14 +87,14 @@ def cast_gather(name: str, tree, dtype=COMPUTE_DTYPE):
 
 
 def forward(cfg: Config, params: dict, tokens_BxS, *, gather=cast_gather,
-            dispatch: Dispatch = LOCAL, axis_name=None, remat: bool = True):
+            dispatch: Dispatch = LOCAL, axis_name=None, remat: bool = True, step=0):
   """Returns (logits_BxSxV fp32, aux) with aux a dict of per-layer arrays [L, ...]."""
   embed_VxD = gather("embed", params["embed"])
   h_BxSxD = jnp.take(embed_VxD, tokens_BxS, axis=0)
 
   def layer_step(h_BxSxD, layer_shards):
     layer = layer_from_params(cfg, gather("layers", layer_shards))
-    return layer(h_BxSxD, dispatch=dispatch, axis_name=axis_name)
+    return layer(h_BxSxD, dispatch=dispatch, axis_name=axis_name, step=step)
 
   if remat:
     layer_step = jax.checkpoint(layer_step)

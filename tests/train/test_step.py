@@ -25,7 +25,8 @@ def _run(placement, num_devices):
   trainer = Trainer(cfg, mesh=make_mesh((1, -1), jax.devices()[:num_devices]))
   state = trainer.init_state()
   batches = [put_batch(b, trainer.mesh) for b in _batches(cfg, STEPS)]
-  grads, _ = jax.jit(make_grad_fn(cfg, trainer.mesh, trainer.layout))(state.params, batches[0])
+  grads, _ = jax.jit(make_grad_fn(cfg, trainer.mesh, trainer.layout))(state.params, batches[0],
+                                                                  state.step)
   grads = jax.device_get(grads)
   losses, grad_norms = [], []
   for b in batches:
@@ -75,7 +76,8 @@ def test_sharded_equals_single_device(name, single, request):
 def test_fsdp_and_ep_give_the_same_loss(fsdp8, ep8):
   np.testing.assert_allclose(ep8["losses"][0], fsdp8["losses"][0], rtol=1e-6)
   np.testing.assert_allclose(ep8["losses"], fsdp8["losses"], rtol=2e-3)
-  assert ep8["metrics"]["dropped_frac"] == 0.0     # dropless by default
+  assert ep8["metrics"]["ep_dropped_frac"] == 0.0     # dropless by default
+  assert np.all(ep8["metrics"]["dropped_frac"] == 0.0)
 
 
 GOLDEN_LOSS0 = 5.7756123542785645
