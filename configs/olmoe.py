@@ -36,7 +36,7 @@ def _base() -> ml_collections.ConfigDict:
                  b2=0.95, eps=1e-8, clip_norm=1.0)
   c.mesh = dict(shape=(1, -1))
   c.codec = dict(mode="off", block_size=512, warmup_steps=30)
-  c.checkpoint = dict(every=0, keep=3)
+  c.checkpoint = dict(every=100, keep=3)
   c.steps = 200
   c.batch_size = 16
   c.seq_len = 64
@@ -45,6 +45,7 @@ def _base() -> ml_collections.ConfigDict:
   c.eval_every = 50
   c.eval_batches = 4
   c.remat = True
+  c.prefetch = True
   return c
 
 
@@ -58,6 +59,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.moe.update(num_experts=64, top_k=8, expert_hidden=1024)
     c.data.tokenizer = "bytes"
     c.optim.update(lr=4e-4, warmup_steps=2000)
+    c.checkpoint.update(every=1000)
     c.steps = 100000
     c.batch_size = 1024
     c.seq_len = 4096

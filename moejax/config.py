@@ -92,8 +92,9 @@ class CodecConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-  every: int = 0          # 0 = only at the end
-  keep: int = 3
+  # Saves go to WORKDIR/checkpoints (moejax.train.checkpoint); a rerun resumes from the latest.
+  every: int = 0          # save every N steps; 0 = only at the end (the last step always saves)
+  keep: int = 3           # how many of the latest checkpoints to keep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +115,8 @@ class Config:
   eval_every: int = 50
   eval_batches: int = 4
   remat: bool = True
+  # Issue layer i+1's parameter gather before layer i's compute (see moejax.sharding.prefetch).
+  prefetch: bool = True
 
 
 def _type_name(tp) -> str:

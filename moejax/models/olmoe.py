@@ -21,6 +21,7 @@ from moejax.layers.attention import Attention
 from moejax.layers.dispatch import LOCAL, Dispatch
 from moejax.layers.moe import MoEBlock, MoESpec
 from moejax.layers.norm import RMSNorm, rms_norm
+from moejax.sharding.prefetch import scan_layers
 
 COMPUTE_DTYPE = jnp.bfloat16
 
@@ -87,18 +88,19 @@ def cast_gather(name: str, tree, dtype=COMPUTE_DTYPE):
 
 
 def forward(cfg: Config, params: dict, tokens_BxS, *, gather=cast_gather,
-            dispatch: Dispatch = LOCAL, axis_name=None, remat: bool = True, step=0):
+            dispatch: Dispatch = LOCAL, axis_name=None, remat: bool = True,
+            prefetch: bool = False, step=0):
   """Returns (logits_BxSxV fp32, aux) with aux a dict of per-layer arrays [L, ...]."""
   embed_VxD = gather("embed", params["embed"])
   h_BxSxD = jnp.take(embed_VxD, tokens_BxS, axis=0)
 
-  def layer_step(h_BxSxD, layer_shards):
-    layer = layer_from_params(cfg, gather("layers", layer_shards))
+  def layer_step(h_BxSxD, layer_params):
+    layer = layer_from_params(cfg, layer_params)
     return layer(h_BxSxD, dispatch=dispatch, axis_name=axis_name, step=step)
 
-  if remat:
-    layer_step = jax.checkpoint(layer_step)
-  h_BxSxD, aux_L = jax.lax.scan(layer_step, h_BxSxD, params["layers"])
+  h_BxSxD, aux_L = scan_layers(layer_step, h_BxSxD, params["layers"],
+                               lambda shards: gather("layers", shards), remat=remat,
+                               prefetch=prefetch)
   h_BxSxD = rms_norm(h_BxSxD, gather("final_norm", params["final_norm"]), cfg.model.norm_eps)
   logits_BxSxV = jnp.dot(h_BxSxD, gather("lm_head", params["lm_head"]),
                          preferred_element_type=jnp.float32)

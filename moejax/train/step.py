@@ -60,7 +60,7 @@ def moe_dispatch(cfg: Config, mesh) -> Dispatch:
 def _forward_local(cfg: Config, lay: StateLayout, mesh, params, inputs_BxS, step):
   return olmoe.forward(cfg, params, inputs_BxS, gather=make_gather(lay.layouts),
                        dispatch=moe_dispatch(cfg, mesh), axis_name=DEVICES, remat=cfg.remat,
-                       step=step)
+                       prefetch=cfg.prefetch, step=step)
 
 
 def _loss_share(cfg: Config, lay: StateLayout, mesh, params, batch, step):
