@@ -98,9 +98,11 @@ def forward(cfg: Config, params: dict, tokens_BxS, *, gather=cast_gather,
     layer = layer_from_params(cfg, layer_params)
     return layer(h_BxSxD, dispatch=dispatch, axis_name=axis_name, step=step)
 
-  h_BxSxD, aux_L = scan_layers(layer_step, h_BxSxD, params["layers"],
-                               lambda shards: gather("layers", shards), remat=remat,
-                               prefetch=prefetch)
+  def gather_layer(shards, state):
+    return gather("layers", shards), state, {}
+
+  h_BxSxD, aux_L, _, _ = scan_layers(layer_step, h_BxSxD, params["layers"], gather_layer,
+                                     remat=remat, prefetch=prefetch)
   h_BxSxD = rms_norm(h_BxSxD, gather("final_norm", params["final_norm"]), cfg.model.norm_eps)
   logits_BxSxV = jnp.dot(h_BxSxD, gather("lm_head", params["lm_head"]),
                          preferred_element_type=jnp.float32)

@@ -1,81 +1,102 @@
 """Scan over layers with just-in-time parameter gathers, optionally prefetched one layer ahead.
 
-`scan_layers(layer_fn, h, shards_L, gather, remat=..., prefetch=...)` runs
-`h, aux = layer_fn(h, full_params)` for each layer, where `full_params = gather(layer_shards)`.
+`scan_layers(layer_fn, h, shards_L, gather, states_L, remat=..., prefetch=...)` runs
+`h, aux = layer_fn(h, full_params)` for each layer, where
+`full_params, new_state, stats = gather(layer_shards, layer_state)` is the sharding hook
+(`state` is the compressed gather's per-layer state, or None for the plain gather).
+Returns (h, aux_L, new_states_L, stats_L), everything but h stacked over layers.
 
 prefetch=False   `lax.scan(jax.checkpoint(body))`: each iteration gathers its own layer, then
-                 computes. Under remat the gather is recomputed in backward.
+                 computes. Under remat the gather is recomputed in backward from the same state.
 prefetch=True    the gather of layer i+1 is issued in iteration i, *before* layer i's compute,
                  so the collective has a whole layer of compute to hide behind. The prefetched
                  weights travel in the scan carry but are never saved for backward: each layer
-                 is wrapped in a `custom_vjp` whose residuals are the layer's input and its
-                 *shards*; backward re-gathers from the shards (the same hook, so its VJP
+                 is wrapped in a `custom_vjp` whose residuals are the layer's input, its shards
+                 and its gather state; backward re-gathers through the same hook (whose VJP
                  reduce-scatters the weight gradient exactly as without prefetch) and recomputes
                  the layer. The prefetched copy gets no gradient (`stop_gradient`).
+Both give bit-identical results (tests/sharding/test_prefetch.py).
 """
 from __future__ import annotations
-
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 
+def _take(tree, i):
+  return jax.tree.map(lambda x: x[i], tree)
+
+
 def _prefetched_layer(layer_fn, gather, remat: bool):
-  """layer(h, full, shards) -> layer_fn(h, full), with the VJP described above."""
+  """layer(h, full, shards, state) -> layer_fn(h, full), with the VJP described above."""
+
+  def regather(shards, state):
+    return gather(shards, state)[0]
 
   @jax.custom_vjp
-  def layer(h, full, shards):
+  def layer(h, full, shards, state):
     return layer_fn(h, full)
 
-  def fwd(h, full, shards):
+  def fwd(h, full, shards, state):
     if remat:
-      return layer_fn(h, full), (h, shards, None)
+      return layer_fn(h, full), (h, shards, state, None)
     out, vjp = jax.vjp(layer_fn, h, full)    # keep the activations and weights it needs
-    return out, (h, shards, vjp)
+    return out, (h, shards, state, vjp)
 
   def bwd(res, g):
-    h, shards, saved_vjp = res
-    full, gather_vjp = jax.vjp(gather, shards)
-    if saved_vjp is None:
-      _, layer_vjp = jax.vjp(layer_fn, h, full)
-    else:
-      layer_vjp = saved_vjp
+    h, shards, state, saved_vjp = res
+    full, gather_vjp = jax.vjp(lambda s: regather(s, state), shards)
+    layer_vjp = saved_vjp if saved_vjp is not None else jax.vjp(layer_fn, h, full)[1]
     dh, dfull = layer_vjp(g)
     (dshards,) = gather_vjp(dfull)
-    return dh, jax.tree.map(jnp.zeros_like, full), dshards
+    zeros = lambda t: jax.tree.map(jnp.zeros_like, t)   # noqa: E731
+    return dh, zeros(full), dshards, zeros(state)
 
   layer.defvjp(fwd, bwd)
   return layer
 
 
-def scan_layers(layer_fn, h, shards_L, gather, *, remat: bool = True, prefetch: bool = False):
-  """Returns (h, aux_L): aux stacked over layers."""
+def scan_layers(layer_fn, h, shards_L, gather, states_L=None, *, remat: bool = True,
+                prefetch: bool = False):
   if not prefetch:
-    def body(h, layer_shards):
-      return layer_fn(h, gather(layer_shards))
+    def body(h, xs):
+      layer_shards, layer_state = xs
+      full, new_state, stats = gather(layer_shards, layer_state)
+      h, aux = layer_fn(h, full)
+      return h, (aux, new_state, stats)
 
     if remat:
       body = jax.checkpoint(body)
-    return lax.scan(body, h, shards_L)
+    h, (aux_L, new_states_L, stats_L) = lax.scan(body, h, (shards_L, states_L))
+    return h, aux_L, new_states_L, stats_L
 
   num_layers = jax.tree.leaves(shards_L)[0].shape[0]
   layer = _prefetched_layer(layer_fn, gather, remat)
-  take = lambda tree, i: jax.tree.map(lambda x: x[i], tree)   # noqa: E731
-  full_0 = lax.stop_gradient(gather(take(shards_L, 0)))
-  shards_next_L = jax.tree.map(lambda x: jnp.roll(x, -1, axis=0), shards_L)
+  full_0, new_state_0, stats_0 = gather(_take(shards_L, 0), _take(states_L, 0))
+  full_0 = lax.stop_gradient(full_0)
+  roll = lambda t: jax.tree.map(lambda x: jnp.roll(x, -1, axis=0), t)   # noqa: E731
 
   def body(carry, xs):
     h, full = carry
-    i, layer_shards, next_shards = xs
-    # Issue the next layer's gather first; the last layer has nothing to prefetch.
-    full_next = lax.cond(i + 1 < num_layers,
-                         lambda s: lax.stop_gradient(gather(s)),
-                         lambda s: jax.tree.map(jnp.zeros_like, full), next_shards)
-    h, aux = layer(h, full, layer_shards)
-    return (h, full_next), aux
+    i, layer_shards, layer_state, next_shards, next_state = xs
 
-  (h, _), aux_L = lax.scan(body, (h, full_0), (jnp.arange(num_layers), shards_L, shards_next_L))
-  return h, aux_L
+    def prefetch_next(args):
+      full_next, state_next, stats_next = gather(*args)
+      return lax.stop_gradient(full_next), state_next, stats_next
 
+    def nothing(args):   # the last layer has nothing to prefetch
+      return jax.tree.map(jnp.zeros_like, full), args[1], jax.tree.map(jnp.zeros_like, stats_0)
 
+    # Issue the next layer's gather first, then compute this layer.
+    full_next, state_next, stats_next = lax.cond(i + 1 < num_layers, prefetch_next, nothing,
+                                                 (next_shards, next_state))
+    h, aux = layer(h, full, layer_shards, layer_state)
+    return (h, full_next), (aux, state_next, stats_next)
+
+  xs = (jnp.arange(num_layers), shards_L, states_L, roll(shards_L), roll(states_L))
+  (h, _), (aux_L, next_states_L, next_stats_L) = lax.scan(body, (h, full_0), xs)
+  # Iteration i produced layer i+1's gather: shift back and put layer 0's in front.
+  unshift = lambda first, rest: jax.tree.map(          # noqa: E731
+      lambda a, b: jnp.concatenate([a[None], b[:-1]], axis=0), first, rest)
+  return h, aux_L, unshift(new_state_0, next_states_L), unshift(stats_0, next_stats_L)
