@@ -35,7 +35,8 @@ def _base() -> ml_collections.ConfigDict:
   c.optim = dict(lr=3e-3, min_lr_ratio=0.1, warmup_steps=10, weight_decay=0.1, b1=0.9,
                  b2=0.95, eps=1e-8, clip_norm=1.0)
   c.mesh = dict(shape=(1, -1))
-  c.codec = dict(mode="off", block_size=512, warmup_steps=30)
+  c.codec = dict(mode="off", block_size=512, warmup_steps=30, detect="exact",
+                 capacity_fraction=0.0)
   c.checkpoint = dict(every=100, keep=3)
   c.steps = 200
   c.batch_size = 16

@@ -85,9 +85,11 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CodecConfig:
-  mode: str = "off"
+  mode: str = "off"               # off | block | element (moejax.codec)
   block_size: int = 512
-  warmup_steps: int = 30
+  warmup_steps: int = 30          # gathers that send everything while caches fill
+  detect: str = "exact"           # exact | hash (block mode: 128-bit block hashes, less memory)
+  capacity_fraction: float = 0.0  # patch capacity as a fraction of a shard; 0 = mode default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +229,14 @@ def validate(c: Config) -> None:
          f"config.mesh.shape={c.mesh.shape}: must be (nodes, devices_per_node), "
          "positive, with at most one -1")
   _choice(c.codec.mode, "codec.mode", CODEC_MODES)
+  _choice(c.codec.detect, "codec.detect", ("exact", "hash"))
+  _check(c.codec.detect == "exact" or c.codec.mode == "block",
+         f"config.codec.detect={c.codec.detect!r} needs codec.mode='block' (hashes tell which "
+         "blocks changed, not which values)")
+  _check(0 <= c.codec.capacity_fraction <= 1,
+         f"config.codec.capacity_fraction={c.codec.capacity_fraction}: must be in [0, 1]")
+  _check(c.codec.warmup_steps >= 0,
+         f"config.codec.warmup_steps={c.codec.warmup_steps}: must be >= 0")
   _check(c.checkpoint.every >= 0, f"config.checkpoint.every={c.checkpoint.every}: must be >= 0")
 
 

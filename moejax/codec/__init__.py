@@ -1,0 +1,17 @@
+"""Lossless exponent-reuse all-gather.
+
+bits     exponent vs sign+mantissa split/merge, dense bit packing
+detect   changed blocks/values: exact comparison or two SplitMix64 hashes per block
+payload  static-shape exponent patches (block bitmap + blocks, or positions + exponents)
+gather   CodecSpec, init_state, compressed_all_gather (custom_vjp), invalidate
+select   which parameters use it: gain vs cost under a cache-memory budget
+"""
+from moejax.codec.gather import CodecSpec
+from moejax.codec.gather import compressed_all_gather
+from moejax.codec.gather import init_state
+from moejax.codec.gather import invalidate
+from moejax.codec.gather import state_bytes
+from moejax.codec.gather import wire_bytes
+
+__all__ = ["CodecSpec", "compressed_all_gather", "init_state", "invalidate", "state_bytes",
+           "wire_bytes"]

@@ -81,29 +81,52 @@ def layer_from_params(cfg: Config, layer_params: dict) -> DecoderLayer:
   return nnx.merge(graphdef, state)
 
 
-def cast_gather(name: str, tree, dtype=COMPUTE_DTYPE):
+def cast_gather(name: str, tree, states=None, dtype=COMPUTE_DTYPE):
   """The hook outside a mesh: parameters are already whole; just cast to the compute dtype."""
   del name
-  return jax.tree.map(lambda x: x.astype(dtype), tree)
+  return jax.tree.map(lambda x: x.astype(dtype), tree), states, {}
 
 
 def forward(cfg: Config, params: dict, tokens_BxS, *, gather=cast_gather,
             dispatch: Dispatch = LOCAL, axis_name=None, remat: bool = True,
             prefetch: bool = False, step=0):
   """Returns (logits_BxSxV fp32, aux) with aux a dict of per-layer arrays [L, ...]."""
-  embed_VxD = gather("embed", params["embed"])
+  logits, aux_L, _, _ = forward_with_state(cfg, params, tokens_BxS, gather=gather,
+                                           dispatch=dispatch, axis_name=axis_name, remat=remat,
+                                           prefetch=prefetch, step=step)
+  return logits, aux_L
+
+
+def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=cast_gather,
+                       states=None, dispatch: Dispatch = LOCAL, axis_name=None,
+                       remat: bool = True, prefetch: bool = False, step=0):
+  """The forward pass with the gather hook's state threaded through.
+
+  `gather(group, shards, group_states) -> (full, new_group_states, stats)`; `states` is
+  {group: group_states} (layer states stacked on a leading L axis) or None.
+  Returns (logits_BxSxV, aux_L, new_states, stats) with stats {group: stats of its gathers}
+  (the layer group's stacked over L).
+  """
+  states = states if states is not None else {g: None for g in params}
+  new_states, stats = {}, {}
+
+  def gather_group(group):
+    full, new_states[group], stats[group] = gather(group, params[group], states[group])
+    return full
+
+  embed_VxD = gather_group("embed")
   h_BxSxD = jnp.take(embed_VxD, tokens_BxS, axis=0)
 
-  def layer_step(h_BxSxD, layer_params):
+  def layer_step(h_BxSxD, layer_params, step):
     layer = layer_from_params(cfg, layer_params)
     return layer(h_BxSxD, dispatch=dispatch, axis_name=axis_name, step=step)
 
   def gather_layer(shards, state):
-    return gather("layers", shards), state, {}
+    return gather("layers", shards, state)
 
-  h_BxSxD, aux_L, _, _ = scan_layers(layer_step, h_BxSxD, params["layers"], gather_layer,
-                                     remat=remat, prefetch=prefetch)
-  h_BxSxD = rms_norm(h_BxSxD, gather("final_norm", params["final_norm"]), cfg.model.norm_eps)
-  logits_BxSxV = jnp.dot(h_BxSxD, gather("lm_head", params["lm_head"]),
-                         preferred_element_type=jnp.float32)
-  return logits_BxSxV, aux_L
+  h_BxSxD, aux_L, new_states["layers"], stats["layers"] = scan_layers(
+      layer_step, h_BxSxD, params["layers"], gather_layer, states["layers"],
+      jnp.asarray(step, jnp.int32), remat=remat, prefetch=prefetch)
+  h_BxSxD = rms_norm(h_BxSxD, gather_group("final_norm"), cfg.model.norm_eps)
+  logits_BxSxV = jnp.dot(h_BxSxD, gather_group("lm_head"), preferred_element_type=jnp.float32)
+  return logits_BxSxV, aux_L, new_states, stats

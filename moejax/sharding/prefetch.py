@@ -1,9 +1,11 @@
 """Scan over layers with just-in-time parameter gathers, optionally prefetched one layer ahead.
 
-`scan_layers(layer_fn, h, shards_L, gather, states_L, remat=..., prefetch=...)` runs
-`h, aux = layer_fn(h, full_params)` for each layer, where
+`scan_layers(layer_fn, h, shards_L, gather, states_L, consts, remat=..., prefetch=...)` runs
+`h, aux = layer_fn(h, full_params, consts)` for each layer, where
 `full_params, new_state, stats = gather(layer_shards, layer_state)` is the sharding hook
 (`state` is the compressed gather's per-layer state, or None for the plain gather).
+`consts` carries traced values the layer needs (e.g. the step): pass them here, never by
+closure, since a custom_vjp may not close over tracers. They get no gradient.
 Returns (h, aux_L, new_states_L, stats_L), everything but h stacked over layers.
 
 prefetch=False   `lax.scan(jax.checkpoint(body))`: each iteration gathers its own layer, then
@@ -29,41 +31,43 @@ def _take(tree, i):
 
 
 def _prefetched_layer(layer_fn, gather, remat: bool):
-  """layer(h, full, shards, state) -> layer_fn(h, full), with the VJP described above."""
+  """layer(h, full, shards, state, consts) -> layer_fn(h, full, consts), with the VJP above."""
 
   def regather(shards, state):
     return gather(shards, state)[0]
 
   @jax.custom_vjp
-  def layer(h, full, shards, state):
-    return layer_fn(h, full)
+  def layer(h, full, shards, state, consts):
+    return layer_fn(h, full, consts)
 
-  def fwd(h, full, shards, state):
+  def fwd(h, full, shards, state, consts):
     if remat:
-      return layer_fn(h, full), (h, shards, state, None)
-    out, vjp = jax.vjp(layer_fn, h, full)    # keep the activations and weights it needs
-    return out, (h, shards, state, vjp)
+      return layer_fn(h, full, consts), (h, shards, state, consts, None)
+    # Without remat keep what the layer's backward needs (activations and weights).
+    out, vjp = jax.vjp(lambda h, full: layer_fn(h, full, consts), h, full)
+    return out, (h, shards, state, consts, vjp)
 
   def bwd(res, g):
-    h, shards, state, saved_vjp = res
+    h, shards, state, consts, saved_vjp = res
     full, gather_vjp = jax.vjp(lambda s: regather(s, state), shards)
-    layer_vjp = saved_vjp if saved_vjp is not None else jax.vjp(layer_fn, h, full)[1]
-    dh, dfull = layer_vjp(g)
+    if saved_vjp is None:
+      saved_vjp = jax.vjp(lambda h, full: layer_fn(h, full, consts), h, full)[1]
+    dh, dfull = saved_vjp(g)
     (dshards,) = gather_vjp(dfull)
     zeros = lambda t: jax.tree.map(jnp.zeros_like, t)   # noqa: E731
-    return dh, zeros(full), dshards, zeros(state)
+    return dh, zeros(full), dshards, zeros(state), jax.tree.map(lambda _: None, consts)
 
   layer.defvjp(fwd, bwd)
   return layer
 
 
-def scan_layers(layer_fn, h, shards_L, gather, states_L=None, *, remat: bool = True,
+def scan_layers(layer_fn, h, shards_L, gather, states_L=None, consts=(), *, remat: bool = True,
                 prefetch: bool = False):
   if not prefetch:
     def body(h, xs):
       layer_shards, layer_state = xs
       full, new_state, stats = gather(layer_shards, layer_state)
-      h, aux = layer_fn(h, full)
+      h, aux = layer_fn(h, full, consts)
       return h, (aux, new_state, stats)
 
     if remat:
@@ -91,7 +95,7 @@ def scan_layers(layer_fn, h, shards_L, gather, states_L=None, *, remat: bool = T
     # Issue the next layer's gather first, then compute this layer.
     full_next, state_next, stats_next = lax.cond(i + 1 < num_layers, prefetch_next, nothing,
                                                  (next_shards, next_state))
-    h, aux = layer(h, full, layer_shards, layer_state)
+    h, aux = layer(h, full, layer_shards, layer_state, consts)
     return (h, full_next), (aux, state_next, stats_next)
 
   xs = (jnp.arange(num_layers), shards_L, states_L, roll(shards_L), roll(states_L))

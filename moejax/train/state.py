@@ -14,9 +14,11 @@ import optax
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from moejax.codec.gather import CodecSpec
 from moejax.config import Config
 from moejax.models import olmoe
 from moejax.sharding import layout as layout_lib
+from moejax.sharding.gatherer import Gatherer
 from moejax.sharding.mesh import num_devices
 
 
@@ -25,6 +27,9 @@ class TrainState:
   step: jax.Array
   params: Any
   opt_state: Any
+  # Per-device state of the compressed gather ({group: {param: state}}; empty dicts when the
+  # codec is off). Rebuilt, not checkpointed: after a restore the first gather sends everything.
+  gather_state: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +39,8 @@ class StateLayout:
   layouts: Any          # pytree of layout_lib.Layout, like params
   param_specs: Any      # pytree of PartitionSpec, like params
   shardings: Any        # TrainState of NamedSharding
+  gatherer: Gatherer    # the gather hook bound to these parameters (codec choice + state)
+  mesh: Any
 
 
 def state_layout(cfg: Config, mesh, tx: optax.GradientTransformation) -> StateLayout:
@@ -48,8 +55,25 @@ def state_layout(cfg: Config, mesh, tx: optax.GradientTransformation) -> StateLa
       tx, lambda _, s: s, opt_shapes, param_shardings,
       transform_non_params=lambda _: replicated,
       is_leaf=lambda v: isinstance(v, NamedSharding))
-  shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
-  return StateLayout(param_shapes, layouts, specs, shardings)
+  n = num_devices(mesh)
+  gatherer = Gatherer.create(param_shapes, layouts, n, codec_spec(cfg))
+  gather_state_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), gatherer.state_specs(),
+                                        is_leaf=lambda s: isinstance(s, P))
+  shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,
+                         gather_state=gather_state_shardings)
+  return StateLayout(param_shapes, layouts, specs, shardings, gatherer, mesh)
+
+
+def codec_spec(cfg: Config) -> CodecSpec | None:
+  c = cfg.codec
+  if c.mode == "off":
+    return None
+  return CodecSpec(c.mode, block_size=c.block_size, detect=c.detect,
+                   capacity_fraction=c.capacity_fraction or None, warmup_steps=c.warmup_steps)
+
+
+def _without_gather_state(shardings: TrainState) -> TrainState:
+  return shardings.replace(gather_state=None)
 
 
 def init_state(cfg: Config, tx: optax.GradientTransformation, lay: StateLayout,
@@ -58,7 +82,8 @@ def init_state(cfg: Config, tx: optax.GradientTransformation, lay: StateLayout,
     params = olmoe.init_params(cfg, key)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
-  return jax.jit(init, out_shardings=lay.shardings)(key)
+  state = jax.jit(init, out_shardings=_without_gather_state(lay.shardings))(key)
+  return state.replace(gather_state=lay.gatherer.init_states(lay.mesh))
 
 
 def state_from_params(params, tx: optax.GradientTransformation, lay: StateLayout) -> TrainState:
@@ -66,4 +91,5 @@ def state_from_params(params, tx: optax.GradientTransformation, lay: StateLayout
   def init(params):
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
-  return jax.jit(init, out_shardings=lay.shardings)(params)
+  state = jax.jit(init, out_shardings=_without_gather_state(lay.shardings))(params)
+  return state.replace(gather_state=lay.gatherer.init_states(lay.mesh))

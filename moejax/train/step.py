@@ -12,6 +12,7 @@ token count), so gradients summed over devices are exactly the gradients of the 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,7 @@ from moejax.errors import ConfigError
 from moejax.layers.dispatch import LOCAL, Dispatch
 from moejax.models import olmoe
 from moejax.sharding import hook
-from moejax.sharding.layout import Layout
+from moejax.sharding.gatherer import expand_device_axis, param_group, squeeze_device_axis
 from moejax.sharding.mesh import DEVICES, num_devices, topology
 from moejax.train.state import StateLayout, TrainState
 
@@ -40,16 +41,6 @@ def check_divisibility(cfg: Config, mesh) -> None:
                       "devices: moe.placement='ep' gives every device the same number of experts")
 
 
-def make_gather(layouts):
-  """gather(name, shards) for `olmoe.forward`: layer groups use their per-layer layouts."""
-  def gather(name, shards):
-    lays = layouts[name]
-    if name == "layers":
-      lays = jax.tree.map(Layout.unstacked, lays)
-    return hook.gather_tree(shards, lays)
-  return gather
-
-
 def moe_dispatch(cfg: Config, mesh) -> Dispatch:
   if cfg.moe.placement == "ep":
     return Dispatch("ep", DEVICES, num_devices(mesh), topology(mesh).devices_per_node,
@@ -57,14 +48,20 @@ def moe_dispatch(cfg: Config, mesh) -> Dispatch:
   return LOCAL
 
 
-def _forward_local(cfg: Config, lay: StateLayout, mesh, params, inputs_BxS, step):
-  return olmoe.forward(cfg, params, inputs_BxS, gather=make_gather(lay.layouts),
-                       dispatch=moe_dispatch(cfg, mesh), axis_name=DEVICES, remat=cfg.remat,
-                       prefetch=cfg.prefetch, step=step)
+def _forward_local(cfg: Config, lay: StateLayout, mesh, params, inputs_BxS, step,
+                   gather_state=None):
+  """The forward pass on this device's batch slice; gather_state as stored ([1, ...] slices)."""
+  states = squeeze_device_axis(gather_state) if gather_state is not None else None
+  logits, aux_L, new_states, stats = olmoe.forward_with_state(
+      cfg, params, inputs_BxS, gather=lay.gatherer.gather, states=states,
+      dispatch=moe_dispatch(cfg, mesh), axis_name=DEVICES, remat=cfg.remat,
+      prefetch=cfg.prefetch, step=step)
+  return logits, aux_L, expand_device_axis(new_states), stats
 
 
-def _loss_share(cfg: Config, lay: StateLayout, mesh, params, batch, step):
-  logits_BxSxV, aux_L = _forward_local(cfg, lay, mesh, params, batch["inputs"], step)
+def _loss_share(cfg: Config, lay: StateLayout, mesh, params, batch, step, gather_state):
+  logits_BxSxV, aux_L, new_gather_state, gather_stats = _forward_local(
+      cfg, lay, mesh, params, batch["inputs"], step, gather_state)
   global_tokens = cfg.batch_size * cfg.seq_len
   ce = optax.softmax_cross_entropy_with_integer_labels(logits_BxSxV, batch["targets"])
   ce_share = jnp.sum(ce) / global_tokens
@@ -73,10 +70,10 @@ def _loss_share(cfg: Config, lay: StateLayout, mesh, params, batch, step):
   locality_share = jnp.mean(aux_L["locality_loss"])
   loss = (ce_share + cfg.moe.aux_loss_weight * aux_share + cfg.moe.z_loss_weight * z_share
           + cfg.routing.locality_weight * locality_share)
-  return loss, {"loss": ce_share, "aux_loss": aux_share, "z_loss": z_share,
-                "locality_loss": locality_share,
-                "routing_L": aux_L["routing"],
-                "ep_dropped_L": aux_L["dropped"].astype(jnp.float32)}
+  parts = {"loss": ce_share, "aux_loss": aux_share, "z_loss": z_share,
+           "locality_loss": locality_share, "routing_L": aux_L["routing"],
+           "ep_dropped_L": aux_L["dropped"].astype(jnp.float32)}
+  return loss, (parts, new_gather_state, gather_stats)
 
 
 def routing_metrics(cfg: Config, routing_L: dict, ep_dropped_L) -> dict:
@@ -88,14 +85,75 @@ def routing_metrics(cfg: Config, routing_L: dict, ep_dropped_L) -> dict:
 
 
 def make_grad_fn(cfg: Config, mesh, lay: StateLayout):
-  """(params, batch) -> (grads sharded like params, summed loss parts): the shard_map body."""
-  def grads_body(params, batch, step):
-    grads, parts = jax.grad(functools.partial(_loss_share, cfg, lay, mesh), has_aux=True)(
-        params, batch, step)
-    return grads, jax.lax.psum(parts, DEVICES)
+  """(params, batch, step, gather_state) -> (grads sharded like params, summed loss parts,
+  new gather state, gather stats): the shard_map body."""
+  def grads_body(params, batch, step, gather_state):
+    grads, (parts, new_gather_state, gather_stats) = jax.grad(
+        functools.partial(_loss_share, cfg, lay, mesh), has_aux=True)(
+            params, batch, step, gather_state)
+    # Gather stats are already identical on every device (static, or agreed by the codec).
+    return grads, jax.lax.psum(parts, DEVICES), new_gather_state, gather_stats
 
-  return jax.shard_map(grads_body, mesh=mesh, in_specs=(lay.param_specs, BATCH_SPEC, P()),
-                       out_specs=(lay.param_specs, P()), check_vma=False)
+  state_specs = lay.gatherer.state_specs()
+  return jax.shard_map(grads_body, mesh=mesh,
+                       in_specs=(lay.param_specs, BATCH_SPEC, P(), state_specs),
+                       out_specs=(lay.param_specs, P(), state_specs, P()), check_vma=False)
+
+
+def gather_metrics(cfg: Config, lay: StateLayout, stats: dict) -> dict:
+  """Step figures of the parameter gathers, per report group and in total.
+
+  Bytes are what each device receives over the step: (N-1) times what each device puts into a
+  gather, with layer gathers counted twice under remat (backward re-gathers).
+  """
+  n = lay.gatherer.num_devices
+  repeat = {"layers": 2 if cfg.remat else 1}
+  sizes = codec_denominators(lay)
+  by_group: dict = {}
+  for group, group_stats in stats.items():
+    for report, s in group_stats.items():
+      acc = by_group.setdefault(report, {k: 0.0 for k in hook.STAT_KEYS})
+      for k in hook.STAT_KEYS:
+        value = jnp.sum(s[k])
+        if k.startswith("bytes"):
+          value = value * (n - 1) * repeat.get(group, 1)
+        acc[k] = acc[k] + value
+  metrics = {}
+  total = {k: sum(g[k] for g in by_group.values()) for k in hook.STAT_KEYS}
+  metrics["gather_bytes"] = total["bytes_sent"]
+  metrics["gather_bytes_plain"] = total["bytes_plain"]
+  if lay.gatherer.enabled:
+    values = sum(v for v, _ in sizes.values())
+    blocks = sum(b for _, b in sizes.values())
+    metrics["exp_change_rate"] = total["exponent_changes"] / max(values, 1)
+    metrics["block_change_rate"] = total["block_changes"] / max(blocks, 1)
+    metrics["codec_fallbacks"] = total["fallback"]
+    metrics["codec_params"] = float(sum(len(v) for v in lay.gatherer.specs.values()))
+    for report, g in by_group.items():
+      metrics[f"codec/{report}/bytes_sent"] = g["bytes_sent"]
+      metrics[f"codec/{report}/bytes_plain"] = g["bytes_plain"]
+      if report in sizes:
+        metrics[f"codec/{report}/exp_change_rate"] = g["exponent_changes"] / sizes[report][0]
+        metrics[f"codec/{report}/block_change_rate"] = g["block_changes"] / sizes[report][1]
+  return metrics
+
+
+def codec_denominators(lay: StateLayout) -> dict:
+  """{report group: (values, blocks)} over the compressed parameters (whole, all layers)."""
+  out: dict = {}
+  g = lay.gatherer
+  for group, chosen in g.specs.items():
+    shapes = dict(zip([jax.tree_util.keystr(p) for p, _ in
+                       jax.tree_util.tree_leaves_with_path(g.param_shapes[group])],
+                      jax.tree.leaves(g.param_shapes[group])))
+    for path, spec in chosen.items():
+      size = math.prod(shapes[path].shape)
+      layers = shapes[path].shape[0] if group == "layers" else 1
+      blocks = layers * g.num_devices * math.ceil(size / layers / g.num_devices / spec.block_size)
+      report = param_group(group, path)
+      v, b = out.get(report, (0, 0))
+      out[report] = (v + size, b + blocks)
+  return out
 
 
 def make_train_step(cfg: Config, mesh, lay: StateLayout, tx: optax.GradientTransformation,
@@ -104,12 +162,15 @@ def make_train_step(cfg: Config, mesh, lay: StateLayout, tx: optax.GradientTrans
   sharded_grads = make_grad_fn(cfg, mesh, lay)
 
   def train_step(state: TrainState, batch):
-    grads, parts = sharded_grads(state.params, batch, state.step)
+    grads, parts, gather_state, gather_stats = sharded_grads(state.params, batch, state.step,
+                                                             state.gather_state)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     routing = routing_metrics(cfg, parts.pop("routing_L"), parts.pop("ep_dropped_L"))
-    metrics = dict(parts, grad_norm=optax.tree.norm(grads), lr=schedule(state.step), **routing)
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+    metrics = dict(parts, grad_norm=optax.tree.norm(grads), lr=schedule(state.step), **routing,
+                   **gather_metrics(cfg, lay, gather_stats))
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
+                      gather_state=gather_state), metrics
 
   return jax.jit(train_step, donate_argnums=0, out_shardings=(lay.shardings, None))
 
@@ -118,8 +179,9 @@ def make_eval_step(cfg: Config, mesh, lay: StateLayout):
   """eval_step(params, batch) -> mean cross-entropy over the batch."""
   def body(params, batch):
     # Evaluate under the post-warm-up capacity schedule: the routing regime being trained for.
-    logits_BxSxV, _ = _forward_local(cfg, lay, mesh, params, batch["inputs"],
-                                     cfg.routing.warmup_steps)
+    # Plain gathers: evaluation must not advance the codec's caches.
+    logits_BxSxV, _, _, _ = _forward_local(cfg, lay, mesh, params, batch["inputs"],
+                                           cfg.routing.warmup_steps, None)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits_BxSxV, batch["targets"])
     return jax.lax.psum(jnp.sum(ce), DEVICES) / (cfg.batch_size * cfg.seq_len)
 

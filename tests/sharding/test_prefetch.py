@@ -17,8 +17,8 @@ def _grads(prefetch, remat, placement="fsdp"):
   state = trainer.init_state()
   toks = np.random.default_rng(0).integers(0, 256, (8, 33)).astype(np.int32)
   batch = put_batch({"inputs": toks[:, :-1], "targets": toks[:, 1:]}, trainer.mesh)
-  grads, parts = jax.jit(make_grad_fn(cfg, trainer.mesh, trainer.layout))(
-      state.params, batch, state.step)
+  grads, parts, _, _ = jax.jit(make_grad_fn(cfg, trainer.mesh, trainer.layout))(
+      state.params, batch, state.step, state.gather_state)
   return jax.device_get(grads), float(parts["loss"])
 
 

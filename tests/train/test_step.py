@@ -25,8 +25,8 @@ def _run(placement, num_devices):
   trainer = Trainer(cfg, mesh=make_mesh((1, -1), jax.devices()[:num_devices]))
   state = trainer.init_state()
   batches = [put_batch(b, trainer.mesh) for b in _batches(cfg, STEPS)]
-  grads, _ = jax.jit(make_grad_fn(cfg, trainer.mesh, trainer.layout))(state.params, batches[0],
-                                                                  state.step)
+  grads, _, _, _ = jax.jit(make_grad_fn(cfg, trainer.mesh, trainer.layout))(
+      state.params, batches[0], state.step, state.gather_state)
   grads = jax.device_get(grads)
   losses, grad_norms = [], []
   for b in batches:

@@ -1,0 +1,97 @@
+"""Hugging Face OLMoE <-> moejax checkpoints.
+
+  python -m moejax.convert from-hf HF_DIR OUT_DIR
+      HF_DIR: config.json + model.safetensors (or shards + model.safetensors.index.json).
+      OUT_DIR: a parameters-only moejax checkpoint (see moejax.convert.checkpoint_io).
+  python -m moejax.convert to-hf CKPT OUT_DIR [--step N] [--dtype bfloat16] [--max-shard-size 5GB]
+      CKPT: a from-hf OUT_DIR, a training workdir, its checkpoints/ directory or a step directory.
+      OUT_DIR: config.json + safetensors in the Hub's OLMoE layout; transformers loads it with
+      OlmoeForCausalLM.from_pretrained(OUT_DIR).
+
+Bad input stops with one line `error: ...` and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+from moejax.config import num_params
+from moejax.errors import MoejaxError
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+  """'5GB' -> 5_000_000_000 (decimal units, as transformers' max_shard_size; KiB.. binary)."""
+  match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+  if not match or match.group(2).upper() not in _SIZE_UNITS:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a size like 5GB, 500MB or 1000000")
+  size = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+  if size <= 0:
+    raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive")
+  return size
+
+
+def _describe(cfg) -> str:
+  m, moe = cfg.model, cfg.moe
+  return (f"OLMoE {m.num_layers} layers, d_model {m.d_model}, {m.num_heads} heads, "
+          f"{moe.num_experts} experts top-{moe.top_k}, {num_params(cfg)['total']:,} parameters")
+
+
+def from_hf(args) -> None:
+  from moejax.convert import hf
+  hf_config = hf.read_hf_config(args.hf_dir)
+  cfg, params = hf.load_hf(args.hf_dir)
+  from moejax.convert import checkpoint_io   # orbax: imported once there is something to save
+  checkpoint_io.save_params(args.out_dir, cfg, params, hf_config=hf_config,
+                            source=os.path.abspath(args.hf_dir))
+  print(f"wrote {args.out_dir}: {_describe(cfg)} (from {args.hf_dir})")
+
+
+def to_hf(args) -> None:
+  from moejax.convert import checkpoint_io, hf
+  cfg, params, hf_config = checkpoint_io.load_params(args.ckpt, args.step)
+  files = hf.save_hf(params, cfg, args.out_dir, dtype=args.dtype,
+                     max_shard_bytes=args.max_shard_size, hf_config_base=hf_config,
+                     overwrite=args.overwrite)
+  shards = sum(f.endswith(".safetensors") for f in files)
+  print(f"wrote {args.out_dir}: {_describe(cfg)}, {shards} safetensors file(s), {args.dtype}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="python -m moejax.convert",
+                                   description="Hugging Face OLMoE <-> moejax checkpoints.")
+  sub = parser.add_subparsers(dest="command", required=True)
+  p = sub.add_parser("from-hf", help="Hugging Face OLMoE directory -> moejax checkpoint")
+  p.add_argument("hf_dir")
+  p.add_argument("out_dir")
+  p.set_defaults(run=from_hf)
+  p = sub.add_parser("to-hf", help="moejax checkpoint -> Hugging Face OLMoE directory")
+  p.add_argument("ckpt")
+  p.add_argument("out_dir")
+  p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
+  p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                 help="stored dtype (float32 is exact; bfloat16 rounds to nearest even)")
+  p.add_argument("--max-shard-size", type=parse_size, default="5GB",
+                 help="largest safetensors file, e.g. 5GB (default) or 500MB")
+  p.add_argument("--overwrite", action="store_true",
+                 help="replace safetensors files already in OUT_DIR")
+  p.set_defaults(run=to_hf)
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  try:
+    args.run(args)
+  except MoejaxError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

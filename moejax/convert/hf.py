@@ -1,0 +1,216 @@
+"""Hugging Face OLMoE checkpoints in and out, one tensor (or one block of one) at a time.
+
+`load_hf(dir)` -> (Config, params): params is the nested dict `olmoe.init_params` returns (fp32,
+layer parameters stacked on a leading axis). Without `shardings` every leaf is one preallocated
+host (numpy) array filled tensor by tensor, so the host holds one copy of the model and a tensor
+at a time besides. With `shardings` (a pytree of `jax.sharding.Sharding` like params, e.g. the
+train state's parameter shardings) each leaf is built by `jax.make_array_from_callback`, and each
+device's shard reads only its own block of each Hugging Face tensor: no host ever holds a whole
+parameter.
+
+`save_hf(params, cfg, dir)` writes config.json and safetensors shards (with an index when more than
+one), tensor by tensor, in the per-expert layout of the Hub's OLMoE checkpoints (the name table is
+in `moejax.convert.hf_names`). fp32 export followed by import gives back every parameter bit for
+bit.
+"""
+from __future__ import annotations
+
+import glob
+import itertools
+import json
+import os
+
+import jax
+import numpy as np
+
+from moejax.config import Config
+from moejax.convert import hf_config, hf_names
+from moejax.convert.safetensors_io import INDEX_FILE, TensorReader, write_tensors
+from moejax.errors import CheckpointError
+
+CONFIG_FILE = "config.json"
+DEFAULT_MAX_SHARD_BYTES = 5_000_000_000     # transformers' default max_shard_size, "5GB"
+
+
+def read_hf_config(hf_dir: str) -> dict:
+  path = os.path.join(hf_dir, CONFIG_FILE)
+  if not os.path.isdir(hf_dir):
+    raise CheckpointError(f"{hf_dir}: not a directory (a Hugging Face checkpoint directory with "
+                          f"{CONFIG_FILE} and safetensors files is expected)")
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except FileNotFoundError:
+    raise CheckpointError(f"{path}: missing (not a Hugging Face checkpoint directory)") from None
+  except (OSError, ValueError) as e:
+    raise CheckpointError(f"{path}: not readable JSON ({e})") from None
+
+
+def _check_tensors(reader: TensorReader, cfg: Config, experts: str) -> None:
+  expected = hf_names.expected_shapes(cfg, experts)
+  for name, shape in expected.items():
+    if name not in reader.shapes:
+      raise CheckpointError(f"{reader.directory}: tensor {name!r} is missing (config.json implies "
+                            f"it, with shape {shape})")
+    if reader.shapes[name] != shape:
+      raise CheckpointError(f"{reader.directory}: tensor {name!r} has shape {reader.shapes[name]}, "
+                            f"but config.json implies {shape}")
+    reader.check_dtype(name)
+  unexpected = sorted(n for n in reader.shapes if n not in expected and not hf_names.is_ignored(n))
+  if unexpected:
+    raise CheckpointError(f"{reader.directory}: tensor {unexpected[0]!r} has no place in a moejax "
+                          f"OLMoE model ({len(unexpected)} such tensors)")
+
+
+def _read_source(reader: TensorReader, src: hf_names.Source, tail_slices: list) -> np.ndarray:
+  hf_slices = list(tail_slices[::-1] if src.transpose else tail_slices)
+  if src.row_offset:
+    first = hf_slices[0]
+    hf_slices[0] = slice(first.start + src.row_offset, first.stop + src.row_offset)
+  block = reader.read(src.name, (*src.prefix, *hf_slices))
+  return block.T if src.transpose else block
+
+
+def _read_block(reader: TensorReader, leaf: hf_names.LeafMap, index: tuple) -> np.ndarray:
+  """`leaf[index]` (index: one step-1 slice per axis, as make_array_from_callback passes)."""
+  index = tuple(index) + (slice(None),) * (len(leaf.shape) - len(index))
+  ranges = [range(*s.indices(n)) for s, n in zip(index, leaf.shape)]
+  if any(r.step != 1 for r in ranges):
+    raise ValueError(f"block index {index} of {'.'.join(leaf.path)} is not contiguous")
+  out = np.empty([len(r) for r in ranges], np.float32)
+  tail_slices = [slice(r.start, r.stop) for r in ranges[leaf.lead:]]
+  layer = None
+  for pairs in itertools.product(*(enumerate(r) for r in ranges[:leaf.lead])):
+    local = tuple(p[0] for p in pairs)
+    source = leaf.sources[tuple(p[1] for p in pairs)]
+    if leaf.lead and pairs[0][1] != layer:
+      reader.release()     # keep at most one layer's source pages mapped
+      layer = pairs[0][1]
+    out[local] = _read_source(reader, source, tail_slices)
+  return out
+
+
+def _set_path(tree: dict, path: tuple, value) -> None:
+  for key in path[:-1]:
+    tree = tree.setdefault(key, {})
+  tree[path[-1]] = value
+
+
+def _get_path(tree, path: tuple, what: str):
+  node = tree
+  for depth, key in enumerate(path):
+    if not isinstance(node, dict) or key not in node:
+      raise CheckpointError(f"{what}: parameter {'.'.join(path[:depth + 1])!r} is missing")
+    node = node[key]
+  return node
+
+
+def load_hf(hf_dir: str, *, shardings=None, base: Config | None = None) -> tuple[Config, dict]:
+  """Reads a Hugging Face OLMoE checkpoint directory into (Config, params).
+
+  `shardings`: optional pytree of `jax.sharding.Sharding` with the structure of params (or one
+  Sharding for all); each leaf is then a global `jax.Array` laid out so, built shard by shard.
+  `base`: the Config whose non-model fields (training, data, mesh...) the result keeps.
+  """
+  cfg = hf_config.config_from_hf(read_hf_config(hf_dir), base,
+                                 where=os.path.join(hf_dir, CONFIG_FILE))
+  params: dict = {}
+  with TensorReader(hf_dir) as reader:
+    experts = hf_names.detect_expert_layout(reader.names())
+    _check_tensors(reader, cfg, experts)
+    for leaf in hf_names.leaf_maps(cfg, experts):
+      if shardings is None:
+        value = _read_block(reader, leaf, ())
+      else:
+        sharding = (shardings if isinstance(shardings, jax.sharding.Sharding)
+                    else _get_path(shardings, leaf.path, "shardings"))
+        value = jax.make_array_from_callback(
+            leaf.shape, sharding, lambda index, leaf=leaf: _read_block(reader, leaf, index))
+      _set_path(params, leaf.path, value)
+      reader.release()
+  return cfg, params
+
+
+class _HostBlocks:
+  """Host copies of `leaf[i]` for the layer being written (one cached layer per leaf)."""
+
+  def __init__(self):
+    self._cache: dict[tuple, tuple[int, np.ndarray]] = {}
+
+  def get(self, path: tuple, x, lead: tuple) -> np.ndarray:
+    if not lead:
+      return np.asarray(x)
+    layer = lead[0]
+    cached = self._cache.get(path)
+    if cached is None or cached[0] != layer:
+      cached = (layer, np.asarray(x[layer]))
+      self._cache[path] = cached
+    return cached[1][lead[1:]] if len(lead) > 1 else cached[1]
+
+
+def _check_params(params, cfg: Config, maps: list[hf_names.LeafMap]) -> None:
+  known = {leaf.path for leaf in maps}
+  for path, x in jax.tree_util.tree_leaves_with_path(params):
+    names = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+    if names not in known:
+      raise CheckpointError(f"params: {'.'.join(names)!r} is not an OLMoE parameter")
+  for leaf in maps:
+    x = _get_path(params, leaf.path, "params")
+    if tuple(x.shape) != leaf.shape:
+      raise CheckpointError(f"params: {'.'.join(leaf.path)!r} has shape {tuple(x.shape)}, but the "
+                            f"config implies {leaf.shape}")
+    if not np.issubdtype(np.dtype(x.dtype), np.floating):
+      raise CheckpointError(f"params: {'.'.join(leaf.path)!r} has dtype {x.dtype}, expected float")
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      raise CheckpointError(f"params: {'.'.join(leaf.path)!r} spans several processes; export "
+                            "from one process that can address every shard")
+
+
+def _existing_checkpoint_files(out_dir: str) -> list[str]:
+  return sorted(glob.glob(os.path.join(out_dir, "*.safetensors"))
+                + glob.glob(os.path.join(out_dir, INDEX_FILE)))
+
+
+def save_hf(params, cfg: Config, out_dir: str, *, dtype: str = "float32",
+            max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, hf_config_base: dict | None = None,
+            overwrite: bool = False) -> list[str]:
+  """Writes params as a Hugging Face OLMoE checkpoint (config.json + safetensors) in `out_dir`.
+
+  `dtype`: "float32" (exact) or "bfloat16" (rounded to nearest even). `hf_config_base`: a
+  config.json to keep fields moejax does not model from (token ids, maximum length). Refuses a
+  directory that already holds safetensors files unless `overwrite`, which removes them first.
+  Returns the files written.
+  """
+  hf = hf_config.hf_config_from(cfg, hf_config_base, dtype=dtype)
+  maps = hf_names.leaf_maps(cfg, hf_names.PER_EXPERT)
+  _check_params(params, cfg, maps)
+  existing = _existing_checkpoint_files(out_dir)
+  if existing and not overwrite:
+    raise CheckpointError(f"{out_dir}: already holds a checkpoint ({os.path.basename(existing[0])})"
+                          "; choose an empty directory, or overwrite (--overwrite)")
+  for path in existing:
+    os.remove(path)
+
+  # Layer-major order, as the Hub's checkpoints: embedding, layer 0, layer 1, ..., norm, head.
+  by_lead: dict[tuple, list] = {}
+  for leaf in maps:
+    for lead, src in leaf.sources.items():
+      tail = leaf.tail[::-1] if src.transpose else leaf.tail
+      by_lead.setdefault(lead[:1], []).append((src.name, tuple(tail), leaf, lead, src))
+  first = by_lead.pop(())
+  ordered = first[:1] + [e for i in range(cfg.model.num_layers) for e in by_lead[(i,)]] + first[1:]
+  lookup = {name: (leaf, lead, src) for name, _, leaf, lead, src in ordered}
+  blocks = _HostBlocks()
+
+  def produce(name: str) -> np.ndarray:
+    leaf, lead, src = lookup[name]
+    block = blocks.get(leaf.path, _get_path(params, leaf.path, "params"), lead)
+    return block.T if src.transpose else block
+
+  os.makedirs(out_dir, exist_ok=True)
+  files = write_tensors(out_dir, [(name, shape) for name, shape, *_ in ordered], produce,
+                        dtype=dtype, max_shard_bytes=max_shard_bytes)
+  with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
+    json.dump(hf, f, indent=2)
+    f.write("\n")
+  return files + ([INDEX_FILE] if len(files) > 1 else []) + [CONFIG_FILE]

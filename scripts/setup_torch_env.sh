@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Creates .venv311: Python 3.11 with a CPU torch, transformers and safetensors, the reference side
+# of the Hugging Face OLMoE tests (tests/convert/, which run it through subprocesses). torch has no
+# quick CPU install for the Python 3.12 moejax env, hence a separate env. Idempotent: a complete
+# env is left as it is.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=.venv311
+TORCH_VERSION=2.13.0
+PACKAGES=("torch==$TORCH_VERSION" transformers safetensors numpy)
+
+ready() {
+  [ -x "$VENV/bin/python" ] && "$VENV/bin/python" - "$TORCH_VERSION" <<'PY' >/dev/null 2>&1
+import importlib.metadata as md, sys
+assert md.version("torch").split("+")[0] == sys.argv[1]
+for name in ("transformers", "safetensors", "numpy"):
+  md.version(name)
+PY
+}
+
+pip_install() {   # quiet unless it fails; then its output, less the index-location noise
+  local log
+  log=$(mktemp)
+  if ! "$VENV/bin/python" -m pip install -q "$@" >"$log" 2>&1; then
+    grep -v "is ignored: it is neither a file nor a directory" "$log" >&2 || true
+    rm -f "$log"
+    return 1
+  fi
+  rm -f "$log"
+}
+
+if ready; then
+  echo "torch env ready: $VENV"
+  exit 0
+fi
+PY=""
+for candidate in python3.11 python3; do
+  if command -v "$candidate" >/dev/null 2>&1 && \
+      "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+    PY="$candidate"; break
+  fi
+done
+if [ -z "$PY" ]; then
+  echo "error: the torch reference env needs Python 3.11 (python3.11 on PATH)" >&2
+  exit 2
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+pip_install --upgrade pip
+pip_install "${PACKAGES[@]}"
+"$VENV/bin/python" -c "import torch, transformers; print('torch env ready: $VENV, torch', \
+torch.__version__, 'transformers', transformers.__version__)"

@@ -1,0 +1,280 @@
+"""compressed_all_gather on 8 fake CPU devices: bit-identical to the plain tiled all-gather on every
+step of a scripted run (warm-up, patches, forced overflow, invalidate), honest byte counts,
+gradients equal to the plain gather's, inside lax.scan over stacked layers with jax.checkpoint."""
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from moejax.codec import bits
+from moejax.codec import gather
+
+W = 8
+AXIS = "d"
+MESH = jax.make_mesh((W,), (AXIS,), axis_types=(AxisType.Auto,))
+UINT = {jnp.bfloat16: np.uint16, np.float16: np.uint16, np.float32: np.uint32}
+
+
+def _stack_states(state):
+  """One state per device, stacked on a leading axis that shard_map splits."""
+  sharding = jax.sharding.NamedSharding(MESH, P(AXIS))
+  return jax.tree.map(lambda a: jax.device_put(jnp.broadcast_to(a, (W,) + a.shape), sharding),
+                      state)
+
+
+def _unstack(tree):
+  return jax.tree.map(lambda a: a[0], tree)
+
+
+def _restack(tree):
+  return jax.tree.map(lambda a: a[None], tree)
+
+
+def _spec_along(ndim, axis):
+  return P(*[AXIS if i == axis else None for i in range(ndim)])
+
+
+def _make_gather(spec, ndim, axis):
+  @functools.partial(chex.assert_max_traces, n=1)
+  def body(x, states):
+    full, new_states, stats = gather.compressed_all_gather(
+        x, _unstack(states), axis_name=AXIS, axis=axis, spec=spec)
+    return full[None], _restack(new_states), _restack(stats)
+
+  return jax.jit(jax.shard_map(body, mesh=MESH, in_specs=(_spec_along(ndim, axis), P(AXIS)),
+                               out_specs=P(AXIS), check_vma=False))
+
+
+class Script:
+  """Bit patterns of W shards ([W, *shard_shape]) and scripted exponent changes per step."""
+
+  def __init__(self, dtype, shard_shape, axis, spec, seed):
+    self.layout = bits.layout_of(dtype)
+    self.dtype, self.shape, self.axis, self.spec = dtype, shard_shape, axis, spec
+    self.n = int(np.prod(shard_shape))
+    self.rng = np.random.default_rng(seed)
+    u = self.layout.uint_dtype
+    # Every bit pattern is fair game: NaNs with payloads, infinities, subnormals, -0.0.
+    info = np.iinfo(u)
+    self.local = self.rng.integers(0, info.max, size=(W, self.n), dtype=u, endpoint=True)
+    self.fmt = gather.patch_format(shard_shape, dtype, spec)
+
+  def _exp(self, words):
+    return (words >> self.layout.mant_bits) & ((1 << self.layout.exp_bits) - 1)
+
+  def step(self, changed_units_per_device):
+    """New mantissas and signs everywhere; new exponents for the given number of units (values
+    in element mode, blocks with a few values each in block mode) per device."""
+    lay, u = self.layout, self.layout.uint_dtype
+    old_exp = self._exp(self.local)
+    keep = np.asarray(((1 << lay.exp_bits) - 1) << lay.mant_bits, u)
+    noise = self.rng.integers(0, np.iinfo(u).max, size=self.local.shape, dtype=u, endpoint=True)
+    self.local = (self.local & keep) | (noise & ~keep)
+    for d, k in enumerate(changed_units_per_device):
+      if self.spec.mode == "block":
+        b = self.spec.block_size
+        blocks = self.rng.choice(self.fmt.num_blocks, size=k, replace=False)
+        pos = np.concatenate([blk * b + self.rng.choice(min(b, self.n - blk * b), size=2)
+                              for blk in blocks]) if k else np.zeros(0, int)
+      else:
+        pos = self.rng.choice(self.n, size=k, replace=False)
+      flip = self.rng.integers(1, 1 << lay.exp_bits, size=pos.size).astype(u)
+      self.local[d, pos] ^= flip << np.asarray(lay.mant_bits, u)
+    new_exp = self._exp(self.local)
+    changed = new_exp != old_exp
+    pad = self.fmt.num_blocks * self.spec.block_size - self.n
+    blocks = np.pad(changed, ((0, 0), (0, pad))).reshape(W, -1, self.spec.block_size).any(-1)
+    return int(changed.sum()), int(blocks.sum())
+
+  def global_bits(self):
+    pieces = self.local.reshape((W,) + self.shape)
+    return np.concatenate(list(pieces), axis=self.axis)
+
+  def global_array(self):
+    return jnp.asarray(lax.bitcast_convert_type(jnp.asarray(self.global_bits()), self.dtype))
+
+
+CASES = [
+    # dtype, shard shape, axis, spec
+    (jnp.bfloat16, (8, 48), 1, gather.CodecSpec("element", block_size=32, warmup_steps=2)),
+    (jnp.bfloat16, (8, 48), 1, gather.CodecSpec("block", block_size=32, warmup_steps=2)),
+    (np.float16, (2, 3, 64), 0, gather.CodecSpec("element", warmup_steps=2,
+                                                  capacity_fraction=0.05)),
+    (np.float32, (4, 96), 1, gather.CodecSpec("block", block_size=64, detect="hash",
+                                               warmup_steps=2, capacity_fraction=0.5)),
+]
+
+
+def _case_id(case):
+  dtype, _, axis, spec = case
+  return f"{np.dtype(dtype).name}-{spec.mode}-{spec.detect}-axis{axis}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_multi_step_bit_identical(case):
+  dtype, shape, axis, spec = case
+  chex.clear_trace_counter()
+  script = Script(dtype, shape, axis, spec, seed=len(shape) + axis)
+  cap = script.fmt.capacity
+  small = [max(1, cap // 2)] * W
+  quiet = [0, 1] + [0] * (W - 2)
+  overflow = list(small)
+  overflow[3] = cap + 1        # one device over capacity: everyone falls back
+  full = list(small)
+  full[5] = cap                # exactly at capacity: still a patch
+  # (exponent changes per device, devices to invalidate first, expected dense, fallback)
+  everyone, device_2 = list(range(W)), [2]
+  plan = [(small, [], 1, 0),          # first gather: caches empty
+          (small, [], 1, 0),          # warm-up
+          (small, [], 0, 0),
+          (quiet, [], 0, 0),
+          (full, [], 0, 0),
+          (overflow, [], 1, 1),
+          (small, [], 0, 0),          # caches are right after a fallback
+          (small, everyone, 1, 0),    # invalidate: dense again
+          (small, [], 0, 0),
+          (small, device_2, 1, 0),    # one stale device is enough to send everything
+          (small, [], 0, 0)]
+  f = _make_gather(spec, len(shape), axis)
+  states = _stack_states(gather.init_state(shape, dtype, W, spec))
+  sizes = gather.wire_bytes(shape, dtype, spec)
+  for t, (changes, invalidate, dense, fallback) in enumerate(plan):
+    exp_changes, block_changes = script.step(changes)
+    if invalidate == everyone:
+      states = gather.invalidate(states)
+    elif invalidate:
+      states = {**states, "valid": states["valid"].at[np.array(invalidate)].set(False)}
+    full, states, stats = f(script.global_array(), states)
+    full_bits = np.asarray(lax.bitcast_convert_type(full, UINT[dtype]))
+    for d in range(W):
+      np.testing.assert_array_equal(full_bits[d], script.global_bits(), err_msg=f"step {t}")
+    stats = {k: np.asarray(v) for k, v in stats.items()}
+    assert (stats["dense"] == dense).all(), (t, stats)
+    assert (stats["fallback"] == fallback).all(), (t, stats)
+    valid = t != 0 and not invalidate
+    expected_exp = -1 if spec.detect == "hash" else exp_changes if valid else 0
+    assert (stats["exponent_changes"] == expected_exp).all(), (t, stats)
+    assert (stats["block_changes"] == (block_changes if valid else 0)).all(), (t, stats)
+    sent = sizes["dense"] if dense else sizes["compressed"]
+    assert (stats["bytes_sent"] == sent).all() and (stats["bytes_plain"] == sizes["plain"]).all()
+    if valid:
+      assert (stats["bytes_needed"] <= stats["bytes_sent"]).all() or fallback
+  assert sizes["compressed"] < sizes["dense"]
+
+
+def test_compressed_path_sends_fewer_bytes_at_realistic_sizes():
+  """bf16, element mode, default capacity (1/16): about 0.6x the plain bytes per device."""
+  spec = gather.CodecSpec("element")
+  sizes = gather.wire_bytes((1024, 1024), jnp.bfloat16, spec)
+  assert sizes["dense"] == sizes["plain"] + 16
+  # 1 byte sign+mantissa, and 1/16 of (20 position bits + 8 exponent bits) per value.
+  assert sizes["compressed"] == 2**20 + 2**16 * 28 // 8 + 16
+  assert 0.6 < sizes["compressed"] / sizes["plain"] < 0.62
+
+
+def test_spec_validation():
+  with pytest.raises(ValueError, match="CodecSpec.mode"):
+    gather.CodecSpec("zstd")
+  with pytest.raises(ValueError, match="needs mode='block'"):
+    gather.CodecSpec("element", detect="hash")
+  with pytest.raises(ValueError, match="capacity_fraction"):
+    gather.CodecSpec("block", capacity_fraction=0.0)
+  assert gather.CodecSpec("element").capacity == gather.DEFAULT_CAPACITY_FRACTION["element"]
+  assert gather.init_state((4, 4), jnp.bfloat16, W, gather.CodecSpec("off")) == {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradients, lax.scan over stacked layers, jax.checkpoint.
+
+LAYERS, D = 3, 16
+
+
+@functools.lru_cache(maxsize=None)
+def _make_train_step(spec):
+  """Per device: h [2, D] -> L x tanh(h @ W_l), W_l gathered as bf16 from fp32 [D/W, D] shards
+  (axis 0). spec None: the reference, an fp32 all_gather then a cast, differentiated by JAX
+  (its transpose reduce-scatters in fp32)."""
+  def gather_one(shard, state):
+    if spec is None:
+      return lax.all_gather(shard, AXIS, axis=0, tiled=True).astype(jnp.bfloat16), state, {}
+    return gather.compressed_all_gather(shard, state, axis_name=AXIS, axis=0, spec=spec,
+                                        compute_dtype=jnp.bfloat16)
+
+  def loss_fn(shards_LxSxD, states, h_BxD):
+    def layer(h, xs):
+      full, new_state, stats = gather_one(*xs)
+      assert full.dtype == jnp.bfloat16
+      return jnp.tanh(h @ full.astype(jnp.float32)), (new_state, stats)
+
+    h, (new_states, stats) = lax.scan(jax.checkpoint(layer), h_BxD, (shards_LxSxD, states))
+    return jnp.sum(h * h), (new_states, stats)
+
+  def body(shards, states, h):
+    (loss, (new_states, stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        shards, _unstack(states), h)
+    return loss[None], grads, _restack(new_states), _restack(stats)
+
+  return jax.jit(jax.shard_map(body, mesh=MESH, in_specs=(P(None, AXIS), P(AXIS), P(AXIS)),
+                               out_specs=(P(AXIS), P(None, AXIS), P(AXIS), P(AXIS)),
+                               check_vma=False))
+
+
+def _layer_states(spec, shard_shape):
+  state = gather.init_state(shard_shape, jnp.bfloat16, W, spec)
+  return _stack_states(jax.tree.map(lambda a: jnp.broadcast_to(a, (LAYERS,) + a.shape), state))
+
+
+@pytest.mark.parametrize("spec", [
+    gather.CodecSpec("element", warmup_steps=0, capacity_fraction=0.25),
+    gather.CodecSpec("block", block_size=8, detect="hash", warmup_steps=0, capacity_fraction=0.5),
+    gather.CodecSpec("off"),
+], ids=lambda s: f"{s.mode}-{s.detect}")
+def test_grads_through_scan_and_checkpoint_match_plain_gather(spec):
+  reference = _make_train_step(None)
+  codec = _make_train_step(spec)
+  states = _layer_states(spec, (D // W, D))
+  rng = np.random.default_rng(0)
+  w = rng.normal(size=(LAYERS, D, D)).astype(np.float32) * 0.3
+  h = jnp.asarray(rng.normal(size=(2 * W, D)).astype(np.float32))
+  for step in range(2):
+    loss_r, grads_r, _, _ = reference(jnp.asarray(w), {}, h)
+    loss_c, grads_c, states, stats = codec(jnp.asarray(w), states, h)
+    np.testing.assert_array_equal(np.asarray(loss_c), np.asarray(loss_r))
+    assert grads_c.dtype == jnp.float32 and grads_c.shape == w.shape
+    np.testing.assert_array_equal(np.asarray(grads_c).view(np.uint32),
+                                  np.asarray(grads_r).view(np.uint32))
+    assert np.asarray(stats["dense"]).shape == (W, LAYERS)
+    if spec.mode != "off":
+      assert (np.asarray(stats["dense"]) == (1 if step == 0 else 0)).all(), stats
+    # A small update: a few exponents change, most stay.
+    w = w * (1 + 0.01 * rng.normal(size=w.shape).astype(np.float32))
+
+
+def test_two_mesh_axes_and_fp32_master():
+  """Gathering over a tuple of mesh axes (2 x 4), fp32 master shards sent as bf16."""
+  mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
+  axes = ("a", "b")
+  spec = gather.CodecSpec("element", warmup_steps=0, capacity_fraction=0.5)
+
+  def body(x, states):
+    full, new_states, stats = gather.compressed_all_gather(
+        x, _unstack(states), axis_name=axes, axis=0, spec=spec, compute_dtype=jnp.bfloat16)
+    return full[None], _restack(new_states), stats["dense"][None]
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(axes), P(axes)), out_specs=P(axes),
+                            check_vma=False))
+  states = _stack_states(gather.init_state((2, 8), jnp.bfloat16, W, spec))
+  x = np.random.default_rng(3).normal(size=(2 * W, 8)).astype(np.float32)
+  for step in range(3):
+    full, states, dense = f(jnp.asarray(x), states)
+    expected = np.asarray(jnp.asarray(x).astype(jnp.bfloat16)).view(np.uint16)
+    for d in range(W):
+      np.testing.assert_array_equal(np.asarray(full[d]).view(np.uint16), expected)
+    assert (np.asarray(dense) == (step == 0)).all()
+    x = x * np.float32(1.01)

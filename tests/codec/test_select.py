@@ -1,0 +1,81 @@
+"""Selection of compressed gathers: latency fit, gains, ranking by gain per state byte, budget."""
+import numpy as np
+import pytest
+
+from moejax.codec import gather
+from moejax.codec import select
+
+W = 8
+# 10 us per collective, 1 ns per byte each device contributes.
+COMM = select.CommModel(alpha=1e-5, beta=1e-9)
+
+
+def test_comm_model_fit():
+  sizes = np.array([1e3, 1e5, 1e6, 1e7, 1e8])
+  exact = select.CommModel.fit(list(zip(sizes, 2e-5 + 3e-10 * sizes)))
+  assert exact.alpha == pytest.approx(2e-5, rel=1e-6) and exact.beta == pytest.approx(3e-10)
+  noisy = 2e-5 + 3e-10 * sizes * (1 + 0.01 * np.array([1, -1, 1, -1, 1]))
+  fit = select.CommModel.fit(list(zip(sizes, noisy)))
+  assert fit.beta == pytest.approx(3e-10, rel=0.02)
+  # Data whose line crosses zero below: no negative latency, slope through the origin.
+  through = select.CommModel.fit([(1e6, 1e-3), (2e6, 2.5e-3)])
+  assert through.alpha == 0.0 and through.beta > 0
+  with pytest.raises(ValueError, match="distinct sizes"):
+    select.CommModel.fit([(1e6, 1e-3), (1e6, 2e-3)])
+  with pytest.raises(ValueError, match="does not grow"):
+    select.CommModel.fit([(1e3, 1e-3), (1e6, 1e-4)])
+
+
+def _param(name, shape, q_element, q_block, decode_s=0.0):
+  return select.ParamStats(name, shape, "bfloat16", q_element, q_block, decode_s)
+
+
+def test_gain_matches_hand_computation():
+  p = _param("w", (1024, 1024), 0.02, 0.9, decode_s=1e-5)
+  spec, gain, nbytes = select.evaluate(p, "element", "exact", COMM, W, margin=1.5)
+  assert spec.mode == "element" and spec.capacity_fraction == pytest.approx(0.03)
+  n = 2**20
+  capacity = int(np.ceil(spec.capacity_fraction * n))
+  payload = n + (-(-capacity // 32) * 32) * (20 + 8) // 8      # sign+mantissa, positions, exps
+  expected = COMM(2 * n) - COMM(payload) - COMM(16) - 1e-5
+  assert gain == pytest.approx(expected, rel=1e-9)
+  assert nbytes == (W - 1) * n + n + 5
+
+
+def test_selection_ranks_by_gain_per_byte_and_respects_budget():
+  params = [
+      _param("mlp", (1024, 1024), 0.02, 0.95),             # element mode pays
+      _param("embed", (4096, 256), 0.01, 0.01),             # changes bunched in few rows: blocks
+      _param("norm", (64,), 0.0, 0.0),                      # too small: latency dominates
+      _param("hot", (1024, 1024), 0.5, 1.0),                # too many changes: no gain
+      _param("attn", (512, 512), 0.02, 0.95),               # like mlp, smaller
+  ]
+  one_mlp = gather.state_bytes((1024, 1024), "bfloat16", W, gather.CodecSpec("element"))
+  budget = one_mlp + gather.state_bytes((512, 512), "bfloat16", W, gather.CodecSpec("element"))
+  out = {s.name: s for s in select.select(params, COMM, axis_size=W, cache_budget_bytes=budget)}
+  assert [s.name for s in select.select(params, COMM, axis_size=W, cache_budget_bytes=0)] == [
+      p.name for p in params]
+  assert out["norm"].reason == "no gain" and out["norm"].spec.mode == "off"
+  assert out["hot"].reason == "no gain" and out["hot"].gain_s <= 0
+  assert out["embed"].best.mode == "block"
+  assert out["mlp"].best.mode == "element" and out["attn"].best.mode == "element"
+  # Gain per state byte: embed (block, sparse) > mlp > attn; embed fits first, then mlp does not.
+  density = {k: out[k].gain_s / out[k].state_bytes for k in ("embed", "mlp", "attn")}
+  assert density["embed"] > density["mlp"] > density["attn"] > 0
+  assert out["embed"].reason == "selected" and out["embed"].spec == out["embed"].best
+  assert out["mlp"].reason == "over budget" and out["mlp"].spec.mode == "off"
+  assert out["attn"].reason == "selected"
+  used = sum(s.state_bytes for s in out.values() if s.reason == "selected")
+  assert used <= budget
+
+
+def test_decode_cost_and_hash_option():
+  p = _param("w", (1024, 1024), 0.02, 0.02, decode_s={"element": 1.0, "block": 0.0})
+  (only,) = select.select([p], COMM, axis_size=W, cache_budget_bytes=10**9)
+  assert only.spec.mode == "block" and only.spec.detect == "exact"
+  (hashed,) = select.select([p], COMM, axis_size=W, cache_budget_bytes=10**9, allow_hash=True)
+  assert hashed.spec.detect == "hash" and hashed.state_bytes < only.state_bytes
+  assert hashed.gain_s == pytest.approx(only.gain_s)
+  slow = _param("w", (1024, 1024), 0.02, 0.02, decode_s=1.0)
+  (off,) = select.select([slow], COMM, axis_size=W, cache_budget_bytes=10**9)
+  assert off.reason == "no gain" and off.spec.mode == "off"

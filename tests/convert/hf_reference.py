@@ -1,0 +1,136 @@
+"""Reference side of the Hugging Face OLMoE tests: runs in the Python 3.11 torch env (.venv311,
+made by scripts/setup_torch_env.sh), never in the moejax env.
+
+  make OUT_DIR                  small random OlmoeForCausalLM models, saved with save_pretrained,
+                                and their fp32 reference logits on random tokens (MODELS below):
+                                OUT_DIR/NAME/ (the checkpoint), OUT_DIR/NAME.tokens.npy,
+                                OUT_DIR/NAME.logits.npy
+  logits HF_DIR TOKENS OUT      loads HF_DIR with transformers, writes fp32 logits for TOKENS
+  serve                         the two commands above as JSON lines on stdin -> one JSON reply
+                                line each on stdout ({"cmd": "make", "args": {...}}), so a test
+                                session imports torch once
+
+Run by hand: .venv311/bin/python tests/convert/hf_reference.py make /tmp/olmoe_ref
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+# Two configurations that differ in layers, heads, head width, experts, top-k, expert width,
+# RoPE base, norm epsilon, top-k renormalization and how the checkpoint is saved.
+MODELS = {
+    "a": dict(
+        config=dict(vocab_size=96, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+                    num_attention_heads=4, num_experts=8, num_experts_per_tok=2,
+                    norm_topk_prob=False, rope_theta=10000.0, rms_norm_eps=1e-5),
+        # the Hub's layout: one tensor per expert projection, sharded with an index
+        save=dict(max_shard_size="64KB")),
+    "b": dict(
+        config=dict(vocab_size=80, hidden_size=48, intermediate_size=40, num_hidden_layers=3,
+                    num_attention_heads=3, num_experts=6, num_experts_per_tok=3,
+                    norm_topk_prob=True, rope_theta=500000.0, rms_norm_eps=1e-6,
+                    router_aux_loss_coef=0.02),
+        # transformers >= 5 in-memory layout: fused gate_up_proj / down_proj, one file
+        save=dict(save_original_format=False)),
+}
+TOKENS_SHAPE = (2, 16)
+WEIGHT_STD = 0.1       # larger than OLMoE's 0.02 so routing and attention are far from uniform
+
+
+def _torch():
+  import torch
+  torch.set_num_threads(1)
+  return torch
+
+
+def _load(hf_dir):
+  torch = _torch()
+  from transformers import OlmoeForCausalLM
+  model, info = OlmoeForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
+                                                 attn_implementation="eager",
+                                                 output_loading_info=True)
+  return model.eval(), {k: sorted(map(str, v)) for k, v in info.items() if v}
+
+
+def _logits(model, tokens):
+  import numpy as np
+  torch = _torch()
+  with torch.no_grad():
+    out = model(input_ids=torch.from_numpy(tokens.astype(np.int64))).logits
+  return out.to(torch.float32).numpy()
+
+
+def make(out_dir: str) -> dict:
+  import numpy as np
+  torch = _torch()
+  from transformers import OlmoeConfig, OlmoeForCausalLM
+  os.makedirs(out_dir, exist_ok=True)
+  made = {}
+  for seed, (name, spec) in enumerate(sorted(MODELS.items())):
+    torch.manual_seed(seed)
+    config = OlmoeConfig(**spec["config"], initializer_range=WEIGHT_STD, pad_token_id=None,
+                         eos_token_id=None, bos_token_id=None)
+    model = OlmoeForCausalLM(config).to(torch.float32).eval()
+    with torch.no_grad():
+      for pname, p in model.named_parameters():
+        if pname.endswith("norm.weight") or "layernorm" in pname:
+          p.copy_(1.0 + 0.2 * torch.randn_like(p))   # OLMoE starts norms at 1; make them differ
+        else:
+          p.normal_(0.0, WEIGHT_STD)
+    hf_dir = os.path.join(out_dir, name)
+    model.save_pretrained(hf_dir, **spec["save"])
+    tokens = np.random.default_rng(seed).integers(0, config.vocab_size, TOKENS_SHAPE)
+    tokens = tokens.astype(np.int32)
+    np.save(os.path.join(out_dir, f"{name}.tokens.npy"), tokens)
+    np.save(os.path.join(out_dir, f"{name}.logits.npy"), _logits(model, tokens))
+    made[name] = hf_dir
+  return {"models": made}
+
+
+def logits(hf_dir: str, tokens: str, out: str) -> dict:
+  import numpy as np
+  model, info = _load(hf_dir)
+  np.save(out, _logits(model, np.load(tokens)))
+  return {"loading_info": info}
+
+
+COMMANDS = {"make": make, "logits": logits}
+
+
+def serve() -> None:
+  channel = os.fdopen(os.dup(1), "w")
+  os.dup2(2, 1)          # library prints go to stderr; stdout carries only replies
+  for line in sys.stdin:
+    if not line.strip():
+      continue
+    try:
+      request = json.loads(line)
+      reply = {"ok": True, **COMMANDS[request["cmd"]](**request.get("args", {}))}
+    except Exception:   # reported to the caller, who fails the test with it
+      reply = {"ok": False, "error": traceback.format_exc()}
+    channel.write(json.dumps(reply) + "\n")
+    channel.flush()
+
+
+def main(argv: list[str]) -> int:
+  os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+  os.environ.setdefault("HF_HUB_OFFLINE", "1")
+  os.environ.setdefault("TQDM_DISABLE", "1")
+  if argv[:1] == ["serve"]:
+    serve()
+    return 0
+  if argv[:1] == ["make"] and len(argv) == 2:
+    print(json.dumps(make(argv[1])))
+    return 0
+  if argv[:1] == ["logits"] and len(argv) == 4:
+    print(json.dumps(logits(*argv[1:])))
+    return 0
+  print(__doc__, file=sys.stderr)
+  return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

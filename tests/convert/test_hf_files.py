@@ -1,0 +1,219 @@
+"""Hugging Face checkpoint files without torch: what import refuses and how it says so, dtypes,
+sharding of the export, the config mapping, the command line's exit code."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from moejax.convert import __main__ as cli
+from moejax.convert import config_from_hf, hf_config_from, load_hf, save_hf
+from moejax.errors import CheckpointError
+from moejax.models import olmoe
+from tests.helpers import REPO, tiny_config
+
+SINGLE = "model.safetensors"
+
+
+@pytest.fixture(scope="module")
+def model():
+  cfg = tiny_config(**{"model.vocab_size": 96, "model.d_model": 32, "moe.expert_hidden": 16,
+                       "model.num_heads": 2})
+  params = jax.tree.map(np.asarray, jax.jit(lambda k: olmoe.init_params(cfg, k))(jax.random.key(0)))
+  return cfg, params
+
+
+@pytest.fixture
+def hf_dir(model, tmp_path):
+  cfg, params = model
+  path = str(tmp_path / "hf")
+  save_hf(params, cfg, path)
+  return path
+
+
+def edit_config(path, **changes):
+  with open(os.path.join(path, "config.json")) as f:
+    hf = json.load(f)
+  hf.update(changes)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(hf, f)
+
+
+def edit_tensors(path, edit):
+  tensors = load_file(os.path.join(path, SINGLE))
+  edit(tensors)
+  save_file(tensors, os.path.join(path, SINGLE), metadata={"format": "pt"})
+
+
+def load_error(path) -> str:
+  with pytest.raises(CheckpointError) as info:
+    load_hf(path)
+  message = str(info.value)
+  assert "\n" not in message
+  return message
+
+
+@pytest.mark.parametrize("changes,expected", [
+    (dict(model_type="llama"), "model_type='llama', but only 'olmoe'"),
+    (dict(clip_qkv=8.0), "clip_qkv=8.0 is not supported"),
+    (dict(num_key_value_heads=1), "num_key_value_heads=1 is not supported"),
+    (dict(tie_word_embeddings=True), "tie_word_embeddings=True is not supported"),
+    (dict(attention_bias=True), "attention_bias=True is not supported"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling.rope_type='linear'"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    (dict(num_experts_per_tok=99), "moe.top_k=99"),
+    (dict(num_hidden_layers="2"), "num_hidden_layers='2' should be int"),
+])
+def test_refuses_configs_moejax_does_not_model(hf_dir, changes, expected):
+  edit_config(hf_dir, **changes)
+  assert expected in load_error(hf_dir)
+
+
+def test_refuses_what_is_not_a_checkpoint(hf_dir, tmp_path):
+  assert "not a directory" in load_error(str(tmp_path / "nowhere"))
+  os.remove(os.path.join(hf_dir, SINGLE))
+  assert f"no {SINGLE} or model.safetensors.index.json" in load_error(hf_dir)
+  os.remove(os.path.join(hf_dir, "config.json"))
+  assert "config.json: missing" in load_error(hf_dir)
+
+
+def test_truncated_file(hf_dir):
+  path = os.path.join(hf_dir, SINGLE)
+  with open(path, "r+b") as f:
+    f.truncate(os.path.getsize(path) // 2)
+  assert f"{SINGLE}: cannot read as safetensors" in load_error(hf_dir)
+
+
+def test_missing_shard(model, tmp_path):
+  cfg, params = model
+  path = str(tmp_path / "hf")
+  files = save_hf(params, cfg, path, max_shard_bytes=20_000)
+  shards = [f for f in files if f.endswith(".safetensors")]
+  assert len(shards) > 2
+  os.remove(os.path.join(path, shards[1]))
+  message = load_error(path)
+  assert shards[1] in message and "is missing" in message
+
+
+def test_missing_and_unexpected_tensors(hf_dir):
+  name = "model.layers.1.mlp.experts.3.up_proj.weight"
+  edit_tensors(hf_dir, lambda t: t.pop(name))
+  assert f"tensor {name!r} is missing" in load_error(hf_dir)
+  edit_tensors(hf_dir, lambda t: t.update({
+      name: np.zeros((16, 32), np.float32),
+      "model.layers.0.self_attn.q_proj.bias": np.zeros((32,), np.float32)}))
+  assert "'model.layers.0.self_attn.q_proj.bias' has no place" in load_error(hf_dir)
+
+
+def test_shape_mismatch_names_tensor_and_both_shapes(hf_dir):
+  name = "model.layers.0.self_attn.k_proj.weight"
+  edit_tensors(hf_dir, lambda t: t.update({name: np.zeros((32, 31), np.float32)}))
+  message = load_error(hf_dir)
+  assert f"tensor {name!r} has shape (32, 31), but config.json implies (32, 32)" in message
+
+
+@pytest.mark.parametrize("dtype,label", [(np.float64, "F64"), (np.int32, "I32")])
+def test_refuses_dtypes_fp32_cannot_hold(hf_dir, dtype, label):
+  name = "model.norm.weight"
+  edit_tensors(hf_dir, lambda t: t.update({name: t[name].astype(dtype)}))
+  message = load_error(hf_dir)
+  assert f"tensor {name!r} has dtype {label}" in message and "BF16" in message
+
+
+def test_bfloat16_and_float16_checkpoints_read_exactly(model, tmp_path):
+  cfg, params = model
+  path = str(tmp_path / "bf16")
+  save_hf(params, cfg, path, dtype="bfloat16")
+  with open(os.path.join(path, "config.json")) as f:
+    assert json.load(f)["torch_dtype"] == "bfloat16"
+  _, loaded = load_hf(path)
+  for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(loaded)):
+    assert y.dtype == np.float32
+    want = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(y.view(np.uint32), want.view(np.uint32))
+  edit_tensors(path, lambda t: t.update({k: v.astype(np.float32).astype(np.float16)
+                                         for k, v in t.items()}))
+  _, loaded16 = load_hf(path)
+  emb = load_file(os.path.join(path, SINGLE))["model.embed_tokens.weight"]
+  np.testing.assert_array_equal(loaded16["embed"], emb.astype(np.float32))
+
+
+def test_export_shards_and_index(model, tmp_path):
+  cfg, params = model
+  path = str(tmp_path / "hf")
+  files = save_hf(params, cfg, path, max_shard_bytes=30_000)
+  with open(os.path.join(path, "model.safetensors.index.json")) as f:
+    index = json.load(f)
+  shards = sorted(f for f in files if f.endswith(".safetensors"))
+  assert sorted(set(index["weight_map"].values())) == shards
+  assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+  sizes = [os.path.getsize(os.path.join(path, s)) for s in shards]
+  largest_tensor = 4 * 96 * 32
+  assert max(sizes) <= 30_000 + largest_tensor + 4096      # + header
+  n_params = sum(x.size for x in jax.tree.leaves(params))
+  assert index["metadata"]["total_size"] == 4 * n_params
+  # a second export into the same directory is refused, unless asked to overwrite
+  with pytest.raises(CheckpointError, match="already holds a checkpoint"):
+    save_hf(params, cfg, path)
+  save_hf(params, cfg, path, overwrite=True)
+  assert sorted(f for f in os.listdir(path) if "safetensors" in f) == [SINGLE]
+
+
+def test_export_refuses_what_hf_olmoe_cannot_hold(model, tmp_path):
+  cfg, params = model
+  bad = dict(params, lm_head=params["lm_head"][:, :95])
+  with pytest.raises(CheckpointError, match=r"'lm_head' has shape \(32, 95\), but the config "
+                                            r"implies \(32, 96\)"):
+    save_hf(bad, cfg, str(tmp_path / "a"))
+  sigmoid = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, score="sigmoid"))
+  with pytest.raises(CheckpointError, match="sigmoid"):
+    save_hf(params, sigmoid, str(tmp_path / "b"))
+
+
+def test_config_round_trip_and_hub_fields():
+  cfg = tiny_config(**{"moe.renormalize": True, "moe.aux_loss_weight": 0.03,
+                       "model.rope_theta": 5e5, "model.norm_eps": 1e-6})
+  assert config_from_hf(hf_config_from(cfg), base=cfg) == cfg
+  # A config.json as the Hub's OLMoE-1B-7B has it (transformers 4 field names).
+  hub = {"model_type": "olmoe", "vocab_size": 50304, "hidden_size": 2048,
+         "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16,
+         "intermediate_size": 1024, "num_experts": 64, "num_experts_per_tok": 8,
+         "rope_theta": 10000.0, "rope_scaling": None, "rms_norm_eps": 1e-05, "clip_qkv": None,
+         "norm_topk_prob": False, "router_aux_loss_coef": 0.01, "tie_word_embeddings": False,
+         "initializer_range": 0.02, "hidden_act": "silu", "attention_bias": False}
+  got = config_from_hf(hub)
+  assert (got.model.d_model, got.model.head_dim, got.moe.num_experts, got.moe.top_k) == (
+      2048, 128, 64, 8)
+  assert not got.moe.renormalize and got.moe.aux_loss_weight == 0.01
+  # transformers 5 keeps the RoPE base in rope_parameters.
+  v5 = dict(hub, rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+  del v5["rope_theta"], v5["rope_scaling"]
+  assert config_from_hf(v5).model.rope_theta == 5e5
+
+
+def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
+  assert cli.main(["to-hf", str(tmp_path / "no_ckpt"), str(tmp_path / "out")]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: ") and err.count("\n") == 1
+  run = subprocess.run([sys.executable, "-m", "moejax.convert", "from-hf", str(tmp_path / "none"),
+                        str(tmp_path / "out")], cwd=REPO, capture_output=True, text=True,
+                       timeout=120, check=False)
+  assert run.returncode == 2, run.stderr
+  assert run.stderr.startswith("error: ") and run.stderr.count("\n") == 1, run.stderr
+  assert "not a directory" in run.stderr
+
+
+def test_cli_from_hf_refuses_a_used_directory(hf_dir, tmp_path, capsys):
+  out = tmp_path / "used"
+  out.mkdir()
+  (out / "something").write_text("x")
+  assert cli.main(["from-hf", hf_dir, str(out)]) == 2
+  assert "not empty" in capsys.readouterr().err

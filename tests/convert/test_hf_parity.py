@@ -1,0 +1,184 @@
+"""Hugging Face OLMoE import/export against transformers itself (the reference runs in .venv311).
+
+Two random OlmoeForCausalLM models (tests/convert/hf_reference.py MODELS): "a" saved in the Hub's
+per-expert layout, sharded with an index; "b" saved fused (transformers >= 5,
+save_original_format=False) in one file. They differ in layers, heads, head width, experts, top-k,
+expert width, RoPE base, norm epsilon and top-k renormalization.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from moejax.convert import __main__ as cli
+from moejax.convert import load_hf, read_hf_config, save_hf
+from moejax.models import olmoe
+from moejax.sharding.mesh import make_mesh
+from moejax.train import checkpoint as train_checkpoint
+from moejax.train.optim import make_optimizer
+from moejax.train.state import state_layout
+
+MODELS = ("a", "b")
+
+
+def fp32_logits(cfg, params, tokens):
+  gather = functools.partial(olmoe.cast_gather, dtype=jnp.float32)
+  logits, _ = jax.jit(lambda p, t: olmoe.forward(cfg, p, t, gather=gather, remat=False))(
+      params, tokens)
+  return np.asarray(logits)
+
+
+def assert_logits_close(got, want, rel=1e-4):
+  scale = float(np.max(np.abs(want)))
+  diff = float(np.max(np.abs(got - want)))
+  assert diff < rel * scale, f"max |logit diff| {diff:.3g} >= {rel:g} * max |logit| {scale:.3g}"
+
+
+def bits(x) -> np.ndarray:
+  x = np.asarray(x)
+  assert x.dtype == np.float32, x.dtype
+  return x.view(np.uint32)
+
+
+def assert_same_bits(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+    assert x.shape == y.shape, jax.tree_util.keystr(path)
+    np.testing.assert_array_equal(bits(x), bits(y), err_msg=jax.tree_util.keystr(path))
+
+
+def read_all(hf_dir) -> dict[str, np.ndarray]:
+  out = {}
+  for fname in sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors")):
+    with safe_open(os.path.join(hf_dir, fname), "numpy") as f:
+      out.update({k: f.get_tensor(k) for k in f.keys()})
+  return out
+
+
+@pytest.fixture(scope="module")
+def imported(hf_models):
+  return {name: load_hf(hf_models[name][0]) for name in MODELS}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_logits_match_transformers_fp32(name, hf_models, imported):
+  _, tokens, want = hf_models[name]
+  cfg, params = imported[name]
+  assert_logits_close(fp32_logits(cfg, params, tokens), want)
+
+
+def test_config_mapping(hf_models, imported):
+  cfg, _ = imported["b"]
+  m, moe = cfg.model, cfg.moe
+  assert (m.vocab_size, m.d_model, m.num_layers, m.num_heads, m.head_dim) == (80, 48, 3, 3, 16)
+  assert (m.rope_theta, m.norm_eps, m.init_std) == (500000.0, 1e-6, 0.1)
+  assert (moe.num_experts, moe.top_k, moe.expert_hidden) == (6, 3, 40)
+  assert moe.renormalize and moe.score == "softmax" and moe.aux_loss_weight == 0.02
+  assert not imported["a"][0].moe.renormalize
+
+
+def test_export_reimport_is_bit_exact(hf_models, imported, tmp_path):
+  for name in MODELS:
+    hf_dir = hf_models[name][0]
+    cfg, params = imported[name]
+    out = str(tmp_path / name)
+    files = save_hf(params, cfg, out, max_shard_bytes=40_000, hf_config_base=read_hf_config(hf_dir))
+    assert "model.safetensors.index.json" in files and len(files) > 3
+    cfg2, params2 = load_hf(out)
+    assert cfg2 == cfg
+    assert_same_bits(params, params2)
+
+
+def test_export_writes_the_hub_tensors_bit_for_bit(hf_models, imported, tmp_path):
+  """Model a was saved per expert: the export holds the same tensors, names, shapes and bits.
+  Model b was saved fused: its per-expert export matches the fused tensors' halves."""
+  cfg, params = imported["a"]
+  save_hf(params, cfg, str(tmp_path / "a"))
+  original, exported = read_all(hf_models["a"][0]), read_all(str(tmp_path / "a"))
+  assert sorted(original) == sorted(exported)
+  for k in original:
+    np.testing.assert_array_equal(bits(exported[k]), bits(original[k]), err_msg=k)
+
+  cfg, params = imported["b"]
+  save_hf(params, cfg, str(tmp_path / "b"))
+  fused, exported = read_all(hf_models["b"][0]), read_all(str(tmp_path / "b"))
+  f = cfg.moe.expert_hidden
+  for i in range(cfg.model.num_layers):
+    gate_up = fused.pop(f"model.layers.{i}.mlp.experts.gate_up_proj")
+    down = fused.pop(f"model.layers.{i}.mlp.experts.down_proj")
+    for e in range(cfg.moe.num_experts):
+      prefix = f"model.layers.{i}.mlp.experts.{e}"
+      for hf_name, want in (("gate_proj", gate_up[e, :f]), ("up_proj", gate_up[e, f:]),
+                            ("down_proj", down[e])):
+        got = exported.pop(f"{prefix}.{hf_name}.weight")
+        np.testing.assert_array_equal(bits(got), bits(want), err_msg=f"{prefix}.{hf_name}")
+  assert sorted(fused) == sorted(exported)
+  for k in fused:
+    np.testing.assert_array_equal(bits(exported[k]), bits(fused[k]), err_msg=k)
+
+
+def test_transformers_loads_the_export(hf_models, imported, hf_reference, tmp_path):
+  for name in MODELS:
+    hf_dir, tokens, want = hf_models[name]
+    cfg, params = imported[name]
+    out = str(tmp_path / name)
+    save_hf(params, cfg, out, max_shard_bytes=30_000 if name == "b" else 10**9,
+            hf_config_base=read_hf_config(hf_dir))
+    np.save(str(tmp_path / f"{name}.tokens.npy"), tokens)
+    reply = hf_reference.call("logits", hf_dir=out, tokens=str(tmp_path / f"{name}.tokens.npy"),
+                              out=str(tmp_path / f"{name}.logits.npy"))
+    assert reply["loading_info"] == {}, reply["loading_info"]   # no missing/unexpected keys
+    got = np.load(str(tmp_path / f"{name}.logits.npy"))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * float(np.max(np.abs(want))))
+
+
+@pytest.mark.parametrize("name,placement,mesh_shape", [("a", "ep", (2, 4)), ("a", "fsdp", (1, 8)),
+                                                       ("b", "fsdp", (2, 4))])
+def test_load_straight_into_shards(name, placement, mesh_shape, hf_models, imported):
+  """On 8 devices: each leaf lands with the train state's sharding and the same bits as the
+  host load (model b reads fused gate/up halves block by block)."""
+  assert jax.device_count() == 8
+  cfg, host_params = imported[name]
+  cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, placement=placement))
+  mesh = make_mesh(mesh_shape)
+  shardings = state_layout(cfg, mesh, make_optimizer(cfg)).shardings.params
+  _, params = load_hf(hf_models[name][0], shardings=shardings)
+  leaves = zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(shardings),
+               jax.tree.leaves(host_params))
+  for (path, x), want_sharding, host in leaves:
+    assert x.sharding == want_sharding, jax.tree_util.keystr(path)
+    np.testing.assert_array_equal(bits(x), bits(host), err_msg=jax.tree_util.keystr(path))
+  if placement == "ep":   # experts really are split: each device holds E / 8 of them
+    w_gate = params["layers"]["moe"]["w_gate"]
+    assert {s.data.shape[1] for s in w_gate.addressable_shards} == {cfg.moe.num_experts // 8}
+
+
+def test_cli_from_hf_then_to_hf(hf_models, imported, tmp_path, capsys):
+  hf_dir = hf_models["a"][0]
+  ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
+  assert cli.main(["from-hf", hf_dir, ckpt]) == 0
+  assert "wrote" in capsys.readouterr().out
+  cfg, params = imported["a"]
+  # What a training run reads back.
+  assert train_checkpoint.load_config(ckpt) == cfg
+  assert_same_bits(train_checkpoint.load_params(ckpt), params)
+  assert cli.main(["to-hf", ckpt, out, "--max-shard-size", "64KB"]) == 0
+  original, exported = read_all(hf_dir), read_all(out)
+  assert sorted(original) == sorted(exported)
+  for k in original:
+    np.testing.assert_array_equal(bits(exported[k]), bits(original[k]), err_msg=k)
+  with open(os.path.join(hf_dir, "config.json")) as f:
+    want = json.load(f)
+  with open(os.path.join(out, "config.json")) as f:
+    got = json.load(f)
+  for key in ("vocab_size", "hidden_size", "num_experts", "num_experts_per_tok", "norm_topk_prob",
+              "rms_norm_eps", "eos_token_id", "pad_token_id", "max_position_embeddings"):
+    assert got[key] == want[key], key
