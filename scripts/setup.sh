@@ -3,12 +3,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=""
+works() {   # a pyenv shim exists on PATH even where it cannot run: try it
+  "$1" -c 'import sys; assert sys.version_info >= (3, 12)' >/dev/null 2>&1
+}
 for candidate in python3.12 python3.13; do
-  if command -v "$candidate" >/dev/null 2>&1; then PY="$candidate"; break; fi
+  if works "$candidate"; then PY="$candidate"; break; fi
 done
 if [ -z "$PY" ] && command -v pyenv >/dev/null 2>&1; then
   for v in $(pyenv versions --bare | grep -E '^3\.1[2-9]' | sort -V -r); do
-    PY="$(pyenv root)/versions/$v/bin/python"; break
+    if works "$(pyenv root)/versions/$v/bin/python"; then
+      PY="$(pyenv root)/versions/$v/bin/python"; break
+    fi
   done
 fi
 if [ -z "$PY" ]; then
