@@ -12,7 +12,7 @@ from typing import Any
 
 from moejax.errors import ConfigError
 
-PLACEMENTS = ("fsdp", "ep")
+PLACEMENTS = ("fsdp", "ep", "fssdp")
 ADMISSIONS = ("none", "strict", "reroute")
 SCORES = ("softmax", "sigmoid")
 DATA_SOURCES = ("builtin", "text", "jsonl")
@@ -44,6 +44,15 @@ class MoEConfig:
   # 0 = dropless (static worst-case buffers); > 0: per-destination buffer of
   # ceil(capacity_factor * assignments / devices) tokens, overflow dropped and counted.
   capacity_factor: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class FssdpConfig:
+  """moe.placement='fssdp': owners plus this step's replicas of hot experts."""
+  replica_slots: int = 2      # M: replica slots per device per layer
+  overlap_degree: int = 4     # t: distinct experts materialized per layer and step
+  window: int = 5             # load predictor: mean of the last `window` steps
+  reshard_every: int = 100    # re-shard owners (parameters + optimizer state move); 0 = never
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +113,7 @@ class Config:
   model: ModelConfig = ModelConfig()
   moe: MoEConfig = MoEConfig()
   routing: RoutingConfig = RoutingConfig()
+  fssdp: FssdpConfig = FssdpConfig()
   data: DataConfig = DataConfig()
   optim: OptimConfig = OptimConfig()
   mesh: MeshConfig = MeshConfig()
@@ -203,6 +213,11 @@ def validate(c: Config) -> None:
   _check(moe.top_k <= moe.num_experts,
          f"config.moe.top_k={moe.top_k}: must be at most moe.num_experts={moe.num_experts}")
   _choice(moe.placement, "moe.placement", PLACEMENTS)
+  for field in ("replica_slots", "overlap_degree", "window"):
+    value = getattr(c.fssdp, field)
+    _check(value > 0, f"config.fssdp.{field}={value}: must be positive")
+  _check(c.fssdp.reshard_every >= 0,
+         f"config.fssdp.reshard_every={c.fssdp.reshard_every}: must be >= 0 (0 = never)")
   _choice(moe.score, "moe.score", SCORES)
   _check(moe.capacity_factor >= 0,
          f"config.moe.capacity_factor={moe.capacity_factor}: must be >= 0 (0 = dropless)")

@@ -8,7 +8,10 @@ Dropped assignments carry the sentinel expert id E and produce zeros.
 
   local   every expert's weights are here (single device, or FSDP after the gather).
   ep      experts partitioned over the N devices; `all_to_all` with a static per-destination
-          buffer of C rows. Dropless when C = A (the worst case: every assignment to one
+          buffer of C rows.
+  fssdp   as ep, plus this step's replicas of hot experts (moejax.sharding.fssdp_plan); each
+          assignment goes to one device holding its expert (`exchange` with a destination and
+          the expert's index there). Dropless when C = A (the worst case: every assignment to one
           device); with a capacity factor c, C = ceil(c * A / N) and overflow is dropped and
           counted. On GPU `lax.ragged_all_to_all` would move only the fill; XLA:CPU lacks it, so
           the static-buffer exchange is the path that runs and is tested here.
@@ -28,11 +31,13 @@ from moejax.layers.experts import run_sorted
 @dataclasses.dataclass(frozen=True)
 class Dispatch:
   """How the MoE block reaches its experts (static)."""
-  kind: str = "local"                 # "local" | "ep"
+  kind: str = "local"                 # "local" | "ep" | "fssdp"
   axis_names: tuple = ()
   num_devices: int = 1
   devices_per_node: int = 1
-  capacity_factor: float = 0.0        # ep only; 0 = dropless
+  capacity_factor: float = 0.0        # ep / fssdp; 0 = dropless
+  replica_slots: int = 0              # fssdp: M replica slots per device per layer
+  overlap_degree: int = 0             # fssdp: t, distinct experts materialized per step
 
 
 LOCAL = Dispatch()
@@ -58,31 +63,43 @@ def local_experts(x_TxD, experts_TxK, weights_TxK, w_gate, w_up, w_down):
   return combine(y_AxD, weights_TxK), jnp.zeros((), jnp.int32)
 
 
-def ep_experts(x_TxD, experts_TxK, weights_TxK, w_gate, w_up, w_down, *, dispatch: Dispatch):
-  """Expert parallel: experts [El, ...] here; returns (y_TxD fp32, assignments dropped here)."""
-  t, k = experts_TxK.shape
+def exchange(x_TxD, dest_A, local_id_A, weights_TxK, w_gate, w_up, w_down, *,
+             dispatch: Dispatch, num_groups: int):
+  """Sends assignment a (token a // K) to device dest_A[a] (N = nowhere), where it runs through
+  local expert group local_id_A[a] of the receiver's `num_groups` weight groups, and brings the
+  result back. Returns (y_TxD fp32, assignments dropped for lack of buffer room here,
+  rows received here)."""
+  t, k = weights_TxK.shape
   n, a, d = dispatch.num_devices, t * k, x_TxD.shape[-1]
-  el = w_gate.shape[0]
-  num_experts = el * n
   c = ep_capacity(a, n, dispatch.capacity_factor)
-  expert_A = experts_TxK.reshape(-1)
-  valid_A = expert_A < num_experts
-  dest_A = jnp.where(valid_A, expert_A // el, n)
+  valid_A = dest_A < n
   onehot_AxN = jax.nn.one_hot(dest_A, n, dtype=jnp.int32)
   pos_A = jnp.sum((jnp.cumsum(onehot_AxN, axis=0) - onehot_AxN) * onehot_AxN, axis=1)
   fits_A = valid_A & (pos_A < c)
   slot_A = jnp.where(fits_A, dest_A * c + pos_A, n * c)          # n*c: a discard row
   x_AxD = jnp.repeat(x_TxD, k, axis=0)
   send_x = jnp.zeros((n * c + 1, d), x_TxD.dtype).at[slot_A].set(x_AxD)[:-1]
-  send_e = jnp.full((n * c + 1,), el, jnp.int32).at[slot_A].set(expert_A % el)[:-1]
+  send_g = jnp.full((n * c + 1,), num_groups, jnp.int32).at[slot_A].set(local_id_A)[:-1]
   axes = dispatch.axis_names
   recv_x = lax.all_to_all(send_x.reshape(n, c, d), axes, 0, 0, tiled=True)
-  recv_e = lax.all_to_all(send_e.reshape(n, c), axes, 0, 0, tiled=True)
-  y_recv = run_sorted(recv_x.reshape(n * c, d), recv_e.reshape(-1), el, w_gate, w_up, w_down)
+  recv_g = lax.all_to_all(send_g.reshape(n, c), axes, 0, 0, tiled=True).reshape(-1)
+  y_recv = run_sorted(recv_x.reshape(n * c, d), recv_g, num_groups, w_gate, w_up, w_down)
   y_back = lax.all_to_all(y_recv.reshape(n, c, d), axes, 0, 0, tiled=True).reshape(n * c, d)
   y_AxD = jnp.where(fits_A[:, None], y_back[jnp.minimum(slot_A, n * c - 1)], 0)
   dropped = jnp.sum(valid_A & ~fits_A).astype(jnp.int32)
-  return combine(y_AxD, weights_TxK), dropped
+  received = jnp.sum(recv_g < num_groups).astype(jnp.int32)
+  return combine(y_AxD, weights_TxK), dropped, received
+
+
+def ep_experts(x_TxD, experts_TxK, weights_TxK, w_gate, w_up, w_down, *, dispatch: Dispatch):
+  """Expert parallel: experts [El, ...] here (device d owns experts d*El .. d*El+El-1).
+  Returns (y_TxD fp32, assignments dropped here, rows received here)."""
+  n = dispatch.num_devices
+  el = w_gate.shape[0]
+  expert_A = experts_TxK.reshape(-1)
+  dest_A = jnp.where(expert_A < el * n, expert_A // el, n)
+  return exchange(x_TxD, dest_A, expert_A % el, weights_TxK, w_gate, w_up, w_down,
+                  dispatch=dispatch, num_groups=el)
 
 
 def ep_a2a_bytes(tokens_per_device: int, top_k: int, d_model: int, num_devices: int,

@@ -24,6 +24,7 @@ from moejax.layers import dispatch as dispatch_lib
 from moejax.routing import admission as admission_lib
 from moejax.routing import router as router_lib
 from moejax.routing import stats as stats_lib
+from moejax.sharding import fssdp as sparse
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +51,9 @@ def local_experts_mask(dispatch: dispatch_lib.Dispatch, num_experts: int):
 
 
 class MoEBlock(nnx.Module):
+  """See the module docstring. With `fssdp` dispatch, call `materialize` first (before the
+  layer's attention, so its collective overlaps it) and pass the result as `materialized`."""
+
   def __init__(self, d_model: int, expert_hidden: int, spec: MoESpec, *, init_std: float = 0.02,
                rngs: nnx.Rngs):
     e, d, f = spec.num_experts, d_model, expert_hidden
@@ -60,8 +64,13 @@ class MoEBlock(nnx.Module):
     self.w_down = nnx.Param(init(rngs.params(), (e, f, d), jnp.float32))
     self.spec = spec
 
+  def materialize(self, predicted_load_E, dtype, *, dispatch: dispatch_lib.Dispatch):
+    w = (self.w_gate[...].astype(dtype), self.w_up[...].astype(dtype),
+         self.w_down[...].astype(dtype))
+    return sparse.materialize(predicted_load_E, *w, dispatch=dispatch)
+
   def __call__(self, x_BxSxD, *, dispatch: dispatch_lib.Dispatch = dispatch_lib.LOCAL,
-               axis_name=None, step=0):
+               axis_name=None, step=0, materialized=None):
     b, s, d = x_BxSxD.shape
     spec = self.spec
     x_TxD = x_BxSxD.reshape(b * s, d)
@@ -97,8 +106,13 @@ class MoEBlock(nnx.Module):
     if dispatch.kind == "local":
       y_TxD, dropped = dispatch_lib.local_experts(x_TxD, experts_TxK, weights_TxK, *w)
     elif dispatch.kind == "ep":
-      y_TxD, dropped = dispatch_lib.ep_experts(x_TxD, experts_TxK, weights_TxK, *w,
-                                               dispatch=dispatch)
+      y_TxD, dropped, received = dispatch_lib.ep_experts(x_TxD, experts_TxK, weights_TxK, *w,
+                                                         dispatch=dispatch)
+      aux["placement"] = sparse.ep_stats(experts_TxK, received, dispatch, d, w[0].shape[0])
+    elif dispatch.kind == "fssdp":
+      plan, w_all = materialized
+      y_TxD, dropped, aux["placement"] = sparse.fssdp_experts(
+          x_TxD, experts_TxK, weights_TxK, plan, *w_all, dispatch=dispatch)
     else:
       raise ValueError(f"unknown dispatch kind {dispatch.kind!r}")
     aux["dropped"] = dropped

@@ -44,10 +44,14 @@ class DecoderLayer(nnx.Module):
     self.moe = MoEBlock(m.d_model, moe.expert_hidden,
                         moe_spec(cfg), init_std=m.init_std, rngs=rngs)
 
-  def __call__(self, h_BxSxD, *, dispatch: Dispatch = LOCAL, axis_name=None, step=0):
+  def __call__(self, h_BxSxD, *, dispatch: Dispatch = LOCAL, axis_name=None, step=0,
+               predicted_load_E=None):
+    materialized = None
+    if dispatch.kind == "fssdp":   # issued before attention: the transfer overlaps it
+      materialized = self.moe.materialize(predicted_load_E, h_BxSxD.dtype, dispatch=dispatch)
     h_BxSxD = h_BxSxD + self.attn(self.attn_norm(h_BxSxD))
     y_BxSxD, aux = self.moe(self.ffn_norm(h_BxSxD), dispatch=dispatch, axis_name=axis_name,
-                            step=step)
+                            step=step, materialized=materialized)
     return h_BxSxD + y_BxSxD, aux
 
 
@@ -99,11 +103,13 @@ def forward(cfg: Config, params: dict, tokens_BxS, *, gather=cast_gather,
 
 def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=cast_gather,
                        states=None, dispatch: Dispatch = LOCAL, axis_name=None,
-                       remat: bool = True, prefetch: bool = False, step=0):
+                       remat: bool = True, prefetch: bool = False, step=0,
+                       predicted_load_LxE=None):
   """The forward pass with the gather hook's state threaded through.
 
   `gather(group, shards, group_states) -> (full, new_group_states, stats)`; `states` is
   {group: group_states} (layer states stacked on a leading L axis) or None.
+  `predicted_load_LxE` (fssdp dispatch) is the load predictor's expected tokens per expert.
   Returns (logits_BxSxV, aux_L, new_states, stats) with stats {group: stats of its gathers}
   (the layer group's stacked over L).
   """
@@ -117,16 +123,19 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=cast_gat
   embed_VxD = gather_group("embed")
   h_BxSxD = jnp.take(embed_VxD, tokens_BxS, axis=0)
 
-  def layer_step(h_BxSxD, layer_params, step):
+  def layer_step(h_BxSxD, layer_params, consts, layer_index):
+    step, predicted_load_LxE = consts
     layer = layer_from_params(cfg, layer_params)
-    return layer(h_BxSxD, dispatch=dispatch, axis_name=axis_name, step=step)
+    predicted = None if predicted_load_LxE is None else predicted_load_LxE[layer_index]
+    return layer(h_BxSxD, dispatch=dispatch, axis_name=axis_name, step=step,
+                 predicted_load_E=predicted)
 
   def gather_layer(shards, state):
     return gather("layers", shards, state)
 
   h_BxSxD, aux_L, new_states["layers"], stats["layers"] = scan_layers(
       layer_step, h_BxSxD, params["layers"], gather_layer, states["layers"],
-      jnp.asarray(step, jnp.int32), remat=remat, prefetch=prefetch)
+      (jnp.asarray(step, jnp.int32), predicted_load_LxE), remat=remat, prefetch=prefetch)
   h_BxSxD = rms_norm(h_BxSxD, gather_group("final_norm"), cfg.model.norm_eps)
   logits_BxSxV = jnp.dot(h_BxSxD, gather_group("lm_head"), preferred_element_type=jnp.float32)
   return logits_BxSxV, aux_L, new_states, stats

@@ -51,7 +51,7 @@ def _layout_for(path, shape, placement: str, n: int) -> Layout:
   names = _path_names(path)
   stacked = names[0] == "layers"
   first = 1 if stacked else 0
-  if is_expert_param(path) and placement == "ep":
+  if is_expert_param(path) and placement in ("ep", "fssdp"):
     return Layout("expert", first)       # [L, E, ...]: experts partitioned over devices
   if n == 1:
     return Layout("replicate")

@@ -1,7 +1,7 @@
 """Scan over layers with just-in-time parameter gathers, optionally prefetched one layer ahead.
 
 `scan_layers(layer_fn, h, shards_L, gather, states_L, consts, remat=..., prefetch=...)` runs
-`h, aux = layer_fn(h, full_params, consts)` for each layer, where
+`h, aux = layer_fn(h, full_params, consts, i)` for each layer i, where
 `full_params, new_state, stats = gather(layer_shards, layer_state)` is the sharding hook
 (`state` is the compressed gather's per-layer state, or None for the plain gather).
 `consts` carries traced values the layer needs (e.g. the step): pass them here, never by
@@ -31,7 +31,8 @@ def _take(tree, i):
 
 
 def _prefetched_layer(layer_fn, gather, remat: bool):
-  """layer(h, full, shards, state, consts) -> layer_fn(h, full, consts), with the VJP above."""
+  """layer(h, full, shards, state, consts) -> layer_fn(h, full, consts), with the VJP above
+  (`consts` here includes the layer index)."""
 
   def regather(shards, state):
     return gather(shards, state)[0]
@@ -63,20 +64,21 @@ def _prefetched_layer(layer_fn, gather, remat: bool):
 
 def scan_layers(layer_fn, h, shards_L, gather, states_L=None, consts=(), *, remat: bool = True,
                 prefetch: bool = False):
+  num_layers = jax.tree.leaves(shards_L)[0].shape[0]
+  index_L = jnp.arange(num_layers, dtype=jnp.int32)
   if not prefetch:
     def body(h, xs):
-      layer_shards, layer_state = xs
+      layer_shards, layer_state, i = xs
       full, new_state, stats = gather(layer_shards, layer_state)
-      h, aux = layer_fn(h, full, consts)
+      h, aux = layer_fn(h, full, consts, i)
       return h, (aux, new_state, stats)
 
     if remat:
       body = jax.checkpoint(body)
-    h, (aux_L, new_states_L, stats_L) = lax.scan(body, h, (shards_L, states_L))
+    h, (aux_L, new_states_L, stats_L) = lax.scan(body, h, (shards_L, states_L, index_L))
     return h, aux_L, new_states_L, stats_L
 
-  num_layers = jax.tree.leaves(shards_L)[0].shape[0]
-  layer = _prefetched_layer(layer_fn, gather, remat)
+  layer = _prefetched_layer(lambda h, full, c: layer_fn(h, full, *c), gather, remat)
   full_0, new_state_0, stats_0 = gather(_take(shards_L, 0), _take(states_L, 0))
   full_0 = lax.stop_gradient(full_0)
   roll = lambda t: jax.tree.map(lambda x: jnp.roll(x, -1, axis=0), t)   # noqa: E731
@@ -95,10 +97,10 @@ def scan_layers(layer_fn, h, shards_L, gather, states_L=None, consts=(), *, rema
     # Issue the next layer's gather first, then compute this layer.
     full_next, state_next, stats_next = lax.cond(i + 1 < num_layers, prefetch_next, nothing,
                                                  (next_shards, next_state))
-    h, aux = layer(h, full, layer_shards, layer_state, consts)
+    h, aux = layer(h, full, layer_shards, layer_state, (consts, i))
     return (h, full_next), (aux, state_next, stats_next)
 
-  xs = (jnp.arange(num_layers), shards_L, states_L, roll(shards_L), roll(states_L))
+  xs = (index_L, shards_L, states_L, roll(shards_L), roll(states_L))
   (h, _), (aux_L, next_states_L, next_stats_L) = lax.scan(body, (h, full_0), xs)
   # Iteration i produced layer i+1's gather: shift back and put layer 0's in front.
   unshift = lambda first, rest: jax.tree.map(          # noqa: E731

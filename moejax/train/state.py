@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from moejax.codec.gather import CodecSpec
 from moejax.config import Config
 from moejax.models import olmoe
-from moejax.sharding import layout as layout_lib
+from moejax.sharding import fssdp_plan, layout as layout_lib
 from moejax.sharding.gatherer import Gatherer
 from moejax.sharding.mesh import num_devices
 
@@ -30,6 +30,8 @@ class TrainState:
   # Per-device state of the compressed gather ({group: {param: state}}; empty dicts when the
   # codec is off). Rebuilt, not checkpointed: after a restore the first gather sends everything.
   gather_state: Any = None
+  # fssdp: the load predictor's recent per-layer expert loads (fssdp_plan.LoadHistory).
+  load_history: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +43,7 @@ class StateLayout:
   shardings: Any        # TrainState of NamedSharding
   gatherer: Gatherer    # the gather hook bound to these parameters (codec choice + state)
   mesh: Any
+  cfg: Any = None
 
 
 def state_layout(cfg: Config, mesh, tx: optax.GradientTransformation) -> StateLayout:
@@ -59,9 +62,12 @@ def state_layout(cfg: Config, mesh, tx: optax.GradientTransformation) -> StateLa
   gatherer = Gatherer.create(param_shapes, layouts, n, codec_spec(cfg))
   gather_state_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), gatherer.state_specs(),
                                         is_leaf=lambda s: isinstance(s, P))
+  history_shardings = None
+  if cfg.moe.placement == "fssdp":
+    history_shardings = jax.tree.map(lambda _: replicated, _init_history(cfg))
   shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,
-                         gather_state=gather_state_shardings)
-  return StateLayout(param_shapes, layouts, specs, shardings, gatherer, mesh)
+                         gather_state=gather_state_shardings, load_history=history_shardings)
+  return StateLayout(param_shapes, layouts, specs, shardings, gatherer, mesh, cfg)
 
 
 def codec_spec(cfg: Config) -> CodecSpec | None:
@@ -72,8 +78,21 @@ def codec_spec(cfg: Config) -> CodecSpec | None:
                    capacity_fraction=c.capacity_fraction or None, warmup_steps=c.warmup_steps)
 
 
+def _init_history(cfg: Config):
+  return fssdp_plan.init_history(window=cfg.fssdp.window, num_layers=cfg.model.num_layers,
+                                 num_experts=cfg.moe.num_experts)
+
+
 def _without_gather_state(shardings: TrainState) -> TrainState:
-  return shardings.replace(gather_state=None)
+  return shardings.replace(gather_state=None, load_history=None)
+
+
+def _with_rebuilt_state(lay: StateLayout, state: TrainState) -> TrainState:
+  """Adds the state that is rebuilt rather than checkpointed: codec caches, load history."""
+  history = None
+  if lay.cfg.moe.placement == "fssdp":
+    history = jax.device_put(_init_history(lay.cfg), lay.shardings.load_history)
+  return state.replace(gather_state=lay.gatherer.init_states(lay.mesh), load_history=history)
 
 
 def init_state(cfg: Config, tx: optax.GradientTransformation, lay: StateLayout,
@@ -83,7 +102,7 @@ def init_state(cfg: Config, tx: optax.GradientTransformation, lay: StateLayout,
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
   state = jax.jit(init, out_shardings=_without_gather_state(lay.shardings))(key)
-  return state.replace(gather_state=lay.gatherer.init_states(lay.mesh))
+  return _with_rebuilt_state(lay, state)
 
 
 def state_from_params(params, tx: optax.GradientTransformation, lay: StateLayout) -> TrainState:
@@ -92,4 +111,4 @@ def state_from_params(params, tx: optax.GradientTransformation, lay: StateLayout
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
   state = jax.jit(init, out_shardings=_without_gather_state(lay.shardings))(params)
-  return state.replace(gather_state=lay.gatherer.init_states(lay.mesh))
+  return _with_rebuilt_state(lay, state)

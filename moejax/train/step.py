@@ -23,7 +23,7 @@ from moejax.config import Config
 from moejax.errors import ConfigError
 from moejax.layers.dispatch import LOCAL, Dispatch
 from moejax.models import olmoe
-from moejax.sharding import hook
+from moejax.sharding import fssdp_plan, hook
 from moejax.sharding.gatherer import expand_device_axis, param_group, squeeze_device_axis
 from moejax.sharding.mesh import DEVICES, num_devices, topology
 from moejax.train.state import StateLayout, TrainState
@@ -36,32 +36,36 @@ def check_divisibility(cfg: Config, mesh) -> None:
   if cfg.batch_size % n:
     raise ConfigError(f"config.batch_size={cfg.batch_size} is not divisible by the {n} devices "
                       "of the mesh (each device takes an equal slice of the batch)")
-  if cfg.moe.placement == "ep" and cfg.moe.num_experts % n:
+  if cfg.moe.placement in ("ep", "fssdp") and cfg.moe.num_experts % n:
     raise ConfigError(f"config.moe.num_experts={cfg.moe.num_experts} is not divisible by the {n} "
-                      "devices: moe.placement='ep' gives every device the same number of experts")
+                      f"devices: moe.placement={cfg.moe.placement!r} gives every device the same "
+                      "number of experts")
 
 
 def moe_dispatch(cfg: Config, mesh) -> Dispatch:
-  if cfg.moe.placement == "ep":
-    return Dispatch("ep", DEVICES, num_devices(mesh), topology(mesh).devices_per_node,
-                    cfg.moe.capacity_factor)
+  if cfg.moe.placement in ("ep", "fssdp"):
+    return Dispatch(cfg.moe.placement, DEVICES, num_devices(mesh),
+                    topology(mesh).devices_per_node, cfg.moe.capacity_factor,
+                    replica_slots=cfg.fssdp.replica_slots,
+                    overlap_degree=cfg.fssdp.overlap_degree)
   return LOCAL
 
 
 def _forward_local(cfg: Config, lay: StateLayout, mesh, params, inputs_BxS, step,
-                   gather_state=None):
+                   gather_state=None, predicted_load_LxE=None):
   """The forward pass on this device's batch slice; gather_state as stored ([1, ...] slices)."""
   states = squeeze_device_axis(gather_state) if gather_state is not None else None
   logits, aux_L, new_states, stats = olmoe.forward_with_state(
       cfg, params, inputs_BxS, gather=lay.gatherer.gather, states=states,
       dispatch=moe_dispatch(cfg, mesh), axis_name=DEVICES, remat=cfg.remat,
-      prefetch=cfg.prefetch, step=step)
+      prefetch=cfg.prefetch, step=step, predicted_load_LxE=predicted_load_LxE)
   return logits, aux_L, expand_device_axis(new_states), stats
 
 
-def _loss_share(cfg: Config, lay: StateLayout, mesh, params, batch, step, gather_state):
+def _loss_share(cfg: Config, lay: StateLayout, mesh, params, batch, step, gather_state,
+                predicted_load_LxE):
   logits_BxSxV, aux_L, new_gather_state, gather_stats = _forward_local(
-      cfg, lay, mesh, params, batch["inputs"], step, gather_state)
+      cfg, lay, mesh, params, batch["inputs"], step, gather_state, predicted_load_LxE)
   global_tokens = cfg.batch_size * cfg.seq_len
   ce = optax.softmax_cross_entropy_with_integer_labels(logits_BxSxV, batch["targets"])
   ce_share = jnp.sum(ce) / global_tokens
@@ -72,7 +76,10 @@ def _loss_share(cfg: Config, lay: StateLayout, mesh, params, batch, step, gather
           + cfg.routing.locality_weight * locality_share)
   parts = {"loss": ce_share, "aux_loss": aux_share, "z_loss": z_share,
            "locality_loss": locality_share, "routing_L": aux_L["routing"],
-           "ep_dropped_L": aux_L["dropped"].astype(jnp.float32)}
+           "ep_dropped_L": aux_L["dropped"].astype(jnp.float32),
+           "load_LxE": aux_L["load_E"].astype(jnp.float32)}
+  if "placement" in aux_L:
+    parts["placement_L"] = aux_L["placement"]
   return loss, (parts, new_gather_state, gather_stats)
 
 
@@ -87,17 +94,37 @@ def routing_metrics(cfg: Config, routing_L: dict, ep_dropped_L) -> dict:
 def make_grad_fn(cfg: Config, mesh, lay: StateLayout):
   """(params, batch, step, gather_state) -> (grads sharded like params, summed loss parts,
   new gather state, gather stats): the shard_map body."""
-  def grads_body(params, batch, step, gather_state):
+  def grads_body(params, batch, step, gather_state, predicted_load_LxE):
     grads, (parts, new_gather_state, gather_stats) = jax.grad(
         functools.partial(_loss_share, cfg, lay, mesh), has_aux=True)(
-            params, batch, step, gather_state)
+            params, batch, step, gather_state, predicted_load_LxE)
     # Gather stats are already identical on every device (static, or agreed by the codec).
     return grads, jax.lax.psum(parts, DEVICES), new_gather_state, gather_stats
 
   state_specs = lay.gatherer.state_specs()
-  return jax.shard_map(grads_body, mesh=mesh,
-                       in_specs=(lay.param_specs, BATCH_SPEC, P(), state_specs),
-                       out_specs=(lay.param_specs, P(), state_specs, P()), check_vma=False)
+  sharded = jax.shard_map(grads_body, mesh=mesh,
+                          in_specs=(lay.param_specs, BATCH_SPEC, P(), state_specs, P()),
+                          out_specs=(lay.param_specs, P(), state_specs, P()), check_vma=False)
+
+  def grad_fn(params, batch, step, gather_state, predicted_load_LxE=None):
+    return sharded(params, batch, step, gather_state, predicted_load_LxE)
+
+  return grad_fn
+
+
+def placement_metrics(cfg: Config, mesh, placement_L: dict) -> dict:
+  """ep / fssdp figures per layer: straggler factor, replicas, bytes moved by kind."""
+  metrics = {k: v for k, v in placement_L.items()}
+  if cfg.moe.placement == "fssdp":
+    n, m, moe = num_devices(mesh), cfg.fssdp.replica_slots, cfg.moe
+    expert_bytes = 3 * cfg.model.d_model * moe.expert_hidden * 2          # bf16
+    # SparseAllGather moves its [N, M] buffer (capacity) per layer; under remat twice.
+    spag = (n - 1) / n * n * m * expert_bytes * (2 if cfg.remat else 1)
+    metrics["spag_bytes"] = jnp.full((cfg.model.num_layers,), spag, jnp.float32)
+    metrics["sprs_bytes"] = jnp.full((cfg.model.num_layers,), (n - 1) / n * n * m * expert_bytes,
+                                     jnp.float32)
+    metrics["spag_bytes_needed"] = placement_L["replicas"] * expert_bytes
+  return metrics
 
 
 def gather_metrics(cfg: Config, lay: StateLayout, stats: dict) -> dict:
@@ -162,15 +189,21 @@ def make_train_step(cfg: Config, mesh, lay: StateLayout, tx: optax.GradientTrans
   sharded_grads = make_grad_fn(cfg, mesh, lay)
 
   def train_step(state: TrainState, batch):
+    history = state.load_history
+    predicted = None if history is None else fssdp_plan.predict(history)
     grads, parts, gather_state, gather_stats = sharded_grads(state.params, batch, state.step,
-                                                             state.gather_state)
+                                                             state.gather_state, predicted)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    load_LxE = parts.pop("load_LxE")
+    if history is not None:
+      history = fssdp_plan.update_history(history, load_LxE)
     routing = routing_metrics(cfg, parts.pop("routing_L"), parts.pop("ep_dropped_L"))
+    placement = placement_metrics(cfg, mesh, parts.pop("placement_L", {}))
     metrics = dict(parts, grad_norm=optax.tree.norm(grads), lr=schedule(state.step), **routing,
-                   **gather_metrics(cfg, lay, gather_stats))
+                   **placement, **gather_metrics(cfg, lay, gather_stats))
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
-                      gather_state=gather_state), metrics
+                      gather_state=gather_state, load_history=history), metrics
 
   return jax.jit(train_step, donate_argnums=0, out_shardings=(lay.shardings, None))
 

@@ -1,0 +1,473 @@
+"""FSSDP per-step planning: load prediction, sparse materialization of expert replicas, token
+dispatch. Pure jnp with static shapes; runs under jit, vmap (over layers) and shard_map.
+
+Each step, for each MoE layer:
+  1. predict every expert's load from the last W steps (`LoadHistory`, `predict`);
+  2. decide which hot experts get extra replicas and where (`materialize_plan`); the integration
+     fetches them with a SparseAllGather (issued before the layer, like the prefetched gather)
+     and returns their gradients with a SparseReduceScatter;
+  3. after gating, optionally re-plan from the actual loads when that pays (`calibrate`);
+  4. send every token-expert assignment to a device that holds its expert: by the even rule
+     (`dispatch_devices`), or by per-source send counts that water-fill the actual load over the
+     holders (`balanced_send`, from an all_gather of the N x E routing counts).
+The owner placement comes from `moejax.sharding.fssdp_shard` and changes only at re-sharding.
+
+Letters: W history window, L layers, E experts per layer, N devices, G nodes, Dn devices per node
+(N = G * Dn), M replica slots per device, T tokens on one device, K experts per token,
+A = T * K assignments, J lookahead chain length.
+
+Even rule (what `dispatch_devices` does without send counts, and the planner's load model): an
+assignment stays on its source device if that device holds the expert; else it goes to one of the
+holders on the source's node, spread evenly (by the assignment's rank among this source's
+assignments to that expert, offset by the source device); else evenly over all holders. Under
+sources that each carry load_E / N, a holder d on node g of expert e then processes
+    load_e / N * Dn * (1 / k_g + z / h)
+where k_g is the number of holders on node g, z the number of nodes without a holder and h the
+number of holders (`expert_device_load`; it also takes the actual per-source loads). The planner
+minimizes the largest such device load.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# ----------------------------------------------------------------------------- load predictor
+
+
+class LoadHistory(NamedTuple):
+  """Ring buffer of the last W per-layer expert loads (fp32) and how many were recorded."""
+  loads_WxLxE: jax.Array
+  count: jax.Array          # int32 scalar: updates so far (slot of the next one: count % W)
+
+
+def init_history(*, window: int = 5, num_layers: int, num_experts: int) -> LoadHistory:
+  if window < 1:
+    raise ValueError(f"window must be >= 1, got {window}")
+  return LoadHistory(jnp.zeros((window, num_layers, num_experts), jnp.float32),
+                     jnp.zeros((), jnp.int32))
+
+
+def update_history(h: LoadHistory, load_LxE) -> LoadHistory:
+  """Records one step's loads (e.g. psum of the router's assignment counts), evicting the oldest."""
+  window = h.loads_WxLxE.shape[0]
+  loads = lax.dynamic_update_index_in_dim(h.loads_WxLxE, jnp.asarray(load_LxE, jnp.float32),
+                                          h.count % window, axis=0)
+  return LoadHistory(loads, h.count + 1)
+
+
+def predict(h: LoadHistory) -> jax.Array:
+  """load_LxE fp32: the mean of the recorded loads in the window; all ones before any data."""
+  window = h.loads_WxLxE.shape[0]
+  filled = jnp.minimum(h.count, window)
+  mean_LxE = jnp.sum(h.loads_WxLxE, axis=0) / jnp.maximum(filled, 1).astype(jnp.float32)
+  return jnp.where(filled > 0, mean_LxE, jnp.ones_like(mean_LxE))
+
+
+# ----------------------------------------------------------------------------- load model
+
+
+def _node_of(num_devices: int, devices_per_node: int) -> jax.Array:
+  return jnp.arange(num_devices, dtype=jnp.int32) // devices_per_node
+
+
+def expert_device_load(load_E, holders_ExN, *, devices_per_node: int,
+                       source_load_ExN=None) -> jax.Array:
+  """load_ExN fp32: the part of each expert's load each device processes under the even rule of
+  `dispatch_devices` (see the module docstring). Its largest device load also bounds from above
+  what `balanced_send` achieves for the same holders (up to rounding): that starts from this
+  split and only lowers the maximum.
+
+  By default every source device carries load_E / N of each expert (see the module docstring);
+  `source_load_ExN` (each expert's assignments on each source device, e.g. gathered after
+  gating) replaces that assumption, and `load_E` is then ignored. Works with any leading batch
+  dimensions (`holders_...ExN`, with `load_...E` / `source_load_...ExN` broadcastable to it).
+  Rows sum to the expert's load for experts with at least one holder.
+  """
+  held = holders_ExN.astype(jnp.float32)
+  n = held.shape[-1]
+  g = n // devices_per_node
+  if source_load_ExN is None:
+    src = jnp.asarray(load_E, jnp.float32)[..., None] / n
+  else:
+    src = jnp.asarray(source_load_ExN, jnp.float32)
+  src = jnp.broadcast_to(src, held.shape)
+
+  def per_node(x):
+    return jnp.sum(x.reshape(*x.shape[:-1], g, devices_per_node), axis=-1)
+
+  k_G = per_node(held)                          # holders on each node
+  rest_G = per_node((1.0 - held) * src)         # load of the non-holder sources on each node
+  has_G = k_G > 0
+  near_G = jnp.where(has_G, rest_G / jnp.maximum(k_G, 1.0), 0.0)
+  far = jnp.sum(jnp.where(has_G, 0.0, rest_G), axis=-1)      # from nodes without a holder
+  h = jnp.maximum(jnp.sum(held, axis=-1), 1.0)
+  spread = jnp.repeat(near_G, devices_per_node, axis=-1) + (far / h)[..., None]
+  return held * (src + spread)
+
+
+def straggler_of(load_N) -> jax.Array:
+  """max / mean of per-device work (1 when there is no work)."""
+  load_N = jnp.asarray(load_N, jnp.float32)
+  mean = jnp.mean(load_N)
+  return jnp.where(mean > 0, jnp.max(load_N) / jnp.where(mean > 0, mean, 1.0), 1.0)
+
+
+# ----------------------------------------------------------------------------- planner
+
+
+class Plan(NamedTuple):
+  """One layer's materialization for one step (all int32 / bool / fp32 arrays).
+
+  replica_expert_NxM  expert id in each replica slot of each device; E = empty. The SparseAllGather
+                      fills slot (n, m) with expert replica_expert_NxM[n, m] from its owner, and
+                      the SparseReduceScatter sends that slot's gradient back.
+  replica_slot_ExN    the replica slot of expert e on device n, -1 where none.
+  holders_ExN         devices holding each expert this step: its owner plus its replicas.
+  num_replicas        replicas added (<= N * M).
+  num_materialized    distinct experts given replicas (<= overlap_degree).
+  load_N              modelled work per device under the plan, for the load it was made for.
+  straggler           max / mean of load_N.
+  """
+  replica_expert_NxM: jax.Array
+  replica_slot_ExN: jax.Array
+  holders_ExN: jax.Array
+  num_replicas: jax.Array
+  num_materialized: jax.Array
+  load_N: jax.Array
+  straggler: jax.Array
+
+
+def owner_holders(owner_E, num_devices: int) -> jax.Array:
+  """holders_ExN of the owner-only placement (ep)."""
+  return jax.nn.one_hot(owner_E, num_devices, dtype=jnp.bool_)
+
+
+def materialize_plan(load_E, owner_E, *, num_devices: int, devices_per_node: int,
+                     replica_slots: int, overlap_degree: int, target_straggler: float = 1.05,
+                     lookahead: int | None = None, source_load_NxE=None) -> Plan:
+  """Chooses this step's expert replicas for one layer (greedy, static shapes).
+
+  load_E: predicted load per expert (any non-negative scale); owner_E: int32 owning device;
+  source_load_NxE (optional): the load per source device and expert, when known (after gating);
+  it then replaces load_E in the load model (see `expert_device_load`).
+
+  Greedy longest-processing-time first with a short lookahead. Starting from the owners, each
+  round grows, for every expert e in parallel, a chain of up to `lookahead` (J) new replicas, one
+  at a time, each on the device (without e, with a free replica slot) that gives the lowest
+  modelled straggler (the largest device load under `expert_device_load`; ties: lower sum of
+  squared device loads, then a device on a node with no holder of e yet, then the less loaded
+  device). Of all the (expert, chain length) candidates that lower the straggler (or keep it and
+  lower the sum of squares) it adopts the one with the lowest straggler, preferring fewer
+  replicas within 1% of the mean device load. The lookahead (default J = devices_per_node + 1)
+  matters because the even rule sends a node's tokens to that node's holders: a hot expert's
+  first replica on a node takes the whole node's share and can overload its host, while a few
+  together relieve everyone.
+
+  So the hottest experts get replicas first, each gets a number roughly proportional to its load,
+  spread over nodes that lack a holder first, then onto the least-loaded devices with free slots.
+  It stops when the modelled straggler is at most `target_straggler`, when nothing improves it,
+  or after min(N * M, t * (N - 1)) rounds (a static bound; `lax.while_loop`). At most
+  `overlap_degree` (t) distinct experts get replicas, at most N - 1 per expert, at most
+  `replica_slots` (M) per device; a replica never sits on its owner or twice on one device.
+  """
+  n, dpn = num_devices, devices_per_node
+  if n % dpn:
+    raise ValueError(f"num_devices={n} is not a multiple of devices_per_node={dpn}")
+  if source_load_NxE is None:
+    load_E = jnp.maximum(jnp.asarray(load_E, jnp.float32), 0.0)
+    src_ExN = jnp.broadcast_to(load_E[:, None] / n, (load_E.shape[0], n))
+  else:
+    src_ExN = jnp.maximum(jnp.asarray(source_load_NxE, jnp.float32), 0.0).T
+  lookahead = dpn + 1 if lookahead is None else lookahead
+  return _plan(src_ExN, jnp.asarray(owner_E, jnp.int32), n, dpn, replica_slots, overlap_degree,
+               target_straggler, lookahead)
+
+
+def _plan(src_ExN, owner_E, n, dpn, m, overlap_degree, target_straggler, lookahead) -> Plan:
+  e = src_ExN.shape[0]
+  g = n // dpn
+  load_E = jnp.sum(src_ExN, axis=1)
+  node_N = _node_of(n, dpn)
+  total = jnp.sum(load_E)
+  mean = total / n
+  eps = 1e-6 * jnp.maximum(total, 1e-30)
+  rounds = min(n * m, max(overlap_degree, 0) * (n - 1))
+  chain = max(1, min(lookahead, n - 1))
+  eye_NxN = jnp.eye(n, dtype=jnp.bool_)
+
+  def contributions(holders_ExN):
+    return expert_device_load(None, holders_ExN, devices_per_node=dpn, source_load_ExN=src_ExN)
+
+  def grow(src_N, held_N, base_N, allowed_N):
+    """A chain of up to J new replicas of one expert; (held_JxN, max_J, sos_J) after each."""
+    node_tiebreak_N = base_N / jnp.maximum(2.0 * jnp.max(base_N), 1e-30)
+
+    def add_one(held_N, _):
+      plus_NxN = held_N[None, :] | eye_NxN
+      loads_NxN = base_N[None, :] + expert_device_load(
+          None, plus_NxN, devices_per_node=dpn, source_load_ExN=src_N[None, :])
+      ok_N = allowed_N & ~held_N
+      max_N = jnp.where(ok_N, jnp.max(loads_NxN, axis=1), jnp.inf)
+      sos_N = jnp.where(ok_N, jnp.sum(loads_NxN * loads_NxN, axis=1), jnp.inf)
+      tie_N = max_N <= jnp.min(max_N) + eps
+      tie_N = tie_N & (sos_N <= jnp.min(jnp.where(tie_N, sos_N, jnp.inf)) + eps * mean)
+      node_has_N = (jnp.sum(held_N.reshape(g, dpn), axis=1) > 0)[node_N]
+      rank_N = node_has_N.astype(jnp.float32) * 2.0 + node_tiebreak_N
+      d = jnp.argmin(jnp.where(tie_N, rank_N, jnp.inf))
+      any_ok = jnp.any(ok_N)
+      held_N = held_N | (eye_NxN[d] & any_ok)
+      return held_N, (held_N, jnp.where(any_ok, max_N[d], jnp.inf),
+                      jnp.where(any_ok, sos_N[d], jnp.inf))
+
+    return lax.scan(add_one, held_N, None, length=chain)[1]
+
+  def cond(carry):
+    i, done = carry[0], carry[-1]
+    return (i < rounds) & ~done
+
+  def body(carry):
+    i, holders_ExN, rep_NxM, used_N, done = carry
+    contrib_ExN = contributions(holders_ExN)
+    load_N = jnp.sum(contrib_ExN, axis=0)
+    cur_max, cur_sos = jnp.max(load_N), jnp.sum(load_N * load_N)
+    materialized_E = jnp.sum(holders_ExN, axis=1) > 1
+    can_open = jnp.sum(materialized_E) < overlap_degree
+    valid_E = (materialized_E | can_open) & (load_E > 0)
+    allowed_ExN = valid_E[:, None] & (used_N < m)[None, :]
+    held_ExJxN, max_ExJ, sos_ExJ = jax.vmap(grow)(
+        src_ExN, holders_ExN, load_N[None, :] - contrib_ExN, allowed_ExN)
+    better_ExJ = (max_ExJ < cur_max - eps) | ((max_ExJ <= cur_max + eps)
+                                              & (sos_ExJ < cur_sos - eps * mean))
+    max_ExJ = jnp.where(better_ExJ, max_ExJ, jnp.inf)
+    tie_ExJ = max_ExJ <= jnp.min(max_ExJ) + 0.01 * mean
+    length_ExJ = jnp.broadcast_to(jnp.arange(chain)[None, :], (e, chain))
+    tie_ExJ = tie_ExJ & (length_ExJ == jnp.min(jnp.where(tie_ExJ, length_ExJ, chain)))
+    flat = jnp.argmin(jnp.where(tie_ExJ, sos_ExJ, jnp.inf))
+    be, bj = flat // chain, flat % chain
+    take = jnp.any(better_ExJ) & (cur_max > target_straggler * mean + eps)
+    added_N = held_ExJxN[be, bj] & ~holders_ExN[be] & take
+    holders_ExN = holders_ExN.at[be].set(holders_ExN[be] | added_N)
+    slot_N = jnp.minimum(used_N, m - 1)
+    rows = jnp.arange(n)
+    rep_NxM = rep_NxM.at[rows, slot_N].set(jnp.where(added_N, be, rep_NxM[rows, slot_N]))
+    used_N = used_N + added_N.astype(jnp.int32)
+    return i + 1, holders_ExN, rep_NxM, used_N, ~take
+
+  carry = (jnp.zeros((), jnp.int32), owner_holders(owner_E, n), jnp.full((n, m), e, jnp.int32),
+           jnp.zeros((n,), jnp.int32), jnp.zeros((), jnp.bool_))
+  if rounds > 0:
+    carry = lax.while_loop(cond, body, carry)
+  _, holders_ExN, rep_NxM, used_N, _ = carry
+  slot_ExN = jnp.full((e + 1, n), -1, jnp.int32)
+  slot_ExN = slot_ExN.at[rep_NxM, jnp.broadcast_to(jnp.arange(n)[:, None], (n, m))].set(
+      jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32)[None, :], (n, m)))[:e]
+  load_N = jnp.sum(contributions(holders_ExN), axis=0)
+  return Plan(replica_expert_NxM=rep_NxM, replica_slot_ExN=slot_ExN, holders_ExN=holders_ExN,
+              num_replicas=jnp.sum(used_N),
+              num_materialized=jnp.sum(jnp.sum(holders_ExN, axis=1) > 1).astype(jnp.int32),
+              load_N=load_N, straggler=straggler_of(load_N))
+
+
+def calibrate(plan: Plan, actual_load_E, owner_E, *, num_devices: int, devices_per_node: int,
+              replica_slots: int, overlap_degree: int, target_straggler: float = 1.05,
+              lookahead: int | None = None, margin: float = 0.05,
+              actual_source_load_NxE=None, fresh: Plan | None = None) -> tuple[Plan, jax.Array]:
+  """After gating: re-plan with the actual loads, adopted only when it pays.
+
+  Returns (plan, adopted). The fresh plan (`materialize_plan` on the actual loads, per source
+  device when `actual_source_load_NxE` is given: an all_gather of N x E counts) is adopted when
+  its modelled straggler is below the current plan's under the same actual loads by more than
+  `margin` (re-planning costs a late SparseAllGather of the replicas that change). Either way the
+  returned plan's `load_N` and `straggler` are those under the actual loads. Pass `fresh` when
+  it is already made (e.g. batched with other plans in one `vmap`) to skip re-planning here.
+  """
+  dpn = devices_per_node
+  src = None if actual_source_load_NxE is None else jnp.asarray(actual_source_load_NxE,
+                                                                  jnp.float32).T
+  cur_load_N = jnp.sum(expert_device_load(actual_load_E, plan.holders_ExN, devices_per_node=dpn,
+                                          source_load_ExN=src), axis=0)
+  cur = plan._replace(load_N=cur_load_N, straggler=straggler_of(cur_load_N))
+  if fresh is None:
+    fresh = materialize_plan(actual_load_E, owner_E, num_devices=num_devices,
+                             devices_per_node=dpn, replica_slots=replica_slots,
+                             overlap_degree=overlap_degree, target_straggler=target_straggler,
+                             lookahead=lookahead, source_load_NxE=actual_source_load_NxE)
+  adopted = fresh.straggler < cur.straggler - margin
+  chosen = jax.tree.map(lambda a, b: jnp.where(adopted, a, b), fresh, cur)
+  return chosen, adopted
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+def dispatch_devices(experts_TxK, my_device, plan: Plan, *, devices_per_node: int,
+                     send_ExN=None) -> jax.Array:
+  """dest_TxK int32: the device each assignment of this source device goes to.
+
+  Even rule (default): local if `my_device` holds the expert; else evenly over the holders on my
+  node; else evenly over all holders (see the module docstring). With `send_ExN` (this source's
+  row of `balanced_send`: how many of its assignments to each expert go to each device), the
+  r-th assignment to expert e goes to the device whose cumulative share of send_ExN[e] covers r;
+  assignments beyond the counts fall back to the even rule. Expert ids outside [0, E) (the
+  dropped sentinel E) get N, a discard destination, as in ep dispatch. `my_device` may be traced
+  (`lax.axis_index`).
+  """
+  holders_ExN = plan.holders_ExN
+  e, n = holders_ExN.shape
+  t, k = experts_TxK.shape
+  a = t * k
+  expert_A = jnp.asarray(experts_TxK, jnp.int32).reshape(a)
+  valid_A = (expert_A >= 0) & (expert_A < e)
+  safe_A = jnp.where(valid_A, expert_A, 0)
+  # Rank of each assignment among this source's assignments to the same expert.
+  order_A = jnp.argsort(expert_A, stable=True)
+  sorted_A = expert_A[order_A]
+  pos_A = jnp.arange(a, dtype=jnp.int32)
+  starts_A = jnp.concatenate([jnp.ones((1,), jnp.bool_), sorted_A[1:] != sorted_A[:-1]])
+  first_A = lax.cummax(jnp.where(starts_A, pos_A, 0))
+  rank_A = jnp.zeros((a,), jnp.int32).at[order_A].set(pos_A - first_A)
+  my_device = jnp.asarray(my_device, jnp.int32)
+  hold_AxN = holders_ExN[safe_A]
+  on_node_N = _node_of(n, devices_per_node) == my_device // devices_per_node
+  near_AxN = hold_AxN & on_node_N[None, :]
+  use_near_A = jnp.any(near_AxN, axis=1)
+  cand_AxN = jnp.where(use_near_A[:, None], near_AxN, hold_AxN)
+  count_A = jnp.maximum(jnp.sum(cand_AxN, axis=1), 1).astype(jnp.int32)
+  pick_A = (rank_A + my_device) % count_A
+  index_AxN = jnp.cumsum(cand_AxN.astype(jnp.int32), axis=1) - 1
+  spread_A = jnp.argmax(cand_AxN & (index_AxN == pick_A[:, None]), axis=1).astype(jnp.int32)
+  mine_A = jnp.take(hold_AxN, my_device, axis=1)
+  dest_A = jnp.where(mine_A, my_device, spread_A)
+  if send_ExN is not None:
+    cum_AxN = jnp.cumsum(jnp.asarray(send_ExN, jnp.int32)[safe_A], axis=1)
+    covered_A = rank_A < cum_AxN[:, -1]
+    quota_A = jnp.argmax(cum_AxN > rank_A[:, None], axis=1).astype(jnp.int32)
+    dest_A = jnp.where(covered_A, quota_A, dest_A)
+  return jnp.where(valid_A, dest_A, n).reshape(t, k)
+
+
+# ----------------------------------------------------------------------------- balanced dispatch
+
+
+def _waterfill(base_N, mask_N, amount):
+  """alloc_N >= 0, zero off mask_N, summing to `amount`, minimizing max(base_N + alloc_N) on it."""
+  n = base_N.shape[0]
+  b_N = jnp.sort(jnp.where(mask_N, base_N, jnp.inf))
+  finite_N = jnp.isfinite(b_N)
+  csum_N = jnp.cumsum(jnp.where(finite_N, b_N, 0.0))
+  level_N = (amount + csum_N) / jnp.arange(1, n + 1, dtype=jnp.float32)
+  ok_N = finite_N & (b_N <= level_N)
+  last = n - 1 - jnp.argmax(ok_N[::-1])
+  alloc_N = jnp.where(mask_N, jnp.maximum(level_N[last] - base_N, 0.0), 0.0)
+  return jnp.where(jnp.any(ok_N), alloc_N, 0.0)
+
+
+def balanced_quotas(holders_ExN, source_load_NxE, *, devices_per_node: int,
+                    passes: int = 2) -> jax.Array:
+  """quota_ExN int32: how many of each expert's actual assignments each holder should process.
+
+  Starts from the even rule's split and re-splits one expert at a time over its holders by
+  water-filling against everything else (heaviest experts first, `passes` sweeps), which never
+  raises the largest device load; then rounds to integers that keep every expert's total.
+  """
+  src_ExN = jnp.asarray(source_load_NxE).T
+  load_E = jnp.sum(src_ExN, axis=1)
+  e = load_E.shape[0]
+  alloc_ExN = expert_device_load(None, holders_ExN, devices_per_node=devices_per_node,
+                                 source_load_ExN=src_ExN.astype(jnp.float32))
+  order_E = jnp.argsort(-load_E, stable=True)
+
+  def refill(i, alloc_ExN):
+    x = order_E[i % e]
+    base_N = jnp.sum(alloc_ExN, axis=0) - alloc_ExN[x]
+    return alloc_ExN.at[x].set(_waterfill(base_N, holders_ExN[x], load_E[x].astype(jnp.float32)))
+
+  alloc_ExN = lax.fori_loop(0, passes * e, refill, alloc_ExN)
+  floor_ExN = jnp.where(holders_ExN, jnp.floor(alloc_ExN), 0.0).astype(jnp.int32)
+  short_E = load_E.astype(jnp.int32) - jnp.sum(floor_ExN, axis=1)
+  frac_ExN = jnp.where(holders_ExN, alloc_ExN - jnp.floor(alloc_ExN), -1.0)
+  rank_ExN = jnp.argsort(jnp.argsort(-frac_ExN, axis=1, stable=True), axis=1)
+  return floor_ExN + (holders_ExN & (rank_ExN < short_E[:, None])).astype(jnp.int32)
+
+
+def _northwest(supply_ExI, demand_ExJ):
+  """Flow_ExIxJ of the northwest-corner rule: supplies i meet demands j in index order."""
+  s_hi, d_hi = jnp.cumsum(supply_ExI, axis=-1), jnp.cumsum(demand_ExJ, axis=-1)
+  s_lo, d_lo = s_hi - supply_ExI, d_hi - demand_ExJ
+  return jnp.maximum(0, jnp.minimum(s_hi[..., :, None], d_hi[..., None, :])
+                     - jnp.maximum(s_lo[..., :, None], d_lo[..., None, :]))
+
+
+def balanced_send(holders_ExN, source_load_NxE, *, devices_per_node: int,
+                  passes: int = 2) -> jax.Array:
+  """send_NxExN int32: assignments each source sends to each device, per expert.
+
+  For the actual routing counts (`source_load_NxE`, an all_gather of every device's per-expert
+  counts after gating; every device computes the same table). Each holder processes its
+  `balanced_quotas` share; the tokens to fill it come from its own source first, then from its
+  node, then from other nodes (northwest-corner order), so only what balancing needs crosses
+  nodes. Row `send[my_device]` is `dispatch_devices`' `send_ExN`.
+  """
+  counts_ExN = jnp.asarray(source_load_NxE, jnp.int32).T
+  e, n = counts_ExN.shape
+  g, dpn = n // devices_per_node, devices_per_node
+  quota_ExN = balanced_quotas(holders_ExN, source_load_NxE, devices_per_node=dpn, passes=passes)
+  local_ExN = jnp.minimum(counts_ExN, quota_ExN)
+  supply_ExN, demand_ExN = counts_ExN - local_ExN, quota_ExN - local_ExN
+  node_ExGxDxD = _northwest(supply_ExN.reshape(e, g, dpn), demand_ExN.reshape(e, g, dpn))
+  supply_ExN = supply_ExN - jnp.sum(node_ExGxDxD, axis=-1).reshape(e, n)
+  demand_ExN = demand_ExN - jnp.sum(node_ExGxDxD, axis=-2).reshape(e, n)
+  node_ExNxN = jnp.einsum("egij,gh->egihj", node_ExGxDxD, jnp.eye(g, dtype=jnp.int32)).reshape(
+      e, n, n)
+  send_ExNxN = (node_ExNxN + _northwest(supply_ExN, demand_ExN)
+                + local_ExN[:, :, None] * jnp.eye(n, dtype=jnp.int32)[None, :, :])
+  return jnp.transpose(send_ExNxN, (1, 0, 2))
+
+
+def owner_dispatch(experts_TxK, owner_E, num_devices: int) -> jax.Array:
+  """dest_TxK of owner-only placement (ep): the owner of each expert; N for the sentinel."""
+  e = owner_E.shape[0]
+  experts_TxK = jnp.asarray(experts_TxK, jnp.int32)
+  valid = (experts_TxK >= 0) & (experts_TxK < e)
+  return jnp.where(valid, jnp.asarray(owner_E, jnp.int32)[jnp.where(valid, experts_TxK, 0)],
+                   num_devices)
+
+
+def global_dispatch(experts_NxTxK, plan: Plan, *, devices_per_node: int,
+                    send_NxExN=None) -> jax.Array:
+  """dest_NxTxK for the whole global batch's routing, one row per source device (even rule, or
+  `balanced_send` counts when `send_NxExN` is given)."""
+  n = experts_NxTxK.shape[0]
+  sources = jnp.arange(n, dtype=jnp.int32)
+  if send_NxExN is None:
+    return jax.vmap(lambda x, d: dispatch_devices(x, d, plan, devices_per_node=devices_per_node))(
+        experts_NxTxK, sources)
+  return jax.vmap(lambda x, d, s: dispatch_devices(x, d, plan, devices_per_node=devices_per_node,
+                                                   send_ExN=s))(experts_NxTxK, sources, send_NxExN)
+
+
+def tokens_per_device(dest_NxTxK, num_devices: int) -> jax.Array:
+  """int32 [N]: assignments each device processes (discarded ones, dest N, not counted)."""
+  flat = dest_NxTxK.reshape(-1)
+  return jnp.zeros((num_devices + 1,), jnp.int32).at[flat].add(1)[:num_devices]
+
+
+def straggler_factor(experts_NxTxK, plan: Plan, *, devices_per_node: int) -> jax.Array:
+  """max / mean over devices of the expert assignments each processes under `plan`."""
+  n = plan.holders_ExN.shape[1]
+  dest = global_dispatch(experts_NxTxK, plan, devices_per_node=devices_per_node)
+  return straggler_of(tokens_per_device(dest, n))
+
+
+def traffic(dest_NxTxK, *, devices_per_node: int) -> dict[str, jax.Array]:
+  """Assignments kept on their source device, sent within its node, and sent across nodes."""
+  n = dest_NxTxK.shape[0]
+  src = jnp.arange(n, dtype=jnp.int32).reshape((n,) + (1,) * (dest_NxTxK.ndim - 1))
+  valid = dest_NxTxK < n
+  local = valid & (dest_NxTxK == src)
+  same_node = valid & (dest_NxTxK // devices_per_node == src // devices_per_node)
+  return {"local": jnp.sum(local), "intra_node": jnp.sum(same_node & ~local),
+          "inter_node": jnp.sum(valid & ~same_node)}
