@@ -6,11 +6,12 @@ PY=""
 works() {   # a pyenv shim exists on PATH even where it cannot run: try it
   "$1" -c 'import sys; assert sys.version_info >= (3, 12)' >/dev/null 2>&1
 }
-for candidate in python3.12 python3.13; do
+for candidate in python3.12; do
   if works "$candidate"; then PY="$candidate"; break; fi
 done
 if [ -z "$PY" ] && command -v pyenv >/dev/null 2>&1; then
-  for v in $(pyenv versions --bare | grep -E '^3\.1[2-9]' | sort -V -r); do
+  # Prefer 3.12 (what jax 0.11 and jax-triton 0.4 are built for), then newer.
+  for v in $(pyenv versions --bare | grep -E '^3\.1[2-9]' | sort -V); do
     if works "$(pyenv root)/versions/$v/bin/python"; then
       PY="$(pyenv root)/versions/$v/bin/python"; break
     fi

@@ -91,8 +91,9 @@ def scan_layers(layer_fn, h, shards_L, gather, states_L=None, consts=(), *, rema
       full_next, state_next, stats_next = gather(*args)
       return lax.stop_gradient(full_next), state_next, stats_next
 
-    def nothing(args):   # the last layer has nothing to prefetch
-      return jax.tree.map(jnp.zeros_like, full), args[1], jax.tree.map(jnp.zeros_like, stats_0)
+    def nothing(args):   # the last layer has nothing to prefetch; this output is discarded
+      shapes = jax.eval_shape(prefetch_next, args)
+      return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
     # Issue the next layer's gather first, then compute this layer.
     full_next, state_next, stats_next = lax.cond(i + 1 < num_layers, prefetch_next, nothing,

@@ -131,10 +131,10 @@ def gather_metrics(cfg: Config, lay: StateLayout, stats: dict) -> dict:
   """Step figures of the parameter gathers, per report group and in total.
 
   Bytes are what each device receives over the step: (N-1) times what each device puts into a
-  gather, with layer gathers counted twice under remat (backward re-gathers).
+  gather, with layer gathers counted twice under remat or prefetch (backward re-gathers).
   """
   n = lay.gatherer.num_devices
-  repeat = {"layers": 2 if cfg.remat else 1}
+  repeat = {"layers": 2 if (cfg.remat or cfg.prefetch) else 1}
   sizes = codec_denominators(lay)
   by_group: dict = {}
   for group, group_stats in stats.items():
