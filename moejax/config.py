@@ -53,6 +53,7 @@ class FssdpConfig:
   overlap_degree: int = 4     # t: distinct experts materialized per layer and step
   window: int = 5             # load predictor: mean of the last `window` steps
   reshard_every: int = 100    # re-shard owners (parameters + optimizer state move); 0 = never
+  calibrate: bool = True      # re-plan from the actual loads after gating when it pays
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,6 +38,7 @@ class Dispatch:
   capacity_factor: float = 0.0        # ep / fssdp; 0 = dropless
   replica_slots: int = 0              # fssdp: M replica slots per device per layer
   overlap_degree: int = 0             # fssdp: t, distinct experts materialized per step
+  calibrate: bool = False             # fssdp: re-plan after gating when it pays
 
 
 LOCAL = Dispatch()

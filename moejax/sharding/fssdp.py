@@ -14,6 +14,8 @@ optimizer state. Each step and layer:
   2. After gating, every device learns all devices' routing counts (one all_gather of N x E
      ints) and computes the same balanced assignment of tokens to holders
      (`fssdp_plan.balanced_send`); tokens go local first, then within the node, then across.
+     With `calibrate`, the plan is re-made from the actual counts and adopted (with a second,
+     late SparseAllGather) when its modelled straggler is lower by a margin.
   3. The exchange is ep's `all_to_all` with a destination and the expert's local group there
      (owned experts 0..El-1, replica slots El..El+M-1).
 On XLA:CPU the static buffers move their capacity (N*M expert slots for SpAG); with
@@ -71,6 +73,22 @@ def fssdp_experts(x_TxD, experts_TxK, weights_TxK, plan, w_gate, w_up, w_down, *
   me = lax.axis_index(dispatch.axis_names)
   counts_E = router_lib.expert_counts(experts_TxK, e)
   source_load_NxE = lax.all_gather(counts_E, dispatch.axis_names, axis=0, tiled=False)
+  if dispatch.calibrate:
+    # Re-plan with the actual loads; adopted (with a late SparseAllGather) only when it pays.
+    # Every device computes the same decision from the same gathered counts.
+    fresh, adopted = fssdp_plan.calibrate(
+        plan, jnp.sum(source_load_NxE, axis=0), owner_of(e, n), num_devices=n,
+        devices_per_node=dpn, replica_slots=dispatch.replica_slots,
+        overlap_degree=dispatch.overlap_degree, actual_source_load_NxE=source_load_NxE)
+
+    def late_gather(_):
+      return tuple(jnp.concatenate([w[:el], sparse_all_gather(
+          w[:el], fresh.replica_expert_NxM, dispatch=dispatch)], axis=0)
+                   for w in (w_gate, w_up, w_down))
+
+    w_gate, w_up, w_down = lax.cond(adopted, late_gather, lambda _: (w_gate, w_up, w_down),
+                                    None)
+    plan = fresh
   send_ExN = fssdp_plan.balanced_send(plan.holders_ExN, source_load_NxE,
                                       devices_per_node=dpn)[me]
   dest_TxK = fssdp_plan.dispatch_devices(experts_TxK, me, plan, devices_per_node=dpn,

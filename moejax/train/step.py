@@ -47,7 +47,7 @@ def moe_dispatch(cfg: Config, mesh) -> Dispatch:
     return Dispatch(cfg.moe.placement, DEVICES, num_devices(mesh),
                     topology(mesh).devices_per_node, cfg.moe.capacity_factor,
                     replica_slots=cfg.fssdp.replica_slots,
-                    overlap_degree=cfg.fssdp.overlap_degree)
+                    overlap_degree=cfg.fssdp.overlap_degree, calibrate=cfg.fssdp.calibrate)
   return LOCAL
 
 
