@@ -1,0 +1,66 @@
+"""Compiled train steps shared by the sharding tests (compiling is the slow part on CPU)."""
+import concurrent.futures
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+
+from moejax.sharding.mesh import make_mesh
+from moejax.train.loop import Trainer
+from moejax.train.step import BATCH_SPEC
+from tests.helpers import tiny_config
+
+
+def abstract_inputs(trainer: Trainer):
+  """(state, batch) as ShapeDtypeStructs carrying their shardings: lowering needs no arrays."""
+  state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                       jax.eval_shape(trainer.init_state), trainer.layout.shardings)
+  cfg = trainer.cfg
+  batch = {k: jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), np.int32,
+                                   sharding=NamedSharding(trainer.mesh, spec))
+           for k, spec in BATCH_SPEC.items()}
+  return state, batch
+
+
+class CompiledStep:
+  """The tiny preset's train step for one placement on the first `num_devices` devices."""
+
+  def __init__(self, placement: str, num_devices: int, compiler_options=None):
+    self.trainer = Trainer(tiny_config(**{"moe.placement": placement}),
+                           mesh=make_mesh((1, -1), jax.devices()[:num_devices]))
+    self.num_devices = num_devices
+    self.inputs = abstract_inputs(self.trainer)
+    self.lowered = self.trainer.train_step.lower(*self.inputs)
+    self.compiler_options = compiler_options
+    self.compiled = None
+
+  def compile(self) -> "CompiledStep":
+    if self.compiled is None:
+      self.compiled = self.lowered.compile(self.compiler_options)
+    return self
+
+
+@pytest.fixture(scope="session")
+def compiled_steps():
+  """compiled_steps([(placement, num_devices), ...], compiler_options=None) -> [CompiledStep],
+  each compiled once per session; the missing ones compile side by side (XLA releases the GIL).
+  """
+  cache = {}
+
+  def get(keys, compiler_options=None):
+    options_key = tuple(sorted((compiler_options or {}).items()))
+    for placement, n in keys:
+      if (placement, n, options_key) not in cache:
+        cache[placement, n, options_key] = CompiledStep(placement, n, compiler_options)
+    steps = [cache[placement, n, options_key] for placement, n in keys]
+    with concurrent.futures.ThreadPoolExecutor(len(steps)) as pool:
+      return list(pool.map(CompiledStep.compile, steps))
+
+  return get
+
+
+@pytest.fixture(scope="session")
+def compiled_step(compiled_steps):
+  """compiled_step(placement, num_devices) -> CompiledStep (default compiler options)."""
+  return lambda placement, num_devices: compiled_steps([(placement, num_devices)])[0]

@@ -1,0 +1,134 @@
+"""Reading collectives out of a lowered or compiled train step, and checking them against what
+the sharding hook issues.
+
+Two views of one program:
+  StableHLO (`lowered.as_text()`)      the collectives we wrote, before XLA touches them: the
+                                       hook's all_gathers, in bf16, of per-layer shapes.
+  compiled HLO (`compiled.as_text()`)  after SPMD partitioning and optimization. Any collective
+                                       XLA adds to reshard arrays (say for an optimizer update
+                                       outside the shard_map) shows up here, named in its
+                                       metadata after the value or op it serves
+                                       (`state.params['embed']`, `jit(step)/add`), where ours
+                                       carry the name of the primitive that issued them
+                                       (`.../all_gather`, `.../reduce_scatter`).
+XLA:CPU carries bf16 collectives out in f32 (float normalization), so on CPU the compiled view
+shows the hook's gathers as f32: the bf16 check is made on the StableHLO.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+
+from moejax.sharding.layout import Layout
+
+PRIMITIVE = {"all-gather": "all_gather", "reduce-scatter": "reduce_scatter"}
+
+_ARRAY = re.compile(r"\b(pred|[a-z]+\d*)\[([\d,]*)\]")
+_HLO_OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>.+?)\s+"
+                     r"(?P<op>all-gather|all-gather-start|reduce-scatter)\(")
+_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
+_STABLEHLO_GATHER = re.compile(r"stablehlo\.all_gather\b.*->\s*(?P<type>\(?tensor<.*)$")
+_TENSOR = re.compile(r"tensor<((?:\d+x)*)([a-z]+\d*)>")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  op: str            # "all-gather" | "reduce-scatter"
+  dtype: str         # "bf16", "f32", ...
+  shape: tuple       # result shape
+  op_name: str = ""  # metadata: the JAX op (or value) it was made for
+
+  def __str__(self):
+    where = f" (op_name {self.op_name!r})" if self.op_name else ""
+    return f"{self.op} -> {self.dtype}[{','.join(map(str, self.shape))}]{where}"
+
+
+def _shape(dims: str, sep: str) -> tuple:
+  return tuple(int(s) for s in dims.split(sep) if s)
+
+
+def compiled_collectives(hlo_text: str) -> list[Collective]:
+  """Every all-gather / reduce-scatter result in compiled HLO text (tuples flattened)."""
+  out = []
+  for line in hlo_text.splitlines():
+    m = _HLO_OP.match(line)
+    if not m:
+      continue
+    arrays = [(dtype, _shape(dims, ",")) for dtype, dims in _ARRAY.findall(m["type"])]
+    op = m["op"]
+    if op == "all-gather-start":          # async form: (operands..., results...)
+      op, arrays = "all-gather", arrays[len(arrays) // 2:]
+    name = _OP_NAME.search(line)
+    out += [Collective(op, d, s, name[1] if name else "") for d, s in arrays]
+  return out
+
+
+def stablehlo_gathers(text: str) -> list[Collective]:
+  """Every all_gather result in StableHLO text."""
+  out = []
+  for line in text.splitlines():
+    m = _STABLEHLO_GATHER.search(line)
+    if m:
+      out += [Collective("all-gather", dtype, _shape(dims, "x"))
+              for dims, dtype in _TENSOR.findall(m["type"])]
+  return out
+
+
+def hook_shapes(layout, num_devices: int) -> dict[str, set[tuple]]:
+  """Result shapes of the hook's collectives: {"all-gather": full per-layer parameter shapes,
+  "reduce-scatter": their per-device shards}, for the parameters it shards."""
+  gathers, scatters = set(), set()
+  for name, shapes in layout.param_shapes.items():
+    stacked = name == "layers"
+    for x, lay in zip(jax.tree.leaves(shapes), jax.tree.leaves(
+        layout.layouts[name], is_leaf=lambda v: isinstance(v, Layout))):
+      if lay.kind != "shard":
+        continue
+      full = list(x.shape[1:] if stacked else x.shape)
+      gathers.add(tuple(full))
+      full[lay.unstacked().dim if stacked else lay.dim] //= num_devices
+      scatters.add(tuple(full))
+  return {"all-gather": gathers, "reduce-scatter": scatters}
+
+
+def stacked_shapes(layout) -> set[tuple]:
+  """Shapes of the stored layer-stacked arrays (parameters and, alike, optimizer moments)."""
+  return {tuple(x.shape) for x in jax.tree.leaves(layout.param_shapes["layers"])}
+
+
+def problems(found: list[Collective], expected: dict[str, set[tuple]],
+             dtypes: dict[str, set[str]], stacked: set[tuple] = frozenset()) -> list[str]:
+  """Every all-gather / reduce-scatter in `found` that the hook did not issue; [] if none.
+
+  One the hook issued: made by the JAX primitive (not added by XLA), with a result shape the
+  hook produces (a full per-layer parameter; its shard) and an allowed dtype.
+  """
+  out = []
+  for c in found:
+    if c.op not in expected:
+      continue
+    if c.op_name.rsplit("/", 1)[-1] != PRIMITIVE[c.op]:
+      out.append(f"{c}: added by XLA, not issued by a {PRIMITIVE[c.op]} in the step")
+    if c.shape not in expected[c.op]:
+      note = ", a whole layer-stacked array" if c.shape in stacked else ""
+      out.append(f"{c}: not a per-layer parameter shape the hook produces{note}")
+    if c.dtype not in dtypes[c.op]:
+      out.append(f"{c}: dtype {c.dtype}, expected one of {sorted(dtypes[c.op])}")
+  return out
+
+
+def missing(found: list[Collective], expected: dict[str, set[tuple]]) -> list[str]:
+  """Hook collectives (op, shape) that do not occur in `found` at all."""
+  return [f"{op} -> {list(shape)}" for op, shapes in expected.items()
+          for shape in sorted(shapes) if not any(c.op == op and c.shape == shape for c in found)]
+
+
+def stablehlo_problems(found: list[Collective], expected: dict[str, set[tuple]],
+                       dtype: str = "bf16") -> list[str]:
+  """The gathers as written: each in `dtype` and of a full per-layer parameter shape."""
+  shapes = expected["all-gather"]
+  return [f"{c}: " + ("not a full per-layer parameter shape" if c.shape not in shapes else
+                      f"gathers {c.dtype}, the hook gathers {dtype}")
+          for c in found if c.shape not in shapes or c.dtype != dtype]

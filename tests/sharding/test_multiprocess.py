@@ -1,0 +1,99 @@
+"""train.py as one job of 2 processes x 2 CPU devices (jax.distributed over loopback, gloo).
+
+The two processes run in lockstep (every step's collectives span both), process 0 alone writes
+metrics and logs, and the losses equal those of 1 process x 4 devices on the same config: the
+mesh, the layouts and the data are the same, only where the devices live differs.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.helpers import REPO
+
+STEPS = 3
+TIMEOUT_S = 420          # generous: 3 processes compile at once on a busy machine
+ARGS = ["--config", "configs/olmoe.py:tiny", f"--config.steps={STEPS}", "--config.log_every=1",
+        f"--config.eval_every={STEPS}", "--config.eval_batches=1"]
+COMPARED = ("loss", "aux_loss", "z_loss", "grad_norm", "val_loss")
+SAME = ("step", "lr", "gather_bytes", "scatter_bytes", "a2a_bytes")
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _start(tmp_path, name: str, workdir: str, devices: int, job: tuple = ()):
+  """train.py in the background on `devices` CPU devices; `job`: (address, processes, id)."""
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             JAX_PLATFORMS="cpu")
+  for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+    env.pop(var, None)
+  args = [*ARGS, "--workdir", str(tmp_path / workdir)]
+  if job:
+    address, num_processes, process_id = job
+    args += ["--coordinator_address", address, f"--num_processes={num_processes}",
+             f"--process_id={process_id}"]
+    # No persistent compilation cache even if one is configured: its keys differ per process
+    # (process 0 would load what process 1 has to compile), and gloo gives a process 30 s to
+    # join each new collective. Without it the processes compile side by side.
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+  with open(tmp_path / f"{name}.out", "w") as out, open(tmp_path / f"{name}.err", "w") as err:
+    return subprocess.Popen([sys.executable, os.path.join(REPO, "train.py"), *args], cwd=REPO,
+                            env=env, stdout=out, stderr=err)
+
+
+def _wait_all(procs: dict, tmp_path) -> None:
+  """Waits for every process within TIMEOUT_S; on a failure or the deadline, kills the rest."""
+  deadline = time.monotonic() + TIMEOUT_S
+  try:
+    for name, proc in procs.items():
+      rc = proc.wait(timeout=max(deadline - time.monotonic(), 1))
+      assert rc == 0, f"{name} exited {rc}:\n{(tmp_path / f'{name}.err').read_text()[-3000:]}"
+  except subprocess.TimeoutExpired:
+    pytest.fail(f"train.py did not finish within {TIMEOUT_S}s")
+  finally:
+    for proc in procs.values():
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def _records(workdir):
+  with open(workdir / "metrics.jsonl") as f:
+    return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow
+def test_two_processes_match_one(tmp_path):
+  address = f"127.0.0.1:{_free_port()}"
+  # One workdir for the job, as on a shared file system (checkpoints are written together).
+  procs = {f"proc{i}": _start(tmp_path, f"proc{i}", "job", 2, job=(address, 2, i))
+           for i in range(2)}
+  procs["single"] = _start(tmp_path, "single", "single", 4)   # the reference, alongside
+  _wait_all(procs, tmp_path)
+
+  # Process 0 logs and writes the metrics of the 4-device job; process 1 writes neither (one
+  # record per step in the shared metrics.jsonl, not two).
+  out0 = (tmp_path / "proc0.out").read_text()
+  assert "4 device(s)" in out0 and out0.count(f"/{STEPS} | loss") == STEPS, out0
+  out1 = (tmp_path / "proc1.out").read_text()
+  assert "moejax:" not in out1 and "| loss" not in out1, out1
+  two, one = _records(tmp_path / "job"), _records(tmp_path / "single")
+  assert [r["step"] for r in two] == list(range(1, STEPS + 1))
+
+  # Same losses as 1 process x 4 devices: only the order of cross-device sums may differ.
+  for a, b in zip(two, one, strict=True):
+    assert {k: a[k] for k in SAME} == {k: b[k] for k in SAME}
+    got = [a.get(k, np.nan) for k in COMPARED]
+    want = [b.get(k, np.nan) for k in COMPARED]
+    np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"step {a['step']}")
+  assert np.isfinite(two[-1]["val_loss"])
