@@ -2,6 +2,10 @@
 
 Metrics come back to the host one step late (the next step is dispatched before the previous
 step's metrics are read), so the host never blocks the device.
+
+A run resumes from the latest readable checkpoint in workdir/checkpoints (see
+`moejax.train.checkpoint`): same step numbering, data position and learning-rate schedule, so an
+interrupted run continues bit for bit. It saves every `checkpoint.every` steps and at the end.
 """
 from __future__ import annotations
 
@@ -18,15 +22,21 @@ from moejax.data import DataSpec, check_vocab, make_data
 from moejax.errors import ConfigError, TrainingError
 from moejax.layers.dispatch import ep_a2a_bytes
 from moejax.sharding import hook
-from moejax.sharding.mesh import make_mesh, num_devices
-from moejax.train import optim, state as state_lib, step as step_lib
+from moejax.codec.gather import invalidate as _invalidate
+from moejax.sharding import fssdp_plan
+from moejax.sharding.mesh import make_mesh, num_devices, topology
+from moejax.train import checkpoint as checkpoint_lib, optim, state as state_lib, step as step_lib
 from moejax.train.metrics import MetricsWriter, log, progress_line
+
+
+def codec_invalidate(gather_state):
+  return {g: {p: _invalidate(s) for p, s in states.items()} for g, states in gather_state.items()}
 
 
 def prepare_workdir(workdir: str) -> None:
   try:
     os.makedirs(workdir, exist_ok=True)
-    probe = os.path.join(workdir, ".write_test")
+    probe = os.path.join(workdir, f".write_test.{jax.process_index()}")
     with open(probe, "w") as f:
       f.write("ok")
     os.remove(probe)
@@ -45,7 +55,7 @@ def comm_figures(cfg: Config, mesh, lay) -> dict[str, float]:
   """Bytes per device per step moved by the hook's and the MoE block's collectives."""
   n = num_devices(mesh)
   layer_bytes = hook.comm_bytes(lay.param_shapes["layers"], lay.layouts["layers"], n,
-                                remat=cfg.remat)
+                                remat=cfg.remat or cfg.prefetch)
   rest = {k: v for k, v in lay.param_shapes.items() if k != "layers"}
   rest_bytes = hook.comm_bytes(rest, {k: lay.layouts[k] for k in rest}, n, remat=False)
   figures = {k: layer_bytes[k] + rest_bytes[k] for k in layer_bytes}
@@ -72,6 +82,7 @@ class Trainer:
                                                self.schedule)
     self.eval_step = step_lib.make_eval_step(cfg, self.mesh, self.layout)
     self.comm = comm_figures(cfg, self.mesh, self.layout)
+    self._relabel = None
 
   def init_state(self, seed: int | None = None):
     seed = self.cfg.seed if seed is None else seed
@@ -79,6 +90,23 @@ class Trainer:
 
   def evaluate(self, params, batches) -> float:
     return float(np.mean([float(self.eval_step(params, b)) for b in batches]))
+
+  def reshard(self, state):
+    """fssdp: move experts (parameters and optimizer state) to owners that balance the load
+    history. Returns (state, Relabel)."""
+    from moejax.sharding import fssdp_reshard
+    cfg, mesh = self.cfg, self.mesh
+    expert_bytes = 3 * cfg.model.d_model * cfg.moe.expert_hidden * 4 * 3   # fp32 w, mu, nu
+    relabel = fssdp_reshard.plan_relabel(
+        np.asarray(fssdp_plan.predict(state.load_history)), num_devices(mesh),
+        topology(mesh).devices_per_node, bytes_per_expert=expert_bytes)
+    if self._relabel is None:
+      self._relabel = jax.jit(lambda st, perm: fssdp_reshard.apply_relabel(st, perm, self.tx),
+                              donate_argnums=0, out_shardings=self.layout.shardings)
+    state = self._relabel(state, relabel.perm_LxE)
+    # The router moved too: its codec caches are stale, so the next gather sends everything.
+    state = state.replace(gather_state=codec_invalidate(state.gather_state))
+    return state, relabel
 
 
 def _check_finite(step: int, metrics: dict) -> None:
@@ -89,54 +117,70 @@ def _check_finite(step: int, metrics: dict) -> None:
 
 
 def run(cfg: Config, workdir: str) -> dict:
-  """Trains `cfg` and writes workdir/metrics.jsonl. Returns the last logged record."""
+  """Trains `cfg` (resuming from workdir/checkpoints if there is one), appends to
+  workdir/metrics.jsonl and saves checkpoints. Returns the last logged record."""
   prepare_workdir(workdir)
   data = make_data(DataSpec(cfg.data.source, cfg.data.path or None, cfg.data.tokenizer,
                             cfg.data.val_fraction, cfg.seed),
                    batch_size=cfg.batch_size, seq_len=cfg.seq_len)
   check_vocab(data.tokenizer, cfg.model.vocab_size)
   trainer = Trainer(cfg)
-  state = trainer.init_state()
-  val_batches = [put_batch(b, trainer.mesh)
-                 for b in data.val_batches(min(cfg.eval_batches, data.num_val_batches))]
-  log(f"moejax: {data.name}, {num_devices(trainer.mesh)} device(s), "
-      f"placement={cfg.moe.placement}, {cfg.steps} steps of {cfg.batch_size}x{cfg.seq_len}")
-  writer = MetricsWriter(workdir)
+  checkpoints = checkpoint_lib.Checkpointer(workdir, cfg)
   try:
-    return _train(trainer, state, data, val_batches, writer)
+    restored = checkpoints.restore(trainer.layout, trainer.tx, data.train)
+    if restored is None:
+      state = trainer.init_state()
+    else:
+      state, step = restored
+      log(f"moejax: resuming from step {step} (checkpoint {checkpoints.step_path(step)})")
+    val_batches = [put_batch(b, trainer.mesh)
+                   for b in data.val_batches(min(cfg.eval_batches, data.num_val_batches))]
+    log(f"moejax: {data.name}, {num_devices(trainer.mesh)} device(s), "
+        f"placement={cfg.moe.placement}, {cfg.steps} steps of {cfg.batch_size}x{cfg.seq_len}")
+    writer = MetricsWriter(workdir)
+    try:
+      return _train(trainer, state, data, val_batches, writer, checkpoints)
+    finally:
+      writer.close()
   finally:
-    writer.close()
+    checkpoints.close()     # waits for the last save to commit
 
 
-def _train(trainer: Trainer, state, data, val_batches, writer) -> dict:
+def _train(trainer: Trainer, state, data, val_batches, writer, checkpoints) -> dict:
   cfg = trainer.cfg
   record: dict = {}
   previous = None                        # (step, metrics) read one step late
   t_start = t_log = time.perf_counter()
   steps_since_log = 0
-  for step in range(int(state.step) + 1, cfg.steps + 1):
+  first_step = int(state.step) + 1
+  if first_step > cfg.steps:
+    log(f"moejax: the checkpoint is at step {first_step - 1}, config.steps={cfg.steps}: "
+        "nothing to train")
+  for step in range(first_step, cfg.steps + 1):
     state, metrics = trainer.train_step(state, put_batch(next(data.train), trainer.mesh))
     if previous is not None:
       _check_finite(*previous)
     previous = (step, metrics)
     steps_since_log += 1
+    log_now = True
     if steps_since_log == 1 and t_log == t_start:
       # The first step compiles; time the steps after it.
       jax.block_until_ready(metrics)
       t_log, steps_since_log = time.perf_counter(), 0
-      if step % cfg.log_every:
-        continue
+      log_now = step % cfg.log_every == 0
     evaluate = step % cfg.eval_every == 0 or step == cfg.steps
-    if step % cfg.log_every and not evaluate:
-      continue
-    values = jax.device_get(metrics)     # waits for this step: the timing below is honest
-    _check_finite(step, values)
-    step_time = (time.perf_counter() - t_log) / max(steps_since_log, 1)
-    record = {"step": step, **values, "step_time_s": step_time,
-              "tokens_per_s": cfg.batch_size * cfg.seq_len / step_time, **trainer.comm}
-    if evaluate:
-      record["val_loss"] = trainer.evaluate(state.params, val_batches)
-    writer.write(record)
-    log(progress_line(step, cfg.steps, record, (cfg.steps - step) * step_time))
-    t_log, steps_since_log = time.perf_counter(), 0
+    if log_now and (step % cfg.log_every == 0 or evaluate):
+      values = jax.device_get(metrics)   # waits for this step: the timing below is honest
+      _check_finite(step, values)
+      step_time = (time.perf_counter() - t_log) / max(steps_since_log, 1)
+      record = {"step": step, **values, "step_time_s": step_time,
+                "tokens_per_s": cfg.batch_size * cfg.seq_len / step_time, **trainer.comm}
+      if evaluate:
+        record["val_loss"] = trainer.evaluate(state.params, val_batches)
+      writer.write(record)
+      log(progress_line(step, cfg.steps, record, (cfg.steps - step) * step_time))
+      t_log, steps_since_log = time.perf_counter(), 0
+    if checkpoints.should_save(step):
+      _check_finite(step, metrics)       # never save a state whose loss is not finite
+      checkpoints.save(step, state, data.train.get_state())
   return record

@@ -1,0 +1,422 @@
+"""Checkpoints (Orbax): save during and at the end of a run, resume the latest readable one, and
+load a checkpoint's parameters into your own code.
+
+Layout of WORKDIR/checkpoints/, one Orbax `CheckpointManager` keeping the last `checkpoint.keep`:
+
+  <step>/params/      parameters with their global shapes (OCDBT); each process writes its shards
+  <step>/opt_state/   optimizer state, sharded like the parameters
+  <step>/meta/        JSON: step, seed, data-iterator position, a checksum per array
+  <step>/config/      JSON: the config of the run that wrote it, checked on resume
+  <step>.orbax-checkpoint-tmp/   a save in progress. Orbax renames it to <step> once every item
+                      is written, so a run killed mid-save leaves only this name, which is ignored
+  <step>.unreadable/  a checkpoint that failed to restore, moved out of the way, never deleted
+
+Arrays keep their global shapes, so a checkpoint restores onto any mesh and either expert
+placement: the targets are `StateLayout.shardings` of the restoring run. An array's checksum is
+the sum of its elements' bit patterns, as unsigned integers, modulo 2**32: an exact integer sum
+that does not depend on the sharding. It catches a file that reads without error but holds other
+bytes. The seed is the run's only randomness (initialization and data order derive from it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, Sharding
+
+from moejax.config import Config, from_config_dict
+from moejax.errors import CheckpointError, DataError, MoejaxError
+from moejax.sharding import layout as layout_lib
+from moejax.sharding.mesh import num_devices
+from moejax.train.metrics import log
+from moejax.train import state as state_lib
+from moejax.train.state import StateLayout, TrainState
+
+SUBDIR = "checkpoints"
+UNREADABLE = ".unreadable"
+FORMAT = 1
+
+# Config fields a resumed run may change: they do not change what the saved state means.
+# (data.path may move: the data iterator checks the token stream itself, by length and CRC.)
+MAY_DIFFER = ("steps", "log_every", "eval_every", "eval_batches", "remat", "prefetch", "mesh.",
+              "moe.placement", "checkpoint.", "codec.", "data.path")
+
+
+def checkpoint_dir(workdir: str) -> str:
+  return os.path.join(os.path.abspath(workdir), SUBDIR)
+
+
+# ------------------------------------------------------------------------------------------------
+# Config as JSON, and the compatibility check.
+
+def config_to_dict(cfg: Config) -> dict:
+  """Nested plain dict (tuples as lists), as stored in a checkpoint's config/ item."""
+  return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+  flat = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      flat.update(_flatten(value, f"{prefix}{key}."))
+    else:
+      flat[prefix + key] = value
+  return flat
+
+
+def _may_differ(field: str) -> bool:
+  return any(field == f or (f.endswith(".") and field.startswith(f)) for f in MAY_DIFFER)
+
+
+_ABSENT = object()
+
+
+def _show(value) -> str:
+  return "no such field" if value is _ABSENT else json.dumps(value)
+
+
+def check_compatible(saved: dict, cfg: Config) -> None:
+  """Raises CheckpointError naming the first field (in config order) that may not differ.
+
+  A field missing from an older checkpoint counts as its default value.
+  """
+  run = _flatten(config_to_dict(cfg))
+  saved = _flatten(saved)
+  defaults = _flatten(config_to_dict(Config()))
+  for field in [*run, *(k for k in saved if k not in run)]:
+    if _may_differ(field):
+      continue
+    have = saved.get(field, defaults.get(field, _ABSENT))
+    want = run.get(field, _ABSENT)
+    if have != want:
+      raise CheckpointError(f"config.{field}: checkpoint has {_show(have)}, run has {_show(want)}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Checksums.
+
+_WORD = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}
+
+
+def _word_sum(x_N):
+  words = jax.lax.bitcast_convert_type(x_N, _WORD[x_N.dtype.itemsize])
+  return jnp.sum(words.astype(jnp.uint32), dtype=jnp.uint32)
+
+
+_word_sums = jax.jit(lambda leaves: [_word_sum(x) for x in leaves])
+
+
+def _np_word_sum(x: np.ndarray) -> int:
+  words = np.ascontiguousarray(x).view(np.dtype(_WORD[x.dtype.itemsize]))
+  return int(np.sum(words, dtype=np.uint64) % (1 << 32))
+
+
+def checksums(tree) -> dict[str, int]:
+  """{key path: sum of the array's bit patterns mod 2**32} for jax or numpy leaves."""
+  with_path = jax.tree_util.tree_leaves_with_path(tree)
+  leaves = [x for _, x in with_path]
+  if all(isinstance(x, np.ndarray) for x in leaves):
+    sums = [_np_word_sum(x) for x in leaves]
+  else:
+    sums = [int(s) for s in jax.device_get(_word_sums(leaves))]
+  return {jax.tree_util.keystr(path): s for (path, _), s in zip(with_path, sums)}
+
+
+def _verify(item: str, tree, expected: dict[str, int]) -> None:
+  got = checksums(tree)
+  if set(got) != set(expected):
+    missing = sorted(set(expected) ^ set(got))
+    raise CheckpointError(f"{item}: arrays differ from the checksum list (first: {missing[0]})")
+  for key, value in got.items():
+    if value != int(expected[key]):
+      raise CheckpointError(f"{item}{key}: checksum {value} != {expected[key]} recorded at save")
+
+
+# ------------------------------------------------------------------------------------------------
+# The manager.
+
+def _manager(directory: str, keep: int | None = None, create: bool = True, **handlers):
+  """An Orbax CheckpointManager for `directory` with moejax's items (readers pass create=False).
+  `lightweight_initialize` lists steps without reading their files, so a damaged one cannot
+  stop the listing."""
+  options = ocp.CheckpointManagerOptions(
+      create=create, lightweight_initialize=True, enable_async_checkpointing=True,
+      preservation_policy=None if keep is None else ocp.checkpoint_managers.LatestN(n=keep))
+  handlers = {"params": ocp.StandardCheckpointHandler(),
+              "opt_state": ocp.StandardCheckpointHandler(),
+              "meta": ocp.JsonCheckpointHandler(), "config": ocp.JsonCheckpointHandler(),
+              **handlers}
+  return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+
+
+def _all_agree(ok: bool) -> bool:
+  """True if `ok` on every process (a restore must fail or succeed everywhere together)."""
+  if jax.process_count() == 1:
+    return ok
+  return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
+
+
+def _one_line(e: BaseException) -> str:
+  """The innermost cause of `e` as one line (tensorstore's message names the file)."""
+  while e.__cause__ is not None:
+    e = e.__cause__
+  text = " ".join(str(e).split())
+  text = text if len(text) <= 300 else text[:297] + "..."
+  return text if isinstance(e, MoejaxError) else f"{type(e).__name__}: {text}"
+
+
+def _key_name(key) -> str:
+  return str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key))))
+
+
+def _shapes(tree) -> dict[str, tuple]:
+  """{"a/b/c": (shape, dtype name)} for the leaves of arrays, shape structs or Orbax metadata."""
+  return {"/".join(_key_name(k) for k in path): (tuple(x.shape), np.dtype(x.dtype).name)
+          for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _check_shapes(item: str, saved_metadata, target) -> None:
+  saved, want = _shapes(saved_metadata), _shapes(target)
+  for key, (shape, dtype) in want.items():
+    if key not in saved:
+      raise CheckpointError(f"{item}/{key}: not in the checkpoint")
+    if saved[key] != (shape, dtype):
+      raise CheckpointError(f"{item}/{key}: checkpoint has {saved[key][1]}{list(saved[key][0])}, "
+                            f"run has {dtype}{list(shape)}")
+  for key in saved:
+    if key not in want:
+      raise CheckpointError(f"{item}/{key}: in the checkpoint but not in the run")
+
+
+def abstract_state(layout: StateLayout, tx: optax.GradientTransformation) -> TrainState:
+  """What a checkpoint holds (step, params, opt_state) as ShapeDtypeStructs carrying the target
+  shardings of `layout`: what a restore fills in."""
+  def abstract(shapes, shardings):
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        shapes, shardings)
+
+  return TrainState(
+      step=jax.ShapeDtypeStruct((), jnp.int32, sharding=layout.shardings.step),
+      params=abstract(layout.param_shapes, layout.shardings.params),
+      opt_state=abstract(jax.eval_shape(tx.init, layout.param_shapes),
+                         layout.shardings.opt_state))
+
+
+class Checkpointer:
+  """The checkpoints of one run, in WORKDIR/checkpoints: save, wait, restore the latest good one."""
+
+  def __init__(self, workdir: str, cfg: Config):
+    self.cfg = cfg
+    self.directory = checkpoint_dir(workdir)
+    self._config = config_to_dict(cfg)
+    self._manager = _manager(self.directory, keep=cfg.checkpoint.keep)
+
+  def step_path(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
+  def all_steps(self) -> list[int]:
+    """Steps of the complete checkpoints (a save in progress or set aside is not one)."""
+    return sorted(self._manager.all_steps())
+
+  def should_save(self, step: int) -> bool:
+    every = self.cfg.checkpoint.every
+    return step == self.cfg.steps or (every > 0 and step % every == 0)
+
+  def save(self, step: int, state: TrainState, data_state: dict) -> None:
+    """Starts writing `state` at `step` in the background (after waiting for the previous save);
+    returns once the arrays are copied off the devices, so `state` may be donated next."""
+    if step in self._manager.all_steps():
+      return
+    meta = {"format": FORMAT, "step": int(step), "seed": self.cfg.seed, "data": data_state,
+            "checksums": {"params": checksums(state.params),
+                          "opt_state": checksums(state.opt_state)}}
+    self._manager.save(step, force=True, args=ocp.args.Composite(
+        params=ocp.args.StandardSave(state.params),
+        opt_state=ocp.args.StandardSave(state.opt_state),
+        meta=ocp.args.JsonSave(meta), config=ocp.args.JsonSave(self._config)))
+
+  def wait(self) -> None:
+    """Blocks until every started save has committed."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self._manager.wait_until_finished()
+    self._manager.close()
+
+  def restore(self, layout: StateLayout, tx: optax.GradientTransformation,
+              data_iterator=None) -> tuple[TrainState, int] | None:
+    """The latest readable checkpoint as a TrainState on `layout`'s shardings, and its step.
+
+    Sets `data_iterator` to the saved position. An unreadable checkpoint is reported, moved to
+    <step>.unreadable and skipped for the one before it; one from an incompatible config (or
+    with other array shapes) stops with CheckpointError. Returns None when there is none.
+    """
+    target = abstract_state(layout, tx)
+    for step in sorted(self._manager.all_steps(), reverse=True):
+      where = f"checkpoint {self.step_path(step)} (step {step})"
+      error = None
+      try:
+        saved_config = self._manager.restore(
+            step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+        metadata = self._manager.metadata(step).item_metadata
+        saved_shapes = {item: metadata[item] for item in ("params", "opt_state")}
+        for item, tree in saved_shapes.items():
+          if tree is None or not jax.tree.leaves(tree):
+            raise FileNotFoundError(f"{item}/_METADATA lists no arrays")
+      except Exception as e:  # noqa: BLE001 -- whatever a damaged file raises
+        error = e
+      if _all_agree(error is None):
+        try:
+          check_compatible(saved_config, self.cfg)
+          _check_shapes("params", saved_shapes["params"], target.params)
+          _check_shapes("opt_state", saved_shapes["opt_state"], target.opt_state)
+        except CheckpointError as e:
+          raise CheckpointError(f"{where} does not fit this run: {e}; resume with the "
+                                "checkpoint's config or use a new --workdir") from None
+        try:
+          state, meta = self._restore_state(step, layout, target)
+        except Exception as e:  # noqa: BLE001
+          error = e
+      if not _all_agree(error is None):
+        self._set_aside(step, error)
+        continue
+      if data_iterator is not None:
+        try:
+          data_iterator.set_state(meta["data"])
+        except DataError as e:
+          raise CheckpointError(f"{where}: {e}") from None
+      return state, step
+    aside = self.unreadable_dirs()
+    if aside:
+      raise CheckpointError(
+          f"no readable checkpoint in {self.directory}, only ones set aside as unreadable "
+          f"({', '.join(aside)}); repair one and rename it back to its step, or remove them "
+          "to start from step 0")
+    return None
+
+  def _restore_state(self, step: int, layout: StateLayout,
+                     target: TrainState) -> tuple[TrainState, dict]:
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(target.params),
+        opt_state=ocp.args.StandardRestore(target.opt_state),
+        meta=ocp.args.JsonRestore()))
+    meta = restored["meta"]
+    if meta.get("format") != FORMAT or meta.get("step") != step:
+      raise CheckpointError(f"meta/ says format {meta.get('format')}, step {meta.get('step')}")
+    _verify("params", restored["params"], meta["checksums"]["params"])
+    _verify("opt_state", restored["opt_state"], meta["checksums"]["opt_state"])
+    step_array = jax.make_array_from_callback((), layout.shardings.step,
+                                              lambda _: np.asarray(step, np.int32))
+    state = TrainState(step=step_array, params=restored["params"], opt_state=restored["opt_state"])
+    # Codec caches and load history are not saved: rebuilt (the first gather sends everything).
+    return state_lib._with_rebuilt_state(layout, state), meta
+
+  def _set_aside(self, step: int, error: BaseException | None) -> None:
+    path = self.step_path(step)
+    target, n = path + UNREADABLE, 1
+    while os.path.exists(target):
+      n += 1
+      target = f"{path}{UNREADABLE}-{n}"
+    if jax.process_index() == 0:
+      os.rename(path, target)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"moejax_checkpoint_set_aside_{step}")
+    self._manager.reload()
+    reason = _one_line(error) if error is not None else "unreadable on another process"
+    log(f"moejax: checkpoint {path} (step {step}) is unreadable: {reason}; moved it to "
+        f"{target} and trying the previous one")
+
+  def unreadable_dirs(self) -> list[str]:
+    if not os.path.isdir(self.directory):
+      return []
+    return sorted(n for n in os.listdir(self.directory) if UNREADABLE in n)
+
+
+# ------------------------------------------------------------------------------------------------
+# Loading parameters into your own code.
+
+def _locate(path: str, step: int | None) -> tuple[str, int]:
+  """(manager directory, step) from a workdir, its checkpoints/ dir, or one step's dir."""
+  path = os.path.abspath(path)
+  if os.path.isdir(os.path.join(path, SUBDIR)):
+    path = os.path.join(path, SUBDIR)
+  elif os.path.basename(path).isdigit() and os.path.isdir(os.path.join(path, "params")):
+    if step is not None and step != int(os.path.basename(path)):
+      raise CheckpointError(f"{path} is the checkpoint of step {os.path.basename(path)}, "
+                            f"not of step {step}")
+    path, step = os.path.dirname(path), int(os.path.basename(path))
+  if not os.path.isdir(path):
+    raise CheckpointError(f"{path}: no such checkpoint directory")
+  with _manager(path, create=False) as manager:
+    steps = sorted(manager.all_steps())
+  if not steps:
+    raise CheckpointError(f"{path}: no complete checkpoint in this directory")
+  if step is None:
+    step = steps[-1]
+  if step not in steps:
+    raise CheckpointError(f"{path}: no checkpoint of step {step} (steps: "
+                          f"{', '.join(map(str, steps))})")
+  return path, step
+
+
+def _read_config(directory: str, step: int) -> Config:
+  try:
+    with _manager(directory, create=False) as manager:
+      saved = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+    return from_config_dict(saved["config"])
+  except Exception as e:  # noqa: BLE001
+    raise CheckpointError(f"checkpoint {os.path.join(directory, str(step))} (step {step}): "
+                          f"config/: {_one_line(e)}") from None
+
+
+def load_config(path: str, step: int | None = None) -> Config:
+  """The Config that wrote a checkpoint (a workdir, its checkpoints/ dir, or a step's dir)."""
+  return _read_config(*_locate(path, step))
+
+
+def load_params(path: str, step: int | None = None, *, mesh=None, shardings=None) -> dict:
+  """A checkpoint's parameters: the nested dict `moejax.models.olmoe.forward` takes.
+
+  Args:
+    path: a workdir, its checkpoints/ directory, or one step's directory.
+    step: which step (default: the latest complete one).
+    mesh: a moejax mesh (`moejax.sharding.mesh.make_mesh`): sharded arrays laid out as in
+      training, for the checkpoint's expert placement.
+    shardings: instead of `mesh`, one Sharding for every array or a pytree of them like params.
+  With neither, host numpy arrays. Checksums are verified; every failure is a CheckpointError.
+  """
+  if mesh is not None and shardings is not None:
+    raise CheckpointError("load_params takes mesh or shardings, not both")
+  directory, step = _locate(path, step)
+  cfg = _read_config(directory, step)
+  from moejax.models import olmoe   # only to know the shapes
+  shapes = jax.eval_shape(lambda k: olmoe.init_params(cfg, k), jax.random.key(0))
+  if mesh is not None:
+    layouts = layout_lib.param_layouts(shapes, cfg.moe.placement, num_devices(mesh))
+    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec),
+                             layout_lib.param_specs(shapes, layouts),
+                             is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
+  if shardings is None:
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), shapes)
+  else:
+    if isinstance(shardings, Sharding):
+      shardings = jax.tree.map(lambda _: shardings, shapes)
+    restore_args = jax.tree.map(lambda _, sh: ocp.ArrayRestoreArgs(sharding=sh), shapes,
+                                shardings)
+  try:
+    with _manager(directory, create=False, params=ocp.PyTreeCheckpointHandler()) as manager:
+      restored = manager.restore(step, args=ocp.args.Composite(
+          params=ocp.args.PyTreeRestore(shapes, restore_args), meta=ocp.args.JsonRestore()))
+    _verify("params", restored["params"], restored["meta"]["checksums"]["params"])
+  except Exception as e:  # noqa: BLE001
+    raise CheckpointError(f"checkpoint {os.path.join(directory, str(step))} (step {step}) is "
+                          f"unreadable: {_one_line(e)}") from None
+  return restored["params"]

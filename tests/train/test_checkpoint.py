@@ -1,0 +1,341 @@
+"""Checkpoints on disk with real Orbax: bit-exact resume, a process killed while saving, damaged
+files, other meshes and expert placements, incompatible configs, and `load_params`.
+
+Training runs are train.py subprocesses on one device, all with the same config (only `steps`
+varies, which does not change the program: see `_cli_args`), so they share one compiled program
+through the compilation cache. Mesh and placement changes are tested in process on 8 devices, on
+random states, without training.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from moejax.config import Config
+from moejax.errors import CheckpointError
+from moejax.models import olmoe
+from moejax.sharding.mesh import make_mesh
+from moejax.train import checkpoint as ckpt
+from moejax.train import optim, state as state_lib
+from tests.helpers import REPO, run_train, tiny_config
+
+SMALL = {"batch_size": 8, "seq_len": 32, "log_every": 1, "eval_batches": 1}
+STEPS = 12
+RUN = {**SMALL, "steps": STEPS, "optim.warmup_steps": STEPS}   # the subprocess runs' config
+TIMING = ("step_time_s", "tokens_per_s")
+
+# train.py with Orbax's JSON writer stopped, forever, when it writes the meta/ item of one step:
+# the process sits in the middle of that save, its tmp directory on disk, until it is killed.
+PAUSE_SAVE = """
+import runpy, sys, time
+import orbax.checkpoint as ocp
+marker, pause_step, train_py = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+sys.argv = [train_py, *sys.argv[4:]]
+original = ocp.handlers.JsonCheckpointHandler.async_save
+
+async def async_save(self, directory, item=None, args=None):
+  if args is not None and args.item.get("step") == pause_step:
+    open(marker, "w").close()
+    time.sleep(3600)
+  return await original(self, directory, item, args)
+
+ocp.handlers.JsonCheckpointHandler.async_save = async_save
+runpy.run_path(train_py, run_name="__main__")
+"""
+
+
+def _cli_args(workdir, *extra, steps=STEPS):
+  # A warm-up as long as the longest run: the learning rate then depends on the step alone, not
+  # on `steps` (which sets the cosine horizon), so "train 6, then resume to 12" and "train 12"
+  # follow the same schedule and compile to the same program.
+  return ["--config", "configs/olmoe.py:tiny", "--config.batch_size=8", "--config.seq_len=32",
+          "--config.log_every=1", "--config.eval_batches=1", f"--config.optim.warmup_steps={STEPS}",
+          "--config.checkpoint.every=4", "--config.checkpoint.keep=3", f"--config.steps={steps}",
+          *extra, "--workdir", str(workdir)]
+
+
+def _records(workdir) -> list[dict]:
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def _numbers(records: list[dict]) -> list[dict]:
+  """What a resumed run must reproduce exactly: everything but wall-clock figures."""
+  return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
+
+
+def _train(workdir, *extra, steps=STEPS):
+  out = run_train(_cli_args(workdir, *extra, steps=steps))
+  assert out.returncode == 0, out.stderr[-3000:]
+  return out
+
+
+# ------------------------------------------------------------------------------------------------
+# One uninterrupted run (checkpoints 4, 8, 12): the reference, and what later tests copy.
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("trained") / "w"
+  _train(workdir)
+  assert [r["step"] for r in _records(workdir)] == list(range(1, STEPS + 1))
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["12", "4", "8"]
+  return workdir
+
+
+def _copy(trained, tmp_path):
+  shutil.copytree(trained, tmp_path / "w")
+  return tmp_path / "w"
+
+
+def test_train_stop_resume_equals_an_uninterrupted_run(trained, tmp_path):
+  workdir = tmp_path / "w"
+  _train(workdir, steps=STEPS // 2)
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["4", "6"]
+  out = _train(workdir)
+  assert f"moejax: resuming from step 6 (checkpoint {workdir}/checkpoints/6)" in out.stdout
+  records = _records(workdir)
+  assert [r["step"] for r in records] == list(range(1, STEPS + 1))     # appended, in order
+  records[STEPS // 2 - 1].pop("val_loss")                              # the first run's end
+  assert _numbers(records) == _numbers(_records(trained))
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["12", "6", "8"]   # the last 3 kept
+
+
+def test_killed_while_saving_resumes_from_the_previous_checkpoint(trained, tmp_path):
+  workdir, marker = tmp_path / "w", tmp_path / "saving"
+  wrapper = tmp_path / "pause_save.py"
+  wrapper.write_text(PAUSE_SAVE)
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)      # one device, like run_train
+  proc = subprocess.Popen(
+      [sys.executable, str(wrapper), str(marker), "8", os.path.join(REPO, "train.py"),
+       *_cli_args(workdir)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True)
+  try:
+    deadline = time.monotonic() + 300
+    while not marker.exists():
+      assert proc.poll() is None, proc.communicate()[0][-3000:]
+      assert time.monotonic() < deadline, "the run never reached its save at step 8"
+      time.sleep(0.2)
+    listing = sorted(os.listdir(workdir / "checkpoints"))
+    assert "4" in listing and "8.orbax-checkpoint-tmp" in listing and "8" not in listing
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  assert proc.returncode == -signal.SIGKILL
+  assert [r["step"] for r in _records(workdir)] == list(range(1, 9))
+
+  out = _train(workdir)
+  assert f"moejax: resuming from step 4 (checkpoint {workdir}/checkpoints/4)" in out.stdout
+  records = _records(workdir)
+  assert [r["step"] for r in records] == [*range(1, 9), *range(5, STEPS + 1)]
+  # Steps 5-8 ran twice, before the kill and after the resume; all of it equals the
+  # uninterrupted run, bit for bit.
+  assert _numbers(records[:8] + records[12:]) == _numbers(_records(trained))
+  assert _numbers(records[4:8]) == _numbers(records[8:12])
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["12", "4", "8"]   # tmp dir replaced
+
+
+# ------------------------------------------------------------------------------------------------
+# Damaged checkpoints.
+
+def _largest_file(directory) -> str:
+  files = [os.path.join(d, f) for d, _, fs in os.walk(directory) for f in fs]
+  return max(files, key=os.path.getsize)
+
+
+def _one_device(cfg):
+  mesh = make_mesh((1, -1), jax.devices()[:1])
+  tx = optim.make_optimizer(cfg)
+  return state_lib.state_layout(cfg, mesh, tx), tx
+
+
+def _flip_a_bit(path):
+  with open(path, "r+b") as f:
+    f.seek(os.path.getsize(path) // 2)
+    byte = f.read(1)[0]
+    f.seek(-1, os.SEEK_CUR)
+    f.write(bytes([byte ^ 1]))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "flip_a_bit", "truncate_meta"])
+def test_damaged_checkpoint_is_reported_skipped_and_kept(trained, tmp_path, capsys, damage):
+  workdir = _copy(trained, tmp_path)
+  step_dir = workdir / "checkpoints" / "12"
+  params_file = _largest_file(step_dir / "params")
+  truncated_size = os.path.getsize(params_file) // 2
+  if damage == "truncate":
+    os.truncate(params_file, truncated_size)
+  elif damage == "delete":
+    os.remove(_largest_file(step_dir / "opt_state"))
+  elif damage == "flip_a_bit":      # reads without error: only the checksum can tell
+    _flip_a_bit(params_file)
+  else:
+    os.truncate(step_dir / "meta" / "metadata", 10)
+  files = sorted(os.path.relpath(os.path.join(d, f), step_dir)
+                 for d, _, fs in os.walk(step_dir) for f in fs)
+  cfg = tiny_config(**RUN)
+  layout, tx = _one_device(cfg)
+  checkpoints = ckpt.Checkpointer(str(workdir), cfg)
+  try:
+    state, step = checkpoints.restore(layout, tx)
+  finally:
+    checkpoints.close()
+  assert step == 8 and int(state.step) == 8
+  report = [line for line in capsys.readouterr().out.splitlines() if "unreadable" in line]
+  assert len(report) == 1
+  assert report[0].startswith(f"moejax: checkpoint {step_dir} (step 12) is unreadable: ")
+  assert report[0].endswith(f"moved it to {step_dir}.unreadable and trying the previous one")
+  # Never deleted: every file is still there, the damaged one as it was.
+  kept = workdir / "checkpoints" / "12.unreadable"
+  assert sorted(os.path.relpath(os.path.join(d, f), kept)
+                for d, _, fs in os.walk(kept) for f in fs) == files
+  if damage == "truncate":
+    assert os.path.getsize(params_file.replace("/12/", "/12.unreadable/")) == truncated_size
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["12.unreadable", "4", "8"]
+
+
+def test_only_unreadable_checkpoints_is_an_error_not_a_fresh_start(trained, tmp_path):
+  workdir = _copy(trained, tmp_path)
+  for step in ("4", "8", "12"):
+    os.truncate(workdir / "checkpoints" / step / "meta" / "metadata", 10)
+  cfg = tiny_config(**RUN)
+  layout, tx = _one_device(cfg)
+  for _ in range(2):      # the second time they are already set aside
+    checkpoints = ckpt.Checkpointer(str(workdir), cfg)
+    with pytest.raises(CheckpointError, match="no readable checkpoint in .*12.unreadable"):
+      checkpoints.restore(layout, tx)
+    checkpoints.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# Incompatible configs.
+
+def test_incompatible_config_is_refused_naming_the_field(trained, tmp_path):
+  workdir = _copy(trained, tmp_path)
+  out = run_train(_cli_args(workdir, "--config.model.d_model=128"))
+  assert out.returncode == 2, out.stderr[-3000:]
+  errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+  assert f"checkpoint {workdir}/checkpoints/12 (step 12)" in errors[0]
+  assert "config.model.d_model: checkpoint has 64, run has 128" in errors[0]
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["12", "4", "8"]   # untouched
+
+
+def test_which_fields_may_differ_on_resume():
+  saved = ckpt.config_to_dict(tiny_config())
+  ckpt.check_compatible(saved, tiny_config(**{
+      "steps": 999, "log_every": 3, "eval_every": 7, "eval_batches": 2, "remat": False,
+      "mesh.shape": (2, -1), "moe.placement": "ep", "checkpoint.every": 5,
+      "checkpoint.keep": 9}))
+  for field, value, message in [
+      ("optim.lr", 1e-3, "config.optim.lr: checkpoint has 0.003, run has 0.001"),
+      ("moe.num_experts", 16, "config.moe.num_experts: checkpoint has 8, run has 16"),
+      ("seed", 1, "config.seed: checkpoint has 0, run has 1"),
+      ("data.source", "text", 'config.data.source: checkpoint has "builtin", run has "text"')]:
+    overrides = {field: value, **({"data.path": "x.txt"} if field == "data.source" else {})}
+    with pytest.raises(CheckpointError) as e:
+      ckpt.check_compatible(saved, tiny_config(**overrides))
+    assert str(e.value) == message
+  # A field an older checkpoint does not have counts as its default value.
+  del saved["routing"]["locality_weight"]
+  ckpt.check_compatible(saved, tiny_config())
+  with pytest.raises(CheckpointError, match="config.routing.locality_weight: checkpoint has "
+                                            f"{Config().routing.locality_weight}, run has 0.5"):
+    ckpt.check_compatible(saved, tiny_config(**{"routing.locality_weight": 0.5}))
+
+
+# ------------------------------------------------------------------------------------------------
+# Other meshes and expert placements (in process, no training: random state, exact equality).
+
+def _layout(placement: str, devices: int):
+  cfg = tiny_config(**SMALL, **{"moe.placement": placement})
+  mesh = make_mesh((1, -1), jax.devices()[:devices])
+  tx = optim.make_optimizer(cfg)
+  return cfg, mesh, state_lib.state_layout(cfg, mesh, tx), tx
+
+
+@pytest.fixture(scope="module")
+def host_state():
+  """A TrainState of host arrays, every value random (optimizer moments too)."""
+  _, _, layout, tx = _layout("fsdp", 1)
+  rng = np.random.default_rng(0)
+
+  def fill(s):
+    if np.issubdtype(s.dtype, np.integer):
+      return rng.integers(0, 1000, s.shape).astype(s.dtype)
+    return rng.standard_normal(s.shape).astype(s.dtype)
+
+  state = jax.tree.map(fill, ckpt.abstract_state(layout, tx))
+  return state.replace(step=np.asarray(3, np.int32))
+
+
+@pytest.mark.parametrize("source,target", [
+    (("fsdp", 8), ("fsdp", 4)),
+    (("fsdp", 1), ("fsdp", 8)),
+    (("fsdp", 8), ("ep", 8)),
+    (("ep", 8), ("fsdp", 1)),
+])
+def test_restore_onto_another_mesh_and_placement(tmp_path, host_state, source, target):
+  cfg, _, layout, _ = _layout(*source)
+  state = jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), host_state,
+                       ckpt.abstract_state(layout, optim.make_optimizer(cfg)))
+  checkpoints = ckpt.Checkpointer(str(tmp_path), cfg)
+  checkpoints.save(3, state, {"next_batch": 3})
+  checkpoints.close()
+
+  cfg, mesh, layout, tx = _layout(*target)
+  checkpoints = ckpt.Checkpointer(str(tmp_path), cfg)
+  state, step = checkpoints.restore(layout, tx)
+  checkpoints.close()
+  assert step == 3
+  for field in ("step", "params", "opt_state"):
+    want_tree, got_tree = getattr(host_state, field), getattr(state, field)
+    for (path, want), got, sharding in zip(jax.tree_util.tree_leaves_with_path(want_tree),
+                                           jax.tree.leaves(got_tree),
+                                           jax.tree.leaves(getattr(layout.shardings, field))):
+      where = field + jax.tree_util.keystr(path)
+      assert got.sharding == sharding, where
+      np.testing.assert_array_equal(np.asarray(got), want, err_msg=where)
+
+  # load_params lays them out as training would on `mesh`, with the checkpoint's placement.
+  sharded = ckpt.load_params(str(tmp_path), mesh=mesh)
+  _, _, layout, _ = _layout(source[0], target[1])
+  for want, got, sharding in zip(jax.tree.leaves(host_state.params), jax.tree.leaves(sharded),
+                                 jax.tree.leaves(layout.shardings.params)):
+    assert got.sharding == sharding
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+# ------------------------------------------------------------------------------------------------
+# load_params: a checkpoint's parameters in your own code.
+
+def test_load_params_into_numpy_and_nnx_modules(trained):
+  params = ckpt.load_params(str(trained))                  # workdir: latest step, numpy
+  cfg = ckpt.load_config(str(trained))
+  assert (cfg.steps, cfg.optim.warmup_steps, cfg.batch_size, cfg.checkpoint.every) == (12, 12, 8, 4)
+  assert isinstance(params["embed"], np.ndarray) and params["embed"].shape == (320, 64)
+  older = ckpt.load_params(str(trained / "checkpoints" / "8"))   # one step's directory
+  assert not np.array_equal(older["embed"], params["embed"])
+  np.testing.assert_array_equal(ckpt.load_params(str(trained), step=8)["lm_head"],
+                                older["lm_head"])
+
+  layer0 = olmoe.layer_from_params(cfg, jax.tree.map(lambda x: x[0], params["layers"]))
+  np.testing.assert_array_equal(layer0.moe.w_up[...], params["layers"]["moe"]["w_up"][0])
+  module_state = nnx.state(layer0, nnx.Param)
+  nnx.replace_by_pure_dict(module_state, jax.tree.map(lambda x: x[1], params["layers"]))
+  nnx.update(layer0, module_state)
+  np.testing.assert_array_equal(layer0.attn.wq[...], params["layers"]["attn"]["wq"][1])
+
+  with pytest.raises(CheckpointError, match="no checkpoint of step 5 .steps: 4, 8, 12."):
+    ckpt.load_params(str(trained), step=5)
