@@ -156,7 +156,10 @@ def _train(trainer: Trainer, state, data, val_batches, writer, checkpoints) -> d
   if first_step > cfg.steps:
     log(f"moejax: the checkpoint is at step {first_step - 1}, config.steps={cfg.steps}: "
         "nothing to train")
+  first_step_time = 0.0
+  reshard_moved = None
   for step in range(first_step, cfg.steps + 1):
+    t_step = time.perf_counter()
     state, metrics = trainer.train_step(state, put_batch(next(data.train), trainer.mesh))
     if previous is not None:
       _check_finite(*previous)
@@ -167,19 +170,34 @@ def _train(trainer: Trainer, state, data, val_batches, writer, checkpoints) -> d
       # The first step compiles; time the steps after it.
       jax.block_until_ready(metrics)
       t_log, steps_since_log = time.perf_counter(), 0
+      first_step_time = t_log - t_step      # reported only if this step is logged alone
       log_now = step % cfg.log_every == 0
     evaluate = step % cfg.eval_every == 0 or step == cfg.steps
     if log_now and (step % cfg.log_every == 0 or evaluate):
       values = jax.device_get(metrics)   # waits for this step: the timing below is honest
       _check_finite(step, values)
-      step_time = (time.perf_counter() - t_log) / max(steps_since_log, 1)
-      record = {"step": step, **values, "step_time_s": step_time,
-                "tokens_per_s": cfg.batch_size * cfg.seq_len / step_time, **trainer.comm}
+      if steps_since_log:
+        step_time = (time.perf_counter() - t_log) / steps_since_log
+      else:                                # the first (compiling) step, logged on its own
+        step_time = first_step_time
+      # Static byte figures first; the step's own (measured, e.g. compressed) figures win.
+      record = {"step": step, **trainer.comm, **values, "step_time_s": step_time,
+                "tokens_per_s": cfg.batch_size * cfg.seq_len / step_time}
+      if reshard_moved is not None:
+        record["reshard_moved_experts"] = reshard_moved
+        reshard_moved = None
       if evaluate:
         record["val_loss"] = trainer.evaluate(state.params, val_batches)
       writer.write(record)
       log(progress_line(step, cfg.steps, record, (cfg.steps - step) * step_time))
       t_log, steps_since_log = time.perf_counter(), 0
+    if (cfg.moe.placement == "fssdp" and cfg.fssdp.reshard_every
+        and step % cfg.fssdp.reshard_every == 0 and step < cfg.steps):
+      # Before any checkpoint of this step, so a resumed run continues from the same owners.
+      state, relabel = trainer.reshard(state)
+      reshard_moved = relabel.moved
+      log(f"moejax: step {step}: re-sharded experts: {relabel.moved} moved "
+          f"({relabel.moved_bytes / 2**20:.1f} MiB of parameters and optimizer state)")
     if checkpoints.should_save(step):
       _check_finite(step, metrics)       # never save a state whose loss is not finite
       checkpoints.save(step, state, data.train.get_state())

@@ -55,6 +55,8 @@ def _forward_local(cfg: Config, lay: StateLayout, mesh, params, inputs_BxS, step
                    gather_state=None, predicted_load_LxE=None):
   """The forward pass on this device's batch slice; gather_state as stored ([1, ...] slices)."""
   states = squeeze_device_axis(gather_state) if gather_state is not None else None
+  if cfg.moe.placement == "fssdp" and predicted_load_LxE is None:   # evaluation: no history
+    predicted_load_LxE = jnp.ones((cfg.model.num_layers, cfg.moe.num_experts), jnp.float32)
   logits, aux_L, new_states, stats = olmoe.forward_with_state(
       cfg, params, inputs_BxS, gather=lay.gatherer.gather, states=states,
       dispatch=moe_dispatch(cfg, mesh), axis_name=DEVICES, remat=cfg.remat,
@@ -136,6 +138,7 @@ def gather_metrics(cfg: Config, lay: StateLayout, stats: dict) -> dict:
   n = lay.gatherer.num_devices
   repeat = {"layers": 2 if (cfg.remat or cfg.prefetch) else 1}
   sizes = codec_denominators(lay)
+  stats, param_stats = lay.gatherer.split_param_stats(stats)
   by_group: dict = {}
   for group, group_stats in stats.items():
     for report, s in group_stats.items():
@@ -156,6 +159,7 @@ def gather_metrics(cfg: Config, lay: StateLayout, stats: dict) -> dict:
     metrics["block_change_rate"] = total["block_changes"] / max(blocks, 1)
     metrics["codec_fallbacks"] = total["fallback"]
     metrics["codec_params"] = float(sum(len(v) for v in lay.gatherer.specs.values()))
+    metrics.update(lay.gatherer.codec_metrics(param_stats))
     for report, g in by_group.items():
       metrics[f"codec/{report}/bytes_sent"] = g["bytes_sent"]
       metrics[f"codec/{report}/bytes_plain"] = g["bytes_plain"]
