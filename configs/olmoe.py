@@ -48,6 +48,7 @@ def _base() -> ml_collections.ConfigDict:
   c.eval_every = 50
   c.eval_batches = 4
   c.remat = True
+  c.init_from = ""
   c.prefetch = True
   return c
 

@@ -128,6 +128,9 @@ class Config:
   eval_every: int = 50
   eval_batches: int = 4
   remat: bool = True
+  # Start from these weights (a Hugging Face OLMoE directory, or a moejax checkpoint / from-hf
+  # output) instead of a random init, when the workdir has no checkpoint to resume.
+  init_from: str = ""
   # Issue layer i+1's parameter gather before layer i's compute (see moejax.sharding.prefetch).
   prefetch: bool = True
 

@@ -109,6 +109,36 @@ class Trainer:
     return state, relabel
 
 
+def _first_mismatch(loaded: Config, cfg: Config) -> str | None:
+  for group in ("model", "moe"):
+    for field in ("vocab_size", "d_model", "num_layers", "num_heads", "head_dim",
+                  "num_experts", "top_k", "expert_hidden"):
+      a = getattr(getattr(loaded, group), field, None)
+      b = getattr(getattr(cfg, group), field, None)
+      if a is not None and a != b:
+        return f"config.{group}.{field}={b}, but the weights have {a}"
+  return None
+
+
+def init_from(trainer: Trainer, path: str):
+  """A fresh train state (step 0) around the weights at `path` (HF OLMoE dir or checkpoint)."""
+  from moejax import convert
+  from moejax.train import checkpoint as ckpt
+  cfg = trainer.cfg
+  shardings = trainer.layout.shardings.params
+  if os.path.isfile(os.path.join(path, "config.json")):
+    loaded, params = convert.load_hf(path, shardings=shardings, base=cfg)
+  else:
+    loaded = ckpt.load_config(path)
+    params = ckpt.load_params(path, shardings=shardings)
+  mismatch = _first_mismatch(loaded, cfg)
+  if mismatch:
+    raise ConfigError(f"config.init_from={path!r}: {mismatch}; use a config with the "
+                      "model's shapes")
+  log(f"moejax: initialized from {path}")
+  return state_lib.state_from_params(params, trainer.tx, trainer.layout)
+
+
 def _check_finite(step: int, metrics: dict) -> None:
   loss = float(metrics["loss"])
   if not math.isfinite(loss):
@@ -128,7 +158,9 @@ def run(cfg: Config, workdir: str) -> dict:
   checkpoints = checkpoint_lib.Checkpointer(workdir, cfg)
   try:
     restored = checkpoints.restore(trainer.layout, trainer.tx, data.train)
-    if restored is None:
+    if restored is None and cfg.init_from:
+      state = init_from(trainer, cfg.init_from)
+    elif restored is None:
       state = trainer.init_state()
     else:
       state, step = restored
