@@ -46,8 +46,9 @@ FORMAT = 1
 
 # Config fields a resumed run may change: they do not change what the saved state means.
 # (data.path may move: the data iterator checks the token stream itself, by length and CRC.)
+# (init_from only matters when there is no checkpoint to resume.)
 MAY_DIFFER = ("steps", "log_every", "eval_every", "eval_batches", "remat", "prefetch", "mesh.",
-              "moe.placement", "checkpoint.", "codec.", "data.path")
+              "moe.placement", "checkpoint.", "codec.", "data.path", "init_from")
 
 
 def checkpoint_dir(workdir: str) -> str:

@@ -146,15 +146,24 @@ def _check_finite(step: int, metrics: dict) -> None:
                         "or a smaller optim.clip_norm)")
 
 
-def run(cfg: Config, workdir: str) -> dict:
+def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
+        stop_at: int | None = None) -> dict:
   """Trains `cfg` (resuming from workdir/checkpoints if there is one), appends to
-  workdir/metrics.jsonl and saves checkpoints. Returns the last logged record."""
+  workdir/metrics.jsonl and saves checkpoints. Returns the last logged record.
+
+  trainer: a Trainer built for `cfg`, to reuse its compiled steps from run to run.
+  stop_at: stop after this step, with a checkpoint there, as if the run were interrupted (run
+    again to resume); the learning-rate schedule still spans `cfg.steps`.
+  """
   prepare_workdir(workdir)
   data = make_data(DataSpec(cfg.data.source, cfg.data.path or None, cfg.data.tokenizer,
                             cfg.data.val_fraction, cfg.seed),
                    batch_size=cfg.batch_size, seq_len=cfg.seq_len)
   check_vocab(data.tokenizer, cfg.model.vocab_size)
-  trainer = Trainer(cfg)
+  if trainer is None:
+    trainer = Trainer(cfg)
+  elif trainer.cfg != cfg:
+    raise ValueError("run(trainer=...) needs a Trainer built for the same config")
   checkpoints = checkpoint_lib.Checkpointer(workdir, cfg)
   try:
     restored = checkpoints.restore(trainer.layout, trainer.tx, data.train)
@@ -171,26 +180,28 @@ def run(cfg: Config, workdir: str) -> dict:
         f"placement={cfg.moe.placement}, {cfg.steps} steps of {cfg.batch_size}x{cfg.seq_len}")
     writer = MetricsWriter(workdir)
     try:
-      return _train(trainer, state, data, val_batches, writer, checkpoints)
+      return _train(trainer, state, data, val_batches, writer, checkpoints,
+                    cfg.steps if stop_at is None else min(stop_at, cfg.steps))
     finally:
       writer.close()
   finally:
     checkpoints.close()     # waits for the last save to commit
 
 
-def _train(trainer: Trainer, state, data, val_batches, writer, checkpoints) -> dict:
+def _train(trainer: Trainer, state, data, val_batches, writer, checkpoints,
+           last_step: int) -> dict:
   cfg = trainer.cfg
   record: dict = {}
   previous = None                        # (step, metrics) read one step late
   t_start = t_log = time.perf_counter()
   steps_since_log = 0
   first_step = int(state.step) + 1
-  if first_step > cfg.steps:
+  if first_step > last_step:
     log(f"moejax: the checkpoint is at step {first_step - 1}, config.steps={cfg.steps}: "
         "nothing to train")
   first_step_time = 0.0
   reshard_moved = None
-  for step in range(first_step, cfg.steps + 1):
+  for step in range(first_step, last_step + 1):
     t_step = time.perf_counter()
     state, metrics = trainer.train_step(state, put_batch(next(data.train), trainer.mesh))
     if previous is not None:
@@ -230,7 +241,7 @@ def _train(trainer: Trainer, state, data, val_batches, writer, checkpoints) -> d
       reshard_moved = relabel.moved
       log(f"moejax: step {step}: re-sharded experts: {relabel.moved} moved "
           f"({relabel.moved_bytes / 2**20:.1f} MiB of parameters and optimizer state)")
-    if checkpoints.should_save(step):
+    if checkpoints.should_save(step) or step == last_step:
       _check_finite(step, metrics)       # never save a state whose loss is not finite
       checkpoints.save(step, state, data.train.get_state())
   return record
