@@ -5,6 +5,10 @@ Layout of WORKDIR/checkpoints/, one Orbax `CheckpointManager` keeping the last `
 
   <step>/params/      parameters with their global shapes (OCDBT); each process writes its shards
   <step>/opt_state/   optimizer state, sharded like the parameters
+  <step>/fssdp/       moe.placement=fssdp only: the load predictor's history (and so the inputs
+                      of every replica plan and re-shard), so a resumed run plans as an
+                      uninterrupted one would. Older checkpoints lack it: the history restarts
+                      empty, with a log line saying the resume is not bit-exact
   <step>/meta/        JSON: step, seed, data-iterator position, a checksum per array
   <step>/config/      JSON: the config of the run that wrote it, checked on resume
   <step>.orbax-checkpoint-tmp/   a save in progress. Orbax renames it to <step> once every item
@@ -34,7 +38,7 @@ from jax.sharding import NamedSharding, Sharding
 
 from moejax.config import Config, from_config_dict
 from moejax.errors import CheckpointError, DataError, MoejaxError
-from moejax.sharding import layout as layout_lib
+from moejax.sharding import fssdp_plan, layout as layout_lib
 from moejax.sharding.mesh import num_devices
 from moejax.train.metrics import log
 from moejax.train import state as state_lib
@@ -153,6 +157,7 @@ def _manager(directory: str, keep: int | None = None, create: bool = True, **han
       preservation_policy=None if keep is None else ocp.checkpoint_managers.LatestN(n=keep))
   handlers = {"params": ocp.StandardCheckpointHandler(),
               "opt_state": ocp.StandardCheckpointHandler(),
+              "fssdp": ocp.StandardCheckpointHandler(),
               "meta": ocp.JsonCheckpointHandler(), "config": ocp.JsonCheckpointHandler(),
               **handlers}
   return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
@@ -211,6 +216,38 @@ def abstract_state(layout: StateLayout, tx: optax.GradientTransformation) -> Tra
                          layout.shardings.opt_state))
 
 
+def fssdp_item(state: TrainState) -> dict | None:
+  """The fssdp state a checkpoint keeps (None without fssdp): the load predictor's history."""
+  history = state.load_history
+  if history is None:
+    return None
+  return {"load_history": {"loads_WxLxE": history.loads_WxLxE, "count": history.count}}
+
+
+def with_fssdp_item(state: TrainState, item: dict) -> TrainState:
+  history = item["load_history"]
+  return state.replace(load_history=fssdp_plan.LoadHistory(history["loads_WxLxE"],
+                                                           history["count"]))
+
+
+def _fssdp_target(layout: StateLayout) -> dict | None:
+  """What the fssdp item restores into, on `layout`'s shardings (None without fssdp)."""
+  if layout.cfg.moe.placement != "fssdp":
+    return None
+  shapes = jax.eval_shape(lambda: state_lib._init_history(layout.cfg))
+  history = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                         shapes, layout.shardings.load_history)
+  return fssdp_item(TrainState(step=None, params=None, opt_state=None, load_history=history))
+
+
+def _has_item(metadata, item: str) -> bool:
+  try:
+    tree = metadata[item]
+  except (KeyError, TypeError):
+    return False
+  return tree is not None and bool(jax.tree.leaves(tree))
+
+
 class Checkpointer:
   """The checkpoints of one run, in WORKDIR/checkpoints: save, wait, restore the latest good one."""
 
@@ -236,12 +273,14 @@ class Checkpointer:
     returns once the arrays are copied off the devices, so `state` may be donated next."""
     if step in self._manager.all_steps():
       return
+    items = {"params": state.params, "opt_state": state.opt_state}
+    fssdp = fssdp_item(state)
+    if fssdp is not None:
+      items["fssdp"] = fssdp
     meta = {"format": FORMAT, "step": int(step), "seed": self.cfg.seed, "data": data_state,
-            "checksums": {"params": checksums(state.params),
-                          "opt_state": checksums(state.opt_state)}}
+            "checksums": {item: checksums(tree) for item, tree in items.items()}}
     self._manager.save(step, force=True, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(state.params),
-        opt_state=ocp.args.StandardSave(state.opt_state),
+        **{item: ocp.args.StandardSave(tree) for item, tree in items.items()},
         meta=ocp.args.JsonSave(meta), config=ocp.args.JsonSave(self._config)))
 
   def wait(self) -> None:
@@ -272,6 +311,7 @@ class Checkpointer:
         for item, tree in saved_shapes.items():
           if tree is None or not jax.tree.leaves(tree):
             raise FileNotFoundError(f"{item}/_METADATA lists no arrays")
+        has_fssdp = _has_item(metadata, "fssdp")
       except Exception as e:  # noqa: BLE001 -- whatever a damaged file raises
         error = e
       if _all_agree(error is None):
@@ -279,11 +319,14 @@ class Checkpointer:
           check_compatible(saved_config, self.cfg)
           _check_shapes("params", saved_shapes["params"], target.params)
           _check_shapes("opt_state", saved_shapes["opt_state"], target.opt_state)
+          fssdp_target = _fssdp_target(layout) if has_fssdp else None
+          if fssdp_target is not None:
+            _check_shapes("fssdp", metadata["fssdp"], fssdp_target)
         except CheckpointError as e:
           raise CheckpointError(f"{where} does not fit this run: {e}; resume with the "
                                 "checkpoint's config or use a new --workdir") from None
         try:
-          state, meta = self._restore_state(step, layout, target)
+          state, meta = self._restore_state(step, layout, target, fssdp_target)
         except Exception as e:  # noqa: BLE001
           error = e
       if not _all_agree(error is None):
@@ -303,22 +346,32 @@ class Checkpointer:
           "to start from step 0")
     return None
 
-  def _restore_state(self, step: int, layout: StateLayout,
-                     target: TrainState) -> tuple[TrainState, dict]:
+  def _restore_state(self, step: int, layout: StateLayout, target: TrainState,
+                     fssdp_target=None) -> tuple[TrainState, dict]:
+    targets = {"params": target.params, "opt_state": target.opt_state}
+    if fssdp_target is not None:
+      targets["fssdp"] = fssdp_target
     restored = self._manager.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(target.params),
-        opt_state=ocp.args.StandardRestore(target.opt_state),
+        **{item: ocp.args.StandardRestore(tree) for item, tree in targets.items()},
         meta=ocp.args.JsonRestore()))
     meta = restored["meta"]
     if meta.get("format") != FORMAT or meta.get("step") != step:
       raise CheckpointError(f"meta/ says format {meta.get('format')}, step {meta.get('step')}")
-    _verify("params", restored["params"], meta["checksums"]["params"])
-    _verify("opt_state", restored["opt_state"], meta["checksums"]["opt_state"])
+    for item in targets:
+      _verify(item, restored[item], meta["checksums"][item])
     step_array = jax.make_array_from_callback((), layout.shardings.step,
                                               lambda _: np.asarray(step, np.int32))
     state = TrainState(step=step_array, params=restored["params"], opt_state=restored["opt_state"])
-    # Codec caches and load history are not saved: rebuilt (the first gather sends everything).
-    return state_lib._with_rebuilt_state(layout, state), meta
+    # Codec caches are not saved: rebuilt (the first gather sends everything).
+    state = state_lib._with_rebuilt_state(layout, state)
+    if layout.cfg.moe.placement == "fssdp":
+      if fssdp_target is None:
+        log(f"moejax: checkpoint {self.step_path(step)} (step {step}) holds no fssdp load "
+            "history (written with another moe.placement or by an older version): the load "
+            "predictor starts empty, so this resume is not bit-exact")
+      else:
+        state = with_fssdp_item(state, restored["fssdp"])
+    return state, meta
 
   def _set_aside(self, step: int, error: BaseException | None) -> None:
     path = self.step_path(step)

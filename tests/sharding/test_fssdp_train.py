@@ -1,5 +1,12 @@
 """FSSDP in the train step on 8 fake devices (2 nodes x 4): same losses as ep, across a
-re-shard; SparseAllGather / SparseReduceScatter move exactly the planned replicas."""
+re-shard; SparseAllGather / SparseReduceScatter move exactly the planned replicas; a run
+interrupted and resumed across a re-shard equals an uninterrupted one, bit for bit.
+
+One fssdp Trainer (compiled once) serves the in-process steps and the `run` calls."""
+import json
+import os
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,10 +16,15 @@ from jax.sharding import PartitionSpec as P
 from moejax.layers.dispatch import Dispatch
 from moejax.sharding import fssdp, fssdp_plan, fssdp_reshard
 from moejax.sharding.mesh import DEVICES, make_mesh
-from moejax.train.loop import Trainer, put_batch
+from moejax.train import checkpoint as ckpt
+from moejax.train.loop import Trainer, put_batch, run
 from tests.helpers import tiny_config
 
 STEPS = 6
+# run(): 8 steps, re-shards after steps 3 and 6, checkpoints at 4 and 8.
+RUN = {"batch_size": 16, "seq_len": 32, "mesh.shape": (2, 4), "steps": 8, "log_every": 1,
+       "eval_batches": 1, "checkpoint.every": 4, "fssdp.reshard_every": 3}
+TIMING = ("step_time_s", "tokens_per_s")
 
 
 def _batches(n):
@@ -24,9 +36,12 @@ def _batches(n):
   return out
 
 
-def _train(placement, reshard_at=None):
-  cfg = tiny_config(**{"moe.placement": placement, "batch_size": 16, "seq_len": 32})
-  trainer = Trainer(cfg, mesh=make_mesh((2, 4), jax.devices()[:8]))
+def _trainer(placement):
+  return Trainer(tiny_config(**RUN, **{"moe.placement": placement}))
+
+
+def _train(trainer, reshard_at=None):
+  cfg = trainer.cfg
   state = trainer.init_state()
   losses, records, relabel = [], [], None
   for i, b in enumerate(_batches(STEPS)):
@@ -46,13 +61,18 @@ def _train(placement, reshard_at=None):
 
 
 @pytest.fixture(scope="module")
-def ep():
-  return _train("ep")
+def fssdp_trainer():
+  return _trainer("fssdp")
 
 
 @pytest.fixture(scope="module")
-def fssdp_run():
-  return _train("fssdp", reshard_at=3)
+def ep():
+  return _train(_trainer("ep"))
+
+
+@pytest.fixture(scope="module")
+def fssdp_run(fssdp_trainer):
+  return _train(fssdp_trainer, reshard_at=3)
 
 
 def test_fssdp_matches_ep_across_a_reshard(ep, fssdp_run):
@@ -100,3 +120,50 @@ def test_relabel_plan_is_a_permutation_per_layer():
   for row in r.perm_LxE:
     assert sorted(row.tolist()) == list(range(16))
   assert r.moved_bytes == 10 * r.moved
+
+
+# ------------------------------------------------------------------------------------------------
+# Resume: the load history (the predictor's window, hence every plan and re-shard) is saved.
+
+def _records(workdir) -> list[dict]:
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(fssdp_trainer, tmp_path_factory):
+  workdir = tmp_path_factory.mktemp("fssdp") / "w"
+  run(fssdp_trainer.cfg, str(workdir), trainer=fssdp_trainer)
+  return workdir
+
+
+def test_resume_across_a_reshard_is_bit_exact(fssdp_trainer, uninterrupted, tmp_path, capsys):
+  workdir = tmp_path / "w"
+  run(fssdp_trainer.cfg, str(workdir), trainer=fssdp_trainer, stop_at=4)   # re-sharded at 3
+  capsys.readouterr()
+  run(fssdp_trainer.cfg, str(workdir), trainer=fssdp_trainer)              # re-shards at 6
+  out = capsys.readouterr().out
+  assert "moejax: resuming from step 4" in out and "load history" not in out
+  records, reference = _records(workdir), _records(uninterrupted)
+  assert [r["step"] for r in records] == list(range(1, 9))
+  moved = {r["step"]: r["reshard_moved_experts"] for r in reference if "reshard_moved_experts" in r}
+  assert sorted(moved) == [4, 7] and all(m > 0 for m in moved.values())   # after steps 3, 6
+  assert records == reference                       # losses, plans, moves: every figure
+  for a, b in zip(jax.tree.leaves(ckpt.load_params(str(workdir))),
+                  jax.tree.leaves(ckpt.load_params(str(uninterrupted)))):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_checkpoint_without_load_history_restores_with_a_log_line(fssdp_trainer, uninterrupted,
+                                                                   tmp_path, capsys):
+  workdir = tmp_path / "w"
+  shutil.copytree(uninterrupted, workdir)
+  shutil.rmtree(workdir / "checkpoints" / "8" / "fssdp")     # as an older version wrote it
+  checkpoints = ckpt.Checkpointer(str(workdir), fssdp_trainer.cfg)
+  try:
+    state, step = checkpoints.restore(fssdp_trainer.layout, fssdp_trainer.tx)
+  finally:
+    checkpoints.close()
+  assert step == 8 and int(state.load_history.count) == 0
+  assert (f"moejax: checkpoint {workdir}/checkpoints/8 (step 8) holds no fssdp load history"
+          in capsys.readouterr().out)
