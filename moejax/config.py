@@ -16,7 +16,8 @@ PLACEMENTS = ("fsdp", "ep", "fssdp")
 ADMISSIONS = ("none", "strict", "reroute")
 SCORES = ("softmax", "sigmoid")
 DATA_SOURCES = ("builtin", "text", "jsonl")
-CODEC_MODES = ("off", "block", "element")
+CODEC_MODES = ("off", "block", "element", "word", "auto")
+CODEC_COMM_MODELS = ("profile", "bytes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,11 +96,25 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CodecConfig:
-  mode: str = "off"               # off | block | element (moejax.codec)
+  # off | block | element | word: every sharded parameter in that mode (moejax.codec);
+  # auto: a mode per parameter (or plain), chosen and re-chosen from measured change rates.
+  mode: str = "off"
   block_size: int = 512
   warmup_steps: int = 30          # gathers that send everything while caches fill
   detect: str = "exact"           # exact | hash (block mode: 128-bit block hashes, less memory)
   capacity_fraction: float = 0.0  # patch capacity as a fraction of a shard; 0 = mode default
+  # A fixed mode only where it pays (benefit vs cost), capacities sized from measured rates;
+  # always on for auto (moejax.train.codec_control).
+  select: bool = False
+  cache_budget_bytes: int = 0     # codec state per device of the selected parameters; 0 = no limit
+  reselect_every: int = 0         # steps between re-decisions from live rates; 0 = decide once
+  capacity_margin: float = 1.25   # selected capacity = worst device's change rate x margin
+  comm_model: str = "profile"     # gain in seconds from a profile of the mesh | "bytes" saved
+
+  @property
+  def controlled(self) -> bool:
+    """Parameters and capacities are chosen at run time from measurements (plain until then)."""
+    return self.mode == "auto" or (self.select and self.mode != "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,9 +264,19 @@ def validate(c: Config) -> None:
          "positive, with at most one -1")
   _choice(c.codec.mode, "codec.mode", CODEC_MODES)
   _choice(c.codec.detect, "codec.detect", ("exact", "hash"))
-  _check(c.codec.detect == "exact" or c.codec.mode == "block",
-         f"config.codec.detect={c.codec.detect!r} needs codec.mode='block' (hashes tell which "
-         "blocks changed, not which values)")
+  _check(c.codec.detect == "exact" or c.codec.mode in ("block", "auto"),
+         f"config.codec.detect={c.codec.detect!r} needs codec.mode='block' or 'auto' (hashes "
+         "tell which blocks changed, not which values)")
+  _check(not c.codec.select or c.codec.mode != "off",
+         "config.codec.select=True needs codec.mode=block, element or word (auto always selects)")
+  _check(c.codec.cache_budget_bytes >= 0,
+         f"config.codec.cache_budget_bytes={c.codec.cache_budget_bytes}: must be >= 0 "
+         "(0 = no limit)")
+  _check(c.codec.reselect_every >= 0,
+         f"config.codec.reselect_every={c.codec.reselect_every}: must be >= 0 (0 = decide once)")
+  _check(c.codec.capacity_margin >= 1,
+         f"config.codec.capacity_margin={c.codec.capacity_margin}: must be >= 1")
+  _choice(c.codec.comm_model, "codec.comm_model", CODEC_COMM_MODELS)
   _check(0 <= c.codec.capacity_fraction <= 1,
          f"config.codec.capacity_fraction={c.codec.capacity_fraction}: must be in [0, 1]")
   _check(c.codec.warmup_steps >= 0,

@@ -1,5 +1,8 @@
 """Change detection: which blocks (or values) of a shard's exponents changed since the last gather.
 
+`change_counts` counts, for one shard, what every mode would see (exponent, block and whole-word
+changes), for measuring change rates independently of the mode a parameter is in.
+
 Two detectors, chosen by `CodecSpec.detect`:
 
 * "exact" compares the exponents with the sender's own copy of its previous exponents
@@ -58,6 +61,18 @@ def changed_values(exp_N: jax.Array, prev_N: jax.Array) -> jax.Array:
 def changed_blocks(exp_N: jax.Array, prev_N: jax.Array, block_size: int) -> jax.Array:
   """[NB] bool: some exponent in the block differs from the previous one (exact)."""
   return jnp.any(block_view(changed_values(exp_N, prev_N), block_size), axis=1)
+
+
+def change_counts(bits_N: jax.Array, prev_bits_N: jax.Array, layout, block_size: int) -> jax.Array:
+  """Bit patterns of a shard now and at the previous gather ([N], `layout.uint_dtype`) ->
+  int32 [3]: values whose exponent changed, blocks holding such a value, values with any bit
+  changed. What each codec mode would count for this shard, whichever mode it is in."""
+  exp_N, _ = bits.split_bits(bits_N, layout)
+  prev_N, _ = bits.split_bits(prev_bits_N, layout)
+  exp_changed = changed_values(exp_N, prev_N)
+  blocks = jnp.any(block_view(exp_changed, block_size), axis=1)
+  return jnp.stack([jnp.sum(exp_changed, dtype=jnp.int32), jnp.sum(blocks, dtype=jnp.int32),
+                    jnp.sum(changed_values(bits_N, prev_bits_N), dtype=jnp.int32)])
 
 
 # ----------------------------------------------------------------------------------------------

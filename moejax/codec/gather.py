@@ -1,13 +1,22 @@
-"""Lossless compressed all-gather that reuses exponents the receivers already hold.
+"""Lossless compressed all-gather that reuses what the receivers already hold.
 
 `compressed_all_gather(shard, state, ...)` returns exactly (bit for bit) what
-`lax.all_gather(shard, axis_name, axis=axis, tiled=True)` returns. Each device splits its shard
-into exponents and sign+mantissa (`bits`). The sign+mantissa bits always travel, densely packed.
-Exponents change rarely between steps, so every device keeps a cache of the exponents of the
-other W-1 shards, and a sender ships only a patch of what changed since the previous gather
-(`detect`, `payload`). The receivers patch their caches and merge. Everything travels in one
-`all_gather` of a static-shape uint32 buffer. Encode (split, detect, patch; exact detection) and
-decode (patch, merge) are the ops of `kernels`: Triton kernels on GPU, jnp elsewhere.
+`lax.all_gather(shard, axis_name, axis=axis, tiled=True)` returns. Every device keeps a cache of
+the other W-1 shards, and a sender ships only a patch of what changed since the previous gather.
+Three modes:
+
+* "element" / "block": exponent reuse. Each device splits its shard into exponents and
+  sign+mantissa (`bits`). The sign+mantissa bits always travel, densely packed; exponents change
+  rarely between steps, so the cache holds the other shards' exponents and the patch carries the
+  changed ones (`detect`, `payload`): changed values with their positions ("element") or whole
+  changed blocks behind a block bitmap ("block"). Encode (split, detect, patch; exact detection)
+  and decode (patch, merge) are the ops of `kernels`: Triton kernels on GPU, jnp elsewhere.
+* "word": whole-word deltas (`word`). The cache holds the other shards' full bit patterns and
+  the patch carries a bitmap of changed values and the changed values. Nothing else travels, so
+  a shard whose values rarely change as a whole (small learning rates) costs N bits plus its
+  changes, against 8 bits per value for the exponent modes.
+
+Everything travels in one `all_gather` of a static-shape uint32 buffer.
 
 Dense path. The gather sends the plain bit patterns instead (one `all_gather`, as many bytes as
 the uncompressed gather) and refills every cache when
@@ -24,13 +33,16 @@ condition on any device sends everyone down the dense path.
 Both paths are exact, so the output never depends on which one ran.
 
 State (one per shard and device; a pytree of arrays, rebuilt rather than checkpointed):
-  prev   [N'] uint8 previous exponents ("exact") or [NB, 4] uint32 block hashes ("hash")
-  cache  [W-1, N'] uint8 exponents of the other shards, in device order, this device skipped
+  prev   the sender's previous exponents [N'] uint8 ("exact"), block hashes [NB, 4] uint32
+         ("hash"), or bit patterns [N] (word mode; uint16 for 16-bit floats)
+  cache  [W-1, N'] the other shards' exponents (uint8), or bit patterns in word mode, in device
+         order, this device skipped
   step   int32 gathers since `init_state`, saturating at `warmup_steps`
   valid  bool, False until a dense gather has filled the caches
-N' is N rounded up to whole blocks in block mode and N in element mode. Memory per device:
-(W-1) N' bytes of cache plus N' ("exact") or 16 NB ("hash") bytes of sender state. Each device
-holds its own state: under `shard_map` stack the states of the devices along the gathered axis.
+N' is N rounded up to whole blocks in block mode and N otherwise. Memory per device: (W-1) N'
+bytes of cache plus N' ("exact") or 16 NB ("hash") bytes of sender state; word mode W N times
+the float's size. Each device holds its own state: under `shard_map` stack the states of the
+devices along the gathered axis.
 
 Gradients: `custom_vjp` whose backward reduce-scatters the cotangent of `full`
 (`lax.psum_scatter(..., scatter_dimension=axis, tiled=True)`, the transpose of the plain gather),
@@ -42,11 +54,13 @@ Byte accounting (stats, all float32/int32 scalars, identical on every device of 
   bytes_plain      bytes each device contributes to the plain all-gather (N * itemsize)
   bytes_sent       bytes each device contributed to this call's collectives: the static buffer
                    capacity (not its fill), plus 16 bytes of the agreement collective
-  bytes_needed     mean over devices of the bytes the data needed: packed sign+mantissa plus
-                   the patch's content (bitmap, changed blocks or entries), or bytes_plain when
-                   the caches were not valid; can exceed the capacity, which then falls back
+  bytes_needed     mean over devices of the bytes the data needed: packed sign+mantissa (not in
+                   word mode) plus the patch's content (bitmap, changed blocks, entries or
+                   values), or bytes_plain when the caches were not valid; can exceed the
+                   capacity, which then falls back
   exponent_changes values whose exponent changed, summed over the axis (-1 with "hash": unknown)
   block_changes    blocks with a changed exponent, summed over the axis
+  word_changes     values with any bit changed, summed over the axis (word mode; -1 otherwise)
   capacity_fill    max over devices of changed units / capacity (> 1 means overflow)
   fallback         1 when an overflow forced the dense path (outside warm-up), else 0
   dense            1 when the dense path ran (for any reason), else 0
@@ -70,8 +84,10 @@ from moejax.codec import bits
 from moejax.codec import detect
 from moejax.codec import kernels
 from moejax.codec import payload
+from moejax.codec import word
 
-MODES = ("off", "block", "element")
+MODES = ("off", "block", "element", "word")
+COMPRESSED_MODES = ("block", "element", "word")
 DETECTORS = ("exact", "hash")
 
 # Patch capacity as a fraction of the shard's units (values in element mode, blocks in block
@@ -82,8 +98,9 @@ DETECTORS = ("exact", "hash")
 # decays). Exponent changes are spread out, so whole blocks rarely stay unchanged: at lr 3e-4
 # 85-100 % of 512-value blocks changed per step, and fewer than 25 % only near the end of the
 # decay or at lr <= 3e-5 late in training. Element mode is the one that pays at usual learning
-# rates; block mode pays for rarely updated parameters or late in training.
-DEFAULT_CAPACITY_FRACTION = {"element": 1 / 16, "block": 1 / 4}
+# rates; block mode pays for rarely updated parameters or late in training. Word mode pays only
+# where whole values rarely change (fine-tuning learning rates, rarely used rows).
+DEFAULT_CAPACITY_FRACTION = {"element": 1 / 16, "block": 1 / 4, "word": 1 / 4}
 STATS_WORDS = 4   # int32 per device in the agreement collective
 _OVERFLOW, _INVALID, _WARM = 1, 2, 4   # bits of the agreed flags word
 
@@ -91,7 +108,7 @@ _OVERFLOW, _INVALID, _WARM = 1, 2, 4   # bits of the agreed flags word
 @dataclasses.dataclass(frozen=True)
 class CodecSpec:
   """Static codec configuration (hashable: it is a static argument of the gather)."""
-  mode: str                                # "off" | "block" | "element"
+  mode: str                                # "off" | "block" | "element" | "word"
   block_size: int = 512
   detect: str = "exact"                    # "exact" | "hash" (block mode only)
   capacity_fraction: float | None = None   # None: DEFAULT_CAPACITY_FRACTION[mode]
@@ -102,9 +119,9 @@ class CodecSpec:
       raise ValueError(f"CodecSpec.mode must be one of {MODES}, got {self.mode!r}")
     if self.detect not in DETECTORS:
       raise ValueError(f"CodecSpec.detect must be one of {DETECTORS}, got {self.detect!r}")
-    if self.mode == "element" and self.detect == "hash":
+    if self.mode in ("element", "word") and self.detect == "hash":
       raise ValueError("CodecSpec.detect='hash' needs mode='block': block hashes tell which "
-                       "blocks changed, not which values, so element mode needs 'exact'")
+                       f"blocks changed, not which values, so mode={self.mode!r} needs 'exact'")
     if not isinstance(self.block_size, int) or self.block_size < 1:
       raise ValueError(f"CodecSpec.block_size must be an int >= 1, got {self.block_size!r}")
     if self.capacity_fraction is not None and not 0 < self.capacity_fraction <= 1:
@@ -121,13 +138,16 @@ class CodecSpec:
     return DEFAULT_CAPACITY_FRACTION.get(self.mode, 1.0)
 
 
-def patch_format(shard_shape, dtype, spec: CodecSpec) -> payload.Format:
-  """The static patch format of a shard (not for mode 'off')."""
+def patch_format(shard_shape, dtype, spec: CodecSpec):
+  """The static patch format of a shard: `payload.Format` for the exponent modes,
+  `word.WordFormat` for word mode (none for mode 'off')."""
   if spec.mode == "off":
     raise ValueError("CodecSpec.mode='off' has no patch format")
   n = math.prod(shard_shape)
-  return payload.Format.create(spec.mode, n, bits.layout_of(dtype).exp_bits, spec.block_size,
-                               spec.capacity)
+  layout = bits.layout_of(dtype)
+  if spec.mode == "word":
+    return word.WordFormat.create(n, layout.total_bits, spec.capacity)
+  return payload.Format.create(spec.mode, n, layout.exp_bits, spec.block_size, spec.capacity)
 
 
 def wire_bytes(shard_shape, dtype, spec: CodecSpec) -> dict:
@@ -137,7 +157,9 @@ def wire_bytes(shard_shape, dtype, spec: CodecSpec) -> dict:
   if spec.mode == "off":
     return {"plain": plain, "compressed": plain, "dense": plain}
   layout = bits.layout_of(dtype)
-  words = bits.packed_words(n, layout.rest_bits) + patch_format(shard_shape, dtype, spec).words
+  words = patch_format(shard_shape, dtype, spec).words
+  if spec.mode != "word":
+    words += bits.packed_words(n, layout.rest_bits)
   return {"plain": plain, "compressed": 4 * (words + STATS_WORDS), "dense": plain + 4 * STATS_WORDS}
 
 
@@ -146,6 +168,8 @@ def state_bytes(shard_shape, dtype, axis_size: int, spec: CodecSpec) -> int:
   if spec.mode == "off":
     return 0
   fmt = patch_format(shard_shape, dtype, spec)
+  if spec.mode == "word":
+    return axis_size * fmt.n * np.dtype(dtype).itemsize + 4 + 1
   prev = fmt.cache_width if spec.detect == "exact" else 4 * detect.HASH_WORDS * fmt.num_blocks
   return (axis_size - 1) * fmt.cache_width + prev + 4 + 1
 
@@ -158,14 +182,23 @@ def init_state(shard_shape, dtype, axis_size: int, spec: CodecSpec) -> dict:
   if axis_size < 1:
     raise ValueError(f"axis_size must be >= 1, got {axis_size}")
   fmt = patch_format(shard_shape, dtype, spec)
+  cached = bits.layout_of(dtype).uint_dtype if spec.mode == "word" else jnp.uint8
   if spec.detect == "exact":
-    prev = jnp.zeros((fmt.cache_width,), jnp.uint8)
+    prev = jnp.zeros((fmt.cache_width,), cached)
   else:
     prev = jnp.zeros((fmt.num_blocks, detect.HASH_WORDS), jnp.uint32)
   return {"prev": prev,
-          "cache": jnp.zeros((axis_size - 1, fmt.cache_width), jnp.uint8),
+          "cache": jnp.zeros((axis_size - 1, fmt.cache_width), cached),
           "step": jnp.zeros((), jnp.int32),
           "valid": jnp.zeros((), bool)}
+
+
+def same_state(a: CodecSpec, b: CodecSpec) -> bool:
+  """Whether a state built for spec `a` holds exactly what spec `b` needs (so a switch from `a`
+  to `b` keeps the caches valid): the same mode and detector and, in block mode, block size. The
+  capacity and the warm-up count do not change what a state holds."""
+  return (a.mode == b.mode and a.detect == b.detect and a.mode != "off"
+          and (a.mode != "block" or a.block_size == b.block_size))
 
 
 def invalidate(state: dict) -> dict:
@@ -191,7 +224,8 @@ def compressed_all_gather(shard: jax.Array, state: dict, *, axis_name, axis: int
   if spec.mode == "off":
     plain = float(shard.size * dtypes[0].itemsize)
     stats = _stats(bytes_sent=plain, bytes_plain=plain, bytes_needed=plain,
-                   exponent_changes=0, block_changes=0, capacity_fill=0.0, fallback=0, dense=1)
+                   exponent_changes=0, block_changes=0, word_changes=0, capacity_fill=0.0,
+                   fallback=0, dense=1)
     return _plain_gather(shard, axis_name, axis, dtypes), state, stats
   return _codec_gather(shard, state, axis_name, axis, spec, dtypes)
 
@@ -205,7 +239,7 @@ def _check_axis(shard, axis: int) -> int:
 
 
 def _stats(**kw) -> dict:
-  ints = ("exponent_changes", "block_changes", "fallback", "dense")
+  ints = ("exponent_changes", "block_changes", "word_changes", "fallback", "dense")
   return {k: jnp.asarray(v, jnp.int32 if k in ints else jnp.float32) for k, v in kw.items()}
 
 
@@ -233,7 +267,7 @@ _plain_gather.defvjp(_plain_gather_fwd, _plain_gather_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _codec_gather(shard, state, axis_name, axis, spec, dtypes):
-  return _forward(shard.astype(dtypes[0]), state, axis_name, axis, spec)
+  return _forward_jit(shard.astype(dtypes[0]), state, axis_name, axis, spec)
 
 
 def _codec_gather_fwd(shard, state, axis_name, axis, spec, dtypes):
@@ -255,6 +289,42 @@ def _tile(x_WxS: jax.Array, axis: int) -> jax.Array:
   return x.reshape(shape[:axis] + (x_WxS.shape[0] * shape[axis],) + shape[axis + 1:])
 
 
+def _send_exponents(bits_N, state, spec: CodecSpec, fmt: payload.Format, layout: bits.Layout):
+  """Exponent modes, sender side -> (new prev, own cache row, exponent/block/word changes,
+  changed units, make_wire)."""
+  n, width = fmt.n, fmt.cache_width
+  if spec.detect == "exact":   # split + detect + patch in one op (Triton kernels on GPU)
+    enc = kernels.encode(bits_N, state["prev"], fmt, layout)
+    return (enc.exp, enc.exp, enc.value_changes, enc.block_changes, jnp.int32(-1),
+            enc.count(fmt), lambda: enc.wire)
+  # block hashes (block mode only), in jnp
+  exp_N, rest_N = bits.split_bits(bits_N, layout)
+  exp_Np = jnp.pad(exp_N, (0, width - n))
+  new_prev = detect.block_hashes(exp_N, spec.block_size)
+  blocks_changed_NB = detect.changed_blocks_hashed(new_prev, state["prev"])
+  block_changes = jnp.sum(blocks_changed_NB, dtype=jnp.int32)
+
+  def make_wire():
+    patch_P, _ = payload.encode(exp_Np, blocks_changed_NB, fmt)
+    return jnp.concatenate([bits.pack_bits(rest_N, layout.rest_bits), patch_P])
+
+  return (new_prev, exp_Np, jnp.int32(-1), block_changes, jnp.int32(-1), block_changes,
+          make_wire)
+
+
+def _send_words(bits_N, state, spec: CodecSpec, fmt: word.WordFormat, layout: bits.Layout):
+  """Word mode, sender side: same results as `_send_exponents`."""
+  changed_N = word.changed(bits_N, state["prev"])
+  exp_N, _ = bits.split_bits(bits_N, layout)
+  prev_exp_N, _ = bits.split_bits(state["prev"], layout)
+  exp_changed_N = detect.changed_values(exp_N, prev_exp_N)
+  block_changes = jnp.sum(jnp.any(detect.block_view(exp_changed_N, spec.block_size), axis=1),
+                          dtype=jnp.int32)
+  word_changes = jnp.sum(changed_N, dtype=jnp.int32)
+  return (bits_N, bits_N, jnp.sum(exp_changed_N, dtype=jnp.int32), block_changes, word_changes,
+          word_changes, lambda: word.encode(bits_N, changed_N, fmt)[0])
+
+
 def _forward(shard, state, axis_name, axis, spec: CodecSpec):
   layout = bits.layout_of(shard.dtype)
   fmt = patch_format(shard.shape, shard.dtype, spec)
@@ -264,31 +334,18 @@ def _forward(shard, state, axis_name, axis, spec: CodecSpec):
     raise ValueError(f"state cache has shape {state['cache'].shape}, expected {(w - 1, width)} "
                      f"for a shard of {shard.shape} on an axis of {w} devices")
   me = lax.axis_index(axis_name)
+  words = spec.mode == "word"
 
   bits_N = lax.bitcast_convert_type(shard, layout.uint_dtype).reshape(n)
 
   # Sender: what changed since the previous gather, and the wire of the compressed path.
-  if spec.detect == "exact":   # split + detect + patch in one op (Triton kernels on GPU)
-    enc = kernels.encode(bits_N, state["prev"], fmt, layout)
-    exp_Np, new_prev = enc.exp, enc.exp
-    exponent_changes, block_changes, count = enc.value_changes, enc.block_changes, enc.count(fmt)
-
-    def make_wire():
-      return enc.wire
-  else:   # block hashes (block mode only), in jnp
-    exp_N, rest_N = bits.split_bits(bits_N, layout)
-    exp_Np = jnp.pad(exp_N, (0, width - n))
-    new_prev = detect.block_hashes(exp_N, spec.block_size)
-    blocks_changed_NB = detect.changed_blocks_hashed(new_prev, state["prev"])
-    exponent_changes = jnp.int32(-1)
-    count = block_changes = jnp.sum(blocks_changed_NB, dtype=jnp.int32)
-
-    def make_wire():
-      patch_P, _ = payload.encode(exp_Np, blocks_changed_NB, fmt)
-      return jnp.concatenate([bits.pack_bits(rest_N, layout.rest_bits), patch_P])
+  send = _send_words if words else _send_exponents
+  new_prev, own, exponent_changes, block_changes, word_changes, count, make_wire = send(
+      bits_N, state, spec, fmt, layout)
 
   # Agreement: one tiny collective of flags and counts. Every device decides from the same
-  # gathered flags, so all take the same path even if their states disagreed.
+  # gathered flags, so all take the same path even if their states disagreed. The last count is
+  # the changed units (blocks, values or words), which word mode also reports as word changes.
   flags = ((count > fmt.capacity).astype(jnp.int32) * _OVERFLOW
            + jnp.logical_not(state["valid"]).astype(jnp.int32) * _INVALID
            + (state["step"] < spec.warmup_steps).astype(jnp.int32) * _WARM)
@@ -305,12 +362,20 @@ def _forward(shard, state, axis_name, axis, spec: CodecSpec):
 
   def dense_path(_):
     bits_WxN = lax.all_gather(bits_N, axis_name)
-    exp_RxN, _ = bits.split_bits(jnp.take(bits_WxN, others_R, axis=0), layout)
+    others_RxN = jnp.take(bits_WxN, others_R, axis=0)
+    if words:
+      return bits_WxN, others_RxN
+    exp_RxN, _ = bits.split_bits(others_RxN, layout)
     return bits_WxN, jnp.pad(exp_RxN, ((0, 0), (0, width - n)))
 
-  def compressed_path(_):   # patch + merge in one op (Triton kernel on GPU)
+  def compressed_path(_):
     wire_WxL = lax.all_gather(make_wire(), axis_name)
-    return kernels.decode(state["cache"], wire_WxL, exp_Np, me, fmt, layout)
+    if not words:   # patch + merge in one op (Triton kernel on GPU)
+      return kernels.decode(state["cache"], wire_WxL, own, me, fmt, layout)
+    cache_RxN = word.decode(state["cache"], jnp.take(wire_WxL, others_R, axis=0), fmt)
+    d = jnp.arange(w, dtype=jnp.int32)
+    rows_W = jnp.where(d == me, w - 1, d - (d > me).astype(jnp.int32))
+    return jnp.take(jnp.concatenate([cache_RxN, bits_N[None]]), rows_W, axis=0), cache_RxN
 
   bits_WxN, cache = lax.cond(dense, dense_path, compressed_path, None)
   full = _tile(lax.bitcast_convert_type(bits_WxN, layout.dtype).reshape((w,) + shard.shape),
@@ -322,7 +387,7 @@ def _forward(shard, state, axis_name, axis, spec: CodecSpec):
 
   sizes = wire_bytes(shard.shape, shard.dtype, spec)
   mean_count = jnp.mean(all_Wx4[:, 3].astype(jnp.float32))
-  needed = (n * layout.rest_bits + fmt.fill_bits(mean_count)) / 8
+  needed = ((0 if words else n * layout.rest_bits) + fmt.fill_bits(mean_count)) / 8
   stats = _stats(
       bytes_sent=jnp.where(dense, sizes["dense"], sizes["compressed"]),
       bytes_plain=sizes["plain"],
@@ -330,7 +395,14 @@ def _forward(shard, state, axis_name, axis, spec: CodecSpec):
       exponent_changes=(jnp.where(valid, jnp.sum(all_Wx4[:, 1]), 0)
                         if spec.detect == "exact" else -1),
       block_changes=jnp.where(valid, jnp.sum(all_Wx4[:, 2]), 0),
+      word_changes=jnp.where(valid, jnp.sum(all_Wx4[:, 3]), 0) if words else -1,
       capacity_fill=jnp.where(valid, jnp.max(all_Wx4[:, 3]) / np.float32(fmt.capacity), 0.0),
       fallback=overflow & valid & jnp.logical_not(warm),
       dense=dense)
   return full, new_state, stats
+
+
+# A nested jit: a model gathers many shards of the same shape and spec (the projections of a
+# layer; each layer gather traced again for prefetch and for the backward re-gather), and a jit
+# is traced and lowered once per signature, which keeps tracing time flat.
+_forward_jit = jax.jit(_forward, static_argnums=(2, 3, 4))

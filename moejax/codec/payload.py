@@ -27,6 +27,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from moejax.codec import bits
 from moejax.codec import detect
@@ -90,18 +91,44 @@ class Format:
     return count * (self.pos_bits + self.exp_bits)
 
 
+# Above this many entries `first_true` ranks with a cumulative sum and a scatter instead of a
+# sort: slower to compile on XLA:CPU, much faster to run on long shards.
+SORT_MAX = 1 << 16
+
+
+def first_true(mask: jax.Array, size: int, fill_value: int) -> jax.Array:
+  """Indices of the first `size` True entries along the last axis, in order, padded with
+  `fill_value` ([..., size] int32): `jnp.nonzero(mask, size=...)` for any leading axes. Up to
+  SORT_MAX entries it is one sort of the keys (index where True, n where False), which compiles
+  far faster on XLA:CPU than nonzero; above, each True entry's rank (a cumulative sum) places it."""
+  n = mask.shape[-1]
+  if n > SORT_MAX:
+    rank = lax.cumsum(mask.astype(jnp.int32), axis=mask.ndim - 1) - 1
+    slot = jnp.where(mask & (rank < size), rank, size)           # size: dropped
+    lead = mask.shape[:-1]
+    out = jnp.full(lead + (size,), fill_value, jnp.int32)
+    idx = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), mask.shape)
+    rows = jnp.indices(lead + (n,), dtype=jnp.int32)[:-1] if lead else ()
+    return out.at[(*rows, slot)].set(idx, mode="drop")
+  key = jnp.where(mask, jnp.arange(n, dtype=jnp.int32), jnp.int32(n))
+  if size > n:
+    key = jnp.concatenate([key, jnp.full(mask.shape[:-1] + (size - n,), n, jnp.int32)], axis=-1)
+  first = lax.sort(key, dimension=key.ndim - 1)[..., :size]
+  return jnp.where(first < n, first, jnp.int32(fill_value))
+
+
 def encode(exp_N: jax.Array, changed: jax.Array, fmt: Format) -> tuple[jax.Array, jax.Array]:
   """Exponents [cache_width] uint8 and a change mask ([NB] block mode, [N] element mode) ->
   (patch [P] uint32, number of changed units int32). Holds the first C changes when over."""
   count = jnp.sum(changed, dtype=jnp.int32)
   c = fmt.capacity
   if fmt.mode == "block":
-    (idx_C,) = jnp.nonzero(changed, size=c, fill_value=fmt.num_blocks)
+    idx_C = first_true(changed, c, fmt.num_blocks)
     blocks_CxB = jnp.take(exp_N.reshape(fmt.num_blocks, fmt.block_size), idx_C, axis=0,
                           mode="fill", fill_value=0)
     parts = [bits.pack_bits(changed, 1), bits.pack_bits(blocks_CxB.reshape(-1), fmt.exp_bits)]
   else:
-    (pos_C,) = jnp.nonzero(changed, size=c, fill_value=0)
+    pos_C = first_true(changed, c, 0)
     vals_C = exp_N[pos_C]
     parts = [bits.pack_bits(pos_C, fmt.pos_bits), bits.pack_bits(vals_C, fmt.exp_bits)]
   return jnp.concatenate(parts), count
@@ -116,8 +143,7 @@ def decode(cache_RxN: jax.Array, patches_RxP: jax.Array, fmt: Format) -> jax.Arr
   rows_Rx1 = jnp.arange(r, dtype=jnp.int32)[:, None]
   if fmt.mode == "block":
     changed_RxNB = bits.unpack_bits(patches_RxP[:, :head], 1, fmt.num_blocks).astype(bool)
-    idx_RxC = jax.vmap(lambda m: jnp.nonzero(m, size=c, fill_value=fmt.num_blocks)[0])(
-        changed_RxNB)
+    idx_RxC = first_true(changed_RxNB, c, fmt.num_blocks)
     blocks_RxCxB = bits.unpack_bits(patches_RxP[:, head:], fmt.exp_bits, c * fmt.block_size)
     blocks_RxCxB = blocks_RxCxB.astype(jnp.uint8).reshape(r, c, fmt.block_size)
     cache_RxNBxB = cache_RxN.reshape(r, fmt.num_blocks, fmt.block_size)

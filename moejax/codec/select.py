@@ -1,31 +1,40 @@
-"""Which parameters use the compressed gather: benefit against cost, under a cache-memory budget.
+"""Which parameters use the compressed gather, and in which mode: benefit against cost, under a
+cache-memory budget.
 
 For parameter i (one shard per device, W devices on the gather axis), all figures per device:
 
   S_i         bytes contributed to the plain all-gather (shard bytes)
   P_i(m)      bytes contributed to the compressed one in mode m: the static buffer, whose
-              capacity is sized from the measured change rate (q_i times a safety margin),
-              since a static-shape collective moves its capacity, not its fill
+              capacity is sized from the measured change rate (the worst device's rate times a
+              safety margin), since a static-shape collective moves its capacity, not its fill
   Comm(b)     alpha + beta * b, the time of one all-gather to which each device contributes b
-              bytes, fit from (bytes, seconds) measurements
+              bytes, fit from (bytes, seconds) measurements (`CommModel.fit`), or
+              `CommModel.bytes_only()` (alpha 0, beta 1: the gain is bytes saved)
   T_i(m)      decode time per gather (an estimate the caller supplies)
   g_i(m)      = Comm(S_i) - Comm(P_i(m)) - Comm(16) - T_i(m)
               (the codec also issues the 16-byte agreement all-gather, which costs one alpha)
   M_i(m)      bytes of codec state per device: (W-1) x exponent bytes of cache, plus the sender's
-              previous exponents ("exact") or block hashes ("hash")
+              previous exponents ("exact") or block hashes ("hash"); word mode W x shard bytes
+A stacked parameter (one shard per layer, one choice for all) counts `copies` times in g and M.
 
-Each parameter takes the mode with the largest gain (on ties, the smaller state). Parameters whose
-best gain is positive are ranked by gain per byte of state, g_i / M_i, and taken greedily while
-the budget lasts; one that does not fit is skipped and smaller ones after it may still fit.
-Everything else is gathered plainly (mode "off"). The model leaves out warm-up steps and
-overflow fallbacks (both send the plain bytes plus the agreement); the margin on the capacity is
-what keeps the fallbacks rare.
+Modes considered: element and block (exponent reuse), word (whole-word deltas) when a word change
+rate is known, block with hashes when asked. A mode with g <= 0 is never used. Each parameter
+picks at most one mode; across parameters this is a multiple-choice knapsack, solved greedily by
+gain per byte of state: each parameter's options form an upper concave hull in (M, g) starting
+at plain (0, 0), and the hull's segments (upgrades, e.g. plain -> block -> element) are taken in
+order of decreasing dg / dM while the budget lasts. Without a budget every parameter gets its
+highest-gain mode (on ties, the smaller state). With one, a parameter whose best mode does not fit
+may take a cheaper one; one that does not fit at all is skipped, and smaller ones after it may
+still fit. Everything else is gathered plainly (mode "off"). The model leaves out warm-up steps
+and overflow fallbacks (both send the plain bytes plus the agreement); the margin on the capacity
+is what keeps the fallbacks rare.
 
 Plain Python and numpy: no device work happens here.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -34,8 +43,11 @@ from moejax.codec import gather
 
 # (mode, detect) pairs considered; ("block", "hash") trades a 2^-128 chance of a missed change
 # for a much smaller sender state and is only considered when asked for.
-OPTIONS = (("element", "exact"), ("block", "exact"))
+OPTIONS = (("element", "exact"), ("block", "exact"), ("word", "exact"))
 HASH_OPTION = ("block", "hash")
+# Smallest capacity a selected parameter gets, as a fraction of its units: a parameter measured
+# as unchanging still gets room for a few changes before it falls back.
+MIN_CAPACITY_FRACTION = 2.0 ** -10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +58,11 @@ class CommModel:
 
   def __call__(self, nbytes) -> float:
     return self.alpha + self.beta * float(nbytes)
+
+  @classmethod
+  def bytes_only(cls) -> "CommModel":
+    """Gain in bytes rather than seconds: no per-collective latency, one unit per byte."""
+    return cls(0.0, 1.0)
 
   @classmethod
   def fit(cls, measurements: Sequence[tuple[float, float]]) -> "CommModel":
@@ -74,61 +91,139 @@ class ParamStats:
   q_element: float            # measured fraction of values whose exponent changes per gather
   q_block: float | None       # measured fraction of blocks (of block_size) with a change
   decode_s: float | Mapping[str, float] = 0.0   # decode time per gather, or per mode
+  q_word: float | None = None  # measured fraction of values with any bit changed (word mode)
+  copies: int = 1              # shards sharing this choice (the layers of a stacked parameter)
+  # Worst rate per mode (max over devices, layers and measured steps), which sizes the
+  # capacity; the mean rates above when absent.
+  peak: Mapping[str, float] | None = None
+
+  def rate(self, mode: str) -> float | None:
+    return {"element": self.q_element, "block": self.q_block, "word": self.q_word}[mode]
+
+  def peak_rate(self, mode: str) -> float | None:
+    if self.peak is not None and self.peak.get(mode) is not None:
+      return self.peak[mode]
+    return self.rate(mode)
 
 
 @dataclasses.dataclass(frozen=True)
 class Selection:
   name: str
-  spec: gather.CodecSpec      # what to use: `best`, or mode "off" when not selected
-  best: gather.CodecSpec      # the best compressed option, selected or not
-  gain_s: float               # its gain per gather (seconds)
-  state_bytes: int            # state bytes per device of the best mode
-  reason: str                 # "selected" | "no gain" | "over budget"
+  spec: gather.CodecSpec      # what to use: a compressed mode, or mode "off"
+  best: gather.CodecSpec      # the highest-gain compressed option, selected or not
+  gain_s: float               # gain per gather (seconds) of `spec`, or of `best` when off
+  state_bytes: int            # state bytes per device of `spec`, or of `best` when off
+  reason: str                 # "selected" | "cheaper mode (budget)" | "no gain" | "over budget"
+  bytes_plain: int = 0        # bytes per device per gather, plain (all copies)
+  bytes_sent: int = 0         # the same in `spec` (compressed path; = bytes_plain when off)
+
+  @property
+  def selected(self) -> bool:
+    return self.spec.mode != "off"
 
 
 def _decode_s(p: ParamStats, mode: str) -> float:
   return float(p.decode_s[mode] if isinstance(p.decode_s, Mapping) else p.decode_s)
 
 
+def capacity_fraction(peak_rate: float, margin: float, *, quantize: bool = False) -> float:
+  """Capacity for a worst measured change rate: rate x margin, in [MIN_CAPACITY_FRACTION, 1].
+  `quantize` rounds up to a power of 2^(1/4), so that small drifts of the measured rate keep the
+  same static shape (a new capacity means a new compiled step)."""
+  fraction = float(min(1.0, max(peak_rate * margin, MIN_CAPACITY_FRACTION)))
+  if quantize:
+    fraction = min(1.0, 2.0 ** (math.ceil(4 * math.log2(fraction) - 1e-9) / 4))
+  return fraction
+
+
 def evaluate(p: ParamStats, mode: str, detect: str, comm: CommModel, axis_size: int, *,
-             block_size: int = 512, margin: float = 1.5, warmup_steps: int = 30):
-  """(spec, gain in seconds, state bytes) of one parameter in one mode."""
-  q = p.q_element if mode == "element" else p.q_block
-  fraction = float(min(1.0, max(q * margin, 1e-12)))
-  spec = gather.CodecSpec(mode, block_size=block_size, detect=detect, capacity_fraction=fraction,
+             block_size: int = 512, margin: float = 1.5, warmup_steps: int = 30,
+             quantize: bool = False, capacity: float | None = None):
+  """(spec, gain in seconds, state bytes) of one parameter in one mode, all copies together.
+  The capacity is sized from the worst measured rate (`capacity_fraction`), then, in element and
+  word mode, rounded up to whole groups of 32 slots (what the packed patch holds anyway);
+  `capacity` overrides it."""
+  if capacity is None:
+    capacity = capacity_fraction(p.peak_rate(mode), margin, quantize=quantize)
+    if mode != "block":   # slots are packed 32 at a time: fill the last group for free
+      n = math.prod(p.shard_shape)
+      capacity = min(1.0, -(-math.ceil(capacity * n) // 32) * 32 / n)
+  spec = gather.CodecSpec(mode, block_size=block_size, detect=detect, capacity_fraction=capacity,
                           warmup_steps=warmup_steps)
   sizes = gather.wire_bytes(p.shard_shape, p.dtype, spec)
   agreement = 4 * gather.STATS_WORDS
   gain = (comm(sizes["plain"]) - comm(sizes["compressed"] - agreement) - comm(agreement)
           - _decode_s(p, mode))
-  return spec, gain, gather.state_bytes(p.shard_shape, p.dtype, axis_size, spec)
+  return (spec, p.copies * gain,
+          p.copies * gather.state_bytes(p.shard_shape, p.dtype, axis_size, spec))
+
+
+def _hull(options):
+  """Upper concave hull of (state bytes, gain) from plain (0, 0), over options with gain > 0:
+  [(bytes, gain, spec)], bytes and gain strictly increasing, slopes decreasing."""
+  hull = [(0, 0.0, None)]
+  for nbytes, gain, spec in sorted(options, key=lambda o: (o[0], -o[1])):
+    if gain <= hull[-1][1]:
+      continue                       # dominated: as much state or more for no more gain
+    while len(hull) >= 2 and ((hull[-1][1] - hull[-2][1]) * (nbytes - hull[-1][0])
+                              <= (gain - hull[-1][1]) * (hull[-1][0] - hull[-2][0])):
+      hull.pop()                     # hull[-1] lies under the segment hull[-2] -> new
+    hull.append((nbytes, gain, spec))
+  return hull
 
 
 def select(params: Sequence[ParamStats], comm: CommModel, *, axis_size: int,
-           cache_budget_bytes: int, block_size: int = 512, margin: float = 1.5,
-           allow_hash: bool = False, warmup_steps: int = 30) -> list[Selection]:
-  """One Selection per parameter, in the order given (see the module docstring)."""
-  options = OPTIONS + ((HASH_OPTION,) if allow_hash else ())
-  best = []
-  for p in params:
-    candidates = [evaluate(p, mode, det, comm, axis_size, block_size=block_size, margin=margin,
-                           warmup_steps=warmup_steps)
-                  for mode, det in options if (p.q_block is not None or mode == "element")]
-    best.append(max(candidates, key=lambda c: (c[1], -c[2])))
+           cache_budget_bytes: int | None, block_size: int = 512, margin: float = 1.5,
+           allow_hash: bool = False, warmup_steps: int = 30,
+           modes: Sequence[str] = ("element", "block"), quantize: bool = False,
+           capacities: Mapping[tuple[str, str], float] | None = None) -> list[Selection]:
+  """One Selection per parameter, in the order given (see the module docstring).
 
-  order = sorted((i for i, (_, gain, _) in enumerate(best) if gain > 0),
-                 key=lambda i: best[i][1] / best[i][2], reverse=True)
-  chosen, left = set(), cache_budget_bytes
-  for i in order:
-    if best[i][2] <= left:
-      chosen.add(i)
-      left -= best[i][2]
+  cache_budget_bytes: state bytes per device for all selected parameters (None: no limit).
+  modes: the compressed modes to consider ("element", "block", "word"); word needs `q_word`.
+  capacities: {(name, mode): capacity fraction} to keep instead of sizing from the rates (the
+  caller's hysteresis).
+  """
+  options = [o for o in OPTIONS if o[0] in modes]
+  if allow_hash and "block" in modes:
+    options.append(HASH_OPTION)
+  hulls, best = [], []
+  for p in params:
+    candidates = []
+    for mode, det in options:
+      if p.rate(mode) is None:
+        continue
+      keep = (capacities or {}).get((p.name, mode))
+      candidates.append(evaluate(p, mode, det, comm, axis_size, block_size=block_size,
+                                 margin=margin, warmup_steps=warmup_steps, quantize=quantize,
+                                 capacity=keep))
+    if not candidates:
+      raise ValueError(f"parameter {p.name!r} has no measured rate for any of the modes {modes}")
+    best.append(max(candidates, key=lambda c: (c[1], -c[2])))
+    hulls.append(_hull([(nbytes, gain, spec) for spec, gain, nbytes in candidates]))
+
+  # Upgrades along each hull, best gain per state byte first.
+  segments = sorted(((h[k][1] - h[k - 1][1]) / max(h[k][0] - h[k - 1][0], 1), i, k)
+                    for i, h in enumerate(hulls) for k in range(1, len(h)))
+  level, left = [0] * len(params), cache_budget_bytes
+  for _, i, k in sorted(segments, key=lambda s: -s[0]):
+    step_bytes = hulls[i][k][0] - hulls[i][k - 1][0]
+    if level[i] == k - 1 and (left is None or step_bytes <= left):
+      level[i] = k
+      if left is not None:
+        left -= step_bytes
 
   out = []
-  for i, (p, (spec, gain, nbytes)) in enumerate(zip(params, best)):
-    if i in chosen:
-      out.append(Selection(p.name, spec, spec, gain, nbytes, "selected"))
-    else:
-      reason = "no gain" if gain <= 0 else "over budget"
-      out.append(Selection(p.name, gather.CodecSpec("off"), spec, gain, nbytes, reason))
+  for i, p in enumerate(params):
+    hull, (best_spec, best_gain, best_bytes) = hulls[i], best[i]
+    plain = p.copies * gather.wire_bytes(p.shard_shape, p.dtype, best_spec)["plain"]
+    if level[i] == 0:
+      reason = "no gain" if len(hull) == 1 else "over budget"
+      out.append(Selection(p.name, gather.CodecSpec("off"), best_spec, best_gain, best_bytes,
+                           reason, plain, plain))
+      continue
+    nbytes, gain, spec = hull[level[i]]
+    reason = "selected" if level[i] == len(hull) - 1 else "cheaper mode (budget)"
+    sent = p.copies * gather.wire_bytes(p.shard_shape, p.dtype, spec)["compressed"]
+    out.append(Selection(p.name, spec, hull[-1][2], gain, nbytes, reason, plain, sent))
   return out

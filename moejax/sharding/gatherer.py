@@ -2,13 +2,22 @@
 
 `Gatherer.gather(group, shards, states) -> (full, new_states, stats)` is what the model's
 forward pass calls for each parameter group ("embed", "layers" (one layer's slice), "final_norm",
-"lm_head"). It looks up each parameter's layout and, when the codec is on, its `CodecSpec` and
-state, and calls the hook (`moejax.sharding.hook.gather_param`).
+"lm_head"). It looks up each parameter's layout and, when the codec is on for it, its
+`CodecSpec` (mode and capacity, chosen per parameter) and state, and gathers: through the hook
+(`moejax.sharding.hook.gather_param`) for plain parameters, through the hook's compressed gather
+(`moejax.codec.compressed_all_gather`) for the others, keeping the codec's own figures.
 
 Codec state lives in the train state as a dict {group: {param_path: state}} holding only the
 compressed parameters. Each device has its own state, so every state array is stored with a
 leading device axis [N, ...] sharded over all devices; layer parameters' states also carry the
 layer axis, [N, L, ...], which the layer scan slices. Caches are rebuilt, not checkpointed.
+Without states (evaluation) every parameter is gathered plainly and no cache moves.
+
+Stats: {report group: summed hook stats} as before, plus, under `PARAM_STATS`, each compressed
+parameter's own figures ({path: [K]}, [L, K] for layer parameters), `PARAM_STAT_KEYS` in order.
+`split_param_stats` takes them out again and `codec_metrics` turns them into one [R, K] array
+(rows: `param_rows()`) for whoever sizes or chooses the codec (`moejax.train.codec_control`), plus
+the cache memory per device by mode.
 """
 from __future__ import annotations
 
@@ -25,6 +34,10 @@ from moejax.sharding.layout import Layout
 from moejax.sharding.mesh import DEVICES
 
 GROUPS = ("embed", "layers", "final_norm", "lm_head")
+PARAM_STATS = "params"        # key of the per-parameter figures in a group's stats
+PARAM_STAT_KEYS = ("bytes_sent", "bytes_plain", "exponent_changes", "block_changes",
+                   "word_changes", "capacity_fill", "fallback", "dense")
+PARAM_METRIC = "codec_param_stats"   # metrics key of the [R, K] array
 
 
 def param_group(group: str, path: str) -> str:
@@ -55,84 +68,190 @@ class Gatherer:
   def create(cls, param_shapes, layouts, num_devices: int, spec: codec.CodecSpec | None,
              select=None):
     """Compresses every sharded parameter (or those `select(group, path)` accepts)."""
-    specs = {}
-    for group in GROUPS:
-      shapes, lays = param_shapes[group], layouts[group]
-      chosen = {}
-      for path, lay in zip(_leaf_paths(shapes), jax.tree.leaves(lays)):
-        if (spec is not None and spec.mode != "off" and lay.kind == "shard"
-            and num_devices > 1 and (select is None or select(group, path))):
-          chosen[path] = spec
-      specs[group] = chosen
+    specs = {g: {} for g in GROUPS}
+    if spec is not None and spec.mode != "off":
+      probe = cls(layouts, param_shapes, num_devices, specs)
+      for group, path in probe.candidates():
+        if select is None or select(group, path):
+          specs[group][path] = spec
     return cls(layouts, param_shapes, num_devices, specs)
+
+  def with_specs(self, specs: dict) -> "Gatherer":
+    """The same parameters with another codec choice: {group: {path: CodecSpec}} (mode 'off'
+    entries and missing groups mean plain)."""
+    allowed = set(self.candidates())
+    chosen = {g: {} for g in GROUPS}
+    for g, per_path in specs.items():
+      for p, spec in per_path.items():
+        if spec.mode == "off":
+          continue
+        if (g, p) not in allowed:
+          raise ValueError(f"{g}{p} is not a sharded parameter: it cannot use the codec")
+        chosen[g][p] = spec
+    return dataclasses.replace(self, specs=chosen)
 
   @property
   def enabled(self) -> bool:
     return any(self.specs.values())
 
-  def _shard_shape(self, group: str, path: str):
+  @property
+  def num_layers(self) -> int:
+    return jax.tree.leaves(self.param_shapes["layers"])[0].shape[0]
+
+  def candidates(self) -> list[tuple[str, str]]:
+    """(group, path) of every parameter the codec can gather: sharded over more than one device."""
+    out = []
+    if self.num_devices < 2:
+      return out
+    for group in GROUPS:
+      for path, lay in zip(_leaf_paths(self.param_shapes[group]),
+                           jax.tree.leaves(self.layouts[group])):
+        if lay.kind == "shard":
+          out.append((group, path))
+    return out
+
+  def copies(self, group: str) -> int:
+    """Shards of one parameter that one spec covers: the layers of a stacked parameter."""
+    return self.num_layers if group == "layers" else 1
+
+  def layout(self, group: str, path: str) -> Layout:
+    return dict(zip(_leaf_paths(self.layouts[group]), jax.tree.leaves(self.layouts[group])))[path]
+
+  def shard_shape(self, group: str, path: str) -> tuple[int, ...]:
+    """One device's shard of one gather (one layer's slice for layer parameters)."""
     shapes = dict(zip(_leaf_paths(self.param_shapes[group]),
                       jax.tree.leaves(self.param_shapes[group])))
-    lays = dict(zip(_leaf_paths(self.layouts[group]), jax.tree.leaves(self.layouts[group])))
-    shape, lay = list(shapes[path].shape), lays[path]
+    shape, lay = list(shapes[path].shape), self.layout(group, path)
     shape[lay.dim] //= self.num_devices
     return tuple(shape[1:]) if group == "layers" else tuple(shape)
 
+  _shard_shape = shard_shape
+
   # -- state ---------------------------------------------------------------------------------
-  def init_states(self, mesh, *, warmed_up: bool = False):
+  def init_states(self, mesh, *, warmed_up: bool = False, reuse=None):
     """Fresh codec state (global arrays, one slice per device). `warmed_up` skips the warm-up
-    count (after a restore): the first gather still sends everything to refill the caches."""
+    count (after a restore or a change of codec choice): the first gather still sends
+    everything to refill the caches. `reuse=(gatherer, states)` keeps the states of parameters
+    whose new spec needs the same state (`codec.same_state`: same mode, e.g. only the capacity
+    changed), so their caches stay valid."""
+    kept = {g: {} for g in GROUPS}
+    if reuse is not None:
+      old, old_states = reuse
+      for g in GROUPS:
+        for p, spec in self.specs[g].items():
+          before = old.specs[g].get(p)
+          if before is not None and codec.same_state(before, spec):
+            kept[g][p] = old_states[g][p]
+    fresh = {g: {p: s for p, s in self.specs[g].items() if p not in kept[g]} for g in GROUPS}
+    built = self._build_states(mesh, fresh, warmed_up) if any(fresh.values()) else {
+        g: {} for g in GROUPS}
+    return {g: {p: kept[g][p] if p in kept[g] else built[g][p] for p in self.specs[g]}
+            for g in GROUPS}
+
+  def _build_states(self, mesh, specs, warmed_up: bool):
     def one(group, path, spec):
-      state = codec.init_state(self._shard_shape(group, path), hook.COMPUTE_DTYPE,
+      state = codec.init_state(self.shard_shape(group, path), hook.COMPUTE_DTYPE,
                                self.num_devices, spec)
       if warmed_up:
         state = dict(state, step=jnp.full_like(state["step"], spec.warmup_steps))
-      layers = self.param_shapes["layers"]
-      num_layers = jax.tree.leaves(layers)[0].shape[0]
-      lead = (self.num_devices, num_layers) if group == "layers" else (self.num_devices,)
+      lead = ((self.num_devices, self.num_layers) if group == "layers"
+              else (self.num_devices,))
       return jax.tree.map(lambda x: jnp.broadcast_to(x, lead + x.shape), state)
 
     def build():
-      return {g: {p: one(g, p, s) for p, s in self.specs[g].items()} for g in GROUPS}
+      return {g: {p: one(g, p, s) for p, s in specs[g].items()} for g in GROUPS}
 
-    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), self.state_specs(),
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), self._specs_of(specs),
                              is_leaf=lambda v: isinstance(v, P))
     return jax.jit(build, out_shardings=shardings)()
 
   def state_specs(self):
+    return self._specs_of(self.specs)
+
+  def _specs_of(self, specs):
     abstract = jax.eval_shape(lambda: {
-        g: {p: codec.init_state(self._shard_shape(g, p), hook.COMPUTE_DTYPE, self.num_devices, s)
-            for p, s in self.specs[g].items()} for g in GROUPS})
+        g: {p: codec.init_state(self.shard_shape(g, p), hook.COMPUTE_DTYPE, self.num_devices, s)
+            for p, s in specs[g].items()} for g in GROUPS})
     return jax.tree.map(lambda _: P(DEVICES), abstract)
 
+  def param_state_bytes(self, group: str, path: str, spec: codec.CodecSpec | None = None) -> int:
+    """Codec state bytes per device of one parameter (all its layers)."""
+    spec = spec if spec is not None else self.specs[group][path]
+    return self.copies(group) * codec.state_bytes(self.shard_shape(group, path),
+                                                  hook.COMPUTE_DTYPE, self.num_devices, spec)
+
   def state_bytes_per_device(self) -> int:
-    total = 0
+    return sum(self.state_bytes_by_mode().values())
+
+  def state_bytes_by_mode(self) -> dict[str, int]:
+    out: dict[str, int] = {}
     for g in GROUPS:
-      n_layers = jax.tree.leaves(self.param_shapes["layers"])[0].shape[0] if g == "layers" else 1
       for p, s in self.specs[g].items():
-        total += n_layers * codec.state_bytes(self._shard_shape(g, p), hook.COMPUTE_DTYPE,
-                                              self.num_devices, s)
-    return total
+        out[s.mode] = out.get(s.mode, 0) + self.param_state_bytes(g, p)
+    return out
 
   # -- the hook --------------------------------------------------------------------------------
   def gather(self, group: str, shards, states: dict | None):
-    """-> (full bf16 tree, new states {path: state}, {report group: stats})."""
+    """-> (full bf16 tree, new states {path: state}, {report group: stats, PARAM_STATS: ...})."""
     lays = self.layouts[group]
     if group == "layers":
       lays = jax.tree.map(Layout.unstacked, lays)
     paths = _leaf_paths(shards)
     leaves, treedef = jax.tree.flatten(shards)
-    fulls, new_states, stats = [], {}, {}
+    fulls, new_states, stats, per_param = [], {}, {}, {}
     for path, x, lay in zip(paths, leaves, treedef.flatten_up_to(lays)):
-      spec = self.specs[group].get(path)
-      state = states[path] if spec is not None else None
-      full, new_state, s = hook.gather_param(x, lay, state, spec)
-      fulls.append(full)
+      spec = self.specs[group].get(path) if states is not None else None
       if spec is not None:
-        new_states[path] = new_state
+        full, new_states[path], raw = codec.compressed_all_gather(
+            x, states[path], axis_name=DEVICES, axis=lay.dim, spec=spec,
+            compute_dtype=hook.COMPUTE_DTYPE)
+        s = _hook_stats(raw)
+        per_param[path] = jnp.stack([jnp.asarray(raw[k], jnp.float32) for k in PARAM_STAT_KEYS])
+      else:
+        full, _, s = hook.gather_param(x, lay)
+      fulls.append(full)
       key = param_group(group, path)
       stats[key] = s if key not in stats else {k: stats[key][k] + s[k] for k in s}
+    if per_param:
+      stats[PARAM_STATS] = per_param
     return treedef.unflatten(fulls), new_states, stats
+
+  # -- figures ---------------------------------------------------------------------------------
+  def param_rows(self) -> list[tuple[str, str, int]]:
+    """(group, path, layer) of each row of the `codec_metrics` array (layer 0 outside layers)."""
+    return [(g, p, layer) for g in GROUPS for p in self.specs[g]
+            for layer in range(self.copies(g))]
+
+  @staticmethod
+  def split_param_stats(stats: dict) -> tuple[dict, dict]:
+    """{group: gather stats} -> (the same without the per-parameter figures, {group: {path:
+    figures}})."""
+    rest = {g: {k: v for k, v in s.items() if k != PARAM_STATS} for g, s in stats.items()}
+    return rest, {g: s.get(PARAM_STATS, {}) for g, s in stats.items()}
+
+  def codec_metrics(self, param_stats: dict) -> dict:
+    """Per-parameter figures as one [R, K] array (`PARAM_METRIC`; rows `param_rows()`, columns
+    `PARAM_STAT_KEYS`), and the codec state bytes per device, by mode and in total."""
+    rows = []
+    for g in GROUPS:
+      for p in self.specs[g]:
+        x = param_stats[g][p]
+        rows.append(x.reshape(-1, len(PARAM_STAT_KEYS)))
+    by_mode = self.state_bytes_by_mode()
+    out = {f"codec/cache_bytes/{m}": float(by_mode.get(m, 0)) for m in codec.COMPRESSED_MODES}
+    out["codec_cache_bytes"] = float(sum(by_mode.values()))
+    if rows:
+      out[PARAM_METRIC] = jnp.concatenate(rows, axis=0)
+    return out
+
+
+def _hook_stats(raw: dict) -> dict:
+  """The hook's figures (`hook.STAT_KEYS`) from the codec's own."""
+  stats = {"bytes_sent": raw["bytes_sent"], "bytes_plain": raw["bytes_plain"],
+           "exponent_changes": jnp.maximum(raw["exponent_changes"], 0),
+           "block_changes": raw["block_changes"], "fallback": raw["fallback"],
+           "compressed": 1 - raw["dense"]}
+  return {k: jnp.asarray(v, jnp.float32) for k, v in stats.items()}
 
 
 def squeeze_device_axis(states):

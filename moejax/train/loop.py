@@ -26,6 +26,7 @@ from moejax.codec.gather import invalidate as _invalidate
 from moejax.sharding import fssdp_plan
 from moejax.sharding.mesh import make_mesh, num_devices, topology
 from moejax.train import checkpoint as checkpoint_lib, optim, state as state_lib, step as step_lib
+from moejax.train.codec_control import CodecController
 from moejax.train.metrics import MetricsWriter, log, progress_line
 
 
@@ -83,6 +84,7 @@ class Trainer:
     self.eval_step = step_lib.make_eval_step(cfg, self.mesh, self.layout)
     self.comm = comm_figures(cfg, self.mesh, self.layout)
     self._relabel = None
+    self.codec_steps: dict = {}   # codec choice -> (layout, train step), see CodecController
 
   def init_state(self, seed: int | None = None):
     seed = self.cfg.seed if seed is None else seed
@@ -173,14 +175,21 @@ def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
       state = trainer.init_state()
     else:
       state, step = restored
+      # Codec caches are not saved: the first gather after a restore sends everything, once
+      # (no second warm-up: the weights are past it).
+      state = state.replace(gather_state=trainer.layout.gatherer.init_states(trainer.mesh,
+                                                                            warmed_up=True))
       log(f"moejax: resuming from step {step} (checkpoint {checkpoints.step_path(step)})")
     val_batches = [put_batch(b, trainer.mesh)
                    for b in data.val_batches(min(cfg.eval_batches, data.num_val_batches))]
     log(f"moejax: {data.name}, {num_devices(trainer.mesh)} device(s), "
         f"placement={cfg.moe.placement}, {cfg.steps} steps of {cfg.batch_size}x{cfg.seq_len}")
+    # codec.mode=auto / codec.select: plain gathers until the controller's first decision.
+    controller = CodecController(trainer, workdir=workdir)
+    state = controller.start(state)
     writer = MetricsWriter(workdir)
     try:
-      return _train(trainer, state, data, val_batches, writer, checkpoints,
+      return _train(trainer, state, data, val_batches, writer, checkpoints, controller,
                     cfg.steps if stop_at is None else min(stop_at, cfg.steps))
     finally:
       writer.close()
@@ -188,7 +197,7 @@ def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
     checkpoints.close()     # waits for the last save to commit
 
 
-def _train(trainer: Trainer, state, data, val_batches, writer, checkpoints,
+def _train(trainer: Trainer, state, data, val_batches, writer, checkpoints, controller,
            last_step: int) -> dict:
   cfg = trainer.cfg
   record: dict = {}
@@ -204,6 +213,7 @@ def _train(trainer: Trainer, state, data, val_batches, writer, checkpoints,
   for step in range(first_step, last_step + 1):
     t_step = time.perf_counter()
     state, metrics = trainer.train_step(state, put_batch(next(data.train), trainer.mesh))
+    state, metrics = controller.after_step(step, state, metrics)
     if previous is not None:
       _check_finite(*previous)
     previous = (step, metrics)

@@ -72,7 +72,7 @@ def state_layout(cfg: Config, mesh, tx: optax.GradientTransformation) -> StateLa
 
 def codec_spec(cfg: Config) -> CodecSpec | None:
   c = cfg.codec
-  if c.mode == "off":
+  if c.mode == "off" or c.controlled:   # controlled: plain until codec_control chooses
     return None
   return CodecSpec(c.mode, block_size=c.block_size, detect=c.detect,
                    capacity_fraction=c.capacity_fraction or None, warmup_steps=c.warmup_steps)

@@ -138,6 +138,7 @@ def gather_metrics(cfg: Config, lay: StateLayout, stats: dict) -> dict:
   n = lay.gatherer.num_devices
   repeat = {"layers": 2 if (cfg.remat or cfg.prefetch) else 1}
   sizes = codec_denominators(lay)
+  stats, param_stats = lay.gatherer.split_param_stats(stats)
   by_group: dict = {}
   for group, group_stats in stats.items():
     for report, s in group_stats.items():
@@ -158,6 +159,7 @@ def gather_metrics(cfg: Config, lay: StateLayout, stats: dict) -> dict:
     metrics["block_change_rate"] = total["block_changes"] / max(blocks, 1)
     metrics["codec_fallbacks"] = total["fallback"]
     metrics["codec_params"] = float(sum(len(v) for v in lay.gatherer.specs.values()))
+    metrics.update(lay.gatherer.codec_metrics(param_stats))
     for report, g in by_group.items():
       metrics[f"codec/{report}/bytes_sent"] = g["bytes_sent"]
       metrics[f"codec/{report}/bytes_plain"] = g["bytes_plain"]

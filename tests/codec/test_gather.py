@@ -70,27 +70,40 @@ class Script:
 
   def step(self, changed_units_per_device):
     """New mantissas and signs everywhere; new exponents for the given number of units (values
-    in element mode, blocks with a few values each in block mode) per device."""
+    in element mode, blocks with a few values each in block mode) per device. Word mode: new bit
+    patterns for the given number of values per device, nothing else changes."""
     lay, u = self.layout, self.layout.uint_dtype
     old_exp = self._exp(self.local)
+    old_local = self.local.copy()
+    if self.spec.mode == "word":
+      for d, k in enumerate(changed_units_per_device):
+        pos = self.rng.choice(self.n, size=k, replace=False)
+        flip = self.rng.integers(1, np.iinfo(u).max, size=k, dtype=u, endpoint=True)
+        self.local[d, pos] ^= flip
+      return self._counts(old_exp, old_local)
     keep = np.asarray(((1 << lay.exp_bits) - 1) << lay.mant_bits, u)
     noise = self.rng.integers(0, np.iinfo(u).max, size=self.local.shape, dtype=u, endpoint=True)
     self.local = (self.local & keep) | (noise & ~keep)
     for d, k in enumerate(changed_units_per_device):
       if self.spec.mode == "block":
         b = self.spec.block_size
-        blocks = self.rng.choice(self.fmt.num_blocks, size=k, replace=False)
+        blocks = self.rng.choice(-(-self.n // b), size=k, replace=False)
         pos = np.concatenate([blk * b + self.rng.choice(min(b, self.n - blk * b), size=2)
                               for blk in blocks]) if k else np.zeros(0, int)
       else:
         pos = self.rng.choice(self.n, size=k, replace=False)
       flip = self.rng.integers(1, 1 << lay.exp_bits, size=pos.size).astype(u)
       self.local[d, pos] ^= flip << np.asarray(lay.mant_bits, u)
+    return self._counts(old_exp, old_local)
+
+  def _counts(self, old_exp, old_local):
+    """(exponent changes, blocks with one, whole-word changes), summed over devices."""
     new_exp = self._exp(self.local)
     changed = new_exp != old_exp
-    pad = self.fmt.num_blocks * self.spec.block_size - self.n
-    blocks = np.pad(changed, ((0, 0), (0, pad))).reshape(W, -1, self.spec.block_size).any(-1)
-    return int(changed.sum()), int(blocks.sum())
+    b = self.spec.block_size
+    pad = -(-self.n // b) * b - self.n
+    blocks = np.pad(changed, ((0, 0), (0, pad))).reshape(W, -1, b).any(-1)
+    return int(changed.sum()), int(blocks.sum()), int((self.local != old_local).sum())
 
   def global_bits(self):
     pieces = self.local.reshape((W,) + self.shape)
@@ -108,6 +121,9 @@ CASES = [
                                                   capacity_fraction=0.05)),
     (np.float32, (4, 96), 1, gather.CodecSpec("block", block_size=64, detect="hash",
                                                warmup_steps=2, capacity_fraction=0.5)),
+    (jnp.bfloat16, (8, 48), 0, gather.CodecSpec("word", block_size=32, warmup_steps=2,
+                                                 capacity_fraction=0.1)),
+    (np.float32, (2, 40), 1, gather.CodecSpec("word", warmup_steps=2, capacity_fraction=0.2)),
 ]
 
 
@@ -145,7 +161,7 @@ def test_multi_step_bit_identical(case):
   states = _stack_states(gather.init_state(shape, dtype, W, spec))
   sizes = gather.wire_bytes(shape, dtype, spec)
   for t, (changes, invalidate, dense, fallback) in enumerate(plan):
-    exp_changes, block_changes = script.step(changes)
+    exp_changes, block_changes, word_changes = script.step(changes)
     if invalidate == everyone:
       states = gather.invalidate(states)
     elif invalidate:
@@ -161,6 +177,8 @@ def test_multi_step_bit_identical(case):
     expected_exp = -1 if spec.detect == "hash" else exp_changes if valid else 0
     assert (stats["exponent_changes"] == expected_exp).all(), (t, stats)
     assert (stats["block_changes"] == (block_changes if valid else 0)).all(), (t, stats)
+    expected_words = -1 if spec.mode != "word" else word_changes if valid else 0
+    assert (stats["word_changes"] == expected_words).all(), (t, stats)
     sent = sizes["dense"] if dense else sizes["compressed"]
     assert (stats["bytes_sent"] == sent).all() and (stats["bytes_plain"] == sizes["plain"]).all()
     if valid:

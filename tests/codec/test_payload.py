@@ -103,3 +103,21 @@ def test_format_sizes():
   assert payload.Format.create("block", 10, 8, 4, 1.0).capacity == 3
   with pytest.raises(ValueError, match="mode must be one of"):
     payload.Format.create("dense", 10, 8, 4, 0.5)
+
+
+@pytest.mark.parametrize("n", [37, payload.SORT_MAX + 5])
+def test_first_true_matches_nonzero(n):
+  """Both ways of ranking (a sort up to SORT_MAX entries, a cumulative sum above), rows of
+  every fill: none, fewer than `size`, more."""
+  rng = np.random.default_rng(n)
+  mask = np.zeros((4, n), bool)
+  mask[1, rng.choice(n, 3, replace=False)] = True
+  mask[2] = rng.random(n) < 0.5
+  mask[3, -1] = True
+  size = 20
+  got = np.asarray(jax.jit(lambda m: payload.first_true(m, size, -7))(jnp.asarray(mask)))
+  for row, out in zip(mask, got):
+    idx = np.flatnonzero(row)[:size]
+    np.testing.assert_array_equal(out, np.concatenate([idx, np.full(size - idx.size, -7)]))
+  one = np.asarray(payload.first_true(jnp.asarray(mask[2]), 5, 0))
+  np.testing.assert_array_equal(one, np.flatnonzero(mask[2])[:5])

@@ -1,4 +1,7 @@
-"""Selection of compressed gathers: latency fit, gains, ranking by gain per state byte, budget."""
+"""Selection of compressed gathers: latency fit, gains, ranking by gain per state byte, budget,
+word mode, cheaper modes under a budget, capacities from measured rates."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -33,8 +36,9 @@ def _param(name, shape, q_element, q_block, decode_s=0.0):
 def test_gain_matches_hand_computation():
   p = _param("w", (1024, 1024), 0.02, 0.9, decode_s=1e-5)
   spec, gain, nbytes = select.evaluate(p, "element", "exact", COMM, W, margin=1.5)
-  assert spec.mode == "element" and spec.capacity_fraction == pytest.approx(0.03)
   n = 2**20
+  # 3 % of the values, rounded up to whole groups of 32 slots (the packed patch holds them anyway).
+  assert spec.mode == "element" and spec.capacity_fraction == -(-round(0.03 * n) // 32) * 32 / n
   capacity = int(np.ceil(spec.capacity_fraction * n))
   payload = n + (-(-capacity // 32) * 32) * (20 + 8) // 8      # sign+mantissa, positions, exps
   expected = COMM(2 * n) - COMM(payload) - COMM(16) - 1e-5
@@ -79,3 +83,64 @@ def test_decode_cost_and_hash_option():
   slow = _param("w", (1024, 1024), 0.02, 0.02, decode_s=1.0)
   (off,) = select.select([slow], COMM, axis_size=W, cache_budget_bytes=10**9)
   assert off.reason == "no gain" and off.spec.mode == "off"
+
+
+def _word_param(name, shape, q_element, q_word, copies=1):
+  return select.ParamStats(name, shape, "bfloat16", q_element, 0.9, q_word=q_word, copies=copies)
+
+
+def test_word_mode_wins_when_few_values_change():
+  modes = ("element", "block", "word")
+  quiet = _word_param("quiet", (1024, 1024), 0.002, 0.05)    # fine-tuning: few words change
+  busy = _word_param("busy", (1024, 1024), 0.02, 0.9)        # most words change every step
+  out = {s.name: s for s in select.select([quiet, busy], select.CommModel.bytes_only(),
+                                          axis_size=W, cache_budget_bytes=None, modes=modes)}
+  assert out["quiet"].spec.mode == "word" and out["busy"].spec.mode == "element"
+  # Word: a bitmap (1 bit per value) and 1.5 x 5 % of the values at 16 bits each.
+  assert out["quiet"].bytes_sent / out["quiet"].bytes_plain == pytest.approx(
+      (2**20 / 8 + 0.075 * 2**20 * 2 + 16) / 2**21, rel=1e-3)
+  assert out["quiet"].state_bytes == gather.state_bytes(
+      (1024, 1024), "bfloat16", W, out["quiet"].spec) == W * 2**21 + 5
+  # Without a word rate, word mode is not an option.
+  (no_word,) = select.select([_param("w", (1024, 1024), 0.002, 0.9)], COMM, axis_size=W,
+                             cache_budget_bytes=None, modes=modes)
+  assert no_word.spec.mode == "element"
+
+
+def test_budget_takes_a_cheaper_mode_and_counts_copies():
+  modes = ("element", "word")
+  p = _word_param("w", (1024, 1024), 0.002, 0.02, copies=4)
+  element = gather.state_bytes((1024, 1024), "bfloat16", W, gather.CodecSpec("element"))
+  word = gather.state_bytes((1024, 1024), "bfloat16", W, gather.CodecSpec("word"))
+  (best,) = select.select([p], COMM, axis_size=W, cache_budget_bytes=None, modes=modes)
+  assert best.spec.mode == "word" and best.reason == "selected"
+  assert best.state_bytes == 4 * word and best.bytes_plain == 4 * 2**21
+  (cheaper,) = select.select([p], COMM, axis_size=W, cache_budget_bytes=4 * element + 10,
+                             modes=modes)
+  assert cheaper.spec.mode == "element" and cheaper.reason == "cheaper mode (budget)"
+  assert cheaper.best.mode == "word" and cheaper.state_bytes == 4 * element
+  (none,) = select.select([p], COMM, axis_size=W, cache_budget_bytes=4 * element - 1,
+                          modes=modes)
+  assert none.spec.mode == "off" and none.reason == "over budget"
+  # Gains and state of a stacked parameter are per copy times the copies.
+  one = select.evaluate(dataclasses.replace(p, copies=1), "word", "exact", COMM, W)
+  four = select.evaluate(p, "word", "exact", COMM, W)
+  assert four[1] == pytest.approx(4 * one[1]) and four[2] == 4 * one[2]
+
+
+def test_capacity_from_peak_rate_quantized_and_kept():
+  p = select.ParamStats("w", (4096,), "bfloat16", 0.01, 0.5, peak={"element": 0.03})
+  spec, _, _ = select.evaluate(p, "element", "exact", COMM, W, margin=2.0)
+  assert spec.capacity_fraction == 256 / 4096       # worst rate x margin: 246 slots, then 8 x 32
+  spec, _, _ = select.evaluate(p, "block", "exact", COMM, W, margin=2.0)
+  assert spec.capacity_fraction == pytest.approx(2 * 0.5)        # no rounding of whole blocks
+  spec, _, _ = select.evaluate(p, "element", "exact", COMM, W, margin=2.0, quantize=True)
+  assert spec.capacity_fraction == pytest.approx(2 ** -4)          # next power of 2^(1/4)
+  assert select.capacity_fraction(0.0, 2.0) == select.MIN_CAPACITY_FRACTION
+  assert select.capacity_fraction(0.7, 2.0, quantize=True) == 1.0
+  for rate in (1e-3, 0.0123, 0.07, 0.2):
+    q = select.capacity_fraction(rate, 1.5, quantize=True)
+    assert rate * 1.5 <= q * (1 + 1e-9) and q < rate * 1.5 * 2 ** 0.25 * (1 + 1e-9)
+  (kept,) = select.select([p], select.CommModel.bytes_only(), axis_size=W,
+                          cache_budget_bytes=None, margin=2.0, capacities={("w", "element"): 0.1})
+  assert kept.spec.capacity_fraction == 0.1

@@ -1,59 +1,149 @@
-"""Training with the compressed all-gather is bit-identical to training without it."""
+"""Training with the compressed all-gather is bit-identical to training without it, whatever the
+codec does between steps: `codec.mode=auto` (plain warm-up, a decision from probed change rates, a
+re-decision on live rates) and then a hand-made mix of every mode (element, block, word, plain)
+installed mid-run. One plain run and one codec run share the first compile. (Block hashes and
+each mode's fallback are covered gather by gather in test_gather.py.)"""
+import copy
+import json
+import os
+
 import jax
 import numpy as np
 import pytest
 
+from moejax.codec import gather as codec
+from moejax.sharding.gatherer import PARAM_METRIC, PARAM_STAT_KEYS
 from moejax.sharding.mesh import make_mesh
+from moejax.train import codec_control
 from moejax.train.loop import Trainer, put_batch
 from tests.helpers import tiny_config
 
-STEPS = 60
+STEPS = 10
+FIRST, SECOND, MIXED = 3, 6, 7       # decisions after steps 3 and 6; the mix after step 7
+# A constant-ish learning rate (no warm-up, a tenth of the preset's): change rates fall slowly
+# from the first decision on, so the second decision usually keeps the choice (capacities have
+# hysteresis) and needs no new compile.
+SETTINGS = {"codec.warmup_steps": FIRST, "codec.block_size": 64, "codec.comm_model": "bytes",
+            "codec.reselect_every": SECOND - FIRST, "batch_size": 8, "seq_len": 32,
+            "steps": STEPS, "optim.warmup_steps": 0, "optim.lr": 3e-4}
 
 
-def _train(mode):
-  cfg = tiny_config(**{"codec.mode": mode, "codec.warmup_steps": 5, "codec.block_size": 64,
-                       "batch_size": 8, "seq_len": 32, "steps": STEPS})
-  trainer = Trainer(cfg, mesh=make_mesh((2, 4), jax.devices()[:8]))
-  state = trainer.init_state()
-  rng = np.random.default_rng(7)
-  losses, records = [], []
-  for _ in range(STEPS):
-    toks = rng.integers(0, 256, (cfg.batch_size, cfg.seq_len + 1)).astype(np.int32)
-    batch = put_batch({"inputs": toks[:, :-1], "targets": toks[:, 1:]}, trainer.mesh)
-    state, metrics = trainer.train_step(state, batch)
-    records.append(metrics)
-  records = jax.device_get(records)
-  return np.array([r["loss"] for r in records]), jax.device_get(state.params), records
+def _mixed(gatherer):
+  """Every mode somewhere; the attention projections keep the spec auto gave them (their caches
+  must survive the switch)."""
+  spec = lambda mode, fraction, **kw: codec.CodecSpec(  # noqa: E731
+      mode, block_size=64, capacity_fraction=fraction, warmup_steps=FIRST, **kw)
+  layers = {"['moe']['w_gate']": spec("word", 0.25),
+            "['moe']['w_up']": spec("block", 0.5),
+            "['moe']['w_down']": spec("element", 0.125),
+            "['moe']['router']": spec("element", 0.25),
+            "['attn_norm']['scale']": spec("word", 0.125)}
+  for path in ("['attn']['wq']", "['attn']['wk']", "['attn']['wv']", "['attn']['wo']"):
+    if path in gatherer.specs["layers"]:
+      layers[path] = gatherer.specs["layers"][path]
+  return {"embed": {"": spec("word", 0.5)}, "lm_head": {"": spec("block", 1.0)},
+          "layers": layers}
 
 
 @pytest.fixture(scope="module")
-def runs():
-  return {mode: _train(mode) for mode in ("off", "block", "element")}
+def runs(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("codec"))
+  plain = Trainer(tiny_config(**SETTINGS), mesh=make_mesh((2, 4), jax.devices()[:8]))
+  trainer = copy.copy(plain)          # shares the plain step (and its compile) until a decision
+  lines = []
+  controller = codec_control.CodecController(
+      trainer, tiny_config(**SETTINGS, **{"codec.mode": "auto"}).codec, workdir=workdir,
+      log=lines.append)
+  s_plain, s_codec = plain.init_state(), controller.start(trainer.init_state())
+  rng = np.random.default_rng(7)
+  out = {"plain": [], "codec": [], "snaps": [], "codec_rows": []}
+  for step in range(1, STEPS + 1):
+    toks = rng.integers(0, 256, (8, 33)).astype(np.int32)
+    batch = put_batch({"inputs": toks[:, :-1], "targets": toks[:, 1:]}, plain.mesh)
+    if step >= MIXED:      # the parameters this step gathers, for the probe-vs-codec check
+      out["snaps"].append(controller.probe.snapshot(s_codec.params))
+    s_plain, m_plain = plain.train_step(s_plain, batch)
+    s_codec, m_codec = trainer.train_step(s_codec, batch)
+    raw, rows = m_codec.get(PARAM_METRIC), trainer.layout.gatherer.param_rows()
+    s_codec, m_codec = controller.after_step(step, s_codec, m_codec)
+    if step == MIXED:
+      out["mixed"] = _mixed(trainer.layout.gatherer)
+      s_codec = controller.install(s_codec, out["mixed"], keep_deciding=False)
+    if step > MIXED:
+      out["codec_rows"].append((raw, rows))
+    out["plain"].append(m_plain)
+    out["codec"].append(dict(m_codec, specs=copy.deepcopy(trainer.layout.gatherer.specs)))
+  out["plain"], out["codec"] = jax.device_get((out["plain"], out["codec"]))
+  out["params"] = jax.device_get((s_plain.params, s_codec.params))
+  out.update(controller=controller, lines=lines, workdir=workdir, trainer=trainer)
+  return out
 
 
-@pytest.mark.parametrize("mode", ["block", "element"])
-def test_bitwise_identical_training(runs, mode):
-  losses_off, params_off, _ = runs["off"]
-  losses, params, records = runs[mode]
-  np.testing.assert_array_equal(losses, losses_off)
-  for a, b in zip(jax.tree.leaves(params_off), jax.tree.leaves(params)):
+def test_bitwise_identical_training(runs):
+  losses = [[float(m["loss"]) for m in runs[k]] for k in ("plain", "codec")]
+  assert losses[0] == losses[1]
+  for a, b in zip(*(jax.tree.leaves(p) for p in runs["params"])):
     np.testing.assert_array_equal(a, b)
-  late = records[-1]
-  assert late["codec_params"] > 0
-  assert 0 <= late["exp_change_rate"] < 0.1
-  if mode == "element":
-    # After warm-up the element patches fit, and the experts' gathers shrink to about
-    # sign+mantissa plus a small patch.
-    assert late["codec_fallbacks"] == 0
-    assert late["codec/experts/bytes_sent"] < 0.65 * late["codec/experts/bytes_plain"]
-    assert late["gather_bytes"] < 0.7 * late["gather_bytes_plain"]
-  else:
-    # At the tiny preset's high learning rate most 64-value blocks still change every step:
-    # block patches overflow and fall back to the dense (lossless) path, which is counted.
-    assert late["codec_fallbacks"] > 0
 
 
-def test_codec_metrics_when_off(runs):
-  _, _, records = runs["off"]
-  assert records[-1]["gather_bytes"] == records[-1]["gather_bytes_plain"] > 0
-  assert "codec_params" not in records[-1]
+def test_auto_decisions(runs):
+  ctl = runs["controller"]
+  assert [d["step"] for d in ctl.decisions] == [FIRST, SECOND]
+  with open(os.path.join(runs["workdir"], codec_control.SELECTION_FILE)) as f:
+    assert json.load(f)["decisions"] == json.loads(json.dumps(ctl.decisions))
+  first = {e["group"] + e["path"]: e for e in ctl.decisions[0]["params"]}
+  # Norms cost more than they save (8 values per shard); the experts compress.
+  assert first["final_norm"]["mode"] == "off" and first["final_norm"]["reason"] == "no gain"
+  assert first["layers['moe']['w_up']"]["mode"] in ("element", "word", "block")
+  for e in first.values():
+    assert e["mode"] == "off" or e["bytes_sent"] < e["bytes_plain"]
+  # One header and one line per parameter per decision.
+  assert len(runs["lines"]) == 2 * (1 + len(first))
+  assert all(line.startswith("codec:") for line in runs["lines"])
+  # Before the first decision everything is plain; after it the chosen parameters compress.
+  before, after = runs["codec"][FIRST - 1], runs["codec"][FIRST + 1]
+  assert "codec_params" not in before
+  assert after["codec_params"] == sum(e["mode"] != "off" for e in first.values())
+  assert after["gather_bytes"] < after["gather_bytes_plain"]
+  assert after["codec_cache_bytes"] == ctl.decisions[0]["cache_bytes"]
+  assert PARAM_METRIC not in after          # taken out for metrics.jsonl
+
+
+def test_mixed_modes_keep_unchanged_caches(runs):
+  first_mixed = runs["codec"][MIXED]        # metrics of the step after the switch
+  for mode in ("word", "block", "element"):
+    assert first_mixed[f"codec/cache_bytes/{mode}"] > 0
+  before = runs["codec"][MIXED - 2]["specs"]   # in force for step MIXED (chosen after MIXED-1)
+  kept = {(g, p) for g, ps in runs["mixed"].items() for p, spec in ps.items()
+          if p in before.get(g, {}) and codec.same_state(before[g][p], spec)}
+  mixed = {(g, p) for g, ps in runs["mixed"].items() for p in ps}
+  assert kept and kept != mixed                         # some caches kept, some states new
+  dense = PARAM_STAT_KEYS.index("dense")
+  raw, rows = runs["codec_rows"][0]
+  for (g, p, _), row in zip(rows, np.asarray(jax.device_get(raw))):
+    # Same state (only the capacity changed, or nothing): a patch at once. New state: refill.
+    assert row[dense] == (0 if (g, p) in kept else 1), (g, p)
+
+
+def test_probe_counts_what_the_codec_counts(runs):
+  """The controller's probe and the codec agree on every compressed parameter's changes."""
+  probe = runs["controller"].probe
+  cols = [PARAM_STAT_KEYS.index(k) for k in ("exponent_changes", "block_changes",
+                                              "word_changes")]
+  index = {name: i for i, name in enumerate(probe.names)}
+  offsets = np.cumsum([0] + probe.rows)
+  snaps = runs["snaps"]                     # snaps[k]: what step MIXED + k gathered
+  for j in range(1, len(runs["codec_rows"])):
+    raw, rows = runs["codec_rows"][j]       # step MIXED + 1 + j
+    counts = np.asarray(jax.device_get(probe.compare(snaps[j], snaps[j + 1]))).sum(axis=0)
+    specs = runs["codec"][MIXED + j]["specs"]
+    checked = 0
+    for (g, p, layer), row in zip(rows, np.asarray(jax.device_get(raw))):
+      expected, spec = counts[offsets[index[(g, p)]] + layer], specs[g][p]
+      assert row[cols[1]] == expected[1], (g, p, layer)
+      if spec.detect == "exact":
+        assert row[cols[0]] == expected[0], (g, p, layer)
+      if spec.mode == "word":
+        assert row[cols[2]] == expected[2], (g, p, layer)
+      checked += int(expected[0] > 0)
+    assert checked > 0

@@ -38,8 +38,8 @@ class Geometry:
       raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
     if min(self.n, self.block_size, self.capacity) < 1:
       raise ValueError(f"n, block_size and capacity must be >= 1, got {self}")
-    if self.cache_width * self.total_bits >= 2**62:
-      raise ValueError(f"shard of {self.n} values is too large")
+    if self.cache_width >= 2**31:   # positions and slots are int32
+      raise ValueError(f"a shard must hold fewer than 2**31 values, got {self.n}")
 
   @classmethod
   def of(cls, fmt, layout) -> "Geometry":

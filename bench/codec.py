@@ -1,0 +1,530 @@
+"""Compressed all-gather: every codec mode side by side on the tiny preset, at a pretraining and at
+a fine-tuning learning rate.
+
+  python bench/codec.py --quick
+
+Two regimes on 8 fake CPU devices: "high" trains the tiny preset from scratch (peak lr 3e-3, its
+warm-up and cosine decay); "low" continues from that model at a constant fine-tuning lr of 1e-4.
+Each regime is trained once with plain gathers: the codec never changes the numbers
+(tests/codec/test_training.py), so every mode sees this very sequence of weights. After each step
+the controller's probe (`moejax.train.codec_control.Probe`) counts, per device and per shard,
+exactly what each mode's encoder counts (exponent changes, blocks of the config block size with
+one, whole-word changes; tests/codec/test_training.py checks the two agree), and each mode's bytes
+follow from the codec's own rule: a patch (its static buffer) when every device's changes fit the
+capacity, the dense path (plain + agreement) otherwise. Without --quick, training runs again with
+`codec.mode=auto` in the train step itself and its measured bytes are printed beside these.
+
+Modes compared, per parameter group (attention, router, norms, experts, embeddings) and in total:
+  element/block/word (all)  the mode on every sharded parameter, default capacity (`codec.mode=X`)
+  block/element/word        the mode where it pays, capacity sized from the rates measured at the
+                            decision (`codec.mode=X, codec.select=True`)
+  auto                      a mode per parameter under a cache budget (`codec.mode=auto`)
+Decisions are taken from the PROBE_STEPS steps before step `codec.warmup_steps` (high) or the
+first steps (low); bytes are the steady state after the decision (the one dense refill of the
+caches right after it is left out). Gains are priced in bytes (`codec.comm_model=bytes`): on fake
+CPU devices the profiled per-collective latency dwarfs every tiny shard, so the profile picks
+nothing, which the bench also prints. Also: encode/decode throughput on this CPU against a plain
+copy of the same bytes. Ends with one JSON line of figures.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import configs.olmoe as olmoe_configs  # noqa: E402
+from moejax.codec import bits, gather as codec, kernels, select, word  # noqa: E402
+from moejax.config import from_config_dict  # noqa: E402
+from moejax.data import DataSpec, make_data  # noqa: E402
+from moejax.sharding import hook  # noqa: E402
+from moejax.sharding.gatherer import param_group  # noqa: E402
+from moejax.train import codec_control  # noqa: E402
+from moejax.train.loop import Trainer, put_batch  # noqa: E402
+
+GROUPS = ("attention", "router", "norms", "experts", "embeddings")
+FIXED = ("element", "block", "word")
+FULL_BLOCK = 512
+LOW_LR = 1e-4
+
+
+def config(steps: int, **overrides):
+  cd = olmoe_configs.get_config("tiny")
+  cd.steps = steps
+  for path, value in overrides.items():
+    node = cd
+    *parents, leaf = path.split(".")
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return from_config_dict(cd)
+
+
+@dataclasses.dataclass
+class Trajectory:
+  """Per update u (the change from the weights after step u-1 to those after step u, which the
+  gather of step u+1 sees): per-device probe counts [U, W, R, 3], full-tensor block rates."""
+  counts: np.ndarray
+  full_block: dict          # report group -> fraction of 512-value blocks (whole tensors) changed
+  state: object
+
+
+def train(trainer, state, data, steps: int, probe, measure_from: int) -> Trajectory:
+  """Trains `steps` steps with plain gathers; probes every update from step `measure_from - 1`."""
+  counts, snap, prev_exp, full = [], None, None, {}
+  for step in range(1, steps + 1):
+    state, _ = trainer.train_step(state, put_batch(next(data.train), trainer.mesh))
+    if snap is not None:
+      counts.append(probe.counts(snap, state.params))
+    snap = probe.snapshot(state.params)
+    if step >= measure_from:
+      exp = _full_exponents(jax.device_get(state.params), probe.names)
+      if prev_exp is not None:
+        for key, (e, p) in _pairs(exp, prev_exp):
+          full.setdefault(key, []).append((e, p))
+      prev_exp = exp
+  counts = np.asarray(jax.device_get(counts))
+  rates = {}
+  for (g, p), pairs in full.items():
+    changed = sum(_blocks_changed(e, q) for e, q in pairs)
+    total = sum(_num_blocks(e) for e, _ in pairs)
+    for report in (param_group(g, p), "total"):
+      c, t = rates.get(report, (0, 0))
+      rates[report] = (c + changed, t + total)
+  return Trajectory(counts, {k: c / t for k, (c, t) in rates.items()}, state)
+
+
+def _full_exponents(params, names):
+  out = {}
+  for g, p in names:
+    x = codec_control._leaf(params, g, p)
+    x = np.asarray(jnp.asarray(x, jnp.bfloat16)).view(np.uint16)
+    layers = x.reshape(x.shape[0], -1) if g == "layers" else x.reshape(1, -1)
+    out[(g, p)] = (layers >> 7) & 0xFF
+  return out
+
+
+def _pairs(now, before):
+  return [(k, (now[k], before[k])) for k in now]
+
+
+def _num_blocks(e):
+  return e.shape[0] * math.ceil(e.shape[1] / FULL_BLOCK)
+
+
+def _blocks_changed(e, q):
+  pad = _num_blocks(e) // e.shape[0] * FULL_BLOCK - e.shape[1]
+  d = np.pad(e != q, ((0, 0), (0, pad))).reshape(e.shape[0], -1, FULL_BLOCK)
+  return int(d.any(axis=2).sum())
+
+
+# ----------------------------------------------------------------------------------------------
+# Bytes of every mode on a trajectory.
+
+
+@dataclasses.dataclass
+class Rows:
+  """Static facts of the probe's rows (one per parameter and layer)."""
+  names: list               # (group, path) per row
+  shard: list               # shard shape per row
+  repeat: np.ndarray        # gathers per step (layers twice under remat/prefetch)
+  plain: np.ndarray         # bytes per device per gather, plain
+
+  @classmethod
+  def of(cls, gatherer, probe, cfg):
+    names, shard, repeat = [], [], []
+    for (g, p), rows in zip(probe.names, probe.rows):
+      for _ in range(rows):
+        names.append((g, p))
+        shard.append(gatherer.shard_shape(g, p))
+        repeat.append(2 if g == "layers" and (cfg.remat or cfg.prefetch) else 1)
+    plain = np.array([2 * math.prod(s) for s in shard], np.float64)
+    return cls(names, shard, np.asarray(repeat, np.float64), plain)
+
+
+@dataclasses.dataclass
+class Run:
+  """One mode over the measured steps: bytes per device per gather [S, R], fallbacks, the most
+  codec state held at once, and each decision's selections."""
+  sent: np.ndarray
+  fallbacks: int
+  cache: dict
+  decisions: list
+
+
+def simulate(rows: Rows, counts: np.ndarray, steps: range, plan, refill: bool = True) -> Run:
+  """What the codec sends at `steps` (gather t sees update t - 1, i.e. counts[t - 3]) under
+  `plan(step) -> None | {(group, path): CodecSpec}`, called after each step (None: keep the
+  choice). With `refill`, a parameter that needs a new state (newly compressed, or another mode)
+  sends its next gather dense (its caches fill); without, caches are taken as already warm (a
+  fixed mode after its warm-up)."""
+  sent = np.zeros((len(steps), len(rows.names)))
+  specs, fallbacks, cache, decisions, refill, refill_on = {}, 0, {}, [], set(), refill
+  for i, t in enumerate(steps):
+    for r, key in enumerate(rows.names):
+      spec = specs.get(key)
+      if spec is None:
+        sent[i, r] = rows.plain[r]
+        continue
+      sizes = codec.wire_bytes(rows.shard[r], hook.COMPUTE_DTYPE, spec)
+      capacity = codec.patch_format(rows.shard[r], hook.COMPUTE_DTYPE, spec).capacity
+      worst = counts[t - 3, :, r, codec_control.RATE_KINDS.index(spec.mode)].max()
+      dense = key in refill or worst > capacity
+      fallbacks += int(worst > capacity and key not in refill)
+      sent[i, r] = sizes["dense"] if dense else sizes["compressed"]
+    refill = set()
+    new = plan(t)
+    if new is not None:
+      decisions.append((t, new))
+      refill = ({k for k, v in new.items() if k not in specs or not codec.same_state(specs[k], v)}
+                if refill_on else set())
+      specs = new
+      held = _state_bytes(rows, specs)
+      for mode in codec.COMPRESSED_MODES:
+        cache[mode] = max(cache.get(mode, 0), held.get(mode, 0))
+  return Run(sent, fallbacks, cache, decisions)
+
+
+def _state_bytes(rows: Rows, specs) -> dict:
+  out = {}
+  for r, key in enumerate(rows.names):
+    if key in specs:
+      out[specs[key].mode] = out.get(specs[key].mode, 0) + codec.state_bytes(
+          rows.shard[r], hook.COMPUTE_DTYPE, jax.device_count(), specs[key])
+  return out
+
+
+def summarize(rows: Rows, run: Run, last: int | None = None) -> dict:
+  """Ratio to plain per report group and in total (over the last `last` steps, or all), and the
+  worst single parameter's ratio."""
+  sent = run.sent if last is None else run.sent[-last:]
+  total_sent = (sent * rows.repeat).sum(axis=0)
+  total_plain = rows.plain * rows.repeat * sent.shape[0]
+  out = {}
+  for report in GROUPS + ("total",):
+    mask = np.array([report == "total" or param_group(*k) == report for k in rows.names])
+    if mask.any():
+      out[report] = float(total_sent[mask].sum() / total_plain[mask].sum())
+  per_param = {}
+  for r, key in enumerate(rows.names):
+    s, p = per_param.get(key, (0.0, 0.0))
+    per_param[key] = (s + total_sent[r], p + total_plain[r])
+  out["worst_param"] = float(max(s / p for s, p in per_param.values()))
+  return out
+
+
+def controller_plan(probe, counts, gatherer, cfg, first: int, every: int):
+  """The controller's schedule as a plan for `simulate`: decisions after step `first` and every
+  `every` steps, each from the PROBE_STEPS updates before it, capacities with hysteresis."""
+  current = {}
+
+  def plan(t):
+    nonlocal current
+    if t < first or (t - first) % every:
+      return None
+    rates = probe.rates_of(counts[t - codec_control.PROBE_STEPS - 1:t - 1])   # updates t-2..t
+    sels = codec_control.choose(gatherer, rates, cfg, select.CommModel.bytes_only(), current)
+    current = codec_control.specs_of(rates.names, sels)
+    plan.last = (rates, sels)
+    return {(g, p): s for g, ps in current.items() for p, s in ps.items()}
+
+  return plan
+
+
+# ----------------------------------------------------------------------------------------------
+# Encode / decode throughput on this CPU.
+
+
+def throughput(n: int = 1 << 20, w: int = 8, repeats: int = 5) -> dict:
+  """GB/s of encode (one shard) and decode (W-1 patched rows + merge), against a plain copy of the
+  same bytes, per mode. bf16, about 1 % of exponents and 5 % of words changed."""
+  rng = np.random.default_rng(0)
+  layout = bits.layout_of(jnp.bfloat16)
+  x = rng.normal(0, 0.02, n).astype(np.float32)
+  prev = jnp.asarray(np.asarray(jnp.asarray(x, jnp.bfloat16)).view(np.uint16))
+  y = x.copy()
+  y[rng.random(n) < 0.05] *= 1.004
+  y[rng.random(n) < 0.01] *= 2.5
+  now = jnp.asarray(np.asarray(jnp.asarray(y, jnp.bfloat16)).view(np.uint16))
+
+  def timed(f, *args):
+    f = jax.jit(f)
+    jax.block_until_ready(f(*args))
+    best = math.inf
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      jax.block_until_ready(f(*args))
+      best = min(best, time.perf_counter() - t0)
+    return best
+
+  shard_bytes = 2 * n
+  out = {"copy_encode_gbs": shard_bytes / timed(lambda a: jnp.roll(a, 1), now) / 1e9}
+  full = jnp.tile(now, w)
+  out["copy_decode_gbs"] = w * shard_bytes / timed(lambda a: jnp.roll(a, 1), full) / 1e9
+  me = jnp.int32(0)
+  prev_exp = bits.split_bits(prev, layout)[0]
+  for mode, fraction in (("element", 1 / 16), ("block", 1 / 4), ("word", 1 / 8)):
+    fmt = codec.patch_format((n,), jnp.bfloat16, codec.CodecSpec(mode, capacity_fraction=fraction))
+    if mode == "word":
+      def enc(b, p, fmt=fmt):
+        return word.encode(b, word.changed(b, p), fmt)[0]
+
+      def dec(c, wire, own, fmt=fmt):
+        del own
+        return word.decode(c, wire[1:], fmt)
+      own = prev
+    else:
+      own = jnp.pad(prev_exp, (0, fmt.cache_width - n))
+
+      def enc(b, p, fmt=fmt):
+        return kernels.encode(b, p, fmt, layout).wire
+
+      def dec(c, wire, own, fmt=fmt):
+        return kernels.decode(c, wire, own, me, fmt, layout)
+    wire = jnp.tile(enc(now, own)[None], (w, 1))
+    cache = jnp.tile(own[None], (w - 1, 1))
+    out[f"{mode}_encode_gbs"] = shard_bytes / timed(enc, now, own) / 1e9
+    out[f"{mode}_decode_gbs"] = w * shard_bytes / timed(dec, cache, wire, own) / 1e9
+  return out
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def run_regime(name, trainer, state, data, steps, first, every, budget, block_size):
+  probe = codec_control.Probe(trainer.layout.gatherer, trainer.mesh, block_size)
+  rows = Rows.of(trainer.layout.gatherer, probe, trainer.cfg)
+  gatherer, base = trainer.layout.gatherer, trainer.cfg.codec
+  traj = train(trainer, state, data, steps, probe, measure_from=first)
+  measured = range(first + 1, steps + 1)
+  runs, last_choice = {}, {}
+  for mode in FIXED:   # every sharded parameter in one mode, default capacity, warm
+    spec = codec.CodecSpec(mode, block_size=block_size, warmup_steps=base.warmup_steps)
+    fixed = {k: spec for k in probe.names}
+    runs[f"{mode} (all)"] = simulate(rows, traj.counts, range(first, steps + 1),
+                                     lambda t, fixed=fixed: fixed if t == first else None,
+                                     refill=False)
+    runs[f"{mode} (all)"].sent = runs[f"{mode} (all)"].sent[1:]
+  for mode in FIXED + ("auto",):
+    cfg = dataclasses.replace(base, mode=mode, select=mode != "auto",
+                              cache_budget_bytes=budget if mode == "auto" else 0)
+    plan = controller_plan(probe, traj.counts, gatherer, cfg, first, every)
+    runs[mode] = simulate(rows, traj.counts, range(first, steps + 1), plan)
+    runs[mode].sent = runs[mode].sent[1:]          # step `first` itself is before the decision
+    last_choice[mode] = plan.last
+  late = max(1, len(measured) // 3)
+  results = {k: summarize(rows, r) for k, r in runs.items()}
+  late_results = {k: summarize(rows, r, late) for k, r in runs.items()}
+  steady = traj.counts[first - 1:]          # the updates the measured gathers see
+  units, offsets = probe.units(), np.cumsum([0] + probe.rows)
+  group_rates = {}
+  for report in GROUPS + ("total",):
+    num, den = np.zeros(3), np.zeros(3)
+    for i, k in enumerate(probe.names):
+      if report == "total" or param_group(*k) == report:
+        num += steady[:, :, offsets[i]:offsets[i + 1]].sum(axis=(0, 1, 2))
+        den += units[i] * steady.shape[0] * steady.shape[1] * probe.rows[i]
+    group_rates[report] = num / den
+  return {"name": name, "rows": rows, "runs": runs, "results": results, "late": late_results,
+          "late_steps": late, "rates": group_rates, "full_block": traj.full_block,
+          "last_choice": last_choice, "names": probe.names, "state": traj.state,
+          "gatherer": gatherer, "base": base, "measured": measured, "first": first,
+          "every": every}
+
+
+def check_auto(cfg, state, data, steps: int, first: int, every: int, budget: int):
+  """Trains again with `codec.mode=auto` in the train step (the controller deciding as in the
+  simulation). Returns the gather bytes it measured over steps first + 1 .. steps against plain,
+  and the final state."""
+  cfg = dataclasses.replace(cfg, codec=dataclasses.replace(
+      cfg.codec, mode="auto", warmup_steps=first, reselect_every=every, comm_model="bytes",
+      cache_budget_bytes=budget))
+  trainer = Trainer(cfg)
+  controller = codec_control.CodecController(trainer, log=lambda _: None)
+  if state is None:
+    state = trainer.init_state()
+  else:   # fresh (plain) codec state for this trainer
+    state = state.replace(gather_state=trainer.layout.gatherer.init_states(trainer.mesh))
+  state = controller.start(state)
+  sent = plain = 0.0
+  for step in range(1, steps + 1):
+    state, metrics = trainer.train_step(state, put_batch(next(data.train), trainer.mesh))
+    state, metrics = controller.after_step(step, state, metrics)
+    if step > first:
+      sent += metrics["gather_bytes"]
+      plain += metrics["gather_bytes_plain"]
+  return float(sent / plain), state
+
+
+def print_regime(reg, block_size):
+  rows, names = reg["rows"], list(reg["results"])
+  first, measured = reg["first"], reg["measured"]
+  print(f"\n== {reg['name']}: steps {measured.start}-{measured.stop - 1}, decisions after step "
+        f"{first} and every {reg['every']} steps ==")
+  print(f"change rates per gather (exponent; block of {block_size} per shard, what the codec "
+        f"sees; block of {FULL_BLOCK} over whole tensors; whole word):")
+  head = ("group", "values", "exp", f"blk{block_size}", f"blk{FULL_BLOCK} full", "word")
+  print(" | ".join(f"{h:>12}" for h in head))
+  for report in GROUPS + ("total",):
+    mask = [report == "total" or param_group(*k) == report for k in rows.names]
+    values = int(sum(rows.plain[mask] / 2) * 8)
+    r = reg["rates"][report]
+    print(" | ".join(f"{c:>12}" for c in (
+        report, values, f"{100 * r[0]:.2f}%", f"{100 * r[1]:.1f}%",
+        f"{100 * reg['full_block'].get(report, float('nan')):.1f}%", f"{100 * r[2]:.1f}%")))
+  for title, res in (("all measured steps", reg["results"]),
+                     (f"last {reg['late_steps']} steps", reg["late"])):
+    print(f"\nbytes sent / plain bf16, {title} (B/param = bytes per parameter value):")
+    print(" | ".join(f"{h:>13}" for h in ("group",) + tuple(names)))
+    for report in GROUPS + ("total",):
+      print(" | ".join(f"{c:>13}" for c in (report,) + tuple(
+          f"{res[n][report]:.3f}" if report in res[n] else "-" for n in names)))
+    print(" | ".join(f"{c:>13}" for c in ("B/param",) + tuple(
+        f"{2 * res[n]['total']:.2f}" for n in names)))
+    print(" | ".join(f"{c:>13}" for c in ("worst param",) + tuple(
+        f"{res[n]['worst_param']:.3f}" for n in names)))
+  runs = reg["runs"]
+  print(" | ".join(f"{c:>13}" for c in ("fallbacks",) + tuple(
+      str(runs[n].fallbacks) for n in names)))
+  print(" | ".join(f"{c:>13}" for c in ("cache KB",) + tuple(
+      f"{sum(runs[n].cache.values()) / 1e3:.0f}" for n in names)))
+  for mode in codec.COMPRESSED_MODES:
+    print(" | ".join(f"{c:>13}" for c in (f"  {mode} KB",) + tuple(
+        f"{runs[n].cache.get(mode, 0) / 1e3:.0f}" for n in names)))
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="fewer steps (about a minute)")
+  parser.add_argument("--steps_high", type=int, default=None)
+  parser.add_argument("--steps_low", type=int, default=None)
+  parser.add_argument("--reselect_every", type=int, default=10,
+                      help="codec.reselect_every of the controlled modes")
+  parser.add_argument("--budget_kb", type=float, default=512.0,
+                      help="auto's codec.cache_budget_bytes, in KB per device")
+  parser.add_argument("--capacity_margin", type=float, default=None,
+                      help="codec.capacity_margin (default: the preset's)")
+  parser.add_argument("--low_lr", type=float, default=LOW_LR, help="the fine-tuning lr")
+  parser.add_argument("--check", action="store_true",
+                      help="also with --quick: train again with auto in the train step")
+  args = parser.parse_args()
+  overrides = {} if args.capacity_margin is None else {
+      "codec.capacity_margin": args.capacity_margin}
+  steps_high = args.steps_high or (60 if args.quick else 200)
+  steps_low = args.steps_low or (40 if args.quick else 100)
+  budget = int(args.budget_kb * 1000)
+  every = args.reselect_every
+  t_start = time.perf_counter()
+
+  cfg_high = config(steps_high, **overrides)
+  block_size = cfg_high.codec.block_size
+  data = make_data(DataSpec(seed=cfg_high.seed), batch_size=cfg_high.batch_size,
+                   seq_len=cfg_high.seq_len)
+  high_trainer = Trainer(cfg_high)
+  high = run_regime("high: peak lr 3e-3 from scratch", high_trainer, high_trainer.init_state(),
+                    data, steps_high, cfg_high.codec.warmup_steps, every, budget, block_size)
+  cfg_low = config(steps_low, **overrides, **{"optim.lr": args.low_lr,
+                                              "optim.warmup_steps": 0, "optim.min_lr_ratio": 1.0})
+  low_trainer = Trainer(cfg_low)
+  state = high["state"].replace(step=jnp.zeros_like(high["state"].step))
+  low = run_regime(f"low: constant lr {args.low_lr:g}, continuing from it", low_trainer, state,
+                   data,
+                   steps_low, codec_control.PROBE_STEPS + 2, every, budget, block_size)
+  data.train.close()
+
+  print(f"\nTiny preset, {jax.device_count()} fake {jax.default_backend()} devices, block size "
+        f"{block_size}, capacity margin {cfg_high.codec.capacity_margin:g}; gains priced in bytes; "
+        f"auto under a {args.budget_kb:.0f} KB cache budget per device; bytes include every "
+        "dense gather (refills after a change of mode, fallbacks)")
+  for reg in (high, low):
+    print_regime(reg, block_size)
+  print("\nauto's last choice per parameter (high / low), with the capacity in % of its units:")
+  for i, (g, p) in enumerate(high["names"]):
+    describe = lambda s: (f"{s.spec.mode} {100 * s.spec.capacity_fraction:.1f}%"  # noqa: E731
+                          if s.selected else f"plain ({s.reason})")
+    print(f"  {g + p:<30} {describe(high['last_choice']['auto'][1][i]):<24} "
+          f"{describe(low['last_choice']['auto'][1][i])}")
+
+  profiled = codec_control.profile_comm(high_trainer.mesh)
+  print(f"\nThis mesh's all-gather, profiled: {profiled.alpha * 1e6:.0f} us + "
+        f"{profiled.beta * 1e9:.2f} ns/B per collective. Priced in seconds with it, auto would "
+        f"compress {_count_profiled(high, profiled)} of {len(high['names'])} parameters of the "
+        "tiny model (its shards are a few KB; one collective's latency is worth tens of KB).")
+
+  tp = throughput()
+  print("\nEncode / decode on this CPU, jnp reference path (2^20 bf16 values per shard, 8 "
+        "devices; GB/s of shard bytes in, of gathered bytes out):")
+  print(f"  plain copy  {tp['copy_encode_gbs']:.2f} (shard)  {tp['copy_decode_gbs']:.2f} "
+        "(gathered)")
+  for mode in FIXED:
+    enc, dec = tp[f"{mode}_encode_gbs"], tp[f"{mode}_decode_gbs"]
+    print(f"  {mode:<8}    encode {enc:.3f} ({enc / tp['copy_encode_gbs']:.3f}x copy)  decode "
+          f"{dec:.3f} ({dec / tp['copy_decode_gbs']:.2f}x copy)")
+
+  checks = {}
+  if args.check or not args.quick:   # the high run again, with the codec in the train step
+    data = make_data(DataSpec(seed=cfg_high.seed), batch_size=cfg_high.batch_size,
+                     seq_len=cfg_high.seq_len)
+    checks["high"], state = check_auto(cfg_high, None, data, steps_high,
+                                       cfg_high.codec.warmup_steps, every, budget)
+    if not args.quick:
+      state = state.replace(step=jnp.zeros_like(state.step))
+      checks["low"], _ = check_auto(cfg_low, state, data, steps_low,
+                                    codec_control.PROBE_STEPS + 2, every, budget)
+    data.train.close()
+    for name, reg in (("high", high), ("low", low)):
+      if name in checks:
+        print(f"\nauto in the train step, {name}: {checks[name]:.4f} of plain measured, "
+              f"{reg['results']['auto']['total']:.4f} from the probe counts")
+
+  h, lo = high["results"], low["results"]
+  figures = {
+      **{f"bytes_ratio_auto_{k}lr_trained": v for k, v in checks.items()},
+      "steps_high": steps_high, "steps_low": steps_low, "reselect_every": every,
+      "bytes_ratio_block": h["block"]["total"], "bytes_ratio_element": h["element"]["total"],
+      "bytes_ratio_word": h["word"]["total"], "bytes_ratio_auto_highlr": h["auto"]["total"],
+      "bytes_ratio_block_experts": h["block"]["experts"],
+      "bytes_ratio_element_experts": h["element"]["experts"],
+      "bytes_ratio_element_experts_late": high["late"]["element"]["experts"],
+      "bytes_ratio_element_all": h["element (all)"]["total"],
+      "bytes_ratio_block_all": h["block (all)"]["total"],
+      "bytes_ratio_word_lowlr": lo["word"]["total"], "bytes_ratio_auto_lowlr": lo["auto"]["total"],
+      "bytes_ratio_element_lowlr": lo["element"]["total"],
+      "worst_param_auto_highlr": h["auto"]["worst_param"],
+      "worst_param_auto_lowlr": lo["auto"]["worst_param"],
+      "cache_bytes_auto_highlr": sum(high["runs"]["auto"].cache.values()),
+      "cache_bytes_auto_lowlr": sum(low["runs"]["auto"].cache.values()),
+      "cache_budget_bytes": budget,
+      "exp_change_rate_highlr": float(high["rates"]["total"][0]),
+      "exp_change_rate_lowlr": float(low["rates"]["total"][0]),
+      "word_change_rate_highlr": float(high["rates"]["total"][2]),
+      "word_change_rate_lowlr": float(low["rates"]["total"][2]),
+      "profiled_alpha_s": profiled.alpha, "profiled_beta_s_per_byte": profiled.beta,
+      **{k: float(v) for k, v in tp.items()},
+      "wall_s": time.perf_counter() - t_start,
+  }
+  print(json.dumps(figures))
+
+
+def _count_profiled(reg, comm):
+  """Parameters auto would compress at its last decision with gains priced in seconds by
+  `comm`."""
+  cfg = dataclasses.replace(reg["base"], mode="auto")
+  rates = reg["last_choice"]["auto"][0]
+  return sum(s.selected for s in codec_control.choose(reg["gatherer"], rates, cfg, comm))
+
+
+if __name__ == "__main__":
+  main()

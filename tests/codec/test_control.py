@@ -1,0 +1,106 @@
+"""The codec controller's pieces without a train step: the choice per parameter from measured rates
+(modes, budget, hysteresis), the gatherer it builds, the mesh profile, the config fields."""
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from moejax.codec import gather as codec
+from moejax.codec import select
+from moejax.config import from_config_dict
+from moejax.errors import ConfigError
+from moejax.sharding.mesh import make_mesh
+from moejax.train import codec_control
+from moejax.train.optim import make_optimizer
+from moejax.train.state import codec_spec, state_layout
+from tests.helpers import tiny_config
+
+import configs.olmoe as olmoe_configs
+
+BYTES = select.CommModel.bytes_only()
+
+
+@pytest.fixture(scope="module")
+def gatherer():
+  cfg = tiny_config()
+  return state_layout(cfg, make_mesh((2, 4), jax.devices()[:8]), make_optimizer(cfg)).gatherer
+
+
+def _rates(gatherer, element, block, word):
+  """The same (mean = worst) rates for every candidate, except tiny norms which never change."""
+  names = tuple(gatherer.candidates())
+  mean = np.array([[element, block, word]] * len(names))
+  return codec_control.Rates(names, mean, mean.copy(), steps=3)
+
+
+def _codec(**kw):
+  return dataclasses.replace(tiny_config().codec, **{"mode": "auto", "block_size": 64, **kw})
+
+
+def test_modes_follow_the_rates(gatherer):
+  by_name = lambda sel, r: {f"{g}{p}": s for (g, p), s in zip(r.names, sel)}   # noqa: E731
+  high = _rates(gatherer, 0.01, 0.9, 0.9)          # pretraining: few exponents, most words change
+  sel = by_name(codec_control.choose(gatherer, high, _codec(), BYTES), high)
+  assert sel["layers['moe']['w_up']"].spec.mode == "element"
+  assert sel["final_norm"].spec.mode == "off" and sel["final_norm"].reason == "no gain"
+  low = _rates(gatherer, 0.0005, 0.03, 0.02)       # fine-tuning: few words change
+  sel = by_name(codec_control.choose(gatherer, low, _codec(), BYTES), low)
+  assert sel["layers['moe']['w_up']"].spec.mode == "word"
+  assert all(s.bytes_sent <= s.bytes_plain for s in sel.values())
+  # A fixed mode with selection: that mode or plain, never another.
+  fixed = codec_control.choose(gatherer, low, _codec(mode="block", select=True), BYTES)
+  assert {s.spec.mode for s in fixed} <= {"block", "off"}
+
+
+def test_budget_and_hysteresis(gatherer):
+  low = _rates(gatherer, 0.0005, 0.03, 0.02)
+  free = codec_control.choose(gatherer, low, _codec(), BYTES)
+  full = sum(s.state_bytes for s in free if s.selected)
+  tight = codec_control.choose(gatherer, low, _codec(cache_budget_bytes=full // 3), BYTES)
+  used = sum(s.state_bytes for s in tight if s.selected)
+  assert 0 < used <= full // 3
+  assert any(s.reason in ("over budget", "cheaper mode (budget)") for s in tight)
+  # A capacity in use is kept while the rate that sizes it stays within a factor 4 below it.
+  specs = codec_control.specs_of(low.names, free)
+  g, p = next((g, p) for g, ps in specs.items() for p in ps)
+  current = {g: {p: dataclasses.replace(specs[g][p], capacity_fraction=0.5)}}
+  again = codec_control.choose(gatherer, low, _codec(), BYTES, current)
+  assert codec_control.specs_of(low.names, again)[g][p].capacity_fraction == (
+      0.5 if specs[g][p].capacity_fraction >= 0.125 else specs[g][p].capacity_fraction)
+
+
+def test_gatherer_with_specs(gatherer):
+  spec = codec.CodecSpec("word", block_size=64, capacity_fraction=0.25)
+  g = gatherer.with_specs({"layers": {"['moe']['w_up']": spec, "['moe']['w_down']":
+                                      codec.CodecSpec("off")}})
+  assert g.specs["layers"] == {"['moe']['w_up']": spec} and g.enabled
+  assert g.state_bytes_by_mode() == {"word": g.param_state_bytes("layers", "['moe']['w_up']")}
+  assert [r[:2] for r in g.param_rows()] == [("layers", "['moe']['w_up']")] * g.num_layers
+  with pytest.raises(ValueError, match="not a sharded parameter"):
+    gatherer.with_specs({"layers": {"['nope']": spec}})
+
+
+def test_profile_fits_a_model_of_this_mesh():
+  comm = codec_control.profile_comm(make_mesh((2, 4), jax.devices()[:8]), sizes=(1 << 12, 1 << 18),
+                                    reps=2, repeats=2)
+  assert comm.alpha >= 0 and comm.beta > 0
+
+
+def test_config_fields():
+  cfg = tiny_config(**{"codec.mode": "auto", "codec.cache_budget_bytes": 10**6,
+                       "codec.reselect_every": 50, "codec.comm_model": "bytes"})
+  assert cfg.codec.controlled and codec_spec(cfg) is None       # plain until the first decision
+  assert tiny_config(**{"codec.mode": "word"}).codec.controlled is False
+  assert codec_spec(tiny_config(**{"codec.mode": "word"})).mode == "word"
+  assert tiny_config(**{"codec.mode": "element", "codec.select": True}).codec.controlled
+  for overrides, field in [({"codec.select": True}, "codec.select"),
+                           ({"codec.cache_budget_bytes": -1}, "codec.cache_budget_bytes"),
+                           ({"codec.reselect_every": -5}, "codec.reselect_every"),
+                           ({"codec.capacity_margin": 0.5}, "codec.capacity_margin"),
+                           ({"codec.comm_model": "fast"}, "codec.comm_model"),
+                           ({"codec.mode": "word", "codec.detect": "hash"}, "codec.detect")]:
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+      tiny_config(**overrides)
+  for preset in olmoe_configs.PRESETS:
+    assert from_config_dict(olmoe_configs.get_config(preset)).codec.mode == "off"

@@ -1,0 +1,76 @@
+"""`codec.mode=auto` through the training loop: the controller decides after the warm-up, records
+its choice in WORKDIR/codec_selection.json, and a resumed run reinstalls that choice and continues
+bit for bit like the uninterrupted run."""
+import json
+import os
+
+import pytest
+
+from moejax.train import codec_control
+from moejax.train.loop import Trainer, run
+from tests.helpers import tiny_config
+
+STEPS = 8
+RUN = {"batch_size": 8, "seq_len": 32, "log_every": 1, "eval_batches": 1, "steps": STEPS,
+       "checkpoint.every": 3, "codec.mode": "auto", "codec.warmup_steps": 3,
+       "codec.block_size": 64, "codec.comm_model": "bytes",
+       # Steady change rates (no lr warm-up), so the capacities sized at step 3 hold.
+       "optim.warmup_steps": 0, "optim.lr": 3e-4}
+TIMING = ("step_time_s", "tokens_per_s")
+
+
+def _without_gather_figures(record):
+  refill = ("exp_change_rate", "block_change_rate", "codec_fallbacks")
+  return {k: v for k, v in record.items()
+          if not (k.startswith(("gather_bytes", "codec/")) or k in refill)}
+
+
+def _records(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f]
+
+
+@pytest.fixture(scope="module")
+def trainer():
+  return Trainer(tiny_config(**RUN))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(trainer, tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("auto"))
+  run(trainer.cfg, workdir, trainer=trainer)
+  return workdir
+
+
+def test_auto_decides_after_warmup_and_compresses(uninterrupted, capsys):
+  records = _records(uninterrupted)
+  assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+  with open(os.path.join(uninterrupted, codec_control.SELECTION_FILE)) as f:
+    decisions = json.load(f)["decisions"]
+  assert [d["step"] for d in decisions] == [3]
+  chosen = [e for e in decisions[0]["params"] if e["mode"] != "off"]
+  assert chosen and all(e["reason"] for e in decisions[0]["params"])
+  # Plain until the decision; then the chosen parameters compress (the first gather of each
+  # refills the caches, so look one step later).
+  assert all("codec_params" not in r for r in records[:3])
+  late = records[-1]
+  assert late["codec_params"] == len(chosen)
+  assert late["gather_bytes"] < late["gather_bytes_plain"]
+
+
+def test_resumed_auto_run_reinstalls_the_choice_bit_for_bit(trainer, uninterrupted, tmp_path,
+                                                             capsys):
+  workdir = str(tmp_path / "w")
+  run(trainer.cfg, workdir, trainer=trainer, stop_at=5)
+  capsys.readouterr()
+  run(trainer.cfg, workdir, trainer=trainer)
+  out = capsys.readouterr().out
+  assert "codec: step 5: reinstalled the codec choice of step 3" in out
+  resumed, reference = _records(workdir), _records(uninterrupted)
+  assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
+  # Everything but the gather bytes of step 6 (its caches refill after the restore).
+  for a, b in zip(resumed, reference):
+    if a["step"] == 6:
+      assert a["gather_bytes"] > b["gather_bytes"]
+      a, b = _without_gather_figures(a), _without_gather_figures(b)
+    assert a == b
