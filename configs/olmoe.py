@@ -32,7 +32,7 @@ def _base() -> ml_collections.ConfigDict:
   c.routing = dict(admission="none", threshold=-1.0, capacity_factor=1.25,
                    capacity_factor_warmup=2.0, warmup_steps=0, locality_weight=0.0)
   c.fssdp = dict(replica_slots=2, overlap_degree=4, window=5, reshard_every=100,
-                 calibrate=True)
+                 calibrate=True, max_per_layer=0)
   c.data = dict(source="builtin", path="", tokenizer="bytes", val_fraction=0.05)
   c.optim = dict(lr=3e-3, min_lr_ratio=0.1, warmup_steps=10, weight_decay=0.1, b1=0.9,
                  b2=0.95, eps=1e-8, clip_norm=1.0)

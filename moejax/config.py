@@ -54,6 +54,9 @@ class FssdpConfig:
   overlap_degree: int = 4     # t: distinct experts materialized per layer and step
   window: int = 5             # load predictor: mean of the last `window` steps
   reshard_every: int = 100    # re-shard owners (parameters + optimizer state move); 0 = never
+  # C: the most experts of one layer a device may own after re-sharding (a static buffer);
+  # 0 = min(E, 2 * E/N); E/N keeps every layer's counts equal.
+  max_per_layer: int = 0
   calibrate: bool = True      # re-plan from the actual loads after gating when it pays
 
 
@@ -238,6 +241,9 @@ def validate(c: Config) -> None:
   _check(c.fssdp.reshard_every >= 0,
          f"config.fssdp.reshard_every={c.fssdp.reshard_every}: must be >= 0 (0 = never)")
   _choice(moe.score, "moe.score", SCORES)
+  _check(0 <= c.fssdp.max_per_layer <= moe.num_experts,
+         f"config.fssdp.max_per_layer={c.fssdp.max_per_layer}: must be in [0, "
+         f"moe.num_experts={moe.num_experts}] (0 = default)")
   _check(moe.capacity_factor >= 0,
          f"config.moe.capacity_factor={moe.capacity_factor}: must be >= 0 (0 = dropless)")
   _choice(c.routing.admission, "routing.admission", ADMISSIONS)

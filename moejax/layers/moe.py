@@ -64,10 +64,13 @@ class MoEBlock(nnx.Module):
     self.w_down = nnx.Param(init(rngs.params(), (e, f, d), jnp.float32))
     self.spec = spec
 
-  def materialize(self, predicted_load_E, dtype, *, dispatch: dispatch_lib.Dispatch):
+  def materialize(self, predicted_load_E, dtype, *, dispatch: dispatch_lib.Dispatch,
+                  owners: sparse.Owners | None = None):
+    """fssdp: this step's plan and replicas. With `owners` (heterogeneous ownership) the expert
+    weights hold this device's experts of the layer by rank (`fssdp.owned_windows`)."""
     w = (self.w_gate[...].astype(dtype), self.w_up[...].astype(dtype),
          self.w_down[...].astype(dtype))
-    return sparse.materialize(predicted_load_E, *w, dispatch=dispatch)
+    return sparse.materialize(predicted_load_E, *w, dispatch=dispatch, owners=owners)
 
   def __call__(self, x_BxSxD, *, dispatch: dispatch_lib.Dispatch = dispatch_lib.LOCAL,
                axis_name=None, step=0, materialized=None):
@@ -110,9 +113,9 @@ class MoEBlock(nnx.Module):
                                                          dispatch=dispatch)
       aux["placement"] = sparse.ep_stats(experts_TxK, received, dispatch, d, w[0].shape[0])
     elif dispatch.kind == "fssdp":
-      plan, w_all = materialized
+      plan, w_all, owners = materialized
       y_TxD, dropped, aux["placement"] = sparse.fssdp_experts(
-          x_TxD, experts_TxK, weights_TxK, plan, *w_all, dispatch=dispatch)
+          x_TxD, experts_TxK, weights_TxK, plan, *w_all, dispatch=dispatch, owners=owners)
     else:
       raise ValueError(f"unknown dispatch kind {dispatch.kind!r}")
     aux["dropped"] = dropped

@@ -45,10 +45,11 @@ class DecoderLayer(nnx.Module):
                         moe_spec(cfg), init_std=m.init_std, rngs=rngs)
 
   def __call__(self, h_BxSxD, *, dispatch: Dispatch = LOCAL, axis_name=None, step=0,
-               predicted_load_E=None):
+               predicted_load_E=None, expert_owners=None):
     materialized = None
     if dispatch.kind == "fssdp":   # issued before attention: the transfer overlaps it
-      materialized = self.moe.materialize(predicted_load_E, h_BxSxD.dtype, dispatch=dispatch)
+      materialized = self.moe.materialize(predicted_load_E, h_BxSxD.dtype, dispatch=dispatch,
+                                          owners=expert_owners)
     h_BxSxD = h_BxSxD + self.attn(self.attn_norm(h_BxSxD))
     y_BxSxD, aux = self.moe(self.ffn_norm(h_BxSxD), dispatch=dispatch, axis_name=axis_name,
                             step=step, materialized=materialized)
@@ -104,12 +105,14 @@ def forward(cfg: Config, params: dict, tokens_BxS, *, gather=cast_gather,
 def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=cast_gather,
                        states=None, dispatch: Dispatch = LOCAL, axis_name=None,
                        remat: bool = True, prefetch: bool = False, step=0,
-                       predicted_load_LxE=None):
+                       predicted_load_LxE=None, expert_owners_L=None):
   """The forward pass with the gather hook's state threaded through.
 
   `gather(group, shards, group_states) -> (full, new_group_states, stats)`; `states` is
   {group: group_states} (layer states stacked on a leading L axis) or None.
-  `predicted_load_LxE` (fssdp dispatch) is the load predictor's expected tokens per expert.
+  `predicted_load_LxE` (fssdp dispatch) is the load predictor's expected tokens per expert;
+  `expert_owners_L` (fssdp, `fssdp.Owners` stacked over layers) who owns each expert, when the
+  layer's expert weights are owned windows (`fssdp.owned_windows`) rather than the even split.
   Returns (logits_BxSxV, aux_L, new_states, stats) with stats {group: stats of its gathers}
   (the layer group's stacked over L).
   """
@@ -124,18 +127,20 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=cast_gat
   h_BxSxD = jnp.take(embed_VxD, tokens_BxS, axis=0)
 
   def layer_step(h_BxSxD, layer_params, consts, layer_index):
-    step, predicted_load_LxE = consts
+    step, predicted_load_LxE, owners_L = consts
     layer = layer_from_params(cfg, layer_params)
     predicted = None if predicted_load_LxE is None else predicted_load_LxE[layer_index]
+    owners = None if owners_L is None else jax.tree.map(lambda x: x[layer_index], owners_L)
     return layer(h_BxSxD, dispatch=dispatch, axis_name=axis_name, step=step,
-                 predicted_load_E=predicted)
+                 predicted_load_E=predicted, expert_owners=owners)
 
   def gather_layer(shards, state):
     return gather("layers", shards, state)
 
   h_BxSxD, aux_L, new_states["layers"], stats["layers"] = scan_layers(
       layer_step, h_BxSxD, params["layers"], gather_layer, states["layers"],
-      (jnp.asarray(step, jnp.int32), predicted_load_LxE), remat=remat, prefetch=prefetch)
+      (jnp.asarray(step, jnp.int32), predicted_load_LxE, expert_owners_L), remat=remat,
+      prefetch=prefetch)
   h_BxSxD = rms_norm(h_BxSxD, gather_group("final_norm"), cfg.model.norm_eps)
   logits_BxSxV = jnp.dot(h_BxSxD, gather_group("lm_head"), preferred_element_type=jnp.float32)
   return logits_BxSxV, aux_L, new_states, stats

@@ -1,10 +1,14 @@
 """FSSDP in the MoE block: sparse materialization of hot experts and their dispatch.
 
-Letters: T tokens here, K experts per token, E experts, El = E/N owned per device, N devices,
-M replica slots per device, D width, F expert hidden width.
+Letters: T tokens here, K experts per token, E experts, L layers, N devices, El = E/N,
+S = L*El storage slots per device, C the most experts one device owns in one layer
+(fssdp.max_per_layer), M replica slots per device, D width, F expert hidden width.
 
-Every expert is owned whole by one device (expert e by device e // El, like `ep`), with its
-optimizer state. Each step and layer:
+Every expert is owned whole by one device, with its optimizer state; `Owners` says which (the
+owner table of `moejax.sharding.fssdp_reshard`, heterogeneous across layers). Without one, expert
+e is owned by device e // El, like `ep`. `owned_windows` turns a device's S stored slots into
+[L, C] per-layer windows of its owned experts (a local gather, no communication; its gradient
+scatters back into the slots). Each step and layer:
   1. `materialize`: plan replicas from the *predicted* loads (`fssdp_plan.materialize_plan`)
      and fetch them with SparseAllGather, before the layer's attention, so the transfer can hide
      behind it. SparseAllGather is one `psum_scatter` of an [N, M, ...] buffer in which each
@@ -17,11 +21,13 @@ optimizer state. Each step and layer:
      With `calibrate`, the plan is re-made from the actual counts and adopted (with a second,
      late SparseAllGather) when its modelled straggler is lower by a margin.
   3. The exchange is ep's `all_to_all` with a destination and the expert's local group there
-     (owned experts 0..El-1, replica slots El..El+M-1).
+     (owned experts 0..C-1 by their rank on the owner, replica slots C..C+M-1).
 On XLA:CPU the static buffers move their capacity (N*M expert slots for SpAG); with
 `ragged_all_to_all` on GPU only the M filled slots per device would move. Metrics report both.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,40 +42,79 @@ def owner_of(num_experts: int, num_devices: int):
   return jnp.arange(num_experts, dtype=jnp.int32) // (num_experts // num_devices)
 
 
-def sparse_all_gather(local_w_ElxR, replica_expert_NxM, *, dispatch: Dispatch):
-  """Replicas [M, ...] of the experts `replica_expert_NxM[me]` (E = empty slot -> zeros)."""
+class Owners(NamedTuple):
+  """One layer's (or, stacked, every layer's) ownership: owner_E, the device owning each expert,
+  and rank_E, the expert's index among the experts of this layer its owner holds."""
+  owner_E: jax.Array
+  rank_E: jax.Array
+
+
+def even_owners(num_experts: int, num_devices: int) -> Owners:
+  el = num_experts // num_devices
+  e_E = jnp.arange(num_experts, dtype=jnp.int32)
+  return Owners(e_E // el, e_E % el)
+
+
+def owned_windows(owner_LxE, local_w_LxElxR, me, *, num_devices: int, max_per_layer: int):
+  """(Owners stacked over layers, windows [L, C, ...]): this device's experts of each layer, read
+  from its S stored slots (see `moejax.sharding.fssdp_reshard`); `local_w_LxElxR` may be a pytree
+  of such arrays. Row c of layer l holds the expert of rank c; rows past the layer's count hold
+  other slots and are never addressed."""
+  num_layers, num_experts = owner_LxE.shape
+  slots = num_layers * (num_experts // num_devices)
+  onehot_QxN = jax.nn.one_hot(owner_LxE.reshape(-1), num_devices, dtype=jnp.int32)
+  slot_Q = jnp.sum((jnp.cumsum(onehot_QxN, axis=0) - onehot_QxN) * onehot_QxN, axis=1)
+  count_LxN = jnp.sum(onehot_QxN.reshape(num_layers, num_experts, num_devices), axis=1)
+  start_LxN = jnp.cumsum(count_LxN, axis=0) - count_LxN          # first slot of each layer
+  start_LxE = jnp.take_along_axis(start_LxN, owner_LxE, axis=1)
+  rank_LxE = slot_Q.reshape(num_layers, num_experts) - start_LxE
+  slot_LxC = jnp.minimum(start_LxN[:, me][:, None] + jnp.arange(max_per_layer)[None, :], slots - 1)
+  windows = jax.tree.map(lambda w: w.reshape((slots,) + w.shape[2:])[slot_LxC], local_w_LxElxR)
+  return Owners(owner_LxE, rank_LxE), windows
+
+
+def sparse_all_gather(local_w_CxR, replica_expert_NxM, *, dispatch: Dispatch,
+                      owners: Owners | None = None):
+  """Replicas [M, ...] of the experts `replica_expert_NxM[me]` (E = empty slot -> zeros).
+  `local_w_CxR` holds this device's experts by rank (`owners`; default: the even ownership)."""
   n = dispatch.num_devices
-  el = local_w_ElxR.shape[0]
-  e = el * n
+  if owners is None:
+    owners = even_owners(local_w_CxR.shape[0] * n, n)
+  e = owners.owner_E.shape[0]
   me = lax.axis_index(dispatch.axis_names)
   expert_NxM = replica_expert_NxM
-  mine_NxM = (expert_NxM < e) & (expert_NxM // el == me)
-  rows_NxMxR = local_w_ElxR[jnp.where(mine_NxM, expert_NxM % el, 0)]
-  mask = mine_NxM.reshape(mine_NxM.shape + (1,) * (local_w_ElxR.ndim - 1))
-  send_NxMxR = jnp.where(mask, rows_NxMxR, jnp.zeros((), local_w_ElxR.dtype))
+  safe_NxM = jnp.minimum(expert_NxM, e - 1)
+  mine_NxM = (expert_NxM < e) & (owners.owner_E[safe_NxM] == me)
+  rows_NxMxR = local_w_CxR[jnp.where(mine_NxM, owners.rank_E[safe_NxM], 0)]
+  mask = mine_NxM.reshape(mine_NxM.shape + (1,) * (local_w_CxR.ndim - 1))
+  send_NxMxR = jnp.where(mask, rows_NxMxR, jnp.zeros((), local_w_CxR.dtype))
   return lax.psum_scatter(send_NxMxR, dispatch.axis_names, scatter_dimension=0, tiled=False)
 
 
-def materialize(predicted_load_E, w_gate, w_up, w_down, *, dispatch: Dispatch):
-  """This step's plan and replica weights: (plan, (w_gate, w_up, w_down) of [El + M, ...])."""
-  n, el = dispatch.num_devices, w_gate.shape[0]
+def materialize(predicted_load_E, w_gate, w_up, w_down, *, dispatch: Dispatch,
+                owners: Owners | None = None):
+  """This step's plan and weights: (plan, (w_gate, w_up, w_down) of [C + M, ...], owners).
+  w_* hold this device's experts of the layer by rank (`owners`; default: even, C = El)."""
+  n = dispatch.num_devices
+  if owners is None:
+    owners = even_owners(w_gate.shape[0] * n, n)
   plan = fssdp_plan.materialize_plan(
-      predicted_load_E, owner_of(el * n, n), num_devices=n,
+      predicted_load_E, owners.owner_E, num_devices=n,
       devices_per_node=dispatch.devices_per_node, replica_slots=dispatch.replica_slots,
       overlap_degree=dispatch.overlap_degree)
   weights = tuple(jnp.concatenate([w, sparse_all_gather(w, plan.replica_expert_NxM,
-                                                        dispatch=dispatch)], axis=0)
+                                                        dispatch=dispatch, owners=owners)], axis=0)
                   for w in (w_gate, w_up, w_down))
-  return plan, weights
+  return plan, weights, owners
 
 
 def fssdp_experts(x_TxD, experts_TxK, weights_TxK, plan, w_gate, w_up, w_down, *,
-                  dispatch: Dispatch):
-  """Runs each assignment on one holder of its expert. w_* are [El + M, ...] (owned, then this
-  step's replicas). Returns (y_TxD fp32, assignments dropped, placement stats)."""
+                  dispatch: Dispatch, owners: Owners):
+  """Runs each assignment on one holder of its expert. w_* are [C + M, ...] (owned by rank, then
+  this step's replicas). Returns (y_TxD fp32, assignments dropped, placement stats)."""
   n, dpn = dispatch.num_devices, dispatch.devices_per_node
-  el = w_gate.shape[0] - dispatch.replica_slots
-  e = el * n
+  c = w_gate.shape[0] - dispatch.replica_slots
+  e = owners.owner_E.shape[0]
   me = lax.axis_index(dispatch.axis_names)
   counts_E = router_lib.expert_counts(experts_TxK, e)
   source_load_NxE = lax.all_gather(counts_E, dispatch.axis_names, axis=0, tiled=False)
@@ -77,13 +122,13 @@ def fssdp_experts(x_TxD, experts_TxK, weights_TxK, plan, w_gate, w_up, w_down, *
     # Re-plan with the actual loads; adopted (with a late SparseAllGather) only when it pays.
     # Every device computes the same decision from the same gathered counts.
     fresh, adopted = fssdp_plan.calibrate(
-        plan, jnp.sum(source_load_NxE, axis=0), owner_of(e, n), num_devices=n,
+        plan, jnp.sum(source_load_NxE, axis=0), owners.owner_E, num_devices=n,
         devices_per_node=dpn, replica_slots=dispatch.replica_slots,
         overlap_degree=dispatch.overlap_degree, actual_source_load_NxE=source_load_NxE)
 
     def late_gather(_):
-      return tuple(jnp.concatenate([w[:el], sparse_all_gather(
-          w[:el], fresh.replica_expert_NxM, dispatch=dispatch)], axis=0)
+      return tuple(jnp.concatenate([w[:c], sparse_all_gather(
+          w[:c], fresh.replica_expert_NxM, dispatch=dispatch, owners=owners)], axis=0)
                    for w in (w_gate, w_up, w_down))
 
     w_gate, w_up, w_down = lax.cond(adopted, late_gather, lambda _: (w_gate, w_up, w_down),
@@ -95,12 +140,12 @@ def fssdp_experts(x_TxD, experts_TxK, weights_TxK, plan, w_gate, w_up, w_down, *
                                          send_ExN=send_ExN)
   expert_A, dest_A = experts_TxK.reshape(-1), dest_TxK.reshape(-1)
   safe_e = jnp.minimum(expert_A, e - 1)
-  owned_A = dest_A == safe_e // el
+  owned_A = dest_A == owners.owner_E[safe_e]
   replica_A = plan.replica_slot_ExN[safe_e, jnp.minimum(dest_A, n - 1)]
-  local_id_A = jnp.where(owned_A, safe_e % el, el + jnp.maximum(replica_A, 0))
+  local_id_A = jnp.where(owned_A, owners.rank_E[safe_e], c + jnp.maximum(replica_A, 0))
   y_TxD, dropped, received = exchange(x_TxD, dest_A, local_id_A, weights_TxK, w_gate, w_up,
                                       w_down, dispatch=dispatch,
-                                      num_groups=el + dispatch.replica_slots)
+                                      num_groups=c + dispatch.replica_slots)
   stats = placement_stats(received, dest_A, dispatch, x_TxD.shape[-1])
   stats["replicas"] = plan.num_replicas.astype(jnp.float32) / n
   return y_TxD, dropped, stats

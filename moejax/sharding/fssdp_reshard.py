@@ -1,80 +1,105 @@
-"""FSSDP re-sharding: move whole experts (parameters and optimizer state together) to new owners.
+"""FSSDP re-sharding: cross-layer heterogeneous expert ownership in the stored layout.
 
-Ownership is positional: device d owns the experts stored at indices d*El .. d*El+El-1 of every
-layer. Re-sharding therefore *relabels* experts: it permutes, per layer, the expert axis of the
-expert weights, the matching router columns, their optimizer moments and the load history,
-all with the same permutation. The model computes the same function afterwards (an MoE layer is
-equivariant under a consistent relabeling of its experts), so training continues unchanged while
-each expert now lives on the device the placement chose. This is the only place optimizer state
-is ever copied. Each layer keeps E/N experts per device (per-layer counts stay equal; the
-cross-layer heterogeneous placement of `fssdp_shard` is planned and benchmarked, not yet stored).
+Letters: L layers, E experts per layer, N devices, El = E/N, S = L*El storage slots per device,
+C = fssdp.max_per_layer, the most experts one device may own in one layer.
+
+Storage. Each expert parameter is stored as ep stores it, [L, E, ...] sharded on the expert axis,
+but read as a pool: device d holds the S storage positions (l, j) with d*El <= j < (d+1)*El, and
+its local slot k = l*El + (j - d*El). Which expert sits in which slot is a pure function of the
+owner table `owner_LxE` (the train state's `expert_owner`, checkpointed): each device's experts
+fill its slots in (layer, expert) order (`fssdp_shard.slot_tables`). So every device holds S
+slots, while a layer may give a device anywhere from 0 to C of its experts. The initial owners
+(expert e of every layer on device e // El) put every expert at its own position: ep's layout.
+Shapes, shardings and optimizer state never change; only the table and which expert is where.
+
+In the step (`moejax.sharding.fssdp.owned_windows`) device d reads layer l's experts as one
+static window of C slots starting at that layer's first slot; they are the layer's owned experts
+that SparseAllGather replicates and the dispatch addresses. The router is never permuted.
+
+Re-sharding (`plan_reshard`) asks `fssdp_shard.heterogeneous_placement` for new owners (sticky:
+experts stay unless moving pays), then applies one permutation of storage positions to the
+expert parameters and their optimizer moments together (`permute_experts`): the only place
+optimizer state is ever copied. Checkpoints hold the canonical order (position (l, e) holds
+expert (l, e)), the order `load_params` and every placement read, plus the owner table.
 """
 from __future__ import annotations
 
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 
 from moejax.sharding import fssdp_shard
-from moejax.sharding.layout import EXPERT_PARAM_NAMES
+from moejax.sharding.layout import is_expert_param
 
 
 @dataclasses.dataclass(frozen=True)
-class Relabel:
-  perm_LxE: np.ndarray      # new expert index j of layer l holds old expert perm_LxE[l, j]
+class Resharding:
+  owner_LxE: np.ndarray     # the new owners
+  perm_LxE: np.ndarray      # storage position (l, j) takes what was at flat position perm[l, j]
   moved: int                # experts whose owning device changed
   moved_bytes: int          # their parameters and optimizer moments
 
 
-def plan_relabel(load_LxE, num_devices: int, devices_per_node: int, *,
-                 bytes_per_expert: int) -> Relabel:
-  """New owners balancing each layer's load over nodes and devices, as a permutation."""
-  load_LxE = np.asarray(load_LxE, np.float64)
-  num_layers, num_experts = load_LxE.shape
-  per_device = num_experts // num_devices
-  current_owner_LxE = np.broadcast_to(np.arange(num_experts) // per_device,
-                                      load_LxE.shape).astype(np.int32)
-  owner_LxE = fssdp_shard.heterogeneous_placement(
-      load_LxE, num_devices, devices_per_node, max_per_layer=per_device,
-      previous_owner_LxE=current_owner_LxE)
-  # Stable sort by new owner: each device's experts keep their relative order.
-  perm_LxE = np.argsort(owner_LxE, axis=1, kind="stable").astype(np.int32)
-  moved = int(np.sum(owner_LxE != current_owner_LxE))
-  return Relabel(perm_LxE, moved, moved * bytes_per_expert)
+def initial_owner(num_layers: int, num_experts: int, num_devices: int) -> np.ndarray:
+  return fssdp_shard.initial_placement(num_layers, num_experts, num_devices)
 
 
-def _kind(path) -> str:
-  names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-  if names[0] == "layers" and "moe" in names:
-    if names[-1] in EXPERT_PARAM_NAMES:
-      return "expert"        # [L, E, ...]
-    if names[-1] == "router":
-      return "router"        # [L, D, E]
-  return "none"
+def _position_of_slot(num_layers: int, num_experts: int, num_devices: int) -> np.ndarray:
+  """[N*S]: the flat storage position l*E + j of pool slot g = d*S + k."""
+  el = num_experts // num_devices
+  g = np.arange(num_layers * num_experts)
+  d, k = np.divmod(g, num_layers * el)
+  return ((k // el) * num_experts + d * el + k % el).astype(np.int32)
 
 
-def _permute(x, kind: str, perm_LxE):
-  if kind == "expert":
-    return jnp.take_along_axis(x, perm_LxE.reshape(perm_LxE.shape + (1,) * (x.ndim - 2)),
-                               axis=1)
-  if kind == "router":
-    return jnp.take_along_axis(x, perm_LxE[:, None, :], axis=2)
-  return x
+def positions(owner_LxE, num_devices: int) -> np.ndarray:
+  """[L, E]: the flat storage position of each expert under `owner_LxE`."""
+  owner_LxE = np.asarray(owner_LxE, np.int32)
+  num_layers, num_experts = owner_LxE.shape
+  slot_LxE = fssdp_shard.slot_tables(owner_LxE, num_devices).slot_of_LxE
+  return _position_of_slot(num_layers, num_experts, num_devices)[slot_LxE]
 
 
-def apply_relabel(state, perm_LxE, tx: optax.GradientTransformation):
-  """The train state with every expert-indexed array permuted (jit this with donation):
-  parameters, the optimizer's parameter-shaped moments, and the load history."""
-  perm_LxE = jnp.asarray(perm_LxE)
-  kinds = jax.tree_util.tree_map_with_path(lambda p, _: _kind(p), state.params)
-  params = jax.tree.map(lambda x, k: _permute(x, k, perm_LxE), state.params, kinds)
-  opt_state = optax.tree_map_params(tx, lambda m, k: _permute(m, k, perm_LxE), state.opt_state,
-                                    kinds)
-  history = state.load_history
-  if history is not None:
-    history = history._replace(loads_WxLxE=jnp.take_along_axis(
-        history.loads_WxLxE, perm_LxE[None], axis=2))
-  return state.replace(params=params, opt_state=opt_state, load_history=history)
+def to_canonical(owner_LxE, num_devices: int) -> np.ndarray:
+  """perm_LxE taking stored experts to canonical order (position (l, e) holds expert (l, e))."""
+  return positions(owner_LxE, num_devices)
+
+
+def from_canonical(owner_LxE, num_devices: int) -> np.ndarray:
+  """perm_LxE taking canonical order to the storage of `owner_LxE`."""
+  pos_LxE = positions(owner_LxE, num_devices)
+  return np.argsort(pos_LxE.ravel()).astype(np.int32).reshape(pos_LxE.shape)
+
+
+def is_identity(perm_LxE) -> bool:
+  return bool(np.array_equal(np.asarray(perm_LxE).ravel(), np.arange(np.size(perm_LxE))))
+
+
+def plan_reshard(load_LxE, owner_LxE, num_devices: int, devices_per_node: int, *,
+                 max_per_layer: int, bytes_per_expert: int) -> Resharding:
+  """New owners balancing each layer's load over nodes and devices, and the storage move."""
+  owner_LxE = np.asarray(owner_LxE, np.int32)
+  num_layers, num_experts = owner_LxE.shape
+  new_LxE = fssdp_shard.heterogeneous_placement(
+      np.asarray(load_LxE, np.float64), num_devices, devices_per_node,
+      max_per_layer=max_per_layer, previous_owner_LxE=owner_LxE)
+  move = fssdp_shard.reshard_moves(owner_LxE, new_LxE, expert_bytes=bytes_per_expert,
+                                   num_devices=num_devices)
+  position_G = _position_of_slot(num_layers, num_experts, num_devices)
+  perm = np.empty(num_layers * num_experts, np.int32)
+  perm[position_G] = position_G[move.perm]
+  return Resharding(new_LxE, perm.reshape(num_layers, num_experts), move.num_moves,
+                    move.bytes_moved)
+
+
+def permute_experts(tree, perm_LxE):
+  """Every expert leaf ([L, E, ...], by path: parameters and the optimizer's moments alike)
+  gathered by `perm_LxE` over its flattened (layer, expert) axes; other leaves unchanged."""
+  def permute(path, x):
+    if not is_expert_param(path):
+      return x
+    flat = x.reshape((-1,) + x.shape[2:])[perm_LxE.reshape(-1)]
+    return flat.reshape(x.shape)
+
+  return jax.tree_util.tree_map_with_path(permute, tree)

@@ -6,13 +6,15 @@ replicas on top of this placement.
 
 Letters: L layers, E experts per layer, N devices, G nodes, Dn devices per node (N = G * Dn),
 S storage slots per device (S = L * E / N by default), C = C_max, the static bound on the number
-of experts one device owns in one layer (the per-layer buffer of the integration), M moves.
+of experts one device owns in one layer (fssdp.max_per_layer: the per-layer window the train step
+reads, see `moejax.sharding.fssdp_reshard`), M moves.
 
 Storage. Expert parameters and their optimizer state live in one flat array of N * S slots per
 parameter, leading axis sharded evenly over the devices: device n holds slots [n*S, (n+1)*S).
 Within a device, owned experts sit in (layer, expert) order, so one layer's experts are
 contiguous: `SlotTables.local_slot_LxNxC` gives their positions. Unused slots (only when
-`slots_per_device` exceeds L*E/N) hold nothing (layer and expert -1).
+`slots_per_device` exceeds L*E/N) hold nothing (layer and expert -1). The train step keeps ep's
+[L, E, ...] arrays and reads each device's part of them as its S slots (`fssdp_reshard`).
 
 Placements:
   `initial_placement`        even, like ep: device n owns experts [n*E/N, (n+1)*E/N) of every
@@ -23,8 +25,8 @@ Placements:
                              device owns in each layer balances. Algorithm in its docstring.
 
 Resharding (`reshard_moves`) returns the moved experts, the bytes that move, and the permutation
-of storage slots old -> new that the integration applies to parameters and optimizer state
-together (`apply_permutation`).
+of storage slots old -> new, applied to parameters and optimizer state together
+(`apply_permutation` on flat storage; `fssdp_reshard.permute_experts` on the train state).
 """
 from __future__ import annotations
 
@@ -92,7 +94,7 @@ def heterogeneous_placement(load_LxE: np.ndarray, num_devices: int, devices_per_
 
   Constraints (always met): device n owns at most `slots_per_device` experts summed over layers
   (default exactly L*E/N each) and at most `max_per_layer` experts of any one layer (default
-  `default_max_per_layer(E, N)` = 2*ceil(E/N); this is the C_max the integration sizes its static
+  `default_max_per_layer(E, N)` = 2*ceil(E/N); this is the C_max the train step sizes its static
   per-layer buffers with; `slot_tables` reports it as C).
 
   Algorithm (greedy longest-processing-time first, hierarchical):

@@ -5,21 +5,26 @@ Layout of WORKDIR/checkpoints/, one Orbax `CheckpointManager` keeping the last `
 
   <step>/params/      parameters with their global shapes (OCDBT); each process writes its shards
   <step>/opt_state/   optimizer state, sharded like the parameters
-  <step>/fssdp/       moe.placement=fssdp only: the load predictor's history (and so the inputs
-                      of every replica plan and re-shard), so a resumed run plans as an
-                      uninterrupted one would. Older checkpoints lack it: the history restarts
-                      empty, with a log line saying the resume is not bit-exact
+  <step>/fssdp/       moe.placement=fssdp only: the load predictor's history (the inputs of
+                      every replica plan and re-shard) and the expert owner table, so a resumed
+                      run plans and stores experts as an uninterrupted one would. Older
+                      checkpoints lack it: the history restarts empty and the owners even, with
+                      a log line saying the resume is not bit-exact
   <step>/meta/        JSON: step, seed, data-iterator position, a checksum per array
   <step>/config/      JSON: the config of the run that wrote it, checked on resume
   <step>.orbax-checkpoint-tmp/   a save in progress. Orbax renames it to <step> once every item
                       is written, so a run killed mid-save leaves only this name, which is ignored
   <step>.unreadable/  a checkpoint that failed to restore, moved out of the way, never deleted
 
-Arrays keep their global shapes, so a checkpoint restores onto any mesh and either expert
-placement: the targets are `StateLayout.shardings` of the restoring run. An array's checksum is
-the sum of its elements' bit patterns, as unsigned integers, modulo 2**32: an exact integer sum
-that does not depend on the sharding. It catches a file that reads without error but holds other
-bytes. The seed is the run's only randomness (initialization and data order derive from it).
+Arrays keep their global shapes, so a checkpoint restores onto any mesh and any expert
+placement: the targets are `StateLayout.shardings` of the restoring run. fssdp stores experts
+where their owners are (`moejax.sharding.fssdp_reshard`); checkpoints hold them in canonical
+order (expert (l, e) at [l, e]) and a restore puts them back where the saved owners say.
+
+An array's checksum is the sum of its elements' bit patterns, as unsigned integers, modulo 2**32:
+an exact integer sum that does not depend on the sharding. It catches a file that reads without
+error but holds other bytes. The seed is the run's only randomness (initialization and data
+order derive from it).
 """
 from __future__ import annotations
 
@@ -38,7 +43,7 @@ from jax.sharding import NamedSharding, Sharding
 
 from moejax.config import Config, from_config_dict
 from moejax.errors import CheckpointError, DataError, MoejaxError
-from moejax.sharding import fssdp_plan, layout as layout_lib
+from moejax.sharding import fssdp_plan, fssdp_reshard, fssdp_shard, layout as layout_lib
 from moejax.sharding.mesh import num_devices
 from moejax.train.metrics import log
 from moejax.train import state as state_lib
@@ -217,27 +222,65 @@ def abstract_state(layout: StateLayout, tx: optax.GradientTransformation) -> Tra
 
 
 def fssdp_item(state: TrainState) -> dict | None:
-  """The fssdp state a checkpoint keeps (None without fssdp): the load predictor's history."""
+  """The fssdp state a checkpoint keeps (None without fssdp): the load predictor's history and
+  the expert owners."""
   history = state.load_history
   if history is None:
     return None
-  return {"load_history": {"loads_WxLxE": history.loads_WxLxE, "count": history.count}}
-
-
-def with_fssdp_item(state: TrainState, item: dict) -> TrainState:
-  history = item["load_history"]
-  return state.replace(load_history=fssdp_plan.LoadHistory(history["loads_WxLxE"],
-                                                           history["count"]))
+  return {"load_history": {"loads_WxLxE": history.loads_WxLxE, "count": history.count},
+          "expert_owner": state.expert_owner}
 
 
 def _fssdp_target(layout: StateLayout) -> dict | None:
   """What the fssdp item restores into, on `layout`'s shardings (None without fssdp)."""
   if layout.cfg.moe.placement != "fssdp":
     return None
-  shapes = jax.eval_shape(lambda: state_lib._init_history(layout.cfg))
-  history = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                         shapes, layout.shardings.load_history)
-  return fssdp_item(TrainState(step=None, params=None, opt_state=None, load_history=history))
+  cfg, n = layout.cfg, num_devices(layout.mesh)
+  shapes = jax.eval_shape(lambda: (state_lib._init_history(cfg), jnp.asarray(
+      fssdp_reshard.initial_owner(cfg.model.num_layers, cfg.moe.num_experts, n))))
+  shardings = (layout.shardings.load_history, layout.shardings.expert_owner)
+  history, owner = jax.tree.map(
+      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+  return fssdp_item(TrainState(step=None, params=None, opt_state=None, load_history=history,
+                               expert_owner=owner))
+
+
+_to_canonical = jax.jit(fssdp_reshard.permute_experts)
+
+
+def _canonical(state: TrainState) -> TrainState:
+  """fssdp: the state with experts in canonical order (what a checkpoint holds)."""
+  if state.expert_owner is None:
+    return state
+  owner = np.asarray(state.expert_owner)
+  perm = fssdp_reshard.to_canonical(owner, len(state.expert_owner.sharding.device_set))
+  if fssdp_reshard.is_identity(perm):
+    return state
+  params, opt_state = _to_canonical((state.params, state.opt_state), perm)
+  return state.replace(params=params, opt_state=opt_state)
+
+
+def _with_fssdp_item(layout: StateLayout, state: TrainState, item: dict, where: str):
+  """The restored canonical state with its load history, experts moved to the saved owners."""
+  history = item["load_history"]
+  state = state.replace(load_history=fssdp_plan.LoadHistory(history["loads_WxLxE"],
+                                                            history["count"]))
+  if "expert_owner" not in item:
+    return state
+  owner = np.asarray(item["expert_owner"])
+  n = num_devices(layout.mesh)
+  counts = fssdp_shard.experts_per_device(owner, n) if owner.max() < n else None
+  if counts is None or len(set(counts.sum(axis=0))) > 1:
+    log(f"moejax: {where}: its expert owners are for another number of devices; experts "
+        f"start from the even placement on {n} devices")
+    return state
+  perm = fssdp_reshard.from_canonical(owner, n)
+  if not fssdp_reshard.is_identity(perm):
+    shardings = (layout.shardings.params, layout.shardings.opt_state)
+    params, opt_state = jax.jit(fssdp_reshard.permute_experts, donate_argnums=0,
+                                out_shardings=shardings)((state.params, state.opt_state), perm)
+    state = state.replace(params=params, opt_state=opt_state)
+  return state.replace(expert_owner=jax.device_put(owner, layout.shardings.expert_owner))
 
 
 def _has_item(metadata, item: str) -> bool:
@@ -273,8 +316,9 @@ class Checkpointer:
     returns once the arrays are copied off the devices, so `state` may be donated next."""
     if step in self._manager.all_steps():
       return
-    items = {"params": state.params, "opt_state": state.opt_state}
     fssdp = fssdp_item(state)
+    state = _canonical(state)
+    items = {"params": state.params, "opt_state": state.opt_state}
     if fssdp is not None:
       items["fssdp"] = fssdp
     meta = {"format": FORMAT, "step": int(step), "seed": self.cfg.seed, "data": data_state,
@@ -321,6 +365,8 @@ class Checkpointer:
           _check_shapes("opt_state", saved_shapes["opt_state"], target.opt_state)
           fssdp_target = _fssdp_target(layout) if has_fssdp else None
           if fssdp_target is not None:
+            if "expert_owner" not in _shapes(metadata["fssdp"]):   # saved before the owners
+              del fssdp_target["expert_owner"]                     # were: even, as then
             _check_shapes("fssdp", metadata["fssdp"], fssdp_target)
         except CheckpointError as e:
           raise CheckpointError(f"{where} does not fit this run: {e}; resume with the "
@@ -365,12 +411,13 @@ class Checkpointer:
     # Codec caches are not saved: rebuilt (the first gather sends everything).
     state = state_lib._with_rebuilt_state(layout, state)
     if layout.cfg.moe.placement == "fssdp":
+      where = f"checkpoint {self.step_path(step)} (step {step})"
       if fssdp_target is None:
-        log(f"moejax: checkpoint {self.step_path(step)} (step {step}) holds no fssdp load "
-            "history (written with another moe.placement or by an older version): the load "
-            "predictor starts empty, so this resume is not bit-exact")
+        log(f"moejax: {where} holds no fssdp load history (written with another "
+            "moe.placement or by an older version): the load predictor starts empty and the "
+            "experts from the even placement, so this resume is not bit-exact")
       else:
-        state = with_fssdp_item(state, restored["fssdp"])
+        state = _with_fssdp_item(layout, state, restored["fssdp"], where)
     return state, meta
 
   def _set_aside(self, step: int, error: BaseException | None) -> None:

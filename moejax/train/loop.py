@@ -22,16 +22,11 @@ from moejax.data import DataSpec, check_vocab, make_data
 from moejax.errors import ConfigError, TrainingError
 from moejax.layers.dispatch import ep_a2a_bytes
 from moejax.sharding import hook
-from moejax.codec.gather import invalidate as _invalidate
 from moejax.sharding import fssdp_plan
 from moejax.sharding.mesh import make_mesh, num_devices, topology
 from moejax.train import checkpoint as checkpoint_lib, optim, state as state_lib, step as step_lib
 from moejax.train.codec_control import CodecController
 from moejax.train.metrics import MetricsWriter, log, progress_line
-
-
-def codec_invalidate(gather_state):
-  return {g: {p: _invalidate(s) for p, s in states.items()} for g, states in gather_state.items()}
 
 
 def prepare_workdir(workdir: str) -> None:
@@ -90,25 +85,26 @@ class Trainer:
     seed = self.cfg.seed if seed is None else seed
     return state_lib.init_state(self.cfg, self.tx, self.layout, jax.random.key(seed))
 
-  def evaluate(self, params, batches) -> float:
-    return float(np.mean([float(self.eval_step(params, b)) for b in batches]))
+  def evaluate(self, params, batches, expert_owner=None) -> float:
+    return float(np.mean([float(self.eval_step(params, b, expert_owner)) for b in batches]))
 
   def reshard(self, state):
-    """fssdp: move experts (parameters and optimizer state) to owners that balance the load
-    history. Returns (state, Relabel)."""
+    """fssdp: new expert owners balancing the load history, heterogeneous across layers; the
+    experts' parameters and optimizer state move together. Returns (state, Resharding)."""
     from moejax.sharding import fssdp_reshard
     cfg, mesh = self.cfg, self.mesh
     expert_bytes = 3 * cfg.model.d_model * cfg.moe.expert_hidden * 4 * 3   # fp32 w, mu, nu
-    relabel = fssdp_reshard.plan_relabel(
-        np.asarray(fssdp_plan.predict(state.load_history)), num_devices(mesh),
-        topology(mesh).devices_per_node, bytes_per_expert=expert_bytes)
+    resharding = fssdp_reshard.plan_reshard(
+        np.asarray(fssdp_plan.predict(state.load_history)), np.asarray(state.expert_owner),
+        num_devices(mesh), topology(mesh).devices_per_node,
+        max_per_layer=step_lib.max_per_layer(cfg, mesh), bytes_per_expert=expert_bytes)
     if self._relabel is None:
-      self._relabel = jax.jit(lambda st, perm: fssdp_reshard.apply_relabel(st, perm, self.tx),
-                              donate_argnums=0, out_shardings=self.layout.shardings)
-    state = self._relabel(state, relabel.perm_LxE)
-    # The router moved too: its codec caches are stale, so the next gather sends everything.
-    state = state.replace(gather_state=codec_invalidate(state.gather_state))
-    return state, relabel
+      shardings = self.layout.shardings
+      self._relabel = jax.jit(fssdp_reshard.permute_experts, donate_argnums=0,
+                              out_shardings=(shardings.params, shardings.opt_state))
+    params, opt_state = self._relabel((state.params, state.opt_state), resharding.perm_LxE)
+    owner = jax.device_put(resharding.owner_LxE, self.layout.shardings.expert_owner)
+    return state.replace(params=params, opt_state=opt_state, expert_owner=owner), resharding
 
 
 def _first_mismatch(loaded: Config, cfg: Config) -> str | None:
@@ -240,17 +236,17 @@ def _train(trainer: Trainer, state, data, val_batches, writer, checkpoints, cont
         record["reshard_moved_experts"] = reshard_moved
         reshard_moved = None
       if evaluate:
-        record["val_loss"] = trainer.evaluate(state.params, val_batches)
+        record["val_loss"] = trainer.evaluate(state.params, val_batches, state.expert_owner)
       writer.write(record)
       log(progress_line(step, cfg.steps, record, (cfg.steps - step) * step_time))
       t_log, steps_since_log = time.perf_counter(), 0
     if (cfg.moe.placement == "fssdp" and cfg.fssdp.reshard_every
         and step % cfg.fssdp.reshard_every == 0 and step < cfg.steps):
       # Before any checkpoint of this step, so a resumed run continues from the same owners.
-      state, relabel = trainer.reshard(state)
-      reshard_moved = relabel.moved
-      log(f"moejax: step {step}: re-sharded experts: {relabel.moved} moved "
-          f"({relabel.moved_bytes / 2**20:.1f} MiB of parameters and optimizer state)")
+      state, resharding = trainer.reshard(state)
+      reshard_moved = resharding.moved
+      log(f"moejax: step {step}: re-sharded experts: {resharding.moved} moved "
+          f"({resharding.moved_bytes / 2**20:.1f} MiB of parameters and optimizer state)")
     if checkpoints.should_save(step) or step == last_step:
       _check_finite(step, metrics)       # never save a state whose loss is not finite
       checkpoints.save(step, state, data.train.get_state())

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from moejax.codec.gather import CodecSpec
 from moejax.config import Config
 from moejax.models import olmoe
-from moejax.sharding import fssdp_plan, layout as layout_lib
+from moejax.sharding import fssdp_plan, fssdp_reshard, layout as layout_lib
 from moejax.sharding.gatherer import Gatherer
 from moejax.sharding.mesh import num_devices
 
@@ -32,6 +32,9 @@ class TrainState:
   gather_state: Any = None
   # fssdp: the load predictor's recent per-layer expert loads (fssdp_plan.LoadHistory).
   load_history: Any = None
+  # fssdp: int32 [L, E], the device owning each expert; says where it is stored
+  # (moejax.sharding.fssdp_reshard). Changed only by re-sharding; checkpointed.
+  expert_owner: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,11 +65,13 @@ def state_layout(cfg: Config, mesh, tx: optax.GradientTransformation) -> StateLa
   gatherer = Gatherer.create(param_shapes, layouts, n, codec_spec(cfg))
   gather_state_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), gatherer.state_specs(),
                                         is_leaf=lambda s: isinstance(s, P))
-  history_shardings = None
+  history_shardings = owner_sharding = None
   if cfg.moe.placement == "fssdp":
     history_shardings = jax.tree.map(lambda _: replicated, _init_history(cfg))
+    owner_sharding = replicated
   shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,
-                         gather_state=gather_state_shardings, load_history=history_shardings)
+                         gather_state=gather_state_shardings, load_history=history_shardings,
+                         expert_owner=owner_sharding)
   return StateLayout(param_shapes, layouts, specs, shardings, gatherer, mesh, cfg)
 
 
@@ -84,15 +89,20 @@ def _init_history(cfg: Config):
 
 
 def _without_gather_state(shardings: TrainState) -> TrainState:
-  return shardings.replace(gather_state=None, load_history=None)
+  return shardings.replace(gather_state=None, load_history=None, expert_owner=None)
 
 
 def _with_rebuilt_state(lay: StateLayout, state: TrainState) -> TrainState:
-  """Adds the state that is rebuilt rather than checkpointed: codec caches, load history."""
-  history = None
+  """Adds the state that is not part of the parameters: codec caches (rebuilt, never saved), and
+  the fssdp load history and expert owners as they start (a restore then sets the saved ones)."""
+  history = owner = None
   if lay.cfg.moe.placement == "fssdp":
     history = jax.device_put(_init_history(lay.cfg), lay.shardings.load_history)
-  return state.replace(gather_state=lay.gatherer.init_states(lay.mesh), load_history=history)
+    owner = jax.device_put(fssdp_reshard.initial_owner(
+        lay.cfg.model.num_layers, lay.cfg.moe.num_experts, num_devices(lay.mesh)),
+        lay.shardings.expert_owner)
+  return state.replace(gather_state=lay.gatherer.init_states(lay.mesh), load_history=history,
+                       expert_owner=owner)
 
 
 def init_state(cfg: Config, tx: optax.GradientTransformation, lay: StateLayout,

@@ -23,8 +23,9 @@ from moejax.config import Config
 from moejax.errors import ConfigError
 from moejax.layers.dispatch import LOCAL, Dispatch
 from moejax.models import olmoe
-from moejax.sharding import fssdp_plan, hook
+from moejax.sharding import fssdp, fssdp_plan, fssdp_reshard, fssdp_shard, hook
 from moejax.sharding.gatherer import expand_device_axis, param_group, squeeze_device_axis
+from moejax.sharding.layout import EXPERT_PARAM_NAMES
 from moejax.sharding.mesh import DEVICES, num_devices, topology
 from moejax.train.state import StateLayout, TrainState
 
@@ -40,6 +41,18 @@ def check_divisibility(cfg: Config, mesh) -> None:
     raise ConfigError(f"config.moe.num_experts={cfg.moe.num_experts} is not divisible by the {n} "
                       f"devices: moe.placement={cfg.moe.placement!r} gives every device the same "
                       "number of experts")
+  if cfg.moe.placement == "fssdp":
+    c, per_device = max_per_layer(cfg, mesh), cfg.moe.num_experts // n
+    if c < per_device:
+      raise ConfigError(f"config.fssdp.max_per_layer={c} is below the {per_device} experts per "
+                        f"device of the even start on {n} devices; use at least {per_device} "
+                        "(or 0 for the default)")
+
+
+def max_per_layer(cfg: Config, mesh) -> int:
+  """fssdp: C, the most experts of one layer one device may own (the owned window's length)."""
+  return cfg.fssdp.max_per_layer or fssdp_shard.default_max_per_layer(cfg.moe.num_experts,
+                                                                      num_devices(mesh))
 
 
 def moe_dispatch(cfg: Config, mesh) -> Dispatch:
@@ -51,23 +64,43 @@ def moe_dispatch(cfg: Config, mesh) -> Dispatch:
   return LOCAL
 
 
+def owned_expert_params(cfg: Config, mesh, params, expert_owner_LxE):
+  """fssdp, inside shard_map: (params with each expert leaf replaced by this device's [L, C, ...]
+  windows of owned experts, their Owners). The gradient flows back into the stored slots."""
+  moe = params["layers"]["moe"]
+  owners, windows = fssdp.owned_windows(
+      expert_owner_LxE, {name: moe[name] for name in EXPERT_PARAM_NAMES},
+      jax.lax.axis_index(DEVICES), num_devices=num_devices(mesh),
+      max_per_layer=max_per_layer(cfg, mesh))
+  layers = dict(params["layers"], moe=dict(moe, **windows))
+  return dict(params, layers=layers), owners
+
+
 def _forward_local(cfg: Config, lay: StateLayout, mesh, params, inputs_BxS, step,
-                   gather_state=None, predicted_load_LxE=None):
+                   gather_state=None, predicted_load_LxE=None, expert_owner_LxE=None):
   """The forward pass on this device's batch slice; gather_state as stored ([1, ...] slices)."""
   states = squeeze_device_axis(gather_state) if gather_state is not None else None
-  if cfg.moe.placement == "fssdp" and predicted_load_LxE is None:   # evaluation: no history
-    predicted_load_LxE = jnp.ones((cfg.model.num_layers, cfg.moe.num_experts), jnp.float32)
+  owners_L = None
+  if cfg.moe.placement == "fssdp":
+    if predicted_load_LxE is None:   # evaluation: no history
+      predicted_load_LxE = jnp.ones((cfg.model.num_layers, cfg.moe.num_experts), jnp.float32)
+    if expert_owner_LxE is None:     # the even start
+      expert_owner_LxE = jnp.asarray(fssdp_reshard.initial_owner(
+          cfg.model.num_layers, cfg.moe.num_experts, num_devices(mesh)))
+    params, owners_L = owned_expert_params(cfg, mesh, params, expert_owner_LxE)
   logits, aux_L, new_states, stats = olmoe.forward_with_state(
       cfg, params, inputs_BxS, gather=lay.gatherer.gather, states=states,
       dispatch=moe_dispatch(cfg, mesh), axis_name=DEVICES, remat=cfg.remat,
-      prefetch=cfg.prefetch, step=step, predicted_load_LxE=predicted_load_LxE)
+      prefetch=cfg.prefetch, step=step, predicted_load_LxE=predicted_load_LxE,
+      expert_owners_L=owners_L)
   return logits, aux_L, expand_device_axis(new_states), stats
 
 
 def _loss_share(cfg: Config, lay: StateLayout, mesh, params, batch, step, gather_state,
-                predicted_load_LxE):
+                predicted_load_LxE, expert_owner_LxE=None):
   logits_BxSxV, aux_L, new_gather_state, gather_stats = _forward_local(
-      cfg, lay, mesh, params, batch["inputs"], step, gather_state, predicted_load_LxE)
+      cfg, lay, mesh, params, batch["inputs"], step, gather_state, predicted_load_LxE,
+      expert_owner_LxE)
   global_tokens = cfg.batch_size * cfg.seq_len
   ce = optax.softmax_cross_entropy_with_integer_labels(logits_BxSxV, batch["targets"])
   ce_share = jnp.sum(ce) / global_tokens
@@ -94,22 +127,22 @@ def routing_metrics(cfg: Config, routing_L: dict, ep_dropped_L) -> dict:
 
 
 def make_grad_fn(cfg: Config, mesh, lay: StateLayout):
-  """(params, batch, step, gather_state) -> (grads sharded like params, summed loss parts,
-  new gather state, gather stats): the shard_map body."""
-  def grads_body(params, batch, step, gather_state, predicted_load_LxE):
+  """(params, batch, step, gather_state, predicted_load_LxE, expert_owner_LxE) -> (grads sharded
+  like params, summed loss parts, new gather state, gather stats): the shard_map body."""
+  def grads_body(params, batch, step, gather_state, predicted_load_LxE, expert_owner_LxE):
     grads, (parts, new_gather_state, gather_stats) = jax.grad(
         functools.partial(_loss_share, cfg, lay, mesh), has_aux=True)(
-            params, batch, step, gather_state, predicted_load_LxE)
+            params, batch, step, gather_state, predicted_load_LxE, expert_owner_LxE)
     # Gather stats are already identical on every device (static, or agreed by the codec).
     return grads, jax.lax.psum(parts, DEVICES), new_gather_state, gather_stats
 
   state_specs = lay.gatherer.state_specs()
   sharded = jax.shard_map(grads_body, mesh=mesh,
-                          in_specs=(lay.param_specs, BATCH_SPEC, P(), state_specs, P()),
+                          in_specs=(lay.param_specs, BATCH_SPEC, P(), state_specs, P(), P()),
                           out_specs=(lay.param_specs, P(), state_specs, P()), check_vma=False)
 
-  def grad_fn(params, batch, step, gather_state, predicted_load_LxE=None):
-    return sharded(params, batch, step, gather_state, predicted_load_LxE)
+  def grad_fn(params, batch, step, gather_state, predicted_load_LxE=None, expert_owner_LxE=None):
+    return sharded(params, batch, step, gather_state, predicted_load_LxE, expert_owner_LxE)
 
   return grad_fn
 
@@ -196,7 +229,8 @@ def make_train_step(cfg: Config, mesh, lay: StateLayout, tx: optax.GradientTrans
     history = state.load_history
     predicted = None if history is None else fssdp_plan.predict(history)
     grads, parts, gather_state, gather_stats = sharded_grads(state.params, batch, state.step,
-                                                             state.gather_state, predicted)
+                                                             state.gather_state, predicted,
+                                                             state.expert_owner)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     load_LxE = parts.pop("load_LxE")
@@ -207,20 +241,28 @@ def make_train_step(cfg: Config, mesh, lay: StateLayout, tx: optax.GradientTrans
     metrics = dict(parts, grad_norm=optax.tree.norm(grads), lr=schedule(state.step), **routing,
                    **placement, **gather_metrics(cfg, lay, gather_stats))
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
-                      gather_state=gather_state, load_history=history), metrics
+                      gather_state=gather_state, load_history=history,
+                      expert_owner=state.expert_owner), metrics
 
   return jax.jit(train_step, donate_argnums=0, out_shardings=(lay.shardings, None))
 
 
 def make_eval_step(cfg: Config, mesh, lay: StateLayout):
-  """eval_step(params, batch) -> mean cross-entropy over the batch."""
-  def body(params, batch):
+  """eval_step(params, batch, expert_owner=None) -> mean cross-entropy over the batch
+  (expert_owner: fssdp's TrainState.expert_owner; None = the even start)."""
+  def body(params, batch, expert_owner_LxE):
     # Evaluate under the post-warm-up capacity schedule: the routing regime being trained for.
     # Plain gathers: evaluation must not advance the codec's caches.
     logits_BxSxV, _, _, _ = _forward_local(cfg, lay, mesh, params, batch["inputs"],
-                                           cfg.routing.warmup_steps, None)
+                                           cfg.routing.warmup_steps, None,
+                                           expert_owner_LxE=expert_owner_LxE)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits_BxSxV, batch["targets"])
     return jax.lax.psum(jnp.sum(ce), DEVICES) / (cfg.batch_size * cfg.seq_len)
 
-  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(lay.param_specs, BATCH_SPEC),
-                               out_specs=P(), check_vma=False))
+  sharded = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(lay.param_specs, BATCH_SPEC, P()),
+                                  out_specs=P(), check_vma=False))
+
+  def eval_step(params, batch, expert_owner=None):
+    return sharded(params, batch, expert_owner)
+
+  return eval_step

@@ -3,6 +3,7 @@ re-shard; SparseAllGather / SparseReduceScatter move exactly the planned replica
 interrupted and resumed across a re-shard equals an uninterrupted one, bit for bit.
 
 One fssdp Trainer (compiled once) serves the in-process steps and the `run` calls."""
+import contextlib
 import json
 import os
 import shutil
@@ -10,11 +11,13 @@ import shutil
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from moejax.layers.dispatch import Dispatch
-from moejax.sharding import fssdp, fssdp_plan, fssdp_reshard
+from moejax.sharding import fssdp, fssdp_plan, fssdp_reshard, fssdp_shard
+from moejax.sharding.layout import is_expert_param
 from moejax.sharding.mesh import DEVICES, make_mesh
 from moejax.train import checkpoint as ckpt
 from moejax.train.loop import Trainer, put_batch, run
@@ -40,24 +43,30 @@ def _trainer(placement):
   return Trainer(tiny_config(**RUN, **{"moe.placement": placement}))
 
 
+def _skewed(cfg):
+  """A load history whose re-shard is heterogeneous: in each layer expert 0 is hot, so the node
+  that owns it takes fewer of that layer's other experts (2 nodes x 4, E = 8)."""
+  hot = np.full((cfg.fssdp.window, cfg.model.num_layers, cfg.moe.num_experts), 10.0, np.float32)
+  hot[:, :, 0] = 50.0
+  return hot
+
+
 def _train(trainer, reshard_at=None):
   cfg = trainer.cfg
   state = trainer.init_state()
-  losses, records, relabel = [], [], None
+  losses, records, reshard = [], [], None
   for i, b in enumerate(_batches(STEPS)):
     if i == reshard_at:
-      # A skewed load history: experts 0 and 1 (both owned by device 0) are hot.
-      hot = np.ones((cfg.fssdp.window, cfg.model.num_layers, cfg.moe.num_experts), np.float32)
-      hot[:, :, :2] = 50.0
       state = state.replace(load_history=state.load_history._replace(
-          loads_WxLxE=jax.device_put(hot, state.load_history.loads_WxLxE.sharding)))
-      opt_before = jax.device_get(state.opt_state)
-      state, relabel = trainer.reshard(state)
-      relabel = (relabel, opt_before, jax.device_get(state.opt_state))
+          loads_WxLxE=jax.device_put(_skewed(cfg), state.load_history.loads_WxLxE.sharding)))
+      before = jax.device_get((state.params, state.opt_state, state.expert_owner))
+      state, resharding = trainer.reshard(state)
+      after = jax.device_get((state.params, state.opt_state, state.expert_owner))
+      reshard = (resharding, before, after)
     state, metrics = trainer.train_step(state, put_batch(b, trainer.mesh))
     losses.append(float(metrics["loss"]))
     records.append(metrics)
-  return np.array(losses), jax.device_get(records), relabel
+  return np.array(losses), jax.device_get(records), reshard
 
 
 @pytest.fixture(scope="module")
@@ -75,51 +84,93 @@ def fssdp_run(fssdp_trainer):
   return _train(fssdp_trainer, reshard_at=3)
 
 
-def test_fssdp_matches_ep_across_a_reshard(ep, fssdp_run):
+def _expert_leaves(tree):
+  return {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_leaves_with_path(tree)
+          if is_expert_param(p)}
+
+
+def test_fssdp_matches_ep_across_a_heterogeneous_reshard(ep, fssdp_run):
   losses_ep, _, _ = ep
-  losses, records, (relabel, opt_before, opt_after) = fssdp_run
+  losses, records, (resharding, before, after) = fssdp_run
   np.testing.assert_allclose(losses, losses_ep, rtol=2e-3)
-  assert relabel.moved > 0 and relabel.moved_bytes > 0
+  assert resharding.moved > 0 and resharding.moved_bytes > 0
+  # Heterogeneous: some layer gives a device more than E/N = 1 experts, another fewer; every
+  # device still holds S = L * E/N = 2 slots.
+  count_LxN = fssdp_shard.experts_per_device(after[2], 8)
+  assert count_LxN.max() > 1 and count_LxN.min() == 0
+  np.testing.assert_array_equal(count_LxN.sum(axis=0), np.full(8, 2))
+  np.testing.assert_array_equal(after[2], resharding.owner_LxE)
   # Replicas were materialized, and the straggler factor is reported per layer.
   assert max(float(np.max(r["replicas"])) for r in records) > 0
   assert all(np.all(r["straggler"] >= 1.0) for r in records)
-  # Re-sharding moved the optimizer moments with their experts: a permutation of rows.
-  mu_before = jax.tree.leaves(opt_before)
-  mu_after = jax.tree.leaves(opt_after)
-  for a, b in zip(mu_before, mu_after):
-    if a.ndim >= 3 and a.shape[1] == 8:        # [L, E, ...] expert moments
-      np.testing.assert_array_equal(np.sort(a.reshape(a.shape[0], 8, -1), axis=1),
-                                    np.sort(b.reshape(b.shape[0], 8, -1), axis=1))
+  # Parameters and Adam moments moved together: each expert's rows now sit at its new owner's
+  # slot, bit for bit, and nothing else changed.
+  old_at = fssdp_reshard.positions(before[2], 8).ravel()
+  new_at = fssdp_reshard.positions(after[2], 8).ravel()
+  (old_params, old_opt), (new_params, new_opt) = before[:2], after[:2]
+  experts_before = _expert_leaves((old_params, old_opt))
+  experts_after = _expert_leaves((new_params, new_opt))
+  assert len(experts_before) == 9                             # w_gate/up/down, mu, nu
+  for key, x in experts_before.items():
+    y = experts_after[key]
+    flat_x, flat_y = x.reshape((16,) + x.shape[2:]), y.reshape((16,) + y.shape[2:])
+    np.testing.assert_array_equal(flat_y[new_at], flat_x[old_at], err_msg=key)
+    assert not np.array_equal(flat_y, flat_x), key
+  others = lambda t: [x for p, x in jax.tree_util.tree_leaves_with_path(t)   # noqa: E731
+                      if not is_expert_param(p)]
+  for x, y in zip(others((old_params, old_opt)), others((new_params, new_opt))):
+    np.testing.assert_array_equal(x, y)
 
 
 def test_sparse_all_gather_then_reduce_scatter_counts_replicas():
+  """Heterogeneous owners: SpAG reads each replica from its owner's stored slot, SpRS sums the
+  gradient of every replica back into that slot, exactly."""
   mesh = make_mesh((2, 4), jax.devices()[:8])
-  n, el, m = 8, 2, 2
+  n, m, num_layers, num_experts = 8, 2, 2, 16
   dispatch = Dispatch("fssdp", DEVICES, n, 4, replica_slots=m, overlap_degree=4)
-  load_E = jnp.asarray([40.0, 1, 1, 1, 1, 1, 1, 1, 30, 1, 1, 1, 1, 1, 1, 1])
-  plan = fssdp_plan.materialize_plan(load_E, fssdp.owner_of(16, n), num_devices=n,
-                                     devices_per_node=4, replica_slots=m, overlap_degree=4)
+  load_LxE = np.full((num_layers, num_experts), 10.0)
+  load_LxE[:, 0] = 50.0
+  owner_LxE = fssdp_shard.heterogeneous_placement(load_LxE, n, 4, max_per_layer=4)
+  assert fssdp_shard.experts_per_device(owner_LxE, n).max() > num_experts // n
+  plan = fssdp_plan.materialize_plan(jnp.asarray(load_LxE[0], jnp.float32), owner_LxE[0],
+                                     num_devices=n, devices_per_node=4, replica_slots=m,
+                                     overlap_degree=4)
 
-  def body(w_ElxR):
+  def body(w_LxElxR):
     def total(w):
-      return jnp.sum(fssdp.sparse_all_gather(w, plan.replica_expert_NxM, dispatch=dispatch))
-    return jax.grad(total)(w_ElxR)
+      owners, windows = fssdp.owned_windows(jnp.asarray(owner_LxE), w, jax.lax.axis_index(DEVICES),
+                                            num_devices=n, max_per_layer=4)
+      layer0 = fssdp.Owners(owners.owner_E[0], owners.rank_E[0])
+      return jnp.sum(fssdp.sparse_all_gather(windows[0], plan.replica_expert_NxM,
+                                             dispatch=dispatch, owners=layer0))
+    return jax.grad(total)(w_LxElxR)
 
-  ones = jnp.ones((n * el, 3), jnp.float32)
-  grads = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(DEVICES), out_specs=P(DEVICES),
-                                check_vma=False))(ones)
-  # Each expert's gradient counts its replicas (3 values per row), exactly.
+  ones = jnp.ones((num_layers, num_experts, 3), jnp.float32)
+  grads = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(None, DEVICES),
+                                out_specs=P(None, DEVICES), check_vma=False))(ones)
   replicas_E = np.bincount(np.asarray(plan.replica_expert_NxM).ravel(), minlength=17)[:16]
-  np.testing.assert_array_equal(np.asarray(grads)[:, 0], replicas_E)
+  expected = np.zeros(num_layers * num_experts)
+  expected[fssdp_reshard.positions(owner_LxE, n)[0]] = replicas_E
+  np.testing.assert_array_equal(np.asarray(grads).reshape(-1, 3)[:, 0], expected)
   assert int(plan.num_replicas) == replicas_E.sum() > 0
 
 
-def test_relabel_plan_is_a_permutation_per_layer():
-  load = np.random.default_rng(0).gamma(0.5, size=(3, 16))
-  r = fssdp_reshard.plan_relabel(load, 8, 4, bytes_per_expert=10)
-  for row in r.perm_LxE:
-    assert sorted(row.tolist()) == list(range(16))
-  assert r.moved_bytes == 10 * r.moved
+def test_reshard_plan_moves_whole_experts_between_equal_slot_counts():
+  rng = np.random.default_rng(0)
+  owner = fssdp_reshard.initial_owner(3, 16, 8)
+  for _ in range(3):
+    r = fssdp_reshard.plan_reshard(rng.gamma(0.5, size=(3, 16)), owner, 8, 4, max_per_layer=4,
+                                   bytes_per_expert=10)
+    assert sorted(r.perm_LxE.ravel().tolist()) == list(range(48))
+    assert r.moved == np.sum(r.owner_LxE != owner) and r.moved_bytes == 10 * r.moved
+    np.testing.assert_array_equal(fssdp_shard.experts_per_device(r.owner_LxE, 8).sum(0),
+                                  np.full(8, 6))
+    # The expert at each new position is the one the old storage held for it.
+    np.testing.assert_array_equal(r.perm_LxE.ravel()[fssdp_reshard.positions(r.owner_LxE, 8)],
+                                  fssdp_reshard.positions(owner, 8))
+    # Storage position (l, j) belongs to device j // El: the owner table's device.
+    assert np.all(fssdp_reshard.positions(r.owner_LxE, 8) % 16 // 2 == r.owner_LxE)
+    owner = r.owner_LxE
 
 
 # ------------------------------------------------------------------------------------------------
@@ -130,18 +181,42 @@ def _records(workdir) -> list[dict]:
     return [{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f]
 
 
+@contextlib.contextmanager
+def _heterogeneous_first_reshard(trainer):
+  """The re-shard after step 3 plans from `_skewed` loads (the tiny model's own are too even to
+  give a layer unequal counts); the run's own history is kept and later re-shards use it."""
+  reshard = trainer.reshard
+
+  def skewed_reshard(state):
+    if int(state.step) != 3:
+      return reshard(state)
+    history = state.load_history
+    state, resharding = reshard(state.replace(load_history=history._replace(
+        loads_WxLxE=jax.device_put(_skewed(trainer.cfg), history.loads_WxLxE.sharding))))
+    return state.replace(load_history=history), resharding
+
+  trainer.reshard = skewed_reshard
+  try:
+    yield
+  finally:
+    del trainer.reshard
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(fssdp_trainer, tmp_path_factory):
   workdir = tmp_path_factory.mktemp("fssdp") / "w"
-  run(fssdp_trainer.cfg, str(workdir), trainer=fssdp_trainer)
+  with _heterogeneous_first_reshard(fssdp_trainer):
+    run(fssdp_trainer.cfg, str(workdir), trainer=fssdp_trainer)
   return workdir
 
 
-def test_resume_across_a_reshard_is_bit_exact(fssdp_trainer, uninterrupted, tmp_path, capsys):
+def test_resume_across_a_heterogeneous_reshard_is_bit_exact(fssdp_trainer, uninterrupted,
+                                                            tmp_path, capsys):
   workdir = tmp_path / "w"
-  run(fssdp_trainer.cfg, str(workdir), trainer=fssdp_trainer, stop_at=4)   # re-sharded at 3
-  capsys.readouterr()
-  run(fssdp_trainer.cfg, str(workdir), trainer=fssdp_trainer)              # re-shards at 6
+  with _heterogeneous_first_reshard(fssdp_trainer):
+    run(fssdp_trainer.cfg, str(workdir), trainer=fssdp_trainer, stop_at=4)   # re-sharded at 3
+    capsys.readouterr()
+    run(fssdp_trainer.cfg, str(workdir), trainer=fssdp_trainer)              # re-shards at 6
   out = capsys.readouterr().out
   assert "moejax: resuming from step 4" in out and "load history" not in out
   records, reference = _records(workdir), _records(uninterrupted)
@@ -149,6 +224,13 @@ def test_resume_across_a_reshard_is_bit_exact(fssdp_trainer, uninterrupted, tmp_
   moved = {r["step"]: r["reshard_moved_experts"] for r in reference if "reshard_moved_experts" in r}
   assert sorted(moved) == [4, 7] and all(m > 0 for m in moved.values())   # after steps 3, 6
   assert records == reference                       # losses, plans, moves: every figure
+  # The checkpoint resumed from held a heterogeneous layout: unequal counts per layer, equal
+  # slot counts per device.
+  owner = ocp.StandardCheckpointer().restore(workdir / "checkpoints" / "4" / "fssdp")[
+      "expert_owner"]
+  count_LxN = fssdp_shard.experts_per_device(np.asarray(owner), 8)
+  assert count_LxN.max() > 1 and count_LxN.min() == 0
+  np.testing.assert_array_equal(count_LxN.sum(axis=0), np.full(8, 2))
   for a, b in zip(jax.tree.leaves(ckpt.load_params(str(workdir))),
                   jax.tree.leaves(ckpt.load_params(str(uninterrupted)))):
     np.testing.assert_array_equal(a, b)
