@@ -375,3 +375,47 @@ def test_under_shard_map_and_sharded_jit():
   global_final, global_experts = map(np.asarray, jax.jit(body)(x_sharded))
   np.testing.assert_array_equal(
       global_final, ref_admit(aff, global_experts, np.full(E, 4), 0.0, "reroute"))
+
+
+def test_rank_within_group_matches_lexsort():
+  """The int32 sort keys order fp32 affinities exactly: signs, signed zeros, ties, tiny values."""
+  rng = np.random.default_rng(9)
+  n, groups = 512, 5
+  pool = np.array([-1.0, -0.5, -1e-30, -0.0, 0.0, 1e-30, 1e-7, 0.25, 0.5, 1.0], np.float32)
+  key = np.where(rng.random(n) < 0.5, rng.choice(pool, n), rng.uniform(-1, 1, n)).astype(np.float32)
+  group = rng.integers(0, groups + 1, n).astype(np.int32)
+  counts = np.bincount(group, minlength=groups + 1).astype(np.int32)
+  got = np.asarray(jax.jit(admission._rank_within_group)(group, key, counts))
+  order = np.lexsort((np.arange(n), -key.astype(np.float64), group))  # -0.0 == 0.0 here too
+  want = np.empty(n, np.int64)
+  starts = np.cumsum(counts) - counts
+  want[order] = np.arange(n) - starts[group[order]]
+  np.testing.assert_array_equal(got, want)
+  # _within_room: the ranked path and the all-fit shortcut.
+  within = jax.jit(admission._within_room, static_argnums=3)
+  for room in (np.array([3, 0, 200, 7, 1]), np.full(groups, n)):
+    accepted, left = map(np.asarray, within(group, key, jnp.asarray(room, jnp.int32), groups))
+    np.testing.assert_array_equal(accepted, (group < groups) & (want < np.append(room, 0)[group]))
+    np.testing.assert_array_equal(left, np.maximum(room - counts[:groups], 0))
+
+
+def test_many_experts_and_rounds_match_reference():
+  """More experts and slots than the main fixtures, with tight ragged capacity: many rounds."""
+  n_tok, n_dim, n_exp, k = 64, 16, 16, 4
+  run = jax.jit(lambda x, w, e, wt, sc, cap, thr: admission.admit(
+      x, w, e, wt, sc, capacity_E=cap, threshold=thr, policy="reroute"))
+  for seed in range(3):
+    rng = np.random.default_rng(100 + seed)
+    w = jnp.asarray(rng.normal(size=(n_dim, n_exp)), jnp.float32)
+    x = rng.normal(size=(n_tok, n_dim))
+    x[: n_tok // 2] += 2.0 * np.asarray(w[:, seed])
+    x = jnp.asarray(x, jnp.float32)
+    weights, experts, scores = router.top_k_route(x @ w, k)
+    capacity = rng.integers(0, 2 * n_tok * k // n_exp, size=n_exp)
+    for threshold in (-1.0, 0.0):
+      adm = run(x, w, experts, weights, scores, jnp.asarray(capacity, jnp.int32),
+                jnp.float32(threshold))
+      aff = np.asarray(jax.jit(admission.affinity)(x, w))
+      want = ref_admit(aff, np.asarray(experts), capacity, threshold, "reroute")
+      np.testing.assert_array_equal(np.asarray(adm.experts_TxK), want)
+      assert np.all(_loads(want, n_exp) <= capacity)
