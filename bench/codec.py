@@ -15,10 +15,12 @@ capacity, the dense path (plain + agreement) otherwise. Without --quick, trainin
 `codec.mode=auto` in the train step itself and its measured bytes are printed beside these.
 
 Modes compared, per parameter group (attention, router, norms, experts, embeddings) and in total:
-  element/block/word (all)  the mode on every sharded parameter, default capacity (`codec.mode=X`)
-  block/element/word        the mode where it pays, capacity sized from the rates measured at the
-                            decision (`codec.mode=X, codec.select=True`)
-  auto                      a mode per parameter under a cache budget (`codec.mode=auto`)
+  element/block/word/delta (all)  the mode on every sharded parameter, default capacity
+                                  (`codec.mode=X`; delta with `codec.delta_bits`=3)
+  element/block/word/delta        the mode where it pays, capacity sized from the rates measured
+                                  at the decision (`codec.mode=X, codec.select=True`)
+  auto                            a mode per parameter (delta at 2, 3 or 4 bits) under a cache
+                                  budget (`codec.mode=auto`)
 Decisions are taken from the PROBE_STEPS steps before step `codec.warmup_steps` (high) or the
 first steps (low); bytes are the steady state after the decision (the one dense refill of the
 caches right after it is left out). Gains are priced in bytes (`codec.comm_model=bytes`): on fake
@@ -55,7 +57,8 @@ from moejax.train import codec_control  # noqa: E402
 from moejax.train.loop import Trainer, put_batch  # noqa: E402
 
 GROUPS = ("attention", "router", "norms", "experts", "embeddings")
-FIXED = ("element", "block", "word")
+FIXED = ("element", "block", "word", "delta")
+HALF = "auto 1/2 bgt"     # auto under half the cache budget
 FULL_BLOCK = 512
 LOW_LR = 1e-4
 
@@ -160,8 +163,9 @@ class Run:
   codec state held at once, and each decision's selections."""
   sent: np.ndarray
   fallbacks: int
-  cache: dict
+  cache: dict               # mode -> the most state bytes that mode held at once
   decisions: list
+  peak_cache: float = 0.0   # the most state bytes held at once, all modes together
 
 
 def simulate(rows: Rows, counts: np.ndarray, steps: range, plan, refill: bool = True) -> Run:
@@ -172,6 +176,7 @@ def simulate(rows: Rows, counts: np.ndarray, steps: range, plan, refill: bool = 
   fixed mode after its warm-up)."""
   sent = np.zeros((len(steps), len(rows.names)))
   specs, fallbacks, cache, decisions, refill, refill_on = {}, 0, {}, [], set(), refill
+  peak = 0.0
   for i, t in enumerate(steps):
     for r, key in enumerate(rows.names):
       spec = specs.get(key)
@@ -180,9 +185,13 @@ def simulate(rows: Rows, counts: np.ndarray, steps: range, plan, refill: bool = 
         continue
       sizes = codec.wire_bytes(rows.shard[r], hook.COMPUTE_DTYPE, spec)
       capacity = codec.patch_format(rows.shard[r], hook.COMPUTE_DTYPE, spec).capacity
-      worst = counts[t - 3, :, r, codec_control.RATE_KINDS.index(spec.mode)].max()
-      dense = key in refill or worst > capacity
-      fallbacks += int(worst > capacity and key not in refill)
+      worst = counts[t - 3, :, r, codec_control.RATE_KINDS.index(spec.rate_kind)].max()
+      over = worst > capacity
+      if spec.mode == "delta":     # the far list overflows on its own
+        fmt = codec.patch_format(rows.shard[r], hook.COMPUTE_DTYPE, spec)
+        over |= counts[t - 3, :, r, codec_control.RATE_KINDS.index("far")].max() > fmt.far_capacity
+      dense = key in refill or over
+      fallbacks += int(over and key not in refill)
       sent[i, r] = sizes["dense"] if dense else sizes["compressed"]
     refill = set()
     new = plan(t)
@@ -194,7 +203,8 @@ def simulate(rows: Rows, counts: np.ndarray, steps: range, plan, refill: bool = 
       held = _state_bytes(rows, specs)
       for mode in codec.COMPRESSED_MODES:
         cache[mode] = max(cache.get(mode, 0), held.get(mode, 0))
-  return Run(sent, fallbacks, cache, decisions)
+      peak = max(peak, sum(held.values()))
+  return Run(sent, fallbacks, cache, decisions, peak)
 
 
 def _state_bytes(rows: Rows, specs) -> dict:
@@ -275,11 +285,12 @@ def throughput(n: int = 1 << 20, w: int = 8, repeats: int = 5) -> dict:
   out["copy_decode_gbs"] = w * shard_bytes / timed(lambda a: jnp.roll(a, 1), full) / 1e9
   me = jnp.int32(0)
   prev_exp = bits.split_bits(prev, layout)[0]
-  for mode, fraction in (("element", 1 / 16), ("block", 1 / 4), ("word", 1 / 8)):
+  for mode, fraction in (("element", 1 / 16), ("block", 1 / 4), ("word", 1 / 8),
+                         ("delta", 1 / 16)):
     fmt = codec.patch_format((n,), jnp.bfloat16, codec.CodecSpec(mode, capacity_fraction=fraction))
-    if mode == "word":
+    if mode in codec.WORD_MODES:
       def enc(b, p, fmt=fmt):
-        return word.encode(b, word.changed(b, p), fmt)[0]
+        return word.encode(b, word.codes(b, p, fmt), fmt, p)[0]
 
       def dec(c, wire, own, fmt=fmt):
         del own
@@ -303,6 +314,12 @@ def throughput(n: int = 1 << 20, w: int = 8, repeats: int = 5) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
+def model_bf16_bytes(gatherer) -> int:
+  """bf16 bytes of every parameter the codec may compress (whole tensors, all layers)."""
+  return int(sum(2 * math.prod(gatherer.shard_shape(g, p)) * gatherer.copies(g)
+                 * gatherer.num_devices for g, p in gatherer.candidates()))
+
+
 def run_regime(name, trainer, state, data, steps, first, every, budget, block_size):
   probe = codec_control.Probe(trainer.layout.gatherer, trainer.mesh, block_size)
   rows = Rows.of(trainer.layout.gatherer, probe, trainer.cfg)
@@ -311,15 +328,18 @@ def run_regime(name, trainer, state, data, steps, first, every, budget, block_si
   measured = range(first + 1, steps + 1)
   runs, last_choice = {}, {}
   for mode in FIXED:   # every sharded parameter in one mode, default capacity, warm
-    spec = codec.CodecSpec(mode, block_size=block_size, warmup_steps=base.warmup_steps)
+    spec = codec.CodecSpec(mode, block_size=block_size, warmup_steps=base.warmup_steps,
+                           delta_bits=base.delta_bits)
     fixed = {k: spec for k in probe.names}
     runs[f"{mode} (all)"] = simulate(rows, traj.counts, range(first, steps + 1),
                                      lambda t, fixed=fixed: fixed if t == first else None,
                                      refill=False)
     runs[f"{mode} (all)"].sent = runs[f"{mode} (all)"].sent[1:]
-  for mode in FIXED + ("auto",):
-    cfg = dataclasses.replace(base, mode=mode, select=mode != "auto",
-                              cache_budget_bytes=budget if mode == "auto" else 0)
+  for mode in FIXED + ("auto", HALF):
+    auto = mode in ("auto", HALF)
+    cfg = dataclasses.replace(base, mode="auto" if auto else mode, select=not auto,
+                              cache_budget_bytes=(budget // 2 if mode == HALF else budget)
+                              if auto else 0)
     plan = controller_plan(probe, traj.counts, gatherer, cfg, first, every)
     runs[mode] = simulate(rows, traj.counts, range(first, steps + 1), plan)
     runs[mode].sent = runs[mode].sent[1:]          # step `first` itself is before the decision
@@ -331,7 +351,7 @@ def run_regime(name, trainer, state, data, steps, first, every, budget, block_si
   units, offsets = probe.units(), np.cumsum([0] + probe.rows)
   group_rates = {}
   for report in GROUPS + ("total",):
-    num, den = np.zeros(3), np.zeros(3)
+    num, den = np.zeros(len(codec_control.RATE_KINDS)), np.zeros(len(codec_control.RATE_KINDS))
     for i, k in enumerate(probe.names):
       if report == "total" or param_group(*k) == report:
         num += steady[:, :, offsets[i]:offsets[i + 1]].sum(axis=(0, 1, 2))
@@ -374,8 +394,10 @@ def print_regime(reg, block_size):
   print(f"\n== {reg['name']}: steps {measured.start}-{measured.stop - 1}, decisions after step "
         f"{first} and every {reg['every']} steps ==")
   print(f"change rates per gather (exponent; block of {block_size} per shard, what the codec "
-        f"sees; block of {FULL_BLOCK} over whole tensors; whole word):")
-  head = ("group", "values", "exp", f"blk{block_size}", f"blk{FULL_BLOCK} full", "word")
+        f"sees; block of {FULL_BLOCK} over whole tensors; whole word; values too far for a delta "
+        "code of 2, 3, 4 bits; values moving more than 127 units in the last place):")
+  head = ("group", "values", "exp", f"blk{block_size}", f"blk{FULL_BLOCK} full", "word",
+          "esc delta2", "esc delta3", "esc delta4", "far >127")
   print(" | ".join(f"{h:>12}" for h in head))
   for report in GROUPS + ("total",):
     mask = [report == "total" or param_group(*k) == report for k in rows.names]
@@ -383,7 +405,8 @@ def print_regime(reg, block_size):
     r = reg["rates"][report]
     print(" | ".join(f"{c:>12}" for c in (
         report, values, f"{100 * r[0]:.2f}%", f"{100 * r[1]:.1f}%",
-        f"{100 * reg['full_block'].get(report, float('nan')):.1f}%", f"{100 * r[2]:.1f}%")))
+        f"{100 * reg['full_block'].get(report, float('nan')):.1f}%", f"{100 * r[2]:.1f}%",
+        *(f"{100 * q:.1f}%" for q in r[3:]))))
   for title, res in (("all measured steps", reg["results"]),
                      (f"last {reg['late_steps']} steps", reg["late"])):
     print(f"\nbytes sent / plain bf16, {title} (B/param = bytes per parameter value):")
@@ -399,7 +422,7 @@ def print_regime(reg, block_size):
   print(" | ".join(f"{c:>13}" for c in ("fallbacks",) + tuple(
       str(runs[n].fallbacks) for n in names)))
   print(" | ".join(f"{c:>13}" for c in ("cache KB",) + tuple(
-      f"{sum(runs[n].cache.values()) / 1e3:.0f}" for n in names)))
+      f"{runs[n].peak_cache / 1e3:.0f}" for n in names)))
   for mode in codec.COMPRESSED_MODES:
     print(" | ".join(f"{c:>13}" for c in (f"  {mode} KB",) + tuple(
         f"{runs[n].cache.get(mode, 0) / 1e3:.0f}" for n in names)))
@@ -412,8 +435,9 @@ def main():
   parser.add_argument("--steps_low", type=int, default=None)
   parser.add_argument("--reselect_every", type=int, default=10,
                       help="codec.reselect_every of the controlled modes")
-  parser.add_argument("--budget_kb", type=float, default=512.0,
-                      help="auto's codec.cache_budget_bytes, in KB per device")
+  parser.add_argument("--budget_kb", type=float, default=None,
+                      help="auto's codec.cache_budget_bytes, in KB per device (default: the bf16 "
+                      "bytes of the gathered parameters, one whole-value cache of all of them)")
   parser.add_argument("--capacity_margin", type=float, default=None,
                       help="codec.capacity_margin (default: the preset's)")
   parser.add_argument("--low_lr", type=float, default=LOW_LR, help="the fine-tuning lr")
@@ -424,7 +448,6 @@ def main():
       "codec.capacity_margin": args.capacity_margin}
   steps_high = args.steps_high or (60 if args.quick else 200)
   steps_low = args.steps_low or (40 if args.quick else 100)
-  budget = int(args.budget_kb * 1000)
   every = args.reselect_every
   t_start = time.perf_counter()
 
@@ -433,6 +456,8 @@ def main():
   data = make_data(DataSpec(seed=cfg_high.seed), batch_size=cfg_high.batch_size,
                    seq_len=cfg_high.seq_len)
   high_trainer = Trainer(cfg_high)
+  budget = (int(args.budget_kb * 1000) if args.budget_kb is not None
+            else model_bf16_bytes(high_trainer.layout.gatherer))
   high = run_regime("high: peak lr 3e-3 from scratch", high_trainer, high_trainer.init_state(),
                     data, steps_high, cfg_high.codec.warmup_steps, every, budget, block_size)
   cfg_low = config(steps_low, **overrides, **{"optim.lr": args.low_lr,
@@ -446,13 +471,14 @@ def main():
 
   print(f"\nTiny preset, {jax.device_count()} fake {jax.default_backend()} devices, block size "
         f"{block_size}, capacity margin {cfg_high.codec.capacity_margin:g}; gains priced in bytes; "
-        f"auto under a {args.budget_kb:.0f} KB cache budget per device; bytes include every "
+        f"auto under a {budget / 1e3:.0f} KB cache budget per device (and half that: "
+        f"'{HALF}'); bytes include every "
         "dense gather (refills after a change of mode, fallbacks)")
   for reg in (high, low):
     print_regime(reg, block_size)
   print("\nauto's last choice per parameter (high / low), with the capacity in % of its units:")
   for i, (g, p) in enumerate(high["names"]):
-    describe = lambda s: (f"{s.spec.mode} {100 * s.spec.capacity_fraction:.1f}%"  # noqa: E731
+    describe = lambda s: (f"{s.spec.rate_kind} {100 * s.spec.capacity_fraction:.1f}%"  # noqa: E731
                           if s.selected else f"plain ({s.reason})")
     print(f"  {g + p:<30} {describe(high['last_choice']['auto'][1][i]):<24} "
           f"{describe(low['last_choice']['auto'][1][i])}")
@@ -494,7 +520,10 @@ def main():
       **{f"bytes_ratio_auto_{k}lr_trained": v for k, v in checks.items()},
       "steps_high": steps_high, "steps_low": steps_low, "reselect_every": every,
       "bytes_ratio_block": h["block"]["total"], "bytes_ratio_element": h["element"]["total"],
-      "bytes_ratio_word": h["word"]["total"], "bytes_ratio_auto_highlr": h["auto"]["total"],
+      "bytes_ratio_word": h["word"]["total"], "bytes_ratio_delta": h["delta"]["total"],
+      "bytes_ratio_auto_highlr": h["auto"]["total"],
+      "bytes_ratio_delta_experts": h["delta"]["experts"],
+      "bytes_ratio_auto_highlr_late": high["late"]["auto"]["total"],
       "bytes_ratio_block_experts": h["block"]["experts"],
       "bytes_ratio_element_experts": h["element"]["experts"],
       "bytes_ratio_element_experts_late": high["late"]["element"]["experts"],
@@ -502,10 +531,13 @@ def main():
       "bytes_ratio_block_all": h["block (all)"]["total"],
       "bytes_ratio_word_lowlr": lo["word"]["total"], "bytes_ratio_auto_lowlr": lo["auto"]["total"],
       "bytes_ratio_element_lowlr": lo["element"]["total"],
+      "bytes_ratio_delta_lowlr": lo["delta"]["total"],
       "worst_param_auto_highlr": h["auto"]["worst_param"],
       "worst_param_auto_lowlr": lo["auto"]["worst_param"],
-      "cache_bytes_auto_highlr": sum(high["runs"]["auto"].cache.values()),
-      "cache_bytes_auto_lowlr": sum(low["runs"]["auto"].cache.values()),
+      "cache_bytes_auto_highlr": high["runs"]["auto"].peak_cache,
+      "cache_bytes_auto_lowlr": low["runs"]["auto"].peak_cache,
+      "bytes_ratio_auto_half_budget_highlr": h[HALF]["total"],
+      "bytes_ratio_auto_half_budget_lowlr": lo[HALF]["total"],
       "cache_budget_bytes": budget,
       "exp_change_rate_highlr": float(high["rates"]["total"][0]),
       "exp_change_rate_lowlr": float(low["rates"]["total"][0]),

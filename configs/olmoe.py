@@ -38,8 +38,8 @@ def _base() -> ml_collections.ConfigDict:
                  b2=0.95, eps=1e-8, clip_norm=1.0)
   c.mesh = dict(shape=(1, -1))
   c.codec = dict(mode="off", block_size=512, warmup_steps=30, detect="exact",
-                 capacity_fraction=0.0, select=False, cache_budget_bytes=0, reselect_every=0,
-                 capacity_margin=1.25, comm_model="profile")
+                 capacity_fraction=0.0, delta_bits=3, select=False, cache_budget_bytes=0,
+                 reselect_every=0, capacity_margin=1.25, comm_model="profile")
   c.checkpoint = dict(every=100, keep=3)
   c.steps = 200
   c.batch_size = 16

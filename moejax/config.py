@@ -16,7 +16,7 @@ PLACEMENTS = ("fsdp", "ep", "fssdp")
 ADMISSIONS = ("none", "strict", "reroute")
 SCORES = ("softmax", "sigmoid")
 DATA_SOURCES = ("builtin", "text", "jsonl")
-CODEC_MODES = ("off", "block", "element", "word", "auto")
+CODEC_MODES = ("off", "block", "element", "word", "delta", "auto")
 CODEC_COMM_MODELS = ("profile", "bytes")
 
 
@@ -99,7 +99,7 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CodecConfig:
-  # off | block | element | word: every sharded parameter in that mode (moejax.codec);
+  # off | block | element | word | delta: every sharded parameter in that mode (moejax.codec);
   # auto: a mode per parameter (or plain), chosen and re-chosen from measured change rates.
   mode: str = "off"
   block_size: int = 512
@@ -109,6 +109,7 @@ class CodecConfig:
   # A fixed mode only where it pays (benefit vs cost), capacities sized from measured rates;
   # always on for auto (moejax.train.codec_control).
   select: bool = False
+  delta_bits: int = 3             # delta mode: code bits per value (2, 3 or 4)
   cache_budget_bytes: int = 0     # codec state per device of the selected parameters; 0 = no limit
   reselect_every: int = 0         # steps between re-decisions from live rates; 0 = decide once
   capacity_margin: float = 1.25   # selected capacity = worst device's change rate x margin
@@ -240,10 +241,10 @@ def validate(c: Config) -> None:
     _check(value > 0, f"config.fssdp.{field}={value}: must be positive")
   _check(c.fssdp.reshard_every >= 0,
          f"config.fssdp.reshard_every={c.fssdp.reshard_every}: must be >= 0 (0 = never)")
-  _choice(moe.score, "moe.score", SCORES)
   _check(0 <= c.fssdp.max_per_layer <= moe.num_experts,
          f"config.fssdp.max_per_layer={c.fssdp.max_per_layer}: must be in [0, "
          f"moe.num_experts={moe.num_experts}] (0 = default)")
+  _choice(moe.score, "moe.score", SCORES)
   _check(moe.capacity_factor >= 0,
          f"config.moe.capacity_factor={moe.capacity_factor}: must be >= 0 (0 = dropless)")
   _choice(c.routing.admission, "routing.admission", ADMISSIONS)
@@ -274,7 +275,10 @@ def validate(c: Config) -> None:
          f"config.codec.detect={c.codec.detect!r} needs codec.mode='block' or 'auto' (hashes "
          "tell which blocks changed, not which values)")
   _check(not c.codec.select or c.codec.mode != "off",
-         "config.codec.select=True needs codec.mode=block, element or word (auto always selects)")
+         "config.codec.select=True needs codec.mode=block, element, word or delta (auto always "
+         "selects)")
+  _check(c.codec.delta_bits in (2, 3, 4),
+         f"config.codec.delta_bits={c.codec.delta_bits!r}: must be 2, 3 or 4")
   _check(c.codec.cache_budget_bytes >= 0,
          f"config.codec.cache_budget_bytes={c.codec.cache_budget_bytes}: must be >= 0 "
          "(0 = no limit)")

@@ -3,7 +3,7 @@
 `compressed_all_gather(shard, state, ...)` returns exactly (bit for bit) what
 `lax.all_gather(shard, axis_name, axis=axis, tiled=True)` returns. Every device keeps a cache of
 the other W-1 shards, and a sender ships only a patch of what changed since the previous gather.
-Three modes:
+Four modes:
 
 * "element" / "block": exponent reuse. Each device splits its shard into exponents and
   sign+mantissa (`bits`). The sign+mantissa bits always travel, densely packed; exponents change
@@ -15,6 +15,10 @@ Three modes:
   the patch carries a bitmap of changed values and the changed values. Nothing else travels, so
   a shard whose values rarely change as a whole (small learning rates) costs N bits plus its
   changes, against 8 bits per value for the exponent modes.
+* "delta": the word cache, and a `delta_bits`-bit code per value instead of the bitmap: a value
+  that moved by at most 2^(delta_bits-1) - 1 units in the last place (most of them, from one
+  optimizer step to the next) costs only its code; the others ("escapes") carry their move in a
+  byte, or travel whole when it exceeds 127 units (a second list with its own capacity).
 
 Everything travels in one `all_gather` of a static-shape uint32 buffer.
 
@@ -26,7 +30,7 @@ the uncompressed gather) and refills every cache when
   many exponents for patches to pay), or
 * any device's changes exceed the patch capacity. This fallback is counted (`fallback`).
 
-Devices agree on the path with one tiny `all_gather` of four int32 per device (flags for the
+Devices agree on the path with one tiny `all_gather` of six int32 per device (flags for the
 three conditions above and change counts, also used for stats), issued before the payload; a
 condition on any device sends everyone down the dense path.
 
@@ -34,13 +38,13 @@ Both paths are exact, so the output never depends on which one ran.
 
 State (one per shard and device; a pytree of arrays, rebuilt rather than checkpointed):
   prev   the sender's previous exponents [N'] uint8 ("exact"), block hashes [NB, 4] uint32
-         ("hash"), or bit patterns [N] (word mode; uint16 for 16-bit floats)
-  cache  [W-1, N'] the other shards' exponents (uint8), or bit patterns in word mode, in device
+         ("hash"), or bit patterns [N] (word/delta mode; uint16 for 16-bit floats)
+  cache  [W-1, N'] the other shards' exponents (uint8), or bit patterns (word/delta), in device
          order, this device skipped
   step   int32 gathers since `init_state`, saturating at `warmup_steps`
   valid  bool, False until a dense gather has filled the caches
 N' is N rounded up to whole blocks in block mode and N otherwise. Memory per device: (W-1) N'
-bytes of cache plus N' ("exact") or 16 NB ("hash") bytes of sender state; word mode W N times
+bytes of cache plus N' ("exact") or 16 NB ("hash") bytes of sender state; word/delta W N times
 the float's size. Each device holds its own state: under `shard_map` stack the states of the
 devices along the gathered axis.
 
@@ -53,15 +57,16 @@ state, which gives the same result.
 Byte accounting (stats, all float32/int32 scalars, identical on every device of the axis):
   bytes_plain      bytes each device contributes to the plain all-gather (N * itemsize)
   bytes_sent       bytes each device contributed to this call's collectives: the static buffer
-                   capacity (not its fill), plus 16 bytes of the agreement collective
+                   capacity (not its fill), plus 24 bytes of the agreement collective
   bytes_needed     mean over devices of the bytes the data needed: packed sign+mantissa (not in
-                   word mode) plus the patch's content (bitmap, changed blocks, entries or
-                   values), or bytes_plain when the caches were not valid; can exceed the
+                   word/delta) plus the patch's content (bitmap or codes, changed blocks,
+                   entries or values), or bytes_plain when the caches were not valid; can exceed the
                    capacity, which then falls back
   exponent_changes values whose exponent changed, summed over the axis (-1 with "hash": unknown)
   block_changes    blocks with a changed exponent, summed over the axis
-  word_changes     values with any bit changed, summed over the axis (word mode; -1 otherwise)
-  capacity_fill    max over devices of changed units / capacity (> 1 means overflow)
+  word_changes     values with any bit changed, summed over the axis (word/delta; -1 otherwise)
+  capacity_fill    max over devices of changed units (escapes in delta mode) / capacity (> 1
+                   means overflow)
   fallback         1 when an overflow forced the dense path (outside warm-up), else 0
   dense            1 when the dense path ran (for any reason), else 0
 Counts are 0 when a state was not valid (there is nothing to compare against). A device's
@@ -86,8 +91,9 @@ from moejax.codec import kernels
 from moejax.codec import payload
 from moejax.codec import word
 
-MODES = ("off", "block", "element", "word")
-COMPRESSED_MODES = ("block", "element", "word")
+MODES = ("off", "block", "element", "word", "delta")
+COMPRESSED_MODES = ("block", "element", "word", "delta")
+WORD_MODES = ("word", "delta")   # receivers cache whole values (`moejax.codec.word`)
 DETECTORS = ("exact", "hash")
 
 # Patch capacity as a fraction of the shard's units (values in element mode, blocks in block
@@ -100,35 +106,50 @@ DETECTORS = ("exact", "hash")
 # decay or at lr <= 3e-5 late in training. Element mode is the one that pays at usual learning
 # rates; block mode pays for rarely updated parameters or late in training. Word mode pays only
 # where whole values rarely change (fine-tuning learning rates, rarely used rows).
-DEFAULT_CAPACITY_FRACTION = {"element": 1 / 16, "block": 1 / 4, "word": 1 / 4}
-STATS_WORDS = 4   # int32 per device in the agreement collective
+DEFAULT_CAPACITY_FRACTION = {"element": 1 / 16, "block": 1 / 4, "word": 1 / 4, "delta": 1 / 8}
+DEFAULT_FAR_FRACTION = 1 / 64   # delta mode: whole values (moves beyond 127 units) a patch holds
+STATS_WORDS = 6   # int32 per device in the agreement collective
 _OVERFLOW, _INVALID, _WARM = 1, 2, 4   # bits of the agreed flags word
 
 
 @dataclasses.dataclass(frozen=True)
 class CodecSpec:
   """Static codec configuration (hashable: it is a static argument of the gather)."""
-  mode: str                                # "off" | "block" | "element" | "word"
+  mode: str                                # "off" | "block" | "element" | "word" | "delta"
   block_size: int = 512
   detect: str = "exact"                    # "exact" | "hash" (block mode only)
   capacity_fraction: float | None = None   # None: DEFAULT_CAPACITY_FRACTION[mode]
   warmup_steps: int = 30
+  delta_bits: int = 3                      # delta mode: bits of each value's code
+  far_fraction: float | None = None        # delta mode's far list; None: DEFAULT_FAR_FRACTION
 
   def __post_init__(self):
     if self.mode not in MODES:
       raise ValueError(f"CodecSpec.mode must be one of {MODES}, got {self.mode!r}")
     if self.detect not in DETECTORS:
       raise ValueError(f"CodecSpec.detect must be one of {DETECTORS}, got {self.detect!r}")
-    if self.mode in ("element", "word") and self.detect == "hash":
+    if self.mode == "delta" and self.delta_bits not in word.DELTA_BITS:
+      raise ValueError(f"CodecSpec.delta_bits must be one of {word.DELTA_BITS}, got "
+                       f"{self.delta_bits!r}")
+    if self.mode != "block" and self.detect == "hash":
       raise ValueError("CodecSpec.detect='hash' needs mode='block': block hashes tell which "
                        f"blocks changed, not which values, so mode={self.mode!r} needs 'exact'")
     if not isinstance(self.block_size, int) or self.block_size < 1:
       raise ValueError(f"CodecSpec.block_size must be an int >= 1, got {self.block_size!r}")
+    if self.far_fraction is not None and not 0 < self.far_fraction <= 1:
+      raise ValueError(f"CodecSpec.far_fraction must be in (0, 1] or None, got "
+                       f"{self.far_fraction!r}")
     if self.capacity_fraction is not None and not 0 < self.capacity_fraction <= 1:
       raise ValueError("CodecSpec.capacity_fraction must be in (0, 1] or None, got "
                        f"{self.capacity_fraction!r}")
     if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
       raise ValueError(f"CodecSpec.warmup_steps must be an int >= 0, got {self.warmup_steps!r}")
+
+  @property
+  def rate_kind(self) -> str:
+    """The change rate that sizes this spec's capacity: "element" (exponent changes), "block",
+    "word" (any change) or "delta2".."delta4" (escapes at that code width)."""
+    return f"delta{self.delta_bits}" if self.mode == "delta" else self.mode
 
   @property
   def capacity(self) -> float:
@@ -145,8 +166,11 @@ def patch_format(shard_shape, dtype, spec: CodecSpec):
     raise ValueError("CodecSpec.mode='off' has no patch format")
   n = math.prod(shard_shape)
   layout = bits.layout_of(dtype)
-  if spec.mode == "word":
-    return word.WordFormat.create(n, layout.total_bits, spec.capacity)
+  if spec.mode in WORD_MODES:
+    if spec.mode == "word":
+      return word.WordFormat.create(n, layout.total_bits, spec.capacity)
+    return word.WordFormat.create(n, layout.total_bits, spec.capacity, spec.delta_bits,
+                                  spec.far_fraction or DEFAULT_FAR_FRACTION)
   return payload.Format.create(spec.mode, n, layout.exp_bits, spec.block_size, spec.capacity)
 
 
@@ -158,7 +182,7 @@ def wire_bytes(shard_shape, dtype, spec: CodecSpec) -> dict:
     return {"plain": plain, "compressed": plain, "dense": plain}
   layout = bits.layout_of(dtype)
   words = patch_format(shard_shape, dtype, spec).words
-  if spec.mode != "word":
+  if spec.mode not in WORD_MODES:
     words += bits.packed_words(n, layout.rest_bits)
   return {"plain": plain, "compressed": 4 * (words + STATS_WORDS), "dense": plain + 4 * STATS_WORDS}
 
@@ -168,7 +192,7 @@ def state_bytes(shard_shape, dtype, axis_size: int, spec: CodecSpec) -> int:
   if spec.mode == "off":
     return 0
   fmt = patch_format(shard_shape, dtype, spec)
-  if spec.mode == "word":
+  if spec.mode in WORD_MODES:
     return axis_size * fmt.n * np.dtype(dtype).itemsize + 4 + 1
   prev = fmt.cache_width if spec.detect == "exact" else 4 * detect.HASH_WORDS * fmt.num_blocks
   return (axis_size - 1) * fmt.cache_width + prev + 4 + 1
@@ -182,7 +206,7 @@ def init_state(shard_shape, dtype, axis_size: int, spec: CodecSpec) -> dict:
   if axis_size < 1:
     raise ValueError(f"axis_size must be >= 1, got {axis_size}")
   fmt = patch_format(shard_shape, dtype, spec)
-  cached = bits.layout_of(dtype).uint_dtype if spec.mode == "word" else jnp.uint8
+  cached = bits.layout_of(dtype).uint_dtype if spec.mode in WORD_MODES else jnp.uint8
   if spec.detect == "exact":
     prev = jnp.zeros((fmt.cache_width,), cached)
   else:
@@ -195,8 +219,11 @@ def init_state(shard_shape, dtype, axis_size: int, spec: CodecSpec) -> dict:
 
 def same_state(a: CodecSpec, b: CodecSpec) -> bool:
   """Whether a state built for spec `a` holds exactly what spec `b` needs (so a switch from `a`
-  to `b` keeps the caches valid): the same mode and detector and, in block mode, block size. The
-  capacity and the warm-up count do not change what a state holds."""
+  to `b` keeps the caches valid): the same mode and detector and, in block mode, block size; word
+  and delta mode hold the same (whole values). The capacity and the warm-up count do not change
+  what a state holds."""
+  if a.mode in WORD_MODES and b.mode in WORD_MODES:
+    return True
   return (a.mode == b.mode and a.detect == b.detect and a.mode != "off"
           and (a.mode != "block" or a.block_size == b.block_size))
 
@@ -291,12 +318,12 @@ def _tile(x_WxS: jax.Array, axis: int) -> jax.Array:
 
 def _send_exponents(bits_N, state, spec: CodecSpec, fmt: payload.Format, layout: bits.Layout):
   """Exponent modes, sender side -> (new prev, own cache row, exponent/block/word changes,
-  changed units, make_wire)."""
+  changed units, far escapes (delta mode; 0 here), make_wire)."""
   n, width = fmt.n, fmt.cache_width
   if spec.detect == "exact":   # split + detect + patch in one op (Triton kernels on GPU)
     enc = kernels.encode(bits_N, state["prev"], fmt, layout)
     return (enc.exp, enc.exp, enc.value_changes, enc.block_changes, jnp.int32(-1),
-            enc.count(fmt), lambda: enc.wire)
+            enc.count(fmt), jnp.int32(0), lambda: enc.wire)
   # block hashes (block mode only), in jnp
   exp_N, rest_N = bits.split_bits(bits_N, layout)
   exp_Np = jnp.pad(exp_N, (0, width - n))
@@ -309,20 +336,23 @@ def _send_exponents(bits_N, state, spec: CodecSpec, fmt: payload.Format, layout:
     return jnp.concatenate([bits.pack_bits(rest_N, layout.rest_bits), patch_P])
 
   return (new_prev, exp_Np, jnp.int32(-1), block_changes, jnp.int32(-1), block_changes,
-          make_wire)
+          jnp.int32(0), make_wire)
 
 
 def _send_words(bits_N, state, spec: CodecSpec, fmt: word.WordFormat, layout: bits.Layout):
-  """Word mode, sender side: same results as `_send_exponents`."""
+  """Word and delta mode, sender side: same results as `_send_exponents` (the changed units are
+  the escaped values)."""
   changed_N = word.changed(bits_N, state["prev"])
+  codes_N = word.codes(bits_N, state["prev"], fmt)
   exp_N, _ = bits.split_bits(bits_N, layout)
   prev_exp_N, _ = bits.split_bits(state["prev"], layout)
   exp_changed_N = detect.changed_values(exp_N, prev_exp_N)
   block_changes = jnp.sum(jnp.any(detect.block_view(exp_changed_N, spec.block_size), axis=1),
                           dtype=jnp.int32)
   word_changes = jnp.sum(changed_N, dtype=jnp.int32)
+  _, escapes, far = word.encode(bits_N, codes_N, fmt, state["prev"])   # counts only (DCE)
   return (bits_N, bits_N, jnp.sum(exp_changed_N, dtype=jnp.int32), block_changes, word_changes,
-          word_changes, lambda: word.encode(bits_N, changed_N, fmt)[0])
+          escapes, far, lambda: word.encode(bits_N, codes_N, fmt, state["prev"])[0])
 
 
 def _forward(shard, state, axis_name, axis, spec: CodecSpec):
@@ -334,24 +364,27 @@ def _forward(shard, state, axis_name, axis, spec: CodecSpec):
     raise ValueError(f"state cache has shape {state['cache'].shape}, expected {(w - 1, width)} "
                      f"for a shard of {shard.shape} on an axis of {w} devices")
   me = lax.axis_index(axis_name)
-  words = spec.mode == "word"
+  words = spec.mode in WORD_MODES
 
   bits_N = lax.bitcast_convert_type(shard, layout.uint_dtype).reshape(n)
 
   # Sender: what changed since the previous gather, and the wire of the compressed path.
   send = _send_words if words else _send_exponents
-  new_prev, own, exponent_changes, block_changes, word_changes, count, make_wire = send(
+  new_prev, own, exponent_changes, block_changes, word_changes, count, far, make_wire = send(
       bits_N, state, spec, fmt, layout)
 
   # Agreement: one tiny collective of flags and counts. Every device decides from the same
   # gathered flags, so all take the same path even if their states disagreed. The last count is
-  # the changed units (blocks, values or words), which word mode also reports as word changes.
-  flags = ((count > fmt.capacity).astype(jnp.int32) * _OVERFLOW
+  # the changed units that use capacity (blocks, values, or escaped values).
+  over = count > fmt.capacity
+  if words:
+    over = over | (far > fmt.far_capacity)
+  flags = (over.astype(jnp.int32) * _OVERFLOW
            + jnp.logical_not(state["valid"]).astype(jnp.int32) * _INVALID
            + (state["step"] < spec.warmup_steps).astype(jnp.int32) * _WARM)
-  local_4 = jnp.stack([flags, exponent_changes, block_changes, count])
-  all_Wx4 = lax.all_gather(local_4, axis_name)
-  overflow, invalid, warm = (jnp.any((all_Wx4[:, 0] & f) != 0)
+  local_6 = jnp.stack([flags, exponent_changes, block_changes, word_changes, count, far])
+  all_Wx6 = lax.all_gather(local_6, axis_name)
+  overflow, invalid, warm = (jnp.any((all_Wx6[:, 0] & f) != 0)
                              for f in (_OVERFLOW, _INVALID, _WARM))
   valid = jnp.logical_not(invalid)
   dense = invalid | warm | overflow
@@ -386,17 +419,21 @@ def _forward(shard, state, axis_name, axis, spec: CodecSpec):
                "valid": jnp.ones_like(state["valid"])}
 
   sizes = wire_bytes(shard.shape, shard.dtype, spec)
-  mean_count = jnp.mean(all_Wx4[:, 3].astype(jnp.float32))
-  needed = ((0 if words else n * layout.rest_bits) + fmt.fill_bits(mean_count)) / 8
+  mean_count, mean_far = (jnp.mean(all_Wx6[:, i].astype(jnp.float32)) for i in (4, 5))
+  needed = ((0 if words else n * layout.rest_bits)
+            + (fmt.fill_bits(mean_count, mean_far) if words else fmt.fill_bits(mean_count))) / 8
+  fill = jnp.max(all_Wx6[:, 4]) / np.float32(fmt.capacity)
+  if words and fmt.far_capacity:
+    fill = jnp.maximum(fill, jnp.max(all_Wx6[:, 5]) / np.float32(fmt.far_capacity))
   stats = _stats(
       bytes_sent=jnp.where(dense, sizes["dense"], sizes["compressed"]),
       bytes_plain=sizes["plain"],
       bytes_needed=jnp.where(valid, needed, sizes["plain"]),
-      exponent_changes=(jnp.where(valid, jnp.sum(all_Wx4[:, 1]), 0)
+      exponent_changes=(jnp.where(valid, jnp.sum(all_Wx6[:, 1]), 0)
                         if spec.detect == "exact" else -1),
-      block_changes=jnp.where(valid, jnp.sum(all_Wx4[:, 2]), 0),
-      word_changes=jnp.where(valid, jnp.sum(all_Wx4[:, 3]), 0) if words else -1,
-      capacity_fill=jnp.where(valid, jnp.max(all_Wx4[:, 3]) / np.float32(fmt.capacity), 0.0),
+      block_changes=jnp.where(valid, jnp.sum(all_Wx6[:, 2]), 0),
+      word_changes=jnp.where(valid, jnp.sum(all_Wx6[:, 3]), 0) if words else -1,
+      capacity_fill=jnp.where(valid, fill, 0.0),
       fallback=overflow & valid & jnp.logical_not(warm),
       dense=dense)
   return full, new_state, stats

@@ -18,7 +18,8 @@ For parameter i (one shard per device, W devices on the gather axis), all figure
 A stacked parameter (one shard per layer, one choice for all) counts `copies` times in g and M.
 
 Modes considered: element and block (exponent reuse), word (whole-word deltas) when a word change
-rate is known, block with hashes when asked. A mode with g <= 0 is never used. Each parameter
+rate is known, delta at each code width (2, 3, 4 bits per value) whose escape rate is known, block
+with hashes when asked. A mode with g <= 0 is never used. Each parameter
 picks at most one mode; across parameters this is a multiple-choice knapsack, solved greedily by
 gain per byte of state: each parameter's options form an upper concave hull in (M, g) starting
 at plain (0, 0), and the hull's segments (upgrades, e.g. plain -> block -> element) are taken in
@@ -39,12 +40,14 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from moejax.codec import detect as detect_lib
 from moejax.codec import gather
 
-# (mode, detect) pairs considered; ("block", "hash") trades a 2^-128 chance of a missed change
-# for a much smaller sender state and is only considered when asked for.
-OPTIONS = (("element", "exact"), ("block", "exact"), ("word", "exact"))
-HASH_OPTION = ("block", "hash")
+# (mode, detect, delta_bits) options considered; ("block", "hash") trades a 2^-128 chance of a
+# missed change for a much smaller sender state and is only considered when asked for.
+OPTIONS = (("element", "exact", 3), ("block", "exact", 3), ("word", "exact", 3)) + tuple(
+    ("delta", "exact", k) for k in detect_lib.DELTA_BITS)
+HASH_OPTION = ("block", "hash", 3)
 # Smallest capacity a selected parameter gets, as a fraction of its units: a parameter measured
 # as unchanging still gets room for a few changes before it falls back.
 MIN_CAPACITY_FRACTION = 2.0 ** -10
@@ -92,18 +95,26 @@ class ParamStats:
   q_block: float | None       # measured fraction of blocks (of block_size) with a change
   decode_s: float | Mapping[str, float] = 0.0   # decode time per gather, or per mode
   q_word: float | None = None  # measured fraction of values with any bit changed (word mode)
+  # Delta mode: {code bits K: measured fraction of values that move too far for a K-bit code}.
+  q_delta: Mapping[int, float] | None = None
+  q_far: float | None = None   # measured fraction of values that move more than 127 units
   copies: int = 1              # shards sharing this choice (the layers of a stacked parameter)
   # Worst rate per mode (max over devices, layers and measured steps), which sizes the
   # capacity; the mean rates above when absent.
   peak: Mapping[str, float] | None = None
 
-  def rate(self, mode: str) -> float | None:
-    return {"element": self.q_element, "block": self.q_block, "word": self.q_word}[mode]
+  def rate(self, kind: str) -> float | None:
+    """Mean rate of a `CodecSpec.rate_kind`."""
+    if kind.startswith("delta"):
+      return (self.q_delta or {}).get(int(kind[len("delta"):]))
+    if kind == "far":
+      return self.q_far
+    return {"element": self.q_element, "block": self.q_block, "word": self.q_word}[kind]
 
-  def peak_rate(self, mode: str) -> float | None:
-    if self.peak is not None and self.peak.get(mode) is not None:
-      return self.peak[mode]
-    return self.rate(mode)
+  def peak_rate(self, kind: str) -> float | None:
+    if self.peak is not None and self.peak.get(kind) is not None:
+      return self.peak[kind]
+    return self.rate(kind)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,18 +149,26 @@ def capacity_fraction(peak_rate: float, margin: float, *, quantize: bool = False
 
 def evaluate(p: ParamStats, mode: str, detect: str, comm: CommModel, axis_size: int, *,
              block_size: int = 512, margin: float = 1.5, warmup_steps: int = 30,
-             quantize: bool = False, capacity: float | None = None):
+             quantize: bool = False, capacity: float | None = None, delta_bits: int = 3):
   """(spec, gain in seconds, state bytes) of one parameter in one mode, all copies together.
-  The capacity is sized from the worst measured rate (`capacity_fraction`), then, in element and
-  word mode, rounded up to whole groups of 32 slots (what the packed patch holds anyway);
-  `capacity` overrides it."""
+  The capacity is sized from the worst measured rate (`capacity_fraction`), then, in element,
+  word and delta mode, rounded up to whole groups of 32 slots (what the packed patch holds
+  anyway); `capacity` overrides it."""
+  kind = gather.CodecSpec(mode, delta_bits=delta_bits).rate_kind
+  n = math.prod(p.shard_shape)
+
+  def sized(rate):
+    fraction = capacity_fraction(rate, margin, quantize=quantize)
+    # slots are packed up to 32 at a time: fill the last group for free
+    return fraction if mode == "block" else min(1.0, -(-math.ceil(fraction * n) // 32) * 32 / n)
+
   if capacity is None:
-    capacity = capacity_fraction(p.peak_rate(mode), margin, quantize=quantize)
-    if mode != "block":   # slots are packed 32 at a time: fill the last group for free
-      n = math.prod(p.shard_shape)
-      capacity = min(1.0, -(-math.ceil(capacity * n) // 32) * 32 / n)
+    capacity = sized(p.peak_rate(kind))
+  far = None
+  if mode == "delta":   # the far list: escapes that move more than 127 units
+    far = sized(p.peak_rate("far") or 0.0)
   spec = gather.CodecSpec(mode, block_size=block_size, detect=detect, capacity_fraction=capacity,
-                          warmup_steps=warmup_steps)
+                          warmup_steps=warmup_steps, delta_bits=delta_bits, far_fraction=far)
   sizes = gather.wire_bytes(p.shard_shape, p.dtype, spec)
   agreement = 4 * gather.STATS_WORDS
   gain = (comm(sizes["plain"]) - comm(sizes["compressed"] - agreement) - comm(agreement)
@@ -180,9 +199,10 @@ def select(params: Sequence[ParamStats], comm: CommModel, *, axis_size: int,
   """One Selection per parameter, in the order given (see the module docstring).
 
   cache_budget_bytes: state bytes per device for all selected parameters (None: no limit).
-  modes: the compressed modes to consider ("element", "block", "word"); word needs `q_word`.
-  capacities: {(name, mode): capacity fraction} to keep instead of sizing from the rates (the
-  caller's hysteresis).
+  modes: the compressed modes to consider ("element", "block", "word", "delta"); word needs
+  `q_word`, delta `q_delta` (each code width with a rate is an option).
+  capacities: {(name, rate kind): capacity fraction} to keep instead of sizing from the rates
+  (the caller's hysteresis).
   """
   options = [o for o in OPTIONS if o[0] in modes]
   if allow_hash and "block" in modes:
@@ -190,13 +210,14 @@ def select(params: Sequence[ParamStats], comm: CommModel, *, axis_size: int,
   hulls, best = [], []
   for p in params:
     candidates = []
-    for mode, det in options:
-      if p.rate(mode) is None:
+    for mode, det, k in options:
+      kind = gather.CodecSpec(mode, delta_bits=k).rate_kind
+      if p.rate(kind) is None:
         continue
-      keep = (capacities or {}).get((p.name, mode))
+      keep = (capacities or {}).get((p.name, kind))
       candidates.append(evaluate(p, mode, det, comm, axis_size, block_size=block_size,
                                  margin=margin, warmup_steps=warmup_steps, quantize=quantize,
-                                 capacity=keep))
+                                 capacity=keep, delta_bits=k))
     if not candidates:
       raise ValueError(f"parameter {p.name!r} has no measured rate for any of the modes {modes}")
     best.append(max(candidates, key=lambda c: (c[1], -c[2])))

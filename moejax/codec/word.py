@@ -1,21 +1,34 @@
-"""Whole-word patches: receivers cache every value of a shard, senders ship the values that changed.
+"""Whole-word patches: receivers cache every value of a shard, senders ship what changed.
 
 Where values change rarely as a whole (small learning rates, rarely used embedding rows, norms),
 shipping the changed values outright beats shipping every sign+mantissa (exponent modes). A
-word patch is a flat uint32 vector of static size:
+patch is a flat uint32 vector of static size:
 
-  [bitmap of changed values: N bits][the first C changed values, in order: C values of
-   `value_bits` bits each (the full bit pattern: 16 for bf16/fp16, 32 for fp32)]
+  word:  [bitmap of changed values: N bits][the first C changed values, in order: C values of
+          `value_bits` bits each (the full bit pattern: 16 for bf16/fp16, 32 for fp32)]
+  delta: [a code per value: N codes of K bits][the first C escapes, in order: C signed bytes]
+         [the first F far escapes, in order: F full bit patterns]
+
+`word` mode: the bitmap says which values changed, and every changed value travels whole.
+`delta` mode (K = 2, 3 or 4): most values move by a few units in the last place from one step to
+the next, so a code says "unchanged", "moved by d" for 1 <= |d| <= D = 2^(K-1) - 1, or "escaped".
+An escape carries d in a signed byte when |d| <= 127 and otherwise the byte -128 and the whole new
+value in the far list. d is the difference of the values' order keys (`order_key`: the bit
+pattern mapped one to one onto integers in the floats' order, so +-0.0, subnormals, infinities
+and NaN payloads all have a key), so adding d to the cached key gives the new bit pattern
+exactly. Codes: 0 unchanged, 1..D for d = 1..D, D+1..2D for d = -1..-D, 2D+1 escaped.
 
 Unused value slots are zero. A value "changed" when any of its bits differs from the previous
 gather's (`detect.changed_values` on the bit patterns), so a patch is exact for every bit pattern
-(NaN payloads, -0.0, subnormals). As in the exponent formats, a patch whose change count exceeds
-its capacity is not decodable; `encode` returns the count so the caller can agree on a dense
-fallback first.
+(NaN payloads, -0.0, subnormals). As in the exponent formats, a patch whose escape (or far escape)
+count exceeds its capacity is not decodable; `encode` returns the counts so the caller can agree
+on a dense fallback first.
 
-The cache of one shard holds its N bit patterns (`cache_width` = N) in the float's unsigned type.
+The cache of one shard holds its N bit patterns (`cache_width` = N) in the float's unsigned type,
+in both modes (a switch between them keeps the caches).
 
-Letters: N values in a shard, C capacity (values), R cached shards (rows), P patch words.
+Letters: N values in a shard, C capacity (values), F far capacity, R cached shards (rows), P patch
+words.
 """
 from __future__ import annotations
 
@@ -24,49 +37,83 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from moejax.codec import bits
 from moejax.codec import detect
 from moejax.codec import payload
 
+DELTA_BITS = detect.DELTA_BITS
+CODE_BITS = (1,) + DELTA_BITS
+NEAR_BITS = 8                      # an escape's d, when |d| <= NEAR_MAX
+NEAR_MAX = detect.NEAR_MAX         # 127
+_FAR = np.uint32(1 << (NEAR_BITS - 1))   # the byte -128: "the value is in the far list"
+
 
 @dataclasses.dataclass(frozen=True)
 class WordFormat:
-  """Static description of one shard's word patch."""
+  """Static description of one shard's word or delta patch."""
   n: int
-  value_bits: int   # bits of one value (the float's width)
-  capacity: int     # changed values a patch holds
-
-  mode = "word"
+  value_bits: int        # bits of one value (the float's width)
+  capacity: int          # C: changed values (word) or escapes (delta) a patch holds
+  code_bits: int = 1     # K: 1 = word mode (a bitmap), 2-4 = delta mode
+  far_capacity: int = 0  # F: delta mode's whole values (escapes with |d| > 127); 0 in word mode
 
   def __post_init__(self):
     if self.n < 1 or self.capacity < 1:
       raise ValueError(f"n and capacity must be >= 1, got {self}")
     if self.value_bits not in (16, 32):
       raise ValueError(f"value_bits must be 16 or 32, got {self.value_bits}")
+    if self.code_bits not in CODE_BITS:
+      raise ValueError(f"code_bits must be one of {CODE_BITS}, got {self.code_bits}")
+    if (self.far_capacity < 1) == (self.code_bits > 1):
+      raise ValueError(f"far_capacity must be >= 1 in delta mode and 0 in word mode, got {self}")
 
   @classmethod
-  def create(cls, n: int, value_bits: int, capacity_fraction: float) -> "WordFormat":
-    """Capacity = ceil(fraction * n), at least 1 and at most n."""
-    return cls(n, value_bits, min(n, max(1, math.ceil(capacity_fraction * n))))
+  def create(cls, n: int, value_bits: int, capacity_fraction: float, code_bits: int = 1,
+             far_fraction: float = 0.0) -> "WordFormat":
+    """Capacities = ceil(fraction * n), at least 1 and at most n (far: delta mode only)."""
+    size = lambda f: min(n, max(1, math.ceil(f * n)))   # noqa: E731
+    return cls(n, value_bits, size(capacity_fraction), code_bits,
+               size(far_fraction) if code_bits > 1 else 0)
+
+  @property
+  def mode(self) -> str:
+    return "word" if self.code_bits == 1 else "delta"
+
+  @property
+  def max_delta(self) -> int:
+    """D: the largest |d| a code carries (0 in word mode)."""
+    return 2 ** (self.code_bits - 1) - 1 if self.code_bits > 1 else 0
+
+  @property
+  def escape(self) -> int:
+    return 2 ** self.code_bits - 1
+
+  @property
+  def slot_bits(self) -> int:
+    """Bits of one escape slot: the whole value (word), a signed byte (delta)."""
+    return self.value_bits if self.code_bits == 1 else NEAR_BITS
 
   @property
   def cache_width(self) -> int:
     return self.n
 
   @property
-  def sections(self) -> tuple[int, int]:
-    """Words of the two parts of a patch: (bitmap, values)."""
-    return bits.packed_words(self.n, 1), bits.packed_words(self.capacity, self.value_bits)
+  def sections(self) -> tuple[int, int, int]:
+    """Words of the parts of a patch: (codes, escapes, far values)."""
+    return (bits.packed_words(self.n, self.code_bits),
+            bits.packed_words(self.capacity, self.slot_bits),
+            bits.packed_words(self.far_capacity, self.value_bits) if self.far_capacity else 0)
 
   @property
   def words(self) -> int:
     """P: uint32 words of one patch."""
     return sum(self.sections)
 
-  def fill_bits(self, count):
-    """Bits the patch's content needs for `count` changed values."""
-    return self.n + count * self.value_bits
+  def fill_bits(self, count, far=0):
+    """Bits the patch's content needs for `count` escapes, `far` of them whole values."""
+    return self.n * self.code_bits + count * self.slot_bits + far * self.value_bits
 
 
 def changed(bits_N: jax.Array, prev_N: jax.Array) -> jax.Array:
@@ -74,23 +121,93 @@ def changed(bits_N: jax.Array, prev_N: jax.Array) -> jax.Array:
   return detect.changed_values(bits_N, prev_N)
 
 
-def encode(bits_N: jax.Array, changed_N: jax.Array, fmt: WordFormat) -> tuple[jax.Array, jax.Array]:
-  """Bit patterns [N] (unsigned) and a change mask [N] -> (patch [P] uint32, number of changed
-  values int32). Holds the first C changes when over capacity."""
-  count = jnp.sum(changed_N, dtype=jnp.int32)
-  idx_C = payload.first_true(changed_N, fmt.capacity, fmt.n)
-  vals_C = jnp.take(bits_N, idx_C, mode="fill", fill_value=0)
-  return jnp.concatenate([bits.pack_bits(changed_N, 1),
-                          bits.pack_bits(vals_C, fmt.value_bits)]), count
+def order_key(bits_N: jax.Array, value_bits: int) -> jax.Array:
+  """Bit patterns -> uint32 keys, one to one, increasing with the float value (negative values
+  reversed below the positive ones; -0.0 just below +0.0; NaNs at the ends)."""
+  sign, mask = np.uint32(1 << (value_bits - 1)), np.uint32((1 << value_bits) - 1)
+  u = bits_N.astype(jnp.uint32)
+  return jnp.where((u & sign) != 0, ~u & mask, u | sign)
+
+
+def from_key(key_N: jax.Array, value_bits: int, dtype) -> jax.Array:
+  """Inverse of `order_key`, as `dtype` (the float's unsigned type)."""
+  sign, mask = np.uint32(1 << (value_bits - 1)), np.uint32((1 << value_bits) - 1)
+  key_N = key_N & mask             # keys are added to modulo 2^value_bits
+  return jnp.where((key_N & sign) != 0, key_N ^ sign, ~key_N & mask).astype(dtype)
+
+
+def key_delta(bits_N: jax.Array, prev_N: jax.Array, value_bits: int) -> jax.Array:
+  """int32 [N]: d with order_key(bits) = order_key(prev) + d (mod 2^value_bits), d taken in
+  [-2^(value_bits-1), 2^(value_bits-1))."""
+  shift = np.uint32(32 - value_bits)
+  diff = order_key(bits_N, value_bits) - order_key(prev_N, value_bits)   # wraps mod 2^32
+  return jax.lax.shift_right_arithmetic(
+      jax.lax.bitcast_convert_type(diff << shift, jnp.int32), jnp.int32(32 - value_bits))
+
+
+def codes(bits_N: jax.Array, prev_N: jax.Array, fmt: WordFormat) -> jax.Array:
+  """uint32 [N] codes of the change from `prev_N` to `bits_N` (see the module docstring)."""
+  changed_N = changed(bits_N, prev_N)
+  if fmt.code_bits == 1:
+    return changed_N.astype(jnp.uint32)
+  d_N, m = key_delta(bits_N, prev_N, fmt.value_bits), fmt.max_delta
+  small = jnp.where(d_N > 0, d_N, m - d_N).astype(jnp.uint32)        # 1..D, D+1..2D
+  in_range = (d_N >= -m) & (d_N <= m)
+  return jnp.where(changed_N, jnp.where(in_range, small, np.uint32(fmt.escape)), np.uint32(0))
+
+
+def encode(bits_N: jax.Array, codes_N: jax.Array, fmt: WordFormat, prev_N: jax.Array | None = None):
+  """Bit patterns [N] (unsigned), their codes [N] (`codes`; in word mode the change mask will
+  do) and, in delta mode, the previous bit patterns -> (patch [P] uint32, escapes int32, far
+  escapes int32). Holds the first C escapes (and F far ones) when over capacity."""
+  codes_N = codes_N.astype(jnp.uint32)
+  escaped_N = codes_N == fmt.escape
+  count = jnp.sum(escaped_N, dtype=jnp.int32)
+  idx_C = payload.first_true(escaped_N, fmt.capacity, fmt.n)
+  if fmt.code_bits == 1:
+    vals_C = jnp.take(bits_N, idx_C, mode="fill", fill_value=0)
+    return (jnp.concatenate([bits.pack_bits(codes_N, 1), bits.pack_bits(vals_C, fmt.value_bits)]),
+            count, jnp.int32(0))
+  if prev_N is None:
+    raise ValueError("delta mode needs prev_N: escapes carry their move from it")
+  d_N = key_delta(bits_N, prev_N, fmt.value_bits)
+  far_N = escaped_N & ((d_N > NEAR_MAX) | (d_N < -NEAR_MAX))
+  far = jnp.sum(far_N, dtype=jnp.int32)
+  near_C = jnp.where(jnp.take(far_N, idx_C, mode="fill", fill_value=False), _FAR,
+                     jnp.take(d_N, idx_C, mode="fill", fill_value=0).astype(jnp.uint32)
+                     & np.uint32(0xFF))
+  idx_F = payload.first_true(far_N, fmt.far_capacity, fmt.n)
+  vals_F = jnp.take(bits_N, idx_F, mode="fill", fill_value=0)
+  return (jnp.concatenate([bits.pack_bits(codes_N, fmt.code_bits),
+                           bits.pack_bits(near_C, NEAR_BITS),
+                           bits.pack_bits(vals_F, fmt.value_bits)]), count, far)
 
 
 def decode(cache_RxN: jax.Array, patches_RxP: jax.Array, fmt: WordFormat) -> jax.Array:
   """Apply R patches to R cached shards ([R, N] unsigned bit patterns). A patch over capacity
-  applies only the first C changes (callers fall back before decoding such patches)."""
+  applies only the first C escapes (F far ones); callers fall back before decoding such
+  patches."""
   r = cache_RxN.shape[0]
-  head = fmt.sections[0]
-  changed_RxN = bits.unpack_bits(patches_RxP[:, :head], 1, fmt.n).astype(bool)
-  idx_RxC = payload.first_true(changed_RxN, fmt.capacity, fmt.n)
-  vals_RxC = bits.unpack_bits(patches_RxP[:, head:], fmt.value_bits, fmt.capacity)
+  head, mid, _ = fmt.sections
+  codes_RxN = bits.unpack_bits(patches_RxP[:, :head], fmt.code_bits, fmt.n)
+  escaped_RxN = codes_RxN == fmt.escape
+  idx_RxC = payload.first_true(escaped_RxN, fmt.capacity, fmt.n)
   rows_Rx1 = jnp.arange(r, dtype=jnp.int32)[:, None]
-  return cache_RxN.at[rows_Rx1, idx_RxC].set(vals_RxC.astype(cache_RxN.dtype), mode="drop")
+  if fmt.code_bits == 1:
+    vals_RxC = bits.unpack_bits(patches_RxP[:, head:], fmt.value_bits, fmt.capacity)
+    return cache_RxN.at[rows_Rx1, idx_RxC].set(vals_RxC.astype(cache_RxN.dtype), mode="drop")
+  # d of every value: from its code, or from its escape byte (scattered to its position).
+  m = fmt.max_delta
+  near_RxC = bits.unpack_bits(patches_RxP[:, head:head + mid], NEAR_BITS, fmt.capacity)
+  near_RxN = jnp.zeros(codes_RxN.shape, jnp.uint32).at[rows_Rx1, idx_RxC].set(
+      near_RxC.astype(jnp.uint32), mode="drop")
+  sext = (near_RxN ^ _FAR) - _FAR                                      # int8 -> mod 2^32
+  d_RxN = jnp.where(escaped_RxN, sext,
+                    jnp.where(codes_RxN <= m, codes_RxN, np.uint32(m) - codes_RxN))
+  far_RxN = escaped_RxN & (near_RxN == _FAR)
+  key_RxN = order_key(cache_RxN, fmt.value_bits) + d_RxN
+  moved = (codes_RxN != 0) & jnp.logical_not(far_RxN)
+  out_RxN = jnp.where(moved, from_key(key_RxN, fmt.value_bits, cache_RxN.dtype), cache_RxN)
+  idx_RxF = payload.first_true(far_RxN, fmt.far_capacity, fmt.n)
+  vals_RxF = bits.unpack_bits(patches_RxP[:, head + mid:], fmt.value_bits, fmt.far_capacity)
+  return out_RxN.at[rows_Rx1, idx_RxF].set(vals_RxF.astype(cache_RxN.dtype), mode="drop")

@@ -68,7 +68,7 @@ PROBE_STEPS = 3           # consecutive step pairs measured before each decision
 FALLBACK_LIMIT = 0.1      # share of a parameter's gathers that may fall back between decisions
 CHECK_EVERY = 10          # steps between looks at the live fallback counts
 SELECTION_FILE = "codec_selection.json"
-RATE_KINDS = ("element", "block", "word")   # columns of the probe's counts
+RATE_KINDS = detect.RATE_KINDS   # columns of the probe's counts
 PROFILE_BYTES = (4 << 10, 64 << 10, 1 << 20)
 KEEP_RATIO = 1.5          # a capacity in use stays until the sized one is this much smaller
 
@@ -108,8 +108,8 @@ def profile_comm(mesh, sizes=PROFILE_BYTES, reps: int = 8, repeats: int = 5) -> 
 @dataclasses.dataclass(frozen=True)
 class Rates:
   """Measured change rates of the candidate parameters (`Gatherer.candidates()` order):
-  [P, 3] mean and worst fractions of units (values, blocks, values) changed per gather, columns
-  `RATE_KINDS`."""
+  [P, K] mean and worst fractions of units (values, blocks, values, ...) changed per gather,
+  columns `RATE_KINDS`."""
   names: tuple[tuple[str, str], ...]
   mean: np.ndarray
   peak: np.ndarray
@@ -123,7 +123,7 @@ class Rates:
 class Probe:
   """Per-shard change counts of every candidate parameter between two steps (see the module
   docstring). `snapshot(params)` keeps the bf16 bit patterns; `counts(snapshot, params)` gives
-  int32 [W, R, 3] per device (rows: parameters in candidate order, one per layer for layer
+  int32 [W, R, K] per device (rows: parameters in candidate order, one per layer for layer
   parameters; columns `RATE_KINDS`);
   `add` accumulates sums and maxima on the device and `rates` turns them into `Rates`."""
 
@@ -165,11 +165,11 @@ class Probe:
     return self._snapshot(params)
 
   def counts(self, snap, params):
-    """Changes from a snapshot to the parameters: int32 [W, R, 3]."""
+    """Changes from a snapshot to the parameters: int32 [W, R, K]."""
     return self._counts(snap, params)
 
   def compare(self, snap_before, snap_after):
-    """Changes between two snapshots: int32 [W, R, 3]."""
+    """Changes between two snapshots: int32 [W, R, K]."""
     return self._compare(snap_before, snap_after)
 
   def add(self, acc, counts):
@@ -179,11 +179,12 @@ class Probe:
     return self._add(acc, counts)
 
   def units(self) -> np.ndarray:
-    """[P, 3] units per shard of each rate: values, blocks, values."""
+    """[P, K] units per shard of each rate: values, except blocks for block mode's."""
     out = []
     for g, p in self.names:
       n = math.prod(self.gatherer.shard_shape(g, p))
-      out.append([n, detect.num_blocks(n, self.block_size), n])
+      out.append([detect.num_blocks(n, self.block_size) if kind == "block" else n
+                  for kind in RATE_KINDS])
     return np.asarray(out, np.float64)
 
   def rates(self, acc, steps: int) -> Rates:
@@ -200,7 +201,7 @@ class Probe:
     return Rates(self.names, np.asarray(mean), np.asarray(peak), steps)
 
   def rates_of(self, counts: np.ndarray) -> Rates:
-    """`rates` from host counts [S, W, R, 3] of S steps."""
+    """`rates` from host counts [S, W, R, K] of S steps."""
     return self.rates((counts.sum(axis=0), counts.max(axis=0), counts.max(axis=1).sum(axis=0)),
                       counts.shape[0])
 
@@ -217,7 +218,7 @@ def _leaf(tree, group: str, path: str):
 
 
 def modes_of(codec_cfg: CodecConfig) -> tuple[str, ...]:
-  return ("element", "block", "word") if codec_cfg.mode == "auto" else (codec_cfg.mode,)
+  return ("element", "block", "word", "delta") if codec_cfg.mode == "auto" else (codec_cfg.mode,)
 
 
 def choose(gatherer: Gatherer, rates: Rates, codec_cfg: CodecConfig, comm: select.CommModel,
@@ -230,15 +231,17 @@ def choose(gatherer: Gatherer, rates: Rates, codec_cfg: CodecConfig, comm: selec
     name = f"{g}{p}"
     params.append(select.ParamStats(
         name, gatherer.shard_shape(g, p), hook.COMPUTE_DTYPE, q_element=float(mean[0]),
-        q_block=float(mean[1]), q_word=float(mean[2]), copies=gatherer.copies(g),
-        peak=dict(zip(RATE_KINDS, map(float, peak)))))
+        q_block=float(mean[1]), q_word=float(mean[2]),
+        q_delta={k: float(mean[RATE_KINDS.index(f"delta{k}")]) for k in detect.DELTA_BITS},
+        q_far=float(mean[RATE_KINDS.index("far")]),
+        copies=gatherer.copies(g), peak=dict(zip(RATE_KINDS, map(float, peak)))))
     old = (current or {}).get(g, {}).get(p)
     if old is not None and old.capacity_fraction is not None:
-      kind = RATE_KINDS.index(old.mode)
+      kind = RATE_KINDS.index(old.rate_kind)
       need = select.capacity_fraction(float(peak[kind]), codec_cfg.capacity_margin,
                                       quantize=True)
       if old.capacity_fraction / KEEP_RATIO <= need <= old.capacity_fraction:
-        keep[(name, old.mode)] = old.capacity_fraction
+        keep[(name, old.rate_kind)] = old.capacity_fraction
   return select.select(
       params, comm, axis_size=gatherer.num_devices,
       cache_budget_bytes=codec_cfg.cache_budget_bytes or None, block_size=codec_cfg.block_size,
@@ -453,15 +456,16 @@ class CodecController:
     for (g, p), sel, mean, peak in zip(rates.names, selections, rates.mean, rates.peak):
       entry = {"group": g, "path": p, "report": param_group(g, p), "mode": sel.spec.mode,
                "reason": sel.reason, "best_mode": sel.best.mode,
-               "q_element": float(mean[0]), "q_block": float(mean[1]), "q_word": float(mean[2]),
-               "peak_element": float(peak[0]), "peak_block": float(peak[1]),
-               "peak_word": float(peak[2]), "bytes_plain": sel.bytes_plain,
+               **{f"q_{kind}": float(m) for kind, m in zip(RATE_KINDS, mean)},
+               **{f"peak_{kind}": float(m) for kind, m in zip(RATE_KINDS, peak)},
+               "bytes_plain": sel.bytes_plain,
                "bytes_sent": sel.bytes_sent, "gain": sel.gain_s, "state_bytes": sel.state_bytes
                if sel.selected else 0, "best_state_bytes": sel.state_bytes}
       if sel.selected:
         fmt = codec.patch_format(self.gatherer.shard_shape(g, p), hook.COMPUTE_DTYPE, sel.spec)
         entry.update(detect=sel.spec.detect, capacity_fraction=sel.spec.capacity_fraction,
-                     capacity=fmt.capacity, block_size=sel.spec.block_size)
+                     capacity=fmt.capacity, block_size=sel.spec.block_size,
+                     delta_bits=sel.spec.delta_bits, far_fraction=sel.spec.far_fraction)
       if (g, p) in live:
         entry["live"] = live[(g, p)]
       params.append(entry)
@@ -490,9 +494,10 @@ class CodecController:
              f"{'' if record['changed'] else '; choice unchanged'}")
     for e in params:
       rates = (f"q_e {100 * e['q_element']:5.2f}% q_b {100 * e['q_block']:5.1f}% "
-               f"q_w {100 * e['q_word']:5.1f}%")
+               f"q_w {100 * e['q_word']:5.1f}% q_d3 {100 * e['q_delta3']:5.1f}%")
       if e["mode"] != "off":
-        what = f"{e['mode']:<7} cap {100 * e['capacity_fraction']:6.2f}%"
+        mode = e["mode"] + (str(e["delta_bits"]) if e["mode"] == "delta" else "")
+        what = f"{mode:<7} cap {100 * e['capacity_fraction']:6.2f}%"
         why = e["reason"]
       else:
         what = f"{'plain':<19}"
@@ -537,7 +542,8 @@ class CodecController:
       if e["mode"] != "off":
         specs.setdefault(e["group"], {})[e["path"]] = codec.CodecSpec(
             e["mode"], block_size=e["block_size"], detect=e["detect"],
-            capacity_fraction=e["capacity_fraction"], warmup_steps=self.cfg.warmup_steps)
+            capacity_fraction=e["capacity_fraction"], warmup_steps=self.cfg.warmup_steps,
+            delta_bits=e.get("delta_bits", 3), far_fraction=e.get("far_fraction"))
     self.decisions = earlier
     return specs, last["step"]
 

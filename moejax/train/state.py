@@ -80,7 +80,8 @@ def codec_spec(cfg: Config) -> CodecSpec | None:
   if c.mode == "off" or c.controlled:   # controlled: plain until codec_control chooses
     return None
   return CodecSpec(c.mode, block_size=c.block_size, detect=c.detect,
-                   capacity_fraction=c.capacity_fraction or None, warmup_steps=c.warmup_steps)
+                   capacity_fraction=c.capacity_fraction or None, warmup_steps=c.warmup_steps,
+                   delta_bits=c.delta_bits)
 
 
 def _init_history(cfg: Config):

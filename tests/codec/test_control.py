@@ -27,10 +27,12 @@ def gatherer():
   return state_layout(cfg, make_mesh((2, 4), jax.devices()[:8]), make_optimizer(cfg)).gatherer
 
 
-def _rates(gatherer, element, block, word):
-  """The same (mean = worst) rates for every candidate, except tiny norms which never change."""
+def _rates(gatherer, element, block, word, delta=None, far=None):
+  """The same (mean = worst) rates for every candidate. `delta`: escape rates at 2, 3, 4 code
+  bits (default: every changed value escapes); `far`: moves beyond 127 units (default: all)."""
   names = tuple(gatherer.candidates())
-  mean = np.array([[element, block, word]] * len(names))
+  far = word if far is None else far
+  mean = np.array([[element, block, word, *(delta or (word,) * 3), far]] * len(names))
   return codec_control.Rates(names, mean, mean.copy(), steps=3)
 
 
@@ -48,6 +50,11 @@ def test_modes_follow_the_rates(gatherer):
   sel = by_name(codec_control.choose(gatherer, low, _codec(), BYTES), low)
   assert sel["layers['moe']['w_up']"].spec.mode == "word"
   assert all(s.bytes_sent <= s.bytes_plain for s in sel.values())
+  # Most values move by a unit or two in the last place: delta codes beat the word bitmap.
+  moving = _rates(gatherer, 0.005, 0.9, 0.4, delta=(0.2, 0.02, 0.01), far=0.002)
+  sel = by_name(codec_control.choose(gatherer, moving, _codec(), BYTES), moving)
+  assert sel["layers['moe']['w_up']"].spec.mode == "delta"
+  assert sel["layers['moe']['w_up']"].spec.delta_bits == 3   # 3 + 0.02 x 8 < 4 + 0.01 x 8 bits
   # A fixed mode with selection: that mode or plain, never another.
   fixed = codec_control.choose(gatherer, low, _codec(mode="block", select=True), BYTES)
   assert {s.spec.mode for s in fixed} <= {"block", "off"}

@@ -75,6 +75,9 @@ class Script:
     lay, u = self.layout, self.layout.uint_dtype
     old_exp = self._exp(self.local)
     old_local = self.local.copy()
+    if self.spec.mode == "delta":
+      self._move_keys(changed_units_per_device)
+      return self._counts(old_exp, old_local)
     if self.spec.mode == "word":
       for d, k in enumerate(changed_units_per_device):
         pos = self.rng.choice(self.n, size=k, replace=False)
@@ -95,6 +98,23 @@ class Script:
       flip = self.rng.integers(1, 1 << lay.exp_bits, size=pos.size).astype(u)
       self.local[d, pos] ^= flip << np.asarray(lay.mant_bits, u)
     return self._counts(old_exp, old_local)
+
+  def _move_keys(self, escapes_per_device):
+    """Delta mode: per device, that many values move too far for a code (escapes, all beyond a
+    byte: far) and as many others move by a code's worth (1..D units in the last place)."""
+    bits_, u = self.layout.total_bits, self.layout.uint_dtype
+    top, mask = np.uint64(1 << (bits_ - 1)), np.uint64((1 << bits_) - 1)
+    reach = self.fmt.max_delta
+    for d, k in enumerate(escapes_per_device):
+      x = self.local[d].astype(np.uint64)
+      key = np.where(x & top, ~x & mask, x | top)
+      pos = self.rng.choice(self.n, size=2 * k, replace=False)
+      far = self.rng.integers(128, 1 << (bits_ - 1), size=k)
+      near = self.rng.integers(1, reach + 1, size=k)
+      step = np.concatenate([far, near]) * self.rng.choice([-1, 1], size=2 * k)
+      key[pos] = (key[pos].astype(np.int64) + step).astype(np.uint64) & mask
+      x = np.where(key & top, key ^ top, ~key & mask)
+      self.local[d] = x.astype(u)
 
   def _counts(self, old_exp, old_local):
     """(exponent changes, blocks with one, whole-word changes), summed over devices."""
@@ -124,12 +144,17 @@ CASES = [
     (jnp.bfloat16, (8, 48), 0, gather.CodecSpec("word", block_size=32, warmup_steps=2,
                                                  capacity_fraction=0.1)),
     (np.float32, (2, 40), 1, gather.CodecSpec("word", warmup_steps=2, capacity_fraction=0.2)),
+    # Every escape goes far in the script: the two capacities overflow together.
+    (jnp.bfloat16, (8, 48), 0, gather.CodecSpec("delta", delta_bits=3, warmup_steps=2,
+                                                 capacity_fraction=0.05, far_fraction=0.05)),
+    (np.float32, (2, 40), 1, gather.CodecSpec("delta", delta_bits=2, warmup_steps=2,
+                                               capacity_fraction=0.1, far_fraction=0.1)),
 ]
 
 
 def _case_id(case):
   dtype, _, axis, spec = case
-  return f"{np.dtype(dtype).name}-{spec.mode}-{spec.detect}-axis{axis}"
+  return f"{np.dtype(dtype).name}-{spec.mode}{spec.delta_bits if spec.mode == 'delta' else ''}-{spec.detect}-axis{axis}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
@@ -177,7 +202,7 @@ def test_multi_step_bit_identical(case):
     expected_exp = -1 if spec.detect == "hash" else exp_changes if valid else 0
     assert (stats["exponent_changes"] == expected_exp).all(), (t, stats)
     assert (stats["block_changes"] == (block_changes if valid else 0)).all(), (t, stats)
-    expected_words = -1 if spec.mode != "word" else word_changes if valid else 0
+    expected_words = -1 if spec.mode not in gather.WORD_MODES else word_changes if valid else 0
     assert (stats["word_changes"] == expected_words).all(), (t, stats)
     sent = sizes["dense"] if dense else sizes["compressed"]
     assert (stats["bytes_sent"] == sent).all() and (stats["bytes_plain"] == sizes["plain"]).all()
@@ -190,9 +215,9 @@ def test_compressed_path_sends_fewer_bytes_at_realistic_sizes():
   """bf16, element mode, default capacity (1/16): about 0.6x the plain bytes per device."""
   spec = gather.CodecSpec("element")
   sizes = gather.wire_bytes((1024, 1024), jnp.bfloat16, spec)
-  assert sizes["dense"] == sizes["plain"] + 16
+  assert sizes["dense"] == sizes["plain"] + 4 * gather.STATS_WORDS
   # 1 byte sign+mantissa, and 1/16 of (20 position bits + 8 exponent bits) per value.
-  assert sizes["compressed"] == 2**20 + 2**16 * 28 // 8 + 16
+  assert sizes["compressed"] == 2**20 + 2**16 * 28 // 8 + 4 * gather.STATS_WORDS
   assert 0.6 < sizes["compressed"] / sizes["plain"] < 0.62
 
 

@@ -41,7 +41,7 @@ def test_gain_matches_hand_computation():
   assert spec.mode == "element" and spec.capacity_fraction == -(-round(0.03 * n) // 32) * 32 / n
   capacity = int(np.ceil(spec.capacity_fraction * n))
   payload = n + (-(-capacity // 32) * 32) * (20 + 8) // 8      # sign+mantissa, positions, exps
-  expected = COMM(2 * n) - COMM(payload) - COMM(16) - 1e-5
+  expected = COMM(2 * n) - COMM(payload) - COMM(4 * gather.STATS_WORDS) - 1e-5
   assert gain == pytest.approx(expected, rel=1e-9)
   assert nbytes == (W - 1) * n + n + 5
 

@@ -1,8 +1,8 @@
 """Training with the compressed all-gather is bit-identical to training without it, whatever the
 codec does between steps: `codec.mode=auto` (plain warm-up, a decision from probed change rates, a
-re-decision on live rates) and then a hand-made mix of every mode (element, block, word, plain)
-installed mid-run. One plain run and one codec run share the first compile. (Block hashes and
-each mode's fallback are covered gather by gather in test_gather.py.)"""
+re-decision on live rates) and then a hand-made mix of every mode (element, block, word, delta,
+plain) installed mid-run. One plain run and one codec run share the first compile. (Block hashes
+and each mode's fallback are covered gather by gather in test_gather.py.)"""
 import copy
 import json
 import os
@@ -33,7 +33,7 @@ def _mixed(gatherer):
   must survive the switch)."""
   spec = lambda mode, fraction, **kw: codec.CodecSpec(  # noqa: E731
       mode, block_size=64, capacity_fraction=fraction, warmup_steps=FIRST, **kw)
-  layers = {"['moe']['w_gate']": spec("word", 0.25),
+  layers = {"['moe']['w_gate']": spec("delta", 0.25, delta_bits=2),
             "['moe']['w_up']": spec("block", 0.5),
             "['moe']['w_down']": spec("element", 0.125),
             "['moe']['router']": spec("element", 0.25),
@@ -41,7 +41,8 @@ def _mixed(gatherer):
   for path in ("['attn']['wq']", "['attn']['wk']", "['attn']['wv']", "['attn']['wo']"):
     if path in gatherer.specs["layers"]:
       layers[path] = gatherer.specs["layers"][path]
-  return {"embed": {"": spec("word", 0.5)}, "lm_head": {"": spec("block", 1.0)},
+  # Room for every value: a kept cache must patch at once, never fall back.
+  return {"embed": {"": spec("word", 1.0)}, "lm_head": {"": spec("block", 1.0)},
           "layers": layers}
 
 
@@ -94,7 +95,7 @@ def test_auto_decisions(runs):
   first = {e["group"] + e["path"]: e for e in ctl.decisions[0]["params"]}
   # Norms cost more than they save (8 values per shard); the experts compress.
   assert first["final_norm"]["mode"] == "off" and first["final_norm"]["reason"] == "no gain"
-  assert first["layers['moe']['w_up']"]["mode"] in ("element", "word", "block")
+  assert first["layers['moe']['w_up']"]["mode"] in ("element", "word", "delta", "block")
   for e in first.values():
     assert e["mode"] == "off" or e["bytes_sent"] < e["bytes_plain"]
   # One header and one line per parameter per decision.
@@ -111,7 +112,7 @@ def test_auto_decisions(runs):
 
 def test_mixed_modes_keep_unchanged_caches(runs):
   first_mixed = runs["codec"][MIXED]        # metrics of the step after the switch
-  for mode in ("word", "block", "element"):
+  for mode in ("word", "delta", "block", "element"):
     assert first_mixed[f"codec/cache_bytes/{mode}"] > 0
   before = runs["codec"][MIXED - 2]["specs"]   # in force for step MIXED (chosen after MIXED-1)
   kept = {(g, p) for g, ps in runs["mixed"].items() for p, spec in ps.items()
@@ -143,7 +144,7 @@ def test_probe_counts_what_the_codec_counts(runs):
       assert row[cols[1]] == expected[1], (g, p, layer)
       if spec.detect == "exact":
         assert row[cols[0]] == expected[0], (g, p, layer)
-      if spec.mode == "word":
+      if spec.mode in codec.WORD_MODES:
         assert row[cols[2]] == expected[2], (g, p, layer)
       checked += int(expected[0] > 0)
     assert checked > 0
