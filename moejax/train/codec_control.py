@@ -313,6 +313,9 @@ class CodecController:
     self._live_since = 0
     self._live_of = None         # the Gatherer whose rows the live sums hold
     self.comm = comm
+    if self.cfg.mode != "off" and not trainer.layout.gatherer.candidates():
+      log(f"codec: codec.mode={self.cfg.mode!r} has nothing to compress: no parameter is "
+          f"gathered on this mesh of {trainer.layout.gatherer.num_devices} device(s)")
     if not self.active:
       return
     if self.comm is None and self.cfg.comm_model == "profile":
