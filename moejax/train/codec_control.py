@@ -54,6 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moejax.codec import bits, detect, gather as codec, select
@@ -102,7 +103,9 @@ def profile_comm(mesh, sizes=PROFILE_BYTES, reps: int = 8, repeats: int = 5) -> 
       jax.block_until_ready(f(x))
       best = min(best, time.perf_counter() - t0)
     points.append((4 * words, best / reps))
-  return select.CommModel.fit(points)
+  if jax.process_count() > 1:   # every process must take the same decisions: use process 0's
+    points = multihost_utils.broadcast_one_to_all(np.asarray(points, np.float64))
+  return select.CommModel.fit(np.asarray(points).tolist())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,9 +154,11 @@ class Probe:
         a = now[g][p].reshape(rows, -1)
         b = prev[g][p].reshape(rows, -1)
         out.append(jax.vmap(lambda x, y: detect.change_counts(x, y, layout, block_size))(a, b))
-      return jnp.concatenate(out, axis=0)[None]
+      # Every device gets every device's counts: the host reads a replicated array, which a
+      # process can do in a multi-process run (a sharded one it could only read in part).
+      return lax.all_gather(jnp.concatenate(out, axis=0), DEVICES)
 
-    compare = jax.shard_map(body, mesh=mesh, in_specs=(specs, specs), out_specs=P(DEVICES),
+    compare = jax.shard_map(body, mesh=mesh, in_specs=(specs, specs), out_specs=P(),
                             check_vma=False)
     self._snapshot = jax.jit(snapshot, out_shardings=shardings)
     self._compare = jax.jit(compare)

@@ -30,13 +30,14 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _start(tmp_path, name: str, workdir: str, devices: int, job: tuple = ()):
-  """train.py in the background on `devices` CPU devices; `job`: (address, processes, id)."""
+def _start(tmp_path, name: str, workdir: str, devices: int, job: tuple = (), extra=()):
+  """train.py in the background on `devices` CPU devices; `job`: (address, processes, id);
+  `extra`: more flags (after ARGS, so they win)."""
   env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
              JAX_PLATFORMS="cpu")
   for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
     env.pop(var, None)
-  args = [*ARGS, "--workdir", str(tmp_path / workdir)]
+  args = [*ARGS, *extra, "--workdir", str(tmp_path / workdir)]
   if job:
     address, num_processes, process_id = job
     args += ["--coordinator_address", address, f"--num_processes={num_processes}",
@@ -97,3 +98,32 @@ def test_two_processes_match_one(tmp_path):
     want = [b.get(k, np.nan) for k in COMPARED]
     np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"step {a['step']}")
   assert np.isfinite(two[-1]["val_loss"])
+
+
+@pytest.mark.slow
+def test_two_processes_agree_on_the_codec_choice(tmp_path):
+  """codec.mode=auto in a 2-process job: the change rates the decision reads are replicated, so
+  both processes install the same codec choice and train step (they would deadlock otherwise),
+  and the job compresses. (Gains in bytes: a profile of fake devices over gloo would price every
+  tiny shard plain.)"""
+  address = f"127.0.0.1:{_free_port()}"
+  steps = 5
+  codec = [f"--config.steps={steps}", f"--config.eval_every={steps}", "--config.codec.mode=auto",
+           "--config.codec.warmup_steps=3", "--config.codec.block_size=64",
+           "--config.codec.comm_model=bytes",
+           # Steady change rates, so the capacities sized at step 3 hold at step 5.
+           "--config.optim.warmup_steps=0", "--config.optim.lr=3e-4"]
+  procs = {f"proc{i}": _start(tmp_path, f"proc{i}", "job", 2, job=(address, 2, i), extra=codec)
+           for i in range(2)}
+  _wait_all(procs, tmp_path)
+  out0 = (tmp_path / "proc0.out").read_text()
+  assert out0.count("codec: step 3:") == 1, out0
+  records = _records(tmp_path / "job")
+  assert [r["step"] for r in records] == list(range(1, steps + 1))
+  with open(tmp_path / "job" / "codec_selection.json") as f:
+    decision = json.load(f)["decisions"][0]
+  chosen = sum(e["mode"] != "off" for e in decision["params"])
+  assert chosen and records[-1]["codec_params"] == chosen
+  # The first gather after the decision refills the caches; the next one patches.
+  assert records[-1]["gather_bytes"] < records[-1]["gather_bytes_plain"]
+  assert np.isfinite(records[-1]["val_loss"])
