@@ -409,7 +409,7 @@ class Checkpointer:
                                               lambda _: np.asarray(step, np.int32))
     state = TrainState(step=step_array, params=restored["params"], opt_state=restored["opt_state"])
     # Codec caches are not saved: rebuilt (the first gather sends everything).
-    state = state_lib._with_rebuilt_state(layout, state)
+    state = state_lib.with_rebuilt_state(layout, state)
     if layout.cfg.moe.placement == "fssdp":
       where = f"checkpoint {self.step_path(step)} (step {step})"
       if fssdp_target is None:

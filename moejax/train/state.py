@@ -93,7 +93,7 @@ def _without_gather_state(shardings: TrainState) -> TrainState:
   return shardings.replace(gather_state=None, load_history=None, expert_owner=None)
 
 
-def _with_rebuilt_state(lay: StateLayout, state: TrainState) -> TrainState:
+def with_rebuilt_state(lay: StateLayout, state: TrainState) -> TrainState:
   """Adds the state that is not part of the parameters: codec caches (rebuilt, never saved), and
   the fssdp load history and expert owners as they start (a restore then sets the saved ones)."""
   history = owner = None
@@ -113,7 +113,7 @@ def init_state(cfg: Config, tx: optax.GradientTransformation, lay: StateLayout,
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
   state = jax.jit(init, out_shardings=_without_gather_state(lay.shardings))(key)
-  return _with_rebuilt_state(lay, state)
+  return with_rebuilt_state(lay, state)
 
 
 def state_from_params(params, tx: optax.GradientTransformation, lay: StateLayout) -> TrainState:
@@ -122,4 +122,4 @@ def state_from_params(params, tx: optax.GradientTransformation, lay: StateLayout
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
   state = jax.jit(init, out_shardings=_without_gather_state(lay.shardings))(params)
-  return _with_rebuilt_state(lay, state)
+  return with_rebuilt_state(lay, state)
