@@ -18,16 +18,7 @@ for name in ("transformers", "safetensors", "numpy"):
 PY
 }
 
-pip_install() {   # quiet unless it fails; then its output, less the index-location noise
-  local log
-  log=$(mktemp)
-  if ! "$VENV/bin/python" -m pip install -q "$@" >"$log" 2>&1; then
-    grep -v "is ignored: it is neither a file nor a directory" "$log" >&2 || true
-    rm -f "$log"
-    return 1
-  fi
-  rm -f "$log"
-}
+source scripts/pip_install.sh   # pip_install ARGS...
 
 if ready; then
   echo "torch env ready: $VENV"
