@@ -10,15 +10,11 @@ Runs in the Python 3.11 side environment WITHOUT TRITON_INTERPRET:
 
 and from the main suite through tests/codec/test_kernels.py::test_triton_kernels.
 """
-import importlib
 import os
-import pathlib
-import sys
-import types
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.codec.jax_free import import_jax_free
 
 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
   pytest.fail("compile checks need the real compiler: unset TRITON_INTERPRET", pytrace=False)
@@ -30,17 +26,8 @@ except ImportError as e:
   pytest.fail(f"needs triton ({e}): run scripts/setup_triton_env.sh", pytrace=False)
 
 
-def _import_jax_free(name):
-  for pkg in ("moejax", "moejax.codec", "moejax.codec.kernels"):
-    if pkg not in sys.modules:
-      module = types.ModuleType(pkg)
-      module.__path__ = [str(ROOT.joinpath(*pkg.split(".")))]
-      sys.modules[pkg] = module
-  return importlib.import_module(f"moejax.codec.kernels.{name}")
-
-
-geometry = _import_jax_free("geometry")
-triton_src = _import_jax_free("triton_src")
+geometry = import_jax_free("geometry")
+triton_src = import_jax_free("triton_src")
 
 TARGET = GPUTarget("cuda", 90, 32)
 POINTER = {"uint8": "*u8", "uint16": "*u16", "uint32": "*u32", "int32": "*i32"}

@@ -13,29 +13,13 @@ the kernels forget to write shows up. Bit patterns are random over the whole ran
 patch capacity included; the oracle (`host_reference`) is checked against the pure-jnp reference
 by tests/codec/test_kernels.py.
 """
-import importlib
 import os
-import pathlib
-import sys
-import types
 import zlib
 
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _import_jax_free(name):
-  """Import a jax-free module of moejax.codec.kernels without running the package __init__s
-  (they import jax, which this environment does not have)."""
-  for pkg in ("moejax", "moejax.codec", "moejax.codec.kernels"):
-    if pkg not in sys.modules:
-      module = types.ModuleType(pkg)
-      module.__path__ = [str(ROOT.joinpath(*pkg.split(".")))]
-      sys.modules[pkg] = module
-  return importlib.import_module(f"moejax.codec.kernels.{name}")
-
+from tests.codec.jax_free import import_jax_free
 
 if os.environ.get("TRITON_INTERPRET") != "1":
   pytest.fail("run with TRITON_INTERPRET=1 in the 3.11 side environment (scripts/"
@@ -47,9 +31,9 @@ try:
   import triton  # noqa: F401  (the kernels need it; imported here for a clear message)
 except ImportError as e:
   pytest.fail(f"needs torch and triton ({e}): run scripts/setup_triton_env.sh", pytrace=False)
-geometry = _import_jax_free("geometry")
-oracle = _import_jax_free("host_reference")
-triton_src = _import_jax_free("triton_src")
+geometry = import_jax_free("geometry")
+oracle = import_jax_free("host_reference")
+triton_src = import_jax_free("triton_src")
 
 JUNK = {"uint8": 0xA5, "int32": -0x5A5A5A5B, "uint32": -0x5A5A5A5B, "uint16": -0x5A5B}
 VIEW = {"uint32": torch.int32, "uint16": torch.int16}
