@@ -290,7 +290,8 @@ def throughput(n: int = 1 << 20, w: int = 8, repeats: int = 5) -> dict:
     fmt = codec.patch_format((n,), jnp.bfloat16, codec.CodecSpec(mode, capacity_fraction=fraction))
     if mode in codec.WORD_MODES:
       def enc(b, p, fmt=fmt):
-        return word.encode(b, word.codes(b, p, fmt), fmt, p)[0]
+        d = word.key_delta(b, p, fmt.value_bits) if fmt.mode == "delta" else None
+        return word.encode(b, word.codes(b, p, fmt, d), fmt, d)[0]
 
       def dec(c, wire, own, fmt=fmt):
         del own

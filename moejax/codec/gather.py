@@ -343,16 +343,18 @@ def _send_words(bits_N, state, spec: CodecSpec, fmt: word.WordFormat, layout: bi
   """Word and delta mode, sender side: same results as `_send_exponents` (the changed units are
   the escaped values)."""
   changed_N = word.changed(bits_N, state["prev"])
-  codes_N = word.codes(bits_N, state["prev"], fmt)
+  # Computed once here; the compressed branch builds its patch from them.
+  d_N = word.key_delta(bits_N, state["prev"], fmt.value_bits) if fmt.code_bits > 1 else None
+  codes_N = word.codes(bits_N, state["prev"], fmt, d_N)
   exp_N, _ = bits.split_bits(bits_N, layout)
   prev_exp_N, _ = bits.split_bits(state["prev"], layout)
   exp_changed_N = detect.changed_values(exp_N, prev_exp_N)
   block_changes = jnp.sum(jnp.any(detect.block_view(exp_changed_N, spec.block_size), axis=1),
                           dtype=jnp.int32)
   word_changes = jnp.sum(changed_N, dtype=jnp.int32)
-  _, escapes, far = word.encode(bits_N, codes_N, fmt, state["prev"])   # counts only (DCE)
+  escapes, far = word.escapes(codes_N, fmt, d_N)
   return (bits_N, bits_N, jnp.sum(exp_changed_N, dtype=jnp.int32), block_changes, word_changes,
-          escapes, far, lambda: word.encode(bits_N, codes_N, fmt, state["prev"])[0])
+          escapes, far, lambda: word.encode(bits_N, codes_N, fmt, d_N)[0])
 
 
 def _forward(shard, state, axis_name, axis, spec: CodecSpec):

@@ -145,34 +145,46 @@ def key_delta(bits_N: jax.Array, prev_N: jax.Array, value_bits: int) -> jax.Arra
       jax.lax.bitcast_convert_type(diff << shift, jnp.int32), jnp.int32(32 - value_bits))
 
 
-def codes(bits_N: jax.Array, prev_N: jax.Array, fmt: WordFormat) -> jax.Array:
-  """uint32 [N] codes of the change from `prev_N` to `bits_N` (see the module docstring)."""
-  changed_N = changed(bits_N, prev_N)
+def codes(bits_N: jax.Array, prev_N: jax.Array, fmt: WordFormat, d_N: jax.Array | None = None):
+  """uint32 [N] codes of the change from `prev_N` to `bits_N` (see the module docstring).
+  `d_N`: their `key_delta`, when the caller has it (delta mode)."""
   if fmt.code_bits == 1:
-    return changed_N.astype(jnp.uint32)
-  d_N, m = key_delta(bits_N, prev_N, fmt.value_bits), fmt.max_delta
+    return changed(bits_N, prev_N).astype(jnp.uint32)
+  d_N = key_delta(bits_N, prev_N, fmt.value_bits) if d_N is None else d_N
+  m = fmt.max_delta
   small = jnp.where(d_N > 0, d_N, m - d_N).astype(jnp.uint32)        # 1..D, D+1..2D
   in_range = (d_N >= -m) & (d_N <= m)
-  return jnp.where(changed_N, jnp.where(in_range, small, np.uint32(fmt.escape)), np.uint32(0))
+  # order_key is one to one: d = 0 exactly when the bit pattern is unchanged.
+  return jnp.where(d_N == 0, np.uint32(0), jnp.where(in_range, small, np.uint32(fmt.escape)))
 
 
-def encode(bits_N: jax.Array, codes_N: jax.Array, fmt: WordFormat, prev_N: jax.Array | None = None):
+def _far(codes_N: jax.Array, d_N: jax.Array, fmt: WordFormat) -> jax.Array:
+  """[N] bool: escapes whose move does not fit the escape byte (delta mode)."""
+  return (codes_N == fmt.escape) & ((d_N > NEAR_MAX) | (d_N < -NEAR_MAX))
+
+
+def escapes(codes_N: jax.Array, fmt: WordFormat, d_N: jax.Array | None = None):
+  """(escapes, far escapes) int32 of a patch: what its capacities must hold."""
+  count = jnp.sum(codes_N == fmt.escape, dtype=jnp.int32)
+  if fmt.code_bits == 1:
+    return count, jnp.int32(0)
+  return count, jnp.sum(_far(codes_N, d_N, fmt), dtype=jnp.int32)
+
+
+def encode(bits_N: jax.Array, codes_N: jax.Array, fmt: WordFormat, d_N: jax.Array | None = None):
   """Bit patterns [N] (unsigned), their codes [N] (`codes`; in word mode the change mask will
-  do) and, in delta mode, the previous bit patterns -> (patch [P] uint32, escapes int32, far
-  escapes int32). Holds the first C escapes (and F far ones) when over capacity."""
+  do) and, in delta mode, their `key_delta` -> (patch [P] uint32, escapes int32, far escapes
+  int32). Holds the first C escapes (and F far ones) when over capacity."""
   codes_N = codes_N.astype(jnp.uint32)
   escaped_N = codes_N == fmt.escape
-  count = jnp.sum(escaped_N, dtype=jnp.int32)
   idx_C = payload.first_true(escaped_N, fmt.capacity, fmt.n)
   if fmt.code_bits == 1:
     vals_C = jnp.take(bits_N, idx_C, mode="fill", fill_value=0)
     return (jnp.concatenate([bits.pack_bits(codes_N, 1), bits.pack_bits(vals_C, fmt.value_bits)]),
-            count, jnp.int32(0))
-  if prev_N is None:
-    raise ValueError("delta mode needs prev_N: escapes carry their move from it")
-  d_N = key_delta(bits_N, prev_N, fmt.value_bits)
-  far_N = escaped_N & ((d_N > NEAR_MAX) | (d_N < -NEAR_MAX))
-  far = jnp.sum(far_N, dtype=jnp.int32)
+            *escapes(codes_N, fmt))
+  if d_N is None:
+    raise ValueError("delta mode needs d_N (key_delta): escapes carry their move")
+  far_N = _far(codes_N, d_N, fmt)
   near_C = jnp.where(jnp.take(far_N, idx_C, mode="fill", fill_value=False), _FAR,
                      jnp.take(d_N, idx_C, mode="fill", fill_value=0).astype(jnp.uint32)
                      & np.uint32(0xFF))
@@ -180,7 +192,8 @@ def encode(bits_N: jax.Array, codes_N: jax.Array, fmt: WordFormat, prev_N: jax.A
   vals_F = jnp.take(bits_N, idx_F, mode="fill", fill_value=0)
   return (jnp.concatenate([bits.pack_bits(codes_N, fmt.code_bits),
                            bits.pack_bits(near_C, NEAR_BITS),
-                           bits.pack_bits(vals_F, fmt.value_bits)]), count, far)
+                           bits.pack_bits(vals_F, fmt.value_bits)]),
+          *escapes(codes_N, fmt, d_N))
 
 
 def decode(cache_RxN: jax.Array, patches_RxP: jax.Array, fmt: WordFormat) -> jax.Array:

@@ -134,9 +134,9 @@ def _np_from_key(key, value_bits, uint):
 
 @functools.partial(jax.jit, static_argnames="fmt")
 def _delta_roundtrip(old_RxN, new_RxN, fmt):
+  d = jax.vmap(lambda b, p: word.key_delta(b, p, fmt.value_bits))(new_RxN, old_RxN)
   codes = jax.vmap(lambda b, p: word.codes(b, p, fmt))(new_RxN, old_RxN)
-  patches, counts, far = jax.vmap(lambda b, c, p: word.encode(b, c, fmt, p))(new_RxN, codes,
-                                                                             old_RxN)
+  patches, counts, far = jax.vmap(lambda b, c, d: word.encode(b, c, fmt, d))(new_RxN, codes, d)
   return word.decode(old_RxN, patches, fmt), counts, far
 
 
