@@ -408,8 +408,8 @@ class Checkpointer:
     step_array = jax.make_array_from_callback((), layout.shardings.step,
                                               lambda _: np.asarray(step, np.int32))
     state = TrainState(step=step_array, params=restored["params"], opt_state=restored["opt_state"])
-    # Codec caches are not saved: rebuilt (the first gather sends everything).
-    state = state_lib.with_rebuilt_state(layout, state)
+    # Codec caches are not saved: rebuilt (the first gather sends everything, once).
+    state = state_lib.with_rebuilt_state(layout, state, restored=True)
     if layout.cfg.moe.placement == "fssdp":
       where = f"checkpoint {self.step_path(step)} (step {step})"
       if fssdp_target is None:

@@ -171,10 +171,6 @@ def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
       state = trainer.init_state()
     else:
       state, step = restored
-      # Codec caches are not saved: the first gather after a restore sends everything, once
-      # (no second warm-up: the weights are past it).
-      state = state.replace(gather_state=trainer.layout.gatherer.init_states(trainer.mesh,
-                                                                            warmed_up=True))
       log(f"moejax: resuming from step {step} (checkpoint {checkpoints.step_path(step)})")
     val_batches = [put_batch(b, trainer.mesh)
                    for b in data.val_batches(min(cfg.eval_batches, data.num_val_batches))]

@@ -93,17 +93,20 @@ def _without_gather_state(shardings: TrainState) -> TrainState:
   return shardings.replace(gather_state=None, load_history=None, expert_owner=None)
 
 
-def with_rebuilt_state(lay: StateLayout, state: TrainState) -> TrainState:
+def with_rebuilt_state(lay: StateLayout, state: TrainState, *,
+                       restored: bool = False) -> TrainState:
   """Adds the state that is not part of the parameters: codec caches (rebuilt, never saved), and
-  the fssdp load history and expert owners as they start (a restore then sets the saved ones)."""
+  the fssdp load history and expert owners as they start (a restore then sets the saved ones).
+  `restored`: the weights are past the codec warm-up, so only the first gather sends
+  everything (to refill the caches)."""
   history = owner = None
   if lay.cfg.moe.placement == "fssdp":
     history = jax.device_put(_init_history(lay.cfg), lay.shardings.load_history)
     owner = jax.device_put(fssdp_reshard.initial_owner(
         lay.cfg.model.num_layers, lay.cfg.moe.num_experts, num_devices(lay.mesh)),
         lay.shardings.expert_owner)
-  return state.replace(gather_state=lay.gatherer.init_states(lay.mesh), load_history=history,
-                       expert_owner=owner)
+  return state.replace(gather_state=lay.gatherer.init_states(lay.mesh, warmed_up=restored),
+                       load_history=history, expert_owner=owner)
 
 
 def init_state(cfg: Config, tx: optax.GradientTransformation, lay: StateLayout,
