@@ -1,8 +1,5 @@
 """Change detection: which blocks (or values) of a shard's exponents changed since the last gather.
 
-`change_counts` counts, for one shard, what every mode would see (exponent, block and whole-word
-changes), for measuring change rates independently of the mode a parameter is in.
-
 Two detectors, chosen by `CodecSpec.detect`:
 
 * "exact" compares the exponents with the sender's own copy of its previous exponents
@@ -61,31 +58,6 @@ def changed_values(exp_N: jax.Array, prev_N: jax.Array) -> jax.Array:
 def changed_blocks(exp_N: jax.Array, prev_N: jax.Array, block_size: int) -> jax.Array:
   """[NB] bool: some exponent in the block differs from the previous one (exact)."""
   return jnp.any(block_view(changed_values(exp_N, prev_N), block_size), axis=1)
-
-
-DELTA_BITS = (2, 3, 4)     # code widths of delta mode (`word.DELTA_BITS`)
-NEAR_MAX = 127             # delta mode: larger moves travel as whole values ("far")
-# Columns of `change_counts`: the rates capacities are sized from (`CodecSpec.rate_kind`, and
-# "far" for delta mode's far list).
-RATE_KINDS = ("element", "block", "word") + tuple(f"delta{k}" for k in DELTA_BITS) + ("far",)
-
-
-def change_counts(bits_N: jax.Array, prev_bits_N: jax.Array, layout, block_size: int) -> jax.Array:
-  """Bit patterns of a shard now and at the previous gather ([N], `layout.uint_dtype`) ->
-  int32 [len(RATE_KINDS)]: values whose exponent changed, blocks holding such a value, values
-  with any bit changed, for each delta code width K the values that move too far for a code
-  (escapes), and the values that move more than NEAR_MAX (far escapes). What each codec mode
-  would count for this shard, whichever mode it is in."""
-  from moejax.codec import word   # word builds on this module
-  exp_N, _ = bits.split_bits(bits_N, layout)
-  prev_N, _ = bits.split_bits(prev_bits_N, layout)
-  exp_changed = changed_values(exp_N, prev_N)
-  blocks = jnp.any(block_view(exp_changed, block_size), axis=1)
-  d_N = jnp.abs(word.key_delta(bits_N, prev_bits_N, layout.total_bits))   # |INT_MIN| < 0: far
-  esc = [jnp.sum((d_N > reach) | (d_N < 0), dtype=jnp.int32)
-         for reach in [2 ** (k - 1) - 1 for k in DELTA_BITS] + [NEAR_MAX]]
-  return jnp.stack([jnp.sum(exp_changed, dtype=jnp.int32), jnp.sum(blocks, dtype=jnp.int32),
-                    jnp.sum(changed_values(bits_N, prev_bits_N), dtype=jnp.int32), *esc])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -243,17 +243,15 @@ def compressed_all_gather(shard: jax.Array, state: dict, *, axis_name, axis: int
   full == lax.all_gather(shard.astype(compute_dtype), axis_name, axis=axis, tiled=True), bit for
   bit; compute_dtype defaults to shard.dtype and is the dtype that travels (pass it to
   `init_state`). The backward reduce-scatters the cotangent in shard.dtype, so an fp32 master
-  shard gathered as bf16 gets its gradient summed in fp32. Mode "off" is the plain gather with the
-  same VJP. Call inside `shard_map` (or anything else that binds `axis_name`).
+  shard gathered as bf16 gets its gradient summed in fp32. Mode "off" has no compressed gather:
+  the plain one is `moejax.sharding.hook.gather_leaf`. Call inside `shard_map` (or anything
+  else that binds `axis_name`).
   """
   axis = _check_axis(shard, axis)
-  dtypes = (np.dtype(compute_dtype or shard.dtype), np.dtype(shard.dtype))
   if spec.mode == "off":
-    plain = float(shard.size * dtypes[0].itemsize)
-    stats = _stats(bytes_sent=plain, bytes_plain=plain, bytes_needed=plain,
-                   exponent_changes=0, block_changes=0, word_changes=0, capacity_fill=0.0,
-                   fallback=0, dense=1)
-    return _plain_gather(shard, axis_name, axis, dtypes), state, stats
+    raise ValueError("CodecSpec.mode='off' is the plain gather: use "
+                     "moejax.sharding.hook.gather_leaf(shard, layout, None)")
+  dtypes = (np.dtype(compute_dtype or shard.dtype), np.dtype(shard.dtype))
   return _codec_gather(shard, state, axis_name, axis, spec, dtypes)
 
 
@@ -274,22 +272,6 @@ def _scatter_grad(ct_full, axis_name, axis, dtypes):
   """The VJP of the gather: reduce-scatter in the shard's own dtype."""
   ct = ct_full.astype(dtypes[1])
   return lax.psum_scatter(ct, axis_name, scatter_dimension=axis, tiled=True)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _plain_gather(shard, axis_name, axis, dtypes):
-  return lax.all_gather(shard.astype(dtypes[0]), axis_name, axis=axis, tiled=True)
-
-
-def _plain_gather_fwd(shard, axis_name, axis, dtypes):
-  return _plain_gather(shard, axis_name, axis, dtypes), None
-
-
-def _plain_gather_bwd(axis_name, axis, dtypes, _, ct_full):
-  return (_scatter_grad(ct_full, axis_name, axis, dtypes),)
-
-
-_plain_gather.defvjp(_plain_gather_fwd, _plain_gather_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))

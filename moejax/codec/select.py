@@ -40,13 +40,13 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from moejax.codec import detect as detect_lib
+from moejax.codec import word
 from moejax.codec import gather
 
 # (mode, detect, delta_bits) options considered; ("block", "hash") trades a 2^-128 chance of a
 # missed change for a much smaller sender state and is only considered when asked for.
 OPTIONS = (("element", "exact", 3), ("block", "exact", 3), ("word", "exact", 3)) + tuple(
-    ("delta", "exact", k) for k in detect_lib.DELTA_BITS)
+    ("delta", "exact", k) for k in word.DELTA_BITS)
 HASH_OPTION = ("block", "hash", 3)
 # Smallest capacity a selected parameter gets, as a fraction of its units: a parameter measured
 # as unchanging still gets room for a few changes before it falls back.

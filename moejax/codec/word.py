@@ -43,10 +43,10 @@ from moejax.codec import bits
 from moejax.codec import detect
 from moejax.codec import payload
 
-DELTA_BITS = detect.DELTA_BITS
+DELTA_BITS = (2, 3, 4)             # code widths of delta mode
 CODE_BITS = (1,) + DELTA_BITS
 NEAR_BITS = 8                      # an escape's d, when |d| <= NEAR_MAX
-NEAR_MAX = detect.NEAR_MAX         # 127
+NEAR_MAX = 127                     # larger moves travel as whole values ("far")
 _FAR = np.uint32(1 << (NEAR_BITS - 1))   # the byte -128: "the value is in the far list"
 
 

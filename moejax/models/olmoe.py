@@ -21,16 +21,15 @@ from moejax.layers.attention import Attention
 from moejax.layers.dispatch import LOCAL, Dispatch
 from moejax.layers.moe import MoEBlock, MoESpec
 from moejax.layers.norm import RMSNorm, rms_norm
+from moejax.sharding.hook import local_gather
 from moejax.sharding.prefetch import scan_layers
-
-COMPUTE_DTYPE = jnp.bfloat16
 
 
 def moe_spec(cfg: Config) -> MoESpec:
   moe, r = cfg.moe, cfg.routing
   return MoESpec(moe.num_experts, moe.top_k, score=moe.score, renormalize=moe.renormalize,
-                 admission=r.admission, threshold=r.threshold, capacity_factor=r.capacity_factor,
-                 capacity_factor_warmup=r.capacity_factor_warmup, warmup_steps=r.warmup_steps,
+                 admission=r.admission, threshold=r.threshold, capacity_factor=r.admission_capacity_factor,
+                 capacity_factor_warmup=r.admission_capacity_factor_warmup, warmup_steps=r.warmup_steps,
                  locality_weight=r.locality_weight)
 
 
@@ -86,13 +85,7 @@ def layer_from_params(cfg: Config, layer_params: dict) -> DecoderLayer:
   return nnx.merge(graphdef, state)
 
 
-def cast_gather(name: str, tree, states=None, dtype=COMPUTE_DTYPE):
-  """The hook outside a mesh: parameters are already whole; just cast to the compute dtype."""
-  del name
-  return jax.tree.map(lambda x: x.astype(dtype), tree), states, {}
-
-
-def forward(cfg: Config, params: dict, tokens_BxS, *, gather=cast_gather,
+def forward(cfg: Config, params: dict, tokens_BxS, *, gather=local_gather,
             dispatch: Dispatch = LOCAL, axis_name=None, remat: bool = True,
             prefetch: bool = False, step=0):
   """Returns (logits_BxSxV fp32, aux) with aux a dict of per-layer arrays [L, ...]."""
@@ -102,7 +95,7 @@ def forward(cfg: Config, params: dict, tokens_BxS, *, gather=cast_gather,
   return logits, aux_L
 
 
-def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=cast_gather,
+def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=local_gather,
                        states=None, dispatch: Dispatch = LOCAL, axis_name=None,
                        remat: bool = True, prefetch: bool = False, step=0,
                        predicted_load_LxE=None, expert_owners_L=None):

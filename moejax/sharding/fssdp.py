@@ -38,10 +38,6 @@ from moejax.routing import router as router_lib
 from moejax.sharding import fssdp_plan
 
 
-def owner_of(num_experts: int, num_devices: int):
-  return jnp.arange(num_experts, dtype=jnp.int32) // (num_experts // num_devices)
-
-
 class Owners(NamedTuple):
   """One layer's (or, stacked, every layer's) ownership: owner_E, the device owning each expert,
   and rank_E, the expert's index among the experts of this layer its owner holds."""

@@ -3,9 +3,8 @@
 `Gatherer.gather(group, shards, states) -> (full, new_states, stats)` is what the model's
 forward pass calls for each parameter group ("embed", "layers" (one layer's slice), "final_norm",
 "lm_head"). It looks up each parameter's layout and, when the codec is on for it, its
-`CodecSpec` (mode and capacity, chosen per parameter) and state, and gathers: through the hook
-(`moejax.sharding.hook.gather_param`) for plain parameters, through the hook's compressed gather
-(`moejax.codec.compressed_all_gather`) for the others, keeping the codec's own figures.
+`CodecSpec` (mode and capacity, chosen per parameter) and state, and hands each leaf to the one
+gather (`moejax.sharding.hook.gather_leaf`): it only maps trees to leaves and sums figures.
 
 Codec state lives in the train state as a dict {group: {param_path: state}} holding only the
 compressed parameters. Each device has its own state, so every state array is stored with a
@@ -14,7 +13,7 @@ layer axis, [N, L, ...], which the layer scan slices. Caches are rebuilt, not ch
 Without states (evaluation) every parameter is gathered plainly and no cache moves.
 
 Stats: {report group: summed hook stats} as before, plus, under `PARAM_STATS`, each compressed
-parameter's own figures ({path: [K]}, [L, K] for layer parameters), `PARAM_STAT_KEYS` in order.
+parameter's own figures ({path: [K]}, [L, K] for layer parameters), `hook.STAT_KEYS` in order.
 `split_param_stats` takes them out again and `codec_metrics` turns them into one [R, K] array
 (rows: `param_rows()`) for whoever sizes or chooses the codec (`moejax.train.codec_control`), plus
 the cache memory per device by mode.
@@ -35,8 +34,6 @@ from moejax.sharding.mesh import DEVICES
 
 GROUPS = ("embed", "layers", "final_norm", "lm_head")
 PARAM_STATS = "params"        # key of the per-parameter figures in a group's stats
-PARAM_STAT_KEYS = ("bytes_sent", "bytes_plain", "exponent_changes", "block_changes",
-                   "word_changes", "capacity_fill", "fallback", "dense")
 PARAM_METRIC = "codec_param_stats"   # metrics key of the [R, K] array
 
 
@@ -125,8 +122,6 @@ class Gatherer:
     shape[lay.dim] //= self.num_devices
     return tuple(shape[1:]) if group == "layers" else tuple(shape)
 
-  _shard_shape = shard_shape
-
   # -- state ---------------------------------------------------------------------------------
   def init_states(self, mesh, *, warmed_up: bool = False, reuse=None):
     """Fresh codec state (global arrays, one slice per device). `warmed_up` skips the warm-up
@@ -180,15 +175,23 @@ class Gatherer:
     return self.copies(group) * codec.state_bytes(self.shard_shape(group, path),
                                                   hook.COMPUTE_DTYPE, self.num_devices, spec)
 
-  def state_bytes_per_device(self) -> int:
-    return sum(self.state_bytes_by_mode().values())
-
   def state_bytes_by_mode(self) -> dict[str, int]:
     out: dict[str, int] = {}
     for g in GROUPS:
       for p, s in self.specs[g].items():
         out[s.mode] = out.get(s.mode, 0) + self.param_state_bytes(g, p)
     return out
+
+  def scatter_bytes(self) -> float:
+    """Bytes each device receives per step in the hook's gradient collectives."""
+    total = 0.0
+    for g in GROUPS:
+      for x, lay in zip(jax.tree.leaves(self.param_shapes[g]), jax.tree.leaves(self.layouts[g])):
+        shape = list(x.shape)
+        if lay.kind == "shard":
+          shape[lay.dim] //= self.num_devices
+        total += hook.scatter_bytes(shape, lay, self.num_devices)
+    return total
 
   # -- the hook --------------------------------------------------------------------------------
   def gather(self, group: str, shards, states: dict | None):
@@ -201,14 +204,10 @@ class Gatherer:
     fulls, new_states, stats, per_param = [], {}, {}, {}
     for path, x, lay in zip(paths, leaves, treedef.flatten_up_to(lays)):
       spec = self.specs[group].get(path) if states is not None else None
+      full, new_state, s = hook.gather_leaf(x, lay, spec, states[path] if spec else None)
       if spec is not None:
-        full, new_states[path], raw = codec.compressed_all_gather(
-            x, states[path], axis_name=DEVICES, axis=lay.dim, spec=spec,
-            compute_dtype=hook.COMPUTE_DTYPE)
-        s = _hook_stats(raw)
-        per_param[path] = jnp.stack([jnp.asarray(raw[k], jnp.float32) for k in PARAM_STAT_KEYS])
-      else:
-        full, _, s = hook.gather_param(x, lay)
+        new_states[path] = new_state
+        per_param[path] = jnp.stack([s[k] for k in hook.STAT_KEYS])
       fulls.append(full)
       key = param_group(group, path)
       stats[key] = s if key not in stats else {k: stats[key][k] + s[k] for k in s}
@@ -231,27 +230,18 @@ class Gatherer:
 
   def codec_metrics(self, param_stats: dict) -> dict:
     """Per-parameter figures as one [R, K] array (`PARAM_METRIC`; rows `param_rows()`, columns
-    `PARAM_STAT_KEYS`), and the codec state bytes per device, by mode and in total."""
+    `hook.STAT_KEYS`), and the codec state bytes per device, by mode and in total."""
     rows = []
     for g in GROUPS:
       for p in self.specs[g]:
         x = param_stats[g][p]
-        rows.append(x.reshape(-1, len(PARAM_STAT_KEYS)))
+        rows.append(x.reshape(-1, len(hook.STAT_KEYS)))
     by_mode = self.state_bytes_by_mode()
     out = {f"codec/cache_bytes/{m}": float(by_mode.get(m, 0)) for m in codec.COMPRESSED_MODES}
     out["codec_cache_bytes"] = float(sum(by_mode.values()))
     if rows:
       out[PARAM_METRIC] = jnp.concatenate(rows, axis=0)
     return out
-
-
-def _hook_stats(raw: dict) -> dict:
-  """The hook's figures (`hook.STAT_KEYS`) from the codec's own."""
-  stats = {"bytes_sent": raw["bytes_sent"], "bytes_plain": raw["bytes_plain"],
-           "exponent_changes": jnp.maximum(raw["exponent_changes"], 0),
-           "block_changes": raw["block_changes"], "fallback": raw["fallback"],
-           "compressed": 1 - raw["dense"]}
-  return {k: jnp.asarray(v, jnp.float32) for k, v in stats.items()}
 
 
 def squeeze_device_axis(states):

@@ -1,18 +1,23 @@
-"""The one parameter-gather / gradient-scatter hook used by every layer.
+"""The one parameter gather / gradient scatter: the only place a parameter is gathered.
 
 Inside the `shard_map` body each parameter arrives as this device's slice (fp32 master copy).
-`gather_param(shard, layout, state, spec) -> (full, new_state, stats)` returns the full
-parameter in the compute dtype (bf16), and its VJP sends the gradient home in fp32:
+`gather_leaf(shard, layout, spec, state) -> (full, new_state, stats)` returns the full parameter
+in the compute dtype (bf16), and its VJP sends the gradient home in fp32:
 
-  shard      forward all_gather (bf16) along `layout.dim`, plain or compressed by the codec
-             (`moejax.codec`, when `spec` is a CodecSpec); backward psum_scatter (fp32)
-  replicate  forward cast;                                  backward psum (fp32)
-  expert     forward cast (the owner uses it in place);     backward none: already complete
+  shard      forward all_gather of the bf16 bit patterns along `layout.dim`, plain (`spec` None)
+             or compressed by the codec (`spec` a `CodecSpec`, `moejax.codec`);
+             backward psum_scatter (fp32)
+  replicate  forward cast;                                    backward psum (fp32)
+  expert     forward cast (the owner uses it in place);       backward none: already complete
+
+The plain gather moves integer views, so it is bit-exact like the codec: XLA:CPU's float
+all-gather rewrites bf16 NaN payloads (0x7fbf arrives as 0x7fc0).
 
 `state` is the compressed gather's per-parameter state (None for the plain gather), carried from
-step to step in the train state. `stats` are per-device byte and change counts (see
-`STAT_KEYS`); for the plain gather they are static. Outside a mesh (a user's own model, plain
-`jit`) use `cast_param`, the identity up to the cast.
+step to step in the train state. `stats` are per-device figures of one gather, `STAT_KEYS`, as
+float32 scalars identical on every device: static for the plain gather, the codec's own
+(`moejax.codec.gather`) for a compressed one. `local_gather` is the hook outside a mesh (a
+user's own model, plain `jit`): parameters are already whole, only cast.
 """
 from __future__ import annotations
 
@@ -29,16 +34,20 @@ from moejax.sharding.mesh import DEVICES
 
 COMPUTE_DTYPE = jnp.bfloat16
 GRAD_DTYPE = jnp.float32
-# Per-gather figures, summed over parameters: bytes this device put into the gather
-# collectives (static buffer capacity), bytes plain bf16 would have put in, values whose exponent
-# changed, blocks with a change, dense fallbacks after overflow, gathers that ran compressed.
-STAT_KEYS = ("bytes_sent", "bytes_plain", "exponent_changes", "block_changes", "fallback",
-             "compressed")
+_BITS_DTYPE = jnp.uint16            # COMPUTE_DTYPE's bit patterns
+# Per-gather figures: bytes this device put into the gather collectives (static buffer capacity),
+# bytes the plain bf16 gather would have put in, values whose exponent changed, blocks with a
+# change, values with any bit changed, fullest patch / its capacity, overflow fallbacks, gathers
+# that ran dense. Counts are summed over the devices of the gather.
+STAT_KEYS = ("bytes_sent", "bytes_plain", "exponent_changes", "block_changes", "word_changes",
+             "capacity_fill", "fallback", "dense")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _all_gather(shard, dim: int, axis_names):
-  return lax.all_gather(shard.astype(COMPUTE_DTYPE), axis_names, axis=dim, tiled=True)
+  bits = lax.bitcast_convert_type(shard.astype(COMPUTE_DTYPE), _BITS_DTYPE)
+  full = lax.all_gather(bits, axis_names, axis=dim, tiled=True)
+  return lax.bitcast_convert_type(full, COMPUTE_DTYPE)
 
 
 def _all_gather_fwd(shard, dim, axis_names):
@@ -68,76 +77,65 @@ def _replicated_bwd(axis_names, _, g):
 _replicated.defvjp(_replicated_fwd, _replicated_bwd)
 
 
-def cast_param(x):
-  return x.astype(COMPUTE_DTYPE)
+def gather_bytes(shard_shape, layout: Layout) -> float:
+  """Bytes one device puts into the plain gather of one parameter (0 unless sharded)."""
+  if layout.kind != "shard":
+    return 0.0
+  return float(math.prod(shard_shape) * jnp.dtype(COMPUTE_DTYPE).itemsize)
+
+
+def scatter_bytes(shard_shape, layout: Layout, num_devices: int) -> float:
+  """Bytes one device receives in the backward collective of one parameter: the fp32 shards of
+  the reduce-scatter, or a ring all-reduce of a replicated parameter."""
+  n, size = num_devices, math.prod(shard_shape) * jnp.dtype(GRAD_DTYPE).itemsize
+  if layout.kind == "shard":
+    return float((n - 1) * size)
+  if layout.kind == "replicate" and n > 1:
+    return float(2 * (n - 1) / n * size)
+  return 0.0
+
+
+def gathers_per_step(layered: bool, *, remat: bool, prefetch: bool) -> int:
+  """How often a step gathers a parameter: layer parameters are gathered again in backward under
+  remat and under prefetch (whose layers re-gather rather than keep their weights)."""
+  return 2 if layered and (remat or prefetch) else 1
 
 
 def _plain_stats(shard, layout: Layout) -> dict:
-  sent = float(math.prod(shard.shape) * jnp.dtype(COMPUTE_DTYPE).itemsize)
-  if layout.kind != "shard":
-    sent = 0.0
-  return {"bytes_sent": jnp.float32(sent), "bytes_plain": jnp.float32(sent),
-          "exponent_changes": jnp.float32(0), "block_changes": jnp.float32(0),
-          "fallback": jnp.float32(0), "compressed": jnp.float32(0)}
+  sent = gather_bytes(shard.shape, layout)
+  stats = dict.fromkeys(STAT_KEYS, 0.0)
+  stats.update(bytes_sent=sent, bytes_plain=sent, dense=1.0 if layout.kind == "shard" else 0.0)
+  return {k: jnp.float32(v) for k, v in stats.items()}
 
 
-def gather_param(shard, layout: Layout, state=None, spec: codec.CodecSpec | None = None,
-                 axis_names=DEVICES):
+def _codec_stats(raw: dict) -> dict:
+  """The codec's figures as STAT_KEYS (unknown counts, -1 with hash detection, as 0)."""
+  stats = {k: raw[k] for k in STAT_KEYS}
+  for k in ("exponent_changes", "word_changes"):
+    stats[k] = jnp.maximum(stats[k], 0)
+  return {k: jnp.asarray(v, jnp.float32) for k, v in stats.items()}
+
+
+def gather_leaf(shard, layout: Layout, spec: codec.CodecSpec | None = None, state=None,
+                axis_names=DEVICES):
   """Full parameter (bf16) from this device's shard: (full, new_state, stats)."""
   if layout.kind == "shard" and spec is not None:
-    full, new_state, s = codec.compressed_all_gather(
+    full, new_state, raw = codec.compressed_all_gather(
         shard, state, axis_name=axis_names, axis=layout.dim, spec=spec,
         compute_dtype=COMPUTE_DTYPE)
-    stats = {"bytes_sent": s["bytes_sent"], "bytes_plain": s["bytes_plain"],
-             "exponent_changes": jnp.maximum(s["exponent_changes"], 0),
-             "block_changes": s["block_changes"], "fallback": s["fallback"],
-             "compressed": 1 - s["dense"]}
-    return full, new_state, {k: jnp.asarray(v, jnp.float32) for k, v in stats.items()}
+    return full, new_state, _codec_stats(raw)
   if layout.kind == "shard":
     full = _all_gather(shard, layout.dim, axis_names)
   elif layout.kind == "replicate":
     full = _replicated(shard, axis_names)
   elif layout.kind == "expert":
-    full = cast_param(shard)
+    full = shard.astype(COMPUTE_DTYPE)
   else:
     raise ValueError(f"unknown layout kind {layout.kind!r}")
   return full, state, _plain_stats(shard, layout)
 
 
-def gather_tree(shards, layouts, states=None, specs=None, axis_names=DEVICES):
-  """gather_param over a tree: (full tree, new state tree, stats summed over the tree)."""
-  is_layout = lambda v: isinstance(v, Layout)   # noqa: E731
-  leaves, treedef = jax.tree.flatten(shards)
-  lays = treedef.flatten_up_to(layouts)
-  sts = treedef.flatten_up_to(states) if states is not None else [None] * len(leaves)
-  sps = treedef.flatten_up_to(specs) if specs is not None else [None] * len(leaves)
-  fulls, new_states, total = [], [], None
-  for x, lay, st, sp in zip(leaves, lays, sts, sps):
-    assert is_layout(lay)
-    full, new_state, stats = gather_param(x, lay, st, sp, axis_names)
-    fulls.append(full)
-    new_states.append(new_state)
-    total = stats if total is None else {k: total[k] + stats[k] for k in STAT_KEYS}
-  new_state_tree = treedef.unflatten(new_states) if states is not None else None
-  return treedef.unflatten(fulls), new_state_tree, total
-
-
-def comm_bytes(param_shapes, layouts, num_devices: int, *, remat: bool) -> dict[str, float]:
-  """Bytes per device per step that the plain hook's collectives move, from static shapes.
-
-  An all_gather or reduce-scatter of a tensor of S bytes moves (n-1)/n * S into (out of) each
-  device. With remat the forward gathers of layer parameters are issued again in backward.
-  """
-  n = num_devices
-  gather = scatter = 0.0
-  frac = (n - 1) / n
-  for x, lay in zip(jax.tree.leaves(param_shapes),
-                    jax.tree.leaves(layouts, is_leaf=lambda v: isinstance(v, Layout))):
-    size = math.prod(x.shape)
-    if lay.kind == "shard":
-      g = frac * size * jnp.dtype(COMPUTE_DTYPE).itemsize
-      gather += g * (2 if remat else 1)
-      scatter += frac * size * jnp.dtype(GRAD_DTYPE).itemsize
-    elif lay.kind == "replicate" and n > 1:
-      scatter += 2 * frac * size * jnp.dtype(GRAD_DTYPE).itemsize   # ring all-reduce
-  return {"gather_bytes": gather, "scatter_bytes": scatter}
+def local_gather(group: str, tree, states=None, dtype=COMPUTE_DTYPE):
+  """The hook outside a mesh, with the Gatherer's signature: parameters are already whole."""
+  del group
+  return jax.tree.map(lambda x: x.astype(dtype), tree), states, {}

@@ -57,10 +57,10 @@ from jax import lax
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from moejax.codec import bits, detect, gather as codec, select
+from moejax.codec import bits, detect, gather as codec, rates as rates_lib, select, word
 from moejax.config import CodecConfig
 from moejax.sharding import hook
-from moejax.sharding.gatherer import PARAM_METRIC, PARAM_STAT_KEYS, Gatherer, param_group
+from moejax.sharding.gatherer import PARAM_METRIC, Gatherer, param_group
 from moejax.sharding.mesh import DEVICES, num_devices
 from moejax.train import step as step_lib
 from moejax.train.metrics import log as default_log
@@ -69,7 +69,7 @@ PROBE_STEPS = 3           # consecutive step pairs measured before each decision
 FALLBACK_LIMIT = 0.1      # share of a parameter's gathers that may fall back between decisions
 CHECK_EVERY = 10          # steps between looks at the live fallback counts
 SELECTION_FILE = "codec_selection.json"
-RATE_KINDS = detect.RATE_KINDS   # columns of the probe's counts
+RATE_KINDS = rates_lib.RATE_KINDS   # columns of the probe's counts
 PROFILE_BYTES = (4 << 10, 64 << 10, 1 << 20)
 KEEP_RATIO = 1.5          # a capacity in use stays until the sized one is this much smaller
 
@@ -153,7 +153,7 @@ class Probe:
         rows = self.gatherer.copies(g)
         a = now[g][p].reshape(rows, -1)
         b = prev[g][p].reshape(rows, -1)
-        out.append(jax.vmap(lambda x, y: detect.change_counts(x, y, layout, block_size))(a, b))
+        out.append(jax.vmap(lambda x, y: rates_lib.change_counts(x, y, layout, block_size))(a, b))
       # Every device gets every device's counts: the host reads a replicated array, which a
       # process can do in a multi-process run (a sharded one it could only read in part).
       return lax.all_gather(jnp.concatenate(out, axis=0), DEVICES)
@@ -237,7 +237,7 @@ def choose(gatherer: Gatherer, rates: Rates, codec_cfg: CodecConfig, comm: selec
     params.append(select.ParamStats(
         name, gatherer.shard_shape(g, p), hook.COMPUTE_DTYPE, q_element=float(mean[0]),
         q_block=float(mean[1]), q_word=float(mean[2]),
-        q_delta={k: float(mean[RATE_KINDS.index(f"delta{k}")]) for k in detect.DELTA_BITS},
+        q_delta={k: float(mean[RATE_KINDS.index(f"delta{k}")]) for k in word.DELTA_BITS},
         q_far=float(mean[RATE_KINDS.index("far")]),
         copies=gatherer.copies(g), peak=dict(zip(RATE_KINDS, map(float, peak)))))
     old = (current or {}).get(g, {}).get(p)
@@ -432,7 +432,7 @@ class CodecController:
       return
     live = np.asarray(jax.device_get(self._live_prev))
     steps = self._live_steps - 1
-    fallback = live[:, PARAM_STAT_KEYS.index("fallback")]
+    fallback = live[:, hook.STAT_KEYS.index("fallback")]
     worst = int(np.argmax(fallback))
     if steps >= CHECK_EVERY - 1 and fallback[worst] > FALLBACK_LIMIT * steps:
       g, p, layer = self.gatherer.param_rows()[worst]
@@ -455,8 +455,8 @@ class CodecController:
     steps = self._live_steps
     return {k: {"steps": steps,
                 "sent_over_plain": float(v[0] / max(v[1], 1)),
-                "fallbacks": int(v[PARAM_STAT_KEYS.index("fallback")]),
-                "dense": int(v[PARAM_STAT_KEYS.index("dense")])} for k, v in out.items()}
+                "fallbacks": int(v[hook.STAT_KEYS.index("fallback")]),
+                "dense": int(v[hook.STAT_KEYS.index("dense")])} for k, v in out.items()}
 
   def _record(self, step, rates, selections, changed) -> dict:
     live = self._live_figures()

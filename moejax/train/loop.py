@@ -20,8 +20,6 @@ from jax.sharding import NamedSharding
 from moejax.config import Config
 from moejax.data import DataSpec, check_vocab, make_data
 from moejax.errors import ConfigError, TrainingError
-from moejax.layers.dispatch import ep_a2a_bytes
-from moejax.sharding import hook
 from moejax.sharding import fssdp_plan
 from moejax.sharding.mesh import make_mesh, num_devices, topology
 from moejax.train import checkpoint as checkpoint_lib, optim, state as state_lib, step as step_lib
@@ -47,23 +45,6 @@ def put_batch(batch: dict, mesh) -> dict:
           for k, v in batch.items()}
 
 
-def comm_figures(cfg: Config, mesh, lay) -> dict[str, float]:
-  """Bytes per device per step moved by the hook's and the MoE block's collectives."""
-  n = num_devices(mesh)
-  layer_bytes = hook.comm_bytes(lay.param_shapes["layers"], lay.layouts["layers"], n,
-                                remat=cfg.remat or cfg.prefetch)
-  rest = {k: v for k, v in lay.param_shapes.items() if k != "layers"}
-  rest_bytes = hook.comm_bytes(rest, {k: lay.layouts[k] for k in rest}, n, remat=False)
-  figures = {k: layer_bytes[k] + rest_bytes[k] for k in layer_bytes}
-  a2a = 0.0
-  if cfg.moe.placement == "ep" and n > 1:
-    a2a = cfg.model.num_layers * ep_a2a_bytes(
-        cfg.batch_size * cfg.seq_len // n, cfg.moe.top_k, cfg.model.d_model, n,
-        cfg.moe.capacity_factor, remat=cfg.remat)
-  figures["a2a_bytes"] = a2a
-  return figures
-
-
 class Trainer:
   """Everything compiled and placed for one config on one mesh."""
 
@@ -77,7 +58,6 @@ class Trainer:
     self.train_step = step_lib.make_train_step(cfg, self.mesh, self.layout, self.tx,
                                                self.schedule)
     self.eval_step = step_lib.make_eval_step(cfg, self.mesh, self.layout)
-    self.comm = comm_figures(cfg, self.mesh, self.layout)
     self._relabel = None
     self.codec_steps: dict = {}   # codec choice -> (layout, train step), see CodecController
 
@@ -225,8 +205,7 @@ def _train(trainer: Trainer, state, data, val_batches, writer, checkpoints, cont
         step_time = (time.perf_counter() - t_log) / steps_since_log
       else:                                # the first (compiling) step, logged on its own
         step_time = first_step_time
-      # Static byte figures first; the step's own (measured, e.g. compressed) figures win.
-      record = {"step": step, **trainer.comm, **values, "step_time_s": step_time,
+      record = {"step": step, **values, "step_time_s": step_time,
                 "tokens_per_s": cfg.batch_size * cfg.seq_len / step_time}
       if reshard_moved is not None:
         record["reshard_moved_experts"] = reshard_moved

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from moejax.config import Config
 from moejax.errors import ConfigError
-from moejax.layers.dispatch import LOCAL, Dispatch
+from moejax.layers.dispatch import LOCAL, Dispatch, ep_a2a_bytes
 from moejax.models import olmoe
 from moejax.sharding import fssdp, fssdp_plan, fssdp_reshard, fssdp_shard, hook
 from moejax.sharding.gatherer import expand_device_axis, param_group, squeeze_device_axis
@@ -58,7 +58,7 @@ def max_per_layer(cfg: Config, mesh) -> int:
 def moe_dispatch(cfg: Config, mesh) -> Dispatch:
   if cfg.moe.placement in ("ep", "fssdp"):
     return Dispatch(cfg.moe.placement, DEVICES, num_devices(mesh),
-                    topology(mesh).devices_per_node, cfg.moe.capacity_factor,
+                    topology(mesh).devices_per_node, cfg.moe.dispatch_capacity_factor,
                     replica_slots=cfg.fssdp.replica_slots,
                     overlap_degree=cfg.fssdp.overlap_degree, calibrate=cfg.fssdp.calibrate)
   return LOCAL
@@ -150,6 +150,12 @@ def make_grad_fn(cfg: Config, mesh, lay: StateLayout):
 def placement_metrics(cfg: Config, mesh, placement_L: dict) -> dict:
   """ep / fssdp figures per layer: straggler factor, replicas, bytes moved by kind."""
   metrics = {k: v for k, v in placement_L.items()}
+  n = num_devices(mesh)
+  metrics["a2a_bytes"] = 0.0
+  if cfg.moe.placement == "ep" and n > 1:
+    metrics["a2a_bytes"] = cfg.model.num_layers * ep_a2a_bytes(
+        cfg.batch_size * cfg.seq_len // n, cfg.moe.top_k, cfg.model.d_model, n,
+        cfg.moe.dispatch_capacity_factor, remat=cfg.remat)
   if cfg.moe.placement == "fssdp":
     n, m, moe = num_devices(mesh), cfg.fssdp.replica_slots, cfg.moe
     expert_bytes = 3 * cfg.model.d_model * moe.expert_hidden * 2          # bf16
@@ -169,7 +175,6 @@ def gather_metrics(cfg: Config, lay: StateLayout, stats: dict) -> dict:
   gather, with layer gathers counted twice under remat or prefetch (backward re-gathers).
   """
   n = lay.gatherer.num_devices
-  repeat = {"layers": 2 if (cfg.remat or cfg.prefetch) else 1}
   sizes = codec_denominators(lay)
   stats, param_stats = lay.gatherer.split_param_stats(stats)
   by_group: dict = {}
@@ -179,12 +184,14 @@ def gather_metrics(cfg: Config, lay: StateLayout, stats: dict) -> dict:
       for k in hook.STAT_KEYS:
         value = jnp.sum(s[k])
         if k.startswith("bytes"):
-          value = value * (n - 1) * repeat.get(group, 1)
+          value = value * (n - 1) * hook.gathers_per_step(group == "layers", remat=cfg.remat,
+                                                          prefetch=cfg.prefetch)
         acc[k] = acc[k] + value
   metrics = {}
   total = {k: sum(g[k] for g in by_group.values()) for k in hook.STAT_KEYS}
   metrics["gather_bytes"] = total["bytes_sent"]
   metrics["gather_bytes_plain"] = total["bytes_plain"]
+  metrics["scatter_bytes"] = lay.gatherer.scatter_bytes()
   if lay.gatherer.enabled:
     values = sum(v for v, _ in sizes.values())
     blocks = sum(b for _, b in sizes.values())

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from moejax.codec import gather as codec
-from moejax.sharding.gatherer import PARAM_METRIC, PARAM_STAT_KEYS
+from moejax.sharding.gatherer import PARAM_METRIC
+from moejax.sharding.hook import STAT_KEYS
 from moejax.sharding.mesh import make_mesh
 from moejax.train import codec_control
 from moejax.train.loop import Trainer, put_batch
@@ -119,7 +120,7 @@ def test_mixed_modes_keep_unchanged_caches(runs):
           if p in before.get(g, {}) and codec.same_state(before[g][p], spec)}
   mixed = {(g, p) for g, ps in runs["mixed"].items() for p in ps}
   assert kept and kept != mixed                         # some caches kept, some states new
-  dense = PARAM_STAT_KEYS.index("dense")
+  dense = STAT_KEYS.index("dense")
   raw, rows = runs["codec_rows"][0]
   for (g, p, _), row in zip(rows, np.asarray(jax.device_get(raw))):
     # Same state (only the capacity changed, or nothing): a patch at once. New state: refill.
@@ -129,7 +130,7 @@ def test_mixed_modes_keep_unchanged_caches(runs):
 def test_probe_counts_what_the_codec_counts(runs):
   """The controller's probe and the codec agree on every compressed parameter's changes."""
   probe = runs["controller"].probe
-  cols = [PARAM_STAT_KEYS.index(k) for k in ("exponent_changes", "block_changes",
+  cols = [STAT_KEYS.index(k) for k in ("exponent_changes", "block_changes",
                                               "word_changes")]
   index = {name: i for i, name in enumerate(probe.names)}
   offsets = np.cumsum([0] + probe.rows)

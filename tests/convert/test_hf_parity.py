@@ -21,6 +21,7 @@ from safetensors import safe_open
 from moejax.convert import __main__ as cli
 from moejax.convert import load_hf, read_hf_config, save_hf
 from moejax.models import olmoe
+from moejax.sharding import hook
 from moejax.sharding.mesh import make_mesh
 from moejax.train import checkpoint as train_checkpoint
 from moejax.train.optim import make_optimizer
@@ -30,7 +31,7 @@ MODELS = ("a", "b")
 
 
 def fp32_logits(cfg, params, tokens):
-  gather = functools.partial(olmoe.cast_gather, dtype=jnp.float32)
+  gather = functools.partial(hook.local_gather, dtype=jnp.float32)
   logits, _ = jax.jit(lambda p, t: olmoe.forward(cfg, p, t, gather=gather, remat=False))(
       params, tokens)
   return np.asarray(logits)

@@ -1,0 +1,145 @@
+"""The one gather (`moejax.sharding.hook.gather_leaf`) on 8 fake CPU devices: bit-exact plain
+gathers (NaN payloads included), the VJP of every layout kind, the codec through the same entry,
+and the byte figures the step reports."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, PartitionSpec as P
+
+from moejax.codec import gather as codec
+from moejax.sharding import hook
+from moejax.sharding.layout import Layout
+
+W = 8
+AXIS = "d"
+MESH = jax.make_mesh((W,), (AXIS,), axis_types=(AxisType.Auto,))
+
+
+def _gather_fn(layout: Layout, ndim: int):
+  spec_in = P(*[AXIS if i == layout.dim else None for i in range(ndim)]) \
+      if layout.kind == "shard" else P()
+
+  def body(x):
+    full, _, stats = hook.gather_leaf(x, layout, None, None, axis_names=AXIS)
+    return full[None], jax.tree.map(lambda v: v[None], stats)
+
+  return jax.jit(jax.shard_map(body, mesh=MESH, in_specs=spec_in, out_specs=P(AXIS),
+                               check_vma=False))
+
+
+def test_plain_gather_moves_bit_patterns_nan_payloads_included():
+  rng = np.random.default_rng(0)
+  x_bits = rng.integers(0, 2**16, size=(W * 4, 8), dtype=np.uint16)
+  x_bits[::3, 1] = 0x7fbf              # a NaN payload XLA:CPU's float gather would rewrite
+  x_bits[1::5, 2] = 0xffc1             # a negative NaN with payload
+  x_bits[2, 3] = 0x8000                # -0.0
+  x = jnp.asarray(x_bits).view(jnp.bfloat16)
+  full, stats = _gather_fn(Layout("shard", 0), 2)(x)
+  full_bits = np.asarray(full).view(np.uint16)   # on the host: a device op would rewrite NaNs
+  for d in range(W):
+    np.testing.assert_array_equal(full_bits[d], x_bits)
+  assert full.dtype == jnp.bfloat16
+  assert float(stats["bytes_sent"][0]) == 4 * 8 * 2 == float(stats["bytes_plain"][0])
+  assert float(stats["dense"][0]) == 1 and float(stats["fallback"][0]) == 0
+
+
+def test_plain_gather_along_a_later_axis_casts_fp32_to_bf16():
+  x = np.random.default_rng(1).normal(size=(3, W * 2)).astype(np.float32)
+  full, _ = _gather_fn(Layout("shard", 1), 2)(jnp.asarray(x))
+  expected = np.asarray(jnp.asarray(x).astype(jnp.bfloat16)).view(np.uint16)
+  np.testing.assert_array_equal(np.asarray(full).view(np.uint16)[5], expected)
+
+
+@functools.lru_cache(maxsize=None)
+def _grad_fn(kind: str, spec):
+  layout = Layout(kind, 0) if kind != "replicate" else Layout("replicate")
+  spec_in = P() if kind == "replicate" else P(AXIS)
+
+  def body(x, state, h_BxD):
+    state = jax.tree.map(lambda a: a[0], state)   # this device's [1, ...] slice
+
+    def loss(x):
+      full, new_state, _ = hook.gather_leaf(x, layout, spec, state, axis_names=AXIS)
+      return jnp.sum(jnp.tanh(h_BxD @ full.astype(jnp.float32).T)), new_state
+
+    (value, new_state), g = jax.value_and_grad(loss, has_aux=True)(x)
+    return value[None], g, jax.tree.map(lambda a: a[None], new_state)
+
+  return jax.jit(jax.shard_map(body, mesh=MESH, in_specs=(spec_in, P(AXIS), P(AXIS)),
+                               out_specs=(P(AXIS), spec_in, P(AXIS)), check_vma=False))
+
+
+def _reference_grad(kind: str, w, h):
+  """JAX's own transpose of an fp32 gather / broadcast, then a cast: the fp32 gradient sums."""
+  def one(h_d):
+    return jax.grad(lambda w: jnp.sum(jnp.tanh(
+        h_d @ w.astype(jnp.bfloat16).astype(jnp.float32).T)))(w)
+
+  per_device = jax.vmap(one)(h.reshape(W, -1, h.shape[-1]))
+  return per_device.sum(axis=0)
+
+
+@pytest.mark.parametrize("kind,spec", [
+    ("shard", None), ("replicate", None),
+    ("shard", codec.CodecSpec("element", warmup_steps=0, capacity_fraction=0.5)),
+], ids=["shard-plain", "replicate", "shard-codec"])
+def test_vjp_returns_the_fp32_gradient_of_the_owned_part(kind, spec):
+  rng = np.random.default_rng(2)
+  w = rng.normal(size=(W * 2, 16)).astype(np.float32)
+  h = rng.normal(size=(W * 2, 16)).astype(np.float32)
+  state = {}
+  if spec is not None:
+    one = codec.init_state((2, 16), jnp.bfloat16, W, spec)
+    state = jax.tree.map(lambda a: jnp.broadcast_to(a, (W,) + a.shape), one)
+  _, g, _ = _grad_fn(kind, spec)(jnp.asarray(w), jax.tree.map(lambda a: a, state),
+                                 jnp.asarray(h))
+  assert g.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(g), np.asarray(_reference_grad(kind, w, h)),
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_expert_layout_is_a_cast_without_collective():
+  x = jnp.arange(W * 4, dtype=jnp.float32).reshape(W, 4)
+  full, state, stats = hook.gather_leaf(x, Layout("expert", 0), None, None)
+  assert full.dtype == jnp.bfloat16 and full.shape == x.shape and state is None
+  assert float(stats["bytes_sent"]) == 0
+  hlo = jax.jit(lambda x: hook.gather_leaf(x, Layout("expert", 0))[0]).lower(x).as_text()
+  assert "all_gather" not in hlo and "all-gather" not in hlo
+
+
+def test_local_gather_casts_and_passes_states_through():
+  tree = {"a": jnp.ones((2, 3)), "b": jnp.zeros((4,))}
+  full, states, stats = hook.local_gather("layers", tree, states={"s": 1})
+  assert all(v.dtype == jnp.bfloat16 for v in jax.tree.leaves(full))
+  assert states == {"s": 1} and stats == {}
+
+
+def test_byte_figures_and_regather_rule():
+  shard, rep, exp = Layout("shard", 0), Layout("replicate"), Layout("expert", 0)
+  assert hook.gather_bytes((4, 8), shard) == 64
+  assert hook.gather_bytes((4, 8), rep) == hook.gather_bytes((4, 8), exp) == 0
+  assert hook.scatter_bytes((4, 8), shard, W) == (W - 1) * 32 * 4       # fp32 shards
+  assert hook.scatter_bytes((4, 8), rep, W) == 2 * (W - 1) / W * 32 * 4   # ring all-reduce
+  assert hook.scatter_bytes((4, 8), rep, 1) == hook.scatter_bytes((4, 8), exp, W) == 0
+  assert hook.gathers_per_step(True, remat=True, prefetch=False) == 2
+  assert hook.gathers_per_step(True, remat=False, prefetch=True) == 2
+  assert hook.gathers_per_step(True, remat=False, prefetch=False) == 1
+  assert hook.gathers_per_step(False, remat=True, prefetch=True) == 1
+
+
+def test_codec_refuses_mode_off_and_points_at_the_hook():
+  with pytest.raises(ValueError, match="gather_leaf"):
+    jax.eval_shape(lambda x: codec.compressed_all_gather(
+        x, {}, axis_name=AXIS, axis=0, spec=codec.CodecSpec("off")), jnp.ones((2, 2)))
+
+
+def test_plain_stats_match_lax_all_gather_volume():
+  """The plain gather's bytes_sent is what the all-gather operand holds (bf16 shard)."""
+  x = jnp.ones((W * 3, 5), jnp.float32)
+  lowered = _gather_fn(Layout("shard", 0), 2).lower(x).as_text()
+  assert "(tensor<3x5xui16>) -> tensor<24x5xui16>" in lowered   # integer view, not bf16
+  _, stats = _gather_fn(Layout("shard", 0), 2)(x)
+  assert float(stats["bytes_sent"][0]) == 3 * 5 * 2
