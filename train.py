@@ -33,16 +33,40 @@ def main(argv):
     sys.exit(2)
 
 
+def _override_fields(argv):
+  """The dotted FIELDs of the --config.FIELD[=VALUE] arguments in argv."""
+  for arg in argv[1:]:
+    if arg == "--":
+      break
+    name = arg.lstrip("-").split("=", 1)[0]
+    if arg.startswith("-") and name.startswith("config."):
+      yield name[len("config."):]
+
+
 def parse_flags(argv):
   """absl flag parsing, with every failure (bad field, preset, value) as one line + exit 2."""
+  from moejax.config import check_not_renamed
+  from moejax.errors import ConfigError
+  try:   # before absl, which would only say the old field is unknown
+    for field in _override_fields(argv):
+      check_not_renamed(field)
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
   try:
     return flags.FLAGS(argv)
-  except Exception as e:  # config files raise anything; the user needs the message only
-    message = str(e).strip().splitlines()
-    message = [line for line in message if line.strip() and not line.startswith("Pass --help")]
-    detail = message[-1].strip() if message else type(e).__name__
+  except Exception as e:  # noqa: BLE001  config files raise anything; the message is enough
+    inner = e   # ConfigDict wraps a KeyError in an AttributeError; a KeyError's str() is a repr
+    while inner.args and isinstance(inner.args[0], BaseException):
+      inner = inner.args[0]
+    text = str(inner.args[0]) if isinstance(inner, KeyError) and inner.args else str(inner)
+    message = [line.strip() for line in text.strip().splitlines()
+               if line.strip() and not line.startswith("Pass --help")]
+    detail = message[-1] if message else type(e).__name__
     if isinstance(e, (AttributeError, KeyError)):   # ConfigDict's way of saying "no such field"
-      detail = f"unknown config field {detail.strip(chr(34))} in a --config.FIELD override"
+      hint = f" ({message[1]})" if len(message) > 1 else ""   # e.g. 'Did you mean "top_k"...'
+      detail = (f"unknown config field {message[0].strip(chr(34))} in a --config.FIELD "
+                f"override{hint}") if message else detail
     print(f"error: bad command line: {detail}", file=sys.stderr)
     sys.exit(2)
 

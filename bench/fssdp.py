@@ -7,7 +7,7 @@ reference, on 8 devices as 2 nodes x 4.
 A trace is the routing of a global batch per step and layer, kept as per-source-device expert
 counts [steps, L, N, E]. Each step is replayed through:
   ep             the owner of each expert processes all its assignments (even placement).
-  fssdp          `fssdp_plan.materialize_plan` on the load predicted from the previous steps
+  fssdp          `planner.materialize_plan` on the load predicted from the previous steps
                  (`LoadHistory`, sliding-window mean), tokens sent by the even rule of
                  `dispatch_devices` (local, else my node's holders, else all holders, evenly).
   fssdp+bal      the same replicas, tokens sent by `balanced_send` (water-filled over the
@@ -15,7 +15,7 @@ counts [steps, L, N, E]. Each step is replayed through:
   fssdp+cal      then `calibrate` with the step's actual loads after gating (re-plans when that
                  pays; the new replicas are fetched late), even rule.
   fssdp+cal+bal  calibrated replicas and balanced sends.
-  het-ep         owner only, on heterogeneous sharding (`fssdp_shard.heterogeneous_placement`
+  het-ep         owner only, on heterogeneous sharding (`ownership.heterogeneous_placement`
                  of the predicted loads, re-sharded every `--reshard_every` steps).
   het+cal+bal    fssdp+cal+bal on that heterogeneous sharding.
   balanced       the reference: every device processes exactly the mean.
@@ -53,8 +53,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from moejax.sharding import fssdp_plan as fp  # noqa: E402
-from moejax.sharding import fssdp_shard as fs  # noqa: E402
+from moejax.placement import planner as fp  # noqa: E402
+from moejax.placement import ownership as fs  # noqa: E402
 
 TRACE_DIR = os.path.join(REPO, "bench", "traces")
 RECORDED = os.path.join(TRACE_DIR, "tiny_recorded.npz")

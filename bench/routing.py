@@ -39,7 +39,7 @@ def train_policies(policies, steps: int, eval_batches: int, capacity_factor: flo
   for policy in policies:
     cd = olmoe_configs.get_config("tiny")
     cd.routing.admission = policy
-    cd.routing.capacity_factor = capacity_factor
+    cd.routing.admission_capacity_factor = capacity_factor
     cd.steps = steps
     cfg = from_config_dict(cd)
     data = make_data(DataSpec(seed=cfg.seed), batch_size=cfg.batch_size, seq_len=cfg.seq_len)

@@ -1,8 +1,10 @@
 """Typed, validated configuration.
 
-Config files (`configs/*.py`) return an `ml_collections.ConfigDict`; `from_config_dict` turns it
-into the frozen dataclasses below at the boundary, so the library never reads a ConfigDict. Every
-check lives here and raises `ConfigError` naming the field, the value and what would be valid.
+Config files (`configs/*.py`) start from `default_config_dict()` (these dataclasses' defaults as an
+`ml_collections.ConfigDict`) and set only what differs; `from_config_dict` turns the result into
+the frozen dataclasses below at the boundary, so the library never reads a ConfigDict. Every check
+lives here and raises `ConfigError` naming the field, the value and what would be valid. Valid
+choices come from the modules that own them.
 """
 from __future__ import annotations
 
@@ -10,110 +12,194 @@ import dataclasses
 import typing
 from typing import Any
 
-from moejax.errors import ConfigError
+import ml_collections
 
-PLACEMENTS = ("fsdp", "ep", "fssdp")
-ADMISSIONS = ("none", "strict", "reroute")
-SCORES = ("softmax", "sigmoid")
-DATA_SOURCES = ("builtin", "text", "jsonl")
-CODEC_MODES = ("off", "block", "element", "word", "delta", "auto")
-CODEC_COMM_MODELS = ("profile", "bytes")
+from moejax.codec.gather import COMPRESSED_MODES, DETECTORS, MODES
+from moejax.codec.word import DELTA_BITS
+from moejax.data.sources import SOURCES as DATA_SOURCES
+from moejax.errors import ConfigError
+from moejax.placement import PLACEMENTS
+from moejax.routing.admission import POLICIES as ADMISSIONS
+from moejax.routing.router import SCORE_FUNCTIONS as SCORES
+
+CODEC_MODES = MODES + ("auto",)            # auto: chosen per parameter at run time (config-level)
+CODEC_COMM_MODELS = ("profile", "bytes")   # read by moejax.train.codec_control, which imports us
+
+# Old field -> (new field, what it is). Either spelling of an old field raises a ConfigError
+# naming the new one, from a config dict (`from_config_dict`) or a --config.FIELD override.
+RENAMED = {
+    "moe.capacity_factor": ("moe.dispatch_capacity_factor",
+                            "the ep/fssdp dispatch buffer size; 0 = dropless"),
+    "routing.capacity_factor": ("routing.admission_capacity_factor",
+                                "admission capacity per expert after routing.warmup_steps"),
+    "routing.capacity_factor_warmup": ("routing.admission_capacity_factor_warmup",
+                                       "admission capacity per expert before routing.warmup_steps"),
+}
+
+
+def check_not_renamed(field: str) -> None:
+  """Raises ConfigError if `field` (a dotted path such as "moe.capacity_factor") was renamed."""
+  if field in RENAMED:
+    new, what = RENAMED[field]
+    raise ConfigError(f"config.{field} was renamed: use config.{new} ({what})")
+
+
+def upgrade_saved(saved: dict) -> dict:
+  """A config dict saved by an earlier version (a checkpoint's config/ item) with renamed fields
+  under their new names; a user's config still gets the error above."""
+  out = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}
+  for old, (new, _) in RENAMED.items():
+    (og, of), (ng, nf) = old.split("."), new.split(".")
+    if of in out.get(og, {}):
+      out.setdefault(ng, {})[nf] = out[og].pop(of)
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   vocab_size: int = 320
+  """Embedding and output rows (the byte tokenizer needs at least 257)."""
   d_model: int = 64
+  """Width of the residual stream."""
   num_layers: int = 2
+  """Decoder layers, each attention then MoE."""
   num_heads: int = 4
+  """Attention heads."""
   head_dim: int = 16
+  """Width of one head; even (rotary embeddings rotate pairs)."""
   rope_theta: float = 10000.0
+  """Rotary embedding base."""
   norm_eps: float = 1e-5
+  """RMSNorm epsilon (layer norms and QK-norm)."""
   init_std: float = 0.02
+  """Standard deviation of the normal weight initializer."""
 
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
   num_experts: int = 8
+  """Experts per layer (E)."""
   top_k: int = 2
+  """Experts each token is routed to (K)."""
   expert_hidden: int = 64
+  """Hidden width of one expert's SwiGLU MLP."""
   score: str = "softmax"
+  """Router score function: one of `moejax.routing.router.SCORE_FUNCTIONS`."""
   renormalize: bool = False
+  """Rescale each token's top-k weights to sum to 1."""
   aux_loss_weight: float = 0.01
+  """Weight of the load-balancing loss."""
   z_loss_weight: float = 0.001
+  """Weight of the router z-loss."""
   placement: str = "fsdp"
-  # 0 = dropless (static worst-case buffers); > 0: per-destination buffer of
-  # ceil(capacity_factor * assignments / devices) tokens, overflow dropped and counted.
-  capacity_factor: float = 0.0
+  """How experts and tokens meet: one of `moejax.placement.PLACEMENTS`."""
+  dispatch_capacity_factor: float = 0.0
+  """ep/fssdp dispatch buffer: 0 = dropless (static worst-case buffers); > 0: per destination
+  ceil(factor * assignments / devices) tokens, overflow dropped and counted."""
 
 
 @dataclasses.dataclass(frozen=True)
 class FssdpConfig:
   """moe.placement='fssdp': owners plus this step's replicas of hot experts."""
-  replica_slots: int = 2      # M: replica slots per device per layer
-  overlap_degree: int = 4     # t: distinct experts materialized per layer and step
-  window: int = 5             # load predictor: mean of the last `window` steps
-  reshard_every: int = 100    # re-shard owners (parameters + optimizer state move); 0 = never
-  # C: the most experts of one layer a device may own after re-sharding (a static buffer);
-  # 0 = min(E, 2 * E/N); E/N keeps every layer's counts equal.
+  replica_slots: int = 2
+  """M: replica slots per device per layer."""
+  overlap_degree: int = 4
+  """t: distinct experts materialized per layer and step."""
+  window: int = 5
+  """Load predictor: the mean of the last `window` steps' loads."""
+  reshard_every: int = 100
+  """Steps between re-shardings of owners (parameters and optimizer state move); 0 = never."""
   max_per_layer: int = 0
-  calibrate: bool = True      # re-plan from the actual loads after gating when it pays
+  """C: the most experts of one layer a device may own after re-sharding (a static buffer);
+  0 = min(E, 2 * E/N); E/N keeps every layer's counts equal."""
+  calibrate: bool = True
+  """Re-plan from the actual loads after gating when it pays."""
 
 
 @dataclasses.dataclass(frozen=True)
 class RoutingConfig:
   admission: str = "none"
+  """Capacity-limited affinity admission: one of `moejax.routing.admission.POLICIES`."""
   threshold: float = -1.0
-  capacity_factor: float = 1.25
-  capacity_factor_warmup: float = 2.0
+  """Least cosine similarity (token's router input, expert's router vector) to be admitted."""
+  admission_capacity_factor: float = 1.25
+  """Capacity per expert = ceil(factor * tokens * top_k / experts) per device, after
+  `warmup_steps`."""
+  admission_capacity_factor_warmup: float = 2.0
+  """The factor while step < `warmup_steps`."""
   warmup_steps: int = 0
+  """Steps that use `admission_capacity_factor_warmup`."""
   locality_weight: float = 0.0
+  """Weight of a loss favouring experts on the token's own node (ep placement); 0 = off."""
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   source: str = "builtin"
+  """One of `moejax.data.sources.SOURCES`; builtin needs no file."""
   path: str = ""
+  """The text or jsonl file (data.source != 'builtin')."""
   tokenizer: str = "bytes"
+  """"bytes", or a path to a Hugging Face tokenizer.json (or its folder)."""
   val_fraction: float = 0.05
+  """The last this fraction of the token stream is the validation split."""
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
   lr: float = 3e-3
+  """Peak learning rate (AdamW), reached after `warmup_steps`."""
   min_lr_ratio: float = 0.1
+  """Cosine decay ends at lr * min_lr_ratio at the last step."""
   warmup_steps: int = 10
+  """Steps of linear warm-up from 0."""
   weight_decay: float = 0.1
+  """AdamW decoupled weight decay (not on norm scales)."""
   b1: float = 0.9
+  """Adam beta1."""
   b2: float = 0.95
+  """Adam beta2."""
   eps: float = 1e-8
+  """Adam epsilon."""
   clip_norm: float = 1.0
+  """Global gradient-norm clip; 0 = off."""
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  # (nodes, devices per node); -1 fills in the rest of the devices. Devices of one node share a
-  # fast interconnect; placement and dispatch use this to prefer intra-node traffic.
   shape: tuple = (1, -1)
+  """(nodes, devices per node); -1 fills in the rest of the devices. Devices of one node share a
+  fast interconnect; placement and dispatch use this to prefer intra-node traffic."""
 
 
 @dataclasses.dataclass(frozen=True)
 class CodecConfig:
-  # off | block | element | word | delta: every sharded parameter in that mode (moejax.codec);
-  # auto: a mode per parameter (or plain), chosen and re-chosen from measured change rates.
   mode: str = "off"
+  """One of `moejax.codec.gather.MODES` (every sharded parameter in that mode), or auto: a mode
+  per parameter (or plain), chosen and re-chosen from measured change rates."""
   block_size: int = 512
-  warmup_steps: int = 30          # gathers that send everything while caches fill
-  detect: str = "exact"           # exact | hash (block mode: 128-bit block hashes, less memory)
-  capacity_fraction: float = 0.0  # patch capacity as a fraction of a shard; 0 = mode default
-  # A fixed mode only where it pays (benefit vs cost), capacities sized from measured rates;
-  # always on for auto (moejax.train.codec_control).
+  """Values per block (block mode)."""
+  warmup_steps: int = 30
+  """Gathers that send everything while caches fill."""
+  detect: str = "exact"
+  """One of `moejax.codec.gather.DETECTORS`; hash (block mode): 128-bit block hashes, less
+  memory."""
+  capacity_fraction: float = 0.0
+  """Patch capacity as a fraction of a shard; 0 = the mode's default."""
   select: bool = False
-  delta_bits: int = 3             # delta mode: code bits per value (2, 3 or 4)
-  cache_budget_bytes: int = 0     # codec state per device of the selected parameters; 0 = no limit
-  reselect_every: int = 0         # steps between re-decisions from live rates; 0 = decide once
-  capacity_margin: float = 1.25   # selected capacity = worst device's change rate x margin
-  comm_model: str = "profile"     # gain in seconds from a profile of the mesh | "bytes" saved
+  """A fixed mode only where it pays (benefit vs cost), capacities sized from measured rates;
+  always on for auto (moejax.train.codec_control)."""
+  delta_bits: int = 3
+  """Delta mode: code bits per value, one of `moejax.codec.word.DELTA_BITS`."""
+  cache_budget_bytes: int = 0
+  """Codec state per device of the selected parameters; 0 = no limit."""
+  reselect_every: int = 0
+  """Steps between re-decisions from live rates; 0 = decide once."""
+  capacity_margin: float = 1.25
+  """Selected capacity = the worst device's change rate times this margin."""
+  comm_model: str = "profile"
+  """Gain measured in seconds from a profile of the mesh ("profile") or in bytes saved
+  ("bytes")."""
 
   @property
   def controlled(self) -> bool:
@@ -123,35 +209,60 @@ class CodecConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-  # Saves go to WORKDIR/checkpoints (moejax.train.checkpoint); a rerun resumes from the latest.
-  every: int = 0          # save every N steps; 0 = only at the end (the last step always saves)
-  keep: int = 3           # how many of the latest checkpoints to keep
+  """Saves go to WORKDIR/checkpoints (moejax.train.checkpoint); a rerun resumes from the latest."""
+  every: int = 100
+  """Save every N steps; 0 = only at the end (the last step always saves)."""
+  keep: int = 3
+  """How many of the latest checkpoints to keep."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
   model: ModelConfig = ModelConfig()
+  """Decoder shapes."""
   moe: MoEConfig = MoEConfig()
+  """The MoE layers: experts, router, placement."""
   routing: RoutingConfig = RoutingConfig()
+  """Admission of routed tokens (capacity per expert)."""
   fssdp: FssdpConfig = FssdpConfig()
+  """fssdp placement only."""
   data: DataConfig = DataConfig()
+  """Training and validation data."""
   optim: OptimConfig = OptimConfig()
+  """Optimizer and learning-rate schedule."""
   mesh: MeshConfig = MeshConfig()
+  """Device mesh."""
   codec: CodecConfig = CodecConfig()
+  """Compressed parameter all-gather."""
   checkpoint: CheckpointConfig = CheckpointConfig()
+  """Periodic saves and resume."""
   steps: int = 200
+  """Training steps (the schedule's length)."""
   batch_size: int = 16
+  """Global batch, in sequences."""
   seq_len: int = 64
+  """Tokens per sequence."""
   seed: int = 0
+  """Seeds the initialization and the data order."""
   log_every: int = 10
+  """Steps between printed and logged metrics."""
   eval_every: int = 50
+  """Steps between validation losses (and at the last step)."""
   eval_batches: int = 4
+  """Validation batches per evaluation."""
   remat: bool = True
-  # Start from these weights (a Hugging Face OLMoE directory, or a moejax checkpoint / from-hf
-  # output) instead of a random init, when the workdir has no checkpoint to resume.
+  """Recompute each layer's activations in the backward pass (jax.checkpoint)."""
   init_from: str = ""
-  # Issue layer i+1's parameter gather before layer i's compute (see moejax.sharding.prefetch).
+  """Start from these weights (a Hugging Face OLMoE directory, or a moejax checkpoint / from-hf
+  output) instead of a random init, when the workdir has no checkpoint to resume."""
   prefetch: bool = True
+  """Issue layer i+1's parameter gather before layer i's compute (moejax.sharding.prefetch)."""
+
+
+def default_config_dict() -> ml_collections.ConfigDict:
+  """`Config()` as a ConfigDict: what config files start from (absl `--config.x.y=` overrides
+  are type-checked against these values)."""
+  return ml_collections.ConfigDict(dataclasses.asdict(Config()))
 
 
 def _type_name(tp) -> str:
@@ -188,6 +299,8 @@ def _build(cls, cd, prefix: str):
   hints = typing.get_type_hints(cls)
   fields = {f.name for f in dataclasses.fields(cls)}
   keys = set(cd.keys())
+  for key in sorted(keys):
+    check_not_renamed(prefix + key)
   unknown = sorted(keys - fields)
   if unknown:
     raise ConfigError(f"unknown config field config.{prefix}{unknown[0]} "
@@ -216,8 +329,9 @@ def _check(ok: bool, message: str):
     raise ConfigError(message)
 
 
-def _choice(value: str, field: str, valid: tuple):
-  _check(value in valid, f"config.{field}={value!r}: must be one of {', '.join(valid)}")
+def _choice(value, field: str, valid: tuple):
+  _check(value in valid,
+         f"config.{field}={value!r}: must be one of {', '.join(str(v) for v in valid)}")
 
 
 def validate(c: Config) -> None:
@@ -245,12 +359,13 @@ def validate(c: Config) -> None:
          f"config.fssdp.max_per_layer={c.fssdp.max_per_layer}: must be in [0, "
          f"moe.num_experts={moe.num_experts}] (0 = default)")
   _choice(moe.score, "moe.score", SCORES)
-  _check(moe.capacity_factor >= 0,
-         f"config.moe.capacity_factor={moe.capacity_factor}: must be >= 0 (0 = dropless)")
+  _check(moe.dispatch_capacity_factor >= 0,
+         f"config.moe.dispatch_capacity_factor={moe.dispatch_capacity_factor}: must be >= 0 "
+         "(0 = dropless)")
   _choice(c.routing.admission, "routing.admission", ADMISSIONS)
   _check(-1.0 <= c.routing.threshold <= 1.0,
          f"config.routing.threshold={c.routing.threshold}: a cosine similarity, in [-1, 1]")
-  for field in ("capacity_factor", "capacity_factor_warmup"):
+  for field in ("admission_capacity_factor", "admission_capacity_factor_warmup"):
     value = getattr(c.routing, field)
     _check(value > 0, f"config.routing.{field}={value}: must be positive")
   _check(c.routing.locality_weight >= 0,
@@ -270,15 +385,15 @@ def validate(c: Config) -> None:
          f"config.mesh.shape={c.mesh.shape}: must be (nodes, devices_per_node), "
          "positive, with at most one -1")
   _choice(c.codec.mode, "codec.mode", CODEC_MODES)
-  _choice(c.codec.detect, "codec.detect", ("exact", "hash"))
+  _choice(c.codec.detect, "codec.detect", DETECTORS)
   _check(c.codec.detect == "exact" or c.codec.mode in ("block", "auto"),
          f"config.codec.detect={c.codec.detect!r} needs codec.mode='block' or 'auto' (hashes "
          "tell which blocks changed, not which values)")
   _check(not c.codec.select or c.codec.mode != "off",
-         "config.codec.select=True needs codec.mode=block, element, word or delta (auto always "
+         f"config.codec.select=True needs codec.mode to be one of {', '.join(COMPRESSED_MODES)} "
+         "(auto always "
          "selects)")
-  _check(c.codec.delta_bits in (2, 3, 4),
-         f"config.codec.delta_bits={c.codec.delta_bits!r}: must be 2, 3 or 4")
+  _choice(c.codec.delta_bits, "codec.delta_bits", DELTA_BITS)
   _check(c.codec.cache_budget_bytes >= 0,
          f"config.codec.cache_budget_bytes={c.codec.cache_budget_bytes}: must be >= 0 "
          "(0 = no limit)")

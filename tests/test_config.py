@@ -1,12 +1,18 @@
 """Config presets parse and build; every bad input gives one clear message."""
+import dataclasses
+
 import jax
-import numpy as np
 import pytest
 
 import configs.olmoe as olmoe_configs
 from moejax import config as config_lib
+from moejax import placement
+from moejax.codec import gather as codec_gather
+from moejax.codec import word as codec_word
 from moejax.data import DataSpec, check_vocab, load_tokenizer, make_data
+from moejax.data import sources as data_sources
 from moejax.errors import ConfigError, DataError
+from moejax.routing import admission, router
 from moejax.sharding.mesh import make_mesh
 from moejax.train.loop import prepare_workdir
 from moejax.train.step import check_divisibility
@@ -19,6 +25,106 @@ def test_presets_parse_and_build(preset):
   from moejax.models import olmoe
   shapes = jax.eval_shape(lambda k: olmoe.init_params(cfg, k), jax.random.key(0))
   assert shapes["embed"].shape == (cfg.model.vocab_size, cfg.model.d_model)
+
+
+def _flat(tree, prefix=""):
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(_flat(value, f"{prefix}{key}."))
+    else:
+      out[prefix + key] = value
+  return out
+
+
+# What each preset resolves to where it matters, and every field where it differs from the typed
+# defaults (the presets set nothing else).
+PRESET_DIFFERENCES = {
+    "tiny": {},
+    "1b7b": {"model.vocab_size": 50304, "model.d_model": 2048, "model.num_layers": 16,
+             "model.num_heads": 16, "model.head_dim": 128, "moe.num_experts": 64, "moe.top_k": 8,
+             "moe.expert_hidden": 1024, "optim.lr": 4e-4, "optim.warmup_steps": 2000,
+             "checkpoint.every": 1000, "steps": 100000, "batch_size": 1024, "seq_len": 4096},
+}
+
+
+@pytest.mark.parametrize("preset", olmoe_configs.PRESETS)
+def test_preset_values(preset):
+  cfg = _flat(dataclasses.asdict(config_lib.from_config_dict(olmoe_configs.get_config(preset))))
+  defaults = _flat(dataclasses.asdict(config_lib.Config()))
+  assert {k: v for k, v in cfg.items() if v != defaults[k]} == PRESET_DIFFERENCES[preset]
+  expected = {"tiny": {"checkpoint.every": 100, "model.d_model": 64, "moe.num_experts": 8,
+                       "moe.dispatch_capacity_factor": 0.0,
+                       "routing.admission_capacity_factor": 1.25,
+                       "routing.admission_capacity_factor_warmup": 2.0, "steps": 200},
+              "1b7b": {"checkpoint.every": 1000, "model.d_model": 2048, "moe.top_k": 8,
+                       "moe.dispatch_capacity_factor": 0.0,
+                       "routing.admission_capacity_factor": 1.25, "steps": 100000}}[preset]
+  assert {k: cfg[k] for k in expected} == expected
+
+
+def test_overrides_are_type_checked():
+  cd = olmoe_configs.get_config("tiny")
+  with pytest.raises(TypeError):
+    cd.moe.top_k = "2"
+  cd.moe.dispatch_capacity_factor = 1   # int -> float, as absl config_flags does
+  assert config_lib.from_config_dict(cd).moe.dispatch_capacity_factor == 1.0
+
+
+RENAMES = [("moe.capacity_factor", "moe.dispatch_capacity_factor"),
+           ("routing.capacity_factor", "routing.admission_capacity_factor"),
+           ("routing.capacity_factor_warmup", "routing.admission_capacity_factor_warmup")]
+
+
+@pytest.mark.parametrize("old,new", RENAMES)
+def test_renamed_field_in_a_dict(old, new):
+  with pytest.raises(ConfigError, match=rf"^config\.{old} was renamed: use config\.{new} \("):
+    tiny_config(**{old: 1.0})
+
+
+def test_a_config_saved_before_the_renames_reads_under_the_new_names():
+  from moejax.config import from_config_dict, upgrade_saved
+  from moejax.weights import config_to_dict
+  saved = config_to_dict(tiny_config(**{"moe.dispatch_capacity_factor": 1.5,
+                                        "routing.admission_capacity_factor": 2.5}))
+  saved["moe"]["capacity_factor"] = saved["moe"].pop("dispatch_capacity_factor")
+  saved["routing"]["capacity_factor"] = saved["routing"].pop("admission_capacity_factor")
+  cfg = from_config_dict(upgrade_saved(saved))
+  assert cfg.moe.dispatch_capacity_factor == 1.5
+  assert cfg.routing.admission_capacity_factor == 2.5
+  assert "capacity_factor" in saved["moe"]          # the saved dict itself is left alone
+
+
+@pytest.mark.parametrize("old,new", RENAMES)
+@pytest.mark.parametrize("form", ["=", " "])
+def test_renamed_field_on_the_command_line(old, new, form, capsys):
+  import train  # defines train.py's absl flags; parse_flags stops before absl parses them
+  override = [f"--config.{old}=1.0"] if form == "=" else [f"--config.{old}", "1.0"]
+  with pytest.raises(SystemExit) as exit_info:
+    train.parse_flags(["train.py", "--config", "configs/olmoe.py:tiny", *override])
+  assert exit_info.value.code == 2
+  lines = capsys.readouterr().err.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith(
+      f"error: config.{old} was renamed: use config.{new} ("), lines
+
+
+def test_choices_come_from_the_owning_modules():
+  assert config_lib.PLACEMENTS is placement.PLACEMENTS
+  assert config_lib.ADMISSIONS is admission.POLICIES
+  assert config_lib.SCORES is router.SCORE_FUNCTIONS
+  assert config_lib.DATA_SOURCES is data_sources.SOURCES
+  assert config_lib.DETECTORS is codec_gather.DETECTORS
+  assert config_lib.DELTA_BITS is codec_word.DELTA_BITS
+  with pytest.raises(ConfigError) as e:
+    tiny_config(**{"codec.mode": "zip"})
+  assert str(e.value) == ("config.codec.mode='zip': must be one of "
+                          + ", ".join(codec_gather.MODES + ("auto",)))
+  with pytest.raises(ConfigError) as e:
+    tiny_config(**{"codec.delta_bits": 5})
+  assert str(e.value) == ("config.codec.delta_bits=5: must be one of "
+                          + ", ".join(map(str, codec_word.DELTA_BITS)))
+  with pytest.raises(ConfigError, match=r"config.codec.detect='md5': must be one of exact, hash"):
+    tiny_config(**{"codec.detect": "md5"})
 
 
 def test_unknown_preset():

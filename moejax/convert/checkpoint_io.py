@@ -1,5 +1,5 @@
-"""The moejax side of a conversion: a parameters-only checkpoint that `moejax.train.checkpoint`
-reads (`load_params`, `load_config`), and reading one back for export.
+"""The moejax side of a conversion: a parameters-only checkpoint (`moejax.weights`) that
+`load_params`, `load_config` and `--config.init_from` read, and reading one back for export.
 
 `from-hf` writes OUT_DIR as an Orbax `CheckpointManager` directory holding step 0 with the items
 of a training checkpoint minus the optimizer state and data position:
@@ -18,35 +18,17 @@ from __future__ import annotations
 import json
 import os
 
-import orbax.checkpoint as ocp
-
+from moejax import weights
 from moejax.config import Config
 from moejax.errors import CheckpointError
-from moejax.train import checkpoint as train_checkpoint
 
 HF_CONFIG_FILE = "hf_config.json"
-STEP = 0
 
 
 def save_params(out_dir: str, cfg: Config, params, *, hf_config: dict | None = None,
                 source: str = "") -> str:
-  """Writes `params` as step 0 of a parameters-only checkpoint in `out_dir` (must not hold one)."""
-  out_dir = os.path.abspath(out_dir)
-  if os.path.isdir(out_dir) and os.listdir(out_dir):
-    raise CheckpointError(f"{out_dir}: not empty; choose a new directory for the checkpoint")
-  meta = {"format": train_checkpoint.FORMAT, "step": STEP, "source": source,
-          "checksums": {"params": train_checkpoint.checksums(params)}}
-  manager = ocp.CheckpointManager(
-      out_dir, options=ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False),
-      item_handlers={"params": ocp.StandardCheckpointHandler(),
-                     "meta": ocp.JsonCheckpointHandler(), "config": ocp.JsonCheckpointHandler()})
-  try:
-    manager.save(STEP, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta),
-        config=ocp.args.JsonSave(train_checkpoint.config_to_dict(cfg))))
-    manager.wait_until_finished()
-  finally:
-    manager.close()
+  """`moejax.weights.save_params`, plus the imported config.json beside it."""
+  out_dir = weights.save_params(out_dir, cfg, params, source=source)
   if hf_config is not None:
     with open(os.path.join(out_dir, HF_CONFIG_FILE), "w") as f:
       json.dump(hf_config, f, indent=2)
@@ -70,6 +52,6 @@ def _find_hf_config(path: str) -> dict | None:
 def load_params(path: str, step: int | None = None) -> tuple[Config, dict, dict | None]:
   """(Config, host params, imported config.json or None) from a from-hf output directory, a
   training workdir, its checkpoints/ directory, or one step's directory."""
-  cfg = train_checkpoint.load_config(path, step)
-  params = train_checkpoint.load_params(path, step)
+  cfg = weights.load_config(path, step)
+  params = weights.load_params(path, step)
   return cfg, params, _find_hf_config(path)

@@ -20,11 +20,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
-from moejax.layers import dispatch as dispatch_lib
+from moejax.placement import dispatch as dispatch_lib
 from moejax.routing import admission as admission_lib
 from moejax.routing import router as router_lib
 from moejax.routing import stats as stats_lib
-from moejax.sharding import fssdp as sparse
+from moejax.placement import fssdp as sparse
 
 
 @dataclasses.dataclass(frozen=True)

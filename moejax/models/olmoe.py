@@ -18,7 +18,7 @@ from flax import nnx
 
 from moejax.config import Config
 from moejax.layers.attention import Attention
-from moejax.layers.dispatch import LOCAL, Dispatch
+from moejax.placement.dispatch import LOCAL, Dispatch
 from moejax.layers.moe import MoEBlock, MoESpec
 from moejax.layers.norm import RMSNorm, rms_norm
 from moejax.sharding.hook import local_gather

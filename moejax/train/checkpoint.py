@@ -18,7 +18,7 @@ Layout of WORKDIR/checkpoints/, one Orbax `CheckpointManager` keeping the last `
 
 Arrays keep their global shapes, so a checkpoint restores onto any mesh and any expert
 placement: the targets are `StateLayout.shardings` of the restoring run. fssdp stores experts
-where their owners are (`moejax.sharding.fssdp_reshard`); checkpoints hold them in canonical
+where their owners are (`moejax.placement.reshard`); checkpoints hold them in canonical
 order (expert (l, e) at [l, e]) and a restore puts them back where the saved owners say.
 
 An array's checksum is the sum of its elements' bit patterns, as unsigned integers, modulo 2**32:
@@ -28,7 +28,6 @@ order derive from it).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from typing import Any
@@ -39,19 +38,22 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, Sharding
 
-from moejax.config import Config, from_config_dict
-from moejax.errors import CheckpointError, DataError, MoejaxError
-from moejax.sharding import fssdp_plan, fssdp_reshard, fssdp_shard, layout as layout_lib
+from moejax import weights
+from moejax.config import Config, upgrade_saved
+from moejax.errors import CheckpointError, DataError
+from moejax.placement import ownership, planner, reshard
 from moejax.sharding.mesh import num_devices
 from moejax.train.metrics import log
 from moejax.train import state as state_lib
 from moejax.train.state import StateLayout, TrainState
 
-SUBDIR = "checkpoints"
+SUBDIR = weights.SUBDIR
 UNREADABLE = ".unreadable"
-FORMAT = 1
+# Reading a checkpoint's parameters into your own code lives in moejax.weights; these names are
+# where the documentation has always pointed.
+load_config = weights.load_config
+load_params = weights.load_params
 
 # Config fields a resumed run may change: they do not change what the saved state means.
 # (data.path may move: the data iterator checks the token stream itself, by length and CRC.)
@@ -66,11 +68,6 @@ def checkpoint_dir(workdir: str) -> str:
 
 # ------------------------------------------------------------------------------------------------
 # Config as JSON, and the compatibility check.
-
-def config_to_dict(cfg: Config) -> dict:
-  """Nested plain dict (tuples as lists), as stored in a checkpoint's config/ item."""
-  return json.loads(json.dumps(dataclasses.asdict(cfg)))
-
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
   flat = {}
@@ -98,9 +95,9 @@ def check_compatible(saved: dict, cfg: Config) -> None:
 
   A field missing from an older checkpoint counts as its default value.
   """
-  run = _flatten(config_to_dict(cfg))
-  saved = _flatten(saved)
-  defaults = _flatten(config_to_dict(Config()))
+  run = _flatten(weights.config_to_dict(cfg))
+  saved = _flatten(upgrade_saved(saved))
+  defaults = _flatten(weights.config_to_dict(Config()))
   for field in [*run, *(k for k in saved if k not in run)]:
     if _may_differ(field):
       continue
@@ -111,61 +108,11 @@ def check_compatible(saved: dict, cfg: Config) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# Checksums.
-
-_WORD = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}
-
-
-def _word_sum(x_N):
-  words = jax.lax.bitcast_convert_type(x_N, _WORD[x_N.dtype.itemsize])
-  return jnp.sum(words.astype(jnp.uint32), dtype=jnp.uint32)
-
-
-_word_sums = jax.jit(lambda leaves: [_word_sum(x) for x in leaves])
-
-
-def _np_word_sum(x: np.ndarray) -> int:
-  words = np.ascontiguousarray(x).view(np.dtype(_WORD[x.dtype.itemsize]))
-  return int(np.sum(words, dtype=np.uint64) % (1 << 32))
-
-
-def checksums(tree) -> dict[str, int]:
-  """{key path: sum of the array's bit patterns mod 2**32} for jax or numpy leaves."""
-  with_path = jax.tree_util.tree_leaves_with_path(tree)
-  leaves = [x for _, x in with_path]
-  if all(isinstance(x, np.ndarray) for x in leaves):
-    sums = [_np_word_sum(x) for x in leaves]
-  else:
-    sums = [int(s) for s in jax.device_get(_word_sums(leaves))]
-  return {jax.tree_util.keystr(path): s for (path, _), s in zip(with_path, sums)}
-
-
-def _verify(item: str, tree, expected: dict[str, int]) -> None:
-  got = checksums(tree)
-  if set(got) != set(expected):
-    missing = sorted(set(expected) ^ set(got))
-    raise CheckpointError(f"{item}: arrays differ from the checksum list (first: {missing[0]})")
-  for key, value in got.items():
-    if value != int(expected[key]):
-      raise CheckpointError(f"{item}{key}: checksum {value} != {expected[key]} recorded at save")
-
-
-# ------------------------------------------------------------------------------------------------
 # The manager.
 
-def _manager(directory: str, keep: int | None = None, create: bool = True, **handlers):
-  """An Orbax CheckpointManager for `directory` with moejax's items (readers pass create=False).
-  `lightweight_initialize` lists steps without reading their files, so a damaged one cannot
-  stop the listing."""
-  options = ocp.CheckpointManagerOptions(
-      create=create, lightweight_initialize=True, enable_async_checkpointing=True,
-      preservation_policy=None if keep is None else ocp.checkpoint_managers.LatestN(n=keep))
-  handlers = {"params": ocp.StandardCheckpointHandler(),
-              "opt_state": ocp.StandardCheckpointHandler(),
-              "fssdp": ocp.StandardCheckpointHandler(),
-              "meta": ocp.JsonCheckpointHandler(), "config": ocp.JsonCheckpointHandler(),
-              **handlers}
-  return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+def _open_manager(directory: str, keep: int):
+  return weights.open_manager(directory, keep=keep, opt_state=ocp.StandardCheckpointHandler(),
+                              fssdp=ocp.StandardCheckpointHandler())
 
 
 def _all_agree(ok: bool) -> bool:
@@ -173,15 +120,6 @@ def _all_agree(ok: bool) -> bool:
   if jax.process_count() == 1:
     return ok
   return bool(np.all(multihost_utils.process_allgather(np.asarray(ok))))
-
-
-def _one_line(e: BaseException) -> str:
-  """The innermost cause of `e` as one line (tensorstore's message names the file)."""
-  while e.__cause__ is not None:
-    e = e.__cause__
-  text = " ".join(str(e).split())
-  text = text if len(text) <= 300 else text[:297] + "..."
-  return text if isinstance(e, MoejaxError) else f"{type(e).__name__}: {text}"
 
 
 def _key_name(key) -> str:
@@ -237,7 +175,7 @@ def _fssdp_target(layout: StateLayout) -> dict | None:
     return None
   cfg, n = layout.cfg, num_devices(layout.mesh)
   shapes = jax.eval_shape(lambda: (state_lib._init_history(cfg), jnp.asarray(
-      fssdp_reshard.initial_owner(cfg.model.num_layers, cfg.moe.num_experts, n))))
+      reshard.initial_owner(cfg.model.num_layers, cfg.moe.num_experts, n))))
   shardings = (layout.shardings.load_history, layout.shardings.expert_owner)
   history, owner = jax.tree.map(
       lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
@@ -245,7 +183,7 @@ def _fssdp_target(layout: StateLayout) -> dict | None:
                                expert_owner=owner))
 
 
-_to_canonical = jax.jit(fssdp_reshard.permute_experts)
+_to_canonical = jax.jit(reshard.permute_experts)
 
 
 def _canonical(state: TrainState) -> TrainState:
@@ -253,8 +191,8 @@ def _canonical(state: TrainState) -> TrainState:
   if state.expert_owner is None:
     return state
   owner = np.asarray(state.expert_owner)
-  perm = fssdp_reshard.to_canonical(owner, len(state.expert_owner.sharding.device_set))
-  if fssdp_reshard.is_identity(perm):
+  perm = reshard.to_canonical(owner, len(state.expert_owner.sharding.device_set))
+  if reshard.is_identity(perm):
     return state
   params, opt_state = _to_canonical((state.params, state.opt_state), perm)
   return state.replace(params=params, opt_state=opt_state)
@@ -263,21 +201,21 @@ def _canonical(state: TrainState) -> TrainState:
 def _with_fssdp_item(layout: StateLayout, state: TrainState, item: dict, where: str):
   """The restored canonical state with its load history, experts moved to the saved owners."""
   history = item["load_history"]
-  state = state.replace(load_history=fssdp_plan.LoadHistory(history["loads_WxLxE"],
+  state = state.replace(load_history=planner.LoadHistory(history["loads_WxLxE"],
                                                             history["count"]))
   if "expert_owner" not in item:
     return state
   owner = np.asarray(item["expert_owner"])
   n = num_devices(layout.mesh)
-  counts = fssdp_shard.experts_per_device(owner, n) if owner.max() < n else None
+  counts = ownership.experts_per_device(owner, n) if owner.max() < n else None
   if counts is None or len(set(counts.sum(axis=0))) > 1:
     log(f"moejax: {where}: its expert owners are for another number of devices; experts "
         f"start from the even placement on {n} devices")
     return state
-  perm = fssdp_reshard.from_canonical(owner, n)
-  if not fssdp_reshard.is_identity(perm):
+  perm = reshard.from_canonical(owner, n)
+  if not reshard.is_identity(perm):
     shardings = (layout.shardings.params, layout.shardings.opt_state)
-    params, opt_state = jax.jit(fssdp_reshard.permute_experts, donate_argnums=0,
+    params, opt_state = jax.jit(reshard.permute_experts, donate_argnums=0,
                                 out_shardings=shardings)((state.params, state.opt_state), perm)
     state = state.replace(params=params, opt_state=opt_state)
   return state.replace(expert_owner=jax.device_put(owner, layout.shardings.expert_owner))
@@ -297,8 +235,8 @@ class Checkpointer:
   def __init__(self, workdir: str, cfg: Config):
     self.cfg = cfg
     self.directory = checkpoint_dir(workdir)
-    self._config = config_to_dict(cfg)
-    self._manager = _manager(self.directory, keep=cfg.checkpoint.keep)
+    self._config = weights.config_to_dict(cfg)
+    self._manager = _open_manager(self.directory, keep=cfg.checkpoint.keep)
 
   def step_path(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
@@ -321,8 +259,8 @@ class Checkpointer:
     items = {"params": state.params, "opt_state": state.opt_state}
     if fssdp is not None:
       items["fssdp"] = fssdp
-    meta = {"format": FORMAT, "step": int(step), "seed": self.cfg.seed, "data": data_state,
-            "checksums": {item: checksums(tree) for item, tree in items.items()}}
+    meta = {"format": weights.FORMAT, "step": int(step), "seed": self.cfg.seed, "data": data_state,
+            "checksums": {item: weights.checksums(tree) for item, tree in items.items()}}
     self._manager.save(step, force=True, args=ocp.args.Composite(
         **{item: ocp.args.StandardSave(tree) for item, tree in items.items()},
         meta=ocp.args.JsonSave(meta), config=ocp.args.JsonSave(self._config)))
@@ -401,10 +339,10 @@ class Checkpointer:
         **{item: ocp.args.StandardRestore(tree) for item, tree in targets.items()},
         meta=ocp.args.JsonRestore()))
     meta = restored["meta"]
-    if meta.get("format") != FORMAT or meta.get("step") != step:
+    if meta.get("format") != weights.FORMAT or meta.get("step") != step:
       raise CheckpointError(f"meta/ says format {meta.get('format')}, step {meta.get('step')}")
     for item in targets:
-      _verify(item, restored[item], meta["checksums"][item])
+      weights.verify(item, restored[item], meta["checksums"][item])
     step_array = jax.make_array_from_callback((), layout.shardings.step,
                                               lambda _: np.asarray(step, np.int32))
     state = TrainState(step=step_array, params=restored["params"], opt_state=restored["opt_state"])
@@ -431,7 +369,7 @@ class Checkpointer:
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices(f"moejax_checkpoint_set_aside_{step}")
     self._manager.reload()
-    reason = _one_line(error) if error is not None else "unreadable on another process"
+    reason = weights.one_line(error) if error is not None else "unreadable on another process"
     log(f"moejax: checkpoint {path} (step {step}) is unreadable: {reason}; moved it to "
         f"{target} and trying the previous one")
 
@@ -441,83 +379,3 @@ class Checkpointer:
     return sorted(n for n in os.listdir(self.directory) if UNREADABLE in n)
 
 
-# ------------------------------------------------------------------------------------------------
-# Loading parameters into your own code.
-
-def _locate(path: str, step: int | None) -> tuple[str, int]:
-  """(manager directory, step) from a workdir, its checkpoints/ dir, or one step's dir."""
-  path = os.path.abspath(path)
-  if os.path.isdir(os.path.join(path, SUBDIR)):
-    path = os.path.join(path, SUBDIR)
-  elif os.path.basename(path).isdigit() and os.path.isdir(os.path.join(path, "params")):
-    if step is not None and step != int(os.path.basename(path)):
-      raise CheckpointError(f"{path} is the checkpoint of step {os.path.basename(path)}, "
-                            f"not of step {step}")
-    path, step = os.path.dirname(path), int(os.path.basename(path))
-  if not os.path.isdir(path):
-    raise CheckpointError(f"{path}: no such checkpoint directory")
-  with _manager(path, create=False) as manager:
-    steps = sorted(manager.all_steps())
-  if not steps:
-    raise CheckpointError(f"{path}: no complete checkpoint in this directory")
-  if step is None:
-    step = steps[-1]
-  if step not in steps:
-    raise CheckpointError(f"{path}: no checkpoint of step {step} (steps: "
-                          f"{', '.join(map(str, steps))})")
-  return path, step
-
-
-def _read_config(directory: str, step: int) -> Config:
-  try:
-    with _manager(directory, create=False) as manager:
-      saved = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
-    return from_config_dict(saved["config"])
-  except Exception as e:  # noqa: BLE001
-    raise CheckpointError(f"checkpoint {os.path.join(directory, str(step))} (step {step}): "
-                          f"config/: {_one_line(e)}") from None
-
-
-def load_config(path: str, step: int | None = None) -> Config:
-  """The Config that wrote a checkpoint (a workdir, its checkpoints/ dir, or a step's dir)."""
-  return _read_config(*_locate(path, step))
-
-
-def load_params(path: str, step: int | None = None, *, mesh=None, shardings=None) -> dict:
-  """A checkpoint's parameters: the nested dict `moejax.models.olmoe.forward` takes.
-
-  Args:
-    path: a workdir, its checkpoints/ directory, or one step's directory.
-    step: which step (default: the latest complete one).
-    mesh: a moejax mesh (`moejax.sharding.mesh.make_mesh`): sharded arrays laid out as in
-      training, for the checkpoint's expert placement.
-    shardings: instead of `mesh`, one Sharding for every array or a pytree of them like params.
-  With neither, host numpy arrays. Checksums are verified; every failure is a CheckpointError.
-  """
-  if mesh is not None and shardings is not None:
-    raise CheckpointError("load_params takes mesh or shardings, not both")
-  directory, step = _locate(path, step)
-  cfg = _read_config(directory, step)
-  from moejax.models import olmoe   # only to know the shapes
-  shapes = jax.eval_shape(lambda k: olmoe.init_params(cfg, k), jax.random.key(0))
-  if mesh is not None:
-    layouts = layout_lib.param_layouts(shapes, cfg.moe.placement, num_devices(mesh))
-    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec),
-                             layout_lib.param_specs(shapes, layouts),
-                             is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
-  if shardings is None:
-    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), shapes)
-  else:
-    if isinstance(shardings, Sharding):
-      shardings = jax.tree.map(lambda _: shardings, shapes)
-    restore_args = jax.tree.map(lambda _, sh: ocp.ArrayRestoreArgs(sharding=sh), shapes,
-                                shardings)
-  try:
-    with _manager(directory, create=False, params=ocp.PyTreeCheckpointHandler()) as manager:
-      restored = manager.restore(step, args=ocp.args.Composite(
-          params=ocp.args.PyTreeRestore(shapes, restore_args), meta=ocp.args.JsonRestore()))
-    _verify("params", restored["params"], restored["meta"]["checksums"]["params"])
-  except Exception as e:  # noqa: BLE001
-    raise CheckpointError(f"checkpoint {os.path.join(directory, str(step))} (step {step}) is "
-                          f"unreadable: {_one_line(e)}") from None
-  return restored["params"]

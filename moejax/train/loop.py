@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from moejax.config import Config
 from moejax.data import DataSpec, check_vocab, make_data
 from moejax.errors import ConfigError, TrainingError
-from moejax.sharding import fssdp_plan
+from moejax.placement import planner
 from moejax.sharding.mesh import make_mesh, num_devices, topology
 from moejax.train import checkpoint as checkpoint_lib, optim, state as state_lib, step as step_lib
 from moejax.train.codec_control import CodecController
@@ -71,16 +71,16 @@ class Trainer:
   def reshard(self, state):
     """fssdp: new expert owners balancing the load history, heterogeneous across layers; the
     experts' parameters and optimizer state move together. Returns (state, Resharding)."""
-    from moejax.sharding import fssdp_reshard
+    from moejax.placement import reshard
     cfg, mesh = self.cfg, self.mesh
     expert_bytes = 3 * cfg.model.d_model * cfg.moe.expert_hidden * 4 * 3   # fp32 w, mu, nu
-    resharding = fssdp_reshard.plan_reshard(
-        np.asarray(fssdp_plan.predict(state.load_history)), np.asarray(state.expert_owner),
+    resharding = reshard.plan_reshard(
+        np.asarray(planner.predict(state.load_history)), np.asarray(state.expert_owner),
         num_devices(mesh), topology(mesh).devices_per_node,
         max_per_layer=step_lib.max_per_layer(cfg, mesh), bytes_per_expert=expert_bytes)
     if self._relabel is None:
       shardings = self.layout.shardings
-      self._relabel = jax.jit(fssdp_reshard.permute_experts, donate_argnums=0,
+      self._relabel = jax.jit(reshard.permute_experts, donate_argnums=0,
                               out_shardings=(shardings.params, shardings.opt_state))
     params, opt_state = self._relabel((state.params, state.opt_state), resharding.perm_LxE)
     owner = jax.device_put(resharding.owner_LxE, self.layout.shardings.expert_owner)

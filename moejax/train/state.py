@@ -17,7 +17,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from moejax.codec.gather import CodecSpec
 from moejax.config import Config
 from moejax.models import olmoe
-from moejax.sharding import fssdp_plan, fssdp_reshard, layout as layout_lib
+from moejax.placement import planner, reshard
+from moejax.sharding import layout as layout_lib
 from moejax.sharding.gatherer import Gatherer
 from moejax.sharding.mesh import num_devices
 
@@ -30,10 +31,10 @@ class TrainState:
   # Per-device state of the compressed gather ({group: {param: state}}; empty dicts when the
   # codec is off). Rebuilt, not checkpointed: after a restore the first gather sends everything.
   gather_state: Any = None
-  # fssdp: the load predictor's recent per-layer expert loads (fssdp_plan.LoadHistory).
+  # fssdp: the load predictor's recent per-layer expert loads (planner.LoadHistory).
   load_history: Any = None
   # fssdp: int32 [L, E], the device owning each expert; says where it is stored
-  # (moejax.sharding.fssdp_reshard). Changed only by re-sharding; checkpointed.
+  # (moejax.placement.reshard). Changed only by re-sharding; checkpointed.
   expert_owner: Any = None
 
 
@@ -85,7 +86,7 @@ def codec_spec(cfg: Config) -> CodecSpec | None:
 
 
 def _init_history(cfg: Config):
-  return fssdp_plan.init_history(window=cfg.fssdp.window, num_layers=cfg.model.num_layers,
+  return planner.init_history(window=cfg.fssdp.window, num_layers=cfg.model.num_layers,
                                  num_experts=cfg.moe.num_experts)
 
 
@@ -102,7 +103,7 @@ def with_rebuilt_state(lay: StateLayout, state: TrainState, *,
   history = owner = None
   if lay.cfg.moe.placement == "fssdp":
     history = jax.device_put(_init_history(lay.cfg), lay.shardings.load_history)
-    owner = jax.device_put(fssdp_reshard.initial_owner(
+    owner = jax.device_put(reshard.initial_owner(
         lay.cfg.model.num_layers, lay.cfg.moe.num_experts, num_devices(lay.mesh)),
         lay.shardings.expert_owner)
   return state.replace(gather_state=lay.gatherer.init_states(lay.mesh, warmed_up=restored),

@@ -21,9 +21,11 @@ from jax.sharding import PartitionSpec as P
 
 from moejax.config import Config
 from moejax.errors import ConfigError
-from moejax.layers.dispatch import LOCAL, Dispatch, ep_a2a_bytes
+from moejax.placement.dispatch import LOCAL, Dispatch, ep_a2a_bytes
 from moejax.models import olmoe
-from moejax.sharding import fssdp, fssdp_plan, fssdp_reshard, fssdp_shard, hook
+from moejax.placement import fssdp, planner, reshard
+from moejax.placement import ownership
+from moejax.sharding import hook
 from moejax.sharding.gatherer import expand_device_axis, param_group, squeeze_device_axis
 from moejax.sharding.layout import EXPERT_PARAM_NAMES
 from moejax.sharding.mesh import DEVICES, num_devices, topology
@@ -51,7 +53,7 @@ def check_divisibility(cfg: Config, mesh) -> None:
 
 def max_per_layer(cfg: Config, mesh) -> int:
   """fssdp: C, the most experts of one layer one device may own (the owned window's length)."""
-  return cfg.fssdp.max_per_layer or fssdp_shard.default_max_per_layer(cfg.moe.num_experts,
+  return cfg.fssdp.max_per_layer or ownership.default_max_per_layer(cfg.moe.num_experts,
                                                                       num_devices(mesh))
 
 
@@ -85,7 +87,7 @@ def _forward_local(cfg: Config, lay: StateLayout, mesh, params, inputs_BxS, step
     if predicted_load_LxE is None:   # evaluation: no history
       predicted_load_LxE = jnp.ones((cfg.model.num_layers, cfg.moe.num_experts), jnp.float32)
     if expert_owner_LxE is None:     # the even start
-      expert_owner_LxE = jnp.asarray(fssdp_reshard.initial_owner(
+      expert_owner_LxE = jnp.asarray(reshard.initial_owner(
           cfg.model.num_layers, cfg.moe.num_experts, num_devices(mesh)))
     params, owners_L = owned_expert_params(cfg, mesh, params, expert_owner_LxE)
   logits, aux_L, new_states, stats = olmoe.forward_with_state(
@@ -234,7 +236,7 @@ def make_train_step(cfg: Config, mesh, lay: StateLayout, tx: optax.GradientTrans
 
   def train_step(state: TrainState, batch):
     history = state.load_history
-    predicted = None if history is None else fssdp_plan.predict(history)
+    predicted = None if history is None else planner.predict(history)
     grads, parts, gather_state, gather_stats = sharded_grads(state.params, batch, state.step,
                                                              state.gather_state, predicted,
                                                              state.expert_owner)
@@ -242,7 +244,7 @@ def make_train_step(cfg: Config, mesh, lay: StateLayout, tx: optax.GradientTrans
     params = optax.apply_updates(state.params, updates)
     load_LxE = parts.pop("load_LxE")
     if history is not None:
-      history = fssdp_plan.update_history(history, load_LxE)
+      history = planner.update_history(history, load_LxE)
     routing = routing_metrics(cfg, parts.pop("routing_L"), parts.pop("ep_dropped_L"))
     placement = placement_metrics(cfg, mesh, parts.pop("placement_L", {}))
     metrics = dict(parts, grad_norm=optax.tree.norm(grads), lr=schedule(state.step), **routing,

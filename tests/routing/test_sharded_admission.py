@@ -12,7 +12,7 @@ from tests.helpers import tiny_config
 @pytest.mark.parametrize("placement,policy", [("fsdp", "strict"), ("ep", "reroute")])
 def test_admission_in_sharded_step(placement, policy):
   cfg = tiny_config(**{"moe.placement": placement, "routing.admission": policy,
-                       "routing.capacity_factor": 0.5, "routing.threshold": -1.0,
+                       "routing.admission_capacity_factor": 0.5, "routing.threshold": -1.0,
                        "routing.locality_weight": 0.01, "batch_size": 8, "seq_len": 32})
   trainer = Trainer(cfg, mesh=make_mesh((2, 4), jax.devices()[:8]))
   state = trainer.init_state()

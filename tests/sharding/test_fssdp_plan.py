@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from moejax.sharding import fssdp_plan as fp
-from moejax.sharding import fssdp_shard as fs
+from moejax.placement import planner as fp
+from moejax.placement import ownership as fs
 from moejax.sharding.mesh import DEVICES, make_mesh
 
 E, N, DPN, M, OVERLAP, T, K = 16, 8, 4, 2, 4, 32, 2

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from moejax.sharding import fssdp_shard as fs
+from moejax.placement import ownership as fs
 
 N, DPN = 8, 4
 

@@ -15,8 +15,8 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from moejax.layers.dispatch import Dispatch
-from moejax.sharding import fssdp, fssdp_plan, fssdp_reshard, fssdp_shard
+from moejax.placement.dispatch import Dispatch
+from moejax.placement import fssdp, ownership, planner, reshard
 from moejax.sharding.layout import is_expert_param
 from moejax.sharding.mesh import DEVICES, make_mesh
 from moejax.train import checkpoint as ckpt
@@ -96,7 +96,7 @@ def test_fssdp_matches_ep_across_a_heterogeneous_reshard(ep, fssdp_run):
   assert resharding.moved > 0 and resharding.moved_bytes > 0
   # Heterogeneous: some layer gives a device more than E/N = 1 experts, another fewer; every
   # device still holds S = L * E/N = 2 slots.
-  count_LxN = fssdp_shard.experts_per_device(after[2], 8)
+  count_LxN = ownership.experts_per_device(after[2], 8)
   assert count_LxN.max() > 1 and count_LxN.min() == 0
   np.testing.assert_array_equal(count_LxN.sum(axis=0), np.full(8, 2))
   np.testing.assert_array_equal(after[2], resharding.owner_LxE)
@@ -105,8 +105,8 @@ def test_fssdp_matches_ep_across_a_heterogeneous_reshard(ep, fssdp_run):
   assert all(np.all(r["straggler"] >= 1.0) for r in records)
   # Parameters and Adam moments moved together: each expert's rows now sit at its new owner's
   # slot, bit for bit, and nothing else changed.
-  old_at = fssdp_reshard.positions(before[2], 8).ravel()
-  new_at = fssdp_reshard.positions(after[2], 8).ravel()
+  old_at = reshard.positions(before[2], 8).ravel()
+  new_at = reshard.positions(after[2], 8).ravel()
   (old_params, old_opt), (new_params, new_opt) = before[:2], after[:2]
   experts_before = _expert_leaves((old_params, old_opt))
   experts_after = _expert_leaves((new_params, new_opt))
@@ -130,9 +130,9 @@ def test_sparse_all_gather_then_reduce_scatter_counts_replicas():
   dispatch = Dispatch("fssdp", DEVICES, n, 4, replica_slots=m, overlap_degree=4)
   load_LxE = np.full((num_layers, num_experts), 10.0)
   load_LxE[:, 0] = 50.0
-  owner_LxE = fssdp_shard.heterogeneous_placement(load_LxE, n, 4, max_per_layer=4)
-  assert fssdp_shard.experts_per_device(owner_LxE, n).max() > num_experts // n
-  plan = fssdp_plan.materialize_plan(jnp.asarray(load_LxE[0], jnp.float32), owner_LxE[0],
+  owner_LxE = ownership.heterogeneous_placement(load_LxE, n, 4, max_per_layer=4)
+  assert ownership.experts_per_device(owner_LxE, n).max() > num_experts // n
+  plan = planner.materialize_plan(jnp.asarray(load_LxE[0], jnp.float32), owner_LxE[0],
                                      num_devices=n, devices_per_node=4, replica_slots=m,
                                      overlap_degree=4)
 
@@ -150,26 +150,26 @@ def test_sparse_all_gather_then_reduce_scatter_counts_replicas():
                                 out_specs=P(None, DEVICES), check_vma=False))(ones)
   replicas_E = np.bincount(np.asarray(plan.replica_expert_NxM).ravel(), minlength=17)[:16]
   expected = np.zeros(num_layers * num_experts)
-  expected[fssdp_reshard.positions(owner_LxE, n)[0]] = replicas_E
+  expected[reshard.positions(owner_LxE, n)[0]] = replicas_E
   np.testing.assert_array_equal(np.asarray(grads).reshape(-1, 3)[:, 0], expected)
   assert int(plan.num_replicas) == replicas_E.sum() > 0
 
 
 def test_reshard_plan_moves_whole_experts_between_equal_slot_counts():
   rng = np.random.default_rng(0)
-  owner = fssdp_reshard.initial_owner(3, 16, 8)
+  owner = reshard.initial_owner(3, 16, 8)
   for _ in range(3):
-    r = fssdp_reshard.plan_reshard(rng.gamma(0.5, size=(3, 16)), owner, 8, 4, max_per_layer=4,
+    r = reshard.plan_reshard(rng.gamma(0.5, size=(3, 16)), owner, 8, 4, max_per_layer=4,
                                    bytes_per_expert=10)
     assert sorted(r.perm_LxE.ravel().tolist()) == list(range(48))
     assert r.moved == np.sum(r.owner_LxE != owner) and r.moved_bytes == 10 * r.moved
-    np.testing.assert_array_equal(fssdp_shard.experts_per_device(r.owner_LxE, 8).sum(0),
+    np.testing.assert_array_equal(ownership.experts_per_device(r.owner_LxE, 8).sum(0),
                                   np.full(8, 6))
     # The expert at each new position is the one the old storage held for it.
-    np.testing.assert_array_equal(r.perm_LxE.ravel()[fssdp_reshard.positions(r.owner_LxE, 8)],
-                                  fssdp_reshard.positions(owner, 8))
+    np.testing.assert_array_equal(r.perm_LxE.ravel()[reshard.positions(r.owner_LxE, 8)],
+                                  reshard.positions(owner, 8))
     # Storage position (l, j) belongs to device j // El: the owner table's device.
-    assert np.all(fssdp_reshard.positions(r.owner_LxE, 8) % 16 // 2 == r.owner_LxE)
+    assert np.all(reshard.positions(r.owner_LxE, 8) % 16 // 2 == r.owner_LxE)
     owner = r.owner_LxE
 
 
@@ -228,7 +228,7 @@ def test_resume_across_a_heterogeneous_reshard_is_bit_exact(fssdp_trainer, unint
   # slot counts per device.
   owner = ocp.StandardCheckpointer().restore(workdir / "checkpoints" / "4" / "fssdp")[
       "expert_owner"]
-  count_LxN = fssdp_shard.experts_per_device(np.asarray(owner), 8)
+  count_LxN = ownership.experts_per_device(np.asarray(owner), 8)
   assert count_LxN.max() > 1 and count_LxN.min() == 0
   np.testing.assert_array_equal(count_LxN.sum(axis=0), np.full(8, 2))
   for a, b in zip(jax.tree.leaves(ckpt.load_params(str(workdir))),

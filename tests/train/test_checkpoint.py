@@ -23,6 +23,7 @@ from moejax.config import Config
 from moejax.errors import CheckpointError
 from moejax.models import olmoe
 from moejax.sharding.mesh import make_mesh
+from moejax import weights
 from moejax.train import checkpoint as ckpt
 from moejax.train import optim, state as state_lib
 from moejax.train.loop import Trainer, run
@@ -225,7 +226,7 @@ def test_incompatible_config_is_refused_naming_the_field(trained, tmp_path):
 
 
 def test_which_fields_may_differ_on_resume():
-  saved = ckpt.config_to_dict(tiny_config())
+  saved = weights.config_to_dict(tiny_config())
   ckpt.check_compatible(saved, tiny_config(**{
       "steps": 999, "log_every": 3, "eval_every": 7, "eval_batches": 2, "remat": False,
       "mesh.shape": (2, -1), "moe.placement": "ep", "checkpoint.every": 5,

@@ -5,11 +5,11 @@ S = L*El storage slots per device, C the most experts one device owns in one lay
 (fssdp.max_per_layer), M replica slots per device, D width, F expert hidden width.
 
 Every expert is owned whole by one device, with its optimizer state; `Owners` says which (the
-owner table of `moejax.sharding.fssdp_reshard`, heterogeneous across layers). Without one, expert
+owner table of `moejax.placement.reshard`, heterogeneous across layers). Without one, expert
 e is owned by device e // El, like `ep`. `owned_windows` turns a device's S stored slots into
 [L, C] per-layer windows of its owned experts (a local gather, no communication; its gradient
 scatters back into the slots). Each step and layer:
-  1. `materialize`: plan replicas from the *predicted* loads (`fssdp_plan.materialize_plan`)
+  1. `materialize`: plan replicas from the *predicted* loads (`planner.materialize_plan`)
      and fetch them with SparseAllGather, before the layer's attention, so the transfer can hide
      behind it. SparseAllGather is one `psum_scatter` of an [N, M, ...] buffer in which each
      owner fills the slots that hold its experts: device d receives its M replica slots. Its
@@ -17,7 +17,7 @@ scatters back into the slots). Each step and layer:
      keeps and sums its own rows: SparseReduceScatter. Only gradients move; optimizer state never.
   2. After gating, every device learns all devices' routing counts (one all_gather of N x E
      ints) and computes the same balanced assignment of tokens to holders
-     (`fssdp_plan.balanced_send`); tokens go local first, then within the node, then across.
+     (`planner.balanced_send`); tokens go local first, then within the node, then across.
      With `calibrate`, the plan is re-made from the actual counts and adopted (with a second,
      late SparseAllGather) when its modelled straggler is lower by a margin.
   3. The exchange is ep's `all_to_all` with a destination and the expert's local group there
@@ -33,9 +33,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from moejax.layers.dispatch import Dispatch, exchange
+from moejax.placement.dispatch import Dispatch, exchange
 from moejax.routing import router as router_lib
-from moejax.sharding import fssdp_plan
+from moejax.placement import planner
 
 
 class Owners(NamedTuple):
@@ -53,7 +53,7 @@ def even_owners(num_experts: int, num_devices: int) -> Owners:
 
 def owned_windows(owner_LxE, local_w_LxElxR, me, *, num_devices: int, max_per_layer: int):
   """(Owners stacked over layers, windows [L, C, ...]): this device's experts of each layer, read
-  from its S stored slots (see `moejax.sharding.fssdp_reshard`); `local_w_LxElxR` may be a pytree
+  from its S stored slots (see `moejax.placement.reshard`); `local_w_LxElxR` may be a pytree
   of such arrays. Row c of layer l holds the expert of rank c; rows past the layer's count hold
   other slots and are never addressed."""
   num_layers, num_experts = owner_LxE.shape
@@ -94,7 +94,7 @@ def materialize(predicted_load_E, w_gate, w_up, w_down, *, dispatch: Dispatch,
   n = dispatch.num_devices
   if owners is None:
     owners = even_owners(w_gate.shape[0] * n, n)
-  plan = fssdp_plan.materialize_plan(
+  plan = planner.materialize_plan(
       predicted_load_E, owners.owner_E, num_devices=n,
       devices_per_node=dispatch.devices_per_node, replica_slots=dispatch.replica_slots,
       overlap_degree=dispatch.overlap_degree)
@@ -117,7 +117,7 @@ def fssdp_experts(x_TxD, experts_TxK, weights_TxK, plan, w_gate, w_up, w_down, *
   if dispatch.calibrate:
     # Re-plan with the actual loads; adopted (with a late SparseAllGather) only when it pays.
     # Every device computes the same decision from the same gathered counts.
-    fresh, adopted = fssdp_plan.calibrate(
+    fresh, adopted = planner.calibrate(
         plan, jnp.sum(source_load_NxE, axis=0), owners.owner_E, num_devices=n,
         devices_per_node=dpn, replica_slots=dispatch.replica_slots,
         overlap_degree=dispatch.overlap_degree, actual_source_load_NxE=source_load_NxE)
@@ -130,9 +130,9 @@ def fssdp_experts(x_TxD, experts_TxK, weights_TxK, plan, w_gate, w_up, w_down, *
     w_gate, w_up, w_down = lax.cond(adopted, late_gather, lambda _: (w_gate, w_up, w_down),
                                     None)
     plan = fresh
-  send_ExN = fssdp_plan.balanced_send(plan.holders_ExN, source_load_NxE,
+  send_ExN = planner.balanced_send(plan.holders_ExN, source_load_NxE,
                                       devices_per_node=dpn)[me]
-  dest_TxK = fssdp_plan.dispatch_devices(experts_TxK, me, plan, devices_per_node=dpn,
+  dest_TxK = planner.dispatch_devices(experts_TxK, me, plan, devices_per_node=dpn,
                                          send_ExN=send_ExN)
   expert_A, dest_A = experts_TxK.reshape(-1), dest_TxK.reshape(-1)
   safe_e = jnp.minimum(expert_A, e - 1)

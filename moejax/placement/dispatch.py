@@ -9,7 +9,7 @@ Dropped assignments carry the sentinel expert id E and produce zeros.
   local   every expert's weights are here (single device, or FSDP after the gather).
   ep      experts partitioned over the N devices; `all_to_all` with a static per-destination
           buffer of C rows.
-  fssdp   as ep, plus this step's replicas of hot experts (moejax.sharding.fssdp_plan); each
+  fssdp   as ep, plus this step's replicas of hot experts (moejax.placement.planner); each
           assignment goes to one device holding its expert (`exchange` with a destination and
           the expert's index there). Dropless when C = A (the worst case: every assignment to one
           device); with a capacity factor c, C = ceil(c * A / N) and overflow is dropped and
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from moejax.layers.experts import run_sorted
+from moejax.placement.experts import run_sorted
 
 
 @dataclasses.dataclass(frozen=True)

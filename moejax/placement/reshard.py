@@ -7,16 +7,16 @@ Storage. Each expert parameter is stored as ep stores it, [L, E, ...] sharded on
 but read as a pool: device d holds the S storage positions (l, j) with d*El <= j < (d+1)*El, and
 its local slot k = l*El + (j - d*El). Which expert sits in which slot is a pure function of the
 owner table `owner_LxE` (the train state's `expert_owner`, checkpointed): each device's experts
-fill its slots in (layer, expert) order (`fssdp_shard.slot_tables`). So every device holds S
+fill its slots in (layer, expert) order (`ownership.slot_tables`). So every device holds S
 slots, while a layer may give a device anywhere from 0 to C of its experts. The initial owners
 (expert e of every layer on device e // El) put every expert at its own position: ep's layout.
 Shapes, shardings and optimizer state never change; only the table and which expert is where.
 
-In the step (`moejax.sharding.fssdp.owned_windows`) device d reads layer l's experts as one
+In the step (`moejax.placement.fssdp.owned_windows`) device d reads layer l's experts as one
 static window of C slots starting at that layer's first slot; they are the layer's owned experts
 that SparseAllGather replicates and the dispatch addresses. The router is never permuted.
 
-Re-sharding (`plan_reshard`) asks `fssdp_shard.heterogeneous_placement` for new owners (sticky:
+Re-sharding (`plan_reshard`) asks `ownership.heterogeneous_placement` for new owners (sticky:
 experts stay unless moving pays), then applies one permutation of storage positions to the
 expert parameters and their optimizer moments together (`permute_experts`): the only place
 optimizer state is ever copied. Checkpoints hold the canonical order (position (l, e) holds
@@ -29,7 +29,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from moejax.sharding import fssdp_shard
+from moejax.placement import ownership
 from moejax.sharding.layout import is_expert_param
 
 
@@ -42,7 +42,7 @@ class Resharding:
 
 
 def initial_owner(num_layers: int, num_experts: int, num_devices: int) -> np.ndarray:
-  return fssdp_shard.initial_placement(num_layers, num_experts, num_devices)
+  return ownership.initial_placement(num_layers, num_experts, num_devices)
 
 
 def _position_of_slot(num_layers: int, num_experts: int, num_devices: int) -> np.ndarray:
@@ -57,7 +57,7 @@ def positions(owner_LxE, num_devices: int) -> np.ndarray:
   """[L, E]: the flat storage position of each expert under `owner_LxE`."""
   owner_LxE = np.asarray(owner_LxE, np.int32)
   num_layers, num_experts = owner_LxE.shape
-  slot_LxE = fssdp_shard.slot_tables(owner_LxE, num_devices).slot_of_LxE
+  slot_LxE = ownership.slot_tables(owner_LxE, num_devices).slot_of_LxE
   return _position_of_slot(num_layers, num_experts, num_devices)[slot_LxE]
 
 
@@ -81,10 +81,10 @@ def plan_reshard(load_LxE, owner_LxE, num_devices: int, devices_per_node: int, *
   """New owners balancing each layer's load over nodes and devices, and the storage move."""
   owner_LxE = np.asarray(owner_LxE, np.int32)
   num_layers, num_experts = owner_LxE.shape
-  new_LxE = fssdp_shard.heterogeneous_placement(
+  new_LxE = ownership.heterogeneous_placement(
       np.asarray(load_LxE, np.float64), num_devices, devices_per_node,
       max_per_layer=max_per_layer, previous_owner_LxE=owner_LxE)
-  move = fssdp_shard.reshard_moves(owner_LxE, new_LxE, expert_bytes=bytes_per_expert,
+  move = ownership.reshard_moves(owner_LxE, new_LxE, expert_bytes=bytes_per_expert,
                                    num_devices=num_devices)
   position_G = _position_of_slot(num_layers, num_experts, num_devices)
   perm = np.empty(num_layers * num_experts, np.int32)

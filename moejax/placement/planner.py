@@ -10,7 +10,7 @@ Each step, for each MoE layer:
   4. send every token-expert assignment to a device that holds its expert: by the even rule
      (`dispatch_devices`), or by per-source send counts that water-fill the actual load over the
      holders (`balanced_send`, from an all_gather of the N x E routing counts).
-The owner placement comes from `moejax.sharding.fssdp_shard` and changes only at re-sharding.
+The owner placement comes from `moejax.placement.ownership` and changes only at re-sharding.
 
 Letters: W history window, L layers, E experts per layer, N devices, G nodes, Dn devices per node
 (N = G * Dn), M replica slots per device, T tokens on one device, K experts per token,

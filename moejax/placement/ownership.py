@@ -1,20 +1,20 @@
 """FSSDP sharding: which device owns each expert (with its optimizer state), host-side numpy.
 
 Runs every `reshard_every` steps, outside the compiled step. Every expert of every MoE layer is
-owned whole by one device; the per-step planner (`moejax.sharding.fssdp_plan`) adds ephemeral
+owned whole by one device; the per-step planner (`moejax.placement.planner`) adds ephemeral
 replicas on top of this placement.
 
 Letters: L layers, E experts per layer, N devices, G nodes, Dn devices per node (N = G * Dn),
 S storage slots per device (S = L * E / N by default), C = C_max, the static bound on the number
 of experts one device owns in one layer (fssdp.max_per_layer: the per-layer window the train step
-reads, see `moejax.sharding.fssdp_reshard`), M moves.
+reads, see `moejax.placement.reshard`), M moves.
 
 Storage. Expert parameters and their optimizer state live in one flat array of N * S slots per
 parameter, leading axis sharded evenly over the devices: device n holds slots [n*S, (n+1)*S).
 Within a device, owned experts sit in (layer, expert) order, so one layer's experts are
 contiguous: `SlotTables.local_slot_LxNxC` gives their positions. Unused slots (only when
 `slots_per_device` exceeds L*E/N) hold nothing (layer and expert -1). The train step keeps ep's
-[L, E, ...] arrays and reads each device's part of them as its S slots (`fssdp_reshard`).
+[L, E, ...] arrays and reads each device's part of them as its S slots (`moejax.placement.reshard`).
 
 Placements:
   `initial_placement`        even, like ep: device n owns experts [n*E/N, (n+1)*E/N) of every
@@ -26,7 +26,7 @@ Placements:
 
 Resharding (`reshard_moves`) returns the moved experts, the bytes that move, and the permutation
 of storage slots old -> new, applied to parameters and optimizer state together
-(`apply_permutation` on flat storage; `fssdp_reshard.permute_experts` on the train state).
+(`apply_permutation` on flat storage; `reshard.permute_experts` on the train state).
 """
 from __future__ import annotations
 

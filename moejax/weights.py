@@ -1,0 +1,207 @@
+"""Parameters on disk: the pieces of moejax's Orbax checkpoint format that training
+(`moejax.train.checkpoint`) and conversion (`moejax.convert`) share, and reading a checkpoint's
+parameters into your own code (`load_params`, `load_config`).
+
+A checkpoint directory is an Orbax `CheckpointManager` directory: one subdirectory per step with
+the items `params/` (global shapes, OCDBT), `meta/` (JSON: format, step, a checksum per array)
+and `config/` (JSON: the moejax Config), plus what training adds (optimizer state, data position,
+feature states). `save_params` writes a parameters-only checkpoint at step 0 (what
+`python -m moejax.convert from-hf` produces).
+
+An array's checksum is the sum of its elements' bit patterns, as unsigned integers, modulo 2**32:
+an exact integer sum that does not depend on the sharding. It catches a file that reads without
+error but holds other bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, Sharding
+
+from moejax.config import Config, from_config_dict, upgrade_saved
+from moejax.errors import CheckpointError, MoejaxError
+from moejax.sharding import layout as layout_lib
+
+SUBDIR = "checkpoints"    # a run's checkpoints, inside its workdir
+FORMAT = 1
+PARAMS_STEP = 0           # the one step of a parameters-only checkpoint
+
+
+def config_to_dict(cfg: Config) -> dict:
+  """Nested plain dict (tuples as lists), as stored in a checkpoint's config/ item."""
+  return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+# ------------------------------------------------------------------------------------------------
+# Checksums.
+
+_WORD = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}
+
+
+def _word_sum(x_N):
+  words = jax.lax.bitcast_convert_type(x_N, _WORD[x_N.dtype.itemsize])
+  return jnp.sum(words.astype(jnp.uint32), dtype=jnp.uint32)
+
+
+_word_sums = jax.jit(lambda leaves: [_word_sum(x) for x in leaves])
+
+
+def _np_word_sum(x: np.ndarray) -> int:
+  words = np.ascontiguousarray(x).view(np.dtype(_WORD[x.dtype.itemsize]))
+  return int(np.sum(words, dtype=np.uint64) % (1 << 32))
+
+
+def checksums(tree) -> dict[str, int]:
+  """{key path: sum of the array's bit patterns mod 2**32} for jax or numpy leaves."""
+  with_path = jax.tree_util.tree_leaves_with_path(tree)
+  leaves = [x for _, x in with_path]
+  if all(isinstance(x, np.ndarray) for x in leaves):
+    sums = [_np_word_sum(x) for x in leaves]
+  else:
+    sums = [int(s) for s in jax.device_get(_word_sums(leaves))]
+  return {jax.tree_util.keystr(path): s for (path, _), s in zip(with_path, sums)}
+
+
+def verify(item: str, tree, expected: dict[str, int]) -> None:
+  got = checksums(tree)
+  if set(got) != set(expected):
+    missing = sorted(set(expected) ^ set(got))
+    raise CheckpointError(f"{item}: arrays differ from the checksum list (first: {missing[0]})")
+  for key, value in got.items():
+    if value != int(expected[key]):
+      raise CheckpointError(f"{item}{key}: checksum {value} != {expected[key]} recorded at save")
+
+
+# ------------------------------------------------------------------------------------------------
+# The manager.
+
+def open_manager(directory: str, keep: int | None = None, create: bool = True, **handlers):
+  """An Orbax CheckpointManager for `directory` with moejax's items (readers pass create=False).
+  `lightweight_initialize` lists steps without reading their files, so a damaged one cannot
+  stop the listing."""
+  options = ocp.CheckpointManagerOptions(
+      create=create, lightweight_initialize=True, enable_async_checkpointing=True,
+      preservation_policy=None if keep is None else ocp.checkpoint_managers.LatestN(n=keep))
+  handlers = {"params": ocp.StandardCheckpointHandler(),
+              "meta": ocp.JsonCheckpointHandler(), "config": ocp.JsonCheckpointHandler(),
+              **handlers}
+  return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
+
+
+def one_line(e: BaseException) -> str:
+  """The innermost cause of `e` as one line (tensorstore's message names the file)."""
+  while e.__cause__ is not None:
+    e = e.__cause__
+  text = " ".join(str(e).split())
+  text = text if len(text) <= 300 else text[:297] + "..."
+  return text if isinstance(e, MoejaxError) else f"{type(e).__name__}: {text}"
+
+
+def save_params(out_dir: str, cfg: Config, params, *, source: str = "") -> str:
+  """Writes `params` as step 0 of a parameters-only checkpoint in `out_dir` (must not hold
+  one): what `load_params(out_dir)` and `--config.init_from=out_dir` read."""
+  out_dir = os.path.abspath(out_dir)
+  if os.path.isdir(out_dir) and os.listdir(out_dir):
+    raise CheckpointError(f"{out_dir}: not empty; choose a new directory for the checkpoint")
+  meta = {"format": FORMAT, "step": PARAMS_STEP, "source": source,
+          "checksums": {"params": checksums(params)}}
+  manager = ocp.CheckpointManager(
+      out_dir, options=ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False),
+      item_handlers={"params": ocp.StandardCheckpointHandler(),
+                     "meta": ocp.JsonCheckpointHandler(), "config": ocp.JsonCheckpointHandler()})
+  try:
+    manager.save(PARAMS_STEP, args=ocp.args.Composite(
+        params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta),
+        config=ocp.args.JsonSave(config_to_dict(cfg))))
+    manager.wait_until_finished()
+  finally:
+    manager.close()
+  return out_dir
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading parameters into your own code.
+
+def _locate(path: str, step: int | None) -> tuple[str, int]:
+  """(manager directory, step) from a workdir, its checkpoints/ dir, or one step's dir."""
+  path = os.path.abspath(path)
+  if os.path.isdir(os.path.join(path, SUBDIR)):
+    path = os.path.join(path, SUBDIR)
+  elif os.path.basename(path).isdigit() and os.path.isdir(os.path.join(path, "params")):
+    if step is not None and step != int(os.path.basename(path)):
+      raise CheckpointError(f"{path} is the checkpoint of step {os.path.basename(path)}, "
+                            f"not of step {step}")
+    path, step = os.path.dirname(path), int(os.path.basename(path))
+  if not os.path.isdir(path):
+    raise CheckpointError(f"{path}: no such checkpoint directory")
+  with open_manager(path, create=False) as manager:
+    steps = sorted(manager.all_steps())
+  if not steps:
+    raise CheckpointError(f"{path}: no complete checkpoint in this directory")
+  if step is None:
+    step = steps[-1]
+  if step not in steps:
+    raise CheckpointError(f"{path}: no checkpoint of step {step} (steps: "
+                          f"{', '.join(map(str, steps))})")
+  return path, step
+
+
+def _read_config(directory: str, step: int) -> Config:
+  try:
+    with open_manager(directory, create=False) as manager:
+      saved = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+    return from_config_dict(upgrade_saved(saved["config"]))
+  except Exception as e:  # noqa: BLE001
+    raise CheckpointError(f"checkpoint {os.path.join(directory, str(step))} (step {step}): "
+                          f"config/: {one_line(e)}") from None
+
+
+def load_config(path: str, step: int | None = None) -> Config:
+  """The Config that wrote a checkpoint (a workdir, its checkpoints/ dir, or a step's dir)."""
+  return _read_config(*_locate(path, step))
+
+
+def load_params(path: str, step: int | None = None, *, mesh=None, shardings=None) -> dict:
+  """A checkpoint's parameters: the nested dict `moejax.models.olmoe.forward` takes.
+
+  Args:
+    path: a workdir, its checkpoints/ directory, or one step's directory.
+    step: which step (default: the latest complete one).
+    mesh: a moejax mesh (`moejax.sharding.mesh.make_mesh`): sharded arrays laid out as in
+      training, for the checkpoint's expert placement.
+    shardings: instead of `mesh`, one Sharding for every array or a pytree of them like params.
+  With neither, host numpy arrays. Checksums are verified; every failure is a CheckpointError.
+  """
+  if mesh is not None and shardings is not None:
+    raise CheckpointError("load_params takes mesh or shardings, not both")
+  directory, step = _locate(path, step)
+  cfg = _read_config(directory, step)
+  from moejax.models import olmoe   # only to know the shapes
+  shapes = jax.eval_shape(lambda k: olmoe.init_params(cfg, k), jax.random.key(0))
+  if mesh is not None:
+    layouts = layout_lib.param_layouts(shapes, cfg.moe.placement, mesh.devices.size)
+    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec),
+                             layout_lib.param_specs(shapes, layouts),
+                             is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
+  if shardings is None:
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), shapes)
+  else:
+    if isinstance(shardings, Sharding):
+      shardings = jax.tree.map(lambda _: shardings, shapes)
+    restore_args = jax.tree.map(lambda _, sh: ocp.ArrayRestoreArgs(sharding=sh), shapes,
+                                shardings)
+  try:
+    with open_manager(directory, create=False, params=ocp.PyTreeCheckpointHandler()) as manager:
+      restored = manager.restore(step, args=ocp.args.Composite(
+          params=ocp.args.PyTreeRestore(shapes, restore_args), meta=ocp.args.JsonRestore()))
+    verify("params", restored["params"], restored["meta"]["checksums"]["params"])
+  except Exception as e:  # noqa: BLE001
+    raise CheckpointError(f"checkpoint {os.path.join(directory, str(step))} (step {step}) is "
+                          f"unreadable: {one_line(e)}") from None
+  return restored["params"]
