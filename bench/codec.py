@@ -51,12 +51,12 @@ import configs.olmoe as olmoe_configs  # noqa: E402
 from moejax.codec import bits, gather as codec, kernels, select, word  # noqa: E402
 from moejax.config import from_config_dict  # noqa: E402
 from moejax.data import DataSpec, make_data  # noqa: E402
-from moejax.sharding import hook  # noqa: E402
+from moejax.sharding import axes, hook  # noqa: E402
 from moejax.sharding.gatherer import param_group  # noqa: E402
 from moejax.train import codec_control  # noqa: E402
 from moejax.train.loop import Trainer, put_batch  # noqa: E402
 
-GROUPS = ("attention", "router", "norms", "experts", "embeddings")
+GROUPS = axes.GROUPS       # the report groups parameters declare
 FIXED = ("element", "block", "word", "delta")
 HALF = "auto 1/2 bgt"     # auto under half the cache budget
 FULL_BLOCK = 512
@@ -373,16 +373,20 @@ def check_auto(cfg, state, data, steps: int, first: int, every: int, budget: int
       cfg.codec, mode="auto", warmup_steps=first, reselect_every=every, comm_model="bytes",
       cache_budget_bytes=budget))
   trainer = Trainer(cfg)
-  controller = codec_control.CodecController(trainer, log=lambda _: None)
+  policy = codec_control.CodecPolicy(trainer.layout.gatherer, trainer.mesh, cfg.codec,
+                                     log=lambda _: None)
   if state is None:
     state = trainer.init_state()
   else:   # fresh (plain) codec state for this trainer
     state = state.replace(gather_state=trainer.layout.gatherer.init_states(trainer.mesh))
-  state = controller.start(state)
+  compiled = trainer.compiled(trainer.layout.gatherer.specs)
+  choice = policy.start(0, state.params)
   sent = plain = 0.0
   for step in range(1, steps + 1):
-    state, metrics = trainer.train_step(state, put_batch(next(data.train), trainer.mesh))
-    state, metrics = controller.after_step(step, state, metrics)
+    if choice is not None:
+      state, compiled = trainer.adopt(state, compiled, choice)
+    state, metrics = compiled.train_step(state, put_batch(next(data.train), trainer.mesh))
+    metrics, choice = policy.after_step(step, state.params, metrics)
     if step > first:
       sent += metrics["gather_bytes"]
       plain += metrics["gather_bytes_plain"]

@@ -185,7 +185,7 @@ def load_params(path: str, step: int | None = None, *, mesh=None, shardings=None
   from moejax.models import olmoe   # only to know the shapes
   shapes = jax.eval_shape(lambda k: olmoe.init_params(cfg, k), jax.random.key(0))
   if mesh is not None:
-    layouts = layout_lib.param_layouts(shapes, cfg.moe.placement, mesh.devices.size)
+    layouts = layout_lib.param_layouts(olmoe.param_meta(cfg), cfg.moe.placement, mesh.devices.size)
     shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec),
                              layout_lib.param_specs(shapes, layouts),
                              is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.layers.norm import rms_norm
+from moejax.sharding.axes import ATTENTION, EMBED, HEADS, KV_HEADS, NORM, NORMS, Q_HEADS, param
 
 
 def rotary_tables(seq_len: int, head_dim: int, theta: float):
@@ -33,12 +34,12 @@ class Attention(nnx.Module):
                norm_eps: float, init_std: float, rngs: nnx.Rngs):
     hd = num_heads * head_dim
     init = jax.nn.initializers.normal(init_std)
-    self.wq = nnx.Param(init(rngs.params(), (d_model, hd), jnp.float32))
-    self.wk = nnx.Param(init(rngs.params(), (d_model, hd), jnp.float32))
-    self.wv = nnx.Param(init(rngs.params(), (d_model, hd), jnp.float32))
-    self.wo = nnx.Param(init(rngs.params(), (hd, d_model), jnp.float32))
-    self.q_norm = nnx.Param(jnp.ones((hd,), jnp.float32))
-    self.k_norm = nnx.Param(jnp.ones((hd,), jnp.float32))
+    self.wq = param(init(rngs.params(), (d_model, hd), jnp.float32), (EMBED, Q_HEADS), ATTENTION)
+    self.wk = param(init(rngs.params(), (d_model, hd), jnp.float32), (EMBED, KV_HEADS), ATTENTION)
+    self.wv = param(init(rngs.params(), (d_model, hd), jnp.float32), (EMBED, KV_HEADS), ATTENTION)
+    self.wo = param(init(rngs.params(), (hd, d_model), jnp.float32), (HEADS, EMBED), ATTENTION)
+    self.q_norm = param(jnp.ones((hd,), jnp.float32), (NORM,), NORMS)
+    self.k_norm = param(jnp.ones((hd,), jnp.float32), (NORM,), NORMS)
     self.num_heads, self.head_dim = num_heads, head_dim
     self.rope_theta, self.norm_eps = rope_theta, norm_eps
 

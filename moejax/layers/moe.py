@@ -25,6 +25,7 @@ from moejax.routing import admission as admission_lib
 from moejax.routing import router as router_lib
 from moejax.routing import stats as stats_lib
 from moejax.placement import fssdp as sparse
+from moejax.sharding.axes import EMBED, EXPERT, EXPERT_SCORE, EXPERTS, MLP, ROUTER, param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,10 +59,10 @@ class MoEBlock(nnx.Module):
                rngs: nnx.Rngs):
     e, d, f = spec.num_experts, d_model, expert_hidden
     init = jax.nn.initializers.normal(init_std)
-    self.router = nnx.Param(init(rngs.params(), (d, e), jnp.float32))
-    self.w_gate = nnx.Param(init(rngs.params(), (e, d, f), jnp.float32))
-    self.w_up = nnx.Param(init(rngs.params(), (e, d, f), jnp.float32))
-    self.w_down = nnx.Param(init(rngs.params(), (e, f, d), jnp.float32))
+    self.router = param(init(rngs.params(), (d, e), jnp.float32), (EMBED, EXPERT_SCORE), ROUTER)
+    self.w_gate = param(init(rngs.params(), (e, d, f), jnp.float32), (EXPERT, EMBED, MLP), EXPERTS)
+    self.w_up = param(init(rngs.params(), (e, d, f), jnp.float32), (EXPERT, EMBED, MLP), EXPERTS)
+    self.w_down = param(init(rngs.params(), (e, f, d), jnp.float32), (EXPERT, MLP, EMBED), EXPERTS)
     self.spec = spec
 
   def materialize(self, predicted_load_E, dtype, *, dispatch: dispatch_lib.Dispatch,

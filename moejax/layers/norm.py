@@ -5,6 +5,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moejax.sharding.axes import NORM, NORMS, param
+
 
 def rms_norm(x, scale, eps: float):
   x32 = x.astype(jnp.float32)
@@ -15,7 +17,7 @@ def rms_norm(x, scale, eps: float):
 
 class RMSNorm(nnx.Module):
   def __init__(self, dim: int, *, eps: float = 1e-5):
-    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+    self.scale = param(jnp.ones((dim,), jnp.float32), (NORM,), NORMS)
     self.eps = eps
 
   def __call__(self, x):

@@ -4,9 +4,13 @@
 Letters: B batch, S sequence, D width, V vocabulary, L layers.
 
 Parameters are a plain nested dict of fp32 arrays (`init_params`), layer parameters stacked with a
-leading L axis. `forward` is the single forward pass used everywhere: on one device, and inside
-the sharded train step, where `gather(name, shards)` turns each parameter group's shards into
-full bf16 parameters just in time (the sharding hook) and `dispatch` says where experts live.
+leading L axis. Each declares its logical axes and group where it is defined
+(`moejax.sharding.axes.param`); `param_meta` reads the declarations abstractly, for the
+placement's rules table (`moejax.sharding.layout`), reports and weight decay.
+
+`forward` is the single forward pass used everywhere: on one device, and inside the sharded train
+step, where `gather(name, shards)` turns each parameter group's shards into full bf16 parameters
+just in time (the sharding hook) and `dispatch` says where experts live.
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ from moejax.layers.attention import Attention
 from moejax.placement.dispatch import LOCAL, Dispatch
 from moejax.layers.moe import MoEBlock, MoESpec
 from moejax.layers.norm import RMSNorm, rms_norm
+from moejax.sharding import axes
+from moejax.sharding.axes import EMBED, EMBEDDINGS, NORM, NORMS, VOCAB, param
 from moejax.sharding.hook import local_gather
 from moejax.sharding.prefetch import scan_layers
 
@@ -59,17 +65,42 @@ def _layer_params(cfg: Config, key) -> dict:
   return nnx.to_pure_dict(nnx.state(DecoderLayer(cfg, rngs=nnx.Rngs(params=key)), nnx.Param))
 
 
-def init_params(cfg: Config, key: jax.Array) -> dict:
+def _outer_params(cfg: Config, k_embed, k_head) -> dict[str, nnx.Param]:
+  """The parameters outside the layers: embedding, final norm, untied LM head."""
   m = cfg.model
-  k_embed, k_layers, k_head = jax.random.split(key, 3)
   init = jax.nn.initializers.normal(m.init_std)
   return {
-      "embed": init(k_embed, (m.vocab_size, m.d_model), jnp.float32),
-      "layers": jax.vmap(functools.partial(_layer_params, cfg))(
-          jax.random.split(k_layers, m.num_layers)),
-      "final_norm": jnp.ones((m.d_model,), jnp.float32),
-      "lm_head": init(k_head, (m.d_model, m.vocab_size), jnp.float32),
+      "embed": param(init(k_embed, (m.vocab_size, m.d_model), jnp.float32), (VOCAB, EMBED),
+                     EMBEDDINGS),
+      "final_norm": param(jnp.ones((m.d_model,), jnp.float32), (NORM,), NORMS),
+      "lm_head": param(init(k_head, (m.d_model, m.vocab_size), jnp.float32), (EMBED, VOCAB),
+                       EMBEDDINGS),
   }
+
+
+def init_params(cfg: Config, key: jax.Array) -> dict:
+  k_embed, k_layers, k_head = jax.random.split(key, 3)
+  outer = {name: p[...] for name, p in _outer_params(cfg, k_embed, k_head).items()}
+  layers = jax.vmap(functools.partial(_layer_params, cfg))(
+      jax.random.split(k_layers, cfg.model.num_layers))
+  return dict(outer, layers=layers)
+
+
+@functools.cache
+def param_meta(cfg: Config) -> dict:
+  """The parameters' declarations, a tree of `axes.ParamMeta` like `init_params`' output: stored
+  shapes, logical axes (layer parameters stacked on a leading `LAYERS` axis) and groups, read
+  from each parameter's metadata where it is defined, abstractly (nothing is allocated). Also
+  published for code that sees parameters only by path (`moejax.sharding.axes.declare`)."""
+  key = jax.random.key(0)
+  outer = nnx.eval_shape(lambda: _outer_params(cfg, key, key))
+  _, layer = _layer_template(cfg)
+  stacked = functools.partial(axes.meta_of, stacked=cfg.model.num_layers)
+  is_var = lambda v: isinstance(v, nnx.Variable)
+  meta = {name: axes.meta_of(p) for name, p in outer.items()}
+  meta["layers"] = nnx.to_pure_dict(jax.tree.map(stacked, layer, is_leaf=is_var))
+  axes.declare(meta)
+  return meta
 
 
 @functools.cache

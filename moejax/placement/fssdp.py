@@ -35,7 +35,7 @@ from jax import lax
 
 from moejax.placement.dispatch import Dispatch, exchange
 from moejax.routing import router as router_lib
-from moejax.placement import planner
+from moejax.placement import ownership, planner
 
 
 class Owners(NamedTuple):
@@ -46,9 +46,9 @@ class Owners(NamedTuple):
 
 
 def even_owners(num_experts: int, num_devices: int) -> Owners:
-  el = num_experts // num_devices
-  e_E = jnp.arange(num_experts, dtype=jnp.int32)
-  return Owners(e_E // el, e_E % el)
+  """The even start (`ownership.initial_placement`) with each expert's rank on its owner."""
+  owner_E = jnp.asarray(ownership.initial_placement(1, num_experts, num_devices)[0])
+  return Owners(owner_E, jnp.arange(num_experts, dtype=jnp.int32) % (num_experts // num_devices))
 
 
 def owned_windows(owner_LxE, local_w_LxElxR, me, *, num_devices: int, max_per_layer: int):

@@ -41,10 +41,6 @@ class Resharding:
   moved_bytes: int          # their parameters and optimizer moments
 
 
-def initial_owner(num_layers: int, num_experts: int, num_devices: int) -> np.ndarray:
-  return ownership.initial_placement(num_layers, num_experts, num_devices)
-
-
 def _position_of_slot(num_layers: int, num_experts: int, num_devices: int) -> np.ndarray:
   """[N*S]: the flat storage position l*E + j of pool slot g = d*S + k."""
   el = num_experts // num_devices

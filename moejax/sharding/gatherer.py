@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moejax.codec import gather as codec
-from moejax.sharding import hook
+from moejax.sharding import axes, hook
 from moejax.sharding.layout import Layout
 from moejax.sharding.mesh import DEVICES
 
@@ -38,16 +38,9 @@ PARAM_METRIC = "codec_param_stats"   # metrics key of the [R, K] array
 
 
 def param_group(group: str, path: str) -> str:
-  """Reporting group of a parameter: attention, router, norms, experts, embeddings."""
-  if group in ("embed", "lm_head"):
-    return "embeddings"
-  if "norm" in path or group == "final_norm":
-    return "norms"
-  if "router" in path:
-    return "router"
-  if any(name in path for name in ("w_gate", "w_up", "w_down")):
-    return "experts"
-  return "attention"
+  """Reporting group of a parameter (one of `axes.GROUPS`: attention, router, norms, experts,
+  embeddings), as the model declares it; `path` is its keystr within the gather group."""
+  return axes.declared(group, path)[1]
 
 
 def _leaf_paths(tree) -> list[str]:

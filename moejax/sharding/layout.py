@@ -1,13 +1,29 @@
-"""Where each parameter lives: one `Layout` per parameter leaf, and the specs derived from it.
+"""Where each parameter lives: one `Layout` per parameter leaf, from its declared logical axes and
+the placement's rules table; and the specs derived from it.
 
 Kinds:
   shard      ZeRO-3: sliced along `dim` across all devices, gathered just in time by the hook,
              gradient reduce-scattered back.
-  replicate  too small or indivisible: every device holds all of it; gradient summed (psum).
+  replicate  no rule applies (or one device): every device holds all of it; gradient summed (psum).
   expert     expert-parallel: sliced along the expert axis `dim`; each device owns whole experts,
              used where they live; the gradient is already complete on the owner.
 
-Layer parameters are stacked with a leading layer axis (`lax.scan`); that axis is never sharded.
+Rules. A placement's table is an ordered preference of (logical axis, kind): the first axis the
+parameter declares whose size the device count divides is split over all devices (`DEVICES`)
+with that kind; with none, the parameter is replicated. Sizes only decide divisibility; which
+axis is chosen comes from the names. One device replicates whatever would be sharded (expert
+entries stay `expert`: one device owns every expert). An expert entry the device count does not
+divide is an error (the ep/fssdp dispatch needs whole experts on their owners), not a fallback.
+The stacked layer axis (`axes.LAYERS`) is never sharded: it is in no table.
+
+  fsdp         vocab, heads, embed, q_heads, kv_heads, mlp, expert, expert_score, norm
+  ep, fssdp    expert (expert-parallel), then fsdp's
+
+so embedding and LM head split the vocabulary, every matrix that reads the model width splits
+it (attention q/k/v, router, the three expert matrices under fsdp), the attention output
+projection splits its input heads (each device holds whole rows of every matrix it shards but
+the LM head and w_down), norm scales their only axis; under ep and fssdp each device owns E/N
+whole experts.
 """
 from __future__ import annotations
 
@@ -16,9 +32,16 @@ import dataclasses
 import jax
 from jax.sharding import PartitionSpec as P
 
+from moejax.sharding import axes as ax
 from moejax.sharding.mesh import DEVICES
 
-EXPERT_PARAM_NAMES = ("w_gate", "w_up", "w_down")
+SHARD, REPLICATE, EXPERT = "shard", "replicate", "expert"
+
+FSDP_RULES = ((ax.VOCAB, SHARD), (ax.HEADS, SHARD), (ax.EMBED, SHARD), (ax.Q_HEADS, SHARD),
+              (ax.KV_HEADS, SHARD), (ax.MLP, SHARD), (ax.EXPERT, SHARD),
+              (ax.EXPERT_SCORE, SHARD), (ax.NORM, SHARD))
+EXPERT_PARALLEL_RULES = ((ax.EXPERT, EXPERT),) + FSDP_RULES
+RULES = {"fsdp": FSDP_RULES, "ep": EXPERT_PARALLEL_RULES, "fssdp": EXPERT_PARALLEL_RULES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,35 +61,40 @@ class Layout:
     return self if self.kind == "replicate" else dataclasses.replace(self, dim=self.dim - 1)
 
 
-def _path_names(path) -> list[str]:
-  return [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+def layout_for(meta: ax.ParamMeta, rules, num_devices: int) -> Layout:
+  """One parameter's layout under one rules table (see the module docstring)."""
+  for axis, kind in rules:
+    if axis == ax.LAYERS:
+      raise ValueError("the stacked layer axis is never sharded: it has no rule")
+    if axis not in meta.axes:
+      continue
+    dim = meta.axes.index(axis)
+    if meta.shape[dim] % num_devices:
+      if kind == EXPERT:
+        raise ValueError(f"a parameter with logical axes {meta.axes} and shape {meta.shape}: "
+                         f"its {meta.shape[dim]} experts are not divisible by the "
+                         f"{num_devices} devices")
+      continue
+    if kind == SHARD and num_devices == 1:
+      return Layout(REPLICATE)
+    return Layout(kind, dim)
+  return Layout(REPLICATE)
 
 
-def is_expert_param(path) -> bool:
-  names = _path_names(path)
-  return "moe" in names and names[-1] in EXPERT_PARAM_NAMES
-
-
-def _layout_for(path, shape, placement: str, n: int) -> Layout:
-  names = _path_names(path)
-  stacked = names[0] == "layers"
-  first = 1 if stacked else 0
-  if is_expert_param(path) and placement in ("ep", "fssdp"):
-    return Layout("expert", first)       # [L, E, ...]: experts partitioned over devices
-  if n == 1:
-    return Layout("replicate")
-  candidates = [d for d in range(first, len(shape)) if shape[d] % n == 0]
-  if not candidates:
-    return Layout("replicate")
-  return Layout("shard", max(candidates, key=lambda d: (shape[d], -d)))
-
-
-def param_layouts(param_shapes, placement: str, num_devices: int):
-  """Pytree of `Layout`, one per parameter, from shapes (e.g. the output of `eval_shape`)."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, x: _layout_for(path, x.shape, placement, num_devices), param_shapes)
+def param_layouts(param_meta, placement: str, num_devices: int):
+  """Pytree of `Layout` like the parameters, from their declarations (a tree of
+  `axes.ParamMeta`, e.g. `moejax.models.olmoe.param_meta(cfg)`) and the placement's table."""
+  rules = RULES[placement]
+  return jax.tree.map(lambda meta: layout_for(meta, rules, num_devices), param_meta)
 
 
 def param_specs(param_shapes, layouts):
   return jax.tree.map(lambda x, lay: lay.spec(len(x.shape)), param_shapes, layouts,
                       is_leaf=lambda v: isinstance(v, Layout))
+
+
+def is_expert_param(path) -> bool:
+  """Whether the leaf at `path` (in the parameters, or a tree holding them: optimizer moments) is
+  a parameter that declares an expert axis (one matrix per expert)."""
+  declared = ax.declared_at(path)
+  return declared is not None and ax.EXPERT in declared[0]

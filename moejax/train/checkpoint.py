@@ -5,11 +5,9 @@ Layout of WORKDIR/checkpoints/, one Orbax `CheckpointManager` keeping the last `
 
   <step>/params/      parameters with their global shapes (OCDBT); each process writes its shards
   <step>/opt_state/   optimizer state, sharded like the parameters
-  <step>/fssdp/       moe.placement=fssdp only: the load predictor's history (the inputs of
-                      every replica plan and re-shard) and the expert owner table, so a resumed
-                      run plans and stores experts as an uninterrupted one would. Older
-                      checkpoints lack it: the history restarts empty and the owners even, with
-                      a log line saying the resume is not bit-exact
+  <step>/<feature>/   the feature states registered with the Checkpointer, one item each
+                      (`StateLayout.checkpoint_items`; fssdp: the load history and the expert
+                      owners, `moejax.placement.placement.FssdpCheckpoint`)
   <step>/meta/        JSON: step, seed, data-iterator position, a checksum per array
   <step>/config/      JSON: the config of the run that wrote it, checked on resume
   <step>.orbax-checkpoint-tmp/   a save in progress. Orbax renames it to <step> once every item
@@ -18,8 +16,8 @@ Layout of WORKDIR/checkpoints/, one Orbax `CheckpointManager` keeping the last `
 
 Arrays keep their global shapes, so a checkpoint restores onto any mesh and any expert
 placement: the targets are `StateLayout.shardings` of the restoring run. fssdp stores experts
-where their owners are (`moejax.placement.reshard`); checkpoints hold them in canonical
-order (expert (l, e) at [l, e]) and a restore puts them back where the saved owners say.
+where their owners are; its item saves them in canonical order (expert (l, e) at [l, e]) and
+its restore puts them back where the saved owners say.
 
 An array's checksum is the sum of its elements' bit patterns, as unsigned integers, modulo 2**32:
 an exact integer sum that does not depend on the sharding. It catches a file that reads without
@@ -42,8 +40,6 @@ from jax.experimental import multihost_utils
 from moejax import weights
 from moejax.config import Config, upgrade_saved
 from moejax.errors import CheckpointError, DataError
-from moejax.placement import ownership, planner, reshard
-from moejax.sharding.mesh import num_devices
 from moejax.train.metrics import log
 from moejax.train import state as state_lib
 from moejax.train.state import StateLayout, TrainState
@@ -110,9 +106,16 @@ def check_compatible(saved: dict, cfg: Config) -> None:
 # ------------------------------------------------------------------------------------------------
 # The manager.
 
-def _open_manager(directory: str, keep: int):
+def _is_json(feature) -> bool:
+  """A feature whose item is host data (JSON) rather than arrays."""
+  return bool(getattr(feature, "json", False))
+
+
+def _open_manager(directory: str, keep: int, features=()):
+  handlers = {f.name: ocp.JsonCheckpointHandler() if _is_json(f)
+              else ocp.StandardCheckpointHandler() for f in features}
   return weights.open_manager(directory, keep=keep, opt_state=ocp.StandardCheckpointHandler(),
-                              fssdp=ocp.StandardCheckpointHandler())
+                              **handlers)
 
 
 def _all_agree(ok: bool) -> bool:
@@ -159,68 +162,6 @@ def abstract_state(layout: StateLayout, tx: optax.GradientTransformation) -> Tra
                          layout.shardings.opt_state))
 
 
-def fssdp_item(state: TrainState) -> dict | None:
-  """The fssdp state a checkpoint keeps (None without fssdp): the load predictor's history and
-  the expert owners."""
-  history = state.load_history
-  if history is None:
-    return None
-  return {"load_history": {"loads_WxLxE": history.loads_WxLxE, "count": history.count},
-          "expert_owner": state.expert_owner}
-
-
-def _fssdp_target(layout: StateLayout) -> dict | None:
-  """What the fssdp item restores into, on `layout`'s shardings (None without fssdp)."""
-  if layout.cfg.moe.placement != "fssdp":
-    return None
-  cfg, n = layout.cfg, num_devices(layout.mesh)
-  shapes = jax.eval_shape(lambda: (state_lib._init_history(cfg), jnp.asarray(
-      reshard.initial_owner(cfg.model.num_layers, cfg.moe.num_experts, n))))
-  shardings = (layout.shardings.load_history, layout.shardings.expert_owner)
-  history, owner = jax.tree.map(
-      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
-  return fssdp_item(TrainState(step=None, params=None, opt_state=None, load_history=history,
-                               expert_owner=owner))
-
-
-_to_canonical = jax.jit(reshard.permute_experts)
-
-
-def _canonical(state: TrainState) -> TrainState:
-  """fssdp: the state with experts in canonical order (what a checkpoint holds)."""
-  if state.expert_owner is None:
-    return state
-  owner = np.asarray(state.expert_owner)
-  perm = reshard.to_canonical(owner, len(state.expert_owner.sharding.device_set))
-  if reshard.is_identity(perm):
-    return state
-  params, opt_state = _to_canonical((state.params, state.opt_state), perm)
-  return state.replace(params=params, opt_state=opt_state)
-
-
-def _with_fssdp_item(layout: StateLayout, state: TrainState, item: dict, where: str):
-  """The restored canonical state with its load history, experts moved to the saved owners."""
-  history = item["load_history"]
-  state = state.replace(load_history=planner.LoadHistory(history["loads_WxLxE"],
-                                                            history["count"]))
-  if "expert_owner" not in item:
-    return state
-  owner = np.asarray(item["expert_owner"])
-  n = num_devices(layout.mesh)
-  counts = ownership.experts_per_device(owner, n) if owner.max() < n else None
-  if counts is None or len(set(counts.sum(axis=0))) > 1:
-    log(f"moejax: {where}: its expert owners are for another number of devices; experts "
-        f"start from the even placement on {n} devices")
-    return state
-  perm = reshard.from_canonical(owner, n)
-  if not reshard.is_identity(perm):
-    shardings = (layout.shardings.params, layout.shardings.opt_state)
-    params, opt_state = jax.jit(reshard.permute_experts, donate_argnums=0,
-                                out_shardings=shardings)((state.params, state.opt_state), perm)
-    state = state.replace(params=params, opt_state=opt_state)
-  return state.replace(expert_owner=jax.device_put(owner, layout.shardings.expert_owner))
-
-
 def _has_item(metadata, item: str) -> bool:
   try:
     tree = metadata[item]
@@ -232,11 +173,18 @@ def _has_item(metadata, item: str) -> bool:
 class Checkpointer:
   """The checkpoints of one run, in WORKDIR/checkpoints: save, wait, restore the latest good one."""
 
-  def __init__(self, workdir: str, cfg: Config):
+  def __init__(self, workdir: str, cfg: Config, features: tuple = ()):
+    """`features`: the run's feature states that are checkpoint items of their own
+    (`StateLayout.checkpoint_items`), each with `name`, `item(state) -> (item, state to save)`,
+    `target(saved leaf names) -> abstract item` and `restore(state, item or None, where, log)`;
+    one with `json = True` saves host data as JSON (no target). The Checkpointer saves and
+    restores them and knows nothing else about them."""
     self.cfg = cfg
+    self.features = tuple(features)
     self.directory = checkpoint_dir(workdir)
     self._config = weights.config_to_dict(cfg)
-    self._manager = _open_manager(self.directory, keep=cfg.checkpoint.keep)
+    self._manager = _open_manager(self.directory, keep=cfg.checkpoint.keep,
+                                  features=self.features)
 
   def step_path(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
@@ -251,18 +199,21 @@ class Checkpointer:
 
   def save(self, step: int, state: TrainState, data_state: dict) -> None:
     """Starts writing `state` at `step` in the background (after waiting for the previous save);
-    returns once the arrays are copied off the devices, so `state` may be donated next."""
+    returns once the arrays are copied off the devices, so `state` may be donated next. Each
+    feature gives its item and may rewrite what is saved (fssdp saves experts in canonical
+    order)."""
     if step in self._manager.all_steps():
       return
-    fssdp = fssdp_item(state)
-    state = _canonical(state)
-    items = {"params": state.params, "opt_state": state.opt_state}
-    if fssdp is not None:
-      items["fssdp"] = fssdp
+    extra, json_items = {}, {}
+    for feature in self.features:
+      item, state = feature.item(state)
+      (json_items if _is_json(feature) else extra)[feature.name] = item
+    items = {"params": state.params, "opt_state": state.opt_state, **extra}
     meta = {"format": weights.FORMAT, "step": int(step), "seed": self.cfg.seed, "data": data_state,
             "checksums": {item: weights.checksums(tree) for item, tree in items.items()}}
     self._manager.save(step, force=True, args=ocp.args.Composite(
         **{item: ocp.args.StandardSave(tree) for item, tree in items.items()},
+        **{item: ocp.args.JsonSave(value) for item, value in json_items.items()},
         meta=ocp.args.JsonSave(meta), config=ocp.args.JsonSave(self._config)))
 
   def wait(self) -> None:
@@ -293,7 +244,10 @@ class Checkpointer:
         for item, tree in saved_shapes.items():
           if tree is None or not jax.tree.leaves(tree):
             raise FileNotFoundError(f"{item}/_METADATA lists no arrays")
-        has_fssdp = _has_item(metadata, "fssdp")
+        saved_items = {f.name: metadata[f.name] for f in self.features
+                       if not _is_json(f) and _has_item(metadata, f.name)}
+        saved_json = [f.name for f in self.features if _is_json(f)
+                      and os.path.isdir(os.path.join(self.step_path(step), f.name))]
       except Exception as e:  # noqa: BLE001 -- whatever a damaged file raises
         error = e
       if _all_agree(error is None):
@@ -301,16 +255,17 @@ class Checkpointer:
           check_compatible(saved_config, self.cfg)
           _check_shapes("params", saved_shapes["params"], target.params)
           _check_shapes("opt_state", saved_shapes["opt_state"], target.opt_state)
-          fssdp_target = _fssdp_target(layout) if has_fssdp else None
-          if fssdp_target is not None:
-            if "expert_owner" not in _shapes(metadata["fssdp"]):   # saved before the owners
-              del fssdp_target["expert_owner"]                     # were: even, as then
-            _check_shapes("fssdp", metadata["fssdp"], fssdp_target)
+          feature_targets = {}
+          for feature in self.features:
+            if feature.name in saved_items:
+              saved = saved_items[feature.name]
+              feature_targets[feature.name] = feature.target(list(_shapes(saved)))
+              _check_shapes(feature.name, saved, feature_targets[feature.name])
         except CheckpointError as e:
           raise CheckpointError(f"{where} does not fit this run: {e}; resume with the "
                                 "checkpoint's config or use a new --workdir") from None
         try:
-          state, meta = self._restore_state(step, layout, target, fssdp_target)
+          state, meta = self._restore_state(step, layout, target, feature_targets, saved_json)
         except Exception as e:  # noqa: BLE001
           error = e
       if not _all_agree(error is None):
@@ -331,12 +286,11 @@ class Checkpointer:
     return None
 
   def _restore_state(self, step: int, layout: StateLayout, target: TrainState,
-                     fssdp_target=None) -> tuple[TrainState, dict]:
-    targets = {"params": target.params, "opt_state": target.opt_state}
-    if fssdp_target is not None:
-      targets["fssdp"] = fssdp_target
+                     feature_targets: dict, saved_json=()) -> tuple[TrainState, dict]:
+    targets = {"params": target.params, "opt_state": target.opt_state, **feature_targets}
     restored = self._manager.restore(step, args=ocp.args.Composite(
         **{item: ocp.args.StandardRestore(tree) for item, tree in targets.items()},
+        **{item: ocp.args.JsonRestore() for item in saved_json},
         meta=ocp.args.JsonRestore()))
     meta = restored["meta"]
     if meta.get("format") != weights.FORMAT or meta.get("step") != step:
@@ -348,14 +302,9 @@ class Checkpointer:
     state = TrainState(step=step_array, params=restored["params"], opt_state=restored["opt_state"])
     # Codec caches are not saved: rebuilt (the first gather sends everything, once).
     state = state_lib.with_rebuilt_state(layout, state, restored=True)
-    if layout.cfg.moe.placement == "fssdp":
-      where = f"checkpoint {self.step_path(step)} (step {step})"
-      if fssdp_target is None:
-        log(f"moejax: {where} holds no fssdp load history (written with another "
-            "moe.placement or by an older version): the load predictor starts empty and the "
-            "experts from the even placement, so this resume is not bit-exact")
-      else:
-        state = _with_fssdp_item(layout, state, restored["fssdp"], where)
+    where = f"checkpoint {self.step_path(step)} (step {step})"
+    for feature in self.features:
+      state = feature.restore(state, restored.get(feature.name), where, log)
     return state, meta
 
   def _set_aside(self, step: int, error: BaseException | None) -> None:

@@ -1,6 +1,6 @@
 """Run-time choice of the compressed gather: which parameters, in which mode, with what capacity.
 
-A `CodecController` drives `codec.mode=auto` and `codec.select=True` (a fixed mode, only where it
+A `CodecPolicy` drives `codec.mode=auto` and `codec.select=True` (a fixed mode, only where it
 pays). Every sharded parameter is gathered plainly until the first decision, after
 `codec.warmup_steps` steps. A decision
 
@@ -17,25 +17,30 @@ pays). Every sharded parameter is gathered plainly until the first decision, aft
    parameter (auto: plain, element, block or word; a fixed mode: that mode or plain);
 3. logs one line per parameter (mode, capacity, rates, bytes against plain, gain, cache, why) and
    appends the decision to WORKDIR/codec_selection.json;
-4. if the choice changed, installs it (`install`): a new `Gatherer`, a new train step (compiled
-   on its next call; compiled steps are kept per choice) and codec state for newly compressed
-   parameters, warm, so that only their first gather is dense (it refills the caches).
-   Parameters whose spec did not change keep their caches. Modes change only between steps.
+4. if the choice changed, returns it. The policy compiles and installs nothing: the Trainer owns
+   the compiled steps, one per choice, memoized (`Trainer.compiled`), and the loop swaps to the
+   new one (`Trainer.adopt`), with codec state for newly compressed parameters, warm, so that
+   only their first gather is dense (it refills the caches). Parameters whose spec did not
+   change keep their caches. Modes change only between steps.
 
 With `codec.reselect_every > 0` decisions repeat every that many steps, on the rates of the steps
 just before. Between decisions the train step's per-parameter figures (`Gatherer.codec_metrics`)
 are summed on the device; they go into the next decision's log and JSON (bytes sent, fallbacks),
 and a parameter that falls back in more than `FALLBACK_LIMIT` of its gathers brings the next
-decision forward. A resumed run (`start` on a restored state) reinstalls the last decision of
-codec_selection.json.
+decision forward. The decision in force is part of every checkpoint (item "codec",
+`CodecDecisionItem`), and a resumed run (`start` after a restore) reinstalls it;
+WORKDIR/codec_selection.json keeps every decision for people to read.
 
 In the training loop:
 
-    controller = CodecController(trainer, workdir=workdir)
-    state = controller.start(state)                                # before the first step
+    policy = CodecPolicy(trainer.layout.gatherer, trainer.mesh, cfg.codec, workdir=workdir)
+    compiled = trainer.compiled(trainer.layout.gatherer.specs)
+    choice = policy.start(step, state.params)                      # before the first step
     for step in ...:
-      state, metrics = trainer.train_step(state, batch)
-      state, metrics = controller.after_step(step, state, metrics)
+      if choice is not None:
+        state, compiled = trainer.adopt(state, compiled, choice)
+      state, metrics = compiled.train_step(state, batch)
+      metrics, choice = policy.after_step(step, state.params, metrics)
 
 `after_step` also takes the per-parameter array out of the metrics (it is not for
 metrics.jsonl). With the codec off, or a fixed mode without `select`, it does nothing else.
@@ -62,7 +67,6 @@ from moejax.config import CodecConfig
 from moejax.sharding import hook
 from moejax.sharding.gatherer import PARAM_METRIC, Gatherer, param_group
 from moejax.sharding.mesh import DEVICES, num_devices
-from moejax.train import step as step_lib
 from moejax.train.metrics import log as default_log
 
 PROBE_STEPS = 3           # consecutive step pairs measured before each decision
@@ -264,159 +268,152 @@ def specs_of(names, selections) -> dict:
   return out
 
 
-def install(trainer, gatherer: Gatherer, state=None, *, steps_cache: dict | None = None):
-  """Rebuilds `trainer`'s layout and train step around `gatherer` and, given a state, returns it
-  with codec state for the new choice (unchanged parameters keep theirs; new ones warm)."""
-  old = trainer.layout
-  shardings = jax.tree.map(lambda s: NamedSharding(old.mesh, s), gatherer.state_specs(),
-                           is_leaf=lambda s: isinstance(s, P))
-  key = _specs_key(gatherer.specs)
-  if steps_cache is not None and key in steps_cache:
-    layout, train_step = steps_cache[key]
-  else:
-    layout = dataclasses.replace(old, gatherer=gatherer,
-                                 shardings=old.shardings.replace(gather_state=shardings))
-    train_step = step_lib.make_train_step(trainer.cfg, trainer.mesh, layout, trainer.tx,
-                                          trainer.schedule)
-    if steps_cache is not None:
-      steps_cache[key] = (layout, train_step)
-  trainer.layout, trainer.train_step = layout, train_step
-  if getattr(trainer, "_relabel", None) is not None:
-    trainer._relabel = None        # compiled against the previous layout's shardings
-  if state is None:
-    return None
-  new_states = gatherer.init_states(old.mesh, warmed_up=True,
-                                    reuse=(old.gatherer, state.gather_state))
-  return state.replace(gather_state=new_states)
+def specs_key(specs: dict):
+  """A hashable key of a codec choice {group: {path: CodecSpec}} (mode 'off' entries dropped)."""
+  return tuple(sorted((g, p, s) for g, ps in specs.items() for p, s in ps.items()
+                      if s.mode != "off"))
 
 
-def _specs_key(specs: dict):
-  return tuple(sorted((g, p, s) for g, ps in specs.items() for p, s in ps.items()))
+def _spec_entry(group: str, path: str, spec: codec.CodecSpec) -> dict:
+  return {"group": group, "path": path, **dataclasses.asdict(spec)}
+
+
+def _spec_of(entry: dict) -> codec.CodecSpec:
+  fields = {f.name for f in dataclasses.fields(codec.CodecSpec)}
+  return codec.CodecSpec(**{k: v for k, v in entry.items() if k in fields})
 
 
 # ----------------------------------------------------------------------------------------------
-# The controller.
+# The policy.
 
 
-class CodecController:
-  """See the module docstring."""
+class CodecPolicy:
+  """See the module docstring. `gatherer` is the run's Gatherer (its candidates and shapes; the
+  choice it holds is where the policy starts)."""
 
-  def __init__(self, trainer, codec_cfg: CodecConfig | None = None, *, workdir: str | None = None,
-               comm: select.CommModel | None = None, log=default_log):
-    self.trainer = trainer
-    self.cfg = codec_cfg if codec_cfg is not None else trainer.cfg.codec
+  def __init__(self, gatherer: Gatherer, mesh, codec_cfg: CodecConfig, *,
+               workdir: str | None = None, comm: select.CommModel | None = None,
+               log=default_log):
+    self.cfg, self.mesh = codec_cfg, mesh
+    self.base = gatherer
+    self.specs: dict = {g: dict(ps) for g, ps in gatherer.specs.items()}   # in force
+    self.decided_at: int | None = None      # step of the decision in force (None: none yet)
+    self.restored: dict | None = None       # the checkpoint's decision item, set by its restore
     self.workdir, self.log = workdir, log
-    self.active = self.cfg.controlled and bool(trainer.layout.gatherer.candidates())
+    self.active = self.cfg.controlled and bool(gatherer.candidates())
     self.decisions: list[dict] = []
-    # Compiled steps per codec choice, kept on the Trainer so that later runs reuse them.
-    self._steps_cache: dict = trainer.__dict__.setdefault("codec_steps", {})
     self._next = None            # step after which the next decision is taken
     self._snap = self._acc = None
     self._probe_steps = 0
     self._live = self._live_prev = None
     self._live_steps = 0
     self._live_since = 0
-    self._live_of = None         # the Gatherer whose rows the live sums hold
     self.comm = comm
-    if self.cfg.mode != "off" and not trainer.layout.gatherer.candidates():
+    if self.cfg.mode != "off" and not gatherer.candidates():
       log(f"codec: codec.mode={self.cfg.mode!r} has nothing to compress: no parameter is "
-          f"gathered on this mesh of {trainer.layout.gatherer.num_devices} device(s)")
+          f"gathered on this mesh of {gatherer.num_devices} device(s)")
     if not self.active:
       return
     if self.comm is None and self.cfg.comm_model == "profile":
       try:
-        self.comm = profile_comm(trainer.mesh)
+        self.comm = profile_comm(mesh)
       except ValueError as e:
         self.log(f"codec: the all-gather profile of this mesh is unusable ({e}); pricing the "
                  "codec in bytes saved instead")
     if self.comm is None:
       self.comm = select.CommModel.bytes_only()
-    self.probe = Probe(trainer.layout.gatherer, trainer.mesh, self.cfg.block_size)
-    self._steps_cache[_specs_key(trainer.layout.gatherer.specs)] = (trainer.layout,
-                                                                    trainer.train_step)
+    self.probe = Probe(gatherer, mesh, self.cfg.block_size)
 
   @property
   def gatherer(self) -> Gatherer:
-    return self.trainer.layout.gatherer
+    """The Gatherer of the choice in force (whose rows the step's per-parameter figures hold)."""
+    return self.base.with_specs(self.specs)
+
+  @property
+  def checkpoint_items(self) -> tuple:
+    """The decision in force as a checkpoint item of its own (`CodecDecisionItem`)."""
+    return (CodecDecisionItem(self),) if self.active else ()
 
   # -- the loop's two calls ----------------------------------------------------------------------
-  def start(self, state):
-    """Call once before the first step (fresh or restored state). A restored run reinstalls the
-    last decision recorded in the workdir, if it fits these parameters."""
+  def start(self, step: int, params) -> dict | None:
+    """Call once before the first step, with the step and parameters the run starts from.
+    Returns the choice to install now, or None (keep the run's own). A restored run reinstalls
+    the decision its checkpoint holds."""
     if not self.active:
-      return state
-    step = int(state.step)
+      return None
     self._live_since = step
-    last = self._recorded(step)
+    last = self._restored_choice()
     if last is not None:
-      state = install(self.trainer, self.gatherer.with_specs(last[0]), state,
-                      steps_cache=self._steps_cache)
-      self.log(f"codec: step {step}: reinstalled the codec choice of step {last[1]} "
-               f"({sum(len(v) for v in last[0].values())} parameters compressed)")
-      self._schedule(last[1] + self.cfg.reselect_every if self.cfg.reselect_every else None,
-                     step, state.params)
-    else:
-      if any(self.gatherer.specs.values()):   # a reused Trainer still holds an earlier choice
-        state = install(self.trainer, self.gatherer.with_specs({}), state,
-                        steps_cache=self._steps_cache)
-      self._schedule(max(self.cfg.warmup_steps, step + PROBE_STEPS), step, state.params)
-    return state
+      specs, decided_at = last
+      self.log(f"codec: step {step}: reinstalled the codec choice of step {decided_at} "
+               f"({sum(len(v) for v in specs.values())} parameters compressed)")
+      self._continue_log(step)
+      self.decided_at = decided_at
+      self._schedule(decided_at + self.cfg.reselect_every if self.cfg.reselect_every else None,
+                     step, params)
+      return self._adopt(specs)
+    self._schedule(max(self.cfg.warmup_steps, step + PROBE_STEPS), step, params)
+    return self._adopt({}) if any(self.specs.values()) else None
 
-  def after_step(self, step: int, state, metrics: dict):
-    """Call right after the train step that produced `step` (the new state's step)."""
+  def after_step(self, step: int, params, metrics: dict) -> tuple[dict, dict | None]:
+    """Call right after the train step that produced `step`, with its new parameters and
+    metrics. Returns (metrics without the per-parameter array, a new choice to install from the
+    next step on, or None)."""
     metrics = dict(metrics)
     figures = metrics.pop(PARAM_METRIC, None)
     if not self.active:
-      return state, metrics
+      return metrics, None
     if figures is not None:
-      if self._live_of is not self.gatherer:      # the choice changed (here or by `install`)
-        self._live = self._live_prev = None
-        self._live_steps, self._live_of = 0, self.gatherer
       self._live_prev = self._live
       self._live = figures if self._live is None else self._live + figures
       self._live_steps += 1
       if self._live_steps % CHECK_EVERY == 0:
         self._check_fallbacks(step)
+    choice = None
     if self._next is not None:
       if self._snap is not None:
-        self._acc = self.probe.add(self._acc, self.probe.counts(self._snap, state.params))
+        self._acc = self.probe.add(self._acc, self.probe.counts(self._snap, params))
         self._probe_steps += 1
-      self._snap = (self.probe.snapshot(state.params)
+      self._snap = (self.probe.snapshot(params)
                     if self._next - PROBE_STEPS <= step < self._next else None)
       if step >= self._next:
-        state = self.decide(step, state)
-    return state, metrics
+        choice = self.decide(step, params)
+    return metrics, choice
 
   # -- decisions -------------------------------------------------------------------------------
-  def install(self, state, specs: dict, *, keep_deciding: bool = True):
-    """Use a given choice ({group: {path: CodecSpec}}) from the next step on; with
-    `keep_deciding=False` it stays (no more decisions)."""
-    state = install(self.trainer, self.gatherer.with_specs(specs), state,
-                    steps_cache=self._steps_cache)
+  def force(self, step: int, specs: dict, *, keep_deciding: bool = True) -> dict:
+    """A given choice ({group: {path: CodecSpec}}) to install from the next step on; with
+    `keep_deciding=False` it stays (no more decisions). Returns it, checked."""
+    self.base.with_specs(specs)               # raises for a parameter the codec cannot gather
+    self.decided_at = step
     if not keep_deciding:
-      self._schedule(None, int(state.step))
-    return state
+      self._schedule(None, step)
+    return self._adopt(specs)
 
-  def decide(self, step: int, state):
-    """Decide now from the rates measured so far, install the choice if it changed."""
+  def decide(self, step: int, params) -> dict | None:
+    """Decide now from the rates measured so far: the new choice, or None if it is unchanged."""
     if self._acc is None:
       raise RuntimeError("no change rates measured yet: a decision needs probed steps")
     rates = self.probe.rates(self._acc, self._probe_steps)
     current = self.gatherer.specs
     selections = choose(self.gatherer, rates, self.cfg, self.comm, current)
     specs = specs_of(rates.names, selections)
-    changed = _specs_key(specs) != _specs_key(current)
+    changed = specs_key(specs) != specs_key(current)
     record = self._record(step, rates, selections, changed)
     self.decisions.append(record)
     self._report(record)
-    if changed:
-      state = self.install(state, specs)
-    self._acc, self._snap, self._probe_steps = None, None, 0
+    self.decided_at = step
     self._live = self._live_prev = None
     self._live_steps, self._live_since = 0, step
     self._schedule(step + self.cfg.reselect_every if self.cfg.reselect_every else None, step,
-                   state.params)
-    return state
+                   params)
+    return self._adopt(specs) if changed else None
+
+  def _adopt(self, specs: dict) -> dict:
+    self.specs = {g: dict(ps) for g, ps in self.base.with_specs(specs).specs.items()}
+    self._live = self._live_prev = None
+    self._live_steps = 0
+    return self.specs
 
   def _schedule(self, next_step, now: int, params=None):
     """Next decision after step `next_step` (None: no more), measured over the steps before it;
@@ -441,7 +438,29 @@ class CodecController:
                f"{step + PROBE_STEPS}")
       self._schedule(step + PROBE_STEPS, step)
 
-  # -- records ---------------------------------------------------------------------------------
+  # -- the checkpoint item -----------------------------------------------------------------------
+  def saved_decision(self) -> dict:
+    """The decision in force as JSON: its step and the spec of every compressed parameter."""
+    return {"step": self.decided_at,
+            "specs": [_spec_entry(g, p, s) for g, ps in self.specs.items()
+                      for p, s in sorted(ps.items())]}
+
+  def _restored_choice(self):
+    """(specs, decision step) from the restored checkpoint item, if it fits these parameters."""
+    item, self.restored = self.restored, None
+    if not item or item.get("step") is None:
+      return None
+    candidates = set(self.base.candidates())
+    specs: dict = {}
+    for e in item["specs"]:
+      if (e["group"], e["path"]) not in candidates:
+        self.log(f"codec: the checkpoint's codec choice names {e['group']}{e['path']}, which "
+                 "this run does not gather: deciding afresh")
+        return None
+      specs.setdefault(e["group"], {})[e["path"]] = _spec_of(e)
+    return specs, int(item["step"])
+
+  # -- records (the JSON log, for people) --------------------------------------------------------
   def _live_figures(self) -> dict:
     """{(group, path): figures since the last decision} of the compressed parameters (their
     first gather after a change of choice was dense and is included)."""
@@ -528,32 +547,38 @@ class CodecController:
       json.dump({"decisions": self.decisions}, f, indent=1)
     os.replace(tmp, path)
 
-  def _recorded(self, step: int):
-    """(specs, decision step) of the last recorded decision at or before `step`, if any."""
-    if self.workdir is None or step == 0:
-      return None
-    path = os.path.join(self.workdir, SELECTION_FILE)
+  def _continue_log(self, step: int) -> None:
+    """A resumed run continues the JSON log with the decisions up to its step."""
+    if self.workdir is None:
+      return
     try:
-      with open(path, encoding="utf-8") as f:
-        decisions = json.load(f)["decisions"]
-    except (OSError, ValueError, KeyError):
-      return None
-    earlier = [d for d in decisions if d["step"] <= step]
-    if not earlier:
-      return None
-    last = earlier[-1]
-    candidates = set(self.gatherer.candidates())
-    specs: dict = {}
-    for e in last["params"]:
-      if (e["group"], e["path"]) not in candidates:
-        return None
-      if e["mode"] != "off":
-        specs.setdefault(e["group"], {})[e["path"]] = codec.CodecSpec(
-            e["mode"], block_size=e["block_size"], detect=e["detect"],
-            capacity_fraction=e["capacity_fraction"], warmup_steps=self.cfg.warmup_steps,
-            delta_bits=e.get("delta_bits", 3), far_fraction=e.get("far_fraction"))
-    self.decisions = earlier
-    return specs, last["step"]
+      with open(os.path.join(self.workdir, SELECTION_FILE), encoding="utf-8") as f:
+        self.decisions = [d for d in json.load(f)["decisions"] if d["step"] <= step]
+    except (OSError, ValueError, KeyError, TypeError):
+      self.decisions = []
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecDecisionItem:
+  """The checkpoint item "codec" (JSON): the decision in force, so a resumed run gathers as the
+  uninterrupted one would. Registered with the Checkpointer like any feature state."""
+  policy: CodecPolicy
+  name: str = "codec"
+  json: bool = True
+
+  def item(self, state):
+    return self.policy.saved_decision(), state
+
+  def target(self, saved_keys):
+    del saved_keys
+    return None
+
+  def restore(self, state, item, where: str, log):
+    if item is None:
+      log(f"codec: {where} holds no codec decision (written by an older version): the codec "
+          "decides afresh after its warm-up")
+    self.policy.restored = item
+    return state
 
 
 def _size(nbytes: float) -> str:

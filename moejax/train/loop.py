@@ -9,21 +9,21 @@ interrupted run continues bit for bit. It saves every `checkpoint.every` steps a
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moejax.config import Config
 from moejax.data import DataSpec, check_vocab, make_data
 from moejax.errors import ConfigError, TrainingError
-from moejax.placement import planner
-from moejax.sharding.mesh import make_mesh, num_devices, topology
+from moejax.sharding.mesh import make_mesh, num_devices
 from moejax.train import checkpoint as checkpoint_lib, optim, state as state_lib, step as step_lib
-from moejax.train.codec_control import CodecController
+from moejax.train.codec_control import CodecPolicy, specs_key
 from moejax.train.metrics import MetricsWriter, log, progress_line
 
 
@@ -45,6 +45,13 @@ def put_batch(batch: dict, mesh) -> dict:
           for k, v in batch.items()}
 
 
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+  """A codec choice's layout and train step."""
+  layout: state_lib.StateLayout
+  train_step: object
+
+
 class Trainer:
   """Everything compiled and placed for one config on one mesh."""
 
@@ -58,33 +65,47 @@ class Trainer:
     self.train_step = step_lib.make_train_step(cfg, self.mesh, self.layout, self.tx,
                                                self.schedule)
     self.eval_step = step_lib.make_eval_step(cfg, self.mesh, self.layout)
-    self._relabel = None
-    self.codec_steps: dict = {}   # codec choice -> (layout, train step), see CodecController
+    # One compiled train step per codec choice (`compiled`), the config's own first.
+    self._compiled = {specs_key(self.layout.gatherer.specs): Compiled(self.layout,
+                                                                      self.train_step)}
+
+  def compiled(self, specs: dict) -> "Compiled":
+    """The layout and train step of a codec choice ({group: {path: CodecSpec}}), made on first
+    use (compiled on its first call) and kept for later runs."""
+    key = specs_key(specs)
+    if key not in self._compiled:
+      gatherer = self.layout.gatherer.with_specs(specs)
+      shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), gatherer.state_specs(),
+                               is_leaf=lambda s: isinstance(s, P))
+      layout = dataclasses.replace(self.layout, gatherer=gatherer,
+                                   shardings=self.layout.shardings.replace(gather_state=shardings))
+      self._compiled[key] = Compiled(layout, step_lib.make_train_step(
+          self.cfg, self.mesh, layout, self.tx, self.schedule))
+    return self._compiled[key]
+
+  def adopt(self, state, current: "Compiled", specs: dict):
+    """Switch from `current` to the codec choice `specs`: (state with codec states for it,
+    its Compiled). Parameters whose spec keeps the same state keep their caches; the others
+    start warm (their first gather refills the caches)."""
+    new = self.compiled(specs)
+    states = new.layout.gatherer.init_states(self.mesh, warmed_up=True,
+                                             reuse=(current.layout.gatherer, state.gather_state))
+    return state.replace(gather_state=states), new
 
   def init_state(self, seed: int | None = None):
     seed = self.cfg.seed if seed is None else seed
     return state_lib.init_state(self.cfg, self.tx, self.layout, jax.random.key(seed))
 
-  def evaluate(self, params, batches, expert_owner=None) -> float:
-    return float(np.mean([float(self.eval_step(params, b, expert_owner)) for b in batches]))
+  def evaluate(self, params, batches, placement_state=None) -> float:
+    return float(np.mean([float(self.eval_step(params, b, placement_state)) for b in batches]))
 
   def reshard(self, state):
     """fssdp: new expert owners balancing the load history, heterogeneous across layers; the
     experts' parameters and optimizer state move together. Returns (state, Resharding)."""
-    from moejax.placement import reshard
-    cfg, mesh = self.cfg, self.mesh
-    expert_bytes = 3 * cfg.model.d_model * cfg.moe.expert_hidden * 4 * 3   # fp32 w, mu, nu
-    resharding = reshard.plan_reshard(
-        np.asarray(planner.predict(state.load_history)), np.asarray(state.expert_owner),
-        num_devices(mesh), topology(mesh).devices_per_node,
-        max_per_layer=step_lib.max_per_layer(cfg, mesh), bytes_per_expert=expert_bytes)
-    if self._relabel is None:
-      shardings = self.layout.shardings
-      self._relabel = jax.jit(reshard.permute_experts, donate_argnums=0,
-                              out_shardings=(shardings.params, shardings.opt_state))
-    params, opt_state = self._relabel((state.params, state.opt_state), resharding.perm_LxE)
-    owner = jax.device_put(resharding.owner_LxE, self.layout.shardings.expert_owner)
-    return state.replace(params=params, opt_state=opt_state, expert_owner=owner), resharding
+    shardings = (self.layout.shardings.params, self.layout.shardings.opt_state)
+    params, opt_state, placement, resharding = self.layout.placement.reshard(
+        state.params, state.opt_state, state.placement, shardings)
+    return state.replace(params=params, opt_state=opt_state, placement=placement), resharding
 
 
 def _first_mismatch(loaded: Config, cfg: Config) -> str | None:
@@ -142,7 +163,10 @@ def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
     trainer = Trainer(cfg)
   elif trainer.cfg != cfg:
     raise ValueError("run(trainer=...) needs a Trainer built for the same config")
-  checkpoints = checkpoint_lib.Checkpointer(workdir, cfg)
+  # codec.mode=auto / codec.select: plain gathers until the policy's first decision.
+  policy = CodecPolicy(trainer.layout.gatherer, trainer.mesh, cfg.codec, workdir=workdir)
+  checkpoints = checkpoint_lib.Checkpointer(
+      workdir, cfg, trainer.layout.checkpoint_items + policy.checkpoint_items)
   try:
     restored = checkpoints.restore(trainer.layout, trainer.tx, data.train)
     if restored is None and cfg.init_from:
@@ -156,12 +180,13 @@ def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
                    for b in data.val_batches(min(cfg.eval_batches, data.num_val_batches))]
     log(f"moejax: {data.name}, {num_devices(trainer.mesh)} device(s), "
         f"placement={cfg.moe.placement}, {cfg.steps} steps of {cfg.batch_size}x{cfg.seq_len}")
-    # codec.mode=auto / codec.select: plain gathers until the controller's first decision.
-    controller = CodecController(trainer, workdir=workdir)
-    state = controller.start(state)
+    compiled = trainer.compiled(trainer.layout.gatherer.specs)
+    choice = policy.start(int(state.step), state.params)
+    if choice is not None:
+      state, compiled = trainer.adopt(state, compiled, choice)
     writer = MetricsWriter(workdir)
     try:
-      return _train(trainer, state, data, val_batches, writer, checkpoints, controller,
+      return _train(trainer, state, data, val_batches, writer, checkpoints, policy, compiled,
                     cfg.steps if stop_at is None else min(stop_at, cfg.steps))
     finally:
       writer.close()
@@ -169,7 +194,7 @@ def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
     checkpoints.close()     # waits for the last save to commit
 
 
-def _train(trainer: Trainer, state, data, val_batches, writer, checkpoints, controller,
+def _train(trainer: Trainer, state, data, val_batches, writer, checkpoints, policy, compiled,
            last_step: int) -> dict:
   cfg = trainer.cfg
   record: dict = {}
@@ -184,8 +209,10 @@ def _train(trainer: Trainer, state, data, val_batches, writer, checkpoints, cont
   reshard_moved = None
   for step in range(first_step, last_step + 1):
     t_step = time.perf_counter()
-    state, metrics = trainer.train_step(state, put_batch(next(data.train), trainer.mesh))
-    state, metrics = controller.after_step(step, state, metrics)
+    state, metrics = compiled.train_step(state, put_batch(next(data.train), trainer.mesh))
+    metrics, choice = policy.after_step(step, state.params, metrics)
+    if choice is not None:       # the codec's new choice, from the next step on
+      state, compiled = trainer.adopt(state, compiled, choice)
     if previous is not None:
       _check_finite(*previous)
     previous = (step, metrics)
@@ -211,7 +238,7 @@ def _train(trainer: Trainer, state, data, val_batches, writer, checkpoints, cont
         record["reshard_moved_experts"] = reshard_moved
         reshard_moved = None
       if evaluate:
-        record["val_loss"] = trainer.evaluate(state.params, val_batches, state.expert_owner)
+        record["val_loss"] = trainer.evaluate(state.params, val_batches, state.placement)
       writer.write(record)
       log(progress_line(step, cfg.steps, record, (cfg.steps - step) * step_time))
       t_log, steps_since_log = time.perf_counter(), 0

@@ -5,6 +5,8 @@ import jax
 import optax
 
 from moejax.config import Config
+from moejax.models import olmoe
+from moejax.sharding import axes
 
 
 def lr_schedule(cfg: Config) -> optax.Schedule:
@@ -16,16 +18,15 @@ def lr_schedule(cfg: Config) -> optax.Schedule:
       decay_steps=cfg.steps, end_value=o.lr * o.min_lr_ratio)
 
 
-def _decay_mask(params):
-  # No weight decay on norm scales. Layer parameters carry a leading layer axis, so a stacked
-  # norm scale is 2-D: decide by the name, not the rank.
-  return jax.tree_util.tree_map_with_path(
-      lambda path, p: not any("norm" in str(getattr(k, "key", k)) for k in path), params)
+def decay_mask(cfg: Config):
+  """A tree of bools like the parameters: weight decay on all but the norm scales, by the group
+  each parameter declares."""
+  return jax.tree.map(lambda meta: meta.group != axes.NORMS, olmoe.param_meta(cfg))
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
   o = cfg.optim
   parts = [optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm > 0 else []
   parts.append(optax.adamw(lr_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps,
-                           weight_decay=o.weight_decay, mask=_decay_mask))
+                           weight_decay=o.weight_decay, mask=decay_mask(cfg)))
   return optax.chain(*parts)

@@ -17,10 +17,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from moejax.codec.gather import CodecSpec
 from moejax.config import Config
 from moejax.models import olmoe
-from moejax.placement import planner, reshard
+from moejax.placement import Placement
+from moejax.placement.placement import FssdpCheckpoint
 from moejax.sharding import layout as layout_lib
 from moejax.sharding.gatherer import Gatherer
-from moejax.sharding.mesh import num_devices
+from moejax.sharding.mesh import DEVICES, num_devices, topology
 
 
 @struct.dataclass
@@ -31,11 +32,9 @@ class TrainState:
   # Per-device state of the compressed gather ({group: {param: state}}; empty dicts when the
   # codec is off). Rebuilt, not checkpointed: after a restore the first gather sends everything.
   gather_state: Any = None
-  # fssdp: the load predictor's recent per-layer expert loads (planner.LoadHistory).
-  load_history: Any = None
-  # fssdp: int32 [L, E], the device owning each expert; says where it is stored
-  # (moejax.placement.reshard). Changed only by re-sharding; checkpointed.
-  expert_owner: Any = None
+  # The placement's state across steps (fssdp: `FssdpState`, load history and expert owners;
+  # None otherwise). Checkpointed through the placement's checkpoint item.
+  placement: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,11 +47,30 @@ class StateLayout:
   gatherer: Gatherer    # the gather hook bound to these parameters (codec choice + state)
   mesh: Any
   cfg: Any = None
+  placement: Placement | None = None   # where experts live (moejax.placement)
+
+  @property
+  def checkpoint_items(self) -> tuple:
+    """Feature states that are their own checkpoint items (see `moejax.train.checkpoint`)."""
+    if self.placement is None or self.placement.kind != "fssdp":
+      return ()
+    return (FssdpCheckpoint(self.placement, self.shardings.placement,
+                            (self.shardings.params, self.shardings.opt_state)),)
+
+
+def placement_of(cfg: Config, mesh) -> Placement:
+  moe, f = cfg.moe, cfg.fssdp
+  return Placement(moe.placement, cfg.model.num_layers, moe.num_experts, moe.top_k,
+                   cfg.model.d_model, moe.expert_hidden, num_devices(mesh),
+                   topology(mesh).devices_per_node, DEVICES,
+                   dispatch_capacity_factor=moe.dispatch_capacity_factor,
+                   replica_slots=f.replica_slots, overlap_degree=f.overlap_degree,
+                   calibrate=f.calibrate, window=f.window, max_per_layer_setting=f.max_per_layer)
 
 
 def state_layout(cfg: Config, mesh, tx: optax.GradientTransformation) -> StateLayout:
   param_shapes = jax.eval_shape(lambda k: olmoe.init_params(cfg, k), jax.random.key(0))
-  layouts = layout_lib.param_layouts(param_shapes, cfg.moe.placement, num_devices(mesh))
+  layouts = layout_lib.param_layouts(olmoe.param_meta(cfg), cfg.moe.placement, num_devices(mesh))
   specs = layout_lib.param_specs(param_shapes, layouts)
   param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                                  is_leaf=lambda s: isinstance(s, P))
@@ -66,14 +84,12 @@ def state_layout(cfg: Config, mesh, tx: optax.GradientTransformation) -> StateLa
   gatherer = Gatherer.create(param_shapes, layouts, n, codec_spec(cfg))
   gather_state_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), gatherer.state_specs(),
                                         is_leaf=lambda s: isinstance(s, P))
-  history_shardings = owner_sharding = None
-  if cfg.moe.placement == "fssdp":
-    history_shardings = jax.tree.map(lambda _: replicated, _init_history(cfg))
-    owner_sharding = replicated
+  placement = placement_of(cfg, mesh)
+  placement_shardings = jax.tree.map(lambda _: replicated,
+                                     jax.eval_shape(placement.init_state))
   shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,
-                         gather_state=gather_state_shardings, load_history=history_shardings,
-                         expert_owner=owner_sharding)
-  return StateLayout(param_shapes, layouts, specs, shardings, gatherer, mesh, cfg)
+                         gather_state=gather_state_shardings, placement=placement_shardings)
+  return StateLayout(param_shapes, layouts, specs, shardings, gatherer, mesh, cfg, placement)
 
 
 def codec_spec(cfg: Config) -> CodecSpec | None:
@@ -85,29 +101,19 @@ def codec_spec(cfg: Config) -> CodecSpec | None:
                    delta_bits=c.delta_bits)
 
 
-def _init_history(cfg: Config):
-  return planner.init_history(window=cfg.fssdp.window, num_layers=cfg.model.num_layers,
-                                 num_experts=cfg.moe.num_experts)
-
-
 def _without_gather_state(shardings: TrainState) -> TrainState:
-  return shardings.replace(gather_state=None, load_history=None, expert_owner=None)
+  return shardings.replace(gather_state=None, placement=None)
 
 
 def with_rebuilt_state(lay: StateLayout, state: TrainState, *,
                        restored: bool = False) -> TrainState:
   """Adds the state that is not part of the parameters: codec caches (rebuilt, never saved), and
-  the fssdp load history and expert owners as they start (a restore then sets the saved ones).
+  the placement's state as it starts (a restore then sets the saved one).
   `restored`: the weights are past the codec warm-up, so only the first gather sends
   everything (to refill the caches)."""
-  history = owner = None
-  if lay.cfg.moe.placement == "fssdp":
-    history = jax.device_put(_init_history(lay.cfg), lay.shardings.load_history)
-    owner = jax.device_put(reshard.initial_owner(
-        lay.cfg.model.num_layers, lay.cfg.moe.num_experts, num_devices(lay.mesh)),
-        lay.shardings.expert_owner)
+  placement = jax.device_put(lay.placement.init_state(), lay.shardings.placement)
   return state.replace(gather_state=lay.gatherer.init_states(lay.mesh, warmed_up=restored),
-                       load_history=history, expert_owner=owner)
+                       placement=placement)
 
 
 def init_state(cfg: Config, tx: optax.GradientTransformation, lay: StateLayout,

@@ -21,88 +21,41 @@ from jax.sharding import PartitionSpec as P
 
 from moejax.config import Config
 from moejax.errors import ConfigError
-from moejax.placement.dispatch import LOCAL, Dispatch, ep_a2a_bytes
 from moejax.models import olmoe
-from moejax.placement import fssdp, planner, reshard
-from moejax.placement import ownership
 from moejax.sharding import hook
 from moejax.sharding.gatherer import expand_device_axis, param_group, squeeze_device_axis
-from moejax.sharding.layout import EXPERT_PARAM_NAMES
-from moejax.sharding.mesh import DEVICES, num_devices, topology
-from moejax.train.state import StateLayout, TrainState
+from moejax.sharding.mesh import DEVICES, num_devices
+from moejax.train.state import StateLayout, TrainState, placement_of
 
 BATCH_SPEC = {"inputs": P(DEVICES), "targets": P(DEVICES)}
 
 
-def check_divisibility(cfg: Config, mesh) -> None:
+def check_divisibility(cfg: Config, mesh, lay: StateLayout | None = None) -> None:
   n = num_devices(mesh)
   if cfg.batch_size % n:
     raise ConfigError(f"config.batch_size={cfg.batch_size} is not divisible by the {n} devices "
                       "of the mesh (each device takes an equal slice of the batch)")
-  if cfg.moe.placement in ("ep", "fssdp") and cfg.moe.num_experts % n:
-    raise ConfigError(f"config.moe.num_experts={cfg.moe.num_experts} is not divisible by the {n} "
-                      f"devices: moe.placement={cfg.moe.placement!r} gives every device the same "
-                      "number of experts")
-  if cfg.moe.placement == "fssdp":
-    c, per_device = max_per_layer(cfg, mesh), cfg.moe.num_experts // n
-    if c < per_device:
-      raise ConfigError(f"config.fssdp.max_per_layer={c} is below the {per_device} experts per "
-                        f"device of the even start on {n} devices; use at least {per_device} "
-                        "(or 0 for the default)")
+  (lay.placement if lay is not None else placement_of(cfg, mesh)).check()
 
 
-def max_per_layer(cfg: Config, mesh) -> int:
-  """fssdp: C, the most experts of one layer one device may own (the owned window's length)."""
-  return cfg.fssdp.max_per_layer or ownership.default_max_per_layer(cfg.moe.num_experts,
-                                                                      num_devices(mesh))
-
-
-def moe_dispatch(cfg: Config, mesh) -> Dispatch:
-  if cfg.moe.placement in ("ep", "fssdp"):
-    return Dispatch(cfg.moe.placement, DEVICES, num_devices(mesh),
-                    topology(mesh).devices_per_node, cfg.moe.dispatch_capacity_factor,
-                    replica_slots=cfg.fssdp.replica_slots,
-                    overlap_degree=cfg.fssdp.overlap_degree, calibrate=cfg.fssdp.calibrate)
-  return LOCAL
-
-
-def owned_expert_params(cfg: Config, mesh, params, expert_owner_LxE):
-  """fssdp, inside shard_map: (params with each expert leaf replaced by this device's [L, C, ...]
-  windows of owned experts, their Owners). The gradient flows back into the stored slots."""
-  moe = params["layers"]["moe"]
-  owners, windows = fssdp.owned_windows(
-      expert_owner_LxE, {name: moe[name] for name in EXPERT_PARAM_NAMES},
-      jax.lax.axis_index(DEVICES), num_devices=num_devices(mesh),
-      max_per_layer=max_per_layer(cfg, mesh))
-  layers = dict(params["layers"], moe=dict(moe, **windows))
-  return dict(params, layers=layers), owners
-
-
-def _forward_local(cfg: Config, lay: StateLayout, mesh, params, inputs_BxS, step,
-                   gather_state=None, predicted_load_LxE=None, expert_owner_LxE=None):
+def _forward_local(cfg: Config, lay: StateLayout, params, inputs_BxS, step, gather_state=None,
+                   placement_state=None):
   """The forward pass on this device's batch slice; gather_state as stored ([1, ...] slices)."""
   states = squeeze_device_axis(gather_state) if gather_state is not None else None
-  owners_L = None
-  if cfg.moe.placement == "fssdp":
-    if predicted_load_LxE is None:   # evaluation: no history
-      predicted_load_LxE = jnp.ones((cfg.model.num_layers, cfg.moe.num_experts), jnp.float32)
-    if expert_owner_LxE is None:     # the even start
-      expert_owner_LxE = jnp.asarray(reshard.initial_owner(
-          cfg.model.num_layers, cfg.moe.num_experts, num_devices(mesh)))
-    params, owners_L = owned_expert_params(cfg, mesh, params, expert_owner_LxE)
+  params, owners_L, predicted_LxE = lay.placement.local_params(
+      params, placement_state, me=jax.lax.axis_index(DEVICES))
   logits, aux_L, new_states, stats = olmoe.forward_with_state(
       cfg, params, inputs_BxS, gather=lay.gatherer.gather, states=states,
-      dispatch=moe_dispatch(cfg, mesh), axis_name=DEVICES, remat=cfg.remat,
-      prefetch=cfg.prefetch, step=step, predicted_load_LxE=predicted_load_LxE,
+      dispatch=lay.placement.dispatch, axis_name=DEVICES, remat=cfg.remat,
+      prefetch=cfg.prefetch, step=step, predicted_load_LxE=predicted_LxE,
       expert_owners_L=owners_L)
   return logits, aux_L, expand_device_axis(new_states), stats
 
 
-def _loss_share(cfg: Config, lay: StateLayout, mesh, params, batch, step, gather_state,
-                predicted_load_LxE, expert_owner_LxE=None):
+def _loss_share(cfg: Config, lay: StateLayout, params, batch, step, gather_state,
+                placement_state):
   logits_BxSxV, aux_L, new_gather_state, gather_stats = _forward_local(
-      cfg, lay, mesh, params, batch["inputs"], step, gather_state, predicted_load_LxE,
-      expert_owner_LxE)
+      cfg, lay, params, batch["inputs"], step, gather_state, placement_state)
   global_tokens = cfg.batch_size * cfg.seq_len
   ce = optax.softmax_cross_entropy_with_integer_labels(logits_BxSxV, batch["targets"])
   ce_share = jnp.sum(ce) / global_tokens
@@ -129,45 +82,19 @@ def routing_metrics(cfg: Config, routing_L: dict, ep_dropped_L) -> dict:
 
 
 def make_grad_fn(cfg: Config, mesh, lay: StateLayout):
-  """(params, batch, step, gather_state, predicted_load_LxE, expert_owner_LxE) -> (grads sharded
-  like params, summed loss parts, new gather state, gather stats): the shard_map body."""
-  def grads_body(params, batch, step, gather_state, predicted_load_LxE, expert_owner_LxE):
+  """(params, batch, step, gather_state, placement_state) -> (grads sharded like params, summed
+  loss parts, new gather state, gather stats): the shard_map body."""
+  def grads_body(params, batch, step, gather_state, placement_state):
     grads, (parts, new_gather_state, gather_stats) = jax.grad(
-        functools.partial(_loss_share, cfg, lay, mesh), has_aux=True)(
-            params, batch, step, gather_state, predicted_load_LxE, expert_owner_LxE)
+        functools.partial(_loss_share, cfg, lay), has_aux=True)(
+            params, batch, step, gather_state, placement_state)
     # Gather stats are already identical on every device (static, or agreed by the codec).
     return grads, jax.lax.psum(parts, DEVICES), new_gather_state, gather_stats
 
   state_specs = lay.gatherer.state_specs()
-  sharded = jax.shard_map(grads_body, mesh=mesh,
-                          in_specs=(lay.param_specs, BATCH_SPEC, P(), state_specs, P(), P()),
-                          out_specs=(lay.param_specs, P(), state_specs, P()), check_vma=False)
-
-  def grad_fn(params, batch, step, gather_state, predicted_load_LxE=None, expert_owner_LxE=None):
-    return sharded(params, batch, step, gather_state, predicted_load_LxE, expert_owner_LxE)
-
-  return grad_fn
-
-
-def placement_metrics(cfg: Config, mesh, placement_L: dict) -> dict:
-  """ep / fssdp figures per layer: straggler factor, replicas, bytes moved by kind."""
-  metrics = {k: v for k, v in placement_L.items()}
-  n = num_devices(mesh)
-  metrics["a2a_bytes"] = 0.0
-  if cfg.moe.placement == "ep" and n > 1:
-    metrics["a2a_bytes"] = cfg.model.num_layers * ep_a2a_bytes(
-        cfg.batch_size * cfg.seq_len // n, cfg.moe.top_k, cfg.model.d_model, n,
-        cfg.moe.dispatch_capacity_factor, remat=cfg.remat)
-  if cfg.moe.placement == "fssdp":
-    n, m, moe = num_devices(mesh), cfg.fssdp.replica_slots, cfg.moe
-    expert_bytes = 3 * cfg.model.d_model * moe.expert_hidden * 2          # bf16
-    # SparseAllGather moves its [N, M] buffer (capacity) per layer; under remat twice.
-    spag = (n - 1) / n * n * m * expert_bytes * (2 if cfg.remat else 1)
-    metrics["spag_bytes"] = jnp.full((cfg.model.num_layers,), spag, jnp.float32)
-    metrics["sprs_bytes"] = jnp.full((cfg.model.num_layers,), (n - 1) / n * n * m * expert_bytes,
-                                     jnp.float32)
-    metrics["spag_bytes_needed"] = placement_L["replicas"] * expert_bytes
-  return metrics
+  return jax.shard_map(grads_body, mesh=mesh,
+                       in_specs=(lay.param_specs, BATCH_SPEC, P(), state_specs, P()),
+                       out_specs=(lay.param_specs, P(), state_specs, P()), check_vma=False)
 
 
 def gather_metrics(cfg: Config, lay: StateLayout, stats: dict) -> dict:
@@ -231,47 +158,45 @@ def codec_denominators(lay: StateLayout) -> dict:
 
 def make_train_step(cfg: Config, mesh, lay: StateLayout, tx: optax.GradientTransformation,
                     schedule: optax.Schedule):
-  check_divisibility(cfg, mesh)
+  check_divisibility(cfg, mesh, lay)
   sharded_grads = make_grad_fn(cfg, mesh, lay)
 
   def train_step(state: TrainState, batch):
-    history = state.load_history
-    predicted = None if history is None else planner.predict(history)
-    grads, parts, gather_state, gather_stats = sharded_grads(state.params, batch, state.step,
-                                                             state.gather_state, predicted,
-                                                             state.expert_owner)
+    grads, parts, gather_state, gather_stats = sharded_grads(
+        state.params, batch, state.step, state.gather_state, state.placement)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    load_LxE = parts.pop("load_LxE")
-    if history is not None:
-      history = planner.update_history(history, load_LxE)
+    placement_state = lay.placement.next_state(state.placement, parts.pop("load_LxE"))
     routing = routing_metrics(cfg, parts.pop("routing_L"), parts.pop("ep_dropped_L"))
-    placement = placement_metrics(cfg, mesh, parts.pop("placement_L", {}))
+    placement = lay.placement.metrics(parts.pop("placement_L", {}),
+                                      tokens_per_device=cfg.batch_size * cfg.seq_len
+                                      // num_devices(mesh), remat=cfg.remat)
     metrics = dict(parts, grad_norm=optax.tree.norm(grads), lr=schedule(state.step), **routing,
                    **placement, **gather_metrics(cfg, lay, gather_stats))
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
-                      gather_state=gather_state, load_history=history,
-                      expert_owner=state.expert_owner), metrics
+                      gather_state=gather_state, placement=placement_state), metrics
 
   return jax.jit(train_step, donate_argnums=0, out_shardings=(lay.shardings, None))
 
 
 def make_eval_step(cfg: Config, mesh, lay: StateLayout):
-  """eval_step(params, batch, expert_owner=None) -> mean cross-entropy over the batch
-  (expert_owner: fssdp's TrainState.expert_owner; None = the even start)."""
-  def body(params, batch, expert_owner_LxE):
+  """eval_step(params, batch, placement_state=None) -> mean cross-entropy over the batch
+  (placement_state: TrainState.placement, where experts are stored; None = the even start)."""
+  def body(params, batch, placement_state):
     # Evaluate under the post-warm-up capacity schedule: the routing regime being trained for.
-    # Plain gathers: evaluation must not advance the codec's caches.
-    logits_BxSxV, _, _, _ = _forward_local(cfg, lay, mesh, params, batch["inputs"],
-                                           cfg.routing.warmup_steps, None,
-                                           expert_owner_LxE=expert_owner_LxE)
+    # Plain gathers: evaluation must not advance the codec's caches. The load prediction is
+    # flat: evaluation plans no replicas from training's history.
+    if placement_state is not None:
+      placement_state = lay.placement.init_state().replace(owner_LxE=placement_state.owner_LxE)
+    logits_BxSxV, _, _, _ = _forward_local(cfg, lay, params, batch["inputs"],
+                                           cfg.routing.warmup_steps, None, placement_state)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits_BxSxV, batch["targets"])
     return jax.lax.psum(jnp.sum(ce), DEVICES) / (cfg.batch_size * cfg.seq_len)
 
   sharded = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(lay.param_specs, BATCH_SPEC, P()),
                                   out_specs=P(), check_vma=False))
 
-  def eval_step(params, batch, expert_owner=None):
-    return sharded(params, batch, expert_owner)
+  def eval_step(params, batch, placement_state=None):
+    return sharded(params, batch, placement_state)
 
   return eval_step

@@ -1,9 +1,11 @@
-"""`codec.mode=auto` through the training loop: the controller decides after the warm-up, records
-its choice in WORKDIR/codec_selection.json, and a resumed run reinstalls that choice and continues
-bit for bit like the uninterrupted run."""
+"""`codec.mode=auto` through the training loop: the policy decides after the warm-up, logs its
+choice in WORKDIR/codec_selection.json, every checkpoint holds the decision in force (item
+"codec"), and a resumed run reinstalls it from there and continues bit for bit like the
+uninterrupted run."""
 import json
 import os
 
+import orbax.checkpoint as ocp
 import pytest
 
 from moejax.train import codec_control
@@ -63,6 +65,7 @@ def test_resumed_auto_run_reinstalls_the_choice_bit_for_bit(trainer, uninterrupt
   workdir = str(tmp_path / "w")
   run(trainer.cfg, workdir, trainer=trainer, stop_at=5)
   capsys.readouterr()
+  os.remove(os.path.join(workdir, codec_control.SELECTION_FILE))   # the checkpoint is the source
   run(trainer.cfg, workdir, trainer=trainer)
   out = capsys.readouterr().out
   assert "codec: step 5: reinstalled the codec choice of step 3" in out
@@ -74,3 +77,20 @@ def test_resumed_auto_run_reinstalls_the_choice_bit_for_bit(trainer, uninterrupt
       assert a["gather_bytes"] > b["gather_bytes"]
       a, b = _without_gather_figures(a), _without_gather_figures(b)
     assert a == b
+
+
+def test_checkpoints_hold_the_decision_in_force(uninterrupted):
+  with open(os.path.join(uninterrupted, codec_control.SELECTION_FILE)) as f:
+    logged = json.load(f)["decisions"][0]
+  chosen = {(e["group"], e["path"]): e for e in logged["params"] if e["mode"] != "off"}
+  manager = ocp.CheckpointManager(os.path.join(uninterrupted, "checkpoints"),
+                                  item_handlers={"codec": ocp.JsonCheckpointHandler()})
+  for step, decided in ((3, 3), (6, 3)):
+    item = manager.restore(step, args=ocp.args.Composite(codec=ocp.args.JsonRestore()))["codec"]
+    assert item["step"] == decided
+    saved = {(e["group"], e["path"]): e for e in item["specs"]}
+    assert saved.keys() == chosen.keys()
+    for key, e in saved.items():
+      assert (e["mode"], e["capacity_fraction"]) == (chosen[key]["mode"],
+                                                     chosen[key]["capacity_fraction"])
+  manager.close()

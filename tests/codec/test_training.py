@@ -52,11 +52,15 @@ def runs(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("codec"))
   plain = Trainer(tiny_config(**SETTINGS), mesh=make_mesh((2, 4), jax.devices()[:8]))
   trainer = copy.copy(plain)          # shares the plain step (and its compile) until a decision
+  trainer._compiled = dict(plain._compiled)
   lines = []
-  controller = codec_control.CodecController(
-      trainer, tiny_config(**SETTINGS, **{"codec.mode": "auto"}).codec, workdir=workdir,
+  controller = codec_control.CodecPolicy(
+      trainer.layout.gatherer, trainer.mesh,
+      tiny_config(**SETTINGS, **{"codec.mode": "auto"}).codec, workdir=workdir,
       log=lines.append)
-  s_plain, s_codec = plain.init_state(), controller.start(trainer.init_state())
+  s_plain, s_codec = plain.init_state(), trainer.init_state()
+  compiled = trainer.compiled(trainer.layout.gatherer.specs)
+  assert controller.start(0, s_codec.params) is None
   rng = np.random.default_rng(7)
   out = {"plain": [], "codec": [], "snaps": [], "codec_rows": []}
   for step in range(1, STEPS + 1):
@@ -65,16 +69,18 @@ def runs(tmp_path_factory):
     if step >= MIXED:      # the parameters this step gathers, for the probe-vs-codec check
       out["snaps"].append(controller.probe.snapshot(s_codec.params))
     s_plain, m_plain = plain.train_step(s_plain, batch)
-    s_codec, m_codec = trainer.train_step(s_codec, batch)
-    raw, rows = m_codec.get(PARAM_METRIC), trainer.layout.gatherer.param_rows()
-    s_codec, m_codec = controller.after_step(step, s_codec, m_codec)
+    s_codec, m_codec = compiled.train_step(s_codec, batch)
+    raw, rows = m_codec.get(PARAM_METRIC), compiled.layout.gatherer.param_rows()
+    m_codec, choice = controller.after_step(step, s_codec.params, m_codec)
     if step == MIXED:
-      out["mixed"] = _mixed(trainer.layout.gatherer)
-      s_codec = controller.install(s_codec, out["mixed"], keep_deciding=False)
+      out["mixed"] = _mixed(compiled.layout.gatherer)
+      choice = controller.force(step, out["mixed"], keep_deciding=False)
+    if choice is not None:
+      s_codec, compiled = trainer.adopt(s_codec, compiled, choice)
     if step > MIXED:
       out["codec_rows"].append((raw, rows))
     out["plain"].append(m_plain)
-    out["codec"].append(dict(m_codec, specs=copy.deepcopy(trainer.layout.gatherer.specs)))
+    out["codec"].append(dict(m_codec, specs=copy.deepcopy(compiled.layout.gatherer.specs)))
   out["plain"], out["codec"] = jax.device_get((out["plain"], out["codec"]))
   out["params"] = jax.device_get((s_plain.params, s_codec.params))
   out.update(controller=controller, lines=lines, workdir=workdir, trainer=trainer)

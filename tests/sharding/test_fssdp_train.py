@@ -57,11 +57,12 @@ def _train(trainer, reshard_at=None):
   losses, records, reshard = [], [], None
   for i, b in enumerate(_batches(STEPS)):
     if i == reshard_at:
-      state = state.replace(load_history=state.load_history._replace(
-          loads_WxLxE=jax.device_put(_skewed(cfg), state.load_history.loads_WxLxE.sharding)))
-      before = jax.device_get((state.params, state.opt_state, state.expert_owner))
+      history = state.placement.history
+      state = state.replace(placement=state.placement.replace(history=history._replace(
+          loads_WxLxE=jax.device_put(_skewed(cfg), history.loads_WxLxE.sharding))))
+      before = jax.device_get((state.params, state.opt_state, state.placement.owner_LxE))
       state, resharding = trainer.reshard(state)
-      after = jax.device_get((state.params, state.opt_state, state.expert_owner))
+      after = jax.device_get((state.params, state.opt_state, state.placement.owner_LxE))
       reshard = (resharding, before, after)
     state, metrics = trainer.train_step(state, put_batch(b, trainer.mesh))
     losses.append(float(metrics["loss"]))
@@ -157,7 +158,7 @@ def test_sparse_all_gather_then_reduce_scatter_counts_replicas():
 
 def test_reshard_plan_moves_whole_experts_between_equal_slot_counts():
   rng = np.random.default_rng(0)
-  owner = reshard.initial_owner(3, 16, 8)
+  owner = ownership.initial_placement(3, 16, 8)
   for _ in range(3):
     r = reshard.plan_reshard(rng.gamma(0.5, size=(3, 16)), owner, 8, 4, max_per_layer=4,
                                    bytes_per_expert=10)
@@ -190,10 +191,11 @@ def _heterogeneous_first_reshard(trainer):
   def skewed_reshard(state):
     if int(state.step) != 3:
       return reshard(state)
-    history = state.load_history
-    state, resharding = reshard(state.replace(load_history=history._replace(
-        loads_WxLxE=jax.device_put(_skewed(trainer.cfg), history.loads_WxLxE.sharding))))
-    return state.replace(load_history=history), resharding
+    history = state.placement.history
+    state, resharding = reshard(state.replace(placement=state.placement.replace(
+        history=history._replace(loads_WxLxE=jax.device_put(
+            _skewed(trainer.cfg), history.loads_WxLxE.sharding)))))
+    return state.replace(placement=state.placement.replace(history=history)), resharding
 
   trainer.reshard = skewed_reshard
   try:
@@ -241,11 +243,12 @@ def test_checkpoint_without_load_history_restores_with_a_log_line(fssdp_trainer,
   workdir = tmp_path / "w"
   shutil.copytree(uninterrupted, workdir)
   shutil.rmtree(workdir / "checkpoints" / "8" / "fssdp")     # as an older version wrote it
-  checkpoints = ckpt.Checkpointer(str(workdir), fssdp_trainer.cfg)
+  checkpoints = ckpt.Checkpointer(str(workdir), fssdp_trainer.cfg,
+                                  fssdp_trainer.layout.checkpoint_items)
   try:
     state, step = checkpoints.restore(fssdp_trainer.layout, fssdp_trainer.tx)
   finally:
     checkpoints.close()
-  assert step == 8 and int(state.load_history.count) == 0
+  assert step == 8 and int(state.placement.history.count) == 0
   assert (f"moejax: checkpoint {workdir}/checkpoints/8 (step 8) holds no fssdp load history"
           in capsys.readouterr().out)

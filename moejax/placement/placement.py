@@ -1,0 +1,247 @@
+"""One run's expert placement: what the train step, the loop and the checkpoints ask of it.
+
+`Placement` (static, built from the config by `moejax.train.state.placement_of`) is the one
+object the rest of the code talks to:
+
+  dispatch            how the MoE block reaches its experts (`moejax.placement.dispatch`)
+  init_state()        fssdp: the `FssdpState` a run starts from (None for fsdp and ep)
+  local_params(...)   inside the step's shard_map: fssdp's owned windows of the expert weights,
+                      the owners and the predicted loads the layers plan replicas from
+  next_state(...)     fssdp: the load history after this step's loads
+  metrics(...)        per-layer placement figures and bytes moved by kind
+  reshard(...)        between steps: new owners; parameters and optimizer moments move together
+  checkpoint          fssdp: the checkpoint item (`FssdpCheckpoint`): load history and owners
+
+Letters: L layers, E experts per layer, N devices, C the most experts of one layer one device
+owns (`max_per_layer`), W history window.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from moejax.errors import ConfigError
+from moejax.placement import fssdp, ownership, planner, reshard
+from moejax.placement.dispatch import LOCAL, Dispatch, ep_a2a_bytes
+
+
+@struct.dataclass
+class FssdpState:
+  """fssdp's state across steps: the load predictor's recent loads and the owner of each expert
+  (int32 [L, E], says where it is stored; changed only by re-sharding). Checkpointed."""
+  history: planner.LoadHistory
+  owner_LxE: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+  kind: str                      # fsdp | ep | fssdp (`moejax.placement.PLACEMENTS`)
+  num_layers: int
+  num_experts: int
+  top_k: int
+  d_model: int
+  expert_hidden: int
+  num_devices: int
+  devices_per_node: int
+  axis_names: tuple
+  dispatch_capacity_factor: float = 0.0
+  replica_slots: int = 0
+  overlap_degree: int = 0
+  calibrate: bool = False
+  window: int = 5
+  max_per_layer_setting: int = 0      # fssdp.max_per_layer as configured (0 = default)
+
+  # -- static ------------------------------------------------------------------------------------
+  @property
+  def max_per_layer(self) -> int:
+    """fssdp: C, the most experts of one layer one device may own (the owned window's length)."""
+    return self.max_per_layer_setting or ownership.default_max_per_layer(self.num_experts,
+                                                                        self.num_devices)
+
+  @property
+  def owns_experts(self) -> bool:
+    return self.kind in ("ep", "fssdp")
+
+  def check(self) -> None:
+    """ConfigError naming the field when the mesh cannot hold this placement."""
+    n = self.num_devices
+    if self.owns_experts and self.num_experts % n:
+      raise ConfigError(f"config.moe.num_experts={self.num_experts} is not divisible by the {n} "
+                        f"devices: moe.placement={self.kind!r} gives every device the same "
+                        "number of experts")
+    if self.kind == "fssdp" and self.max_per_layer < self.num_experts // n:
+      per_device = self.num_experts // n
+      raise ConfigError(f"config.fssdp.max_per_layer={self.max_per_layer} is below the "
+                        f"{per_device} experts per device of the even start on {n} devices; use "
+                        f"at least {per_device} (or 0 for the default)")
+
+  @property
+  def dispatch(self) -> Dispatch:
+    if not self.owns_experts:
+      return LOCAL
+    return Dispatch(self.kind, self.axis_names, self.num_devices, self.devices_per_node,
+                    self.dispatch_capacity_factor, replica_slots=self.replica_slots,
+                    overlap_degree=self.overlap_degree, calibrate=self.calibrate)
+
+  @property
+  def expert_bytes(self) -> int:
+    """bf16 bytes of one expert's three matrices."""
+    return 3 * self.d_model * self.expert_hidden * 2
+
+  # -- state -------------------------------------------------------------------------------------
+  def init_state(self) -> FssdpState | None:
+    """The state a run starts from: an empty history and the even owners (host arrays)."""
+    if self.kind != "fssdp":
+      return None
+    return FssdpState(
+        planner.init_history(window=self.window, num_layers=self.num_layers,
+                             num_experts=self.num_experts),
+        jnp.asarray(ownership.initial_placement(self.num_layers, self.num_experts,
+                                                self.num_devices)))
+
+  # -- in the step -------------------------------------------------------------------------------
+  def local_params(self, params: dict, pstate: FssdpState | None, *, me):
+    """Inside shard_map: (params, owners_L, predicted_load_LxE). fssdp replaces each expert leaf
+    by this device's [L, C, ...] windows of owned experts (the gradient flows back into the
+    stored slots); without a state (evaluation) the even start and a flat prediction."""
+    if self.kind != "fssdp":
+      return params, None, None
+    if pstate is None:
+      pstate = self.init_state()     # an empty history predicts flat loads
+    predicted_LxE = planner.predict(pstate.history)
+    moe = params["layers"]["moe"]
+    names = [name for name in moe if name in EXPERT_WEIGHTS]
+    owners_L, windows = fssdp.owned_windows(
+        pstate.owner_LxE, {name: moe[name] for name in names}, me,
+        num_devices=self.num_devices, max_per_layer=self.max_per_layer)
+    layers = dict(params["layers"], moe=dict(moe, **windows))
+    return dict(params, layers=layers), owners_L, predicted_LxE
+
+  def next_state(self, pstate: FssdpState | None, load_LxE) -> FssdpState | None:
+    if pstate is None:
+      return None
+    return pstate.replace(history=planner.update_history(pstate.history, load_LxE))
+
+  def metrics(self, placement_L: dict, *, tokens_per_device: int, remat: bool) -> dict:
+    """Per-layer figures from the layers, plus bytes moved per device and step by kind: the ep
+    exchange (`a2a_bytes`) and fssdp's SparseAllGather / SparseReduceScatter (their [N, M]
+    buffers: capacity), with what the replicas needed."""
+    metrics = dict(placement_L)
+    n = self.num_devices
+    metrics["a2a_bytes"] = 0.0
+    if self.kind == "ep" and n > 1:
+      metrics["a2a_bytes"] = self.num_layers * ep_a2a_bytes(
+          tokens_per_device, self.top_k, self.d_model, n, self.dispatch_capacity_factor,
+          remat=remat)
+    if self.kind == "fssdp":
+      m, layers = self.replica_slots, self.num_layers
+      buffer = (n - 1) / n * n * m * self.expert_bytes
+      # SparseAllGather runs again in backward under remat; its transpose once.
+      metrics["spag_bytes"] = jnp.full((layers,), buffer * (2 if remat else 1), jnp.float32)
+      metrics["sprs_bytes"] = jnp.full((layers,), buffer, jnp.float32)
+      metrics["spag_bytes_needed"] = placement_L["replicas"] * self.expert_bytes
+    return metrics
+
+  # -- between steps -----------------------------------------------------------------------------
+  def reshard(self, params, opt_state, pstate: FssdpState, shardings):
+    """New owners balancing the predicted loads, heterogeneous across layers; the experts'
+    parameters and optimizer moments move together (`shardings`: (params, opt_state) targets).
+    -> (params, opt_state, pstate, `reshard.Resharding`)."""
+    resharding = reshard.plan_reshard(
+        np.asarray(planner.predict(pstate.history)), np.asarray(pstate.owner_LxE),
+        self.num_devices, self.devices_per_node, max_per_layer=self.max_per_layer,
+        bytes_per_expert=self.expert_bytes * 2 * 3)   # fp32 weights and two Adam moments
+    params, opt_state = permute_stored_experts((params, opt_state), resharding.perm_LxE,
+                                               shardings, donate=True)
+    owner = jax.device_put(resharding.owner_LxE, pstate.owner_LxE.sharding)
+    return params, opt_state, pstate.replace(owner_LxE=owner), resharding
+
+
+EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")   # the MoE block's expert leaves
+
+
+@functools.cache
+def _permute_fn(shardings_leaves, treedef, donate: bool):
+  shardings = jax.tree.unflatten(treedef, shardings_leaves)
+  return jax.jit(reshard.permute_experts, donate_argnums=0 if donate else (),
+                 out_shardings=shardings)
+
+
+def permute_stored_experts(tree, perm_LxE, shardings, *, donate: bool):
+  """`reshard.permute_experts` jitted once per target shardings: the one place stored experts
+  move (re-sharding, and to and from a checkpoint's canonical order)."""
+  leaves, treedef = jax.tree.flatten(shardings)
+  return _permute_fn(tuple(leaves), treedef, donate)(tree, perm_LxE)
+
+
+@dataclasses.dataclass(frozen=True)
+class FssdpCheckpoint:
+  """fssdp's checkpoint item "fssdp": {"load_history": {"loads_WxLxE", "count"},
+  "expert_owner"}. Checkpoints hold experts in canonical order (expert (l, e) at [l, e]), the
+  order `load_params` and every placement read; a restore moves them to the saved owners."""
+  placement: Placement
+  state_shardings: FssdpState      # NamedShardings like the state
+  param_shardings: tuple           # (params, opt_state) shardings
+  name: str = "fssdp"
+
+  def item(self, state):
+    """(the item to save, the state with experts in canonical order)."""
+    pstate = state.placement
+    item = {"load_history": {"loads_WxLxE": pstate.history.loads_WxLxE,
+                             "count": pstate.history.count},
+            "expert_owner": pstate.owner_LxE}
+    perm = reshard.to_canonical(np.asarray(pstate.owner_LxE), self.placement.num_devices)
+    if not reshard.is_identity(perm):
+      params, opt_state = permute_stored_experts((state.params, state.opt_state), perm,
+                                                 self.param_shardings, donate=False)
+      state = state.replace(params=params, opt_state=opt_state)
+    return item, state
+
+  def target(self, saved_keys):
+    """What the item restores into (ShapeDtypeStructs on the run's shardings); `saved_keys`
+    lists the saved leaves, so an item saved before the owners were kept restores without
+    them."""
+    shapes = jax.eval_shape(self.placement.init_state)
+    history, owner = jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        (shapes.history, shapes.owner_LxE),
+        (self.state_shardings.history, self.state_shardings.owner_LxE))
+    target = {"load_history": {"loads_WxLxE": history.loads_WxLxE, "count": history.count},
+              "expert_owner": owner}
+    if not any(k.startswith("expert_owner") for k in saved_keys):
+      del target["expert_owner"]
+    return target
+
+  def restore(self, state, item, where: str, log):
+    """The restored canonical state with its history, experts moved to the saved owners; an
+    absent item (another placement, an older version) starts afresh with a log line."""
+    if item is None:
+      log(f"moejax: {where} holds no fssdp load history (written with another moe.placement or "
+          "by an older version): the load predictor starts empty and the experts from the even "
+          "placement, so this resume is not bit-exact")
+      return state
+    history = item["load_history"]
+    pstate = state.placement.replace(
+        history=planner.LoadHistory(history["loads_WxLxE"], history["count"]))
+    state = state.replace(placement=pstate)
+    if "expert_owner" not in item:
+      return state
+    owner = np.asarray(item["expert_owner"])
+    n = self.placement.num_devices
+    counts = ownership.experts_per_device(owner, n) if owner.max() < n else None
+    if counts is None or len(set(counts.sum(axis=0))) > 1:
+      log(f"moejax: {where}: its expert owners are for another number of devices; experts "
+          f"start from the even placement on {n} devices")
+      return state
+    perm = reshard.from_canonical(owner, n)
+    if not reshard.is_identity(perm):
+      params, opt_state = permute_stored_experts((state.params, state.opt_state), perm,
+                                                 self.param_shardings, donate=True)
+      state = state.replace(params=params, opt_state=opt_state)
+    owner = jax.device_put(owner, self.state_shardings.owner_LxE)
+    return state.replace(placement=pstate.replace(owner_LxE=owner))
