@@ -52,7 +52,7 @@ from moejax.codec import bits, gather as codec, kernels, select, word  # noqa: E
 from moejax.config import from_config_dict  # noqa: E402
 from moejax.data import DataSpec, make_data  # noqa: E402
 from moejax.sharding import axes, hook  # noqa: E402
-from moejax.sharding.gatherer import param_group  # noqa: E402
+from moejax.models import olmoe  # noqa: E402
 from moejax.train import codec_control  # noqa: E402
 from moejax.train.loop import Trainer, put_batch  # noqa: E402
 
@@ -82,6 +82,13 @@ class Trajectory:
   counts: np.ndarray
   full_block: dict          # report group -> fraction of 512-value blocks (whole tensors) changed
   state: object
+
+
+def param_group(group: str, path: str) -> str:
+  """The report group a parameter of the tiny model declares (every regime trains that model)."""
+  meta = olmoe.param_meta(config(1))[group]
+  return {jax.tree_util.keystr(p): m for p, m in jax.tree_util.tree_leaves_with_path(meta)}[
+      path].group
 
 
 def train(trainer, state, data, steps: int, probe, measure_from: int) -> Trajectory:

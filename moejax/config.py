@@ -420,10 +420,3 @@ def num_params(c: Config) -> dict[str, int]:
   total = embed + m.num_layers * (per_layer_shared + moe.num_experts * expert)
   active = embed + m.num_layers * (per_layer_shared + moe.top_k * expert)
   return {"total": total, "active": active}
-
-
-def ceil_div(a: int, b: int) -> int:
-  return -(-a // b)
-
-
-

@@ -90,8 +90,7 @@ def init_params(cfg: Config, key: jax.Array) -> dict:
 def param_meta(cfg: Config) -> dict:
   """The parameters' declarations, a tree of `axes.ParamMeta` like `init_params`' output: stored
   shapes, logical axes (layer parameters stacked on a leading `LAYERS` axis) and groups, read
-  from each parameter's metadata where it is defined, abstractly (nothing is allocated). Also
-  published for code that sees parameters only by path (`moejax.sharding.axes.declare`)."""
+  from each parameter's metadata where it is defined, abstractly (nothing is allocated)."""
   key = jax.random.key(0)
   outer = nnx.eval_shape(lambda: _outer_params(cfg, key, key))
   _, layer = _layer_template(cfg)
@@ -99,7 +98,6 @@ def param_meta(cfg: Config) -> dict:
   is_var = lambda v: isinstance(v, nnx.Variable)
   meta = {name: axes.meta_of(p) for name, p in outer.items()}
   meta["layers"] = nnx.to_pure_dict(jax.tree.map(stacked, layer, is_leaf=is_var))
-  axes.declare(meta)
   return meta
 
 

@@ -10,7 +10,7 @@ object the rest of the code talks to:
   next_state(...)     fssdp: the load history after this step's loads
   metrics(...)        per-layer placement figures and bytes moved by kind
   reshard(...)        between steps: new owners; parameters and optimizer moments move together
-  checkpoint          fssdp: the checkpoint item (`FssdpCheckpoint`): load history and owners
+  checkpoint_items    fssdp: its checkpoint item (`FssdpCheckpoint`): load history and owners
 
 Letters: L layers, E experts per layer, N devices, C the most experts of one layer one device
 owns (`max_per_layer`), W history window.
@@ -55,6 +55,9 @@ class Placement:
   calibrate: bool = False
   window: int = 5
   max_per_layer_setting: int = 0      # fssdp.max_per_layer as configured (0 = default)
+  # Paths (key names) of the parameters holding one matrix per expert, as the model declares
+  # them (`moejax.sharding.axes.expert_paths`), e.g. ("layers", "moe", "w_up").
+  expert_paths: tuple = ()
 
   # -- static ------------------------------------------------------------------------------------
   @property
@@ -114,13 +117,13 @@ class Placement:
     if pstate is None:
       pstate = self.init_state()     # an empty history predicts flat loads
     predicted_LxE = planner.predict(pstate.history)
-    moe = params["layers"]["moe"]
-    names = [name for name in moe if name in EXPERT_WEIGHTS]
+    experts = {path: _at(params, path) for path in self.expert_paths}
     owners_L, windows = fssdp.owned_windows(
-        pstate.owner_LxE, {name: moe[name] for name in names}, me,
-        num_devices=self.num_devices, max_per_layer=self.max_per_layer)
-    layers = dict(params["layers"], moe=dict(moe, **windows))
-    return dict(params, layers=layers), owners_L, predicted_LxE
+        pstate.owner_LxE, experts, me, num_devices=self.num_devices,
+        max_per_layer=self.max_per_layer)
+    for path, window in windows.items():
+      params = _replace_at(params, path, window)
+    return params, owners_L, predicted_LxE
 
   def next_state(self, pstate: FssdpState | None, load_LxE) -> FssdpState | None:
     if pstate is None:
@@ -147,6 +150,13 @@ class Placement:
       metrics["spag_bytes_needed"] = placement_L["replicas"] * self.expert_bytes
     return metrics
 
+  def checkpoint_items(self, state_shardings, param_shardings) -> tuple:
+    """The placement's checkpoint items (fssdp: `FssdpCheckpoint`), on the run's shardings of
+    its state and of (params, opt_state)."""
+    if self.kind != "fssdp":
+      return ()
+    return (FssdpCheckpoint(self, state_shardings, param_shardings),)
+
   # -- between steps -----------------------------------------------------------------------------
   def reshard(self, params, opt_state, pstate: FssdpState, shardings):
     """New owners balancing the predicted loads, heterogeneous across layers; the experts'
@@ -156,27 +166,37 @@ class Placement:
         np.asarray(planner.predict(pstate.history)), np.asarray(pstate.owner_LxE),
         self.num_devices, self.devices_per_node, max_per_layer=self.max_per_layer,
         bytes_per_expert=self.expert_bytes * 2 * 3)   # fp32 weights and two Adam moments
-    params, opt_state = permute_stored_experts((params, opt_state), resharding.perm_LxE,
-                                               shardings, donate=True)
+    params, opt_state = self.permute((params, opt_state), resharding.perm_LxE, shardings,
+                                     donate=True)
     owner = jax.device_put(resharding.owner_LxE, pstate.owner_LxE.sharding)
     return params, opt_state, pstate.replace(owner_LxE=owner), resharding
 
 
-EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")   # the MoE block's expert leaves
+  def permute(self, tree, perm_LxE, shardings, *, donate: bool):
+    """`reshard.permute_experts` of the expert leaves, jitted once per target shardings: the
+    one place stored experts move (re-sharding, and to and from a checkpoint's canonical
+    order)."""
+    leaves, treedef = jax.tree.flatten(shardings)
+    return _permute_fn(tuple(leaves), treedef, self.expert_paths, donate)(tree, perm_LxE)
+
+
+def _at(tree, path):
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+def _replace_at(tree, path, value):
+  if not path:
+    return value
+  return dict(tree, **{path[0]: _replace_at(tree[path[0]], path[1:], value)})
 
 
 @functools.cache
-def _permute_fn(shardings_leaves, treedef, donate: bool):
+def _permute_fn(shardings_leaves, treedef, expert_paths, donate: bool):
   shardings = jax.tree.unflatten(treedef, shardings_leaves)
-  return jax.jit(reshard.permute_experts, donate_argnums=0 if donate else (),
-                 out_shardings=shardings)
-
-
-def permute_stored_experts(tree, perm_LxE, shardings, *, donate: bool):
-  """`reshard.permute_experts` jitted once per target shardings: the one place stored experts
-  move (re-sharding, and to and from a checkpoint's canonical order)."""
-  leaves, treedef = jax.tree.flatten(shardings)
-  return _permute_fn(tuple(leaves), treedef, donate)(tree, perm_LxE)
+  return jax.jit(functools.partial(reshard.permute_experts, expert_paths=expert_paths),
+                 donate_argnums=0 if donate else (), out_shardings=shardings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +217,7 @@ class FssdpCheckpoint:
             "expert_owner": pstate.owner_LxE}
     perm = reshard.to_canonical(np.asarray(pstate.owner_LxE), self.placement.num_devices)
     if not reshard.is_identity(perm):
-      params, opt_state = permute_stored_experts((state.params, state.opt_state), perm,
+      params, opt_state = self.placement.permute((state.params, state.opt_state), perm,
                                                  self.param_shardings, donate=False)
       state = state.replace(params=params, opt_state=opt_state)
     return item, state
@@ -240,7 +260,7 @@ class FssdpCheckpoint:
       return state
     perm = reshard.from_canonical(owner, n)
     if not reshard.is_identity(perm):
-      params, opt_state = permute_stored_experts((state.params, state.opt_state), perm,
+      params, opt_state = self.placement.permute((state.params, state.opt_state), perm,
                                                  self.param_shardings, donate=True)
       state = state.replace(params=params, opt_state=opt_state)
     owner = jax.device_put(owner, self.state_shardings.owner_LxE)

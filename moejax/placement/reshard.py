@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from moejax.placement import ownership
-from moejax.sharding.layout import is_expert_param
+from moejax.sharding.axes import ends_with
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,11 +89,12 @@ def plan_reshard(load_LxE, owner_LxE, num_devices: int, devices_per_node: int, *
                     move.bytes_moved)
 
 
-def permute_experts(tree, perm_LxE):
-  """Every expert leaf ([L, E, ...], by path: parameters and the optimizer's moments alike)
-  gathered by `perm_LxE` over its flattened (layer, expert) axes; other leaves unchanged."""
+def permute_experts(tree, perm_LxE, *, expert_paths):
+  """Every expert leaf ([L, E, ...]: a leaf whose path ends in one of `expert_paths`, parameters
+  and the optimizer's moments alike) gathered by `perm_LxE` over its flattened (layer, expert)
+  axes; other leaves unchanged."""
   def permute(path, x):
-    if not is_expert_param(path):
+    if not any(ends_with(path, names) for names in expert_paths):
       return x
     flat = x.reshape((-1,) + x.shape[2:])[perm_LxE.reshape(-1)]
     return flat.reshape(x.shape)

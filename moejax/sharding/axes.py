@@ -20,9 +20,9 @@ Logical axes:
 Groups: EMBEDDINGS, ATTENTION, ROUTER, NORMS, EXPERTS (`GROUPS`). They name the parameter's part
 of the model in gather reports and decide weight decay (none on norms).
 
-The model publishes the declarations of its parameter tree (`declare`, done by
-`moejax.models.olmoe.param_meta`), so code that sees a parameter only by its path (optimizer
-moments, a gathered group's leaves) reads what was declared (`declared`, `declared_at`).
+The model reads its declarations into a tree of `ParamMeta` (`moejax.models.olmoe.param_meta`);
+what needs them takes that tree: the layouts, the Gatherer (report groups), the optimizer (weight
+decay) and the placement (which leaves are experts, `expert_paths`).
 """
 from __future__ import annotations
 
@@ -90,56 +90,19 @@ def meta_of(variable: nnx.Variable, *, stacked: int | None = None) -> ParamMeta:
   return ParamMeta(shape, axes, metadata["group"])
 
 
-# -- the model's published declarations, by path ---------------------------------------------------
-_DECLARED: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {}
+def expert_paths(param_meta) -> tuple[tuple[str, ...], ...]:
+  """Paths (key names) of the parameters that declare an expert axis, one matrix per expert."""
+  return tuple(tuple(str(k.key) for k in path)
+               for path, meta in jax.tree_util.tree_leaves_with_path(param_meta)
+               if EXPERT in meta.axes)
 
 
-def _split(path) -> tuple[str, str]:
-  """(top-level key, keystr of the rest): how the gather groups name their leaves."""
-  return str(path[0].key), jax.tree_util.keystr(tuple(path[1:]))
-
-
-def declare(meta_tree) -> None:
-  """Publishes a model's declarations ({top-level key: tree of `ParamMeta`}) by path. A path
-  declared again must declare the same axes and group."""
-  for path, meta in jax.tree_util.tree_leaves_with_path(meta_tree):
-    key, value = _split(path), (meta.axes, meta.group)
-    if _DECLARED.setdefault(key, value) != value:
-      raise ValueError(f"parameter {key[0]}{key[1]} declared as {value}, before as "
-                       f"{_DECLARED[key]}")
-
-
-def declared(top: str, path: str) -> tuple[tuple[str, ...], str]:
-  """(logical axes, group) of the parameter `top` + `path` (a keystr, e.g. "['moe']['w_up']")."""
-  if not _DECLARED:
-    raise RuntimeError("no model has declared its parameters yet "
-                       "(moejax.models.olmoe.param_meta declares them)")
-  try:
-    return _DECLARED[(top, path)]
-  except KeyError:
-    raise KeyError(f"parameter {top}{path} was not declared (declare it with "
-                   "moejax.sharding.axes.param where it is defined)") from None
-
-
-def declared_at(path) -> tuple[tuple[str, ...], str] | None:
-  """The declaration of the parameter a tree path ends in: a path into the parameters, or into a
-  tree holding them (optimizer moments); None where the path ends in no parameter. Entries may
-  be jax key entries or plain strings."""
-  names = []
+def ends_with(path, names: tuple[str, ...]) -> bool:
+  """Whether a tree path (jax key entries) ends in the dict keys `names`: the parameter at
+  `names`, or its copy inside a tree holding the parameters (optimizer moments)."""
+  tail = []
   for entry in reversed(tuple(path)):
-    if isinstance(entry, str):
-      names.append(entry)
-    elif isinstance(entry, jax.tree_util.DictKey):
-      names.append(str(entry.key))
-    else:
+    if not isinstance(entry, jax.tree_util.DictKey) or len(tail) == len(names):
       break
-  names.reverse()
-  for start in range(len(names)):   # the longest declared tail
-    key = (names[start], jax.tree_util.keystr(tuple(jax.tree_util.DictKey(n)
-                                                    for n in names[start + 1:])))
-    if key in _DECLARED:
-      return _DECLARED[key]
-  if not _DECLARED:
-    raise RuntimeError("no model has declared its parameters yet "
-                       "(moejax.models.olmoe.param_meta declares them)")
-  return None
+    tail.append(str(entry.key))
+  return tuple(reversed(tail)) == tuple(names)

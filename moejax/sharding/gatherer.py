@@ -1,7 +1,8 @@
 """The gather hook bound to one model's parameters: layouts, codec choice and codec state.
 
 `Gatherer.gather(group, shards, states) -> (full, new_states, stats)` is what the model's
-forward pass calls for each parameter group ("embed", "layers" (one layer's slice), "final_norm",
+forward pass calls for each gather group: the top-level keys of the model's parameter
+declarations (`param_meta`; OLMoE: "embed", "layers" (one layer's slice), "final_norm",
 "lm_head"). It looks up each parameter's layout and, when the codec is on for it, its
 `CodecSpec` (mode and capacity, chosen per parameter) and state, and hands each leaf to the one
 gather (`moejax.sharding.hook.gather_leaf`): it only maps trees to leaves and sums figures.
@@ -12,7 +13,7 @@ leading device axis [N, ...] sharded over all devices; layer parameters' states 
 layer axis, [N, L, ...], which the layer scan slices. Caches are rebuilt, not checkpointed.
 Without states (evaluation) every parameter is gathered plainly and no cache moves.
 
-Stats: {report group: summed hook stats} as before, plus, under `PARAM_STATS`, each compressed
+Stats: {report group (the `axes.GROUPS` entry each parameter declares): summed hook stats}, plus, under `PARAM_STATS`, each compressed
 parameter's own figures ({path: [K]}, [L, K] for layer parameters), `hook.STAT_KEYS` in order.
 `split_param_stats` takes them out again and `codec_metrics` turns them into one [R, K] array
 (rows: `param_rows()`) for whoever sizes or chooses the codec (`moejax.train.codec_control`), plus
@@ -28,19 +29,12 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moejax.codec import gather as codec
-from moejax.sharding import axes, hook
+from moejax.sharding import hook
 from moejax.sharding.layout import Layout
 from moejax.sharding.mesh import DEVICES
 
-GROUPS = ("embed", "layers", "final_norm", "lm_head")
 PARAM_STATS = "params"        # key of the per-parameter figures in a group's stats
 PARAM_METRIC = "codec_param_stats"   # metrics key of the [R, K] array
-
-
-def param_group(group: str, path: str) -> str:
-  """Reporting group of a parameter (one of `axes.GROUPS`: attention, router, norms, experts,
-  embeddings), as the model declares it; `path` is its keystr within the gather group."""
-  return axes.declared(group, path)[1]
 
 
 def _leaf_paths(tree) -> list[str]:
@@ -50,27 +44,41 @@ def _leaf_paths(tree) -> list[str]:
 @dataclasses.dataclass(frozen=True)
 class Gatherer:
   layouts: Any                 # {group: Layout tree} like params
-  param_shapes: Any            # {group: ShapeDtypeStruct tree}
+  param_meta: Any              # {group: tree of axes.ParamMeta}: shapes, axes, report groups
   num_devices: int
   specs: dict                  # {group: {path: CodecSpec}} for compressed parameters only
 
   @classmethod
-  def create(cls, param_shapes, layouts, num_devices: int, spec: codec.CodecSpec | None,
+  def create(cls, param_meta, layouts, num_devices: int, spec: codec.CodecSpec | None,
              select=None):
-    """Compresses every sharded parameter (or those `select(group, path)` accepts)."""
-    specs = {g: {} for g in GROUPS}
+    """Compresses every sharded parameter (or those `select(group, path)` accepts). The gather
+    groups are the top-level keys of `param_meta`, as the model declares its parameters."""
+    specs = {g: {} for g in param_meta}
     if spec is not None and spec.mode != "off":
-      probe = cls(layouts, param_shapes, num_devices, specs)
+      probe = cls(layouts, param_meta, num_devices, specs)
       for group, path in probe.candidates():
         if select is None or select(group, path):
           specs[group][path] = spec
-    return cls(layouts, param_shapes, num_devices, specs)
+    return cls(layouts, param_meta, num_devices, specs)
+
+  @property
+  def groups(self) -> tuple[str, ...]:
+    """The model's gather groups (its parameters' top-level keys), in order."""
+    return tuple(self.param_meta)
+
+  def report_group(self, group: str, path: str) -> str:
+    """A parameter's report group (`axes.GROUPS`), as the model declares it."""
+    return self._meta(group, path).group
+
+  def _meta(self, group: str, path: str):
+    return dict(zip(_leaf_paths(self.param_meta[group]),
+                    jax.tree.leaves(self.param_meta[group])))[path]
 
   def with_specs(self, specs: dict) -> "Gatherer":
     """The same parameters with another codec choice: {group: {path: CodecSpec}} (mode 'off'
     entries and missing groups mean plain)."""
     allowed = set(self.candidates())
-    chosen = {g: {} for g in GROUPS}
+    chosen = {g: {} for g in self.groups}
     for g, per_path in specs.items():
       for p, spec in per_path.items():
         if spec.mode == "off":
@@ -86,15 +94,15 @@ class Gatherer:
 
   @property
   def num_layers(self) -> int:
-    return jax.tree.leaves(self.param_shapes["layers"])[0].shape[0]
+    return jax.tree.leaves(self.param_meta["layers"])[0].shape[0]
 
   def candidates(self) -> list[tuple[str, str]]:
     """(group, path) of every parameter the codec can gather: sharded over more than one device."""
     out = []
     if self.num_devices < 2:
       return out
-    for group in GROUPS:
-      for path, lay in zip(_leaf_paths(self.param_shapes[group]),
+    for group in self.groups:
+      for path, lay in zip(_leaf_paths(self.param_meta[group]),
                            jax.tree.leaves(self.layouts[group])):
         if lay.kind == "shard":
           out.append((group, path))
@@ -109,9 +117,7 @@ class Gatherer:
 
   def shard_shape(self, group: str, path: str) -> tuple[int, ...]:
     """One device's shard of one gather (one layer's slice for layer parameters)."""
-    shapes = dict(zip(_leaf_paths(self.param_shapes[group]),
-                      jax.tree.leaves(self.param_shapes[group])))
-    shape, lay = list(shapes[path].shape), self.layout(group, path)
+    shape, lay = list(self._meta(group, path).shape), self.layout(group, path)
     shape[lay.dim] //= self.num_devices
     return tuple(shape[1:]) if group == "layers" else tuple(shape)
 
@@ -122,19 +128,19 @@ class Gatherer:
     everything to refill the caches. `reuse=(gatherer, states)` keeps the states of parameters
     whose new spec needs the same state (`codec.same_state`: same mode, e.g. only the capacity
     changed), so their caches stay valid."""
-    kept = {g: {} for g in GROUPS}
+    kept = {g: {} for g in self.groups}
     if reuse is not None:
       old, old_states = reuse
-      for g in GROUPS:
+      for g in self.groups:
         for p, spec in self.specs[g].items():
           before = old.specs[g].get(p)
           if before is not None and codec.same_state(before, spec):
             kept[g][p] = old_states[g][p]
-    fresh = {g: {p: s for p, s in self.specs[g].items() if p not in kept[g]} for g in GROUPS}
+    fresh = {g: {p: s for p, s in self.specs[g].items() if p not in kept[g]} for g in self.groups}
     built = self._build_states(mesh, fresh, warmed_up) if any(fresh.values()) else {
-        g: {} for g in GROUPS}
+        g: {} for g in self.groups}
     return {g: {p: kept[g][p] if p in kept[g] else built[g][p] for p in self.specs[g]}
-            for g in GROUPS}
+            for g in self.groups}
 
   def _build_states(self, mesh, specs, warmed_up: bool):
     def one(group, path, spec):
@@ -147,7 +153,7 @@ class Gatherer:
       return jax.tree.map(lambda x: jnp.broadcast_to(x, lead + x.shape), state)
 
     def build():
-      return {g: {p: one(g, p, s) for p, s in specs[g].items()} for g in GROUPS}
+      return {g: {p: one(g, p, s) for p, s in specs[g].items()} for g in self.groups}
 
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), self._specs_of(specs),
                              is_leaf=lambda v: isinstance(v, P))
@@ -159,7 +165,7 @@ class Gatherer:
   def _specs_of(self, specs):
     abstract = jax.eval_shape(lambda: {
         g: {p: codec.init_state(self.shard_shape(g, p), hook.COMPUTE_DTYPE, self.num_devices, s)
-            for p, s in specs[g].items()} for g in GROUPS})
+            for p, s in specs[g].items()} for g in self.groups})
     return jax.tree.map(lambda _: P(DEVICES), abstract)
 
   def param_state_bytes(self, group: str, path: str, spec: codec.CodecSpec | None = None) -> int:
@@ -170,7 +176,7 @@ class Gatherer:
 
   def state_bytes_by_mode(self) -> dict[str, int]:
     out: dict[str, int] = {}
-    for g in GROUPS:
+    for g in self.groups:
       for p, s in self.specs[g].items():
         out[s.mode] = out.get(s.mode, 0) + self.param_state_bytes(g, p)
     return out
@@ -178,8 +184,8 @@ class Gatherer:
   def scatter_bytes(self) -> float:
     """Bytes each device receives per step in the hook's gradient collectives."""
     total = 0.0
-    for g in GROUPS:
-      for x, lay in zip(jax.tree.leaves(self.param_shapes[g]), jax.tree.leaves(self.layouts[g])):
+    for g in self.groups:
+      for x, lay in zip(jax.tree.leaves(self.param_meta[g]), jax.tree.leaves(self.layouts[g])):
         shape = list(x.shape)
         if lay.kind == "shard":
           shape[lay.dim] //= self.num_devices
@@ -202,7 +208,7 @@ class Gatherer:
         new_states[path] = new_state
         per_param[path] = jnp.stack([s[k] for k in hook.STAT_KEYS])
       fulls.append(full)
-      key = param_group(group, path)
+      key = self.report_group(group, path)
       stats[key] = s if key not in stats else {k: stats[key][k] + s[k] for k in s}
     if per_param:
       stats[PARAM_STATS] = per_param
@@ -211,7 +217,7 @@ class Gatherer:
   # -- figures ---------------------------------------------------------------------------------
   def param_rows(self) -> list[tuple[str, str, int]]:
     """(group, path, layer) of each row of the `codec_metrics` array (layer 0 outside layers)."""
-    return [(g, p, layer) for g in GROUPS for p in self.specs[g]
+    return [(g, p, layer) for g in self.groups for p in self.specs[g]
             for layer in range(self.copies(g))]
 
   @staticmethod
@@ -225,7 +231,7 @@ class Gatherer:
     """Per-parameter figures as one [R, K] array (`PARAM_METRIC`; rows `param_rows()`, columns
     `hook.STAT_KEYS`), and the codec state bytes per device, by mode and in total."""
     rows = []
-    for g in GROUPS:
+    for g in self.groups:
       for p in self.specs[g]:
         x = param_stats[g][p]
         rows.append(x.reshape(-1, len(hook.STAT_KEYS)))

@@ -91,10 +91,3 @@ def param_layouts(param_meta, placement: str, num_devices: int):
 def param_specs(param_shapes, layouts):
   return jax.tree.map(lambda x, lay: lay.spec(len(x.shape)), param_shapes, layouts,
                       is_leaf=lambda v: isinstance(v, Layout))
-
-
-def is_expert_param(path) -> bool:
-  """Whether the leaf at `path` (in the parameters, or a tree holding them: optimizer moments) is
-  a parameter that declares an expert axis (one matrix per expert)."""
-  declared = ax.declared_at(path)
-  return declared is not None and ax.EXPERT in declared[0]

@@ -65,7 +65,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from moejax.codec import bits, detect, gather as codec, rates as rates_lib, select, word
 from moejax.config import CodecConfig
 from moejax.sharding import hook
-from moejax.sharding.gatherer import PARAM_METRIC, Gatherer, param_group
+from moejax.sharding.gatherer import PARAM_METRIC, Gatherer
 from moejax.sharding.mesh import DEVICES, num_devices
 from moejax.train.metrics import log as default_log
 
@@ -141,7 +141,7 @@ class Probe:
     layout = bits.layout_of(hook.COMPUTE_DTYPE)
     specs = {}
     for g, p in self.names:
-      ndim = len(_leaf(gatherer.param_shapes, g, p).shape)
+      ndim = len(_leaf(gatherer.param_meta, g, p).shape)
       specs.setdefault(g, {})[p] = gatherer.layout(g, p).spec(ndim)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                              is_leaf=lambda s: isinstance(s, P))
@@ -481,7 +481,7 @@ class CodecPolicy:
     live = self._live_figures()
     params = []
     for (g, p), sel, mean, peak in zip(rates.names, selections, rates.mean, rates.peak):
-      entry = {"group": g, "path": p, "report": param_group(g, p), "mode": sel.spec.mode,
+      entry = {"group": g, "path": p, "report": self.base.report_group(g, p), "mode": sel.spec.mode,
                "reason": sel.reason, "best_mode": sel.best.mode,
                **{f"q_{kind}": float(m) for kind, m in zip(RATE_KINDS, mean)},
                **{f"peak_{kind}": float(m) for kind, m in zip(RATE_KINDS, peak)},

@@ -18,8 +18,7 @@ from moejax.codec.gather import CodecSpec
 from moejax.config import Config
 from moejax.models import olmoe
 from moejax.placement import Placement
-from moejax.placement.placement import FssdpCheckpoint
-from moejax.sharding import layout as layout_lib
+from moejax.sharding import axes, layout as layout_lib
 from moejax.sharding.gatherer import Gatherer
 from moejax.sharding.mesh import DEVICES, num_devices, topology
 
@@ -52,25 +51,28 @@ class StateLayout:
   @property
   def checkpoint_items(self) -> tuple:
     """Feature states that are their own checkpoint items (see `moejax.train.checkpoint`)."""
-    if self.placement is None or self.placement.kind != "fssdp":
+    if self.placement is None:
       return ()
-    return (FssdpCheckpoint(self.placement, self.shardings.placement,
-                            (self.shardings.params, self.shardings.opt_state)),)
+    return self.placement.checkpoint_items(self.shardings.placement,
+                                           (self.shardings.params, self.shardings.opt_state))
 
 
-def placement_of(cfg: Config, mesh) -> Placement:
+def placement_of(cfg: Config, mesh, param_meta=None) -> Placement:
   moe, f = cfg.moe, cfg.fssdp
+  param_meta = olmoe.param_meta(cfg) if param_meta is None else param_meta
   return Placement(moe.placement, cfg.model.num_layers, moe.num_experts, moe.top_k,
                    cfg.model.d_model, moe.expert_hidden, num_devices(mesh),
                    topology(mesh).devices_per_node, DEVICES,
                    dispatch_capacity_factor=moe.dispatch_capacity_factor,
                    replica_slots=f.replica_slots, overlap_degree=f.overlap_degree,
-                   calibrate=f.calibrate, window=f.window, max_per_layer_setting=f.max_per_layer)
+                   calibrate=f.calibrate, window=f.window, max_per_layer_setting=f.max_per_layer,
+                   expert_paths=axes.expert_paths(param_meta))
 
 
 def state_layout(cfg: Config, mesh, tx: optax.GradientTransformation) -> StateLayout:
   param_shapes = jax.eval_shape(lambda k: olmoe.init_params(cfg, k), jax.random.key(0))
-  layouts = layout_lib.param_layouts(olmoe.param_meta(cfg), cfg.moe.placement, num_devices(mesh))
+  param_meta = olmoe.param_meta(cfg)
+  layouts = layout_lib.param_layouts(param_meta, cfg.moe.placement, num_devices(mesh))
   specs = layout_lib.param_specs(param_shapes, layouts)
   param_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                                  is_leaf=lambda s: isinstance(s, P))
@@ -81,10 +83,10 @@ def state_layout(cfg: Config, mesh, tx: optax.GradientTransformation) -> StateLa
       transform_non_params=lambda _: replicated,
       is_leaf=lambda v: isinstance(v, NamedSharding))
   n = num_devices(mesh)
-  gatherer = Gatherer.create(param_shapes, layouts, n, codec_spec(cfg))
+  gatherer = Gatherer.create(param_meta, layouts, n, codec_spec(cfg))
   gather_state_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), gatherer.state_specs(),
                                         is_leaf=lambda s: isinstance(s, P))
-  placement = placement_of(cfg, mesh)
+  placement = placement_of(cfg, mesh, param_meta)
   placement_shardings = jax.tree.map(lambda _: replicated,
                                      jax.eval_shape(placement.init_state))
   shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,

@@ -23,7 +23,7 @@ from moejax.config import Config
 from moejax.errors import ConfigError
 from moejax.models import olmoe
 from moejax.sharding import hook
-from moejax.sharding.gatherer import expand_device_axis, param_group, squeeze_device_axis
+from moejax.sharding.gatherer import expand_device_axis, squeeze_device_axis
 from moejax.sharding.mesh import DEVICES, num_devices
 from moejax.train.state import StateLayout, TrainState, placement_of
 
@@ -144,13 +144,13 @@ def codec_denominators(lay: StateLayout) -> dict:
   g = lay.gatherer
   for group, chosen in g.specs.items():
     shapes = dict(zip([jax.tree_util.keystr(p) for p, _ in
-                       jax.tree_util.tree_leaves_with_path(g.param_shapes[group])],
-                      jax.tree.leaves(g.param_shapes[group])))
+                       jax.tree_util.tree_leaves_with_path(g.param_meta[group])],
+                      jax.tree.leaves(g.param_meta[group])))
     for path, spec in chosen.items():
       size = math.prod(shapes[path].shape)
       layers = shapes[path].shape[0] if group == "layers" else 1
       blocks = layers * g.num_devices * math.ceil(size / layers / g.num_devices / spec.block_size)
-      report = param_group(group, path)
+      report = g.report_group(group, path)
       v, b = out.get(report, (0, 0))
       out[report] = (v + size, b + blocks)
   return out

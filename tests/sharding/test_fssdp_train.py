@@ -17,7 +17,8 @@ from jax.sharding import PartitionSpec as P
 
 from moejax.placement.dispatch import Dispatch
 from moejax.placement import fssdp, ownership, planner, reshard
-from moejax.sharding.layout import is_expert_param
+from moejax.sharding import axes
+from moejax.models import olmoe
 from moejax.sharding.mesh import DEVICES, make_mesh
 from moejax.train import checkpoint as ckpt
 from moejax.train.loop import Trainer, put_batch, run
@@ -83,6 +84,11 @@ def ep():
 @pytest.fixture(scope="module")
 def fssdp_run(fssdp_trainer):
   return _train(fssdp_trainer, reshard_at=3)
+
+
+def is_expert_param(path, expert_paths=axes.expert_paths(
+    olmoe.param_meta(tiny_config(**{"moe.placement": "fssdp"})))):
+  return any(axes.ends_with(path, names) for names in expert_paths)
 
 
 def _expert_leaves(tree):

@@ -4,6 +4,7 @@ Abstract only (`eval_shape`): the 1b7b preset (6.9B parameters) is never materia
 """
 import jax
 import pytest
+from flax import nnx
 
 import configs.olmoe as olmoe_configs
 from moejax.config import from_config_dict
@@ -11,8 +12,8 @@ from moejax.models import olmoe
 from moejax.sharding import axes as ax
 from moejax.sharding import layout as layout_lib
 from moejax.sharding.axes import ParamMeta
-from moejax.sharding.gatherer import param_group
-from moejax.sharding.layout import Layout, is_expert_param, layout_for
+from moejax.sharding.gatherer import Gatherer
+from moejax.sharding.layout import Layout, layout_for
 from moejax.train import optim
 
 PLACEMENTS = ("fsdp", "ep", "fssdp")
@@ -145,9 +146,11 @@ def test_declarations_are_checked():
     ax.param(jax.numpy.zeros((2, 3)), (ax.EMBED, ax.EMBED), ax.ATTENTION)
   with pytest.raises(ValueError, match="group"):
     ax.param(jax.numpy.zeros((2,)), (ax.NORM,), "norm")
-  olmoe.param_meta(_cfg("tiny"))
-  with pytest.raises(ValueError, match="declared as"):
-    ax.declare({"embed": ParamMeta((320, 64), (ax.EMBED, ax.VOCAB), ax.EMBEDDINGS)})
+  meta = ax.meta_of(ax.param(jax.numpy.zeros((2, 3)), (ax.EMBED, ax.MLP), ax.EXPERTS),
+                    stacked=4)
+  assert meta == ParamMeta((4, 2, 3), (ax.LAYERS, ax.EMBED, ax.MLP), ax.EXPERTS)
+  with pytest.raises(ValueError, match="without declared logical axes"):
+    ax.meta_of(nnx.Param(jax.numpy.zeros(2)))
 
 
 # -- groups ----------------------------------------------------------------------------------------
@@ -155,20 +158,26 @@ def test_groups_and_expert_parameters_are_read_from_the_declarations():
   cfg = _cfg("tiny")
   meta = olmoe.param_meta(cfg)
   assert {path: m.group for path, m in _by_path(meta).items()} == GROUP
+  gatherer = Gatherer.create(meta, layout_lib.param_layouts(meta, "fsdp", 8), 8, None)
+  assert gatherer.groups == tuple(meta)           # the model's gather groups, as declared
   for path, group in GROUP.items():
     top, _, rest = path[2:].partition("']")
-    assert param_group(top, rest) == group, path
-  with pytest.raises(KeyError, match="was not declared"):
-    param_group("layers", "['moe']['w_new']")
+    assert gatherer.report_group(top, rest) == group, path
+  with pytest.raises(KeyError):
+    gatherer.report_group("layers", "['moe']['w_new']")
   # Parameters and the optimizer's moments alike: exactly the three expert matrices.
+  expert_paths = ax.expert_paths(meta)
+  assert sorted(expert_paths) == [("layers", "moe", w) for w in ("w_down", "w_gate", "w_up")]
   opt_shapes = jax.eval_shape(optim.make_optimizer(cfg).init, meta_shapes(meta))
   experts = [jax.tree_util.keystr(p) for p, _ in
              jax.tree_util.tree_leaves_with_path((meta_shapes(meta), opt_shapes))
-             if is_expert_param(p)]
+             if any(ax.ends_with(p, names) for names in expert_paths)]
   names = sorted(k.rpartition("[")[2] for k in experts)
   assert names == ["'w_down']"] * 3 + ["'w_gate']"] * 3 + ["'w_up']"] * 3
-  assert is_expert_param(("layers", "moe", "w_gate"))
-  assert not is_expert_param(("layers", "moe", "router"))
+  key = jax.tree_util.DictKey
+  assert ax.ends_with((key("layers"), key("moe"), key("w_gate")), ("layers", "moe", "w_gate"))
+  assert not ax.ends_with((key("moe"), key("w_gate")), ("layers", "moe", "w_gate"))
+  assert not ax.ends_with((key("layers"), key("moe"), key("router")), ("layers", "moe", "w_gate"))
 
 
 def meta_shapes(meta):
