@@ -3,7 +3,8 @@
   python train.py --config configs/olmoe.py:tiny --workdir runs/tiny [--config.FIELD=VALUE ...]
 
 Multi-process: pass --coordinator_address, --num_processes and --process_id (or set
-JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID) and every process joins one job.
+JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID) and every process joins one job. If a
+process is lost, the others stop with one line naming it and exit code 2 (moejax.distributed).
 """
 import os
 import sys
@@ -26,11 +27,15 @@ def main(argv):
   from moejax.errors import MoejaxError
   from moejax.train.loop import run
   try:
-    distributed.maybe_initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
-    run(from_config_dict(_CONFIG.value), _WORKDIR.value)
+    cfg = from_config_dict(_CONFIG.value)
+    distributed.maybe_initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                                 heartbeat_timeout_s=cfg.distributed.heartbeat_timeout_s)
+    run(cfg, _WORKDIR.value)
   except MoejaxError as e:
-    print(f"error: {e}", file=sys.stderr)
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    distributed.stop(2)     # multi-process: the other processes stop too, none waits on them
     sys.exit(2)
+  distributed.finish()
 
 
 def _override_fields(argv):

@@ -213,7 +213,16 @@ class CheckpointConfig:
   every: int = 100
   """Save every N steps; 0 = only at the end (the last step always saves)."""
   keep: int = 3
-  """How many of the latest checkpoints to keep."""
+  """How many of the latest checkpoints to keep (a rerun that finds more prunes the oldest)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+  """Multi-process jobs (moejax.distributed): how the loss of a process is noticed."""
+  heartbeat_timeout_s: int = 30
+  """Seconds a process may go without a heartbeat before the others count it as lost and stop
+  with one line naming it (exit 2); a process that dies is noticed at once. jax.distributed's
+  own heartbeat timeout is set to this plus `moejax.distributed.JAX_MARGIN_S`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +245,8 @@ class Config:
   """Compressed parameter all-gather."""
   checkpoint: CheckpointConfig = CheckpointConfig()
   """Periodic saves and resume."""
+  distributed: DistributedConfig = DistributedConfig()
+  """Multi-process jobs: heartbeats between the processes."""
   steps: int = 200
   """Training steps (the schedule's length)."""
   batch_size: int = 16
@@ -407,6 +418,9 @@ def validate(c: Config) -> None:
   _check(c.codec.warmup_steps >= 0,
          f"config.codec.warmup_steps={c.codec.warmup_steps}: must be >= 0")
   _check(c.checkpoint.every >= 0, f"config.checkpoint.every={c.checkpoint.every}: must be >= 0")
+  _check(c.distributed.heartbeat_timeout_s > 0,
+         f"config.distributed.heartbeat_timeout_s={c.distributed.heartbeat_timeout_s}: must be "
+         "positive (seconds)")
 
 
 def num_params(c: Config) -> dict[str, int]:

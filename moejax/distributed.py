@@ -1,18 +1,46 @@
-"""Joining a multi-process JAX job (`jax.distributed`).
+"""Joining a multi-process JAX job (`jax.distributed`), and noticing when a process is lost.
 
 On CPU, collectives between processes need a cross-process implementation; we ask for gloo
 (TCP, no extra dependencies) unless JAX_CPU_COLLECTIVES_IMPLEMENTATION names another ("mpi").
 The choice must be made before the first backend is created, i.e. before `initialize`.
+
+A lost process. When one process of a job dies, the others sit in their next collective: gloo
+waits for the missing peer, and jax.distributed only notices after its heartbeat timeout, then
+aborts the process with a multi-line log. So every process also keeps a `Watchdog`: one TCP
+connection to process 0 (a star; process 0 publishes its port with one broadcast at start-up),
+a heartbeat on it every `heartbeat_timeout_s / 5` seconds, and a thread per connection that
+reads it. A connection that closes (the process exited or was killed: the kernel closes its
+sockets at once) or stays silent for `config.distributed.heartbeat_timeout_s` means that process
+is lost: the watcher prints one line naming it and exits with code 2 at once, from its own
+thread, whatever the main thread is blocked in. Process 0 tells the others which process it
+lost before it exits, so they name the same one. jax.distributed's own heartbeat timeout is set
+`JAX_MARGIN_S` longer, as a backstop that fires after our line.
+
+Leaving. `finish()` (a clean end: the others stop watching this process) and `stop(code)` (this
+process stops with an error it has printed: the others stop too, saying so, and this process
+exits without waiting on them) are what train.py calls; an exit without either (an uncaught
+exception) counts as `stop`.
 """
 from __future__ import annotations
 
+import atexit
 import os
+import socket
+import sys
+import threading
+import time
 
 import jax
+import numpy as np
 
 from moejax.errors import ConfigError
 
 CPU_COLLECTIVES_ENV = "JAX_CPU_COLLECTIVES_IMPLEMENTATION"
+JAX_MARGIN_S = 10              # jax.distributed's heartbeat timeout = ours + this
+CONNECT_TIMEOUT_S = 120        # for all processes to connect to process 0's watchdog
+LOST_EXIT_CODE = 2
+
+_watchdog: "Watchdog | None" = None
 
 
 def _env_int(name: str) -> int | None:
@@ -26,8 +54,10 @@ def _env_int(name: str) -> int | None:
 
 
 def maybe_initialize(coordinator: str | None = None, num_processes: int | None = None,
-                     process_id: int | None = None) -> bool:
-  """Initializes jax.distributed if a coordinator is given by flag or environment."""
+                     process_id: int | None = None, *, heartbeat_timeout_s: int = 30) -> bool:
+  """Initializes jax.distributed if a coordinator is given by flag or environment, and starts
+  this process's `Watchdog` (`heartbeat_timeout_s`: config.distributed.heartbeat_timeout_s)."""
+  global _watchdog
   coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
   if not coordinator:
     return False
@@ -43,5 +73,160 @@ def maybe_initialize(coordinator: str | None = None, num_processes: int | None =
   if not os.environ.get(CPU_COLLECTIVES_ENV):
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                             process_id=process_id)
+                             process_id=process_id,
+                             heartbeat_timeout_seconds=int(heartbeat_timeout_s) + JAX_MARGIN_S)
+  if num_processes > 1:
+    _watchdog = Watchdog(_host(coordinator), process_id, num_processes, heartbeat_timeout_s)
+    atexit.register(_watchdog.close, clean=False)
   return True
+
+
+def finish() -> None:
+  """This process ends cleanly: the other processes stop watching it."""
+  if _watchdog is not None:
+    _watchdog.close(clean=True)
+
+
+def stop(code: int) -> None:
+  """This process stops with an error it has already printed. In a multi-process job: tells the
+  others (they stop too, saying so) and exits now, without waiting on them; else returns."""
+  if _watchdog is not None:
+    _watchdog.close(clean=False)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _host(address: str) -> str:
+  host = address.rsplit(":", 1)[0] if ":" in address else address
+  return host.strip("[]")
+
+
+class Watchdog:
+  """Heartbeats between process 0 and each other process; see the module docstring.
+
+  Messages on a connection (bytes): b"h" heartbeat, b"B" a clean end, b"E" an error exit,
+  b"L<j>\\n" (from process 0) process j is lost. A new process sends b"I<id>\\n" first.
+  """
+
+  def __init__(self, coordinator_host: str, process_id: int, num_processes: int,
+               timeout_s: float):
+    from jax.experimental import multihost_utils
+    self.process_id, self.num_processes = process_id, num_processes
+    self.timeout_s = float(timeout_s)
+    self._lock = threading.Lock()
+    self._closed = False
+    self._peers: dict[int, socket.socket] = {}        # process id -> connection
+    server = None
+    if process_id == 0:
+      server = socket.create_server(("", 0), backlog=num_processes)
+      port = server.getsockname()[1]
+    else:
+      port = 0
+    port = int(multihost_utils.broadcast_one_to_all(np.asarray(port, np.int32)))
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
+    if process_id == 0:
+      server.settimeout(CONNECT_TIMEOUT_S)
+      try:
+        while len(self._peers) < num_processes - 1:
+          conn, _ = server.accept()
+          conn.settimeout(max(deadline - time.monotonic(), 1.0))
+          hello = _read_line(conn)
+          if hello.startswith(b"I") and hello[1:].isdigit():
+            self._peers[int(hello[1:])] = conn
+          else:
+            conn.close()
+      finally:
+        server.close()
+    else:
+      while True:
+        try:
+          conn = socket.create_connection((coordinator_host, port), timeout=5)
+          break
+        except OSError:
+          if time.monotonic() > deadline:
+            raise
+          time.sleep(0.2)
+      conn.sendall(b"I%d\n" % process_id)
+      self._peers[0] = conn
+    for peer, conn in self._peers.items():
+      conn.settimeout(self.timeout_s)
+      threading.Thread(target=self._watch, args=(peer, conn), daemon=True,
+                       name=f"moejax-watchdog-{peer}").start()
+    threading.Thread(target=self._beat, daemon=True, name="moejax-heartbeat").start()
+
+  def _beat(self) -> None:
+    interval = max(min(self.timeout_s / 5, 5.0), 0.1)
+    while not self._closed:
+      for conn in list(self._peers.values()):
+        try:
+          conn.sendall(b"h")
+        except OSError:
+          pass                       # its watcher notices
+      time.sleep(interval)
+
+  def _watch(self, peer: int, conn: socket.socket) -> None:
+    pending = b""
+    while True:
+      try:
+        data = conn.recv(256)
+      except socket.timeout:
+        return self._lost(peer, f"no heartbeat for {self.timeout_s:g} s "
+                                "(config.distributed.heartbeat_timeout_s)")
+      except OSError as e:
+        return self._lost(peer, f"its connection failed: {e.strerror or e}")
+      if self._closed:
+        return
+      if not data:
+        return self._lost(peer, "its connection closed: the process exited or was killed")
+      pending += data.replace(b"h", b"")
+      if b"B" in pending:
+        return                       # a clean end: no longer watched
+      if b"E" in pending:
+        return self._lost(peer, "see its output", error=True)
+      if b"L" in pending and b"\n" in pending[pending.index(b"L"):]:
+        start = pending.index(b"L")
+        lost = pending[start + 1:pending.index(b"\n", start)]
+        return self._lost(int(lost) if lost.isdigit() else peer, "reported by process 0")
+
+  def _lost(self, peer: int, why: str, error: bool = False) -> None:
+    with self._lock:
+      if self._closed:
+        return
+      self._closed = True
+    if self.process_id == 0:         # the others learn which process, not just "process 0"
+      for other, conn in self._peers.items():
+        if other != peer:
+          try:
+            conn.sendall(b"L%d\n" % peer)
+          except OSError:
+            pass
+    what = "stopped with an error" if error else "was lost"
+    print(f"error: process {peer} of {self.num_processes} {what} ({why}); process "
+          f"{self.process_id} stops too: rerun every process to resume from the latest "
+          "checkpoint", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(LOST_EXIT_CODE)
+
+  def close(self, clean: bool) -> None:
+    """Tells the peers that this process ends (b"B" if clean, else b"E") and stops watching."""
+    with self._lock:
+      if self._closed:
+        return
+      self._closed = True
+    for conn in self._peers.values():
+      try:
+        conn.sendall(b"B" if clean else b"E")
+        conn.shutdown(socket.SHUT_WR)
+      except OSError:
+        pass
+
+
+def _read_line(conn: socket.socket) -> bytes:
+  line = b""
+  while not line.endswith(b"\n") and len(line) < 32:
+    chunk = conn.recv(1)
+    if not chunk:
+      break
+    line += chunk
+  return line.strip()

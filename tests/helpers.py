@@ -30,3 +30,20 @@ def run_train(args, timeout=300, env_extra=None):
   env.update(env_extra or {})
   return subprocess.run([sys.executable, os.path.join(REPO, "train.py"), *args], cwd=REPO,
                         capture_output=True, text=True, timeout=timeout, env=env)
+
+
+# The canonical training config of the suite: the tiny preset (16 x 64 tokens, 2 layers) with a
+# short schedule, logged every step. Tests that train use it (on 8, or on 1 device; fsdp or ep)
+# through the session fixture `trainer_for` (tests/conftest.py), so they share compiled steps.
+# `canonical_flags` gives the same config on train.py's command line.
+CANONICAL = {"steps": 12, "log_every": 1, "eval_batches": 1, "checkpoint.every": 4}
+
+
+def canonical_config(placement: str = "fsdp", **overrides):
+  return tiny_config(**CANONICAL, **{"moe.placement": placement}, **overrides)
+
+
+def canonical_flags(placement: str = "fsdp") -> list[str]:
+  """train.py arguments that build `canonical_config(placement)`."""
+  return ["--config", "configs/olmoe.py:tiny", f"--config.moe.placement={placement}",
+          *(f"--config.{k}={v}" for k, v in CANONICAL.items())]

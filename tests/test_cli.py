@@ -1,22 +1,55 @@
-"""train.py turns bad input into one line on stderr and exit code 2, never a traceback."""
+"""train.py turns bad input into one line on stderr and exit code 2, never a traceback.
+
+Bad command lines (absl flag parsing, before anything imports jax) run train.py itself: they
+cost a Python start, not a jax import. Errors found later, in the library that train.py calls
+(`from_config_dict`, `moejax.train.run`), are tested in process by calling it; one subprocess
+(the smoke test) shows train.py turning such an error into one line and exit code 2.
+"""
 import pytest
 
-from tests.helpers import run_train
+from moejax.config import from_config_dict
+from moejax.errors import ConfigError, MoejaxError
+from moejax.train.loop import run
+from tests.helpers import run_train, tiny_config
+import configs.olmoe as olmoe_configs
+
+
+def _one_error_line(proc, message):
+  assert proc.returncode == 2, proc.stderr
+  lines = [l for l in proc.stderr.strip().splitlines() if l.startswith("error:")]
+  assert len(lines) == 1 and message in lines[0], proc.stderr
+  assert "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("args,message", [
     (["--config", "configs/olmoe.py:huge"], "unknown preset 'huge'"),
     (["--config.moe.foo=1"], "unknown config field 'foo'"),
     (["--config.moe.top_k=abc"], "--config.moe.top_k=abc"),
-    (["--config.moe.top_k=9"], "config.moe.top_k=9: must be at most moe.num_experts=8"),
-    (["--config.data.source=jsonl", "--config.data.path=/no/such.jsonl"],
-     "/no/such.jsonl: file not found"),
 ])
-def test_bad_input_is_one_line(tmp_path, args, message):
+def test_bad_command_line_is_one_line(tmp_path, args, message):
   if not args[0].startswith("--config="):
     args = ["--config", "configs/olmoe.py:tiny", *args]
-  proc = run_train([*args, "--workdir", str(tmp_path / "w")], timeout=120)
-  assert proc.returncode == 2, proc.stderr
-  lines = [l for l in proc.stderr.strip().splitlines() if l.startswith("error:")]
-  assert len(lines) == 1 and message in lines[0], proc.stderr
-  assert "Traceback" not in proc.stderr
+  _one_error_line(run_train([*args, "--workdir", str(tmp_path / "w")], timeout=120), message)
+
+
+def test_library_error_is_one_line_smoke(tmp_path):
+  """The one train.py run that imports moejax: a config error raised by the library."""
+  proc = run_train(["--config", "configs/olmoe.py:tiny", "--config.moe.top_k=9",
+                    "--workdir", str(tmp_path / "w")], timeout=120)
+  _one_error_line(proc, "config.moe.top_k=9: must be at most moe.num_experts=8")
+
+
+def test_invalid_config_is_one_message():
+  cd = olmoe_configs.get_config("tiny")
+  cd.moe.top_k = 9
+  with pytest.raises(ConfigError) as e:
+    from_config_dict(cd)
+  assert "\n" not in str(e.value)
+  assert "config.moe.top_k=9: must be at most moe.num_experts=8" in str(e.value)
+
+
+def test_missing_data_file_is_one_message(tmp_path):
+  cfg = tiny_config(**{"data.source": "jsonl", "data.path": "/no/such.jsonl"})
+  with pytest.raises(MoejaxError) as e:     # what train.py prints as one line, exit 2
+    run(cfg, str(tmp_path / "w"))          # fails before anything compiles
+  assert "\n" not in str(e.value) and "/no/such.jsonl: file not found" in str(e.value)

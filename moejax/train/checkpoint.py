@@ -14,6 +14,18 @@ Layout of WORKDIR/checkpoints/, one Orbax `CheckpointManager` keeping the last `
                       is written, so a run killed mid-save leaves only this name, which is ignored
   <step>.unreadable/  a checkpoint that failed to restore, moved out of the way, never deleted
 
+Retention: each save prunes to the latest `checkpoint.keep`, and so does a rerun right after it
+restores (`Checkpointer.prune`): a run killed between a save's commit and its pruning leaves one
+checkpoint too many, and a rerun with nothing left to train would never save again. Pruning
+counts complete checkpoints only (never a tmp or `.unreadable` directory) and never removes the
+newest.
+
+A failed save (a full disk, say) surfaces when the run waits for it: at the next save or at the
+end of the run (`close`). It raises CheckpointError naming the step's path and the latest intact
+checkpoint; the failed step never counts as a checkpoint (its files stay under the tmp name,
+which Orbax replaces when that step is saved again), and the checkpoints before it stay as they
+were (a save prunes older ones only after it commits).
+
 Arrays keep their global shapes, so a checkpoint restores onto any mesh and any expert
 placement: the targets are `StateLayout.shardings` of the restoring run. fssdp stores experts
 where their owners are; its item saves them in canonical order (expert (l, e) at [l, e]) and
@@ -26,6 +38,7 @@ order derive from it).
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 from typing import Any
@@ -55,7 +68,7 @@ load_params = weights.load_params
 # (data.path may move: the data iterator checks the token stream itself, by length and CRC.)
 # (init_from only matters when there is no checkpoint to resume.)
 MAY_DIFFER = ("steps", "log_every", "eval_every", "eval_batches", "remat", "prefetch", "mesh.",
-              "moe.placement", "checkpoint.", "codec.", "data.path", "init_from")
+              "moe.placement", "checkpoint.", "codec.", "data.path", "init_from", "distributed.")
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -162,6 +175,22 @@ def abstract_state(layout: StateLayout, tx: optax.GradientTransformation) -> Tra
                          layout.shardings.opt_state))
 
 
+TMP_SUFFIX = ".orbax-checkpoint-tmp"     # Orbax's name for a step's save in progress
+
+
+def _save_error(error: BaseException) -> str:
+  """One line for a failed save; a full disk said in plain words (tensorstore's message is
+  long and names an inner file)."""
+  inner, depth = error, 0
+  while inner is not None and depth < 20:
+    text = str(inner)
+    if (getattr(inner, "errno", None) == errno.ENOSPC or "No space left on device" in text
+        or "os_error_code='28'" in text):
+      return "no space left on device"
+    inner, depth = inner.__cause__ or inner.__context__, depth + 1
+  return weights.one_line(error)
+
+
 def _has_item(metadata, item: str) -> bool:
   try:
     tree = metadata[item]
@@ -185,6 +214,8 @@ class Checkpointer:
     self._config = weights.config_to_dict(cfg)
     self._manager = _open_manager(self.directory, keep=cfg.checkpoint.keep,
                                   features=self.features)
+    self._pending: int | None = None     # the step whose save may still be in flight
+    self._failed = False                 # a save failed (reported once, as CheckpointError)
 
   def step_path(self, step: int) -> str:
     return os.path.join(self.directory, str(step))
@@ -192,6 +223,27 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     """Steps of the complete checkpoints (a save in progress or set aside is not one)."""
     return sorted(self._manager.all_steps())
+
+  def resume_point(self) -> str:
+    """Where a rerun would start, as words: the latest checkpoint, or the beginning."""
+    steps = self.all_steps()
+    if not steps:
+      return "no checkpoint yet: a rerun starts from the beginning"
+    return f"a rerun resumes from checkpoint {self.step_path(steps[-1])} (step {steps[-1]})"
+
+  def prune(self) -> list[int]:
+    """Removes the oldest complete checkpoints beyond `checkpoint.keep` (never the newest; tmp
+    and `.unreadable` directories are not checkpoints and stay) and logs one line. Returns the
+    steps removed. Called on every process alike (Orbax deletes on process 0)."""
+    steps = self.all_steps()
+    keep = self.cfg.checkpoint.keep
+    removed = steps[:-keep] if len(steps) > keep >= 1 else []
+    for step in removed:
+      self._manager.delete(step)
+    if removed:
+      log(f"moejax: checkpoint.keep={keep}: removed {len(removed)} older checkpoint(s) from "
+          f"{self.directory}: step(s) {', '.join(map(str, removed))}")
+    return removed
 
   def should_save(self, step: int) -> bool:
     every = self.cfg.checkpoint.every
@@ -202,6 +254,7 @@ class Checkpointer:
     returns once the arrays are copied off the devices, so `state` may be donated next. Each
     feature gives its item and may rewrite what is saved (fssdp saves experts in canonical
     order)."""
+    self.wait()                 # the previous save: a failure surfaces here, named
     if step in self._manager.all_steps():
       return
     extra, json_items = {}, {}
@@ -211,18 +264,47 @@ class Checkpointer:
     items = {"params": state.params, "opt_state": state.opt_state, **extra}
     meta = {"format": weights.FORMAT, "step": int(step), "seed": self.cfg.seed, "data": data_state,
             "checksums": {item: weights.checksums(tree) for item, tree in items.items()}}
-    self._manager.save(step, force=True, args=ocp.args.Composite(
-        **{item: ocp.args.StandardSave(tree) for item, tree in items.items()},
-        **{item: ocp.args.JsonSave(value) for item, value in json_items.items()},
-        meta=ocp.args.JsonSave(meta), config=ocp.args.JsonSave(self._config)))
+    self._pending = step
+    try:
+      self._manager.save(step, force=True, args=ocp.args.Composite(
+          **{item: ocp.args.StandardSave(tree) for item, tree in items.items()},
+          **{item: ocp.args.JsonSave(value) for item, value in json_items.items()},
+          meta=ocp.args.JsonSave(meta), config=ocp.args.JsonSave(self._config)))
+    except Exception as e:  # noqa: BLE001 -- whatever the storage raises
+      self._save_failed(step, e)
 
   def wait(self) -> None:
-    """Blocks until every started save has committed."""
-    self._manager.wait_until_finished()
+    """Blocks until every started save has committed; a save that failed raises CheckpointError
+    (once) naming its step's path and the latest intact checkpoint."""
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:  # noqa: BLE001 -- whatever the storage raised in the background
+      self._save_failed(self._pending, e)
+    self._pending = None
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
-    self._manager.close()
+    """Waits for the last save (raising CheckpointError if it failed) and closes the manager."""
+    try:
+      self.wait()
+    finally:
+      try:
+        self._manager.close()
+      except Exception:  # noqa: BLE001
+        if not self._failed:
+          raise          # after a reported failure, the manager's echo of it is not news
+
+  def _save_failed(self, step: int | None, error: BaseException) -> None:
+    self._failed = True
+    self._pending = None
+    self._manager.reload()       # what is on disk: the failed step is not a checkpoint
+    where = (f"checkpoint {self.step_path(step)} (step {step})" if step is not None
+             else f"a checkpoint in {self.directory}")
+    partial = self.step_path(step) + TMP_SUFFIX if step is not None else ""
+    leftover = (f"; its partial files are in {partial} (never resumed from; delete them to "
+                "free the space)" if partial and os.path.exists(partial) else "")
+    raise CheckpointError(f"saving {where} failed: {_save_error(error)}; stopping. The "
+                          f"checkpoints before it are intact: {self.resume_point()}"
+                          f"{leftover}") from None
 
   def restore(self, layout: StateLayout, tx: optax.GradientTransformation,
               data_iterator=None) -> tuple[TrainState, int] | None:

@@ -6,6 +6,10 @@ step's metrics are read), so the host never blocks the device.
 A run resumes from the latest readable checkpoint in workdir/checkpoints (see
 `moejax.train.checkpoint`): same step numbering, data position and learning-rate schedule, so an
 interrupted run continues bit for bit. It saves every `checkpoint.every` steps and at the end.
+
+A step whose loss or gradient norm is not finite stops the run with TrainingError naming the
+latest good checkpoint; no checkpoint of a non-finite state is written (a save first reads that
+step's figures). A failed save stops it with CheckpointError (`moejax.train.checkpoint`).
 """
 from __future__ import annotations
 
@@ -55,15 +59,19 @@ class Compiled:
 class Trainer:
   """Everything compiled and placed for one config on one mesh."""
 
-  def __init__(self, cfg: Config, mesh=None):
+  def __init__(self, cfg: Config, mesh=None, *, trace_guard=None):
+    """`trace_guard(fn) -> fn` wraps every train step function this Trainer jits (see
+    `step.make_train_step`)."""
     self.cfg = cfg
+    self.trace_guard = trace_guard
     self.mesh = mesh if mesh is not None else make_mesh(cfg.mesh.shape)
     step_lib.check_divisibility(cfg, self.mesh)
     self.tx = optim.make_optimizer(cfg)
     self.schedule = optim.lr_schedule(cfg)
     self.layout = state_lib.state_layout(cfg, self.mesh, self.tx)
     self.train_step = step_lib.make_train_step(cfg, self.mesh, self.layout, self.tx,
-                                               self.schedule)
+                                               self.schedule, trace_guard=trace_guard)
+    self._init = state_lib.make_init(cfg, self.tx, self.layout)   # jitted once, any seed
     self.eval_step = step_lib.make_eval_step(cfg, self.mesh, self.layout)
     # One compiled train step per codec choice (`compiled`), the config's own first.
     self._compiled = {specs_key(self.layout.gatherer.specs): Compiled(self.layout,
@@ -80,7 +88,7 @@ class Trainer:
       layout = dataclasses.replace(self.layout, gatherer=gatherer,
                                    shardings=self.layout.shardings.replace(gather_state=shardings))
       self._compiled[key] = Compiled(layout, step_lib.make_train_step(
-          self.cfg, self.mesh, layout, self.tx, self.schedule))
+          self.cfg, self.mesh, layout, self.tx, self.schedule, trace_guard=self.trace_guard))
     return self._compiled[key]
 
   def adopt(self, state, current: "Compiled", specs: dict):
@@ -94,7 +102,7 @@ class Trainer:
 
   def init_state(self, seed: int | None = None):
     seed = self.cfg.seed if seed is None else seed
-    return state_lib.init_state(self.cfg, self.tx, self.layout, jax.random.key(seed))
+    return state_lib.with_rebuilt_state(self.layout, self._init(jax.random.key(seed)))
 
   def evaluate(self, params, batches, placement_state=None) -> float:
     return float(np.mean([float(self.eval_step(params, b, placement_state)) for b in batches]))
@@ -138,11 +146,18 @@ def init_from(trainer: Trainer, path: str):
   return state_lib.state_from_params(params, trainer.tx, trainer.layout)
 
 
-def _check_finite(step: int, metrics: dict) -> None:
-  loss = float(metrics["loss"])
-  if not math.isfinite(loss):
-    raise TrainingError(f"loss became {loss} at step {step}; stopping (try a lower optim.lr "
-                        "or a smaller optim.clip_norm)")
+FINITE = ("loss", "grad_norm")     # a step whose figures are not finite stops the run
+
+
+def _check_finite(step: int, metrics: dict, checkpoints) -> None:
+  """Raises TrainingError if the step's loss or gradient norm is not finite, naming the latest
+  good checkpoint a rerun would resume from (after waiting for a save still in flight)."""
+  for name in FINITE:
+    value = float(metrics[name])
+    if not math.isfinite(value):
+      checkpoints.wait()
+      raise TrainingError(f"{name} became {value} at step {step}; stopping (try a lower "
+                          f"optim.lr or a smaller optim.clip_norm); {checkpoints.resume_point()}")
 
 
 def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
@@ -176,6 +191,7 @@ def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
     else:
       state, step = restored
       log(f"moejax: resuming from step {step} (checkpoint {checkpoints.step_path(step)})")
+      checkpoints.prune()     # a run killed before its save pruned left one too many
     val_batches = [put_batch(b, trainer.mesh)
                    for b in data.val_batches(min(cfg.eval_batches, data.num_val_batches))]
     log(f"moejax: {data.name}, {num_devices(trainer.mesh)} device(s), "
@@ -214,7 +230,7 @@ def _train(trainer: Trainer, state, data, val_batches, writer, checkpoints, poli
     if choice is not None:       # the codec's new choice, from the next step on
       state, compiled = trainer.adopt(state, compiled, choice)
     if previous is not None:
-      _check_finite(*previous)
+      _check_finite(*previous, checkpoints)
     previous = (step, metrics)
     steps_since_log += 1
     log_now = True
@@ -227,7 +243,7 @@ def _train(trainer: Trainer, state, data, val_batches, writer, checkpoints, poli
     evaluate = step % cfg.eval_every == 0 or step == cfg.steps
     if log_now and (step % cfg.log_every == 0 or evaluate):
       values = jax.device_get(metrics)   # waits for this step: the timing below is honest
-      _check_finite(step, values)
+      _check_finite(step, values, checkpoints)
       if steps_since_log:
         step_time = (time.perf_counter() - t_log) / steps_since_log
       else:                                # the first (compiling) step, logged on its own
@@ -250,6 +266,8 @@ def _train(trainer: Trainer, state, data, val_batches, writer, checkpoints, poli
       log(f"moejax: step {step}: re-sharded experts: {resharding.moved} moved "
           f"({resharding.moved_bytes / 2**20:.1f} MiB of parameters and optimizer state)")
     if checkpoints.should_save(step) or step == last_step:
-      _check_finite(step, metrics)       # never save a state whose loss is not finite
+      # Never save a non-finite state: this step's loss (the parameters it started from) and
+      # gradient norm (the update it made) must be finite. Waits for this step's figures.
+      _check_finite(step, metrics, checkpoints)
       checkpoints.save(step, state, data.train.get_state())
   return record

@@ -118,14 +118,14 @@ def with_rebuilt_state(lay: StateLayout, state: TrainState, *,
                        placement=placement)
 
 
-def init_state(cfg: Config, tx: optax.GradientTransformation, lay: StateLayout,
-               key: jax.Array) -> TrainState:
+def make_init(cfg: Config, tx: optax.GradientTransformation, lay: StateLayout):
+  """key -> step 0, params and optimizer state placed on `lay`'s shardings: one jitted function
+  (make it once; every seed reuses its executable)."""
   def init(key):
     params = olmoe.init_params(cfg, key)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
-  state = jax.jit(init, out_shardings=_without_gather_state(lay.shardings))(key)
-  return with_rebuilt_state(lay, state)
+  return jax.jit(init, out_shardings=_without_gather_state(lay.shardings))
 
 
 def state_from_params(params, tx: optax.GradientTransformation, lay: StateLayout) -> TrainState:

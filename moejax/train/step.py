@@ -157,7 +157,9 @@ def codec_denominators(lay: StateLayout) -> dict:
 
 
 def make_train_step(cfg: Config, mesh, lay: StateLayout, tx: optax.GradientTransformation,
-                    schedule: optax.Schedule):
+                    schedule: optax.Schedule, *, trace_guard=None):
+  """The jitted train step. `trace_guard(fn) -> fn` wraps the step function before it is jitted
+  (tests pass `chex.assert_max_traces`, so a retrace fails instead of compiling again)."""
   check_divisibility(cfg, mesh, lay)
   sharded_grads = make_grad_fn(cfg, mesh, lay)
 
@@ -176,6 +178,8 @@ def make_train_step(cfg: Config, mesh, lay: StateLayout, tx: optax.GradientTrans
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                       gather_state=gather_state, placement=placement_state), metrics
 
+  if trace_guard is not None:
+    train_step = trace_guard(train_step)
   return jax.jit(train_step, donate_argnums=0, out_shardings=(lay.shardings, None))
 
 

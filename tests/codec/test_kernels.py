@@ -333,7 +333,9 @@ def test_triton_kernels():
   for test_file, interpret in (("tests/codec/kernels_triton_interp.py", "1"),
                                ("tests/codec/kernels_triton_compile.py", "0")):
     result = subprocess.run(
-        [python, "-m", "pytest", "--noconftest", "-p", "no:cacheprovider", test_file],
+        # -o addopts: not the main env's options (pyproject.toml's -n 2 needs pytest-xdist).
+        [python, "-m", "pytest", "--noconftest", "-o", "addopts=", "-p", "no:cacheprovider",
+         test_file],
         cwd=ROOT, env={**env, "TRITON_INTERPRET": interpret}, capture_output=True, text=True,
         timeout=1200, check=False)
     output = result.stdout + result.stderr

@@ -1,4 +1,7 @@
-"""Compiled train steps shared by the sharding tests (compiling is the slow part on CPU)."""
+"""Compiled train steps shared by the sharding tests (compiling is the slow part on CPU): the
+canonical trainers of the session (tests/conftest.py `trainer_for`), lowered ahead of time. With
+default compiler options the executable is the one their jitted train step runs (XLA compiles it
+once, whichever comes first)."""
 import concurrent.futures
 
 import jax
@@ -6,16 +9,16 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from moejax.sharding.mesh import make_mesh
 from moejax.train.loop import Trainer
 from moejax.train.step import BATCH_SPEC
-from tests.helpers import tiny_config
+from tests.helpers import canonical_config
 
 
 def abstract_inputs(trainer: Trainer):
   """(state, batch) as ShapeDtypeStructs carrying their shardings: lowering needs no arrays."""
   state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                       jax.eval_shape(trainer.init_state), trainer.layout.shardings)
+                       jax.eval_shape(trainer.init_state),
+                       trainer.layout.shardings)
   cfg = trainer.cfg
   batch = {k: jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), np.int32,
                                    sharding=NamedSharding(trainer.mesh, spec))
@@ -24,11 +27,11 @@ def abstract_inputs(trainer: Trainer):
 
 
 class CompiledStep:
-  """The tiny preset's train step for one placement on the first `num_devices` devices."""
+  """The canonical train step for one placement on the first `num_devices` devices."""
 
-  def __init__(self, placement: str, num_devices: int, compiler_options=None):
-    self.trainer = Trainer(tiny_config(**{"moe.placement": placement}),
-                           mesh=make_mesh((1, -1), jax.devices()[:num_devices]))
+  def __init__(self, trainer: Trainer, compiler_options=None):
+    self.trainer = trainer
+    num_devices = trainer.mesh.devices.size
     self.num_devices = num_devices
     self.inputs = abstract_inputs(self.trainer)
     self.lowered = self.trainer.train_step.lower(*self.inputs)
@@ -42,7 +45,7 @@ class CompiledStep:
 
 
 @pytest.fixture(scope="session")
-def compiled_steps():
+def compiled_steps(trainer_for):
   """compiled_steps([(placement, num_devices), ...], compiler_options=None) -> [CompiledStep],
   each compiled once per session; the missing ones compile side by side (XLA releases the GIL).
   """
@@ -52,7 +55,8 @@ def compiled_steps():
     options_key = tuple(sorted((compiler_options or {}).items()))
     for placement, n in keys:
       if (placement, n, options_key) not in cache:
-        cache[placement, n, options_key] = CompiledStep(placement, n, compiler_options)
+        cache[placement, n, options_key] = CompiledStep(
+            trainer_for(canonical_config(placement), n), compiler_options)
     steps = [cache[placement, n, options_key] for placement, n in keys]
     with concurrent.futures.ThreadPoolExecutor(len(steps)) as pool:
       return list(pool.map(CompiledStep.compile, steps))

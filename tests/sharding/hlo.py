@@ -3,7 +3,8 @@ the sharding hook issues.
 
 Two views of one program:
   StableHLO (`lowered.as_text()`)      the collectives we wrote, before XLA touches them: the
-                                       hook's all_gathers, in bf16, of per-layer shapes.
+                                       hook's all_gathers of bf16 bit patterns (ui16), of
+                                       per-layer shapes.
   compiled HLO (`compiled.as_text()`)  after SPMD partitioning and optimization. Any collective
                                        XLA adds to reshard arrays (say for an optimizer update
                                        outside the shard_map) shows up here, named in its
@@ -11,8 +12,9 @@ Two views of one program:
                                        (`state.params['embed']`, `jit(step)/add`), where ours
                                        carry the name of the primitive that issued them
                                        (`.../all_gather`, `.../reduce_scatter`).
-XLA:CPU carries bf16 collectives out in f32 (float normalization), so on CPU the compiled view
-shows the hook's gathers as f32: the bf16 check is made on the StableHLO.
+The hook gathers integer views (u16) because XLA:CPU carries bf16 collectives out in f32 (float
+normalization), which rewrites NaN payloads; an integer gather stays u16 in the compiled view on
+every backend.
 """
 from __future__ import annotations
 
@@ -126,7 +128,7 @@ def missing(found: list[Collective], expected: dict[str, set[tuple]]) -> list[st
 
 
 def stablehlo_problems(found: list[Collective], expected: dict[str, set[tuple]],
-                       dtype: str = "bf16") -> list[str]:
+                       dtype: str = "ui16") -> list[str]:
   """The gathers as written: each in `dtype` and of a full per-layer parameter shape."""
   shapes = expected["all-gather"]
   return [f"{c}: " + ("not a full per-layer parameter shape" if c.shape not in shapes else

@@ -1,7 +1,8 @@
 """The compiled train step moves parameters only through the hook.
 
 On 8 devices with fsdp, every all-gather in the compiled step is one the hook issued: a full
-per-layer parameter (never a layer-stacked array, never optimizer state), gathered in bf16;
+per-layer parameter (never a layer-stacked array, never optimizer state), gathered as bf16 bit
+patterns (u16: no float normalization can touch them);
 none was added by XLA (say, to run the optimizer update on gathered parameters). Every reduce-scatter returns a per-layer gradient shard in f32. The
 checker is shown to flag programs that gather in those other ways. (Default config: codec off;
 the compressed gather moves payloads of other shapes and would need its own expectations.)
@@ -27,9 +28,8 @@ def _expected(step):
 
 
 def _compiled_dtypes():
-  # XLA:CPU carries bf16 collectives out in f32; elsewhere the compiled gather stays bf16.
-  gather = {"bf16", "f32"} if jax.default_backend() == "cpu" else {"bf16"}
-  return {"all-gather": gather, "reduce-scatter": {"f32"}}
+  # The hook gathers integer views: u16 on every backend (a float gather would be normalized).
+  return {"all-gather": {"u16"}, "reduce-scatter": {"f32"}}
 
 
 def test_train_step_gathers_only_through_the_hook(fsdp8):
@@ -74,7 +74,10 @@ def _embed_program(trainer, extra_gather: bool, gather_dtype):
   replicated = NamedSharding(trainer.mesh, P())
 
   def body(shard):
-    return lax.all_gather(shard.astype(gather_dtype), DEVICES, axis=lay.dim, tiled=True)
+    x = shard.astype(gather_dtype)
+    if gather_dtype == jnp.bfloat16:     # as the hook does it: the bit patterns
+      x = lax.bitcast_convert_type(x, jnp.uint16)
+    return lax.all_gather(x, DEVICES, axis=lay.dim, tiled=True)
 
   gathered = jax.shard_map(body, mesh=trainer.mesh, in_specs=spec, out_specs=P(),
                            check_vma=False)
@@ -82,7 +85,8 @@ def _embed_program(trainer, extra_gather: bool, gather_dtype):
   def program(embed):
     out = gathered(embed)
     if extra_gather:       # e.g. an update computed on the replicated parameter
-      out = out + lax.with_sharding_constraint(embed * 2, replicated).astype(out.dtype)
+      out = out + lax.with_sharding_constraint(embed * 2, replicated).astype(jnp.bfloat16).view(
+          out.dtype)
     return out
 
   shape = trainer.layout.param_shapes["embed"]
@@ -94,7 +98,7 @@ def _embed_program(trainer, extra_gather: bool, gather_dtype):
 @pytest.mark.parametrize("extra_gather,gather_dtype,flagged", [
     (False, jnp.bfloat16, None),
     (True, jnp.bfloat16, "added by XLA"),
-    (False, jnp.float32, "gathers f32, the hook gathers bf16"),
+    (False, jnp.float32, "gathers f32, the hook gathers ui16"),
 ])
 def test_checker_on_small_programs(fsdp8, extra_gather, gather_dtype, flagged):
   trainer = fsdp8.trainer

@@ -23,7 +23,8 @@ def _bytes(tree, replicated_only=False) -> int:
 
 # Argument and alias sizes come from XLA's buffer assignment, which the backend (LLVM)
 # optimization level does not change: 8 devices share the default compile with
-# test_collectives.py, 1, 2 and 4 compile at -O0 (half the time on CPU), side by side.
+# test_collectives.py and the canonical trainer's step (tests/train/test_step.py), 1, 2 and 4
+# compile at -O0 (half the time on CPU), side by side.
 FAST = {"xla_backend_optimization_level": 0}
 
 

@@ -1,12 +1,13 @@
 """Checkpoints on disk with real Orbax: bit-exact resume, a process killed while saving, damaged
 files, other meshes and expert placements, incompatible configs, and `load_params`.
 
-Training runs in process on 8 devices through one shared Trainer (compiled once), except the run
-that must be killed: a train.py subprocess, on 8 devices too, so that its numbers can be compared
-bit for bit. Mesh and placement changes are tested on random states, without training.
+Training runs in process on 8 devices through the suite's canonical Trainer (tests/conftest.py
+`trainer_for`, compiled once per session), except the run that must be killed: a train.py
+subprocess, on 8 devices too, so that its numbers can be compared bit for bit. The uninterrupted
+reference run (`trained`, tests/train/conftest.py) is shared with test_init_from.py. Mesh and
+placement changes are tested on random states, without training.
 """
 import gc
-import json
 import os
 import shutil
 import signal
@@ -26,16 +27,14 @@ from moejax.sharding.mesh import make_mesh
 from moejax import weights
 from moejax.train import checkpoint as ckpt
 from moejax.train import optim, state as state_lib
-from moejax.train.loop import Trainer, run
-from tests.helpers import REPO, run_train, tiny_config
+from moejax.train.loop import run
+from tests.helpers import CANONICAL, REPO, canonical_config, canonical_flags, tiny_config
+from tests.train.conftest import TIMING, records as _records
 
 SMALL = {"batch_size": 8, "seq_len": 32, "log_every": 1, "eval_batches": 1}
-STEPS = 12
-RUN = {**SMALL, "steps": STEPS, "checkpoint.every": 4}
-CLI = ["--config", "configs/olmoe.py:tiny", "--config.batch_size=8", "--config.seq_len=32",
-       "--config.log_every=1", "--config.eval_batches=1", f"--config.steps={STEPS}",
-       "--config.checkpoint.every=4"]
-TIMING = ("step_time_s", "tokens_per_s")
+STEPS = CANONICAL["steps"]                 # 12, checkpoints every 4
+assert CANONICAL["checkpoint.every"] == 4
+CLI = canonical_flags("fsdp")
 
 # train.py with Orbax's JSON writer stopped, forever, when it writes the meta/ item of one step:
 # the process sits in the middle of that save, its tmp directory on disk, until it is killed.
@@ -57,32 +56,14 @@ runpy.run_path(train_py, run_name="__main__")
 """
 
 
-def _records(workdir) -> list[dict]:
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f]
-
-
 def _numbers(records: list[dict]) -> list[dict]:
   """What a resumed run must reproduce exactly: everything but wall-clock figures."""
   return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
 
 
-@pytest.fixture(scope="module")
-def trainer():
-  return Trainer(tiny_config(**RUN))
-
-
 # ------------------------------------------------------------------------------------------------
-# One uninterrupted run (checkpoints 4, 8, 12): the reference, and what later tests copy.
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory, trainer):
-  workdir = tmp_path_factory.mktemp("trained") / "w"
-  run(trainer.cfg, str(workdir), trainer=trainer)
-  assert [r["step"] for r in _records(workdir)] == list(range(1, STEPS + 1))
-  assert sorted(os.listdir(workdir / "checkpoints")) == ["12", "4", "8"]
-  return workdir
-
+# One uninterrupted run (checkpoints 4, 8, 12): `trained`, the reference, and what later tests
+# copy (tests/train/conftest.py).
 
 def _copy(trained, tmp_path):
   shutil.copytree(trained, tmp_path / "w")
@@ -215,13 +196,15 @@ def test_only_unreadable_checkpoints_is_an_error_not_a_fresh_start(trainer, trai
 # Incompatible configs.
 
 def test_incompatible_config_is_refused_naming_the_field(trained, tmp_path):
+  """What `train.py ... --config.model.d_model=128` runs (in process; how train.py turns a
+  MoejaxError into one line and exit code 2 is tests/test_cli.py's)."""
   workdir = _copy(trained, tmp_path)
-  out = run_train([*CLI, "--config.model.d_model=128", "--workdir", str(workdir)])
-  assert out.returncode == 2, out.stderr[-3000:]
-  errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
-  assert len(errors) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
-  assert f"checkpoint {workdir}/checkpoints/12 (step 12)" in errors[0]
-  assert "config.model.d_model: checkpoint has 64, run has 128" in errors[0]
+  with pytest.raises(CheckpointError) as e:
+    run(canonical_config(**{"model.d_model": 128}), str(workdir))
+  message = str(e.value)
+  assert "\n" not in message
+  assert f"checkpoint {workdir}/checkpoints/12 (step 12)" in message
+  assert "config.model.d_model: checkpoint has 64, run has 128" in message
   assert sorted(os.listdir(workdir / "checkpoints")) == ["12", "4", "8"]   # untouched
 
 

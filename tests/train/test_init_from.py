@@ -6,23 +6,19 @@ import pytest
 from moejax.errors import ConfigError
 from moejax.sharding.mesh import make_mesh
 from moejax.train import checkpoint
-from moejax.train.loop import Trainer, init_from, run
-from tests.helpers import tiny_config
-
-SMALL = {"batch_size": 8, "seq_len": 32, "steps": 2, "log_every": 1, "eval_every": 2,
-         "eval_batches": 1}
+from moejax.train.loop import Trainer, init_from
+from tests.helpers import canonical_config
 
 
-def test_init_from_a_checkpoint(tmp_path):
-  src = str(tmp_path / "src")
-  run(tiny_config(**SMALL), src)
-  trainer = Trainer(tiny_config(**SMALL), mesh=make_mesh((1, -1), jax.devices()[:4]))
+def test_init_from_a_checkpoint(trained, trainer_for):
+  src = str(trained)            # the canonical run's workdir (tests/train/conftest.py)
+  trainer = trainer_for(canonical_config(), 4)     # another mesh than the run's 8 devices
   state = init_from(trainer, src)
   assert int(state.step) == 0
   expected = checkpoint.load_params(src)
   for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(jax.device_get(state.params))):
     np.testing.assert_array_equal(a, b)
-  other = Trainer(tiny_config(**{**SMALL, "model.d_model": 32, "model.head_dim": 8}),
+  other = Trainer(canonical_config(**{"model.d_model": 32, "model.head_dim": 8}),
                   mesh=make_mesh((1, -1), jax.devices()[:1]))
   with pytest.raises(ConfigError, match=r"init_from=.*config.model.d_model=32, but the weights "
                                         r"have 64"):

@@ -1,14 +1,17 @@
-"""One golden train step; the sharded step equals the single-device step (fsdp and ep)."""
+"""One golden train step; the sharded step equals the single-device step (fsdp and ep).
+
+The three trainers are the suite's shared canonical ones (tests/conftest.py `trainer_for`). The
+gradients compared are those of the first step, read back from Adam's first moment after it
+(mu = (1 - b1) * g; the first step's gradient norm is below optim.clip_norm, so g is unclipped):
+no separately jitted gradient function."""
+import chex
 import jax
 import numpy as np
+import optax
 import pytest
 
-from moejax.sharding.mesh import make_mesh
-from moejax.train.loop import Trainer, put_batch
-from moejax.train.step import make_grad_fn
-from tests.helpers import tiny_config
-
-STEPS = 20
+from moejax.train.loop import put_batch
+from tests.helpers import canonical_config
 
 
 def _batches(cfg, n):
@@ -20,36 +23,37 @@ def _batches(cfg, n):
   return out
 
 
-def _run(placement, num_devices):
-  cfg = tiny_config(**{"moe.placement": placement, "log_every": 1})
-  trainer = Trainer(cfg, mesh=make_mesh((1, -1), jax.devices()[:num_devices]))
+def _run(trainer):
+  cfg = trainer.cfg
   state = trainer.init_state()
-  batches = [put_batch(b, trainer.mesh) for b in _batches(cfg, STEPS)]
-  grads, _, _, _ = jax.jit(make_grad_fn(cfg, trainer.mesh, trainer.layout))(
-      state.params, batches[0], state.step, state.gather_state)
-  grads = jax.device_get(grads)
-  losses, grad_norms = [], []
+  batches = [put_batch(b, trainer.mesh) for b in _batches(cfg, cfg.steps)]
+  losses, grad_norms, grads = [], [], None
   for b in batches:
     state, metrics = trainer.train_step(state, b)
+    if grads is None:
+      mu = jax.device_get(optax.tree_utils.tree_get(state.opt_state, "mu"))
+      grads = jax.tree.map(lambda m: m / (1 - cfg.optim.b1), mu)
     losses.append(float(metrics["loss"]))
     grad_norms.append(float(metrics["grad_norm"]))
+  assert grad_norms[0] < cfg.optim.clip_norm
   return {"grads": grads, "losses": np.array(losses), "grad_norms": np.array(grad_norms),
-          "params": jax.device_get(state.params), "metrics": jax.device_get(metrics)}
+          "params": jax.device_get(state.params), "metrics": jax.device_get(metrics),
+          "state": state}
 
 
 @pytest.fixture(scope="module")
-def single():
-  return _run("fsdp", 1)
+def single(trainer_for):
+  return _run(trainer_for(canonical_config("fsdp"), 1))
 
 
 @pytest.fixture(scope="module")
-def fsdp8():
-  return _run("fsdp", 8)
+def fsdp8(trainer_for):
+  return _run(trainer_for(canonical_config("fsdp"), 8))
 
 
 @pytest.fixture(scope="module")
-def ep8():
-  return _run("ep", 8)
+def ep8(trainer_for):
+  return _run(trainer_for(canonical_config("ep"), 8))
 
 
 def test_golden_first_step(single):
@@ -69,7 +73,7 @@ def test_sharded_equals_single_device(name, single, request):
     scale = np.max(np.abs(g1)) + 1e-12
     err = np.max(np.abs(g1 - g8)) / scale
     assert err < 2e-2, (jax.tree_util.keystr(path[0]), err)
-  # 20 steps follow the single-device loss curve.
+  # The whole run follows the single-device loss curve.
   np.testing.assert_allclose(sharded["losses"], single["losses"], rtol=2e-3, atol=2e-3)
 
 
@@ -78,6 +82,19 @@ def test_fsdp_and_ep_give_the_same_loss(fsdp8, ep8):
   np.testing.assert_allclose(ep8["losses"], fsdp8["losses"], rtol=2e-3)
   assert ep8["metrics"]["ep_dropped_frac"] == 0.0     # dropless by default
   assert np.all(ep8["metrics"]["dropped_frac"] == 0.0)
+
+
+def test_train_step_traces_once(trainer_for, fsdp8):
+  """The shared trainers' steps are guarded by chex.assert_max_traces(n=1); a call that would
+  retrace (here: a batch of another dtype) fails instead of compiling a second program."""
+  trainer = trainer_for(canonical_config("fsdp"), 8)
+  assert trainer.trace_guard is not None
+  state = fsdp8["state"]           # the run's last state: the failing call donates nothing
+  batch = _batches(trainer.cfg, 1)[0]
+  bad = put_batch({k: v.astype(np.int16) for k, v in batch.items()}, trainer.mesh)
+  with pytest.raises(AssertionError, match=r"traced > 1 times"):
+    trainer.train_step(state, bad)
+  chex.assert_trees_all_equal(fsdp8["params"], jax.device_get(state.params))
 
 
 GOLDEN_LOSS0 = 5.7756123542785645
