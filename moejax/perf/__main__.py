@@ -1,0 +1,5 @@
+import sys
+
+from moejax.perf.cli import main
+
+sys.exit(main())

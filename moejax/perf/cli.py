@@ -1,0 +1,180 @@
+"""python -m moejax.perf: project a preset's step time on a cluster over GPU counts.
+
+  python -m moejax.perf --config configs/olmoe.py:1b7b --cluster ciera-a100 \\
+      --gpus 8,16,32,64,128 [--metrics WORKDIR/metrics.jsonl] [--plot projection.png]
+
+Prints a table of step time (compute, straggler wait, framework, codec kernels and exposed
+communication by kind, in ms), the speedup over the first system and memory per GPU, for each
+GPU count and system, and writes a PNG plot. Systems default by the config's placement: fsdp
+-> zero3, ciera, fsdp, moejax-block, moejax-auto (or the codec mode the config sets); ep or
+fssdp -> moejax-ep, moejax-fssdp, uniform. `--metrics` reads a run's codec byte ratios
+(gather_bytes / gather_bytes_plain, per group) and routing skew (load_max / load_mean per
+layer) instead of bench/codec.py's figures and synthetic traces. Calibration: the committed
+figures of moejax/perf/data/calibration.json (bench/projection.py fits them).
+Exit code 2 with one line `error: ...` on bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import os
+import sys
+
+from moejax.perf import calibrate as cb
+from moejax.perf import codec as cd
+from moejax.perf import loads as ld
+from moejax.perf import report
+from moejax.perf.hardware import CLUSTERS, get_cluster
+from moejax.perf.model import Run
+from moejax.perf.shapes import SHAPES, get_shape, shape_of
+from moejax.perf.step import step_time
+from moejax.perf.systems import get_system
+
+
+def load_config(spec: str):
+  """`path.py[:arg]` -> moejax Config (the file's get_config(arg), validated)."""
+  path, _, arg = spec.partition(":")
+  if not os.path.isfile(path):
+    raise ValueError(f"--config {spec}: no such file {path}")
+  mod_spec = importlib.util.spec_from_file_location("_perf_config", path)
+  module = importlib.util.module_from_spec(mod_spec)
+  mod_spec.loader.exec_module(module)
+  from moejax.config import from_config_dict
+  return from_config_dict(module.get_config(arg or None))
+
+
+def _parser():
+  p = argparse.ArgumentParser(prog="python -m moejax.perf", description=__doc__.split("\n")[0])
+  src = p.add_mutually_exclusive_group(required=True)
+  src.add_argument("--config", help="moejax config file[:preset], e.g. configs/olmoe.py:1b7b")
+  src.add_argument("--model", help=f"a perf-only shape: {', '.join(SHAPES)}")
+  p.add_argument("--layers", type=int, default=0, help="use only this many layers")
+  p.add_argument("--cluster", default="ciera-a100", help=f"one of {', '.join(CLUSTERS)}")
+  p.add_argument("--gpus", default="8,16,32,64,128", help="comma-separated GPU counts")
+  p.add_argument("--systems", default="", help="comma-separated systems (moejax.perf.systems)")
+  p.add_argument("--seq-len", type=int, default=0, help="default: the config's seq_len")
+  p.add_argument("--tokens-per-gpu", type=float, default=0,
+                 help="default: 2 sequences (weak scaling)")
+  p.add_argument("--metrics", default="", help="a run's metrics.jsonl")
+  p.add_argument("--codec-regime", default="high", choices=sorted(cd.MEASURED_RATIOS),
+                 help="bench/codec.py's figures to use without --metrics")
+  p.add_argument("--trace", default="synthetic", choices=("synthetic", "recorded"),
+                 help="ep/fssdp loads: synthetic skew or bench/fssdp.py's recorded trace")
+  p.add_argument("--steps", type=int, default=8, help="timed trace steps")
+  p.add_argument("--no-remat", action="store_true")
+  p.add_argument("--plot", default="projection.png", help="PNG path ('' for none)")
+  return p
+
+
+def _systems(args, cfg) -> list[str]:
+  if args.systems:
+    names = [s.strip() for s in args.systems.split(",") if s.strip()]
+    for s in names:
+      get_system(s)
+    return names
+  placement = getattr(getattr(cfg, "moe", None), "placement", "fsdp")
+  if placement in ("ep", "fssdp"):
+    return ["moejax-ep", "moejax-fssdp", "uniform"]
+  mode = getattr(getattr(cfg, "codec", None), "mode", "off")
+  names = ["zero3", "ciera", "fsdp", "moejax-block", "moejax-auto"]
+  if mode not in ("off", "block", "auto"):
+    names.append(f"moejax-{mode}")
+  return names
+
+
+def main(argv=None) -> int:
+  args = _parser().parse_args(argv)
+  try:
+    return _run(args)
+  except (ValueError, OSError, KeyError) as e:
+    msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _run(args) -> int:
+  cfg = None
+  if args.config:
+    cfg = load_config(args.config)
+    shape = dataclasses.replace(shape_of(cfg), name=args.config.split("/")[-1])
+    seq = args.seq_len or cfg.seq_len
+  else:
+    shape = get_shape(args.model)
+    seq = args.seq_len or 4096
+  if args.layers:
+    shape = shape.with_layers(args.layers)
+  cluster = get_cluster(args.cluster)
+  try:
+    gpus = [int(g) for g in args.gpus.split(",") if g.strip()]
+  except ValueError:
+    raise ValueError(f"--gpus {args.gpus!r}: expected comma-separated integers") from None
+  if not gpus or min(gpus) < 1:
+    raise ValueError(f"--gpus {args.gpus!r}: expected positive integers")
+  tokens = args.tokens_per_gpu or 2 * seq
+  calib = cb.load_fitted()
+  systems = _systems(args, cfg)
+  ratios = skew = None
+  if args.metrics:
+    records = ld.read_metrics(args.metrics)
+    warm = getattr(getattr(cfg, "codec", None), "warmup_steps", 30) if cfg else 30
+    try:
+      ratios = cd.ratios_from_metrics(records, skip_steps=warm)
+      print(f"codec byte ratio {ratios.default:.3f} of plain ({ratios.source})")
+    except ValueError as e:
+      print(f"metrics: no codec figures ({e}); using bench/codec.py's")
+    try:
+      skew = ld.skew_from_metrics(records)
+      print(f"routing skew load_max/load_mean: mean {skew.mean():.2f} over {skew.shape[0]} "
+            f"logged steps and {skew.shape[1]} layers")
+    except ValueError:
+      skew = None
+  rows = []
+  for n in gpus:
+    run = Run(n, tokens, seq, remat=not args.no_remat)
+    trace = None
+    for name in systems:
+      system = get_system(name)
+      kw = {}
+      if system.family == "ep":
+        if shape.num_experts % n and n % shape.num_experts:
+          raise ValueError(f"{shape.num_experts} experts do not divide over {n} GPUs")
+        if trace is None:
+          trace = _trace(args, shape, n, int(tokens), skew)
+        kw["trace"] = trace
+      elif ratios is not None and system.codec in cd.CACHE_BYTES_PER_VALUE:
+        kw["ratios"] = ratios
+      elif system.codec in cd.CACHE_BYTES_PER_VALUE:
+        kw["ratios"] = cd.measured(system.codec, args.codec_regime)
+      rows.append({"gpus": n, "system": name, "result": step_time(shape, cluster, run, system,
+                                                                 calib, **kw)})
+  print(f"{shape.name}: {shape.total_params() / 1e9:.2f}B parameters, {shape.num_layers} layers; "
+        f"{cluster.name}; {tokens:.0f} tokens per GPU, seq {seq}; ms per step")
+  print(report.table(rows, baseline=systems[0]))
+  if not calib.calibrated_gpu(cluster.gpu.kind):
+    print(f"note: no measured point on {cluster.gpu.kind}: its efficiency is the A100's "
+          f"({calib.gpu('a100'):.2f})")
+  if args.plot:
+    report.plot([{"title": f"{shape.name} on {cluster.name}", "rows": rows}], args.plot)
+    print(f"wrote {args.plot}")
+  return 0
+
+
+def _trace(args, shape, n, tokens, skew):
+  layers = shape.moe_layers
+  steps = args.steps + 5
+  if skew is not None:
+    reps = -(-steps // skew.shape[0])
+    import numpy as np
+    s = np.tile(skew, (reps, 1))[:steps]
+    if s.shape[1] != layers:
+      s = np.resize(s.mean(1, keepdims=True), (steps, layers))
+    return ld.trace_from_skew(s, shape.num_experts, shape.top_k, n, tokens)
+  if args.trace == "recorded":
+    counts, _ = ld.load_recorded()
+    import numpy as np
+    reps = -(-layers // counts.shape[1])
+    counts = np.concatenate([counts] * reps, axis=1)[:, :layers]
+    return ld.retarget(counts[:steps], shape.num_experts, shape.top_k, n, tokens)
+  return ld.synthetic_trace(shape.num_experts, shape.top_k, n, tokens, steps=steps,
+                            layers=layers)

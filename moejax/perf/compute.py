@@ -1,0 +1,84 @@
+"""Analytic FLOPs and memory traffic of one layer, and their times at a calibrated efficiency.
+
+Forward FLOPs per token (a multiply-add is 2 FLOPs):
+  attention   2 * (weights of Q, K, V, O, or MLA's projections)
+              + S * H * (d_qk + d_v)        (causal: each query sees S/2 keys on average)
+  router      2 * D * E
+  experts     2 * 3 * D * F per routed assignment (counted where the assignment is computed)
+  shared      2 * 3 * D * F_shared;  dense MLP  2 * 3 * D * F_dense
+  lm head     2 * V * D
+Backward is twice the forward; recomputation (activation checkpointing) adds one forward.
+Times: FLOPs / (peak bf16 FLOP/s * efficiency of the GPU kind); memory-bound passes (optimizer
+step, codec kernels, quantization) at the HBM bandwidth.
+
+The CPU lowering's cost analysis is no cross-check for the experts: XLA:CPU's `ragged_dot`
+counts every expert for every token (E/K times the work), so tests/perf compare these counts
+with the closed forms instead.
+"""
+from __future__ import annotations
+
+from moejax.perf.shapes import ModelShape
+
+BACKWARD = 2.0
+"""Backward FLOPs per forward FLOP."""
+
+
+def attention_flops(shape: ModelShape, seq_len: int) -> float:
+  """Forward FLOPs per token of one layer's attention (projections and the causal core)."""
+  vd = shape.v_head_dim or shape.head_dim
+  core = seq_len * shape.num_heads * (shape.head_dim + vd)
+  return 2.0 * shape.attention_params() + core
+
+
+def router_flops(shape: ModelShape) -> float:
+  return 2.0 * shape.router_params()
+
+
+def expert_flops(shape: ModelShape) -> float:
+  """Forward FLOPs of one routed assignment (one token through one expert)."""
+  return 2.0 * shape.expert_params()
+
+
+def shared_flops(shape: ModelShape) -> float:
+  return 2.0 * shape.shared_params()
+
+
+def dense_flops(shape: ModelShape) -> float:
+  return 2.0 * shape.dense_params()
+
+
+def head_flops(shape: ModelShape) -> float:
+  return 2.0 * shape.vocab_size * shape.d_model
+
+
+def layer_flops(shape: ModelShape, seq_len: int, moe: bool = True) -> dict[str, float]:
+  """Forward FLOPs per token of one layer by part, experts at top-k assignments per token."""
+  out = {"attention": attention_flops(shape, seq_len)}
+  if moe:
+    out["router"] = router_flops(shape)
+    out["experts"] = shape.top_k * expert_flops(shape)
+    out["shared"] = shared_flops(shape)
+  else:
+    out["dense"] = dense_flops(shape)
+  return out
+
+
+def model_flops_per_token(shape: ModelShape, seq_len: int, recompute: bool = True) -> float:
+  """Training FLOPs per token of the whole model (forward, backward, recomputation)."""
+  fwd = (shape.moe_layers * sum(layer_flops(shape, seq_len, True).values())
+         + shape.dense_layers * sum(layer_flops(shape, seq_len, False).values())
+         + head_flops(shape))
+  return fwd * (1 + BACKWARD + (1 if recompute else 0))
+
+
+def seconds(flops: float, peak_flops: float, efficiency: float) -> float:
+  return flops / (peak_flops * efficiency)
+
+
+OPTIMIZER_BYTES_PER_PARAM = 30.0
+"""AdamW with fp32 master weights: read weight, gradient, m, v (4 B each), write weight, m, v
+(4 B each) and the bf16 copy (2 B)."""
+
+
+def memory_seconds(bytes_: float, hbm_bandwidth: float) -> float:
+  return bytes_ / hbm_bandwidth

@@ -1,0 +1,283 @@
+"""The step of the expert-parallel family (ep, uniform, FasterMoE, FlexMoE, Themis, moejax's
+ep and fssdp), replayed over the steps of a load trace.
+
+Per MoE layer, forward (each op on the critical GPU: the slowest device, the busiest link):
+  [replicas] SparseAllGather of this step's planned replicas, issued before attention (overlaps
+             it); with calibration, the replicas added after gating are fetched on the path
+  attention (+ router)  compute; [fsdp dense] its weights gathered one layer ahead
+  [fastermoe] broadcast of the shadowed experts (on the path, after gating)
+  dispatch all-to-all   tokens to the devices holding their experts (bf16 rows of width D)
+  shared experts        compute, overlapping the dispatch
+  experts               the busiest device's assignments; the excess over the mean is straggler
+  combine all-to-all
+Backward in reverse: [remat: the forward again], combine's transpose, expert backward, dispatch's
+transpose, [replicas: SparseReduceScatter of replica gradients, fp32, overlapping attention's
+backward], attention backward, then the dense gradients: all-reduced on their own stream (dp)
+or reduce-scattered (fsdp). FasterMoE all-reduces shadowed experts' gradients; FlexMoE its
+replicas' gradients; both and heterogeneous sharding pay their migrations amortized over their
+interval (`reshard`). The optimizer step waits for all of it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from moejax.perf import compute as cp
+from moejax.perf import loads as ld
+from moejax.perf.model import Calibration, Run, StepTime, mean_steps, net_of
+from moejax.perf.schedule import Program, simulate
+from moejax.perf.shapes import ModelShape
+
+WINDOW = 5
+"""Load predictor: the mean of the last WINDOW steps (Themis Sec. 4.2 w=5; moejax
+fssdp.window=5). The first WINDOW steps of a trace warm it up and are not timed."""
+FLEX_INTERVAL = 50
+FLEX_SLOTS = 2
+FASTER_CANDIDATES = (0, 1, 2, 4, 8, 16)
+STATE_BYTES_PER_PARAM = 16.0
+"""An expert that moves takes its bf16 weights, fp32 master copy and Adam moments (2+4+4+4)
+and its bf16 gradient buffer (2)."""
+
+
+def themis_overlap_degree(shape: ModelShape, cluster, run: Run, calib: Calibration) -> int:
+  """Themis Sec. 4.2: t = floor(T_attn * bw / Psi), bw the per-node ingress when inter-node binds."""
+  net = net_of(cluster, run.gpus, calib)
+  t_attn = cp.seconds(run.tokens_per_gpu * cp.attention_flops(shape, run.seq_len),
+                      cluster.gpu.peak_flops, calib.gpu(cluster.gpu.kind))
+  bw = net.b_inter if net.nodes > 1 else net.b_intra
+  return max(1, int(t_attn * bw / (2.0 * shape.expert_params())))
+
+
+def _spag_bytes(holders_ExN, owner_E, dpn, psi):
+  """(busiest GPU's received bytes, busiest node's ingress) of fetching the replicas."""
+  rep = holders_ExN.copy()
+  rep[np.arange(rep.shape[0]), owner_E] = False
+  n = rep.shape[1]
+  node = np.arange(n) // dpn
+  g = node.max() + 1
+  per_gpu = rep.sum(0).max() * psi if rep.any() else 0.0
+  owner_node = node[owner_E]
+  ingress = np.zeros(g)
+  for e in np.nonzero(rep.any(1))[0]:
+    nodes = np.unique(node[rep[e]])
+    ingress[nodes[nodes != owner_node[e]]] += psi
+  return per_gpu, ingress.max() if g > 1 else 0.0
+
+
+def step(shape: ModelShape, cluster, run: Run, system, calib: Calibration,
+         trace: np.ndarray | None = None, steps: int | None = None) -> StepTime:
+  if trace is None:
+    raise ValueError(f"system {system.name!r} places experts by load: pass a trace")
+  trace = np.asarray(trace)
+  s_count, l_count, n, e = trace.shape
+  if n != run.gpus or e != shape.num_experts or l_count != shape.moe_layers:
+    raise ValueError(f"trace is [steps, {l_count} layers, {n} devices, {e} experts]; the run "
+                     f"needs {shape.moe_layers} layers, {run.gpus} devices, "
+                     f"{shape.num_experts} experts")
+  if s_count <= WINDOW:
+    raise ValueError(f"trace has {s_count} steps; need more than {WINDOW} (predictor warm-up)")
+  dpn = cluster.per_node(n)
+  dropped = None
+  if system.admission != "none":
+    # admission runs before dispatch, so the load history the planner and re-sharding see is
+    # of the admitted assignments (as moejax's LoadHistory records them)
+    trace = trace.astype(np.float64)
+    dropped = np.zeros((s_count, l_count))
+    over = np.zeros((s_count, l_count))
+    for i in range(s_count):
+      for j in range(l_count):
+        trace[i, j], dropped[i, j], over[i, j] = ld.admit(trace[i, j], system.capacity_factor,
+                                              shape.top_k, int(run.tokens_per_gpu),
+                                              system.admission)
+  owner = np.tile(ld.even_owners(e, n), (l_count, 1))
+  t = system.overlap_degree or themis_overlap_degree(shape, cluster, run, calib)
+  m = system.replica_slots or t
+  results = []
+  last = s_count if steps is None else min(s_count, WINDOW + steps)
+  flex_holders = None
+  reshard_cost_bytes = 0.0
+  flex_cost_bytes = 0.0
+  moved_total = 0
+  for s in range(WINDOW, last):
+    hist = trace[s - WINDOW:s].sum(2).mean(0).astype(np.float64)      # [L, E] predicted
+    if system.het_sharding and (s - WINDOW) % system.reshard_every == 0 and n > 1:
+      from moejax.placement.ownership import heterogeneous_placement
+      new = heterogeneous_placement(hist, n, dpn, previous_owner_LxE=owner)
+      moved = int((new != owner).sum())
+      if s > WINDOW:
+        moved_total += moved
+        reshard_cost_bytes = moved * STATE_BYTES_PER_PARAM * shape.expert_params()
+      owner = new.astype(np.int64)
+    if system.balance == "flexmoe" and (s - WINDOW) % FLEX_INTERVAL == 0:
+      new = [ld.plan_replicas(hist[l], owner[l], n, dpn, slots=FLEX_SLOTS, overlap=n * FLEX_SLOTS,
+                              method="lpt") for l in range(l_count)]
+      if flex_holders is not None:
+        changed = sum(int((a & ~b).sum()) for a, b in zip(new, flex_holders))
+        flex_cost_bytes = changed * STATE_BYTES_PER_PARAM * shape.expert_params()
+      flex_holders = new
+    results.append(_one_step(shape, cluster, run, system, calib, trace[s], hist, owner, t, m,
+                             dpn, flex_holders,
+                             reshard_cost_bytes / max(system.reshard_every, 1)
+                             + flex_cost_bytes / FLEX_INTERVAL))
+  out = mean_steps(results)
+  if dropped is not None:
+    out.extra["dropped_fraction"] = float(dropped[WINDOW:last].mean())
+    out.extra["over_capacity_fraction"] = float(over[WINDOW:last].mean())
+  out.extra["overlap_degree"] = float(t)
+  out.extra["reshard_moved_experts"] = float(moved_total)
+  return out
+
+
+def _layer_plan(system, counts, pred, owner_E, n, dpn, t, m, flex):
+  """(holders, late holders (fetched after gating), shadowed experts) of one layer."""
+  if system.balance == "replicas":
+    h = ld.plan_replicas(pred, owner_E, n, dpn, slots=m, overlap=t, method=system.planner)
+    late = np.zeros_like(h)
+    if system.calibrate:
+      h2 = ld.plan_replicas(counts.sum(0).astype(np.float64), owner_E, n, dpn, slots=m,
+                            overlap=t, method=system.planner)
+      late = h2 & ~h
+      h = h | h2
+    return h, late
+  if system.balance == "flexmoe":
+    return flex, np.zeros_like(flex)
+  h = ld.owner_holders(owner_E, n)
+  return h, np.zeros_like(h)
+
+
+def _one_step(shape, cluster, run, system, calib, counts_LxNxE, pred_LxE, owner_LxE, t, m, dpn,
+              flex_holders, amortized_bytes) -> StepTime:
+  net = net_of(cluster, run.gpus, calib)
+  gpu = cluster.gpu
+  eff, hbm = calib.gpu(gpu.kind), gpu.hbm_bandwidth
+  n, tok, d = run.gpus, run.tokens_per_gpu, shape.d_model
+  sec = lambda flops: cp.seconds(flops, gpu.peak_flops, eff)
+  psi = 2.0 * shape.expert_params()
+  row = 2.0 * d
+  attn_s = sec(tok * (cp.attention_flops(shape, run.seq_len) + cp.router_flops(shape)))
+  shared_s = sec(tok * cp.shared_flops(shape))
+  dense_groups = {g: v for g, v in shape.layer_groups(True).items() if g != "experts"}
+  dense_values = sum(dense_groups.values())
+  layers = []
+  stragglers, inter_frac, replicas = [], [], []
+  for l in range(shape.moe_layers):
+    counts = counts_LxNxE[l].astype(np.float64)
+    shadow = 0
+    late = None
+    if system.balance == "uniform":
+      load = np.full(n, counts.sum() / n)
+      traffic = np.repeat(counts.sum(1, keepdims=True) / n, n, axis=1)
+      holders = ld.owner_holders(owner_LxE[l], n)
+    elif system.balance == "fastermoe":
+      best = None
+      order = np.argsort(-counts.sum(0), kind="stable")
+      for c in FASTER_CANDIDATES:
+        if c > shape.num_experts:
+          break
+        h = ld.owner_holders(owner_LxE[l], n)
+        h[order[:c]] = True
+        ld_, tr_ = ld.dispatch(counts, h, dpn, balance=False)
+        a2a, _ = net.all_to_all(tr_ * row)
+        cost = (2 * net.broadcast_all(c * psi) + 3 * (2 * a2a + sec(ld_.max() * cp.expert_flops(
+            shape))) if c else 3 * (2 * a2a + sec(ld_.max() * cp.expert_flops(shape))))
+        if best is None or cost < best[0]:
+          best = (cost, c, h, ld_, tr_)
+      _, shadow, holders, load, traffic = best
+    else:
+      holders, late = _layer_plan(system, counts, pred_LxE[l], owner_LxE[l], n, dpn, t, m,
+                                  None if flex_holders is None else flex_holders[l])
+      load, traffic = ld.dispatch(counts, holders, dpn, balance=system.balanced_dispatch)
+    node = np.arange(n) // dpn
+    off = traffic * ~np.eye(n, dtype=bool)
+    cross = off * (node[:, None] != node[None, :])
+    inter_frac.append(cross.sum() / max(traffic.sum(), 1e-12))
+    stragglers.append(load.max() / max(load.mean(), 1e-12))
+    reps = holders.sum() - shape.num_experts
+    replicas.append(reps)
+    a2a, a2a_even = net.all_to_all(traffic * row)
+    exp_max = sec(load.max() * cp.expert_flops(shape))
+    exp_mean = sec(load.mean() * cp.expert_flops(shape))
+    spag = sprs = late_s = 0.0
+    if system.balance in ("replicas", "flexmoe") and reps:
+      early = holders & ~late if late is not None else holders
+      g, nd = _spag_bytes(early, owner_LxE[l], dpn, psi)
+      spag = net.sparse(g, nd)
+      if late is not None and late.any():
+        g2, nd2 = _spag_bytes(late | ld.owner_holders(owner_LxE[l], n), owner_LxE[l], dpn, psi)
+        late_s = net.sparse(g2, nd2)
+      g3, nd3 = _spag_bytes(holders, owner_LxE[l], dpn, 2 * psi)   # fp32 gradients
+      sprs = net.sparse(g3, nd3)
+    layers.append({"a2a": a2a, "a2a_even": a2a_even, "exp_max": exp_max, "exp_mean": exp_mean,
+                   "spag": spag, "late": late_s, "sprs": sprs, "shadow": shadow})
+  p = Program()
+  prev = None
+  dense_ag = net.all_gather(2 * dense_values) if system.dense == "fsdp" else 0.0
+  # forward
+  for l, L in enumerate(layers):
+    prev = _forward_layer(p, system, L, attn_s, shared_s, dense_ag, net, psi, prev)
+  head_s = sec(tok * cp.head_flops(shape))
+  prev = p.add("compute", "compute", head_s, prev, "head fwd")
+  prev = p.add("compute", "compute", cp.BACKWARD * head_s, prev, "head bwd")
+  tail = []
+  head = shape.vocab_size * shape.d_model
+  kind, stream, coll = (("ar", "dp", net.all_reduce) if system.dense == "dp"
+                        else ("rs", "comm", net.reduce_scatter))
+  if not shape.tied_embeddings:
+    tail.append(p.add(kind, stream, coll(4.0 * head), prev, "head grads"))
+  for l in reversed(range(len(layers))):
+    L = layers[l]
+    if run.remat:
+      prev = _forward_layer(p, system, L, attn_s, shared_s, dense_ag, net, psi, prev,
+                            recompute=True)
+    c1 = p.add_split("a2a", "comm", L["a2a"], L["a2a_even"], prev, "combine bwd")
+    eb = p.add_split("compute", "compute", cp.BACKWARD * L["exp_max"],
+                     cp.BACKWARD * L["exp_mean"], c1, "experts bwd")
+    d1 = p.add_split("a2a", "comm", L["a2a"], L["a2a_even"], eb, "dispatch bwd")
+    if L["sprs"]:
+      tail.append(p.add("sprs", "comm", L["sprs"], eb, "SpRS"))
+    if L["shadow"]:
+      tail.append(p.add("ar", "comm", net.all_reduce(2 * psi * L["shadow"]), eb,
+                        "shadow grads"))
+    if system.balance == "flexmoe":
+      tail.append(p.add("ar", "comm", L["sprs"], eb, "replica grads"))
+    prev = p.add("compute", "compute", cp.BACKWARD * (attn_s + shared_s), d1, "attention bwd")
+    tail.append(p.add(kind, stream, coll(4.0 * dense_values), prev, "dense grads"))
+  tail.append(p.add(kind, stream, coll(4.0 * head), prev, "embedding grads"))
+  if amortized_bytes:
+    tail.append(p.add("reshard", "comm", amortized_bytes / (net.b_inter if net.nodes > 1
+                                                            else net.b_intra), prev,
+                      "migration (amortized)"))
+  owned = shape.moe_layers * shape.num_experts * shape.expert_params() / n
+  dense_total = shape.total_params() - shape.moe_layers * shape.num_experts * shape.expert_params()
+  if system.dense == "fsdp":
+    dense_total /= n
+  opt = cp.memory_seconds(cp.OPTIMIZER_BYTES_PER_PARAM * (owned + dense_total), hbm)
+  p.add("optimizer", "compute", opt, [prev] + tail, "optimizer")
+  res = simulate(p)
+  extra = {"straggler": float(np.mean(stragglers)), "inter_node_token_fraction":
+           float(np.mean(inter_frac)), "replicas_per_layer": float(np.mean(replicas))}
+  extra["memory_gb"] = (STATE_BYTES_PER_PARAM * (owned + dense_total)
+                        + max(replicas) / n * psi) / 1e9
+  return StepTime(res.seconds, res.exposed, res.busy, extra)
+
+
+def _forward_layer(p, system, L, attn_s, shared_s, dense_ag, net, psi, prev, recompute=False):
+  tag = " (recompute)" if recompute else ""
+  deps = [prev]
+  if dense_ag:
+    deps.append(p.add("ag", "comm", dense_ag, prev, "dense gather" + tag))
+  if L["spag"] and not recompute:
+    deps_sp = p.add("spag", "comm", L["spag"], prev, "SpAG" + tag)
+  else:
+    deps_sp = None
+  a = p.add("compute", "compute", attn_s, deps, "attention" + tag)
+  waits = [deps_sp]
+  if L["late"] and not recompute:
+    waits.append(p.add("spag", "comm", L["late"], a, "SpAG after gating"))
+  if L["shadow"] and not recompute:
+    waits.append(p.add("bcast", "comm", net.broadcast_all(L["shadow"] * psi), a,
+                       "shadow broadcast"))
+  disp = p.add_split("a2a", "comm", L["a2a"], L["a2a_even"], a, "dispatch" + tag)
+  sh = p.add("compute", "compute", shared_s, a, "shared experts" + tag) if shared_s else a
+  ex = p.add_split("compute", "compute", L["exp_max"], L["exp_mean"], [disp, sh] + waits,
+                   "experts" + tag)
+  return p.add_split("a2a", "comm", L["a2a"], L["a2a_even"], ex, "combine" + tag)

@@ -1,0 +1,212 @@
+"""Model shapes for the iteration-time model: parameter counts per layer and group, FLOPs inputs.
+
+A `ModelShape` is what the model needs of a decoder: widths, layer pattern, experts. moejax's own
+presets become one with `shape_of(cfg)` (a `moejax.config.Config`); the models of the papers'
+measured points that moejax has no preset for are perf-only records here (`SHAPES`), each citing
+its published config. Counts assume SwiGLU experts (three matrices) and untied or tied
+embeddings as the record says.
+
+Letters: D d_model, F expert hidden, E experts, K top-k, V vocabulary, H heads, Hk kv heads.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+PERSISTENCE_THRESHOLD = 100_000
+"""DeepSpeed ZeRO-3 keeps parameters with fewer elements than this unpartitioned
+(`stage3_param_persistence_threshold`, default 1e5): they are never fetched."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+  name: str
+  d_model: int
+  num_layers: int
+  vocab_size: int
+  num_heads: int
+  head_dim: int
+  num_experts: int
+  top_k: int
+  expert_hidden: int
+  num_kv_heads: int = 0
+  """0: as num_heads (MHA)."""
+  v_head_dim: int = 0
+  """0: as head_dim."""
+  attention: str = "gqa"
+  """"gqa" (MHA when kv heads == heads) or "mla" (DeepSeek-V2/V3 latent attention)."""
+  q_lora_rank: int = 0
+  kv_lora_rank: int = 0
+  qk_rope_dim: int = 0
+  """MLA: the rotary part of head_dim (head_dim = nope + rope)."""
+  qk_norm: bool = False
+  shared_hidden: int = 0
+  """Total hidden width of the shared experts (0: none)."""
+  dense_layers: int = 0
+  """Leading layers with a dense MLP instead of experts."""
+  dense_hidden: int = 0
+  tied_embeddings: bool = False
+  source: str = ""
+
+  # ---------------------------------------------------------------- counts
+  @property
+  def kv_heads(self) -> int:
+    return self.num_kv_heads or self.num_heads
+
+  @property
+  def moe_layers(self) -> int:
+    return self.num_layers - self.dense_layers
+
+  def attention_matrices(self) -> list[int]:
+    """Element counts of the attention weight matrices of one layer."""
+    d, h = self.d_model, self.num_heads
+    vd = self.v_head_dim or self.head_dim
+    if self.attention == "mla":
+      nope = self.head_dim - self.qk_rope_dim
+      q = ([d * self.q_lora_rank, self.q_lora_rank * h * self.head_dim] if self.q_lora_rank
+           else [d * h * self.head_dim])
+      return q + [d * (self.kv_lora_rank + self.qk_rope_dim),
+                  self.kv_lora_rank * h * (nope + vd), h * vd * d]
+    return [d * h * self.head_dim, d * self.kv_heads * self.head_dim,
+            d * self.kv_heads * vd, h * vd * d]
+
+  def attention_params(self) -> int:
+    return sum(self.attention_matrices())
+
+  def norm_params(self) -> int:
+    """Layer norms of one layer (two, plus QK-norms)."""
+    extra = 2 * self.num_heads * self.head_dim if self.qk_norm else 0
+    return 2 * self.d_model + extra
+
+  def expert_params(self) -> int:
+    """One routed expert."""
+    return 3 * self.d_model * self.expert_hidden
+
+  def router_params(self) -> int:
+    return self.d_model * self.num_experts
+
+  def shared_params(self) -> int:
+    return 3 * self.d_model * self.shared_hidden
+
+  def dense_params(self) -> int:
+    return 3 * self.d_model * self.dense_hidden
+
+  def embedding_params(self) -> int:
+    return self.vocab_size * self.d_model * (1 if self.tied_embeddings else 2)
+
+  def layer_groups(self, moe: bool = True) -> dict[str, int]:
+    """{group: elements} of one layer; groups as moejax's codec reports them."""
+    out = {"attention": self.attention_params(), "norms": self.norm_params()}
+    if moe:
+      out["router"] = self.router_params()
+      out["experts"] = self.num_experts * self.expert_params()
+      if self.shared_hidden:
+        out["shared"] = self.shared_params()
+    else:
+      out["dense"] = self.dense_params()
+    return out
+
+  def total_params(self) -> int:
+    moe = sum(self.layer_groups(True).values())
+    dense = sum(self.layer_groups(False).values())
+    return (self.moe_layers * moe + self.dense_layers * dense + self.embedding_params()
+            + self.d_model)
+
+  def active_params(self) -> int:
+    """Weights one token's forward multiplies by (lm head included, embedding lookup not)."""
+    moe = (self.attention_params() + self.router_params() + self.top_k * self.expert_params()
+           + self.shared_params())
+    dense = self.attention_params() + self.dense_params()
+    return self.moe_layers * moe + self.dense_layers * dense + self.vocab_size * self.d_model
+
+  def modules_per_layer(self, moe: bool = True) -> dict[str, int]:
+    """{group: parameter tensors DeepSpeed ZeRO-3 fetches one by one} of one layer: one per
+    weight matrix at or above `PERSISTENCE_THRESHOLD` elements (each expert is 3 Linear
+    modules in the Hugging Face implementations)."""
+    big = lambda n: int(n >= PERSISTENCE_THRESHOLD)
+    out = {"attention": sum(big(n) for n in self.attention_matrices())}
+    if moe:
+      out["router"] = big(self.router_params())
+      out["experts"] = 3 * self.num_experts * big(self.d_model * self.expert_hidden)
+      if self.shared_hidden:
+        out["shared"] = 3
+    else:
+      out["dense"] = 3
+    return out
+
+  def with_layers(self, num_layers: int, dense_layers: int | None = None) -> ModelShape:
+    """The same shapes with fewer layers (the papers' L=2/L=4 runs); leading dense layers kept
+    up to `dense_layers` (default: as many as fit, like a truncated Hugging Face config)."""
+    dense = min(self.dense_layers, num_layers) if dense_layers is None else dense_layers
+    return dataclasses.replace(self, num_layers=num_layers, dense_layers=dense,
+                               name=f"{self.name} (L={num_layers})")
+
+
+def shape_of(cfg) -> ModelShape:
+  """The shape record of a moejax `Config` (an OLMoE-style decoder: MHA with QK-norm, SwiGLU
+  experts, untied embeddings). Optional fields later presets may add (`num_kv_heads`,
+  `shared_expert_hidden`, `dense_layers`) are read when present."""
+  m, moe = cfg.model, cfg.moe
+  return ModelShape(
+      name=getattr(cfg, "name", "") or f"moejax d{m.d_model} L{m.num_layers} E{moe.num_experts}",
+      d_model=m.d_model, num_layers=m.num_layers, vocab_size=m.vocab_size,
+      num_heads=m.num_heads, head_dim=m.head_dim,
+      num_kv_heads=getattr(m, "num_kv_heads", 0) or 0,
+      num_experts=moe.num_experts, top_k=moe.top_k, expert_hidden=moe.expert_hidden,
+      shared_hidden=getattr(moe, "shared_expert_hidden", 0) or 0,
+      dense_layers=getattr(m, "dense_layers", 0) or 0,
+      dense_hidden=getattr(m, "dense_hidden", 0) or 0,
+      qk_norm=True, tied_embeddings=False, source="moejax config")
+
+
+def _olmoe_1b7b() -> ModelShape:
+  # Same numbers as configs/olmoe.py:1b7b (kept here so the perf package needs no config file;
+  # tests/perf checks shape_of(get_config("1b7b")) gives this record).
+  return ModelShape(
+      "OLMoE-1B-7B", d_model=2048, num_layers=16, vocab_size=50304, num_heads=16, head_dim=128,
+      num_experts=64, top_k=8, expert_hidden=1024, qk_norm=True,
+      source="configs/olmoe.py:1b7b (allenai/OLMoE-1B-7B-0924 config.json)")
+
+
+SHAPES: dict[str, ModelShape] = {s.name: s for s in (
+    _olmoe_1b7b(),
+    ModelShape("DeepSeek-MoE-16B", d_model=2048, num_layers=28, vocab_size=102400, num_heads=16,
+               head_dim=128, num_experts=64, top_k=6, expert_hidden=1408, shared_hidden=2 * 1408,
+               dense_layers=1, dense_hidden=10944,
+               source="deepseek-ai/deepseek-moe-16b-base config.json: 64 routed experts top-6 of "
+                      "width 1408, 2 shared, first layer dense (10944)"),
+    ModelShape("Qwen2-57B-A14B", d_model=3584, num_layers=28, vocab_size=151936, num_heads=28,
+               num_kv_heads=4, head_dim=128, num_experts=64, top_k=8, expert_hidden=2560,
+               shared_hidden=20480,
+               source="Qwen/Qwen2-57B-A14B config.json: 64 experts top-8 of width 2560, shared "
+                      "expert 20480, GQA 28/4 (CIERA Sec. 2 says 28 fine-grained experts; the "
+                      "published config has 64)"),
+    ModelShape("MiniCPM-MoE-8x2B", d_model=2304, num_layers=40, vocab_size=122753,
+               num_heads=36, head_dim=64, num_experts=8, top_k=2, expert_hidden=5760,
+               tied_embeddings=True,
+               source="openbmb/MiniCPM-MoE-8x2B config.json: 40 layers, d 2304, 36 heads, 8 "
+                      "experts top-2 of width 5760, shared input/output embedding"),
+    ModelShape("Mixtral-8x7B", d_model=4096, num_layers=32, vocab_size=32000, num_heads=32,
+               num_kv_heads=8, head_dim=128, num_experts=8, top_k=2, expert_hidden=14336,
+               source="mistralai/Mixtral-8x7B-v0.1 config.json"),
+    ModelShape("Llama-4-Scout-17B-16E", d_model=5120, num_layers=48, vocab_size=202048,
+               num_heads=40, num_kv_heads=8, head_dim=128, num_experts=16, top_k=1,
+               expert_hidden=8192, shared_hidden=8192,
+               source="meta-llama/Llama-4-Scout-17B-16E config.json (text model): every layer "
+                      "MoE, 16 experts top-1 plus one shared expert of width 8192"),
+    ModelShape("DeepSeek-V3", d_model=7168, num_layers=61, vocab_size=129280, num_heads=128,
+               head_dim=192, v_head_dim=128, attention="mla", q_lora_rank=1536,
+               kv_lora_rank=512, qk_rope_dim=64, num_experts=256, top_k=8, expert_hidden=2048,
+               shared_hidden=2048, dense_layers=3, dense_hidden=18432,
+               source="deepseek-ai/DeepSeek-V3 config.json; Themis Table 1 (d 7168, d_ffn 2048, "
+                      "seq 4096, 4 experts per GPU, top-8)"),
+    ModelShape("Phi-3.5-MoE", d_model=4096, num_layers=32, vocab_size=32064, num_heads=32,
+               num_kv_heads=8, head_dim=128, num_experts=16, top_k=2, expert_hidden=6400,
+               source="microsoft/Phi-3.5-MoE-instruct config.json; Themis Table 1 (d 4096, "
+                      "d_ffn 6400, seq 4096, 1 expert per GPU, top-2)"),
+)}
+
+
+def get_shape(name: str) -> ModelShape:
+  if name not in SHAPES:
+    raise ValueError(f"unknown model shape {name!r} (valid: {', '.join(SHAPES)})")
+  return SHAPES[name]

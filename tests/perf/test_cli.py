@@ -1,0 +1,43 @@
+"""python -m moejax.perf in process: table, plot, a run's metrics, errors."""
+import json
+
+from moejax.perf import cli
+
+
+def test_cli_table_and_plot(tmp_path, capsys):
+  png = tmp_path / "p.png"
+  rc = cli.main(["--model", "OLMoE-1B-7B", "--layers", "2", "--cluster", "ciera-a100",
+                 "--gpus", "8,16", "--seq-len", "1024", "--plot", str(png)])
+  out = capsys.readouterr().out
+  assert rc == 0
+  assert png.stat().st_size > 10_000
+  rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["8"], ["16"])]
+  assert {r[1] for r in rows} == {"zero3", "ciera", "fsdp", "moejax-block", "moejax-auto"}
+  assert all(r[-2].endswith("x") for r in rows)
+  assert "all-gather" in out and "framework" in out
+
+
+def test_cli_preset_with_metrics_and_ep(tmp_path, capsys):
+  metrics = tmp_path / "metrics.jsonl"
+  with open(metrics, "w") as f:
+    f.writelines(json.dumps({"step": step, "loss": 3.0, "gather_bytes": 40.0,
+                          "gather_bytes_plain": 100.0, "codec/experts/bytes_sent": 30.0,
+                          "codec/experts/bytes_plain": 90.0, "load_max": [30.0, 20.0],
+                          "load_mean": [10.0, 10.0]}) + "\n" for step in range(10, 80, 10))
+  rc = cli.main(["--config", "configs/olmoe.py:tiny", "--cluster", "h100", "--gpus", "8",
+                 "--metrics", str(metrics), "--plot", "",
+                 "--systems", "fsdp,moejax-auto,moejax-ep,moejax-fssdp", "--steps", "2"])
+  out = capsys.readouterr().out
+  assert rc == 0, out
+  assert "codec byte ratio 0.400 of plain" in out
+  assert "load_max/load_mean: mean 2.50" in out
+  assert "moejax-fssdp" in out and "no measured point on h100" in out
+
+
+def test_cli_errors(capsys):
+  assert cli.main(["--model", "OLMoE-1B-7B", "--cluster", "nope", "--plot", ""]) == 2
+  assert "unknown cluster 'nope'" in capsys.readouterr().err
+  assert cli.main(["--model", "OLMoE-1B-7B", "--gpus", "8,x", "--plot", ""]) == 2
+  assert "--gpus" in capsys.readouterr().err
+  assert cli.main(["--config", "configs/nope.py:tiny", "--plot", ""]) == 2
+  assert "no such file" in capsys.readouterr().err
