@@ -4,12 +4,13 @@ On CPU, collectives between processes need a cross-process implementation; we as
 (TCP, no extra dependencies) unless JAX_CPU_COLLECTIVES_IMPLEMENTATION names another ("mpi").
 The choice must be made before the first backend is created, i.e. before `initialize`.
 
-A lost process. When one process of a job dies, the others sit in their next collective: gloo
-waits for the missing peer, and jax.distributed only notices after its heartbeat timeout, then
-aborts the process with a multi-line log. So every process also keeps a `Watchdog`: one TCP
+A lost process. When one process of a job dies, the others hang: in their next collective
+(gloo waits for the missing peer) or, if gloo reports the closed connection, in jax.distributed's
+shutdown barrier. jax.distributed notices only after its heartbeat timeout (100 s by default) and
+then aborts the process with a multi-line log. So every process also keeps a `Watchdog`: one TCP
 connection to process 0 (a star; process 0 publishes its port with one broadcast at start-up),
-a heartbeat on it every `heartbeat_timeout_s / 5` seconds, and a thread per connection that
-reads it. A connection that closes (the process exited or was killed: the kernel closes its
+a heartbeat on it every `heartbeat_timeout_s / 5` seconds (at most 5 s), and a thread per
+connection that reads it. A connection that closes (the process exited or was killed: the kernel closes its
 sockets at once) or stays silent for `config.distributed.heartbeat_timeout_s` means that process
 is lost: the watcher prints one line naming it and exits with code 2 at once, from its own
 thread, whatever the main thread is blocked in. Process 0 tells the others which process it
@@ -18,8 +19,8 @@ lost before it exits, so they name the same one. jax.distributed's own heartbeat
 
 Leaving. `finish()` (a clean end: the others stop watching this process) and `stop(code)` (this
 process stops with an error it has printed: the others stop too, saying so, and this process
-exits without waiting on them) are what train.py calls; an exit without either (an uncaught
-exception) counts as `stop`.
+exits without waiting on them) are what train.py calls; to the others, an exit without either
+(an uncaught exception) is an error exit too.
 """
 from __future__ import annotations
 
@@ -118,8 +119,12 @@ class Watchdog:
     self._closed = False
     self._peers: dict[int, socket.socket] = {}        # process id -> connection
     server = None
-    if process_id == 0:
-      server = socket.create_server(("", 0), backlog=num_processes)
+    if process_id == 0:        # all interfaces, as the coordinator service binds by default
+      if socket.has_dualstack_ipv6():
+        server = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True,
+                                      backlog=num_processes)
+      else:
+        server = socket.create_server(("", 0), backlog=num_processes)
       port = server.getsockname()[1]
     else:
       port = 0
@@ -136,6 +141,12 @@ class Watchdog:
             self._peers[int(hello[1:])] = conn
           else:
             conn.close()
+      except OSError as e:
+        missing = sorted(set(range(1, num_processes)) - set(self._peers))
+        raise ConfigError(f"process(es) {', '.join(map(str, missing))} never reached process "
+                          f"0's watchdog on port {port} within {CONNECT_TIMEOUT_S} s "
+                          f"({e.strerror or e}); the processes must reach each other over "
+                          "TCP, as they reach the coordinator") from None
       finally:
         server.close()
     else:
@@ -143,9 +154,11 @@ class Watchdog:
         try:
           conn = socket.create_connection((coordinator_host, port), timeout=5)
           break
-        except OSError:
+        except OSError as e:
           if time.monotonic() > deadline:
-            raise
+            raise ConfigError(f"cannot reach process 0's watchdog at {coordinator_host}:{port} "
+                              f"({e.strerror or e}); the processes must reach each other over "
+                              "TCP, as they reach the coordinator") from None
           time.sleep(0.2)
       conn.sendall(b"I%d\n" % process_id)
       self._peers[0] = conn
