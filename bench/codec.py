@@ -159,7 +159,7 @@ class Rows:
       for _ in range(rows):
         names.append((g, p))
         shard.append(gatherer.shard_shape(g, p))
-        repeat.append(2 if g == "layers" and (cfg.remat or cfg.prefetch) else 1)
+        repeat.append(hook.gathers_per_step(g == "layers", remat=cfg.remat, prefetch=cfg.prefetch))
     plain = np.array([2 * math.prod(s) for s in shard], np.float64)
     return cls(names, shard, np.asarray(repeat, np.float64), plain)
 

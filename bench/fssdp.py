@@ -279,7 +279,7 @@ def record(path: str, steps: int):
   @jax.jit
   def source_counts(params, tokens_BxS):
     per_source = tokens_BxS.reshape(n, cfg.batch_size // n, cfg.seq_len)
-    aux = jax.lax.map(lambda t: olmoe.forward(cfg, params, t, remat=False)[1]["load_E"],
+    aux = jax.lax.map(lambda t: olmoe.forward(cfg, params, t, remat="none")[1]["load_E"],
                       per_source)      # (ragged_dot does not vmap)
     return jnp.transpose(aux, (1, 0, 2))          # [L, N, E]
 

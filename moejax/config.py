@@ -21,6 +21,7 @@ from moejax.errors import ConfigError
 from moejax.placement import PLACEMENTS
 from moejax.routing.admission import POLICIES as ADMISSIONS
 from moejax.routing.router import SCORE_FUNCTIONS as SCORES
+from moejax.sharding.prefetch import REMAT_MODES
 
 CODEC_MODES = MODES + ("auto",)            # auto: chosen per parameter at run time (config-level)
 CODEC_COMM_MODELS = ("profile", "bytes")   # read by moejax.train.codec_control, which imports us
@@ -46,8 +47,11 @@ def check_not_renamed(field: str) -> None:
 
 def upgrade_saved(saved: dict) -> dict:
   """A config dict saved by an earlier version (a checkpoint's config/ item) with renamed fields
-  under their new names; a user's config still gets the error above."""
+  under their new names and retyped ones in their new type (remat: true/false -> full/none); a
+  user's config still gets the error above."""
   out = {k: dict(v) if isinstance(v, dict) else v for k, v in saved.items()}
+  if isinstance(out.get("remat"), bool):
+    out["remat"] = "full" if out["remat"] else "none"
   for old, (new, _) in RENAMED.items():
     (og, of), (ng, nf) = old.split("."), new.split(".")
     if of in out.get(og, {}):
@@ -261,8 +265,10 @@ class Config:
   """Steps between validation losses (and at the last step)."""
   eval_batches: int = 4
   """Validation batches per evaluation."""
-  remat: bool = True
-  """Recompute each layer's activations in the backward pass (jax.checkpoint)."""
+  remat: str = "full"
+  """What each layer keeps for its backward pass: one of `moejax.sharding.prefetch.REMAT_MODES`
+  (full: only its input, everything recomputed; minimal: also its matmul outputs; none:
+  everything). full is the fastest measured on CPU (bench/step.py) and the leanest."""
   init_from: str = ""
   """Start from these weights (a Hugging Face OLMoE directory, or a moejax checkpoint / from-hf
   output) instead of a random init, when the workdir has no checkpoint to resume."""
@@ -357,6 +363,7 @@ def validate(c: Config) -> None:
                        ("eval_batches", c.eval_batches), ("checkpoint.keep", c.checkpoint.keep),
                        ("codec.block_size", c.codec.block_size)]:
     _check(value > 0, f"config.{field}={value}: must be positive")
+  _choice(c.remat, "remat", REMAT_MODES)
   _check(m.head_dim % 2 == 0, f"config.model.head_dim={m.head_dim}: must be even (rotary)")
   _check(moe.top_k <= moe.num_experts,
          f"config.moe.top_k={moe.top_k}: must be at most moe.num_experts={moe.num_experts}")

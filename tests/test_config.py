@@ -95,6 +95,15 @@ def test_a_config_saved_before_the_renames_reads_under_the_new_names():
   assert "capacity_factor" in saved["moe"]          # the saved dict itself is left alone
 
 
+@pytest.mark.parametrize("old,new", [(True, "full"), (False, "none")])
+def test_a_config_saved_with_a_boolean_remat_reads_as_its_mode(old, new):
+  from moejax.config import from_config_dict, upgrade_saved
+  from moejax.weights import config_to_dict
+  saved = config_to_dict(tiny_config())
+  saved["remat"] = old
+  assert from_config_dict(upgrade_saved(saved)).remat == new
+
+
 @pytest.mark.parametrize("old,new", RENAMES)
 @pytest.mark.parametrize("form", ["=", " "])
 def test_renamed_field_on_the_command_line(old, new, form, capsys):
@@ -136,7 +145,8 @@ def test_unknown_preset():
     ({"moe.foo": 1}, r"unknown config field config.moe.foo"),
     ({"moe.top_k": "2"}, r"config.moe.top_k='2': expected an integer"),
     ({"optim.lr": "fast"}, r"config.optim.lr='fast': expected a number"),
-    ({"remat": 1}, r"config.remat=1: expected true or false"),
+    ({"remat": 1}, r"config.remat=1: expected a string"),
+    ({"remat": "some"}, r"config.remat='some': must be one of full, minimal, none"),
     ({"moe.top_k": 9}, r"config.moe.top_k=9: must be at most moe.num_experts=8"),
     ({"moe.placement": "zero"}, r"config.moe.placement='zero': must be one of fsdp, ep"),
     ({"model.head_dim": 15}, r"config.model.head_dim=15: must be even"),

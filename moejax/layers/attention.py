@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moejax.layers.matmul import dense
 from moejax.layers.norm import rms_norm
 from moejax.sharding.axes import ATTENTION, EMBED, HEADS, KV_HEADS, NORM, NORMS, Q_HEADS, param
 
@@ -46,9 +47,9 @@ class Attention(nnx.Module):
   def __call__(self, x_BxSxD):
     b, s, _ = x_BxSxD.shape
     dtype = x_BxSxD.dtype
-    q = rms_norm(x_BxSxD @ self.wq[...].astype(dtype), self.q_norm[...], self.norm_eps)
-    k = rms_norm(x_BxSxD @ self.wk[...].astype(dtype), self.k_norm[...], self.norm_eps)
-    v = x_BxSxD @ self.wv[...].astype(dtype)
+    q = rms_norm(dense(x_BxSxD, self.wq[...].astype(dtype)), self.q_norm[...], self.norm_eps)
+    k = rms_norm(dense(x_BxSxD, self.wk[...].astype(dtype)), self.k_norm[...], self.norm_eps)
+    v = dense(x_BxSxD, self.wv[...].astype(dtype))
     shape = (b, s, self.num_heads, self.head_dim)
     q_BxSxHxDh, k_BxSxHxDh, v_BxSxHxDh = q.reshape(shape), k.reshape(shape), v.reshape(shape)
     cos, sin = rotary_tables(s, self.head_dim, self.rope_theta)
@@ -56,4 +57,4 @@ class Attention(nnx.Module):
     k_BxSxHxDh = apply_rotary(k_BxSxHxDh, cos, sin)
     out_BxSxHxDh = jax.nn.dot_product_attention(q_BxSxHxDh, k_BxSxHxDh, v_BxSxHxDh,
                                                 is_causal=True)
-    return out_BxSxHxDh.reshape(b, s, -1) @ self.wo[...].astype(dtype)
+    return dense(out_BxSxHxDh.reshape(b, s, -1), self.wo[...].astype(dtype))

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from moejax.layers.matmul import dense
 from moejax.placement import dispatch as dispatch_lib
 from moejax.routing import admission as admission_lib
 from moejax.routing import router as router_lib
@@ -80,7 +81,7 @@ class MoEBlock(nnx.Module):
     x_TxD = x_BxSxD.reshape(b * s, d)
     router_DxE = self.router[...].astype(x_TxD.dtype)
     # Router: logits in fp32 for a stable softmax and z-loss.
-    logits_TxE = jnp.dot(x_TxD, router_DxE, preferred_element_type=jnp.float32)
+    logits_TxE = dense(x_TxD, router_DxE, jnp.float32)
     weights_TxK, experts_TxK, scores_TxE = router_lib.top_k_route(
         logits_TxE, spec.top_k, score=spec.score, renormalize=spec.renormalize)
     aux = {

@@ -22,6 +22,7 @@ from flax import nnx
 
 from moejax.config import Config
 from moejax.layers.attention import Attention
+from moejax.layers.matmul import dense
 from moejax.placement.dispatch import LOCAL, Dispatch
 from moejax.layers.moe import MoEBlock, MoESpec
 from moejax.layers.norm import RMSNorm, rms_norm
@@ -115,7 +116,7 @@ def layer_from_params(cfg: Config, layer_params: dict) -> DecoderLayer:
 
 
 def forward(cfg: Config, params: dict, tokens_BxS, *, gather=local_gather,
-            dispatch: Dispatch = LOCAL, axis_name=None, remat: bool = True,
+            dispatch: Dispatch = LOCAL, axis_name=None, remat: str = "full",
             prefetch: bool = False, step=0):
   """Returns (logits_BxSxV fp32, aux) with aux a dict of per-layer arrays [L, ...]."""
   logits, aux_L, _, _ = forward_with_state(cfg, params, tokens_BxS, gather=gather,
@@ -126,7 +127,7 @@ def forward(cfg: Config, params: dict, tokens_BxS, *, gather=local_gather,
 
 def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=local_gather,
                        states=None, dispatch: Dispatch = LOCAL, axis_name=None,
-                       remat: bool = True, prefetch: bool = False, step=0,
+                       remat: str = "full", prefetch: bool = False, step=0,
                        predicted_load_LxE=None, expert_owners_L=None):
   """The forward pass with the gather hook's state threaded through.
 
@@ -164,5 +165,5 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=local_ga
       (jnp.asarray(step, jnp.int32), predicted_load_LxE, expert_owners_L), remat=remat,
       prefetch=prefetch)
   h_BxSxD = rms_norm(h_BxSxD, gather_group("final_norm"), cfg.model.norm_eps)
-  logits_BxSxV = jnp.dot(h_BxSxD, gather_group("lm_head"), preferred_element_type=jnp.float32)
+  logits_BxSxV = dense(h_BxSxD, gather_group("lm_head"), jnp.float32)
   return logits_BxSxV, aux_L, new_states, stats

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from moejax.placement.experts import run_sorted
+from moejax.sharding.prefetch import recomputes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,11 +105,12 @@ def ep_experts(x_TxD, experts_TxK, weights_TxK, w_gate, w_up, w_down, *, dispatc
 
 
 def ep_a2a_bytes(tokens_per_device: int, top_k: int, d_model: int, num_devices: int,
-                 capacity_factor: float, *, remat: bool, itemsize: int = 2) -> float:
+                 capacity_factor: float, *, remat: str, itemsize: int = 2) -> float:
   """Bytes per device per MoE layer per step moved by the ep all_to_alls (buffer capacity).
 
   Forward sends tokens out and results back (2 exchanges, plus 4-byte expert ids); backward
-  does the same for the cotangents (2); remat repeats the forward (2).
+  does the same for the cotangents (2); a recomputing remat (full, minimal: an all_to_all is no
+  matmul) repeats the forward (2).
   """
   n = num_devices
   c = ep_capacity(tokens_per_device * top_k, n, capacity_factor)
@@ -116,4 +118,4 @@ def ep_a2a_bytes(tokens_per_device: int, top_k: int, d_model: int, num_devices: 
   one = frac * n * c * d_model * itemsize
   ids = frac * n * c * 4
   forward = 2 * one + ids
-  return forward * (2 if remat else 1) + 2 * one
+  return forward * (2 if recomputes(remat) else 1) + 2 * one

@@ -28,6 +28,7 @@ from flax import struct
 from moejax.errors import ConfigError
 from moejax.placement import fssdp, ownership, planner, reshard
 from moejax.placement.dispatch import LOCAL, Dispatch, ep_a2a_bytes
+from moejax.sharding.prefetch import recomputes
 
 
 @struct.dataclass
@@ -130,7 +131,7 @@ class Placement:
       return None
     return pstate.replace(history=planner.update_history(pstate.history, load_LxE))
 
-  def metrics(self, placement_L: dict, *, tokens_per_device: int, remat: bool) -> dict:
+  def metrics(self, placement_L: dict, *, tokens_per_device: int, remat: str) -> dict:
     """Per-layer figures from the layers, plus bytes moved per device and step by kind: the ep
     exchange (`a2a_bytes`) and fssdp's SparseAllGather / SparseReduceScatter (their [N, M]
     buffers: capacity), with what the replicas needed."""
@@ -144,8 +145,9 @@ class Placement:
     if self.kind == "fssdp":
       m, layers = self.replica_slots, self.num_layers
       buffer = (n - 1) / n * n * m * self.expert_bytes
-      # SparseAllGather runs again in backward under remat; its transpose once.
-      metrics["spag_bytes"] = jnp.full((layers,), buffer * (2 if remat else 1), jnp.float32)
+      # SparseAllGather runs again in backward when the layer is recomputed; its transpose once.
+      metrics["spag_bytes"] = jnp.full((layers,), buffer * (2 if recomputes(remat) else 1),
+                                       jnp.float32)
       metrics["sprs_bytes"] = jnp.full((layers,), buffer, jnp.float32)
       metrics["spag_bytes_needed"] = placement_L["replicas"] * self.expert_bytes
     return metrics

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from moejax.sharding import prefetch as prefetch_lib
+
 from moejax.codec import gather as codec
 from moejax.sharding.layout import Layout
 from moejax.sharding.mesh import DEVICES
@@ -95,10 +97,11 @@ def scatter_bytes(shard_shape, layout: Layout, num_devices: int) -> float:
   return 0.0
 
 
-def gathers_per_step(layered: bool, *, remat: bool, prefetch: bool) -> int:
-  """How often a step gathers a parameter: layer parameters are gathered again in backward under
-  remat and under prefetch (whose layers re-gather rather than keep their weights)."""
-  return 2 if layered and (remat or prefetch) else 1
+def gathers_per_step(layered: bool, *, remat: str, prefetch: bool) -> int:
+  """How often a step gathers a parameter: layer parameters are gathered again in backward when
+  it recomputes the layer (remat full or minimal: a gather is no matmul, so minimal does not keep
+  it) and under prefetch (whose backward re-gathers for the weight gradient's reduce-scatter)."""
+  return 2 if layered and (prefetch_lib.recomputes(remat) or prefetch) else 1
 
 
 def _plain_stats(shard, layout: Layout) -> dict:

@@ -18,6 +18,11 @@ prefetch=True    the gather of layer i+1 is issued in iteration i, *before* laye
                  reduce-scatters the weight gradient exactly as without prefetch) and recomputes
                  the layer. The prefetched copy gets no gradient (`stop_gradient`).
 Both give bit-identical results (tests/sharding/test_prefetch.py).
+
+`remat` (REMAT_MODES) says what a layer keeps for its backward: "full" only its input (and its
+shards), recomputing the rest; "minimal" also its matmul outputs
+(`jax.checkpoint_policies.dots_saveable`); "none" everything. With prefetch, minimal and none
+also keep the layer's gathered weights until its backward (the saved matmuls need them).
 """
 from __future__ import annotations
 
@@ -25,12 +30,29 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+REMAT_MODES = ("full", "minimal", "none")
+
+
+def recomputes(remat: str) -> bool:
+  """Whether backward runs the layer's forward again (and so its gathers)."""
+  return remat != "none"
+
+
+def _checkpointed(fn, remat: str):
+  if remat == "full":
+    return jax.checkpoint(fn)
+  if remat == "minimal":
+    return jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_saveable)
+  if remat == "none":
+    return fn
+  raise ValueError(f"remat must be one of {REMAT_MODES}, got {remat!r}")
+
 
 def _take(tree, i):
   return jax.tree.map(lambda x: x[i], tree)
 
 
-def _prefetched_layer(layer_fn, gather, remat: bool):
+def _prefetched_layer(layer_fn, gather, remat: str):
   """layer(h, full, shards, state, consts) -> layer_fn(h, full, consts), with the VJP above
   (`consts` here includes the layer index)."""
 
@@ -42,10 +64,10 @@ def _prefetched_layer(layer_fn, gather, remat: bool):
     return layer_fn(h, full, consts)
 
   def fwd(h, full, shards, state, consts):
-    if remat:
+    if remat == "full":
       return layer_fn(h, full, consts), (h, shards, state, consts, None)
-    # Without remat keep what the layer's backward needs (activations and weights).
-    out, vjp = jax.vjp(lambda h, full: layer_fn(h, full, consts), h, full)
+    # Otherwise keep what the policy saves of the layer's backward (and its weights).
+    out, vjp = jax.vjp(_checkpointed(lambda h, full: layer_fn(h, full, consts), remat), h, full)
     return out, (h, shards, state, consts, vjp)
 
   def bwd(res, g):
@@ -62,7 +84,7 @@ def _prefetched_layer(layer_fn, gather, remat: bool):
   return layer
 
 
-def scan_layers(layer_fn, h, shards_L, gather, states_L=None, consts=(), *, remat: bool = True,
+def scan_layers(layer_fn, h, shards_L, gather, states_L=None, consts=(), *, remat: str = "full",
                 prefetch: bool = False):
   num_layers = jax.tree.leaves(shards_L)[0].shape[0]
   index_L = jnp.arange(num_layers, dtype=jnp.int32)
@@ -73,19 +95,24 @@ def scan_layers(layer_fn, h, shards_L, gather, states_L=None, consts=(), *, rema
       h, aux = layer_fn(h, full, consts, i)
       return h, (aux, new_state, stats)
 
-    if remat:
-      body = jax.checkpoint(body)
+    body = _checkpointed(body, remat)
     h, (aux_L, new_states_L, stats_L) = lax.scan(body, h, (shards_L, states_L, index_L))
     return h, aux_L, new_states_L, stats_L
 
   layer = _prefetched_layer(lambda h, full, c: layer_fn(h, full, *c), gather, remat)
   full_0, new_state_0, stats_0 = gather(_take(shards_L, 0), _take(states_L, 0))
   full_0 = lax.stop_gradient(full_0)
-  roll = lambda t: jax.tree.map(lambda x: jnp.roll(x, -1, axis=0), t)   # noqa: E731
 
   def body(carry, xs):
     h, full = carry
-    i, layer_shards, layer_state, next_shards, next_state = xs
+    i, layer_shards, layer_state = xs
+    # The next layer's shards are read in place (a rolled copy as scan input would copy every
+    # layer's shards each step, and its zero cotangent would be materialized in backward).
+    nxt = jnp.minimum(i + 1, num_layers - 1)
+    take_next = lambda t: jax.tree.map(                   # noqa: E731
+        lambda x: lax.dynamic_index_in_dim(x, nxt, keepdims=False), t)
+    next_shards = take_next(lax.stop_gradient(shards_L))
+    next_state = take_next(states_L)
 
     def prefetch_next(args):
       full_next, state_next, stats_next = gather(*args)
@@ -101,7 +128,7 @@ def scan_layers(layer_fn, h, shards_L, gather, states_L=None, consts=(), *, rema
     h, aux = layer(h, full, layer_shards, layer_state, (consts, i))
     return (h, full_next), (aux, state_next, stats_next)
 
-  xs = (index_L, shards_L, states_L, roll(shards_L), roll(states_L))
+  xs = (index_L, shards_L, states_L)
   (h, _), (aux_L, next_states_L, next_stats_L) = lax.scan(body, (h, full_0), xs)
   # Iteration i produced layer i+1's gather: shift back and put layer 0's in front.
   unshift = lambda first, rest: jax.tree.map(          # noqa: E731

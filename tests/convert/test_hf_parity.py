@@ -32,7 +32,7 @@ MODELS = ("a", "b")
 
 def fp32_logits(cfg, params, tokens):
   gather = functools.partial(hook.local_gather, dtype=jnp.float32)
-  logits, _ = jax.jit(lambda p, t: olmoe.forward(cfg, p, t, gather=gather, remat=False))(
+  logits, _ = jax.jit(lambda p, t: olmoe.forward(cfg, p, t, gather=gather, remat="none"))(
       params, tokens)
   return np.asarray(logits)
 

@@ -13,7 +13,7 @@ import configs.olmoe as olmoe_configs
 def tiny():
   cfg = tiny_config()
   params = jax.jit(lambda k: olmoe.init_params(cfg, k))(jax.random.key(0))
-  fwd = jax.jit(lambda p, t: olmoe.forward(cfg, p, t, remat=False))
+  fwd = jax.jit(lambda p, t: olmoe.forward(cfg, p, t, remat="none"))
   return cfg, params, fwd
 
 

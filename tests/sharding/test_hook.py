@@ -124,10 +124,11 @@ def test_byte_figures_and_regather_rule():
   assert hook.scatter_bytes((4, 8), shard, W) == (W - 1) * 32 * 4       # fp32 shards
   assert hook.scatter_bytes((4, 8), rep, W) == 2 * (W - 1) / W * 32 * 4   # ring all-reduce
   assert hook.scatter_bytes((4, 8), rep, 1) == hook.scatter_bytes((4, 8), exp, W) == 0
-  assert hook.gathers_per_step(True, remat=True, prefetch=False) == 2
-  assert hook.gathers_per_step(True, remat=False, prefetch=True) == 2
-  assert hook.gathers_per_step(True, remat=False, prefetch=False) == 1
-  assert hook.gathers_per_step(False, remat=True, prefetch=True) == 1
+  assert hook.gathers_per_step(True, remat="full", prefetch=False) == 2
+  assert hook.gathers_per_step(True, remat="minimal", prefetch=False) == 2
+  assert hook.gathers_per_step(True, remat="none", prefetch=True) == 2
+  assert hook.gathers_per_step(True, remat="none", prefetch=False) == 1
+  assert hook.gathers_per_step(False, remat="full", prefetch=True) == 1
 
 
 def test_codec_refuses_mode_off_and_points_at_the_hook():

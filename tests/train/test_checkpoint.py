@@ -211,7 +211,7 @@ def test_incompatible_config_is_refused_naming_the_field(trained, tmp_path):
 def test_which_fields_may_differ_on_resume():
   saved = weights.config_to_dict(tiny_config())
   ckpt.check_compatible(saved, tiny_config(**{
-      "steps": 999, "log_every": 3, "eval_every": 7, "eval_batches": 2, "remat": False,
+      "steps": 999, "log_every": 3, "eval_every": 7, "eval_batches": 2, "remat": "none",
       "mesh.shape": (2, -1), "moe.placement": "ep", "checkpoint.every": 5,
       "checkpoint.keep": 9, "init_from": "elsewhere"}))
   for field, value, message in [

@@ -228,7 +228,7 @@ MP_ARGS = ["--config", "configs/olmoe.py:tiny", f"--config.steps={MP_STEPS}",
            "--config.log_every=1", "--config.eval_batches=1",
            f"--config.checkpoint.every={MP_EVERY}", "--config.distributed.heartbeat_timeout_s=20",
            # the smallest program that still trains across both processes: compiles fast
-           "--config.model.num_layers=1", "--config.remat=False", "--config.prefetch=False"]
+           "--config.model.num_layers=1", "--config.remat=none", "--config.prefetch=False"]
 MP_TIMEOUT_S = 300
 LOST_WITHIN_S = 60
 

@@ -1,0 +1,201 @@
+"""Step time: moejax's train step beside a plain-JAX floor (bench/reference.py), interleaved in one
+process so the machine's drift hits every variant alike.
+
+  python bench/step.py --quick        # peer dims: reference, 1 device, fsdp on 8 (~3 min)
+  python bench/step.py                # tiny and peer dims x {1 device, fsdp, ep, fssdp,
+                                      #   codec element / delta forced} on 8 fake devices
+  python bench/step.py --experts      # tiny, top-2, 1 device: E = 8, 32, 128 (fixed routed work)
+  python bench/step.py --quick --peer # then ../shared/peers/maxtext/compare.sh (MaxText beside)
+
+Per variant: median s/step, tokens/s, XLA-counted GFLOP and GB accessed of the compiled step
+(`cost_analysis`; loops counted once, so a scanned model's figures are per layer-iteration),
+peak memory (`memory_analysis`: arguments + temporaries + outputs - aliased), and the ratio to
+the reference of the same dims (to the first variant of a sweep). Codec variants also print the
+fraction of their gathered bytes that went compressed. Ends with one JSON line.
+
+The peer dims are those of ../shared/peers/maxtext/compare.sh (2 layers, d_model 256, 4 heads x
+64, 8 experts top-2, expert hidden 512, seq 128, global batch 16). Variants on 8 fake CPU devices
+share the same cores as the one-device ones: the same total work, so their ratio is the cost of
+sharding it.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "bench"))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import configs.olmoe as olmoe_configs  # noqa: E402
+import reference  # noqa: E402
+from moejax.config import from_config_dict  # noqa: E402
+from moejax.models import olmoe  # noqa: E402
+from moejax.sharding.mesh import make_mesh  # noqa: E402
+from moejax.train.loop import Trainer, put_batch  # noqa: E402
+
+PEER = {"model.d_model": 256, "model.num_layers": 2, "model.num_heads": 4, "model.head_dim": 64,
+        "moe.num_experts": 8, "moe.top_k": 2, "moe.expert_hidden": 512, "model.vocab_size": 257,
+        "seq_len": 128, "batch_size": 16}
+DIMS = {"tiny": {}, "peer": PEER}
+CODEC = {"codec.select": False, "codec.warmup_steps": 2}
+
+
+def config(dims: str, **overrides):
+  cd = olmoe_configs.get_config("tiny")
+  cd.update_from_flattened_dict({**DIMS[dims], "steps": 1000, **overrides})
+  return from_config_dict(cd)
+
+
+@dataclasses.dataclass
+class Variant:
+  name: str
+  dims: str
+  devices: int = 1                 # 0: the plain-JAX reference (one device)
+  overrides: dict = dataclasses.field(default_factory=dict)
+  baseline: str = ""               # ratio to this variant ("" = the reference of its dims)
+  times: list = dataclasses.field(default_factory=list)
+  figures: dict = dataclasses.field(default_factory=dict)
+
+  def build(self, batches):
+    """Compiles the step; returns a function running one step (blocking)."""
+    cfg = config(self.dims, **self.overrides)
+    self.tokens = cfg.batch_size * cfg.seq_len
+    if self.devices == 0:
+      step, tx = reference.make_train_step(cfg, remat=cfg.remat)
+      params = olmoe.init_params(cfg, jax.random.key(cfg.seed))
+      state = [params, tx.init(params)]
+      batch0 = {k: jax.numpy.asarray(v) for k, v in batches[0].items()}
+      compiled = step.lower(state[0], state[1], batch0).compile()
+
+      def run(i):
+        b = {k: jax.numpy.asarray(v) for k, v in batches[i % len(batches)].items()}
+        state[0], state[1], ce = compiled(state[0], state[1], b)
+        jax.block_until_ready(ce)
+    else:
+      trainer = Trainer(cfg, mesh=make_mesh((1, -1), jax.devices()[:self.devices]))
+      state = [trainer.init_state()]
+      placed = [put_batch(b, trainer.mesh) for b in batches]
+      compiled = trainer.train_step.lower(state[0], placed[0]).compile()
+      self.last = {}
+
+      def run(i):
+        state[0], metrics = compiled(state[0], placed[i % len(placed)])
+        self.last = metrics
+        jax.block_until_ready(metrics)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    mem = compiled.memory_analysis()
+    self.figures = {"gflop": cost.get("flops", 0.0) / 1e9,
+                    "gb_accessed": cost.get("bytes accessed", 0.0) / 1e9}
+    if mem is not None:
+      self.figures["peak_mb"] = (mem.argument_size_in_bytes + mem.temp_size_in_bytes
+                                 + mem.output_size_in_bytes - mem.alias_size_in_bytes) / 2**20
+    return run
+
+  def compressed_fraction(self):
+    m = self.last
+    if "codec_params" not in m or float(m["gather_bytes_plain"]) == 0:
+      return None
+    return 1.0 - float(m["gather_bytes"]) / float(m["gather_bytes_plain"])
+
+
+def variants(args) -> list[Variant]:
+  if args.experts:
+    sweep = [Variant(f"tiny E={e}", "tiny", 1, {"moe.num_experts": e}, baseline="tiny E=8")
+             for e in (8, 32, 128)]
+    return sweep
+  dims_list = ("peer",) if args.quick else ("tiny", "peer")
+  out = []
+  for dims in dims_list:
+    out += [Variant(f"{dims} reference", dims, 0), Variant(f"{dims} 1 device", dims, 1)]
+    out.append(Variant(f"{dims} fsdp x8", dims, 8, {"moe.placement": "fsdp"}))
+    if args.quick:
+      continue
+    out += [Variant(f"{dims} ep x8", dims, 8, {"moe.placement": "ep"}),
+            Variant(f"{dims} fssdp x8", dims, 8, {"moe.placement": "fssdp"},
+                    baseline=f"{dims} ep x8")]
+    for mode in ("element", "delta"):
+      out.append(Variant(f"{dims} codec {mode} x8", dims, 8, {"codec.mode": mode, **CODEC},
+                         baseline=f"{dims} fsdp x8"))
+  return out
+
+
+def make_batches(dims: str, count: int = 4):
+  cfg = config(dims)
+  rng = np.random.default_rng(0)
+  out = []
+  for _ in range(count):
+    tokens = rng.integers(0, 256, (cfg.batch_size, cfg.seq_len + 1), dtype=np.int32)
+    out.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]})
+  return out
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="peer dims: reference, 1 device, fsdp x8")
+  parser.add_argument("--experts", action="store_true", help="the number-of-experts sweep")
+  parser.add_argument("--peer", action="store_true", help="then run the MaxText comparison")
+  parser.add_argument("--rounds", type=int, default=3)
+  parser.add_argument("--steps", type=int, default=4, help="timed steps per variant and round")
+  args = parser.parse_args()
+
+  vs = variants(args)
+  batches = {dims: make_batches(dims) for dims in DIMS}
+  runs = {}
+  for v in vs:
+    t0 = time.perf_counter()
+    runs[v.name] = v.build(batches[v.dims])
+    for i in range(3):   # warm-up (codec variants: past their warm-up gathers)
+      runs[v.name](i)
+    print(f"compiled {v.name} in {time.perf_counter() - t0:.0f} s", flush=True)
+  i = 3
+  for r in range(args.rounds):
+    for v in vs:
+      for _ in range(args.steps):
+        t = time.perf_counter()
+        runs[v.name](i)
+        v.times.append(time.perf_counter() - t)
+        i += 1
+    print(f"round {r + 1}/{args.rounds} done", flush=True)
+
+  median = {v.name: statistics.median(v.times) for v in vs}
+  print(f"\n{'variant':24s} {'s/step':>8s} {'tok/s':>8s} {'GFLOP':>7s} {'GB':>6s} {'peak MB':>8s}"
+        f" {'ratio':>6s}  vs")
+  results = []
+  for v in vs:
+    base = v.baseline or (f"{v.dims} reference" if v.devices else "")
+    ratio = median[v.name] / median[base] if base in median and base != v.name else None
+    f = v.figures
+    frac = v.compressed_fraction() if v.devices else None
+    extra = f"  compressed {frac:.0%} of gathered bytes" if frac is not None else ""
+    print(f"{v.name:24s} {median[v.name]:8.4f} {v.tokens / median[v.name]:8.0f} "
+          f"{f['gflop']:7.2f} {f['gb_accessed']:6.2f} {f.get('peak_mb', 0):8.1f} "
+          f"{'' if ratio is None else f'{ratio:6.2f}':>6s}  {base if ratio else ''}{extra}")
+    results.append({"variant": v.name, "s_per_step": median[v.name],
+                    "tokens_per_s": v.tokens / median[v.name], **f, "ratio": ratio,
+                    "vs": base if ratio else None, "compressed_fraction": frac})
+  print(json.dumps({"bench": "step", "results": results}))
+  if args.peer:
+    script = os.path.join(REPO, "..", "shared", "peers", "maxtext", "compare.sh")
+    for devices in ("1", "8"):
+      subprocess.run(["bash", script, REPO, "3"], env={**os.environ, "DEVICES": devices,
+                                                       "XLA_FLAGS": ""}, check=False)
+
+
+if __name__ == "__main__":
+  main()

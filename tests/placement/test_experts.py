@@ -1,0 +1,108 @@
+"""Grouped SwiGLU experts and dense projections: the CPU implementations (row tiles, fp32
+arithmetic) against the GPU/TPU ones (`lax.ragged_dot`, native bf16 matmuls), values and
+gradients, and each platform's branch as lowered."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import export
+
+from moejax.layers import matmul
+from moejax.placement import experts
+
+BF16 = jnp.bfloat16
+
+
+def _weights(key, g, d, f):
+  k = jax.random.split(key, 3)
+  w = lambda kk, shape: (0.2 * jax.random.normal(kk, shape)).astype(BF16)   # noqa: E731
+  return w(k[0], (g, d, f)), w(k[1], (g, d, f)), w(k[2], (g, f, d))
+
+
+def test_tiled_equals_ragged_values_and_grads():
+  # Uneven groups, empty ones, many small ones (more groups than tiles of their rows), one
+  # taking most rows, and rows left over past the groups' sum (dropped assignments: zeros).
+  sizes = (7, 0, 13, 1, 0, 19) + (2,) * 60 + (90,)
+  rows = sum(sizes) + 11
+  g, d, f = len(sizes), 16, 24
+  key = jax.random.key(rows)
+  x = jax.random.normal(key, (rows, d)).astype(BF16)
+  gs = jnp.asarray(sizes, jnp.int32)
+  w = _weights(jax.random.fold_in(key, 1), g, d, f)
+  cot = jax.random.normal(jax.random.fold_in(key, 2), (rows, d))
+
+  def value_and_grads(fn):   # one compile per implementation
+    def run(x, *w):
+      y, vjp = jax.vjp(lambda x, *w: fn(x, gs, *w).astype(jnp.float32), x, *w)
+      return y, vjp(cot)
+    return jax.jit(run)(x, *w)
+
+  (y_tiled, g_tiled), (y_ragged, g_ragged) = (value_and_grads(experts._tiled_swiglu),
+                                              value_and_grads(experts._ragged_swiglu))
+  used = int(sum(sizes))
+  assert not np.any(np.asarray(y_tiled[used:]))
+  # Same products, fp32 sums in another order, one bf16 rounding: within a bf16 ulp or two.
+  np.testing.assert_allclose(np.asarray(y_tiled), np.asarray(y_ragged), rtol=2e-2, atol=2e-2)
+  for a, b in zip(g_tiled, g_ragged):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    np.testing.assert_allclose(a, b, rtol=3e-2, atol=3e-2 * np.max(np.abs(b)))
+  assert jax.eval_shape(experts._tiled_swiglu, x, gs, *w).dtype == BF16
+
+
+def test_run_sorted_is_per_row_expert():
+  """run_sorted (CPU branch under jit) equals each row through its own expert, one by one."""
+  rows, g, d, f = 37, 5, 8, 12
+  key = jax.random.key(7)
+  x = jax.random.normal(key, (rows, d)).astype(BF16)
+  expert = np.random.default_rng(0).integers(0, g + 1, rows)   # g: no expert
+  wg, wu, wd = _weights(jax.random.fold_in(key, 2), g, d, f)
+  y = jax.jit(experts.run_sorted, static_argnums=2)(x, expert, g, wg, wu, wd)
+  f32 = lambda a: np.asarray(a, np.float32)   # noqa: E731
+  x, y, wg, wu, wd = map(f32, (x, y, wg, wu, wd))
+  for r in range(rows):
+    e = expert[r]
+    if e == g:
+      assert not np.any(f32(y[r]))
+      continue
+    gate, up = f32(x[r]) @ f32(wg[e]), f32(x[r]) @ f32(wu[e])
+    h = (gate / (1 + np.exp(-gate)) * up).astype(jnp.bfloat16).astype(np.float32)
+    want = h @ f32(wd[e])
+    np.testing.assert_allclose(f32(y[r]), want, rtol=2e-2, atol=2e-2)
+
+
+def test_tile_rows_bounds():
+  assert experts.tile_rows(4096, 8) == 128
+  assert experts.tile_rows(2048, 128) == 16
+  assert experts.tile_rows(10, 64) == 16
+  assert experts.tile_rows(100, 3) == 32
+
+
+def _lowered(fn, args, platform):
+  return export.export(jax.jit(fn), platforms=[platform])(*args).mlir_module()
+
+
+def test_each_platform_lowers_its_own_branch():
+  """The GPU branch is the grouped matmul and native bf16 dots; the CPU branch tiles and widens.
+  Lowered for CUDA here, on a machine without a GPU."""
+  x = jnp.zeros((64, 16), BF16)
+  gs = jnp.asarray([30, 0, 34], jnp.int32)
+  w = _weights(jax.random.key(0), 3, 16, 24)
+  gpu = _lowered(experts.grouped_swiglu, (x, gs, *w), "cuda")
+  cpu = _lowered(experts.grouped_swiglu, (x, gs, *w), "cpu")
+  assert "ragged_dot" in gpu and "ragged_dot" not in cpu
+  dense_gpu = _lowered(lambda a, b: matmul.dense(a, b), (x, w[0][0]), "cuda")
+  dense_cpu = _lowered(lambda a, b: matmul.dense(a, b), (x, w[0][0]), "cpu")
+  dot = lambda text: [l for l in text.splitlines() if "stablehlo.dot_general" in l]   # noqa: E731
+  assert all("bf16" in l for l in dot(dense_gpu)), dot(dense_gpu)
+  assert dot(dense_cpu) and not any("bf16" in l.split("->")[0] for l in dot(dense_cpu))
+
+
+def test_dense_matches_native_within_rounding():
+  key = jax.random.key(3)
+  x = jax.random.normal(key, (32, 48)).astype(BF16)
+  w = jax.random.normal(jax.random.fold_in(key, 1), (48, 40)).astype(BF16)
+  widened = jax.jit(lambda a, b: matmul.dense(a, b))(x, w)
+  native = matmul._native(x, w, BF16)
+  assert widened.dtype == BF16
+  np.testing.assert_allclose(np.asarray(widened, np.float32), np.asarray(native, np.float32),
+                             rtol=1e-2, atol=1e-2)
+  assert matmul.dense(x, w, jnp.float32).dtype == jnp.float32
