@@ -8,21 +8,36 @@ rows each expert takes; rows past the sum of the group sizes come out as zeros.
   CPU      row tiles: XLA:CPU lowers `ragged_dot` to a dense matmul over every expert, masked
            (G times the routed work, measured 7-10x slower at G=8 and growing with G). Here
            each expert's rows are padded to whole tiles of M rows, every tile belongs to one
-           expert, and one batched matmul runs the tiles against their experts' weights (taken
-           per tile). Static shapes: at most A/M + G tiles, so the padding costs at most G*M rows.
+           expert; one batched matmul over the tiles (each tile's weights taken) or, for
+           small groups, a loop over the tiles (weights read in place, a hand-written backward
+           of the same loop) runs each against its expert's weights. Static shapes: at most A/M + G tiles, so the
+           padding costs at most G*M rows.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 
+# Which CPU kernel, by the mean rows per expert (measured in the train step, bench/step.py):
+# from BATCHED_FROM rows up, one batched matmul over all tiles with each tile's weights taken
+# first (tiles of 128 rows: the copy is 1/128 of the work; 0.91 vs 1.07 s at 4096 rows, 8
+# experts); below it, a loop over tiles reading weights in place (1.36 vs 1.61 s at 512 rows).
+BATCHED_FROM = 256
+
+
 def tile_rows(num_rows: int, num_groups: int) -> int:
-  """M: a power of two near the mean group size, 16 to 128 (measured on XLA:CPU: smaller tiles
-  waste less padding when groups are small, larger ones run the matmuls faster)."""
+  """M for the CPU kernel: 128 for the batched one; for the loop a power of two near half the
+  mean group size, 16 to 64 (smaller tiles waste less padding when groups are small, larger
+  ones run the matmuls faster)."""
   mean = max(1, num_rows // max(1, num_groups))
-  return int(min(128, max(16, 1 << (mean.bit_length() - 1))))
+  if mean >= BATCHED_FROM:
+    return 128
+  return int(min(64, max(16, 1 << (max(1, mean // 2).bit_length() - 1))))
 
 
 def _ragged_swiglu(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD):
@@ -35,43 +50,121 @@ def _ragged_swiglu(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD)
   return jnp.where(jnp.arange(x_AxD.shape[0])[:, None] < rows_used, y_AxD, 0.0).astype(dtype)
 
 
-def _tiled_swiglu(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD):
-  dtype = x_AxD.dtype
-  (a, d), g = x_AxD.shape, group_sizes_G.shape[0]
-  m = tile_rows(a, g)
-  num_tiles = -(-a // m) + g
+def _tile_plan(group_sizes_G, num_rows: int, m: int):
+  """(tiles Tl, expert of each tile [Tl], sorted row of each padded row [Tl*M] (num_rows: the
+  zero row), padded row of each sorted row [A] (Tl*M: rows past the groups, zeros))."""
+  g = group_sizes_G.shape[0]
+  num_tiles = -(-num_rows // m) + g
   tiles_G = (group_sizes_G + m - 1) // m
   tile_end_G = jnp.cumsum(tiles_G)
   tile_start_G = tile_end_G - tiles_G
   row_end_G = jnp.cumsum(group_sizes_G)
   row_start_G = row_end_G - group_sizes_G
-  # Each tile's expert (tiles past the used ones take the last expert; their rows are empty).
+  # Tiles past the used ones take the last expert; their rows are all padding.
   group_T = jnp.minimum(jnp.searchsorted(tile_end_G, jnp.arange(num_tiles), side="right"), g - 1)
-  # Padded row p of tile p // M holds sorted row src_P[p], or the zero row A past the group.
   p = jnp.arange(num_tiles * m)
   group_P = group_T[p // m]
   within_P = p - tile_start_G[group_P] * m
-  src_P = jnp.where(within_P < group_sizes_G[group_P], row_start_G[group_P] + within_P, a)
-  # Sorted row r sits at padded row slot_A[r].
-  r = jnp.arange(a)
+  src_P = jnp.where(within_P < group_sizes_G[group_P], row_start_G[group_P] + within_P, num_rows)
+  r = jnp.arange(num_rows)
   group_A = jnp.minimum(jnp.searchsorted(row_end_G, r, side="right"), g - 1)
-  slot_A = tile_start_G[group_A] * m + (r - row_start_G[group_A])
+  slot_A = jnp.where(r < row_end_G[-1], tile_start_G[group_A] * m + (r - row_start_G[group_A]),
+                     num_tiles * m)
+  return num_tiles, group_T, src_P, slot_A
 
-  # In fp32: XLA:CPU's fp32 matmuls run 1.4-1.5x its bf16 ones (no bf16 arithmetic on AVX2), and
-  # products of bf16 values are exact in fp32, so only the summation order can differ.
-  f32 = jnp.float32
-  x_TlxMxD = jnp.concatenate([x_AxD, jnp.zeros((1, d), dtype)])[src_P].reshape(num_tiles, m, d)
-  x_TlxMxD = x_TlxMxD.astype(f32)
-  per_tile = lambda w: jnp.take(w, group_T, axis=0).astype(f32)   # noqa: E731
-  gate = jnp.einsum("tmd,tdf->tmf", x_TlxMxD, per_tile(w_gate_GxDxF),
-                    preferred_element_type=jnp.float32)
-  up = jnp.einsum("tmd,tdf->tmf", x_TlxMxD, per_tile(w_up_GxDxF),
-                  preferred_element_type=jnp.float32)
-  h_TlxMxF = (jax.nn.silu(gate) * up).astype(dtype).astype(f32)
-  y_TlxMxD = jnp.einsum("tmf,tfd->tmd", h_TlxMxF, per_tile(w_down_GxFxD),
-                        preferred_element_type=jnp.float32).astype(dtype)
-  y_AxD = y_TlxMxD.reshape(num_tiles * m, d)[slot_A]
-  return jnp.where(r[:, None] < row_end_G[-1], y_AxD, 0).astype(dtype)
+
+def _rows_to_tiles(x_AxD, src_P, num_tiles: int, m: int):
+  x_ext = jnp.concatenate([x_AxD, jnp.zeros((1, x_AxD.shape[1]), x_AxD.dtype)])
+  return x_ext[src_P].reshape(num_tiles, m, -1)
+
+
+def _tiles_to_rows(y_TlxMxD, slot_A):
+  num_tiles, m, d = y_TlxMxD.shape
+  flat = jnp.concatenate([y_TlxMxD.reshape(num_tiles * m, d), jnp.zeros((1, d), y_TlxMxD.dtype)])
+  return flat[slot_A]
+
+
+# The CPU loop kernel. A loop over tiles reads each tile's expert weights in place (a batched matmul
+# over all tiles first copies every tile's weights: 1.5x slower alone at 512 rows, 8 experts). Arithmetic in fp32 (XLA:CPU's fp32 matmuls run 1.4-1.5x its bf16
+# ones on AVX2; products of bf16 values are exact in fp32, so only the summation order differs),
+# rounding where the bf16 computation rounds: h, and its cotangent.
+_F32 = jnp.float32
+
+
+def _w(w, e):
+  return lax.dynamic_index_in_dim(w, e, keepdims=False).astype(_F32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _tiled(x_AxD, group_sizes_G, w_gate, w_up, w_down, m: int):
+  return _tiled_fwd(x_AxD, group_sizes_G, w_gate, w_up, w_down, m)[0]
+
+
+def _tiled_fwd(x_AxD, group_sizes_G, w_gate, w_up, w_down, m):
+  dtype = x_AxD.dtype
+  num_tiles, group_T, src_P, slot_A = _tile_plan(group_sizes_G, x_AxD.shape[0], m)
+  x_TlxMxD = _rows_to_tiles(x_AxD, src_P, num_tiles, m)
+
+  def tile(args):
+    x_MxD, e = args
+    x32 = x_MxD.astype(_F32)
+    gate_MxF, up_MxF = x32 @ _w(w_gate, e), x32 @ _w(w_up, e)
+    h_MxF = (jax.nn.silu(gate_MxF) * up_MxF).astype(dtype).astype(_F32)
+    return (h_MxF @ _w(w_down, e)).astype(dtype), gate_MxF, up_MxF
+
+  y_TlxMxD, gate, up = lax.map(tile, (x_TlxMxD, group_T))
+  residuals = (x_TlxMxD, gate, up, group_T, src_P, slot_A, group_sizes_G, w_gate, w_up, w_down)
+  return _tiles_to_rows(y_TlxMxD, slot_A), residuals
+
+
+def _tiled_bwd(m, residuals, dy_AxD):
+  x_TlxMxD, gate, up, group_T, src_P, slot_A, group_sizes_G, w_gate, w_up, w_down = residuals
+  dtype = x_TlxMxD.dtype
+  dy_TlxMxD = _rows_to_tiles(dy_AxD, src_P, x_TlxMxD.shape[0], m)
+
+  def tile(dw, args):
+    x_MxD, gate_MxF, up_MxF, dy_MxD, e = args
+    x32, dy32 = x_MxD.astype(_F32), dy_MxD.astype(_F32)
+    sig = jax.nn.sigmoid(gate_MxF)
+    silu = gate_MxF * sig
+    h_MxF = (silu * up_MxF).astype(dtype).astype(_F32)
+    dh_MxF = (dy32 @ _w(w_down, e).T).astype(dtype).astype(_F32)
+    dgate_MxF = dh_MxF * up_MxF * (sig * (1 + gate_MxF * (1 - sig)))
+    dup_MxF = dh_MxF * silu
+    dx_MxD = dgate_MxF @ _w(w_gate, e).T + dup_MxF @ _w(w_up, e).T
+    dw_gate, dw_up, dw_down = dw
+    dw = (dw_gate.at[e].add(x32.T @ dgate_MxF), dw_up.at[e].add(x32.T @ dup_MxF),
+          dw_down.at[e].add(h_MxF.T @ dy32))
+    return dw, dx_MxD.astype(dtype)
+
+  zeros = tuple(jnp.zeros(w.shape, _F32) for w in (w_gate, w_up, w_down))
+  dw, dx_TlxMxD = lax.scan(tile, zeros, (x_TlxMxD, gate, up, dy_TlxMxD, group_T))
+  no_grad = np.zeros(group_sizes_G.shape, jax.dtypes.float0)
+  return (_tiles_to_rows(dx_TlxMxD, slot_A), no_grad,
+          *(d.astype(w.dtype) for d, w in zip(dw, (w_gate, w_up, w_down))))
+
+
+_tiled.defvjp(_tiled_fwd, _tiled_bwd)
+
+
+def _batched(x_AxD, group_sizes_G, w_gate, w_up, w_down, m: int):
+  """All tiles in one batched matmul per projection, weights taken per tile (autodiff)."""
+  dtype = x_AxD.dtype
+  num_tiles, group_T, src_P, slot_A = _tile_plan(group_sizes_G, x_AxD.shape[0], m)
+  x_TlxMxD = _rows_to_tiles(x_AxD, src_P, num_tiles, m).astype(_F32)
+  per_tile = lambda w: jnp.take(w, group_T, axis=0).astype(_F32)   # noqa: E731
+  gate = jnp.einsum("tmd,tdf->tmf", x_TlxMxD, per_tile(w_gate))
+  up = jnp.einsum("tmd,tdf->tmf", x_TlxMxD, per_tile(w_up))
+  h_TlxMxF = (jax.nn.silu(gate) * up).astype(dtype).astype(_F32)
+  y_TlxMxD = jnp.einsum("tmf,tfd->tmd", h_TlxMxF, per_tile(w_down)).astype(dtype)
+  return _tiles_to_rows(y_TlxMxD, slot_A)
+
+
+def _tiled_swiglu(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD):
+  (a, _), g = x_AxD.shape, group_sizes_G.shape[0]
+  m = tile_rows(a, g)
+  kernel = _batched if a // g >= BATCHED_FROM else _tiled
+  return kernel(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD, m)
 
 
 def grouped_swiglu(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD):

@@ -36,15 +36,17 @@ def test_tiled_equals_ragged_values_and_grads():
       return y, vjp(cot)
     return jax.jit(run)(x, *w)
 
-  (y_tiled, g_tiled), (y_ragged, g_ragged) = (value_and_grads(experts._tiled_swiglu),
-                                              value_and_grads(experts._ragged_swiglu))
+  y_ragged, g_ragged = value_and_grads(experts._ragged_swiglu)
   used = int(sum(sizes))
-  assert not np.any(np.asarray(y_tiled[used:]))
-  # Same products, fp32 sums in another order, one bf16 rounding: within a bf16 ulp or two.
-  np.testing.assert_allclose(np.asarray(y_tiled), np.asarray(y_ragged), rtol=2e-2, atol=2e-2)
-  for a, b in zip(g_tiled, g_ragged):
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    np.testing.assert_allclose(a, b, rtol=3e-2, atol=3e-2 * np.max(np.abs(b)))
+  # Both CPU kernels (the loop with its hand-written backward, the batched one by autodiff).
+  for kernel in (experts._tiled, experts._batched):
+    y_tiled, g_tiled = value_and_grads(lambda x, gs, *w, k=kernel: k(x, gs, *w, 16))
+    assert not np.any(np.asarray(y_tiled[used:]))
+    # Same products, fp32 sums in another order, one bf16 rounding: within a bf16 ulp or two.
+    np.testing.assert_allclose(np.asarray(y_tiled), np.asarray(y_ragged), rtol=2e-2, atol=2e-2)
+    for a, b in zip(g_tiled, g_ragged):
+      a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+      np.testing.assert_allclose(a, b, rtol=3e-2, atol=3e-2 * np.max(np.abs(b)))
   assert jax.eval_shape(experts._tiled_swiglu, x, gs, *w).dtype == BF16
 
 
@@ -73,7 +75,8 @@ def test_tile_rows_bounds():
   assert experts.tile_rows(4096, 8) == 128
   assert experts.tile_rows(2048, 128) == 16
   assert experts.tile_rows(10, 64) == 16
-  assert experts.tile_rows(100, 3) == 32
+  assert experts.tile_rows(100, 3) == 16
+  assert experts.tile_rows(512, 8) == 32
 
 
 def _lowered(fn, args, platform):
