@@ -4,7 +4,9 @@ process so the machine's drift hits every variant alike.
   python bench/step.py --quick        # peer dims: reference, 1 device, fsdp on 8 (~3 min)
   python bench/step.py                # tiny and peer dims x {1 device, fsdp, ep, fssdp,
                                       #   codec element / delta forced} on 8 fake devices
-  python bench/step.py --experts      # tiny, top-2, 1 device: E = 8, 32, 128 (fixed routed work)
+  python bench/step.py --experts      # tiny, top-2, 1 device: E = 8, 32, 128 (fixed routed work),
+                                      #   and the reference at E = 8 and 128
+  python bench/step.py --only codec --only "tiny fsdp"   # a subset, by name
   python bench/step.py --quick --peer # then ../shared/peers/maxtext/compare.sh (MaxText beside)
 
 Per variant: median s/step, tokens/s, XLA-counted GFLOP and GB accessed of the compiled step
@@ -52,7 +54,9 @@ PEER = {"model.d_model": 256, "model.num_layers": 2, "model.num_heads": 4, "mode
         "moe.num_experts": 8, "moe.top_k": 2, "moe.expert_hidden": 512, "model.vocab_size": 257,
         "seq_len": 128, "batch_size": 16}
 DIMS = {"tiny": {}, "peer": PEER}
-CODEC = {"codec.select": False, "codec.warmup_steps": 2}
+# Codec variants: the mode forced on every sharded parameter, past its warm-up, at a fine-tuning
+# learning rate (most weights keep their exponents, as in bench/codec.py's low-rate phase).
+CODEC = {"codec.select": False, "codec.warmup_steps": 2, "optim.lr": 1e-4}
 
 
 def config(dims: str, **overrides):
@@ -118,7 +122,8 @@ def variants(args) -> list[Variant]:
   if args.experts:
     sweep = [Variant(f"tiny E={e}", "tiny", 1, {"moe.num_experts": e}, baseline="tiny E=8")
              for e in (8, 32, 128)]
-    return sweep
+    return sweep + [Variant(f"tiny reference E={e}", "tiny", 0, {"moe.num_experts": e},
+                            baseline="tiny reference E=8") for e in (8, 128)]
   dims_list = ("peer",) if args.quick else ("tiny", "peer")
   out = []
   for dims in dims_list:
@@ -150,11 +155,13 @@ def main():
   parser.add_argument("--quick", action="store_true", help="peer dims: reference, 1 device, fsdp x8")
   parser.add_argument("--experts", action="store_true", help="the number-of-experts sweep")
   parser.add_argument("--peer", action="store_true", help="then run the MaxText comparison")
+  parser.add_argument("--only", action="append", default=[],
+                      help="keep the variants whose name contains this (repeatable)")
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--steps", type=int, default=4, help="timed steps per variant and round")
   args = parser.parse_args()
 
-  vs = variants(args)
+  vs = [v for v in variants(args) if not args.only or any(o in v.name for o in args.only)]
   batches = {dims: make_batches(dims) for dims in DIMS}
   runs = {}
   for v in vs:
