@@ -98,4 +98,6 @@ def test_train_step_traces_once(trainer_for, fsdp8):
 
 
 GOLDEN_LOSS0 = 5.7756123542785645
-GOLDEN_GRAD_NORM0 = 0.47363582253456116
+# 0.473636 before the CPU expert and matmul kernels (fp32 sums in another order; loss unchanged
+# within 1e-5).
+GOLDEN_GRAD_NORM0 = 0.473704
