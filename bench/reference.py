@@ -3,7 +3,8 @@
 The same math as `moejax.train.step` with `placement=fsdp` on one device and no admission:
 embedding, L x (RMSNorm, rotary attention with QK-norm, RMSNorm, softmax top-k MoE with SwiGLU
 experts), RMSNorm, untied head; cross-entropy plus the load-balancing and z-losses; AdamW with
-clipping (`moejax.train.optim.make_optimizer`, which is plain optax). bf16 compute, fp32 master
+clipping (`moejax.train.optim.make_optimizer`, which is plain optax). It calls moejax's pure
+functions for the norms, rotary embeddings and router losses. bf16 compute, fp32 master
 weights, one `jit`, no `shard_map`, no gather hook, no telemetry. The experts run through
 `moejax.placement.experts.grouped_swiglu` (the kernel both sides share), so the ratio
 moejax / reference is the cost of everything around the kernel.
@@ -17,35 +18,26 @@ import jax.numpy as jnp
 import optax
 
 from moejax.config import Config
+from moejax.layers.attention import apply_rotary, rotary_tables
 from moejax.layers.matmul import dense
+from moejax.layers.norm import rms_norm
 from moejax.placement.experts import grouped_swiglu
+from moejax.routing.router import load_balancing_loss, router_z_loss
+from moejax.sharding.prefetch import checkpointed
 from moejax.train import optim
 
 BF16 = jnp.bfloat16
-
-
-def _rms(x, scale, eps):
-  x32 = x.astype(jnp.float32)
-  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return (y * scale.astype(jnp.float32).reshape((1,) * (x.ndim - 1) + scale.shape)).astype(x.dtype)
-
-
-def _rotate(x_BxSxHxDh, cos_SxDh, sin_SxDh):
-  x32 = x_BxSxHxDh.astype(jnp.float32)
-  half = x32.shape[-1] // 2
-  rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-  return (x32 * cos_SxDh[None, :, None] + rotated * sin_SxDh[None, :, None]).astype(x_BxSxHxDh.dtype)
 
 
 def _attention(cfg: Config, p, x_BxSxD, cos_SxDh, sin_SxDh):
   m = cfg.model
   b, s, _ = x_BxSxD.shape
   heads = (b, s, m.num_heads, m.head_dim)
-  q = _rms(dense(x_BxSxD, p["wq"].astype(BF16)), p["q_norm"], m.norm_eps).reshape(heads)
-  k = _rms(dense(x_BxSxD, p["wk"].astype(BF16)), p["k_norm"], m.norm_eps).reshape(heads)
+  q = rms_norm(dense(x_BxSxD, p["wq"].astype(BF16)), p["q_norm"], m.norm_eps).reshape(heads)
+  k = rms_norm(dense(x_BxSxD, p["wk"].astype(BF16)), p["k_norm"], m.norm_eps).reshape(heads)
   v = (dense(x_BxSxD, p["wv"].astype(BF16))).reshape(heads)
-  out = jax.nn.dot_product_attention(_rotate(q, cos_SxDh, sin_SxDh),
-                                     _rotate(k, cos_SxDh, sin_SxDh), v, is_causal=True)
+  out = jax.nn.dot_product_attention(apply_rotary(q, cos_SxDh, sin_SxDh),
+                                     apply_rotary(k, cos_SxDh, sin_SxDh), v, is_causal=True)
   return dense(out.reshape(b, s, -1), p["wo"].astype(BF16))
 
 
@@ -58,9 +50,7 @@ def _moe(cfg: Config, p, x_BxSxD):
   weights_TxK, experts_TxK = jax.lax.top_k(scores_TxE, k)
   expert_A = experts_TxK.reshape(-1)
   counts_E = jnp.bincount(expert_A, length=e)
-  frac_E = jax.lax.stop_gradient(counts_E / (b * s * k))
-  aux = e * jnp.sum(frac_E * jnp.mean(scores_TxE, axis=0))
-  z = jnp.mean(jax.nn.logsumexp(logits_TxE, axis=-1) ** 2)
+  aux, z = load_balancing_loss(scores_TxE, experts_TxK), router_z_loss(logits_TxE)
   order_A = jnp.argsort(expert_A, stable=True)
   token_A = order_A // k
   y_sorted_AxD = grouped_swiglu(x_TxD[token_A], counts_E.astype(jnp.int32),
@@ -73,25 +63,17 @@ def _moe(cfg: Config, p, x_BxSxD):
 
 def loss_fn(cfg: Config, params, inputs_BxS, targets_BxS, *, remat: str):
   m = cfg.model
-  s = inputs_BxS.shape[1]
-  inv_freq = 1.0 / (m.rope_theta ** (jnp.arange(0, m.head_dim, 2, dtype=jnp.float32) / m.head_dim))
-  angles = jnp.arange(s, dtype=jnp.float32)[:, None] * inv_freq[None]
-  angles_SxDh = jnp.concatenate([angles, angles], axis=-1)
-  cos_SxDh, sin_SxDh = jnp.cos(angles_SxDh), jnp.sin(angles_SxDh)
+  cos_SxDh, sin_SxDh = rotary_tables(inputs_BxS.shape[1], m.head_dim, m.rope_theta)
 
   def layer(h_BxSxD, p):
-    h_BxSxD = h_BxSxD + _attention(cfg, p["attn"], _rms(h_BxSxD, p["attn_norm"]["scale"],
+    h_BxSxD = h_BxSxD + _attention(cfg, p["attn"], rms_norm(h_BxSxD, p["attn_norm"]["scale"],
                                                        m.norm_eps), cos_SxDh, sin_SxDh)
-    y, aux, z = _moe(cfg, p["moe"], _rms(h_BxSxD, p["ffn_norm"]["scale"], m.norm_eps))
+    y, aux, z = _moe(cfg, p["moe"], rms_norm(h_BxSxD, p["ffn_norm"]["scale"], m.norm_eps))
     return h_BxSxD + y, (aux, z)
 
   h_BxSxD = params["embed"].astype(BF16)[inputs_BxS]
-  if remat == "full":
-    layer = jax.checkpoint(layer)
-  elif remat == "minimal":
-    layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.dots_saveable)
-  h_BxSxD, (aux_L, z_L) = jax.lax.scan(layer, h_BxSxD, params["layers"])
-  h_BxSxD = _rms(h_BxSxD, params["final_norm"], m.norm_eps)
+  h_BxSxD, (aux_L, z_L) = jax.lax.scan(checkpointed(layer, remat), h_BxSxD, params["layers"])
+  h_BxSxD = rms_norm(h_BxSxD, params["final_norm"], m.norm_eps)
   logits = dense(h_BxSxD, params["lm_head"].astype(BF16), jnp.float32)
   ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets_BxS))
   return ce + cfg.moe.aux_loss_weight * jnp.mean(aux_L) + cfg.moe.z_loss_weight * jnp.mean(z_L), ce

@@ -152,7 +152,8 @@ def make_batches(dims: str, count: int = 4):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="peer dims: reference, 1 device, fsdp x8")
+  parser.add_argument("--quick", action="store_true",
+                      help="peer dims: reference, 1 device, fsdp x8")
   parser.add_argument("--experts", action="store_true", help="the number-of-experts sweep")
   parser.add_argument("--peer", action="store_true", help="then run the MaxText comparison")
   parser.add_argument("--only", action="append", default=[],

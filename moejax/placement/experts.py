@@ -10,8 +10,8 @@ rows each expert takes; rows past the sum of the group sizes come out as zeros.
            each expert's rows are padded to whole tiles of M rows, every tile belongs to one
            expert; one batched matmul over the tiles (each tile's weights taken) or, for
            small groups, a loop over the tiles (weights read in place, a hand-written backward
-           of the same loop) runs each against its expert's weights. Static shapes: at most A/M + G tiles, so the
-           padding costs at most G*M rows.
+           of the same loop) runs each against its expert's weights. Static shapes: at most
+           A/M + G tiles, so the padding costs at most G*M rows.
 """
 from __future__ import annotations
 
@@ -30,13 +30,17 @@ from jax import lax
 BATCHED_FROM = 256
 
 
+def _batched_kernel(num_rows: int, num_groups: int) -> bool:
+  return num_rows // max(1, num_groups) >= BATCHED_FROM
+
+
 def tile_rows(num_rows: int, num_groups: int) -> int:
   """M for the CPU kernel: 128 for the batched one; for the loop a power of two near half the
   mean group size, 16 to 64 (smaller tiles waste less padding when groups are small, larger
   ones run the matmuls faster)."""
-  mean = max(1, num_rows // max(1, num_groups))
-  if mean >= BATCHED_FROM:
+  if _batched_kernel(num_rows, num_groups):
     return 128
+  mean = max(1, num_rows // max(1, num_groups))
   return int(min(64, max(16, 1 << (max(1, mean // 2).bit_length() - 1))))
 
 
@@ -84,10 +88,11 @@ def _tiles_to_rows(y_TlxMxD, slot_A):
   return flat[slot_A]
 
 
-# The CPU loop kernel. A loop over tiles reads each tile's expert weights in place (a batched matmul
-# over all tiles first copies every tile's weights: 1.5x slower alone at 512 rows, 8 experts). Arithmetic in fp32 (XLA:CPU's fp32 matmuls run 1.4-1.5x its bf16
-# ones on AVX2; products of bf16 values are exact in fp32, so only the summation order differs),
-# rounding where the bf16 computation rounds: h, and its cotangent.
+# The CPU loop kernel. A loop over tiles reads each tile's expert weights in place (a batched
+# matmul over all tiles first copies every tile's weights: 1.5x slower alone at 512 rows, 8
+# experts). Arithmetic in fp32 (XLA:CPU's fp32 matmuls run 1.4-1.5x its bf16 ones on AVX2;
+# products of bf16 values are exact in fp32, so only the summation order differs), rounding
+# where the bf16 computation rounds: h, and its cotangent.
 _F32 = jnp.float32
 
 
@@ -96,11 +101,11 @@ def _w(w, e):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _tiled(x_AxD, group_sizes_G, w_gate, w_up, w_down, m: int):
-  return _tiled_fwd(x_AxD, group_sizes_G, w_gate, w_up, w_down, m)[0]
+def _looped(x_AxD, group_sizes_G, w_gate, w_up, w_down, m: int):
+  return _looped_fwd(x_AxD, group_sizes_G, w_gate, w_up, w_down, m)[0]
 
 
-def _tiled_fwd(x_AxD, group_sizes_G, w_gate, w_up, w_down, m):
+def _looped_fwd(x_AxD, group_sizes_G, w_gate, w_up, w_down, m):
   dtype = x_AxD.dtype
   num_tiles, group_T, src_P, slot_A = _tile_plan(group_sizes_G, x_AxD.shape[0], m)
   x_TlxMxD = _rows_to_tiles(x_AxD, src_P, num_tiles, m)
@@ -117,7 +122,7 @@ def _tiled_fwd(x_AxD, group_sizes_G, w_gate, w_up, w_down, m):
   return _tiles_to_rows(y_TlxMxD, slot_A), residuals
 
 
-def _tiled_bwd(m, residuals, dy_AxD):
+def _looped_bwd(m, residuals, dy_AxD):
   x_TlxMxD, gate, up, group_T, src_P, slot_A, group_sizes_G, w_gate, w_up, w_down = residuals
   dtype = x_TlxMxD.dtype
   dy_TlxMxD = _rows_to_tiles(dy_AxD, src_P, x_TlxMxD.shape[0], m)
@@ -144,7 +149,7 @@ def _tiled_bwd(m, residuals, dy_AxD):
           *(d.astype(w.dtype) for d, w in zip(dw, (w_gate, w_up, w_down))))
 
 
-_tiled.defvjp(_tiled_fwd, _tiled_bwd)
+_looped.defvjp(_looped_fwd, _looped_bwd)
 
 
 def _batched(x_AxD, group_sizes_G, w_gate, w_up, w_down, m: int):
@@ -162,9 +167,8 @@ def _batched(x_AxD, group_sizes_G, w_gate, w_up, w_down, m: int):
 
 def _tiled_swiglu(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD):
   (a, _), g = x_AxD.shape, group_sizes_G.shape[0]
-  m = tile_rows(a, g)
-  kernel = _batched if a // g >= BATCHED_FROM else _tiled
-  return kernel(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD, m)
+  kernel = _batched if _batched_kernel(a, g) else _looped
+  return kernel(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD, tile_rows(a, g))
 
 
 def grouped_swiglu(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD):

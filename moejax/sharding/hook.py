@@ -28,9 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from moejax.sharding import prefetch as prefetch_lib
-
 from moejax.codec import gather as codec
+from moejax.sharding import prefetch as prefetch_lib
 from moejax.sharding.layout import Layout
 from moejax.sharding.mesh import DEVICES
 

@@ -38,7 +38,8 @@ def recomputes(remat: str) -> bool:
   return remat != "none"
 
 
-def _checkpointed(fn, remat: str):
+def checkpointed(fn, remat: str):
+  """`fn` wrapped for `remat` (REMAT_MODES)."""
   if remat == "full":
     return jax.checkpoint(fn)
   if remat == "minimal":
@@ -67,7 +68,7 @@ def _prefetched_layer(layer_fn, gather, remat: str):
     if remat == "full":
       return layer_fn(h, full, consts), (h, shards, state, consts, None)
     # Otherwise keep what the policy saves of the layer's backward (and its weights).
-    out, vjp = jax.vjp(_checkpointed(lambda h, full: layer_fn(h, full, consts), remat), h, full)
+    out, vjp = jax.vjp(checkpointed(lambda h, full: layer_fn(h, full, consts), remat), h, full)
     return out, (h, shards, state, consts, vjp)
 
   def bwd(res, g):
@@ -95,7 +96,7 @@ def scan_layers(layer_fn, h, shards_L, gather, states_L=None, consts=(), *, rema
       h, aux = layer_fn(h, full, consts, i)
       return h, (aux, new_state, stats)
 
-    body = _checkpointed(body, remat)
+    body = checkpointed(body, remat)
     h, (aux_L, new_states_L, stats_L) = lax.scan(body, h, (shards_L, states_L, index_L))
     return h, aux_L, new_states_L, stats_L
 
@@ -109,10 +110,7 @@ def scan_layers(layer_fn, h, shards_L, gather, states_L=None, consts=(), *, rema
     # The next layer's shards are read in place (a rolled copy as scan input would copy every
     # layer's shards each step, and its zero cotangent would be materialized in backward).
     nxt = jnp.minimum(i + 1, num_layers - 1)
-    take_next = lambda t: jax.tree.map(                   # noqa: E731
-        lambda x: lax.dynamic_index_in_dim(x, nxt, keepdims=False), t)
-    next_shards = take_next(lax.stop_gradient(shards_L))
-    next_state = take_next(states_L)
+    next_shards, next_state = _take(lax.stop_gradient(shards_L), nxt), _take(states_L, nxt)
 
     def prefetch_next(args):
       full_next, state_next, stats_next = gather(*args)

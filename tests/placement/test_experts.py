@@ -39,7 +39,7 @@ def test_tiled_equals_ragged_values_and_grads():
   y_ragged, g_ragged = value_and_grads(experts._ragged_swiglu)
   used = int(sum(sizes))
   # Both CPU kernels (the loop with its hand-written backward, the batched one by autodiff).
-  for kernel in (experts._tiled, experts._batched):
+  for kernel in (experts._looped, experts._batched):
     y_tiled, g_tiled = value_and_grads(lambda x, gs, *w, k=kernel: k(x, gs, *w, 16))
     assert not np.any(np.asarray(y_tiled[used:]))
     # Same products, fp32 sums in another order, one bf16 rounding: within a bf16 ulp or two.
