@@ -23,10 +23,17 @@ def tiny_config(**overrides):
   return from_config_dict(cd)
 
 
+def xla_flags(devices: int = 1) -> str:
+  """The session's XLA flags (tests/conftest.py: its compile flags) for a process of `devices`
+  CPU devices, so subprocesses compile like the tests that compare against them."""
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  return " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
+
+
 def run_train(args, timeout=300, env_extra=None):
-  """Runs train.py in a subprocess; returns CompletedProcess (text)."""
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
+  """Runs train.py in a subprocess on 1 CPU device; returns CompletedProcess (text)."""
+  env = dict(os.environ, XLA_FLAGS=xla_flags(1))
   env.update(env_extra or {})
   return subprocess.run([sys.executable, os.path.join(REPO, "train.py"), *args], cwd=REPO,
                         capture_output=True, text=True, timeout=timeout, env=env)

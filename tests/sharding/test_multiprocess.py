@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, xla_flags
 
 STEPS = 5
 WARMUP = 3               # codec.mode=auto decides after step 3
@@ -39,7 +39,7 @@ def _free_port() -> int:
 def _start(tmp_path, name: str, workdir: str, devices: int, job: tuple = (), extra=()):
   """train.py in the background on `devices` CPU devices; `job`: (address, processes, id);
   `extra`: more flags (after ARGS, so they win)."""
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+  env = dict(os.environ, XLA_FLAGS=xla_flags(devices),
              JAX_PLATFORMS="cpu")
   for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
     env.pop(var, None)

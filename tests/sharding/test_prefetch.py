@@ -1,10 +1,10 @@
-"""Prefetching the next layer's gather changes nothing numerically, on 8 devices, with and
-without remat: one train step of the canonical config (prefetch and remat on: the suite's shared
-fsdp trainer) gives bit-identical loss, gradients (Adam's moments) and parameters."""
+"""Prefetching the next layer's gather changes nothing numerically, on 8 devices: one train
+step of the canonical config (prefetch and remat on: the suite's shared fsdp trainer) gives
+bit-identical loss, gradients (Adam's moments) and parameters without prefetch. Every remat mode,
+with and without prefetch, is checked on a small scanned layer (bit for bit per mode)."""
 import jax
 import numpy as np
 import optax
-import pytest
 
 from moejax.train.loop import put_batch
 from tests.helpers import canonical_config
@@ -21,10 +21,9 @@ def _one_step(trainer_for, prefetch, remat):
   return jax.device_get((float(metrics["loss"]), adam, state.params))
 
 
-@pytest.mark.parametrize("remat", ["full", "none"])
-def test_prefetch_matches_plain_scan(trainer_for, remat):
-  (loss_plain, adam_plain, params_plain) = _one_step(trainer_for, False, remat)
-  (loss_pre, adam_pre, params_pre) = _one_step(trainer_for, True, remat)
+def test_prefetch_matches_plain_scan(trainer_for):
+  (loss_plain, adam_plain, params_plain) = _one_step(trainer_for, False, "full")
+  (loss_pre, adam_pre, params_pre) = _one_step(trainer_for, True, "full")
   assert loss_pre == loss_plain
   for a, b in zip(jax.tree.leaves((adam_plain, params_plain)),
                   jax.tree.leaves((adam_pre, params_pre))):
@@ -33,7 +32,8 @@ def test_prefetch_matches_plain_scan(trainer_for, remat):
 
 def test_remat_modes_and_prefetch_give_the_same_gradients():
   """scan_layers on a small two-matmul layer (the plain local gather): every remat mode, with and
-  without prefetch, gives the gradients of the plain scan (one compile for all six)."""
+  without prefetch, gives the gradients of the plain scan (one compile for all six); prefetch
+  changes no bit within a mode."""
   from moejax.sharding import prefetch as prefetch_lib
   from moejax.sharding.hook import local_gather
 
@@ -57,6 +57,9 @@ def test_remat_modes_and_prefetch_give_the_same_gradients():
             for r in prefetch_lib.REMAT_MODES for p in (False, True)]
 
   results = jax.jit(grads)(h, shards)
+  for plain, prefetched in zip(results[0::2], results[1::2]):
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(prefetched)):
+      np.testing.assert_array_equal(a, b)
   for got in results[1:]:
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(results[0])):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -24,7 +24,7 @@ import pytest
 from moejax.errors import CheckpointError, TrainingError
 from moejax.train import checkpoint as ckpt
 from moejax.train.loop import run
-from tests.helpers import CANONICAL, REPO
+from tests.helpers import CANONICAL, REPO, xla_flags
 from tests.train.conftest import TIMING, records
 
 STEPS = CANONICAL["steps"]                 # 12, checkpoints every 4
@@ -261,7 +261,7 @@ def _free_port() -> int:
 def _job(tmp_path, name: str, wrapper=()):
   """Both processes of one job on 1 CPU device each; `wrapper` runs process 1 under a script."""
   address = f"127.0.0.1:{_free_port()}"
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1",
+  env = dict(os.environ, XLA_FLAGS=xla_flags(1),
              JAX_PLATFORMS="cpu", JAX_ENABLE_COMPILATION_CACHE="false", PYTHONUNBUFFERED="1")
   for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
               "JAX_COMPILATION_CACHE_DIR"):
