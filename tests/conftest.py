@@ -45,6 +45,7 @@ XDIST_GROUPS = {
               "tests/train/test_init_from.py", "tests/train/test_faults.py",
               "tests/sharding/test_collectives.py",
               "tests/sharding/test_memory.py", "tests/sharding/test_prefetch.py"),
+    "codec_auto": ("tests/codec/test_loop.py", "tests/report/test_report.py"),
 }
 
 
@@ -86,6 +87,18 @@ def trainer_for():
     return _TRAINERS[key]
 
   return get
+
+
+@pytest.fixture(scope="session")
+def codec_auto_run(trainer_for, tmp_path_factory):
+  """(Trainer, workdir) of one uninterrupted codec.mode=auto run (tests/helpers.CODEC_AUTO_RUN):
+  metrics.jsonl, TensorBoard files, codec_selection.json and checkpoints. Copy before changing."""
+  from moejax.train.loop import run
+  from tests.helpers import CODEC_AUTO_RUN, tiny_config
+  trainer = trainer_for(tiny_config(**CODEC_AUTO_RUN))
+  workdir = str(tmp_path_factory.mktemp("codec_auto"))
+  run(trainer.cfg, workdir, trainer=trainer)
+  return trainer, workdir
 
 
 # ------------------------------------------------------------------------------------------------

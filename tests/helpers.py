@@ -54,3 +54,14 @@ def canonical_flags(placement: str = "fsdp") -> list[str]:
   """train.py arguments that build `canonical_config(placement)`."""
   return ["--config", "configs/olmoe.py:tiny", f"--config.moe.placement={placement}",
           *(f"--config.{k}={v}" for k, v in CANONICAL.items())]
+
+
+# The suite's codec.mode=auto run (tests/conftest.py `codec_auto_run`): tests/codec/test_loop.py
+# checks the loop's decisions and resume on it, tests/report/ the TensorBoard files and report.
+CODEC_AUTO_STEPS = 8
+CODEC_AUTO_RUN = {
+    "batch_size": 8, "seq_len": 32, "log_every": 1, "eval_batches": 1, "steps": CODEC_AUTO_STEPS,
+    "checkpoint.every": 3, "codec.mode": "auto", "codec.warmup_steps": 3,
+    "codec.block_size": 64, "codec.comm_model": "bytes",
+    # Steady change rates (no lr warm-up), so the capacities sized at step 3 hold.
+    "optim.warmup_steps": 0, "optim.lr": 3e-4}

@@ -7,7 +7,8 @@ hidden width.
 
 `__call__(x_BxSxD) -> (y_BxSxD, aux)`. `aux` holds this device's shares of the auxiliary losses
 (`aux_loss`, `z_loss`, `locality_loss`; see `moejax.routing.router` for the share convention),
-the router's assignment counts per expert `load_E` (before admission), `dropped` (assignments
+the router's assignment counts per expert `load_E` (before admission) and `admitted_load_E`
+(after it), `dropped` (assignments
 lost to a full dispatch buffer) and `routing`, the telemetry of `moejax.routing.stats` after
 admission. The block is pure: it runs under jit, scan, remat and shard_map.
 """
@@ -104,6 +105,7 @@ class MoEBlock(nnx.Module):
     if spec.locality_weight > 0 and dispatch.kind == "ep":
       aux["locality_loss"] = router_lib.locality_loss(
           scores_TxE, local_experts_mask(dispatch, spec.num_experts), axis_name=axis_name)
+    aux["admitted_load_E"] = router_lib.expert_counts(experts_TxK, spec.num_experts, kept_TxK)
     aux["routing"] = stats_lib.routing_stats(experts_TxK, spec.num_experts, kept_TxK=kept_TxK,
                                              rerouted_TxK=rerouted_TxK, axis_name=axis_name)
     w = (self.w_gate[...].astype(x_TxD.dtype), self.w_up[...].astype(x_TxD.dtype),

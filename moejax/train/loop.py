@@ -28,7 +28,7 @@ from moejax.errors import ConfigError, TrainingError
 from moejax.sharding.mesh import make_mesh, num_devices
 from moejax.train import checkpoint as checkpoint_lib, optim, state as state_lib, step as step_lib
 from moejax.train.codec_control import CodecPolicy, specs_key
-from moejax.train.metrics import MetricsWriter, log, progress_line
+from moejax.train.metrics import MetricsWriter, Progress, log
 
 
 def prepare_workdir(workdir: str) -> None:
@@ -201,17 +201,20 @@ def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
     if choice is not None:
       state, compiled = trainer.adopt(state, compiled, choice)
     writer = MetricsWriter(workdir)
+    last_step = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
+    progress = Progress(cfg.steps, int(state.step) + 1)
     try:
-      return _train(trainer, state, data, val_batches, writer, checkpoints, policy, compiled,
-                    cfg.steps if stop_at is None else min(stop_at, cfg.steps))
+      return _train(trainer, state, data, val_batches, writer, progress, checkpoints, policy,
+                    compiled, last_step)
     finally:
+      progress.close()
       writer.close()
   finally:
     checkpoints.close()     # waits for the last save to commit
 
 
-def _train(trainer: Trainer, state, data, val_batches, writer, checkpoints, policy, compiled,
-           last_step: int) -> dict:
+def _train(trainer: Trainer, state, data, val_batches, writer, progress, checkpoints, policy,
+           compiled, last_step: int) -> dict:
   cfg = trainer.cfg
   record: dict = {}
   previous = None                        # (step, metrics) read one step late
@@ -256,7 +259,7 @@ def _train(trainer: Trainer, state, data, val_batches, writer, checkpoints, poli
       if evaluate:
         record["val_loss"] = trainer.evaluate(state.params, val_batches, state.placement)
       writer.write(record)
-      log(progress_line(step, cfg.steps, record, (cfg.steps - step) * step_time))
+      progress.update(step, record, (cfg.steps - step) * step_time)
       t_log, steps_since_log = time.perf_counter(), 0
     if (cfg.moe.placement == "fssdp" and cfg.fssdp.reshard_every
         and step % cfg.fssdp.reshard_every == 0 and step < cfg.steps):

@@ -67,7 +67,8 @@ def _loss_share(cfg: Config, lay: StateLayout, params, batch, step, gather_state
   parts = {"loss": ce_share, "aux_loss": aux_share, "z_loss": z_share,
            "locality_loss": locality_share, "routing_L": aux_L["routing"],
            "ep_dropped_L": aux_L["dropped"].astype(jnp.float32),
-           "load_LxE": aux_L["load_E"].astype(jnp.float32)}
+           "load_LxE": aux_L["load_E"].astype(jnp.float32),
+           "admitted_load_LxE": aux_L["admitted_load_E"].astype(jnp.float32)}
   if "placement" in aux_L:
     parts["placement_L"] = aux_L["placement"]
   return loss, (parts, new_gather_state, gather_stats)
@@ -168,12 +169,14 @@ def make_train_step(cfg: Config, mesh, lay: StateLayout, tx: optax.GradientTrans
         state.params, batch, state.step, state.gather_state, state.placement)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    placement_state = lay.placement.next_state(state.placement, parts.pop("load_LxE"))
+    load_LxE = parts.pop("load_LxE")        # the router's choices, before admission
+    placement_state = lay.placement.next_state(state.placement, load_LxE)
     routing = routing_metrics(cfg, parts.pop("routing_L"), parts.pop("ep_dropped_L"))
     placement = lay.placement.metrics(parts.pop("placement_L", {}),
                                       tokens_per_device=cfg.batch_size * cfg.seq_len
                                       // num_devices(mesh), remat=cfg.remat)
-    metrics = dict(parts, grad_norm=optax.tree.norm(grads), lr=schedule(state.step), **routing,
+    metrics = dict(parts, expert_load_LxE=load_LxE, grad_norm=optax.tree.norm(grads),
+                   lr=schedule(state.step), **routing,
                    **placement, **gather_metrics(cfg, lay, gather_stats))
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                       gather_state=gather_state, placement=placement_state), metrics

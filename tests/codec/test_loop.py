@@ -9,15 +9,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 from moejax.train import codec_control
-from moejax.train.loop import Trainer, run
-from tests.helpers import tiny_config
+from moejax.train.loop import run
+from tests.helpers import CODEC_AUTO_STEPS as STEPS
 
-STEPS = 8
-RUN = {"batch_size": 8, "seq_len": 32, "log_every": 1, "eval_batches": 1, "steps": STEPS,
-       "checkpoint.every": 3, "codec.mode": "auto", "codec.warmup_steps": 3,
-       "codec.block_size": 64, "codec.comm_model": "bytes",
-       # Steady change rates (no lr warm-up), so the capacities sized at step 3 hold.
-       "optim.warmup_steps": 0, "optim.lr": 3e-4}
 TIMING = ("step_time_s", "tokens_per_s")
 
 
@@ -33,15 +27,13 @@ def _records(workdir):
 
 
 @pytest.fixture(scope="module")
-def trainer():
-  return Trainer(tiny_config(**RUN))
+def trainer(codec_auto_run):
+  return codec_auto_run[0]
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(trainer, tmp_path_factory):
-  workdir = str(tmp_path_factory.mktemp("auto"))
-  run(trainer.cfg, workdir, trainer=trainer)
-  return workdir
+def uninterrupted(codec_auto_run):
+  return codec_auto_run[1]
 
 
 def test_auto_decides_after_warmup_and_compresses(uninterrupted, capsys):

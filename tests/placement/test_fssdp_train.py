@@ -258,3 +258,17 @@ def test_checkpoint_without_load_history_restores_with_a_log_line(fssdp_trainer,
   assert step == 8 and int(state.placement.history.count) == 0
   assert (f"moejax: checkpoint {workdir}/checkpoints/8 (step 8) holds no fssdp load history"
           in capsys.readouterr().out)
+
+
+def test_report_plots_the_straggler_per_layer(uninterrupted):
+  """The run report's straggler plot (placement ep/fssdp only) is each layer's straggler factor
+  as logged (tests/report/test_report.py checks the other plots on a codec run)."""
+  from moejax.report import series
+  records = _records(uninterrupted)
+  panel = {p.name: p for p in series.panels(str(uninterrupted))}["straggler"]
+  assert panel.missing is None
+  straggler_TxL = np.array([r["straggler"] for r in records])
+  assert list(panel.lines) == [f"layer {l}" for l in range(straggler_TxL.shape[1])]
+  for l, (steps, values) in enumerate(panel.lines.values()):
+    np.testing.assert_array_equal(steps, [r["step"] for r in records])
+    np.testing.assert_allclose(values, straggler_TxL[:, l])

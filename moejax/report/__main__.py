@@ -1,0 +1,23 @@
+"""python -m moejax.report WORKDIR: writes WORKDIR/report.html and WORKDIR/report/*.png."""
+import argparse
+import sys
+
+from moejax.errors import MoejaxError
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m moejax.report", description=__doc__)
+  parser.add_argument("workdir", help="a train.py workdir (holds metrics.jsonl)")
+  args = parser.parse_args(argv)
+  from moejax.report.render import write_report
+  try:
+    path = write_report(args.workdir)
+  except MoejaxError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(f"moejax: wrote {path}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

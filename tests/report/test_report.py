@@ -1,0 +1,154 @@
+"""The run's TensorBoard files and report, from the suite's codec.mode=auto run (tests/conftest.py
+`codec_auto_run`, fsdp on 8 devices): TensorBoard's own reader gives back every number of
+metrics.jsonl; each plot's series are the records' (and codec_selection.json's) values; the page
+embeds every plot the run has and names the one it lacks. (The straggler plot, which needs ep or
+fssdp, is checked on the fssdp run: tests/placement/test_fssdp_train.py.)"""
+import base64
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from tensorboard.backend.event_processing import event_accumulator
+
+from moejax.report import series
+from tests.helpers import REPO
+
+
+@pytest.fixture(scope="module")
+def workdir(codec_auto_run):
+  return codec_auto_run[1]
+
+
+def _records(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def test_tensorboard_holds_every_number_of_metrics_jsonl(workdir):
+  events = event_accumulator.EventAccumulator(
+      workdir, size_guidance={event_accumulator.SCALARS: 0, event_accumulator.HISTOGRAMS: 0})
+  events.Reload()
+  tags = events.Tags()
+  expected = {}           # tag -> {step: value}
+  for record in _records(workdir):
+    for key, value in record.items():
+      arr = np.asarray(value, np.float64)
+      if key == "step" or arr.ndim == 2:
+        continue
+      names = [key] if arr.ndim == 0 else [f"{key}/layer{i}" for i in range(arr.size)]
+      for name, v in zip(names, arr.ravel()):
+        expected.setdefault(name, {})[record["step"]] = v
+  assert set(tags["scalars"]) == set(expected)
+  assert {"loss", "val_loss", "lr", "grad_norm", "gather_bytes", "load_max/layer1"} <= set(
+      expected)
+  for tag, by_step in expected.items():
+    got = {e.step: e.value for e in events.Scalars(tag)}
+    assert got.keys() == by_step.keys(), tag
+    np.testing.assert_allclose([got[s] for s in by_step], list(by_step.values()),
+                               rtol=1e-6, err_msg=tag)      # stored as float32
+  # Expert loads: one histogram per layer and step, bucket e = expert e's tokens.
+  last = _records(workdir)[-1]
+  for key in ("expert_load_LxE", "admitted_load_LxE"):
+    for layer, load_E in enumerate(last[key]):
+      histogram = {e.step: e.histogram_value for e in events.Histograms(f"{key}/layer{layer}")}
+      value = histogram[last["step"]]
+      np.testing.assert_array_equal(value.bucket, load_E)
+      assert value.num == sum(load_E)
+
+
+def test_each_plot_is_built_from_the_records(workdir):
+  records = _records(workdir)
+  steps = np.array([r["step"] for r in records])
+  panels = {p.name: p for p in series.panels(workdir)}
+  assert list(panels) == ["loss", "lr_grad_norm", "speed", "expert_load", "dropped", "bytes",
+                          "codec", "straggler"]
+
+  def check(line, key, reduce=None, subset=None):
+    want = np.array([r[key] for r in records if key in r and (subset is None or subset(r))],
+                    np.float64)
+    if reduce is not None:
+      want = reduce(want.reshape(len(want), -1))
+    np.testing.assert_allclose(line[1], want, err_msg=key)
+
+  check(panels["loss"].lines["train loss"], "loss")
+  check(panels["loss"].lines["validation loss"], "val_loss")
+  np.testing.assert_array_equal(panels["loss"].lines["validation loss"][0],
+                                [r["step"] for r in records if "val_loss" in r])
+  check(panels["lr_grad_norm"].lines["learning rate"], "lr")
+  check(panels["lr_grad_norm"].right["gradient norm"], "grad_norm")
+  after_first = lambda r: r["step"] > records[0]["step"]  # noqa: E731
+  check(panels["speed"].lines["tokens/s"], "tokens_per_s", subset=after_first)
+  check(panels["speed"].right["step time"], "step_time_s", subset=after_first)
+  check(panels["dropped"].lines["dropped (admission)"], "dropped_frac",
+        reduce=lambda x: x.mean(axis=1))
+  mib = lambda x: x.sum(axis=1) / 2**20  # noqa: E731
+  check(panels["bytes"].lines["gather (sent)"], "gather_bytes", reduce=mib)
+  check(panels["bytes"].lines["gather (plain equivalent)"], "gather_bytes_plain", reduce=mib)
+  check(panels["bytes"].lines["reduce-scatter"], "scatter_bytes", reduce=mib)
+  assert "all-to-all" not in panels["bytes"].lines           # fsdp moves no tokens
+
+  # Expert load, before and after admission: each layer's tokens per expert over its mean.
+  for title, key in (("router's choice (before admission)", "expert_load_LxE"),
+                     ("after admission", "admitted_load_LxE")):
+    got_steps, values_TxR, rows = panels["expert_load"].heatmaps[title]
+    load_TxLxE = np.array([r[key] for r in records], np.float64)
+    np.testing.assert_array_equal(got_steps, steps)
+    np.testing.assert_allclose(values_TxR, (load_TxLxE / load_TxLxE.mean(
+        axis=2, keepdims=True)).reshape(len(steps), -1))
+    assert len(rows) == load_TxLxE.shape[1] * load_TxLxE.shape[2]
+
+  # Codec modes: off until the decision after step 3, then codec_selection.json's choice.
+  with open(os.path.join(workdir, "codec_selection.json")) as f:
+    decision = json.load(f)["decisions"][0]
+  got_steps, modes_TxP, names = panels["codec"].heatmaps["mode in force"]
+  np.testing.assert_array_equal(got_steps, steps)
+  for p, entry in enumerate(decision["params"]):
+    assert names[p] == entry["group"] + entry["path"]
+    chosen = series.CODEC_MODES.index(entry["mode"])
+    assert list(modes_TxP[:, p]) == [0 if s <= decision["step"] else chosen for s in steps]
+  assert (modes_TxP > 0).any()
+
+  assert panels["straggler"].missing and "ep and fssdp" in panels["straggler"].missing
+  assert all(p.missing is None for name, p in panels.items() if name != "straggler")
+
+
+def test_report_html_embeds_every_plot_the_run_has(workdir, tmp_path):
+  copy = tmp_path / "w"
+  shutil.copytree(workdir, copy)
+  result = subprocess.run([sys.executable, "-m", "moejax.report", str(copy)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120, check=False)
+  assert result.returncode == 0, result.stderr
+  page = (copy / "report.html").read_text()
+  images = page.split('src="data:image/png;base64,')[1:]
+  assert len(images) == 7                                   # all but the straggler plot
+  for image in images:
+    assert base64.b64decode(image.split('"', 1)[0]).startswith(b"\x89PNG")
+  assert "Straggler per layer</b>: no per-layer straggler" in page
+  assert sorted(os.listdir(copy / "report")) == sorted(
+      f"{n}.png" for n in ("loss", "lr_grad_norm", "speed", "expert_load", "dropped", "bytes",
+                           "codec"))
+  browser = shutil.which("chromium") or shutil.which("chromium-browser")
+  if browser:        # the page renders: a screenshot of it is a real, non-blank image
+    shot = tmp_path / "shot.png"
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu",
+                    "--window-size=1400,4000", f"--screenshot={shot}",
+                    f"file://{copy / 'report.html'}"], capture_output=True, timeout=120,
+                   check=False)
+    assert shot.read_bytes().startswith(b"\x89PNG") and shot.stat().st_size > 50_000
+
+
+def test_bad_workdir_is_one_line_exit_2(tmp_path, capsys):
+  from moejax.report.__main__ import main
+  empty, bad = tmp_path / "empty", tmp_path / "bad"
+  empty.mkdir()
+  bad.mkdir()
+  (bad / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\nnot json\n')
+  for path, message in ((empty, f"{empty}/metrics.jsonl: no such file"),
+                        (bad, f"{bad}/metrics.jsonl:2: not a metrics record")):
+    assert main([str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {message}"), err
