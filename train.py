@@ -3,7 +3,8 @@
   python train.py --config configs/olmoe.py:tiny --workdir runs/tiny [--config.FIELD=VALUE ...]
 
 Multi-process: pass --coordinator_address, --num_processes and --process_id (or set
-JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID) and every process joins one job. If a
+JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID) and every process joins one job; under
+SLURM (srun) or a Kubernetes Job no flags are needed (docs/cluster.md). If a
 process is lost, the others stop with one line naming it and exit code 2 (moejax.distributed).
 """
 import os

@@ -1,5 +1,10 @@
 """Joining a multi-process JAX job (`jax.distributed`), and noticing when a process is lost.
 
+Joining. By flag or JAX_* variable (`--coordinator_address`, `--num_processes`,
+`--process_id`), or with none of them under a cluster manager: a task of a multi-task SLURM step,
+or a pod of a Kubernetes Job (with jax[k8s]), where jax.distributed's own auto-detection reads
+the coordinator, process count and index from the environment (examples: docs/cluster.md).
+
 On CPU, collectives between processes need a cross-process implementation; we ask for gloo
 (TCP, no extra dependencies) unless JAX_CPU_COLLECTIVES_IMPLEMENTATION names another ("mpi").
 The choice must be made before the first backend is created, i.e. before `initialize`.
@@ -25,6 +30,7 @@ exits without waiting on them) are what train.py calls; to the others, an exit w
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import os
 import socket
 import sys
@@ -54,14 +60,47 @@ def _env_int(name: str) -> int | None:
     raise ConfigError(f"{name}={value!r}: expected an integer") from None
 
 
+# One task of a multi-task SLURM step: the variables jax's SlurmCluster reads.
+SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
+              "SLURM_LOCALID")
+
+
+def detected_cluster() -> str | None:
+  """The cluster manager jax.distributed can bootstrap this job from with no flags: "slurm" (a
+  task of an srun step of more than one task) or "k8s" (a pod of a Kubernetes Job, with the
+  `kubernetes` client installed: jax[k8s]); None otherwise (one process)."""
+  if all(v in os.environ for v in SLURM_VARS) and (_env_int("SLURM_NTASKS") or 1) > 1:
+    return "slurm"
+  if "KUBERNETES_SERVICE_HOST" in os.environ and importlib.util.find_spec("kubernetes"):
+    return "k8s"
+  return None
+
+
+def _use_gloo_on_cpu() -> None:
+  if not os.environ.get(CPU_COLLECTIVES_ENV):
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+
 def maybe_initialize(coordinator: str | None = None, num_processes: int | None = None,
                      process_id: int | None = None, *, heartbeat_timeout_s: int = 30) -> bool:
-  """Initializes jax.distributed if a coordinator is given by flag or environment, and starts
-  this process's `Watchdog` (`heartbeat_timeout_s`: config.distributed.heartbeat_timeout_s)."""
-  global _watchdog
+  """Initializes jax.distributed if a coordinator is given by flag or environment, or if a
+  cluster manager started this process (`detected_cluster`: jax.distributed's own
+  auto-detection then finds the coordinator, process count and index), and starts this
+  process's `Watchdog` (`heartbeat_timeout_s`: config.distributed.heartbeat_timeout_s)."""
   coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+  if not coordinator and num_processes is None and process_id is None:
+    cluster = detected_cluster()
+    if cluster is None:
+      return False
+    _use_gloo_on_cpu()
+    jax.distributed.initialize(heartbeat_timeout_seconds=int(heartbeat_timeout_s) + JAX_MARGIN_S)
+    from jax._src import distributed as jax_distributed   # the address jax detected
+    _watch(jax_distributed.global_state.coordinator_address, jax.process_index(),
+           jax.process_count(), heartbeat_timeout_s)
+    return True
   if not coordinator:
-    return False
+    raise ConfigError("--num_processes/--process_id were given without --coordinator_address "
+                      "(or JAX_COORDINATOR_ADDRESS)")
   if num_processes is None:
     num_processes = _env_int("JAX_NUM_PROCESSES")
   if process_id is None:
@@ -71,15 +110,19 @@ def maybe_initialize(coordinator: str | None = None, num_processes: int | None =
                       "--process_id (or JAX_NUM_PROCESSES and JAX_PROCESS_ID)")
   if not 0 <= process_id < num_processes:
     raise ConfigError(f"--process_id={process_id} must be in [0, num_processes={num_processes})")
-  if not os.environ.get(CPU_COLLECTIVES_ENV):
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  _use_gloo_on_cpu()
   jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                              process_id=process_id,
                              heartbeat_timeout_seconds=int(heartbeat_timeout_s) + JAX_MARGIN_S)
+  _watch(coordinator, process_id, num_processes, heartbeat_timeout_s)
+  return True
+
+
+def _watch(coordinator: str, process_id: int, num_processes: int, heartbeat_timeout_s) -> None:
+  global _watchdog
   if num_processes > 1:
     _watchdog = Watchdog(_host(coordinator), process_id, num_processes, heartbeat_timeout_s)
     atexit.register(_watchdog.close, clean=False)
-  return True
 
 
 def finish() -> None:

@@ -35,5 +35,28 @@ def test_bad_process_settings(monkeypatch, num_processes, process_id, env, messa
 
 
 def test_no_coordinator_means_one_process(monkeypatch):
-  monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
+  for name in ("JAX_COORDINATOR_ADDRESS", *distributed.SLURM_VARS, "KUBERNETES_SERVICE_HOST"):
+    monkeypatch.delenv(name, raising=False)
   assert distributed.maybe_initialize() is False
+
+
+def test_flags_without_a_coordinator_are_refused(monkeypatch):
+  monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
+  with pytest.raises(ConfigError, match="given without --coordinator_address"):
+    distributed.maybe_initialize(None, 2, 0)
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[001-004]", "SLURM_NTASKS": "4",
+      "SLURM_PROCID": "1", "SLURM_LOCALID": "1"}, "slurm"),
+    ({"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node001", "SLURM_NTASKS": "1",
+      "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}, None),           # one task: one process
+    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}, None),             # an allocation, not a step
+    ({}, None),
+])
+def test_cluster_detection(monkeypatch, env, expected):
+  for name in (*distributed.SLURM_VARS, "KUBERNETES_SERVICE_HOST"):
+    monkeypatch.delenv(name, raising=False)
+  for name, value in env.items():
+    monkeypatch.setenv(name, value)
+  assert distributed.detected_cluster() == expected

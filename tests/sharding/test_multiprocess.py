@@ -1,4 +1,7 @@
-"""train.py as one job of 2 processes x 2 CPU devices (jax.distributed over loopback, gloo).
+"""train.py as one job of 2 processes x 2 CPU devices (jax.distributed over loopback, gloo),
+started as SLURM starts tasks: SLURM's variables and no flags, so jax.distributed's cluster
+auto-detection itself finds the coordinator, process count and index (tests/train/test_faults.py
+starts its jobs with the flags).
 
 The two processes run in lockstep (every step's collectives span both), process 0 alone writes
 metrics and logs, and the losses equal those of 1 process x 4 devices on the same config: the
@@ -7,6 +10,7 @@ codec.mode=auto, whose decision both processes must agree on) and its reference:
 """
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -30,24 +34,38 @@ COMPARED = ("loss", "aux_loss", "z_loss", "grad_norm", "val_loss")
 SAME = ("step", "lr", "gather_bytes", "scatter_bytes", "a2a_bytes")
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+def _slurm_job_id() -> int:
+  """A SLURM job id whose coordinator port (jax's SlurmCluster: 61440 + id % 4096) is free."""
+  start = random.randrange(4096)
+  for offset in range(4096):
+    job_id = (start + offset) % 4096
+    with socket.socket() as s:
+      try:
+        s.bind(("127.0.0.1", 61440 + job_id))
+      except OSError:
+        continue
+    return job_id
+  pytest.fail("no free port in SLURM's coordinator range 61440-65535")
 
 
-def _start(tmp_path, name: str, workdir: str, devices: int, job: tuple = (), extra=()):
-  """train.py in the background on `devices` CPU devices; `job`: (address, processes, id);
-  `extra`: more flags (after ARGS, so they win)."""
+def _slurm_env(job_id: int, num_tasks: int, task: int) -> dict:
+  """What srun sets for task `task` of a one-node step of `num_tasks` tasks."""
+  return {"SLURM_JOB_ID": str(job_id), "SLURM_STEP_NODELIST": "localhost",
+          "SLURM_NTASKS": str(num_tasks), "SLURM_PROCID": str(task),
+          "SLURM_LOCALID": str(task), "SLURM_STEP_NUM_NODES": "1"}
+
+
+def _start(tmp_path, name: str, workdir: str, devices: int, extra=(), slurm: dict | None = None):
+  """train.py in the background on `devices` CPU devices; `slurm`: this task's SLURM variables
+  (no flags: jax.distributed detects the job); `extra`: more flags (after ARGS, so they win)."""
   env = dict(os.environ, XLA_FLAGS=xla_flags(devices),
              JAX_PLATFORMS="cpu")
-  for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+  for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
+              "JAX_COORDINATOR_PORT", *(k for k in env if k.startswith("SLURM_"))):
     env.pop(var, None)
   args = [*ARGS, *extra, "--workdir", str(tmp_path / workdir)]
-  if job:
-    address, num_processes, process_id = job
-    args += ["--coordinator_address", address, f"--num_processes={num_processes}",
-             f"--process_id={process_id}"]
+  if slurm:
+    env.update(slurm)
     # No persistent compilation cache even if one is configured: its keys differ per process
     # (process 0 would load what process 1 has to compile), and gloo gives a process 30 s to
     # join each new collective. Without it the processes compile side by side.
@@ -87,9 +105,9 @@ def test_two_processes_match_one_and_agree_on_the_codec_choice(tmp_path):
   deadlock otherwise), and the job compresses. (Gains in bytes: a profile of fake devices over
   gloo would price every tiny shard plain.) The codec is lossless, so the losses still equal the
   1 process x 4 devices run's."""
-  address = f"127.0.0.1:{_free_port()}"
-  procs = {f"proc{i}": _start(tmp_path, f"proc{i}", "job", 2, job=(address, 2, i), extra=CODEC)
-           for i in range(2)}
+  job_id = _slurm_job_id()
+  procs = {f"proc{i}": _start(tmp_path, f"proc{i}", "job", 2, extra=CODEC,
+                              slurm=_slurm_env(job_id, 2, i)) for i in range(2)}
   procs["single"] = _start(tmp_path, "single", "single", 4, extra=CODEC)   # alongside
   _wait_all(procs, tmp_path)
 
