@@ -23,3 +23,15 @@ class CheckpointError(MoejaxError):
 
 class TrainingError(MoejaxError):
   """Training cannot continue (for example, a non-finite loss)."""
+
+
+def run_command(body) -> int:
+  """An entry point's exit code: `body()` -> 0, or a MoejaxError printed as one line
+  `error: ...` on stderr -> 2."""
+  import sys
+  try:
+    body()
+  except MoejaxError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0

@@ -44,7 +44,8 @@ XDIST_GROUPS = {
     "tiny8": ("tests/train/test_step.py", "tests/train/test_checkpoint.py",
               "tests/train/test_init_from.py", "tests/train/test_faults.py",
               "tests/sharding/test_collectives.py",
-              "tests/sharding/test_memory.py", "tests/sharding/test_prefetch.py"),
+              "tests/sharding/test_memory.py", "tests/sharding/test_prefetch.py",
+              "tests/test_generate.py", "tests/test_evaluate.py"),
     "codec_auto": ("tests/codec/test_loop.py", "tests/report/test_report.py"),
 }
 
@@ -87,6 +88,27 @@ def trainer_for():
     return _TRAINERS[key]
 
   return get
+
+
+@pytest.fixture(scope="session")
+def trainer(trainer_for):
+  """The canonical fsdp Trainer on 8 devices, shared by the checkpoint, init_from, generate and
+  evaluate tests (one compile, one 12-step run per session: `trained`)."""
+  from tests.helpers import canonical_config
+  return trainer_for(canonical_config("fsdp"), 8)
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory, trainer):
+  """workdir of one uninterrupted canonical run: checkpoints 4, 8, 12. Copy before changing."""
+  from moejax.train.loop import run
+  from tests.helpers import CANONICAL
+  from tests.train.conftest import records
+  workdir = tmp_path_factory.mktemp("trained") / "w"
+  run(trainer.cfg, str(workdir), trainer=trainer)
+  assert [r["step"] for r in records(workdir)] == list(range(1, CANONICAL["steps"] + 1))
+  assert sorted(os.listdir(workdir / "checkpoints")) == ["12", "4", "8"]
+  return workdir
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import sys
 
 from moejax.config import num_params
@@ -48,6 +49,9 @@ def from_hf(args) -> None:
   from moejax.convert import checkpoint_io   # orbax: imported once there is something to save
   checkpoint_io.save_params(args.out_dir, cfg, params, hf_config=hf_config,
                             source=os.path.abspath(args.hf_dir))
+  tokenizer = os.path.join(args.hf_dir, checkpoint_io.TOKENIZER_FILE)
+  if os.path.isfile(tokenizer):   # generate/evaluate find it beside the weights
+    shutil.copyfile(tokenizer, os.path.join(args.out_dir, checkpoint_io.TOKENIZER_FILE))
   print(f"wrote {args.out_dir}: {_describe(cfg)} (from {args.hf_dir})")
 
 

@@ -9,6 +9,7 @@ of a training checkpoint minus the optimizer state and data position:
   OUT_DIR/0/config/   JSON: the moejax Config (`load_config(OUT_DIR)`)
   OUT_DIR/hf_config.json   the imported config.json, so that `to-hf` can restore the fields
                            moejax does not model (token ids, maximum length)
+  OUT_DIR/tokenizer.json   the Hugging Face directory's tokenizer, when it has one
 
 A run starts from it with `state.state_from_params(load_params(OUT_DIR, shardings=...), ...)`.
 OUT_DIR is not a run's workdir: a run keeps its own checkpoints in WORKDIR/checkpoints.
@@ -55,3 +56,31 @@ def load_params(path: str, step: int | None = None) -> tuple[Config, dict, dict 
   cfg = weights.load_config(path, step)
   params = weights.load_params(path, step)
   return cfg, params, _find_hf_config(path)
+
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def is_hf_dir(path: str) -> bool:
+  """A Hugging Face model directory: config.json beside safetensors weights."""
+  return (os.path.isfile(os.path.join(path, "config.json"))
+          and any(f.endswith(".safetensors") for f in os.listdir(path)))
+
+
+def load_model(path: str, step: int | None = None) -> tuple[Config, dict, str]:
+  """(Config, host params, tokenizer spec) for inference from a training workdir (or its
+  checkpoints/ or a step's directory), a from-hf output directory, or a Hugging Face model
+  directory. The tokenizer is the tokenizer.json in that directory (or the one above a step's
+  directory), else the one the config was trained with (`data.tokenizer`)."""
+  path = os.path.abspath(path)
+  if not os.path.exists(path):
+    raise CheckpointError(f"{path}: no such checkpoint, workdir or Hugging Face directory")
+  if os.path.isdir(path) and is_hf_dir(path):
+    from moejax.convert import hf
+    cfg, params = hf.load_hf(path)
+  else:
+    cfg, params = weights.load_config(path, step), weights.load_params(path, step)
+  for directory in (path, os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
+    if os.path.isfile(os.path.join(directory, TOKENIZER_FILE)):
+      return cfg, params, os.path.join(directory, TOKENIZER_FILE)
+  return cfg, params, cfg.data.tokenizer

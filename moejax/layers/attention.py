@@ -16,8 +16,14 @@ from moejax.sharding.axes import ATTENTION, EMBED, HEADS, KV_HEADS, NORM, NORMS,
 
 
 def rotary_tables(seq_len: int, head_dim: int, theta: float):
+  """(cos, sin) [S, Dh] for positions 0..seq_len-1."""
+  return rotary_at(jnp.arange(seq_len, dtype=jnp.float32), head_dim, theta)
+
+
+def rotary_at(positions_S, head_dim: int, theta: float):
+  """(cos, sin) [S, Dh] for the given token positions (a KV-cached step's are not 0..S-1)."""
   inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-  angles_SxHalf = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+  angles_SxHalf = positions_S.astype(jnp.float32)[:, None] * inv_freq[None, :]
   angles_SxDh = jnp.concatenate([angles_SxHalf, angles_SxHalf], axis=-1)
   return jnp.cos(angles_SxDh), jnp.sin(angles_SxDh)
 
@@ -45,6 +51,16 @@ class Attention(nnx.Module):
     self.rope_theta, self.norm_eps = rope_theta, norm_eps
 
   def __call__(self, x_BxSxD):
+    s = x_BxSxD.shape[1]
+    q_BxSxHxDh, k_BxSxHxDh, v_BxSxHxDh = self.qkv(
+        x_BxSxD, rotary_tables(s, self.head_dim, self.rope_theta))
+    out_BxSxHxDh = jax.nn.dot_product_attention(q_BxSxHxDh, k_BxSxHxDh, v_BxSxHxDh,
+                                                is_causal=True)
+    return self.project_out(out_BxSxHxDh)
+
+  def qkv(self, x_BxSxD, rotary):
+    """q, k, v [B, S, H, Dh]: projected, QK-normed, q and k rotated by `rotary` = (cos, sin)
+    [S, Dh] of the tokens' positions (`rotary_tables`, or `rotary_at` with a KV cache)."""
     b, s, _ = x_BxSxD.shape
     dtype = x_BxSxD.dtype
     q = rms_norm(dense(x_BxSxD, self.wq[...].astype(dtype)), self.q_norm[...], self.norm_eps)
@@ -52,9 +68,9 @@ class Attention(nnx.Module):
     v = dense(x_BxSxD, self.wv[...].astype(dtype))
     shape = (b, s, self.num_heads, self.head_dim)
     q_BxSxHxDh, k_BxSxHxDh, v_BxSxHxDh = q.reshape(shape), k.reshape(shape), v.reshape(shape)
-    cos, sin = rotary_tables(s, self.head_dim, self.rope_theta)
-    q_BxSxHxDh = apply_rotary(q_BxSxHxDh, cos, sin)
-    k_BxSxHxDh = apply_rotary(k_BxSxHxDh, cos, sin)
-    out_BxSxHxDh = jax.nn.dot_product_attention(q_BxSxHxDh, k_BxSxHxDh, v_BxSxHxDh,
-                                                is_causal=True)
-    return dense(out_BxSxHxDh.reshape(b, s, -1), self.wo[...].astype(dtype))
+    cos, sin = rotary
+    return apply_rotary(q_BxSxHxDh, cos, sin), apply_rotary(k_BxSxHxDh, cos, sin), v_BxSxHxDh
+
+  def project_out(self, out_BxSxHxDh):
+    b, s = out_BxSxHxDh.shape[:2]
+    return dense(out_BxSxHxDh.reshape(b, s, -1), self.wo[...].astype(out_BxSxHxDh.dtype))

@@ -2,7 +2,7 @@
 import argparse
 import sys
 
-from moejax.errors import MoejaxError
+from moejax.errors import run_command
 
 
 def main(argv=None) -> int:
@@ -10,13 +10,7 @@ def main(argv=None) -> int:
   parser.add_argument("workdir", help="a train.py workdir (holds metrics.jsonl)")
   args = parser.parse_args(argv)
   from moejax.report.render import write_report
-  try:
-    path = write_report(args.workdir)
-  except MoejaxError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  print(f"moejax: wrote {path}")
-  return 0
+  return run_command(lambda: print(f"moejax: wrote {write_report(args.workdir)}"))
 
 
 if __name__ == "__main__":

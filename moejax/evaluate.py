@@ -1,0 +1,116 @@
+"""Loss and perplexity of a checkpoint on a text or JSONL file (or the built-in corpus).
+
+  python -m moejax.evaluate CKPT --data PATH [--split all|val] [--batches N] [--step N]
+
+CKPT as for `moejax.generate`. PATH: a .jsonl file (one {"text": ...} per line), any other
+file as plain text, or `builtin`. `--split all` (default) scores every window of the file in
+order; `--split val` the validation split the training loop scores (the config's
+`data.val_fraction`, the same windows in the same order), so on the training data it gives the
+run's `val_loss`. Windows are the config's batch_size x seq_len, the last partial batch left
+out. The evaluation runs the training loop's own eval step (`Trainer.evaluate`: routing as after
+the admission warm-up, plain gathers) on all local devices, placement fsdp.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+
+
+from moejax.errors import DataError, run_command
+
+SPLITS = ("all", "val")
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="python -m moejax.evaluate",
+                                   description="Loss and perplexity of a checkpoint on a file.")
+  parser.add_argument("ckpt", help="workdir, from-hf output or Hugging Face directory")
+  parser.add_argument("--data", required=True, help="a .jsonl or text file, or 'builtin'")
+  parser.add_argument("--split", choices=SPLITS, default="all")
+  parser.add_argument("--batches", type=int, default=None, help="at most this many batches")
+  parser.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
+  return parser
+
+
+def source_of(path: str) -> str:
+  if path == "builtin":
+    return "builtin"
+  return "jsonl" if path.endswith(".jsonl") else "text"
+
+
+def batches(cfg, data: str, split: str, tokenizer_spec: str, max_batches: int | None = None):
+  """The evaluation batches ({"inputs", "targets"} int32 [batch_size, seq_len]) of `data`."""
+  from moejax.data import iterator, pipeline
+  from moejax.data.sources import load_documents
+  from moejax.data.tokenizer import check_vocab, load_tokenizer
+  source = source_of(data)
+  path = None if source == "builtin" else data
+  if split == "val":
+    spec = pipeline.DataSpec(source, path, tokenizer_spec, cfg.data.val_fraction, cfg.seed)
+    loaded = pipeline.make_data(spec, batch_size=cfg.batch_size, seq_len=cfg.seq_len)
+    check_vocab(loaded.tokenizer, cfg.model.vocab_size)
+    count = loaded.num_val_batches if max_batches is None else min(max_batches,
+                                                                  loaded.num_val_batches)
+    return loaded.val_batches(count)
+  tokenizer = load_tokenizer(tokenizer_spec)
+  check_vocab(tokenizer, cfg.model.vocab_size)
+  windows_WxL = iterator.windows(tokenizer.encode_documents(load_documents(source, path)),
+                                 cfg.seq_len)
+  count = len(windows_WxL) // cfg.batch_size
+  if count == 0:
+    raise DataError(f"{data}: {len(windows_WxL)} windows of {cfg.seq_len + 1} tokens, fewer than "
+                    f"one batch of {cfg.batch_size}")
+  if max_batches is not None:
+    count = min(count, max_batches)
+  b = cfg.batch_size
+  return [iterator.to_example(windows_WxL[i * b:(i + 1) * b]) for i in range(count)]
+
+
+def evaluation_trainer(cfg):
+  """A Trainer for evaluating `cfg`'s parameters on all local devices (placement fsdp)."""
+  import jax
+  from moejax.sharding.mesh import make_mesh
+  from moejax.train.loop import Trainer
+  cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, placement="fsdp"))
+  devices = jax.local_devices()
+  while cfg.batch_size % len(devices):
+    devices = devices[:-1]
+  return Trainer(cfg, mesh=make_mesh((1, -1), devices))
+
+
+def mean_loss(trainer, params, eval_batches) -> float:
+  """The mean cross-entropy (nats/token) of host `params` over `eval_batches`."""
+  import jax
+  from moejax.train.loop import put_batch
+  params = jax.device_put(params, trainer.layout.shardings.params)
+  return trainer.evaluate(params, [put_batch(b, trainer.mesh) for b in eval_batches])
+
+
+def run(args) -> dict:
+  if args.batches is not None and args.batches < 1:
+    raise DataError(f"--batches={args.batches}: must be at least 1")
+  from moejax.convert.checkpoint_io import load_model
+  cfg, params, tokenizer_spec = load_model(args.ckpt, args.step)
+  eval_batches = batches(cfg, args.data, args.split, tokenizer_spec, args.batches)
+  loss = mean_loss(evaluation_trainer(cfg), params, eval_batches)
+  tokens = len(eval_batches) * cfg.batch_size * cfg.seq_len
+  return {"loss": loss, "perplexity": math.exp(loss), "tokens": tokens,
+          "batches": len(eval_batches)}
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+
+  def body():
+    result = run(args)
+    print(f"{args.data} ({args.split}): loss {result['loss']:.4f} nats/token, perplexity "
+          f"{result['perplexity']:.2f} over {result['tokens']:,} tokens "
+          f"({result['batches']} batches)")
+
+  return run_command(body)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,129 @@
+"""Inference for the OLMoE decoder: a forward pass over new tokens that reads and extends a KV
+cache, so each generated token costs one position, not the whole sequence.
+
+Letters: B batch, S new tokens, T cache length (max positions), L layers, H heads, Dh head width.
+
+`forward_cached` runs the same layers as `olmoe.forward` (the same modules, one device), with
+attention over the cache's first `start + S` positions. Routing has no admission here:
+admission is a training-time load control whose choice for a token depends on the other tokens
+of the batch, so a cached step (one token) would route differently from the full pass; each
+token is routed by its top-k alone (`without_admission`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from moejax.config import Config
+from moejax.layers.attention import rotary_at
+from moejax.layers.matmul import dense
+from moejax.layers.norm import rms_norm
+from moejax.models import olmoe
+
+
+class KVCache(NamedTuple):
+  k_LxBxTxHxDh: jax.Array
+  v_LxBxTxHxDh: jax.Array
+
+  @property
+  def max_len(self) -> int:
+    return self.k_LxBxTxHxDh.shape[2]
+
+
+def without_admission(cfg: Config) -> Config:
+  return dataclasses.replace(cfg, routing=dataclasses.replace(cfg.routing, admission="none"))
+
+
+def init_cache(cfg: Config, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+  m = cfg.model
+  shape = (m.num_layers, batch, max_len, m.num_heads, m.head_dim)
+  return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def cast_params(params: dict, dtype) -> dict:
+  return jax.tree.map(lambda x: x.astype(dtype), params)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start):
+  """Logits [B, S, V] (fp32) of tokens at positions start..start+S-1, and the cache with their
+  keys and values written in. `params` in the compute dtype (`cast_params`); `cfg` without
+  admission (`without_admission`)."""
+  s = tokens_BxS.shape[1]
+  positions_S = start + jnp.arange(s, dtype=jnp.int32)
+  visible_SxT = jnp.arange(cache.max_len)[None, :] <= positions_S[:, None]   # causal, filled
+  h_BxSxD = jnp.take(params["embed"], tokens_BxS, axis=0)
+
+  def layer_step(h_BxSxD, inputs):
+    layer_params, k_BxTxHxDh, v_BxTxHxDh = inputs
+    layer = olmoe.layer_from_params(cfg, layer_params)
+    attn = layer.attn
+    q, k, v = attn.qkv(layer.attn_norm(h_BxSxD),
+                       rotary_at(positions_S, attn.head_dim, attn.rope_theta))
+    k_BxTxHxDh = jax.lax.dynamic_update_slice_in_dim(k_BxTxHxDh, k.astype(k_BxTxHxDh.dtype),
+                                                     start, axis=1)
+    v_BxTxHxDh = jax.lax.dynamic_update_slice_in_dim(v_BxTxHxDh, v.astype(v_BxTxHxDh.dtype),
+                                                     start, axis=1)
+    out_BxSxHxDh = jax.nn.dot_product_attention(q, k_BxTxHxDh.astype(q.dtype),
+                                                v_BxTxHxDh.astype(q.dtype),
+                                                mask=visible_SxT[None, None])
+    h_BxSxD = h_BxSxD + attn.project_out(out_BxSxHxDh)
+    y_BxSxD, _ = layer.moe(layer.ffn_norm(h_BxSxD))
+    return h_BxSxD + y_BxSxD, (k_BxTxHxDh, v_BxTxHxDh)
+
+  h_BxSxD, (k_L, v_L) = jax.lax.scan(
+      layer_step, h_BxSxD, (params["layers"], cache.k_LxBxTxHxDh, cache.v_LxBxTxHxDh))
+  h_BxSxD = rms_norm(h_BxSxD, params["final_norm"], cfg.model.norm_eps)
+  return dense(h_BxSxD, params["lm_head"], jnp.float32), KVCache(k_L, v_L)
+
+
+def sample(logits_BxV, key, *, temperature: float, top_p: float):
+  """Next token ids [B]: greedy at temperature 0; else softmax(logits / temperature) sampled
+  from the smallest set of tokens whose probability reaches top_p (nucleus sampling)."""
+  if temperature <= 0:
+    return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+  logits_BxV = logits_BxV / temperature
+  if top_p < 1.0:
+    sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
+    cumulative_BxV = jnp.cumsum(jax.nn.softmax(sorted_BxV, axis=-1), axis=-1)
+    # The smallest logit still inside the nucleus: everything below it is cut.
+    inside_B = jnp.minimum(jnp.sum(cumulative_BxV < top_p, axis=-1), logits_BxV.shape[-1] - 1)
+    cutoff_B = jnp.take_along_axis(sorted_BxV, inside_B[:, None], axis=-1)
+    logits_BxV = jnp.where(logits_BxV < cutoff_B, -jnp.inf, logits_BxV)
+  return jax.random.categorical(key, logits_BxV, axis=-1).astype(jnp.int32)
+
+
+def generate(cfg: Config, params: dict, prompt_BxP, *, max_new_tokens: int,
+             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, dtype=jnp.float32,
+             eos_id: int | None = None, on_token=None):
+  """Prompt [B, P] -> (tokens [B, P + N], logits [B, N, V] of each generated token's step).
+  The prompt fills the cache in one pass; then one token per step. Stops early when every row
+  has produced `eos_id`. `on_token(ids_B)` is called with each new token (streaming)."""
+  cfg = without_admission(cfg)
+  params = cast_params(params, dtype)
+  batch, prompt_len = prompt_BxP.shape
+  cache = init_cache(cfg, batch, prompt_len + max_new_tokens, dtype)
+  logits_BxSxV, cache = forward_cached(cfg, params, jnp.asarray(prompt_BxP, jnp.int32), cache,
+                                       jnp.int32(0))
+  key = jax.random.key(seed)
+  tokens, step_logits = [jnp.asarray(prompt_BxP, jnp.int32)], []
+  done_B = jnp.zeros((batch,), bool)
+  for i in range(max_new_tokens):
+    last_BxV = logits_BxSxV[:, -1]
+    step_logits.append(last_BxV)
+    next_B = sample(last_BxV, jax.random.fold_in(key, i), temperature=temperature, top_p=top_p)
+    tokens.append(next_B[:, None])
+    if on_token is not None:
+      on_token(next_B)
+    if eos_id is not None:
+      done_B = done_B | (next_B == eos_id)
+      if bool(jnp.all(done_B)):
+        break
+    if i + 1 < max_new_tokens:
+      logits_BxSxV, cache = forward_cached(cfg, params, next_B[:, None], cache,
+                                           jnp.int32(prompt_len + i))
+  return jnp.concatenate(tokens, axis=1), jnp.stack(step_logits, axis=1)

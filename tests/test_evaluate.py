@@ -1,0 +1,42 @@
+"""python -m moejax.evaluate on the canonical run (tests/conftest.py `trained`): on the training
+corpus's validation split it gives the loop's val_loss, on a file every window's loss; bad input
+is one line and exit code 2."""
+import json
+import math
+
+import numpy as np
+
+from moejax import evaluate, weights
+from tests.train.conftest import records
+
+
+def test_validation_split_gives_the_loops_val_loss(trainer, trained):
+  last = records(trained)[-1]            # step 12: evaluated on params saved at step 12
+  params = weights.load_params(str(trained))
+  batches = evaluate.batches(trainer.cfg, "builtin", "val", "bytes", trainer.cfg.eval_batches)
+  assert evaluate.mean_loss(trainer, params, batches) == last["val_loss"]
+
+
+def test_cli_scores_a_file(trained, tmp_path, capsys):
+  text = tmp_path / "held_out.jsonl"
+  lines = [json.dumps({"text": f"Line {i}: the quick brown fox jumps over the lazy dog."})
+           for i in range(200)]
+  text.write_text("\n".join(lines))
+  assert evaluate.main([str(trained), "--data", str(text), "--batches", "2"]) == 0
+  out = capsys.readouterr().out
+  assert out.startswith(f"{text} (all): loss ") and "over 2,048 tokens (2 batches)" in out
+  loss = float(out.split("loss ")[1].split()[0])
+  perplexity = float(out.split("perplexity ")[1].split()[0])
+  assert 0 < loss < 10 and np.isclose(perplexity, math.exp(loss), rtol=1e-3)
+
+
+def test_bad_input_is_one_line_exit_2(trained, tmp_path, capsys):
+  binary = tmp_path / "bad.txt"
+  binary.write_bytes(b"\xff\xfe\x00")
+  for argv, message in (
+      ([str(tmp_path / "nothing"), "--data", "builtin"], f"{tmp_path / 'nothing'}: no such"),
+      ([str(trained), "--data", str(tmp_path / "missing.txt")], "missing.txt: file not found"),
+      ([str(trained), "--data", str(binary)], "bad.txt: not UTF-8 text")):
+    assert evaluate.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
