@@ -46,7 +46,8 @@ XDIST_GROUPS = {
               "tests/sharding/test_collectives.py",
               "tests/sharding/test_memory.py", "tests/sharding/test_prefetch.py",
               "tests/test_generate.py", "tests/test_evaluate.py"),
-    "codec_auto": ("tests/codec/test_loop.py", "tests/report/test_report.py"),
+    "codec_auto": ("tests/codec/test_loop.py", "tests/report/test_report.py",
+                   "tests/sharding/test_multiprocess.py"),
 }
 
 

@@ -50,14 +50,19 @@ def canonical_config(placement: str = "fsdp", **overrides):
   return tiny_config(**CANONICAL, **{"moe.placement": placement}, **overrides)
 
 
+def config_flags(overrides: dict) -> list[str]:
+  """train.py arguments that build `tiny_config(**overrides)`."""
+  return ["--config", "configs/olmoe.py:tiny", *(f"--config.{k}={v}" for k, v in overrides.items())]
+
+
 def canonical_flags(placement: str = "fsdp") -> list[str]:
   """train.py arguments that build `canonical_config(placement)`."""
-  return ["--config", "configs/olmoe.py:tiny", f"--config.moe.placement={placement}",
-          *(f"--config.{k}={v}" for k, v in CANONICAL.items())]
+  return config_flags({"moe.placement": placement, **CANONICAL})
 
 
-# The suite's codec.mode=auto run (tests/conftest.py `codec_auto_run`): tests/codec/test_loop.py
-# checks the loop's decisions and resume on it, tests/report/ the TensorBoard files and report.
+# The suite's codec.mode=auto run (tests/conftest.py `codec_auto_run`, 8 devices in one process):
+# tests/codec/test_loop.py checks the loop's decisions and resume on it, tests/report/ the
+# TensorBoard files and report, tests/sharding/test_multiprocess.py a 2-process job against it.
 CODEC_AUTO_STEPS = 8
 CODEC_AUTO_RUN = {
     "batch_size": 8, "seq_len": 32, "log_every": 1, "eval_batches": 1, "steps": CODEC_AUTO_STEPS,

@@ -19,7 +19,7 @@ import shutil
 import sys
 
 from moejax.config import num_params
-from moejax.errors import MoejaxError
+from moejax.errors import run_command
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -89,12 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
-  try:
-    args.run(args)
-  except MoejaxError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  return 0
+  return run_command(lambda: args.run(args))
 
 
 if __name__ == "__main__":

@@ -1,15 +1,16 @@
-"""train.py as one job of 2 processes x 2 CPU devices (jax.distributed over loopback, gloo),
+"""train.py as one job of 2 processes x 4 CPU devices (jax.distributed over loopback, gloo),
 started as SLURM starts tasks: SLURM's variables and no flags, so jax.distributed's cluster
 auto-detection itself finds the coordinator, process count and index (tests/train/test_faults.py
 starts its jobs with the flags).
 
 The two processes run in lockstep (every step's collectives span both), process 0 alone writes
-metrics and logs, and the losses equal those of 1 process x 4 devices on the same config: the
-mesh, the layouts and the data are the same, only where the devices live differs. One job (with
-codec.mode=auto, whose decision both processes must agree on) and its reference: 3 processes.
+metrics and logs, and the losses equal those of 1 process x 8 devices on the same config (the
+suite's codec.mode=auto run, whose decision both processes must agree on): the mesh, the layouts
+and the data are the same, only where the devices live differs.
 """
 import json
 import os
+import pathlib
 import random
 import socket
 import subprocess
@@ -19,17 +20,12 @@ import time
 import numpy as np
 import pytest
 
-from tests.helpers import REPO, xla_flags
+from tests.helpers import CODEC_AUTO_RUN, CODEC_AUTO_STEPS, REPO, config_flags, xla_flags
 
-STEPS = 5
-WARMUP = 3               # codec.mode=auto decides after step 3
-TIMEOUT_S = 420          # generous: 3 processes compile at once on a busy machine
-ARGS = ["--config", "configs/olmoe.py:tiny", f"--config.steps={STEPS}", "--config.log_every=1",
-        f"--config.eval_every={STEPS}", "--config.eval_batches=1"]
-CODEC = ["--config.codec.mode=auto", f"--config.codec.warmup_steps={WARMUP}",
-         "--config.codec.block_size=64", "--config.codec.comm_model=bytes",
-         # Steady change rates, so the capacities sized at step 3 hold at step 5.
-         "--config.optim.warmup_steps=0", "--config.optim.lr=3e-4"]
+STEPS = CODEC_AUTO_STEPS
+WARMUP = CODEC_AUTO_RUN["codec.warmup_steps"]     # codec.mode=auto decides after step 3
+TIMEOUT_S = 420          # generous: 2 processes compile at once on a busy machine
+ARGS = config_flags(CODEC_AUTO_RUN)
 COMPARED = ("loss", "aux_loss", "z_loss", "grad_norm", "val_loss")
 SAME = ("step", "lr", "gather_bytes", "scatter_bytes", "a2a_bytes")
 
@@ -55,22 +51,21 @@ def _slurm_env(job_id: int, num_tasks: int, task: int) -> dict:
           "SLURM_LOCALID": str(task), "SLURM_STEP_NUM_NODES": "1"}
 
 
-def _start(tmp_path, name: str, workdir: str, devices: int, extra=(), slurm: dict | None = None):
-  """train.py in the background on `devices` CPU devices; `slurm`: this task's SLURM variables
-  (no flags: jax.distributed detects the job); `extra`: more flags (after ARGS, so they win)."""
+def _start(tmp_path, name: str, workdir: str, devices: int, slurm: dict):
+  """train.py (ARGS) in the background on `devices` CPU devices with this task's SLURM
+  variables (no flags: jax.distributed detects the job)."""
   env = dict(os.environ, XLA_FLAGS=xla_flags(devices),
              JAX_PLATFORMS="cpu")
   for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
               "JAX_COORDINATOR_PORT", *(k for k in env if k.startswith("SLURM_"))):
     env.pop(var, None)
-  args = [*ARGS, *extra, "--workdir", str(tmp_path / workdir)]
-  if slurm:
-    env.update(slurm)
-    # No persistent compilation cache even if one is configured: its keys differ per process
-    # (process 0 would load what process 1 has to compile), and gloo gives a process 30 s to
-    # join each new collective. Without it the processes compile side by side.
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+  args = [*ARGS, "--workdir", str(tmp_path / workdir)]
+  env.update(slurm)
+  # No persistent compilation cache even if one is configured: its keys differ per process
+  # (process 0 would load what process 1 has to compile), and gloo gives a process 30 s to
+  # join each new collective. Without it the processes compile side by side.
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
   with open(tmp_path / f"{name}.out", "w") as out, open(tmp_path / f"{name}.err", "w") as err:
     return subprocess.Popen([sys.executable, os.path.join(REPO, "train.py"), *args], cwd=REPO,
                             env=env, stdout=out, stderr=err)
@@ -98,29 +93,30 @@ def _records(workdir):
 
 
 @pytest.mark.slow
-def test_two_processes_match_one_and_agree_on_the_codec_choice(tmp_path):
-  """One 2-process job and its 1-process reference, both with codec.mode=auto (plain gathers for
-  the first 3 steps, then the controller's choice): the change rates the decision reads are
+def test_two_processes_match_one_and_agree_on_the_codec_choice(tmp_path, codec_auto_run):
+  """A 2-process job (2 x 4 CPU devices) of the suite's codec.mode=auto run, whose reference is
+  that run on 8 devices in one process (tests/conftest.py `codec_auto_run`): plain gathers for
+  the first 3 steps, then the controller's choice. The change rates the decision reads are
   replicated, so both processes install the same codec choice and train step (they would
-  deadlock otherwise), and the job compresses. (Gains in bytes: a profile of fake devices over
-  gloo would price every tiny shard plain.) The codec is lossless, so the losses still equal the
-  1 process x 4 devices run's."""
+  deadlock otherwise), the same choice as the 1-process run's, and the job compresses. (Gains in
+  bytes: a profile of fake devices over gloo would price every tiny shard plain.) The codec is
+  lossless, so the losses equal the 1-process run's."""
   job_id = _slurm_job_id()
-  procs = {f"proc{i}": _start(tmp_path, f"proc{i}", "job", 2, extra=CODEC,
-                              slurm=_slurm_env(job_id, 2, i)) for i in range(2)}
-  procs["single"] = _start(tmp_path, "single", "single", 4, extra=CODEC)   # alongside
+  procs = {f"proc{i}": _start(tmp_path, f"proc{i}", "job", 4, slurm=_slurm_env(job_id, 2, i))
+           for i in range(2)}
   _wait_all(procs, tmp_path)
+  single = codec_auto_run[1]
 
   # Process 0 logs and writes the metrics of the 4-device job; process 1 writes neither (one
   # record per step in the shared metrics.jsonl, not two).
   out0 = (tmp_path / "proc0.out").read_text()
-  assert "4 device(s)" in out0 and out0.count(f"/{STEPS} | loss") == STEPS, out0
+  assert "8 device(s)" in out0 and out0.count(f"/{STEPS} | loss") == STEPS, out0
   out1 = (tmp_path / "proc1.out").read_text()
   assert "moejax:" not in out1 and "| loss" not in out1, out1
-  two, one = _records(tmp_path / "job"), _records(tmp_path / "single")
+  two, one = _records(tmp_path / "job"), _records(pathlib.Path(single))
   assert [r["step"] for r in two] == list(range(1, STEPS + 1))
 
-  # Same losses as 1 process x 4 devices: only the order of cross-device sums may differ. Before
+  # Same losses as 1 process x 8 devices: only the order of cross-device sums may differ. Before
   # the codec's first decision (plain gathers) the byte figures are equal too.
   for a, b in zip(two, one, strict=True):
     same = SAME if a["step"] <= WARMUP else ("step", "lr", "scatter_bytes", "a2a_bytes")
@@ -134,6 +130,11 @@ def test_two_processes_match_one_and_agree_on_the_codec_choice(tmp_path):
   assert out0.count(f"codec: step {WARMUP}:") == 1, out0
   with open(tmp_path / "job" / "codec_selection.json") as f:
     decision = json.load(f)["decisions"][0]
+  with open(os.path.join(single, "codec_selection.json")) as f:
+    reference = json.load(f)["decisions"][0]
+  chosen_as = lambda d: [(e["group"], e["path"], e["mode"], e.get("capacity_fraction"))  # noqa: E731
+                         for e in d["params"]]
+  assert chosen_as(decision) == chosen_as(reference)
   chosen = sum(e["mode"] != "off" for e in decision["params"])
   assert chosen and two[-1]["codec_params"] == chosen
   # The first gather after the decision refills the caches; the next one patches.
