@@ -67,11 +67,12 @@ SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROC
 
 def detected_cluster() -> str | None:
   """The cluster manager jax.distributed can bootstrap this job from with no flags: "slurm" (a
-  task of an srun step of more than one task) or "k8s" (a pod of a Kubernetes Job, with the
-  `kubernetes` client installed: jax[k8s]); None otherwise (one process)."""
+  task of an srun step of more than one task) or "k8s" (a pod of an Indexed Kubernetes Job, with
+  the `kubernetes` client installed: jax[k8s]); None otherwise (one process)."""
   if all(v in os.environ for v in SLURM_VARS) and (_env_int("SLURM_NTASKS") or 1) > 1:
     return "slurm"
-  if "KUBERNETES_SERVICE_HOST" in os.environ and importlib.util.find_spec("kubernetes"):
+  if ("KUBERNETES_SERVICE_HOST" in os.environ and "JOB_COMPLETION_INDEX" in os.environ
+      and importlib.util.find_spec("kubernetes")):    # a pod of an Indexed Job
     return "k8s"
   return None
 
@@ -93,7 +94,13 @@ def maybe_initialize(coordinator: str | None = None, num_processes: int | None =
     if cluster is None:
       return False
     _use_gloo_on_cpu()
-    jax.distributed.initialize(heartbeat_timeout_seconds=int(heartbeat_timeout_s) + JAX_MARGIN_S)
+    try:
+      jax.distributed.initialize(
+          heartbeat_timeout_seconds=int(heartbeat_timeout_s) + JAX_MARGIN_S)
+    except RuntimeError as e:      # e.g. a Job without a headless Service, or no permission
+      detail = " ".join(str(e).split())
+      raise ConfigError(f"this looks like a {cluster} job, but jax.distributed could not start "
+                        f"it from the environment: {detail[:300]}") from None
     from jax._src import distributed as jax_distributed   # the address jax detected
     _watch(jax_distributed.global_state.coordinator_address, jax.process_index(),
            jax.process_count(), heartbeat_timeout_s)

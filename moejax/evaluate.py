@@ -4,9 +4,11 @@
 
 CKPT as for `moejax.generate`. PATH: a .jsonl file (one {"text": ...} per line), any other
 file as plain text, or `builtin`. `--split all` (default) scores every window of the file in
-order; `--split val` the validation split the training loop scores (the config's
-`data.val_fraction`, the same windows in the same order), so on the training data it gives the
-run's `val_loss`. Windows are the config's batch_size x seq_len, the last partial batch left
+order; `--split val` the batches the training loop validates on (the config's
+`data.val_fraction` split, its first `eval_batches` batches, in order), so on the training data
+it gives the run's `val_loss` (exactly for fsdp on the run's device count; with admission, whose
+capacity is per device, or ep, whose buffers are, another device count routes slightly
+differently). Windows are the config's batch_size x seq_len, the last partial batch left
 out. The evaluation runs the training loop's own eval step (`Trainer.evaluate`: routing as after
 the admission warm-up, plain gathers) on all local devices, placement fsdp.
 """
@@ -29,7 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("ckpt", help="workdir, from-hf output or Hugging Face directory")
   parser.add_argument("--data", required=True, help="a .jsonl or text file, or 'builtin'")
   parser.add_argument("--split", choices=SPLITS, default="all")
-  parser.add_argument("--batches", type=int, default=None, help="at most this many batches")
+  parser.add_argument("--batches", type=int, default=None,
+                      help="at most this many batches (--split val: default eval_batches)")
+  parser.add_argument("--tokenizer", default=None,
+                      help="'bytes' or a tokenizer.json (default: the one beside CKPT)")
   parser.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
   return parser
 
@@ -51,8 +56,11 @@ def batches(cfg, data: str, split: str, tokenizer_spec: str, max_batches: int | 
     spec = pipeline.DataSpec(source, path, tokenizer_spec, cfg.data.val_fraction, cfg.seed)
     loaded = pipeline.make_data(spec, batch_size=cfg.batch_size, seq_len=cfg.seq_len)
     check_vocab(loaded.tokenizer, cfg.model.vocab_size)
-    count = loaded.num_val_batches if max_batches is None else min(max_batches,
-                                                                  loaded.num_val_batches)
+    # As the loop: its first eval_batches validation batches (unless --batches says otherwise).
+    count = min(cfg.eval_batches if max_batches is None else max_batches, loaded.num_val_batches)
+    if count == 0:
+      raise DataError(f"{data}: the validation split (val_fraction={cfg.data.val_fraction}) "
+                      f"holds less than one batch of {cfg.batch_size}x{cfg.seq_len}")
     return loaded.val_batches(count)
   tokenizer = load_tokenizer(tokenizer_spec)
   check_vocab(tokenizer, cfg.model.vocab_size)
@@ -92,7 +100,7 @@ def run(args) -> dict:
   if args.batches is not None and args.batches < 1:
     raise DataError(f"--batches={args.batches}: must be at least 1")
   from moejax.convert.checkpoint_io import load_model
-  cfg, params, tokenizer_spec = load_model(args.ckpt, args.step)
+  cfg, params, tokenizer_spec = load_model(args.ckpt, args.step, tokenizer=args.tokenizer)
   eval_batches = batches(cfg, args.data, args.split, tokenizer_spec, args.batches)
   loss = mean_loss(evaluation_trainer(cfg), params, eval_batches)
   tokens = len(eval_batches) * cfg.batch_size * cfg.seq_len

@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--dtype", choices=DTYPES, default="float32")
   parser.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
+  parser.add_argument("--tokenizer", default=None,
+                      help="'bytes' or a tokenizer.json (default: the one beside CKPT)")
   return parser
 
 
@@ -61,7 +63,7 @@ def run(args) -> str:
   from moejax.convert.checkpoint_io import load_model
   from moejax.data.tokenizer import check_vocab, load_tokenizer
   from moejax.models import decode
-  cfg, params, tokenizer_spec = load_model(args.ckpt, args.step)
+  cfg, params, tokenizer_spec = load_model(args.ckpt, args.step, tokenizer=args.tokenizer)
   tokenizer = load_tokenizer(tokenizer_spec)
   check_vocab(tokenizer, cfg.model.vocab_size)
   prompt_1xP = encode_prompt(tokenizer, args.prompt, cfg.model.vocab_size)

@@ -17,6 +17,13 @@ def test_validation_split_gives_the_loops_val_loss(trainer, trained):
   assert evaluate.mean_loss(trainer, params, batches) == last["val_loss"]
 
 
+def test_cli_validation_split_defaults_to_the_loops_batches(trained, capsys):
+  assert evaluate.main([str(trained), "--data", "builtin", "--split", "val"]) == 0
+  out = capsys.readouterr().out
+  assert f"loss {records(trained)[-1]['val_loss']:.4f} nats/token" in out
+  assert "(1 batches)" in out                  # the canonical run's eval_batches
+
+
 def test_cli_scores_a_file(trained, tmp_path, capsys):
   text = tmp_path / "held_out.jsonl"
   lines = [json.dumps({"text": f"Line {i}: the quick brown fox jumps over the lazy dog."})

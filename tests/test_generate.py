@@ -33,5 +33,8 @@ def test_a_hugging_face_directory_generates_like_its_source(trained, tmp_path, c
   cfg, params, _ = checkpoint_io.load_params(str(trained))
   hf.save_hf(params, cfg, str(tmp_path / "hf"))           # config.json + model.safetensors
   argv = ("--prompt", "The ", "--max-new-tokens", "6")
-  assert (_generate(capsys, str(tmp_path / "hf"), *argv)
+  # Its config names no tokenizer: refused without tokenizer.json or --tokenizer.
+  assert generate.main([str(tmp_path / "hf"), *argv]) == 2
+  assert "no tokenizer.json beside these Hugging Face weights" in capsys.readouterr().err
+  assert (_generate(capsys, str(tmp_path / "hf"), *argv, "--tokenizer", "bytes")
           == _generate(capsys, str(trained), *argv))

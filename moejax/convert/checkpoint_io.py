@@ -67,20 +67,34 @@ def is_hf_dir(path: str) -> bool:
           and any(f.endswith(".safetensors") for f in os.listdir(path)))
 
 
-def load_model(path: str, step: int | None = None) -> tuple[Config, dict, str]:
+def load_model(path: str, step: int | None = None, *,
+               tokenizer: str | None = None) -> tuple[Config, dict, str]:
   """(Config, host params, tokenizer spec) for inference from a training workdir (or its
   checkpoints/ or a step's directory), a from-hf output directory, or a Hugging Face model
-  directory. The tokenizer is the tokenizer.json in that directory (or the one above a step's
-  directory), else the one the config was trained with (`data.tokenizer`)."""
+  directory. The tokenizer: `tokenizer` if given; else the tokenizer.json in that directory (for
+  a step's or checkpoints/ directory, in the workdir above); else, for a training workdir, the
+  one the config was trained with (`data.tokenizer`). A Hugging Face model (or a from-hf output)
+  without tokenizer.json is refused: its config names no tokenizer."""
   path = os.path.abspath(path)
   if not os.path.exists(path):
     raise CheckpointError(f"{path}: no such checkpoint, workdir or Hugging Face directory")
-  if os.path.isdir(path) and is_hf_dir(path):
+  from_hf = os.path.isdir(path) and is_hf_dir(path)
+  if from_hf:
     from moejax.convert import hf
     cfg, params = hf.load_hf(path)
   else:
     cfg, params = weights.load_config(path, step), weights.load_params(path, step)
-  for directory in (path, os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
+  if tokenizer is not None:
+    return cfg, params, tokenizer
+  directories = [path]
+  if os.path.basename(path).isdigit():                       # WORKDIR/checkpoints/STEP
+    directories += [os.path.dirname(path), os.path.dirname(os.path.dirname(path))]
+  elif os.path.basename(path) == weights.SUBDIR:             # WORKDIR/checkpoints
+    directories.append(os.path.dirname(path))
+  for directory in directories:
     if os.path.isfile(os.path.join(directory, TOKENIZER_FILE)):
       return cfg, params, os.path.join(directory, TOKENIZER_FILE)
+  if from_hf or any(os.path.isfile(os.path.join(d, HF_CONFIG_FILE)) for d in directories):
+    raise CheckpointError(f"{path}: no {TOKENIZER_FILE} beside these Hugging Face weights; copy "
+                          "the model's tokenizer.json there or pass --tokenizer")
   return cfg, params, cfg.data.tokenizer

@@ -51,9 +51,12 @@ def cast_params(params: dict, dtype) -> dict:
 @functools.partial(jax.jit, static_argnums=0)
 def forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start):
   """Logits [B, S, V] (fp32) of tokens at positions start..start+S-1, and the cache with their
-  keys and values written in. `params` in the compute dtype (`cast_params`); `cfg` without
+  keys and values written in; start + S must not exceed the cache's length (`generate` sizes it
+  to the prompt plus the new tokens). `params` in the compute dtype (`cast_params`); `cfg` without
   admission (`without_admission`)."""
   s = tokens_BxS.shape[1]
+  if s > cache.max_len:
+    raise ValueError(f"{s} new tokens do not fit a KV cache of {cache.max_len} positions")
   positions_S = start + jnp.arange(s, dtype=jnp.int32)
   visible_SxT = jnp.arange(cache.max_len)[None, :] <= positions_S[:, None]   # causal, filled
   h_BxSxD = jnp.take(params["embed"], tokens_BxS, axis=0)
@@ -116,6 +119,8 @@ def generate(cfg: Config, params: dict, prompt_BxP, *, max_new_tokens: int,
     last_BxV = logits_BxSxV[:, -1]
     step_logits.append(last_BxV)
     next_B = sample(last_BxV, jax.random.fold_in(key, i), temperature=temperature, top_p=top_p)
+    if eos_id is not None:          # a row that has ended keeps emitting EOS
+      next_B = jnp.where(done_B, eos_id, next_B)
     tokens.append(next_B[:, None])
     if on_token is not None:
       on_token(next_B)

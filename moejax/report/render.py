@@ -43,18 +43,22 @@ def _line_axes(ax, panel: Panel):
 
 def _heatmap_axes(fig, ax, panel: Panel, title: str, data, vmax=None):
   steps, values_TxR, rows = data
-  extent = (steps[0] - 0.5, steps[-1] + 0.5, len(rows) - 0.5, -0.5)
+  # Column edges halfway between logged steps: the steps need not be evenly spaced.
+  steps = np.asarray(steps, np.float64)
+  gaps = np.diff(steps) if len(steps) > 1 else np.ones(1)
+  x_edges = np.concatenate([[steps[0] - gaps[0] / 2], (steps[:-1] + steps[1:]) / 2,
+                            [steps[-1] + gaps[-1] / 2]])
+  y_edges = np.arange(len(rows) + 1) - 0.5
   if panel.categories:
     cmap = ListedColormap(MODE_COLOURS[:len(panel.categories)])
     norm = BoundaryNorm(np.arange(len(panel.categories) + 1) - 0.5, cmap.N)
-    image = ax.imshow(values_TxR.T, aspect="auto", interpolation="nearest", cmap=cmap,
-                      norm=norm, extent=extent)
+    image = ax.pcolormesh(x_edges, y_edges, values_TxR.T, cmap=cmap, norm=norm)
     bar = fig.colorbar(image, ax=ax, ticks=range(len(panel.categories)))
     bar.ax.set_yticklabels(panel.categories)
   else:
-    image = ax.imshow(values_TxR.T, aspect="auto", interpolation="nearest", cmap="viridis",
-                      extent=extent, vmin=0.0, vmax=vmax)
+    image = ax.pcolormesh(x_edges, y_edges, values_TxR.T, cmap="viridis", vmin=0.0, vmax=vmax)
     fig.colorbar(image, ax=ax, label=panel.colorbar)
+  ax.invert_yaxis()                       # first row on top
   ax.set_title(title, fontsize="medium")
   ax.set_xlabel("step")
   step = max(1, len(rows) // 24)          # at most ~24 row labels stay readable

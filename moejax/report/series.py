@@ -40,22 +40,26 @@ class Panel:
 
 
 def read_records(workdir: str) -> list[dict]:
-  """metrics.jsonl's records, one per step: where a resumed run logged a step again, its last
-  record (what the run continued from)."""
+  """metrics.jsonl's records, one per step, as the run that continued last saw them: where a
+  resumed run logs a step at or before one already logged, the earlier records from that step
+  on (the abandoned run's) are dropped."""
   path = os.path.join(workdir, METRICS_FILE)
   if not os.path.isfile(path):
     raise ConfigError(f"{path}: no such file (a workdir that train.py has logged to holds one)")
-  by_step = {}
+  by_step, last = {}, None
   with open(path, encoding="utf-8") as f:
     for number, line in enumerate(f, 1):
       if not line.strip():
         continue
       try:
         record = json.loads(line)
-        by_step[int(record["step"])] = record
+        step = int(record["step"])
       except (ValueError, KeyError, TypeError):
         raise ConfigError(f"{path}:{number}: not a metrics record (one JSON object with a "
                           "'step' per line)") from None
+      if last is not None and step <= last:                # resumed from an earlier checkpoint
+        by_step = {s: r for s, r in by_step.items() if s < step}
+      by_step[step], last = record, step
   if not by_step:
     raise ConfigError(f"{path}: holds no records yet")
   return [by_step[s] for s in sorted(by_step)]

@@ -200,7 +200,7 @@ def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
     choice = policy.start(int(state.step), state.params)
     if choice is not None:
       state, compiled = trainer.adopt(state, compiled, choice)
-    writer = MetricsWriter(workdir)
+    writer = MetricsWriter(workdir, first_step=int(state.step) + 1)
     last_step = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
     progress = Progress(cfg.steps, int(state.step) + 1)
     try:

@@ -34,14 +34,16 @@ class MetricsWriter:
   """Appends records to WORKDIR/metrics.jsonl and the same numbers to TensorBoard event files
   in WORKDIR (`tensorboard=False`: the JSONL file only)."""
 
-  def __init__(self, workdir: str, *, tensorboard: bool = True):
+  def __init__(self, workdir: str, *, tensorboard: bool = True, first_step: int | None = None):
+    """`first_step`: the step this run starts at; TensorBoard hides the events of an earlier run
+    from that step on (a resumed run's repeated steps replace them)."""
     self.path = os.path.join(workdir, "metrics.jsonl")
     self.enabled = jax.process_index() == 0
     self._file = open(self.path, "a", encoding="utf-8") if self.enabled else None
     self._tb = None
     if self.enabled and tensorboard:
       from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(logdir=workdir, flush_secs=30)
+      self._tb = SummaryWriter(logdir=workdir, flush_secs=30, purge_step=first_step)
 
   def write(self, record: dict) -> None:
     if not self.enabled:

@@ -63,3 +63,23 @@ def test_stops_when_every_row_has_ended(model, prompt):
   stopped, logits = decode.generate(cfg, params, prompt[:1], max_new_tokens=NEW, eos_id=eos)
   np.testing.assert_array_equal(stopped, greedy[:, :prompt.shape[1] + ends])
   assert logits.shape[1] == ends < NEW
+
+
+def test_a_row_that_ended_keeps_emitting_eos(model, prompt):
+  cfg, params = model
+  greedy, _ = decode.generate(cfg, params, prompt, max_new_tokens=NEW)
+  eos = int(greedy[0, prompt.shape[1]])                  # row 0's first token
+  tokens, _ = decode.generate(cfg, params, prompt, max_new_tokens=NEW, eos_id=eos)
+  row0 = np.asarray(tokens[0, prompt.shape[1]:])
+  assert np.all(row0 == eos)
+  generated1 = np.asarray(greedy[1, prompt.shape[1]:])
+  if eos not in generated1:                              # row 1 ran to the end, unchanged
+    np.testing.assert_array_equal(tokens[1], greedy[1])
+
+
+def test_tokens_beyond_the_cache_are_refused(model):
+  cfg, params = model
+  cache = decode.init_cache(cfg, 1, 4)
+  with pytest.raises(ValueError, match="do not fit a KV cache of 4"):
+    decode.forward_cached(decode.without_admission(cfg), decode.cast_params(params, jnp.float32),
+                          jnp.zeros((1, 5), jnp.int32), cache, jnp.int32(0))

@@ -152,3 +152,13 @@ def test_bad_workdir_is_one_line_exit_2(tmp_path, capsys):
     assert main([str(path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: {message}"), err
+
+
+def test_a_resumed_runs_records_replace_the_abandoned_ones(tmp_path):
+  """A run logged steps 1-6, was resumed from a checkpoint at 4 and logs every 2 steps: from
+  the first step it logs again (6) on, only its records count."""
+  lines = [{"step": s, "loss": 10.0 - s} for s in range(1, 7)]
+  lines += [{"step": s, "loss": 100.0 + s} for s in (6, 8)]
+  (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+  got = [(r["step"], r["loss"]) for r in series.read_records(str(tmp_path))]
+  assert got == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 6.0), (5, 5.0), (6, 106.0), (8, 108.0)]

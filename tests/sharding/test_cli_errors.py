@@ -53,9 +53,10 @@ def test_flags_without_a_coordinator_are_refused(monkeypatch):
       "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}, None),           # one task: one process
     ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}, None),             # an allocation, not a step
     ({}, None),
+    ({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, None),            # a pod, not an Indexed Job
 ])
 def test_cluster_detection(monkeypatch, env, expected):
-  for name in (*distributed.SLURM_VARS, "KUBERNETES_SERVICE_HOST"):
+  for name in (*distributed.SLURM_VARS, "KUBERNETES_SERVICE_HOST", "JOB_COMPLETION_INDEX"):
     monkeypatch.delenv(name, raising=False)
   for name, value in env.items():
     monkeypatch.setenv(name, value)
