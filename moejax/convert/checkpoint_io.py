@@ -94,7 +94,7 @@ def load_model(path: str, step: int | None = None, *,
   for directory in directories:
     if os.path.isfile(os.path.join(directory, TOKENIZER_FILE)):
       return cfg, params, os.path.join(directory, TOKENIZER_FILE)
-  if from_hf or any(os.path.isfile(os.path.join(d, HF_CONFIG_FILE)) for d in directories):
+  if from_hf or _find_hf_config(path) is not None:
     raise CheckpointError(f"{path}: no {TOKENIZER_FILE} beside these Hugging Face weights; copy "
                           "the model's tokenizer.json there or pass --tokenizer")
   return cfg, params, cfg.data.tokenizer

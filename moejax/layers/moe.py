@@ -107,7 +107,8 @@ class MoEBlock(nnx.Module):
           scores_TxE, local_experts_mask(dispatch, spec.num_experts), axis_name=axis_name)
     aux["admitted_load_E"] = router_lib.expert_counts(experts_TxK, spec.num_experts, kept_TxK)
     aux["routing"] = stats_lib.routing_stats(experts_TxK, spec.num_experts, kept_TxK=kept_TxK,
-                                             rerouted_TxK=rerouted_TxK, axis_name=axis_name)
+                                             rerouted_TxK=rerouted_TxK, axis_name=axis_name,
+                                             local_load_E=aux["admitted_load_E"])
     w = (self.w_gate[...].astype(x_TxD.dtype), self.w_up[...].astype(x_TxD.dtype),
          self.w_down[...].astype(x_TxD.dtype))
     if dispatch.kind == "local":

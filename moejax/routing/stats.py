@@ -32,8 +32,10 @@ STAT_KEYS = ("load_max", "load_mean", "load_std", "top1_share", "load_entropy",
 
 def routing_stats(experts_TxK: jax.Array, num_experts: int, *,
                   kept_TxK: jax.Array | None = None, rerouted_TxK: jax.Array | None = None,
-                  axis_name=None) -> dict[str, jax.Array]:
-  """Telemetry dict with keys STAT_KEYS (see the module docstring); no gradients."""
+                  axis_name=None, local_load_E: jax.Array | None = None) -> dict[str, jax.Array]:
+  """Telemetry dict with keys STAT_KEYS (see the module docstring); no gradients.
+  `local_load_E`: this device's kept assignments per expert, when the caller has counted them
+  (`router.expert_counts(experts_TxK, num_experts, kept_TxK)`); else they are counted here."""
   experts_TxK = jax.lax.stop_gradient(experts_TxK)
   num_tokens, k = experts_TxK.shape
   kept_mask_TxK = (experts_TxK >= 0) & (experts_TxK < num_experts)
@@ -43,8 +45,9 @@ def routing_stats(experts_TxK: jax.Array, num_experts: int, *,
   if rerouted_TxK is not None:
     rerouted = jnp.sum(rerouted_TxK & kept_mask_TxK, dtype=jnp.int32)
 
-  load_E = _psum(expert_counts(experts_TxK, num_experts, kept_mask_TxK),
-                 axis_name).astype(jnp.float32)
+  if local_load_E is None:
+    local_load_E = expert_counts(experts_TxK, num_experts, kept_mask_TxK)
+  load_E = _psum(jax.lax.stop_gradient(local_load_E), axis_name).astype(jnp.float32)
   rerouted = _psum(rerouted, axis_name).astype(jnp.float32)
   tokens = _psum(jnp.asarray(num_tokens, jnp.float32), axis_name)
   devices = _psum(jnp.asarray(1.0, jnp.float32), axis_name)

@@ -200,9 +200,10 @@ def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
     choice = policy.start(int(state.step), state.params)
     if choice is not None:
       state, compiled = trainer.adopt(state, compiled, choice)
-    writer = MetricsWriter(workdir, first_step=int(state.step) + 1)
+    first_step = int(state.step) + 1
+    writer = MetricsWriter(workdir, first_step=first_step)
     last_step = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
-    progress = Progress(cfg.steps, int(state.step) + 1)
+    progress = Progress(cfg.steps, first_step)
     try:
       return _train(trainer, state, data, val_batches, writer, progress, checkpoints, policy,
                     compiled, last_step)
