@@ -23,6 +23,9 @@ import ml_collections
 from moejax.config import default_config_dict
 
 PRESETS = ("tiny", "1b7b")
+# Published (total, active) parameters and where the figures come from.
+PUBLISHED = {"1b7b": (6.92e9, 1.28e9, "OLMoE-1B-7B model card (allenai/OLMoE-1B-7B-0924): 6.92B "
+                                      "total, 1.28B active")}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

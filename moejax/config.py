@@ -17,10 +17,13 @@ import ml_collections
 from moejax.codec.gather import COMPRESSED_MODES, DETECTORS, MODES
 from moejax.codec.word import DELTA_BITS
 from moejax.data.sources import SOURCES as DATA_SOURCES
+from moejax.layers.attention import QK_NORMS
+from moejax.families import FAMILIES
 from moejax.errors import ConfigError
 from moejax.placement import PLACEMENTS
 from moejax.routing.admission import POLICIES as ADMISSIONS
 from moejax.routing.router import SCORE_FUNCTIONS as SCORES
+from moejax.sharding.hook import COMPUTE_DTYPES
 from moejax.sharding.prefetch import REMAT_MODES
 
 CODEC_MODES = MODES + ("auto",)            # auto: chosen per parameter at run time (config-level)
@@ -61,6 +64,9 @@ def upgrade_saved(saved: dict) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
+  family: str = "olmoe"
+  """The Hugging Face architecture the weights import from and export to: one of
+  `moejax.families.FAMILIES`. The decoder itself reads only the options below."""
   vocab_size: int = 320
   """Embedding and output rows (the byte tokenizer needs at least 257)."""
   d_model: int = 64
@@ -71,6 +77,13 @@ class ModelConfig:
   """Attention heads."""
   head_dim: int = 16
   """Width of one head; even (rotary embeddings rotate pairs)."""
+  num_kv_heads: int = 0
+  """Key/value heads (grouped-query attention), dividing num_heads; 0 = num_heads."""
+  qk_norm: str = "full"
+  """RMSNorm of q and k: one of `moejax.layers.attention.QK_NORMS` (full: over all heads' width,
+  OLMoE; head: per head, Qwen3; none: Mixtral, Qwen2)."""
+  qkv_bias: bool = False
+  """Biases on the q, k and v projections (Qwen2-MoE)."""
   rope_theta: float = 10000.0
   """Rotary embedding base."""
   norm_eps: float = 1e-5
@@ -91,6 +104,11 @@ class MoEConfig:
   """Router score function: one of `moejax.routing.router.SCORE_FUNCTIONS`."""
   renormalize: bool = False
   """Rescale each token's top-k weights to sum to 1."""
+  shared_expert_hidden: int = 0
+  """Hidden width of the shared expert every token passes through besides its routed ones
+  (Qwen2-MoE's shared_expert_intermediate_size; DeepSeek's shared experts summed); 0 = none."""
+  shared_expert_gate: bool = False
+  """Scale the shared expert's output by a sigmoid gate of the token (Qwen2-MoE)."""
   aux_loss_weight: float = 0.01
   """Weight of the load-balancing loss."""
   z_loss_weight: float = 0.001
@@ -144,7 +162,8 @@ class DataConfig:
   path: str = ""
   """The text or jsonl file (data.source != 'builtin')."""
   tokenizer: str = "bytes"
-  """"bytes", or a path to a Hugging Face tokenizer.json (or its folder)."""
+  """"bytes", a path to a Hugging Face tokenizer.json (or its folder), or "init_from": the
+  tokenizer.json beside config.init_from's weights (the Hugging Face presets)."""
   val_fraction: float = 0.05
   """The last this fraction of the token stream is the validation split."""
 
@@ -270,16 +289,33 @@ class Config:
   (full: only its input, everything recomputed; minimal: also its matmul outputs; none:
   everything). full is the fastest measured on CPU (bench/step.py) and the leanest."""
   init_from: str = ""
-  """Start from these weights (a Hugging Face OLMoE directory, or a moejax checkpoint / from-hf
-  output) instead of a random init, when the workdir has no checkpoint to resume."""
+  """Start from these weights (a Hugging Face directory of any family, or a moejax checkpoint /
+  from-hf output) instead of a random init, when the workdir has no checkpoint to resume."""
   prefetch: bool = True
   """Issue layer i+1's parameter gather before layer i's compute (moejax.sharding.prefetch)."""
+  compute_dtype: str = "bfloat16"
+  """What gathered parameters and activations are computed in: bfloat16, or float32 (exact
+  comparisons with a reference, e.g. a fine-tune's first step against transformers; codec off).
+  Master weights, gradients and optimizer state are float32 either way."""
 
 
 def default_config_dict() -> ml_collections.ConfigDict:
   """`Config()` as a ConfigDict: what config files start from (absl `--config.x.y=` overrides
   are type-checked against these values)."""
   return ml_collections.ConfigDict(dataclasses.asdict(Config()))
+
+
+def published_fine_tuning(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """What the presets of published Hugging Face models share (configs/mixtral.py and the
+  others): the checkpoint's tokenizer.json (pass --config.init_from=HF_DIR), a fine-tuning
+  learning rate and schedule, and a batch of 64 x 4096 tokens (override for one host)."""
+  c.data.tokenizer = "init_from"
+  c.optim.update(lr=1e-5, warmup_steps=100)
+  c.checkpoint.every = 500
+  c.steps = 2000
+  c.batch_size = 64
+  c.seq_len = 4096
+  return c
 
 
 def _type_name(tp) -> str:
@@ -364,6 +400,20 @@ def validate(c: Config) -> None:
                        ("codec.block_size", c.codec.block_size)]:
     _check(value > 0, f"config.{field}={value}: must be positive")
   _choice(c.remat, "remat", REMAT_MODES)
+  _choice(c.compute_dtype, "compute_dtype", tuple(COMPUTE_DTYPES))
+  _check(c.compute_dtype == "bfloat16" or c.codec.mode == "off",
+         f"config.compute_dtype={c.compute_dtype!r} needs codec.mode='off' (the codec gathers "
+         "bfloat16 bit patterns)")
+  _choice(m.family, "model.family", FAMILIES)
+  _choice(m.qk_norm, "model.qk_norm", QK_NORMS)
+  _check(m.num_kv_heads >= 0 and m.num_heads % (m.num_kv_heads or m.num_heads) == 0,
+         f"config.model.num_kv_heads={m.num_kv_heads}: must divide model.num_heads="
+         f"{m.num_heads} (0 = num_heads)")
+  _check(moe.shared_expert_hidden >= 0,
+         f"config.moe.shared_expert_hidden={moe.shared_expert_hidden}: must be >= 0 (0 = none)")
+  _check(not moe.shared_expert_gate or moe.shared_expert_hidden > 0,
+         "config.moe.shared_expert_gate=True needs moe.shared_expert_hidden > 0 (a shared "
+         "expert to gate)")
   _check(m.head_dim % 2 == 0, f"config.model.head_dim={m.head_dim}: must be even (rotary)")
   _check(moe.top_k <= moe.num_experts,
          f"config.moe.top_k={moe.top_k}: must be at most moe.num_experts={moe.num_experts}")
@@ -391,6 +441,9 @@ def validate(c: Config) -> None:
   _choice(c.data.source, "data.source", DATA_SOURCES)
   _check(c.data.source == "builtin" or bool(c.data.path),
          f"config.data.path is empty: data.source={c.data.source!r} needs a file path")
+  _check(c.data.tokenizer != "init_from" or bool(c.init_from),
+         "config.data.tokenizer='init_from' reads the tokenizer.json beside config.init_from, "
+         "which is empty: set config.init_from=HF_DIR, or config.data.tokenizer=bytes or a path")
   _check(0.0 < c.data.val_fraction < 0.5,
          f"config.data.val_fraction={c.data.val_fraction}: must be in (0, 0.5)")
   o = c.optim
@@ -431,13 +484,18 @@ def validate(c: Config) -> None:
 
 
 def num_params(c: Config) -> dict[str, int]:
-  """Total and active (per token) parameter counts, from the shapes alone."""
+  """Total and active (per token) parameter counts, from the shapes alone (every option of the
+  decoder; tests check them against the model's parameter leaves)."""
   m, moe = c.model, c.moe
-  d, hd = m.d_model, m.num_heads * m.head_dim
-  attn = 2 * d * hd + 2 * d * hd + 2 * hd           # q, k, v, o + q/k norms
+  d = m.d_model
+  q_width, kv_width = m.num_heads * m.head_dim, (m.num_kv_heads or m.num_heads) * m.head_dim
+  attn = 2 * d * q_width + 2 * d * kv_width           # q, o; k, v
+  attn += (q_width + 2 * kv_width) if m.qkv_bias else 0
+  attn += {"full": q_width + kv_width, "head": 2 * m.head_dim, "none": 0}[m.qk_norm]
   expert = 3 * d * moe.expert_hidden
-  per_layer_shared = attn + d * moe.num_experts + 2 * d   # + router + two norms
+  shared = 3 * d * moe.shared_expert_hidden + (d if moe.shared_expert_gate else 0)
+  per_layer_dense = attn + d * moe.num_experts + 2 * d + shared   # + router + two norms
   embed = 2 * m.vocab_size * d + d                   # embedding, lm head, final norm
-  total = embed + m.num_layers * (per_layer_shared + moe.num_experts * expert)
-  active = embed + m.num_layers * (per_layer_shared + moe.top_k * expert)
+  total = embed + m.num_layers * (per_layer_dense + moe.num_experts * expert)
+  active = embed + m.num_layers * (per_layer_dense + moe.top_k * expert)
   return {"total": total, "active": active}

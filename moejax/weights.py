@@ -29,8 +29,38 @@ from moejax.errors import CheckpointError, MoejaxError
 from moejax.sharding import layout as layout_lib
 
 SUBDIR = "checkpoints"    # a run's checkpoints, inside its workdir
+TOKENIZER_FILE = "tokenizer.json"   # a Hugging Face tokenizer, kept beside the weights
+TOKENIZER_FROM_WEIGHTS = "init_from"   # data.tokenizer: the one beside config.init_from
 FORMAT = 1
 PARAMS_STEP = 0           # the one step of a parameters-only checkpoint
+
+
+def tokenizer_beside(path: str) -> str | None:
+  """The tokenizer.json kept with the weights at `path` (a Hugging Face directory, a from-hf
+  output, a training workdir, its checkpoints/ or a step's directory), or None."""
+  path = os.path.abspath(path)
+  directories = [path]
+  if os.path.basename(path).isdigit():                       # WORKDIR/checkpoints/STEP
+    directories += [os.path.dirname(path), os.path.dirname(os.path.dirname(path))]
+  elif os.path.basename(path) == SUBDIR:                     # WORKDIR/checkpoints
+    directories.append(os.path.dirname(path))
+  for directory in directories:
+    if os.path.isfile(os.path.join(directory, TOKENIZER_FILE)):
+      return os.path.join(directory, TOKENIZER_FILE)
+  return None
+
+
+def tokenizer_of(cfg: Config) -> str:
+  """`cfg.data.tokenizer`, with `init_from` resolved to the tokenizer.json beside
+  `cfg.init_from`'s weights; CheckpointError if there is none."""
+  if cfg.data.tokenizer != TOKENIZER_FROM_WEIGHTS:
+    return cfg.data.tokenizer
+  found = tokenizer_beside(cfg.init_from)
+  if found is None:
+    raise CheckpointError(f"config.data.tokenizer={TOKENIZER_FROM_WEIGHTS!r}: no {TOKENIZER_FILE} "
+                          f"beside config.init_from={cfg.init_from!r}; copy the model's "
+                          "tokenizer.json there or set config.data.tokenizer to its path")
+  return found
 
 
 def config_to_dict(cfg: Config) -> dict:

@@ -5,15 +5,25 @@ import os
 import subprocess
 import sys
 
+import configs.mixtral as mixtral_configs
 import configs.olmoe as olmoe_configs
+import configs.qwen2_moe as qwen2_moe_configs
+import configs.qwen3_moe as qwen3_moe_configs
 from moejax.config import from_config_dict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def tiny_config(**overrides):
-  """The tiny preset with dotted-path overrides, e.g. tiny_config(**{"moe.placement": "ep"})."""
-  cd = olmoe_configs.get_config("tiny").to_dict()   # plain dict: our validator sees raw values
+# Every family's config file (configs/FAMILY.py), by moejax.families name.
+FAMILY_CONFIGS = {"olmoe": olmoe_configs, "mixtral": mixtral_configs,
+                  "qwen2_moe": qwen2_moe_configs, "qwen3_moe": qwen3_moe_configs}
+
+
+def tiny_config(family: str = "olmoe", **overrides):
+  """A family's tiny preset with dotted-path overrides, e.g.
+  tiny_config(**{"moe.placement": "ep"})."""
+  # plain dict: our validator sees raw values
+  cd = FAMILY_CONFIGS[family].get_config("tiny").to_dict()
   for path, value in overrides.items():
     node = cd
     *parents, leaf = path.split(".")

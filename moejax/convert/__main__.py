@@ -1,12 +1,12 @@
-"""Hugging Face OLMoE <-> moejax checkpoints.
+"""Hugging Face <-> moejax checkpoints, every family (OLMoE, Mixtral, Qwen2-MoE, Qwen3-MoE).
 
   python -m moejax.convert from-hf HF_DIR OUT_DIR
       HF_DIR: config.json + model.safetensors (or shards + model.safetensors.index.json).
       OUT_DIR: a parameters-only moejax checkpoint (see moejax.convert.checkpoint_io).
   python -m moejax.convert to-hf CKPT OUT_DIR [--step N] [--dtype bfloat16] [--max-shard-size 5GB]
       CKPT: a from-hf OUT_DIR, a training workdir, its checkpoints/ directory or a step directory.
-      OUT_DIR: config.json + safetensors in the Hub's OLMoE layout; transformers loads it with
-      OlmoeForCausalLM.from_pretrained(OUT_DIR).
+      OUT_DIR: config.json + safetensors in the family's Hub layout; transformers loads it with
+      AutoModelForCausalLM.from_pretrained(OUT_DIR).
 
 Bad input stops with one line `error: ...` and exit code 2.
 """
@@ -38,7 +38,7 @@ def parse_size(text: str) -> int:
 
 def _describe(cfg) -> str:
   m, moe = cfg.model, cfg.moe
-  return (f"OLMoE {m.num_layers} layers, d_model {m.d_model}, {m.num_heads} heads, "
+  return (f"{m.family} {m.num_layers} layers, d_model {m.d_model}, {m.num_heads} heads, "
           f"{moe.num_experts} experts top-{moe.top_k}, {num_params(cfg)['total']:,} parameters")
 
 
@@ -67,13 +67,13 @@ def to_hf(args) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m moejax.convert",
-                                   description="Hugging Face OLMoE <-> moejax checkpoints.")
+                                   description="Hugging Face <-> moejax checkpoints.")
   sub = parser.add_subparsers(dest="command", required=True)
-  p = sub.add_parser("from-hf", help="Hugging Face OLMoE directory -> moejax checkpoint")
+  p = sub.add_parser("from-hf", help="Hugging Face directory (any family) -> moejax checkpoint")
   p.add_argument("hf_dir")
   p.add_argument("out_dir")
   p.set_defaults(run=from_hf)
-  p = sub.add_parser("to-hf", help="moejax checkpoint -> Hugging Face OLMoE directory")
+  p = sub.add_parser("to-hf", help="moejax checkpoint -> Hugging Face directory of its family")
   p.add_argument("ckpt")
   p.add_argument("out_dir")
   p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")

@@ -58,7 +58,7 @@ def load_params(path: str, step: int | None = None) -> tuple[Config, dict, dict 
   return cfg, params, _find_hf_config(path)
 
 
-TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_FILE = weights.TOKENIZER_FILE
 
 
 def is_hf_dir(path: str) -> bool:
@@ -86,15 +86,10 @@ def load_model(path: str, step: int | None = None, *,
     cfg, params = weights.load_config(path, step), weights.load_params(path, step)
   if tokenizer is not None:
     return cfg, params, tokenizer
-  directories = [path]
-  if os.path.basename(path).isdigit():                       # WORKDIR/checkpoints/STEP
-    directories += [os.path.dirname(path), os.path.dirname(os.path.dirname(path))]
-  elif os.path.basename(path) == weights.SUBDIR:             # WORKDIR/checkpoints
-    directories.append(os.path.dirname(path))
-  for directory in directories:
-    if os.path.isfile(os.path.join(directory, TOKENIZER_FILE)):
-      return cfg, params, os.path.join(directory, TOKENIZER_FILE)
+  found = weights.tokenizer_beside(path)
+  if found is not None:
+    return cfg, params, found
   if from_hf or _find_hf_config(path) is not None:
     raise CheckpointError(f"{path}: no {TOKENIZER_FILE} beside these Hugging Face weights; copy "
                           "the model's tokenizer.json there or pass --tokenizer")
-  return cfg, params, cfg.data.tokenizer
+  return cfg, params, weights.tokenizer_of(cfg)

@@ -1,4 +1,4 @@
-"""Hugging Face OLMoE checkpoints in and out, one tensor (or one block of one) at a time.
+"""Hugging Face checkpoints of every family (`moejax.families`) in and out, one tensor (or one block of one) at a time.
 
 `load_hf(dir)` -> (Config, params): params is the nested dict `olmoe.init_params` returns (fp32,
 layer parameters stacked on a leading axis). Without `shardings` every leaf is one preallocated
@@ -9,7 +9,7 @@ device's shard reads only its own block of each Hugging Face tensor: no host eve
 parameter.
 
 `save_hf(params, cfg, dir)` writes config.json and safetensors shards (with an index when more than
-one), tensor by tensor, in the per-expert layout of the Hub's OLMoE checkpoints (the name table is
+one), tensor by tensor, in the per-expert layout of the family's Hub checkpoints (the name table is
 in `moejax.convert.hf_names`). fp32 export followed by import gives back every parameter bit for
 bit.
 """
@@ -59,7 +59,8 @@ def _check_tensors(reader: TensorReader, cfg: Config, experts: str) -> None:
   unexpected = sorted(n for n in reader.shapes if n not in expected and not hf_names.is_ignored(n))
   if unexpected:
     raise CheckpointError(f"{reader.directory}: tensor {unexpected[0]!r} has no place in a moejax "
-                          f"OLMoE model ({len(unexpected)} such tensors)")
+                          f"{cfg.model.family} model as config.json describes it ({len(unexpected)} such "
+                          "tensors)")
 
 
 def _read_source(reader: TensorReader, src: hf_names.Source, tail_slices: list) -> np.ndarray:
@@ -106,7 +107,7 @@ def _get_path(tree, path: tuple, what: str):
 
 
 def load_hf(hf_dir: str, *, shardings=None, base: Config | None = None) -> tuple[Config, dict]:
-  """Reads a Hugging Face OLMoE checkpoint directory into (Config, params).
+  """Reads a Hugging Face checkpoint directory (any family) into (Config, params).
 
   `shardings`: optional pytree of `jax.sharding.Sharding` with the structure of params (or one
   Sharding for all); each leaf is then a global `jax.Array` laid out so, built shard by shard.
@@ -153,7 +154,8 @@ def _check_params(params, cfg: Config, maps: list[hf_names.LeafMap]) -> None:
   for path, x in jax.tree_util.tree_leaves_with_path(params):
     names = tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
     if names not in known:
-      raise CheckpointError(f"params: {'.'.join(names)!r} is not an OLMoE parameter")
+      raise CheckpointError(f"params: {'.'.join(names)!r} is not a parameter of this "
+                            f"{cfg.model.family} model")
   for leaf in maps:
     x = _get_path(params, leaf.path, "params")
     if tuple(x.shape) != leaf.shape:
@@ -174,7 +176,7 @@ def _existing_checkpoint_files(out_dir: str) -> list[str]:
 def save_hf(params, cfg: Config, out_dir: str, *, dtype: str = "float32",
             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, hf_config_base: dict | None = None,
             overwrite: bool = False) -> list[str]:
-  """Writes params as a Hugging Face OLMoE checkpoint (config.json + safetensors) in `out_dir`.
+  """Writes params as a Hugging Face checkpoint of `cfg.model.family` (config.json + safetensors) in `out_dir`.
 
   `dtype`: "float32" (exact) or "bfloat16" (rounded to nearest even). `hf_config_base`: a
   config.json to keep fields moejax does not model from (token ids, maximum length). Refuses a

@@ -1,25 +1,30 @@
-"""Hugging Face `OlmoeConfig` (config.json) <-> moejax `Config`.
+"""Hugging Face config.json <-> moejax `Config`, for every family of `moejax.families`.
 
 Only what moejax models is carried over; a config that asks for something moejax does not model
-(clipped q/k/v, grouped-query attention, tied embeddings, attention biases, scaled RoPE, another
-activation) is refused with a message naming the field, rather than converted into a different
-model.
+(clipped q/k/v, tied embeddings, output-projection biases, scaled RoPE, sliding windows, dense
+layers among the MoE layers, another activation) is refused with one line naming the field,
+rather than converted into a different model. Each family fixes some options of the decoder
+(`FAMILY_SPECS`); the rest are read from its fields:
 
-  config.json                   moejax
-  vocab_size                    model.vocab_size
-  hidden_size                   model.d_model
-  num_hidden_layers             model.num_layers
-  num_attention_heads           model.num_heads
-  head_dim (or hidden/heads)    model.head_dim
+  config.json                          moejax
+  model_type                           model.family
+  vocab_size                           model.vocab_size
+  hidden_size                          model.d_model
+  num_hidden_layers                    model.num_layers
+  num_attention_heads                  model.num_heads
+  num_key_value_heads                  model.num_kv_heads
+  head_dim (or hidden/heads)           model.head_dim
   rope_theta (or rope_parameters.rope_theta)  model.rope_theta
-  rms_norm_eps                  model.norm_eps
-  initializer_range             model.init_std
-  num_experts                   moe.num_experts
-  num_experts_per_tok           moe.top_k
-  intermediate_size             moe.expert_hidden
-  norm_topk_prob                moe.renormalize
-  router_aux_loss_coef          moe.aux_loss_weight
-  router_z_loss_coef (if any)   moe.z_loss_weight
+  rms_norm_eps                         model.norm_eps
+  initializer_range                    model.init_std
+  qkv_bias (qwen2_moe)                 model.qkv_bias
+  num_experts / num_local_experts      moe.num_experts
+  num_experts_per_tok                  moe.top_k
+  intermediate_size / moe_intermediate_size  moe.expert_hidden
+  shared_expert_intermediate_size      moe.shared_expert_hidden (qwen2_moe, with its gate)
+  norm_topk_prob (mixtral: always)     moe.renormalize
+  router_aux_loss_coef                 moe.aux_loss_weight
+  router_z_loss_coef (olmoe)           moe.z_loss_weight
 """
 from __future__ import annotations
 
@@ -28,10 +33,65 @@ import dataclasses
 
 from moejax.config import Config, validate
 from moejax.errors import CheckpointError, ConfigError
+from moejax.families import FAMILIES
 
-MODEL_TYPE = "olmoe"
-ARCHITECTURE = "OlmoeForCausalLM"
-DEFAULT_ROPE_THETA = 10000.0   # OlmoeConfig's default when config.json names none
+DEFAULT_ROPE_THETA = 10000.0   # the families' default when config.json names none
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilySpec:
+  """What one Hugging Face architecture fixes and where it keeps the rest."""
+  model_type: str
+  architecture: str
+  qk_norm: str                         # the architecture's QK-norm (model.qk_norm)
+  experts_key: str                     # config.json field of the experts per layer (written)
+  expert_hidden_key: str               # ... of one routed expert's hidden width
+  renormalize_key: str | None          # ... of top-k renormalization; None: always on
+  experts_aliases: tuple = ()          # other names the experts per layer are read under
+  shared_expert: bool = False          # a gated shared expert in every layer (Qwen2-MoE)
+  qkv_bias_key: str | None = None      # ... of q/k/v biases; None: never
+  qkv_bias_default: bool = False
+  z_loss_key: str | None = None        # ... of the router z-loss weight, if it has one
+  # Fields that must hold these values (moejax has no equivalent of the others).
+  required: tuple = ()
+  # Fields written on export with these values when no base config.json gives them.
+  export_defaults: tuple = ()
+
+
+_COMMON_REQUIRED = (("tie_word_embeddings", False, "moejax keeps a separate lm_head"),
+                    ("hidden_act", "silu", "moejax experts are SwiGLU"))
+_NO_DENSE_LAYERS = (("decoder_sparse_step", 1, "moejax has no dense layers among MoE layers"),
+                    ("mlp_only_layers", [], "moejax has no dense layers among MoE layers"),
+                    ("use_sliding_window", False, "moejax attends to the whole sequence"))
+
+FAMILY_SPECS = {
+    "olmoe": FamilySpec(
+        "olmoe", "OlmoeForCausalLM", "full", "num_experts", "intermediate_size",
+        "norm_topk_prob", z_loss_key="router_z_loss_coef",
+        required=_COMMON_REQUIRED + (
+            ("clip_qkv", None, "moejax does not clip q/k/v"),
+            ("attention_bias", False, "moejax attention projections have no bias"))),
+    "mixtral": FamilySpec(
+        "mixtral", "MixtralForCausalLM", "none", "num_local_experts", "intermediate_size", None,
+        required=_COMMON_REQUIRED + (
+            ("sliding_window", None, "moejax attends to the whole sequence"),
+            ("router_jitter_noise", 0.0, "moejax's router adds no noise"))),
+    "qwen2_moe": FamilySpec(
+        "qwen2_moe", "Qwen2MoeForCausalLM", "none", "num_experts", "moe_intermediate_size",
+        "norm_topk_prob", shared_expert=True, qkv_bias_key="qkv_bias", qkv_bias_default=True,
+        required=_COMMON_REQUIRED + _NO_DENSE_LAYERS,
+        export_defaults=(("decoder_sparse_step", 1), ("mlp_only_layers", []),
+                         ("use_sliding_window", False))),
+    "qwen3_moe": FamilySpec(
+        "qwen3_moe", "Qwen3MoeForCausalLM", "head", "num_experts", "moe_intermediate_size",
+        "norm_topk_prob", experts_aliases=("num_local_experts",),   # transformers 5 writes it
+        required=_COMMON_REQUIRED + _NO_DENSE_LAYERS + (
+            ("attention_bias", False, "moejax attention projections have no bias"),),
+        export_defaults=(("decoder_sparse_step", 1), ("mlp_only_layers", []),
+                         ("use_sliding_window", False))),
+}
+assert tuple(FAMILY_SPECS) == FAMILIES
+MODEL_TYPES = {spec.model_type: name for name, spec in FAMILY_SPECS.items()}
 
 
 def _get(hf: dict, key: str, kind, where: str, default=None):
@@ -68,67 +128,95 @@ def _rope_theta(hf: dict, where: str) -> float:
   return float(theta)
 
 
-def check_supported(hf: dict, where: str = "config.json") -> None:
-  """Raises CheckpointError if `hf` is not an OLMoE config moejax can represent exactly."""
+def family_of(hf: dict, where: str = "config.json") -> FamilySpec:
   if not isinstance(hf, dict):
     raise CheckpointError(f"{where}: expected a JSON object")
   model_type = hf.get("model_type")
-  if model_type != MODEL_TYPE:
-    raise CheckpointError(f"{where}: model_type={model_type!r}, but only {MODEL_TYPE!r} "
-                          f"({ARCHITECTURE}) checkpoints can be converted")
+  if model_type not in MODEL_TYPES:
+    valid = ", ".join(f"{s.model_type!r} ({s.architecture})" for s in FAMILY_SPECS.values())
+    raise CheckpointError(f"{where}: model_type={model_type!r} cannot be converted (valid: "
+                          f"{valid})")
+  return FAMILY_SPECS[MODEL_TYPES[model_type]]
+
+
+def _head_dim(hf: dict, spec: FamilySpec, where: str) -> int:
   heads = _get(hf, "num_attention_heads", int, where)
-  kv_heads = hf.get("num_key_value_heads")
-  if kv_heads is not None and kv_heads != heads:
-    _refuse(where, "num_key_value_heads", kv_heads,
-            f"moejax has no grouped-query attention (needs num_key_value_heads == "
-            f"num_attention_heads = {heads})")
-  if hf.get("clip_qkv") is not None:
-    _refuse(where, "clip_qkv", hf["clip_qkv"], "moejax does not clip q/k/v (needs null)")
-  if hf.get("tie_word_embeddings", False):
-    _refuse(where, "tie_word_embeddings", hf["tie_word_embeddings"],
-            "moejax keeps a separate lm_head (needs false)")
-  if hf.get("attention_bias", False):
-    _refuse(where, "attention_bias", hf["attention_bias"],
-            "moejax attention projections have no bias (needs false)")
-  if hf.get("hidden_act", "silu") != "silu":
-    _refuse(where, "hidden_act", hf["hidden_act"], "moejax experts are SwiGLU (needs 'silu')")
   hidden = _get(hf, "hidden_size", int, where)
   head_dim = hf.get("head_dim")
-  if head_dim is not None and head_dim * heads != hidden:
+  if spec.qk_norm == "full" and head_dim is not None and head_dim * heads != hidden:
     _refuse(where, "head_dim", head_dim,
             f"OLMoE normalizes q over hidden_size={hidden}, so num_attention_heads * head_dim "
             f"must equal it ({heads} * {head_dim} = {heads * head_dim})")
   if head_dim is None and hidden % heads:
     _refuse(where, "hidden_size", hidden, f"not divisible by num_attention_heads={heads}")
+  return head_dim or hidden // heads
+
+
+def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
+  """The family of `hf`; raises CheckpointError if moejax cannot represent it exactly."""
+  spec = family_of(hf, where)
+  for key, want, why in spec.required:
+    value = hf.get(key, want)
+    if key == "mlp_only_layers" and value is None:
+      value = []
+    if value != want:
+      _refuse(where, key, value, f"{why} (needs {want!r})")
+  layer_types = hf.get("layer_types") or []
+  other = sorted({t for t in layer_types if t != "full_attention"})
+  if other:
+    _refuse(where, "layer_types", other[0], "moejax attends to the whole sequence in every "
+            "layer (needs 'full_attention')")
+  heads = _get(hf, "num_attention_heads", int, where)
+  kv_heads = hf.get("num_key_value_heads") or heads
+  if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or heads % kv_heads:
+    _refuse(where, "num_key_value_heads", kv_heads,
+            f"must divide num_attention_heads={heads}")
+  if spec.shared_expert and not hf.get("shared_expert_intermediate_size"):
+    _refuse(where, "shared_expert_intermediate_size", hf.get("shared_expert_intermediate_size"),
+            "a positive width is needed (the shared expert is always there)")
+  _head_dim(hf, spec, where)
   _rope_theta(hf, where)
+  return spec
 
 
 def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.json") -> Config:
-  """The moejax `Config` of an OLMoE config.json; fields moejax does not take from it come from
-  `base` (default: `Config()`)."""
-  check_supported(hf, where)
+  """The moejax `Config` of a config.json of any family; fields moejax does not take from it come
+  from `base` (default: `Config()`)."""
+  spec = check_supported(hf, where)
   base = Config() if base is None else base
   heads = _get(hf, "num_attention_heads", int, where)
-  hidden = _get(hf, "hidden_size", int, where)
   model = dataclasses.replace(
       base.model,
+      family=MODEL_TYPES[spec.model_type],
       vocab_size=_get(hf, "vocab_size", int, where),
-      d_model=hidden,
+      d_model=_get(hf, "hidden_size", int, where),
       num_layers=_get(hf, "num_hidden_layers", int, where),
       num_heads=heads,
-      head_dim=hf.get("head_dim") or hidden // heads,
+      # 0: as many as query heads, the typed default, so multi-head configs compare equal
+      num_kv_heads=0 if (hf.get("num_key_value_heads") or heads) == heads
+      else hf["num_key_value_heads"],
+      head_dim=_head_dim(hf, spec, where),
+      qk_norm=spec.qk_norm,
+      qkv_bias=(_get(hf, spec.qkv_bias_key, bool, where, spec.qkv_bias_default)
+                if spec.qkv_bias_key else False),
       rope_theta=_rope_theta(hf, where),
       norm_eps=_get(hf, "rms_norm_eps", float, where, 1e-5),
       init_std=_get(hf, "initializer_range", float, where, base.model.init_std))
   moe = dataclasses.replace(
       base.moe,
-      num_experts=_get(hf, "num_experts", int, where, hf.get("num_local_experts")),
+      num_experts=_get(hf, spec.experts_key, int, where, next(
+          (hf[k] for k in spec.experts_aliases if hf.get(k) is not None), None)),
       top_k=_get(hf, "num_experts_per_tok", int, where),
-      expert_hidden=_get(hf, "intermediate_size", int, where),
+      expert_hidden=_get(hf, spec.expert_hidden_key, int, where),
+      shared_expert_hidden=(_get(hf, "shared_expert_intermediate_size", int, where)
+                            if spec.shared_expert else 0),
+      shared_expert_gate=spec.shared_expert,
       score="softmax",
-      renormalize=_get(hf, "norm_topk_prob", bool, where, False),
+      renormalize=(_get(hf, spec.renormalize_key, bool, where, False) if spec.renormalize_key
+                   else True),
       aux_loss_weight=_get(hf, "router_aux_loss_coef", float, where, base.moe.aux_loss_weight),
-      z_loss_weight=_get(hf, "router_z_loss_coef", float, where, base.moe.z_loss_weight))
+      z_loss_weight=(_get(hf, spec.z_loss_key, float, where, base.moe.z_loss_weight)
+                     if spec.z_loss_key else base.moe.z_loss_weight))
   cfg = dataclasses.replace(base, model=model, moe=moe)
   try:
     validate(cfg)
@@ -137,46 +225,79 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
   return cfg
 
 
-def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float32") -> dict:
-  """An OLMoE config.json for `cfg`. Fields moejax does not model (token ids, maximum length)
-  come from `base`, e.g. the config.json the parameters were imported from."""
+def check_exportable(cfg: Config) -> FamilySpec:
+  """The family spec of `cfg.model.family`; raises CheckpointError naming the first option that
+  family's Hugging Face architecture cannot hold."""
   m, moe = cfg.model, cfg.moe
-  if moe.score != "softmax":
-    raise CheckpointError(f"config.moe.score={moe.score!r}: OLMoE routes with a softmax; "
-                          "a sigmoid router has no Hugging Face OLMoE equivalent")
-  if m.num_heads * m.head_dim != m.d_model:
+  spec = FAMILY_SPECS[m.family]
+  what = f"Hugging Face {m.family} ({spec.architecture})"
+
+  def need(field: str, value, want, why: str = ""):
+    if value != want:
+      raise CheckpointError(f"config.{field}={value!r}: {what} needs {want!r}{why}; choose "
+                            "another config.model.family or change the field")
+
+  need("moe.score", moe.score, "softmax", " (it routes with a softmax)")
+  need("model.qk_norm", m.qk_norm, spec.qk_norm)
+  if not spec.qkv_bias_key:
+    need("model.qkv_bias", m.qkv_bias, False)
+  if spec.renormalize_key is None:
+    need("moe.renormalize", moe.renormalize, True)
+  need("moe.shared_expert_gate", moe.shared_expert_gate, spec.shared_expert)
+  if not spec.shared_expert:
+    need("moe.shared_expert_hidden", moe.shared_expert_hidden, 0)
+  if spec.qk_norm == "full" and m.num_heads * m.head_dim != m.d_model:
     raise CheckpointError(
         f"config.model.num_heads * head_dim = {m.num_heads * m.head_dim} differs from d_model="
-        f"{m.d_model}; Hugging Face OLMoE normalizes q over hidden_size and needs them equal")
+        f"{m.d_model}; {what} normalizes q over hidden_size and needs them equal")
+  return spec
+
+
+def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float32") -> dict:
+  """A config.json of `cfg.model.family` for `cfg`. Fields moejax does not model (token ids,
+  maximum length) come from `base`, e.g. the config.json the parameters were imported from."""
+  spec = check_exportable(cfg)
+  m, moe = cfg.model, cfg.moe
+  if base and base.get("model_type") != spec.model_type:
+    base = None      # another family's fields would not belong
   hf = copy.deepcopy(base) if base else {
       "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
-      "max_position_embeddings": 4096, "use_cache": True}
+      "max_position_embeddings": 4096, "use_cache": True, **dict(spec.export_defaults)}
   for stale in ("torch_dtype", "dtype", "transformers_version", "head_dim"):
     hf.pop(stale, None)
   hf.update({
-      "architectures": [ARCHITECTURE],
-      "model_type": MODEL_TYPE,
+      "architectures": [spec.architecture],
+      "model_type": spec.model_type,
       "vocab_size": m.vocab_size,
       "hidden_size": m.d_model,
       "num_hidden_layers": m.num_layers,
       "num_attention_heads": m.num_heads,
-      "num_key_value_heads": m.num_heads,
+      "num_key_value_heads": m.num_kv_heads or m.num_heads,
       "rope_theta": m.rope_theta,
       "rms_norm_eps": m.norm_eps,
       "initializer_range": m.init_std,
-      "num_experts": moe.num_experts,
+      spec.experts_key: moe.num_experts,
       "num_experts_per_tok": moe.top_k,
-      "intermediate_size": moe.expert_hidden,
-      "norm_topk_prob": moe.renormalize,
+      spec.expert_hidden_key: moe.expert_hidden,
       "router_aux_loss_coef": moe.aux_loss_weight,
-      "router_z_loss_coef": moe.z_loss_weight,
       "hidden_act": "silu",
-      "attention_bias": False,
       "attention_dropout": hf.get("attention_dropout", 0.0),
-      "clip_qkv": None,
       "tie_word_embeddings": False,
       "output_router_logits": hf.get("output_router_logits", False),
   })
+  if spec.qk_norm != "full":
+    hf["head_dim"] = m.head_dim
+  if spec.renormalize_key:
+    hf[spec.renormalize_key] = moe.renormalize
+  if spec.qkv_bias_key:
+    hf[spec.qkv_bias_key] = m.qkv_bias
+  if spec.shared_expert:
+    hf["shared_expert_intermediate_size"] = moe.shared_expert_hidden
+    hf.setdefault("intermediate_size", moe.shared_expert_hidden)   # dense MLP width: unused
+  if spec.z_loss_key:
+    hf[spec.z_loss_key] = moe.z_loss_weight
+  for key, want, _ in spec.required:
+    hf[key] = want
   # transformers >= 5 writes "dtype"; older versions, and the Hub's configs, "torch_dtype".
   hf["dtype" if base and "dtype" in base else "torch_dtype"] = dtype
   if isinstance(hf.get("rope_parameters"), dict):

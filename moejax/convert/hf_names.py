@@ -1,30 +1,40 @@
-"""Which Hugging Face `OlmoeForCausalLM` tensor holds each block of each moejax parameter.
+"""Which Hugging Face tensor holds each block of each moejax parameter, for every family.
 
-Letters: L layers, E experts, D width, F expert hidden width, V vocabulary, HD = heads * head_dim.
-A moejax leaf is `[*lead, *tail]` with lead = () (embedding, head, final norm), (L,) (a layer
-parameter) or (L, E) (an expert parameter); every lead index comes from one Hugging Face tensor
-(or one block of one). Linear weights are stored [out, in] by torch and [in, out] by moejax, so
-their tails are transposed.
+Letters: L layers, E experts, D width, F expert hidden width, Fs shared expert width, V
+vocabulary, HD = heads * head_dim, GD = kv heads * head_dim. A moejax leaf is `[*lead, *tail]`
+with lead = () (embedding, head, final norm), (L,) (a layer parameter) or (L, E) (an expert
+parameter); every lead index comes from one Hugging Face tensor (or one block of one). Linear
+weights are stored [out, in] by torch and [in, out] by moejax, so their tails are transposed.
+`MOE` below is `mlp` (OLMoE, Qwen) or `block_sparse_moe` (Mixtral's Hub layout).
 
   moejax leaf                 shape      Hugging Face tensor (layer i, expert e)          shape
   embed                       [V, D]     model.embed_tokens.weight                        [V, D]
-  layers.attn.wq / wk / wv    [L, D, HD] model.layers.i.self_attn.{q,k,v}_proj.weight     [HD, D]^T
+  layers.attn.wq              [L, D, HD] model.layers.i.self_attn.q_proj.weight           [HD, D]^T
+  layers.attn.wk / wv         [L, D, GD] model.layers.i.self_attn.{k,v}_proj.weight       [GD, D]^T
   layers.attn.wo              [L, HD, D] model.layers.i.self_attn.o_proj.weight           [D, HD]^T
-  layers.attn.q_norm / k_norm [L, HD]    model.layers.i.self_attn.{q,k}_norm.weight       [HD]
+  layers.attn.bq / bk / bv    [L, HD|GD] model.layers.i.self_attn.{q,k,v}_proj.bias       (Qwen2)
+  layers.attn.q_norm / k_norm [L, *]     model.layers.i.self_attn.{q,k}_norm.weight       (OLMoE:
+                                         HD / GD; Qwen3: head_dim; Mixtral, Qwen2: none)
   layers.attn_norm.scale      [L, D]     model.layers.i.input_layernorm.weight            [D]
   layers.ffn_norm.scale       [L, D]     model.layers.i.post_attention_layernorm.weight   [D]
-  layers.moe.router           [L, D, E]  model.layers.i.mlp.gate.weight                   [E, D]^T
-  layers.moe.w_gate           [L,E,D,F]  model.layers.i.mlp.experts.e.gate_proj.weight    [F, D]^T
-  layers.moe.w_up             [L,E,D,F]  model.layers.i.mlp.experts.e.up_proj.weight      [F, D]^T
-  layers.moe.w_down           [L,E,F,D]  model.layers.i.mlp.experts.e.down_proj.weight    [D, F]^T
+  layers.moe.router           [L, D, E]  model.layers.i.MOE.gate.weight                   [E, D]^T
+  layers.moe.w_gate           [L,E,D,F]  model.layers.i.MOE.experts.e.gate_proj.weight    [F, D]^T
+  layers.moe.w_up             [L,E,D,F]  model.layers.i.MOE.experts.e.up_proj.weight      [F, D]^T
+  layers.moe.w_down           [L,E,F,D]  model.layers.i.MOE.experts.e.down_proj.weight    [D, F]^T
+                                         (Mixtral: experts.e.w1 / w3 / w2)
+  layers.moe.shared_w_gate/up [L, D, Fs] model.layers.i.mlp.shared_expert.{gate,up}_proj.weight
+  layers.moe.shared_w_down    [L, Fs, D] model.layers.i.mlp.shared_expert.down_proj.weight
+  layers.moe.shared_gate      [L, D, 1]  model.layers.i.mlp.shared_expert_gate.weight     [1, D]^T
   final_norm                  [D]        model.norm.weight                                [D]
   lm_head                     [D, V]     lm_head.weight                                   [V, D]^T
 
-That per-expert layout is what the Hub's OLMoE checkpoints use and what `save_pretrained` writes
-by default. transformers >= 5 holds experts fused in memory and, with
-`save_pretrained(save_original_format=False)`, saves them so:
+That per-expert layout is what the Hub's checkpoints use and what `save_pretrained` writes by
+default. transformers >= 5 holds experts fused in memory and, with
+`save_pretrained(save_original_format=False)`, saves them so (Mixtral's `block_sparse_moe`
+renamed `mlp`):
   model.layers.i.mlp.experts.gate_up_proj  [E, 2F, D]  (gate rows first, then up rows)
   model.layers.i.mlp.experts.down_proj     [E, D, F]
+  model.layers.i.mlp.gate.weight           [E, D]
 Import reads either layout; export writes the per-expert one.
 """
 from __future__ import annotations
@@ -71,28 +81,45 @@ def _layer(i: int) -> str:
   return f"model.layers.{i}"
 
 
+# Per family (Hub layout): the MoE block's module name and its experts' (gate, up, down) names.
+HUB_EXPERT_NAMES = {
+    "olmoe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+}
+
+
 def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:
   """One LeafMap per moejax parameter, in the order of the exported files."""
   m, moe = cfg.model, cfg.moe
   L, E, D, F, V = m.num_layers, moe.num_experts, m.d_model, moe.expert_hidden, m.vocab_size
-  HD = m.num_heads * m.head_dim
+  Fs = moe.shared_expert_hidden
+  HD, GD = m.num_heads * m.head_dim, (m.num_kv_heads or m.num_heads) * m.head_dim
+  hub_moe, (gate_name, up_name, down_name) = HUB_EXPERT_NAMES[m.family]
+  moe_module = "mlp" if experts == FUSED else hub_moe
   maps = [LeafMap(("embed",), (V, D), 0, {(): Source("model.embed_tokens.weight")})]
 
   def per_layer(path, tail, suffix, transpose):
     sources = {(i,): Source(f"{_layer(i)}.{suffix}", transpose=transpose) for i in range(L)}
     maps.append(LeafMap(("layers", *path), (L, *tail), 1, sources))
 
-  for name, tail in (("wq", (D, HD)), ("wk", (D, HD)), ("wv", (D, HD)), ("wo", (HD, D))):
+  for name, tail in (("wq", (D, HD)), ("wk", (D, GD)), ("wv", (D, GD)), ("wo", (HD, D))):
     per_layer(("attn", name), tail, f"self_attn.{name[1]}_proj.weight", True)
-  per_layer(("attn", "q_norm"), (HD,), "self_attn.q_norm.weight", False)
-  per_layer(("attn", "k_norm"), (HD,), "self_attn.k_norm.weight", False)
+  if m.qkv_bias:
+    for name, width in (("bq", HD), ("bk", GD), ("bv", GD)):
+      per_layer(("attn", name), (width,), f"self_attn.{name[1]}_proj.bias", False)
+  if m.qk_norm != "none":
+    q_width, k_width = (HD, GD) if m.qk_norm == "full" else (m.head_dim, m.head_dim)
+    per_layer(("attn", "q_norm"), (q_width,), "self_attn.q_norm.weight", False)
+    per_layer(("attn", "k_norm"), (k_width,), "self_attn.k_norm.weight", False)
   per_layer(("attn_norm", "scale"), (D,), "input_layernorm.weight", False)
   per_layer(("ffn_norm", "scale"), (D,), "post_attention_layernorm.weight", False)
-  per_layer(("moe", "router"), (D, E), "mlp.gate.weight", True)
+  per_layer(("moe", "router"), (D, E), f"{moe_module}.gate.weight", True)
 
-  for name, tail, hf_name, offset in (("w_gate", (D, F), "gate_proj", 0),
-                                      ("w_up", (D, F), "up_proj", F),
-                                      ("w_down", (F, D), "down_proj", 0)):
+  for name, tail, hf_name, offset in (("w_gate", (D, F), gate_name, 0),
+                                      ("w_up", (D, F), up_name, F),
+                                      ("w_down", (F, D), down_name, 0)):
     sources = {}
     for i, e in itertools.product(range(L), range(E)):
       if experts == FUSED:
@@ -100,8 +127,16 @@ def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:
         sources[(i, e)] = Source(f"{_layer(i)}.mlp.experts.{fused}", prefix=(e,),
                                  row_offset=offset, transpose=True)
       else:
-        sources[(i, e)] = Source(f"{_layer(i)}.mlp.experts.{e}.{hf_name}.weight", transpose=True)
+        sources[(i, e)] = Source(f"{_layer(i)}.{moe_module}.experts.{e}.{hf_name}.weight",
+                                 transpose=True)
     maps.append(LeafMap(("layers", "moe", name), (L, E, *tail), 2, sources))
+  if Fs:
+    for name, tail, hf_name in (("shared_w_gate", (D, Fs), "gate_proj"),
+                                ("shared_w_up", (D, Fs), "up_proj"),
+                                ("shared_w_down", (Fs, D), "down_proj")):
+      per_layer(("moe", name), tail, f"mlp.shared_expert.{hf_name}.weight", True)
+    if moe.shared_expert_gate:
+      per_layer(("moe", "shared_gate"), (D, 1), "mlp.shared_expert_gate.weight", True)
 
   maps.append(LeafMap(("final_norm",), (D,), 0, {(): Source("model.norm.weight")}))
   maps.append(LeafMap(("lm_head",), (D, V), 0, {(): Source("lm_head.weight", transpose=True)}))

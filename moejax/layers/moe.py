@@ -2,6 +2,10 @@
 
 One step per stage, each replaceable:
   router (top-k) -> admission (capacity, affinity) -> placement/dispatch -> experts -> combine
+plus, with `shared_hidden` > 0, a shared expert every token passes through (DeepSeek's shared
+experts side by side as one SwiGLU of their summed width; Qwen2-MoE's scaled by a sigmoid gate
+of the token, `shared_gate`). The shared expert is a dense layer parameter: it is gathered like
+attention, never placed like the routed experts, and routing, admission and telemetry ignore it.
 Letters: B batch, S sequence, T = B*S tokens, D width, E experts, K chosen per token, F expert
 hidden width.
 
@@ -27,7 +31,8 @@ from moejax.routing import admission as admission_lib
 from moejax.routing import router as router_lib
 from moejax.routing import stats as stats_lib
 from moejax.placement import fssdp as sparse
-from moejax.sharding.axes import EMBED, EXPERT, EXPERT_SCORE, EXPERTS, MLP, ROUTER, param
+from moejax.sharding.axes import (EMBED, EXPERT, EXPERT_SCORE, EXPERTS, MLP, ROUTER,
+                                  SHARED_EXPERTS, param)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +48,8 @@ class MoESpec:
   capacity_factor_warmup: float = 2.0     # ... while step < warmup_steps
   warmup_steps: int = 0
   locality_weight: float = 0.0            # > 0: add the locality loss (ep placement)
+  shared_hidden: int = 0                  # width of the shared expert; 0 = none
+  shared_gate: bool = False               # scale the shared expert by sigmoid(x . w) (Qwen2-MoE)
 
 
 def local_experts_mask(dispatch: dispatch_lib.Dispatch, num_experts: int):
@@ -65,7 +72,29 @@ class MoEBlock(nnx.Module):
     self.w_gate = param(init(rngs.params(), (e, d, f), jnp.float32), (EXPERT, EMBED, MLP), EXPERTS)
     self.w_up = param(init(rngs.params(), (e, d, f), jnp.float32), (EXPERT, EMBED, MLP), EXPERTS)
     self.w_down = param(init(rngs.params(), (e, f, d), jnp.float32), (EXPERT, MLP, EMBED), EXPERTS)
+    if spec.shared_hidden:
+      fs = spec.shared_hidden
+      self.shared_w_gate = param(init(rngs.params(), (d, fs), jnp.float32), (EMBED, MLP),
+                                 SHARED_EXPERTS)
+      self.shared_w_up = param(init(rngs.params(), (d, fs), jnp.float32), (EMBED, MLP),
+                               SHARED_EXPERTS)
+      self.shared_w_down = param(init(rngs.params(), (fs, d), jnp.float32), (MLP, EMBED),
+                                 SHARED_EXPERTS)
+      if spec.shared_gate:
+        self.shared_gate = param(init(rngs.params(), (d, 1), jnp.float32), (EMBED, EXPERT_SCORE),
+                                 ROUTER)
     self.spec = spec
+
+  def shared_expert(self, x_TxD):
+    """The shared expert's output [T, D] in x's dtype (SwiGLU, then the gate if any)."""
+    dtype = x_TxD.dtype
+    h_TxF = (jax.nn.silu(dense(x_TxD, self.shared_w_gate[...].astype(dtype)))
+             * dense(x_TxD, self.shared_w_up[...].astype(dtype)))
+    y_TxD = dense(h_TxF, self.shared_w_down[...].astype(dtype))
+    if self.spec.shared_gate:
+      gate_Tx1 = jax.nn.sigmoid(dense(x_TxD, self.shared_gate[...].astype(dtype), jnp.float32))
+      y_TxD = (gate_Tx1 * y_TxD.astype(jnp.float32)).astype(dtype)
+    return y_TxD
 
   def materialize(self, predicted_load_E, dtype, *, dispatch: dispatch_lib.Dispatch,
                   owners: sparse.Owners | None = None):
@@ -124,4 +153,7 @@ class MoEBlock(nnx.Module):
     else:
       raise ValueError(f"unknown dispatch kind {dispatch.kind!r}")
     aux["dropped"] = dropped
-    return y_TxD.astype(x_BxSxD.dtype).reshape(b, s, d), aux
+    y_TxD = y_TxD.astype(x_BxSxD.dtype)
+    if spec.shared_hidden:
+      y_TxD = y_TxD + self.shared_expert(x_TxD)
+    return y_TxD.reshape(b, s, d), aux

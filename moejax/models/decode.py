@@ -1,7 +1,8 @@
-"""Inference for the OLMoE decoder: a forward pass over new tokens that reads and extends a KV
+"""Inference for the decoder (every family): a forward pass over new tokens that reads and extends a KV
 cache, so each generated token costs one position, not the whole sequence.
 
-Letters: B batch, S new tokens, T cache length (max positions), L layers, H heads, Dh head width.
+Letters: B batch, S new tokens, T cache length (max positions), L layers, G key/value heads,
+Dh head width.
 
 `forward_cached` runs the same layers as `olmoe.forward` (the same modules, one device), with
 attention over the cache's first `start + S` positions. Routing has no admission here:
@@ -26,12 +27,12 @@ from moejax.models import olmoe
 
 
 class KVCache(NamedTuple):
-  k_LxBxTxHxDh: jax.Array
-  v_LxBxTxHxDh: jax.Array
+  k_LxBxTxGxDh: jax.Array
+  v_LxBxTxGxDh: jax.Array
 
   @property
   def max_len(self) -> int:
-    return self.k_LxBxTxHxDh.shape[2]
+    return self.k_LxBxTxGxDh.shape[2]
 
 
 def without_admission(cfg: Config) -> Config:
@@ -40,7 +41,7 @@ def without_admission(cfg: Config) -> Config:
 
 def init_cache(cfg: Config, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
   m = cfg.model
-  shape = (m.num_layers, batch, max_len, m.num_heads, m.head_dim)
+  shape = (m.num_layers, batch, max_len, m.num_kv_heads or m.num_heads, m.head_dim)
   return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
@@ -62,24 +63,24 @@ def forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start)
   h_BxSxD = jnp.take(params["embed"], tokens_BxS, axis=0)
 
   def layer_step(h_BxSxD, inputs):
-    layer_params, k_BxTxHxDh, v_BxTxHxDh = inputs
+    layer_params, k_BxTxGxDh, v_BxTxGxDh = inputs
     layer = olmoe.layer_from_params(cfg, layer_params)
     attn = layer.attn
     q, k, v = attn.qkv(layer.attn_norm(h_BxSxD),
                        rotary_at(positions_S, attn.head_dim, attn.rope_theta))
-    k_BxTxHxDh = jax.lax.dynamic_update_slice_in_dim(k_BxTxHxDh, k.astype(k_BxTxHxDh.dtype),
+    k_BxTxGxDh = jax.lax.dynamic_update_slice_in_dim(k_BxTxGxDh, k.astype(k_BxTxGxDh.dtype),
                                                      start, axis=1)
-    v_BxTxHxDh = jax.lax.dynamic_update_slice_in_dim(v_BxTxHxDh, v.astype(v_BxTxHxDh.dtype),
+    v_BxTxGxDh = jax.lax.dynamic_update_slice_in_dim(v_BxTxGxDh, v.astype(v_BxTxGxDh.dtype),
                                                      start, axis=1)
-    out_BxSxHxDh = jax.nn.dot_product_attention(q, k_BxTxHxDh.astype(q.dtype),
-                                                v_BxTxHxDh.astype(q.dtype),
+    out_BxSxHxDh = jax.nn.dot_product_attention(q, k_BxTxGxDh.astype(q.dtype),
+                                                v_BxTxGxDh.astype(q.dtype),
                                                 mask=visible_SxT[None, None])
     h_BxSxD = h_BxSxD + attn.project_out(out_BxSxHxDh)
     y_BxSxD, _ = layer.moe(layer.ffn_norm(h_BxSxD))
-    return h_BxSxD + y_BxSxD, (k_BxTxHxDh, v_BxTxHxDh)
+    return h_BxSxD + y_BxSxD, (k_BxTxGxDh, v_BxTxGxDh)
 
   h_BxSxD, (k_L, v_L) = jax.lax.scan(
-      layer_step, h_BxSxD, (params["layers"], cache.k_LxBxTxHxDh, cache.v_LxBxTxHxDh))
+      layer_step, h_BxSxD, (params["layers"], cache.k_LxBxTxGxDh, cache.v_LxBxTxGxDh))
   h_BxSxD = rms_norm(h_BxSxD, params["final_norm"], cfg.model.norm_eps)
   return dense(h_BxSxD, params["lm_head"], jnp.float32), KVCache(k_L, v_L)
 

@@ -1,5 +1,9 @@
-"""OLMoE decoder LM: embedding -> L x (RMSNorm, rotary attention with QK-norm, RMSNorm, MoE)
--> RMSNorm -> untied LM head. Layers run under `lax.scan` over stacked parameters.
+"""The MoE decoder LM: embedding -> L x (RMSNorm, rotary attention, RMSNorm, MoE) -> RMSNorm ->
+untied LM head. Layers run under `lax.scan` over stacked parameters.
+
+One decoder for every family (`configs/`): OLMoE, Mixtral, Qwen2-MoE and Qwen3-MoE differ only
+in options of the config (grouped-query attention, QK-norm full / per head / none, qkv biases,
+a shared expert with or without a gate, top-k renormalization), never in code paths per family.
 
 Letters: B batch, S sequence, D width, V vocabulary, L layers.
 
@@ -37,7 +41,8 @@ def moe_spec(cfg: Config) -> MoESpec:
   return MoESpec(moe.num_experts, moe.top_k, score=moe.score, renormalize=moe.renormalize,
                  admission=r.admission, threshold=r.threshold, capacity_factor=r.admission_capacity_factor,
                  capacity_factor_warmup=r.admission_capacity_factor_warmup, warmup_steps=r.warmup_steps,
-                 locality_weight=r.locality_weight)
+                 locality_weight=r.locality_weight, shared_hidden=moe.shared_expert_hidden,
+                 shared_gate=moe.shared_expert_gate)
 
 
 class DecoderLayer(nnx.Module):
@@ -45,7 +50,8 @@ class DecoderLayer(nnx.Module):
     m, moe = cfg.model, cfg.moe
     self.attn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
     self.attn = Attention(m.d_model, m.num_heads, m.head_dim, rope_theta=m.rope_theta,
-                          norm_eps=m.norm_eps, init_std=m.init_std, rngs=rngs)
+                          norm_eps=m.norm_eps, init_std=m.init_std, rngs=rngs,
+                          num_kv_heads=m.num_kv_heads, qk_norm=m.qk_norm, qkv_bias=m.qkv_bias)
     self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
     self.moe = MoEBlock(m.d_model, moe.expert_hidden,
                         moe_spec(cfg), init_std=m.init_std, rngs=rngs)

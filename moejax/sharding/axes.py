@@ -11,13 +11,13 @@ Logical axes:
   Q_HEADS       the query projection's output, heads x head width, fused
   KV_HEADS      the key / value projections' output, KV heads x head width, fused
   HEADS         the attention output entering the output projection, heads x head width, fused
-  MLP           expert hidden width F
+  MLP           hidden width of an MLP: a routed expert's F, the shared expert's
   EXPERT        the experts of a layer: one weight matrix per expert
   EXPERT_SCORE  the router's output, one score per expert (a feature axis, not separate experts)
   NORM          a norm's scale
   LAYERS        the stacked axis of scanned layers (added by the model that stacks them); never
                 sharded
-Groups: EMBEDDINGS, ATTENTION, ROUTER, NORMS, EXPERTS (`GROUPS`). They name the parameter's part
+Groups: EMBEDDINGS, ATTENTION, ROUTER, NORMS, EXPERTS (routed), SHARED_EXPERTS (`GROUPS`). They name the parameter's part
 of the model in gather reports and decide weight decay (none on norms).
 
 The model reads its declarations into a tree of `ParamMeta` (`moejax.models.olmoe.param_meta`);
@@ -48,7 +48,8 @@ ATTENTION = "attention"
 ROUTER = "router"
 NORMS = "norms"
 EXPERTS = "experts"
-GROUPS = (ATTENTION, ROUTER, NORMS, EXPERTS, EMBEDDINGS)
+SHARED_EXPERTS = "shared_experts"
+GROUPS = (ATTENTION, ROUTER, NORMS, EXPERTS, SHARED_EXPERTS, EMBEDDINGS)
 
 
 @dataclasses.dataclass(frozen=True)

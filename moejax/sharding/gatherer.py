@@ -47,10 +47,11 @@ class Gatherer:
   param_meta: Any              # {group: tree of axes.ParamMeta}: shapes, axes, report groups
   num_devices: int
   specs: dict                  # {group: {path: CodecSpec}} for compressed parameters only
+  compute_dtype: Any = hook.COMPUTE_DTYPE   # what the plain gathers deliver (config.compute_dtype)
 
   @classmethod
   def create(cls, param_meta, layouts, num_devices: int, spec: codec.CodecSpec | None,
-             select=None):
+             select=None, compute_dtype=hook.COMPUTE_DTYPE):
     """Compresses every sharded parameter (or those `select(group, path)` accepts). The gather
     groups are the top-level keys of `param_meta`, as the model declares its parameters."""
     specs = {g: {} for g in param_meta}
@@ -59,7 +60,7 @@ class Gatherer:
       for group, path in probe.candidates():
         if select is None or select(group, path):
           specs[group][path] = spec
-    return cls(layouts, param_meta, num_devices, specs)
+    return cls(layouts, param_meta, num_devices, specs, compute_dtype)
 
   @property
   def groups(self) -> tuple[str, ...]:
@@ -194,7 +195,8 @@ class Gatherer:
 
   # -- the hook --------------------------------------------------------------------------------
   def gather(self, group: str, shards, states: dict | None):
-    """-> (full bf16 tree, new states {path: state}, {report group: stats, PARAM_STATS: ...})."""
+    """-> (full tree in the compute dtype, new states {path: state}, {report group: stats,
+    PARAM_STATS: ...})."""
     lays = self.layouts[group]
     if group == "layers":
       lays = jax.tree.map(Layout.unstacked, lays)
@@ -203,7 +205,8 @@ class Gatherer:
     fulls, new_states, stats, per_param = [], {}, {}, {}
     for path, x, lay in zip(paths, leaves, treedef.flatten_up_to(lays)):
       spec = self.specs[group].get(path) if states is not None else None
-      full, new_state, s = hook.gather_leaf(x, lay, spec, states[path] if spec else None)
+      full, new_state, s = hook.gather_leaf(x, lay, spec, states[path] if spec else None,
+                                            dtype=self.compute_dtype)
       if spec is not None:
         new_states[path] = new_state
         per_param[path] = jnp.stack([s[k] for k in hook.STAT_KEYS])

@@ -2,7 +2,8 @@
 
 Inside the `shard_map` body each parameter arrives as this device's slice (fp32 master copy).
 `gather_leaf(shard, layout, spec, state) -> (full, new_state, stats)` returns the full parameter
-in the compute dtype (bf16), and its VJP sends the gradient home in fp32:
+in the compute dtype (bf16; fp32 with `dtype=jnp.float32`, config.compute_dtype, codec off), and
+its VJP sends the gradient home in fp32:
 
   shard      forward all_gather of the bf16 bit patterns along `layout.dim`, plain (`spec` None)
              or compressed by the codec (`spec` a `CodecSpec`, `moejax.codec`);
@@ -34,8 +35,9 @@ from moejax.sharding.layout import Layout
 from moejax.sharding.mesh import DEVICES
 
 COMPUTE_DTYPE = jnp.bfloat16
+COMPUTE_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}   # config.compute_dtype
 GRAD_DTYPE = jnp.float32
-_BITS_DTYPE = jnp.uint16            # COMPUTE_DTYPE's bit patterns
+_BITS_DTYPES = {2: jnp.uint16, 4: jnp.uint32}   # a compute dtype's bit patterns, by item size
 # Per-gather figures: bytes this device put into the gather collectives (static buffer capacity),
 # bytes the plain bf16 gather would have put in, values whose exponent changed, blocks with a
 # change, values with any bit changed, fullest patch / its capacity, overflow fallbacks, gathers
@@ -44,45 +46,45 @@ STAT_KEYS = ("bytes_sent", "bytes_plain", "exponent_changes", "block_changes", "
              "capacity_fill", "fallback", "dense")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _all_gather(shard, dim: int, axis_names):
-  bits = lax.bitcast_convert_type(shard.astype(COMPUTE_DTYPE), _BITS_DTYPE)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _all_gather(shard, dim: int, axis_names, dtype):
+  bits = lax.bitcast_convert_type(shard.astype(dtype), _BITS_DTYPES[jnp.dtype(dtype).itemsize])
   full = lax.all_gather(bits, axis_names, axis=dim, tiled=True)
-  return lax.bitcast_convert_type(full, COMPUTE_DTYPE)
+  return lax.bitcast_convert_type(full, dtype)
 
 
-def _all_gather_fwd(shard, dim, axis_names):
-  return _all_gather(shard, dim, axis_names), None
+def _all_gather_fwd(shard, dim, axis_names, dtype):
+  return _all_gather(shard, dim, axis_names, dtype), None
 
 
-def _all_gather_bwd(dim, axis_names, _, g):
+def _all_gather_bwd(dim, axis_names, dtype, _, g):
   return (lax.psum_scatter(g.astype(GRAD_DTYPE), axis_names, scatter_dimension=dim, tiled=True),)
 
 
 _all_gather.defvjp(_all_gather_fwd, _all_gather_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _replicated(x, axis_names):
-  return x.astype(COMPUTE_DTYPE)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _replicated(x, axis_names, dtype):
+  return x.astype(dtype)
 
 
-def _replicated_fwd(x, axis_names):
-  return _replicated(x, axis_names), None
+def _replicated_fwd(x, axis_names, dtype):
+  return _replicated(x, axis_names, dtype), None
 
 
-def _replicated_bwd(axis_names, _, g):
+def _replicated_bwd(axis_names, dtype, _, g):
   return (lax.psum(g.astype(GRAD_DTYPE), axis_names),)
 
 
 _replicated.defvjp(_replicated_fwd, _replicated_bwd)
 
 
-def gather_bytes(shard_shape, layout: Layout) -> float:
+def gather_bytes(shard_shape, layout: Layout, dtype=COMPUTE_DTYPE) -> float:
   """Bytes one device puts into the plain gather of one parameter (0 unless sharded)."""
   if layout.kind != "shard":
     return 0.0
-  return float(math.prod(shard_shape) * jnp.dtype(COMPUTE_DTYPE).itemsize)
+  return float(math.prod(shard_shape) * jnp.dtype(dtype).itemsize)
 
 
 def scatter_bytes(shard_shape, layout: Layout, num_devices: int) -> float:
@@ -103,8 +105,8 @@ def gathers_per_step(layered: bool, *, remat: str, prefetch: bool) -> int:
   return 2 if layered and (prefetch_lib.recomputes(remat) or prefetch) else 1
 
 
-def _plain_stats(shard, layout: Layout) -> dict:
-  sent = gather_bytes(shard.shape, layout)
+def _plain_stats(shard, layout: Layout, dtype) -> dict:
+  sent = gather_bytes(shard.shape, layout, dtype)
   stats = dict.fromkeys(STAT_KEYS, 0.0)
   stats.update(bytes_sent=sent, bytes_plain=sent, dense=1.0 if layout.kind == "shard" else 0.0)
   return {k: jnp.float32(v) for k, v in stats.items()}
@@ -119,22 +121,26 @@ def _codec_stats(raw: dict) -> dict:
 
 
 def gather_leaf(shard, layout: Layout, spec: codec.CodecSpec | None = None, state=None,
-                axis_names=DEVICES):
-  """Full parameter (bf16) from this device's shard: (full, new_state, stats)."""
+                axis_names=DEVICES, dtype=COMPUTE_DTYPE):
+  """Full parameter (in `dtype`) from this device's shard: (full, new_state, stats). The codec
+  gathers bf16 only (its caches hold bf16 bit patterns)."""
   if layout.kind == "shard" and spec is not None:
+    if jnp.dtype(dtype) != jnp.dtype(COMPUTE_DTYPE):
+      raise ValueError(f"the codec gathers {jnp.dtype(COMPUTE_DTYPE).name} only, not "
+                       f"{jnp.dtype(dtype).name}")
     full, new_state, raw = codec.compressed_all_gather(
         shard, state, axis_name=axis_names, axis=layout.dim, spec=spec,
         compute_dtype=COMPUTE_DTYPE)
     return full, new_state, _codec_stats(raw)
   if layout.kind == "shard":
-    full = _all_gather(shard, layout.dim, axis_names)
+    full = _all_gather(shard, layout.dim, axis_names, dtype)
   elif layout.kind == "replicate":
-    full = _replicated(shard, axis_names)
+    full = _replicated(shard, axis_names, dtype)
   elif layout.kind == "expert":
-    full = shard.astype(COMPUTE_DTYPE)
+    full = shard.astype(dtype)
   else:
     raise ValueError(f"unknown layout kind {layout.kind!r}")
-  return full, state, _plain_stats(shard, layout)
+  return full, state, _plain_stats(shard, layout, dtype)
 
 
 def local_gather(group: str, tree, states=None, dtype=COMPUTE_DTYPE):

@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from moejax import weights
 from moejax.config import Config
 from moejax.data import DataSpec, check_vocab, make_data
 from moejax.errors import ConfigError, TrainingError
@@ -119,7 +120,8 @@ class Trainer:
 def _first_mismatch(loaded: Config, cfg: Config) -> str | None:
   for group in ("model", "moe"):
     for field in ("vocab_size", "d_model", "num_layers", "num_heads", "head_dim",
-                  "num_experts", "top_k", "expert_hidden"):
+                  "num_kv_heads", "qk_norm", "qkv_bias", "num_experts", "top_k",
+                  "expert_hidden", "shared_expert_hidden", "shared_expert_gate"):
       a = getattr(getattr(loaded, group), field, None)
       b = getattr(getattr(cfg, group), field, None)
       if a is not None and a != b:
@@ -128,7 +130,7 @@ def _first_mismatch(loaded: Config, cfg: Config) -> str | None:
 
 
 def init_from(trainer: Trainer, path: str):
-  """A fresh train state (step 0) around the weights at `path` (HF OLMoE dir or checkpoint)."""
+  """A fresh train state (step 0) around the weights at `path` (Hugging Face dir or checkpoint)."""
   from moejax import convert
   from moejax.train import checkpoint as ckpt
   cfg = trainer.cfg
@@ -170,7 +172,7 @@ def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
     again to resume); the learning-rate schedule still spans `cfg.steps`.
   """
   prepare_workdir(workdir)
-  data = make_data(DataSpec(cfg.data.source, cfg.data.path or None, cfg.data.tokenizer,
+  data = make_data(DataSpec(cfg.data.source, cfg.data.path or None, weights.tokenizer_of(cfg),
                             cfg.data.val_fraction, cfg.seed),
                    batch_size=cfg.batch_size, seq_len=cfg.seq_len)
   check_vocab(data.tokenizer, cfg.model.vocab_size)

@@ -18,7 +18,7 @@ from moejax.codec.gather import CodecSpec
 from moejax.config import Config
 from moejax.models import olmoe
 from moejax.placement import Placement
-from moejax.sharding import axes, layout as layout_lib
+from moejax.sharding import axes, hook, layout as layout_lib
 from moejax.sharding.gatherer import Gatherer
 from moejax.sharding.mesh import DEVICES, num_devices, topology
 
@@ -83,7 +83,8 @@ def state_layout(cfg: Config, mesh, tx: optax.GradientTransformation) -> StateLa
       transform_non_params=lambda _: replicated,
       is_leaf=lambda v: isinstance(v, NamedSharding))
   n = num_devices(mesh)
-  gatherer = Gatherer.create(param_meta, layouts, n, codec_spec(cfg))
+  gatherer = Gatherer.create(param_meta, layouts, n, codec_spec(cfg),
+                             compute_dtype=hook.COMPUTE_DTYPES[cfg.compute_dtype])
   gather_state_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), gatherer.state_specs(),
                                         is_leaf=lambda s: isinstance(s, P))
   placement = placement_of(cfg, mesh, param_meta)

@@ -1,7 +1,7 @@
-"""Reference side of the Hugging Face OLMoE tests: runs in the Python 3.11 torch env (.venv311,
+"""Reference side of the Hugging Face tests (every family): runs in the Python 3.11 torch env (.venv311,
 made by scripts/setup_torch_env.sh), never in the moejax env.
 
-  make OUT_DIR                  small random OlmoeForCausalLM models, saved with save_pretrained,
+  make OUT_DIR                  small random models of each family, saved with save_pretrained,
                                 and their fp32 reference logits on random tokens (MODELS below):
                                 OUT_DIR/NAME/ (the checkpoint), OUT_DIR/NAME.tokens.npy,
                                 OUT_DIR/NAME.logits.npy
@@ -19,22 +19,47 @@ import os
 import sys
 import traceback
 
-# Two configurations that differ in layers, heads, head width, experts, top-k, expert width,
-# RoPE base, norm epsilon, top-k renormalization and how the checkpoint is saved.
+# Random configurations, each differing from the others and from the family presets in layers,
+# heads, kv heads, head width, experts, top-k, expert width, shared expert width, RoPE base, norm
+# epsilon, top-k renormalization and how the checkpoint is saved.
 MODELS = {
     "a": dict(
+        model_type="olmoe",
         config=dict(vocab_size=96, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
                     num_attention_heads=4, num_experts=8, num_experts_per_tok=2,
                     norm_topk_prob=False, rope_theta=10000.0, rms_norm_eps=1e-5),
         # the Hub's layout: one tensor per expert projection, sharded with an index
         save=dict(max_shard_size="64KB")),
     "b": dict(
+        model_type="olmoe",
         config=dict(vocab_size=80, hidden_size=48, intermediate_size=40, num_hidden_layers=3,
                     num_attention_heads=3, num_experts=6, num_experts_per_tok=3,
                     norm_topk_prob=True, rope_theta=500000.0, rms_norm_eps=1e-6,
                     router_aux_loss_coef=0.02),
         # transformers >= 5 in-memory layout: fused gate_up_proj / down_proj, one file
         save=dict(save_original_format=False)),
+    "mixtral": dict(
+        model_type="mixtral",
+        config=dict(vocab_size=72, hidden_size=40, intermediate_size=28, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                    num_local_experts=5, num_experts_per_tok=2, rope_theta=1000000.0,
+                    rms_norm_eps=1e-5, sliding_window=None),
+        save=dict(max_shard_size="64KB")),
+    "qwen2_moe": dict(
+        model_type="qwen2_moe",
+        config=dict(vocab_size=88, hidden_size=36, intermediate_size=52, num_hidden_layers=3,
+                    num_attention_heads=6, num_key_value_heads=2, num_experts=6,
+                    num_experts_per_tok=3, moe_intermediate_size=20,
+                    shared_expert_intermediate_size=44, norm_topk_prob=False, qkv_bias=True,
+                    rope_theta=20000.0, rms_norm_eps=1e-6),
+        save=dict(save_original_format=False)),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        config=dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=1, head_dim=16, num_experts=10,
+                    num_experts_per_tok=4, moe_intermediate_size=24, norm_topk_prob=True,
+                    rope_theta=1000000.0, rms_norm_eps=1e-6),
+        save=dict()),
 }
 TOKENS_SHAPE = (2, 16)
 WEIGHT_STD = 0.1       # larger than OLMoE's 0.02 so routing and attention are far from uniform
@@ -48,10 +73,10 @@ def _torch():
 
 def _load(hf_dir):
   torch = _torch()
-  from transformers import OlmoeForCausalLM
-  model, info = OlmoeForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
-                                                 attn_implementation="eager",
-                                                 output_loading_info=True)
+  from transformers import AutoModelForCausalLM
+  model, info = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
+                                                     attn_implementation="eager",
+                                                     output_loading_info=True)
   return model.eval(), {k: sorted(map(str, v)) for k, v in info.items() if v}
 
 
@@ -66,14 +91,16 @@ def _logits(model, tokens):
 def make(out_dir: str) -> dict:
   import numpy as np
   torch = _torch()
-  from transformers import OlmoeConfig, OlmoeForCausalLM
+  from transformers import AutoConfig, AutoModelForCausalLM
   os.makedirs(out_dir, exist_ok=True)
   made = {}
   for seed, (name, spec) in enumerate(sorted(MODELS.items())):
     torch.manual_seed(seed)
-    config = OlmoeConfig(**spec["config"], initializer_range=WEIGHT_STD, pad_token_id=None,
-                         eos_token_id=None, bos_token_id=None)
-    model = OlmoeForCausalLM(config).to(torch.float32).eval()
+    config = AutoConfig.for_model(spec["model_type"], **spec["config"],
+                                  initializer_range=WEIGHT_STD, pad_token_id=None,
+                                  eos_token_id=None, bos_token_id=None)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model = model.to(torch.float32).eval()
     with torch.no_grad():
       for pname, p in model.named_parameters():
         if pname.endswith("norm.weight") or "layernorm" in pname:

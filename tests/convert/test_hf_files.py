@@ -62,9 +62,11 @@ def load_error(path) -> str:
 
 
 @pytest.mark.parametrize("changes,expected", [
-    (dict(model_type="llama"), "model_type='llama', but only 'olmoe'"),
+    (dict(model_type="llama"), "model_type='llama' cannot be converted (valid: 'olmoe'"),
     (dict(clip_qkv=8.0), "clip_qkv=8.0 is not supported"),
-    (dict(num_key_value_heads=1), "num_key_value_heads=1 is not supported"),
+    (dict(num_key_value_heads=3), "num_key_value_heads=3 is not supported: must divide"),
+    (dict(layer_types=["full_attention", "sliding_attention"]),
+     "layer_types='sliding_attention' is not supported"),
     (dict(tie_word_embeddings=True), "tie_word_embeddings=True is not supported"),
     (dict(attention_bias=True), "attention_bias=True is not supported"),
     (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling.rope_type='linear'"),
@@ -176,6 +178,48 @@ def test_export_refuses_what_hf_olmoe_cannot_hold(model, tmp_path):
   sigmoid = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, score="sigmoid"))
   with pytest.raises(CheckpointError, match="sigmoid"):
     save_hf(params, sigmoid, str(tmp_path / "b"))
+
+
+# What each family's config.json may not ask for, and the field the one-line refusal names.
+FAMILY_REFUSALS = [
+    ("mixtral", dict(sliding_window=4096), "sliding_window=4096 is not supported"),
+    ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise=0.1 is not supported"),
+    ("qwen2_moe", dict(mlp_only_layers=[1]), "mlp_only_layers=[1] is not supported"),
+    ("qwen2_moe", dict(decoder_sparse_step=2), "decoder_sparse_step=2 is not supported"),
+    ("qwen2_moe", dict(shared_expert_intermediate_size=0),
+     "shared_expert_intermediate_size=0 is not supported"),
+    ("qwen3_moe", dict(use_sliding_window=True), "use_sliding_window=True is not supported"),
+    ("qwen3_moe", dict(attention_bias=True), "attention_bias=True is not supported"),
+]
+
+
+@pytest.mark.parametrize("family,changes,expected", FAMILY_REFUSALS)
+def test_refuses_what_a_family_asks_for_and_moejax_does_not_model(family, changes, expected):
+  hf = dict(hf_config_from(tiny_config(family)), **changes)
+  with pytest.raises(CheckpointError) as info:
+    config_from_hf(hf)
+  assert expected in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("family", ["olmoe", "mixtral", "qwen2_moe", "qwen3_moe"])
+def test_every_family_config_round_trips(family):
+  cfg = tiny_config(family, **{"moe.aux_loss_weight": 0.03, "model.rope_theta": 5e5})
+  hf = hf_config_from(cfg)
+  assert hf["model_type"] == family
+  assert config_from_hf(hf, base=cfg) == cfg
+
+
+@pytest.mark.parametrize("family,field,value", [
+    ("mixtral", "model.qk_norm", "full"), ("mixtral", "moe.renormalize", False),
+    ("olmoe", "model.qkv_bias", True), ("qwen3_moe", "moe.shared_expert_hidden", 32),
+    ("qwen2_moe", "moe.shared_expert_gate", False), ("olmoe", "moe.score", "sigmoid")])
+def test_export_refuses_options_the_family_cannot_hold(family, field, value):
+  overrides = {field: value}
+  if field == "moe.shared_expert_gate":
+    overrides["moe.shared_expert_hidden"] = 32
+  with pytest.raises(CheckpointError) as info:
+    hf_config_from(tiny_config(family, **overrides))
+  assert f"config.{field}=" in str(info.value) and family in str(info.value)
 
 
 def test_config_round_trip_and_hub_fields():

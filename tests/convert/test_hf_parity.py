@@ -1,9 +1,12 @@
-"""Hugging Face OLMoE import/export against transformers itself (the reference runs in .venv311).
+"""Hugging Face import/export of every family against transformers itself (the reference runs in
+.venv311).
 
-Two random OlmoeForCausalLM models (tests/convert/hf_reference.py MODELS): "a" saved in the Hub's
-per-expert layout, sharded with an index; "b" saved fused (transformers >= 5,
-save_original_format=False) in one file. They differ in layers, heads, head width, experts, top-k,
-expert width, RoPE base, norm epsilon and top-k renormalization.
+Random models (tests/convert/hf_reference.py MODELS): OLMoE "a" saved in the Hub's per-expert
+layout, sharded with an index, and "b" saved fused (transformers >= 5, save_original_format=False)
+in one file; "mixtral" (grouped-query, head_dim != hidden/heads, Hub names w1/w3/w2 under
+block_sparse_moe, sharded), "qwen2_moe" (qkv biases, gated shared expert, fused) and "qwen3_moe"
+(per-head QK-norm, one kv head). They differ in layers, heads, kv heads, head width, experts,
+top-k, expert and shared widths, RoPE base, norm epsilon and top-k renormalization.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import pytest
 from safetensors import safe_open
 
 from moejax.convert import __main__ as cli
-from moejax.convert import load_hf, read_hf_config, save_hf
+from moejax.convert import hf_names, load_hf, read_hf_config, save_hf
 from moejax.models import olmoe
 from moejax.sharding import hook
 from moejax.sharding.mesh import make_mesh
@@ -27,7 +30,8 @@ from moejax.train import checkpoint as train_checkpoint
 from moejax.train.optim import make_optimizer
 from moejax.train.state import state_layout
 
-MODELS = ("a", "b")
+MODELS = ("a", "b", "mixtral", "qwen2_moe", "qwen3_moe")
+SAVED_FUSED = ("b", "qwen2_moe")
 
 
 def fp32_logits(cfg, params, tokens):
@@ -84,6 +88,18 @@ def test_config_mapping(hf_models, imported):
   assert (moe.num_experts, moe.top_k, moe.expert_hidden) == (6, 3, 40)
   assert moe.renormalize and moe.score == "softmax" and moe.aux_loss_weight == 0.02
   assert not imported["a"][0].moe.renormalize
+  assert (m.family, m.qk_norm, m.num_kv_heads, m.qkv_bias) == ("olmoe", "full", 0, False)
+  m, moe = imported["mixtral"][0].model, imported["mixtral"][0].moe
+  assert (m.family, m.qk_norm, m.num_heads, m.num_kv_heads, m.head_dim) == ("mixtral", "none", 4,
+                                                                           2, 12)
+  assert (moe.num_experts, moe.renormalize, moe.shared_expert_hidden) == (5, True, 0)
+  m, moe = imported["qwen2_moe"][0].model, imported["qwen2_moe"][0].moe
+  assert (m.family, m.qk_norm, m.qkv_bias, m.num_kv_heads) == ("qwen2_moe", "none", True, 2)
+  assert (moe.expert_hidden, moe.shared_expert_hidden, moe.shared_expert_gate) == (20, 44, True)
+  assert not moe.renormalize
+  m, moe = imported["qwen3_moe"][0].model, imported["qwen3_moe"][0].moe
+  assert (m.family, m.qk_norm, m.num_kv_heads, m.head_dim) == ("qwen3_moe", "head", 1, 16)
+  assert (moe.num_experts, moe.top_k, moe.expert_hidden, moe.renormalize) == (10, 4, 24, True)
 
 
 def test_export_reimport_is_bit_exact(hf_models, imported, tmp_path):
@@ -98,32 +114,28 @@ def test_export_reimport_is_bit_exact(hf_models, imported, tmp_path):
     assert_same_bits(params, params2)
 
 
-def test_export_writes_the_hub_tensors_bit_for_bit(hf_models, imported, tmp_path):
-  """Model a was saved per expert: the export holds the same tensors, names, shapes and bits.
-  Model b was saved fused: its per-expert export matches the fused tensors' halves."""
-  cfg, params = imported["a"]
-  save_hf(params, cfg, str(tmp_path / "a"))
-  original, exported = read_all(hf_models["a"][0]), read_all(str(tmp_path / "a"))
+@pytest.mark.parametrize("name", MODELS)
+def test_export_writes_the_hub_tensors_bit_for_bit(name, hf_models, imported, tmp_path):
+  """A model saved per expert: the export holds the same tensors, names, shapes and bits. A model
+  saved fused: its per-expert export matches the fused tensors' halves."""
+  cfg, params = imported[name]
+  save_hf(params, cfg, str(tmp_path / name))
+  original, exported = read_all(hf_models[name][0]), read_all(str(tmp_path / name))
+  if name in SAVED_FUSED:
+    f = cfg.moe.expert_hidden
+    moe_module, (gate, up, down_name) = hf_names.HUB_EXPERT_NAMES[cfg.model.family]
+    for i in range(cfg.model.num_layers):
+      gate_up = original.pop(f"model.layers.{i}.mlp.experts.gate_up_proj")
+      down = original.pop(f"model.layers.{i}.mlp.experts.down_proj")
+      original[f"model.layers.{i}.{moe_module}.gate.weight"] = original.pop(
+          f"model.layers.{i}.mlp.gate.weight")
+      for e in range(cfg.moe.num_experts):
+        prefix = f"model.layers.{i}.{moe_module}.experts.{e}"
+        for hf_name, want in ((gate, gate_up[e, :f]), (up, gate_up[e, f:]), (down_name, down[e])):
+          original[f"{prefix}.{hf_name}.weight"] = want
   assert sorted(original) == sorted(exported)
   for k in original:
     np.testing.assert_array_equal(bits(exported[k]), bits(original[k]), err_msg=k)
-
-  cfg, params = imported["b"]
-  save_hf(params, cfg, str(tmp_path / "b"))
-  fused, exported = read_all(hf_models["b"][0]), read_all(str(tmp_path / "b"))
-  f = cfg.moe.expert_hidden
-  for i in range(cfg.model.num_layers):
-    gate_up = fused.pop(f"model.layers.{i}.mlp.experts.gate_up_proj")
-    down = fused.pop(f"model.layers.{i}.mlp.experts.down_proj")
-    for e in range(cfg.moe.num_experts):
-      prefix = f"model.layers.{i}.mlp.experts.{e}"
-      for hf_name, want in (("gate_proj", gate_up[e, :f]), ("up_proj", gate_up[e, f:]),
-                            ("down_proj", down[e])):
-        got = exported.pop(f"{prefix}.{hf_name}.weight")
-        np.testing.assert_array_equal(bits(got), bits(want), err_msg=f"{prefix}.{hf_name}")
-  assert sorted(fused) == sorted(exported)
-  for k in fused:
-    np.testing.assert_array_equal(bits(exported[k]), bits(fused[k]), err_msg=k)
 
 
 def test_transformers_loads_the_export(hf_models, imported, hf_reference, tmp_path):
@@ -131,7 +143,7 @@ def test_transformers_loads_the_export(hf_models, imported, hf_reference, tmp_pa
     hf_dir, tokens, want = hf_models[name]
     cfg, params = imported[name]
     out = str(tmp_path / name)
-    save_hf(params, cfg, out, max_shard_bytes=30_000 if name == "b" else 10**9,
+    save_hf(params, cfg, out, max_shard_bytes=30_000 if name in SAVED_FUSED else 10**9,
             hf_config_base=read_hf_config(hf_dir))
     np.save(str(tmp_path / f"{name}.tokens.npy"), tokens)
     reply = hf_reference.call("logits", hf_dir=out, tokens=str(tmp_path / f"{name}.tokens.npy"),
@@ -142,7 +154,8 @@ def test_transformers_loads_the_export(hf_models, imported, hf_reference, tmp_pa
 
 
 @pytest.mark.parametrize("name,placement,mesh_shape", [("a", "ep", (2, 4)), ("a", "fsdp", (1, 8)),
-                                                       ("b", "fsdp", (2, 4))])
+                                                       ("b", "fsdp", (2, 4)),
+                                                       ("qwen2_moe", "fsdp", (1, 8))])
 def test_load_straight_into_shards(name, placement, mesh_shape, hf_models, imported):
   """On 8 devices: each leaf lands with the train state's sharding and the same bits as the
   host load (model b reads fused gate/up halves block by block)."""

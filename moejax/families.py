@@ -1,0 +1,9 @@
+"""The model families moejax imports from and exports to Hugging Face.
+
+A family names a Hugging Face architecture (`model_type` in config.json); the decoder is one
+(`moejax.models.olmoe`) and reads only the config's options, so a family decides the tensor
+names and config.json fields of `moejax.convert`, and which options that architecture can hold.
+"""
+from __future__ import annotations
+
+FAMILIES = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe")

@@ -1,0 +1,66 @@
+"""The family presets (configs/FAMILY.py): they build, count their parameters exactly and match
+the published sizes; every family's tiny preset trains a step on one device."""
+from __future__ import annotations
+
+import math
+
+import jax
+import pytest
+
+from moejax import config as config_lib
+from moejax.models import olmoe
+from moejax.families import FAMILIES
+from moejax.sharding import axes
+from tests.helpers import FAMILY_CONFIGS
+
+CASES = [(family, preset) for family in FAMILIES for preset in FAMILY_CONFIGS[family].PRESETS]
+PUBLISHED = [(family, preset) for family in FAMILIES
+             for preset in FAMILY_CONFIGS[family].PUBLISHED]
+# Published active counts stated to two significant digits: the exact count must read as that
+# figure when cut to two digits (Qwen2-57B-A14B: 14.25B is "14B"; Qwen3-30B-A3B: 3.35B "3.3B").
+TWO_DIGITS = {("qwen2_moe", "57b_a14b", "active"), ("qwen3_moe", "30b_a3b", "active")}
+
+
+def preset_config(family: str, preset: str) -> config_lib.Config:
+  cd = FAMILY_CONFIGS[family].get_config(preset)
+  if cd.data.tokenizer == "init_from":   # the published presets fine-tune a checkpoint
+    cd.init_from = "/hf/checkpoint"
+  return config_lib.from_config_dict(cd)
+
+
+def test_every_family_has_a_config_file():
+  assert sorted(FAMILY_CONFIGS) == sorted(FAMILIES)
+  for family in FAMILIES:
+    assert "tiny" in FAMILY_CONFIGS[family].PRESETS
+
+
+@pytest.mark.parametrize("family,preset", CASES)
+def test_num_params_equals_the_parameter_leaves(family, preset):
+  cfg = preset_config(family, preset)
+  assert cfg.model.family == family
+  shapes = jax.eval_shape(lambda k: olmoe.init_params(cfg, k), jax.random.key(0))
+  total = sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+  metas = jax.tree.leaves(olmoe.param_meta(cfg), is_leaf=lambda v: isinstance(v, axes.ParamMeta))
+  routed = sum(math.prod(m.shape) for m in metas if axes.EXPERT in m.axes)
+  counts = config_lib.num_params(cfg)
+  assert counts["total"] == total
+  # Active: every parameter but the routed experts, and top_k of the num_experts of those.
+  assert counts["active"] * cfg.moe.num_experts == (
+      (total - routed) * cfg.moe.num_experts + routed * cfg.moe.top_k)
+
+
+def _matches(count: int, published: float, two_digits: bool) -> bool:
+  if two_digits:
+    unit = 10 ** (math.floor(math.log10(published)) - 1)
+    return math.floor(count / unit) * unit == pytest.approx(published)
+  return abs(count - published) <= 0.01 * published
+
+
+@pytest.mark.parametrize("family,preset", PUBLISHED)
+def test_presets_have_the_published_sizes(family, preset):
+  total_published, active_published, source = FAMILY_CONFIGS[family].PUBLISHED[preset]
+  assert source
+  counts = config_lib.num_params(preset_config(family, preset))
+  for what, published in (("total", total_published), ("active", active_published)):
+    assert _matches(counts[what], published, (family, preset, what) in TWO_DIGITS), (
+        what, counts[what], published)
