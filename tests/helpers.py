@@ -80,3 +80,41 @@ CODEC_AUTO_RUN = {
     "codec.block_size": 64, "codec.comm_model": "bytes",
     # Steady change rates (no lr warm-up), so the capacities sized at step 3 hold.
     "optim.warmup_steps": 0, "optim.lr": 3e-4}
+
+
+def random_batches(cfg, n):
+  """n batches of uniformly random byte tokens (fixed seed) for `cfg`'s batch and sequence."""
+  import numpy as np
+  rng = np.random.default_rng(123)
+  out = []
+  for _ in range(n):
+    toks = rng.integers(0, 256, (cfg.batch_size, cfg.seq_len + 1)).astype(np.int32)
+    out.append({"inputs": toks[:, :-1], "targets": toks[:, 1:]})
+  return out
+
+
+def run_steps(trainer):
+  """`cfg.steps` train steps of `trainer` on `random_batches`: losses, gradient norms, metrics,
+  the final state and parameters, and the first step's gradients, read back from Adam's first
+  moment after it (mu = (1 - b1) * g; the first gradient norm is below optim.clip_norm, so g is
+  unclipped): no separately jitted gradient function."""
+  import jax
+  import numpy as np
+  import optax
+  from moejax.train.loop import put_batch
+  cfg = trainer.cfg
+  state = trainer.init_state()
+  batches = [put_batch(b, trainer.mesh) for b in random_batches(cfg, cfg.steps)]
+  losses, grad_norms, grads, all_metrics = [], [], None, []
+  for b in batches:
+    state, metrics = trainer.train_step(state, b)
+    if grads is None:
+      mu = jax.device_get(optax.tree_utils.tree_get(state.opt_state, "mu"))
+      grads = jax.tree.map(lambda m: m / (1 - cfg.optim.b1), mu)
+    losses.append(float(metrics["loss"]))
+    grad_norms.append(float(metrics["grad_norm"]))
+    all_metrics.append(jax.device_get(metrics))
+  assert grad_norms[0] < cfg.optim.clip_norm
+  return {"grads": grads, "losses": np.array(losses), "grad_norms": np.array(grad_norms),
+          "params": jax.device_get(state.params), "metrics": all_metrics[-1],
+          "all_metrics": all_metrics, "state": state}

@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moejax import weights
-from moejax.config import Config
+from moejax.config import Config, num_params
 from moejax.data import DataSpec, check_vocab, make_data
 from moejax.errors import ConfigError, TrainingError
 from moejax.sharding.mesh import make_mesh, num_devices
@@ -148,6 +148,11 @@ def init_from(trainer: Trainer, path: str):
   return state_lib.state_from_params(params, trainer.tx, trainer.layout)
 
 
+def _billions(n: int) -> str:
+  """12,880,000,000 -> '12.88B'; small counts in full (the tiny presets)."""
+  return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n:,}"
+
+
 FINITE = ("loss", "grad_norm")     # a step whose figures are not finite stops the run
 
 
@@ -196,6 +201,9 @@ def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
       checkpoints.prune()     # a run killed before its save pruned left one too many
     val_batches = [put_batch(b, trainer.mesh)
                    for b in data.val_batches(min(cfg.eval_batches, data.num_val_batches))]
+    counts = num_params(cfg)
+    log(f"moejax: {cfg.model.family} model, {_billions(counts['total'])} parameters, "
+        f"{_billions(counts['active'])} active per token")
     log(f"moejax: {data.name}, {num_devices(trainer.mesh)} device(s), "
         f"placement={cfg.moe.placement}, {cfg.steps} steps of {cfg.batch_size}x{cfg.seq_len}")
     compiled = trainer.compiled(trainer.layout.gatherer.specs)

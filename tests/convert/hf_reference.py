@@ -6,6 +6,8 @@ made by scripts/setup_torch_env.sh), never in the moejax env.
                                 OUT_DIR/NAME/ (the checkpoint), OUT_DIR/NAME.tokens.npy,
                                 OUT_DIR/NAME.logits.npy
   logits HF_DIR TOKENS OUT      loads HF_DIR with transformers, writes fp32 logits for TOKENS
+  (serve only) random_model     a random model from a config.json dict, saved to a directory
+  (serve only) token_losses     per-token cross-entropy of a model on inputs/targets
   serve                         the two commands above as JSON lines on stdin -> one JSON reply
                                 line each on stdout ({"cmd": "make", "args": {...}}), so a test
                                 session imports torch once
@@ -88,6 +90,44 @@ def _logits(model, tokens):
   return out.to(torch.float32).numpy()
 
 
+def _randomize(model, torch) -> None:
+  with torch.no_grad():
+    for pname, p in model.named_parameters():
+      if pname.endswith("norm.weight") or "layernorm" in pname:
+        p.copy_(1.0 + 0.2 * torch.randn_like(p))   # norms start at 1; make them differ
+      else:
+        p.normal_(0.0, WEIGHT_STD)
+
+
+def random_model(config: dict, out_dir: str, seed: int = 0) -> dict:
+  """A random model of `config` (a config.json dict, any family), weights scaled as in `make`."""
+  torch = _torch()
+  from transformers import AutoConfig, AutoModelForCausalLM
+  torch.manual_seed(seed)
+  config = dict(config)
+  hf_config = AutoConfig.for_model(config.pop("model_type"), **config)
+  net = AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager")
+  net = net.to(torch.float32).eval()
+  _randomize(net, torch)
+  net.save_pretrained(out_dir)
+  return {"hf_dir": out_dir}
+
+
+def token_losses(hf_dir: str, inputs: str, targets: str, out: str) -> dict:
+  """Per-token cross-entropy [B, S] (fp32) of the model at hf_dir on the inputs/targets files."""
+  import numpy as np
+  torch = _torch()
+  net, info = _load(hf_dir)
+  inputs_BxS, targets_BxS = np.load(inputs), np.load(targets)
+  with torch.no_grad():
+    logits = net(input_ids=torch.from_numpy(inputs_BxS.astype(np.int64))).logits.float()
+    losses = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]),
+        torch.from_numpy(targets_BxS.astype(np.int64)).reshape(-1), reduction="none")
+  np.save(out, losses.reshape(targets_BxS.shape).numpy())
+  return {"loading_info": info}
+
+
 def make(out_dir: str) -> dict:
   import numpy as np
   torch = _torch()
@@ -101,12 +141,7 @@ def make(out_dir: str) -> dict:
                                   eos_token_id=None, bos_token_id=None)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     model = model.to(torch.float32).eval()
-    with torch.no_grad():
-      for pname, p in model.named_parameters():
-        if pname.endswith("norm.weight") or "layernorm" in pname:
-          p.copy_(1.0 + 0.2 * torch.randn_like(p))   # OLMoE starts norms at 1; make them differ
-        else:
-          p.normal_(0.0, WEIGHT_STD)
+    _randomize(model, torch)
     hf_dir = os.path.join(out_dir, name)
     model.save_pretrained(hf_dir, **spec["save"])
     tokens = np.random.default_rng(seed).integers(0, config.vocab_size, TOKENS_SHAPE)
@@ -124,7 +159,8 @@ def logits(hf_dir: str, tokens: str, out: str) -> dict:
   return {"loading_info": info}
 
 
-COMMANDS = {"make": make, "logits": logits}
+COMMANDS = {"make": make, "logits": logits, "random_model": random_model,
+            "token_losses": token_losses}
 
 
 def serve() -> None:

@@ -1,4 +1,6 @@
-"""Admission inside the sharded train step on 8 fake devices, for fsdp and ep placement."""
+"""Admission inside the sharded train step on 8 fake devices, for fsdp and ep placement, on the
+routed experts of two families (Mixtral: grouped-query attention; Qwen2-MoE: a gated shared
+expert beside the routed ones, which admission leaves alone)."""
 import jax
 import numpy as np
 import pytest
@@ -9,9 +11,10 @@ from moejax.train.loop import Trainer, put_batch
 from tests.helpers import tiny_config
 
 
-@pytest.mark.parametrize("placement,policy", [("fsdp", "strict"), ("ep", "reroute")])
-def test_admission_in_sharded_step(placement, policy):
-  cfg = tiny_config(**{"moe.placement": placement, "routing.admission": policy,
+@pytest.mark.parametrize("family,placement,policy", [("mixtral", "fsdp", "strict"),
+                                                    ("qwen2_moe", "ep", "reroute")])
+def test_admission_in_sharded_step(family, placement, policy):
+  cfg = tiny_config(family, **{"moe.placement": placement, "routing.admission": policy,
                        "routing.admission_capacity_factor": 0.5, "routing.threshold": -1.0,
                        "routing.locality_weight": 0.01, "batch_size": 8, "seq_len": 32})
   trainer = Trainer(cfg, mesh=make_mesh((2, 4), jax.devices()[:8]))

@@ -7,53 +7,25 @@ no separately jitted gradient function."""
 import chex
 import jax
 import numpy as np
-import optax
 import pytest
 
 from moejax.train.loop import put_batch
-from tests.helpers import canonical_config
-
-
-def _batches(cfg, n):
-  rng = np.random.default_rng(123)
-  out = []
-  for _ in range(n):
-    toks = rng.integers(0, 256, (cfg.batch_size, cfg.seq_len + 1)).astype(np.int32)
-    out.append({"inputs": toks[:, :-1], "targets": toks[:, 1:]})
-  return out
-
-
-def _run(trainer):
-  cfg = trainer.cfg
-  state = trainer.init_state()
-  batches = [put_batch(b, trainer.mesh) for b in _batches(cfg, cfg.steps)]
-  losses, grad_norms, grads = [], [], None
-  for b in batches:
-    state, metrics = trainer.train_step(state, b)
-    if grads is None:
-      mu = jax.device_get(optax.tree_utils.tree_get(state.opt_state, "mu"))
-      grads = jax.tree.map(lambda m: m / (1 - cfg.optim.b1), mu)
-    losses.append(float(metrics["loss"]))
-    grad_norms.append(float(metrics["grad_norm"]))
-  assert grad_norms[0] < cfg.optim.clip_norm
-  return {"grads": grads, "losses": np.array(losses), "grad_norms": np.array(grad_norms),
-          "params": jax.device_get(state.params), "metrics": jax.device_get(metrics),
-          "state": state}
+from tests.helpers import canonical_config, random_batches, run_steps
 
 
 @pytest.fixture(scope="module")
 def single(trainer_for):
-  return _run(trainer_for(canonical_config("fsdp"), 1))
+  return run_steps(trainer_for(canonical_config("fsdp"), 1))
 
 
 @pytest.fixture(scope="module")
 def fsdp8(trainer_for):
-  return _run(trainer_for(canonical_config("fsdp"), 8))
+  return run_steps(trainer_for(canonical_config("fsdp"), 8))
 
 
 @pytest.fixture(scope="module")
 def ep8(trainer_for):
-  return _run(trainer_for(canonical_config("ep"), 8))
+  return run_steps(trainer_for(canonical_config("ep"), 8))
 
 
 def test_golden_first_step(single):
@@ -90,7 +62,7 @@ def test_train_step_traces_once(trainer_for, fsdp8):
   trainer = trainer_for(canonical_config("fsdp"), 8)
   assert trainer.trace_guard is not None
   state = fsdp8["state"]           # the run's last state: the failing call donates nothing
-  batch = _batches(trainer.cfg, 1)[0]
+  batch = random_batches(trainer.cfg, 1)[0]
   bad = put_batch({k: v.astype(np.int16) for k, v in batch.items()}, trainer.mesh)
   with pytest.raises(AssertionError, match=r"traced > 1 times"):
     trainer.train_step(state, bad)

@@ -1,0 +1,36 @@
+"""Every family trains sharded as on one device: each family's tiny preset on 8 fake devices,
+one placement per family (OLMoE's fsdp and ep are tests/train/test_step.py's), against the same
+config on one device, in float32 compute (`compute_dtype`), so the comparison is tight: bf16
+rounding alone moves the gradients of small leaves (the qkv biases) by a few percent.
+
+The other techniques run on the families where their own tests run them: the codec gathers
+Qwen2-MoE's biases and shared expert bit-exactly (tests/codec/test_training.py); admission acts
+on Mixtral's and Qwen2-MoE's routed experts in the sharded step
+(tests/routing/test_sharded_admission.py; its capacity is per device, so a binding capacity
+admits other tokens on 8 devices than on one by design).
+"""
+import jax
+import numpy as np
+import pytest
+
+from tests.helpers import run_steps, tiny_config
+
+FAMILY_PLACEMENTS = {"mixtral": "fsdp", "qwen2_moe": "ep", "qwen3_moe": "fssdp"}
+SETTINGS = {"steps": 3, "compute_dtype": "float32"}
+TOLERANCE = 1e-5   # max |difference| per leaf, relative to its max |gradient| (measured ~5e-7)
+
+
+def family_config(family: str):
+  return tiny_config(family, **{"moe.placement": FAMILY_PLACEMENTS[family]}, **SETTINGS)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_PLACEMENTS))
+def test_sharded_equals_single_device(family, trainer_for):
+  cfg = family_config(family)
+  single = run_steps(trainer_for(cfg, 1))
+  sharded = run_steps(trainer_for(cfg, 8))
+  for path, g1, g8 in zip(jax.tree_util.tree_leaves_with_path(single["grads"]),
+                          jax.tree.leaves(single["grads"]), jax.tree.leaves(sharded["grads"])):
+    scale = np.max(np.abs(g1)) + 1e-12
+    assert np.max(np.abs(g1 - g8)) / scale < TOLERANCE, jax.tree_util.keystr(path[0])
+  np.testing.assert_allclose(sharded["losses"], single["losses"], rtol=1e-6)
