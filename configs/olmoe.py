@@ -13,14 +13,15 @@ Presets:
   tiny  (default)  2 layers, d_model 64, 8 experts top-2, byte-level vocab; trains on CPU.
   1b7b             the published OLMoE-1B-7B shapes (16 layers, d_model 2048, 16 heads,
                    64 experts, top-8, expert hidden 1024, vocab 50304): 6.92B total,
-                   1.28B active parameters.
+                   1.28B active parameters. Reads the checkpoint's tokenizer.json
+                   (data.tokenizer=init_from): fine-tune with --config.init_from=HF_DIR.
 
 Each preset sets only what differs from the typed defaults in moejax/config.py.
 Override any field: --config.moe.placement=ep --config.steps=100
 """
 import ml_collections
 
-from moejax.config import default_config_dict
+from moejax.config import default_config_dict, published_fine_tuning
 
 PRESETS = ("tiny", "1b7b")
 # Published (total, active) parameters and where the figures come from.
@@ -37,11 +38,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   elif preset == "1b7b":
     c.model.update(vocab_size=50304, d_model=2048, num_layers=16, num_heads=16, head_dim=128)
     c.moe.update(num_experts=64, top_k=8, expert_hidden=1024)
-    c.optim.update(lr=4e-4, warmup_steps=2000)
-    c.checkpoint.every = 1000
-    c.steps = 100000
-    c.batch_size = 1024
-    c.seq_len = 4096
+    published_fine_tuning(c)
   else:
     raise ValueError(f"unknown preset {preset!r} for configs/olmoe.py (valid: {', '.join(PRESETS)})")
   return c

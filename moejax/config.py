@@ -441,9 +441,6 @@ def validate(c: Config) -> None:
   _choice(c.data.source, "data.source", DATA_SOURCES)
   _check(c.data.source == "builtin" or bool(c.data.path),
          f"config.data.path is empty: data.source={c.data.source!r} needs a file path")
-  _check(c.data.tokenizer != "init_from" or bool(c.init_from),
-         "config.data.tokenizer='init_from' reads the tokenizer.json beside config.init_from, "
-         "which is empty: set config.init_from=HF_DIR, or config.data.tokenizer=bytes or a path")
   _check(0.0 < c.data.val_fraction < 0.5,
          f"config.data.val_fraction={c.data.val_fraction}: must be in (0, 0.5)")
   o = c.optim

@@ -25,7 +25,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, Sharding
 
 from moejax.config import Config, from_config_dict, upgrade_saved
-from moejax.errors import CheckpointError, MoejaxError
+from moejax.errors import CheckpointError, ConfigError, MoejaxError
 from moejax.sharding import layout as layout_lib
 
 SUBDIR = "checkpoints"    # a run's checkpoints, inside its workdir
@@ -55,6 +55,10 @@ def tokenizer_of(cfg: Config) -> str:
   `cfg.init_from`'s weights; CheckpointError if there is none."""
   if cfg.data.tokenizer != TOKENIZER_FROM_WEIGHTS:
     return cfg.data.tokenizer
+  if not cfg.init_from:
+    raise ConfigError(f"config.data.tokenizer={TOKENIZER_FROM_WEIGHTS!r} reads the tokenizer.json "
+                      "beside config.init_from, which is empty: set config.init_from=HF_DIR, or "
+                      "config.data.tokenizer to 'bytes' or a tokenizer.json")
   found = tokenizer_beside(cfg.init_from)
   if found is None:
     raise CheckpointError(f"config.data.tokenizer={TOKENIZER_FROM_WEIGHTS!r}: no {TOKENIZER_FILE} "

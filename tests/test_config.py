@@ -43,8 +43,9 @@ PRESET_DIFFERENCES = {
     "tiny": {},
     "1b7b": {"model.vocab_size": 50304, "model.d_model": 2048, "model.num_layers": 16,
              "model.num_heads": 16, "model.head_dim": 128, "moe.num_experts": 64, "moe.top_k": 8,
-             "moe.expert_hidden": 1024, "optim.lr": 4e-4, "optim.warmup_steps": 2000,
-             "checkpoint.every": 1000, "steps": 100000, "batch_size": 1024, "seq_len": 4096},
+             "moe.expert_hidden": 1024, "data.tokenizer": "init_from", "optim.lr": 1e-5,
+             "optim.warmup_steps": 100, "checkpoint.every": 500, "steps": 2000,
+             "batch_size": 64, "seq_len": 4096},
 }
 
 
@@ -57,9 +58,9 @@ def test_preset_values(preset):
                        "moe.dispatch_capacity_factor": 0.0,
                        "routing.admission_capacity_factor": 1.25,
                        "routing.admission_capacity_factor_warmup": 2.0, "steps": 200},
-              "1b7b": {"checkpoint.every": 1000, "model.d_model": 2048, "moe.top_k": 8,
+              "1b7b": {"checkpoint.every": 500, "model.d_model": 2048, "moe.top_k": 8,
                        "moe.dispatch_capacity_factor": 0.0,
-                       "routing.admission_capacity_factor": 1.25, "steps": 100000}}[preset]
+                       "routing.admission_capacity_factor": 1.25, "steps": 2000}}[preset]
   assert {k: cfg[k] for k in expected} == expected
 
 
@@ -186,3 +187,18 @@ def test_unwritable_workdir(tmp_path):
   blocker.write_text("x")
   with pytest.raises(ConfigError, match=r"workdir '.*file/run' is not writable"):
     prepare_workdir(str(blocker / "run"))
+
+
+def test_tokenizer_init_from_reads_the_one_beside_the_weights(tmp_path):
+  from moejax import weights
+  from moejax.errors import CheckpointError
+  with pytest.raises(ConfigError, match=r"config.init_from, which is empty"):
+    weights.tokenizer_of(tiny_config(**{"data.tokenizer": "init_from"}))
+  step_dir = tmp_path / "run" / "checkpoints" / "4"
+  step_dir.mkdir(parents=True)
+  cfg = tiny_config(**{"data.tokenizer": "init_from", "init_from": str(step_dir)})
+  with pytest.raises(CheckpointError, match=r"no tokenizer.json beside config.init_from="):
+    weights.tokenizer_of(cfg)
+  (tmp_path / "run" / "tokenizer.json").write_text("{}")    # a workdir's, found from a step dir
+  assert weights.tokenizer_of(cfg) == str(tmp_path / "run" / "tokenizer.json")
+  assert weights.tokenizer_of(tiny_config()) == "bytes"

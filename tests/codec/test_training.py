@@ -1,10 +1,8 @@
 """Training with the compressed all-gather is bit-identical to training without it, whatever the
 codec does between steps: `codec.mode=auto` (plain warm-up, a decision from probed change rates, a
 re-decision on live rates, logged) and then a hand-made mix of every mode (element, block, word,
-delta, plain) installed mid-run in its place. One plain run and one codec run share the first
-compile. The model is Qwen2-MoE's tiny preset: its q/k/v biases and gated shared expert are
-gathered through the codec too. (Block hashes and each mode's fallback are covered gather by
-gather in test_gather.py.)"""
+delta, plain) installed mid-run in its place. One plain run and one codec run share the first compile. (Block hashes
+and each mode's fallback are covered gather by gather in test_gather.py.)"""
 import copy
 import json
 import os
@@ -21,7 +19,6 @@ from moejax.train import codec_control
 from moejax.train.loop import Trainer, put_batch
 from tests.helpers import tiny_config
 
-FAMILY = "qwen2_moe"
 STEPS = 10
 # Decisions after steps 3 and 6; the second is logged, and a hand-made mix of every mode is
 # installed in its place (one compile fewer than installing both).
@@ -45,10 +42,7 @@ def _mixed(gatherer):
             "['moe']['w_up']": spec("block", 0.5),
             "['moe']['w_down']": spec("element", 0.125),
             "['moe']['router']": spec("element", 0.25),
-            "['attn_norm']['scale']": spec("word", 0.125),
-            "['moe']['shared_w_up']": spec("element", 1.0),
-            "['moe']['shared_w_down']": spec("word", 1.0),
-            "['attn']['bq']": spec("word", 1.0)}
+            "['attn_norm']['scale']": spec("word", 0.125)}
   for path in ("['attn']['wq']", "['attn']['wk']", "['attn']['wv']", "['attn']['wo']"):
     if path in gatherer.specs["layers"]:
       layers[path] = gatherer.specs["layers"][path]
@@ -60,13 +54,13 @@ def _mixed(gatherer):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("codec"))
-  plain = Trainer(tiny_config(FAMILY, **SETTINGS), mesh=make_mesh((2, 4), jax.devices()[:8]))
+  plain = Trainer(tiny_config(**SETTINGS), mesh=make_mesh((2, 4), jax.devices()[:8]))
   trainer = copy.copy(plain)          # shares the plain step (and its compile) until a decision
   trainer._compiled = dict(plain._compiled)
   lines = []
   controller = codec_control.CodecPolicy(
       trainer.layout.gatherer, trainer.mesh,
-      tiny_config(FAMILY, **SETTINGS, **{"codec.mode": "auto"}).codec, workdir=workdir,
+      tiny_config(**SETTINGS, **{"codec.mode": "auto"}).codec, workdir=workdir,
       log=lines.append)
   s_plain, s_codec = plain.init_state(), trainer.init_state()
   compiled = trainer.compiled(trainer.layout.gatherer.specs)

@@ -26,8 +26,16 @@ def prompt():
   return np.random.default_rng(0).integers(0, 256, (2, 5)).astype(np.int32)
 
 
-def test_cached_logits_equal_the_full_forward(model, prompt):
-  cfg, params = model
+def _family_model(family):
+  cfg = tiny_config(family, **{"model.init_std": 0.1})   # logits that vary: routing matters
+  return cfg, olmoe.init_params(cfg, jax.random.key(1))
+
+
+@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "qwen3_moe"])
+def test_cached_logits_equal_the_full_forward(family, model, prompt):
+  """OLMoE; Qwen2-MoE: grouped-query cache of 2 kv heads, qkv biases, gated shared expert;
+  Qwen3-MoE: per-head QK-norm."""
+  cfg, params = model if family == "olmoe" else _family_model(family)
   tokens_BxN, logits_BxNxV = decode.generate(cfg, params, prompt, max_new_tokens=NEW)
   assert tokens_BxN.shape == (2, prompt.shape[1] + NEW)
   np.testing.assert_array_equal(tokens_BxN[:, :prompt.shape[1]], prompt)

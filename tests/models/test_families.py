@@ -1,5 +1,6 @@
 """The family presets (configs/FAMILY.py): they build, count their parameters exactly and match
-the published sizes; every family's tiny preset trains a step on one device."""
+the published sizes. (Each family's tiny preset trains sharded and on one device in
+tests/train/test_families.py.)"""
 from __future__ import annotations
 
 import math

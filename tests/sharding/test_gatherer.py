@@ -2,6 +2,7 @@
 a small declared model on 8 fake devices, plain and compressed leaves side by side."""
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -109,3 +110,56 @@ def test_gather_maps_leaves_to_the_hook_and_sums_by_report_group():
   assert float(stats_layer[ax.NORMS]["bytes_sent"]) == 0           # replicated: no gather
   assert float(stats_embed[ax.EMBEDDINGS]["dense"]) == 1            # first gather fills caches
   assert float(stats_embed[ax.EMBEDDINGS]["bytes_plain"]) == 2 * 8 * 2
+
+
+def test_a_familys_new_parameters_gather_compressed_bit_exactly():
+  """Qwen2-MoE's tiny preset (q/k/v biases, a gated shared expert, grouped-query k/v): every
+  sharded leaf of a layer goes through the codec and arrives bit-exact, the first gather filling
+  the caches, the second patching the values that changed."""
+  from moejax.models import olmoe
+  from tests.helpers import tiny_config
+  meta = olmoe.param_meta(tiny_config("qwen2_moe"))
+  mesh = make_mesh((1, -1))
+  layouts = layout_lib.param_layouts(meta, "fsdp", N)
+  spec = codec.CodecSpec("element", warmup_steps=0, capacity_fraction=0.5)
+  g = Gatherer.create(meta, layouts, N, spec)
+  compressed = set(g.specs["layers"])
+  assert {"['attn']['bq']", "['attn']['bk']", "['moe']['shared_w_gate']",
+          "['moe']['shared_gate']"} <= compressed
+  shapes = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, jnp.float32), meta["layers"])
+  specs = layout_lib.param_specs(shapes, layouts["layers"])
+  rng = np.random.default_rng(0)
+  host = jax.tree.map(lambda m: rng.normal(size=m.shape).astype(np.float32), meta["layers"])
+  put = lambda tree: jax.tree.map(  # noqa: E731
+      lambda x, s: jax.device_put(jnp.asarray(x), NamedSharding(mesh, s)), tree, specs)
+
+  def body(params, states):
+    states = squeeze_device_axis(states)
+    layer0 = jax.tree.map(lambda x: x[0], params)
+    state0 = jax.tree.map(lambda x: x[0], states)
+    full, new_states, stats = g.gather("layers", layer0, state0)
+    return full, expand_device_axis(new_states), stats[PARAM_STATS]
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DEVICES)),
+                            out_specs=(P(), P(DEVICES), P()), check_vma=False))
+  states = g.init_states(mesh)["layers"]
+  set_layer0 = jax.jit(lambda states, new: jax.tree.map(lambda s, n: s.at[:, 0].set(n), states,
+                                                        new))
+  dense = hook.STAT_KEYS.index("dense")
+  new_states = None
+  for step in range(2):
+    if step:      # a few values change: the patches carry them
+      host = jax.tree.map(lambda x: np.where(rng.random(x.shape) < 0.05, x * 1.5, x), host)
+      states = set_layer0(states, new_states)
+    full, new_states, rows = f(put(host), states)
+    for path, x in jax.tree_util.tree_leaves_with_path(full):
+      want = _leaf(host, path)[0].astype(ml_dtypes.bfloat16)     # round to nearest even
+      np.testing.assert_array_equal(np.asarray(x).view(np.uint16), want.view(np.uint16),
+                                    err_msg=jax.tree_util.keystr(path))
+    assert {p: float(r[dense]) for p, r in rows.items()} == dict.fromkeys(compressed, 1.0 - step)
+
+
+def _leaf(tree, path):
+  for entry in path:
+    tree = tree[entry.key]
+  return tree

@@ -1,0 +1,98 @@
+"""Every model family trains: each family's tiny preset side by side, and (full run) every
+family under every placement on 8 fake devices against the same family on one device.
+
+  python bench/families.py --quick     # each tiny preset, 200 steps on 1 device (~3 min on 2 cores)
+  python bench/families.py             # plus the family x placement matrix on 8 devices
+
+Quick: each family's `tiny` preset (configs/FAMILY.py) trains `--steps` steps on the built-in
+corpus through `moejax.train.loop.run` on one device; printed per family: parameters (total,
+active), first and last logged loss, their ratio (the target: below 0.6), median step time.
+Full: the same for fsdp, ep and fssdp on 8 devices (`--matrix-steps` steps), with each run's
+first-step loss against the family's one-device first-step loss (same data, same initial
+weights: they differ by bf16 rounding only). Ends with one JSON line.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import importlib  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from moejax.config import from_config_dict, num_params  # noqa: E402
+from moejax.families import FAMILIES  # noqa: E402
+from moejax.placement import PLACEMENTS  # noqa: E402
+from moejax.sharding.mesh import make_mesh  # noqa: E402
+from moejax.train.loop import Trainer, run  # noqa: E402
+
+TARGET_RATIO = 0.6
+
+
+def tiny(family: str, steps: int, placement: str = "fsdp"):
+  cd = importlib.import_module(f"configs.{family}").get_config("tiny")
+  cd.steps, cd.log_every, cd.eval_every = steps, 1, steps
+  cd.checkpoint.every = 0
+  cd.moe.placement = placement
+  return from_config_dict(cd)
+
+
+def train(cfg, devices: int) -> dict:
+  trainer = Trainer(cfg, mesh=make_mesh((1, -1), jax.devices()[:devices]))
+  with tempfile.TemporaryDirectory() as workdir:
+    run(cfg, workdir, trainer=trainer)
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      records = [r for r in map(json.loads, f) if "loss" in r]
+  losses = [r["loss"] for r in records]
+  times = [r["step_time_s"] for r in records[1:]]       # the first step includes the compile
+  counts = num_params(cfg)
+  return {"total": counts["total"], "active": counts["active"], "first_loss": losses[0],
+          "last_loss": losses[-1], "ratio": losses[-1] / losses[0],
+          "s_per_step": float(np.median(times))}
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="the tiny presets on 1 device only")
+  parser.add_argument("--steps", type=int, default=200)
+  parser.add_argument("--matrix-steps", type=int, default=30)
+  args = parser.parse_args(argv)
+  out = {"quick": {}, "matrix": {}}
+  print(f"{'family':<10} {'total':>9} {'active':>9} {'loss 1':>7} {'loss N':>7} {'ratio':>6} "
+        f"{'s/step':>7}")
+  for family in FAMILIES:
+    r = train(tiny(family, args.steps), 1)
+    out["quick"][family] = r
+    print(f"{family:<10} {r['total']:>9,} {r['active']:>9,} {r['first_loss']:>7.3f} "
+          f"{r['last_loss']:>7.3f} {r['ratio']:>6.3f} {r['s_per_step']:>7.3f}", flush=True)
+  failed = [f for f, r in out["quick"].items() if not r["ratio"] < TARGET_RATIO]
+  print(f"target: last loss below {TARGET_RATIO} x first for every family: "
+        f"{'met' if not failed else 'missed for ' + ', '.join(failed)}")
+  if not args.quick:
+    print(f"\n{'family':<10} {'placement':<9} {'loss 1 vs 1 device':>19} {'ratio':>6} "
+          f"{'s/step':>7}")
+    for family in FAMILIES:
+      reference = train(tiny(family, 1), 1)["first_loss"]
+      for placement in PLACEMENTS:
+        r = train(tiny(family, args.matrix_steps, placement), 8)
+        r["first_loss_rel_diff"] = abs(r["first_loss"] - reference) / reference
+        out["matrix"][f"{family}/{placement}"] = r
+        print(f"{family:<10} {placement:<9} {r['first_loss_rel_diff']:>19.2e} "
+              f"{r['ratio']:>6.3f} {r['s_per_step']:>7.3f}", flush=True)
+  print(json.dumps(out))
+  return 0 if not failed else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
