@@ -165,17 +165,37 @@ def pytest_runtest_protocol(item, nextitem):
 _GROUP_OF = {f: g for g, files in XDIST_GROUPS.items() for f in files}
 
 
+# Seconds each heavy unit takes under `-n 2` (the "test s" column of a clean-clone run; the
+# others take a few seconds). Units start longest first, so no long unit is left for the end
+# while the other worker idles; only the order matters, not the figures.
+UNIT_SECONDS = {"tiny8": 250, "codec_auto": 200, "tests/codec/test_training.py": 105,
+                "tests/placement/test_fssdp_train.py": 95, "tests/codec/test_kernels.py": 70,
+                "tests/train/test_families.py": 70, "tests/routing/test_sharded_admission.py": 30,
+                "tests/convert/test_fine_tune.py": 37, "tests/models/test_decode.py": 30,
+                "tests/codec/test_gather.py": 31, "tests/sharding/test_gatherer.py": 30,
+                "tests/convert/test_hf_parity.py": 25}
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
   """Like --dist loadfile (a file's tests run on one worker, in order), with the files of one
-  XDIST_GROUPS entry as one unit. (Not --dist loadgroup: xdist 3.8 groups by rewriting node ids,
-  which pytest 9 ignores.)"""
+  XDIST_GROUPS entry as one unit, and the units handed out longest first (`UNIT_SECONDS`).
+  (Not --dist loadgroup: xdist 3.8 groups by rewriting node ids, which pytest 9 ignores. Not
+  xdist's own reordering, by number of tests: a slow file of one test would start last.)"""
   from xdist.scheduler import LoadScopeScheduling
 
   class FileGroupScheduling(LoadScopeScheduling):
     def _split_scope(self, nodeid):
       path = nodeid.split("::")[0]
       return _GROUP_OF.get(path, path)
+
+    def schedule(self):
+      if self.collection is None:     # the first call: order every worker's collection alike
+        self.config.option.loadscopereorder = False
+        cost = lambda nodeid: -UNIT_SECONDS.get(self._split_scope(nodeid), 0)  # noqa: E731
+        for node, collection in self.registered_collections.items():
+          self.registered_collections[node] = sorted(collection, key=cost)   # stable
+      super().schedule()
 
   return FileGroupScheduling(config, log)
 

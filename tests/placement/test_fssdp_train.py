@@ -2,7 +2,9 @@
 re-shard; SparseAllGather / SparseReduceScatter move exactly the planned replicas; a run
 interrupted and resumed across a re-shard equals an uninterrupted one, bit for bit.
 
-One fssdp Trainer (compiled once) serves the in-process steps and the `run` calls."""
+The model is Qwen3-MoE's tiny preset (grouped-query attention, QK-norm per head): FSSDP on a
+family other than OLMoE. One fssdp Trainer (compiled once) serves the in-process steps and the
+`run` calls."""
 import contextlib
 import json
 import os
@@ -24,6 +26,7 @@ from moejax.train import checkpoint as ckpt
 from moejax.train.loop import Trainer, put_batch, run
 from tests.helpers import tiny_config
 
+FAMILY = "qwen3_moe"
 STEPS = 6
 # run(): 8 steps, re-shards after steps 3 and 6, checkpoints at 4 and 8.
 RUN = {"batch_size": 16, "seq_len": 32, "mesh.shape": (2, 4), "steps": 8, "log_every": 1,
@@ -41,7 +44,7 @@ def _batches(n):
 
 
 def _trainer(placement):
-  return Trainer(tiny_config(**RUN, **{"moe.placement": placement}))
+  return Trainer(tiny_config(FAMILY, **RUN, **{"moe.placement": placement}))
 
 
 def _skewed(cfg):
@@ -87,7 +90,7 @@ def fssdp_run(fssdp_trainer):
 
 
 def is_expert_param(path, expert_paths=axes.expert_paths(
-    olmoe.param_meta(tiny_config(**{"moe.placement": "fssdp"})))):
+    olmoe.param_meta(tiny_config(FAMILY, **{"moe.placement": "fssdp"})))):
   return any(axes.ends_with(path, names) for names in expert_paths)
 
 
