@@ -55,7 +55,8 @@ def train(cfg, devices: int) -> dict:
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
       records = [r for r in map(json.loads, f) if "loss" in r]
   losses = [r["loss"] for r in records]
-  times = [r["step_time_s"] for r in records[1:]]       # the first step includes the compile
+  # The first step includes the compile; a one-step run (a reference loss) has only that one.
+  times = [r["step_time_s"] for r in records[1:]] or [records[0]["step_time_s"]]
   counts = num_params(cfg)
   return {"total": counts["total"], "active": counts["active"], "first_loss": losses[0],
           "last_loss": losses[-1], "ratio": losses[-1] / losses[0],

@@ -142,9 +142,9 @@ class ModelShape:
 
 
 def shape_of(cfg) -> ModelShape:
-  """The shape record of a moejax `Config` (an OLMoE-style decoder: MHA with QK-norm, SwiGLU
-  experts, untied embeddings). Optional fields later presets may add (`num_kv_heads`,
-  `shared_expert_hidden`, `dense_layers`) are read when present."""
+  """The shape record of a moejax `Config` (any family: grouped-query or multi-head attention,
+  QK-norm or none, a shared expert or none; SwiGLU experts, untied embeddings). Fields later
+  presets may add (`dense_layers`) are read when present."""
   m, moe = cfg.model, cfg.moe
   return ModelShape(
       name=getattr(cfg, "name", "") or f"moejax d{m.d_model} L{m.num_layers} E{moe.num_experts}",
@@ -155,7 +155,8 @@ def shape_of(cfg) -> ModelShape:
       shared_hidden=getattr(moe, "shared_expert_hidden", 0) or 0,
       dense_layers=getattr(m, "dense_layers", 0) or 0,
       dense_hidden=getattr(m, "dense_hidden", 0) or 0,
-      qk_norm=True, tied_embeddings=False, source="moejax config")
+      qk_norm=getattr(m, "qk_norm", "full") != "none", tied_embeddings=False,
+      source="moejax config")
 
 
 def _olmoe_1b7b() -> ModelShape:
