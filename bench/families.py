@@ -1,7 +1,7 @@
 """Every model family trains: each family's tiny preset side by side, and (full run) every
 family under every placement on 8 fake devices against the same family on one device.
 
-  python bench/families.py --quick     # each tiny preset, 200 steps on 1 device (~3 min on 2 cores)
+  python bench/families.py --quick     # each tiny preset, 200 steps on 1 device (~2 min on 2 cores)
   python bench/families.py             # plus the family x placement matrix on 8 devices
 
 Quick: each family's `tiny` preset (configs/FAMILY.py) trains `--steps` steps on the built-in

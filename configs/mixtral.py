@@ -36,7 +36,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   elif preset == "8x7b":
     c.model.update(vocab_size=32000, d_model=4096, num_layers=32, num_heads=32, num_kv_heads=8,
                    head_dim=128, rope_theta=1e6)
-    c.moe.update(num_experts=8, top_k=2, expert_hidden=14336, aux_loss_weight=0.02)
+    # Mixtral trains with no router z-loss.
+    c.moe.update(num_experts=8, top_k=2, expert_hidden=14336, aux_loss_weight=0.02,
+                 z_loss_weight=0.0)
     published_fine_tuning(c)
   else:
     raise ValueError(f"unknown preset {preset!r} for configs/mixtral.py (valid: "

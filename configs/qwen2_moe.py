@@ -37,7 +37,7 @@ def _family(c) -> None:
 
 def _published(c) -> None:
   c.model.update(vocab_size=151936, rope_theta=1e6, norm_eps=1e-6, head_dim=128)
-  c.moe.update(aux_loss_weight=0.001)
+  c.moe.update(aux_loss_weight=0.001, z_loss_weight=0.0)   # no router z-loss in Qwen2-MoE
   published_fine_tuning(c)
 
 

@@ -36,7 +36,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   elif preset == "30b_a3b":
     c.model.update(vocab_size=151936, d_model=2048, num_layers=48, num_heads=32, num_kv_heads=4,
                    head_dim=128, rope_theta=1e6, norm_eps=1e-6)
-    c.moe.update(num_experts=128, top_k=8, expert_hidden=768, aux_loss_weight=0.001)
+    c.moe.update(num_experts=128, top_k=8, expert_hidden=768, aux_loss_weight=0.001,
+                 z_loss_weight=0.0)   # Qwen3-MoE trains with no router z-loss
     published_fine_tuning(c)
   else:
     raise ValueError(f"unknown preset {preset!r} for configs/qwen3_moe.py (valid: "

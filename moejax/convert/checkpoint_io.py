@@ -50,12 +50,33 @@ def _find_hf_config(path: str) -> dict | None:
   return None
 
 
+def _init_from_hf_config(cfg: Config) -> dict | None:
+  """The Hugging Face config.json a run started from (`cfg.init_from`: a Hugging Face directory
+  or a from-hf output), if it is of the run's family: what a fine-tuned workdir exports with."""
+  if not cfg.init_from or not os.path.isdir(cfg.init_from):
+    return None
+  found = _find_hf_config(cfg.init_from)
+  if found is None and is_hf_dir(cfg.init_from):
+    try:
+      with open(os.path.join(cfg.init_from, "config.json")) as f:
+        found = json.load(f)
+    except (OSError, ValueError):
+      return None
+  from moejax.convert.hf_config import FAMILY_SPECS
+  if not isinstance(found, dict) or (
+      found.get("model_type") != FAMILY_SPECS[cfg.model.family].model_type):
+    return None
+  return found
+
+
 def load_params(path: str, step: int | None = None) -> tuple[Config, dict, dict | None]:
   """(Config, host params, imported config.json or None) from a from-hf output directory, a
-  training workdir, its checkpoints/ directory, or one step's directory."""
+  training workdir, its checkpoints/ directory, or one step's directory. A workdir's run that
+  started from Hugging Face weights (`init_from`) gives that checkpoint's config.json."""
   cfg = weights.load_config(path, step)
   params = weights.load_params(path, step)
-  return cfg, params, _find_hf_config(path)
+  hf_config = _find_hf_config(path)
+  return cfg, params, hf_config if hf_config is not None else _init_from_hf_config(cfg)
 
 
 TOKENIZER_FILE = weights.TOKENIZER_FILE

@@ -35,7 +35,6 @@ from moejax.config import Config, validate
 from moejax.errors import CheckpointError, ConfigError
 from moejax.families import FAMILIES
 
-DEFAULT_ROPE_THETA = 10000.0   # the families' default when config.json names none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +47,9 @@ class FamilySpec:
   expert_hidden_key: str               # ... of one routed expert's hidden width
   renormalize_key: str | None          # ... of top-k renormalization; None: always on
   experts_aliases: tuple = ()          # other names the experts per layer are read under
+  # transformers' defaults for fields a config.json may leave out
+  default_rope_theta: float = 10000.0
+  default_norm_eps: float = 1e-5
   shared_expert: bool = False          # a gated shared expert in every layer (Qwen2-MoE)
   qkv_bias_key: str | None = None      # ... of q/k/v biases; None: never
   qkv_bias_default: bool = False
@@ -73,18 +75,21 @@ FAMILY_SPECS = {
             ("attention_bias", False, "moejax attention projections have no bias"))),
     "mixtral": FamilySpec(
         "mixtral", "MixtralForCausalLM", "none", "num_local_experts", "intermediate_size", None,
+        default_rope_theta=1e6,
         required=_COMMON_REQUIRED + (
             ("sliding_window", None, "moejax attends to the whole sequence"),
             ("router_jitter_noise", 0.0, "moejax's router adds no noise"))),
     "qwen2_moe": FamilySpec(
         "qwen2_moe", "Qwen2MoeForCausalLM", "none", "num_experts", "moe_intermediate_size",
         "norm_topk_prob", shared_expert=True, qkv_bias_key="qkv_bias", qkv_bias_default=True,
+        default_norm_eps=1e-6,
         required=_COMMON_REQUIRED + _NO_DENSE_LAYERS,
         export_defaults=(("decoder_sparse_step", 1), ("mlp_only_layers", []),
                          ("use_sliding_window", False))),
     "qwen3_moe": FamilySpec(
         "qwen3_moe", "Qwen3MoeForCausalLM", "head", "num_experts", "moe_intermediate_size",
         "norm_topk_prob", experts_aliases=("num_local_experts",),   # transformers 5 writes it
+        default_norm_eps=1e-6,
         required=_COMMON_REQUIRED + _NO_DENSE_LAYERS + (
             ("attention_bias", False, "moejax attention projections have no bias"),),
         export_defaults=(("decoder_sparse_step", 1), ("mlp_only_layers", []),
@@ -109,9 +114,9 @@ def _refuse(where: str, key: str, value, why: str):
   raise CheckpointError(f"{where}: {key}={value!r} is not supported: {why}")
 
 
-def _rope_theta(hf: dict, where: str) -> float:
+def _rope_theta(hf: dict, where: str, default: float) -> float:
   rope = hf.get("rope_parameters") or hf.get("rope_scaling")
-  theta = hf.get("rope_theta", DEFAULT_ROPE_THETA)
+  theta = hf.get("rope_theta", default)
   if rope is not None:
     key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     if not isinstance(rope, dict):
@@ -175,7 +180,7 @@ def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
     _refuse(where, "shared_expert_intermediate_size", hf.get("shared_expert_intermediate_size"),
             "a positive width is needed (the shared expert is always there)")
   _head_dim(hf, spec, where)
-  _rope_theta(hf, where)
+  _rope_theta(hf, where, spec.default_rope_theta)
   return spec
 
 
@@ -199,8 +204,8 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       qk_norm=spec.qk_norm,
       qkv_bias=(_get(hf, spec.qkv_bias_key, bool, where, spec.qkv_bias_default)
                 if spec.qkv_bias_key else False),
-      rope_theta=_rope_theta(hf, where),
-      norm_eps=_get(hf, "rms_norm_eps", float, where, 1e-5),
+      rope_theta=_rope_theta(hf, where, spec.default_rope_theta),
+      norm_eps=_get(hf, "rms_norm_eps", float, where, spec.default_norm_eps),
       init_std=_get(hf, "initializer_range", float, where, base.model.init_std))
   moe = dataclasses.replace(
       base.moe,
@@ -263,7 +268,8 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
   hf = copy.deepcopy(base) if base else {
       "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
       "max_position_embeddings": 4096, "use_cache": True, **dict(spec.export_defaults)}
-  for stale in ("torch_dtype", "dtype", "transformers_version", "head_dim"):
+  for stale in ("torch_dtype", "dtype", "transformers_version", "head_dim",
+                *spec.experts_aliases):
     hf.pop(stale, None)
   hf.update({
       "architectures": [spec.architecture],

@@ -19,7 +19,8 @@ from flax import nnx
 
 from moejax.layers.matmul import dense
 from moejax.layers.norm import rms_norm
-from moejax.sharding.axes import ATTENTION, EMBED, HEADS, KV_HEADS, NORM, NORMS, Q_HEADS, param
+from moejax.sharding.axes import (ATTENTION, BIASES, EMBED, HEADS, KV_HEADS, NORM, NORMS, Q_HEADS,
+                                  param)
 
 QK_NORMS = ("full", "head", "none")
 
@@ -50,9 +51,10 @@ class Attention(nnx.Module):
                norm_eps: float, init_std: float, rngs: nnx.Rngs, num_kv_heads: int = 0,
                qk_norm: str = "full", qkv_bias: bool = False):
     num_kv_heads = num_kv_heads or num_heads
-    if qk_norm not in QK_NORMS or num_heads % num_kv_heads:
-      raise ValueError(f"qk_norm={qk_norm!r} (valid: {QK_NORMS}), {num_heads} heads over "
-                       f"{num_kv_heads} kv heads")
+    if qk_norm not in QK_NORMS:
+      raise ValueError(f"qk_norm={qk_norm!r}: must be one of {', '.join(QK_NORMS)}")
+    if num_heads % num_kv_heads:
+      raise ValueError(f"num_kv_heads={num_kv_heads} does not divide num_heads={num_heads}")
     q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
     init = jax.nn.initializers.normal(init_std)
     self.wq = param(init(rngs.params(), (d_model, q_width), jnp.float32), (EMBED, Q_HEADS),
@@ -64,9 +66,9 @@ class Attention(nnx.Module):
     self.wo = param(init(rngs.params(), (q_width, d_model), jnp.float32), (HEADS, EMBED),
                     ATTENTION)
     if qkv_bias:
-      self.bq = param(jnp.zeros((q_width,), jnp.float32), (Q_HEADS,), ATTENTION)
-      self.bk = param(jnp.zeros((kv_width,), jnp.float32), (KV_HEADS,), ATTENTION)
-      self.bv = param(jnp.zeros((kv_width,), jnp.float32), (KV_HEADS,), ATTENTION)
+      self.bq = param(jnp.zeros((q_width,), jnp.float32), (Q_HEADS,), BIASES)
+      self.bk = param(jnp.zeros((kv_width,), jnp.float32), (KV_HEADS,), BIASES)
+      self.bv = param(jnp.zeros((kv_width,), jnp.float32), (KV_HEADS,), BIASES)
     if qk_norm != "none":
       q_norm, k_norm = (q_width, kv_width) if qk_norm == "full" else (head_dim, head_dim)
       self.q_norm = param(jnp.ones((q_norm,), jnp.float32), (NORM,), NORMS)

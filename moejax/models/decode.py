@@ -1,8 +1,8 @@
-"""Inference for the decoder (every family): a forward pass over new tokens that reads and extends a KV
-cache, so each generated token costs one position, not the whole sequence.
+"""Inference for the decoder (every family): a forward pass over new tokens that reads and
+extends a KV cache, so each generated token costs one position, not the whole sequence.
 
-Letters: B batch, S new tokens, T cache length (max positions), L layers, G key/value heads,
-Dh head width.
+Letters: B batch, S new tokens, T cache length (max positions), L layers, H query heads, G
+key/value heads, Dh head width.
 
 `forward_cached` runs the same layers as `olmoe.forward` (the same modules, one device), with
 attention over the cache's first `start + S` positions. Routing has no admission here:

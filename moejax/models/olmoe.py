@@ -32,7 +32,7 @@ from moejax.layers.moe import MoEBlock, MoESpec
 from moejax.layers.norm import RMSNorm, rms_norm
 from moejax.sharding import axes
 from moejax.sharding.axes import EMBED, EMBEDDINGS, NORM, NORMS, VOCAB, param
-from moejax.sharding.hook import local_gather
+from moejax.sharding.hook import COMPUTE_DTYPES, local_gather
 from moejax.sharding.prefetch import scan_layers
 
 
@@ -121,17 +121,18 @@ def layer_from_params(cfg: Config, layer_params: dict) -> DecoderLayer:
   return nnx.merge(graphdef, state)
 
 
-def forward(cfg: Config, params: dict, tokens_BxS, *, gather=local_gather,
+def forward(cfg: Config, params: dict, tokens_BxS, *, gather=None,
             dispatch: Dispatch = LOCAL, axis_name=None, remat: str = "full",
             prefetch: bool = False, step=0):
-  """Returns (logits_BxSxV fp32, aux) with aux a dict of per-layer arrays [L, ...]."""
+  """Returns (logits_BxSxV fp32, aux) with aux a dict of per-layer arrays [L, ...]. `gather`
+  None: whole parameters cast to `cfg.compute_dtype` (`hook.local_gather`)."""
   logits, aux_L, _, _ = forward_with_state(cfg, params, tokens_BxS, gather=gather,
                                            dispatch=dispatch, axis_name=axis_name, remat=remat,
                                            prefetch=prefetch, step=step)
   return logits, aux_L
 
 
-def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=local_gather,
+def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
                        states=None, dispatch: Dispatch = LOCAL, axis_name=None,
                        remat: str = "full", prefetch: bool = False, step=0,
                        predicted_load_LxE=None, expert_owners_L=None):
@@ -145,6 +146,8 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=local_ga
   Returns (logits_BxSxV, aux_L, new_states, stats) with stats {group: stats of its gathers}
   (the layer group's stacked over L).
   """
+  if gather is None:
+    gather = functools.partial(local_gather, dtype=COMPUTE_DTYPES[cfg.compute_dtype])
   states = states if states is not None else {g: None for g in params}
   new_states, stats = {}, {}
 

@@ -46,7 +46,8 @@ BLOCK_CHANGE_RATES: dict[str, dict[str, float]] = {
     # layer norm 0.00 and 0.13 and attention / router / experts in 0.66-0.84).
     "OLMoE-1B-7B": {"experts": 0.22, "attention": 0.96, "router": 0.94, "norms": 0.64,
                     "embeddings": 0.65},
-    "DeepSeek-MoE-16B": {"experts": 0.66, "shared": 0.66, "dense": 0.66, "attention": 0.81,
+    "DeepSeek-MoE-16B": {"experts": 0.66, "shared_experts": 0.66, "dense": 0.66,
+                         "attention": 0.81,
                          "router": 0.84, "norms": 0.00, "embeddings": 0.48},
     "MiniCPM-MoE-8x2B": {"experts": 0.80, "attention": 0.88, "router": 0.80, "norms": 0.13,
                          "embeddings": 0.66},

@@ -39,6 +39,11 @@ class ModelShape:
   qk_rope_dim: int = 0
   """MLA: the rotary part of head_dim (head_dim = nope + rope)."""
   qk_norm: bool = False
+  qk_norm_per_head: bool = False
+  """QK-norm scales of one head's width (Qwen3) rather than of all heads' (OLMoE)."""
+  qkv_bias: bool = False
+  shared_gate: bool = False
+  """A sigmoid gate (one D-vector) on the shared expert (Qwen2-MoE)."""
   shared_hidden: int = 0
   """Total hidden width of the shared experts (0: none)."""
   dense_layers: int = 0
@@ -70,11 +75,15 @@ class ModelShape:
             d * self.kv_heads * vd, h * vd * d]
 
   def attention_params(self) -> int:
-    return sum(self.attention_matrices())
+    bias = (self.num_heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
+    return sum(self.attention_matrices()) + bias
 
   def norm_params(self) -> int:
     """Layer norms of one layer (two, plus QK-norms)."""
-    extra = 2 * self.num_heads * self.head_dim if self.qk_norm else 0
+    extra = 0
+    if self.qk_norm:
+      extra = (2 * self.head_dim if self.qk_norm_per_head
+               else (self.num_heads + self.kv_heads) * self.head_dim)
     return 2 * self.d_model + extra
 
   def expert_params(self) -> int:
@@ -85,7 +94,7 @@ class ModelShape:
     return self.d_model * self.num_experts
 
   def shared_params(self) -> int:
-    return 3 * self.d_model * self.shared_hidden
+    return 3 * self.d_model * self.shared_hidden + (self.d_model if self.shared_gate else 0)
 
   def dense_params(self) -> int:
     return 3 * self.d_model * self.dense_hidden
@@ -100,7 +109,7 @@ class ModelShape:
       out["router"] = self.router_params()
       out["experts"] = self.num_experts * self.expert_params()
       if self.shared_hidden:
-        out["shared"] = self.shared_params()
+        out["shared_experts"] = self.shared_params()
     else:
       out["dense"] = self.dense_params()
     return out
@@ -128,7 +137,7 @@ class ModelShape:
       out["router"] = big(self.router_params())
       out["experts"] = 3 * self.num_experts * big(self.d_model * self.expert_hidden)
       if self.shared_hidden:
-        out["shared"] = 3
+        out["shared_experts"] = 3
     else:
       out["dense"] = 3
     return out
@@ -155,8 +164,8 @@ def shape_of(cfg) -> ModelShape:
       shared_hidden=getattr(moe, "shared_expert_hidden", 0) or 0,
       dense_layers=getattr(m, "dense_layers", 0) or 0,
       dense_hidden=getattr(m, "dense_hidden", 0) or 0,
-      qk_norm=getattr(m, "qk_norm", "full") != "none", tied_embeddings=False,
-      source="moejax config")
+      qk_norm=m.qk_norm != "none", qk_norm_per_head=m.qk_norm == "head", qkv_bias=m.qkv_bias,
+      shared_gate=moe.shared_expert_gate, tied_embeddings=False, source="moejax config")
 
 
 def _olmoe_1b7b() -> ModelShape:

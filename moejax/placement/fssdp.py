@@ -142,16 +142,17 @@ def fssdp_experts(x_TxD, experts_TxK, weights_TxK, plan, w_gate, w_up, w_down, *
   y_TxD, dropped, received = exchange(x_TxD, dest_A, local_id_A, weights_TxK, w_gate, w_up,
                                       w_down, dispatch=dispatch,
                                       num_groups=c + dispatch.replica_slots)
-  stats = placement_stats(received, dest_A, dispatch, x_TxD.shape[-1])
+  stats = placement_stats(received, dest_A, dispatch, x_TxD.shape[-1], x_TxD.dtype.itemsize)
   stats["replicas"] = plan.num_replicas.astype(jnp.float32) / n
   return y_TxD, dropped, stats
 
 
-def ep_stats(experts_TxK, received, dispatch: Dispatch, d_model: int, num_local: int):
+def ep_stats(experts_TxK, received, dispatch: Dispatch, d_model: int, num_local: int,
+             itemsize: int = 2):
   expert_A = experts_TxK.reshape(-1)
   n = dispatch.num_devices
   dest_A = jnp.where(expert_A < num_local * n, expert_A // num_local, n)
-  stats = placement_stats(received, dest_A, dispatch, d_model)
+  stats = placement_stats(received, dest_A, dispatch, d_model, itemsize)
   stats["replicas"] = jnp.zeros((), jnp.float32)
   return stats
 

@@ -59,6 +59,7 @@ class Placement:
   # Paths (key names) of the parameters holding one matrix per expert, as the model declares
   # them (`moejax.sharding.axes.expert_paths`), e.g. ("layers", "moe", "w_up").
   expert_paths: tuple = ()
+  itemsize: int = 2                   # bytes of one compute-dtype value (config.compute_dtype)
 
   # -- static ------------------------------------------------------------------------------------
   @property
@@ -94,8 +95,8 @@ class Placement:
 
   @property
   def expert_bytes(self) -> int:
-    """bf16 bytes of one expert's three matrices."""
-    return 3 * self.d_model * self.expert_hidden * 2
+    """Bytes of one expert's three matrices in the compute dtype."""
+    return 3 * self.d_model * self.expert_hidden * self.itemsize
 
   # -- state -------------------------------------------------------------------------------------
   def init_state(self) -> FssdpState | None:
@@ -141,7 +142,7 @@ class Placement:
     if self.kind == "ep" and n > 1:
       metrics["a2a_bytes"] = self.num_layers * ep_a2a_bytes(
           tokens_per_device, self.top_k, self.d_model, n, self.dispatch_capacity_factor,
-          remat=remat)
+          remat=remat, itemsize=self.itemsize)
     if self.kind == "fssdp":
       m, layers = self.replica_slots, self.num_layers
       buffer = (n - 1) / n * n * m * self.expert_bytes
@@ -167,7 +168,8 @@ class Placement:
     resharding = reshard.plan_reshard(
         np.asarray(planner.predict(pstate.history)), np.asarray(pstate.owner_LxE),
         self.num_devices, self.devices_per_node, max_per_layer=self.max_per_layer,
-        bytes_per_expert=self.expert_bytes * 2 * 3)   # fp32 weights and two Adam moments
+        # fp32 master weights and two Adam moments, whatever the compute dtype
+        bytes_per_expert=3 * self.d_model * self.expert_hidden * 4 * 3)
     params, opt_state = self.permute((params, opt_state), resharding.perm_LxE, shardings,
                                      donate=True)
     owner = jax.device_put(resharding.owner_LxE, pstate.owner_LxE.sharding)

@@ -17,7 +17,8 @@ Logical axes:
   NORM          a norm's scale
   LAYERS        the stacked axis of scanned layers (added by the model that stacks them); never
                 sharded
-Groups: EMBEDDINGS, ATTENTION, ROUTER, NORMS, EXPERTS (routed), SHARED_EXPERTS (`GROUPS`). They name the parameter's part
+Groups: EMBEDDINGS, ATTENTION, BIASES, ROUTER, NORMS, EXPERTS (routed), SHARED_EXPERTS
+(`GROUPS`). They name the parameter's part
 of the model in gather reports and decide weight decay (none on norms).
 
 The model reads its declarations into a tree of `ParamMeta` (`moejax.models.olmoe.param_meta`);
@@ -49,7 +50,9 @@ ROUTER = "router"
 NORMS = "norms"
 EXPERTS = "experts"
 SHARED_EXPERTS = "shared_experts"
-GROUPS = (ATTENTION, ROUTER, NORMS, EXPERTS, SHARED_EXPERTS, EMBEDDINGS)
+BIASES = "biases"
+GROUPS = (ATTENTION, BIASES, ROUTER, NORMS, EXPERTS, SHARED_EXPERTS, EMBEDDINGS)
+NO_DECAY = (NORMS, BIASES)   # groups without weight decay
 
 
 @dataclasses.dataclass(frozen=True)

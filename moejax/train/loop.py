@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import shutil
 import time
 
 import jax
@@ -41,6 +42,18 @@ def prepare_workdir(workdir: str) -> None:
     os.remove(probe)
   except OSError as e:
     raise ConfigError(f"workdir {workdir!r} is not writable: {e.strerror or e}") from None
+
+
+def _keep_tokenizer(tokenizer: str, workdir: str) -> None:
+  """A Hugging Face tokenizer.json the run trains with is copied into the workdir (once, by
+  process 0), so generate / evaluate and a later init_from from this workdir find it there."""
+  if tokenizer == "bytes" or jax.process_index() != 0:
+    return
+  source = (os.path.join(tokenizer, weights.TOKENIZER_FILE) if os.path.isdir(tokenizer)
+            else tokenizer)
+  target = os.path.join(workdir, weights.TOKENIZER_FILE)
+  if os.path.isfile(source) and not os.path.exists(target):
+    shutil.copyfile(source, target)
 
 
 def put_batch(batch: dict, mesh) -> dict:
@@ -117,15 +130,24 @@ class Trainer:
     return state.replace(params=params, opt_state=opt_state, placement=placement), resharding
 
 
+# What the weights fix: their shapes, and the options that change what the same weights compute.
+_WEIGHT_FIELDS = {
+    "model": ("vocab_size", "d_model", "num_layers", "num_heads", "head_dim", "num_kv_heads",
+              "qk_norm", "qkv_bias", "rope_theta", "norm_eps"),
+    "moe": ("num_experts", "top_k", "expert_hidden", "shared_expert_hidden",
+            "shared_expert_gate", "score", "renormalize"),
+}
+
+
 def _first_mismatch(loaded: Config, cfg: Config) -> str | None:
-  for group in ("model", "moe"):
-    for field in ("vocab_size", "d_model", "num_layers", "num_heads", "head_dim",
-                  "num_kv_heads", "qk_norm", "qkv_bias", "num_experts", "top_k",
-                  "expert_hidden", "shared_expert_hidden", "shared_expert_gate"):
+  for group, fields in _WEIGHT_FIELDS.items():
+    for field in fields:
       a = getattr(getattr(loaded, group), field, None)
       b = getattr(getattr(cfg, group), field, None)
+      if field == "num_kv_heads":      # 0 means as many as query heads
+        a, b = a or loaded.model.num_heads, b or cfg.model.num_heads
       if a is not None and a != b:
-        return f"config.{group}.{field}={b}, but the weights have {a}"
+        return f"config.{group}.{field}={b!r}, but the weights have {a!r}"
   return None
 
 
@@ -146,6 +168,17 @@ def init_from(trainer: Trainer, path: str):
                       "model's shapes")
   log(f"moejax: initialized from {path}")
   return state_lib.state_from_params(params, trainer.tx, trainer.layout)
+
+
+def _note_if_not_exportable(cfg: Config) -> None:
+  """Says at the start, not after the run, when `model.family`'s Hugging Face architecture cannot
+  hold the config's options (training runs; `to-hf` would refuse)."""
+  from moejax.convert.hf_config import check_exportable
+  from moejax.errors import CheckpointError
+  try:
+    check_exportable(cfg)
+  except CheckpointError as e:
+    log(f"moejax: note: {e}; training goes on, but `python -m moejax.convert to-hf` will refuse")
 
 
 def _billions(n: int) -> str:
@@ -177,7 +210,9 @@ def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
     again to resume); the learning-rate schedule still spans `cfg.steps`.
   """
   prepare_workdir(workdir)
-  data = make_data(DataSpec(cfg.data.source, cfg.data.path or None, weights.tokenizer_of(cfg),
+  tokenizer = weights.tokenizer_of(cfg)
+  _keep_tokenizer(tokenizer, workdir)
+  data = make_data(DataSpec(cfg.data.source, cfg.data.path or None, tokenizer,
                             cfg.data.val_fraction, cfg.seed),
                    batch_size=cfg.batch_size, seq_len=cfg.seq_len)
   check_vocab(data.tokenizer, cfg.model.vocab_size)
@@ -204,6 +239,7 @@ def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
     counts = num_params(cfg)
     log(f"moejax: {cfg.model.family} model, {_billions(counts['total'])} parameters, "
         f"{_billions(counts['active'])} active per token")
+    _note_if_not_exportable(cfg)
     log(f"moejax: {data.name}, {num_devices(trainer.mesh)} device(s), "
         f"placement={cfg.moe.placement}, {cfg.steps} steps of {cfg.batch_size}x{cfg.seq_len}")
     compiled = trainer.compiled(trainer.layout.gatherer.specs)

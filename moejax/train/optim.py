@@ -19,9 +19,9 @@ def lr_schedule(cfg: Config) -> optax.Schedule:
 
 
 def decay_mask(cfg: Config):
-  """A tree of bools like the parameters: weight decay on all but the norm scales, by the group
-  each parameter declares."""
-  return jax.tree.map(lambda meta: meta.group != axes.NORMS, olmoe.param_meta(cfg))
+  """A tree of bools like the parameters: weight decay on all but the norm scales and biases, by
+  the group each parameter declares."""
+  return jax.tree.map(lambda meta: meta.group not in axes.NO_DECAY, olmoe.param_meta(cfg))
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:

@@ -66,7 +66,8 @@ def placement_of(cfg: Config, mesh, param_meta=None) -> Placement:
                    dispatch_capacity_factor=moe.dispatch_capacity_factor,
                    replica_slots=f.replica_slots, overlap_degree=f.overlap_degree,
                    calibrate=f.calibrate, window=f.window, max_per_layer_setting=f.max_per_layer,
-                   expert_paths=axes.expert_paths(param_meta))
+                   expert_paths=axes.expert_paths(param_meta),
+                   itemsize=jnp.dtype(hook.COMPUTE_DTYPES[cfg.compute_dtype]).itemsize)
 
 
 def state_layout(cfg: Config, mesh, tx: optax.GradientTransformation) -> StateLayout:

@@ -14,6 +14,7 @@ import numpy as np
 import optax
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+from moejax.convert import __main__ as cli
 from moejax.convert import hf_config_from, load_hf
 from moejax.data import DataSpec, make_data
 from moejax.data.sources import load_documents
@@ -74,3 +75,15 @@ def test_fine_tune_a_hugging_face_checkpoint_through_train_py(hf_reference, tmp_
   got_BxS = np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]))
   np.testing.assert_allclose(got_BxS, want_BxS, rtol=RTOL)
   assert abs(first["loss"] - float(want_BxS.mean())) <= RTOL * float(want_BxS.mean())
+
+  # The workdir keeps the tokenizer, and exports with the source checkpoint's config.json
+  # fields (here max_window_layers, which only transformers writes).
+  assert os.path.isfile(os.path.join(workdir, "tokenizer.json"))
+  out = str(tmp_path / "exported")
+  assert cli.main(["to-hf", workdir, out]) == 0
+  with open(os.path.join(hf_dir, "config.json")) as f:
+    source = json.load(f)
+  with open(os.path.join(out, "config.json")) as f:
+    exported = json.load(f)
+  assert exported["model_type"] == FAMILY and exported["max_window_layers"] == source[
+      "max_window_layers"]

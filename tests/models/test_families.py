@@ -65,3 +65,10 @@ def test_presets_have_the_published_sizes(family, preset):
   for what, published in (("total", total_published), ("active", active_published)):
     assert _matches(counts[what], published, (family, preset, what) in TWO_DIGITS), (
         what, counts[what], published)
+
+
+@pytest.mark.parametrize("family,preset", CASES)
+def test_the_perf_models_shape_counts_the_same_parameters(family, preset):
+  from moejax.perf.shapes import shape_of
+  cfg = preset_config(family, preset)
+  assert shape_of(cfg).total_params() == config_lib.num_params(cfg)["total"]

@@ -23,3 +23,16 @@ def test_init_from_a_checkpoint(trained, trainer_for):
   with pytest.raises(ConfigError, match=r"init_from=.*config.model.d_model=32, but the weights "
                                         r"have 64"):
     init_from(other, src)
+
+
+def test_a_mismatch_names_any_option_that_changes_what_the_weights_compute():
+  from moejax.train.loop import _first_mismatch
+  from tests.helpers import tiny_config
+  weights = tiny_config()                            # num_kv_heads 0: as many as query heads
+  assert _first_mismatch(weights, tiny_config(**{"model.num_kv_heads": 4})) is None
+  assert _first_mismatch(weights, tiny_config(**{"model.rope_theta": 1e6})) == (
+      "config.model.rope_theta=1000000.0, but the weights have 10000.0")
+  assert "config.moe.renormalize=True" in _first_mismatch(
+      weights, tiny_config(**{"moe.renormalize": True}))
+  qwen = tiny_config("qwen2_moe", **{"model.num_kv_heads": 4})
+  assert _first_mismatch(weights, qwen) == "config.model.qk_norm='none', but the weights have 'full'"
