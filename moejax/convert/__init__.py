@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints in and out, every family of `moejax.families` (streamed, straight into shards).
+"""Hugging Face checkpoints in and out, every family of `moejax.families` (streamed, straight
+into shards).
 
   from moejax.convert import load_hf, save_hf
   cfg, params = load_hf("OLMoE-1B-7B-0924")             # numpy fp32, init_params' layout

@@ -55,14 +55,14 @@ def _init_from_hf_config(cfg: Config) -> dict | None:
   or a from-hf output), if it is of the run's family: what a fine-tuned workdir exports with."""
   if not cfg.init_from or not os.path.isdir(cfg.init_from):
     return None
+  from moejax.convert.hf import read_hf_config
+  from moejax.convert.hf_config import FAMILY_SPECS
   found = _find_hf_config(cfg.init_from)
   if found is None and is_hf_dir(cfg.init_from):
     try:
-      with open(os.path.join(cfg.init_from, "config.json")) as f:
-        found = json.load(f)
-    except (OSError, ValueError):
+      found = read_hf_config(cfg.init_from)
+    except CheckpointError:
       return None
-  from moejax.convert.hf_config import FAMILY_SPECS
   if not isinstance(found, dict) or (
       found.get("model_type") != FAMILY_SPECS[cfg.model.family].model_type):
     return None

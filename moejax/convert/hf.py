@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints of every family (`moejax.families`) in and out, one tensor (or one block of one) at a time.
+"""Hugging Face checkpoints of every family (`moejax.families`) in and out, one tensor (or one
+block of one) at a time.
 
 `load_hf(dir)` -> (Config, params): params is the nested dict `olmoe.init_params` returns (fp32,
 layer parameters stacked on a leading axis). Without `shardings` every leaf is one preallocated
@@ -59,8 +60,8 @@ def _check_tensors(reader: TensorReader, cfg: Config, experts: str) -> None:
   unexpected = sorted(n for n in reader.shapes if n not in expected and not hf_names.is_ignored(n))
   if unexpected:
     raise CheckpointError(f"{reader.directory}: tensor {unexpected[0]!r} has no place in a moejax "
-                          f"{cfg.model.family} model as config.json describes it ({len(unexpected)} such "
-                          "tensors)")
+                          f"{cfg.model.family} model as config.json describes it "
+                          f"({len(unexpected)} such tensors)")
 
 
 def _read_source(reader: TensorReader, src: hf_names.Source, tail_slices: list) -> np.ndarray:
@@ -176,7 +177,8 @@ def _existing_checkpoint_files(out_dir: str) -> list[str]:
 def save_hf(params, cfg: Config, out_dir: str, *, dtype: str = "float32",
             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, hf_config_base: dict | None = None,
             overwrite: bool = False) -> list[str]:
-  """Writes params as a Hugging Face checkpoint of `cfg.model.family` (config.json + safetensors) in `out_dir`.
+  """Writes params as a Hugging Face checkpoint of `cfg.model.family` (config.json +
+  safetensors) in `out_dir`.
 
   `dtype`: "float32" (exact) or "bfloat16" (rounded to nearest even). `hf_config_base`: a
   config.json to keep fields moejax does not model from (token ids, maximum length). Refuses a

@@ -54,10 +54,9 @@ class FamilySpec:
   qkv_bias_key: str | None = None      # ... of q/k/v biases; None: never
   qkv_bias_default: bool = False
   z_loss_key: str | None = None        # ... of the router z-loss weight, if it has one
-  # Fields that must hold these values (moejax has no equivalent of the others).
+  # Fields that must hold these values (moejax has no equivalent of the others); export writes
+  # them so.
   required: tuple = ()
-  # Fields written on export with these values when no base config.json gives them.
-  export_defaults: tuple = ()
 
 
 _COMMON_REQUIRED = (("tie_word_embeddings", False, "moejax keeps a separate lm_head"),
@@ -83,17 +82,13 @@ FAMILY_SPECS = {
         "qwen2_moe", "Qwen2MoeForCausalLM", "none", "num_experts", "moe_intermediate_size",
         "norm_topk_prob", shared_expert=True, qkv_bias_key="qkv_bias", qkv_bias_default=True,
         default_norm_eps=1e-6,
-        required=_COMMON_REQUIRED + _NO_DENSE_LAYERS,
-        export_defaults=(("decoder_sparse_step", 1), ("mlp_only_layers", []),
-                         ("use_sliding_window", False))),
+        required=_COMMON_REQUIRED + _NO_DENSE_LAYERS),
     "qwen3_moe": FamilySpec(
         "qwen3_moe", "Qwen3MoeForCausalLM", "head", "num_experts", "moe_intermediate_size",
         "norm_topk_prob", experts_aliases=("num_local_experts",),   # transformers 5 writes it
         default_norm_eps=1e-6,
         required=_COMMON_REQUIRED + _NO_DENSE_LAYERS + (
-            ("attention_bias", False, "moejax attention projections have no bias"),),
-        export_defaults=(("decoder_sparse_step", 1), ("mlp_only_layers", []),
-                         ("use_sliding_window", False))),
+            ("attention_bias", False, "moejax attention projections have no bias"),)),
 }
 assert tuple(FAMILY_SPECS) == FAMILIES
 MODEL_TYPES = {spec.model_type: name for name, spec in FAMILY_SPECS.items()}
@@ -267,7 +262,7 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
     base = None      # another family's fields would not belong
   hf = copy.deepcopy(base) if base else {
       "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
-      "max_position_embeddings": 4096, "use_cache": True, **dict(spec.export_defaults)}
+      "max_position_embeddings": 4096, "use_cache": True}
   for stale in ("torch_dtype", "dtype", "transformers_version", "head_dim",
                 *spec.experts_aliases):
     hf.pop(stale, None)

@@ -18,8 +18,8 @@ Logical axes:
   LAYERS        the stacked axis of scanned layers (added by the model that stacks them); never
                 sharded
 Groups: EMBEDDINGS, ATTENTION, BIASES, ROUTER, NORMS, EXPERTS (routed), SHARED_EXPERTS
-(`GROUPS`). They name the parameter's part
-of the model in gather reports and decide weight decay (none on norms).
+(`GROUPS`). They name the parameter's part of the model in gather reports and decide weight decay
+(none on norms and biases: `NO_DECAY`).
 
 The model reads its declarations into a tree of `ParamMeta` (`moejax.models.olmoe.param_meta`);
 what needs them takes that tree: the layouts, the Gatherer (report groups), the optimizer (weight

@@ -23,10 +23,7 @@ TWO_DIGITS = {("qwen2_moe", "57b_a14b", "active"), ("qwen3_moe", "30b_a3b", "act
 
 
 def preset_config(family: str, preset: str) -> config_lib.Config:
-  cd = FAMILY_CONFIGS[family].get_config(preset)
-  if cd.data.tokenizer == "init_from":   # the published presets fine-tune a checkpoint
-    cd.init_from = "/hf/checkpoint"
-  return config_lib.from_config_dict(cd)
+  return config_lib.from_config_dict(FAMILY_CONFIGS[family].get_config(preset))
 
 
 def test_every_family_has_a_config_file():
