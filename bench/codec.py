@@ -121,7 +121,7 @@ def _full_exponents(params, names):
   for g, p in names:
     x = codec_control._leaf(params, g, p)
     x = np.asarray(jnp.asarray(x, jnp.bfloat16)).view(np.uint16)
-    layers = x.reshape(x.shape[0], -1) if g == "layers" else x.reshape(1, -1)
+    layers = x.reshape(x.shape[0], -1) if g in olmoe.LAYER_GROUPS else x.reshape(1, -1)
     out[(g, p)] = (layers >> 7) & 0xFF
   return out
 
@@ -159,7 +159,8 @@ class Rows:
       for _ in range(rows):
         names.append((g, p))
         shard.append(gatherer.shard_shape(g, p))
-        repeat.append(hook.gathers_per_step(g == "layers", remat=cfg.remat, prefetch=cfg.prefetch))
+        repeat.append(hook.gathers_per_step(gatherer.is_stacked(g), remat=cfg.remat,
+                                            prefetch=cfg.prefetch))
     plain = np.array([2 * math.prod(s) for s in shard], np.float64)
     return cls(names, shard, np.asarray(repeat, np.float64), plain)
 

@@ -72,11 +72,18 @@ class ModelConfig:
   d_model: int = 64
   """Width of the residual stream."""
   num_layers: int = 2
-  """Decoder layers, each attention then MoE."""
+  """Decoder layers, each attention then an MLP: the first `dense_layers` a dense one, the rest
+  MoE."""
+  dense_layers: int = 0
+  """Leading layers with a dense SwiGLU MLP instead of experts (DeepSeek's
+  first_k_dense_replace); fewer than num_layers."""
+  dense_hidden: int = 0
+  """Hidden width of the dense layers' MLP (DeepSeek's intermediate_size)."""
   num_heads: int = 4
   """Attention heads."""
   head_dim: int = 16
-  """Width of one head; even (rotary embeddings rotate pairs)."""
+  """Width of one head; even (rotary embeddings rotate pairs). With multi-head latent attention
+  the q/k head width, qk_nope_head_dim + qk_rope_head_dim."""
   num_kv_heads: int = 0
   """Key/value heads (grouped-query attention), dividing num_heads; 0 = num_heads."""
   qk_norm: str = "full"
@@ -84,6 +91,19 @@ class ModelConfig:
   OLMoE; head: per head, Qwen3; none: Mixtral, Qwen2)."""
   qkv_bias: bool = False
   """Biases on the q, k and v projections (Qwen2-MoE)."""
+  kv_lora_rank: int = 0
+  """> 0: multi-head latent attention (DeepSeek-V2/V3): keys and values from a latent of this
+  width, shared by the heads; 0: standard (grouped-query) attention."""
+  q_lora_rank: int = 0
+  """MLA: queries from a latent of this width; 0 = projected directly."""
+  qk_nope_head_dim: int = 0
+  """MLA: the part of each q/k head without rotary embedding."""
+  qk_rope_head_dim: int = 0
+  """MLA: the rotary part of each q/k head (one key part shared by all heads); even."""
+  v_head_dim: int = 0
+  """MLA: width of one value head."""
+  tie_embeddings: bool = False
+  """The LM head is the embedding's transpose (no lm_head parameter)."""
   rope_theta: float = 10000.0
   """Rotary embedding base."""
   norm_eps: float = 1e-5
@@ -104,6 +124,19 @@ class MoEConfig:
   """Router score function: one of `moejax.routing.router.SCORE_FUNCTIONS`."""
   renormalize: bool = False
   """Rescale each token's top-k weights to sum to 1."""
+  routed_scale: float = 1.0
+  """Multiplies the routed experts' weights (DeepSeek's routed_scaling_factor)."""
+  expert_groups: int = 1
+  """Group-limited top-k (DeepSeek-V3's n_group): experts split into this many groups, each
+  scored by its two best experts; 1 = no grouping."""
+  top_groups: int = 1
+  """Groups a token may choose its experts from (topk_group); top_k comes from their experts."""
+  score_bias: bool = False
+  """A per-expert bias added to the scores for the top-k choice only, not to the weights
+  (DeepSeek-V3's e_score_correction_bias; auxiliary-loss-free balancing)."""
+  score_bias_rate: float = 0.0
+  """Each step the bias of an expert above the mean load drops by this much, one below it rises
+  (DeepSeek-V3's bias update speed, 0.001); 0 = the bias stays as loaded."""
   shared_expert_hidden: int = 0
   """Hidden width of the shared expert every token passes through besides its routed ones
   (Qwen2-MoE's shared_expert_intermediate_size; DeepSeek's shared experts summed); 0 = none."""
@@ -414,7 +447,49 @@ def validate(c: Config) -> None:
   _check(not moe.shared_expert_gate or moe.shared_expert_hidden > 0,
          "config.moe.shared_expert_gate=True needs moe.shared_expert_hidden > 0 (a shared "
          "expert to gate)")
-  _check(m.head_dim % 2 == 0, f"config.model.head_dim={m.head_dim}: must be even (rotary)")
+  _check(m.head_dim % 2 == 0 or m.kv_lora_rank > 0,
+         f"config.model.head_dim={m.head_dim}: must be even (rotary)")
+  _check(0 <= m.dense_layers < m.num_layers,
+         f"config.model.dense_layers={m.dense_layers}: must be in [0, model.num_layers="
+         f"{m.num_layers}) (at least one MoE layer)")
+  _check(m.dense_layers == 0 or m.dense_hidden > 0,
+         f"config.model.dense_hidden={m.dense_hidden}: model.dense_layers={m.dense_layers} "
+         "needs a positive dense MLP width")
+  for field in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                "v_head_dim"):
+    _check(getattr(m, field) >= 0, f"config.model.{field}={getattr(m, field)}: must be >= 0")
+  if m.kv_lora_rank:
+    _check(m.qk_rope_head_dim > 0 and m.qk_rope_head_dim % 2 == 0,
+           f"config.model.qk_rope_head_dim={m.qk_rope_head_dim}: multi-head latent attention "
+           "(model.kv_lora_rank > 0) needs a positive even rotary width")
+    _check(m.v_head_dim > 0, f"config.model.v_head_dim={m.v_head_dim}: multi-head latent "
+           "attention (model.kv_lora_rank > 0) needs a positive value head width")
+    _check(m.head_dim == m.qk_nope_head_dim + m.qk_rope_head_dim,
+           f"config.model.head_dim={m.head_dim}: with multi-head latent attention it is the q/k "
+           f"head width, model.qk_nope_head_dim + qk_rope_head_dim = "
+           f"{m.qk_nope_head_dim + m.qk_rope_head_dim}")
+    _check(m.num_kv_heads in (0, m.num_heads) and m.qk_norm == "none" and not m.qkv_bias,
+           "config.model.kv_lora_rank > 0 (multi-head latent attention) takes no num_kv_heads, "
+           "qk_norm or qkv_bias: set them to 0, 'none' and False")
+  else:
+    _check(not (m.q_lora_rank or m.qk_nope_head_dim or m.qk_rope_head_dim or m.v_head_dim),
+           "config.model.q_lora_rank / qk_nope_head_dim / qk_rope_head_dim / v_head_dim are "
+           "multi-head latent attention's: they need model.kv_lora_rank > 0")
+  _check(moe.routed_scale > 0, f"config.moe.routed_scale={moe.routed_scale}: must be positive")
+  _check(moe.expert_groups > 0 and moe.num_experts % moe.expert_groups == 0
+         and (moe.expert_groups == 1 or moe.num_experts // moe.expert_groups >= 2),
+         f"config.moe.expert_groups={moe.expert_groups}: must divide moe.num_experts="
+         f"{moe.num_experts} into groups of at least 2 experts (1 = no grouping)")
+  _check(1 <= moe.top_groups <= moe.expert_groups
+         and (moe.expert_groups == 1
+              or moe.top_groups * (moe.num_experts // moe.expert_groups) >= moe.top_k),
+         f"config.moe.top_groups={moe.top_groups}: must be in [1, moe.expert_groups="
+         f"{moe.expert_groups}] with enough experts for moe.top_k={moe.top_k}")
+  _check(moe.score_bias_rate >= 0,
+         f"config.moe.score_bias_rate={moe.score_bias_rate}: must be >= 0 (0 = fixed)")
+  _check(moe.score_bias or moe.score_bias_rate == 0,
+         f"config.moe.score_bias_rate={moe.score_bias_rate} needs moe.score_bias=True (a bias to "
+         "update)")
   _check(moe.top_k <= moe.num_experts,
          f"config.moe.top_k={moe.top_k}: must be at most moe.num_experts={moe.num_experts}")
   _choice(moe.placement, "moe.placement", PLACEMENTS)
@@ -484,15 +559,30 @@ def num_params(c: Config) -> dict[str, int]:
   """Total and active (per token) parameter counts, from the shapes alone (every option of the
   decoder; tests check them against the model's parameter leaves)."""
   m, moe = c.model, c.moe
-  d = m.d_model
-  q_width, kv_width = m.num_heads * m.head_dim, (m.num_kv_heads or m.num_heads) * m.head_dim
-  attn = 2 * d * q_width + 2 * d * kv_width           # q, o; k, v
-  attn += (q_width + 2 * kv_width) if m.qkv_bias else 0
-  attn += {"full": q_width + kv_width, "head": 2 * m.head_dim, "none": 0}[m.qk_norm]
+  d, h = m.d_model, m.num_heads
+  if m.kv_lora_rank:        # multi-head latent attention: latents, their norms, up-projections
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    attn = (d * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * h * qk if m.q_lora_rank
+            else d * h * qk)
+    attn += (d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
+             + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim) + h * m.v_head_dim * d)
+  else:
+    q_width, kv_width = h * m.head_dim, (m.num_kv_heads or h) * m.head_dim
+    attn = 2 * d * q_width + 2 * d * kv_width           # q, o; k, v
+    attn += (q_width + 2 * kv_width) if m.qkv_bias else 0
+    attn += {"full": q_width + kv_width, "head": 2 * m.head_dim, "none": 0}[m.qk_norm]
+  attn += 2 * d                                         # the layer's two norms
   expert = 3 * d * moe.expert_hidden
   shared = 3 * d * moe.shared_expert_hidden + (d if moe.shared_expert_gate else 0)
-  per_layer_dense = attn + d * moe.num_experts + 2 * d + shared   # + router + two norms
-  embed = 2 * m.vocab_size * d + d                   # embedding, lm head, final norm
-  total = embed + m.num_layers * (per_layer_dense + moe.num_experts * expert)
-  active = embed + m.num_layers * (per_layer_dense + moe.top_k * expert)
+  router = d * moe.num_experts + (moe.num_experts if moe.score_bias else 0)
+  moe_layers = m.num_layers - m.dense_layers
+  dense = m.dense_layers * (attn + 3 * d * m.dense_hidden)
+  embed = (1 if m.tie_embeddings else 2) * m.vocab_size * d + d   # + final norm
+  total = embed + dense + moe_layers * (attn + router + shared + moe.num_experts * expert)
+  active = embed + dense + moe_layers * (attn + router + shared + moe.top_k * expert)
   return {"total": total, "active": active}
+
+
+def num_moe_layers(c: Config) -> int:
+  """Decoder layers with experts (all but the leading `model.dense_layers`)."""
+  return c.model.num_layers - c.model.dense_layers

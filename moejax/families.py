@@ -6,4 +6,4 @@ names and config.json fields of `moejax.convert`, and which options that archite
 """
 from __future__ import annotations
 
-FAMILIES = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe")
+FAMILIES = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")

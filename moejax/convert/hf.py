@@ -57,7 +57,8 @@ def _check_tensors(reader: TensorReader, cfg: Config, experts: str) -> None:
       raise CheckpointError(f"{reader.directory}: tensor {name!r} has shape {reader.shapes[name]}, "
                             f"but config.json implies {shape}")
     reader.check_dtype(name)
-  unexpected = sorted(n for n in reader.shapes if n not in expected and not hf_names.is_ignored(n))
+  unexpected = sorted(n for n in reader.shapes
+                      if n not in expected and not hf_names.is_ignored(n, cfg))
   if unexpected:
     raise CheckpointError(f"{reader.directory}: tensor {unexpected[0]!r} has no place in a moejax "
                           f"{cfg.model.family} model as config.json describes it "
@@ -196,13 +197,14 @@ def save_hf(params, cfg: Config, out_dir: str, *, dtype: str = "float32",
     os.remove(path)
 
   # Layer-major order, as the Hub's checkpoints: embedding, layer 0, layer 1, ..., norm, head.
-  by_lead: dict[tuple, list] = {}
+  by_layer: dict[int | None, list] = {}
   for leaf in maps:
     for lead, src in leaf.sources.items():
       tail = leaf.tail[::-1] if src.transpose else leaf.tail
-      by_lead.setdefault(lead[:1], []).append((src.name, tuple(tail), leaf, lead, src))
-  first = by_lead.pop(())
-  ordered = first[:1] + [e for i in range(cfg.model.num_layers) for e in by_lead[(i,)]] + first[1:]
+      by_layer.setdefault(hf_names.hf_layer_of(src.name), []).append(
+          (src.name, tuple(tail), leaf, lead, src))
+  first = by_layer.pop(None)
+  ordered = first[:1] + [e for i in sorted(by_layer) for e in by_layer[i]] + first[1:]
   lookup = {name: (leaf, lead, src) for name, _, leaf, lead, src in ordered}
   blocks = _HostBlocks()
 

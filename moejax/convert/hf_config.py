@@ -1,8 +1,8 @@
 """Hugging Face config.json <-> moejax `Config`, for every family of `moejax.families`.
 
 Only what moejax models is carried over; a config that asks for something moejax does not model
-(clipped q/k/v, tied embeddings, output-projection biases, scaled RoPE, sliding windows, dense
-layers among the MoE layers, another activation) is refused with one line naming the field,
+(clipped q/k/v, output-projection biases, scaled RoPE, sliding windows, dense layers anywhere
+but in front, another activation, quantized weights) is refused with one line naming the field,
 rather than converted into a different model. Each family fixes some options of the decoder
 (`FAMILY_SPECS`); the rest are read from its fields:
 
@@ -25,6 +25,15 @@ rather than converted into a different model. Each family fixes some options of 
   norm_topk_prob (mixtral: always)     moe.renormalize
   router_aux_loss_coef                 moe.aux_loss_weight
   router_z_loss_coef (olmoe)           moe.z_loss_weight
+  tie_word_embeddings                  model.tie_embeddings
+ DeepSeek-V3 (deepseek_v3) besides:
+  q_lora_rank (None: 0), kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+                                       model.* (latent attention; model.head_dim = nope + rope)
+  first_k_dense_replace, intermediate_size  model.dense_layers, model.dense_hidden
+  n_shared_experts * moe_intermediate_size  moe.shared_expert_hidden
+  n_group, topk_group                  moe.expert_groups, moe.top_groups
+  routed_scaling_factor                moe.routed_scale
+  (always) sigmoid scores with e_score_correction_bias: moe.score="sigmoid", moe.score_bias
 """
 from __future__ import annotations
 
@@ -54,13 +63,14 @@ class FamilySpec:
   qkv_bias_key: str | None = None      # ... of q/k/v biases; None: never
   qkv_bias_default: bool = False
   z_loss_key: str | None = None        # ... of the router z-loss weight, if it has one
+  deepseek: bool = False               # latent attention, leading dense layers, n_shared_experts,
+                                       # grouped sigmoid routing with a score bias (DeepSeek-V3)
   # Fields that must hold these values (moejax has no equivalent of the others); export writes
   # them so.
   required: tuple = ()
 
 
-_COMMON_REQUIRED = (("tie_word_embeddings", False, "moejax keeps a separate lm_head"),
-                    ("hidden_act", "silu", "moejax experts are SwiGLU"))
+_COMMON_REQUIRED = (("hidden_act", "silu", "moejax experts are SwiGLU"),)
 _NO_DENSE_LAYERS = (("decoder_sparse_step", 1, "moejax has no dense layers among MoE layers"),
                     ("mlp_only_layers", [], "moejax has no dense layers among MoE layers"),
                     ("use_sliding_window", False, "moejax attends to the whole sequence"))
@@ -89,6 +99,15 @@ FAMILY_SPECS = {
         default_norm_eps=1e-6,
         required=_COMMON_REQUIRED + _NO_DENSE_LAYERS + (
             ("attention_bias", False, "moejax attention projections have no bias"),)),
+    "deepseek_v3": FamilySpec(
+        "deepseek_v3", "DeepseekV3ForCausalLM", "none", "n_routed_experts",
+        "moe_intermediate_size", "norm_topk_prob", experts_aliases=("num_local_experts",),
+        default_norm_eps=1e-6, deepseek=True,
+        required=_COMMON_REQUIRED + (
+            ("attention_bias", False, "moejax attention projections have no bias"),
+            ("rope_interleave", True, "moejax reads DeepSeek's rotary dimensions interleaved"),
+            ("quantization_config", None, "moejax reads unquantized weights (dequantize to "
+             "bfloat16 first)"))),
 }
 assert tuple(FAMILY_SPECS) == FAMILIES
 MODEL_TYPES = {spec.model_type: name for name, spec in FAMILY_SPECS.items()}
@@ -171,12 +190,41 @@ def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
   if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or heads % kv_heads:
     _refuse(where, "num_key_value_heads", kv_heads,
             f"must divide num_attention_heads={heads}")
+  if spec.deepseek:
+    if kv_heads != heads:
+      _refuse(where, "num_key_value_heads", kv_heads, f"latent attention has one key per query "
+              f"head (needs num_attention_heads={heads})")
+    if not hf.get("n_shared_experts"):
+      _refuse(where, "n_shared_experts", hf.get("n_shared_experts"),
+              "a positive count is needed (moejax's DeepSeek layers always have shared experts)")
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+      _get(hf, key, int, where)
   if spec.shared_expert and not hf.get("shared_expert_intermediate_size"):
     _refuse(where, "shared_expert_intermediate_size", hf.get("shared_expert_intermediate_size"),
             "a positive width is needed (the shared expert is always there)")
-  _head_dim(hf, spec, where)
+  if not spec.deepseek:
+    _head_dim(hf, spec, where)
   _rope_theta(hf, where, spec.default_rope_theta)
   return spec
+
+
+def _deepseek_fields(hf: dict, where: str) -> tuple[dict, dict]:
+  """DeepSeek-V3's model and moe fields (`FamilySpec.deepseek`)."""
+  nope, rope = _get(hf, "qk_nope_head_dim", int, where), _get(hf, "qk_rope_head_dim", int, where)
+  dense = _get(hf, "first_k_dense_replace", int, where, 0)
+  model = dict(kv_lora_rank=_get(hf, "kv_lora_rank", int, where),
+               q_lora_rank=hf.get("q_lora_rank") and _get(hf, "q_lora_rank", int, where) or 0,
+               qk_nope_head_dim=nope, qk_rope_head_dim=rope,
+               v_head_dim=_get(hf, "v_head_dim", int, where), head_dim=nope + rope,
+               dense_layers=dense,
+               dense_hidden=_get(hf, "intermediate_size", int, where) if dense else 0)
+  moe = dict(shared_expert_hidden=_get(hf, "n_shared_experts", int, where)
+             * _get(hf, "moe_intermediate_size", int, where),
+             shared_expert_gate=False, score="sigmoid", score_bias=True,
+             expert_groups=_get(hf, "n_group", int, where, 1),
+             top_groups=_get(hf, "topk_group", int, where, 1),
+             routed_scale=_get(hf, "routed_scaling_factor", float, where, 1.0))
+  return model, moe
 
 
 def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.json") -> Config:
@@ -201,7 +249,11 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
                 if spec.qkv_bias_key else False),
       rope_theta=_rope_theta(hf, where, spec.default_rope_theta),
       norm_eps=_get(hf, "rms_norm_eps", float, where, spec.default_norm_eps),
-      init_std=_get(hf, "initializer_range", float, where, base.model.init_std))
+      init_std=_get(hf, "initializer_range", float, where, base.model.init_std),
+      tie_embeddings=_get(hf, "tie_word_embeddings", bool, where, False),
+      **({} if spec.deepseek else dict(
+          kv_lora_rank=0, q_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0,
+          dense_layers=0, dense_hidden=0)))
   moe = dataclasses.replace(
       base.moe,
       num_experts=_get(hf, spec.experts_key, int, where, next(
@@ -216,7 +268,14 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
                    else True),
       aux_loss_weight=_get(hf, "router_aux_loss_coef", float, where, base.moe.aux_loss_weight),
       z_loss_weight=(_get(hf, spec.z_loss_key, float, where, base.moe.z_loss_weight)
-                     if spec.z_loss_key else base.moe.z_loss_weight))
+                     if spec.z_loss_key else base.moe.z_loss_weight),
+      score_bias=False, expert_groups=1, top_groups=1, routed_scale=1.0)
+  if spec.deepseek:
+    model_fields, moe_fields = _deepseek_fields(hf, where)
+    model = dataclasses.replace(model, **model_fields)
+    moe = dataclasses.replace(moe, **moe_fields)
+  if not moe.score_bias:
+    moe = dataclasses.replace(moe, score_bias_rate=0.0)
   cfg = dataclasses.replace(base, model=model, moe=moe)
   try:
     validate(cfg)
@@ -237,14 +296,30 @@ def check_exportable(cfg: Config) -> FamilySpec:
       raise CheckpointError(f"config.{field}={value!r}: {what} needs {want!r}{why}; choose "
                             "another config.model.family or change the field")
 
-  need("moe.score", moe.score, "softmax", " (it routes with a softmax)")
+  if spec.deepseek:
+    need("moe.score", moe.score, "sigmoid", " (it routes with sigmoids)")
+    need("moe.score_bias", moe.score_bias, True, " (its router always has the bias)")
+    if not m.kv_lora_rank:
+      raise CheckpointError(f"config.model.kv_lora_rank=0: {what} has latent attention only; "
+                            "choose another config.model.family or set the latent fields")
+    if not moe.shared_expert_hidden or moe.shared_expert_hidden % moe.expert_hidden:
+      raise CheckpointError(
+          f"config.moe.shared_expert_hidden={moe.shared_expert_hidden}: {what} needs a positive "
+          f"multiple of moe.expert_hidden={moe.expert_hidden} (n_shared_experts of its width)")
+  else:
+    need("moe.score", moe.score, "softmax", " (it routes with a softmax)")
+    need("model.kv_lora_rank", m.kv_lora_rank, 0, " (no latent attention)")
+    need("model.dense_layers", m.dense_layers, 0, " (no dense layers)")
+    need("moe.score_bias", moe.score_bias, False, " (no score bias)")
+    need("moe.expert_groups", moe.expert_groups, 1, " (no expert groups)")
+    need("moe.routed_scale", moe.routed_scale, 1.0, " (no routed scaling)")
   need("model.qk_norm", m.qk_norm, spec.qk_norm)
   if not spec.qkv_bias_key:
     need("model.qkv_bias", m.qkv_bias, False)
   if spec.renormalize_key is None:
     need("moe.renormalize", moe.renormalize, True)
   need("moe.shared_expert_gate", moe.shared_expert_gate, spec.shared_expert)
-  if not spec.shared_expert:
+  if not spec.shared_expert and not spec.deepseek:
     need("moe.shared_expert_hidden", moe.shared_expert_hidden, 0)
   if spec.qk_norm == "full" and m.num_heads * m.head_dim != m.d_model:
     raise CheckpointError(
@@ -283,10 +358,19 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
       "router_aux_loss_coef": moe.aux_loss_weight,
       "hidden_act": "silu",
       "attention_dropout": hf.get("attention_dropout", 0.0),
-      "tie_word_embeddings": False,
+      "tie_word_embeddings": m.tie_embeddings,
       "output_router_logits": hf.get("output_router_logits", False),
   })
-  if spec.qk_norm != "full":
+  if spec.deepseek:
+    hf.update({
+        "q_lora_rank": m.q_lora_rank or None, "kv_lora_rank": m.kv_lora_rank,
+        "qk_nope_head_dim": m.qk_nope_head_dim, "qk_rope_head_dim": m.qk_rope_head_dim,
+        "v_head_dim": m.v_head_dim, "first_k_dense_replace": m.dense_layers,
+        "intermediate_size": m.dense_hidden or hf.get("intermediate_size", moe.expert_hidden),
+        "n_shared_experts": moe.shared_expert_hidden // moe.expert_hidden,
+        "n_group": moe.expert_groups, "topk_group": moe.top_groups,
+        "routed_scaling_factor": moe.routed_scale, "head_dim": m.qk_rope_head_dim})
+  elif spec.qk_norm != "full":
     hf["head_dim"] = m.head_dim
   if spec.renormalize_key:
     hf[spec.renormalize_key] = moe.renormalize
@@ -299,6 +383,7 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
     hf[spec.z_loss_key] = moe.z_loss_weight
   for key, want, _ in spec.required:
     hf[key] = want
+  hf.pop("quantization_config", None)      # transformers reads any value as "quantized"
   # transformers >= 5 writes "dtype"; older versions, and the Hub's configs, "torch_dtype".
   hf["dtype" if base and "dtype" in base else "torch_dtype"] = dtype
   if isinstance(hf.get("rope_parameters"), dict):

@@ -25,6 +25,16 @@ weights are stored [out, in] by torch and [in, out] by moejax, so their tails ar
   layers.moe.shared_w_gate/up [L, D, Fs] model.layers.i.mlp.shared_expert.{gate,up}_proj.weight
   layers.moe.shared_w_down    [L, Fs, D] model.layers.i.mlp.shared_expert.down_proj.weight
   layers.moe.shared_gate      [L, D, 1]  model.layers.i.mlp.shared_expert_gate.weight     [1, D]^T
+                                         (DeepSeek: mlp.shared_experts.*, no gate)
+  layers.moe.score_bias       [L, E]     model.layers.i.mlp.gate.e_score_correction_bias  [E]
+  layers.attn.wq_a / wq_b     latent attention (DeepSeek-V3): self_attn.q_a_proj / q_b_proj
+  layers.attn.q_a_norm        (or q_proj without a q latent), q_a_layernorm, kv_a_proj_with_mqa,
+  layers.attn.wkv_a / wkv_b   kv_b_proj (all [out, in]^T), kv_a_layernorm, o_proj
+  layers.attn.kv_a_norm
+  dense_layers.*              the leading dense layers (DeepSeek's first_k_dense_replace): the
+                              same attention and norms at Hugging Face layers 0..K-1, and
+  dense_layers.mlp.w_gate/..  model.layers.i.mlp.{gate,up,down}_proj.weight; the MoE layers'
+                              index i above is then K + their own.
   final_norm                  [D]        model.norm.weight                                [D]
   lm_head                     [D, V]     lm_head.weight                                   [V, D]^T
 
@@ -81,29 +91,45 @@ def _layer(i: int) -> str:
   return f"model.layers.{i}"
 
 
-# Per family (Hub layout): the MoE block's module name and its experts' (gate, up, down) names.
+def hf_layer_of(name: str) -> int | None:
+  """The Hugging Face layer index a tensor name belongs to (None outside the layers)."""
+  parts = name.split(".")
+  if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isdigit():
+    return int(parts[2])
+  return None
+
+
+# Per family (Hub layout): the MoE block's module name, its experts' (gate, up, down) names and
+# its shared expert's module name.
 HUB_EXPERT_NAMES = {
     "olmoe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
     "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
+SHARED_EXPERT_MODULE = {"qwen2_moe": "shared_expert", "deepseek_v3": "shared_experts"}
 
 
-def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:
-  """One LeafMap per moejax parameter, in the order of the exported files."""
-  m, moe = cfg.model, cfg.moe
-  L, E, D, F, V = m.num_layers, moe.num_experts, m.d_model, moe.expert_hidden, m.vocab_size
-  Fs = moe.shared_expert_hidden
-  HD, GD = m.num_heads * m.head_dim, (m.num_kv_heads or m.num_heads) * m.head_dim
-  hub_moe, (gate_name, up_name, down_name) = HUB_EXPERT_NAMES[m.family]
-  moe_module = "mlp" if experts == FUSED else hub_moe
-  maps = [LeafMap(("embed",), (V, D), 0, {(): Source("model.embed_tokens.weight")})]
-
-  def per_layer(path, tail, suffix, transpose):
-    sources = {(i,): Source(f"{_layer(i)}.{suffix}", transpose=transpose) for i in range(L)}
-    maps.append(LeafMap(("layers", *path), (L, *tail), 1, sources))
-
+def _attention_maps(cfg: Config, per_layer) -> None:
+  m = cfg.model
+  D, HD = m.d_model, m.num_heads * m.head_dim
+  if m.kv_lora_rank:          # multi-head latent attention (DeepSeek-V2/V3)
+    H, R, Dr = m.num_heads, m.kv_lora_rank, m.qk_rope_head_dim
+    qk = m.qk_nope_head_dim + Dr
+    if m.q_lora_rank:
+      per_layer(("attn", "wq_a"), (D, m.q_lora_rank), "self_attn.q_a_proj.weight", True)
+      per_layer(("attn", "q_a_norm"), (m.q_lora_rank,), "self_attn.q_a_layernorm.weight", False)
+      per_layer(("attn", "wq_b"), (m.q_lora_rank, H * qk), "self_attn.q_b_proj.weight", True)
+    else:
+      per_layer(("attn", "wq"), (D, H * qk), "self_attn.q_proj.weight", True)
+    per_layer(("attn", "wkv_a"), (D, R + Dr), "self_attn.kv_a_proj_with_mqa.weight", True)
+    per_layer(("attn", "kv_a_norm"), (R,), "self_attn.kv_a_layernorm.weight", False)
+    per_layer(("attn", "wkv_b"), (R, H * (m.qk_nope_head_dim + m.v_head_dim)),
+              "self_attn.kv_b_proj.weight", True)
+    per_layer(("attn", "wo"), (H * m.v_head_dim, D), "self_attn.o_proj.weight", True)
+    return
+  GD = (m.num_kv_heads or m.num_heads) * m.head_dim
   for name, tail in (("wq", (D, HD)), ("wk", (D, GD)), ("wv", (D, GD)), ("wo", (HD, D))):
     per_layer(("attn", name), tail, f"self_attn.{name[1]}_proj.weight", True)
   if m.qkv_bias:
@@ -113,33 +139,62 @@ def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:
     q_width, k_width = (HD, GD) if m.qk_norm == "full" else (m.head_dim, m.head_dim)
     per_layer(("attn", "q_norm"), (q_width,), "self_attn.q_norm.weight", False)
     per_layer(("attn", "k_norm"), (k_width,), "self_attn.k_norm.weight", False)
-  per_layer(("attn_norm", "scale"), (D,), "input_layernorm.weight", False)
-  per_layer(("ffn_norm", "scale"), (D,), "post_attention_layernorm.weight", False)
-  per_layer(("moe", "router"), (D, E), f"{moe_module}.gate.weight", True)
 
-  for name, tail, hf_name, offset in (("w_gate", (D, F), gate_name, 0),
-                                      ("w_up", (D, F), up_name, F),
-                                      ("w_down", (F, D), down_name, 0)):
-    sources = {}
-    for i, e in itertools.product(range(L), range(E)):
-      if experts == FUSED:
-        fused = "down_proj" if name == "w_down" else "gate_up_proj"
-        sources[(i, e)] = Source(f"{_layer(i)}.mlp.experts.{fused}", prefix=(e,),
-                                 row_offset=offset, transpose=True)
-      else:
-        sources[(i, e)] = Source(f"{_layer(i)}.{moe_module}.experts.{e}.{hf_name}.weight",
-                                 transpose=True)
-    maps.append(LeafMap(("layers", "moe", name), (L, E, *tail), 2, sources))
-  if Fs:
-    for name, tail, hf_name in (("shared_w_gate", (D, Fs), "gate_proj"),
-                                ("shared_w_up", (D, Fs), "up_proj"),
-                                ("shared_w_down", (Fs, D), "down_proj")):
-      per_layer(("moe", name), tail, f"mlp.shared_expert.{hf_name}.weight", True)
-    if moe.shared_expert_gate:
-      per_layer(("moe", "shared_gate"), (D, 1), "mlp.shared_expert_gate.weight", True)
+
+def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:
+  """One LeafMap per moejax parameter, in the order of the exported files."""
+  m, moe = cfg.model, cfg.moe
+  E, D, F, V = moe.num_experts, m.d_model, moe.expert_hidden, m.vocab_size
+  Fs, K = moe.shared_expert_hidden, m.dense_layers
+  hub_moe, (gate_name, up_name, down_name) = HUB_EXPERT_NAMES[m.family]
+  moe_module = "mlp" if experts == FUSED else hub_moe
+  maps = [LeafMap(("embed",), (V, D), 0, {(): Source("model.embed_tokens.weight")})]
+  # (group, its layers, the Hugging Face index of its first): the dense layers lead.
+  groups = ([("dense_layers", K, 0)] if K else []) + [("layers", m.num_layers - K, K)]
+
+  for group, count, first in groups:
+    def per_layer(path, tail, suffix, transpose, group=group, count=count, first=first):
+      sources = {(i,): Source(f"{_layer(first + i)}.{suffix}", transpose=transpose)
+                 for i in range(count)}
+      maps.append(LeafMap((group, *path), (count, *tail), 1, sources))
+
+    _attention_maps(cfg, per_layer)
+    per_layer(("attn_norm", "scale"), (D,), "input_layernorm.weight", False)
+    per_layer(("ffn_norm", "scale"), (D,), "post_attention_layernorm.weight", False)
+    if group == "dense_layers":
+      for name, tail, hf_name in (("w_gate", (D, m.dense_hidden), "gate_proj"),
+                                  ("w_up", (D, m.dense_hidden), "up_proj"),
+                                  ("w_down", (m.dense_hidden, D), "down_proj")):
+        per_layer(("mlp", name), tail, f"mlp.{hf_name}.weight", True)
+      continue
+    per_layer(("moe", "router"), (D, E), f"{moe_module}.gate.weight", True)
+    if moe.score_bias:
+      per_layer(("moe", "score_bias"), (E,), f"{moe_module}.gate.e_score_correction_bias", False)
+    for name, tail, hf_name, offset in (("w_gate", (D, F), gate_name, 0),
+                                        ("w_up", (D, F), up_name, F),
+                                        ("w_down", (F, D), down_name, 0)):
+      sources = {}
+      for i, e in itertools.product(range(count), range(E)):
+        if experts == FUSED:
+          fused = "down_proj" if name == "w_down" else "gate_up_proj"
+          sources[(i, e)] = Source(f"{_layer(first + i)}.mlp.experts.{fused}", prefix=(e,),
+                                   row_offset=offset, transpose=True)
+        else:
+          sources[(i, e)] = Source(
+              f"{_layer(first + i)}.{moe_module}.experts.{e}.{hf_name}.weight", transpose=True)
+      maps.append(LeafMap((group, "moe", name), (count, E, *tail), 2, sources))
+    if Fs:
+      shared = SHARED_EXPERT_MODULE.get(m.family, "shared_expert")
+      for name, tail, hf_name in (("shared_w_gate", (D, Fs), "gate_proj"),
+                                  ("shared_w_up", (D, Fs), "up_proj"),
+                                  ("shared_w_down", (Fs, D), "down_proj")):
+        per_layer(("moe", name), tail, f"mlp.{shared}.{hf_name}.weight", True)
+      if moe.shared_expert_gate:
+        per_layer(("moe", "shared_gate"), (D, 1), "mlp.shared_expert_gate.weight", True)
 
   maps.append(LeafMap(("final_norm",), (D,), 0, {(): Source("model.norm.weight")}))
-  maps.append(LeafMap(("lm_head",), (D, V), 0, {(): Source("lm_head.weight", transpose=True)}))
+  if not m.tie_embeddings:
+    maps.append(LeafMap(("lm_head",), (D, V), 0, {(): Source("lm_head.weight", transpose=True)}))
   return maps
 
 
@@ -160,9 +215,18 @@ def expected_shapes(cfg: Config, experts: str = PER_EXPERT) -> dict[str, tuple[i
 
 
 def detect_expert_layout(names) -> str:
-  names = set(names)
-  return FUSED if "model.layers.0.mlp.experts.gate_up_proj" in names else PER_EXPERT
+  return FUSED if any(n.endswith(".mlp.experts.gate_up_proj") for n in names) else PER_EXPERT
 
 
-def is_ignored(name: str) -> bool:
-  return name.endswith(IGNORED_SUFFIXES)
+def is_ignored(name: str, cfg: Config | None = None) -> bool:
+  """Tensors that hold no moejax parameter: recomputed rotary tables; with `cfg`, layers past
+  its last (DeepSeek-V3's multi-token-prediction module, which transformers does not load
+  either) and a tied LM head's copy of the embedding."""
+  if name.endswith(IGNORED_SUFFIXES):
+    return True
+  if cfg is None:
+    return False
+  layer = hf_layer_of(name)
+  if layer is not None and layer >= cfg.model.num_layers and cfg.model.family == "deepseek_v3":
+    return True
+  return cfg.model.tie_embeddings and name == "lm_head.weight"

@@ -8,8 +8,10 @@ Letters: B batch, S sequence, D model width, H query heads, G key/value heads, D
                  heads are split (OLMoE); "head": over each head's Dh, one scale shared by the
                  heads (Qwen3); "none" (Mixtral, Qwen2).
   qkv bias       biases on the q, k and v projections, not the output one (Qwen2).
+  latent         `LatentAttention`: DeepSeek-V2/V3's multi-head latent attention (below).
 
-Rotary embeddings use the half-split (rotate_half) convention.
+Rotary embeddings use the half-split (rotate_half) convention; latent attention's rotary part
+is stored interleaved (pairs (x0, x1), (x2, x3), ...), as DeepSeek's checkpoints are.
 """
 from __future__ import annotations
 
@@ -19,10 +21,11 @@ from flax import nnx
 
 from moejax.layers.matmul import dense
 from moejax.layers.norm import rms_norm
-from moejax.sharding.axes import (ATTENTION, BIASES, EMBED, HEADS, KV_HEADS, NORM, NORMS, Q_HEADS,
-                                  param)
+from moejax.sharding.axes import (ATTENTION, BIASES, EMBED, HEADS, KV_HEADS, LATENT, NORM, NORMS,
+                                  Q_HEADS, param)
 
 QK_NORMS = ("full", "head", "none")
+LATENT_NORM_EPS = 1e-6   # DeepSeek's latent norms use their module default, not rms_norm_eps
 
 
 def rotary_tables(seq_len: int, head_dim: int, theta: float):
@@ -36,6 +39,17 @@ def rotary_at(positions_S, head_dim: int, theta: float):
   angles_SxHalf = positions_S.astype(jnp.float32)[:, None] * inv_freq[None, :]
   angles_SxDh = jnp.concatenate([angles_SxHalf, angles_SxHalf], axis=-1)
   return jnp.cos(angles_SxDh), jnp.sin(angles_SxDh)
+
+
+def attend(q_BxSxHxDk, k_BxTxGxDk, v_BxTxGxDv, *, mask=None, is_causal=False):
+  """Softmax attention scaled by 1/sqrt(Dk); values may be narrower than keys (latent
+  attention): they are zero-padded to Dk for `jax.nn.dot_product_attention` and cut back."""
+  dk, dv = q_BxSxHxDk.shape[-1], v_BxTxGxDv.shape[-1]
+  if dv < dk:
+    v_BxTxGxDv = jnp.pad(v_BxTxGxDv, ((0, 0), (0, 0), (0, 0), (0, dk - dv)))
+  out = jax.nn.dot_product_attention(q_BxSxHxDk, k_BxTxGxDk, v_BxTxGxDv, mask=mask,
+                                     is_causal=is_causal)
+  return out[..., :dv]
 
 
 def apply_rotary(x_BxSxHxDh, cos_SxDh, sin_SxDh):
@@ -76,14 +90,12 @@ class Attention(nnx.Module):
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
     self.qk_norm, self.qkv_bias = qk_norm, qkv_bias
     self.rope_theta, self.norm_eps = rope_theta, norm_eps
+    self.rotary_dim = head_dim
 
   def __call__(self, x_BxSxD):
     s = x_BxSxD.shape[1]
-    q_BxSxHxDh, k_BxSxGxDh, v_BxSxGxDh = self.qkv(
-        x_BxSxD, rotary_tables(s, self.head_dim, self.rope_theta))
-    out_BxSxHxDh = jax.nn.dot_product_attention(q_BxSxHxDh, k_BxSxGxDh, v_BxSxGxDh,
-                                                is_causal=True)
-    return self.project_out(out_BxSxHxDh)
+    q, k, v = self.qkv(x_BxSxD, rotary_tables(s, self.rotary_dim, self.rope_theta))
+    return self.project_out(attend(q, k, v, is_causal=True))
 
   def _project(self, x_BxSxD, w, b):
     y = dense(x_BxSxD, w[...].astype(x_BxSxD.dtype))
@@ -114,3 +126,79 @@ class Attention(nnx.Module):
   def project_out(self, out_BxSxHxDh):
     b, s = out_BxSxHxDh.shape[:2]
     return dense(out_BxSxHxDh.reshape(b, s, -1), self.wo[...].astype(out_BxSxHxDh.dtype))
+
+
+def _deinterleave(x):
+  """Pairs (x0, x1), (x2, x3), ... -> (x0, x2, ...) then (x1, x3, ...): rotating the result
+  half-split rotates each stored pair by one frequency (q and k alike, so q.k is unchanged)."""
+  return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
+class LatentAttention(nnx.Module):
+  """Multi-head latent attention (DeepSeek-V2/V3). Letters: R the kv latent, Rq the q latent,
+  Dn / Dr / Dv a head's non-rotary q/k part, rotary part and value width.
+
+    q        = x Wq  or  norm(x Wq_a) Wq_b                    [B, S, H, Dn + Dr]
+    latent   = x Wkv_a = (c [R], k_rot [Dr])
+    k, v     = norm(c) Wkv_b split per head into [Dn] and [Dv]; every head's key ends in the
+               one rotated k_rot
+  attention scaled by 1/sqrt(Dn + Dr), output [H*Dv] -> D. The same `qkv` / `project_out`
+  interface as `Attention` (one kv head per query head)."""
+
+  def __init__(self, d_model: int, num_heads: int, *, q_lora_rank: int, kv_lora_rank: int,
+               qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rope_theta: float,
+               init_std: float, rngs: nnx.Rngs):
+    init = jax.nn.initializers.normal(init_std)
+    h, qk = num_heads, qk_nope_head_dim + qk_rope_head_dim
+    if q_lora_rank:
+      self.wq_a = param(init(rngs.params(), (d_model, q_lora_rank), jnp.float32), (EMBED, LATENT),
+                        ATTENTION)
+      self.q_a_norm = param(jnp.ones((q_lora_rank,), jnp.float32), (NORM,), NORMS)
+      self.wq_b = param(init(rngs.params(), (q_lora_rank, h * qk), jnp.float32),
+                        (LATENT, Q_HEADS), ATTENTION)
+    else:
+      self.wq = param(init(rngs.params(), (d_model, h * qk), jnp.float32), (EMBED, Q_HEADS),
+                      ATTENTION)
+    self.wkv_a = param(init(rngs.params(), (d_model, kv_lora_rank + qk_rope_head_dim),
+                            jnp.float32), (EMBED, LATENT), ATTENTION)
+    self.kv_a_norm = param(jnp.ones((kv_lora_rank,), jnp.float32), (NORM,), NORMS)
+    self.wkv_b = param(init(rngs.params(), (kv_lora_rank, h * (qk_nope_head_dim + v_head_dim)),
+                            jnp.float32), (LATENT, KV_HEADS), ATTENTION)
+    self.wo = param(init(rngs.params(), (h * v_head_dim, d_model), jnp.float32), (HEADS, EMBED),
+                    ATTENTION)
+    self.num_heads, self.q_lora_rank, self.kv_lora_rank = num_heads, q_lora_rank, kv_lora_rank
+    self.nope, self.rotary_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+    self.rope_theta = rope_theta
+
+  def __call__(self, x_BxSxD):
+    s = x_BxSxD.shape[1]
+    q, k, v = self.qkv(x_BxSxD, rotary_tables(s, self.rotary_dim, self.rope_theta))
+    return self.project_out(attend(q, k, v, is_causal=True))
+
+  def qkv(self, x_BxSxD, rotary):
+    """q and k [B, S, H, Dn + Dr], v [B, S, H, Dv]; `rotary` (cos, sin) [S, Dr]."""
+    b, s, _ = x_BxSxD.shape
+    h, dt = self.num_heads, x_BxSxD.dtype
+    if self.q_lora_rank:
+      q_latent = rms_norm(dense(x_BxSxD, self.wq_a[...].astype(dt)), self.q_a_norm[...],
+                          LATENT_NORM_EPS)
+      q = dense(q_latent, self.wq_b[...].astype(dt))
+    else:
+      q = dense(x_BxSxD, self.wq[...].astype(dt))
+    q_BxSxHxQk = q.reshape(b, s, h, self.nope + self.rotary_dim)
+    latent = dense(x_BxSxD, self.wkv_a[...].astype(dt))
+    c_BxSxR, k_rot_BxSxDr = latent[..., :self.kv_lora_rank], latent[..., self.kv_lora_rank:]
+    kv = dense(rms_norm(c_BxSxR, self.kv_a_norm[...], LATENT_NORM_EPS), self.wkv_b[...].astype(dt))
+    kv_BxSxHx_ = kv.reshape(b, s, h, self.nope + self.v_head_dim)
+    cos, sin = rotary
+    q_rot = apply_rotary(_deinterleave(q_BxSxHxQk[..., self.nope:]), cos, sin)
+    k_rot_BxSx1xDr = apply_rotary(_deinterleave(k_rot_BxSxDr)[:, :, None, :], cos, sin)
+    q_BxSxHxQk = jnp.concatenate([q_BxSxHxQk[..., :self.nope], q_rot], axis=-1)
+    k_BxSxHxQk = jnp.concatenate(
+        [kv_BxSxHx_[..., :self.nope],
+         jnp.broadcast_to(k_rot_BxSx1xDr, (b, s, h, self.rotary_dim))], axis=-1)
+    return q_BxSxHxQk, k_BxSxHxQk, kv_BxSxHx_[..., self.nope:]
+
+  def project_out(self, out_BxSxHxDv):
+    b, s = out_BxSxHxDv.shape[:2]
+    return dense(out_BxSxHxDv.reshape(b, s, -1), self.wo[...].astype(out_BxSxHxDv.dtype))

@@ -2,6 +2,9 @@
 
 One step per stage, each replaceable:
   router (top-k) -> admission (capacity, affinity) -> placement/dispatch -> experts -> combine
+The router's options: softmax or sigmoid scores, renormalized or not, scaled (`routed_scale`),
+chosen among the best expert groups (`groups`, `top_groups`) and with a selection-only per-expert
+bias (`score_bias`, moved from the load by the train step: `moejax.routing.balance`),
 plus, with `shared_hidden` > 0, a shared expert every token passes through (DeepSeek's shared
 experts side by side as one SwiGLU of their summed width; Qwen2-MoE's scaled by a sigmoid gate
 of the token, `shared_gate`). The shared expert is a dense layer parameter: it is gathered like
@@ -31,7 +34,8 @@ from moejax.routing import admission as admission_lib
 from moejax.routing import router as router_lib
 from moejax.routing import stats as stats_lib
 from moejax.placement import fssdp as sparse
-from moejax.sharding.axes import (EMBED, EXPERT, EXPERT_SCORE, EXPERTS, MLP, ROUTER,
+from moejax.layers.mlp import swiglu
+from moejax.sharding.axes import (EMBED, EXPERT, EXPERT_SCORE, EXPERTS, MLP, ROUTER, ROUTER_BIAS,
                                   SHARED_EXPERTS, param)
 
 
@@ -50,6 +54,10 @@ class MoESpec:
   locality_weight: float = 0.0            # > 0: add the locality loss (ep placement)
   shared_hidden: int = 0                  # width of the shared expert; 0 = none
   shared_gate: bool = False               # scale the shared expert by sigmoid(x . w) (Qwen2-MoE)
+  routed_scale: float = 1.0               # multiplies the routed weights (routed_scaling_factor)
+  groups: int = 1                         # group-limited top-k: expert groups (n_group) ...
+  top_groups: int = 1                     # ... of which a token uses the best (topk_group)
+  score_bias: bool = False                # a selection-only score bias (e_score_correction_bias)
 
 
 def local_experts_mask(dispatch: dispatch_lib.Dispatch, num_experts: int):
@@ -69,6 +77,8 @@ class MoEBlock(nnx.Module):
     e, d, f = spec.num_experts, d_model, expert_hidden
     init = jax.nn.initializers.normal(init_std)
     self.router = param(init(rngs.params(), (d, e), jnp.float32), (EMBED, EXPERT_SCORE), ROUTER)
+    if spec.score_bias:
+      self.score_bias = param(jnp.zeros((e,), jnp.float32), (EXPERT_SCORE,), ROUTER_BIAS)
     self.w_gate = param(init(rngs.params(), (e, d, f), jnp.float32), (EXPERT, EMBED, MLP), EXPERTS)
     self.w_up = param(init(rngs.params(), (e, d, f), jnp.float32), (EXPERT, EMBED, MLP), EXPERTS)
     self.w_down = param(init(rngs.params(), (e, f, d), jnp.float32), (EXPERT, MLP, EMBED), EXPERTS)
@@ -88,9 +98,7 @@ class MoEBlock(nnx.Module):
   def shared_expert(self, x_TxD):
     """The shared expert's output [T, D] in x's dtype (SwiGLU, then the gate if any)."""
     dtype = x_TxD.dtype
-    h_TxF = (jax.nn.silu(dense(x_TxD, self.shared_w_gate[...].astype(dtype)))
-             * dense(x_TxD, self.shared_w_up[...].astype(dtype)))
-    y_TxD = dense(h_TxF, self.shared_w_down[...].astype(dtype))
+    y_TxD = swiglu(x_TxD, self.shared_w_gate[...], self.shared_w_up[...], self.shared_w_down[...])
     if self.spec.shared_gate:
       gate_Tx1 = jax.nn.sigmoid(dense(x_TxD, self.shared_gate[...].astype(dtype), jnp.float32))
       y_TxD = (gate_Tx1 * y_TxD.astype(jnp.float32)).astype(dtype)
@@ -113,7 +121,9 @@ class MoEBlock(nnx.Module):
     # Router: logits in fp32 for a stable softmax and z-loss.
     logits_TxE = dense(x_TxD, router_DxE, jnp.float32)
     weights_TxK, experts_TxK, scores_TxE = router_lib.top_k_route(
-        logits_TxE, spec.top_k, score=spec.score, renormalize=spec.renormalize)
+        logits_TxE, spec.top_k, score=spec.score, renormalize=spec.renormalize,
+        bias_E=self.score_bias[...] if spec.score_bias else None, groups=spec.groups,
+        top_groups=spec.top_groups, scale=spec.routed_scale)
     aux = {
         "aux_loss": router_lib.load_balancing_loss(scores_TxE, experts_TxK, axis_name=axis_name),
         "z_loss": router_lib.router_z_loss(logits_TxE, axis_name=axis_name),

@@ -2,7 +2,8 @@
 extends a KV cache, so each generated token costs one position, not the whole sequence.
 
 Letters: B batch, S new tokens, T cache length (max positions), L layers, H query heads, G
-key/value heads, Dh head width.
+key/value heads, Dk / Dv key and value head widths (both the head width but with latent
+attention, whose cache holds its expanded per-head keys and values).
 
 `forward_cached` runs the same layers as `olmoe.forward` (the same modules, one device), with
 attention over the cache's first `start + S` positions. Routing has no admission here:
@@ -20,19 +21,19 @@ import jax
 import jax.numpy as jnp
 
 from moejax.config import Config
-from moejax.layers.attention import rotary_at
+from moejax.layers.attention import attend, rotary_at
 from moejax.layers.matmul import dense
 from moejax.layers.norm import rms_norm
 from moejax.models import olmoe
 
 
 class KVCache(NamedTuple):
-  k_LxBxTxGxDh: jax.Array
-  v_LxBxTxGxDh: jax.Array
+  k_LxBxTxGxDk: jax.Array
+  v_LxBxTxGxDv: jax.Array
 
   @property
   def max_len(self) -> int:
-    return self.k_LxBxTxGxDh.shape[2]
+    return self.k_LxBxTxGxDk.shape[2]
 
 
 def without_admission(cfg: Config) -> Config:
@@ -41,8 +42,12 @@ def without_admission(cfg: Config) -> Config:
 
 def init_cache(cfg: Config, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
   m = cfg.model
-  shape = (m.num_layers, batch, max_len, m.num_kv_heads or m.num_heads, m.head_dim)
-  return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+  if m.kv_lora_rank:
+    k_width, v_width, heads = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim, m.num_heads
+  else:
+    k_width, v_width, heads = m.head_dim, m.head_dim, m.num_kv_heads or m.num_heads
+  lead = (m.num_layers, batch, max_len, heads)
+  return KVCache(jnp.zeros(lead + (k_width,), dtype), jnp.zeros(lead + (v_width,), dtype))
 
 
 def cast_params(params: dict, dtype) -> dict:
@@ -62,27 +67,34 @@ def forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start)
   visible_SxT = jnp.arange(cache.max_len)[None, :] <= positions_S[:, None]   # causal, filled
   h_BxSxD = jnp.take(params["embed"], tokens_BxS, axis=0)
 
-  def layer_step(h_BxSxD, inputs):
-    layer_params, k_BxTxGxDh, v_BxTxGxDh = inputs
-    layer = olmoe.layer_from_params(cfg, layer_params)
+  def layer_step(group, h_BxSxD, inputs):
+    layer_params, k_BxTxGxDk, v_BxTxGxDv = inputs
+    layer = olmoe.layer_from_params(cfg, layer_params, group)
     attn = layer.attn
     q, k, v = attn.qkv(layer.attn_norm(h_BxSxD),
-                       rotary_at(positions_S, attn.head_dim, attn.rope_theta))
-    k_BxTxGxDh = jax.lax.dynamic_update_slice_in_dim(k_BxTxGxDh, k.astype(k_BxTxGxDh.dtype),
+                       rotary_at(positions_S, attn.rotary_dim, attn.rope_theta))
+    k_BxTxGxDk = jax.lax.dynamic_update_slice_in_dim(k_BxTxGxDk, k.astype(k_BxTxGxDk.dtype),
                                                      start, axis=1)
-    v_BxTxGxDh = jax.lax.dynamic_update_slice_in_dim(v_BxTxGxDh, v.astype(v_BxTxGxDh.dtype),
+    v_BxTxGxDv = jax.lax.dynamic_update_slice_in_dim(v_BxTxGxDv, v.astype(v_BxTxGxDv.dtype),
                                                      start, axis=1)
-    out_BxSxHxDh = jax.nn.dot_product_attention(q, k_BxTxGxDh.astype(q.dtype),
-                                                v_BxTxGxDh.astype(q.dtype),
-                                                mask=visible_SxT[None, None])
-    h_BxSxD = h_BxSxD + attn.project_out(out_BxSxHxDh)
-    y_BxSxD, _ = layer.moe(layer.ffn_norm(h_BxSxD))
-    return h_BxSxD + y_BxSxD, (k_BxTxGxDh, v_BxTxGxDh)
+    out_BxSxHxDv = attend(q, k_BxTxGxDk.astype(q.dtype), v_BxTxGxDv.astype(q.dtype),
+                          mask=visible_SxT[None, None])
+    h_BxSxD = h_BxSxD + attn.project_out(out_BxSxHxDv)
+    y_BxSxD = layer.feed_forward(layer.ffn_norm(h_BxSxD))
+    return h_BxSxD + y_BxSxD, (k_BxTxGxDk, v_BxTxGxDv)
 
-  h_BxSxD, (k_L, v_L) = jax.lax.scan(
-      layer_step, h_BxSxD, (params["layers"], cache.k_LxBxTxGxDh, cache.v_LxBxTxGxDh))
+  ks, vs, first = [], [], 0
+  for group, count in olmoe.layer_groups(cfg).items():
+    cached = (cache.k_LxBxTxGxDk[first:first + count], cache.v_LxBxTxGxDv[first:first + count])
+    h_BxSxD, (k_L, v_L) = jax.lax.scan(functools.partial(layer_step, group), h_BxSxD,
+                                       (params[group], *cached))
+    ks.append(k_L)
+    vs.append(v_L)
+    first += count
   h_BxSxD = rms_norm(h_BxSxD, params["final_norm"], cfg.model.norm_eps)
-  return dense(h_BxSxD, params["lm_head"], jnp.float32), KVCache(k_L, v_L)
+  head_DxV = params["embed"].T if cfg.model.tie_embeddings else params["lm_head"]
+  return (dense(h_BxSxD, head_DxV, jnp.float32),
+          KVCache(jnp.concatenate(ks, axis=0), jnp.concatenate(vs, axis=0)))
 
 
 def sample(logits_BxV, key, *, temperature: float, top_p: float):

@@ -1,9 +1,13 @@
-"""The MoE decoder LM: embedding -> L x (RMSNorm, rotary attention, RMSNorm, MoE) -> RMSNorm ->
-untied LM head. Layers run under `lax.scan` over stacked parameters.
+"""The MoE decoder LM: embedding -> L x (RMSNorm, rotary attention, RMSNorm, MoE or dense MLP) ->
+RMSNorm -> LM head (untied, or the embedding's transpose). Layers run under `lax.scan` over
+stacked parameters, one scan per homogeneous run of layers: the leading `model.dense_layers`
+dense ones (parameter group "dense_layers"), then the MoE ones ("layers").
 
-One decoder for every family (`configs/`): OLMoE, Mixtral, Qwen2-MoE and Qwen3-MoE differ only
-in options of the config (grouped-query attention, QK-norm full / per head / none, qkv biases,
-a shared expert with or without a gate, top-k renormalization), never in code paths per family.
+One decoder for every family (`configs/`): OLMoE, Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek
+differ only in options of the config (grouped-query or multi-head latent attention, QK-norm full
+/ per head / none, qkv biases, a shared expert with or without a gate, leading dense layers, the
+router's renormalization, scale, expert groups and selection bias), never in code paths per
+family.
 
 Letters: B batch, S sequence, D width, V vocabulary, L layers.
 
@@ -25,8 +29,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moejax.config import Config
-from moejax.layers.attention import Attention
+from moejax.layers.attention import Attention, LatentAttention
 from moejax.layers.matmul import dense
+from moejax.layers.mlp import MLP
 from moejax.placement.dispatch import LOCAL, Dispatch
 from moejax.layers.moe import MoEBlock, MoESpec
 from moejax.layers.norm import RMSNorm, rms_norm
@@ -42,19 +47,64 @@ def moe_spec(cfg: Config) -> MoESpec:
                  admission=r.admission, threshold=r.threshold, capacity_factor=r.admission_capacity_factor,
                  capacity_factor_warmup=r.admission_capacity_factor_warmup, warmup_steps=r.warmup_steps,
                  locality_weight=r.locality_weight, shared_hidden=moe.shared_expert_hidden,
-                 shared_gate=moe.shared_expert_gate)
+                 shared_gate=moe.shared_expert_gate, routed_scale=moe.routed_scale,
+                 groups=moe.expert_groups, top_groups=moe.top_groups, score_bias=moe.score_bias)
+
+
+MOE_LAYERS = "layers"           # the parameter group of the MoE layers (stacked)
+DENSE_LAYERS = "dense_layers"   # ... of the leading dense layers, when there are any
+LAYER_GROUPS = (DENSE_LAYERS, MOE_LAYERS)
+
+
+def layer_groups(cfg: Config) -> dict[str, int]:
+  """{stacked layer group: its layers}, in the order they run."""
+  dense = cfg.model.dense_layers
+  groups = {DENSE_LAYERS: dense} if dense else {}
+  return dict(groups, **{MOE_LAYERS: cfg.model.num_layers - dense})
+
+
+def _attention(cfg: Config, rngs: nnx.Rngs):
+  m = cfg.model
+  if m.kv_lora_rank:
+    return LatentAttention(m.d_model, m.num_heads, q_lora_rank=m.q_lora_rank,
+                           kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
+                           qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
+                           rope_theta=m.rope_theta, init_std=m.init_std, rngs=rngs)
+  return Attention(m.d_model, m.num_heads, m.head_dim, rope_theta=m.rope_theta,
+                   norm_eps=m.norm_eps, init_std=m.init_std, rngs=rngs,
+                   num_kv_heads=m.num_kv_heads, qk_norm=m.qk_norm, qkv_bias=m.qkv_bias)
+
+
+class DenseLayer(nnx.Module):
+  """A layer without experts: attention, then a dense SwiGLU MLP."""
+
+  def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+    m = cfg.model
+    self.attn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
+    self.attn = _attention(cfg, rngs)
+    self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
+    self.mlp = MLP(m.d_model, m.dense_hidden, init_std=m.init_std, rngs=rngs)
+
+  def feed_forward(self, x_BxSxD):
+    return self.mlp(x_BxSxD)
+
+  def __call__(self, h_BxSxD):
+    h_BxSxD = h_BxSxD + self.attn(self.attn_norm(h_BxSxD))
+    return h_BxSxD + self.mlp(self.ffn_norm(h_BxSxD))
 
 
 class DecoderLayer(nnx.Module):
   def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
     m, moe = cfg.model, cfg.moe
     self.attn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
-    self.attn = Attention(m.d_model, m.num_heads, m.head_dim, rope_theta=m.rope_theta,
-                          norm_eps=m.norm_eps, init_std=m.init_std, rngs=rngs,
-                          num_kv_heads=m.num_kv_heads, qk_norm=m.qk_norm, qkv_bias=m.qkv_bias)
+    self.attn = _attention(cfg, rngs)
     self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
     self.moe = MoEBlock(m.d_model, moe.expert_hidden,
                         moe_spec(cfg), init_std=m.init_std, rngs=rngs)
+
+  def feed_forward(self, x_BxSxD):
+    """The MoE block alone, routed by top-k (decoding)."""
+    return self.moe(x_BxSxD)[0]
 
   def __call__(self, h_BxSxD, *, dispatch: Dispatch = LOCAL, axis_name=None, step=0,
                predicted_load_E=None, expert_owners=None):
@@ -68,29 +118,39 @@ class DecoderLayer(nnx.Module):
     return h_BxSxD + y_BxSxD, aux
 
 
-def _layer_params(cfg: Config, key) -> dict:
-  return nnx.to_pure_dict(nnx.state(DecoderLayer(cfg, rngs=nnx.Rngs(params=key)), nnx.Param))
+def _layer_class(group: str):
+  return DenseLayer if group == DENSE_LAYERS else DecoderLayer
+
+
+def _layer_params(cfg: Config, group: str, key) -> dict:
+  layer = _layer_class(group)(cfg, rngs=nnx.Rngs(params=key))
+  return nnx.to_pure_dict(nnx.state(layer, nnx.Param))
 
 
 def _outer_params(cfg: Config, k_embed, k_head) -> dict[str, nnx.Param]:
-  """The parameters outside the layers: embedding, final norm, untied LM head."""
+  """The parameters outside the layers: embedding, final norm, LM head unless tied."""
   m = cfg.model
   init = jax.nn.initializers.normal(m.init_std)
-  return {
+  out = {
       "embed": param(init(k_embed, (m.vocab_size, m.d_model), jnp.float32), (VOCAB, EMBED),
                      EMBEDDINGS),
       "final_norm": param(jnp.ones((m.d_model,), jnp.float32), (NORM,), NORMS),
-      "lm_head": param(init(k_head, (m.d_model, m.vocab_size), jnp.float32), (EMBED, VOCAB),
-                       EMBEDDINGS),
   }
+  if not m.tie_embeddings:
+    out["lm_head"] = param(init(k_head, (m.d_model, m.vocab_size), jnp.float32), (EMBED, VOCAB),
+                           EMBEDDINGS)
+  return out
 
 
 def init_params(cfg: Config, key: jax.Array) -> dict:
   k_embed, k_layers, k_head = jax.random.split(key, 3)
   outer = {name: p[...] for name, p in _outer_params(cfg, k_embed, k_head).items()}
-  layers = jax.vmap(functools.partial(_layer_params, cfg))(
-      jax.random.split(k_layers, cfg.model.num_layers))
-  return dict(outer, layers=layers)
+  keys_L, start = jax.random.split(k_layers, cfg.model.num_layers), 0
+  for group, count in layer_groups(cfg).items():
+    outer[group] = jax.vmap(functools.partial(_layer_params, cfg, group))(
+        keys_L[start:start + count])
+    start += count
+  return outer
 
 
 @functools.cache
@@ -100,22 +160,24 @@ def param_meta(cfg: Config) -> dict:
   from each parameter's metadata where it is defined, abstractly (nothing is allocated)."""
   key = jax.random.key(0)
   outer = nnx.eval_shape(lambda: _outer_params(cfg, key, key))
-  _, layer = _layer_template(cfg)
-  stacked = functools.partial(axes.meta_of, stacked=cfg.model.num_layers)
   is_var = lambda v: isinstance(v, nnx.Variable)
   meta = {name: axes.meta_of(p) for name, p in outer.items()}
-  meta["layers"] = nnx.to_pure_dict(jax.tree.map(stacked, layer, is_leaf=is_var))
+  for group, count in layer_groups(cfg).items():
+    _, layer = _layer_template(cfg, group)
+    stacked = functools.partial(axes.meta_of, stacked=count)
+    meta[group] = nnx.to_pure_dict(jax.tree.map(stacked, layer, is_leaf=is_var))
   return meta
 
 
 @functools.cache
-def _layer_template(cfg: Config):
-  return nnx.split(nnx.eval_shape(lambda: DecoderLayer(cfg, rngs=nnx.Rngs(0))))
+def _layer_template(cfg: Config, group: str = MOE_LAYERS):
+  return nnx.split(nnx.eval_shape(lambda: _layer_class(group)(cfg, rngs=nnx.Rngs(0))))
 
 
-def layer_from_params(cfg: Config, layer_params: dict) -> DecoderLayer:
-  """A DecoderLayer module holding the given (one layer's) parameter arrays."""
-  graphdef, template = _layer_template(cfg)
+def layer_from_params(cfg: Config, layer_params: dict, group: str = MOE_LAYERS):
+  """A layer module (DecoderLayer, or DenseLayer for `DENSE_LAYERS`) holding the given (one
+  layer's) parameter arrays."""
+  graphdef, template = _layer_template(cfg, group)
   state = jax.tree.map(lambda v: v, template)
   nnx.replace_by_pure_dict(state, layer_params)
   return nnx.merge(graphdef, state)
@@ -144,10 +206,11 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
   `expert_owners_L` (fssdp, `fssdp.Owners` stacked over layers) who owns each expert, when the
   layer's expert weights are owned windows (`fssdp.owned_windows`) rather than the even split.
   Returns (logits_BxSxV, aux_L, new_states, stats) with stats {group: stats of its gathers}
-  (the layer group's stacked over L).
+  (a layer group's stacked over its layers); aux_L covers the MoE layers.
   """
   if gather is None:
-    gather = functools.partial(local_gather, dtype=COMPUTE_DTYPES[cfg.compute_dtype])
+    gather = functools.partial(local_gather, dtype=COMPUTE_DTYPES[cfg.compute_dtype],
+                               param_meta=param_meta(cfg))
   states = states if states is not None else {g: None for g in params}
   new_states, stats = {}, {}
 
@@ -157,6 +220,18 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
 
   embed_VxD = gather_group("embed")
   h_BxSxD = jnp.take(embed_VxD, tokens_BxS, axis=0)
+
+  if DENSE_LAYERS in params:
+    def dense_step(h_BxSxD, layer_params, consts, layer_index):
+      del consts, layer_index
+      return layer_from_params(cfg, layer_params, DENSE_LAYERS)(h_BxSxD), {}
+
+    def gather_dense(shards, state):
+      return gather(DENSE_LAYERS, shards, state)
+
+    h_BxSxD, _, new_states[DENSE_LAYERS], stats[DENSE_LAYERS] = scan_layers(
+        dense_step, h_BxSxD, params[DENSE_LAYERS], gather_dense, states[DENSE_LAYERS], (),
+        remat=remat, prefetch=prefetch)
 
   def layer_step(h_BxSxD, layer_params, consts, layer_index):
     step, predicted_load_LxE, owners_L = consts
@@ -174,5 +249,6 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
       (jnp.asarray(step, jnp.int32), predicted_load_LxE, expert_owners_L), remat=remat,
       prefetch=prefetch)
   h_BxSxD = rms_norm(h_BxSxD, gather_group("final_norm"), cfg.model.norm_eps)
-  logits_BxSxV = dense(h_BxSxD, gather_group("lm_head"), jnp.float32)
+  head_DxV = embed_VxD.T if cfg.model.tie_embeddings else gather_group("lm_head")
+  logits_BxSxV = dense(h_BxSxD, head_DxV, jnp.float32)
   return logits_BxSxV, aux_L, new_states, stats

@@ -38,6 +38,8 @@ class ModelShape:
   kv_lora_rank: int = 0
   qk_rope_dim: int = 0
   """MLA: the rotary part of head_dim (head_dim = nope + rope)."""
+  score_bias: bool = False
+  """A per-expert selection bias in the router (DeepSeek-V3), E more parameters per layer."""
   qk_norm: bool = False
   qk_norm_per_head: bool = False
   """QK-norm scales of one head's width (Qwen3) rather than of all heads' (OLMoE)."""
@@ -79,9 +81,11 @@ class ModelShape:
     return sum(self.attention_matrices()) + bias
 
   def norm_params(self) -> int:
-    """Layer norms of one layer (two, plus QK-norms)."""
+    """Layer norms of one layer (two, plus QK-norms, or latent attention's latent norms)."""
     extra = 0
-    if self.qk_norm:
+    if self.attention == "mla":
+      extra = self.q_lora_rank + self.kv_lora_rank
+    elif self.qk_norm:
       extra = (2 * self.head_dim if self.qk_norm_per_head
                else (self.num_heads + self.kv_heads) * self.head_dim)
     return 2 * self.d_model + extra
@@ -91,7 +95,7 @@ class ModelShape:
     return 3 * self.d_model * self.expert_hidden
 
   def router_params(self) -> int:
-    return self.d_model * self.num_experts
+    return self.d_model * self.num_experts + (self.num_experts if self.score_bias else 0)
 
   def shared_params(self) -> int:
     return 3 * self.d_model * self.shared_hidden + (self.d_model if self.shared_gate else 0)
@@ -151,10 +155,12 @@ class ModelShape:
 
 
 def shape_of(cfg) -> ModelShape:
-  """The shape record of a moejax `Config` (any family: grouped-query or multi-head attention,
-  QK-norm or none, a shared expert or none; SwiGLU experts, untied embeddings). Fields later
-  presets may add (`dense_layers`) are read when present."""
+  """The shape record of a moejax `Config` (any family: grouped-query, multi-head or latent
+  attention, QK-norm or none, shared experts or none, leading dense layers, a score bias, tied
+  or untied embeddings; SwiGLU experts)."""
   m, moe = cfg.model, cfg.moe
+  mla = dict(attention="mla", q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+             qk_rope_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim) if m.kv_lora_rank else {}
   return ModelShape(
       name=getattr(cfg, "name", "") or f"moejax d{m.d_model} L{m.num_layers} E{moe.num_experts}",
       d_model=m.d_model, num_layers=m.num_layers, vocab_size=m.vocab_size,
@@ -165,7 +171,8 @@ def shape_of(cfg) -> ModelShape:
       dense_layers=getattr(m, "dense_layers", 0) or 0,
       dense_hidden=getattr(m, "dense_hidden", 0) or 0,
       qk_norm=m.qk_norm != "none", qk_norm_per_head=m.qk_norm == "head", qkv_bias=m.qkv_bias,
-      shared_gate=moe.shared_expert_gate, tied_embeddings=False, source="moejax config")
+      shared_gate=moe.shared_expert_gate, tied_embeddings=m.tie_embeddings,
+      score_bias=moe.score_bias, source="moejax config", **mla)
 
 
 def _olmoe_1b7b() -> ModelShape:
@@ -206,7 +213,7 @@ SHAPES: dict[str, ModelShape] = {s.name: s for s in (
     ModelShape("DeepSeek-V3", d_model=7168, num_layers=61, vocab_size=129280, num_heads=128,
                head_dim=192, v_head_dim=128, attention="mla", q_lora_rank=1536,
                kv_lora_rank=512, qk_rope_dim=64, num_experts=256, top_k=8, expert_hidden=2048,
-               shared_hidden=2048, dense_layers=3, dense_hidden=18432,
+               shared_hidden=2048, dense_layers=3, dense_hidden=18432, score_bias=True,
                source="deepseek-ai/DeepSeek-V3 config.json; Themis Table 1 (d 7168, d_ffn 2048, "
                       "seq 4096, 4 experts per GPU, top-8)"),
     ModelShape("Phi-3.5-MoE", d_model=4096, num_layers=32, vocab_size=32064, num_heads=32,

@@ -32,16 +32,40 @@ def router_scores(logits_TxE: jax.Array, score: str = "softmax") -> jax.Array:
 
 
 def top_k_route(logits_TxE: jax.Array, k: int, *, score: str = "softmax",
-                renormalize: bool = False):
+                renormalize: bool = False, bias_E: jax.Array | None = None, groups: int = 1,
+                top_groups: int = 1, scale: float = 1.0):
   """Token-side top-k.
+
+  `bias_E` (DeepSeek-V3's auxiliary-loss-free balancing) is added to the scores for the choice
+  only: the weights are the unbiased scores of the chosen experts, and no gradient reaches it.
+  `groups` > 1 (group-limited top-k): the experts split into `groups` equal groups, each scored by
+  the sum of its two best (biased) scores; a token chooses among the experts of its `top_groups`
+  best groups. After the optional renormalization the weights are multiplied by `scale`
+  (routed_scaling_factor).
 
   Returns (weights_TxK fp32, experts_TxK int32, scores_TxE fp32). Ties go to the lower expert id
   (`lax.top_k` order), so the choice is deterministic.
   """
   scores_TxE = router_scores(logits_TxE, score)
-  weights_TxK, experts_TxK = jax.lax.top_k(scores_TxE, k)
+  choice_TxE = scores_TxE
+  if bias_E is not None:
+    choice_TxE = choice_TxE + jax.lax.stop_gradient(bias_E.astype(jnp.float32))[None, :]
+  if groups > 1:
+    t, e = choice_TxE.shape
+    best2_TxGx2, _ = jax.lax.top_k(choice_TxE.reshape(t, groups, e // groups), 2)
+    _, top_TxGk = jax.lax.top_k(jnp.sum(best2_TxGx2, axis=-1), top_groups)
+    allowed_TxG = jnp.any(jax.nn.one_hot(top_TxGk, groups, dtype=bool), axis=1)
+    allowed_TxE = jnp.repeat(allowed_TxG, e // groups, axis=1)
+    choice_TxE = jnp.where(allowed_TxE, choice_TxE, -jnp.inf)
+  if choice_TxE is scores_TxE:
+    weights_TxK, experts_TxK = jax.lax.top_k(scores_TxE, k)
+  else:
+    _, experts_TxK = jax.lax.top_k(jax.lax.stop_gradient(choice_TxE), k)
+    weights_TxK = jnp.take_along_axis(scores_TxE, experts_TxK, axis=-1)
   if renormalize:
     weights_TxK = weights_TxK / jnp.sum(weights_TxK, axis=-1, keepdims=True)
+  if scale != 1.0:
+    weights_TxK = weights_TxK * scale
   return weights_TxK, experts_TxK.astype(jnp.int32), scores_TxE
 
 

@@ -11,15 +11,18 @@ Logical axes:
   Q_HEADS       the query projection's output, heads x head width, fused
   KV_HEADS      the key / value projections' output, KV heads x head width, fused
   HEADS         the attention output entering the output projection, heads x head width, fused
-  MLP           hidden width of an MLP: a routed expert's F, the shared expert's
+  MLP           hidden width of an MLP: a routed expert's F, the shared expert's, a dense layer's
+  LATENT        a low-rank latent of multi-head latent attention (the q or kv compression)
   EXPERT        the experts of a layer: one weight matrix per expert
   EXPERT_SCORE  the router's output, one score per expert (a feature axis, not separate experts)
   NORM          a norm's scale
   LAYERS        the stacked axis of scanned layers (added by the model that stacks them); never
                 sharded
-Groups: EMBEDDINGS, ATTENTION, BIASES, ROUTER, NORMS, EXPERTS (routed), SHARED_EXPERTS
-(`GROUPS`). They name the parameter's part of the model in gather reports and decide weight decay
-(none on norms and biases: `NO_DECAY`).
+Groups: EMBEDDINGS, ATTENTION, BIASES, ROUTER, ROUTER_BIAS, NORMS, EXPERTS (routed),
+SHARED_EXPERTS, DENSE_MLP (`GROUPS`). They name the parameter's part of the model in gather
+reports and decide weight decay (none on norms and biases: `NO_DECAY`). ROUTER_BIAS is the
+selection-only score bias: no gradient reaches it (the train step moves it from the load), and it
+is gathered in float32 (`FLOAT32_GROUPS`: a bf16 bias would reorder close scores).
 
 The model reads its declarations into a tree of `ParamMeta` (`moejax.models.olmoe.param_meta`);
 what needs them takes that tree: the layouts, the Gatherer (report groups), the optimizer (weight
@@ -38,11 +41,12 @@ Q_HEADS = "q_heads"
 KV_HEADS = "kv_heads"
 HEADS = "heads"
 MLP = "mlp"
+LATENT = "latent"
 EXPERT = "expert"
 EXPERT_SCORE = "expert_score"
 NORM = "norm"
 LAYERS = "layers"
-AXES = (VOCAB, EMBED, Q_HEADS, KV_HEADS, HEADS, MLP, EXPERT, EXPERT_SCORE, NORM, LAYERS)
+AXES = (VOCAB, EMBED, Q_HEADS, KV_HEADS, HEADS, MLP, LATENT, EXPERT, EXPERT_SCORE, NORM, LAYERS)
 
 EMBEDDINGS = "embeddings"
 ATTENTION = "attention"
@@ -51,8 +55,12 @@ NORMS = "norms"
 EXPERTS = "experts"
 SHARED_EXPERTS = "shared_experts"
 BIASES = "biases"
-GROUPS = (ATTENTION, BIASES, ROUTER, NORMS, EXPERTS, SHARED_EXPERTS, EMBEDDINGS)
-NO_DECAY = (NORMS, BIASES)   # groups without weight decay
+ROUTER_BIAS = "router_bias"
+DENSE_MLP = "dense_mlp"
+GROUPS = (ATTENTION, BIASES, ROUTER, ROUTER_BIAS, NORMS, EXPERTS, SHARED_EXPERTS, DENSE_MLP,
+          EMBEDDINGS)
+NO_DECAY = (NORMS, BIASES, ROUTER_BIAS)   # groups without weight decay
+FLOAT32_GROUPS = (ROUTER_BIAS,)           # gathered in float32 whatever the compute dtype
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,15 +2,18 @@
 
 `Gatherer.gather(group, shards, states) -> (full, new_states, stats)` is what the model's
 forward pass calls for each gather group: the top-level keys of the model's parameter
-declarations (`param_meta`; OLMoE: "embed", "layers" (one layer's slice), "final_norm",
-"lm_head"). It looks up each parameter's layout and, when the codec is on for it, its
+declarations (`param_meta`: "embed", "layers" (one MoE layer's slice), "dense_layers" (one
+dense layer's, when the model has them), "final_norm", "lm_head" unless tied). A group whose
+parameters carry the stacked `axes.LAYERS` axis is a layer group: it is gathered one layer at a
+time inside the layer scan. It looks up each parameter's layout and, when the codec is on for it, its
 `CodecSpec` (mode and capacity, chosen per parameter) and state, and hands each leaf to the one
 gather (`moejax.sharding.hook.gather_leaf`): it only maps trees to leaves and sums figures.
 
 Codec state lives in the train state as a dict {group: {param_path: state}} holding only the
 compressed parameters. Each device has its own state, so every state array is stored with a
 leading device axis [N, ...] sharded over all devices; layer parameters' states also carry the
-layer axis, [N, L, ...], which the layer scan slices. Caches are rebuilt, not checkpointed.
+layer axis, [N, L, ...], which the layer scan slices. Parameters of `axes.FLOAT32_GROUPS` (the
+router's selection bias) are gathered plainly in float32, never compressed. Caches are rebuilt, not checkpointed.
 Without states (evaluation) every parameter is gathered plainly and no cache moves.
 
 Stats: {report group (the `axes.GROUPS` entry each parameter declares): summed hook stats}, plus, under `PARAM_STATS`, each compressed
@@ -29,7 +32,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moejax.codec import gather as codec
-from moejax.sharding import hook
+from moejax.sharding import axes, hook
 from moejax.sharding.layout import Layout
 from moejax.sharding.mesh import DEVICES
 
@@ -93,25 +96,28 @@ class Gatherer:
   def enabled(self) -> bool:
     return any(self.specs.values())
 
-  @property
-  def num_layers(self) -> int:
-    return jax.tree.leaves(self.param_meta["layers"])[0].shape[0]
+  def is_stacked(self, group: str) -> bool:
+    """Whether `group` is a layer group (its parameters stacked over layers, gathered per
+    layer)."""
+    return jax.tree.leaves(self.param_meta[group])[0].axes[0] == axes.LAYERS
 
   def candidates(self) -> list[tuple[str, str]]:
-    """(group, path) of every parameter the codec can gather: sharded over more than one device."""
+    """(group, path) of every parameter the codec can gather: sharded over more than one device
+    (and not kept in float32)."""
     out = []
     if self.num_devices < 2:
       return out
     for group in self.groups:
-      for path, lay in zip(_leaf_paths(self.param_meta[group]),
-                           jax.tree.leaves(self.layouts[group])):
-        if lay.kind == "shard":
+      for path, lay, meta in zip(_leaf_paths(self.param_meta[group]),
+                                 jax.tree.leaves(self.layouts[group]),
+                                 jax.tree.leaves(self.param_meta[group])):
+        if lay.kind == "shard" and meta.group not in axes.FLOAT32_GROUPS:
           out.append((group, path))
     return out
 
   def copies(self, group: str) -> int:
     """Shards of one parameter that one spec covers: the layers of a stacked parameter."""
-    return self.num_layers if group == "layers" else 1
+    return jax.tree.leaves(self.param_meta[group])[0].shape[0] if self.is_stacked(group) else 1
 
   def layout(self, group: str, path: str) -> Layout:
     return dict(zip(_leaf_paths(self.layouts[group]), jax.tree.leaves(self.layouts[group])))[path]
@@ -120,7 +126,7 @@ class Gatherer:
     """One device's shard of one gather (one layer's slice for layer parameters)."""
     shape, lay = list(self._meta(group, path).shape), self.layout(group, path)
     shape[lay.dim] //= self.num_devices
-    return tuple(shape[1:]) if group == "layers" else tuple(shape)
+    return tuple(shape[1:]) if self.is_stacked(group) else tuple(shape)
 
   # -- state ---------------------------------------------------------------------------------
   def init_states(self, mesh, *, warmed_up: bool = False, reuse=None):
@@ -149,8 +155,8 @@ class Gatherer:
                                self.num_devices, spec)
       if warmed_up:
         state = dict(state, step=jnp.full_like(state["step"], spec.warmup_steps))
-      lead = ((self.num_devices, self.num_layers) if group == "layers"
-              else (self.num_devices,))
+      lead = (self.num_devices, self.copies(group)) if self.is_stacked(group) else (
+          self.num_devices,)
       return jax.tree.map(lambda x: jnp.broadcast_to(x, lead + x.shape), state)
 
     def build():
@@ -198,15 +204,17 @@ class Gatherer:
     """-> (full tree in the compute dtype, new states {path: state}, {report group: stats,
     PARAM_STATS: ...})."""
     lays = self.layouts[group]
-    if group == "layers":
+    if self.is_stacked(group):
       lays = jax.tree.map(Layout.unstacked, lays)
     paths = _leaf_paths(shards)
     leaves, treedef = jax.tree.flatten(shards)
     fulls, new_states, stats, per_param = [], {}, {}, {}
     for path, x, lay in zip(paths, leaves, treedef.flatten_up_to(lays)):
       spec = self.specs[group].get(path) if states is not None else None
+      dtype = (jnp.float32 if self.report_group(group, path) in axes.FLOAT32_GROUPS
+               else self.compute_dtype)
       full, new_state, s = hook.gather_leaf(x, lay, spec, states[path] if spec else None,
-                                            dtype=self.compute_dtype)
+                                            dtype=dtype)
       if spec is not None:
         new_states[path] = new_state
         per_param[path] = jnp.stack([s[k] for k in hook.STAT_KEYS])
@@ -219,7 +227,8 @@ class Gatherer:
 
   # -- figures ---------------------------------------------------------------------------------
   def param_rows(self) -> list[tuple[str, str, int]]:
-    """(group, path, layer) of each row of the `codec_metrics` array (layer 0 outside layers)."""
+    """(group, path, layer) of each row of the `codec_metrics` array (layer 0 outside the layer
+    groups)."""
     return [(g, p, layer) for g in self.groups for p in self.specs[g]
             for layer in range(self.copies(g))]
 

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from moejax.codec import gather as codec
-from moejax.sharding import prefetch as prefetch_lib
+from moejax.sharding import axes, prefetch as prefetch_lib
 from moejax.sharding.layout import Layout
 from moejax.sharding.mesh import DEVICES
 
@@ -143,7 +143,11 @@ def gather_leaf(shard, layout: Layout, spec: codec.CodecSpec | None = None, stat
   return full, state, _plain_stats(shard, layout, dtype)
 
 
-def local_gather(group: str, tree, states=None, dtype=COMPUTE_DTYPE):
-  """The hook outside a mesh, with the Gatherer's signature: parameters are already whole."""
-  del group
-  return jax.tree.map(lambda x: x.astype(dtype), tree), states, {}
+def local_gather(group: str, tree, states=None, dtype=COMPUTE_DTYPE, param_meta=None):
+  """The hook outside a mesh, with the Gatherer's signature: parameters are already whole, only
+  cast (with the model's `param_meta`, `axes.FLOAT32_GROUPS` stay float32 as in the Gatherer)."""
+  if param_meta is None:
+    return jax.tree.map(lambda x: x.astype(dtype), tree), states, {}
+  return jax.tree.map(
+      lambda x, meta: x.astype(jnp.float32 if meta.group in axes.FLOAT32_GROUPS else dtype),
+      tree, param_meta[group]), states, {}

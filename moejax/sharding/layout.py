@@ -16,7 +16,7 @@ entries stay `expert`: one device owns every expert). An expert entry the device
 divide is an error (the ep/fssdp dispatch needs whole experts on their owners), not a fallback.
 The stacked layer axis (`axes.LAYERS`) is never sharded: it is in no table.
 
-  fsdp         vocab, heads, embed, q_heads, kv_heads, mlp, expert, expert_score, norm
+  fsdp         vocab, heads, embed, q_heads, kv_heads, mlp, latent, expert, expert_score, norm
   ep, fssdp    expert (expert-parallel), then fsdp's
 
 so embedding and LM head split the vocabulary, every matrix that reads the model width splits
@@ -38,7 +38,7 @@ from moejax.sharding.mesh import DEVICES
 SHARD, REPLICATE, EXPERT = "shard", "replicate", "expert"
 
 FSDP_RULES = ((ax.VOCAB, SHARD), (ax.HEADS, SHARD), (ax.EMBED, SHARD), (ax.Q_HEADS, SHARD),
-              (ax.KV_HEADS, SHARD), (ax.MLP, SHARD), (ax.EXPERT, SHARD),
+              (ax.KV_HEADS, SHARD), (ax.MLP, SHARD), (ax.LATENT, SHARD), (ax.EXPERT, SHARD),
               (ax.EXPERT_SCORE, SHARD), (ax.NORM, SHARD))
 EXPERT_PARALLEL_RULES = ((ax.EXPERT, EXPERT),) + FSDP_RULES
 RULES = {"fsdp": FSDP_RULES, "ep": EXPERT_PARALLEL_RULES, "fssdp": EXPERT_PARALLEL_RULES}

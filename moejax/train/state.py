@@ -15,7 +15,7 @@ from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moejax.codec.gather import CodecSpec
-from moejax.config import Config
+from moejax.config import Config, num_moe_layers
 from moejax.models import olmoe
 from moejax.placement import Placement
 from moejax.sharding import axes, hook, layout as layout_lib
@@ -60,7 +60,7 @@ class StateLayout:
 def placement_of(cfg: Config, mesh, param_meta=None) -> Placement:
   moe, f = cfg.moe, cfg.fssdp
   param_meta = olmoe.param_meta(cfg) if param_meta is None else param_meta
-  return Placement(moe.placement, cfg.model.num_layers, moe.num_experts, moe.top_k,
+  return Placement(moe.placement, num_moe_layers(cfg), moe.num_experts, moe.top_k,
                    cfg.model.d_model, moe.expert_hidden, num_devices(mesh),
                    topology(mesh).devices_per_node, DEVICES,
                    dispatch_capacity_factor=moe.dispatch_capacity_factor,

@@ -19,9 +19,10 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from moejax.config import Config
+from moejax.config import Config, num_moe_layers
 from moejax.errors import ConfigError
 from moejax.models import olmoe
+from moejax.routing import balance
 from moejax.sharding import hook
 from moejax.sharding.gatherer import expand_device_axis, squeeze_device_axis
 from moejax.sharding.mesh import DEVICES, num_devices
@@ -77,7 +78,7 @@ def _loss_share(cfg: Config, lay: StateLayout, params, batch, step, gather_state
 def routing_metrics(cfg: Config, routing_L: dict, ep_dropped_L) -> dict:
   """Per-layer routing telemetry as [L] arrays, plus whole-model fractions."""
   metrics = {k: v for k, v in routing_L.items()}
-  assignments = cfg.batch_size * cfg.seq_len * cfg.moe.top_k * cfg.model.num_layers
+  assignments = cfg.batch_size * cfg.seq_len * cfg.moe.top_k * num_moe_layers(cfg)
   metrics["ep_dropped_frac"] = jnp.sum(ep_dropped_L) / assignments
   return metrics
 
@@ -114,7 +115,7 @@ def gather_metrics(cfg: Config, lay: StateLayout, stats: dict) -> dict:
       for k in hook.STAT_KEYS:
         value = jnp.sum(s[k])
         if k.startswith("bytes"):
-          value = value * (n - 1) * hook.gathers_per_step(group == "layers", remat=cfg.remat,
+          value = value * (n - 1) * hook.gathers_per_step(lay.gatherer.is_stacked(group), remat=cfg.remat,
                                                           prefetch=cfg.prefetch)
         acc[k] = acc[k] + value
   metrics = {}
@@ -149,7 +150,7 @@ def codec_denominators(lay: StateLayout) -> dict:
                       jax.tree.leaves(g.param_meta[group])))
     for path, spec in chosen.items():
       size = math.prod(shapes[path].shape)
-      layers = shapes[path].shape[0] if group == "layers" else 1
+      layers = g.copies(group)
       blocks = layers * g.num_devices * math.ceil(size / layers / g.num_devices / spec.block_size)
       report = g.report_group(group, path)
       v, b = out.get(report, (0, 0))
@@ -170,6 +171,7 @@ def make_train_step(cfg: Config, mesh, lay: StateLayout, tx: optax.GradientTrans
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     load_LxE = parts.pop("load_LxE")        # the router's choices, before admission
+    params = balance.apply(params, load_LxE, cfg.moe.score_bias_rate)
     placement_state = lay.placement.next_state(state.placement, load_LxE)
     routing = routing_metrics(cfg, parts.pop("routing_L"), parts.pop("ep_dropped_L"))
     placement = lay.placement.metrics(parts.pop("placement_L", {}),

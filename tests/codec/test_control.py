@@ -83,7 +83,7 @@ def test_gatherer_with_specs(gatherer):
                                       codec.CodecSpec("off")}})
   assert g.specs["layers"] == {"['moe']['w_up']": spec} and g.enabled
   assert g.state_bytes_by_mode() == {"word": g.param_state_bytes("layers", "['moe']['w_up']")}
-  assert [r[:2] for r in g.param_rows()] == [("layers", "['moe']['w_up']")] * g.num_layers
+  assert [r[:2] for r in g.param_rows()] == [("layers", "['moe']['w_up']")] * g.copies("layers")
   with pytest.raises(ValueError, match="not a sharded parameter"):
     gatherer.with_specs({"layers": {"['nope']": spec}})
 

@@ -62,6 +62,30 @@ MODELS = {
                     num_experts_per_tok=4, moe_intermediate_size=24, norm_topk_prob=True,
                     rope_theta=1000000.0, rms_norm_eps=1e-6),
         save=dict()),
+    # DeepSeek-V3: latent attention with a q latent, two leading dense layers, two shared
+    # experts, 12 experts in 3 groups (2 used), a random score bias, routed scaling; fused.
+    "deepseek_v3": dict(
+        model_type="deepseek_v3",
+        config=dict(vocab_size=68, hidden_size=40, intermediate_size=56, num_hidden_layers=4,
+                    first_k_dense_replace=2, num_attention_heads=5, num_key_value_heads=5,
+                    q_lora_rank=24, kv_lora_rank=20, qk_nope_head_dim=12, qk_rope_head_dim=6,
+                    v_head_dim=10, n_routed_experts=12, n_group=3, topk_group=2,
+                    num_experts_per_tok=3, moe_intermediate_size=16, n_shared_experts=2,
+                    routed_scaling_factor=1.7, norm_topk_prob=True, rope_theta=30000.0,
+                    rms_norm_eps=1e-6),
+        save=dict(save_original_format=False)),
+    # ... without a q latent, dense layers or groups, unnormalized top-k, tied embeddings; per
+    # expert and sharded.
+    "deepseek_v3_b": dict(
+        model_type="deepseek_v3",
+        config=dict(vocab_size=76, hidden_size=28, intermediate_size=36, num_hidden_layers=2,
+                    first_k_dense_replace=0, num_attention_heads=2, num_key_value_heads=2,
+                    q_lora_rank=None, kv_lora_rank=14, qk_nope_head_dim=10, qk_rope_head_dim=4,
+                    v_head_dim=14, n_routed_experts=6, n_group=1, topk_group=1,
+                    num_experts_per_tok=2, moe_intermediate_size=12, n_shared_experts=1,
+                    routed_scaling_factor=1.0, norm_topk_prob=False, rope_theta=10000.0,
+                    rms_norm_eps=1e-5, tie_word_embeddings=True),
+        save=dict(max_shard_size="64KB")),
 }
 TOKENS_SHAPE = (2, 16)
 WEIGHT_STD = 0.1       # larger than OLMoE's 0.02 so routing and attention are far from uniform
@@ -97,6 +121,9 @@ def _randomize(model, torch) -> None:
         p.copy_(1.0 + 0.2 * torch.randn_like(p))   # norms start at 1; make them differ
       else:
         p.normal_(0.0, WEIGHT_STD)
+    for bname, b in model.named_buffers():
+      if bname.endswith("e_score_correction_bias"):   # DeepSeek's selection-only bias
+        b.normal_(0.0, WEIGHT_STD)
 
 
 def random_model(config: dict, out_dir: str, seed: int = 0) -> dict:

@@ -16,6 +16,7 @@ from safetensors.numpy import load_file, save_file
 
 from moejax.convert import __main__ as cli
 from moejax.convert import config_from_hf, hf_config_from, load_hf, save_hf
+from moejax.families import FAMILIES
 from moejax.errors import CheckpointError
 from moejax.models import olmoe
 from tests.helpers import REPO, tiny_config
@@ -67,7 +68,6 @@ def load_error(path) -> str:
     (dict(num_key_value_heads=3), "num_key_value_heads=3 is not supported: must divide"),
     (dict(layer_types=["full_attention", "sliding_attention"]),
      "layer_types='sliding_attention' is not supported"),
-    (dict(tie_word_embeddings=True), "tie_word_embeddings=True is not supported"),
     (dict(attention_bias=True), "attention_bias=True is not supported"),
     (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling.rope_type='linear'"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
@@ -190,6 +190,14 @@ FAMILY_REFUSALS = [
      "shared_expert_intermediate_size=0 is not supported"),
     ("qwen3_moe", dict(use_sliding_window=True), "use_sliding_window=True is not supported"),
     ("qwen3_moe", dict(attention_bias=True), "attention_bias=True is not supported"),
+    ("deepseek_v3", dict(rope_interleave=False), "rope_interleave=False is not supported"),
+    ("deepseek_v3", dict(quantization_config={"quant_method": "fp8"}),
+     "quantization_config={'quant_method': 'fp8'} is not supported"),
+    ("deepseek_v3", dict(num_key_value_heads=2), "num_key_value_heads=2 is not supported"),
+    ("deepseek_v3", dict(n_shared_experts=0), "n_shared_experts=0 is not supported"),
+    ("deepseek_v3", dict(rope_scaling={"rope_type": "yarn", "factor": 40.0}),
+     "rope_scaling.rope_type='yarn' is not supported"),
+    ("deepseek_v3", dict(n_group=3), "moe.expert_groups=3"),
 ]
 
 
@@ -201,7 +209,7 @@ def test_refuses_what_a_family_asks_for_and_moejax_does_not_model(family, change
   assert expected in str(info.value) and "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("family", ["olmoe", "mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_config_round_trips(family):
   cfg = tiny_config(family, **{"moe.aux_loss_weight": 0.03, "model.rope_theta": 5e5})
   hf = hf_config_from(cfg)
@@ -212,7 +220,9 @@ def test_every_family_config_round_trips(family):
 @pytest.mark.parametrize("family,field,value", [
     ("mixtral", "model.qk_norm", "full"), ("mixtral", "moe.renormalize", False),
     ("olmoe", "model.qkv_bias", True), ("qwen3_moe", "moe.shared_expert_hidden", 32),
-    ("qwen2_moe", "moe.shared_expert_gate", False), ("olmoe", "moe.score", "sigmoid")])
+    ("qwen2_moe", "moe.shared_expert_gate", False), ("olmoe", "moe.score", "sigmoid"),
+    ("mixtral", "moe.routed_scale", 2.0), ("qwen3_moe", "moe.expert_groups", 2),
+    ("deepseek_v3", "moe.score", "softmax"), ("deepseek_v3", "moe.shared_expert_hidden", 96)])
 def test_export_refuses_options_the_family_cannot_hold(family, field, value):
   overrides = {field: value}
   if field == "moe.shared_expert_gate":

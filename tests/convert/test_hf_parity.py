@@ -4,9 +4,12 @@
 Random models (tests/convert/hf_reference.py MODELS): OLMoE "a" saved in the Hub's per-expert
 layout, sharded with an index, and "b" saved fused (transformers >= 5, save_original_format=False)
 in one file; "mixtral" (grouped-query, head_dim != hidden/heads, Hub names w1/w3/w2 under
-block_sparse_moe, sharded), "qwen2_moe" (qkv biases, gated shared expert, fused) and "qwen3_moe"
-(per-head QK-norm, one kv head). They differ in layers, heads, kv heads, head width, experts,
-top-k, expert and shared widths, RoPE base, norm epsilon and top-k renormalization.
+block_sparse_moe, sharded), "qwen2_moe" (qkv biases, gated shared expert, fused), "qwen3_moe"
+(per-head QK-norm, one kv head), "deepseek_v3" (latent attention with a q latent, two leading
+dense layers, grouped sigmoid routing with a random score bias and routed scaling, fused) and
+"deepseek_v3_b" (no q latent, no dense layers or groups, tied embeddings, sharded). They differ
+in layers, heads, kv heads, head width, experts, top-k, expert and shared widths, latent ranks,
+RoPE base, norm epsilon and top-k renormalization.
 """
 from __future__ import annotations
 
@@ -30,8 +33,8 @@ from moejax.train import checkpoint as train_checkpoint
 from moejax.train.optim import make_optimizer
 from moejax.train.state import state_layout
 
-MODELS = ("a", "b", "mixtral", "qwen2_moe", "qwen3_moe")
-SAVED_FUSED = ("b", "qwen2_moe")
+MODELS = ("a", "b", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v3_b")
+SAVED_FUSED = ("b", "qwen2_moe", "deepseek_v3")
 
 
 def fp32_logits(cfg, params, tokens):
@@ -102,6 +105,20 @@ def test_config_mapping(hf_models, imported):
   assert (moe.num_experts, moe.top_k, moe.expert_hidden, moe.renormalize) == (10, 4, 24, True)
 
 
+def test_deepseek_config_mapping(imported):
+  m, moe = imported["deepseek_v3"][0].model, imported["deepseek_v3"][0].moe
+  assert (m.family, m.kv_lora_rank, m.q_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim,
+          m.v_head_dim, m.head_dim) == ("deepseek_v3", 20, 24, 12, 6, 10, 18)
+  assert (m.num_layers, m.dense_layers, m.dense_hidden, m.tie_embeddings) == (4, 2, 56, False)
+  assert (moe.num_experts, moe.top_k, moe.expert_hidden, moe.shared_expert_hidden) == (
+      12, 3, 16, 32)
+  assert (moe.score, moe.score_bias, moe.expert_groups, moe.top_groups, moe.routed_scale,
+          moe.renormalize) == ("sigmoid", True, 3, 2, 1.7, True)
+  m, moe = imported["deepseek_v3_b"][0].model, imported["deepseek_v3_b"][0].moe
+  assert (m.q_lora_rank, m.dense_layers, m.tie_embeddings, moe.expert_groups) == (0, 0, True, 1)
+  assert "lm_head" not in imported["deepseek_v3_b"][1]
+
+
 def test_export_reimport_is_bit_exact(hf_models, imported, tmp_path):
   for name in MODELS:
     hf_dir = hf_models[name][0]
@@ -124,7 +141,7 @@ def test_export_writes_the_hub_tensors_bit_for_bit(name, hf_models, imported, tm
   if name in SAVED_FUSED:
     f = cfg.moe.expert_hidden
     moe_module, (gate, up, down_name) = hf_names.HUB_EXPERT_NAMES[cfg.model.family]
-    for i in range(cfg.model.num_layers):
+    for i in range(cfg.model.dense_layers, cfg.model.num_layers):
       gate_up = original.pop(f"model.layers.{i}.mlp.experts.gate_up_proj")
       down = original.pop(f"model.layers.{i}.mlp.experts.down_proj")
       original[f"model.layers.{i}.{moe_module}.gate.weight"] = original.pop(

@@ -18,8 +18,10 @@ CASES = [(family, preset) for family in FAMILIES for preset in FAMILY_CONFIGS[fa
 PUBLISHED = [(family, preset) for family in FAMILIES
              for preset in FAMILY_CONFIGS[family].PUBLISHED]
 # Published active counts stated to two significant digits: the exact count must read as that
-# figure when cut to two digits (Qwen2-57B-A14B: 14.25B is "14B"; Qwen3-30B-A3B: 3.35B "3.3B").
-TWO_DIGITS = {("qwen2_moe", "57b_a14b", "active"), ("qwen3_moe", "30b_a3b", "active")}
+# figure when cut to two digits (Qwen2-57B-A14B: 14.25B is "14B"; Qwen3-30B-A3B: 3.35B "3.3B";
+# DeepSeek-MoE-16B: 2.83B "2.8B"; DeepSeek-V3: 37.55B "37B").
+TWO_DIGITS = {("qwen2_moe", "57b_a14b", "active"), ("qwen3_moe", "30b_a3b", "active"),
+              ("deepseek_v3", "moe_16b", "active"), ("deepseek_v3", "v3", "active")}
 
 
 def preset_config(family: str, preset: str) -> config_lib.Config:

@@ -23,6 +23,7 @@ import re
 
 import jax
 
+from moejax.models import olmoe
 from moejax.sharding.layout import Layout
 
 PRIMITIVE = {"all-gather": "all_gather", "reduce-scatter": "reduce_scatter"}
@@ -83,7 +84,7 @@ def hook_shapes(layout, num_devices: int) -> dict[str, set[tuple]]:
   "reduce-scatter": their per-device shards}, for the parameters it shards."""
   gathers, scatters = set(), set()
   for name, shapes in layout.param_shapes.items():
-    stacked = name == "layers"
+    stacked = name in olmoe.LAYER_GROUPS
     for x, lay in zip(jax.tree.leaves(shapes), jax.tree.leaves(
         layout.layouts[name], is_leaf=lambda v: isinstance(v, Layout))):
       if lay.kind != "shard":

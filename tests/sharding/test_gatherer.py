@@ -37,7 +37,7 @@ def test_candidates_groups_and_shapes():
   assert g.specs == {"embed": {"": SPEC}, "layers": {"['w']": SPEC}}
   assert g.shard_shape("layers", "['w']") == (1, 16)        # one layer's slice of [2, 8/8, 16]
   assert g.shard_shape("embed", "") == (2, 8)
-  assert g.copies("layers") == 2 and g.num_layers == 2
+  assert g.copies("layers") == 2 and g.is_stacked("layers") and not g.is_stacked("embed")
   assert g.report_group("layers", "['scale']") == ax.NORMS
   single = Gatherer.create(META, layout_lib.param_layouts(META, "fsdp", 1), 1, SPEC)
   assert single.candidates() == [] and not single.enabled
