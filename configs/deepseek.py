@@ -49,12 +49,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = default_config_dict()
   if preset == "tiny":
     _v3_options(c)
-    c.model.update(num_layers=3, dense_layers=1, dense_hidden=128, head_dim=24, q_lora_rank=32,
-                   kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    c.model.update(num_layers=3, dense_layers=(0,), dense_hidden=128, head_dim=24,
+                   q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                   v_head_dim=16)
     c.moe.update(expert_groups=4, top_groups=2, shared_expert_hidden=64)
   elif preset == "moe_16b":
     c.model.update(family="deepseek_v3", qk_norm="none", vocab_size=102400, d_model=2048,
-                   num_layers=28, dense_layers=1, dense_hidden=10944, num_heads=16,
+                   num_layers=28, dense_layers=(0,), dense_hidden=10944, num_heads=16,
                    head_dim=128, norm_eps=1e-6)
     c.moe.update(num_experts=64, top_k=6, expert_hidden=1408, shared_expert_hidden=2 * 1408,
                  aux_loss_weight=0.001, z_loss_weight=0.0)
@@ -62,7 +63,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.tokenizer = "bytes"      # no Hugging Face import: no tokenizer.json beside weights
   elif preset == "v3":
     _v3_options(c)
-    c.model.update(vocab_size=129280, d_model=7168, num_layers=61, dense_layers=3,
+    c.model.update(vocab_size=129280, d_model=7168, num_layers=61, dense_layers=(0, 1, 2),
                    dense_hidden=18432, num_heads=128, head_dim=192, norm_eps=1e-6,
                    q_lora_rank=1536,
                    kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)

@@ -72,11 +72,12 @@ class ModelConfig:
   d_model: int = 64
   """Width of the residual stream."""
   num_layers: int = 2
-  """Decoder layers, each attention then an MLP: the first `dense_layers` a dense one, the rest
-  MoE."""
-  dense_layers: int = 0
-  """Leading layers with a dense SwiGLU MLP instead of experts (DeepSeek's
-  first_k_dense_replace); fewer than num_layers."""
+  """Decoder layers, each attention then an MLP: a dense one in `dense_layers`, MoE in the
+  rest."""
+  dense_layers: tuple = ()
+  """Indices of the layers with a dense SwiGLU MLP instead of experts, ascending (DeepSeek's
+  first_k_dense_replace: the first k; Qwen2-MoE's mlp_only_layers / decoder_sparse_step); at
+  least one layer stays MoE."""
   dense_hidden: int = 0
   """Hidden width of the dense layers' MLP (DeepSeek's intermediate_size)."""
   num_heads: int = 4
@@ -449,10 +450,12 @@ def validate(c: Config) -> None:
          "expert to gate)")
   _check(m.head_dim % 2 == 0 or m.kv_lora_rank > 0,
          f"config.model.head_dim={m.head_dim}: must be even (rotary)")
-  _check(0 <= m.dense_layers < m.num_layers,
-         f"config.model.dense_layers={m.dense_layers}: must be in [0, model.num_layers="
-         f"{m.num_layers}) (at least one MoE layer)")
-  _check(m.dense_layers == 0 or m.dense_hidden > 0,
+  _check(list(m.dense_layers) == sorted(set(m.dense_layers))
+         and all(0 <= i < m.num_layers for i in m.dense_layers)
+         and len(m.dense_layers) < m.num_layers,
+         f"config.model.dense_layers={m.dense_layers}: must be ascending distinct layer indices "
+         f"in [0, model.num_layers={m.num_layers}), leaving at least one MoE layer")
+  _check(not m.dense_layers or m.dense_hidden > 0,
          f"config.model.dense_hidden={m.dense_hidden}: model.dense_layers={m.dense_layers} "
          "needs a positive dense MLP width")
   for field in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
@@ -575,8 +578,8 @@ def num_params(c: Config) -> dict[str, int]:
   expert = 3 * d * moe.expert_hidden
   shared = 3 * d * moe.shared_expert_hidden + (d if moe.shared_expert_gate else 0)
   router = d * moe.num_experts + (moe.num_experts if moe.score_bias else 0)
-  moe_layers = m.num_layers - m.dense_layers
-  dense = m.dense_layers * (attn + 3 * d * m.dense_hidden)
+  moe_layers = m.num_layers - len(m.dense_layers)
+  dense = len(m.dense_layers) * (attn + 3 * d * m.dense_hidden)
   embed = (1 if m.tie_embeddings else 2) * m.vocab_size * d + d   # + final norm
   total = embed + dense + moe_layers * (attn + router + shared + moe.num_experts * expert)
   active = embed + dense + moe_layers * (attn + router + shared + moe.top_k * expert)
@@ -584,5 +587,5 @@ def num_params(c: Config) -> dict[str, int]:
 
 
 def num_moe_layers(c: Config) -> int:
-  """Decoder layers with experts (all but the leading `model.dense_layers`)."""
-  return c.model.num_layers - c.model.dense_layers
+  """Decoder layers with experts (all but `model.dense_layers`)."""
+  return c.model.num_layers - len(c.model.dense_layers)

@@ -26,10 +26,13 @@ rather than converted into a different model. Each family fixes some options of 
   router_aux_loss_coef                 moe.aux_loss_weight
   router_z_loss_coef (olmoe)           moe.z_loss_weight
   tie_word_embeddings                  model.tie_embeddings
+  mlp_only_layers, decoder_sparse_step model.dense_layers: layer i is dense if listed or if
+   (qwen2_moe, qwen3_moe)              (i + 1) % step != 0 (transformers' rule); with
+                                       intermediate_size as model.dense_hidden
  DeepSeek-V3 (deepseek_v3) besides:
   q_lora_rank (None: 0), kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
                                        model.* (latent attention; model.head_dim = nope + rope)
-  first_k_dense_replace, intermediate_size  model.dense_layers, model.dense_hidden
+  first_k_dense_replace, intermediate_size  model.dense_layers (the first k), model.dense_hidden
   n_shared_experts * moe_intermediate_size  moe.shared_expert_hidden
   n_group, topk_group                  moe.expert_groups, moe.top_groups
   routed_scaling_factor                moe.routed_scale
@@ -63,6 +66,7 @@ class FamilySpec:
   qkv_bias_key: str | None = None      # ... of q/k/v biases; None: never
   qkv_bias_default: bool = False
   z_loss_key: str | None = None        # ... of the router z-loss weight, if it has one
+  dense_pattern: bool = False          # dense layers from mlp_only_layers / decoder_sparse_step
   deepseek: bool = False               # latent attention, leading dense layers, n_shared_experts,
                                        # grouped sigmoid routing with a score bias (DeepSeek-V3)
   # Fields that must hold these values (moejax has no equivalent of the others); export writes
@@ -71,9 +75,7 @@ class FamilySpec:
 
 
 _COMMON_REQUIRED = (("hidden_act", "silu", "moejax experts are SwiGLU"),)
-_NO_DENSE_LAYERS = (("decoder_sparse_step", 1, "moejax has no dense layers among MoE layers"),
-                    ("mlp_only_layers", [], "moejax has no dense layers among MoE layers"),
-                    ("use_sliding_window", False, "moejax attends to the whole sequence"))
+_NO_SLIDING_WINDOW = (("use_sliding_window", False, "moejax attends to the whole sequence"),)
 
 FAMILY_SPECS = {
     "olmoe": FamilySpec(
@@ -91,13 +93,13 @@ FAMILY_SPECS = {
     "qwen2_moe": FamilySpec(
         "qwen2_moe", "Qwen2MoeForCausalLM", "none", "num_experts", "moe_intermediate_size",
         "norm_topk_prob", shared_expert=True, qkv_bias_key="qkv_bias", qkv_bias_default=True,
-        default_norm_eps=1e-6,
-        required=_COMMON_REQUIRED + _NO_DENSE_LAYERS),
+        default_norm_eps=1e-6, dense_pattern=True,
+        required=_COMMON_REQUIRED + _NO_SLIDING_WINDOW),
     "qwen3_moe": FamilySpec(
         "qwen3_moe", "Qwen3MoeForCausalLM", "head", "num_experts", "moe_intermediate_size",
         "norm_topk_prob", experts_aliases=("num_local_experts",),   # transformers 5 writes it
-        default_norm_eps=1e-6,
-        required=_COMMON_REQUIRED + _NO_DENSE_LAYERS + (
+        default_norm_eps=1e-6, dense_pattern=True,
+        required=_COMMON_REQUIRED + _NO_SLIDING_WINDOW + (
             ("attention_bias", False, "moejax attention projections have no bias"),)),
     "deepseek_v3": FamilySpec(
         "deepseek_v3", "DeepseekV3ForCausalLM", "none", "n_routed_experts",
@@ -208,10 +210,25 @@ def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
   return spec
 
 
+def _dense_pattern(hf: dict, where: str) -> dict:
+  """Qwen-MoE's dense layers: those in mlp_only_layers and those off decoder_sparse_step."""
+  layers = _get(hf, "num_hidden_layers", int, where)
+  step = _get(hf, "decoder_sparse_step", int, where, 1)
+  listed = hf.get("mlp_only_layers") or []
+  if step < 1:
+    _refuse(where, "decoder_sparse_step", step, "expected a positive integer")
+  if not isinstance(listed, list) or not all(isinstance(i, int) and 0 <= i < layers
+                                             for i in listed):
+    _refuse(where, "mlp_only_layers", listed, f"expected layer indices below {layers}")
+  dense = tuple(i for i in range(layers) if i in listed or (i + 1) % step)
+  return dict(dense_layers=dense,
+              dense_hidden=_get(hf, "intermediate_size", int, where) if dense else 0)
+
+
 def _deepseek_fields(hf: dict, where: str) -> tuple[dict, dict]:
   """DeepSeek-V3's model and moe fields (`FamilySpec.deepseek`)."""
   nope, rope = _get(hf, "qk_nope_head_dim", int, where), _get(hf, "qk_rope_head_dim", int, where)
-  dense = _get(hf, "first_k_dense_replace", int, where, 0)
+  dense = tuple(range(_get(hf, "first_k_dense_replace", int, where, 0)))
   model = dict(kv_lora_rank=_get(hf, "kv_lora_rank", int, where),
                q_lora_rank=hf.get("q_lora_rank") and _get(hf, "q_lora_rank", int, where) or 0,
                qk_nope_head_dim=nope, qk_rope_head_dim=rope,
@@ -253,7 +270,8 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       tie_embeddings=_get(hf, "tie_word_embeddings", bool, where, False),
       **({} if spec.deepseek else dict(
           kv_lora_rank=0, q_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0,
-          dense_layers=0, dense_hidden=0)))
+          **(_dense_pattern(hf, where) if spec.dense_pattern else dict(
+              dense_layers=(), dense_hidden=0)))))
   moe = dataclasses.replace(
       base.moe,
       num_experts=_get(hf, spec.experts_key, int, where, next(
@@ -298,6 +316,8 @@ def check_exportable(cfg: Config) -> FamilySpec:
 
   if spec.deepseek:
     need("moe.score", moe.score, "sigmoid", " (it routes with sigmoids)")
+    need("model.dense_layers", m.dense_layers, tuple(range(len(m.dense_layers))),
+         " (its dense layers lead: first_k_dense_replace)")
     need("moe.score_bias", moe.score_bias, True, " (its router always has the bias)")
     if not m.kv_lora_rank:
       raise CheckpointError(f"config.model.kv_lora_rank=0: {what} has latent attention only; "
@@ -309,7 +329,8 @@ def check_exportable(cfg: Config) -> FamilySpec:
   else:
     need("moe.score", moe.score, "softmax", " (it routes with a softmax)")
     need("model.kv_lora_rank", m.kv_lora_rank, 0, " (no latent attention)")
-    need("model.dense_layers", m.dense_layers, 0, " (no dense layers)")
+    if not spec.dense_pattern:
+      need("model.dense_layers", m.dense_layers, (), " (no dense layers)")
     need("moe.score_bias", moe.score_bias, False, " (no score bias)")
     need("moe.expert_groups", moe.expert_groups, 1, " (no expert groups)")
     need("moe.routed_scale", moe.routed_scale, 1.0, " (no routed scaling)")
@@ -365,13 +386,17 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
     hf.update({
         "q_lora_rank": m.q_lora_rank or None, "kv_lora_rank": m.kv_lora_rank,
         "qk_nope_head_dim": m.qk_nope_head_dim, "qk_rope_head_dim": m.qk_rope_head_dim,
-        "v_head_dim": m.v_head_dim, "first_k_dense_replace": m.dense_layers,
+        "v_head_dim": m.v_head_dim, "first_k_dense_replace": len(m.dense_layers),
         "intermediate_size": m.dense_hidden or hf.get("intermediate_size", moe.expert_hidden),
         "n_shared_experts": moe.shared_expert_hidden // moe.expert_hidden,
         "n_group": moe.expert_groups, "topk_group": moe.top_groups,
         "routed_scaling_factor": moe.routed_scale, "head_dim": m.qk_rope_head_dim})
   elif spec.qk_norm != "full":
     hf["head_dim"] = m.head_dim
+  if spec.dense_pattern:
+    hf.update({"mlp_only_layers": list(m.dense_layers), "decoder_sparse_step": 1})
+    if m.dense_layers:
+      hf["intermediate_size"] = m.dense_hidden
   if spec.renormalize_key:
     hf[spec.renormalize_key] = moe.renormalize
   if spec.qkv_bias_key:

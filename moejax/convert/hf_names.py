@@ -31,10 +31,10 @@ weights are stored [out, in] by torch and [in, out] by moejax, so their tails ar
   layers.attn.q_a_norm        (or q_proj without a q latent), q_a_layernorm, kv_a_proj_with_mqa,
   layers.attn.wkv_a / wkv_b   kv_b_proj (all [out, in]^T), kv_a_layernorm, o_proj
   layers.attn.kv_a_norm
-  dense_layers.*              the leading dense layers (DeepSeek's first_k_dense_replace): the
-                              same attention and norms at Hugging Face layers 0..K-1, and
-  dense_layers.mlp.w_gate/..  model.layers.i.mlp.{gate,up,down}_proj.weight; the MoE layers'
-                              index i above is then K + their own.
+  dense_layers.*              the dense layers (model.dense_layers: DeepSeek's first k, Qwen's
+                              mlp_only_layers): the same attention and norms, and
+  dense_layers.mlp.w_gate/..  model.layers.i.mlp.{gate,up,down}_proj.weight; each group's j-th
+                              layer is the j-th Hugging Face layer of its kind.
   final_norm                  [D]        model.norm.weight                                [D]
   lm_head                     [D, V]     lm_head.weight                                   [V, D]^T
 
@@ -145,18 +145,22 @@ def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:
   """One LeafMap per moejax parameter, in the order of the exported files."""
   m, moe = cfg.model, cfg.moe
   E, D, F, V = moe.num_experts, m.d_model, moe.expert_hidden, m.vocab_size
-  Fs, K = moe.shared_expert_hidden, m.dense_layers
+  Fs = moe.shared_expert_hidden
   hub_moe, (gate_name, up_name, down_name) = HUB_EXPERT_NAMES[m.family]
   moe_module = "mlp" if experts == FUSED else hub_moe
   maps = [LeafMap(("embed",), (V, D), 0, {(): Source("model.embed_tokens.weight")})]
-  # (group, its layers, the Hugging Face index of its first): the dense layers lead.
-  groups = ([("dense_layers", K, 0)] if K else []) + [("layers", m.num_layers - K, K)]
+  # (group, the Hugging Face index of each of its layers)
+  dense = list(m.dense_layers)
+  groups = ([("dense_layers", dense)] if dense else []) + [
+      ("layers", [i for i in range(m.num_layers) if i not in m.dense_layers])]
 
-  for group, count, first in groups:
-    def per_layer(path, tail, suffix, transpose, group=group, count=count, first=first):
-      sources = {(i,): Source(f"{_layer(first + i)}.{suffix}", transpose=transpose)
-                 for i in range(count)}
-      maps.append(LeafMap((group, *path), (count, *tail), 1, sources))
+  for group, hf_ids in groups:
+    count = len(hf_ids)
+
+    def per_layer(path, tail, suffix, transpose, group=group, hf_ids=hf_ids):
+      sources = {(i,): Source(f"{_layer(hf_i)}.{suffix}", transpose=transpose)
+                 for i, hf_i in enumerate(hf_ids)}
+      maps.append(LeafMap((group, *path), (len(hf_ids), *tail), 1, sources))
 
     _attention_maps(cfg, per_layer)
     per_layer(("attn_norm", "scale"), (D,), "input_layernorm.weight", False)
@@ -177,11 +181,11 @@ def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:
       for i, e in itertools.product(range(count), range(E)):
         if experts == FUSED:
           fused = "down_proj" if name == "w_down" else "gate_up_proj"
-          sources[(i, e)] = Source(f"{_layer(first + i)}.mlp.experts.{fused}", prefix=(e,),
+          sources[(i, e)] = Source(f"{_layer(hf_ids[i])}.mlp.experts.{fused}", prefix=(e,),
                                    row_offset=offset, transpose=True)
         else:
           sources[(i, e)] = Source(
-              f"{_layer(first + i)}.{moe_module}.experts.{e}.{hf_name}.weight", transpose=True)
+              f"{_layer(hf_ids[i])}.{moe_module}.experts.{e}.{hf_name}.weight", transpose=True)
       maps.append(LeafMap((group, "moe", name), (count, E, *tail), 2, sources))
     if Fs:
       shared = SHARED_EXPERT_MODULE.get(m.family, "shared_expert")

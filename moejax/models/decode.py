@@ -83,14 +83,16 @@ def forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start)
     y_BxSxD = layer.feed_forward(layer.ffn_norm(h_BxSxD))
     return h_BxSxD + y_BxSxD, (k_BxTxGxDk, v_BxTxGxDv)
 
-  ks, vs, first = [], [], 0
-  for group, count in olmoe.layer_groups(cfg).items():
-    cached = (cache.k_LxBxTxGxDk[first:first + count], cache.v_LxBxTxGxDv[first:first + count])
+  ks, vs, position = [], [], 0     # each run of layers: its parameters, its cache's layers
+  for group, first, count in olmoe.layer_runs(cfg):
+    layers = jax.tree.map(lambda x: x[first:first + count], params[group])
+    cached = (cache.k_LxBxTxGxDk[position:position + count],
+              cache.v_LxBxTxGxDv[position:position + count])
     h_BxSxD, (k_L, v_L) = jax.lax.scan(functools.partial(layer_step, group), h_BxSxD,
-                                       (params[group], *cached))
+                                       (layers, *cached))
     ks.append(k_L)
     vs.append(v_L)
-    first += count
+    position += count
   h_BxSxD = rms_norm(h_BxSxD, params["final_norm"], cfg.model.norm_eps)
   head_DxV = params["embed"].T if cfg.model.tie_embeddings else params["lm_head"]
   return (dense(h_BxSxD, head_DxV, jnp.float32),

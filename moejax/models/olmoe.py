@@ -1,7 +1,7 @@
 """The MoE decoder LM: embedding -> L x (RMSNorm, rotary attention, RMSNorm, MoE or dense MLP) ->
 RMSNorm -> LM head (untied, or the embedding's transpose). Layers run under `lax.scan` over
-stacked parameters, one scan per homogeneous run of layers: the leading `model.dense_layers`
-dense ones (parameter group "dense_layers"), then the MoE ones ("layers").
+stacked parameters, one scan per homogeneous run of layers: the `model.dense_layers` have a
+dense MLP (parameter group "dense_layers", stacked in model order), the others MoE ("layers").
 
 One decoder for every family (`configs/`): OLMoE, Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek
 differ only in options of the config (grouped-query or multi-head latent attention, QK-norm full
@@ -57,10 +57,35 @@ LAYER_GROUPS = (DENSE_LAYERS, MOE_LAYERS)
 
 
 def layer_groups(cfg: Config) -> dict[str, int]:
-  """{stacked layer group: its layers}, in the order they run."""
-  dense = cfg.model.dense_layers
+  """{stacked layer group: its layers}: the dense layers (if any) and the MoE layers, each
+  stacked in model order."""
+  dense = len(cfg.model.dense_layers)
   groups = {DENSE_LAYERS: dense} if dense else {}
   return dict(groups, **{MOE_LAYERS: cfg.model.num_layers - dense})
+
+
+def layer_group_of(cfg: Config) -> list[tuple[str, int]]:
+  """(group, index within its group) of each decoder layer, in model order."""
+  dense, seen = set(cfg.model.dense_layers), {DENSE_LAYERS: 0, MOE_LAYERS: 0}
+  out = []
+  for i in range(cfg.model.num_layers):
+    group = DENSE_LAYERS if i in dense else MOE_LAYERS
+    out.append((group, seen[group]))
+    seen[group] += 1
+  return out
+
+
+def layer_runs(cfg: Config) -> list[tuple[str, int, int]]:
+  """(group, first index within the group, layers) of each homogeneous run of layers, in model
+  order: each run is one scan (DeepSeek's leading dense layers: two runs; Qwen2-MoE's
+  decoder_sparse_step=2: alternating runs of one layer)."""
+  runs = []
+  for group, index in layer_group_of(cfg):
+    if runs and runs[-1][0] == group:
+      runs[-1] = (group, runs[-1][1], runs[-1][2] + 1)
+    else:
+      runs.append((group, index, 1))
+  return runs
 
 
 def _attention(cfg: Config, rngs: nnx.Rngs):
@@ -145,11 +170,10 @@ def _outer_params(cfg: Config, k_embed, k_head) -> dict[str, nnx.Param]:
 def init_params(cfg: Config, key: jax.Array) -> dict:
   k_embed, k_layers, k_head = jax.random.split(key, 3)
   outer = {name: p[...] for name, p in _outer_params(cfg, k_embed, k_head).items()}
-  keys_L, start = jax.random.split(k_layers, cfg.model.num_layers), 0
-  for group, count in layer_groups(cfg).items():
-    outer[group] = jax.vmap(functools.partial(_layer_params, cfg, group))(
-        keys_L[start:start + count])
-    start += count
+  keys_L = jax.random.split(k_layers, cfg.model.num_layers)
+  for group in layer_groups(cfg):
+    ids = [i for i, (g, _) in enumerate(layer_group_of(cfg)) if g == group]
+    outer[group] = jax.vmap(functools.partial(_layer_params, cfg, group))(keys_L[jnp.asarray(ids)])
   return outer
 
 
@@ -221,19 +245,11 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
   embed_VxD = gather_group("embed")
   h_BxSxD = jnp.take(embed_VxD, tokens_BxS, axis=0)
 
-  if DENSE_LAYERS in params:
-    def dense_step(h_BxSxD, layer_params, consts, layer_index):
-      del consts, layer_index
-      return layer_from_params(cfg, layer_params, DENSE_LAYERS)(h_BxSxD), {}
+  def dense_step(h_BxSxD, layer_params, consts, layer_index):
+    del consts, layer_index
+    return layer_from_params(cfg, layer_params, DENSE_LAYERS)(h_BxSxD), {}
 
-    def gather_dense(shards, state):
-      return gather(DENSE_LAYERS, shards, state)
-
-    h_BxSxD, _, new_states[DENSE_LAYERS], stats[DENSE_LAYERS] = scan_layers(
-        dense_step, h_BxSxD, params[DENSE_LAYERS], gather_dense, states[DENSE_LAYERS], (),
-        remat=remat, prefetch=prefetch)
-
-  def layer_step(h_BxSxD, layer_params, consts, layer_index):
+  def moe_step(h_BxSxD, layer_params, consts, layer_index):
     step, predicted_load_LxE, owners_L = consts
     layer = layer_from_params(cfg, layer_params)
     predicted = None if predicted_load_LxE is None else predicted_load_LxE[layer_index]
@@ -241,13 +257,29 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
     return layer(h_BxSxD, dispatch=dispatch, axis_name=axis_name, step=step,
                  predicted_load_E=predicted, expert_owners=owners)
 
-  def gather_layer(shards, state):
-    return gather("layers", shards, state)
+  counts = layer_groups(cfg)
+  outputs = {group: [] for group in counts}      # per run: (aux, new states, stats)
+  for group, first, count in layer_runs(cfg):
+    whole = count == counts[group]                # one run holds the group: no slicing
+    part = (lambda tree: tree) if whole else (    # noqa: E731
+        lambda tree: jax.tree.map(lambda x: x[first:first + count], tree))
+    consts = ()
+    if group == MOE_LAYERS:
+      consts = (jnp.asarray(step, jnp.int32), part(predicted_load_LxE), part(expert_owners_L))
 
-  h_BxSxD, aux_L, new_states["layers"], stats["layers"] = scan_layers(
-      layer_step, h_BxSxD, params["layers"], gather_layer, states["layers"],
-      (jnp.asarray(step, jnp.int32), predicted_load_LxE, expert_owners_L), remat=remat,
-      prefetch=prefetch)
+    def gather_run(shards, state, group=group):
+      return gather(group, shards, state)
+
+    h_BxSxD, *out = scan_layers(
+        moe_step if group == MOE_LAYERS else dense_step, h_BxSxD, part(params[group]),
+        gather_run, part(states[group]), consts, remat=remat, prefetch=prefetch)
+    outputs[group].append(out)
+  for group, out in outputs.items():     # the runs' outputs back in their group's layer order
+    joined = out[0] if len(out) == 1 else jax.tree.map(
+        lambda *xs: jnp.concatenate(xs, axis=0), *out)
+    aux, new_states[group], stats[group] = joined
+    if group == MOE_LAYERS:
+      aux_L = aux
   h_BxSxD = rms_norm(h_BxSxD, gather_group("final_norm"), cfg.model.norm_eps)
   head_DxV = embed_VxD.T if cfg.model.tie_embeddings else gather_group("lm_head")
   logits_BxSxV = dense(h_BxSxD, head_DxV, jnp.float32)

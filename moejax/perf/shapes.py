@@ -168,7 +168,7 @@ def shape_of(cfg) -> ModelShape:
       num_kv_heads=getattr(m, "num_kv_heads", 0) or 0,
       num_experts=moe.num_experts, top_k=moe.top_k, expert_hidden=moe.expert_hidden,
       shared_hidden=getattr(moe, "shared_expert_hidden", 0) or 0,
-      dense_layers=getattr(m, "dense_layers", 0) or 0,
+      dense_layers=len(m.dense_layers),
       dense_hidden=getattr(m, "dense_hidden", 0) or 0,
       qk_norm=m.qk_norm != "none", qk_norm_per_head=m.qk_norm == "head", qkv_bias=m.qkv_bias,
       shared_gate=moe.shared_expert_gate, tied_embeddings=m.tie_embeddings,

@@ -53,14 +53,15 @@ MODELS = {
                     num_attention_heads=6, num_key_value_heads=2, num_experts=6,
                     num_experts_per_tok=3, moe_intermediate_size=20,
                     shared_expert_intermediate_size=44, norm_topk_prob=False, qkv_bias=True,
-                    rope_theta=20000.0, rms_norm_eps=1e-6),
+                    rope_theta=20000.0, rms_norm_eps=1e-6, mlp_only_layers=[1]),   # MoE dense MoE
         save=dict(save_original_format=False)),
     "qwen3_moe": dict(
         model_type="qwen3_moe",
         config=dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=1, head_dim=16, num_experts=10,
                     num_experts_per_tok=4, moe_intermediate_size=24, norm_topk_prob=True,
-                    rope_theta=1000000.0, rms_norm_eps=1e-6),
+                    rope_theta=1000000.0, rms_norm_eps=1e-6,
+                    decoder_sparse_step=2),                  # layer 0 dense, layer 1 MoE
         save=dict()),
     # DeepSeek-V3: latent attention with a q latent, two leading dense layers, two shared
     # experts, 12 experts in 3 groups (2 used), a random score bias, routed scaling; fused.

@@ -184,8 +184,9 @@ def test_export_refuses_what_hf_olmoe_cannot_hold(model, tmp_path):
 FAMILY_REFUSALS = [
     ("mixtral", dict(sliding_window=4096), "sliding_window=4096 is not supported"),
     ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise=0.1 is not supported"),
-    ("qwen2_moe", dict(mlp_only_layers=[1]), "mlp_only_layers=[1] is not supported"),
-    ("qwen2_moe", dict(decoder_sparse_step=2), "decoder_sparse_step=2 is not supported"),
+    ("qwen2_moe", dict(mlp_only_layers=[0, 1]), "config.model.dense_layers=(0, 1): must be"),
+    ("qwen2_moe", dict(mlp_only_layers=[5]), "mlp_only_layers=[5] is not supported"),
+    ("qwen2_moe", dict(decoder_sparse_step=0), "decoder_sparse_step=0 is not supported"),
     ("qwen2_moe", dict(shared_expert_intermediate_size=0),
      "shared_expert_intermediate_size=0 is not supported"),
     ("qwen3_moe", dict(use_sliding_window=True), "use_sliding_window=True is not supported"),
@@ -222,11 +223,14 @@ def test_every_family_config_round_trips(family):
     ("olmoe", "model.qkv_bias", True), ("qwen3_moe", "moe.shared_expert_hidden", 32),
     ("qwen2_moe", "moe.shared_expert_gate", False), ("olmoe", "moe.score", "sigmoid"),
     ("mixtral", "moe.routed_scale", 2.0), ("qwen3_moe", "moe.expert_groups", 2),
-    ("deepseek_v3", "moe.score", "softmax"), ("deepseek_v3", "moe.shared_expert_hidden", 96)])
+    ("deepseek_v3", "moe.score", "softmax"), ("deepseek_v3", "moe.shared_expert_hidden", 96),
+    ("deepseek_v3", "model.dense_layers", (1,)), ("mixtral", "model.dense_layers", (0,))])
 def test_export_refuses_options_the_family_cannot_hold(family, field, value):
   overrides = {field: value}
   if field == "moe.shared_expert_gate":
     overrides["moe.shared_expert_hidden"] = 32
+  if field == "model.dense_layers":
+    overrides["model.dense_hidden"] = 32
   with pytest.raises(CheckpointError) as info:
     hf_config_from(tiny_config(family, **overrides))
   assert f"config.{field}=" in str(info.value) and family in str(info.value)

@@ -5,7 +5,8 @@ Random models (tests/convert/hf_reference.py MODELS): OLMoE "a" saved in the Hub
 layout, sharded with an index, and "b" saved fused (transformers >= 5, save_original_format=False)
 in one file; "mixtral" (grouped-query, head_dim != hidden/heads, Hub names w1/w3/w2 under
 block_sparse_moe, sharded), "qwen2_moe" (qkv biases, gated shared expert, fused), "qwen3_moe"
-(per-head QK-norm, one kv head), "deepseek_v3" (latent attention with a q latent, two leading
+(per-head QK-norm, one kv head; Qwen's dense layers: qwen2_moe's mlp_only_layers=[1] between
+two MoE layers, qwen3_moe's decoder_sparse_step=2), "deepseek_v3" (latent attention with a q latent, two leading
 dense layers, grouped sigmoid routing with a random score bias and routed scaling, fused) and
 "deepseek_v3_b" (no q latent, no dense layers or groups, tied embeddings, sharded). They differ
 in layers, heads, kv heads, head width, experts, top-k, expert and shared widths, latent ranks,
@@ -100,8 +101,10 @@ def test_config_mapping(hf_models, imported):
   assert (m.family, m.qk_norm, m.qkv_bias, m.num_kv_heads) == ("qwen2_moe", "none", True, 2)
   assert (moe.expert_hidden, moe.shared_expert_hidden, moe.shared_expert_gate) == (20, 44, True)
   assert not moe.renormalize
+  assert (m.dense_layers, m.dense_hidden) == ((1,), 52)
   m, moe = imported["qwen3_moe"][0].model, imported["qwen3_moe"][0].moe
   assert (m.family, m.qk_norm, m.num_kv_heads, m.head_dim) == ("qwen3_moe", "head", 1, 16)
+  assert (m.dense_layers, m.dense_hidden) == ((0,), 48)
   assert (moe.num_experts, moe.top_k, moe.expert_hidden, moe.renormalize) == (10, 4, 24, True)
 
 
@@ -109,13 +112,14 @@ def test_deepseek_config_mapping(imported):
   m, moe = imported["deepseek_v3"][0].model, imported["deepseek_v3"][0].moe
   assert (m.family, m.kv_lora_rank, m.q_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim,
           m.v_head_dim, m.head_dim) == ("deepseek_v3", 20, 24, 12, 6, 10, 18)
-  assert (m.num_layers, m.dense_layers, m.dense_hidden, m.tie_embeddings) == (4, 2, 56, False)
+  assert (m.num_layers, m.dense_layers, m.dense_hidden, m.tie_embeddings) == (
+      4, (0, 1), 56, False)
   assert (moe.num_experts, moe.top_k, moe.expert_hidden, moe.shared_expert_hidden) == (
       12, 3, 16, 32)
   assert (moe.score, moe.score_bias, moe.expert_groups, moe.top_groups, moe.routed_scale,
           moe.renormalize) == ("sigmoid", True, 3, 2, 1.7, True)
   m, moe = imported["deepseek_v3_b"][0].model, imported["deepseek_v3_b"][0].moe
-  assert (m.q_lora_rank, m.dense_layers, m.tie_embeddings, moe.expert_groups) == (0, 0, True, 1)
+  assert (m.q_lora_rank, m.dense_layers, m.tie_embeddings, moe.expert_groups) == (0, (), True, 1)
   assert "lm_head" not in imported["deepseek_v3_b"][1]
 
 
@@ -141,7 +145,7 @@ def test_export_writes_the_hub_tensors_bit_for_bit(name, hf_models, imported, tm
   if name in SAVED_FUSED:
     f = cfg.moe.expert_hidden
     moe_module, (gate, up, down_name) = hf_names.HUB_EXPERT_NAMES[cfg.model.family]
-    for i in range(cfg.model.dense_layers, cfg.model.num_layers):
+    for i in sorted(set(range(cfg.model.num_layers)) - set(cfg.model.dense_layers)):
       gate_up = original.pop(f"model.layers.{i}.mlp.experts.gate_up_proj")
       down = original.pop(f"model.layers.{i}.mlp.experts.down_proj")
       original[f"model.layers.{i}.{moe_module}.gate.weight"] = original.pop(

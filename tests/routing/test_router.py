@@ -33,6 +33,33 @@ def test_top_k_route_by_hand():
                              rtol=1e-6)
 
 
+def test_bias_groups_and_scale_by_hand():
+  """The bias moves the choice, not the weights; groups keep a token to its best groups."""
+  # 1 token, 4 experts in 2 groups: scores (softmax of logs) 0.1 0.2 | 0.4 0.3.
+  logits = jnp.log(jnp.asarray([[0.1, 0.2, 0.4, 0.3]], jnp.float32))
+  w, e, _ = router.top_k_route(logits, 2, bias_E=jnp.asarray([0.0, 0.25, 0.0, 0.0]))
+  np.testing.assert_array_equal(e, [[1, 2]])             # biased 0.1 0.45 0.4 0.3
+  np.testing.assert_allclose(w, [[0.2, 0.4]], rtol=1e-6)  # the unbiased scores
+  # Groups scored by their two best: 0.3 vs 0.7; with one group allowed both picks are in it.
+  w, e, _ = router.top_k_route(logits, 2, groups=2, top_groups=1, renormalize=True, scale=2.5)
+  np.testing.assert_array_equal(e, [[2, 3]])
+  np.testing.assert_allclose(w, [[2.5 * 4 / 7, 2.5 * 3 / 7]], rtol=1e-6)
+  # The bias also ranks the groups: +0.5 on expert 0 makes group 0 (0.8) the best.
+  _, e, _ = router.top_k_route(logits, 2, groups=2, top_groups=1,
+                               bias_E=jnp.asarray([0.5, 0.0, 0.0, 0.0]))
+  np.testing.assert_array_equal(e, [[0, 1]])
+  # No gradient reaches the bias.
+  grad = jax.grad(lambda b: jnp.sum(router.top_k_route(logits, 2, bias_E=b)[0]))(
+      jnp.zeros(4))
+  np.testing.assert_array_equal(grad, np.zeros(4))
+
+
+def test_balance_moves_the_bias_against_the_load():
+  from moejax.routing import balance
+  bias = balance.updated_bias(jnp.zeros((2, 4)), jnp.asarray([[5, 1, 1, 1], [2, 2, 2, 2]]), 1e-3)
+  np.testing.assert_allclose(bias, [[-1e-3, 1e-3, 1e-3, 1e-3], [0, 0, 0, 0]])
+
+
 def test_sigmoid_scores_by_hand():
   scores = router.router_scores(jnp.asarray([[0.0, math.log(3.0)]]), "sigmoid")
   np.testing.assert_allclose(scores, [[0.5, 0.75]], rtol=1e-6)

@@ -112,25 +112,38 @@ def test_gather_maps_leaves_to_the_hook_and_sums_by_report_group():
   assert float(stats_embed[ax.EMBEDDINGS]["bytes_plain"]) == 2 * 8 * 2
 
 
-def test_a_familys_new_parameters_gather_compressed_bit_exactly():
-  """Qwen2-MoE's tiny preset: the parameters OLMoE has not (q/k/v biases, a gated shared expert)
-  go through the codec beside the plain others and arrive bit-exact, the first gather filling
-  the caches, the second patching the values that changed."""
+NEW_PARAMETERS = {
+    "qwen2_moe": ("layers", {"['attn']['bq']", "['attn']['bk']", "['attn']['bv']",
+                             "['moe']['shared_w_gate']", "['moe']['shared_w_up']",
+                             "['moe']['shared_w_down']", "['moe']['shared_gate']"}),
+    # latent attention and the dense MLP, in the dense layers' own group
+    "deepseek_v3": ("dense_layers", {"['attn']['wq_a']", "['attn']['wq_b']", "['attn']['wkv_a']",
+                                     "['attn']['wkv_b']", "['mlp']['w_gate']", "['mlp']['w_up']",
+                                     "['mlp']['w_down']"}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(NEW_PARAMETERS))
+def test_a_familys_new_parameters_gather_compressed_bit_exactly(family):
+  """Qwen2-MoE's tiny preset: the parameters OLMoE has not (q/k/v biases, a gated shared expert);
+  DeepSeek's: latent attention and the dense layers' MLP. They go through the codec beside the
+  plain others and arrive bit-exact, the first gather filling the caches, the second patching
+  the values that changed. DeepSeek's score bias is never a codec candidate (float32)."""
   from moejax.models import olmoe
   from tests.helpers import tiny_config
-  meta = olmoe.param_meta(tiny_config("qwen2_moe"))
+  meta = olmoe.param_meta(tiny_config(family))
+  group, new = NEW_PARAMETERS[family]
   mesh = make_mesh((1, -1))
   layouts = layout_lib.param_layouts(meta, "fsdp", N)
   spec = codec.CodecSpec("element", warmup_steps=0, capacity_fraction=0.5)
-  new = {"['attn']['bq']", "['attn']['bk']", "['attn']['bv']", "['moe']['shared_w_gate']",
-         "['moe']['shared_w_up']", "['moe']['shared_w_down']", "['moe']['shared_gate']"}
-  g = Gatherer.create(meta, layouts, N, spec, select=lambda group, path: path in new)
-  compressed = set(g.specs["layers"])
+  g = Gatherer.create(meta, layouts, N, spec, select=lambda g_, path: g_ == group and path in new)
+  compressed = set(g.specs[group])
   assert compressed == new
-  shapes = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, jnp.float32), meta["layers"])
-  specs = layout_lib.param_specs(shapes, layouts["layers"])
+  assert ("layers", "['moe']['score_bias']") not in g.candidates()
+  shapes = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, jnp.float32), meta[group])
+  specs = layout_lib.param_specs(shapes, layouts[group])
   rng = np.random.default_rng(0)
-  host = jax.tree.map(lambda m: rng.normal(size=m.shape).astype(np.float32), meta["layers"])
+  host = jax.tree.map(lambda m: rng.normal(size=m.shape).astype(np.float32), meta[group])
   put = lambda tree: jax.tree.map(  # noqa: E731
       lambda x, s: jax.device_put(jnp.asarray(x), NamedSharding(mesh, s)), tree, specs)
 
@@ -138,12 +151,12 @@ def test_a_familys_new_parameters_gather_compressed_bit_exactly():
     states = squeeze_device_axis(states)
     layer0 = jax.tree.map(lambda x: x[0], params)
     state0 = jax.tree.map(lambda x: x[0], states)
-    full, new_states, stats = g.gather("layers", layer0, state0)
+    full, new_states, stats = g.gather(group, layer0, state0)
     return full, expand_device_axis(new_states), stats[PARAM_STATS]
 
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(specs, P(DEVICES)),
                             out_specs=(P(), P(DEVICES), P()), check_vma=False))
-  states = g.init_states(mesh)["layers"]
+  states = g.init_states(mesh)[group]
   set_layer0 = jax.jit(lambda states, new: jax.tree.map(lambda s, n: s.at[:, 0].set(n), states,
                                                         new))
   dense = hook.STAT_KEYS.index("dense")
