@@ -65,6 +65,7 @@ class FamilySpec:
   shared_expert: bool = False          # a gated shared expert in every layer (Qwen2-MoE)
   qkv_bias_key: str | None = None      # ... of q/k/v biases; None: never
   qkv_bias_default: bool = False
+  renormalize_default: bool = False    # transformers' default when renormalize_key is absent
   z_loss_key: str | None = None        # ... of the router z-loss weight, if it has one
   dense_pattern: bool = False          # dense layers from mlp_only_layers / decoder_sparse_step
   deepseek: bool = False               # latent attention, leading dense layers, n_shared_experts,
@@ -104,7 +105,7 @@ FAMILY_SPECS = {
     "deepseek_v3": FamilySpec(
         "deepseek_v3", "DeepseekV3ForCausalLM", "none", "n_routed_experts",
         "moe_intermediate_size", "norm_topk_prob", experts_aliases=("num_local_experts",),
-        default_norm_eps=1e-6, deepseek=True,
+        default_norm_eps=1e-6, deepseek=True, renormalize_default=True,
         required=_COMMON_REQUIRED + (
             ("attention_bias", False, "moejax attention projections have no bias"),
             ("rope_interleave", True, "moejax reads DeepSeek's rotary dimensions interleaved"),
@@ -228,9 +229,11 @@ def _dense_pattern(hf: dict, where: str) -> dict:
 def _deepseek_fields(hf: dict, where: str) -> tuple[dict, dict]:
   """DeepSeek-V3's model and moe fields (`FamilySpec.deepseek`)."""
   nope, rope = _get(hf, "qk_nope_head_dim", int, where), _get(hf, "qk_rope_head_dim", int, where)
-  dense = tuple(range(_get(hf, "first_k_dense_replace", int, where, 0)))
+  # Absent fields take transformers' DeepseekV3Config defaults (q_lora_rank null: no q latent).
+  dense = tuple(range(_get(hf, "first_k_dense_replace", int, where, 3)))
+  q_lora_rank = _get(hf, "q_lora_rank", int, where, 1536) if hf.get("q_lora_rank", 1536) else 0
   model = dict(kv_lora_rank=_get(hf, "kv_lora_rank", int, where),
-               q_lora_rank=hf.get("q_lora_rank") and _get(hf, "q_lora_rank", int, where) or 0,
+               q_lora_rank=q_lora_rank,
                qk_nope_head_dim=nope, qk_rope_head_dim=rope,
                v_head_dim=_get(hf, "v_head_dim", int, where), head_dim=nope + rope,
                dense_layers=dense,
@@ -238,9 +241,9 @@ def _deepseek_fields(hf: dict, where: str) -> tuple[dict, dict]:
   moe = dict(shared_expert_hidden=_get(hf, "n_shared_experts", int, where)
              * _get(hf, "moe_intermediate_size", int, where),
              shared_expert_gate=False, score="sigmoid", score_bias=True,
-             expert_groups=_get(hf, "n_group", int, where, 1),
-             top_groups=_get(hf, "topk_group", int, where, 1),
-             routed_scale=_get(hf, "routed_scaling_factor", float, where, 1.0))
+             expert_groups=_get(hf, "n_group", int, where, 8),
+             top_groups=_get(hf, "topk_group", int, where, 4),
+             routed_scale=_get(hf, "routed_scaling_factor", float, where, 2.5))
   return model, moe
 
 
@@ -282,8 +285,8 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
                             if spec.shared_expert else 0),
       shared_expert_gate=spec.shared_expert,
       score="softmax",
-      renormalize=(_get(hf, spec.renormalize_key, bool, where, False) if spec.renormalize_key
-                   else True),
+      renormalize=(_get(hf, spec.renormalize_key, bool, where, spec.renormalize_default)
+                   if spec.renormalize_key else True),
       aux_loss_weight=_get(hf, "router_aux_loss_coef", float, where, base.moe.aux_loss_weight),
       z_loss_weight=(_get(hf, spec.z_loss_key, float, where, base.moe.z_loss_weight)
                      if spec.z_loss_key else base.moe.z_loss_weight),

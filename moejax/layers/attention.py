@@ -42,13 +42,17 @@ def rotary_at(positions_S, head_dim: int, theta: float):
 
 
 def attend(q_BxSxHxDk, k_BxTxGxDk, v_BxTxGxDv, *, mask=None, is_causal=False):
-  """Softmax attention scaled by 1/sqrt(Dk); values may be narrower than keys (latent
-  attention): they are zero-padded to Dk for `jax.nn.dot_product_attention` and cut back."""
+  """Softmax attention scaled by 1/sqrt(Dk). Values and keys may differ in width (latent
+  attention): `jax.nn.dot_product_attention` takes one width, so the narrower side is
+  zero-padded (zeros add nothing to q.k or to the output) and the output cut back to Dv."""
   dk, dv = q_BxSxHxDk.shape[-1], v_BxTxGxDv.shape[-1]
+  pad = lambda x, width: jnp.pad(x, ((0, 0),) * 3 + ((0, width - x.shape[-1]),))  # noqa: E731
   if dv < dk:
-    v_BxTxGxDv = jnp.pad(v_BxTxGxDv, ((0, 0), (0, 0), (0, 0), (0, dk - dv)))
+    v_BxTxGxDv = pad(v_BxTxGxDv, dk)
+  elif dk < dv:
+    q_BxSxHxDk, k_BxTxGxDk = pad(q_BxSxHxDk, dv), pad(k_BxTxGxDk, dv)
   out = jax.nn.dot_product_attention(q_BxSxHxDk, k_BxTxGxDk, v_BxTxGxDv, mask=mask,
-                                     is_causal=is_causal)
+                                     is_causal=is_causal, scale=dk ** -0.5)
   return out[..., :dv]
 
 

@@ -36,7 +36,7 @@ from moejax.routing import stats as stats_lib
 from moejax.placement import fssdp as sparse
 from moejax.layers.mlp import swiglu
 from moejax.sharding.axes import (EMBED, EXPERT, EXPERT_SCORE, EXPERTS, MLP, ROUTER, ROUTER_BIAS,
-                                  SHARED_EXPERTS, param)
+                                  ROUTER_FP32, SHARED_EXPERTS, param)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +76,9 @@ class MoEBlock(nnx.Module):
                rngs: nnx.Rngs):
     e, d, f = spec.num_experts, d_model, expert_hidden
     init = jax.nn.initializers.normal(init_std)
-    self.router = param(init(rngs.params(), (d, e), jnp.float32), (EMBED, EXPERT_SCORE), ROUTER)
+    # With a score bias (DeepSeek-V3) the router is gathered in float32, as its bias is.
+    self.router = param(init(rngs.params(), (d, e), jnp.float32), (EMBED, EXPERT_SCORE),
+                        ROUTER_FP32 if spec.score_bias else ROUTER)
     if spec.score_bias:
       self.score_bias = param(jnp.zeros((e,), jnp.float32), (EXPERT_SCORE,), ROUTER_BIAS)
     self.w_gate = param(init(rngs.params(), (e, d, f), jnp.float32), (EXPERT, EMBED, MLP), EXPERTS)
@@ -117,9 +119,12 @@ class MoEBlock(nnx.Module):
     b, s, d = x_BxSxD.shape
     spec = self.spec
     x_TxD = x_BxSxD.reshape(b * s, d)
-    router_DxE = self.router[...].astype(x_TxD.dtype)
-    # Router: logits in fp32 for a stable softmax and z-loss.
-    logits_TxE = dense(x_TxD, router_DxE, jnp.float32)
+    router_DxE = self.router[...]
+    if router_DxE.dtype != jnp.float32:
+      router_DxE = router_DxE.astype(x_TxD.dtype)
+    # Router: logits in fp32 for a stable softmax and z-loss (from fp32 inputs when the router
+    # is kept in fp32).
+    logits_TxE = dense(x_TxD.astype(router_DxE.dtype), router_DxE, jnp.float32)
     weights_TxK, experts_TxK, scores_TxE = router_lib.top_k_route(
         logits_TxE, spec.top_k, score=spec.score, renormalize=spec.renormalize,
         bias_E=self.score_bias[...] if spec.score_bias else None, groups=spec.groups,

@@ -25,6 +25,7 @@ from moejax.layers.attention import attend, rotary_at
 from moejax.layers.matmul import dense
 from moejax.layers.norm import rms_norm
 from moejax.models import olmoe
+from moejax.sharding import hook
 
 
 class KVCache(NamedTuple):
@@ -50,8 +51,13 @@ def init_cache(cfg: Config, batch: int, max_len: int, dtype=jnp.float32) -> KVCa
   return KVCache(jnp.zeros(lead + (k_width,), dtype), jnp.zeros(lead + (v_width,), dtype))
 
 
-def cast_params(params: dict, dtype) -> dict:
-  return jax.tree.map(lambda x: x.astype(dtype), params)
+def cast_params(params: dict, dtype, cfg: Config | None = None) -> dict:
+  """`params` in `dtype`; with `cfg`, its `axes.FLOAT32_GROUPS` (DeepSeek's router and score
+  bias) stay float32, as in training."""
+  if cfg is None:
+    return jax.tree.map(lambda x: x.astype(dtype), params)
+  return {group: hook.local_gather(group, tree, dtype=dtype, param_meta=olmoe.param_meta(cfg))[0]
+          for group, tree in params.items()}
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -122,7 +128,7 @@ def generate(cfg: Config, params: dict, prompt_BxP, *, max_new_tokens: int,
   The prompt fills the cache in one pass; then one token per step. Stops early when every row
   has produced `eos_id`. `on_token(ids_B)` is called with each new token (streaming)."""
   cfg = without_admission(cfg)
-  params = cast_params(params, dtype)
+  params = cast_params(params, dtype, cfg)
   batch, prompt_len = prompt_BxP.shape
   cache = init_cache(cfg, batch, prompt_len + max_new_tokens, dtype)
   logits_BxSxV, cache = forward_cached(cfg, params, jnp.asarray(prompt_BxP, jnp.int32), cache,
