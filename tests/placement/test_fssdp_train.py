@@ -2,9 +2,10 @@
 re-shard; SparseAllGather / SparseReduceScatter move exactly the planned replicas; a run
 interrupted and resumed across a re-shard equals an uninterrupted one, bit for bit.
 
-The model is Qwen3-MoE's tiny preset (grouped-query attention, QK-norm per head): FSSDP on a
-family other than OLMoE. One fssdp Trainer (compiled once) serves the in-process steps and the
-`run` calls."""
+The model is DeepSeek's tiny preset (latent attention, a dense first layer, so the placement's
+layers are the two MoE ones of three; grouped sigmoid routing with a score bias that the train
+step moves and the checkpoint keeps): FSSDP on a family other than OLMoE. One fssdp Trainer
+(compiled once) serves the in-process steps and the `run` calls."""
 import contextlib
 import json
 import os
@@ -17,6 +18,7 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from moejax.config import num_moe_layers
 from moejax.placement.dispatch import Dispatch
 from moejax.placement import fssdp, ownership, planner, reshard
 from moejax.sharding import axes
@@ -26,7 +28,7 @@ from moejax.train import checkpoint as ckpt
 from moejax.train.loop import Trainer, put_batch, run
 from tests.helpers import tiny_config
 
-FAMILY = "qwen3_moe"
+FAMILY = "deepseek_v3"
 STEPS = 6
 # run(): 8 steps, re-shards after steps 3 and 6, checkpoints at 4 and 8.
 RUN = {"batch_size": 16, "seq_len": 32, "mesh.shape": (2, 4), "steps": 8, "log_every": 1,
@@ -50,7 +52,7 @@ def _trainer(placement):
 def _skewed(cfg):
   """A load history whose re-shard is heterogeneous: in each layer expert 0 is hot, so the node
   that owns it takes fewer of that layer's other experts (2 nodes x 4, E = 8)."""
-  hot = np.full((cfg.fssdp.window, cfg.model.num_layers, cfg.moe.num_experts), 10.0, np.float32)
+  hot = np.full((cfg.fssdp.window, num_moe_layers(cfg), cfg.moe.num_experts), 10.0, np.float32)
   hot[:, :, 0] = 50.0
   return hot
 
@@ -99,6 +101,10 @@ def _expert_leaves(tree):
           if is_expert_param(p)}
 
 
+def fssdp_run_rate() -> float:
+  return tiny_config(FAMILY).moe.score_bias_rate
+
+
 def test_fssdp_matches_ep_across_a_heterogeneous_reshard(ep, fssdp_run):
   losses_ep, _, _ = ep
   losses, records, (resharding, before, after) = fssdp_run
@@ -130,6 +136,11 @@ def test_fssdp_matches_ep_across_a_heterogeneous_reshard(ep, fssdp_run):
                       if not is_expert_param(p)]
   for x, y in zip(others((old_params, old_opt)), others((new_params, new_opt))):
     np.testing.assert_array_equal(x, y)
+  # The score bias moved by the load only (no gradient, no decay): +-rate or 0 per step, 3 steps.
+  rate = fssdp_run_rate()
+  moves = old_params["layers"]["moe"]["score_bias"] / rate
+  assert np.any(moves != 0) and np.max(np.abs(moves)) <= 3
+  np.testing.assert_allclose(moves, np.round(moves), atol=1e-3)
 
 
 def test_sparse_all_gather_then_reduce_scatter_counts_replicas():

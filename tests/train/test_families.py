@@ -2,10 +2,11 @@
 one placement per family, against the same config on one device, in float32 compute
 (`compute_dtype`), so the comparison is tight: bf16 rounding alone moves the gradients of small
 leaves (the qkv biases) by a few percent. OLMoE's fsdp is tests/train/test_step.py's (bf16);
-Qwen3-MoE trains under fssdp against ep across a re-shard in
-tests/placement/test_fssdp_train.py; DeepSeek (latent attention, a leading dense layer, grouped
-sigmoid routing with a score bias) trains under fssdp here, and its score bias moves from the
-load alike on 8 devices and on one.
+DeepSeek (latent attention, a dense first layer, grouped sigmoid routing with a score bias) trains
+under fssdp against ep across a re-shard, resumed bit for bit, in
+tests/placement/test_fssdp_train.py; its score bias is checked there. Qwen3-MoE's one option of
+its own (QK-norm per head: two norm scales per layer) is checked against transformers in
+tests/convert/test_hf_parity.py and not trained sharded again.
 
 The other techniques run on the families where their own tests run them: the codec gathers
 Qwen2-MoE's biases and shared expert bit-exactly (tests/sharding/test_gatherer.py); admission acts
@@ -19,7 +20,7 @@ import pytest
 
 from tests.helpers import run_steps, tiny_config
 
-FAMILY_PLACEMENTS = {"mixtral": "fsdp", "qwen2_moe": "ep", "deepseek_v3": "fssdp"}
+FAMILY_PLACEMENTS = {"mixtral": "fsdp", "qwen2_moe": "ep"}
 SETTINGS = {"steps": 2, "compute_dtype": "float32"}
 TOLERANCE = 1e-5   # max |difference| per leaf, relative to its max |gradient| (measured ~5e-7)
 
@@ -41,11 +42,3 @@ def test_sharded_equals_single_device(family, trainer_for):
   if cfg.moe.placement == "ep":     # dropless by default: every assignment reaches its expert
     assert all(float(m["ep_dropped_frac"]) == 0.0 for m in sharded["all_metrics"])
     assert all(np.all(m["dropped_frac"] == 0.0) for m in sharded["all_metrics"])
-  if cfg.moe.score_bias:
-    # Never moved by the optimizer (no gradient, no decay): only by the load, +-rate per step.
-    assert all(np.all(g == 0) for g in jax.tree.leaves(single["grads"]["layers"]["moe"][
-        "score_bias"]))
-    bias = [r["params"]["layers"]["moe"]["score_bias"] for r in (single, sharded)]
-    np.testing.assert_array_equal(bias[0], bias[1])
-    steps = np.abs(bias[0]) / cfg.moe.score_bias_rate
-    assert np.any(bias[0] != 0) and np.allclose(steps, np.round(steps), atol=1e-3)
