@@ -1,8 +1,8 @@
 """Hugging Face config.json <-> moejax `Config`, for every family of `moejax.families`.
 
 Only what moejax models is carried over; a config that asks for something moejax does not model
-(clipped q/k/v, output-projection biases, scaled RoPE, sliding windows, dense layers anywhere
-but in front, another activation, quantized weights) is refused with one line naming the field,
+(clipped q/k/v, output-projection biases, scaled RoPE, sliding windows, another activation,
+quantized weights) is refused with one line naming the field,
 rather than converted into a different model. Each family fixes some options of the decoder
 (`FAMILY_SPECS`); the rest are read from its fields:
 
