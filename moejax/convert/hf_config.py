@@ -271,10 +271,10 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       norm_eps=_get(hf, "rms_norm_eps", float, where, spec.default_norm_eps),
       init_std=_get(hf, "initializer_range", float, where, base.model.init_std),
       tie_embeddings=_get(hf, "tie_word_embeddings", bool, where, False),
-      **({} if spec.deepseek else dict(
-          kv_lora_rank=0, q_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0,
-          **(_dense_pattern(hf, where) if spec.dense_pattern else dict(
-              dense_layers=(), dense_hidden=0)))))
+      kv_lora_rank=0, q_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0,
+      dense_layers=(), dense_hidden=0)
+  if spec.dense_pattern:
+    model = dataclasses.replace(model, **_dense_pattern(hf, where))
   moe = dataclasses.replace(
       base.moe,
       num_experts=_get(hf, spec.experts_key, int, where, next(

@@ -19,15 +19,18 @@ def swiglu(x, w_gate_DxF, w_up_DxF, w_down_FxD):
   return dense(h, w_down_FxD.astype(dt))
 
 
+def swiglu_weights(d_model: int, hidden: int, group: str, init, rngs: nnx.Rngs):
+  """(gate [D, F], up [D, F], down [F, D]) params of one SwiGLU in `group` (a dense layer's MLP,
+  the shared expert)."""
+  return (param(init(rngs.params(), (d_model, hidden), jnp.float32), (EMBED, MLP_AXIS), group),
+          param(init(rngs.params(), (d_model, hidden), jnp.float32), (EMBED, MLP_AXIS), group),
+          param(init(rngs.params(), (hidden, d_model), jnp.float32), (MLP_AXIS, EMBED), group))
+
+
 class MLP(nnx.Module):
   def __init__(self, d_model: int, hidden: int, *, init_std: float, rngs: nnx.Rngs):
     init = jax.nn.initializers.normal(init_std)
-    self.w_gate = param(init(rngs.params(), (d_model, hidden), jnp.float32), (EMBED, MLP_AXIS),
-                        DENSE_MLP)
-    self.w_up = param(init(rngs.params(), (d_model, hidden), jnp.float32), (EMBED, MLP_AXIS),
-                      DENSE_MLP)
-    self.w_down = param(init(rngs.params(), (hidden, d_model), jnp.float32), (MLP_AXIS, EMBED),
-                        DENSE_MLP)
+    self.w_gate, self.w_up, self.w_down = swiglu_weights(d_model, hidden, DENSE_MLP, init, rngs)
 
   def __call__(self, x):
     return swiglu(x, self.w_gate[...], self.w_up[...], self.w_down[...])

@@ -34,7 +34,7 @@ from moejax.routing import admission as admission_lib
 from moejax.routing import router as router_lib
 from moejax.routing import stats as stats_lib
 from moejax.placement import fssdp as sparse
-from moejax.layers.mlp import swiglu
+from moejax.layers.mlp import swiglu, swiglu_weights
 from moejax.sharding.axes import (EMBED, EXPERT, EXPERT_SCORE, EXPERTS, MLP, ROUTER, ROUTER_BIAS,
                                   ROUTER_FP32, SHARED_EXPERTS, param)
 
@@ -85,13 +85,8 @@ class MoEBlock(nnx.Module):
     self.w_up = param(init(rngs.params(), (e, d, f), jnp.float32), (EXPERT, EMBED, MLP), EXPERTS)
     self.w_down = param(init(rngs.params(), (e, f, d), jnp.float32), (EXPERT, MLP, EMBED), EXPERTS)
     if spec.shared_hidden:
-      fs = spec.shared_hidden
-      self.shared_w_gate = param(init(rngs.params(), (d, fs), jnp.float32), (EMBED, MLP),
-                                 SHARED_EXPERTS)
-      self.shared_w_up = param(init(rngs.params(), (d, fs), jnp.float32), (EMBED, MLP),
-                               SHARED_EXPERTS)
-      self.shared_w_down = param(init(rngs.params(), (fs, d), jnp.float32), (MLP, EMBED),
-                                 SHARED_EXPERTS)
+      self.shared_w_gate, self.shared_w_up, self.shared_w_down = swiglu_weights(
+          d, spec.shared_hidden, SHARED_EXPERTS, init, rngs)
       if spec.shared_gate:
         self.shared_gate = param(init(rngs.params(), (d, 1), jnp.float32), (EMBED, EXPERT_SCORE),
                                  ROUTER)

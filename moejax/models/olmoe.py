@@ -5,7 +5,7 @@ dense MLP (parameter group "dense_layers", stacked in model order), the others M
 
 One decoder for every family (`configs/`): OLMoE, Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek
 differ only in options of the config (grouped-query or multi-head latent attention, QK-norm full
-/ per head / none, qkv biases, a shared expert with or without a gate, leading dense layers, the
+/ per head / none, qkv biases, a shared expert with or without a gate, dense layers, the
 router's renormalization, scale, expert groups and selection bias), never in code paths per
 family.
 
@@ -52,7 +52,7 @@ def moe_spec(cfg: Config) -> MoESpec:
 
 
 MOE_LAYERS = "layers"           # the parameter group of the MoE layers (stacked)
-DENSE_LAYERS = "dense_layers"   # ... of the leading dense layers, when there are any
+DENSE_LAYERS = "dense_layers"   # ... of the dense layers (model.dense_layers), when there are any
 LAYER_GROUPS = (DENSE_LAYERS, MOE_LAYERS)
 
 

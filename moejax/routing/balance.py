@@ -29,7 +29,7 @@ def apply(params: dict, load_LxE, rate: float) -> dict:
   """`params` with the MoE layers' score bias moved (unchanged if rate is 0)."""
   if rate == 0:
     return params
-  layers, moe = params[BIAS_PATH[0]], params[BIAS_PATH[0]][BIAS_PATH[1]]
-  bias = updated_bias(moe[BIAS_PATH[2]], load_LxE, rate)
-  return dict(params, **{BIAS_PATH[0]: dict(layers, **{BIAS_PATH[1]: dict(
-      moe, **{BIAS_PATH[2]: bias})})})
+  layers_key, moe_key, bias_key = BIAS_PATH
+  moe = params[layers_key][moe_key]
+  moe = dict(moe, **{bias_key: updated_bias(moe[bias_key], load_LxE, rate)})
+  return dict(params, **{layers_key: dict(params[layers_key], **{moe_key: moe})})

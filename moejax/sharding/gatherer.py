@@ -211,15 +211,14 @@ class Gatherer:
     fulls, new_states, stats, per_param = [], {}, {}, {}
     for path, x, lay in zip(paths, leaves, treedef.flatten_up_to(lays)):
       spec = self.specs[group].get(path) if states is not None else None
-      dtype = (jnp.float32 if self.report_group(group, path) in axes.FLOAT32_GROUPS
-               else self.compute_dtype)
+      key = self.report_group(group, path)
+      dtype = jnp.float32 if key in axes.FLOAT32_GROUPS else self.compute_dtype
       full, new_state, s = hook.gather_leaf(x, lay, spec, states[path] if spec else None,
                                             dtype=dtype)
       if spec is not None:
         new_states[path] = new_state
         per_param[path] = jnp.stack([s[k] for k in hook.STAT_KEYS])
       fulls.append(full)
-      key = self.report_group(group, path)
       stats[key] = s if key not in stats else {k: stats[key][k] + s[k] for k in s}
     if per_param:
       stats[PARAM_STATS] = per_param
