@@ -53,7 +53,7 @@ from moejax.config import from_config_dict  # noqa: E402
 from moejax.data import DataSpec, make_data  # noqa: E402
 from moejax.sharding import axes, hook  # noqa: E402
 from moejax.models import olmoe  # noqa: E402
-from moejax.train import codec_control  # noqa: E402
+from moejax.train import codec_control, step as step_lib  # noqa: E402
 from moejax.train.loop import Trainer, put_batch  # noqa: E402
 
 GROUPS = axes.GROUPS       # the report groups parameters declare
@@ -149,7 +149,7 @@ class Rows:
   """Static facts of the probe's rows (one per parameter and layer)."""
   names: list               # (group, path) per row
   shard: list               # shard shape per row
-  repeat: np.ndarray        # gathers per step (layers twice under remat/prefetch)
+  repeat: np.ndarray        # gathers per step (step.gathers_per_copy)
   plain: np.ndarray         # bytes per device per gather, plain
 
   @classmethod
@@ -159,8 +159,7 @@ class Rows:
       for _ in range(rows):
         names.append((g, p))
         shard.append(gatherer.shard_shape(g, p))
-        repeat.append(hook.gathers_per_step(gatherer.is_stacked(g), remat=cfg.remat,
-                                            prefetch=cfg.prefetch))
+        repeat.append(step_lib.gathers_per_copy(cfg, gatherer, g))
     plain = np.array([2 * math.prod(s) for s in shard], np.float64)
     return cls(names, shard, np.asarray(repeat, np.float64), plain)
 

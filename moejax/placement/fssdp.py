@@ -114,37 +114,43 @@ def fssdp_experts(x_TxD, experts_TxK, weights_TxK, plan, w_gate, w_up, w_down, *
   me = lax.axis_index(dispatch.axis_names)
   counts_E = router_lib.expert_counts(experts_TxK, e)
   source_load_NxE = lax.all_gather(counts_E, dispatch.axis_names, axis=0, tiled=False)
-  if dispatch.calibrate:
-    # Re-plan with the actual loads; adopted (with a late SparseAllGather) only when it pays.
-    # Every device computes the same decision from the same gathered counts.
-    fresh, adopted = planner.calibrate(
-        plan, jnp.sum(source_load_NxE, axis=0), owners.owner_E, num_devices=n,
-        devices_per_node=dpn, replica_slots=dispatch.replica_slots,
-        overlap_degree=dispatch.overlap_degree, actual_source_load_NxE=source_load_NxE)
 
-    def late_gather(_):
-      return tuple(jnp.concatenate([w[:c], sparse_all_gather(
-          w[:c], fresh.replica_expert_NxM, dispatch=dispatch, owners=owners)], axis=0)
-                   for w in (w_gate, w_up, w_down))
+  def run(plan, w_gate, w_up, w_down):
+    send_ExN = planner.balanced_send(plan.holders_ExN, source_load_NxE,
+                                     devices_per_node=dpn)[me]
+    dest_TxK = planner.dispatch_devices(experts_TxK, me, plan, devices_per_node=dpn,
+                                        send_ExN=send_ExN)
+    expert_A, dest_A = experts_TxK.reshape(-1), dest_TxK.reshape(-1)
+    safe_e = jnp.minimum(expert_A, e - 1)
+    owned_A = dest_A == owners.owner_E[safe_e]
+    replica_A = plan.replica_slot_ExN[safe_e, jnp.minimum(dest_A, n - 1)]
+    local_id_A = jnp.where(owned_A, owners.rank_E[safe_e], c + jnp.maximum(replica_A, 0))
+    y_TxD, dropped, received = exchange(x_TxD, dest_A, local_id_A, weights_TxK, w_gate, w_up,
+                                        w_down, dispatch=dispatch,
+                                        num_groups=c + dispatch.replica_slots)
+    stats = placement_stats(received, dest_A, dispatch, x_TxD.shape[-1], x_TxD.dtype.itemsize)
+    stats["replicas"] = plan.num_replicas.astype(jnp.float32) / n
+    return y_TxD, dropped, stats
 
-    w_gate, w_up, w_down = lax.cond(adopted, late_gather, lambda _: (w_gate, w_up, w_down),
-                                    None)
-    plan = fresh
-  send_ExN = planner.balanced_send(plan.holders_ExN, source_load_NxE,
-                                      devices_per_node=dpn)[me]
-  dest_TxK = planner.dispatch_devices(experts_TxK, me, plan, devices_per_node=dpn,
-                                         send_ExN=send_ExN)
-  expert_A, dest_A = experts_TxK.reshape(-1), dest_TxK.reshape(-1)
-  safe_e = jnp.minimum(expert_A, e - 1)
-  owned_A = dest_A == owners.owner_E[safe_e]
-  replica_A = plan.replica_slot_ExN[safe_e, jnp.minimum(dest_A, n - 1)]
-  local_id_A = jnp.where(owned_A, owners.rank_E[safe_e], c + jnp.maximum(replica_A, 0))
-  y_TxD, dropped, received = exchange(x_TxD, dest_A, local_id_A, weights_TxK, w_gate, w_up,
-                                      w_down, dispatch=dispatch,
-                                      num_groups=c + dispatch.replica_slots)
-  stats = placement_stats(received, dest_A, dispatch, x_TxD.shape[-1], x_TxD.dtype.itemsize)
-  stats["replicas"] = plan.num_replicas.astype(jnp.float32) / n
-  return y_TxD, dropped, stats
+  if not dispatch.calibrate:
+    return run(plan, w_gate, w_up, w_down)
+  # Re-plan with the actual loads; adopted (with a late SparseAllGather) only when it pays.
+  # Every device computes the same decision from the same gathered counts. The late gather sits
+  # in the branch with the exchange and expert compute, so it can overlap them (a collective
+  # alone in a branch starts and finishes there).
+  fresh, adopted = planner.calibrate(
+      plan, jnp.sum(source_load_NxE, axis=0), owners.owner_E, num_devices=n,
+      devices_per_node=dpn, replica_slots=dispatch.replica_slots,
+      overlap_degree=dispatch.overlap_degree, actual_source_load_NxE=source_load_NxE)
+
+  def late_gather(weights):
+    return run(fresh, *(jnp.concatenate([w[:c], sparse_all_gather(
+        w[:c], fresh.replica_expert_NxM, dispatch=dispatch, owners=owners)], axis=0)
+                        for w in weights))
+
+  # Not adopted, `fresh` is the current plan (its loads updated to the actual ones).
+  return lax.cond(adopted, late_gather, lambda weights: run(fresh, *weights),
+                  (w_gate, w_up, w_down))
 
 
 def ep_stats(experts_TxK, received, dispatch: Dispatch, d_model: int, num_local: int,

@@ -98,11 +98,24 @@ def scatter_bytes(shard_shape, layout: Layout, num_devices: int) -> float:
   return 0.0
 
 
-def gathers_per_step(layered: bool, *, remat: str, prefetch: bool) -> int:
-  """How often a step gathers a parameter: layer parameters are gathered again in backward when
-  it recomputes the layer (remat full or minimal: a gather is no matmul, so minimal does not keep
-  it) and under prefetch (whose backward re-gathers for the weight gradient's reduce-scatter)."""
-  return 2 if layered and (prefetch_lib.recomputes(remat) or prefetch) else 1
+def run_gathers(num_layers: int, *, remat: str, prefetch: bool) -> int:
+  """Gathers of each parameter of one scanned run of `num_layers` layers per step
+  (`moejax.sharding.prefetch.scan_layers`). Without prefetch every layer is gathered once, and
+  again in backward when it recomputes the layer (remat full or minimal: a gather is no matmul,
+  so minimal does not keep it). Prefetching gathers one layer ahead with no condition around the
+  collective, so the forward's last iteration gathers layer L-1 again; under remat full backward
+  uses that one and gathers ahead too, its last iteration layer 0 again; minimal and none keep
+  the weights for backward and gather nothing there."""
+  if prefetch and num_layers > 1:
+    return 2 * num_layers + 1 if remat == "full" else num_layers + 1
+  return num_layers * (2 if prefetch_lib.recomputes(remat) else 1)
+
+
+def gathers_per_layer(run_lengths, *, remat: str, prefetch: bool) -> float:
+  """Gathers per step of each layer's slice of a parameter stacked over the layers of
+  `run_lengths` (the scanned runs that hold them), on average."""
+  return (sum(run_gathers(n, remat=remat, prefetch=prefetch) for n in run_lengths)
+          / sum(run_lengths))
 
 
 def _plain_stats(shard, layout: Layout, dtype) -> dict:

@@ -10,24 +10,30 @@ Returns (h, aux_L, new_states_L, stats_L), everything but h stacked over layers.
 
 prefetch=False   `lax.scan(jax.checkpoint(body))`: each iteration gathers its own layer, then
                  computes. Under remat the gather is recomputed in backward from the same state.
-prefetch=True    the gather of layer i+1 is issued in iteration i, *before* layer i's compute,
-                 so the collective has a whole layer of compute to hide behind. The prefetched
-                 weights travel in the scan carry but are never saved for backward: each layer
-                 is wrapped in a `custom_vjp` whose residuals are the layer's input, its shards
-                 and its gather state; backward re-gathers through the same hook (whose VJP
-                 reduce-scatters the weight gradient exactly as without prefetch) and recomputes
-                 the layer. The prefetched copy gets no gradient (`stop_gradient`).
+prefetch=True    (more than one layer) the gather of layer i+1 is issued in iteration i,
+                 *before* layer i's compute and with no condition around it (a collective in a
+                 conditional's branch starts and finishes there, so nothing could overlap it):
+                 the last iteration gathers layer L-1 again. The whole scan has its own VJP
+                 (`_prefetched_scan`): under remat full the forward keeps each layer's input,
+                 and the backward scan gathers layer i-1 before layer i's recomputation and
+                 backward (starting from the forward's last gather; its own last iteration
+                 gathers layer 0 again), then reduce-scatters layer i's weight gradient through
+                 the gather's VJP (which needs no residual, so no gather runs for it). The
+                 prefetched weights travel in the carries, never saved for backward.
+                 `hook.run_gathers` counts the gathers.
 Both give bit-identical results (tests/sharding/test_prefetch.py).
 
 `remat` (REMAT_MODES) says what a layer keeps for its backward: "full" only its input (and its
 shards), recomputing the rest; "minimal" also its matmul outputs
 (`jax.checkpoint_policies.dots_saveable`); "none" everything. With prefetch, minimal and none
-also keep the layer's gathered weights until its backward (the saved matmuls need them).
+also keep the layer's gathered weights until its backward (the saved matmuls need them), so
+backward gathers nothing.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 REMAT_MODES = ("full", "minimal", "none")
@@ -53,43 +59,112 @@ def _take(tree, i):
   return jax.tree.map(lambda x: x[i], tree)
 
 
-def _prefetched_layer(layer_fn, gather, remat: str):
-  """layer(h, full, shards, state, consts) -> layer_fn(h, full, consts), with the VJP above
-  (`consts` here includes the layer index)."""
+def _float0_split(tree):
+  """(leaves that are not float0, a function rebuilding the tree from them with float0 zeros
+  of the leaves' shapes, minus a leading axis, in place of the others)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  is_zero = [leaf.dtype == jax.dtypes.float0 for leaf in leaves]
+  shapes = [leaf.shape[1:] for leaf in leaves]
 
-  def regather(shards, state):
-    return gather(shards, state)[0]
+  def rebuild(kept):
+    kept = iter(kept)
+    return treedef.unflatten([np.zeros(s, jax.dtypes.float0) if z else next(kept)
+                              for z, s in zip(is_zero, shapes)])
+
+  return [leaf for leaf, z in zip(leaves, is_zero) if not z], rebuild
+
+
+def _prefetched_scan(layer_fn, gather, remat: str, num_layers: int):
+  """run(h, shards_L, states_L, consts) -> (h, aux_L, new_states_L, stats_L), with its own VJP:
+  both passes issue the next layer's gather before the current layer's compute, with no
+  condition around it (the forward's last iteration gathers layer L-1 again, which backward's
+  first layer uses; backward's last gathers layer 0 again, its one wasted gather per step)."""
+  index_L = jnp.arange(num_layers, dtype=jnp.int32)
+
+  def regather(shards_L, states_L, i):
+    return gather(_take(shards_L, i), _take(states_L, i))[0]
+
+  def forward(h, shards_L, states_L, consts, keep: str):
+    """keep: "none" (no backward), "inputs" (each layer's input) or "vjp" (each layer's
+    backward residuals under the remat policy, its weights among them)."""
+    full_0, state_0, stats_0 = gather(_take(shards_L, 0), _take(states_L, 0))
+    vjp_def = []
+
+    def body(carry, i):
+      h, full = carry
+      # Layer i+1's gather first (read in place: a rolled copy of the shards as scan input would
+      # copy every layer's shards each step), then layer i's compute.
+      full_next, state_next, stats_next = gather(*_take((shards_L, states_L),
+                                                        jnp.minimum(i + 1, num_layers - 1)))
+      fn = lambda h, full: layer_fn(h, full, consts, i)   # noqa: E731
+      if keep == "vjp":
+        (h_out, aux), vjp = jax.vjp(checkpointed(fn, remat), h, full)
+        leaves, treedef = jax.tree.flatten(vjp)
+        vjp_def[:] = [treedef]
+        saved = leaves
+      else:
+        h_out, aux = fn(h, full)
+        saved = h if keep == "inputs" else None
+      return (h_out, full_next), (aux, state_next, stats_next, saved)
+
+    (h, full_last), (aux_L, states_next_L, stats_next_L, saved_L) = lax.scan(
+        body, (h, full_0), index_L)
+    if keep == "vjp":   # the layers' stacked residuals as one pytree (a VJP of [L, ...] leaves)
+      saved_L = vjp_def[0].unflatten(saved_L)
+    # Iteration i gathered layer i+1: shift back and put layer 0's in front.
+    unshift = lambda first, rest: jax.tree.map(          # noqa: E731
+        lambda a, b: jnp.concatenate([a[None], b[:-1]], axis=0), first, rest)
+    out = (h, aux_L, unshift(state_0, states_next_L), unshift(stats_0, stats_next_L))
+    return out, (saved_L, full_last)
 
   @jax.custom_vjp
-  def layer(h, full, shards, state, consts):
-    return layer_fn(h, full, consts)
+  def run(h, shards_L, states_L, consts):
+    return forward(h, shards_L, states_L, consts, "none")[0]
 
-  def fwd(h, full, shards, state, consts):
-    if remat == "full":
-      return layer_fn(h, full, consts), (h, shards, state, consts, None)
-    # Otherwise keep what the policy saves of the layer's backward (and its weights).
-    out, vjp = jax.vjp(checkpointed(lambda h, full: layer_fn(h, full, consts), remat), h, full)
-    return out, (h, shards, state, consts, vjp)
+  def run_fwd(h, shards_L, states_L, consts):
+    keep = "inputs" if remat == "full" else "vjp"
+    out, (saved_L, full_last) = forward(h, shards_L, states_L, consts, keep)
+    return out, (saved_L, full_last if keep == "inputs" else None, shards_L, states_L, consts)
 
-  def bwd(res, g):
-    h, shards, state, consts, saved_vjp = res
-    full, gather_vjp = jax.vjp(lambda s: regather(s, state), shards)
-    if saved_vjp is None:
-      saved_vjp = jax.vjp(lambda h, full: layer_fn(h, full, consts), h, full)[1]
-    dh, dfull = saved_vjp(g)
-    (dshards,) = gather_vjp(dfull)
-    zeros = lambda t: jax.tree.map(jnp.zeros_like, t)   # noqa: E731
-    return dh, zeros(full), dshards, zeros(state), jax.tree.map(lambda _: None, consts)
+  def run_bwd(res, cotangents):
+    saved_L, full_last, shards_L, states_L, consts = res
+    saved_leaves_L, saved_def = jax.tree.flatten(saved_L)
+    dh, daux_L = cotangents[0], cotangents[1]
+    daux_kept_L, daux_of = _float0_split(daux_L)
 
-  layer.defvjp(fwd, bwd)
-  return layer
+    def scatter(i, dfull):
+      """The gather's transpose (the weight gradient's reduce-scatter; it needs no residual)."""
+      state = _take(states_L, i)
+      return jax.vjp(lambda s: gather(s, state)[0], _take(shards_L, i))[1](dfull)[0]
+
+    def body(carry, xs):
+      i, saved, daux_kept = xs
+      saved = saved_def.unflatten(saved)      # layer i's input, or its backward residuals
+      dh, full = carry
+      if full_last is not None:   # remat full: recompute the layer from its input
+        # Layer i-1's gather first, then layer i's backward.
+        full_prev = regather(shards_L, states_L, jnp.maximum(i - 1, 0))
+        vjp = jax.vjp(lambda h, full: layer_fn(h, full, consts, i), saved, full)[1]
+      else:
+        full_prev, vjp = full, saved
+      dh, dfull = vjp((dh, daux_of(daux_kept)))
+      return (dh, full_prev), scatter(i, dfull)
+
+    carry = (dh, full_last if full_last is not None else jnp.zeros((), jnp.float32))
+    (dh, _), dshards_L = lax.scan(body, carry, (index_L, saved_leaves_L, daux_kept_L),
+                               reverse=True)
+    nothing = lambda t: jax.tree.map(lambda _: None, t)   # noqa: E731
+    return dh, dshards_L, nothing(states_L), nothing(consts)
+
+  run.defvjp(run_fwd, run_bwd)
+  return run
 
 
 def scan_layers(layer_fn, h, shards_L, gather, states_L=None, consts=(), *, remat: str = "full",
                 prefetch: bool = False):
   num_layers = jax.tree.leaves(shards_L)[0].shape[0]
   index_L = jnp.arange(num_layers, dtype=jnp.int32)
-  if not prefetch:
+  if not prefetch or num_layers == 1:   # one layer: no next layer to gather under its compute
     def body(h, xs):
       layer_shards, layer_state, i = xs
       full, new_state, stats = gather(layer_shards, layer_state)
@@ -100,35 +175,4 @@ def scan_layers(layer_fn, h, shards_L, gather, states_L=None, consts=(), *, rema
     h, (aux_L, new_states_L, stats_L) = lax.scan(body, h, (shards_L, states_L, index_L))
     return h, aux_L, new_states_L, stats_L
 
-  layer = _prefetched_layer(lambda h, full, c: layer_fn(h, full, *c), gather, remat)
-  full_0, new_state_0, stats_0 = gather(_take(shards_L, 0), _take(states_L, 0))
-  full_0 = lax.stop_gradient(full_0)
-
-  def body(carry, xs):
-    h, full = carry
-    i, layer_shards, layer_state = xs
-    # The next layer's shards are read in place (a rolled copy as scan input would copy every
-    # layer's shards each step, and its zero cotangent would be materialized in backward).
-    nxt = jnp.minimum(i + 1, num_layers - 1)
-    next_shards, next_state = _take(lax.stop_gradient(shards_L), nxt), _take(states_L, nxt)
-
-    def prefetch_next(args):
-      full_next, state_next, stats_next = gather(*args)
-      return lax.stop_gradient(full_next), state_next, stats_next
-
-    def nothing(args):   # the last layer has nothing to prefetch; this output is discarded
-      shapes = jax.eval_shape(prefetch_next, args)
-      return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-
-    # Issue the next layer's gather first, then compute this layer.
-    full_next, state_next, stats_next = lax.cond(i + 1 < num_layers, prefetch_next, nothing,
-                                                 (next_shards, next_state))
-    h, aux = layer(h, full, layer_shards, layer_state, (consts, i))
-    return (h, full_next), (aux, state_next, stats_next)
-
-  xs = (index_L, shards_L, states_L)
-  (h, _), (aux_L, next_states_L, next_stats_L) = lax.scan(body, (h, full_0), xs)
-  # Iteration i produced layer i+1's gather: shift back and put layer 0's in front.
-  unshift = lambda first, rest: jax.tree.map(          # noqa: E731
-      lambda a, b: jnp.concatenate([a[None], b[:-1]], axis=0), first, rest)
-  return h, aux_L, unshift(new_state_0, next_states_L), unshift(stats_0, next_stats_L)
+  return _prefetched_scan(layer_fn, gather, remat, num_layers)(h, shards_L, states_L, consts)

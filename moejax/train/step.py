@@ -99,11 +99,20 @@ def make_grad_fn(cfg: Config, mesh, lay: StateLayout):
                        out_specs=(lay.param_specs, P(), state_specs, P()), check_vma=False)
 
 
+def gathers_per_copy(cfg: Config, gatherer, group: str) -> float:
+  """Gathers per step of one copy of a group's parameters: each layer's slice of a layer group
+  (`hook.gathers_per_layer` over the scanned runs that hold the group), else 1."""
+  if not gatherer.is_stacked(group):
+    return 1.0
+  runs = [count for g, _, count in olmoe.layer_runs(cfg) if g == group]
+  return hook.gathers_per_layer(runs, remat=cfg.remat, prefetch=cfg.prefetch)
+
+
 def gather_metrics(cfg: Config, lay: StateLayout, stats: dict) -> dict:
   """Step figures of the parameter gathers, per report group and in total.
 
   Bytes are what each device receives over the step: (N-1) times what each device puts into a
-  gather, with layer gathers counted twice under remat or prefetch (backward re-gathers).
+  gather, times the gathers of that parameter per step (`gathers_per_copy`).
   """
   n = lay.gatherer.num_devices
   sizes = codec_denominators(lay)
@@ -115,8 +124,7 @@ def gather_metrics(cfg: Config, lay: StateLayout, stats: dict) -> dict:
       for k in hook.STAT_KEYS:
         value = jnp.sum(s[k])
         if k.startswith("bytes"):
-          value = value * (n - 1) * hook.gathers_per_step(lay.gatherer.is_stacked(group), remat=cfg.remat,
-                                                          prefetch=cfg.prefetch)
+          value = value * (n - 1) * gathers_per_copy(cfg, lay.gatherer, group)
         acc[k] = acc[k] + value
   metrics = {}
   total = {k: sum(g[k] for g in by_group.values()) for k in hook.STAT_KEYS}

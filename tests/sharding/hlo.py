@@ -135,3 +135,60 @@ def stablehlo_problems(found: list[Collective], expected: dict[str, set[tuple]],
   return [f"{c}: " + ("not a full per-layer parameter shape" if c.shape not in shapes else
                       f"gathers {c.dtype}, the hook gathers {dtype}")
           for c in found if c.shape not in shapes or c.dtype != dtype]
+
+
+# -- conditionals ---------------------------------------------------------------------------------
+COLLECTIVE_OPS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute",
+                  "ragged-all-to-all")
+_COLLECTIVE = re.compile(r"=\s.*?\b(" + "|".join(COLLECTIVE_OPS) + r")(?:-start)?\(")
+_DOT = re.compile(r"=\s.*?\b(dot|convolution)\(")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_CALLED = re.compile(r"\b(?:branch_computations|true_computation|false_computation|to_apply|body|"
+                     r"condition|calls)=\{?((?:%?[\w.\-]+(?:,\s*)?)+)\}?")
+
+
+def _computations(hlo_text: str) -> dict[str, list[str]]:
+  comps, current = {}, None
+  for line in hlo_text.splitlines():
+    m = _COMPUTATION.match(line)
+    if m and not line.startswith(" "):
+      current = m[1]
+      comps[current] = []
+    elif current is not None:
+      comps[current].append(line)
+  return comps
+
+
+def _called(line: str) -> list[str]:
+  return [name.strip().lstrip("%") for m in _CALLED.finditer(line) for name in m[1].split(",")]
+
+
+@dataclasses.dataclass(frozen=True)
+class Branch:
+  """One branch of a conditional in compiled HLO, with everything it calls."""
+  name: str
+  collectives: tuple   # ops, e.g. ("all-gather", ...)
+  dots: int            # matmuls (the layer compute a collective could hide behind)
+
+
+def conditional_branches(hlo_text: str) -> list[Branch]:
+  comps = _computations(hlo_text)
+  out = []
+  for lines in comps.values():
+    for line in lines:
+      if " conditional(" not in line:
+        continue
+      for branch in _called(line):
+        seen, todo = set(), [branch]
+        while todo:
+          name = todo.pop()
+          if name in seen or name not in comps:
+            continue
+          seen.add(name)
+          for inner in comps[name]:
+            todo += _called(inner)
+        body = [inner for name in seen for inner in comps[name]]
+        out.append(Branch(branch, tuple(m[1] for inner in body
+                                        if (m := _COLLECTIVE.search(inner))),
+                          sum(bool(_DOT.search(inner)) for inner in body)))
+  return out

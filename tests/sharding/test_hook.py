@@ -124,11 +124,16 @@ def test_byte_figures_and_regather_rule():
   assert hook.scatter_bytes((4, 8), shard, W) == (W - 1) * 32 * 4       # fp32 shards
   assert hook.scatter_bytes((4, 8), rep, W) == 2 * (W - 1) / W * 32 * 4   # ring all-reduce
   assert hook.scatter_bytes((4, 8), rep, 1) == hook.scatter_bytes((4, 8), exp, W) == 0
-  assert hook.gathers_per_step(True, remat="full", prefetch=False) == 2
-  assert hook.gathers_per_step(True, remat="minimal", prefetch=False) == 2
-  assert hook.gathers_per_step(True, remat="none", prefetch=True) == 2
-  assert hook.gathers_per_step(True, remat="none", prefetch=False) == 1
-  assert hook.gathers_per_step(False, remat="full", prefetch=True) == 1
+  # Without prefetch: once, again in backward when it recomputes the layer.
+  assert hook.run_gathers(3, remat="full", prefetch=False) == 6
+  assert hook.run_gathers(3, remat="minimal", prefetch=False) == 6
+  assert hook.run_gathers(3, remat="none", prefetch=False) == 3
+  # Prefetch: one gather ahead in each pass that gathers (one repeat each); one layer: none.
+  assert hook.run_gathers(3, remat="full", prefetch=True) == 7
+  assert hook.run_gathers(3, remat="minimal", prefetch=True) == 4
+  assert hook.run_gathers(3, remat="none", prefetch=True) == 4
+  assert hook.run_gathers(1, remat="full", prefetch=True) == 2
+  assert hook.gathers_per_layer([3, 1], remat="full", prefetch=True) == (7 + 2) / 4
 
 
 def test_codec_refuses_mode_off_and_points_at_the_hook():
