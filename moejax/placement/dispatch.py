@@ -7,14 +7,15 @@ El experts held per device, N devices, C per-destination buffer capacity (tokens
 Dropped assignments carry the sentinel expert id E and produce zeros.
 
   local   every expert's weights are here (single device, or FSDP after the gather).
-  ep      experts partitioned over the N devices; `all_to_all` with a static per-destination
-          buffer of C rows.
+  ep      experts partitioned over the N devices; a static per-destination buffer of C rows
+          (`send_blocks`: `all_to_all` of the whole buffer on XLA:CPU, which has no
+          `ragged_all_to_all`; `lax.ragged_all_to_all` of the filled rows on GPU/TPU, chosen by
+          `lax.platform_dependent`; both return the same buffer).
   fssdp   as ep, plus this step's replicas of hot experts (moejax.placement.planner); each
           assignment goes to one device holding its expert (`exchange` with a destination and
           the expert's index there). Dropless when C = A (the worst case: every assignment to one
           device); with a capacity factor c, C = ceil(c * A / N) and overflow is dropped and
-          counted. On GPU `lax.ragged_all_to_all` would move only the fill; XLA:CPU lacks it, so
-          the static-buffer exchange is the path that runs and is tested here.
+          counted.
 """
 from __future__ import annotations
 
@@ -83,14 +84,63 @@ def exchange(x_TxD, dest_A, local_id_A, weights_TxK, w_gate, w_up, w_down, *,
   send_x = jnp.zeros((n * c + 1, d), x_TxD.dtype).at[slot_A].set(x_AxD)[:-1]
   send_g = jnp.full((n * c + 1,), num_groups, jnp.int32).at[slot_A].set(local_id_A)[:-1]
   axes = dispatch.axis_names
-  recv_x = lax.all_to_all(send_x.reshape(n, c, d), axes, 0, 0, tiled=True)
-  recv_g = lax.all_to_all(send_g.reshape(n, c), axes, 0, 0, tiled=True).reshape(-1)
-  y_recv = run_sorted(recv_x.reshape(n * c, d), recv_g, num_groups, w_gate, w_up, w_down)
-  y_back = lax.all_to_all(y_recv.reshape(n, c, d), axes, 0, 0, tiled=True).reshape(n * c, d)
+  sent_N = jnp.sum(onehot_AxN * fits_A[:, None].astype(jnp.int32), axis=0)   # rows to each
+  blocks = dict(axes=axes, num_devices=n, capacity=c)
+  recv_g, received_N = _send_groups(send_g, sent_N, num_groups, **blocks)
+  recv_x = send_blocks(send_x, sent_N, received_N, 0, **blocks)
+  y_recv = run_sorted(recv_x, recv_g, num_groups, w_gate, w_up, w_down)   # zeros where no group
+  y_back = send_blocks(y_recv, received_N, sent_N, 0, **blocks)
   y_AxD = jnp.where(fits_A[:, None], y_back[jnp.minimum(slot_A, n * c - 1)], 0)
   dropped = jnp.sum(valid_A & ~fits_A).astype(jnp.int32)
-  received = jnp.sum(recv_g < num_groups).astype(jnp.int32)
+  received = jnp.sum(received_N).astype(jnp.int32)
   return combine(y_AxD, weights_TxK), dropped, received
+
+
+def _send_groups(send_g, sent_N, num_groups: int, *, axes, num_devices: int, capacity: int):
+  """`send_blocks` of the rows' group ids (`num_groups` where empty), and the rows each device
+  sent here: read off the ids on CPU, where every row travels; on GPU/TPU the ragged exchange
+  needs them first (one all_to_all of N counts)."""
+  n, c = num_devices, capacity
+
+  def static(send_g, sent_N):
+    recv_g = send_blocks(send_g, sent_N, sent_N, num_groups, axes=axes, num_devices=n,
+                         capacity=c, platform="cpu")
+    return recv_g, jnp.sum(recv_g.reshape(n, c) < num_groups, axis=1, dtype=jnp.int32)
+
+  def ragged(send_g, sent_N):
+    received_N = lax.all_to_all(sent_N, axes, 0, 0, tiled=True)
+    return send_blocks(send_g, sent_N, received_N, num_groups, axes=axes, num_devices=n,
+                       capacity=c, platform="gpu"), received_N
+
+  return lax.platform_dependent(send_g, sent_N, cpu=static, default=ragged)
+
+
+def send_blocks(x_NCxR, send_N, recv_N, fill, *, axes, num_devices: int, capacity: int,
+                platform: str = ""):
+  """Block d of `x_NCxR` ([N * C, ...], rows d*C .. d*C + send_N[d] - 1 filled, the rest hold
+  `fill`) goes to device d, where it lands in block `me`; returns the blocks received here
+  (block s: the `recv_N[s]` rows device s sent here, then `fill`).
+
+  XLA:CPU has no `ragged_all_to_all`: there the whole static buffer moves (`all_to_all`). On
+  GPU/TPU `lax.ragged_all_to_all` moves only the filled rows into a buffer of the same fill, so
+  both return the same array. `platform` "cpu" or "gpu" takes that branch without asking."""
+  n, c = num_devices, capacity
+
+  def static(x, send_N, recv_N):
+    del send_N, recv_N   # the unfilled rows travel too: they already hold the fill
+    return lax.all_to_all(x.reshape((n, c) + x.shape[1:]), axes, 0, 0,
+                          tiled=True).reshape(x.shape)
+
+  def ragged(x, send_N, recv_N):
+    me = lax.axis_index(axes)
+    starts_N = jnp.arange(n, dtype=jnp.int32) * c
+    return lax.ragged_all_to_all(x, jnp.full_like(x, fill), starts_N, send_N.astype(jnp.int32),
+                                 jnp.full((n,), me * c, jnp.int32), recv_N.astype(jnp.int32),
+                                 axis_name=axes)
+
+  if platform:
+    return (static if platform == "cpu" else ragged)(x_NCxR, send_N, recv_N)
+  return lax.platform_dependent(x_NCxR, send_N, recv_N, cpu=static, default=ragged)
 
 
 def ep_experts(x_TxD, experts_TxK, weights_TxK, w_gate, w_up, w_down, *, dispatch: Dispatch):

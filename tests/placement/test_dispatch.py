@@ -1,0 +1,76 @@
+"""ep token dispatch on 8 devices: the static-buffer exchange gives the single-device experts'
+results and counts what it drops; each platform lowers its own exchange (XLA:CPU the whole
+buffer's `all_to_all`, GPU `ragged_all_to_all` of the filled rows, forward and backward)."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+from jax.sharding import Mesh, PartitionSpec as P
+
+from moejax.placement import dispatch as dispatch_lib
+
+N, T, K, D, F, E = 8, 16, 2, 32, 64, 16     # T tokens per device
+
+
+def _inputs():
+  keys = jax.random.split(jax.random.key(0), 5)
+  experts = jax.random.randint(keys[1], (N * T, K), 0, E)
+  experts = experts.at[:T, :].set(3)         # device 0 sends all it has to expert 3's owner
+  w = [jax.random.normal(keys[i], shape, jnp.bfloat16) * 0.1
+       for i, shape in ((2, (E, D, F)), (3, (E, D, F)), (4, (E, F, D)))]
+  return (jax.random.normal(keys[0], (N * T, D), jnp.bfloat16), experts,
+          jnp.full((N * T, K), 0.5, jnp.float32), *w)
+
+
+@functools.lru_cache(maxsize=None)
+def _ep(capacity_factor: float):
+  mesh = Mesh(np.array(jax.devices()[:N]), ("devices",))
+  dispatch = dispatch_lib.Dispatch(kind="ep", axis_names=("devices",), num_devices=N,
+                                   devices_per_node=N, capacity_factor=capacity_factor)
+
+  def body(*args):
+    y, dropped, received = dispatch_lib.ep_experts(*args, dispatch=dispatch)
+    return y, dropped[None], received[None]
+
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("devices"),) * 6,
+                               out_specs=P("devices"), check_vma=False))
+
+
+def test_dropless_ep_matches_local_experts():
+  args = _inputs()
+  y, dropped, received = _ep(0.0)(*args)
+  want, _ = jax.jit(dispatch_lib.local_experts)(*args)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-6, atol=1e-6)
+  assert int(dropped.sum()) == 0
+  owner = np.asarray(args[1]).reshape(-1) // (E // N)
+  np.testing.assert_array_equal(np.asarray(received), np.bincount(owner, minlength=N))
+
+
+def test_capacity_drops_what_does_not_fit_and_zeroes_it():
+  args = _inputs()
+  y, dropped, _ = _ep(1.0)(*args)
+  c = dispatch_lib.ep_capacity(T * K, N, 1.0)
+  owner_NxA = np.asarray(args[1]).reshape(N, T * K) // (E // N)
+  per_dest = np.stack([np.bincount(row, minlength=N) for row in owner_NxA])
+  want = np.maximum(per_dest - c, 0).sum(axis=1)
+  np.testing.assert_array_equal(np.asarray(dropped), want)
+  assert want[0] == T * K - c               # the hot source overflows
+  # Its tokens all went to one owner: those past the first c//K tokens came back as zeros.
+  assert np.all(np.asarray(y[c // K:T]) == 0) and np.any(np.asarray(y[:c // K]) != 0)
+
+
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_each_platform_lowers_its_own_exchange(platform):
+  args = _inputs()
+  grad = jax.jit(jax.grad(lambda *a: jnp.sum(_ep(0.0)(*a)[0]), argnums=(0, 3)))
+  unchecked = [export.DisabledSafetyCheck.custom_call("ragged_all_to_all")]
+  for fn in (_ep(0.0), grad):
+    text = export.export(fn, platforms=[platform], disabled_checks=unchecked)(*args).mlir_module()
+    ragged = text.count("@ragged_all_to_all")
+    if platform == "cpu":
+      assert ragged == 0 and "stablehlo.all_to_all" in text
+    else:                     # ids and tokens out, results back (and their transposes)
+      assert ragged >= 3
