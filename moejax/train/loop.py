@@ -114,6 +114,16 @@ class Trainer:
                                              reuse=(current.layout.gatherer, state.gather_state))
     return state.replace(gather_state=states), new
 
+  def abstract_inputs(self):
+    """(state, batch) of the train step as ShapeDtypeStructs with their shardings: enough to
+    lower and compile it (`train_step.lower(*trainer.abstract_inputs())`) with no arrays."""
+    state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                         jax.eval_shape(self.init_state), self.layout.shardings)
+    batch = {k: jax.ShapeDtypeStruct((self.cfg.batch_size, self.cfg.seq_len), np.int32,
+                                     sharding=NamedSharding(self.mesh, spec))
+             for k, spec in step_lib.BATCH_SPEC.items()}
+    return state, batch
+
   def init_state(self, seed: int | None = None):
     seed = self.cfg.seed if seed is None else seed
     return state_lib.with_rebuilt_state(self.layout, self._init(jax.random.key(seed)))

@@ -4,26 +4,14 @@ default compiler options the executable is the one their jitted train step runs 
 once, whichever comes first)."""
 import concurrent.futures
 
-import jax
-import numpy as np
 import pytest
-from jax.sharding import NamedSharding
 
 from moejax.train.loop import Trainer
-from moejax.train.step import BATCH_SPEC
 from tests.helpers import canonical_config
 
 
 def abstract_inputs(trainer: Trainer):
-  """(state, batch) as ShapeDtypeStructs carrying their shardings: lowering needs no arrays."""
-  state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                       jax.eval_shape(trainer.init_state),
-                       trainer.layout.shardings)
-  cfg = trainer.cfg
-  batch = {k: jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len), np.int32,
-                                   sharding=NamedSharding(trainer.mesh, spec))
-           for k, spec in BATCH_SPEC.items()}
-  return state, batch
+  return trainer.abstract_inputs()
 
 
 class CompiledStep:

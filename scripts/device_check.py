@@ -1,0 +1,317 @@
+"""Every GPU check of moejax in one run, for a short-lived GPU machine (scripts/device_check.sh).
+
+Each step is timed and recorded in one JSON file (format: docs/device_check.md); a failing step
+records its error and the others still run. Steps:
+
+  env        jax and device versions; whether the Triton kernels' jax-triton imports
+  kernels    codec encode/decode (`moejax.codec.kernels`: Triton on CUDA) against the jnp
+             reference, bit for bit, and the round trip exact; their times beside a
+             device-to-device copy of the same bytes
+  ragged     the ep exchange on the local devices (`ragged_all_to_all` on GPU) against the
+             local experts, and the grouped expert matmuls (`ragged_dot` on GPU) against a
+             dense per-expert product
+  train      20 steps of the tiny preset: losses, s/step
+  one_layer  5 train steps of a one-layer model at the 1b7b shapes: s/step, tokens/s, peak bytes
+  layer      forward and forward+backward time of one layer at the 1b7b shapes (a two-layer
+             model's time minus a one-layer model's)
+  schedule   the compiled tiny train step's async collectives: start/done pairs and the
+             instructions scheduled between each pair (0 pairs on one device, or on XLA:CPU)
+
+--dry-run runs every step at tiny shapes on CPU (8 fake devices), through the reference paths:
+it checks the script itself, in CI. Exit status 1 if any step failed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _timed(fn, *args, repeats: int = 10) -> float:
+  """Median seconds of `fn(*args)` after one warm-up call, each run waited for."""
+  import jax
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def step_env(dims: dict) -> dict:
+  import jax
+  from moejax.codec.kernels import ops
+  return {"jax": jax.__version__, "backend": jax.default_backend(),
+          "devices": [str(d) for d in jax.devices()], "device_kind": jax.devices()[0].device_kind,
+          "triton_kernels": jax.default_backend() == "gpu" and ops._triton_backend() is not None}
+
+
+def step_kernels(dims: dict) -> dict:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from moejax.codec import bits, gather as codec
+  from moejax.codec.kernels import ops, reference
+
+  n = dims["codec_values"]
+  layout = bits.layout_of(jnp.bfloat16)
+  rng = np.random.default_rng(0)
+  out = {"values": n}
+  # Two devices' shards before and after an update that doubles one value in 4096 (its
+  # exponent moves): the patch fits both modes' capacity.
+  before_2xN = jnp.asarray(rng.standard_normal((2, n)) * 0.02, jnp.bfloat16)
+  moved_2xN = jnp.asarray(rng.random((2, n)) < 1 / 4096)
+  after_2xN = jnp.where(moved_2xN, before_2xN * 2, before_2xN).astype(jnp.bfloat16)
+  to_bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16)   # noqa: E731
+  for mode in ("element", "block"):
+    spec = codec.CodecSpec(mode, capacity_fraction=0.5)
+    fmt = codec.patch_format((n,), jnp.bfloat16, spec)
+    width = fmt.cache_width
+
+    def exps(bits_N):
+      return jnp.pad(bits.split_bits(bits_N, layout)[0], (0, width - n))
+
+    prev_2xNP = jax.vmap(exps)(to_bits(before_2xN))
+    now_2xN = to_bits(after_2xN)
+    enc = jax.jit(lambda b, p: ops.encode(b, p, fmt, layout))
+    enc_ref = jax.jit(lambda b, p: reference.encode(b, p, fmt, layout))
+    got = [enc(now_2xN[d], prev_2xNP[d]) for d in range(2)]
+    want = [enc_ref(now_2xN[d], prev_2xNP[d]) for d in range(2)]
+    encode_exact = all(bool(jnp.all(a == b)) for g, w in zip(got, want)
+                       for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(w)))
+    wire_2xL = jnp.stack([g.wire for g in got])
+    me = jnp.int32(0)   # device 0 decodes: its cache row holds device 1's previous exponents
+    dec = jax.jit(lambda c, w, o, m: ops.decode(c, w, o, m, fmt, layout))
+    dec_ref = jax.jit(lambda c, w, o, m: reference.decode(c, w, o, m, fmt, layout))
+    args = (prev_2xNP[1:], wire_2xL, got[0].exp, me)
+    bits_2xN, cache = dec(*args)
+    ref_bits, ref_cache = dec_ref(*args)
+    fits = int(max(g.count(fmt) for g in got)) <= fmt.capacity
+    copy = jax.jit(lambda x: x[::-1])
+    out[mode] = {
+        "encode_equals_reference": encode_exact,
+        "decode_equals_reference": bool(jnp.all(bits_2xN == ref_bits))
+        and bool(jnp.all(cache == ref_cache)),
+        "patch_fits": fits,
+        "round_trip_exact": fits and bool(jnp.all(bits_2xN == now_2xN)),
+        "encode_s": _timed(enc, now_2xN[0], prev_2xNP[0]),
+        "decode_s": _timed(dec, *args),
+        "copy_s": _timed(copy, now_2xN[0]),
+        "copy_bytes": 2 * n}
+    if not (out[mode]["encode_equals_reference"] and out[mode]["decode_equals_reference"]
+            and out[mode]["round_trip_exact"]):
+      raise AssertionError(f"{mode}: kernels differ from the reference: {out[mode]}")
+  return out
+
+
+def step_ragged(dims: dict) -> dict:
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, PartitionSpec as P
+  from moejax.placement import dispatch as dispatch_lib, experts
+
+  n = len(jax.devices())
+  t, k, d, f, e = dims["ragged_tokens"], 2, dims["ragged_d"], dims["ragged_f"], 2 * n
+  keys = jax.random.split(jax.random.key(0), 6)
+  x = jax.random.normal(keys[0], (n * t, d), jnp.bfloat16)
+  ids = jax.random.randint(keys[1], (n * t, k), 0, e)
+  weights = jnp.full((n * t, k), 0.5, jnp.float32)
+  w = [jax.random.normal(keys[2 + i], s, jnp.bfloat16) * 0.05
+       for i, s in enumerate(((e, d, f), (e, d, f), (e, f, d)))]
+  mesh = Mesh(np.array(jax.devices()), ("devices",))
+  dispatch = dispatch_lib.Dispatch(kind="ep", axis_names=("devices",), num_devices=n,
+                                   devices_per_node=n)
+
+  def body(*args):
+    return dispatch_lib.ep_experts(*args, dispatch=dispatch)[0]
+
+  ep = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("devices"),) * 6,
+                             out_specs=P("devices"), check_vma=False))
+  local = jax.jit(dispatch_lib.local_experts)
+  y_ep, (y_local, _) = ep(x, ids, weights, *w), local(x, ids, weights, *w)
+  ep_err = float(jnp.max(jnp.abs(y_ep - y_local)))
+
+  # Grouped matmuls against a dense product of every row with its own expert (fp32).
+  a = n * t * k
+  group_sizes = jnp.bincount(jnp.sort(ids.reshape(-1)), length=e).astype(jnp.int32)
+  xs = jnp.repeat(x, k, axis=0)[:a]
+  grouped = jax.jit(experts.grouped_swiglu)
+  y_grouped = grouped(xs, group_sizes, *w)
+  row_expert = jnp.repeat(jnp.arange(e), group_sizes, total_repeat_length=a)
+  w32 = [v.astype(jnp.float32)[row_expert] for v in w]
+  x32 = xs.astype(jnp.float32)
+  h = jax.nn.silu(jnp.einsum("ad,adf->af", x32, w32[0])) * jnp.einsum("ad,adf->af", x32, w32[1])
+  y_dense = jnp.einsum("af,afd->ad", h.astype(jnp.bfloat16).astype(jnp.float32), w32[2])
+  scale = float(jnp.max(jnp.abs(y_dense)))
+  grouped_err = float(jnp.max(jnp.abs(y_grouped.astype(jnp.float32) - y_dense))) / scale
+  out = {"devices": n, "ep_max_abs_diff": ep_err, "ep_s": _timed(ep, x, ids, weights, *w),
+         "local_s": _timed(local, x, ids, weights, *w), "grouped_rel_err": grouped_err,
+         "grouped_s": _timed(grouped, xs, group_sizes, *w)}
+  if ep_err > 1e-2 or grouped_err > 2e-2:
+    raise AssertionError(f"ragged paths differ from their references: {out}")
+  return out
+
+
+def _config(preset: str, **overrides):
+  sys.path.insert(0, REPO)
+  from configs import olmoe
+  from moejax.config import from_config_dict
+  cd = olmoe.get_config(preset)
+  for key, value in overrides.items():
+    group, _, field = key.rpartition(".")
+    (cd[group] if group else cd)[field] = value
+  return from_config_dict(cd)
+
+
+_TRAINERS = {}   # config -> Trainer: the schedule step reads the train step's own compile
+
+
+def _train(cfg) -> dict:
+  from moejax.train import loop
+  if cfg not in _TRAINERS:
+    _TRAINERS[cfg] = loop.Trainer(cfg)
+  trainer = _TRAINERS[cfg]
+  with tempfile.TemporaryDirectory() as workdir:
+    loop.run(cfg, workdir, trainer=trainer)
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      records = [json.loads(line) for line in f if '"loss"' in line]
+  times = [r["step_time_s"] for r in records if "step_time_s" in r][1:]   # the first compiles
+  return {"steps": cfg.steps, "loss": [r["loss"] for r in records],
+          "s_per_step": statistics.median(times) if times else None}
+
+
+def _tiny_train_config(dims: dict):
+  return _config("tiny", steps=dims["train_steps"], log_every=1, eval_every=dims["train_steps"],
+                 **{"checkpoint.every": 0})
+
+
+def step_train(dims: dict) -> dict:
+  cfg = _tiny_train_config(dims)
+  out = _train(cfg)
+  if not out["loss"] or not out["loss"][-1] < out["loss"][0]:
+    raise AssertionError(f"the tiny preset's loss did not fall: {out['loss']}")
+  return out
+
+
+def _one_layer_overrides(dims: dict) -> dict:
+  return {"model.num_layers": 1, "batch_size": dims["layer_batch"], "seq_len": dims["layer_seq"],
+          **dims["layer_model"]}
+
+
+def step_one_layer(dims: dict) -> dict:
+  import jax
+  cfg = _config(dims["layer_preset"], steps=5, log_every=1, eval_every=5,
+                **{"checkpoint.every": 0, "data.tokenizer": "bytes"},
+                **_one_layer_overrides(dims))
+  out = _train(cfg)
+  if out["s_per_step"]:
+    out["tokens_per_s"] = cfg.batch_size * cfg.seq_len / out["s_per_step"]
+  stats = jax.devices()[0].memory_stats() or {}
+  out["peak_bytes"] = stats.get("peak_bytes_in_use")
+  return out
+
+
+def step_layer(dims: dict) -> dict:
+  import jax
+  import jax.numpy as jnp
+  from moejax.models import olmoe
+  out = {}
+  for layers in (1, 2):
+    over = dict(_one_layer_overrides(dims), **{"model.num_layers": layers,
+                                              "data.tokenizer": "bytes"})
+    cfg = _config(dims["layer_preset"], **over)
+    params = jax.jit(lambda key: olmoe.init_params(cfg, key))(jax.random.key(0))
+    tokens = jnp.zeros((cfg.batch_size, cfg.seq_len), jnp.int32)
+
+    def loss(params, tokens):
+      logits, _ = olmoe.forward(cfg, params, tokens, remat=cfg.remat)
+      return jnp.mean(logits[..., 0])
+
+    out[f"forward_s_{layers}"] = _timed(jax.jit(loss), params, tokens, repeats=5)
+    out[f"backward_s_{layers}"] = _timed(jax.jit(jax.grad(loss)), params, tokens, repeats=5)
+  out["layer_forward_s"] = out["forward_s_2"] - out["forward_s_1"]
+  out["layer_forward_backward_s"] = out["backward_s_2"] - out["backward_s_1"]
+  return out
+
+
+_ASYNC = re.compile(r"%([\w.\-]+) = .*\b([a-z\-]+)-start\(")
+
+
+def step_schedule(dims: dict) -> dict:
+  from moejax.train.loop import Trainer
+  cfg = _tiny_train_config(dims)
+  if cfg not in _TRAINERS:
+    _TRAINERS[cfg] = Trainer(cfg)
+  trainer = _TRAINERS[cfg]
+  text = trainer.train_step.lower(*trainer.abstract_inputs()).compile().as_text()
+  pairs = {}
+  for comp in text.split("\n\n"):
+    lines = comp.splitlines()
+    starts = {}
+    for i, line in enumerate(lines):
+      m = _ASYNC.search(line)
+      if m:
+        starts[m[1]] = (m[2], i)
+      for name, (op, at) in list(starts.items()):
+        if f"-done(%{name})" in line or f"-done({name})" in line:
+          pairs.setdefault(op, []).append(i - at - 1)
+          del starts[name]
+  return {"async_pairs": {op: len(v) for op, v in pairs.items()},
+          "instructions_between": {op: statistics.median(v) for op, v in pairs.items()}}
+
+
+STEPS = {"env": step_env, "kernels": step_kernels, "ragged": step_ragged, "train": step_train,
+         "one_layer": step_one_layer, "layer": step_layer, "schedule": step_schedule}
+FULL = {"codec_values": 1 << 24, "ragged_tokens": 4096, "ragged_d": 2048, "ragged_f": 1024,
+        "train_steps": 20, "layer_preset": "1b7b", "layer_batch": 8, "layer_seq": 4096,
+        "layer_model": {}}
+# Tiny shapes (the tiny preset's width for the "1b7b" steps), on CPU.
+DRY = {"codec_values": 1 << 14, "ragged_tokens": 32, "ragged_d": 64, "ragged_f": 64,
+       "train_steps": 5, "layer_preset": "tiny", "layer_batch": 8, "layer_seq": 64,
+       "layer_model": {}}
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--dry-run", action="store_true",
+                      help="every step at tiny shapes on CPU (8 fake devices)")
+  parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
+                                                    "device_check.json"))
+  parser.add_argument("--only", nargs="*", choices=list(STEPS), default=list(STEPS))
+  args = parser.parse_args()
+  sys.path.insert(0, REPO)
+  dims = DRY if args.dry_run else FULL
+  report = {"dry_run": args.dry_run, "steps": {}}
+  failed = []
+  for name in args.only:
+    start = time.perf_counter()
+    print(f"device_check: {name} ...", flush=True)
+    try:
+      result = {"ok": True, **STEPS[name](dims)}
+    except Exception as e:   # record it and go on: one broken step must not cost the others
+      result = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc(limit=8)}
+      failed.append(name)
+    result["seconds"] = round(time.perf_counter() - start, 2)
+    report["steps"][name] = result
+    print(f"device_check: {name} {'ok' if result['ok'] else 'FAILED: ' + result['error']} "
+          f"({result['seconds']} s)", flush=True)
+    with open(args.out, "w") as f:     # after every step: a run cut short keeps what it did
+      json.dump(report, f, indent=1)
+  print(f"device_check: wrote {args.out}; "
+        + (f"failed: {', '.join(failed)}" if failed else "every step passed"))
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
