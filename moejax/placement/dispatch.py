@@ -20,6 +20,7 @@ Dropped assignments carry the sentinel expert id E and produce zeros.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -123,9 +124,16 @@ def send_blocks(x_NCxR, send_N, recv_N, fill, *, axes, num_devices: int, capacit
 
   XLA:CPU has no `ragged_all_to_all`: there the whole static buffer moves (`all_to_all`). On
   GPU/TPU `lax.ragged_all_to_all` moves only the filled rows into a buffer of the same fill, so
-  both return the same array. `platform` "cpu" or "gpu" takes that branch without asking."""
-  n, c = num_devices, capacity
+  both return the same array. `platform` "cpu" or "gpu" takes that branch without asking.
+  The transpose is the same exchange with the counts swapped (unfilled rows get no gradient on
+  GPU), chosen afresh where it is traced: left to autodiff, the platform index would become a
+  residual, and inside a conditional's transposed branch the choice would stay a conditional of
+  its own around the collective."""
+  return _send_blocks(x_NCxR, send_N, recv_N, fill, axes, num_devices, capacity, platform)
 
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _send_blocks(x_NCxR, send_N, recv_N, fill, axes, n: int, c: int, platform: str):
   def static(x, send_N, recv_N):
     del send_N, recv_N   # the unfilled rows travel too: they already hold the fill
     return lax.all_to_all(x.reshape((n, c) + x.shape[1:]), axes, 0, 0,
@@ -141,6 +149,18 @@ def send_blocks(x_NCxR, send_N, recv_N, fill, *, axes, num_devices: int, capacit
   if platform:
     return (static if platform == "cpu" else ragged)(x_NCxR, send_N, recv_N)
   return lax.platform_dependent(x_NCxR, send_N, recv_N, cpu=static, default=ragged)
+
+
+def _send_blocks_fwd(x_NCxR, send_N, recv_N, fill, axes, n, c, platform):
+  return _send_blocks(x_NCxR, send_N, recv_N, fill, axes, n, c, platform), (send_N, recv_N)
+
+
+def _send_blocks_bwd(fill, axes, n, c, platform, counts, g_NCxR):
+  send_N, recv_N = counts
+  return _send_blocks(g_NCxR, recv_N, send_N, 0, axes, n, c, platform), None, None
+
+
+_send_blocks.defvjp(_send_blocks_fwd, _send_blocks_bwd)
 
 
 def ep_experts(x_TxD, experts_TxK, weights_TxK, w_gate, w_up, w_down, *, dispatch: Dispatch):

@@ -13,8 +13,8 @@ scatters back into the slots). Each step and layer:
      and fetch them with SparseAllGather, before the layer's attention, so the transfer can hide
      behind it. SparseAllGather is one `psum_scatter` of an [N, M, ...] buffer in which each
      owner fills the slots that hold its experts: device d receives its M replica slots. Its
-     transpose (the backward) is an `all_gather` of the replicas' gradients, of which each owner
-     keeps and sums its own rows: SparseReduceScatter. Only gradients move; optimizer state never.
+     transpose (the backward) is an `all_gather` of the replicas' gradients in fp32, of which each
+     owner keeps and sums its own rows in fp32: SparseReduceScatter. Only gradients move; optimizer state never.
   2. After gating, every device learns all devices' routing counts (one all_gather of N x E
      ints) and computes the same balanced assignment of tokens to holders
      (`planner.balanced_send`); tokens go local first, then within the node, then across.
@@ -22,11 +22,14 @@ scatters back into the slots). Each step and layer:
      late SparseAllGather) when its modelled straggler is lower by a margin.
   3. The exchange is ep's `all_to_all` with a destination and the expert's local group there
      (owned experts 0..C-1 by their rank on the owner, replica slots C..C+M-1).
-On XLA:CPU the static buffers move their capacity (N*M expert slots for SpAG); with
-`ragged_all_to_all` on GPU only the M filled slots per device would move. Metrics report both.
+On XLA:CPU the static buffers move their capacity (N*M expert slots for SpAG); on GPU/TPU
+`ragged_all_to_all` moves only the filled slots (`ragged_plan`, chosen by
+`lax.platform_dependent`), and the token exchange only the filled rows
+(`dispatch.send_blocks`). Metrics report capacity and fill.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -72,19 +75,113 @@ def owned_windows(owner_LxE, local_w_LxElxR, me, *, num_devices: int, max_per_la
 def sparse_all_gather(local_w_CxR, replica_expert_NxM, *, dispatch: Dispatch,
                       owners: Owners | None = None):
   """Replicas [M, ...] of the experts `replica_expert_NxM[me]` (E = empty slot -> zeros).
-  `local_w_CxR` holds this device's experts by rank (`owners`; default: the even ownership)."""
+  `local_w_CxR` holds this device's experts by rank (`owners`; default: the even ownership).
+  Its transpose, SparseReduceScatter, sums each owned expert's replica gradients in fp32."""
   n = dispatch.num_devices
   if owners is None:
     owners = even_owners(local_w_CxR.shape[0] * n, n)
   e = owners.owner_E.shape[0]
-  me = lax.axis_index(dispatch.axis_names)
-  expert_NxM = replica_expert_NxM
-  safe_NxM = jnp.minimum(expert_NxM, e - 1)
-  mine_NxM = (expert_NxM < e) & (owners.owner_E[safe_NxM] == me)
-  rows_NxMxR = local_w_CxR[jnp.where(mine_NxM, owners.rank_E[safe_NxM], 0)]
-  mask = mine_NxM.reshape(mine_NxM.shape + (1,) * (local_w_CxR.ndim - 1))
-  send_NxMxR = jnp.where(mask, rows_NxMxR, jnp.zeros((), local_w_CxR.dtype))
-  return lax.psum_scatter(send_NxMxR, dispatch.axis_names, scatter_dimension=0, tiled=False)
+  safe_NxM = jnp.minimum(replica_expert_NxM, e - 1)
+  valid_NxM = replica_expert_NxM < e
+  holder_NxM = jnp.where(valid_NxM, owners.owner_E[safe_NxM], n)   # who fills each slot
+  rank_NxM = jnp.where(valid_NxM, owners.rank_E[safe_NxM], 0)
+  return _sparse_all_gather(local_w_CxR, holder_NxM, rank_NxM, dispatch.axis_names)
+
+
+def _masked(x_NxMxR, mine_NxM):
+  mask = mine_NxM.reshape(mine_NxM.shape + (1,) * (x_NxMxR.ndim - 2))
+  return jnp.where(mask, x_NxMxR, jnp.zeros((), x_NxMxR.dtype))
+
+
+class RaggedPlan(NamedTuple):
+  """Where each replica row travels in the ragged SparseAllGather (GPU), from the replicated
+  plan alone. As owner, this device sends its rows in (destination, slot) order: `order` [N*M]
+  lists first the flat (d, slot) indices it fills; `send_N` rows to each destination, from
+  `start_N`, landing at `land_N` there. As receiver it gets `recv_N` rows from each owner,
+  grouped by owner; received row j belongs in slot `slot_of_row[j]`."""
+  order: jax.Array
+  send_N: jax.Array
+  start_N: jax.Array
+  land_N: jax.Array
+  recv_N: jax.Array
+  slot_of_row: jax.Array
+
+
+def ragged_plan(holder_NxM, me) -> RaggedPlan:
+  n, m = holder_NxM.shape
+  flat_NxM = jnp.arange(n * m, dtype=jnp.int32).reshape(n, m)
+  mine_NxM = holder_NxM == me
+  order = jnp.argsort(jnp.where(mine_NxM, flat_NxM, n * m).reshape(-1), stable=True)
+  send_N = jnp.sum(mine_NxM, axis=1, dtype=jnp.int32)
+  # count_OxD[o, d]: slots of device d that owner o fills (the empty-slot holder n drops out).
+  count_OxD = jnp.sum(jax.nn.one_hot(holder_NxM, n, dtype=jnp.int32), axis=1).T
+  before_OxD = jnp.cumsum(count_OxD, axis=0) - count_OxD       # rows from lower owners first
+  mine_M = holder_NxM[me]
+  slot_of_row = jnp.argsort(jnp.where(mine_M < n, mine_M * m + jnp.arange(m), n * m),
+                            stable=True)
+  return RaggedPlan(order.astype(jnp.int32), send_N, jnp.cumsum(send_N) - send_N,
+                    before_OxD[me], count_OxD[:, me], slot_of_row.astype(jnp.int32))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _sparse_all_gather(local_w_CxR, holder_NxM, rank_NxM, axis_names):
+  """Device d receives its M slots, each filled by the owner of its expert (`holder`, the
+  expert at `rank` among the owner's own; holder N: an empty slot, zeros). XLA:CPU: one
+  psum_scatter of the [N, M, ...] buffer every owner fills with its rows; GPU/TPU: one
+  `ragged_all_to_all` of the filled rows only (`ragged_plan`)."""
+  def static(local_w_CxR, holder_NxM, rank_NxM):
+    me = lax.axis_index(axis_names)
+    send_NxMxR = _masked(local_w_CxR[rank_NxM], holder_NxM == me)
+    return lax.psum_scatter(send_NxMxR, axis_names, scatter_dimension=0, tiled=False)
+
+  def ragged(local_w_CxR, holder_NxM, rank_NxM):
+    m = holder_NxM.shape[1]
+    plan = ragged_plan(holder_NxM, lax.axis_index(axis_names))
+    rows = local_w_CxR[rank_NxM.reshape(-1)[plan.order]]
+    out = jnp.zeros((m,) + local_w_CxR.shape[1:], local_w_CxR.dtype)
+    got = lax.ragged_all_to_all(rows, out, plan.start_N, plan.send_N, plan.land_N, plan.recv_N,
+                                axis_name=axis_names)
+    return jnp.zeros_like(got).at[plan.slot_of_row].set(got)
+
+  return lax.platform_dependent(local_w_CxR, holder_NxM, rank_NxM, cpu=static, default=ragged)
+
+
+def _sparse_all_gather_fwd(local_w_CxR, holder_NxM, rank_NxM, axis_names):
+  like_Cx0 = jnp.zeros((local_w_CxR.shape[0], 0), local_w_CxR.dtype)   # its rows and dtype
+  return (_sparse_all_gather(local_w_CxR, holder_NxM, rank_NxM, axis_names),
+          (holder_NxM, rank_NxM, like_Cx0))
+
+
+def _sparse_reduce_scatter(axis_names, res, g_MxR):
+  """The replicas' gradients go home in fp32 (as the hook's reduce-scatter), where each owner
+  sums those of its experts in fp32 and rounds once. XLA:CPU: an all_gather of every device's
+  [M, ...] gradients, each owner keeping its rows; GPU/TPU: the ragged exchange reversed."""
+  holder_NxM, rank_NxM, like_Cx0 = res
+  shape = like_Cx0.shape[:1] + g_MxR.shape[1:]
+  zeros_CxR = jnp.zeros(shape, jnp.float32)
+
+  def static(g_MxR, holder_NxM, rank_NxM):
+    me = lax.axis_index(axis_names)
+    g_NxMxR = _masked(lax.all_gather(g_MxR, axis_names, axis=0), holder_NxM == me)
+    return zeros_CxR.at[rank_NxM.reshape(-1)].add(g_NxMxR.reshape((-1,) + shape[1:]))
+
+  def ragged(g_MxR, holder_NxM, rank_NxM):
+    n, m = holder_NxM.shape
+    plan = ragged_plan(holder_NxM, lax.axis_index(axis_names))
+    back = jnp.zeros((n * m,) + shape[1:], jnp.float32)
+    # Sent back in the order received; each row lands where its owner sent it from.
+    rows = lax.ragged_all_to_all(
+        g_MxR[plan.slot_of_row], back, jnp.cumsum(plan.recv_N) - plan.recv_N, plan.recv_N,
+        lax.all_to_all(plan.start_N, axis_names, 0, 0, tiled=True), plan.send_N,
+        axis_name=axis_names)
+    return zeros_CxR.at[rank_NxM.reshape(-1)[plan.order]].add(rows)
+
+  d_CxR = lax.platform_dependent(g_MxR.astype(jnp.float32), holder_NxM, rank_NxM, cpu=static,
+                                 default=ragged)
+  return d_CxR.astype(like_Cx0.dtype), None, None
+
+
+_sparse_all_gather.defvjp(_sparse_all_gather_fwd, _sparse_reduce_scatter)
 
 
 def materialize(predicted_load_E, w_gate, w_up, w_down, *, dispatch: Dispatch,

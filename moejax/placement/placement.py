@@ -146,10 +146,11 @@ class Placement:
     if self.kind == "fssdp":
       m, layers = self.replica_slots, self.num_layers
       buffer = (n - 1) / n * n * m * self.expert_bytes
-      # SparseAllGather runs again in backward when the layer is recomputed; its transpose once.
+      # SparseAllGather runs again in backward when the layer is recomputed; its transpose once,
+      # in fp32.
       metrics["spag_bytes"] = jnp.full((layers,), buffer * (2 if recomputes(remat) else 1),
                                        jnp.float32)
-      metrics["sprs_bytes"] = jnp.full((layers,), buffer, jnp.float32)
+      metrics["sprs_bytes"] = jnp.full((layers,), buffer * 4 / self.itemsize, jnp.float32)
       metrics["spag_bytes_needed"] = placement_L["replicas"] * self.expert_bytes
     return metrics
 
