@@ -8,8 +8,8 @@ records its error and the others still run. Steps:
              reference, bit for bit, and the round trip exact; their times beside a
              device-to-device copy of the same bytes
   ragged     the ep exchange on the local devices (`ragged_all_to_all` on GPU) against the
-             local experts, and the grouped expert matmuls (`ragged_dot` on GPU) against a
-             dense per-expert product
+             local experts, SparseAllGather (ragged on GPU) against the owners' rows, and the
+             grouped expert matmuls (`ragged_dot` on GPU) against a dense per-expert product
   train      20 steps of the tiny preset: losses, s/step
   one_layer  5 train steps of a one-layer model at the 1b7b shapes: s/step, tokens/s, peak bytes
   layer      forward and forward+backward time of one layer at the 1b7b shapes (a two-layer
@@ -154,10 +154,24 @@ def step_ragged(dims: dict) -> dict:
   y_dense = jnp.einsum("af,afd->ad", h.astype(jnp.bfloat16).astype(jnp.float32), w32[2])
   scale = float(jnp.max(jnp.abs(y_dense)))
   grouped_err = float(jnp.max(jnp.abs(y_grouped.astype(jnp.float32) - y_dense))) / scale
-  out = {"devices": n, "ep_max_abs_diff": ep_err, "ep_s": _timed(ep, x, ids, weights, *w),
+  # SparseAllGather (ragged on GPU): every device's one slot holds the next device's expert 0.
+  from moejax.placement import fssdp
+  fdispatch = dispatch_lib.Dispatch(kind="fssdp", axis_names=("devices",), num_devices=n,
+                                    devices_per_node=n, replica_slots=1)
+  replica_NxM = (2 * (jnp.arange(n) + 1) % e)[:, None].astype(jnp.int32)
+
+  def spag_body(w_1xCxR):
+    return fssdp.sparse_all_gather(w_1xCxR[0], replica_NxM, dispatch=fdispatch)[None]
+
+  spag = jax.jit(jax.shard_map(spag_body, mesh=mesh, in_specs=P("devices"),
+                               out_specs=P("devices"), check_vma=False))
+  local_NxCxR = w[0].reshape(n, 2, d * f)          # device i owns experts 2i, 2i+1
+  want = local_NxCxR[(jnp.arange(n) + 1) % n, 0][:, None]
+  spag_exact = bool(jnp.all(spag(local_NxCxR) == want))
+  out = {"devices": n, "ep_max_abs_diff": ep_err, "spag_exact": spag_exact, "ep_s": _timed(ep, x, ids, weights, *w),
          "local_s": _timed(local, x, ids, weights, *w), "grouped_rel_err": grouped_err,
          "grouped_s": _timed(grouped, xs, group_sizes, *w)}
-  if ep_err > 1e-2 or grouped_err > 2e-2:
+  if ep_err > 1e-2 or grouped_err > 2e-2 or not spag_exact:
     raise AssertionError(f"ragged paths differ from their references: {out}")
   return out
 
