@@ -423,6 +423,23 @@ def _forward(shard, state, axis_name, axis, spec: CodecSpec):
   return full, new_state, stats
 
 
+def codec_work(shard, state, *, axis_size: int, spec: CodecSpec):
+  """What one compressed gather computes on one device, without its collectives: the sender's
+  encode of `shard` (bf16) and the receiver's decode of W-1 patches (this device's own wire in
+  every row) into the cache. For timing the codec's work (`train.codec_control.profile_codec`);
+  the output is not a gather's."""
+  layout = bits.layout_of(shard.dtype)
+  fmt = patch_format(shard.shape, shard.dtype, spec)
+  bits_N = lax.bitcast_convert_type(shard, layout.uint_dtype).reshape(fmt.n)
+  words = spec.mode in WORD_MODES
+  send = _send_words if words else _send_exponents
+  _, own, *_, make_wire = send(bits_N, state, spec, fmt, layout)
+  wire_WxL = jnp.broadcast_to(make_wire()[None], (axis_size,) + make_wire().shape)
+  if words:
+    return word.decode(state["cache"], wire_WxL[1:], fmt)
+  return kernels.decode(state["cache"], wire_WxL, own, jnp.int32(0), fmt, layout)
+
+
 # A nested jit: a model gathers many shards of the same shape and spec (the projections of a
 # layer; each layer gather traced again for prefetch and for the backward re-gather), and a jit
 # is traced and lowered once per signature, which keeps tracing time flat.

@@ -10,7 +10,8 @@ For parameter i (one shard per device, W devices on the gather axis), all figure
   Comm(b)     alpha + beta * b, the time of one all-gather to which each device contributes b
               bytes, fit from (bytes, seconds) measurements (`CommModel.fit`), or
               `CommModel.bytes_only()` (alpha 0, beta 1: the gain is bytes saved)
-  T_i(m)      decode time per gather (an estimate the caller supplies)
+  T_i(m)      encode + decode time per gather (the caller's estimate: the train loop profiles
+              it at start-up, `train.codec_control.profile_codec`)
   g_i(m)      = Comm(S_i) - Comm(P_i(m)) - Comm(16) - T_i(m)
               (the codec also issues the 16-byte agreement all-gather, which costs one alpha)
   M_i(m)      bytes of codec state per device: (W-1) x exponent bytes of cache, plus the sender's

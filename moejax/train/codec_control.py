@@ -12,7 +12,8 @@ pays). Every sharded parameter is gathered plainly until the first decision, aft
    devices, layers and steps, and the worst device's rate (a typical step, the worst layer),
    which sizes the capacity (`codec.capacity_margin` x worst, rounded up on a 2^(1/4) grid);
 2. prices every option with `moejax.codec.select` (gain = Comm(plain) - Comm(compressed) -
-   Comm(agreement), with Comm profiled on this mesh at start-up (`profile_comm`), or bytes saved
+   Comm(agreement) - encode and decode seconds, with Comm profiled on this mesh at start-up
+   (`profile_comm`) and the codec's own work on one device (`profile_codec`), or bytes saved
    with `codec.comm_model='bytes'`) and picks under `codec.cache_budget_bytes` a mode per
    parameter (auto: plain, element, block or word; a fixed mode: that mode or plain);
 3. logs one line per parameter (mode, capacity, rates, bytes against plain, gain, cache, why) and
@@ -50,6 +51,7 @@ Letters: W devices, R rows (one per parameter and layer), K per-parameter figure
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -110,6 +112,39 @@ def profile_comm(mesh, sizes=PROFILE_BYTES, reps: int = 8, repeats: int = 5) -> 
   if jax.process_count() > 1:   # every process must take the same decisions: use process 0's
     points = multihost_utils.broadcast_one_to_all(np.asarray(points, np.float64))
   return select.CommModel.fit(np.asarray(points).tolist())
+
+
+# Shard sizes (values) at which the codec's per-device work is timed (delta at its default
+# code width stands for every width: they cost about the same).
+PROFILE_VALUES = (1 << 14, 1 << 18)
+
+
+def profile_codec(modes, axis_size: int, sizes=PROFILE_VALUES, repeats: int = 5) -> dict:
+  """{mode: (alpha s, beta s per value)}: the codec's encode + decode time per gather on this
+  process's first device (`codec.gather.codec_work`, at each mode's default capacity), fitted
+  as alpha + beta * shard values. The gain (`select.evaluate`) subtracts it, as the all-gather
+  profile prices the bytes."""
+  out = {}
+  for mode in modes:
+    spec = codec.CodecSpec(mode, warmup_steps=0)
+    points = []
+    for n in sizes:
+      state = codec.init_state((n,), hook.COMPUTE_DTYPE, axis_size, spec)
+      shard = jnp.zeros((n,), hook.COMPUTE_DTYPE)
+      f = jax.jit(functools.partial(codec.codec_work, axis_size=axis_size, spec=spec))
+      jax.block_until_ready(f(shard, state))
+      best = math.inf
+      for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(shard, state))
+        best = min(best, time.perf_counter() - t0)
+      points.append((n, best))
+    model = select.CommModel.fit(points)
+    out[mode] = (model.alpha, model.beta)
+  if jax.process_count() > 1:   # every process must take the same decisions: use process 0's
+    values = multihost_utils.broadcast_one_to_all(np.asarray(list(out.values()), np.float64))
+    out = dict(zip(out, map(tuple, np.asarray(values).tolist())))
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,15 +266,20 @@ def modes_of(codec_cfg: CodecConfig) -> tuple[str, ...]:
 
 
 def choose(gatherer: Gatherer, rates: Rates, codec_cfg: CodecConfig, comm: select.CommModel,
-           current: dict | None = None) -> list[select.Selection]:
+           current: dict | None = None, codec_seconds: dict | None = None
+           ) -> list[select.Selection]:
   """One Selection per candidate parameter (`rates.names` order). `current` ({group: {path:
   CodecSpec}}) keeps a parameter's capacity in its mode while the newly sized one is between
-  1 / KEEP_RATIO of it and it (fewer recompiles for about the same traffic)."""
+  1 / KEEP_RATIO of it and it (fewer recompiles for about the same traffic). `codec_seconds`
+  (`profile_codec`) prices each mode's encode + decode per gather; None: free."""
   params, keep = [], {}
   for (g, p), mean, peak in zip(rates.names, rates.mean, rates.peak):
     name = f"{g}{p}"
+    shard = gatherer.shard_shape(g, p)
+    work = {mode: alpha + beta * math.prod(shard)
+            for mode, (alpha, beta) in (codec_seconds or {}).items()}
     params.append(select.ParamStats(
-        name, gatherer.shard_shape(g, p), hook.COMPUTE_DTYPE, q_element=float(mean[0]),
+        name, shard, hook.COMPUTE_DTYPE, decode_s=work or 0.0, q_element=float(mean[0]),
         q_block=float(mean[1]), q_word=float(mean[2]),
         q_delta={k: float(mean[RATE_KINDS.index(f"delta{k}")]) for k in word.DELTA_BITS},
         q_far=float(mean[RATE_KINDS.index("far")]),
@@ -293,7 +333,7 @@ class CodecPolicy:
 
   def __init__(self, gatherer: Gatherer, mesh, codec_cfg: CodecConfig, *,
                workdir: str | None = None, comm: select.CommModel | None = None,
-               log=default_log):
+               codec_seconds: dict | None = None, log=default_log):
     self.cfg, self.mesh = codec_cfg, mesh
     self.base = gatherer
     self.specs: dict = {g: dict(ps) for g, ps in gatherer.specs.items()}   # in force
@@ -309,6 +349,7 @@ class CodecPolicy:
     self._live_steps = 0
     self._live_since = 0
     self.comm = comm
+    self.codec_seconds = codec_seconds   # {mode: (alpha, beta per value)}; None: free
     if self.cfg.mode != "off" and not gatherer.candidates():
       log(f"codec: codec.mode={self.cfg.mode!r} has nothing to compress: no parameter is "
           f"gathered on this mesh of {gatherer.num_devices} device(s)")
@@ -320,6 +361,12 @@ class CodecPolicy:
       except ValueError as e:
         self.log(f"codec: the all-gather profile of this mesh is unusable ({e}); pricing the "
                  "codec in bytes saved instead")
+      else:   # priced in seconds: the codec's own work counts against its gain
+        if self.codec_seconds is None:
+          self.codec_seconds = profile_codec(modes_of(self.cfg), gatherer.num_devices)
+        self.log("codec: encode + decode per gather of 1M values: " + ", ".join(
+            f"{m} {1e3 * (a + b * (1 << 20)):.2f} ms" for m, (a, b) in
+            self.codec_seconds.items()))
     if self.comm is None:
       self.comm = select.CommModel.bytes_only()
     self.probe = Probe(gatherer, mesh, self.cfg.block_size)
@@ -396,7 +443,8 @@ class CodecPolicy:
       raise RuntimeError("no change rates measured yet: a decision needs probed steps")
     rates = self.probe.rates(self._acc, self._probe_steps)
     current = self.gatherer.specs
-    selections = choose(self.gatherer, rates, self.cfg, self.comm, current)
+    selections = choose(self.gatherer, rates, self.cfg, self.comm, current,
+                        codec_seconds=self.codec_seconds)
     specs = specs_of(rates.names, selections)
     changed = specs_key(specs) != specs_key(current)
     record = self._record(step, rates, selections, changed)
@@ -500,7 +548,8 @@ class CodecPolicy:
     return {"step": step, "mode": self.cfg.mode, "changed": changed, "probe_steps": rates.steps,
             "comm": {"model": ("bytes" if self.comm == select.CommModel.bytes_only()
                                else "profile"), "alpha_s": self.comm.alpha,
-                     "beta_s_per_byte": self.comm.beta},
+                     "beta_s_per_byte": self.comm.beta,
+                     "codec_seconds": {m: list(ab) for m, ab in (self.codec_seconds or {}).items()}},
             "cache_budget_bytes": self.cfg.cache_budget_bytes, "cache_bytes": used,
             "live_since": self._live_since, "params": params}
 

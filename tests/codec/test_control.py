@@ -111,3 +111,27 @@ def test_config_fields():
       tiny_config(**overrides)
   for preset in olmoe_configs.PRESETS:
     assert from_config_dict(olmoe_configs.get_config(preset)).codec.mode == "off"
+
+
+def test_codec_work_is_profiled_and_counts_against_the_gain(gatherer):
+  seconds = codec_control.profile_codec(("element", "word"), 8, sizes=(1 << 12, 1 << 16),
+                                        repeats=2)
+  assert set(seconds) == {"element", "word"}
+  assert all(alpha >= 0 and beta > 0 for alpha, beta in seconds.values())
+  low = _rates(gatherer, 0.0005, 0.03, 0.02)
+  comm = select.CommModel(0.0, 1e-9)                # seconds: 1 GB/s, no latency
+  free = codec_control.choose(gatherer, low, _codec(), comm)
+  assert any(s.selected for s in free)
+  cheap = codec_control.choose(gatherer, low, _codec(), comm,
+                               codec_seconds={m: (1e-7, 0.0) for m in codec_control.modes_of(
+                                   _codec())})
+  same = [(a, b, g) for a, b, (g, _) in zip(free, cheap, low.names)
+          if a.selected and b.spec == a.spec]
+  assert same
+  for a, b, g in same:                               # the same choice, its work subtracted
+    assert b.gain_s == pytest.approx(a.gain_s - gatherer.copies(g) * 1e-7)
+  # Work that costs more than any collective saves: nothing pays.
+  costly = codec_control.choose(gatherer, low, _codec(), comm,
+                                codec_seconds={m: (1.0, 0.0) for m in ("element", "block",
+                                                                      "word", "delta")})
+  assert not any(s.selected for s in costly)
