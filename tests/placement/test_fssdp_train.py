@@ -292,3 +292,17 @@ def test_report_plots_the_straggler_per_layer(uninterrupted):
   for l, (steps, values) in enumerate(panel.lines.values()):
     np.testing.assert_array_equal(steps, [r["step"] for r in records])
     np.testing.assert_allclose(values, straggler_TxL[:, l])
+
+
+def test_late_gather_shares_its_branch_with_the_expert_compute(fssdp_trainer, fssdp_run):
+  """Calibration's late SparseAllGather is chosen at run time: every conditional branch of the
+  compiled step that holds a collective also holds the exchange and expert matmuls it overlaps
+  (tests/sharding/test_overlap.py has the rule; this is the step `fssdp_run` compiled)."""
+  from tests.sharding import hlo
+  assert fssdp_trainer.cfg.fssdp.calibrate
+  text = fssdp_trainer.train_step.lower(*fssdp_trainer.abstract_inputs()).compile().as_text()
+  branches = [b for b in hlo.conditional_branches(text) if b.collectives]
+  assert branches                                     # calibration's branches are there
+  for b in branches:
+    assert b.dots > 0, f"{b.name} holds {b.collectives} and no compute"
+    assert "all-to-all" in b.collectives, b
