@@ -181,9 +181,7 @@ def _config(preset: str, **overrides):
   from configs import olmoe
   from moejax.config import from_config_dict
   cd = olmoe.get_config(preset)
-  for key, value in overrides.items():
-    group, _, field = key.rpartition(".")
-    (cd[group] if group else cd)[field] = value
+  cd.update_from_flattened_dict(overrides)
   return from_config_dict(cd)
 
 

@@ -434,7 +434,8 @@ def codec_work(shard, state, *, axis_size: int, spec: CodecSpec):
   words = spec.mode in WORD_MODES
   send = _send_words if words else _send_exponents
   _, own, *_, make_wire = send(bits_N, state, spec, fmt, layout)
-  wire_WxL = jnp.broadcast_to(make_wire()[None], (axis_size,) + make_wire().shape)
+  wire_L = make_wire()
+  wire_WxL = jnp.broadcast_to(wire_L[None], (axis_size,) + wire_L.shape)
   if words:
     return word.decode(state["cache"], wire_WxL[1:], fmt)
   return kernels.decode(state["cache"], wire_WxL, own, jnp.int32(0), fmt, layout)
