@@ -277,14 +277,7 @@ def throughput(n: int = 1 << 20, w: int = 8, repeats: int = 5) -> dict:
   now = jnp.asarray(np.asarray(jnp.asarray(y, jnp.bfloat16)).view(np.uint16))
 
   def timed(f, *args):
-    f = jax.jit(f)
-    jax.block_until_ready(f(*args))
-    best = math.inf
-    for _ in range(repeats):
-      t0 = time.perf_counter()
-      jax.block_until_ready(f(*args))
-      best = min(best, time.perf_counter() - t0)
-    return best
+    return codec_control.best_seconds(jax.jit(f), *args, repeats=repeats)
 
   shard_bytes = 2 * n
   out = {"copy_encode_gbs": shard_bytes / timed(lambda a: jnp.roll(a, 1), now) / 1e9}

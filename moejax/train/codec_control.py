@@ -84,7 +84,7 @@ KEEP_RATIO = 1.5          # a capacity in use stays until the sized one is this 
 # Measurements.
 
 
-def _best_seconds(f, *args, repeats: int) -> float:
+def best_seconds(f, *args, repeats: int) -> float:
   """Fastest of `repeats` timed calls of `f(*args)`, after one untimed call (the compile)."""
   jax.block_until_ready(f(*args))
   best = math.inf
@@ -113,7 +113,7 @@ def profile_comm(mesh, sizes=PROFILE_BYTES, reps: int = 8, repeats: int = 5) -> 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(DEVICES), out_specs=P(DEVICES),
                               check_vma=False))
     x = jax.device_put(jnp.zeros((n * words,), jnp.uint32), NamedSharding(mesh, P(DEVICES)))
-    points.append((4 * words, _best_seconds(f, x, repeats=repeats) / reps))
+    points.append((4 * words, best_seconds(f, x, repeats=repeats) / reps))
   if jax.process_count() > 1:   # every process must take the same decisions: use process 0's
     points = multihost_utils.broadcast_one_to_all(np.asarray(points, np.float64))
   return select.CommModel.fit(np.asarray(points).tolist())
@@ -137,7 +137,7 @@ def profile_codec(modes, axis_size: int, sizes=PROFILE_VALUES, repeats: int = 5)
       state = codec.init_state((n,), hook.COMPUTE_DTYPE, axis_size, spec)
       shard = jnp.zeros((n,), hook.COMPUTE_DTYPE)
       f = jax.jit(functools.partial(codec.codec_work, axis_size=axis_size, spec=spec))
-      points.append((n, _best_seconds(f, shard, state, repeats=repeats)))
+      points.append((n, best_seconds(f, shard, state, repeats=repeats)))
     model = select.CommModel.fit(points)
     out[mode] = (model.alpha, model.beta)
   if jax.process_count() > 1:   # every process must take the same decisions: use process 0's
