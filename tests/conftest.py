@@ -191,12 +191,29 @@ def pytest_xdist_make_scheduler(config, log):
       return _GROUP_OF.get(path, path)
 
     def schedule(self):
-      if self.collection is None:     # the first call: order every worker's collection alike
-        self.config.option.loadscopereorder = False
-        cost = lambda nodeid: -UNIT_SECONDS.get(self._split_scope(nodeid), 0)  # noqa: E731
-        for node, collection in self.registered_collections.items():
-          self.registered_collections[node] = sorted(collection, key=cost)   # stable
-      super().schedule()
+      # Later calls, and a collection that differs between workers, are the base class's. The
+      # first call builds the work queue itself, units longest first. (Not by re-sorting the
+      # registered collections: a worker runs the indexes it is sent against its own
+      # collection's order, so a re-sorted copy would hand it other files' tests.)
+      if self.collection is not None or not self._check_nodes_have_same_collection():
+        return super().schedule()
+      self.collection = list(next(iter(self.registered_collections.values())))
+      if not self.collection:
+        return
+      units = {}
+      for nodeid in self.collection:
+        units.setdefault(self._split_scope(nodeid), {})[nodeid] = False
+      for scope in sorted(units, key=lambda s: -UNIT_SECONDS.get(s, 0)):   # stable
+        self.workqueue[scope] = units[scope]
+      for _ in range(len(self.nodes) - len(self.workqueue)):     # more workers than units
+        self.assigned_work.popitem()[0].shutdown()
+      for node in self.nodes:
+        self._assign_work_unit(node)
+      for node in self.nodes:
+        self._reschedule(node)
+      if not self.workqueue:
+        for node in self.nodes:
+          node.shutdown()
 
   return FileGroupScheduling(config, log)
 
