@@ -47,7 +47,8 @@ XDIST_GROUPS = {
               "tests/sharding/test_memory.py", "tests/sharding/test_prefetch.py",
               "tests/sharding/test_overlap.py",
               "tests/test_generate.py", "tests/test_evaluate.py"),
-    "codec_auto": ("tests/codec/test_loop.py", "tests/report/test_report.py",
+    "codec_auto": ("tests/codec/test_loop.py", "tests/codec/test_training.py",
+                   "tests/report/test_report.py",
                    "tests/sharding/test_multiprocess.py"),
 }
 
@@ -169,7 +170,7 @@ _GROUP_OF = {f: g for g, files in XDIST_GROUPS.items() for f in files}
 # Seconds each heavy unit takes under `-n 2` (the "test s" column of a clean-clone run; the
 # others take a few seconds). Units start longest first, so no long unit is left for the end
 # while the other worker idles; only the order matters, not the figures.
-UNIT_SECONDS = {"tiny8": 270, "codec_auto": 200, "tests/codec/test_training.py": 105,
+UNIT_SECONDS = {"tiny8": 270, "codec_auto": 260,
                 "tests/placement/test_fssdp_train.py": 115, "tests/codec/test_kernels.py": 70,
                 "tests/train/test_families.py": 50, "tests/routing/test_sharded_admission.py": 30,
                 "tests/convert/test_fine_tune.py": 37, "tests/models/test_decode.py": 30,

@@ -1,8 +1,12 @@
 """Training with the compressed all-gather is bit-identical to training without it, whatever the
 codec does between steps: `codec.mode=auto` (plain warm-up, a decision from probed change rates, a
 re-decision on live rates, logged) and then a hand-made mix of every mode (element, block, word,
-delta, plain) installed mid-run in its place. One plain run and one codec run share the first compile. (Block hashes
-and each mode's fallback are covered gather by gather in test_gather.py.)"""
+delta, plain) installed mid-run in its place. (Block hashes and each mode's fallback are covered
+gather by gather in test_gather.py.)
+
+Both runs train the suite's codec.mode=auto Trainer (tests/conftest.py `codec_auto_run`) on that
+run's own batches: the plain run is its plain step, and the codec run's first decision is the
+run's, so both reuse its compiles; only the second decision and the mix compile here."""
 import copy
 import json
 import os
@@ -11,25 +15,24 @@ import jax
 import numpy as np
 import pytest
 
+from moejax import weights
 from moejax.codec import gather as codec
+from moejax.data import DataSpec, make_data
 from moejax.sharding.gatherer import PARAM_METRIC
 from moejax.sharding.hook import STAT_KEYS
-from moejax.sharding.mesh import make_mesh
 from moejax.train import codec_control
-from moejax.train.loop import Trainer, put_batch
-from tests.helpers import tiny_config
+from moejax.train.loop import put_batch
+from tests.helpers import CODEC_AUTO_RUN, CODEC_AUTO_STEPS, tiny_config
 
-STEPS = 10
+STEPS = CODEC_AUTO_STEPS
 # Decisions after steps 3 and 6; the second is logged, and a hand-made mix of every mode is
 # installed in its place (one compile fewer than installing both).
-FIRST, SECOND = 3, 6
+FIRST, SECOND = CODEC_AUTO_RUN["codec.warmup_steps"], 6
 MIXED = SECOND
-# A constant-ish learning rate (no warm-up, a tenth of the preset's): change rates fall slowly
-# from the first decision on, so the second decision usually keeps the choice (capacities have
-# hysteresis) and needs no new compile.
-SETTINGS = {"codec.warmup_steps": FIRST, "codec.block_size": 64, "codec.comm_model": "bytes",
-            "codec.reselect_every": SECOND - FIRST, "batch_size": 8, "seq_len": 32,
-            "steps": STEPS, "optim.warmup_steps": 0, "optim.lr": 3e-4}
+# The run's settings (a constant learning rate: change rates fall slowly from the first decision
+# on, so the second decision usually keeps the choice and needs no new compile), deciding again
+# every 3 steps.
+CONTROLLER = tiny_config(**CODEC_AUTO_RUN, **{"codec.reselect_every": SECOND - FIRST}).codec
 
 
 def _mixed(gatherer):
@@ -52,24 +55,24 @@ def _mixed(gatherer):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(codec_auto_run, tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("codec"))
-  plain = Trainer(tiny_config(**SETTINGS), mesh=make_mesh((2, 4), jax.devices()[:8]))
-  trainer = copy.copy(plain)          # shares the plain step (and its compile) until a decision
+  plain = codec_auto_run[0]
+  trainer = copy.copy(plain)          # shares the run's compiled steps; compiles its own after
   trainer._compiled = dict(plain._compiled)
+  cfg = plain.cfg
+  data = make_data(DataSpec(cfg.data.source, cfg.data.path or None, weights.tokenizer_of(cfg),
+                            cfg.data.val_fraction, cfg.seed),
+                   batch_size=cfg.batch_size, seq_len=cfg.seq_len)
   lines = []
-  controller = codec_control.CodecPolicy(
-      trainer.layout.gatherer, trainer.mesh,
-      tiny_config(**SETTINGS, **{"codec.mode": "auto"}).codec, workdir=workdir,
-      log=lines.append)
+  controller = codec_control.CodecPolicy(trainer.layout.gatherer, trainer.mesh, CONTROLLER,
+                                         workdir=workdir, log=lines.append)
   s_plain, s_codec = plain.init_state(), trainer.init_state()
   compiled = trainer.compiled(trainer.layout.gatherer.specs)
   assert controller.start(0, s_codec.params) is None
-  rng = np.random.default_rng(7)
   out = {"plain": [], "codec": [], "snaps": [], "codec_rows": []}
   for step in range(1, STEPS + 1):
-    toks = rng.integers(0, 256, (8, 33)).astype(np.int32)
-    batch = put_batch({"inputs": toks[:, :-1], "targets": toks[:, 1:]}, plain.mesh)
+    batch = put_batch(next(data.train), plain.mesh)
     if step >= MIXED:      # the parameters this step gathers, for the probe-vs-codec check
       out["snaps"].append(controller.probe.snapshot(s_codec.params))
     s_plain, m_plain = plain.train_step(s_plain, batch)
