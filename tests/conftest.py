@@ -170,12 +170,11 @@ _GROUP_OF = {f: g for g, files in XDIST_GROUPS.items() for f in files}
 # Seconds each heavy unit takes under `-n 2` (the "test s" column of a clean-clone run; the
 # others take a few seconds). Units start longest first, so no long unit is left for the end
 # while the other worker idles; only the order matters, not the figures.
-UNIT_SECONDS = {"tiny8": 270, "codec_auto": 260,
-                "tests/placement/test_fssdp_train.py": 115, "tests/codec/test_kernels.py": 70,
-                "tests/train/test_families.py": 50, "tests/routing/test_sharded_admission.py": 30,
-                "tests/convert/test_fine_tune.py": 37, "tests/models/test_decode.py": 30,
-                "tests/codec/test_gather.py": 31, "tests/sharding/test_gatherer.py": 30,
-                "tests/convert/test_hf_parity.py": 25}
+UNIT_SECONDS = {"codec_auto": 270, "tiny8": 260, "tests/placement/test_fssdp_train.py": 120,
+                "tests/train/test_families.py": 80, "tests/codec/test_kernels.py": 56,
+                "tests/models/test_decode.py": 48, "tests/codec/test_gather.py": 42,
+                "tests/convert/test_fine_tune.py": 40, "tests/routing/test_sharded_admission.py": 29,
+                "tests/convert/test_hf_parity.py": 28, "tests/sharding/test_gatherer.py": 26}
 
 
 @pytest.hookimpl(optionalhook=True)
