@@ -184,36 +184,20 @@ def pytest_xdist_make_scheduler(config, log):
   (Not --dist loadgroup: xdist 3.8 groups by rewriting node ids, which pytest 9 ignores. Not
   xdist's own reordering, by number of tests: a slow file of one test would start last.)"""
   from xdist.scheduler import LoadScopeScheduling
+  config.option.loadscopereorder = False      # ties keep the collection's order
 
   class FileGroupScheduling(LoadScopeScheduling):
     def _split_scope(self, nodeid):
       path = nodeid.split("::")[0]
       return _GROUP_OF.get(path, path)
 
-    def schedule(self):
-      # Later calls, and a collection that differs between workers, are the base class's. The
-      # first call builds the work queue itself, units longest first. (Not by re-sorting the
-      # registered collections: a worker runs the indexes it is sent against its own
-      # collection's order, so a re-sorted copy would hand it other files' tests.)
-      if self.collection is not None or not self._check_nodes_have_same_collection():
-        return super().schedule()
-      self.collection = list(next(iter(self.registered_collections.values())))
-      if not self.collection:
-        return
-      units = {}
-      for nodeid in self.collection:
-        units.setdefault(self._split_scope(nodeid), {})[nodeid] = False
-      for scope in sorted(units, key=lambda s: -UNIT_SECONDS.get(s, 0)):   # stable
-        self.workqueue[scope] = units[scope]
-      for _ in range(len(self.nodes) - len(self.workqueue)):     # more workers than units
-        self.assigned_work.popitem()[0].shutdown()
-      for node in self.nodes:
-        self._assign_work_unit(node)
-      for node in self.nodes:
-        self._reschedule(node)
-      if not self.workqueue:
-        for node in self.nodes:
-          node.shutdown()
+    def _assign_work_unit(self, node):
+      # The longest unit left goes next (the first of equals, in collection order). Not by
+      # re-sorting the registered collections: a worker runs the indexes it is sent against its
+      # own collection's order, so a re-sorted copy would hand it other files' tests.
+      longest = max(self.workqueue, key=lambda scope: UNIT_SECONDS.get(scope, 0))
+      self.workqueue.move_to_end(longest, last=False)
+      super()._assign_work_unit(node)
 
   return FileGroupScheduling(config, log)
 
