@@ -63,6 +63,13 @@ def put_batch(batch: dict, mesh) -> dict:
           for k, v in batch.items()}
 
 
+def training_data(cfg: Config):
+  """The data `run` trains `cfg` on: its corpus, tokenizer, validation split and seed."""
+  return make_data(DataSpec(cfg.data.source, cfg.data.path or None, weights.tokenizer_of(cfg),
+                            cfg.data.val_fraction, cfg.seed),
+                   batch_size=cfg.batch_size, seq_len=cfg.seq_len)
+
+
 @dataclasses.dataclass(frozen=True)
 class Compiled:
   """A codec choice's layout and train step."""
@@ -225,9 +232,7 @@ def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
   prepare_workdir(workdir)
   tokenizer = weights.tokenizer_of(cfg)
   _keep_tokenizer(tokenizer, workdir)
-  data = make_data(DataSpec(cfg.data.source, cfg.data.path or None, tokenizer,
-                            cfg.data.val_fraction, cfg.seed),
-                   batch_size=cfg.batch_size, seq_len=cfg.seq_len)
+  data = training_data(cfg)
   check_vocab(data.tokenizer, cfg.model.vocab_size)
   if trainer is None:
     trainer = Trainer(cfg)

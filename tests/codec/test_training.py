@@ -15,13 +15,11 @@ import jax
 import numpy as np
 import pytest
 
-from moejax import weights
 from moejax.codec import gather as codec
-from moejax.data import DataSpec, make_data
 from moejax.sharding.gatherer import PARAM_METRIC
 from moejax.sharding.hook import STAT_KEYS
 from moejax.train import codec_control
-from moejax.train.loop import put_batch
+from moejax.train.loop import put_batch, training_data
 from tests.helpers import CODEC_AUTO_RUN, CODEC_AUTO_STEPS, tiny_config
 
 STEPS = CODEC_AUTO_STEPS
@@ -60,10 +58,7 @@ def runs(codec_auto_run, tmp_path_factory):
   plain = codec_auto_run[0]
   trainer = copy.copy(plain)          # shares the run's compiled steps; compiles its own after
   trainer._compiled = dict(plain._compiled)
-  cfg = plain.cfg
-  data = make_data(DataSpec(cfg.data.source, cfg.data.path or None, weights.tokenizer_of(cfg),
-                            cfg.data.val_fraction, cfg.seed),
-                   batch_size=cfg.batch_size, seq_len=cfg.seq_len)
+  data = training_data(plain.cfg)
   lines = []
   controller = codec_control.CodecPolicy(trainer.layout.gatherer, trainer.mesh, CONTROLLER,
                                          workdir=workdir, log=lines.append)
