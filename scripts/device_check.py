@@ -168,7 +168,8 @@ def step_ragged(dims: dict) -> dict:
   local_NxCxR = w[0].reshape(n, 2, d * f)          # device i owns experts 2i, 2i+1
   want = local_NxCxR[(jnp.arange(n) + 1) % n, 0][:, None]
   spag_exact = bool(jnp.all(spag(local_NxCxR) == want))
-  out = {"devices": n, "ep_max_abs_diff": ep_err, "spag_exact": spag_exact, "ep_s": _timed(ep, x, ids, weights, *w),
+  out = {"devices": n, "ep_max_abs_diff": ep_err, "spag_exact": spag_exact,
+         "ep_s": _timed(ep, x, ids, weights, *w),
          "local_s": _timed(local, x, ids, weights, *w), "grouped_rel_err": grouped_err,
          "grouped_s": _timed(grouped, xs, group_sizes, *w)}
   if ep_err > 1e-2 or grouped_err > 2e-2 or not spag_exact:

@@ -14,7 +14,8 @@ scatters back into the slots). Each step and layer:
      behind it. SparseAllGather is one `psum_scatter` of an [N, M, ...] buffer in which each
      owner fills the slots that hold its experts: device d receives its M replica slots. Its
      transpose (the backward) is an `all_gather` of the replicas' gradients in fp32, of which each
-     owner keeps and sums its own rows in fp32: SparseReduceScatter. Only gradients move; optimizer state never.
+     owner keeps and sums its own rows in fp32: SparseReduceScatter. Only gradients move;
+     optimizer state never.
   2. After gating, every device learns all devices' routing counts (one all_gather of N x E
      ints) and computes the same balanced assignment of tokens to holders
      (`planner.balanced_send`); tokens go local first, then within the node, then across.

@@ -548,7 +548,8 @@ class CodecPolicy:
             "comm": {"model": ("bytes" if self.comm == select.CommModel.bytes_only()
                                else "profile"), "alpha_s": self.comm.alpha,
                      "beta_s_per_byte": self.comm.beta,
-                     "codec_seconds": {m: list(ab) for m, ab in (self.codec_seconds or {}).items()}},
+                     "codec_seconds": {m: list(ab)
+                                       for m, ab in (self.codec_seconds or {}).items()}},
             "cache_budget_bytes": self.cfg.cache_budget_bytes, "cache_bytes": used,
             "live_since": self._live_since, "params": params}
 
