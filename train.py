@@ -1,6 +1,7 @@
 """Train an MoE language model.
 
   python train.py --config configs/olmoe.py:tiny --workdir runs/tiny [--config.FIELD=VALUE ...]
+  python train.py --config configs/olmoe.py:1b7b --memory_on_devices=64   # bytes per device
 
 Multi-process: pass --coordinator_address, --num_processes and --process_id (or set
 JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID) and every process joins one job; under
@@ -18,6 +19,9 @@ _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Where metrics and che
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
+_MEMORY = flags.DEFINE_integer(
+    "memory_on_devices", None, "Print this config's train-step memory per device on that many "
+    "devices, by component (moejax.train.memory; no devices needed, nothing compiled), and exit.")
 
 
 def main(argv):
@@ -25,10 +29,19 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   from moejax import distributed
   from moejax.config import from_config_dict
-  from moejax.errors import MoejaxError
+  from moejax.errors import ConfigError, MoejaxError
   from moejax.train.loop import run
   try:
     cfg = from_config_dict(_CONFIG.value)
+    if _MEMORY.value is not None:
+      from moejax.train.memory import memory_report
+      if _MEMORY.value < 1:
+        raise ConfigError(f"--memory_on_devices={_MEMORY.value}: must be a positive device count")
+      print(f"train-step memory per device on {_MEMORY.value} devices "
+            f"(placement={cfg.moe.placement}, remat={cfg.remat}, batch {cfg.batch_size}x"
+            f"{cfg.seq_len}):")
+      print(memory_report(cfg, _MEMORY.value).table())
+      return
     distributed.maybe_initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                                  heartbeat_timeout_s=cfg.distributed.heartbeat_timeout_s)
     run(cfg, _WORKDIR.value)

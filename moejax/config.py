@@ -21,6 +21,7 @@ from moejax.layers.attention import QK_NORMS
 from moejax.families import FAMILIES
 from moejax.errors import ConfigError
 from moejax.placement import PLACEMENTS
+from moejax.placement.dispatch import OVERFLOW_POLICIES
 from moejax.routing.admission import POLICIES as ADMISSIONS
 from moejax.routing.router import SCORE_FUNCTIONS as SCORES
 from moejax.sharding.hook import COMPUTE_DTYPES
@@ -149,9 +150,15 @@ class MoEConfig:
   """Weight of the router z-loss."""
   placement: str = "fsdp"
   """How experts and tokens meet: one of `moejax.placement.PLACEMENTS`."""
-  dispatch_capacity_factor: float = 0.0
-  """ep/fssdp dispatch buffer: 0 = dropless (static worst-case buffers); > 0: per destination
-  ceil(factor * assignments / devices) tokens, overflow dropped and counted."""
+  dispatch_capacity_factor: float = 2.0
+  """ep/fssdp dispatch buffer: per destination ceil(factor * assignments / devices) rows, the
+  starting size (see `dispatch_overflow`); 0 = dropless: N x T x K rows per device, the worst
+  case, only when asked for (at scale it does not fit: 137 GB for the 1b7b preset on 64
+  devices)."""
+  dispatch_overflow: str = "grow"
+  """A step whose dispatch buffers overflow: one of `moejax.placement.dispatch.OVERFLOW_POLICIES`
+  (grow: no update, the buffers are resized from the measured loads and the step reruns,
+  lossless; drop: the overflow is dropped and counted in ep_dropped_frac)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -508,6 +515,7 @@ def validate(c: Config) -> None:
   _check(moe.dispatch_capacity_factor >= 0,
          f"config.moe.dispatch_capacity_factor={moe.dispatch_capacity_factor}: must be >= 0 "
          "(0 = dropless)")
+  _choice(moe.dispatch_overflow, "moe.dispatch_overflow", OVERFLOW_POLICIES)
   _choice(c.routing.admission, "routing.admission", ADMISSIONS)
   _check(-1.0 <= c.routing.threshold <= 1.0,
          f"config.routing.threshold={c.routing.threshold}: a cosine similarity, in [-1, 1]")

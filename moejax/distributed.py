@@ -236,6 +236,10 @@ class Watchdog:
       except socket.timeout:
         return self._lost(peer, f"no heartbeat for {self.timeout_s:g} s "
                                 "(config.distributed.heartbeat_timeout_s)")
+      except ConnectionResetError:
+        # A process that dies with heartbeats unread in its socket resets the connection
+        # instead of closing it: the same loss.
+        data = b""
       except OSError as e:
         return self._lost(peer, f"its connection failed: {e.strerror or e}")
       if self._closed:

@@ -26,6 +26,11 @@ def tiny_config(family: str = "olmoe", **overrides):
   tiny_config(**{"moe.placement": "ep"})."""
   # plain dict: our validator sees raw values
   cd = FAMILY_CONFIGS[family].get_config("tiny").to_dict()
+  # ep/fssdp dispatch buffers dropless unless a test sizes them: the tiny batches (tens of tokens
+  # per device) overflow a bounded buffer by chance, and each growth compiles the step again
+  # (tests/train/test_dispatch_growth.py runs the growth; tests/train/test_memory.py the
+  # default's bytes at scale).
+  cd["moe"]["dispatch_capacity_factor"] = 0.0
   for path, value in overrides.items():
     node = cd
     *parents, leaf = path.split(".")
@@ -63,7 +68,8 @@ def canonical_config(placement: str = "fsdp", **overrides):
 
 
 def config_flags(overrides: dict) -> list[str]:
-  """train.py arguments that build `tiny_config(**overrides)`."""
+  """train.py arguments that build `tiny_config(**overrides)` (its dropless default too)."""
+  overrides = {"moe.dispatch_capacity_factor": 0.0, **overrides}
   return ["--config", "configs/olmoe.py:tiny", *(f"--config.{k}={v}" for k, v in overrides.items())]
 
 

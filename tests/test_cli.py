@@ -53,3 +53,23 @@ def test_missing_data_file_is_one_message(tmp_path):
   with pytest.raises(MoejaxError) as e:     # what train.py prints as one line, exit 2
     run(cfg, str(tmp_path / "w"))          # fails before anything compiles
   assert "\n" not in str(e.value) and "/no/such.jsonl: file not found" in str(e.value)
+
+
+def test_memory_on_devices_prints_the_report_and_trains_nothing(tmp_path, capsys):
+  import train
+  from absl import flags
+  workdir = tmp_path / "w"
+  try:
+    train.parse_flags(["train.py", "--config=configs/olmoe.py:1b7b", "--memory_on_devices=64",
+                       "--workdir", str(workdir)])
+    train.main([])
+  finally:
+    flags.FLAGS.memory_on_devices = None
+  out = capsys.readouterr().out
+  assert out.startswith("train-step memory per device on 64 devices (placement=fsdp, "
+                        "remat=full, batch 64x4096):")
+  rows = dict(line.rsplit(None, 2)[:2] for line in out.splitlines()[1:])
+  assert list(rows) == ["parameters", "optimizer", "gradients", "placement", "codec_state",
+                        "batch", "gathered", "activations", "exchange", "total"]
+  assert float(rows["exchange"]) == 0 and 0 < float(rows["gathered"]) < float(rows["total"]) < 80
+  assert not workdir.exists()

@@ -55,11 +55,11 @@ def test_preset_values(preset):
   defaults = _flat(dataclasses.asdict(config_lib.Config()))
   assert {k: v for k, v in cfg.items() if v != defaults[k]} == PRESET_DIFFERENCES[preset]
   expected = {"tiny": {"checkpoint.every": 100, "model.d_model": 64, "moe.num_experts": 8,
-                       "moe.dispatch_capacity_factor": 0.0,
+                       "moe.dispatch_capacity_factor": 2.0, "moe.dispatch_overflow": "grow",
                        "routing.admission_capacity_factor": 1.25,
                        "routing.admission_capacity_factor_warmup": 2.0, "steps": 200},
               "1b7b": {"checkpoint.every": 500, "model.d_model": 2048, "moe.top_k": 8,
-                       "moe.dispatch_capacity_factor": 0.0,
+                       "moe.dispatch_capacity_factor": 2.0,
                        "routing.admission_capacity_factor": 1.25, "steps": 2000}}[preset]
   assert {k: cfg[k] for k in expected} == expected
 

@@ -153,10 +153,10 @@ class MoEBlock(nnx.Module):
     if dispatch.kind == "local":
       y_TxD, dropped = dispatch_lib.local_experts(x_TxD, experts_TxK, weights_TxK, *w)
     elif dispatch.kind == "ep":
-      y_TxD, dropped, received = dispatch_lib.ep_experts(x_TxD, experts_TxK, weights_TxK, *w,
-                                                         dispatch=dispatch)
-      aux["placement"] = sparse.ep_stats(experts_TxK, received, dispatch, d, w[0].shape[0],
-                                         x_TxD.dtype.itemsize)
+      y_TxD, dropped, received, needed = dispatch_lib.ep_experts(
+          x_TxD, experts_TxK, weights_TxK, *w, dispatch=dispatch)
+      aux["placement"] = sparse.ep_stats(experts_TxK, received, needed, dispatch, d,
+                                         w[0].shape[0], x_TxD.dtype.itemsize)
     elif dispatch.kind == "fssdp":
       plan, w_all, owners = materialized
       y_TxD, dropped, aux["placement"] = sparse.fssdp_experts(

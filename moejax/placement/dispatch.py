@@ -13,9 +13,15 @@ Dropped assignments carry the sentinel expert id E and produce zeros.
           `lax.platform_dependent`; both return the same buffer).
   fssdp   as ep, plus this step's replicas of hot experts (moejax.placement.planner); each
           assignment goes to one device holding its expert (`exchange` with a destination and
-          the expert's index there). Dropless when C = A (the worst case: every assignment to one
-          device); with a capacity factor c, C = ceil(c * A / N) and overflow is dropped and
-          counted.
+          the expert's index there).
+
+Buffers: dropless when C = A (the worst case, every assignment to one device: N x T x K rows
+per device, only when asked for with a capacity factor of 0); with a capacity factor c,
+C = ceil(c * A / N). What does not fit is dropped and counted; each exchange also reports the
+most rows any device sent to one destination (`needed`), so a caller can size C from measured
+loads. The train step under `OVERFLOW_POLICIES` "grow" (the default) applies no update when
+anything was dropped and the Trainer reruns it with a larger C (`grown_capacity_factor`): the
+step stays lossless with bounded buffers.
 """
 from __future__ import annotations
 
@@ -46,11 +52,35 @@ class Dispatch:
 
 LOCAL = Dispatch()
 
+# moe.dispatch_overflow: what a step whose dispatch buffers overflow does.
+#   grow  the step applies no update; the Trainer grows the buffers from the measured loads and
+#         reruns it (lossless)
+#   drop  the overflowing assignments are dropped and counted (ep_dropped_frac), as GShard does
+OVERFLOW_POLICIES = ("grow", "drop")
+# Growth: at least this factor over the old capacity (every growth compiles the step again, so
+# few of them), and this margin over the rows the overflowing step needed.
+GROWTH, MARGIN = 2.0, 1.25
+
 
 def ep_capacity(num_assignments: int, num_devices: int, capacity_factor: float) -> int:
+  """C: rows per destination of the dispatch buffer (A = dropless when the factor is 0)."""
   if capacity_factor <= 0:
     return num_assignments
   return min(num_assignments, max(1, math.ceil(capacity_factor * num_assignments / num_devices)))
+
+
+def grown_capacity_factor(capacity_factor: float, needed_rows: int, num_assignments: int,
+                          num_devices: int) -> float:
+  """The capacity factor after a step needed `needed_rows` rows at one destination: room for
+  MARGIN times that, and at least GROWTH times the old capacity; 0 (dropless) once that reaches
+  every assignment."""
+  old = ep_capacity(num_assignments, num_devices, capacity_factor)
+  rows = max(math.ceil(MARGIN * needed_rows), math.ceil(GROWTH * old), old + 1)
+  if rows >= num_assignments:
+    return 0.0
+  # The smallest factor with at least `rows` rows (ep_capacity rounds up), in a short decimal.
+  factor = rows * num_devices / num_assignments
+  return float(math.ceil(factor * 1000) / 1000)
 
 
 def combine(y_AxD, weights_TxK):
@@ -72,7 +102,8 @@ def exchange(x_TxD, dest_A, local_id_A, weights_TxK, w_gate, w_up, w_down, *,
   """Sends assignment a (token a // K) to device dest_A[a] (N = nowhere), where it runs through
   local expert group local_id_A[a] of the receiver's `num_groups` weight groups, and brings the
   result back. Returns (y_TxD fp32, assignments dropped for lack of buffer room here,
-  rows received here)."""
+  rows received here, rows needed: the most any device sent to one destination, the same on
+  every device)."""
   t, k = weights_TxK.shape
   n, a, d = dispatch.num_devices, t * k, x_TxD.shape[-1]
   c = ep_capacity(a, n, dispatch.capacity_factor)
@@ -94,7 +125,8 @@ def exchange(x_TxD, dest_A, local_id_A, weights_TxK, w_gate, w_up, w_down, *,
   y_AxD = jnp.where(fits_A[:, None], y_back[jnp.minimum(slot_A, n * c - 1)], 0)
   dropped = jnp.sum(valid_A & ~fits_A).astype(jnp.int32)
   received = jnp.sum(received_N).astype(jnp.int32)
-  return combine(y_AxD, weights_TxK), dropped, received
+  needed = lax.pmax(jnp.max(jnp.sum(onehot_AxN, axis=0)), axes).astype(jnp.int32)
+  return combine(y_AxD, weights_TxK), dropped, received, needed
 
 
 def _send_groups(send_g, sent_N, num_groups: int, *, axes, num_devices: int, capacity: int):
@@ -165,7 +197,7 @@ _send_blocks.defvjp(_send_blocks_fwd, _send_blocks_bwd)
 
 def ep_experts(x_TxD, experts_TxK, weights_TxK, w_gate, w_up, w_down, *, dispatch: Dispatch):
   """Expert parallel: experts [El, ...] here (device d owns experts d*El .. d*El+El-1).
-  Returns (y_TxD fp32, assignments dropped here, rows received here)."""
+  Returns `exchange`'s (y_TxD fp32, dropped here, received here, rows needed)."""
   n = dispatch.num_devices
   el = w_gate.shape[0]
   expert_A = experts_TxK.reshape(-1)

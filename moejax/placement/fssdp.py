@@ -223,10 +223,11 @@ def fssdp_experts(x_TxD, experts_TxK, weights_TxK, plan, w_gate, w_up, w_down, *
     owned_A = dest_A == owners.owner_E[safe_e]
     replica_A = plan.replica_slot_ExN[safe_e, jnp.minimum(dest_A, n - 1)]
     local_id_A = jnp.where(owned_A, owners.rank_E[safe_e], c + jnp.maximum(replica_A, 0))
-    y_TxD, dropped, received = exchange(x_TxD, dest_A, local_id_A, weights_TxK, w_gate, w_up,
-                                        w_down, dispatch=dispatch,
-                                        num_groups=c + dispatch.replica_slots)
-    stats = placement_stats(received, dest_A, dispatch, x_TxD.shape[-1], x_TxD.dtype.itemsize)
+    y_TxD, dropped, received, needed = exchange(
+        x_TxD, dest_A, local_id_A, weights_TxK, w_gate, w_up, w_down, dispatch=dispatch,
+        num_groups=c + dispatch.replica_slots)
+    stats = placement_stats(received, needed, dest_A, dispatch, x_TxD.shape[-1],
+                            x_TxD.dtype.itemsize)
     stats["replicas"] = plan.num_replicas.astype(jnp.float32) / n
     return y_TxD, dropped, stats
 
@@ -251,19 +252,21 @@ def fssdp_experts(x_TxD, experts_TxK, weights_TxK, plan, w_gate, w_up, w_down, *
                   (w_gate, w_up, w_down))
 
 
-def ep_stats(experts_TxK, received, dispatch: Dispatch, d_model: int, num_local: int,
+def ep_stats(experts_TxK, received, needed, dispatch: Dispatch, d_model: int, num_local: int,
              itemsize: int = 2):
   expert_A = experts_TxK.reshape(-1)
   n = dispatch.num_devices
   dest_A = jnp.where(expert_A < num_local * n, expert_A // num_local, n)
-  stats = placement_stats(received, dest_A, dispatch, d_model, itemsize)
+  stats = placement_stats(received, needed, dest_A, dispatch, d_model, itemsize)
   stats["replicas"] = jnp.zeros((), jnp.float32)
   return stats
 
 
-def placement_stats(received, dest_A, dispatch: Dispatch, d_model: int, itemsize: int = 2):
-  """This device's share of: straggler factor (max over devices of expert rows processed / mean)
-  and token bytes sent to other devices of the node and to other nodes (there and back)."""
+def placement_stats(received, needed, dest_A, dispatch: Dispatch, d_model: int,
+                    itemsize: int = 2):
+  """This device's share of: straggler factor (max over devices of expert rows processed / mean),
+  the dispatch rows needed at one destination (`exchange`'s `needed`, the same everywhere) and
+  token bytes sent to other devices of the node and to other nodes (there and back)."""
   n, dpn = dispatch.num_devices, dispatch.devices_per_node
   me = lax.axis_index(dispatch.axis_names)
   rows_N = lax.all_gather(received, dispatch.axis_names, axis=0, tiled=False).astype(jnp.float32)
@@ -273,5 +276,6 @@ def placement_stats(received, dest_A, dispatch: Dispatch, d_model: int, itemsize
   row_bytes = 2.0 * d_model * itemsize
   intra = jnp.sum(valid_A & same_node_A & (dest_A != me)) * row_bytes
   inter = jnp.sum(valid_A & ~same_node_A) * row_bytes
-  return {"straggler": straggler / n, "token_bytes_intra_node": intra.astype(jnp.float32),
+  return {"straggler": straggler / n, "dispatch_needed": needed.astype(jnp.float32) / n,
+          "token_bytes_intra_node": intra.astype(jnp.float32),
           "token_bytes_inter_node": inter.astype(jnp.float32)}

@@ -27,7 +27,7 @@ from flax import struct
 
 from moejax.errors import ConfigError
 from moejax.placement import fssdp, ownership, planner, reshard
-from moejax.placement.dispatch import LOCAL, Dispatch, ep_a2a_bytes
+from moejax.placement.dispatch import LOCAL, Dispatch, ep_a2a_bytes, ep_capacity
 from moejax.sharding.prefetch import recomputes
 
 
@@ -51,6 +51,7 @@ class Placement:
   devices_per_node: int
   axis_names: tuple
   dispatch_capacity_factor: float = 0.0
+  dispatch_overflow: str = "grow"     # `moejax.placement.dispatch.OVERFLOW_POLICIES`
   replica_slots: int = 0
   overlap_degree: int = 0
   calibrate: bool = False
@@ -92,6 +93,19 @@ class Placement:
     return Dispatch(self.kind, self.axis_names, self.num_devices, self.devices_per_node,
                     self.dispatch_capacity_factor, replica_slots=self.replica_slots,
                     overlap_degree=self.overlap_degree, calibrate=self.calibrate)
+
+  def dispatch_capacity(self, tokens_per_device: int) -> int:
+    """C: the dispatch buffer's rows per destination (ep/fssdp; 0 for fsdp)."""
+    if not self.owns_experts:
+      return 0
+    return ep_capacity(tokens_per_device * self.top_k, self.num_devices,
+                       self.dispatch_capacity_factor)
+
+  def grows_dispatch(self, tokens_per_device: int) -> bool:
+    """Whether a step can overflow its dispatch buffers and is then rerun with larger ones
+    (dispatch_overflow "grow", buffers below the dropless N x T x K rows)."""
+    return (self.owns_experts and self.num_devices > 1 and self.dispatch_overflow == "grow"
+            and self.dispatch_capacity(tokens_per_device) < tokens_per_device * self.top_k)
 
   @property
   def expert_bytes(self) -> int:
@@ -138,6 +152,10 @@ class Placement:
     buffers: capacity), with what the replicas needed."""
     metrics = dict(placement_L)
     n = self.num_devices
+    if "dispatch_needed" in metrics:   # [L] shares summed over devices: the most rows any
+      # device sent to one destination, per layer; the buffer holds dispatch_capacity of them
+      metrics["dispatch_needed"] = jnp.round(jnp.max(metrics["dispatch_needed"]))
+      metrics["dispatch_capacity"] = float(self.dispatch_capacity(tokens_per_device))
     metrics["a2a_bytes"] = 0.0
     if self.kind == "ep" and n > 1:
       metrics["a2a_bytes"] = self.num_layers * ep_a2a_bytes(

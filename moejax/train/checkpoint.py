@@ -67,8 +67,10 @@ load_params = weights.load_params
 # Config fields a resumed run may change: they do not change what the saved state means.
 # (data.path may move: the data iterator checks the token stream itself, by length and CRC.)
 # (init_from only matters when there is no checkpoint to resume.)
+# (the dispatch buffers' size changes which step may overflow, never an assignment.)
 MAY_DIFFER = ("steps", "log_every", "eval_every", "eval_batches", "remat", "prefetch", "mesh.",
-              "moe.placement", "checkpoint.", "codec.", "data.path", "init_from", "distributed.")
+              "moe.placement", "moe.dispatch_capacity_factor", "moe.dispatch_overflow",
+              "checkpoint.", "codec.", "data.path", "init_from", "distributed.")
 
 
 def checkpoint_dir(workdir: str) -> str:

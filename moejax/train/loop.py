@@ -28,7 +28,8 @@ from moejax.config import Config, num_params
 from moejax.data import DataSpec, check_vocab, make_data
 from moejax.errors import ConfigError, TrainingError
 from moejax.sharding.mesh import make_mesh, num_devices
-from moejax.train import checkpoint as checkpoint_lib, optim, state as state_lib, step as step_lib
+from moejax.train import (checkpoint as checkpoint_lib, memory, optim, state as state_lib,
+                          step as step_lib)
 from moejax.train.codec_control import CodecPolicy, specs_key
 from moejax.train.metrics import MetricsWriter, Progress, log
 
@@ -77,6 +78,68 @@ class Compiled:
   train_step: object
 
 
+@dataclasses.dataclass
+class DispatchCapacityItem:
+  """The checkpoint item "dispatch" (JSON): the dispatch capacity factor in force, so a resumed
+  run runs its next steps on the buffers the uninterrupted one had grown to (the capacity
+  changes no assignment, but the CPU expert kernel's tiling, hence float rounding, follows the
+  buffer's size), unless the resumed run configures another factor than the saved run did.
+  Registered with the Checkpointer like any feature state."""
+  trainer: "Trainer"
+  name: str = "dispatch"
+  json: bool = True
+
+  def item(self, state):
+    return {"dispatch_capacity_factor": self.trainer.dispatch_capacity_factor,
+            "configured": self.trainer.cfg.moe.dispatch_capacity_factor}, state
+
+  def target(self, saved_keys):
+    del saved_keys
+    return None
+
+  def restore(self, state, item, where: str, log):
+    if item is None:      # an older checkpoint: the config's capacity, grown as needed
+      return state
+    configured = self.trainer.cfg.moe.dispatch_capacity_factor
+    if float(item["configured"]) == configured:
+      self.trainer.dispatch_capacity_factor = float(item["dispatch_capacity_factor"])
+    else:
+      log(f"moejax: {where} grew the dispatch buffers to factor "
+          f"{item['dispatch_capacity_factor']:g}; this run configures "
+          f"moe.dispatch_capacity_factor={configured:g} and starts from that")
+    return state
+
+
+class GrowingStep:
+  """The train step of one codec choice when its dispatch buffers can overflow (ep/fssdp,
+  moe.dispatch_overflow="grow"): runs the jitted step of the Trainer's current dispatch capacity
+  and, when that step overflowed (it then applied nothing), grows the buffers from the loads it
+  measured (`Trainer.grow_dispatch`) and reruns it on the same batch: lossless, with buffers
+  sized by the loads rather than the worst case. It reads each step's overflow flag (one scalar:
+  the host waits for the step before dispatching the next). `lower` lowers the current step."""
+
+  def __init__(self, trainer: "Trainer", layout: state_lib.StateLayout):
+    self._trainer, self._layout, self._steps = trainer, layout, {}
+
+  def jitted(self):
+    """The jitted train step at the Trainer's current dispatch capacity factor."""
+    factor = self._trainer.dispatch_capacity_factor
+    if factor not in self._steps:
+      self._steps[factor] = self._trainer.make_step(self._layout, factor)
+    return self._steps[factor]
+
+  def lower(self, *args):
+    return self.jitted().lower(*args)
+
+  def __call__(self, state, batch):
+    while True:
+      state, metrics = self.jitted()(state, batch)
+      # Grown to dropless, the step has nothing left to overflow (and no flag).
+      if not int(metrics.get("dispatch_overflow", 0)):
+        return state, metrics
+      self._trainer.grow_dispatch(int(metrics["dispatch_needed"]))
+
+
 class Trainer:
   """Everything compiled and placed for one config on one mesh."""
 
@@ -89,11 +152,17 @@ class Trainer:
     step_lib.check_divisibility(cfg, self.mesh)
     self.tx = optim.make_optimizer(cfg)
     self.schedule = optim.lr_schedule(cfg)
+    limit = memory.device_memory_bytes(self.mesh.devices.flat[0])
+    if limit is not None:      # GPUs say how much they hold: stop now, not when XLA runs out
+      memory.check_fits(cfg, num_devices(self.mesh), limit)
     self.layout = state_lib.state_layout(cfg, self.mesh, self.tx)
-    self.train_step = step_lib.make_train_step(cfg, self.mesh, self.layout, self.tx,
-                                               self.schedule, trace_guard=trace_guard)
+    # ep/fssdp: the dispatch buffers' size, grown by `grow_dispatch` when a step overflows them
+    # (kept for later runs with this Trainer; a new one starts again from the config's).
+    self.dispatch_capacity_factor = cfg.moe.dispatch_capacity_factor
+    self._tokens_per_device = cfg.batch_size * cfg.seq_len // num_devices(self.mesh)
+    self.train_step = self._train_step_of(self.layout)
     self._init = state_lib.make_init(cfg, self.tx, self.layout)   # jitted once, any seed
-    self.eval_step = step_lib.make_eval_step(cfg, self.mesh, self.layout)
+    self._eval_steps: dict = {}
     # One compiled train step per codec choice (`compiled`), the config's own first.
     self._compiled = {specs_key(self.layout.gatherer.specs): Compiled(self.layout,
                                                                       self.train_step)}
@@ -108,9 +177,60 @@ class Trainer:
                                is_leaf=lambda s: isinstance(s, P))
       layout = dataclasses.replace(self.layout, gatherer=gatherer,
                                    shardings=self.layout.shardings.replace(gather_state=shardings))
-      self._compiled[key] = Compiled(layout, step_lib.make_train_step(
-          self.cfg, self.mesh, layout, self.tx, self.schedule, trace_guard=self.trace_guard))
+      self._compiled[key] = Compiled(layout, self._train_step_of(layout))
     return self._compiled[key]
+
+  # -- dispatch buffers ----------------------------------------------------------------------------
+  @property
+  def checkpoint_items(self) -> tuple:
+    """The grown dispatch capacity (`DispatchCapacityItem`) when steps can grow it."""
+    grows = self.layout.placement.grows_dispatch(self._tokens_per_device)
+    return (DispatchCapacityItem(self),) if grows else ()
+
+  def _with_capacity(self, layout, factor: float):
+    placement = dataclasses.replace(layout.placement, dispatch_capacity_factor=factor)
+    return dataclasses.replace(layout, placement=placement)
+
+  def make_step(self, layout, factor: float):
+    """The jitted train step of `layout` with dispatch capacity factor `factor`."""
+    return step_lib.make_train_step(self.cfg, self.mesh, self._with_capacity(layout, factor),
+                                    self.tx, self.schedule, trace_guard=self.trace_guard)
+
+  def _train_step_of(self, layout):
+    if layout.placement.grows_dispatch(self._tokens_per_device):
+      return GrowingStep(self, layout)
+    return self.make_step(layout, self.dispatch_capacity_factor)
+
+  @property
+  def eval_step(self):
+    """`step.make_eval_step`'s step at the current dispatch capacity."""
+    factor = self.dispatch_capacity_factor
+    if factor not in self._eval_steps:
+      self._eval_steps[factor] = step_lib.make_eval_step(
+          self.cfg, self.mesh, self._with_capacity(self.layout, factor))
+    return self._eval_steps[factor]
+
+  def grow_dispatch(self, needed_rows: int) -> None:
+    """A step needed `needed_rows` rows at one destination, more than the dispatch buffer holds:
+    the capacity grows (`dispatch.grown_capacity_factor`), if the buffers still fit the device
+    (ConfigError naming the field and the bytes otherwise), and the step's callers rerun it."""
+    from moejax.placement import dispatch as dispatch_lib
+    placement = self.layout.placement
+    old = self.dispatch_capacity_factor
+    a = self._tokens_per_device * placement.top_k
+    new = dispatch_lib.grown_capacity_factor(old, needed_rows, a, placement.num_devices)
+    grown = dataclasses.replace(self.cfg, moe=dataclasses.replace(
+        self.cfg.moe, dispatch_capacity_factor=new))
+    limit = memory.device_memory_bytes(self.mesh.devices.flat[0])
+    if limit is not None:
+      memory.check_fits(grown, num_devices(self.mesh), limit,
+                        why=f"a step needed {needed_rows} dispatch rows at one destination")
+    rows = lambda f: dispatch_lib.ep_capacity(a, placement.num_devices, f)  # noqa: E731
+    log(f"moejax: the {placement.kind} dispatch buffers overflowed (a device sent {needed_rows} "
+        f"rows to one destination, room for {rows(old)}): moe.dispatch_capacity_factor {old:g} "
+        f"-> {f'{new:g}' if new else '0 (dropless)'} ({rows(new)} rows per destination); "
+        "rerunning the step")
+    self.dispatch_capacity_factor = new
 
   def adopt(self, state, current: "Compiled", specs: dict):
     """Switch from `current` to the codec choice `specs`: (state with codec states for it,
@@ -136,7 +256,17 @@ class Trainer:
     return state_lib.with_rebuilt_state(self.layout, self._init(jax.random.key(seed)))
 
   def evaluate(self, params, batches, placement_state=None) -> float:
-    return float(np.mean([float(self.eval_step(params, b, placement_state)) for b in batches]))
+    """Mean validation loss over `batches`; a batch that overflowed the dispatch buffers is
+    evaluated again with grown ones (never a loss with dropped assignments)."""
+    losses = []
+    for b in batches:
+      while True:
+        loss, dropped, needed = self.eval_step(params, b, placement_state)
+        if not int(dropped) or self.cfg.moe.dispatch_overflow != "grow":
+          break
+        self.grow_dispatch(int(needed))
+      losses.append(float(loss))
+    return float(np.mean(losses))
 
   def reshard(self, state):
     """fssdp: new expert owners balancing the load history, heterogeneous across layers; the
@@ -241,7 +371,8 @@ def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
   # codec.mode=auto / codec.select: plain gathers until the policy's first decision.
   policy = CodecPolicy(trainer.layout.gatherer, trainer.mesh, cfg.codec, workdir=workdir)
   checkpoints = checkpoint_lib.Checkpointer(
-      workdir, cfg, trainer.layout.checkpoint_items + policy.checkpoint_items)
+      workdir, cfg,
+      trainer.layout.checkpoint_items + policy.checkpoint_items + trainer.checkpoint_items)
   try:
     restored = checkpoints.restore(trainer.layout, trainer.tx, data.train)
     if restored is None and cfg.init_from:

@@ -64,7 +64,8 @@ def placement_of(cfg: Config, mesh, param_meta=None) -> Placement:
                    cfg.model.d_model, moe.expert_hidden, num_devices(mesh),
                    topology(mesh).devices_per_node, DEVICES,
                    dispatch_capacity_factor=moe.dispatch_capacity_factor,
-                   replica_slots=f.replica_slots, overlap_degree=f.overlap_degree,
+                   dispatch_overflow=moe.dispatch_overflow, replica_slots=f.replica_slots,
+                   overlap_degree=f.overlap_degree,
                    calibrate=f.calibrate, window=f.window, max_per_layer_setting=f.max_per_layer,
                    expert_paths=axes.expert_paths(param_meta),
                    itemsize=jnp.dtype(hook.COMPUTE_DTYPES[cfg.compute_dtype]).itemsize)

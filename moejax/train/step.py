@@ -172,6 +172,8 @@ def make_train_step(cfg: Config, mesh, lay: StateLayout, tx: optax.GradientTrans
   (tests pass `chex.assert_max_traces`, so a retrace fails instead of compiling again)."""
   check_divisibility(cfg, mesh, lay)
   sharded_grads = make_grad_fn(cfg, mesh, lay)
+  tokens_per_device = cfg.batch_size * cfg.seq_len // num_devices(mesh)
+  grows = lay.placement.grows_dispatch(tokens_per_device)
 
   def train_step(state: TrainState, batch):
     grads, parts, gather_state, gather_stats = sharded_grads(
@@ -183,13 +185,20 @@ def make_train_step(cfg: Config, mesh, lay: StateLayout, tx: optax.GradientTrans
     placement_state = lay.placement.next_state(state.placement, load_LxE)
     routing = routing_metrics(cfg, parts.pop("routing_L"), parts.pop("ep_dropped_L"))
     placement = lay.placement.metrics(parts.pop("placement_L", {}),
-                                      tokens_per_device=cfg.batch_size * cfg.seq_len
-                                      // num_devices(mesh), remat=cfg.remat)
+                                      tokens_per_device=tokens_per_device, remat=cfg.remat)
     metrics = dict(parts, expert_load_LxE=load_LxE, grad_norm=optax.tree.norm(grads),
                    lr=schedule(state.step), **routing,
                    **placement, **gather_metrics(cfg, lay, gather_stats))
-    return TrainState(step=state.step + 1, params=params, opt_state=opt_state,
-                      gather_state=gather_state, placement=placement_state), metrics
+    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
+                           gather_state=gather_state, placement=placement_state)
+    if grows:
+      # moe.dispatch_overflow="grow": a step that dropped an assignment for lack of buffer room
+      # applies nothing (parameters, optimizer, codec caches, load history, step all stay), and
+      # the Trainer reruns it with larger buffers (`moejax.train.loop.Trainer.grow_dispatch`).
+      overflow = routing["ep_dropped_frac"] > 0
+      new_state = jax.tree.map(lambda new, old: jnp.where(overflow, old, new), new_state, state)
+      metrics["dispatch_overflow"] = overflow.astype(jnp.int32)
+    return new_state, metrics
 
   if trace_guard is not None:
     train_step = trace_guard(train_step)
@@ -197,7 +206,9 @@ def make_train_step(cfg: Config, mesh, lay: StateLayout, tx: optax.GradientTrans
 
 
 def make_eval_step(cfg: Config, mesh, lay: StateLayout):
-  """eval_step(params, batch, placement_state=None) -> mean cross-entropy over the batch
+  """eval_step(params, batch, placement_state=None) -> (mean cross-entropy over the batch,
+  assignments dropped for lack of dispatch buffer room (the loss is exact only when 0), the most
+  dispatch rows any device sent to one destination)
   (placement_state: TrainState.placement, where experts are stored; None = the even start)."""
   def body(params, batch, placement_state):
     # Evaluate under the post-warm-up capacity schedule: the routing regime being trained for.
@@ -205,13 +216,17 @@ def make_eval_step(cfg: Config, mesh, lay: StateLayout):
     # flat: evaluation plans no replicas from training's history.
     if placement_state is not None:
       placement_state = lay.placement.init_state().replace(owner_LxE=placement_state.owner_LxE)
-    logits_BxSxV, _, _, _ = _forward_local(cfg, lay, params, batch["inputs"],
-                                           cfg.routing.warmup_steps, None, placement_state)
+    logits_BxSxV, aux_L, _, _ = _forward_local(cfg, lay, params, batch["inputs"],
+                                               cfg.routing.warmup_steps, None, placement_state)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits_BxSxV, batch["targets"])
-    return jax.lax.psum(jnp.sum(ce), DEVICES) / (cfg.batch_size * cfg.seq_len)
+    needed = (jnp.max(aux_L["placement"]["dispatch_needed"]) if "placement" in aux_L
+              else jnp.zeros((), jnp.float32))
+    return (jax.lax.psum(jnp.sum(ce), DEVICES) / (cfg.batch_size * cfg.seq_len),
+            jax.lax.psum(jnp.sum(aux_L["dropped"]), DEVICES),
+            jnp.round(jax.lax.psum(needed, DEVICES)).astype(jnp.int32))
 
   sharded = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(lay.param_specs, BATCH_SPEC, P()),
-                                  out_specs=P(), check_vma=False))
+                                  out_specs=(P(), P(), P()), check_vma=False))
 
   def eval_step(params, batch, placement_state=None):
     return sharded(params, batch, placement_state)

@@ -32,8 +32,8 @@ def _ep(capacity_factor: float):
                                    devices_per_node=N, capacity_factor=capacity_factor)
 
   def body(*args):
-    y, dropped, received = dispatch_lib.ep_experts(*args, dispatch=dispatch)
-    return y, dropped[None], received[None]
+    y, dropped, received, needed = dispatch_lib.ep_experts(*args, dispatch=dispatch)
+    return y, dropped[None], received[None], needed[None]
 
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("devices"),) * 6,
                                out_specs=P("devices"), check_vma=False))
@@ -41,7 +41,7 @@ def _ep(capacity_factor: float):
 
 def test_dropless_ep_matches_local_experts():
   args = _inputs()
-  y, dropped, received = _ep(0.0)(*args)
+  y, dropped, received, _ = _ep(0.0)(*args)
   want, _ = jax.jit(dispatch_lib.local_experts)(*args)
   np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-6, atol=1e-6)
   assert int(dropped.sum()) == 0
@@ -51,12 +51,17 @@ def test_dropless_ep_matches_local_experts():
 
 def test_capacity_drops_what_does_not_fit_and_zeroes_it():
   args = _inputs()
-  y, dropped, _ = _ep(1.0)(*args)
+  y, dropped, _, needed = _ep(1.0)(*args)
   c = dispatch_lib.ep_capacity(T * K, N, 1.0)
   owner_NxA = np.asarray(args[1]).reshape(N, T * K) // (E // N)
   per_dest = np.stack([np.bincount(row, minlength=N) for row in owner_NxA])
   want = np.maximum(per_dest - c, 0).sum(axis=1)
   np.testing.assert_array_equal(np.asarray(dropped), want)
+  # Every device reports the most rows any device sent to one destination: what a buffer
+  # grown from this step's loads must hold (dispatch.grown_capacity_factor).
+  np.testing.assert_array_equal(np.asarray(needed), np.full(N, per_dest.max()))
+  grown = dispatch_lib.grown_capacity_factor(1.0, int(per_dest.max()), T * K, N)
+  assert grown == 0.0 or dispatch_lib.ep_capacity(T * K, N, grown) >= per_dest.max()
   assert want[0] == T * K - c               # the hot source overflows
   # Its tokens all went to one owner: those past the first c//K tokens came back as zeros.
   assert np.all(np.asarray(y[c // K:T]) == 0) and np.any(np.asarray(y[:c // K]) != 0)
@@ -74,3 +79,14 @@ def test_each_platform_lowers_its_own_exchange(platform):
       assert ragged == 0 and "stablehlo.all_to_all" in text
     else:                     # ids and tokens out, results back (and their transposes)
       assert ragged >= 3
+
+
+def test_grown_capacity_covers_the_need_with_a_margin_and_at_least_doubles():
+  a, n = 32768, 64                                  # the 1b7b preset: 4096 tokens x top-8
+  assert dispatch_lib.ep_capacity(a, n, 2.0) == 1024
+  # The need sets the size (x1.25), else at least twice the old capacity; the factor, in three
+  # decimals, gives at least that many rows and at most 0.1% more.
+  for needed, rows in ((1100, 2048), (2000, 2500)):
+    factor = dispatch_lib.grown_capacity_factor(2.0, needed, a, n)
+    assert rows <= dispatch_lib.ep_capacity(a, n, factor) <= rows * 1.001
+  assert dispatch_lib.grown_capacity_factor(2.0, 30000, a, n) == 0.0     # dropless: all of A

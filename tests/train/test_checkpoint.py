@@ -213,7 +213,8 @@ def test_which_fields_may_differ_on_resume():
   ckpt.check_compatible(saved, tiny_config(**{
       "steps": 999, "log_every": 3, "eval_every": 7, "eval_batches": 2, "remat": "none",
       "mesh.shape": (2, -1), "moe.placement": "ep", "checkpoint.every": 5,
-      "checkpoint.keep": 9, "init_from": "elsewhere"}))
+      "checkpoint.keep": 9, "init_from": "elsewhere", "moe.dispatch_capacity_factor": 3.0,
+      "moe.dispatch_overflow": "drop"}))
   for field, value, message in [
       ("optim.lr", 1e-3, "config.optim.lr: checkpoint has 0.003, run has 0.001"),
       ("moe.num_experts", 16, "config.moe.num_experts: checkpoint has 8, run has 16"),

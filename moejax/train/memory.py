@@ -1,0 +1,223 @@
+"""Per-device memory of one train step, by component, from the config and a device count alone:
+no devices, no compile (`jax.eval_shape` only), so it answers for a cluster you do not have.
+
+  parameters      fp32 master shards (the parameter layouts: `moejax.sharding.layout`)
+  optimizer       the optimizer state of those shards (optax's own `init`, abstractly)
+  gradients       fp32 gradient shards, live with both of the above before the update
+  placement       fssdp's load history and expert owners
+  codec_state     the compressed gather's caches (codec.mode; auto: a cache of every shard)
+  batch           this device's inputs and targets
+  gathered        compute-dtype copies of gathered weights live at once: the embedding and head
+                  tables, one layer (two with prefetch) of every layer group, all layers when
+                  remat="none" keeps them for backward, plus one layer's fp32 weight gradient
+                  before its reduce-scatter; under ep/fssdp the experts are not gathered (their
+                  owned slots are cast, fssdp adds its M replicas, gathered again in backward)
+  activations     what the remat policy keeps per layer (`moejax.sharding.prefetch`): full, the
+                  layer inputs; minimal, also every matmul output; none, also the elementwise
+                  intermediates; plus one layer's working set twice (recompute and cotangents) and
+                  the fp32 logits with their gradient
+  exchange        ep/fssdp dispatch buffers of one MoE layer (forward and backward; every layer's
+                  forward under remat="none"): N x C rows each way and sorted by expert, the
+                  expert hidden rows, and fssdp's SparseReduceScatter buffer (fp32)
+
+It models the program a GPU runs (attention in the fused kernel, no score matrix kept; bf16
+matmuls accumulate in fp32 without upcast copies of the weights). XLA:CPU's buffers differ: it
+upcasts every bf16 dot to fp32 copies and keeps small scratch for each fusion, so its temp sizes
+at the tiny shapes say little about a GPU's (tests/train/test_memory.py compares the exact parts
+and prints the ratio of the rest).
+
+`check_fits` is what the Trainer calls: on a device whose memory XLA reports (GPUs), a config
+whose step cannot fit stops with one line naming the largest component's field and the bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+
+from moejax.config import Config, num_moe_layers
+from moejax.errors import ConfigError
+
+# The config field that sizes each component, named when the step does not fit.
+FIELDS = {"parameters": "model (its shapes)", "optimizer": "optim", "gradients": "model",
+          "placement": "fssdp.window",
+          "codec_state": "codec.mode", "batch": "batch_size",
+          "gathered": "prefetch / remat", "activations": "remat (or batch_size x seq_len)",
+          "exchange": "moe.dispatch_capacity_factor"}
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+  """Bytes per device by component (`components`, in the module docstring's order)."""
+  num_devices: int
+  components: dict
+
+  @property
+  def total(self) -> int:
+    return int(sum(self.components.values()))
+
+  @property
+  def largest(self) -> str:
+    return max(self.components, key=self.components.get)
+
+  def table(self) -> str:
+    rows = [f"{name:<12} {_gib(b):>10}" for name, b in self.components.items()]
+    return "\n".join(rows + [f"{'total':<12} {_gib(self.total):>10}"])
+
+
+def _gib(nbytes: float) -> str:
+  return f"{nbytes / 2**30:.2f} GiB"
+
+
+def _nbytes(tree) -> int:
+  return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
+def memory_report(cfg: Config, num_devices: int, *,
+                  dispatch_capacity_factor: float | None = None) -> MemoryReport:
+  """Per-device bytes of `cfg`'s train step on `num_devices` devices (module docstring).
+  `dispatch_capacity_factor`: the ep/fssdp buffers' factor, if not the config's."""
+  from moejax.models import olmoe
+  from moejax.placement.dispatch import ep_capacity
+  from moejax.sharding import hook, layout as layout_lib
+  from moejax.sharding.prefetch import recomputes
+  from moejax.train import optim
+  n = num_devices
+  m, moe = cfg.model, cfg.moe
+  factor = moe.dispatch_capacity_factor if dispatch_capacity_factor is None else (
+      dispatch_capacity_factor)
+  c = np.dtype(hook.COMPUTE_DTYPES[cfg.compute_dtype]).itemsize
+  meta = olmoe.param_meta(cfg)
+  layouts = layout_lib.param_layouts(meta, moe.placement, n)
+  shapes = jax.eval_shape(lambda k: olmoe.init_params(cfg, k), jax.random.key(0))
+
+  def shard(x, lay):
+    shape = list(x.shape)
+    if lay.kind != "replicate":
+      shape[lay.dim] = -(-shape[lay.dim] // n)
+    return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+
+  shards = jax.tree.map(shard, shapes, layouts,
+                        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+  parameters = _nbytes(shards)
+  # The optimizer's state, and the step counter beside it.
+  optimizer = _nbytes(jax.eval_shape(optim.make_optimizer(cfg).init, shards)) + 4
+
+  # Gathered weights: per group, one copy's elements (a layer's slice of a layer group).
+  tokens = cfg.batch_size * cfg.seq_len // n
+  owns = moe.placement in ("ep", "fssdp")
+  gathered = 0
+  layer_elems = {}                          # group -> (gathered, local expert) elements per layer
+  for group, group_meta in meta.items():
+    leaves = jax.tree.leaves(group_meta)
+    stacked = leaves[0].axes[0] == "layers"
+    full = local = 0
+    for leaf, lay in zip(leaves, jax.tree.leaves(layouts[group])):
+      size = math.prod(leaf.shape) // (leaf.shape[0] if stacked else 1)
+      if owns and lay.kind == "expert":
+        local += size // n
+      elif lay.kind != "replicate":
+        full += size
+    if not stacked:
+      gathered += full * c
+    else:
+      layer_elems[group] = (full, local)
+  fssdp_replicas = 0
+  if moe.placement == "fssdp":
+    fssdp_replicas = cfg.fssdp.replica_slots * 3 * m.d_model * moe.expert_hidden
+  kept_layers = (sum(count for g, _, count in olmoe.layer_runs(cfg) if g in layer_elems)
+                 if cfg.remat == "none" else 0)
+  biggest = max([f + l + fssdp_replicas * (g == "layers") for g, (f, l) in layer_elems.items()],
+                default=0)
+  live = (2 if cfg.prefetch else 1)
+  gathered += live * biggest * c + biggest * 4 + kept_layers * biggest * c
+
+  # Activations (compute dtype unless noted), per layer of T tokens here.
+  d, v = m.d_model, m.vocab_size
+  heads, kv = m.num_heads, (m.num_kv_heads or m.num_heads)
+  head_dim = m.head_dim or d // heads
+  k, f, e = moe.top_k, moe.expert_hidden, moe.num_experts
+  a = tokens * k
+  matmul_out = tokens * ((heads + 2 * kv) * head_dim + d) * c + tokens * e * 4 + (
+      a * (2 * f + d) * c) + tokens * moe.shared_expert_hidden * 3 * c
+  elementwise = tokens * d * 4 * c + a * f * 4 + a * d * 4        # norms, rope, silu, combine
+  per_layer_saved = {"full": tokens * d * c, "minimal": tokens * d * c + matmul_out,
+                     "none": tokens * d * c + matmul_out + elementwise}[cfg.remat]
+  layers = m.num_layers
+  working = 2 * (tokens * d * c + matmul_out + elementwise)
+  logits = 2 * tokens * v * 4
+  activations = layers * per_layer_saved + working + logits
+
+  exchange = 0
+  if owns and n > 1:
+    cap = ep_capacity(a, n, factor)
+    rows = n * cap
+    one_way = rows * d * c
+    # Rows out and back, their sorted-by-expert copies in and out of the grouped matmul, the
+    # expert ids, and the hidden rows (gate and up accumulated in fp32, their product).
+    forward = 6 * one_way + 2 * rows * 4 + rows * f * (2 * 4 + c)
+    exchange = forward * (num_moe_layers(cfg) if not recomputes(cfg.remat) else 1) + forward
+    if moe.placement == "fssdp":
+      exchange += n * cfg.fssdp.replica_slots * 3 * d * f * 4      # SpRS, fp32
+  placement = 0
+  if moe.placement == "fssdp":     # FssdpState: the load history (fp32) and the owners (int32)
+    experts = num_moe_layers(cfg) * e
+    placement = (cfg.fssdp.window * experts + experts) * 4 + 4
+  if moe.placement == "fssdp" and cfg.fssdp.calibrate:
+    # Calibration's late SparseAllGather holds a second set of M replicas (and its SpRS) beside
+    # the planned one: the two branches of its conditional are live together.
+    gathered += fssdp_replicas * c
+    exchange += n * cfg.fssdp.replica_slots * 3 * d * f * 4
+  codec_state = _codec_state_bytes(cfg, meta, layouts, n, c)
+  batch = 2 * tokens * 4
+  return MemoryReport(n, {
+      "parameters": parameters, "optimizer": optimizer, "gradients": parameters,
+      "placement": placement, "codec_state": codec_state, "batch": batch,
+      "gathered": int(gathered),
+      "activations": int(activations), "exchange": int(exchange)})
+
+
+def _codec_state_bytes(cfg: Config, meta, layouts, n: int, itemsize: int) -> int:
+  """Caches of the compressed gather: (W-1) exponent bytes (element/block) or W bit patterns
+  (word/delta) per value of every sharded parameter; auto counts the largest (word caches)."""
+  mode = cfg.codec.mode
+  if mode == "off" or n == 1:
+    return 0
+  per_value = n * itemsize if mode in ("word", "delta", "auto") else n
+  total = 0
+  for group in meta:
+    for leaf, lay in zip(jax.tree.leaves(meta[group]), jax.tree.leaves(layouts[group])):
+      if lay.kind == "shard":
+        total += math.prod(leaf.shape) // n * per_value
+  if mode == "auto" and cfg.codec.cache_budget_bytes:
+    total = min(total, cfg.codec.cache_budget_bytes)
+  return total
+
+
+def device_memory_bytes(device) -> int | None:
+  """The memory XLA lets one device use (GPUs report it; CPU devices do not: None)."""
+  try:
+    stats = device.memory_stats()
+  except Exception:           # some backends raise instead of returning None
+    return None
+  return (stats or {}).get("bytes_limit")
+
+
+def check_fits(cfg: Config, num_devices: int, limit_bytes: int, *, why: str = "") -> MemoryReport:
+  """The report; ConfigError naming the largest component's field and the bytes when the step
+  needs more than `limit_bytes` per device (`device_memory_bytes`, or a GPU's you plan for)."""
+  report = memory_report(cfg, num_devices)
+  limit = limit_bytes
+  if report.total > limit:
+    part = report.largest
+    reason = f" ({why})" if why else ""
+    raise ConfigError(
+        f"config.{FIELDS[part]}: the train step needs about {_gib(report.total)} per device"
+        f"{reason}, more than the device's {_gib(limit)}; {part} alone takes "
+        f"{_gib(report.components[part])} (moejax.train.memory.memory_report has every part)")
+  return report
+
+
+__all__ = ["MemoryReport", "memory_report", "check_fits", "device_memory_bytes"]

@@ -1,0 +1,57 @@
+"""moejax.train.memory: per-device memory by component from the config alone. Here the presets
+at scale (no compile); tests/sharding/test_memory.py checks the report against XLA's memory
+analysis of the compiled tiny step on 8 devices."""
+import dataclasses
+
+import pytest
+
+from configs import olmoe as olmoe_configs
+from moejax.config import from_config_dict
+from moejax.errors import ConfigError
+from moejax.train.memory import check_fits, memory_report
+
+GB80 = 80 * 10**9          # an 80 GB accelerator (A100/H100-80G)
+
+
+def _1b7b(**moe):
+  cd = olmoe_configs.get_config("1b7b")
+  cd.moe.update(**moe)
+  return from_config_dict(cd)
+
+
+@pytest.mark.parametrize("placement", ["fsdp", "ep", "fssdp"])
+def test_1b7b_full_batch_on_64_devices_fits_80_gb_with_the_default_capacities(placement):
+  cfg = _1b7b(placement=placement)
+  report = memory_report(cfg, 64)
+  assert report.total < GB80, report.table()
+  # Every device holds 1/64 of the parameters (fp32 masters) and twice that of Adam moments.
+  whole = 6.92e9 * 4
+  assert 0.99 * whole / 64 < report.components["parameters"] < 1.01 * whole / 64
+  assert report.components["optimizer"] == pytest.approx(2 * report.components["parameters"],
+                                                         rel=1e-3)
+  if placement != "fsdp":       # bounded buffers: a few percent of the dropless worst case
+    dropless = memory_report(_1b7b(placement=placement, dispatch_capacity_factor=0.0), 64)
+    assert 0 < report.components["exchange"] < 0.1 * dropless.components["exchange"]
+
+
+def test_dropless_dispatch_at_scale_does_not_fit_and_stops_with_one_line():
+  """The worst-case buffers (N x T x K rows per device), the default before capacities were
+  bounded: 110 GiB for ep alone. The error names the field that sizes them."""
+  cfg = _1b7b(placement="ep", dispatch_capacity_factor=0.0)
+  report = memory_report(cfg, 64)
+  assert report.largest == "exchange" and report.components["exchange"] > GB80
+  with pytest.raises(ConfigError) as e:
+    check_fits(cfg, 64, GB80)
+  message = str(e.value)
+  assert message.startswith("config.moe.dispatch_capacity_factor: the train step needs about ")
+  assert "more than the device's 74.51 GiB; exchange alone takes" in message
+  assert "\n" not in message
+  assert check_fits(dataclasses.replace(cfg, moe=dataclasses.replace(
+      cfg.moe, dispatch_capacity_factor=2.0)), 64, GB80).total < GB80
+
+
+def test_remat_policies_order_the_activations():
+  """What a layer keeps for its backward: full < minimal < none."""
+  sizes = [memory_report(dataclasses.replace(_1b7b(), remat=r), 64).components["activations"]
+           for r in ("full", "minimal", "none")]
+  assert sizes == sorted(sizes) and sizes[0] < sizes[2]
