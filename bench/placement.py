@@ -51,6 +51,9 @@ class PlacementRun:
   def __init__(self, placement: str, timed_steps: int):
     cd = olmoe_configs.get_config("tiny")
     cd.moe.placement = placement
+    # Dropless ep/fssdp buffers: the compiled step runs here without the Trainer's regrowth
+    # (moejax.train.loop.GrowingStep), so a bounded buffer could overflow unnoticed.
+    cd.moe.dispatch_capacity_factor = 0.0
     cd.steps = WARMUP_STEPS + timed_steps
     self.cfg = cfg = from_config_dict(cd)
     data = make_data(DataSpec(seed=cfg.seed), batch_size=cfg.batch_size, seq_len=cfg.seq_len)

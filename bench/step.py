@@ -61,6 +61,9 @@ CODEC = {"codec.select": False, "codec.warmup_steps": 2, "optim.lr": 1e-4}
 
 def config(dims: str, **overrides):
   cd = olmoe_configs.get_config("tiny")
+  # Dropless ep/fssdp buffers: this bench runs the compiled step itself, without the Trainer's
+  # regrowth (moejax.train.loop.GrowingStep), so a bounded buffer could overflow unnoticed.
+  cd.moe.dispatch_capacity_factor = 0.0
   cd.update_from_flattened_dict({**DIMS[dims], "steps": 1000, **overrides})
   return from_config_dict(cd)
 

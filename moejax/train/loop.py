@@ -154,7 +154,7 @@ class Trainer:
     self.schedule = optim.lr_schedule(cfg)
     limit = memory.device_memory_bytes(self.mesh.devices.flat[0])
     if limit is not None:      # GPUs say how much they hold: stop now, not when XLA runs out
-      memory.check_fits(cfg, num_devices(self.mesh), limit)
+      memory.check_fits(cfg, num_devices(self.mesh), limit, tolerance=memory.TOLERANCE)
     self.layout = state_lib.state_layout(cfg, self.mesh, self.tx)
     # ep/fssdp: the dispatch buffers' size, grown by `grow_dispatch` when a step overflows them
     # (kept for later runs with this Trainer; a new one starts again from the config's).
@@ -223,7 +223,7 @@ class Trainer:
         self.cfg.moe, dispatch_capacity_factor=new))
     limit = memory.device_memory_bytes(self.mesh.devices.flat[0])
     if limit is not None:
-      memory.check_fits(grown, num_devices(self.mesh), limit,
+      memory.check_fits(grown, num_devices(self.mesh), limit, tolerance=memory.TOLERANCE,
                         why=f"a step needed {needed_rows} dispatch rows at one destination")
     rows = lambda f: dispatch_lib.ep_capacity(a, placement.num_devices, f)  # noqa: E731
     log(f"moejax: the {placement.kind} dispatch buffers overflowed (a device sent {needed_rows} "

@@ -55,3 +55,14 @@ def test_remat_policies_order_the_activations():
   sizes = [memory_report(dataclasses.replace(_1b7b(), remat=r), 64).components["activations"]
            for r in ("full", "minimal", "none")]
   assert sizes == sorted(sizes) and sizes[0] < sizes[2]
+
+
+def test_the_trainers_check_refuses_only_past_the_reports_accuracy():
+  """The Trainer checks with `TOLERANCE` (the report is within 10% of XLA's buffers): a step
+  estimated 5% over the device's memory may fit and runs; 20% over stops."""
+  from moejax.train.memory import TOLERANCE
+  cfg = _1b7b(placement="ep")
+  total = memory_report(cfg, 64).total
+  check_fits(cfg, 64, int(total / 1.05), tolerance=TOLERANCE)
+  with pytest.raises(ConfigError, match="config.moe.dispatch_capacity_factor: the train step"):
+    check_fits(cfg, 64, int(total / 1.2), tolerance=TOLERANCE)
