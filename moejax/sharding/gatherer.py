@@ -5,22 +5,24 @@ forward pass calls for each gather group: the top-level keys of the model's para
 declarations (`param_meta`: "embed", "layers" (one MoE layer's slice), "dense_layers" (one
 dense layer's, when the model has them), "final_norm", "lm_head" unless tied). A group whose
 parameters carry the stacked `axes.LAYERS` axis is a layer group: it is gathered one layer at a
-time inside the layer scan. It looks up each parameter's layout and, when the codec is on for it, its
-`CodecSpec` (mode and capacity, chosen per parameter) and state, and hands each leaf to the one
-gather (`moejax.sharding.hook.gather_leaf`): it only maps trees to leaves and sums figures.
+time inside the layer scan. It looks up each parameter's layout and, when the codec is on for
+it, its `CodecSpec` (mode and capacity, chosen per parameter) and state, and hands the group's
+leaves to the one gather (`moejax.sharding.hook.gather_leaves`, which packs the plain ones into
+one collective): it only maps trees to leaves and sums figures.
 
 Codec state lives in the train state as a dict {group: {param_path: state}} holding only the
 compressed parameters. Each device has its own state, so every state array is stored with a
 leading device axis [N, ...] sharded over all devices; layer parameters' states also carry the
 layer axis, [N, L, ...], which the layer scan slices. Parameters of `axes.FLOAT32_GROUPS` (the
-router's selection bias) are gathered plainly in float32, never compressed. Caches are rebuilt, not checkpointed.
-Without states (evaluation) every parameter is gathered plainly and no cache moves.
+router's selection bias) are gathered plainly in float32, never compressed. Caches are rebuilt,
+not checkpointed. Without states (evaluation) every parameter is gathered plainly and no cache
+moves.
 
-Stats: {report group (the `axes.GROUPS` entry each parameter declares): summed hook stats}, plus, under `PARAM_STATS`, each compressed
-parameter's own figures ({path: [K]}, [L, K] for layer parameters), `hook.STAT_KEYS` in order.
-`split_param_stats` takes them out again and `codec_metrics` turns them into one [R, K] array
-(rows: `param_rows()`) for whoever sizes or chooses the codec (`moejax.train.codec_control`), plus
-the cache memory per device by mode.
+Stats: {report group (the `axes.GROUPS` entry each parameter declares): summed hook stats},
+plus, under `PARAM_STATS`, each compressed parameter's own figures ({path: [K]}, [L, K] for
+layer parameters), `hook.STAT_KEYS` in order. `split_param_stats` takes them out again and
+`codec_metrics` turns them into one [R, K] array (rows: `param_rows()`) for whoever sizes or
+chooses the codec (`moejax.train.codec_control`), plus the cache memory per device by mode.
 """
 from __future__ import annotations
 
@@ -208,17 +210,18 @@ class Gatherer:
       lays = jax.tree.map(Layout.unstacked, lays)
     paths = _leaf_paths(shards)
     leaves, treedef = jax.tree.flatten(shards)
-    fulls, new_states, stats, per_param = [], {}, {}, {}
-    for path, x, lay in zip(paths, leaves, treedef.flatten_up_to(lays)):
-      spec = self.specs[group].get(path) if states is not None else None
-      key = self.report_group(group, path)
-      dtype = jnp.float32 if key in axes.FLOAT32_GROUPS else self.compute_dtype
-      full, new_state, s = hook.gather_leaf(x, lay, spec, states[path] if spec else None,
-                                            dtype=dtype)
+    specs = [self.specs[group].get(path) if states is not None else None for path in paths]
+    keys = [self.report_group(group, path) for path in paths]
+    fulls, leaf_states, leaf_stats = hook.gather_leaves(
+        leaves, treedef.flatten_up_to(lays), specs,
+        [states[path] if spec else None for path, spec in zip(paths, specs)],
+        dtypes=[jnp.float32 if key in axes.FLOAT32_GROUPS else self.compute_dtype
+                for key in keys])
+    new_states, stats, per_param = {}, {}, {}
+    for path, spec, key, new_state, s in zip(paths, specs, keys, leaf_states, leaf_stats):
       if spec is not None:
         new_states[path] = new_state
         per_param[path] = jnp.stack([s[k] for k in hook.STAT_KEYS])
-      fulls.append(full)
       stats[key] = s if key not in stats else {k: stats[key][k] + s[k] for k in s}
     if per_param:
       stats[PARAM_STATS] = per_param

@@ -3,8 +3,8 @@ the sharding hook issues.
 
 Two views of one program:
   StableHLO (`lowered.as_text()`)      the collectives we wrote, before XLA touches them: the
-                                       hook's all_gathers of bf16 bit patterns (ui16), of
-                                       per-layer shapes.
+                                       hook's all_gathers of bf16 bit patterns (ui16), one
+                                       per gather group (a layer's parameters packed).
   compiled HLO (`compiled.as_text()`)  after SPMD partitioning and optimization. Any collective
                                        XLA adds to reshard arrays (say for an optimizer update
                                        outside the shard_map) shows up here, named in its
@@ -19,11 +19,11 @@ every backend.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 import jax
 
-from moejax.models import olmoe
 from moejax.sharding.layout import Layout
 
 PRIMITIVE = {"all-gather": "all_gather", "reduce-scatter": "reduce_scatter"}
@@ -80,20 +80,29 @@ def stablehlo_gathers(text: str) -> list[Collective]:
 
 
 def hook_shapes(layout, num_devices: int) -> dict[str, set[tuple]]:
-  """Result shapes of the hook's collectives: {"all-gather": full per-layer parameter shapes,
-  "reduce-scatter": their per-device shards}, for the parameters it shards."""
+  """Result shapes of the hook's plain collectives: {"all-gather": [W, N] for each gather group
+  and dtype (`hook.gather_leaves` packs a group's plain sharded leaves of one dtype into one
+  flat buffer of N values per device), "reduce-scatter": [N]}, codec off."""
+  from moejax.sharding import axes
+  gatherer = layout.gatherer
   gathers, scatters = set(), set()
-  for name, shapes in layout.param_shapes.items():
-    stacked = name in olmoe.LAYER_GROUPS
-    for x, lay in zip(jax.tree.leaves(shapes), jax.tree.leaves(
-        layout.layouts[name], is_leaf=lambda v: isinstance(v, Layout))):
+  for group in gatherer.groups:
+    sizes: dict = {}
+    for path, lay in zip(_paths(gatherer.param_meta[group]), jax.tree.leaves(
+        gatherer.layouts[group], is_leaf=lambda v: isinstance(v, Layout))):
       if lay.kind != "shard":
         continue
-      full = list(x.shape[1:] if stacked else x.shape)
-      gathers.add(tuple(full))
-      full[lay.unstacked().dim if stacked else lay.dim] //= num_devices
-      scatters.add(tuple(full))
+      float32 = gatherer.report_group(group, path) in axes.FLOAT32_GROUPS
+      n = math.prod(gatherer.shard_shape(group, path))
+      sizes[float32] = sizes.get(float32, 0) + n
+    for n in sizes.values():
+      gathers.add((num_devices, n))
+      scatters.add((n,))
   return {"all-gather": gathers, "reduce-scatter": scatters}
+
+
+def _paths(tree) -> list[str]:
+  return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
 
 
 def stacked_shapes(layout) -> set[tuple]:
@@ -106,7 +115,7 @@ def problems(found: list[Collective], expected: dict[str, set[tuple]],
   """Every all-gather / reduce-scatter in `found` that the hook did not issue; [] if none.
 
   One the hook issued: made by the JAX primitive (not added by XLA), with a result shape the
-  hook produces (a full per-layer parameter; its shard) and an allowed dtype.
+  hook produces (a gather group's packed buffer [W, N]; its shard [N]) and an allowed dtype.
   """
   out = []
   for c in found:
@@ -116,7 +125,7 @@ def problems(found: list[Collective], expected: dict[str, set[tuple]],
       out.append(f"{c}: added by XLA, not issued by a {PRIMITIVE[c.op]} in the step")
     if c.shape not in expected[c.op]:
       note = ", a whole layer-stacked array" if c.shape in stacked else ""
-      out.append(f"{c}: not a per-layer parameter shape the hook produces{note}")
+      out.append(f"{c}: not a shape the hook produces{note}")
     if c.dtype not in dtypes[c.op]:
       out.append(f"{c}: dtype {c.dtype}, expected one of {sorted(dtypes[c.op])}")
   return out
@@ -130,9 +139,9 @@ def missing(found: list[Collective], expected: dict[str, set[tuple]]) -> list[st
 
 def stablehlo_problems(found: list[Collective], expected: dict[str, set[tuple]],
                        dtype: str = "ui16") -> list[str]:
-  """The gathers as written: each in `dtype` and of a full per-layer parameter shape."""
+  """The gathers as written: each in `dtype` and of a shape the hook gathers."""
   shapes = expected["all-gather"]
-  return [f"{c}: " + ("not a full per-layer parameter shape" if c.shape not in shapes else
+  return [f"{c}: " + ("not a shape the hook gathers" if c.shape not in shapes else
                       f"gathers {c.dtype}, the hook gathers {dtype}")
           for c in found if c.shape not in shapes or c.dtype != dtype]
 

@@ -1,11 +1,13 @@
 """The compiled train step moves parameters only through the hook.
 
-On 8 devices with fsdp, every all-gather in the compiled step is one the hook issued: a full
-per-layer parameter (never a layer-stacked array, never optimizer state), gathered as bf16 bit
-patterns (u16: no float normalization can touch them);
-none was added by XLA (say, to run the optimizer update on gathered parameters). Every reduce-scatter returns a per-layer gradient shard in f32. The
-checker is shown to flag programs that gather in those other ways. (Default config: codec off;
-the compressed gather moves payloads of other shapes and would need its own expectations.)
+On 8 devices with fsdp, every all-gather in the compiled step is one the hook issued: one gather
+group's sharded parameters packed into one buffer (a layer's, the embedding's; never a
+layer-stacked array, never optimizer state), gathered as bf16 bit patterns (u16: no float
+normalization can touch them);
+none was added by XLA (say, to run the optimizer update on gathered parameters). Every
+reduce-scatter returns a group's packed gradient shard in f32. The checker is shown to flag
+programs that gather in those other ways. (Default config: codec off; the compressed gather
+moves payloads of other shapes and would need its own expectations.)
 """
 import jax
 import jax.numpy as jnp
@@ -36,7 +38,7 @@ def test_train_step_gathers_only_through_the_hook(fsdp8):
   step = fsdp8
   expected = _expected(step)
   stacked = hlo.stacked_shapes(step.trainer.layout)
-  # The premise: a stacked array can never pass for a per-layer parameter.
+  # The premise: a stacked array can never pass for a packed buffer.
   assert not expected["all-gather"] & stacked
 
   written = hlo.stablehlo_gathers(step.lowered.as_text())

@@ -146,6 +146,61 @@ def test_plain_stats_match_lax_all_gather_volume():
   """The plain gather's bytes_sent is what the all-gather operand holds (bf16 shard)."""
   x = jnp.ones((W * 3, 5), jnp.float32)
   lowered = _gather_fn(Layout("shard", 0), 2).lower(x).as_text()
-  assert "(tensor<3x5xui16>) -> tensor<24x5xui16>" in lowered   # integer view, not bf16
+  assert "(tensor<1x15xui16>) -> tensor<8x15xui16>" in lowered   # integer view, not bf16
   _, stats = _gather_fn(Layout("shard", 0), 2)(x)
   assert float(stats["bytes_sent"][0]) == 3 * 5 * 2
+
+
+def _collective_count(text: str, op: str) -> int:
+  return text.count(f"stablehlo.{op}")
+
+
+def test_a_groups_plain_gathers_travel_in_one_collective_each_way():
+  """gather_leaves of a layer-like group (sharded leaves along different dims, a float32 one, a
+  replicated and an expert leaf): one all_gather of the bf16 leaves' packed bit patterns, one of
+  the float32 leaf, and one reduce-scatter back per dtype; each full leaf equals its own tiled
+  gather bit for bit, and each gradient its own reduce-scatter (the fp32 sum over devices)."""
+  rng = np.random.default_rng(3)
+  shapes = [(W * 2, 3), (4, W), (W * 5,), (2, W * 3), (3, 4), (W, 2)]
+  layouts = [Layout("shard", 0), Layout("shard", 1), Layout("shard", 0), Layout("shard", 1),
+             Layout("replicate"), Layout("expert", 0)]
+  dtypes = [jnp.bfloat16, jnp.bfloat16, jnp.bfloat16, jnp.float32, jnp.bfloat16, jnp.bfloat16]
+  xs = [jnp.asarray(rng.normal(size=s).astype(np.float32)) for s in shapes]
+  in_specs = tuple(P(*[AXIS if i == lay.dim else None for i in range(len(s))])
+                   if lay.kind != "replicate" else P() for s, lay in zip(shapes, layouts))
+  # one weight per device-side full leaf (an expert leaf stays this device's rows: [1, 2])
+  weights = [jnp.asarray(rng.normal(size=(1, 2) if lay.kind == "expert" else s)
+                         .astype(np.float32)) for s, lay in zip(shapes, layouts)]
+
+  def body(xs, weights):
+    def loss(xs):
+      fulls, _, _ = hook.gather_leaves(list(xs), layouts, [None] * len(xs), [None] * len(xs),
+                                       axis_names=AXIS, dtypes=dtypes)
+      value = sum(jnp.sum(jnp.sin(f.astype(jnp.float32)) * w) for f, w in zip(fulls, weights))
+      return value, fulls
+
+    grads, fulls = jax.grad(loss, has_aux=True)(xs)
+    return tuple(f[None] for f in fulls), grads
+
+  fn = jax.jit(jax.shard_map(body, mesh=MESH, in_specs=(in_specs, tuple(P() for _ in shapes)),
+                             out_specs=(tuple(P(AXIS) for _ in shapes), in_specs),
+                             check_vma=False))
+  text = fn.lower(tuple(xs), tuple(weights)).as_text()
+  assert _collective_count(text, "all_gather") == 2        # the bf16 pack and the float32 pack
+  assert _collective_count(text, "reduce_scatter") == 2
+  fulls, grads = fn(tuple(xs), tuple(weights))
+  for x, full, g, w, lay, dtype in zip(xs, fulls, grads, weights, layouts, dtypes):
+    # every device's copy is the whole parameter in its dtype (sharded, replicated alike)
+    want = np.asarray(x.astype(dtype))
+    if lay.kind == "expert":     # used where it lives: each device keeps its own rows
+      want = want.reshape((W, -1) + want.shape[1:])
+      np.testing.assert_array_equal(np.asarray(full).reshape(want.shape), want)
+    else:
+      for d in range(W):
+        np.testing.assert_array_equal(np.asarray(full[d]).view(np.uint8), want.view(np.uint8))
+    # each device's cotangent is cos(full) * w, in the leaf's dtype; the owned part sums it
+    # over the devices in fp32
+    ct = np.cos(np.asarray(x.astype(dtype).astype(jnp.float32))) * np.asarray(w)
+    ct = np.asarray(jnp.asarray(ct).astype(dtype).astype(jnp.float32))
+    expected = ct if lay.kind == "expert" else W * ct   # the owner's gradient is complete
+    np.testing.assert_allclose(np.asarray(g), expected, rtol=1e-6)
