@@ -32,7 +32,8 @@ the uncompressed gather) and refills every cache when
 
 Devices agree on the path with one tiny `all_gather` of six int32 per device (flags for the
 three conditions above and change counts, also used for stats), issued before the payload; a
-condition on any device sends everyone down the dense path.
+condition on any device sends everyone down the dense path. `compressed_all_gather_group` does
+the same for several shards with one agreement collective for all of them.
 
 Both paths are exact, so the output never depends on which one ran.
 
@@ -276,7 +277,9 @@ def _scatter_grad(ct_full, axis_name, axis, dtypes):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _codec_gather(shard, state, axis_name, axis, spec, dtypes):
-  return _forward_jit(shard.astype(dtypes[0]), state, axis_name, axis, spec)
+  (full,), (new_state,), (stats,) = _forward_jit((shard.astype(dtypes[0]),), (state,), axis_name,
+                                                 (axis,), (spec,))
+  return full, new_state, stats
 
 
 def _codec_gather_fwd(shard, state, axis_name, axis, spec, dtypes):
@@ -291,11 +294,18 @@ def _codec_gather_bwd(axis_name, axis, spec, dtypes, _, cotangents):
 _codec_gather.defvjp(_codec_gather_fwd, _codec_gather_bwd)
 
 
-def _tile(x_WxS: jax.Array, axis: int) -> jax.Array:
-  """[W, *shard_shape] -> shard_shape with the W pieces concatenated along `axis`."""
+def tile(x_WxS: jax.Array, axis: int) -> jax.Array:
+  """[W, *shard_shape] -> the W pieces concatenated along `axis` (what a tiled gather returns)."""
   shape = x_WxS.shape[1:]
   x = jnp.moveaxis(x_WxS, 0, axis)
   return x.reshape(shape[:axis] + (x_WxS.shape[0] * shape[axis],) + shape[axis + 1:])
+
+
+def untile(full: jax.Array, axis: int, w: int) -> jax.Array:
+  """The inverse of `tile`: [..., W * s, ...] along `axis` -> [W, *shard_shape]."""
+  shape = full.shape
+  return jnp.moveaxis(full.reshape(shape[:axis] + (w, shape[axis] // w) + shape[axis + 1:]),
+                      axis, 0)
 
 
 def _send_exponents(bits_N, state, spec: CodecSpec, fmt: payload.Format, layout: bits.Layout):
@@ -339,27 +349,33 @@ def _send_words(bits_N, state, spec: CodecSpec, fmt: word.WordFormat, layout: bi
           escapes, far, lambda: word.encode(bits_N, codes_N, fmt, d_N)[0])
 
 
-def _forward(shard, state, axis_name, axis, spec: CodecSpec):
+def compressed_all_gather_group(shards, states, *, axis_name, axes, specs):
+  """The forward of `compressed_all_gather` for several shards at once (one gather group: a
+  layer's compressed parameters), without a VJP, for a caller that owns the gradient
+  (`moejax.sharding.hook.gather_leaves`). -> (fulls, new_states, stats), tuples in order.
+
+  Shards arrive in the dtype that travels. Each keeps its own spec, state, patch format and
+  dense / compressed choice (a shard that overflows falls back alone); the group shares one
+  agreement collective (six int32 per shard and device), so K shards cost K + 1 collectives
+  rather than 2K."""
+  return _forward_jit(tuple(shards), tuple(states), axis_name, tuple(axes), tuple(specs))
+
+
+def _sender(shard, state, axis_name, spec: CodecSpec):
+  """One shard's sender side and static formats -> dict (see `_send_exponents`)."""
   layout = bits.layout_of(shard.dtype)
   fmt = patch_format(shard.shape, shard.dtype, spec)
-  n, width = fmt.n, fmt.cache_width
   w = lax.axis_size(axis_name)
-  if state["cache"].shape != (w - 1, width):
-    raise ValueError(f"state cache has shape {state['cache'].shape}, expected {(w - 1, width)} "
-                     f"for a shard of {shard.shape} on an axis of {w} devices")
-  me = lax.axis_index(axis_name)
+  if state["cache"].shape != (w - 1, fmt.cache_width):
+    raise ValueError(f"state cache has shape {state['cache'].shape}, expected "
+                     f"{(w - 1, fmt.cache_width)} for a shard of {shard.shape} on an axis of "
+                     f"{w} devices")
   words = spec.mode in WORD_MODES
-
-  bits_N = lax.bitcast_convert_type(shard, layout.uint_dtype).reshape(n)
-
-  # Sender: what changed since the previous gather, and the wire of the compressed path.
+  bits_N = lax.bitcast_convert_type(shard, layout.uint_dtype).reshape(fmt.n)
   send = _send_words if words else _send_exponents
   new_prev, own, exponent_changes, block_changes, word_changes, count, far, make_wire = send(
       bits_N, state, spec, fmt, layout)
-
-  # Agreement: one tiny collective of flags and counts. Every device decides from the same
-  # gathered flags, so all take the same path even if their states disagreed. The last count is
-  # the changed units that use capacity (blocks, values, or escaped values).
+  # The last counts are the changed units that use capacity (blocks, values, or escapes).
   over = count > fmt.capacity
   if words:
     over = over | (far > fmt.far_capacity)
@@ -367,60 +383,80 @@ def _forward(shard, state, axis_name, axis, spec: CodecSpec):
            + jnp.logical_not(state["valid"]).astype(jnp.int32) * _INVALID
            + (state["step"] < spec.warmup_steps).astype(jnp.int32) * _WARM)
   local_6 = jnp.stack([flags, exponent_changes, block_changes, word_changes, count, far])
-  all_Wx6 = lax.all_gather(local_6, axis_name)
-  overflow, invalid, warm = (jnp.any((all_Wx6[:, 0] & f) != 0)
-                             for f in (_OVERFLOW, _INVALID, _WARM))
-  valid = jnp.logical_not(invalid)
-  dense = invalid | warm | overflow
+  return dict(layout=layout, fmt=fmt, words=words, bits_N=bits_N, new_prev=new_prev, own=own,
+              make_wire=make_wire, local_6=local_6)
+
+
+def _forward(shards, states, axis_name, axes, specs):
+  w = lax.axis_size(axis_name)
+  me = lax.axis_index(axis_name)
+  send = [_sender(x, st, axis_name, spec) for x, st, spec in zip(shards, states, specs)]
+
+  # Agreement: one tiny collective of every shard's flags and counts. Every device decides from
+  # the same gathered flags, so all take the same path for a shard even if their states
+  # disagreed.
+  all_WxKx6 = lax.all_gather(jnp.stack([s["local_6"] for s in send]), axis_name)
+  overflow_K, invalid_K, warm_K = (jnp.any((all_WxKx6[:, :, 0] & f) != 0, axis=0)
+                                   for f in (_OVERFLOW, _INVALID, _WARM))
+  dense_K = overflow_K | invalid_K | warm_K
 
   # Receivers: row r of the cache is device r + (r >= me).
   r = jnp.arange(w - 1, dtype=jnp.int32)
   others_R = r + (r >= me).astype(jnp.int32)
 
-  def dense_path(_):
-    bits_WxN = lax.all_gather(bits_N, axis_name)
+  def dense_path(s):
+    bits_WxN = lax.all_gather(s["bits_N"], axis_name)
     others_RxN = jnp.take(bits_WxN, others_R, axis=0)
-    if words:
+    if s["words"]:
       return bits_WxN, others_RxN
-    exp_RxN, _ = bits.split_bits(others_RxN, layout)
-    return bits_WxN, jnp.pad(exp_RxN, ((0, 0), (0, width - n)))
+    exp_RxN, _ = bits.split_bits(others_RxN, s["layout"])
+    return bits_WxN, jnp.pad(exp_RxN, ((0, 0), (0, s["fmt"].cache_width - s["fmt"].n)))
 
-  def compressed_path(_):
-    wire_WxL = lax.all_gather(make_wire(), axis_name)
-    if not words:   # patch + merge in one op (Triton kernel on GPU)
-      return kernels.decode(state["cache"], wire_WxL, own, me, fmt, layout)
-    cache_RxN = word.decode(state["cache"], jnp.take(wire_WxL, others_R, axis=0), fmt)
+  def compressed_path(s, state):
+    wire_WxL = lax.all_gather(s["make_wire"](), axis_name)
+    if not s["words"]:   # patch + merge in one op (Triton kernel on GPU)
+      return kernels.decode(state["cache"], wire_WxL, s["own"], me, s["fmt"], s["layout"])
+    cache_RxN = word.decode(state["cache"], jnp.take(wire_WxL, others_R, axis=0), s["fmt"])
     d = jnp.arange(w, dtype=jnp.int32)
     rows_W = jnp.where(d == me, w - 1, d - (d > me).astype(jnp.int32))
-    return jnp.take(jnp.concatenate([cache_RxN, bits_N[None]]), rows_W, axis=0), cache_RxN
+    return (jnp.take(jnp.concatenate([cache_RxN, s["bits_N"][None]]), rows_W, axis=0),
+            cache_RxN)
 
-  bits_WxN, cache = lax.cond(dense, dense_path, compressed_path, None)
-  full = _tile(lax.bitcast_convert_type(bits_WxN, layout.dtype).reshape((w,) + shard.shape),
-               axis)
+  # Each shard its own path: a shard that overflows falls back alone.
+  gathered = [lax.cond(dense_K[k], lambda _, s=s: dense_path(s),
+                       lambda _, s=s, st=st: compressed_path(s, st), None)
+              for k, (s, st) in enumerate(zip(send, states))]
 
-  new_state = {"prev": new_prev, "cache": cache,
-               "step": jnp.minimum(state["step"] + 1, spec.warmup_steps).astype(jnp.int32),
-               "valid": jnp.ones_like(state["valid"])}
-
-  sizes = wire_bytes(shard.shape, shard.dtype, spec)
-  mean_count, mean_far = (jnp.mean(all_Wx6[:, i].astype(jnp.float32)) for i in (4, 5))
-  needed = ((0 if words else n * layout.rest_bits)
-            + (fmt.fill_bits(mean_count, mean_far) if words else fmt.fill_bits(mean_count))) / 8
-  fill = jnp.max(all_Wx6[:, 4]) / np.float32(fmt.capacity)
-  if words and fmt.far_capacity:
-    fill = jnp.maximum(fill, jnp.max(all_Wx6[:, 5]) / np.float32(fmt.far_capacity))
-  stats = _stats(
-      bytes_sent=jnp.where(dense, sizes["dense"], sizes["compressed"]),
-      bytes_plain=sizes["plain"],
-      bytes_needed=jnp.where(valid, needed, sizes["plain"]),
-      exponent_changes=(jnp.where(valid, jnp.sum(all_Wx6[:, 1]), 0)
-                        if spec.detect == "exact" else -1),
-      block_changes=jnp.where(valid, jnp.sum(all_Wx6[:, 2]), 0),
-      word_changes=jnp.where(valid, jnp.sum(all_Wx6[:, 3]), 0) if words else -1,
-      capacity_fill=jnp.where(valid, fill, 0.0),
-      fallback=overflow & valid & jnp.logical_not(warm),
-      dense=dense)
-  return full, new_state, stats
+  fulls, new_states, stats = [], [], []
+  for k, (shard, state, axis, spec, s) in enumerate(zip(shards, states, axes, specs, send)):
+    bits_WxN, cache = gathered[k]
+    layout, fmt, words = s["layout"], s["fmt"], s["words"]
+    fulls.append(tile(lax.bitcast_convert_type(bits_WxN, layout.dtype)
+                       .reshape((w,) + shard.shape), axis))
+    new_states.append({"prev": s["new_prev"], "cache": cache,
+                       "step": jnp.minimum(state["step"] + 1, spec.warmup_steps).astype(jnp.int32),
+                       "valid": jnp.ones_like(state["valid"])})
+    all_Wx6 = all_WxKx6[:, k]
+    valid = jnp.logical_not(invalid_K[k])
+    sizes = wire_bytes(shard.shape, shard.dtype, spec)
+    mean_count, mean_far = (jnp.mean(all_Wx6[:, i].astype(jnp.float32)) for i in (4, 5))
+    needed = ((0 if words else fmt.n * layout.rest_bits)
+              + (fmt.fill_bits(mean_count, mean_far) if words else fmt.fill_bits(mean_count))) / 8
+    fill = jnp.max(all_Wx6[:, 4]) / np.float32(fmt.capacity)
+    if words and fmt.far_capacity:
+      fill = jnp.maximum(fill, jnp.max(all_Wx6[:, 5]) / np.float32(fmt.far_capacity))
+    stats.append(_stats(
+        bytes_sent=jnp.where(dense_K[k], sizes["dense"], sizes["compressed"]),
+        bytes_plain=sizes["plain"],
+        bytes_needed=jnp.where(valid, needed, sizes["plain"]),
+        exponent_changes=(jnp.where(valid, jnp.sum(all_Wx6[:, 1]), 0)
+                          if spec.detect == "exact" else -1),
+        block_changes=jnp.where(valid, jnp.sum(all_Wx6[:, 2]), 0),
+        word_changes=jnp.where(valid, jnp.sum(all_Wx6[:, 3]), 0) if words else -1,
+        capacity_fill=jnp.where(valid, fill, 0.0),
+        fallback=overflow_K[k] & valid & jnp.logical_not(warm_K[k]),
+        dense=dense_K[k]))
+  return tuple(fulls), tuple(new_states), tuple(stats)
 
 
 def codec_work(shard, state, *, axis_size: int, spec: CodecSpec):
@@ -441,7 +477,7 @@ def codec_work(shard, state, *, axis_size: int, spec: CodecSpec):
   return kernels.decode(state["cache"], wire_WxL, own, jnp.int32(0), fmt, layout)
 
 
-# A nested jit: a model gathers many shards of the same shape and spec (the projections of a
-# layer; each layer gather traced again for prefetch and for the backward re-gather), and a jit
-# is traced and lowered once per signature, which keeps tracing time flat.
+# A nested jit: a model gathers the same group of shards several times (each layer's gather
+# traced again for prefetch and for the backward re-gather), and a jit is traced and lowered
+# once per signature, which keeps tracing time flat.
 _forward_jit = jax.jit(_forward, static_argnums=(2, 3, 4))

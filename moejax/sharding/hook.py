@@ -13,11 +13,12 @@ its VJP sends the gradient home in fp32:
 
 The plain gather moves integer views, so it is bit-exact like the codec: XLA:CPU's float
 all-gather rewrites bf16 NaN payloads (0x7fbf arrives as 0x7fc0). `gather_leaves` is the same for
-one gather group's leaves (a layer's parameters): the plain sharded ones of one dtype travel
-packed, one all_gather of a flat buffer and one fp32 reduce-scatter back, instead of one each (in
-the tiny preset's 8-device fsdp step 39 all-gathers become 6 and 15 reduce-scatters 4; the step
-is 13-20% faster on fake CPU devices, `bench/step.py`). The price is one copy of the gathered
-layer, splitting the buffer into its parameters.
+one gather group's leaves (a layer's parameters): its sharded leaves of one dtype travel
+together, the plain ones packed into one flat buffer and the compressed ones in one codec group
+(one agreement, one payload collective), with one fp32 reduce-scatter back, instead of
+collectives per parameter (in the tiny preset's 8-device fsdp step 39 all-gathers become 6 and
+15 reduce-scatters 4; the step is 13-20% faster on fake CPU devices, `bench/step.py`). The price
+is one copy of the gathered layer, splitting the buffer into its parameters.
 
 `state` is the compressed gather's per-parameter state (None for the plain gather), carried from
 step to step in the train state. `stats` are per-device figures of one gather, `STAT_KEYS`, as
@@ -51,44 +52,46 @@ STAT_KEYS = ("bytes_sent", "bytes_plain", "exponent_changes", "block_changes", "
              "capacity_fill", "fallback", "dense")
 
 
-def _tile(x_WxS, dim: int):
-  """[W, *shard_shape] -> the W pieces concatenated along `dim` (what a tiled gather returns)."""
-  x = jnp.moveaxis(x_WxS, 0, dim)
-  shape = x_WxS.shape[1:]
-  return x.reshape(shape[:dim] + (x_WxS.shape[0] * shape[dim],) + shape[dim + 1:])
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _all_gather(shards: tuple, states: tuple, dims: tuple, axis_names, dtype, specs: tuple):
+  """The sharded leaves of one gather group and dtype -> (fulls, new states, codec figures).
+  Plain leaves (spec None): their bit patterns in `dtype` packed into one flat buffer [N],
+  gathered as [W, N], each split out and tiled along its own dim, exactly what a tiled gather of
+  each would return. Compressed leaves: one `codec.compressed_all_gather_group`. One
+  reduce-scatter back for all of them."""
+  n = len(shards)
+  fulls, new_states, raws = [None] * n, list(states), [None] * n
+  plain = [i for i in range(n) if specs[i] is None]
+  coded = [i for i in range(n) if specs[i] is not None]
+  if plain:
+    uint = _BITS_DTYPES[jnp.dtype(dtype).itemsize]
+    flat_N = jnp.concatenate([lax.bitcast_convert_type(shards[i].astype(dtype), uint).reshape(-1)
+                              for i in plain])
+    flat_WxN = lax.all_gather(flat_N, axis_names)
+    w, start = flat_WxN.shape[0], 0
+    for i in plain:
+      x = shards[i]
+      piece_WxS = flat_WxN[:, start:start + x.size].reshape((w,) + x.shape)
+      fulls[i] = lax.bitcast_convert_type(codec.tile(piece_WxS, dims[i]), dtype)
+      start += x.size
+  if coded:
+    outs = codec.compressed_all_gather_group(
+        [shards[i].astype(dtype) for i in coded], [states[i] for i in coded],
+        axis_name=axis_names, axes=[dims[i] for i in coded], specs=[specs[i] for i in coded])
+    for i, full, new_state, raw in zip(coded, *outs):
+      fulls[i], new_states[i], raws[i] = full, new_state, raw
+  return tuple(fulls), tuple(new_states), tuple(raws)
 
 
-def _untile(full, dim: int, w: int):
-  """The inverse of `_tile`: [..., W * s, ...] along `dim` -> [W, *shard_shape]."""
-  shape = full.shape
-  return jnp.moveaxis(full.reshape(shape[:dim] + (w, shape[dim] // w) + shape[dim + 1:]), dim, 0)
+def _all_gather_fwd(shards, states, dims, axis_names, dtype, specs):
+  return _all_gather(shards, states, dims, axis_names, dtype, specs), None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _all_gather(shards: tuple, dims: tuple, axis_names, dtype):
-  """One all_gather for all of `shards`: their bit patterns in `dtype` packed into one flat
-  buffer [N], gathered as [W, N], then each split out and tiled along its own dim. Exactly what
-  a tiled gather of each would return; one collective instead of one per parameter."""
-  uint = _BITS_DTYPES[jnp.dtype(dtype).itemsize]
-  flat_N = jnp.concatenate([lax.bitcast_convert_type(x.astype(dtype), uint).reshape(-1)
-                            for x in shards])
-  flat_WxN = lax.all_gather(flat_N, axis_names)
-  w, fulls, start = flat_WxN.shape[0], [], 0
-  for x, dim in zip(shards, dims):
-    piece_WxS = flat_WxN[:, start:start + x.size].reshape((w,) + x.shape)
-    fulls.append(lax.bitcast_convert_type(_tile(piece_WxS, dim), dtype))
-    start += x.size
-  return tuple(fulls)
-
-
-def _all_gather_fwd(shards, dims, axis_names, dtype):
-  return _all_gather(shards, dims, axis_names, dtype), None
-
-
-def _all_gather_bwd(dims, axis_names, dtype, _, cotangents):
-  """One reduce-scatter (fp32) of all the cotangents, packed the way the forward packed."""
+def _all_gather_bwd(dims, axis_names, dtype, specs, _, cotangents):
+  """One reduce-scatter (fp32) of all the leaves' cotangents, packed like the forward's
+  buffer; the states get none."""
   w = lax.axis_size(axis_names)
-  pieces = [_untile(g.astype(GRAD_DTYPE), dim, w) for g, dim in zip(cotangents, dims)]
+  pieces = [codec.untile(g.astype(GRAD_DTYPE), dim, w) for g, dim in zip(cotangents[0], dims)]
   flat_WxN = jnp.concatenate([p.reshape(w, -1) for p in pieces], axis=1)
   flat_N = lax.psum_scatter(flat_WxN.reshape(-1), axis_names, scatter_dimension=0, tiled=True)
   grads, start = [], 0
@@ -96,7 +99,7 @@ def _all_gather_bwd(dims, axis_names, dtype, _, cotangents):
     size = p[0].size
     grads.append(flat_N[start:start + size].reshape(p.shape[1:]))
     start += size
-  return (tuple(grads),)
+  return tuple(grads), None
 
 
 _all_gather.defvjp(_all_gather_fwd, _all_gather_bwd)
@@ -182,27 +185,23 @@ def gather_leaf(shard, layout: Layout, spec: codec.CodecSpec | None = None, stat
 
 def gather_leaves(shards, layouts, specs, states, axis_names=DEVICES, dtypes=None):
   """`gather_leaf` for a list of leaves (one gather group: a layer's parameters) -> (fulls,
-  new_states, stats), lists in the same order. The plain gathers of one dtype travel together,
-  one all_gather of their packed bit patterns (and one reduce-scatter back), so a layer costs one
-  collective rather than one per parameter; each compressed leaf has its own (its state and
-  patch format are per parameter). `dtypes`: each leaf's compute dtype (default all bf16)."""
+  new_states, stats), lists in the same order. The sharded leaves of one dtype travel together:
+  the plain ones as one all_gather of their packed bit patterns, the compressed ones as one
+  `codec.compressed_all_gather_group` (one agreement, one payload collective; each leaf keeps its
+  own spec and state), and all their fp32 gradients in one reduce-scatter back. `dtypes`: each
+  leaf's compute dtype (default all bf16)."""
   n = len(shards)
   dtypes = [COMPUTE_DTYPE] * n if dtypes is None else list(dtypes)
   fulls, new_states, stats = [None] * n, list(states), [None] * n
-  packs: dict = {}     # dtype -> indices of plain sharded leaves
+  packs: dict = {}     # dtype -> indices of its sharded leaves, gathered together
   for i, (shard, layout, spec, dtype) in enumerate(zip(shards, layouts, specs, dtypes)):
-    if layout.kind == "shard" and spec is not None:
-      if jnp.dtype(dtype) != jnp.dtype(COMPUTE_DTYPE):
+    if layout.kind == "shard":
+      if spec is not None and jnp.dtype(dtype) != jnp.dtype(COMPUTE_DTYPE):
         raise ValueError(f"the codec gathers {jnp.dtype(COMPUTE_DTYPE).name} only, not "
                          f"{jnp.dtype(dtype).name}")
-      fulls[i], new_states[i], raw = codec.compressed_all_gather(
-          shard, states[i], axis_name=axis_names, axis=layout.dim, spec=spec,
-          compute_dtype=COMPUTE_DTYPE)
-      stats[i] = _codec_stats(raw)
-      continue
-    if layout.kind == "shard":
       packs.setdefault(jnp.dtype(dtype), []).append(i)
-    elif layout.kind == "replicate":
+      continue
+    if layout.kind == "replicate":
       fulls[i] = _replicated(shard, axis_names, dtype)
     elif layout.kind == "expert":
       fulls[i] = shard.astype(dtype)
@@ -210,10 +209,16 @@ def gather_leaves(shards, layouts, specs, states, axis_names=DEVICES, dtypes=Non
       raise ValueError(f"unknown layout kind {layout.kind!r}")
     stats[i] = _plain_stats(shard, layout, dtype)
   for dtype, indices in packs.items():
-    gathered = _all_gather(tuple(shards[i] for i in indices),
-                           tuple(layouts[i].dim for i in indices), axis_names, dtype)
-    for i, full in zip(indices, gathered):
+    outs = _all_gather(tuple(shards[i] for i in indices),
+                       tuple(states[i] if specs[i] is not None else None for i in indices),
+                       tuple(layouts[i].dim for i in indices), axis_names, dtype,
+                       tuple(specs[i] for i in indices))
+    for i, full, new_state, raw in zip(indices, *outs):
       fulls[i] = full
+      if specs[i] is None:
+        stats[i] = _plain_stats(shards[i], layouts[i], dtype)
+      else:
+        new_states[i], stats[i] = new_state, _codec_stats(raw)
   return fulls, new_states, stats
 
 

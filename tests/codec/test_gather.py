@@ -211,6 +211,57 @@ def test_multi_step_bit_identical(case):
   assert sizes["compressed"] < sizes["dense"]
 
 
+def test_a_group_shares_one_agreement_and_falls_back_shard_by_shard():
+  """compressed_all_gather_group over three shards (element, word and delta; bf16 and float32;
+  gathered along different axes): one agreement all-gather for the group, then each shard its
+  own conditional and payload. Bit-identical to each shard's plain gather on every step; one
+  shard's overflow, or one stale device in one shard's state, sends that shard alone dense."""
+  cases = [CASES[0], CASES[4], CASES[7]]
+  scripts = [Script(dtype, shape, axis, spec, seed=10 + k)
+             for k, (dtype, shape, axis, spec) in enumerate(cases)]
+
+  def body(xs, states):
+    fulls, new_states, stats = gather.compressed_all_gather_group(
+        xs, [_unstack(st) for st in states], axis_name=AXIS, axes=[c[2] for c in cases],
+        specs=[c[3] for c in cases])
+    return ([f[None] for f in fulls], [_restack(st) for st in new_states],
+            [_restack(st) for st in stats])
+
+  in_specs = ([_spec_along(len(c[1]), c[2]) for c in cases], [P(AXIS)] * len(cases))
+  f = jax.jit(jax.shard_map(body, mesh=MESH, in_specs=in_specs, out_specs=P(AXIS),
+                            check_vma=False))
+  states = [_stack_states(gather.init_state(c[1], c[0], W, c[3])) for c in cases]
+  lowered = f.lower([sc.global_array() for sc in scripts], states)
+  k, compiled = len(cases), lowered.compile().as_text()
+  assert lowered.as_text().count("stablehlo.all_gather") == 1 + 2 * k
+  assert compiled.count(" conditional(") == k
+
+  def small(sc):
+    return [max(1, sc.fmt.capacity // 2)] * W
+
+  # (shard that overflows on device 3, or None; shard whose state is stale on device 6, or
+  # None; expected dense per shard: the first two gathers are warm-up)
+  plan = [(None, None, (1, 1, 1)), (None, None, (1, 1, 1)), (None, None, (0, 0, 0)),
+          (1, None, (0, 1, 0)), (None, None, (0, 0, 0)), (0, 2, (1, 0, 1)),
+          (None, None, (0, 0, 0))]
+  for t, (over, stale, dense) in enumerate(plan):
+    for j, sc in enumerate(scripts):
+      changes = small(sc)
+      if j == over:
+        changes[3] = sc.fmt.capacity + 1
+      sc.step(changes)
+    if stale is not None:
+      states[stale] = {**states[stale],
+                       "valid": states[stale]["valid"].at[np.array([6])].set(False)}
+    fulls, states, stats = f([sc.global_array() for sc in scripts], states)
+    for j, (sc, full) in enumerate(zip(scripts, fulls)):
+      full_bits = np.asarray(lax.bitcast_convert_type(full, UINT[cases[j][0]]))
+      for d in range(W):
+        np.testing.assert_array_equal(full_bits[d], sc.global_bits(), err_msg=f"step {t}")
+      assert (np.asarray(stats[j]["dense"]) == dense[j]).all(), (t, j)
+      assert (np.asarray(stats[j]["fallback"]) == (1 if j == over else 0)).all(), (t, j)
+
+
 def test_compressed_path_sends_fewer_bytes_at_realistic_sizes():
   """bf16, element mode, default capacity (1/16): about 0.6x the plain bytes per device."""
   spec = gather.CodecSpec("element")
