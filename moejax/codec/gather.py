@@ -33,7 +33,9 @@ the uncompressed gather) and refills every cache when
 Devices agree on the path with one tiny `all_gather` of six int32 per device (flags for the
 three conditions above and change counts, also used for stats), issued before the payload; a
 condition on any device sends everyone down the dense path. `compressed_all_gather_group` does
-the same for several shards with one agreement collective for all of them.
+the same for several shards with one agreement collective for all of them, and sends its word
+and delta shards of one code width and dtype as one pool: one patch of their concatenated
+values with their capacities summed, one payload collective, one choice of path.
 
 Both paths are exact, so the output never depends on which one ran.
 
@@ -110,7 +112,7 @@ DETECTORS = ("exact", "hash")
 DEFAULT_CAPACITY_FRACTION = {"element": 1 / 16, "block": 1 / 4, "word": 1 / 4, "delta": 1 / 8}
 DEFAULT_FAR_FRACTION = 1 / 64   # delta mode: whole values (moves beyond 127 units) a patch holds
 STATS_WORDS = 6   # int32 per device in the agreement collective
-_OVERFLOW, _INVALID, _WARM = 1, 2, 4   # bits of the agreed flags word
+_INVALID, _WARM = 2, 4   # bits of the agreed flags word
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,45 +310,55 @@ def untile(full: jax.Array, axis: int, w: int) -> jax.Array:
                       axis, 0)
 
 
-def _send_exponents(bits_N, state, spec: CodecSpec, fmt: payload.Format, layout: bits.Layout):
-  """Exponent modes, sender side -> (new prev, own cache row, exponent/block/word changes,
-  changed units, far escapes (delta mode; 0 here), make_wire)."""
+def _segment_sums(mask_N, bounds) -> jax.Array:
+  """[K] int32: True entries of `mask_N` in each static [start, end) segment."""
+  return jnp.stack([jnp.sum(mask_N[a:b], dtype=jnp.int32) for a, b in bounds])
+
+
+def _send_exponents(bits_N, prev, spec: CodecSpec, fmt: payload.Format, layout: bits.Layout):
+  """Exponent modes (one shard), sender side -> (new prev, own cache row, [1] exponent/block/
+  word changes, [1] changed units, [1] far escapes (delta mode; 0 here), make_wire)."""
+  one = lambda x: jnp.reshape(x, (1,)).astype(jnp.int32)   # noqa: E731
   n, width = fmt.n, fmt.cache_width
   if spec.detect == "exact":   # split + detect + patch in one op (Triton kernels on GPU)
-    enc = kernels.encode(bits_N, state["prev"], fmt, layout)
-    return (enc.exp, enc.exp, enc.value_changes, enc.block_changes, jnp.int32(-1),
-            enc.count(fmt), jnp.int32(0), lambda: enc.wire)
+    enc = kernels.encode(bits_N, prev, fmt, layout)
+    return (enc.exp, enc.exp, one(enc.value_changes), one(enc.block_changes), one(-1),
+            one(enc.count(fmt)), one(0), lambda: enc.wire)
   # block hashes (block mode only), in jnp
   exp_N, rest_N = bits.split_bits(bits_N, layout)
   exp_Np = jnp.pad(exp_N, (0, width - n))
   new_prev = detect.block_hashes(exp_N, spec.block_size)
-  blocks_changed_NB = detect.changed_blocks_hashed(new_prev, state["prev"])
+  blocks_changed_NB = detect.changed_blocks_hashed(new_prev, prev)
   block_changes = jnp.sum(blocks_changed_NB, dtype=jnp.int32)
 
   def make_wire():
     patch_P, _ = payload.encode(exp_Np, blocks_changed_NB, fmt)
     return jnp.concatenate([bits.pack_bits(rest_N, layout.rest_bits), patch_P])
 
-  return (new_prev, exp_Np, jnp.int32(-1), block_changes, jnp.int32(-1), block_changes,
-          jnp.int32(0), make_wire)
+  return (new_prev, exp_Np, one(-1), one(block_changes), one(-1), one(block_changes), one(0),
+          make_wire)
 
 
-def _send_words(bits_N, state, spec: CodecSpec, fmt: word.WordFormat, layout: bits.Layout):
-  """Word and delta mode, sender side: same results as `_send_exponents` (the changed units are
-  the escaped values)."""
-  changed_N = word.changed(bits_N, state["prev"])
+def _send_words(bits_N, prev_N, specs, fmt: word.WordFormat, layout: bits.Layout, bounds):
+  """Word and delta mode, sender side of a pool of K shards whose bit patterns are concatenated
+  (shard k at bounds[k]): same results as `_send_exponents`, the counts per shard (the changed
+  units are the escaped values)."""
+  changed_N = word.changed(bits_N, prev_N)
   # Computed once here; the compressed branch builds its patch from them.
-  d_N = word.key_delta(bits_N, state["prev"], fmt.value_bits) if fmt.code_bits > 1 else None
-  codes_N = word.codes(bits_N, state["prev"], fmt, d_N)
+  d_N = word.key_delta(bits_N, prev_N, fmt.value_bits) if fmt.code_bits > 1 else None
+  codes_N = word.codes(bits_N, prev_N, fmt, d_N)
   exp_N, _ = bits.split_bits(bits_N, layout)
-  prev_exp_N, _ = bits.split_bits(state["prev"], layout)
+  prev_exp_N, _ = bits.split_bits(prev_N, layout)
   exp_changed_N = detect.changed_values(exp_N, prev_exp_N)
-  block_changes = jnp.sum(jnp.any(detect.block_view(exp_changed_N, spec.block_size), axis=1),
-                          dtype=jnp.int32)
-  word_changes = jnp.sum(changed_N, dtype=jnp.int32)
-  escapes, far = word.escapes(codes_N, fmt, d_N)
-  return (bits_N, bits_N, jnp.sum(exp_changed_N, dtype=jnp.int32), block_changes, word_changes,
-          escapes, far, lambda: word.encode(bits_N, codes_N, fmt, d_N)[0])
+  block_changes_K = jnp.stack([
+      jnp.sum(jnp.any(detect.block_view(exp_changed_N[a:b], spec.block_size), axis=1),
+              dtype=jnp.int32) for (a, b), spec in zip(bounds, specs)])
+  escaped = [word.escapes(codes_N[a:b], fmt, None if d_N is None else d_N[a:b])
+             for a, b in bounds]
+  return (bits_N, bits_N, _segment_sums(exp_changed_N, bounds), block_changes_K,
+          _segment_sums(changed_N, bounds), jnp.stack([e for e, _ in escaped]),
+          jnp.stack([f for _, f in escaped]),
+          lambda: word.encode(bits_N, codes_N, fmt, d_N)[0])
 
 
 def compressed_all_gather_group(shards, states, *, axis_name, axes, specs):
@@ -354,108 +366,166 @@ def compressed_all_gather_group(shards, states, *, axis_name, axes, specs):
   layer's compressed parameters), without a VJP, for a caller that owns the gradient
   (`moejax.sharding.hook.gather_leaves`). -> (fulls, new_states, stats), tuples in order.
 
-  Shards arrive in the dtype that travels. Each keeps its own spec, state, patch format and
-  dense / compressed choice (a shard that overflows falls back alone); the group shares one
-  agreement collective (six int32 per shard and device), so K shards cost K + 1 collectives
-  rather than 2K."""
+  Shards arrive in the dtype that travels. The group shares one agreement collective (six int32
+  per shard and device). Shards in word or delta mode of one code width and dtype travel as one
+  pool: their bit patterns concatenated into one patch whose capacities are the sum of theirs
+  (so a shard over its own capacity rides on the others' room), one encode, one payload
+  collective and one decode for all of them, and one dense / compressed choice (the pool falls
+  back together when its escapes exceed the pooled capacity on some device). The patch is padded
+  to the sum of the shards' own patch sizes, so every shard's byte figures are those of
+  `wire_bytes`. Exponent-mode shards (their positions would need more bits in a pool) each keep
+  their own patch and choice."""
   return _forward_jit(tuple(shards), tuple(states), axis_name, tuple(axes), tuple(specs))
 
 
-def _sender(shard, state, axis_name, spec: CodecSpec):
-  """One shard's sender side and static formats -> dict (see `_send_exponents`)."""
-  layout = bits.layout_of(shard.dtype)
-  fmt = patch_format(shard.shape, shard.dtype, spec)
+def pools_of(shapes_dtypes, specs) -> list[list[int]]:
+  """The static pools of a group: indices of shards that travel as one patch (word or delta
+  mode of one code width and dtype), every other shard alone; in order of first member."""
+  pools = {}
+  for k, ((_, dtype), spec) in enumerate(zip(shapes_dtypes, specs)):
+    key = ((spec.mode, spec.delta_bits if spec.mode == "delta" else 1, np.dtype(dtype).name)
+           if spec.mode in WORD_MODES else k)
+    pools.setdefault(key, []).append(k)
+  return list(pools.values())
+
+
+def _pool_format(fmts):
+  """One word/delta format for the concatenation of shards of these formats."""
+  if len(fmts) == 1:
+    return fmts[0]
+  return word.WordFormat(sum(f.n for f in fmts), fmts[0].value_bits,
+                         sum(f.capacity for f in fmts), fmts[0].code_bits,
+                         sum(f.far_capacity for f in fmts))
+
+
+def _sender(shards, states, axis_name, specs):
+  """One pool's sender side and static formats -> dict (see `_send_exponents`)."""
+  layout = bits.layout_of(shards[0].dtype)
+  fmts = [patch_format(x.shape, x.dtype, spec) for x, spec in zip(shards, specs)]
   w = lax.axis_size(axis_name)
-  if state["cache"].shape != (w - 1, fmt.cache_width):
-    raise ValueError(f"state cache has shape {state['cache'].shape}, expected "
-                     f"{(w - 1, fmt.cache_width)} for a shard of {shard.shape} on an axis of "
-                     f"{w} devices")
-  words = spec.mode in WORD_MODES
-  bits_N = lax.bitcast_convert_type(shard, layout.uint_dtype).reshape(fmt.n)
-  send = _send_words if words else _send_exponents
-  new_prev, own, exponent_changes, block_changes, word_changes, count, far, make_wire = send(
-      bits_N, state, spec, fmt, layout)
-  # The last counts are the changed units that use capacity (blocks, values, or escapes).
-  over = count > fmt.capacity
+  for x, state, fmt in zip(shards, states, fmts):
+    if state["cache"].shape != (w - 1, fmt.cache_width):
+      raise ValueError(f"state cache has shape {state['cache'].shape}, expected "
+                       f"{(w - 1, fmt.cache_width)} for a shard of {x.shape} on an axis of "
+                       f"{w} devices")
+  words = specs[0].mode in WORD_MODES
+  concat = lambda xs, axis=0: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=axis)  # noqa
+  bits_N = concat([lax.bitcast_convert_type(x, layout.uint_dtype).reshape(f.n)
+                   for x, f in zip(shards, fmts)])
+  offsets = np.cumsum([0] + [f.n for f in fmts]).tolist()
+  bounds = list(zip(offsets[:-1], offsets[1:]))
+  fmt = _pool_format(fmts)
   if words:
-    over = over | (far > fmt.far_capacity)
-  flags = (over.astype(jnp.int32) * _OVERFLOW
-           + jnp.logical_not(state["valid"]).astype(jnp.int32) * _INVALID
-           + (state["step"] < spec.warmup_steps).astype(jnp.int32) * _WARM)
-  local_6 = jnp.stack([flags, exponent_changes, block_changes, word_changes, count, far])
-  return dict(layout=layout, fmt=fmt, words=words, bits_N=bits_N, new_prev=new_prev, own=own,
-              make_wire=make_wire, local_6=local_6)
+    sent = _send_words(bits_N, concat([st["prev"] for st in states]), specs, fmt, layout, bounds)
+  else:
+    sent = _send_exponents(bits_N, states[0]["prev"], specs[0], fmt, layout)
+  new_prev, own, exponent_changes, block_changes, word_changes, count, far, make_wire = sent
+  flags = jnp.stack([jnp.logical_not(st["valid"]).astype(jnp.int32) * _INVALID
+                     + (st["step"] < spec.warmup_steps).astype(jnp.int32) * _WARM
+                     for st, spec in zip(states, specs)])
+  local_Kx6 = jnp.stack([flags, exponent_changes, block_changes, word_changes, count, far], axis=1)
+  wire_words = sum(f.words for f in fmts) if words else fmt.words
+
+  def wire():
+    wire_L = make_wire()
+    if wire_L.shape[0] < wire_words:
+      wire_L = jnp.pad(wire_L, (0, wire_words - wire_L.shape[0]))
+    return wire_L
+
+  return dict(layout=layout, fmt=fmt, fmts=fmts, words=words, bits_N=bits_N, new_prev=new_prev,
+              own=own, make_wire=wire, local_Kx6=local_Kx6, bounds=bounds,
+              caches=[st["cache"] for st in states])
 
 
 def _forward(shards, states, axis_name, axes, specs):
   w = lax.axis_size(axis_name)
   me = lax.axis_index(axis_name)
-  send = [_sender(x, st, axis_name, spec) for x, st, spec in zip(shards, states, specs)]
+  pools = pools_of([(x.shape, x.dtype) for x in shards], specs)
+  send = [_sender([shards[k] for k in pool], [states[k] for k in pool], axis_name,
+                  [specs[k] for k in pool]) for pool in pools]
 
   # Agreement: one tiny collective of every shard's flags and counts. Every device decides from
-  # the same gathered flags, so all take the same path for a shard even if their states
-  # disagreed.
-  all_WxKx6 = lax.all_gather(jnp.stack([s["local_6"] for s in send]), axis_name)
-  overflow_K, invalid_K, warm_K = (jnp.any((all_WxKx6[:, :, 0] & f) != 0, axis=0)
-                                   for f in (_OVERFLOW, _INVALID, _WARM))
-  dense_K = overflow_K | invalid_K | warm_K
+  # the same gathered flags, so all take the same path for a pool even if their states
+  # disagreed. A pool overflows when some device's escapes (changed units) exceed its capacity.
+  order = [k for pool in pools for k in pool]
+  all_WxKx6 = lax.all_gather(jnp.concatenate([s["local_Kx6"] for s in send]), axis_name)
+  if order != sorted(order):
+    all_WxKx6 = jnp.take(all_WxKx6, np.argsort(order), axis=1)    # back in shard order
+  invalid_K, warm_K = (jnp.any((all_WxKx6[:, :, 0] & f) != 0, axis=0) for f in (_INVALID, _WARM))
+  pool_fill, pool_overflow = [], []
+  for pool, s in zip(pools, send):
+    count_W, far_W = (jnp.sum(all_WxKx6[:, pool, i], axis=1) for i in (4, 5))
+    fill = jnp.max(count_W) / np.float32(s["fmt"].capacity)
+    over = jnp.any(count_W > s["fmt"].capacity)
+    if s["words"] and s["fmt"].far_capacity:
+      fill = jnp.maximum(fill, jnp.max(far_W) / np.float32(s["fmt"].far_capacity))
+      over = over | jnp.any(far_W > s["fmt"].far_capacity)
+    pool_fill.append(fill)
+    pool_overflow.append(over)
+  dense_P = [pool_overflow[p] | jnp.any(jnp.stack([invalid_K[k] | warm_K[k] for k in pool]))
+             for p, pool in enumerate(pools)]
 
   # Receivers: row r of the cache is device r + (r >= me).
   r = jnp.arange(w - 1, dtype=jnp.int32)
   others_R = r + (r >= me).astype(jnp.int32)
 
   def dense_path(s):
+    """-> [(bits [W, N_k], new cache [R, N'_k]) per shard of the pool]."""
     bits_WxN = lax.all_gather(s["bits_N"], axis_name)
-    others_RxN = jnp.take(bits_WxN, others_R, axis=0)
-    if s["words"]:
-      return bits_WxN, others_RxN
-    exp_RxN, _ = bits.split_bits(others_RxN, s["layout"])
-    return bits_WxN, jnp.pad(exp_RxN, ((0, 0), (0, s["fmt"].cache_width - s["fmt"].n)))
+    out = []
+    for (a, b), fmt in zip(s["bounds"], s["fmts"]):
+      bits_k = bits_WxN if len(s["fmts"]) == 1 else bits_WxN[:, a:b]
+      others_RxN = jnp.take(bits_k, others_R, axis=0)
+      if not s["words"]:
+        exp_RxN, _ = bits.split_bits(others_RxN, s["layout"])
+        others_RxN = jnp.pad(exp_RxN, ((0, 0), (0, fmt.cache_width - fmt.n)))
+      out.append((bits_k, others_RxN))
+    return out
 
-  def compressed_path(s, state):
+  def compressed_path(s):
     wire_WxL = lax.all_gather(s["make_wire"](), axis_name)
     if not s["words"]:   # patch + merge in one op (Triton kernel on GPU)
-      return kernels.decode(state["cache"], wire_WxL, s["own"], me, s["fmt"], s["layout"])
-    cache_RxN = word.decode(state["cache"], jnp.take(wire_WxL, others_R, axis=0), s["fmt"])
+      return [kernels.decode(s["caches"][0], wire_WxL, s["own"], me, s["fmt"], s["layout"])]
+    patches_RxP = jnp.take(wire_WxL, others_R, axis=0)[:, :s["fmt"].words]
+    caches = word.decode_pool(s["caches"], patches_RxP, s["fmt"], s["bounds"])
     d = jnp.arange(w, dtype=jnp.int32)
     rows_W = jnp.where(d == me, w - 1, d - (d > me).astype(jnp.int32))
-    return (jnp.take(jnp.concatenate([cache_RxN, s["bits_N"][None]]), rows_W, axis=0),
-            cache_RxN)
+    return [(jnp.take(jnp.concatenate([cache_RxN, s["bits_N"][None, a:b]]), rows_W, axis=0),
+             cache_RxN) for cache_RxN, (a, b) in zip(caches, s["bounds"])]
 
-  # Each shard its own path: a shard that overflows falls back alone.
-  gathered = [lax.cond(dense_K[k], lambda _, s=s: dense_path(s),
-                       lambda _, s=s, st=st: compressed_path(s, st), None)
-              for k, (s, st) in enumerate(zip(send, states))]
+  # Each pool its own path: a pool that overflows falls back alone.
+  gathered = [lax.cond(dense_P[p], lambda _, s=s: dense_path(s),
+                       lambda _, s=s: compressed_path(s), None)
+              for p, s in enumerate(send)]
 
-  fulls, new_states, stats = [], [], []
-  for k, (shard, state, axis, spec, s) in enumerate(zip(shards, states, axes, specs, send)):
-    bits_WxN, cache = gathered[k]
-    layout, fmt, words = s["layout"], s["fmt"], s["words"]
-    fulls.append(tile(lax.bitcast_convert_type(bits_WxN, layout.dtype)
-                       .reshape((w,) + shard.shape), axis))
-    new_states.append({"prev": s["new_prev"], "cache": cache,
+  fulls, new_states, stats = [None] * len(shards), [None] * len(shards), [None] * len(shards)
+  for p, (pool, s) in enumerate(zip(pools, send)):
+    layout, words = s["layout"], s["words"]
+    for k, (a, b), fmt, (bits_k, cache_k) in zip(pool, s["bounds"], s["fmts"], gathered[p]):
+      shard, state, spec = shards[k], states[k], specs[k]
+      prev_k = s["new_prev"][a:b] if len(pool) > 1 else s["new_prev"]
+      fulls[k] = tile(lax.bitcast_convert_type(bits_k, layout.dtype).reshape((w,) + shard.shape),
+                      axes[k])
+      new_states[k] = {"prev": prev_k, "cache": cache_k,
                        "step": jnp.minimum(state["step"] + 1, spec.warmup_steps).astype(jnp.int32),
-                       "valid": jnp.ones_like(state["valid"])})
-    all_Wx6 = all_WxKx6[:, k]
-    valid = jnp.logical_not(invalid_K[k])
-    sizes = wire_bytes(shard.shape, shard.dtype, spec)
-    mean_count, mean_far = (jnp.mean(all_Wx6[:, i].astype(jnp.float32)) for i in (4, 5))
-    needed = ((0 if words else fmt.n * layout.rest_bits)
-              + (fmt.fill_bits(mean_count, mean_far) if words else fmt.fill_bits(mean_count))) / 8
-    fill = jnp.max(all_Wx6[:, 4]) / np.float32(fmt.capacity)
-    if words and fmt.far_capacity:
-      fill = jnp.maximum(fill, jnp.max(all_Wx6[:, 5]) / np.float32(fmt.far_capacity))
-    stats.append(_stats(
-        bytes_sent=jnp.where(dense_K[k], sizes["dense"], sizes["compressed"]),
-        bytes_plain=sizes["plain"],
-        bytes_needed=jnp.where(valid, needed, sizes["plain"]),
-        exponent_changes=(jnp.where(valid, jnp.sum(all_Wx6[:, 1]), 0)
-                          if spec.detect == "exact" else -1),
-        block_changes=jnp.where(valid, jnp.sum(all_Wx6[:, 2]), 0),
-        word_changes=jnp.where(valid, jnp.sum(all_Wx6[:, 3]), 0) if words else -1,
-        capacity_fill=jnp.where(valid, fill, 0.0),
-        fallback=overflow_K[k] & valid & jnp.logical_not(warm_K[k]),
-        dense=dense_K[k]))
+                       "valid": jnp.ones_like(state["valid"])}
+      all_Wx6 = all_WxKx6[:, k]
+      valid = jnp.logical_not(invalid_K[k])
+      sizes = wire_bytes(shard.shape, shard.dtype, spec)
+      mean_count, mean_far = (jnp.mean(all_Wx6[:, i].astype(jnp.float32)) for i in (4, 5))
+      needed = ((0 if words else fmt.n * layout.rest_bits)
+                + (fmt.fill_bits(mean_count, mean_far) if words else fmt.fill_bits(mean_count))) / 8
+      stats[k] = _stats(
+          bytes_sent=jnp.where(dense_P[p], sizes["dense"], sizes["compressed"]),
+          bytes_plain=sizes["plain"],
+          bytes_needed=jnp.where(valid, needed, sizes["plain"]),
+          exponent_changes=(jnp.where(valid, jnp.sum(all_Wx6[:, 1]), 0)
+                            if spec.detect == "exact" else -1),
+          block_changes=jnp.where(valid, jnp.sum(all_Wx6[:, 2]), 0),
+          word_changes=jnp.where(valid, jnp.sum(all_Wx6[:, 3]), 0) if words else -1,
+          capacity_fill=jnp.where(valid, pool_fill[p], 0.0),
+          fallback=pool_overflow[p] & valid & jnp.logical_not(warm_K[k]),
+          dense=dense_P[p])
   return tuple(fulls), tuple(new_states), tuple(stats)
 
 
@@ -468,8 +538,11 @@ def codec_work(shard, state, *, axis_size: int, spec: CodecSpec):
   fmt = patch_format(shard.shape, shard.dtype, spec)
   bits_N = lax.bitcast_convert_type(shard, layout.uint_dtype).reshape(fmt.n)
   words = spec.mode in WORD_MODES
-  send = _send_words if words else _send_exponents
-  _, own, *_, make_wire = send(bits_N, state, spec, fmt, layout)
+  if words:
+    _, own, *_, make_wire = _send_words(bits_N, state["prev"], [spec], fmt, layout,
+                                        [(0, fmt.n)])
+  else:
+    _, own, *_, make_wire = _send_exponents(bits_N, state["prev"], spec, fmt, layout)
   wire_L = make_wire()
   wire_WxL = jnp.broadcast_to(wire_L[None], (axis_size,) + wire_L.shape)
   if words:

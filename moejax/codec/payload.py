@@ -100,16 +100,17 @@ def first_true(mask: jax.Array, size: int, fill_value: int) -> jax.Array:
   """Indices of the first `size` True entries along the last axis, in order, padded with
   `fill_value` ([..., size] int32): `jnp.nonzero(mask, size=...)` for any leading axes. Up to
   SORT_MAX entries it is one sort of the keys (index where True, n where False), which compiles
-  far faster on XLA:CPU than nonzero; above, each True entry's rank (a cumulative sum) places it."""
+  far faster on XLA:CPU than nonzero; above, a binary search of the running count finds each."""
   n = mask.shape[-1]
   if n > SORT_MAX:
-    rank = lax.cumsum(mask.astype(jnp.int32), axis=mask.ndim - 1) - 1
-    slot = jnp.where(mask & (rank < size), rank, size)           # size: dropped
-    lead = mask.shape[:-1]
-    out = jnp.full(lead + (size,), fill_value, jnp.int32)
-    idx = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), mask.shape)
-    rows = jnp.indices(lead + (n,), dtype=jnp.int32)[:-1] if lead else ()
-    return out.at[(*rows, slot)].set(idx, mode="drop")
+    # The j-th True entry is where the running count first reaches j + 1: a binary search per
+    # slot (log n gathers of `size` entries). Not a scatter of every entry to its rank: XLA:CPU
+    # runs scatters one element at a time (7 x 430k entries: 31 -> 18 ms).
+    count = lax.cumsum(mask.astype(jnp.int32), axis=mask.ndim - 1)
+    targets = jnp.arange(1, size + 1, dtype=jnp.int32)
+    search = lambda c: jnp.searchsorted(c, targets, side="left", method="scan")  # noqa: E731
+    idx = jax.vmap(search)(count.reshape(-1, n)).reshape(mask.shape[:-1] + (size,))
+    return jnp.where(idx < n, idx.astype(jnp.int32), jnp.int32(fill_value))
   key = jnp.where(mask, jnp.arange(n, dtype=jnp.int32), jnp.int32(n))
   if size > n:
     key = jnp.concatenate([key, jnp.full(mask.shape[:-1] + (size - n,), n, jnp.int32)], axis=-1)

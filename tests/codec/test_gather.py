@@ -211,15 +211,8 @@ def test_multi_step_bit_identical(case):
   assert sizes["compressed"] < sizes["dense"]
 
 
-def test_a_group_shares_one_agreement_and_falls_back_shard_by_shard():
-  """compressed_all_gather_group over three shards (element, word and delta; bf16 and float32;
-  gathered along different axes): one agreement all-gather for the group, then each shard its
-  own conditional and payload. Bit-identical to each shard's plain gather on every step; one
-  shard's overflow, or one stale device in one shard's state, sends that shard alone dense."""
-  cases = [CASES[0], CASES[4], CASES[7]]
-  scripts = [Script(dtype, shape, axis, spec, seed=10 + k)
-             for k, (dtype, shape, axis, spec) in enumerate(cases)]
-
+def _group_gather(cases):
+  """(jitted compressed_all_gather_group over `cases` under shard_map, initial states)."""
   def body(xs, states):
     fulls, new_states, stats = gather.compressed_all_gather_group(
         xs, [_unstack(st) for st in states], axis_name=AXIS, axes=[c[2] for c in cases],
@@ -231,6 +224,34 @@ def test_a_group_shares_one_agreement_and_falls_back_shard_by_shard():
   f = jax.jit(jax.shard_map(body, mesh=MESH, in_specs=in_specs, out_specs=P(AXIS),
                             check_vma=False))
   states = [_stack_states(gather.init_state(c[1], c[0], W, c[3])) for c in cases]
+  return f, states
+
+
+def _group_step(f, scripts, states, stale, t):
+  """One group gather of the scripts' values (`stale`: the shard whose state turns stale on
+  device 6 first, or None); checks every device got every shard bit for bit."""
+  if stale is not None:
+    states[stale] = {**states[stale],
+                     "valid": states[stale]["valid"].at[np.array([6])].set(False)}
+  fulls, states, stats = f([sc.global_array() for sc in scripts], states)
+  for sc, full in zip(scripts, fulls):
+    full_bits = np.asarray(lax.bitcast_convert_type(full, UINT[sc.dtype]))
+    for d in range(W):
+      np.testing.assert_array_equal(full_bits[d], sc.global_bits(), err_msg=f"step {t}")
+  return states, stats
+
+
+def test_a_group_shares_one_agreement_and_falls_back_shard_by_shard():
+  """compressed_all_gather_group over three shards (element, word and delta; bf16 and float32;
+  gathered along different axes; no two of them pool): one agreement all-gather for the group,
+  then each shard its own conditional and payload. Bit-identical to each shard's plain gather on
+  every step; one shard's overflow, or one stale device in one shard's state, sends that shard
+  alone dense."""
+  cases = [CASES[0], CASES[4], CASES[7]]
+  scripts = [Script(dtype, shape, axis, spec, seed=10 + k)
+             for k, (dtype, shape, axis, spec) in enumerate(cases)]
+
+  f, states = _group_gather(cases)
   lowered = f.lower([sc.global_array() for sc in scripts], states)
   k, compiled = len(cases), lowered.compile().as_text()
   assert lowered.as_text().count("stablehlo.all_gather") == 1 + 2 * k
@@ -250,16 +271,54 @@ def test_a_group_shares_one_agreement_and_falls_back_shard_by_shard():
       if j == over:
         changes[3] = sc.fmt.capacity + 1
       sc.step(changes)
-    if stale is not None:
-      states[stale] = {**states[stale],
-                       "valid": states[stale]["valid"].at[np.array([6])].set(False)}
-    fulls, states, stats = f([sc.global_array() for sc in scripts], states)
-    for j, (sc, full) in enumerate(zip(scripts, fulls)):
-      full_bits = np.asarray(lax.bitcast_convert_type(full, UINT[cases[j][0]]))
-      for d in range(W):
-        np.testing.assert_array_equal(full_bits[d], sc.global_bits(), err_msg=f"step {t}")
+    states, stats = _group_step(f, scripts, states, stale, t)
+    for j in range(len(scripts)):
       assert (np.asarray(stats[j]["dense"]) == dense[j]).all(), (t, j)
       assert (np.asarray(stats[j]["fallback"]) == (1 if j == over else 0)).all(), (t, j)
+
+
+def test_delta_shards_of_a_group_travel_as_one_pool_and_fall_back_together():
+  """Three bf16 delta3 shards of a group (different shapes and axes) beside an element shard:
+  the delta shards travel as one pool (one conditional and one payload all-gather for the
+  three, capacities summed), the element shard alone. A shard over its own capacity rides on
+  the pool's room (still compressed, exact); the pool falls back together when one device's
+  escapes exceed the pooled capacity, or when one shard's state is stale on one device."""
+  delta = gather.CodecSpec("delta", delta_bits=3, warmup_steps=2, capacity_fraction=0.05,
+                           far_fraction=0.05)
+  cases = [CASES[0], (jnp.bfloat16, (8, 48), 0, delta), (jnp.bfloat16, (4, 32), 1, delta),
+           (jnp.bfloat16, (16, 24), 1, delta)]
+  assert gather.pools_of([(c[1], c[0]) for c in cases], [c[3] for c in cases]) == [[0], [1, 2, 3]]
+  scripts = [Script(dtype, shape, axis, spec, seed=20 + k)
+             for k, (dtype, shape, axis, spec) in enumerate(cases)]
+
+  f, states = _group_gather(cases)
+  lowered = f.lower([sc.global_array() for sc in scripts], states)
+  assert lowered.as_text().count("stablehlo.all_gather") == 1 + 2 * 2
+  assert lowered.compile().as_text().count(" conditional(") == 2
+  caps = [sc.fmt.capacity for sc in scripts]
+  assert caps[1:] == [20, 7, 20]              # the pool holds 47 escapes per device
+
+  # (escapes of each shard on device 3, delta shard stale on device 6 or None, expected dense
+  # of (element, pool), fallback of the pool); elsewhere half of each shard's own capacity.
+  plan = [(None, None, (1, 1), 0), (None, None, (1, 1), 0), (None, None, (0, 0), 0),
+          ((1, 10, 20, 10), None, (0, 0), 0),      # shard 2 at 20 > 7, pool at 40 <= 47
+          ((1, 40, 3, 10), None, (0, 1), 1),       # pool at 53 > 47
+          (None, None, (0, 0), 0),
+          (None, 2, (0, 1), 0),
+          (None, None, (0, 0), 0)]
+  for t, (on_3, stale, dense, fallback) in enumerate(plan):
+    for j, sc in enumerate(scripts):
+      changes = [max(1, caps[j] // 2)] * W
+      if on_3 is not None:
+        changes[3] = on_3[j]
+      sc.step(changes)
+    states, stats = _group_step(f, scripts, states, stale, t)
+    for j in range(len(scripts)):
+      assert (np.asarray(stats[j]["dense"]) == dense[min(j, 1)]).all(), (t, j)
+      assert (np.asarray(stats[j]["fallback"]) == (fallback if j else 0)).all(), (t, j)
+      sizes = gather.wire_bytes(cases[j][1], cases[j][0], cases[j][3])
+      want = sizes["dense"] if dense[min(j, 1)] else sizes["compressed"]
+      assert (np.asarray(stats[j]["bytes_sent"]) == want).all(), (t, j)
 
 
 def test_compressed_path_sends_fewer_bytes_at_realistic_sizes():
