@@ -465,9 +465,19 @@ def _forward(shards, states, axis_name, axes, specs):
   dense_P = [pool_overflow[p] | jnp.any(jnp.stack([invalid_K[k] | warm_K[k] for k in pool]))
              for p, pool in enumerate(pools)]
 
-  # Receivers: row r of the cache is device r + (r >= me).
-  r = jnp.arange(w - 1, dtype=jnp.int32)
-  others_R = r + (r >= me).astype(jnp.int32)
+  # Receivers: row r of the cache is device r + (r >= me). Rows are picked by selects, not by
+  # gathers of rows: XLA:CPU gathers element by element.
+  def others(x_WxN):
+    """[W, ...] -> [W-1, ...]: every device's row but this one's, in device order."""
+    r = lax.broadcasted_iota(jnp.int32, (w - 1,) + x_WxN.shape[1:], 0)
+    return jnp.where(r < me, x_WxN[:-1], x_WxN[1:])
+
+  def with_own(cache_RxN, own_N):
+    """The inverse: the W-1 cached rows and this device's own -> [W, N] in device order."""
+    d = lax.broadcasted_iota(jnp.int32, (w,) + own_N.shape, 0)
+    own = jnp.broadcast_to(own_N[None], (1,) + own_N.shape)
+    return jnp.where(d < me, jnp.concatenate([cache_RxN, own]),
+                     jnp.where(d == me, own, jnp.concatenate([own, cache_RxN])))
 
   def dense_path(s):
     """-> [(bits [W, N_k], new cache [R, N'_k]) per shard of the pool]."""
@@ -475,7 +485,7 @@ def _forward(shards, states, axis_name, axes, specs):
     out = []
     for (a, b), fmt in zip(s["bounds"], s["fmts"]):
       bits_k = bits_WxN if len(s["fmts"]) == 1 else bits_WxN[:, a:b]
-      others_RxN = jnp.take(bits_k, others_R, axis=0)
+      others_RxN = others(bits_k)
       if not s["words"]:
         exp_RxN, _ = bits.split_bits(others_RxN, s["layout"])
         others_RxN = jnp.pad(exp_RxN, ((0, 0), (0, fmt.cache_width - fmt.n)))
@@ -486,12 +496,10 @@ def _forward(shards, states, axis_name, axes, specs):
     wire_WxL = lax.all_gather(s["make_wire"](), axis_name)
     if not s["words"]:   # patch + merge in one op (Triton kernel on GPU)
       return [kernels.decode(s["caches"][0], wire_WxL, s["own"], me, s["fmt"], s["layout"])]
-    patches_RxP = jnp.take(wire_WxL, others_R, axis=0)[:, :s["fmt"].words]
+    patches_RxP = others(wire_WxL[:, :s["fmt"].words])
     caches = word.decode_pool(s["caches"], patches_RxP, s["fmt"], s["bounds"])
-    d = jnp.arange(w, dtype=jnp.int32)
-    rows_W = jnp.where(d == me, w - 1, d - (d > me).astype(jnp.int32))
-    return [(jnp.take(jnp.concatenate([cache_RxN, s["bits_N"][None, a:b]]), rows_W, axis=0),
-             cache_RxN) for cache_RxN, (a, b) in zip(caches, s["bounds"])]
+    return [(with_own(cache_RxN, s["bits_N"][a:b]), cache_RxN)
+            for cache_RxN, (a, b) in zip(caches, s["bounds"])]
 
   # Each pool its own path: a pool that overflows falls back alone.
   gathered = [lax.cond(dense_P[p], lambda _, s=s: dense_path(s),

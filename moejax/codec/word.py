@@ -6,7 +6,8 @@ patch is a flat uint32 vector of static size:
 
   word:  [bitmap of changed values: N bits][the first C changed values, in order: C values of
           `value_bits` bits each (the full bit pattern: 16 for bf16/fp16, 32 for fp32)]
-  delta: [a code per value: N codes of K bits][the first C escapes, in order: C signed bytes]
+  delta: [a code per value: N codes of K bits (K = 3: as K bit planes, `pack_codes`)]
+         [the first C escapes, in order: C signed bytes]
          [the first F far escapes, in order: F full bit patterns]
 
 `word` mode: the bitmap says which values changed, and every changed value travels whole.
@@ -171,6 +172,28 @@ def escapes(codes_N: jax.Array, fmt: WordFormat, d_N: jax.Array | None = None):
   return count, jnp.sum(_far(codes_N, d_N, fmt), dtype=jnp.int32)
 
 
+def pack_codes(codes_N: jax.Array, code_bits: int) -> jax.Array:
+  """Codes [N] -> the codes section of a patch, as many words as `bits.pack_bits`. A width that
+  does not divide 32 (3) travels as bit planes (the codes' bit k of 32 values in one word), so
+  the receiver unpacks them by shifts alone: `bits.pack_bits` packs such widths across word
+  boundaries, and unpacking that takes gathers, which XLA:CPU runs element by element."""
+  if 32 % code_bits == 0:
+    return bits.pack_bits(codes_N, code_bits)
+  return jnp.concatenate([bits.pack_bits((codes_N >> np.uint32(k)) & np.uint32(1), 1)
+                          for k in range(code_bits)])
+
+
+def unpack_codes(words: jax.Array, code_bits: int, n: int) -> jax.Array:
+  """Inverse of `pack_codes`: [..., packed_words(n, code_bits)] -> [..., n] uint32."""
+  if 32 % code_bits == 0:
+    return bits.unpack_bits(words, code_bits, n)
+  g = bits.packed_words(n, 1)
+  out = bits.unpack_bits(words[..., :g], 1, n)
+  for k in range(1, code_bits):
+    out = out | (bits.unpack_bits(words[..., k * g:(k + 1) * g], 1, n) << np.uint32(k))
+  return out
+
+
 def encode(bits_N: jax.Array, codes_N: jax.Array, fmt: WordFormat, d_N: jax.Array | None = None):
   """Bit patterns [N] (unsigned), their codes [N] (`codes`; in word mode the change mask will
   do) and, in delta mode, their `key_delta` -> (patch [P] uint32, escapes int32, far escapes
@@ -190,7 +213,7 @@ def encode(bits_N: jax.Array, codes_N: jax.Array, fmt: WordFormat, d_N: jax.Arra
                      & np.uint32(0xFF))
   idx_F = payload.first_true(far_N, fmt.far_capacity, fmt.n)
   vals_F = jnp.take(bits_N, idx_F, mode="fill", fill_value=0)
-  return (jnp.concatenate([bits.pack_bits(codes_N, fmt.code_bits),
+  return (jnp.concatenate([pack_codes(codes_N, fmt.code_bits),
                            bits.pack_bits(near_C, NEAR_BITS),
                            bits.pack_bits(vals_F, fmt.value_bits)]),
           *escapes(codes_N, fmt, d_N))
@@ -221,7 +244,7 @@ def decode_pool(caches, patches_RxP: jax.Array, fmt: WordFormat, bounds) -> list
   # each of their consumers and recomputes it there (delta decode of 7 x 131k values: 21 -> 8
   # ms).
   codes_RxN = jax.lax.optimization_barrier(
-      bits.unpack_bits(patches_RxP[:, :head], fmt.code_bits, fmt.n).astype(jnp.uint8))
+      unpack_codes(patches_RxP[:, :head], fmt.code_bits, fmt.n).astype(jnp.uint8))
   escaped_RxN = codes_RxN == fmt.escape
   rank_RxN = jax.lax.cumsum(escaped_RxN.astype(jnp.int32), axis=1) - 1
   if fmt.code_bits == 1:
