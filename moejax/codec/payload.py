@@ -91,8 +91,8 @@ class Format:
     return count * (self.pos_bits + self.exp_bits)
 
 
-# Above this many entries `first_true` ranks with a cumulative sum and a scatter instead of a
-# sort: slower to compile on XLA:CPU, much faster to run on long shards.
+# Above this many entries `first_true` searches a running count instead of sorting: slower to
+# compile on XLA:CPU, much faster to run on long shards.
 SORT_MAX = 1 << 16
 
 
