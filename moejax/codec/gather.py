@@ -31,8 +31,9 @@ the uncompressed gather) and refills every cache when
 * any device's changes exceed the patch capacity. This fallback is counted (`fallback`).
 
 Devices agree on the path with one tiny `all_gather` of six int32 per device (flags for the
-three conditions above and change counts, also used for stats), issued before the payload; a
-condition on any device sends everyone down the dense path. `compressed_all_gather_group` does
+first two conditions above, and change counts: every device compares each device's counts with
+the capacities, and they serve the stats too), issued before the payload; a condition on any
+device sends everyone down the dense path. `compressed_all_gather_group` does
 the same for several shards with one agreement collective for all of them, and sends its word
 and delta shards of one code width and dtype as one pool: one patch of their concatenated
 values with their capacities summed, one payload collective, one choice of path.
