@@ -113,7 +113,7 @@ DETECTORS = ("exact", "hash")
 DEFAULT_CAPACITY_FRACTION = {"element": 1 / 16, "block": 1 / 4, "word": 1 / 4, "delta": 1 / 8}
 DEFAULT_FAR_FRACTION = 1 / 64   # delta mode: whole values (moves beyond 127 units) a patch holds
 STATS_WORDS = 6   # int32 per device in the agreement collective
-_INVALID, _WARM = 2, 4   # bits of the agreed flags word
+_INVALID, _WARM = 1, 2   # bits of the agreed flags word
 
 
 @dataclasses.dataclass(frozen=True)

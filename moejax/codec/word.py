@@ -273,12 +273,11 @@ def decode_pool(caches, patches_RxP: jax.Array, fmt: WordFormat, bounds) -> list
   for cache_RxN, (a, b) in zip(caches, bounds):
     whole = (a, b) == (0, fmt.n)
     cut = (lambda x: x) if whole else (lambda x: x[:, a:b])   # noqa: E731
-    codes, slot, applied = cut(codes_RxN), cut(slot_RxN), cut(applied_RxN)
+    slot, applied = cut(slot_RxN), cut(applied_RxN)
     if fmt.code_bits == 1:
       out.append(jnp.where(applied, slot.astype(cache_RxN.dtype), cache_RxN))
       continue
-    escaped = codes == fmt.escape
-    codes = codes.astype(jnp.uint32)
+    escaped, codes = cut(escaped_RxN), cut(codes_RxN).astype(jnp.uint32)
     near = slot & np.uint32(0xFF)
     far = escaped & (near == _FAR)
     applied = applied & ((slot & np.uint32(0x100)) == 0)

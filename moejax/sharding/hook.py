@@ -16,11 +16,10 @@ all-gather rewrites bf16 NaN payloads (0x7fbf arrives as 0x7fc0). `gather_leaves
 one gather group's leaves (a layer's parameters): its sharded leaves of one dtype travel
 together, the plain ones packed into one flat buffer and the compressed ones in one codec group
 (one agreement collective, then one payload per pool of word / delta leaves and per
-exponent-mode leaf), with one fp32 reduce-scatter back,
-instead of collectives per parameter (in the tiny preset's 8-device fsdp step 39 all-gathers
-become 6 and 15 reduce-scatters 4; the step is 13-20% faster on fake CPU devices,
-`bench/step.py`). The price is one copy of the gathered layer, splitting the buffer into its
-parameters.
+exponent-mode leaf), with one fp32 reduce-scatter back, instead of collectives per parameter (in
+the tiny preset's 8-device fsdp step 39 all-gathers become 6 and 15 reduce-scatters 4; the step
+is 13-20% faster on fake CPU devices, `bench/step.py`). The price is one copy of the gathered
+layer, splitting the buffer into its parameters.
 
 `state` is the compressed gather's per-parameter state (None for the plain gather), carried from
 step to step in the train state. `stats` are per-device figures of one gather, `STAT_KEYS`, as
