@@ -15,6 +15,7 @@ from typing import Any
 import ml_collections
 
 from moejax.codec.gather import COMPRESSED_MODES, DETECTORS, MODES
+from moejax.codec.replicas import REPLICA_CODECS
 from moejax.codec.word import DELTA_BITS
 from moejax.data.sources import SOURCES as DATA_SOURCES
 from moejax.layers.attention import QK_NORMS
@@ -177,6 +178,13 @@ class FssdpConfig:
   0 = min(E, 2 * E/N); E/N keeps every layer's counts equal."""
   calibrate: bool = True
   """Re-plan from the actual loads after gating when it pays."""
+  replica_codec: str = ""
+  """One of `moejax.codec.replicas.REPLICA_CODECS`: "delta" sends a replica slot that kept its
+  expert since last step as a delta patch (lossless), "off" always plain; "" (default) = delta
+  when codec.mode is not off."""
+
+  def resolved_replica_codec(self, codec_mode: str) -> str:
+    return self.replica_codec or ("off" if codec_mode == "off" else "delta")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -506,6 +514,9 @@ def validate(c: Config) -> None:
   for field in ("replica_slots", "overlap_degree", "window"):
     value = getattr(c.fssdp, field)
     _check(value > 0, f"config.fssdp.{field}={value}: must be positive")
+  _check(c.fssdp.replica_codec in ("",) + REPLICA_CODECS,
+         f"config.fssdp.replica_codec={c.fssdp.replica_codec!r}: must be one of "
+         f"{', '.join(REPLICA_CODECS)} (or '' to follow codec.mode)")
   _check(c.fssdp.reshard_every >= 0,
          f"config.fssdp.reshard_every={c.fssdp.reshard_every}: must be >= 0 (0 = never)")
   _check(0 <= c.fssdp.max_per_layer <= moe.num_experts,

@@ -15,9 +15,10 @@ hidden width.
 `__call__(x_BxSxD) -> (y_BxSxD, aux)`. `aux` holds this device's shares of the auxiliary losses
 (`aux_loss`, `z_loss`, `locality_loss`; see `moejax.routing.router` for the share convention),
 the router's assignment counts per expert `load_E` (before admission) and `admitted_load_E`
-(after it), `dropped` (assignments
-lost to a full dispatch buffer) and `routing`, the telemetry of `moejax.routing.stats` after
-admission. The block is pure: it runs under jit, scan, remat and shard_map.
+(after it), `dropped` (assignments lost to a full dispatch buffer), `routing`, the telemetry of
+`moejax.routing.stats` after admission, and with fssdp's replica codec the layer's next
+`replica_state` (`moejax.codec.replicas`). The block is pure: it runs under jit, scan, remat
+and shard_map.
 """
 from __future__ import annotations
 
@@ -102,12 +103,15 @@ class MoEBlock(nnx.Module):
     return y_TxD
 
   def materialize(self, predicted_load_E, dtype, *, dispatch: dispatch_lib.Dispatch,
-                  owners: sparse.Owners | None = None):
-    """fssdp: this step's plan and replicas. With `owners` (heterogeneous ownership) the expert
-    weights hold this device's experts of the layer by rank (`fssdp.owned_windows`)."""
+                  owners: sparse.Owners | None = None, replica_state: dict | None = None):
+    """fssdp: this step's plan and replicas (`fssdp.Materialized`). With `owners`
+    (heterogeneous ownership) the expert weights hold this device's experts of the layer by rank
+    (`fssdp.owned_windows`); with `replica_state` (the replica codec) slots that kept their
+    expert receive patches."""
     w = (self.w_gate[...].astype(dtype), self.w_up[...].astype(dtype),
          self.w_down[...].astype(dtype))
-    return sparse.materialize(predicted_load_E, *w, dispatch=dispatch, owners=owners)
+    return sparse.materialize(predicted_load_E, *w, dispatch=dispatch, owners=owners,
+                              replica_state=replica_state)
 
   def __call__(self, x_BxSxD, *, dispatch: dispatch_lib.Dispatch = dispatch_lib.LOCAL,
                axis_name=None, step=0, materialized=None):
@@ -158,9 +162,10 @@ class MoEBlock(nnx.Module):
       aux["placement"] = sparse.ep_stats(experts_TxK, received, needed, dispatch, d,
                                          w[0].shape[0], x_TxD.dtype.itemsize)
     elif dispatch.kind == "fssdp":
-      plan, w_all, owners = materialized
-      y_TxD, dropped, aux["placement"] = sparse.fssdp_experts(
-          x_TxD, experts_TxK, weights_TxK, plan, *w_all, dispatch=dispatch, owners=owners)
+      y_TxD, dropped, aux["placement"], replica_state = sparse.fssdp_experts(
+          x_TxD, experts_TxK, weights_TxK, materialized, dispatch=dispatch)
+      if replica_state is not None:
+        aux["replica_state"] = replica_state
     else:
       raise ValueError(f"unknown dispatch kind {dispatch.kind!r}")
     aux["dropped"] = dropped

@@ -132,11 +132,11 @@ class DecoderLayer(nnx.Module):
     return self.moe(x_BxSxD)[0]
 
   def __call__(self, h_BxSxD, *, dispatch: Dispatch = LOCAL, axis_name=None, step=0,
-               predicted_load_E=None, expert_owners=None):
+               predicted_load_E=None, expert_owners=None, replica_state=None):
     materialized = None
     if dispatch.kind == "fssdp":   # issued before attention: the transfer overlaps it
       materialized = self.moe.materialize(predicted_load_E, h_BxSxD.dtype, dispatch=dispatch,
-                                          owners=expert_owners)
+                                          owners=expert_owners, replica_state=replica_state)
     h_BxSxD = h_BxSxD + self.attn(self.attn_norm(h_BxSxD))
     y_BxSxD, aux = self.moe(self.ffn_norm(h_BxSxD), dispatch=dispatch, axis_name=axis_name,
                             step=step, materialized=materialized)
@@ -221,14 +221,16 @@ def forward(cfg: Config, params: dict, tokens_BxS, *, gather=None,
 def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
                        states=None, dispatch: Dispatch = LOCAL, axis_name=None,
                        remat: str = "full", prefetch: bool = False, step=0,
-                       predicted_load_LxE=None, expert_owners_L=None):
+                       predicted_load_LxE=None, expert_owners_L=None, replica_state_L=None):
   """The forward pass with the gather hook's state threaded through.
 
   `gather(group, shards, group_states) -> (full, new_group_states, stats)`; `states` is
   {group: group_states} (layer states stacked on a leading L axis) or None.
   `predicted_load_LxE` (fssdp dispatch) is the load predictor's expected tokens per expert;
   `expert_owners_L` (fssdp, `fssdp.Owners` stacked over layers) who owns each expert, when the
-  layer's expert weights are owned windows (`fssdp.owned_windows`) rather than the even split.
+  layer's expert weights are owned windows (`fssdp.owned_windows`) rather than the even split;
+  `replica_state_L` (fssdp's replica codec, stacked over the MoE layers) what each layer's
+  replica slots held last step (its next value is `aux_L["replica_state"]`).
   Returns (logits_BxSxV, aux_L, new_states, stats) with stats {group: stats of its gathers}
   (a layer group's stacked over its layers); aux_L covers the MoE layers.
   """
@@ -250,12 +252,15 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
     return layer_from_params(cfg, layer_params, DENSE_LAYERS)(h_BxSxD), {}
 
   def moe_step(h_BxSxD, layer_params, consts, layer_index):
-    step, predicted_load_LxE, owners_L = consts
+    step, predicted_load_LxE, owners_L, replicas_L = consts
     layer = layer_from_params(cfg, layer_params)
-    predicted = None if predicted_load_LxE is None else predicted_load_LxE[layer_index]
-    owners = None if owners_L is None else jax.tree.map(lambda x: x[layer_index], owners_L)
+
+    def at(tree):   # this layer's slice of a per-layer input
+      return None if tree is None else jax.tree.map(lambda x: x[layer_index], tree)
+
     return layer(h_BxSxD, dispatch=dispatch, axis_name=axis_name, step=step,
-                 predicted_load_E=predicted, expert_owners=owners)
+                 predicted_load_E=at(predicted_load_LxE), expert_owners=at(owners_L),
+                 replica_state=at(replicas_L))
 
   counts = layer_groups(cfg)
   outputs = {group: [] for group in counts}      # per run: (aux, new states, stats)
@@ -265,7 +270,8 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
         lambda tree: jax.tree.map(lambda x: x[first:first + count], tree))
     consts = ()
     if group == MOE_LAYERS:
-      consts = (jnp.asarray(step, jnp.int32), part(predicted_load_LxE), part(expert_owners_L))
+      consts = (jnp.asarray(step, jnp.int32), part(predicted_load_LxE), part(expert_owners_L),
+                part(replica_state_L))
 
     def gather_run(shards, state, group=group):
       return gather(group, shards, state)

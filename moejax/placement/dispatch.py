@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +49,7 @@ class Dispatch:
   replica_slots: int = 0              # fssdp: M replica slots per device per layer
   overlap_degree: int = 0             # fssdp: t, distinct experts materialized per step
   calibrate: bool = False             # fssdp: re-plan after gating when it pays
+  replica_codec: Any = None           # fssdp: `codec.replicas.ReplicaCodec`, None = plain
 
 
 LOCAL = Dispatch()

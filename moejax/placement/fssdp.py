@@ -31,12 +31,14 @@ On XLA:CPU the static buffers move their capacity (N*M expert slots for SpAG); o
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from moejax.codec import replicas as replicas_lib
 from moejax.placement.dispatch import Dispatch, exchange
 from moejax.routing import router as router_lib
 from moejax.placement import ownership, planner
@@ -131,9 +133,13 @@ def _sparse_all_gather(local_w_CxR, holder_NxM, rank_NxM, axis_names):
   psum_scatter of the [N, M, ...] buffer every owner fills with its rows; GPU/TPU: one
   `ragged_all_to_all` of the filled rows only (`ragged_plan`)."""
   def static(local_w_CxR, holder_NxM, rank_NxM):
+    # Bit patterns, summed as integers (one device fills each slot, the others send zeros): a
+    # float sum would turn -0.0 into +0.0, and XLA:CPU's float collectives rewrite NaN payloads.
     me = lax.axis_index(axis_names)
-    send_NxMxR = _masked(local_w_CxR[rank_NxM], holder_NxM == me)
-    return lax.psum_scatter(send_NxMxR, axis_names, scatter_dimension=0, tiled=False)
+    uint = jnp.dtype(f"uint{8 * local_w_CxR.dtype.itemsize}")
+    send_NxMxR = _masked(lax.bitcast_convert_type(local_w_CxR, uint)[rank_NxM], holder_NxM == me)
+    got = lax.psum_scatter(send_NxMxR, axis_names, scatter_dimension=0, tiled=False)
+    return lax.bitcast_convert_type(got, local_w_CxR.dtype)
 
   def ragged(local_w_CxR, holder_NxM, rank_NxM):
     m = holder_NxM.shape[1]
@@ -185,10 +191,174 @@ def _sparse_reduce_scatter(axis_names, res, g_MxR):
 _sparse_all_gather.defvjp(_sparse_all_gather_fwd, _sparse_reduce_scatter)
 
 
+class Coding(NamedTuple):
+  """One layer's replica coding for this step (`moejax.codec.replicas`): the layer's state on
+  this device, the owned experts' bit patterns now [C, R], their plain and patch rows [C, W] and
+  which experts' patches fit, agreed by all devices [E]."""
+  state: dict
+  bits_CxR: jax.Array
+  plain_CxW: jax.Array
+  patch_CxW: jax.Array
+  fits_E: jax.Array
+
+
+def prepare_coding(ws, state: dict, owners: Owners, codec: replicas_lib.ReplicaCodec,
+                   axis_names) -> Coding:
+  """Encodes this device's owned experts `ws` ([C, ...] matrices) once against last step's and
+  agrees with the other owners on which patches fit (one all_gather of a bitmask)."""
+  bits_CxR = replicas_lib.to_bits(ws, codec.layout)
+  patches_CxP, fits_C = replicas_lib.encode(bits_CxR, state["prev"], codec)
+  fits_NxC = replicas_lib.agree(fits_C, axis_names)
+  plain_CxW, patch_CxW = replicas_lib.rows(bits_CxR, patches_CxP, codec)
+  return Coding(state, bits_CxR, plain_CxW, patch_CxW, fits_NxC[owners.owner_E, owners.rank_E])
+
+
+def coded_sparse_all_gather(ws, replica_expert_NxM, coding: Coding, *, dispatch: Dispatch,
+                            owners: Owners, codec: replicas_lib.ReplicaCodec):
+  """`sparse_all_gather` of the three matrices `ws` at once, a slot whose device held its
+  expert last step travelling as a patch (`moejax.codec.replicas`): (replicas, bit for bit those of
+  `sparse_all_gather`; hit_NxM, the slots that went as patches). The backward is the same
+  SparseReduceScatter."""
+  n = dispatch.num_devices
+  e = owners.owner_E.shape[0]
+  safe_NxM = jnp.minimum(replica_expert_NxM, e - 1)
+  valid_NxM = replica_expert_NxM < e
+  holder_NxM = jnp.where(valid_NxM, owners.owner_E[safe_NxM], n)
+  rank_NxM = jnp.where(valid_NxM, owners.rank_E[safe_NxM], 0)
+  hit_NxM, source_NxM = replicas_lib.hits(coding.state, replica_expert_NxM, coding.fits_E)
+  me = lax.axis_index(dispatch.axis_names)
+  cache_MxR = coding.state["cache"][source_NxM[me]]   # last step's copy under each slot
+  out = _coded_gather(tuple(ws), holder_NxM, rank_NxM, hit_NxM, coding.plain_CxW,
+                      coding.patch_CxW, cache_MxR, dispatch.axis_names, codec)
+  return out, hit_NxM
+
+
+def slot_words(holder_NxM, hit_NxM, codec: replicas_lib.ReplicaCodec):
+  """[N, M] int32: words each slot's row takes on the ragged path (0 for an empty slot)."""
+  n = holder_NxM.shape[0]
+  return jnp.where(holder_NxM < n, jnp.where(hit_NxM, codec.fmt.words, codec.plain_words),
+                   0).astype(jnp.int32)
+
+
+class RaggedWords(NamedTuple):
+  """The ragged exchange of coded rows in words, from replicated data alone (`ragged_words`).
+  As owner: row q of the flat (destination, slot) order starts at word `start_Q[q]` of the send
+  buffer; `send_N` words go to each destination from `offset_N`, landing at `land_N` there. As
+  receiver: `recv_N` words from each owner; slot m's row starts at word `row_start_M[m]`."""
+  start_Q: jax.Array
+  send_N: jax.Array
+  offset_N: jax.Array
+  land_N: jax.Array
+  recv_N: jax.Array
+  row_start_M: jax.Array
+
+
+def ragged_words(holder_NxM, words_NxM, me) -> RaggedWords:
+  """A receiver's buffer holds its rows grouped by owner in device order, each owner's in slot
+  order: the order in which owners send them (destination, then slot)."""
+  n, m = holder_NxM.shape
+  mine_NxM = jnp.where(holder_NxM == me, words_NxM, 0)
+  flat_Q = mine_NxM.reshape(-1)
+  send_N = jnp.sum(mine_NxM, axis=1)
+  land_N = jnp.sum(jnp.where(holder_NxM < me, words_NxM, 0), axis=1)
+  holder_M, words_M = holder_NxM[me], words_NxM[me]
+  recv_N = jnp.sum(jnp.where(holder_M[None, :] == jnp.arange(n)[:, None], words_M[None, :], 0),
+                   axis=1)
+  slot_M = jnp.arange(m)
+  before_MxM = (holder_M[None, :] < holder_M[:, None]) | (
+      (holder_M[None, :] == holder_M[:, None]) & (slot_M[None, :] < slot_M[:, None]))
+  row_start_M = jnp.sum(jnp.where(before_MxM, words_M[None, :], 0), axis=1)
+  return RaggedWords(jnp.cumsum(flat_Q) - flat_Q, send_N, jnp.cumsum(send_N) - send_N, land_N,
+                     recv_N, row_start_M)
+
+
+def pack_send_words(rows_QxW, words_Q, start_Q):
+  """The owner's rows back to back: [Q * W] uint32 (each row's first `words_Q` words)."""
+  q, w = rows_QxW.shape
+  col_W = jnp.arange(w, dtype=jnp.int32)
+  pos_QxW = jnp.where(col_W[None, :] < words_Q[:, None], start_Q[:, None] + col_W[None, :], q * w)
+  return jnp.zeros((q * w,), jnp.uint32).at[pos_QxW.reshape(-1)].set(rows_QxW.reshape(-1),
+                                                                      mode="drop")
+
+
+def unpack_recv_words(got_V, words_M, row_start_M, w: int):
+  """The receiver's rows [M, W] from its packed buffer (zeros past each row's words)."""
+  col_W = jnp.arange(w, dtype=jnp.int32)
+  padded = jnp.concatenate([got_V, jnp.zeros((w,), got_V.dtype)])
+  rows_MxW = padded[row_start_M[:, None] + col_W[None, :]]
+  return jnp.where(col_W[None, :] < words_M[:, None], rows_MxW, jnp.zeros((), got_V.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _coded_gather(ws, holder_NxM, rank_NxM, hit_NxM, plain_CxW, patch_CxW, cache_MxR, axis_names,
+                  codec):
+  """Slot (d, m) receives its expert's patch row where `hit_NxM`, else its plain row, from the
+  slot's holder. XLA:CPU: one psum_scatter of a static [N, M, W] uint32 buffer; GPU/TPU: one
+  `ragged_all_to_all` of the rows' words (`ragged_words`)."""
+  n, m = holder_NxM.shape
+  w = codec.row_words
+
+  def rows_of(holder_NxM, rank_NxM, hit_NxM, plain_CxW, patch_CxW):
+    me = lax.axis_index(axis_names)
+    rows = jnp.where(hit_NxM[..., None], patch_CxW[rank_NxM], plain_CxW[rank_NxM])
+    return _masked(rows, holder_NxM == me), me
+
+  def static(holder_NxM, rank_NxM, hit_NxM, plain_CxW, patch_CxW):
+    rows_NxMxW, _ = rows_of(holder_NxM, rank_NxM, hit_NxM, plain_CxW, patch_CxW)
+    return lax.psum_scatter(rows_NxMxW, axis_names, scatter_dimension=0, tiled=False)
+
+  def ragged(holder_NxM, rank_NxM, hit_NxM, plain_CxW, patch_CxW):
+    rows_NxMxW, me = rows_of(holder_NxM, rank_NxM, hit_NxM, plain_CxW, patch_CxW)
+    words_NxM = slot_words(holder_NxM, hit_NxM, codec)
+    plan = ragged_words(holder_NxM, words_NxM, me)
+    send = pack_send_words(rows_NxMxW.reshape(n * m, w),
+                           jnp.where(holder_NxM == me, words_NxM, 0).reshape(-1), plan.start_Q)
+    got = lax.ragged_all_to_all(send, jnp.zeros((m * w,), jnp.uint32), plan.offset_N,
+                                plan.send_N, plan.land_N, plan.recv_N, axis_name=axis_names)
+    return unpack_recv_words(got, words_NxM[me], plan.row_start_M, w)
+
+  got_MxW = lax.platform_dependent(holder_NxM, rank_NxM, hit_NxM, plain_CxW, patch_CxW,
+                                   cpu=static, default=ragged)
+  me = lax.axis_index(axis_names)
+  bits_MxR = replicas_lib.decode(got_MxW, hit_NxM[me], cache_MxR, codec)
+  return replicas_lib.from_bits(bits_MxR, ws, codec.layout)
+
+
+def _coded_gather_fwd(ws, holder_NxM, rank_NxM, hit_NxM, plain_CxW, patch_CxW, cache_MxR,
+                      axis_names, codec):
+  likes = tuple(jnp.zeros((w.shape[0], 0), w.dtype) for w in ws)
+  out = _coded_gather(ws, holder_NxM, rank_NxM, hit_NxM, plain_CxW, patch_CxW, cache_MxR,
+                      axis_names, codec)
+  return out, (holder_NxM, rank_NxM, likes)
+
+
+def _coded_gather_bwd(axis_names, codec, res, g_ws):
+  del codec
+  holder_NxM, rank_NxM, likes = res
+  d_ws = tuple(_sparse_reduce_scatter(axis_names, (holder_NxM, rank_NxM, like), g)[0]
+               for like, g in zip(likes, g_ws))
+  return (d_ws, None, None, None, None, None, None)
+
+
+_coded_gather.defvjp(_coded_gather_fwd, _coded_gather_bwd)
+
+
+class Materialized(NamedTuple):
+  """`materialize`'s result: the plan, the weights [C + M, ...] (owned by rank, then the
+  replicas), the owners, and with the replica codec its `Coding` and which slots went as
+  patches (else None)."""
+  plan: planner.Plan
+  weights: tuple
+  owners: Owners
+  coding: Coding | None = None
+  hit_NxM: jax.Array | None = None
+
+
 def materialize(predicted_load_E, w_gate, w_up, w_down, *, dispatch: Dispatch,
-                owners: Owners | None = None):
-  """This step's plan and weights: (plan, (w_gate, w_up, w_down) of [C + M, ...], owners).
-  w_* hold this device's experts of the layer by rank (`owners`; default: even, C = El)."""
+                owners: Owners | None = None, replica_state: dict | None = None) -> Materialized:
+  """This step's plan and weights. w_* hold this device's experts of the layer by rank
+  (`owners`; default: even, C = El). With `dispatch.replica_codec` and the layer's
+  `replica_state`, slots that kept their expert receive patches."""
   n = dispatch.num_devices
   if owners is None:
     owners = even_owners(w_gate.shape[0] * n, n)
@@ -196,24 +366,51 @@ def materialize(predicted_load_E, w_gate, w_up, w_down, *, dispatch: Dispatch,
       predicted_load_E, owners.owner_E, num_devices=n,
       devices_per_node=dispatch.devices_per_node, replica_slots=dispatch.replica_slots,
       overlap_degree=dispatch.overlap_degree)
-  weights = tuple(jnp.concatenate([w, sparse_all_gather(w, plan.replica_expert_NxM,
-                                                        dispatch=dispatch, owners=owners)], axis=0)
-                  for w in (w_gate, w_up, w_down))
-  return plan, weights, owners
+  ws = (w_gate, w_up, w_down)
+  codec = dispatch.replica_codec
+  if codec is None or replica_state is None:
+    weights = tuple(jnp.concatenate([w, sparse_all_gather(w, plan.replica_expert_NxM,
+                                                          dispatch=dispatch, owners=owners)],
+                                    axis=0) for w in ws)
+    return Materialized(plan, weights, owners)
+  coding = prepare_coding(ws, replica_state, owners, codec, dispatch.axis_names)
+  reps, hit_NxM = coded_sparse_all_gather(ws, plan.replica_expert_NxM, coding,
+                                          dispatch=dispatch, owners=owners, codec=codec)
+  weights = tuple(jnp.concatenate([w, r], axis=0) for w, r in zip(ws, reps))
+  return Materialized(plan, weights, owners, coding, hit_NxM)
 
 
-def fssdp_experts(x_TxD, experts_TxK, weights_TxK, plan, w_gate, w_up, w_down, *,
-                  dispatch: Dispatch, owners: Owners):
-  """Runs each assignment on one holder of its expert. w_* are [C + M, ...] (owned by rank, then
-  this step's replicas). Returns (y_TxD fp32, assignments dropped, placement stats)."""
+def _replica_bytes(plan, hit_NxM, dispatch: Dispatch, num_experts: int, expert_bytes: int,
+                   owned: int):
+  """(bytes on the ragged path, the same replicas plain) of one SparseAllGather, summed over
+  the receiving devices, as this device's share (the replicated figure / N). `owned` > 0: add
+  the agreement all_gather of the coding (once per layer and step, however many gathers)."""
+  n = dispatch.num_devices
+  filled = jnp.sum(plan.replica_expert_NxM < num_experts).astype(jnp.float32)
+  plain = filled * expert_bytes
+  codec = dispatch.replica_codec
+  if hit_NxM is None:
+    return plain / n, plain / n
+  sent = jnp.sum(replicas_lib.slot_bytes(plan.replica_expert_NxM, hit_NxM, num_experts, codec))
+  return (sent + n * (n - 1) * codec.agree_bytes(owned)) / n, plain / n
+
+
+def fssdp_experts(x_TxD, experts_TxK, weights_TxK, mat: Materialized, *, dispatch: Dispatch):
+  """Runs each assignment on one holder of its expert (`mat`: this step's `materialize`).
+  Returns (y_TxD fp32, assignments dropped, placement stats, the layer's next replica state
+  (None without the replica codec))."""
   n, dpn = dispatch.num_devices, dispatch.devices_per_node
+  owners, coding = mat.owners, mat.coding
+  w_gate = mat.weights[0]
   c = w_gate.shape[0] - dispatch.replica_slots
   e = owners.owner_E.shape[0]
+  expert_bytes = sum(math.prod(w.shape[1:]) * w.dtype.itemsize for w in mat.weights)
   me = lax.axis_index(dispatch.axis_names)
   counts_E = router_lib.expert_counts(experts_TxK, e)
   source_load_NxE = lax.all_gather(counts_E, dispatch.axis_names, axis=0, tiled=False)
 
-  def run(plan, w_gate, w_up, w_down):
+  def run(plan, weights, hit_NxM, late_bytes):
+    w_gate, w_up, w_down = weights
     send_ExN = planner.balanced_send(plan.holders_ExN, source_load_NxE,
                                      devices_per_node=dpn)[me]
     dest_TxK = planner.dispatch_devices(experts_TxK, me, plan, devices_per_node=dpn,
@@ -229,27 +426,51 @@ def fssdp_experts(x_TxD, experts_TxK, weights_TxK, plan, w_gate, w_up, w_down, *
     stats = placement_stats(received, needed, dest_A, dispatch, x_TxD.shape[-1],
                             x_TxD.dtype.itemsize)
     stats["replicas"] = plan.num_replicas.astype(jnp.float32) / n
-    return y_TxD, dropped, stats
+    sent, plain = _replica_bytes(mat.plan, mat.hit_NxM, dispatch, e, expert_bytes, c)
+    stats["replica_bytes"] = sent + late_bytes[0]
+    stats["replica_bytes_plain"] = plain + late_bytes[1]
+    held = (plan.replica_expert_NxM,
+            None if coding is None else replicas_lib.to_bits(
+                tuple(w[c:] for w in weights), dispatch.replica_codec.layout))
+    return y_TxD, dropped, stats, held
 
+  def finish(out):
+    y_TxD, dropped, stats, (held_NxM, cache_MxR) = out
+    if coding is None:
+      return y_TxD, dropped, stats, None
+    return y_TxD, dropped, stats, {"held": held_NxM, "cache": cache_MxR,
+                                   "prev": coding.bits_CxR, "valid": jnp.ones((), bool)}
+
+  zero = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
   if not dispatch.calibrate:
-    return run(plan, w_gate, w_up, w_down)
+    return finish(run(mat.plan, mat.weights, mat.hit_NxM, zero))
   # Re-plan with the actual loads; adopted (with a late SparseAllGather) only when it pays.
   # Every device computes the same decision from the same gathered counts. The late gather sits
   # in the branch with the exchange and expert compute, so it can overlap them (a collective
-  # alone in a branch starts and finishes there).
+  # alone in a branch starts and finishes there). It is coded against the same state as the
+  # first: both replace last step's replicas.
   fresh, adopted = planner.calibrate(
-      plan, jnp.sum(source_load_NxE, axis=0), owners.owner_E, num_devices=n,
+      mat.plan, jnp.sum(source_load_NxE, axis=0), owners.owner_E, num_devices=n,
       devices_per_node=dpn, replica_slots=dispatch.replica_slots,
       overlap_degree=dispatch.overlap_degree, actual_source_load_NxE=source_load_NxE)
 
   def late_gather(weights):
-    return run(fresh, *(jnp.concatenate([w[:c], sparse_all_gather(
-        w[:c], fresh.replica_expert_NxM, dispatch=dispatch, owners=owners)], axis=0)
-                        for w in weights))
+    owned = tuple(w[:c] for w in weights)
+    if coding is None:
+      reps = tuple(sparse_all_gather(w, fresh.replica_expert_NxM, dispatch=dispatch,
+                                     owners=owners) for w in owned)
+      hit_NxM = None
+    else:
+      reps, hit_NxM = coded_sparse_all_gather(owned, fresh.replica_expert_NxM, coding,
+                                              dispatch=dispatch, owners=owners,
+                                              codec=dispatch.replica_codec)
+    late = _replica_bytes(fresh, hit_NxM, dispatch, e, expert_bytes, 0)
+    return run(fresh, tuple(jnp.concatenate([w, r], axis=0) for w, r in zip(owned, reps)),
+               hit_NxM, late)
 
   # Not adopted, `fresh` is the current plan (its loads updated to the actual ones).
-  return lax.cond(adopted, late_gather, lambda weights: run(fresh, *weights),
-                  (w_gate, w_up, w_down))
+  return finish(lax.cond(adopted, late_gather,
+                         lambda weights: run(fresh, weights, mat.hit_NxM, zero), mat.weights))
 
 
 def ep_stats(experts_TxK, received, needed, dispatch: Dispatch, d_model: int, num_local: int,

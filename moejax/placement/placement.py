@@ -7,7 +7,9 @@ object the rest of the code talks to:
   init_state()        fssdp: the `FssdpState` a run starts from (None for fsdp and ep)
   local_params(...)   inside the step's shard_map: fssdp's owned windows of the expert weights,
                       the owners and the predicted loads the layers plan replicas from
-  next_state(...)     fssdp: the load history after this step's loads
+  state_specs()       fssdp: how its state lies on the mesh (the replica codec's caches per
+                      device, the rest replicated)
+  next_state(...)     fssdp: the load history after this step's loads, the replica caches
   metrics(...)        per-layer placement figures and bytes moved by kind
   reshard(...)        between steps: new owners; parameters and optimizer moments move together
   checkpoint_items    fssdp: its checkpoint item (`FssdpCheckpoint`): load history and owners
@@ -19,12 +21,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import PartitionSpec as P
 
+from moejax.codec import replicas as replicas_lib
 from moejax.errors import ConfigError
 from moejax.placement import fssdp, ownership, planner, reshard
 from moejax.placement.dispatch import LOCAL, Dispatch, ep_a2a_bytes, ep_capacity
@@ -34,9 +39,13 @@ from moejax.sharding.prefetch import recomputes
 @struct.dataclass
 class FssdpState:
   """fssdp's state across steps: the load predictor's recent loads and the owner of each expert
-  (int32 [L, E], says where it is stored; changed only by re-sharding). Checkpointed."""
+  (int32 [L, E], says where it is stored; changed only by re-sharding), both checkpointed; with
+  the replica codec, what each layer's replica slots held last step (`replicas`: the layers'
+  `moejax.codec.replicas` states stacked, "cache" and "prev" with a leading device axis;
+  rebuilt, not checkpointed: a resumed run's first step sends its replicas plain)."""
   history: planner.LoadHistory
   owner_LxE: jax.Array
+  replicas: dict | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +70,7 @@ class Placement:
   # them (`moejax.sharding.axes.expert_paths`), e.g. ("layers", "moe", "w_up").
   expert_paths: tuple = ()
   itemsize: int = 2                   # bytes of one compute-dtype value (config.compute_dtype)
+  replica_codec: Any = None           # fssdp: `codec.replicas.ReplicaCodec`; None = plain
 
   # -- static ------------------------------------------------------------------------------------
   @property
@@ -92,7 +102,8 @@ class Placement:
       return LOCAL
     return Dispatch(self.kind, self.axis_names, self.num_devices, self.devices_per_node,
                     self.dispatch_capacity_factor, replica_slots=self.replica_slots,
-                    overlap_degree=self.overlap_degree, calibrate=self.calibrate)
+                    overlap_degree=self.overlap_degree, calibrate=self.calibrate,
+                    replica_codec=self.replica_codec if self.kind == "fssdp" else None)
 
   def dispatch_capacity(self, tokens_per_device: int) -> int:
     """C: the dispatch buffer's rows per destination (ep/fssdp; 0 for fsdp)."""
@@ -117,19 +128,39 @@ class Placement:
     """The state a run starts from: an empty history and the even owners (host arrays)."""
     if self.kind != "fssdp":
       return None
+    replicas = None
+    if self.replica_codec is not None:
+      n, layers = self.num_devices, self.num_layers
+      one = replicas_lib.init_state(n, self.replica_slots, self.max_per_layer, self.replica_codec)
+      stack = lambda x, lead: jnp.broadcast_to(x, lead + x.shape)   # noqa: E731
+      replicas = {"held": stack(one["held"], (layers,)), "cache": stack(one["cache"], (n, layers)),
+                  "prev": stack(one["prev"], (n, layers)), "valid": stack(one["valid"], (layers,))}
     return FssdpState(
         planner.init_history(window=self.window, num_layers=self.num_layers,
                              num_experts=self.num_experts),
         jnp.asarray(ownership.initial_placement(self.num_layers, self.num_experts,
-                                                self.num_devices)))
+                                                self.num_devices)), replicas)
+
+  def state_specs(self):
+    """PartitionSpecs of `init_state()`'s leaves (None without a state): the replica caches
+    are per device (a leading device axis), everything else replicated."""
+    if self.kind != "fssdp":
+      return None
+    specs = jax.tree.map(lambda _: P(), jax.eval_shape(self.init_state))
+    if specs.replicas is not None:
+      specs = specs.replace(replicas={**specs.replicas, "cache": P(self.axis_names),
+                                      "prev": P(self.axis_names)})
+    return specs
 
   # -- in the step -------------------------------------------------------------------------------
   def local_params(self, params: dict, pstate: FssdpState | None, *, me):
-    """Inside shard_map: (params, owners_L, predicted_load_LxE). fssdp replaces each expert leaf
-    by this device's [L, C, ...] windows of owned experts (the gradient flows back into the
-    stored slots); without a state (evaluation) the even start and a flat prediction."""
+    """Inside shard_map: (params, owners_L, predicted_load_LxE, replica_state_L). fssdp replaces
+    each expert leaf by this device's [L, C, ...] windows of owned experts (the gradient flows
+    back into the stored slots); without a state (evaluation) the even start and a flat
+    prediction. replica_state_L: the replica codec's per-layer states, this device's caches
+    (None without the codec, or without a state)."""
     if self.kind != "fssdp":
-      return params, None, None
+      return params, None, None, None
     if pstate is None:
       pstate = self.init_state()     # an empty history predicts flat loads
     predicted_LxE = planner.predict(pstate.history)
@@ -139,12 +170,27 @@ class Placement:
         max_per_layer=self.max_per_layer)
     for path, window in windows.items():
       params = _replace_at(params, path, window)
-    return params, owners_L, predicted_LxE
+    replicas_L = pstate.replicas
+    if replicas_L is not None:
+      replicas_L = {**replicas_L, "cache": replicas_L["cache"][0], "prev": replicas_L["prev"][0]}
+    return params, owners_L, predicted_LxE, replicas_L
 
-  def next_state(self, pstate: FssdpState | None, load_LxE) -> FssdpState | None:
+  @staticmethod
+  def device_replicas(replicas_L: dict | None) -> dict | None:
+    """Inside shard_map: the layers' next replica states as stored (a leading device axis on
+    this device's caches)."""
+    if replicas_L is None:
+      return None
+    return {**replicas_L, "cache": replicas_L["cache"][None], "prev": replicas_L["prev"][None]}
+
+  def next_state(self, pstate: FssdpState | None, load_LxE,
+                 replicas: dict | None = None) -> FssdpState | None:
+    """The load history after this step's loads; `replicas` the step's replica states as stored
+    (`device_replicas`), or None to keep them."""
     if pstate is None:
       return None
-    return pstate.replace(history=planner.update_history(pstate.history, load_LxE))
+    pstate = pstate.replace(history=planner.update_history(pstate.history, load_LxE))
+    return pstate if replicas is None else pstate.replace(replicas=replicas)
 
   def metrics(self, placement_L: dict, *, tokens_per_device: int, remat: str) -> dict:
     """Per-layer figures from the layers, plus bytes moved per device and step by kind: the ep
@@ -166,10 +212,12 @@ class Placement:
       buffer = (n - 1) / n * n * m * self.expert_bytes
       # SparseAllGather runs again in backward when the layer is recomputed; its transpose once,
       # in fp32.
-      metrics["spag_bytes"] = jnp.full((layers,), buffer * (2 if recomputes(remat) else 1),
-                                       jnp.float32)
+      passes = 2 if recomputes(remat) else 1
+      metrics["spag_bytes_capacity"] = jnp.full((layers,), buffer * passes, jnp.float32)
       metrics["sprs_bytes"] = jnp.full((layers,), buffer * 4 / self.itemsize, jnp.float32)
       metrics["spag_bytes_needed"] = placement_L["replicas"] * self.expert_bytes
+      metrics["spag_bytes"] = metrics.pop("replica_bytes") * passes
+      metrics["spag_bytes_plain"] = metrics.pop("replica_bytes_plain") * passes
     return metrics
 
   def checkpoint_items(self, state_shardings, param_shardings) -> tuple:
@@ -192,7 +240,10 @@ class Placement:
     params, opt_state = self.permute((params, opt_state), resharding.perm_LxE, shardings,
                                      donate=True)
     owner = jax.device_put(resharding.owner_LxE, pstate.owner_LxE.sharding)
-    return params, opt_state, pstate.replace(owner_LxE=owner), resharding
+    pstate = pstate.replace(owner_LxE=owner)
+    if pstate.replicas is not None:   # owned windows now hold other experts
+      pstate = pstate.replace(replicas=replicas_lib.invalidate(pstate.replicas))
+    return params, opt_state, pstate, resharding
 
 
   def permute(self, tree, perm_LxE, shardings, *, donate: bool):

@@ -4,7 +4,7 @@ no devices, no compile (`jax.eval_shape` only), so it answers for a cluster you 
   parameters      fp32 master shards (the parameter layouts: `moejax.sharding.layout`)
   optimizer       the optimizer state of those shards (optax's own `init`, abstractly)
   gradients       fp32 gradient shards, live with both of the above before the update
-  placement       fssdp's load history and expert owners
+  placement       fssdp's load history and expert owners, and its replica codec's caches
   codec_state     the compressed gather's caches (codec.mode; auto: a cache of every shard)
   batch           this device's inputs and targets
   gathered        compute-dtype copies of gathered weights live at once: the embedding and head
@@ -39,6 +39,7 @@ import numpy as np
 
 from moejax.config import Config, num_moe_layers
 from moejax.errors import ConfigError
+from moejax.placement import ownership
 
 # The config field that sizes each component, named when the step does not fit.
 FIELDS = {"parameters": "model (its shapes)", "optimizer": "optim", "gradients": "model",
@@ -165,6 +166,13 @@ def memory_report(cfg: Config, num_devices: int, *,
   if moe.placement == "fssdp":     # FssdpState: the load history (fp32) and the owners (int32)
     experts = num_moe_layers(cfg) * e
     placement = (cfg.fssdp.window * experts + experts) * 4 + 4
+    if cfg.fssdp.resolved_replica_codec(cfg.codec.mode) != "off":
+      # The replica codec: last step's replicas (M) and owned experts (C) as bit patterns, and
+      # the slots' experts (`moejax.codec.replicas`).
+      owned = cfg.fssdp.max_per_layer or ownership.default_max_per_layer(e, n)
+      per_layer = owned + cfg.fssdp.replica_slots
+      placement += num_moe_layers(cfg) * (per_layer * 3 * d * f * c
+                                          + n * cfg.fssdp.replica_slots * 4 + 1)
   if moe.placement == "fssdp" and cfg.fssdp.calibrate:
     # Calibration's late SparseAllGather holds a second set of M replicas (and its SpRS) beside
     # the planned one: the two branches of its conditional are live together.

@@ -15,6 +15,7 @@ from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moejax.codec.gather import CodecSpec
+from moejax.codec.replicas import ReplicaCodec
 from moejax.config import Config, num_moe_layers
 from moejax.models import olmoe
 from moejax.placement import Placement
@@ -68,7 +69,18 @@ def placement_of(cfg: Config, mesh, param_meta=None) -> Placement:
                    overlap_degree=f.overlap_degree,
                    calibrate=f.calibrate, window=f.window, max_per_layer_setting=f.max_per_layer,
                    expert_paths=axes.expert_paths(param_meta),
-                   itemsize=jnp.dtype(hook.COMPUTE_DTYPES[cfg.compute_dtype]).itemsize)
+                   itemsize=jnp.dtype(hook.COMPUTE_DTYPES[cfg.compute_dtype]).itemsize,
+                   replica_codec=replica_codec_of(cfg))
+
+
+def replica_codec_of(cfg: Config) -> ReplicaCodec | None:
+  """fssdp's replica codec (`moejax.codec.replicas`), or None: replicas travel plain."""
+  if (cfg.moe.placement != "fssdp"
+      or cfg.fssdp.resolved_replica_codec(cfg.codec.mode) == "off"):
+    return None
+  return ReplicaCodec(3 * cfg.model.d_model * cfg.moe.expert_hidden, cfg.compute_dtype,
+                      delta_bits=cfg.codec.delta_bits,
+                      capacity_fraction=cfg.codec.capacity_fraction or 1 / 8)
 
 
 def state_layout(cfg: Config, mesh, tx: optax.GradientTransformation) -> StateLayout:
@@ -90,8 +102,8 @@ def state_layout(cfg: Config, mesh, tx: optax.GradientTransformation) -> StateLa
   gather_state_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), gatherer.state_specs(),
                                         is_leaf=lambda s: isinstance(s, P))
   placement = placement_of(cfg, mesh, param_meta)
-  placement_shardings = jax.tree.map(lambda _: replicated,
-                                     jax.eval_shape(placement.init_state))
+  placement_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), placement.state_specs(),
+                                     is_leaf=lambda s: isinstance(s, P))
   shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,
                          gather_state=gather_state_shardings, placement=placement_shardings)
   return StateLayout(param_shapes, layouts, specs, shardings, gatherer, mesh, cfg, placement)
@@ -116,7 +128,10 @@ def with_rebuilt_state(lay: StateLayout, state: TrainState, *,
   the placement's state as it starts (a restore then sets the saved one).
   `restored`: the weights are past the codec warm-up, so only the first gather sends
   everything (to refill the caches)."""
-  placement = jax.device_put(lay.placement.init_state(), lay.shardings.placement)
+  if lay.placement.replica_codec is None:
+    placement = jax.device_put(lay.placement.init_state(), lay.shardings.placement)
+  else:   # built on the devices, each its own part: the replica caches are per device
+    placement = jax.jit(lay.placement.init_state, out_shardings=lay.shardings.placement)()
   return state.replace(gather_state=lay.gatherer.init_states(lay.mesh, warmed_up=restored),
                        placement=placement)
 

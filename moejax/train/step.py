@@ -43,13 +43,13 @@ def _forward_local(cfg: Config, lay: StateLayout, params, inputs_BxS, step, gath
                    placement_state=None):
   """The forward pass on this device's batch slice; gather_state as stored ([1, ...] slices)."""
   states = squeeze_device_axis(gather_state) if gather_state is not None else None
-  params, owners_L, predicted_LxE = lay.placement.local_params(
+  params, owners_L, predicted_LxE, replicas_L = lay.placement.local_params(
       params, placement_state, me=jax.lax.axis_index(DEVICES))
   logits, aux_L, new_states, stats = olmoe.forward_with_state(
       cfg, params, inputs_BxS, gather=lay.gatherer.gather, states=states,
       dispatch=lay.placement.dispatch, axis_name=DEVICES, remat=cfg.remat,
       prefetch=cfg.prefetch, step=step, predicted_load_LxE=predicted_LxE,
-      expert_owners_L=owners_L)
+      expert_owners_L=owners_L, replica_state_L=replicas_L)
   return logits, aux_L, expand_device_axis(new_states), stats
 
 
@@ -72,7 +72,8 @@ def _loss_share(cfg: Config, lay: StateLayout, params, batch, step, gather_state
            "admitted_load_LxE": aux_L["admitted_load_E"].astype(jnp.float32)}
   if "placement" in aux_L:
     parts["placement_L"] = aux_L["placement"]
-  return loss, (parts, new_gather_state, gather_stats)
+  replicas = lay.placement.device_replicas(aux_L.get("replica_state"))
+  return loss, (parts, new_gather_state, gather_stats, replicas)
 
 
 def routing_metrics(cfg: Config, routing_L: dict, ep_dropped_L) -> dict:
@@ -85,18 +86,22 @@ def routing_metrics(cfg: Config, routing_L: dict, ep_dropped_L) -> dict:
 
 def make_grad_fn(cfg: Config, mesh, lay: StateLayout):
   """(params, batch, step, gather_state, placement_state) -> (grads sharded like params, summed
-  loss parts, new gather state, gather stats): the shard_map body."""
+  loss parts, new gather state, gather stats, the replica codec's new states or None): the
+  shard_map body."""
   def grads_body(params, batch, step, gather_state, placement_state):
-    grads, (parts, new_gather_state, gather_stats) = jax.grad(
+    grads, (parts, new_gather_state, gather_stats, replicas) = jax.grad(
         functools.partial(_loss_share, cfg, lay), has_aux=True)(
             params, batch, step, gather_state, placement_state)
     # Gather stats are already identical on every device (static, or agreed by the codec).
-    return grads, jax.lax.psum(parts, DEVICES), new_gather_state, gather_stats
+    return grads, jax.lax.psum(parts, DEVICES), new_gather_state, gather_stats, replicas
 
   state_specs = lay.gatherer.state_specs()
+  placement_specs = lay.placement.state_specs()
+  replica_specs = None if placement_specs is None else placement_specs.replicas
   return jax.shard_map(grads_body, mesh=mesh,
-                       in_specs=(lay.param_specs, BATCH_SPEC, P(), state_specs, P()),
-                       out_specs=(lay.param_specs, P(), state_specs, P()), check_vma=False)
+                       in_specs=(lay.param_specs, BATCH_SPEC, P(), state_specs, placement_specs),
+                       out_specs=(lay.param_specs, P(), state_specs, P(), replica_specs),
+                       check_vma=False)
 
 
 def gathers_per_copy(cfg: Config, gatherer, group: str) -> float:
@@ -176,13 +181,13 @@ def make_train_step(cfg: Config, mesh, lay: StateLayout, tx: optax.GradientTrans
   grows = lay.placement.grows_dispatch(tokens_per_device)
 
   def train_step(state: TrainState, batch):
-    grads, parts, gather_state, gather_stats = sharded_grads(
+    grads, parts, gather_state, gather_stats, replicas = sharded_grads(
         state.params, batch, state.step, state.gather_state, state.placement)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     load_LxE = parts.pop("load_LxE")        # the router's choices, before admission
     params = balance.apply(params, load_LxE, cfg.moe.score_bias_rate)
-    placement_state = lay.placement.next_state(state.placement, load_LxE)
+    placement_state = lay.placement.next_state(state.placement, load_LxE, replicas)
     routing = routing_metrics(cfg, parts.pop("routing_L"), parts.pop("ep_dropped_L"))
     placement = lay.placement.metrics(parts.pop("placement_L", {}),
                                       tokens_per_device=tokens_per_device, remat=cfg.remat)
@@ -215,7 +220,8 @@ def make_eval_step(cfg: Config, mesh, lay: StateLayout):
     # Plain gathers: evaluation must not advance the codec's caches. The load prediction is
     # flat: evaluation plans no replicas from training's history.
     if placement_state is not None:
-      placement_state = lay.placement.init_state().replace(owner_LxE=placement_state.owner_LxE)
+      placement_state = lay.placement.init_state().replace(owner_LxE=placement_state.owner_LxE,
+                                                           replicas=None)
     logits_BxSxV, aux_L, _, _ = _forward_local(cfg, lay, params, batch["inputs"],
                                                cfg.routing.warmup_steps, None, placement_state)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits_BxSxV, batch["targets"])
@@ -229,6 +235,8 @@ def make_eval_step(cfg: Config, mesh, lay: StateLayout):
                                   out_specs=(P(), P(), P()), check_vma=False))
 
   def eval_step(params, batch, placement_state=None):
+    if placement_state is not None and placement_state.replicas is not None:
+      placement_state = placement_state.replace(replicas=None)   # only the owners are read
     return sharded(params, batch, placement_state)
 
   return eval_step

@@ -1,6 +1,8 @@
 """SparseAllGather on 8 devices: every device receives the owner's expert in its replica slot,
 and the transpose (SparseReduceScatter) sums the replicas' gradients on the owner in fp32,
 rounding once (bf16 accumulation would lose the small parts)."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,3 +109,157 @@ def test_each_platform_lowers_its_own_sparse_all_gather():
       text = export.export(fn, platforms=[platform],
                            disabled_checks=unchecked)(local_w).mlir_module()
       assert text.count("@ragged_all_to_all") == want, platform
+
+
+# ------------------------------------------------------------------ compressed replicas
+E2, D, F, M2 = 2 * N, 4, 8, 2          # two experts per device, two replica slots
+
+
+def _coded_setup():
+  from moejax.codec import replicas
+  codec = replicas.ReplicaCodec(3 * D * F, "bfloat16")
+  mesh = Mesh(np.array(jax.devices()[:N]), ("devices",))
+  dispatch = Dispatch(kind="fssdp", axis_names=("devices",), num_devices=N, devices_per_node=4,
+                      replica_slots=M2, replica_codec=codec)
+  owners = fssdp.even_owners(E2, N)
+
+  def body(ws, g_ws, replica_NxM, state):
+    ws = tuple(w[0] for w in ws)
+    state = {**state, "cache": state["cache"][0], "prev": state["prev"][0]}
+    coding = fssdp.prepare_coding(ws, state, owners, codec, ("devices",))
+
+    def coded(ws):
+      return fssdp.coded_sparse_all_gather(ws, replica_NxM, coding, dispatch=dispatch,
+                                           owners=owners, codec=codec)[0]
+
+    def plain(ws):
+      return tuple(fssdp.sparse_all_gather(w, replica_NxM, dispatch=dispatch, owners=owners)
+                   for w in ws)
+
+    def loss(fn, ws):
+      return sum(jnp.sum((r * g[0]).astype(jnp.float32)) for r, g in zip(fn(ws), g_ws))
+
+    _, hit_NxM = fssdp.coded_sparse_all_gather(ws, replica_NxM, coding, dispatch=dispatch,
+                                               owners=owners, codec=codec)
+    reps, want = coded(ws), plain(ws)
+    grads = jax.grad(functools.partial(loss, coded))(ws)
+    want_grads = jax.grad(functools.partial(loss, plain))(ws)
+    cache = replicas.to_bits(reps, codec.layout)
+    lead = lambda t: tuple(x[None] for x in t)   # noqa: E731
+    return (lead(reps), lead(want), lead(grads), lead(want_grads), hit_NxM,
+            coding.bits_CxR[None], cache[None])
+
+  state_specs = {"held": P(), "cache": P("devices"), "prev": P("devices"), "valid": P()}
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("devices"), P("devices"), P(),
+                                                        state_specs),
+                             out_specs=(P("devices"),) * 4 + (P(), P("devices"), P("devices")),
+                             check_vma=False))
+  return codec, owners, fn, body, state_specs, mesh
+
+
+def _bits_equal(a, b):
+  return all(np.array_equal(np.asarray(x).view(np.uint16), np.asarray(y).view(np.uint16))
+             for x, y in zip(a, b))
+
+
+def test_coded_replicas_equal_plain_ones_bit_for_bit_and_patch_kept_experts():
+  """Two steps of the coded SparseAllGather on 8 devices: the first sends everything plain (no
+  state); in the second, slots whose device held the same expert last step (in either slot)
+  arrive as patches, except an expert moved too far to fit its patch; replicas (NaN payloads,
+  -0.0 and infinities included) and gradients equal the plain path's bit for bit."""
+  from moejax.codec import replicas
+  codec, owners, fn, _, _, _ = _coded_setup()
+  rng = np.random.default_rng(1)
+  shapes = ((E2, D, F), (E2, D, F), (E2, F, D))
+  w0 = [rng.standard_normal(s).astype(jnp.bfloat16) for s in shapes]
+  w0[0].reshape(-1)[:4] = np.array([0x7fbf, 0x8000, 0x7f80, 0xffc1], np.uint16).view(jnp.bfloat16)
+  g = tuple(jnp.asarray(rng.standard_normal((N, M2) + s[1:]).astype(jnp.bfloat16)) for s in shapes)
+  # Device d stores experts 2d and 2d + 1 (even ownership): [N, C, ...] per device.
+  stored = lambda ws: tuple(jnp.asarray(w.reshape((N, 2) + w.shape[1:])) for w in ws)  # noqa: E731
+  rep1 = jnp.asarray(rng.integers(0, E2 + 1, (N, M2)), jnp.int32)          # E2: empty
+  state = {"held": jnp.full((N, M2), -1, jnp.int32),
+           "cache": jnp.zeros((N, M2, codec.values), jnp.uint16),
+           "prev": jnp.zeros((N, 2, codec.values), jnp.uint16), "valid": jnp.zeros((), bool)}
+  reps, want, grads, want_grads, hit, prev, cache = fn(stored(w0), g, rep1, state)
+  assert _bits_equal(reps, want) and _bits_equal(grads, want_grads)
+  assert not np.any(hit)
+  # Step 2: every value moves a few units in the last place, expert 5 moves wholesale; slots
+  # swap on every device, and device 0 takes an expert it did not hold.
+  w1 = []
+  for w in w0:
+    u = w.view(np.uint16).astype(np.int32)
+    moved = np.where(np.isfinite(w.astype(np.float32)), u + rng.integers(-2, 3, u.shape), u)
+    w1.append(moved.astype(np.uint16).view(jnp.bfloat16))
+  w1[1][5] = rng.standard_normal(w1[1][5].shape).astype(jnp.bfloat16)
+  rep2 = np.asarray(rep1)[:, ::-1].copy()
+  rep2[0] = [e for e in range(E2) if e not in np.asarray(rep1[0])][:M2]
+  rep2 = jnp.asarray(rep2)
+  state = {"held": rep1, "cache": cache, "prev": prev, "valid": jnp.ones((), bool)}
+  reps, want, grads, want_grads, hit, _, _ = fn(stored(w1), g, rep2, state)
+  assert _bits_equal(reps, want) and _bits_equal(grads, want_grads)
+  hit = np.asarray(hit)
+  kept = np.asarray(rep2) == np.asarray(rep1)[:, ::-1]
+  expected = kept & (np.asarray(rep2) < E2) & (np.asarray(rep2) != 5)
+  expected[0] = False
+  np.testing.assert_array_equal(hit, expected)
+  assert hit.sum() >= 4
+  assert replicas.ReplicaCodec(3 * D * F).patch_bytes < codec.plain_bytes
+
+
+def test_coded_ragged_words_deliver_the_static_rows():
+  """The GPU path's word-level `ragged_all_to_all` (emulated in numpy by its documented
+  semantics from each device's `ragged_words`) hands every device the rows of the static
+  buffer: patch rows for hits, plain rows otherwise, zeros for empty slots."""
+  rng = np.random.default_rng(2)
+  n, m, c, w = N, 3, 2, 6
+  plain_words, patch_words = 6, 2
+  holder = rng.integers(0, n + 1, (n, m))                  # n: an empty slot
+  rank = np.where(holder < n, rng.integers(0, c, (n, m)), 0)
+  hit = (rng.random((n, m)) < 0.5) & (holder < n)
+  words = np.where(holder < n, np.where(hit, patch_words, plain_words), 0)
+  plain = rng.integers(1, 2 ** 31, (n, c, w)).astype(np.uint32)
+  patch = rng.integers(1, 2 ** 31, (n, c, w)).astype(np.uint32)
+  patch[..., patch_words:] = 0
+  want = np.where((holder < n)[..., None], np.where(
+      hit[..., None], patch[np.minimum(holder, n - 1), rank], plain[np.minimum(holder, n - 1),
+                                                                    rank]), 0)
+  want = np.where(np.arange(w) < words[..., None], want, 0)
+  plans = [jax.tree.map(np.asarray, fssdp.ragged_words(jnp.asarray(holder), jnp.asarray(words),
+                                                       me)) for me in range(n)]
+  out = np.zeros((n, m * w), np.uint32)
+  for o, p in enumerate(plans):
+    rows = np.where((holder == o)[..., None], np.where(hit[..., None], patch[o][rank],
+                                                       plain[o][rank]), 0).reshape(n * m, w)
+    mine = np.where(holder == o, words, 0).reshape(-1)
+    send = np.asarray(fssdp.pack_send_words(jnp.asarray(rows), jnp.asarray(mine),
+                                            jnp.asarray(p.start_Q)))
+    for d in range(n):
+      assert p.send_N[d] == plans[d].recv_N[o]
+      size, land = p.send_N[d], p.land_N[d]
+      out[d, land:land + size] = send[p.offset_N[d]:p.offset_N[d] + size]
+  for d, p in enumerate(plans):
+    got = np.asarray(fssdp.unpack_recv_words(jnp.asarray(out[d]), jnp.asarray(words[d]),
+                                             jnp.asarray(p.row_start_M), w))
+    np.testing.assert_array_equal(got, want[d])
+
+
+def test_each_platform_lowers_its_own_coded_sparse_all_gather():
+  from jax import export
+  codec, _, _, body, state_specs, mesh = _coded_setup()
+  fwd = jax.jit(jax.shard_map(lambda *a: body(*a)[0], mesh=mesh,
+                              in_specs=(P("devices"), P("devices"), P(), state_specs),
+                              out_specs=P("devices"), check_vma=False))
+  shapes = ((N, 2, D, F), (N, 2, D, F), (N, 2, F, D))
+  ws = tuple(jnp.zeros(s, jnp.bfloat16) for s in shapes)
+  g = tuple(jnp.zeros((N, M2) + s[2:], jnp.bfloat16) for s in shapes)
+  state = {"held": jnp.zeros((N, M2), jnp.int32), "cache": jnp.zeros((N, M2, codec.values),
+                                                                      jnp.uint16),
+           "prev": jnp.zeros((N, 2, codec.values), jnp.uint16), "valid": jnp.zeros((), bool)}
+  rep = jnp.zeros((N, M2), jnp.int32)
+  unchecked = [export.DisabledSafetyCheck.custom_call("ragged_all_to_all")]
+  for platform, want in (("cpu", 0), ("cuda", 1)):
+    text = export.export(fwd, platforms=[platform], disabled_checks=unchecked)(
+        ws, g, rep, state).mlir_module()
+    # body runs the coded gather twice (replicas, hits) and the plain one once, plus the
+    # backward of each; the forward output keeps the coded and plain forwards
+    assert (text.count("@ragged_all_to_all") > 0) == bool(want), platform
