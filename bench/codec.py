@@ -26,7 +26,9 @@ first steps (low); bytes are the steady state after the decision (the one dense 
 caches right after it is left out). Gains are priced in bytes (`codec.comm_model=bytes`): on fake
 CPU devices the profiled per-collective latency dwarfs every tiny shard, so the profile picks
 nothing, which the bench also prints. Also: encode/decode throughput on this CPU against a plain
-copy of the same bytes. Ends with one JSON line of figures.
+copy of the same bytes, and the composed run (`composed`, alone with --composed): codec auto +
+fssdp + reroute admission, replica bytes with and without the codec. Ends with one JSON line of
+figures.
 """
 from __future__ import annotations
 
@@ -393,6 +395,71 @@ def check_auto(cfg, state, data, steps: int, first: int, every: int, budget: int
   return float(sent / plain), state
 
 
+def composed(steps: int = 60, warmup: int = 10) -> dict:
+  """The composed run: codec auto (warm-up `warmup`) + fssdp (2 nodes x 4 fake devices, its
+  replicas then delta-coded: `fssdp.replica_codec` follows the codec) + reroute admission,
+  beside the same run with the codec off, batch for batch. Per step: parameter gather bytes
+  over plain (plus the 24-byte agreement of each gather) and replica bytes over plain (plus the
+  replica agreement); over the last 10 steps the replicas' bytes over plain; and whether the
+  losses agree bit for bit."""
+  over = {"moe.placement": "fssdp", "mesh.shape": (2, 4), "routing.admission": "reroute",
+          "moe.dispatch_capacity_factor": 0.0}
+  runs = {}
+  for name, mode in (("off", "off"), ("auto", "auto")):
+    cfg = config(steps, **over)
+    cfg = dataclasses.replace(cfg, codec=dataclasses.replace(
+        cfg.codec, mode=mode, warmup_steps=warmup, comm_model="bytes"))
+    trainer = Trainer(cfg)
+    policy = (codec_control.CodecPolicy(trainer.layout.gatherer, trainer.mesh, cfg.codec,
+                                        log=lambda _: None) if mode == "auto" else None)
+    state = trainer.init_state()
+    compiled = trainer.compiled(trainer.layout.gatherer.specs)
+    choice = policy.start(0, state.params) if policy else None
+    data = make_data(DataSpec(seed=cfg.seed), batch_size=cfg.batch_size, seq_len=cfg.seq_len)
+    rows = []
+    t0 = time.perf_counter()
+    for step in range(1, steps + 1):
+      if choice is not None:
+        state, compiled = trainer.adopt(state, compiled, choice)
+      state, metrics = compiled.train_step(state, put_batch(next(data.train), trainer.mesh))
+      if policy is not None:
+        metrics, choice = policy.after_step(step, state.params, metrics)
+      rows.append({k: float(np.sum(metrics[k])) for k in (
+          "loss", "gather_bytes", "gather_bytes_plain", "spag_bytes", "spag_bytes_plain")})
+    data.train.close()
+    runs[name] = {"rows": rows, "seconds": time.perf_counter() - t0,
+                  "replica_codec": trainer.layout.placement.replica_codec is not None}
+  off, auto = runs["off"]["rows"], runs["auto"]["rows"]
+  last = auto[-10:]
+  spag_plain = sum(r["spag_bytes_plain"] for r in last)
+  return {
+      "steps": steps, "warmup": warmup,
+      "losses_equal": [r["loss"] for r in off] == [r["loss"] for r in auto],
+      "replica_codec": runs["auto"]["replica_codec"],
+      "max_gather_excess_bytes": max(r["gather_bytes"] - r["gather_bytes_plain"] for r in auto),
+      "max_replica_excess_bytes": max(r["spag_bytes"] - r["spag_bytes_plain"] for r in auto),
+      "replica_ratio_last10": (sum(r["spag_bytes"] for r in last) / spag_plain
+                               if spag_plain else float("nan")),
+      "gather_ratio_last10": (sum(r["gather_bytes"] for r in last)
+                              / sum(r["gather_bytes_plain"] for r in last)),
+      "replica_ratio_off_last10": (sum(r["spag_bytes"] for r in off[-10:])
+                                   / max(sum(r["spag_bytes_plain"] for r in off[-10:]), 1.0)),
+      "seconds_off": runs["off"]["seconds"], "seconds_auto": runs["auto"]["seconds"]}
+
+
+def print_composed(c: dict):
+  print(f"\n== composed: codec auto (warm-up {c['warmup']}) + fssdp 2 x 4 + reroute, "
+        f"{c['steps']} steps, against codec off ==")
+  print(f"  losses equal bit for bit: {c['losses_equal']}; replicas delta-coded: "
+        f"{c['replica_codec']}")
+  print(f"  parameter gathers, last 10 steps: {c['gather_ratio_last10']:.3f} of plain; most "
+        f"over plain in a step: {c['max_gather_excess_bytes']:.0f} B (the agreements)")
+  print(f"  replicas (SparseAllGather), last 10 steps: {c['replica_ratio_last10']:.3f} of plain "
+        f"(codec off: {c['replica_ratio_off_last10']:.3f}); most over plain in a step: "
+        f"{c['max_replica_excess_bytes']:.0f} B (the agreement)")
+  print(f"  wall: {c['seconds_off']:.1f} s off, {c['seconds_auto']:.1f} s auto")
+
+
 def print_regime(reg, block_size):
   rows, names = reg["rows"], list(reg["results"])
   first, measured = reg["first"], reg["measured"]
@@ -448,7 +515,14 @@ def main():
   parser.add_argument("--low_lr", type=float, default=LOW_LR, help="the fine-tuning lr")
   parser.add_argument("--check", action="store_true",
                       help="also with --quick: train again with auto in the train step")
+  parser.add_argument("--composed", action="store_true",
+                      help="only the composed run (codec auto + fssdp + reroute, 60 steps)")
   args = parser.parse_args()
+  if args.composed:
+    c = composed()
+    print_composed(c)
+    print(json.dumps({f"composed_{k}": v for k, v in c.items()}))
+    return
   overrides = {} if args.capacity_margin is None else {
       "codec.capacity_margin": args.capacity_margin}
   steps_high = args.steps_high or (60 if args.quick else 200)
@@ -520,8 +594,12 @@ def main():
         print(f"\nauto in the train step, {name}: {checks[name]:.4f} of plain measured, "
               f"{reg['results']['auto']['total']:.4f} from the probe counts")
 
+  comp = composed()
+  print_composed(comp)
+
   h, lo = high["results"], low["results"]
   figures = {
+      **{f"composed_{k}": v for k, v in comp.items()},
       **{f"bytes_ratio_auto_{k}lr_trained": v for k, v in checks.items()},
       "steps_high": steps_high, "steps_low": steps_low, "reselect_every": every,
       "bytes_ratio_block": h["block"]["total"], "bytes_ratio_element": h["element"]["total"],

@@ -14,12 +14,13 @@ The state of one layer on one device (`init_state`; rebuilt, never checkpointed)
   valid  bool          False until a step filled them, and after re-sharding (owners moved)
 An expert's R values are its three matrices, flattened and concatenated.
 
-Each step an owner encodes each of its C experts once against `prev` (`encode`), whatever the
-number of slots it fills. The owners agree on which patches fit their capacity with one
-all_gather of a bitmask (`agree`: 4 bytes per device per 32 owned experts). Slot (d, m) then
-travels as a patch when it `hits`: the state is valid, device d held this expert last step (in
-any of its slots) and the expert's patch fits; otherwise plain (a miss, a patch over capacity, or
-the first step). Every
+Each step an owner encodes each of its C experts once against `prev` (`encode`) in each of a few
+delta formats (`FORMATS`: 3-bit codes for small moves, 4-bit ones, a byte per value for the
+large moves of a peak learning rate) and picks for each expert the smallest patch that fits its
+capacities, or none. The owners agree on their choices with one all_gather of 2 bits per expert
+(`agree`: 4 bytes per device per 16 owned experts). Slot (d, m) then travels as a patch when it
+`hits`: the state is valid, device d held this expert last step (in any of its slots) and the
+expert has a patch; otherwise plain (a miss, every patch over capacity, or the first step). Every
 device knows every slot's form from replicated data, so the ragged (GPU) exchange sizes its
 transfers in words without asking. The replicas are bit-exact either way.
 
@@ -40,7 +41,13 @@ from moejax.codec import bits
 from moejax.codec import word
 
 REPLICA_CODECS = ("off", "delta")
-"""fssdp.replica_codec: plain replicas, or delta patches where a slot keeps its expert."""
+"""fssdp.replica_codec: plain replicas, or delta patches where a device keeps its expert."""
+
+FORMATS = ((3, 1 / 8, 1 / 64), (4, 1 / 4, 1 / 32), (8, 1 / 16, 1 / 16))
+"""(code bits, escape capacity, far capacity) of the patch formats, smallest first: about 0.27,
+0.41 and 0.59 of a bf16 expert's bytes. A 4-bit code carries moves of up to 7 units in the last
+place, a byte up to 127 (its escapes are all whole values)."""
+_CHOICE_BITS = 2    # per expert in the agreement: 0 = plain, k = FORMATS[k - 1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,18 +55,20 @@ class ReplicaCodec:
   """Static description of one layer's replica patches (hashable: part of `Dispatch`)."""
   values: int                       # R: values of one expert's three matrices
   dtype: str = "bfloat16"           # the dtype replicas travel in (the compute dtype)
-  delta_bits: int = 3
-  capacity_fraction: float = 1 / 8  # escapes (moves beyond the code's range) a patch holds
-  far_fraction: float = 1 / 64      # ... of which whole values (moves beyond 127 units)
+  formats: tuple = FORMATS
+
+  def __post_init__(self):
+    if not 1 <= len(self.formats) < 2 ** _CHOICE_BITS:
+      raise ValueError(f"1 to {2 ** _CHOICE_BITS - 1} formats, got {self.formats}")
 
   @property
   def layout(self) -> bits.Layout:
     return bits.layout_of(np.dtype(self.dtype))
 
   @property
-  def fmt(self) -> word.WordFormat:
-    return word.WordFormat.create(self.values, self.layout.total_bits, self.capacity_fraction,
-                                  self.delta_bits, self.far_fraction)
+  def fmts(self) -> tuple[word.WordFormat, ...]:
+    return tuple(word.WordFormat.create(self.values, self.layout.total_bits, cap, k, far)
+                 for k, cap, far in self.formats)
 
   @property
   def plain_words(self) -> int:
@@ -68,20 +77,21 @@ class ReplicaCodec:
   @property
   def row_words(self) -> int:
     """W: words of one slot in a static buffer (a patch or a plain expert)."""
-    return max(self.plain_words, self.fmt.words)
+    return max([self.plain_words] + [f.words for f in self.fmts])
 
   @property
   def plain_bytes(self) -> int:
     return self.values * self.layout.itemsize
 
   @property
-  def patch_bytes(self) -> int:
-    return 4 * self.fmt.words
+  def words_by_choice(self) -> tuple[int, ...]:
+    """Words of a row by choice: plain, then each format's patch."""
+    return (self.plain_words,) + tuple(f.words for f in self.fmts)
 
   @staticmethod
   def agree_bytes(owned: int) -> int:
     """Bytes each device contributes to the agreement all_gather."""
-    return 4 * bits.packed_words(owned, 1)
+    return 4 * bits.packed_words(owned, _CHOICE_BITS)
 
 
 def init_state(num_devices: int, slots: int, owned: int, codec: ReplicaCodec) -> dict:
@@ -116,60 +126,78 @@ def from_bits(bits_KxR: jax.Array, like, layout: bits.Layout):
 
 
 def encode(bits_CxR: jax.Array, prev_CxR: jax.Array, codec: ReplicaCodec):
-  """Each owned expert's patch against its value last step -> (patches [C, P] uint32, fits [C]
-  bool: escapes and far escapes within the capacities)."""
-  fmt = codec.fmt
+  """Each owned expert's patch against its value last step, in its smallest format that fits ->
+  (patch rows [C, W] uint32, zero-padded; choice [C] int32: 0 none fits, k FORMATS[k - 1])."""
+  fmts = codec.fmts
+  w = codec.row_words
 
   def one(bits_R, prev_R):
-    d_R = word.key_delta(bits_R, prev_R, fmt.value_bits)
-    patch, count, far = word.encode(bits_R, word.codes(bits_R, prev_R, fmt, d_R), fmt, d_R)
-    return patch, (count <= fmt.capacity) & (far <= fmt.far_capacity)
+    d_R = word.key_delta(bits_R, prev_R, codec.layout.total_bits)
+    patches, fits = [], []
+    for fmt in fmts:
+      patch, count, far = word.encode(bits_R, word.codes(bits_R, prev_R, fmt, d_R), fmt, d_R)
+      patches.append(jnp.pad(patch, (0, w - fmt.words)))
+      fits.append((count <= fmt.capacity) & (far <= fmt.far_capacity))
+    choice = jnp.int32(0)
+    for k in reversed(range(len(fmts))):          # the smallest fitting format wins
+      choice = jnp.where(fits[k], k + 1, choice)
+    return jnp.stack(patches)[jnp.maximum(choice - 1, 0)], choice
 
   return jax.vmap(one)(bits_CxR, prev_CxR)
 
 
-def agree(fits_C: jax.Array, axis_names) -> jax.Array:
-  """[N, C] bool: which of every device's owned experts have a patch that fits (one all_gather
-  of a bitmask, in integers: XLA:CPU's float collectives rewrite NaN payloads)."""
-  c = fits_C.shape[0]
-  mask = bits.pack_bits(fits_C.astype(jnp.uint32), 1)
-  return bits.unpack_bits(lax.all_gather(mask, axis_names, axis=0, tiled=False), 1, c) > 0
+def agree(choice_C: jax.Array, axis_names) -> jax.Array:
+  """[N, C] int32: every device's choices for its owned experts (one all_gather of 2 bits per
+  expert, in integers: XLA:CPU's float collectives rewrite NaN payloads)."""
+  c = choice_C.shape[0]
+  packed = bits.pack_bits(choice_C.astype(jnp.uint32), _CHOICE_BITS)
+  gathered = lax.all_gather(packed, axis_names, axis=0, tiled=False)
+  return bits.unpack_bits(gathered, _CHOICE_BITS, c).astype(jnp.int32)
 
 
-def hits(state: dict, replica_expert_NxM, patch_fits_E):
-  """(hit [N, M] bool: slots that travel as a patch; source [N, M] int32: the slot of the same
-  device that held the expert last step, whose cached copy the patch applies to). The same on
-  every device. A device's slots may trade experts between steps: the planner orders them by
-  load, not by what they held."""
-  e = patch_fits_E.shape[0]
+def hits(state: dict, replica_expert_NxM, choice_E):
+  """(choice [N, M] int32: 0 where a slot travels plain, else its patch format as in `encode`;
+  source [N, M] int32: the slot of the same device that held the expert last step, whose cached
+  copy the patch applies to). The same on every device. A device's slots may trade experts
+  between steps: the planner orders them by load, not by what they held."""
+  e = choice_E.shape[0]
   filled_NxM = replica_expert_NxM < e
-  fits_NxM = patch_fits_E[jnp.minimum(replica_expert_NxM, e - 1)]
+  chosen_NxM = choice_E[jnp.minimum(replica_expert_NxM, e - 1)]
   held_NxMxM = state["held"][:, None, :] == replica_expert_NxM[:, :, None]   # [d, now, before]
   source_NxM = jnp.argmax(held_NxMxM, axis=2).astype(jnp.int32)
-  return state["valid"] & filled_NxM & fits_NxM & jnp.any(held_NxMxM, axis=2), source_NxM
+  hit_NxM = state["valid"] & filled_NxM & jnp.any(held_NxMxM, axis=2)
+  return jnp.where(hit_NxM, chosen_NxM, 0), source_NxM
 
 
-def rows(bits_CxR: jax.Array, patches_CxP: jax.Array, codec: ReplicaCodec):
-  """(plain rows [C, W], patch rows [C, W]) uint32 of the owned experts, zero-padded to W."""
-  w = codec.row_words
+def plain_rows(bits_CxR: jax.Array, codec: ReplicaCodec) -> jax.Array:
+  """The owned experts' plain rows [C, W] uint32 (their packed bit patterns, zero-padded)."""
   plain = bits.pack_bits(bits_CxR, codec.layout.total_bits)
-  pad = lambda x: jnp.pad(x, ((0, 0), (0, w - x.shape[1])))   # noqa: E731
-  return pad(plain), pad(patches_CxP)
+  return jnp.pad(plain, ((0, 0), (0, codec.row_words - plain.shape[1])))
 
 
-def decode(rows_MxW: jax.Array, hit_M: jax.Array, cache_MxR: jax.Array, codec: ReplicaCodec):
-  """The replicas' bit patterns [M, R] from the received rows: where `hit_M`, the patch applied
-  to slot m's cached copy (`cache_MxR[m]`: last step's replica of the same expert, taken from
-  the slot `hits` names); plain rows unpacked elsewhere."""
-  fmt = codec.fmt
-  plain = bits.unpack_bits(rows_MxW[:, :codec.plain_words], fmt.value_bits, codec.values)
-  patched = word.decode(cache_MxR, rows_MxW[:, :fmt.words], fmt)
-  return jnp.where(hit_M[:, None], patched, plain.astype(cache_MxR.dtype))
+def decode(rows_MxW: jax.Array, choice_M: jax.Array, cache_MxR: jax.Array, codec: ReplicaCodec):
+  """The replicas' bit patterns [M, R] from the received rows: where `choice_M` > 0, its
+  format's patch applied to slot m's cached copy (`cache_MxR[m]`: last step's replica of the
+  same expert, from the slot `hits` names); plain rows unpacked elsewhere."""
+  plain = bits.unpack_bits(rows_MxW[:, :codec.plain_words], codec.layout.total_bits, codec.values)
+  out = plain.astype(cache_MxR.dtype)
+  for k, fmt in enumerate(codec.fmts):
+    patched = word.decode(cache_MxR, rows_MxW[:, :fmt.words], fmt)
+    out = jnp.where((choice_M == k + 1)[:, None], patched, out)
+  return out
 
 
-def slot_bytes(replica_expert_NxM, hit_NxM, num_experts: int, codec: ReplicaCodec):
+def slot_words(holder_NxM, choice_NxM, codec: ReplicaCodec):
+  """[N, M] int32: words each slot's row takes on the ragged path (0 for an empty slot)."""
+  n = holder_NxM.shape[0]
+  words = jnp.asarray(codec.words_by_choice, jnp.int32)[choice_NxM]
+  return jnp.where(holder_NxM < n, words, 0).astype(jnp.int32)
+
+
+def slot_bytes(replica_expert_NxM, choice_NxM, num_experts: int, codec: ReplicaCodec):
   """[N, M] float32: bytes each slot's row carries on the ragged path (a patch, a plain expert,
   or nothing for an empty slot)."""
   filled = replica_expert_NxM < num_experts
-  return jnp.where(hit_NxM, float(codec.patch_bytes),
-                   jnp.where(filled, float(codec.plain_bytes), 0.0)).astype(jnp.float32)
+  sizes = jnp.asarray((float(codec.plain_bytes),)
+                      + tuple(4.0 * f.words for f in codec.fmts), jnp.float32)
+  return jnp.where(filled, sizes[choice_NxM], 0.0).astype(jnp.float32)

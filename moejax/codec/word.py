@@ -11,8 +11,10 @@ patch is a flat uint32 vector of static size:
          [the first F far escapes, in order: F full bit patterns]
 
 `word` mode: the bitmap says which values changed, and every changed value travels whole.
-`delta` mode (K = 2, 3 or 4): most values move by a few units in the last place from one step to
-the next, so a code says "unchanged", "moved by d" for 1 <= |d| <= D = 2^(K-1) - 1, or "escaped".
+`delta` mode (K = 2, 3 or 4; 8 for expert replicas, where every move within 127 units is a
+code and every escape a whole value): most values move by a few units in the last place from
+one step to the next, so a code says "unchanged", "moved by d" for 1 <= |d| <= D = 2^(K-1) - 1,
+or "escaped".
 An escape carries d in a signed byte when |d| <= 127 and otherwise the byte -128 and the whole new
 value in the far list. d is the difference of the values' order keys (`order_key`: the bit
 pattern mapped one to one onto integers in the floats' order, so +-0.0, subnormals, infinities
@@ -45,7 +47,7 @@ from moejax.codec import detect
 from moejax.codec import payload
 
 DELTA_BITS = (2, 3, 4)             # code widths of delta mode
-CODE_BITS = (1,) + DELTA_BITS
+CODE_BITS = (1,) + DELTA_BITS + (8,)   # 8: a byte per value (`moejax.codec.replicas`)
 NEAR_BITS = 8                      # an escape's d, when |d| <= NEAR_MAX
 NEAR_MAX = 127                     # larger moves travel as whole values ("far")
 _FAR = np.uint32(1 << (NEAR_BITS - 1))   # the byte -128: "the value is in the far list"

@@ -194,50 +194,43 @@ _sparse_all_gather.defvjp(_sparse_all_gather_fwd, _sparse_reduce_scatter)
 class Coding(NamedTuple):
   """One layer's replica coding for this step (`moejax.codec.replicas`): the layer's state on
   this device, the owned experts' bit patterns now [C, R], their plain and patch rows [C, W] and
-  which experts' patches fit, agreed by all devices [E]."""
+  every expert's patch format (0: none), agreed by all devices [E]."""
   state: dict
   bits_CxR: jax.Array
   plain_CxW: jax.Array
   patch_CxW: jax.Array
-  fits_E: jax.Array
+  choice_E: jax.Array
 
 
 def prepare_coding(ws, state: dict, owners: Owners, codec: replicas_lib.ReplicaCodec,
                    axis_names) -> Coding:
   """Encodes this device's owned experts `ws` ([C, ...] matrices) once against last step's and
-  agrees with the other owners on which patches fit (one all_gather of a bitmask)."""
+  agrees with the other owners on the patches' formats (one all_gather of 2 bits per expert)."""
   bits_CxR = replicas_lib.to_bits(ws, codec.layout)
-  patches_CxP, fits_C = replicas_lib.encode(bits_CxR, state["prev"], codec)
-  fits_NxC = replicas_lib.agree(fits_C, axis_names)
-  plain_CxW, patch_CxW = replicas_lib.rows(bits_CxR, patches_CxP, codec)
-  return Coding(state, bits_CxR, plain_CxW, patch_CxW, fits_NxC[owners.owner_E, owners.rank_E])
+  patch_CxW, choice_C = replicas_lib.encode(bits_CxR, state["prev"], codec)
+  choice_NxC = replicas_lib.agree(choice_C, axis_names)
+  return Coding(state, bits_CxR, replicas_lib.plain_rows(bits_CxR, codec), patch_CxW,
+                choice_NxC[owners.owner_E, owners.rank_E])
 
 
 def coded_sparse_all_gather(ws, replica_expert_NxM, coding: Coding, *, dispatch: Dispatch,
                             owners: Owners, codec: replicas_lib.ReplicaCodec):
   """`sparse_all_gather` of the three matrices `ws` at once, a slot whose device held its
-  expert last step travelling as a patch (`moejax.codec.replicas`): (replicas, bit for bit those of
-  `sparse_all_gather`; hit_NxM, the slots that went as patches). The backward is the same
-  SparseReduceScatter."""
+  expert last step travelling as a patch (`moejax.codec.replicas`): (replicas, bit for bit
+  those of `sparse_all_gather`; choice_NxM, each slot's patch format, 0 where it went plain).
+  The backward is the same SparseReduceScatter."""
   n = dispatch.num_devices
   e = owners.owner_E.shape[0]
   safe_NxM = jnp.minimum(replica_expert_NxM, e - 1)
   valid_NxM = replica_expert_NxM < e
   holder_NxM = jnp.where(valid_NxM, owners.owner_E[safe_NxM], n)
   rank_NxM = jnp.where(valid_NxM, owners.rank_E[safe_NxM], 0)
-  hit_NxM, source_NxM = replicas_lib.hits(coding.state, replica_expert_NxM, coding.fits_E)
+  choice_NxM, source_NxM = replicas_lib.hits(coding.state, replica_expert_NxM, coding.choice_E)
   me = lax.axis_index(dispatch.axis_names)
   cache_MxR = coding.state["cache"][source_NxM[me]]   # last step's copy under each slot
-  out = _coded_gather(tuple(ws), holder_NxM, rank_NxM, hit_NxM, coding.plain_CxW,
+  out = _coded_gather(tuple(ws), holder_NxM, rank_NxM, choice_NxM, coding.plain_CxW,
                       coding.patch_CxW, cache_MxR, dispatch.axis_names, codec)
-  return out, hit_NxM
-
-
-def slot_words(holder_NxM, hit_NxM, codec: replicas_lib.ReplicaCodec):
-  """[N, M] int32: words each slot's row takes on the ragged path (0 for an empty slot)."""
-  n = holder_NxM.shape[0]
-  return jnp.where(holder_NxM < n, jnp.where(hit_NxM, codec.fmt.words, codec.plain_words),
-                   0).astype(jnp.int32)
+  return out, choice_NxM
 
 
 class RaggedWords(NamedTuple):
@@ -290,26 +283,26 @@ def unpack_recv_words(got_V, words_M, row_start_M, w: int):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _coded_gather(ws, holder_NxM, rank_NxM, hit_NxM, plain_CxW, patch_CxW, cache_MxR, axis_names,
-                  codec):
-  """Slot (d, m) receives its expert's patch row where `hit_NxM`, else its plain row, from the
-  slot's holder. XLA:CPU: one psum_scatter of a static [N, M, W] uint32 buffer; GPU/TPU: one
-  `ragged_all_to_all` of the rows' words (`ragged_words`)."""
+def _coded_gather(ws, holder_NxM, rank_NxM, choice_NxM, plain_CxW, patch_CxW, cache_MxR,
+                  axis_names, codec):
+  """Slot (d, m) receives its expert's patch row where `choice_NxM` > 0, else its plain row,
+  from the slot's holder. XLA:CPU: one psum_scatter of a static [N, M, W] uint32 buffer;
+  GPU/TPU: one `ragged_all_to_all` of the rows' words (`ragged_words`)."""
   n, m = holder_NxM.shape
   w = codec.row_words
 
-  def rows_of(holder_NxM, rank_NxM, hit_NxM, plain_CxW, patch_CxW):
+  def rows_of(holder_NxM, rank_NxM, choice_NxM, plain_CxW, patch_CxW):
     me = lax.axis_index(axis_names)
-    rows = jnp.where(hit_NxM[..., None], patch_CxW[rank_NxM], plain_CxW[rank_NxM])
+    rows = jnp.where((choice_NxM > 0)[..., None], patch_CxW[rank_NxM], plain_CxW[rank_NxM])
     return _masked(rows, holder_NxM == me), me
 
-  def static(holder_NxM, rank_NxM, hit_NxM, plain_CxW, patch_CxW):
-    rows_NxMxW, _ = rows_of(holder_NxM, rank_NxM, hit_NxM, plain_CxW, patch_CxW)
+  def static(holder_NxM, rank_NxM, choice_NxM, plain_CxW, patch_CxW):
+    rows_NxMxW, _ = rows_of(holder_NxM, rank_NxM, choice_NxM, plain_CxW, patch_CxW)
     return lax.psum_scatter(rows_NxMxW, axis_names, scatter_dimension=0, tiled=False)
 
-  def ragged(holder_NxM, rank_NxM, hit_NxM, plain_CxW, patch_CxW):
-    rows_NxMxW, me = rows_of(holder_NxM, rank_NxM, hit_NxM, plain_CxW, patch_CxW)
-    words_NxM = slot_words(holder_NxM, hit_NxM, codec)
+  def ragged(holder_NxM, rank_NxM, choice_NxM, plain_CxW, patch_CxW):
+    rows_NxMxW, me = rows_of(holder_NxM, rank_NxM, choice_NxM, plain_CxW, patch_CxW)
+    words_NxM = replicas_lib.slot_words(holder_NxM, choice_NxM, codec)
     plan = ragged_words(holder_NxM, words_NxM, me)
     send = pack_send_words(rows_NxMxW.reshape(n * m, w),
                            jnp.where(holder_NxM == me, words_NxM, 0).reshape(-1), plan.start_Q)
@@ -317,17 +310,17 @@ def _coded_gather(ws, holder_NxM, rank_NxM, hit_NxM, plain_CxW, patch_CxW, cache
                                 plan.send_N, plan.land_N, plan.recv_N, axis_name=axis_names)
     return unpack_recv_words(got, words_NxM[me], plan.row_start_M, w)
 
-  got_MxW = lax.platform_dependent(holder_NxM, rank_NxM, hit_NxM, plain_CxW, patch_CxW,
+  got_MxW = lax.platform_dependent(holder_NxM, rank_NxM, choice_NxM, plain_CxW, patch_CxW,
                                    cpu=static, default=ragged)
   me = lax.axis_index(axis_names)
-  bits_MxR = replicas_lib.decode(got_MxW, hit_NxM[me], cache_MxR, codec)
+  bits_MxR = replicas_lib.decode(got_MxW, choice_NxM[me], cache_MxR, codec)
   return replicas_lib.from_bits(bits_MxR, ws, codec.layout)
 
 
-def _coded_gather_fwd(ws, holder_NxM, rank_NxM, hit_NxM, plain_CxW, patch_CxW, cache_MxR,
+def _coded_gather_fwd(ws, holder_NxM, rank_NxM, choice_NxM, plain_CxW, patch_CxW, cache_MxR,
                       axis_names, codec):
   likes = tuple(jnp.zeros((w.shape[0], 0), w.dtype) for w in ws)
-  out = _coded_gather(ws, holder_NxM, rank_NxM, hit_NxM, plain_CxW, patch_CxW, cache_MxR,
+  out = _coded_gather(ws, holder_NxM, rank_NxM, choice_NxM, plain_CxW, patch_CxW, cache_MxR,
                       axis_names, codec)
   return out, (holder_NxM, rank_NxM, likes)
 
@@ -345,13 +338,13 @@ _coded_gather.defvjp(_coded_gather_fwd, _coded_gather_bwd)
 
 class Materialized(NamedTuple):
   """`materialize`'s result: the plan, the weights [C + M, ...] (owned by rank, then the
-  replicas), the owners, and with the replica codec its `Coding` and which slots went as
-  patches (else None)."""
+  replicas), the owners, and with the replica codec its `Coding` and each slot's patch format
+  (0: plain; else None)."""
   plan: planner.Plan
   weights: tuple
   owners: Owners
   coding: Coding | None = None
-  hit_NxM: jax.Array | None = None
+  choice_NxM: jax.Array | None = None
 
 
 def materialize(predicted_load_E, w_gate, w_up, w_down, *, dispatch: Dispatch,
@@ -374,13 +367,13 @@ def materialize(predicted_load_E, w_gate, w_up, w_down, *, dispatch: Dispatch,
                                     axis=0) for w in ws)
     return Materialized(plan, weights, owners)
   coding = prepare_coding(ws, replica_state, owners, codec, dispatch.axis_names)
-  reps, hit_NxM = coded_sparse_all_gather(ws, plan.replica_expert_NxM, coding,
-                                          dispatch=dispatch, owners=owners, codec=codec)
+  reps, choice_NxM = coded_sparse_all_gather(ws, plan.replica_expert_NxM, coding,
+                                             dispatch=dispatch, owners=owners, codec=codec)
   weights = tuple(jnp.concatenate([w, r], axis=0) for w, r in zip(ws, reps))
-  return Materialized(plan, weights, owners, coding, hit_NxM)
+  return Materialized(plan, weights, owners, coding, choice_NxM)
 
 
-def _replica_bytes(plan, hit_NxM, dispatch: Dispatch, num_experts: int, expert_bytes: int,
+def _replica_bytes(plan, choice_NxM, dispatch: Dispatch, num_experts: int, expert_bytes: int,
                    owned: int):
   """(bytes on the ragged path, the same replicas plain) of one SparseAllGather, summed over
   the receiving devices, as this device's share (the replicated figure / N). `owned` > 0: add
@@ -389,9 +382,10 @@ def _replica_bytes(plan, hit_NxM, dispatch: Dispatch, num_experts: int, expert_b
   filled = jnp.sum(plan.replica_expert_NxM < num_experts).astype(jnp.float32)
   plain = filled * expert_bytes
   codec = dispatch.replica_codec
-  if hit_NxM is None:
+  if choice_NxM is None:
     return plain / n, plain / n
-  sent = jnp.sum(replicas_lib.slot_bytes(plan.replica_expert_NxM, hit_NxM, num_experts, codec))
+  sent = jnp.sum(replicas_lib.slot_bytes(plan.replica_expert_NxM, choice_NxM, num_experts,
+                                         codec))
   return (sent + n * (n - 1) * codec.agree_bytes(owned)) / n, plain / n
 
 
@@ -409,7 +403,7 @@ def fssdp_experts(x_TxD, experts_TxK, weights_TxK, mat: Materialized, *, dispatc
   counts_E = router_lib.expert_counts(experts_TxK, e)
   source_load_NxE = lax.all_gather(counts_E, dispatch.axis_names, axis=0, tiled=False)
 
-  def run(plan, weights, hit_NxM, late_bytes):
+  def run(plan, weights, late_bytes):
     w_gate, w_up, w_down = weights
     send_ExN = planner.balanced_send(plan.holders_ExN, source_load_NxE,
                                      devices_per_node=dpn)[me]
@@ -426,7 +420,7 @@ def fssdp_experts(x_TxD, experts_TxK, weights_TxK, mat: Materialized, *, dispatc
     stats = placement_stats(received, needed, dest_A, dispatch, x_TxD.shape[-1],
                             x_TxD.dtype.itemsize)
     stats["replicas"] = plan.num_replicas.astype(jnp.float32) / n
-    sent, plain = _replica_bytes(mat.plan, mat.hit_NxM, dispatch, e, expert_bytes, c)
+    sent, plain = _replica_bytes(mat.plan, mat.choice_NxM, dispatch, e, expert_bytes, c)
     stats["replica_bytes"] = sent + late_bytes[0]
     stats["replica_bytes_plain"] = plain + late_bytes[1]
     held = (plan.replica_expert_NxM,
@@ -443,7 +437,7 @@ def fssdp_experts(x_TxD, experts_TxK, weights_TxK, mat: Materialized, *, dispatc
 
   zero = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
   if not dispatch.calibrate:
-    return finish(run(mat.plan, mat.weights, mat.hit_NxM, zero))
+    return finish(run(mat.plan, mat.weights, zero))
   # Re-plan with the actual loads; adopted (with a late SparseAllGather) only when it pays.
   # Every device computes the same decision from the same gathered counts. The late gather sits
   # in the branch with the exchange and expert compute, so it can overlap them (a collective
@@ -459,18 +453,18 @@ def fssdp_experts(x_TxD, experts_TxK, weights_TxK, mat: Materialized, *, dispatc
     if coding is None:
       reps = tuple(sparse_all_gather(w, fresh.replica_expert_NxM, dispatch=dispatch,
                                      owners=owners) for w in owned)
-      hit_NxM = None
+      choice_NxM = None
     else:
-      reps, hit_NxM = coded_sparse_all_gather(owned, fresh.replica_expert_NxM, coding,
-                                              dispatch=dispatch, owners=owners,
-                                              codec=dispatch.replica_codec)
-    late = _replica_bytes(fresh, hit_NxM, dispatch, e, expert_bytes, 0)
+      reps, choice_NxM = coded_sparse_all_gather(owned, fresh.replica_expert_NxM, coding,
+                                                 dispatch=dispatch, owners=owners,
+                                                 codec=dispatch.replica_codec)
+    late = _replica_bytes(fresh, choice_NxM, dispatch, e, expert_bytes, 0)
     return run(fresh, tuple(jnp.concatenate([w, r], axis=0) for w, r in zip(owned, reps)),
-               hit_NxM, late)
+               late)
 
   # Not adopted, `fresh` is the current plan (its loads updated to the actual ones).
-  return finish(lax.cond(adopted, late_gather,
-                         lambda weights: run(fresh, weights, mat.hit_NxM, zero), mat.weights))
+  return finish(lax.cond(adopted, late_gather, lambda weights: run(fresh, weights, zero),
+                         mat.weights))
 
 
 def ep_stats(experts_TxK, received, needed, dispatch: Dispatch, d_model: int, num_local: int,

@@ -78,9 +78,7 @@ def replica_codec_of(cfg: Config) -> ReplicaCodec | None:
   if (cfg.moe.placement != "fssdp"
       or cfg.fssdp.resolved_replica_codec(cfg.codec.mode) == "off"):
     return None
-  return ReplicaCodec(3 * cfg.model.d_model * cfg.moe.expert_hidden, cfg.compute_dtype,
-                      delta_bits=cfg.codec.delta_bits,
-                      capacity_fraction=cfg.codec.capacity_fraction or 1 / 8)
+  return ReplicaCodec(3 * cfg.model.d_model * cfg.moe.expert_hidden, cfg.compute_dtype)
 
 
 def state_layout(cfg: Config, mesh, tx: optax.GradientTransformation) -> StateLayout:

@@ -1,6 +1,6 @@
 """The replica codec's pieces on one device: patches rebuild an expert exactly (every bit
-pattern), a patch that does not fit says so, and a slot hits only when its device held the
-expert last step (in any slot), the state is valid and the patch fits."""
+pattern) in the smallest format that fits, or say that none does, and a slot hits only when its
+device held the expert last step (in any slot), the state is valid and a patch fits."""
 import jax.numpy as jnp
 import numpy as np
 
@@ -15,24 +15,28 @@ def _experts(rng, k):
   return bits
 
 
-def test_patches_rebuild_experts_exactly_and_report_overflow():
+def test_patches_rebuild_experts_exactly_in_the_smallest_format_that_fits():
   rng = np.random.default_rng(0)
-  prev = _experts(rng, 3)
-  now = prev.astype(np.int32) + rng.integers(-3, 4, prev.shape)
+  prev = _experts(rng, 4)
+  now = prev.astype(np.int32) + rng.integers(-3, 4, prev.shape)       # 3-bit codes
+  now[1] = prev[1].astype(np.int32) + rng.integers(-7, 8, prev.shape[1])   # 4-bit codes
+  now[2] = prev[2].astype(np.int32) + rng.integers(-100, 101, prev.shape[1])   # a byte each
   now[:, :4] = prev[:, :4]
   now[0, 4], now[0, 5] = 0x7fc1, 0x8000             # a new NaN payload, a sign flip to -0.0
-  now[2] = rng.integers(0, 2 ** 16, CODEC.values)     # moved wholesale: over capacity
+  now[3] = rng.integers(0, 2 ** 16, CODEC.values)     # moved wholesale: no format fits
   now = now.astype(np.uint16)
-  patches, fits = replicas.encode(jnp.asarray(now), jnp.asarray(prev), CODEC)
-  np.testing.assert_array_equal(np.asarray(fits), [True, True, False])
-  plain, patch_rows = replicas.rows(jnp.asarray(now), patches, CODEC)
-  assert patch_rows.shape == plain.shape == (3, CODEC.row_words)
-  got = replicas.decode(patch_rows[:2], jnp.array([True, True]), jnp.asarray(prev[:2]), CODEC)
-  np.testing.assert_array_equal(np.asarray(got), now[:2])
-  got = replicas.decode(plain, jnp.zeros((3,), bool), jnp.zeros_like(jnp.asarray(prev)), CODEC)
+  patches, choice = replicas.encode(jnp.asarray(now), jnp.asarray(prev), CODEC)
+  np.testing.assert_array_equal(np.asarray(choice), [1, 2, 3, 0])
+  assert patches.shape == (4, CODEC.row_words)
+  got = replicas.decode(patches, choice, jnp.asarray(prev), CODEC)
+  np.testing.assert_array_equal(np.asarray(got)[:3], now[:3])
+  plain = replicas.plain_rows(jnp.asarray(now), CODEC)
+  got = replicas.decode(plain, jnp.zeros((4,), jnp.int32), jnp.zeros_like(jnp.asarray(prev)),
+                        CODEC)
   np.testing.assert_array_equal(np.asarray(got), now)
   tiny = replicas.ReplicaCodec(3 * 64 * 128)           # the tiny preset's expert
-  assert tiny.patch_bytes < 0.3 * tiny.plain_bytes
+  fractions = [w / tiny.plain_words for w in tiny.words_by_choice]
+  np.testing.assert_allclose(fractions, [1.0, 0.27, 0.41, 0.59], atol=0.01)
 
 
 def test_bits_round_trip_three_matrices():
@@ -46,14 +50,14 @@ def test_bits_round_trip_three_matrices():
     np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
 
 
-def test_a_slot_hits_when_its_device_held_the_expert_and_the_patch_fits():
+def test_a_slot_hits_when_its_device_held_the_expert_and_a_patch_fits():
   e = 6
   state = replicas.init_state(3, 2, 2, CODEC)
   state = {**state, "held": jnp.array([[0, 1], [2, e], [3, 4]]), "valid": jnp.ones((), bool)}
   now = jnp.array([[1, 0], [2, 5], [e, 4]])           # swapped; kept + new; empty + kept
-  fits = jnp.array([True, True, True, True, False, True])
-  hit, source = replicas.hits(state, now, fits)
-  np.testing.assert_array_equal(np.asarray(hit), [[True, True], [True, False], [False, False]])
+  choice_E = jnp.array([1, 3, 2, 1, 0, 1])
+  choice, source = replicas.hits(state, now, choice_E)
+  np.testing.assert_array_equal(np.asarray(choice), [[3, 1], [2, 0], [0, 0]])
   np.testing.assert_array_equal(np.asarray(source)[:2], [[1, 0], [0, 0]])
-  hit, _ = replicas.hits(replicas.invalidate(state), now, fits)
-  assert not np.any(np.asarray(hit))
+  choice, _ = replicas.hits(replicas.invalidate(state), now, choice_E)
+  assert not np.any(np.asarray(choice))

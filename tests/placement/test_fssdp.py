@@ -139,14 +139,14 @@ def _coded_setup():
     def loss(fn, ws):
       return sum(jnp.sum((r * g[0]).astype(jnp.float32)) for r, g in zip(fn(ws), g_ws))
 
-    _, hit_NxM = fssdp.coded_sparse_all_gather(ws, replica_NxM, coding, dispatch=dispatch,
+    _, choice_NxM = fssdp.coded_sparse_all_gather(ws, replica_NxM, coding, dispatch=dispatch,
                                                owners=owners, codec=codec)
     reps, want = coded(ws), plain(ws)
     grads = jax.grad(functools.partial(loss, coded))(ws)
     want_grads = jax.grad(functools.partial(loss, plain))(ws)
     cache = replicas.to_bits(reps, codec.layout)
     lead = lambda t: tuple(x[None] for x in t)   # noqa: E731
-    return (lead(reps), lead(want), lead(grads), lead(want_grads), hit_NxM,
+    return (lead(reps), lead(want), lead(grads), lead(want_grads), choice_NxM,
             coding.bits_CxR[None], cache[None])
 
   state_specs = {"held": P(), "cache": P("devices"), "prev": P("devices"), "valid": P()}
@@ -165,9 +165,8 @@ def _bits_equal(a, b):
 def test_coded_replicas_equal_plain_ones_bit_for_bit_and_patch_kept_experts():
   """Two steps of the coded SparseAllGather on 8 devices: the first sends everything plain (no
   state); in the second, slots whose device held the same expert last step (in either slot)
-  arrive as patches, except an expert moved too far to fit its patch; replicas (NaN payloads,
+  arrive as patches, except an expert moved too far for any patch format; replicas (NaN payloads,
   -0.0 and infinities included) and gradients equal the plain path's bit for bit."""
-  from moejax.codec import replicas
   codec, owners, fn, _, _, _ = _coded_setup()
   rng = np.random.default_rng(1)
   shapes = ((E2, D, F), (E2, D, F), (E2, F, D))
@@ -197,13 +196,12 @@ def test_coded_replicas_equal_plain_ones_bit_for_bit_and_patch_kept_experts():
   state = {"held": rep1, "cache": cache, "prev": prev, "valid": jnp.ones((), bool)}
   reps, want, grads, want_grads, hit, _, _ = fn(stored(w1), g, rep2, state)
   assert _bits_equal(reps, want) and _bits_equal(grads, want_grads)
-  hit = np.asarray(hit)
+  hit = np.asarray(hit) > 0
   kept = np.asarray(rep2) == np.asarray(rep1)[:, ::-1]
   expected = kept & (np.asarray(rep2) < E2) & (np.asarray(rep2) != 5)
   expected[0] = False
   np.testing.assert_array_equal(hit, expected)
   assert hit.sum() >= 4
-  assert replicas.ReplicaCodec(3 * D * F).patch_bytes < codec.plain_bytes
 
 
 def test_coded_ragged_words_deliver_the_static_rows():

@@ -1,9 +1,8 @@
 """fssdp's replica codec in the train step (8 fake devices, 2 nodes x 4, reroute admission, 30
 steps of the tiny preset): the losses and final parameters equal those of plain replicas bit for
 bit; no step sends more than plain plus the agreement; over the last 10 steps the replicas cost
-less than plain (0.88 of it here: at the preset's peak learning rate most values move by more
-than the 3-bit codes' 3 units, so most patches overflow until the rate decays). The aux loss is
-off so that hot experts (and so replicas) appear in a tiny model within 30 steps."""
+under 0.8 of their plain bytes (0.74 here). The aux loss is off so that hot experts (and so
+replicas) appear in a tiny model within 30 steps."""
 import numpy as np
 import jax
 import pytest
@@ -54,4 +53,4 @@ def test_replica_codec_is_lossless_and_pays_once_slots_keep_their_experts(runs):
   agreement = 2 * LAYERS * n * (n - 1) * codec.agree_bytes(owned)
   assert all(s <= p + agreement for s, p in zip(sent, plain))
   assert sum(plain[-10:]) > 0
-  assert sum(sent[-10:]) < 0.9 * sum(plain[-10:])
+  assert sum(sent[-10:]) < 0.8 * sum(plain[-10:])
