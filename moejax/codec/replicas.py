@@ -127,23 +127,33 @@ def from_bits(bits_KxR: jax.Array, like, layout: bits.Layout):
 
 def encode(bits_CxR: jax.Array, prev_CxR: jax.Array, codec: ReplicaCodec):
   """Each owned expert's patch against its value last step, in its smallest format that fits ->
-  (patch rows [C, W] uint32, zero-padded; choice [C] int32: 0 none fits, k FORMATS[k - 1])."""
+  (patch rows [C, W] uint32, zero-padded; choice [C] int32: 0 none fits, k FORMATS[k - 1]).
+  The fit is read off the moves' sizes first, so only the chosen format is encoded (one
+  `lax.switch` per expert, in a loop: vmapped, every branch would run)."""
   fmts = codec.fmts
   w = codec.row_words
+  value_bits = codec.layout.total_bits
 
-  def one(bits_R, prev_R):
-    d_R = word.key_delta(bits_R, prev_R, codec.layout.total_bits)
-    patches, fits = [], []
-    for fmt in fmts:
-      patch, count, far = word.encode(bits_R, word.codes(bits_R, prev_R, fmt, d_R), fmt, d_R)
-      patches.append(jnp.pad(patch, (0, w - fmt.words)))
-      fits.append((count <= fmt.capacity) & (far <= fmt.far_capacity))
+  def one(args):
+    bits_R, prev_R = args
+    d_R = word.key_delta(bits_R, prev_R, value_bits)
+    far = jnp.sum((d_R > word.NEAR_MAX) | (d_R < -word.NEAR_MAX), dtype=jnp.int32)
     choice = jnp.int32(0)
     for k in reversed(range(len(fmts))):          # the smallest fitting format wins
-      choice = jnp.where(fits[k], k + 1, choice)
-    return jnp.stack(patches)[jnp.maximum(choice - 1, 0)], choice
+      escapes = jnp.sum((d_R > fmts[k].max_delta) | (d_R < -fmts[k].max_delta), dtype=jnp.int32)
+      fits = (escapes <= fmts[k].capacity) & (far <= fmts[k].far_capacity)
+      choice = jnp.where(fits, k + 1, choice)
 
-  return jax.vmap(one)(bits_CxR, prev_CxR)
+    def patch(fmt):
+      def run(bits_R, prev_R, d_R):
+        out = word.encode(bits_R, word.codes(bits_R, prev_R, fmt, d_R), fmt, d_R)[0]
+        return jnp.pad(out, (0, w - fmt.words))
+      return run
+
+    branches = [lambda *_: jnp.zeros((w,), jnp.uint32)] + [patch(f) for f in fmts]
+    return lax.switch(choice, branches, bits_R, prev_R, d_R), choice
+
+  return lax.map(one, (bits_CxR, prev_CxR))
 
 
 def agree(choice_C: jax.Array, axis_names) -> jax.Array:
@@ -178,13 +188,20 @@ def plain_rows(bits_CxR: jax.Array, codec: ReplicaCodec) -> jax.Array:
 def decode(rows_MxW: jax.Array, choice_M: jax.Array, cache_MxR: jax.Array, codec: ReplicaCodec):
   """The replicas' bit patterns [M, R] from the received rows: where `choice_M` > 0, its
   format's patch applied to slot m's cached copy (`cache_MxR[m]`: last step's replica of the
-  same expert, from the slot `hits` names); plain rows unpacked elsewhere."""
-  plain = bits.unpack_bits(rows_MxW[:, :codec.plain_words], codec.layout.total_bits, codec.values)
-  out = plain.astype(cache_MxR.dtype)
-  for k, fmt in enumerate(codec.fmts):
-    patched = word.decode(cache_MxR, rows_MxW[:, :fmt.words], fmt)
-    out = jnp.where((choice_M == k + 1)[:, None], patched, out)
-  return out
+  same expert, from the slot `hits` names); plain rows unpacked elsewhere. One `lax.switch` per
+  slot, so each runs only its own decoder."""
+  value_bits, uint = codec.layout.total_bits, cache_MxR.dtype
+
+  def plain(row_W, cache_R):
+    del cache_R
+    return bits.unpack_bits(row_W[:codec.plain_words], value_bits, codec.values).astype(uint)
+
+  def patched(fmt):
+    return lambda row_W, cache_R: word.decode(cache_R[None], row_W[None, :fmt.words], fmt)[0]
+
+  branches = [plain] + [patched(f) for f in codec.fmts]
+  return lax.map(lambda a: lax.switch(a[0], branches, a[1], a[2]),
+                 (choice_M, rows_MxW, cache_MxR))
 
 
 def slot_words(holder_NxM, choice_NxM, codec: ReplicaCodec):
