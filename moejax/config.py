@@ -517,6 +517,10 @@ def validate(c: Config) -> None:
   _check(c.fssdp.replica_codec in ("",) + REPLICA_CODECS,
          f"config.fssdp.replica_codec={c.fssdp.replica_codec!r}: must be one of "
          f"{', '.join(REPLICA_CODECS)} (or '' to follow codec.mode)")
+  _check(c.fssdp.resolved_replica_codec(c.codec.mode) == "off" or c.compute_dtype == "bfloat16",
+         f"config.fssdp.replica_codec={c.fssdp.replica_codec!r} needs compute_dtype='bfloat16' "
+         f"(its delta codes count bfloat16 units in the last place; got {c.compute_dtype!r}): "
+         "set fssdp.replica_codec='off'")
   _check(c.fssdp.reshard_every >= 0,
          f"config.fssdp.reshard_every={c.fssdp.reshard_every}: must be >= 0 (0 = never)")
   _check(0 <= c.fssdp.max_per_layer <= moe.num_experts,

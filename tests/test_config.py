@@ -8,6 +8,7 @@ import configs.olmoe as olmoe_configs
 from moejax import config as config_lib
 from moejax import placement
 from moejax.codec import gather as codec_gather
+from moejax.codec import replicas as codec_replicas
 from moejax.codec import word as codec_word
 from moejax.data import DataSpec, check_vocab, load_tokenizer, make_data
 from moejax.data import sources as data_sources
@@ -125,6 +126,7 @@ def test_choices_come_from_the_owning_modules():
   assert config_lib.DATA_SOURCES is data_sources.SOURCES
   assert config_lib.DETECTORS is codec_gather.DETECTORS
   assert config_lib.DELTA_BITS is codec_word.DELTA_BITS
+  assert config_lib.REPLICA_CODECS is codec_replicas.REPLICA_CODECS
   with pytest.raises(ConfigError) as e:
     tiny_config(**{"codec.mode": "zip"})
   assert str(e.value) == ("config.codec.mode='zip': must be one of "
@@ -164,6 +166,10 @@ def test_unknown_preset():
     ({"data.source": "text"}, r"config.data.path is empty"),
     ({"mesh.shape": (-1, -1)}, r"config.mesh.shape"),
     ({"routing.admission": "maybe"}, r"config.routing.admission='maybe'"),
+    ({"fssdp.replica_codec": "zstd"}, r"config.fssdp.replica_codec='zstd': must be one of "
+                                      r"off, delta \(or '' to follow codec.mode\)"),
+    ({"fssdp.replica_codec": "delta", "compute_dtype": "float32"},
+     r"config.fssdp.replica_codec='delta' needs compute_dtype='bfloat16'"),
 ])
 def test_bad_config_values(overrides, message):
   with pytest.raises(ConfigError, match=message):
