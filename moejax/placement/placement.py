@@ -193,9 +193,12 @@ class Placement:
     return pstate if replicas is None else pstate.replace(replicas=replicas)
 
   def metrics(self, placement_L: dict, *, tokens_per_device: int, remat: str) -> dict:
-    """Per-layer figures from the layers, plus bytes moved per device and step by kind: the ep
-    exchange (`a2a_bytes`) and fssdp's SparseAllGather / SparseReduceScatter (their [N, M]
-    buffers: capacity), with what the replicas needed."""
+    """Per-layer figures from the layers, plus bytes moved per step by kind: per device, the ep
+    exchange (`a2a_bytes`) and SparseReduceScatter (`sprs_bytes`, its [N, M] buffer); summed
+    over devices, SparseAllGather's: `spag_bytes` (its ragged form, patches included: what a GPU
+    moves), `spag_bytes_plain` (the same replicas plain), `spag_bytes_capacity` (the static
+    [N, M] buffers XLA:CPU moves), all for every pass (remat runs the gather again), and
+    `spag_bytes_needed` (the plan's replicas, once)."""
     metrics = dict(placement_L)
     n = self.num_devices
     if "dispatch_needed" in metrics:   # [L] shares summed over devices: the most rows any
@@ -213,7 +216,7 @@ class Placement:
       # SparseAllGather runs again in backward when the layer is recomputed; its transpose once,
       # in fp32.
       passes = 2 if recomputes(remat) else 1
-      metrics["spag_bytes_capacity"] = jnp.full((layers,), buffer * passes, jnp.float32)
+      metrics["spag_bytes_capacity"] = jnp.full((layers,), n * buffer * passes, jnp.float32)
       metrics["sprs_bytes"] = jnp.full((layers,), buffer * 4 / self.itemsize, jnp.float32)
       metrics["spag_bytes_needed"] = placement_L["replicas"] * self.expert_bytes
       metrics["spag_bytes"] = metrics.pop("replica_bytes") * passes
