@@ -30,6 +30,7 @@ P patch words, W row words (the larger of P and the plain row).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -128,32 +129,58 @@ def from_bits(bits_KxR: jax.Array, like, layout: bits.Layout):
 def encode(bits_CxR: jax.Array, prev_CxR: jax.Array, codec: ReplicaCodec):
   """Each owned expert's patch against its value last step, in its smallest format that fits ->
   (patch rows [C, W] uint32, zero-padded; choice [C] int32: 0 none fits, k FORMATS[k - 1]).
-  The fit is read off the moves' sizes first, so only the chosen format is encoded (one
-  `lax.switch` per expert, in a loop: vmapped, every branch would run)."""
+  The fit is read off the moves' sizes. XLA:CPU then encodes only the chosen format (one
+  `lax.switch` per expert, in a loop), GPU/TPU every format at once and selects: a conditional
+  there waits for the host."""
+  return lax.platform_dependent(bits_CxR, prev_CxR, cpu=functools.partial(encode_each, codec=codec),
+                                default=functools.partial(encode_all, codec=codec))
+
+
+def _choice(d_R, codec: ReplicaCodec):
+  """The smallest format whose capacities hold this expert's escapes (0: none)."""
   fmts = codec.fmts
-  w = codec.row_words
-  value_bits = codec.layout.total_bits
+  far = jnp.sum((d_R > word.NEAR_MAX) | (d_R < -word.NEAR_MAX), dtype=jnp.int32)
+  choice = jnp.int32(0)
+  for k in reversed(range(len(fmts))):
+    escapes = jnp.sum((d_R > fmts[k].max_delta) | (d_R < -fmts[k].max_delta), dtype=jnp.int32)
+    choice = jnp.where((escapes <= fmts[k].capacity) & (far <= fmts[k].far_capacity), k + 1,
+                       choice)
+  return choice
+
+
+def _patch_fn(fmt: word.WordFormat, w: int):
+  def run(bits_R, prev_R, d_R):
+    out = word.encode(bits_R, word.codes(bits_R, prev_R, fmt, d_R), fmt, d_R)[0]
+    return jnp.pad(out, (0, w - fmt.words))
+  return run
+
+
+def encode_each(bits_CxR, prev_CxR, codec: ReplicaCodec):
+  """`encode`, the chosen format only (XLA:CPU)."""
+  w, value_bits = codec.row_words, codec.layout.total_bits
+  branches = [lambda *_: jnp.zeros((w,), jnp.uint32)] + [_patch_fn(f, w) for f in codec.fmts]
 
   def one(args):
     bits_R, prev_R = args
     d_R = word.key_delta(bits_R, prev_R, value_bits)
-    far = jnp.sum((d_R > word.NEAR_MAX) | (d_R < -word.NEAR_MAX), dtype=jnp.int32)
-    choice = jnp.int32(0)
-    for k in reversed(range(len(fmts))):          # the smallest fitting format wins
-      escapes = jnp.sum((d_R > fmts[k].max_delta) | (d_R < -fmts[k].max_delta), dtype=jnp.int32)
-      fits = (escapes <= fmts[k].capacity) & (far <= fmts[k].far_capacity)
-      choice = jnp.where(fits, k + 1, choice)
-
-    def patch(fmt):
-      def run(bits_R, prev_R, d_R):
-        out = word.encode(bits_R, word.codes(bits_R, prev_R, fmt, d_R), fmt, d_R)[0]
-        return jnp.pad(out, (0, w - fmt.words))
-      return run
-
-    branches = [lambda *_: jnp.zeros((w,), jnp.uint32)] + [patch(f) for f in fmts]
+    choice = _choice(d_R, codec)
     return lax.switch(choice, branches, bits_R, prev_R, d_R), choice
 
   return lax.map(one, (bits_CxR, prev_CxR))
+
+
+def encode_all(bits_CxR, prev_CxR, codec: ReplicaCodec):
+  """`encode`, every format then a select (no conditional)."""
+  w, value_bits = codec.row_words, codec.layout.total_bits
+
+  def one(bits_R, prev_R):
+    d_R = word.key_delta(bits_R, prev_R, value_bits)
+    choice = _choice(d_R, codec)
+    patches = jnp.stack([jnp.zeros((w,), jnp.uint32)]
+                        + [_patch_fn(f, w)(bits_R, prev_R, d_R) for f in codec.fmts])
+    return patches[choice], choice
+
+  return jax.vmap(one)(bits_CxR, prev_CxR)
 
 
 def agree(choice_C: jax.Array, axis_names) -> jax.Array:
@@ -188,9 +215,15 @@ def plain_rows(bits_CxR: jax.Array, codec: ReplicaCodec) -> jax.Array:
 def decode(rows_MxW: jax.Array, choice_M: jax.Array, cache_MxR: jax.Array, codec: ReplicaCodec):
   """The replicas' bit patterns [M, R] from the received rows: where `choice_M` > 0, its
   format's patch applied to slot m's cached copy (`cache_MxR[m]`: last step's replica of the
-  same expert, from the slot `hits` names); plain rows unpacked elsewhere. One `lax.switch` per
-  slot, so each runs only its own decoder."""
-  value_bits, uint = codec.layout.total_bits, cache_MxR.dtype
+  same expert, from the slot `hits` names); plain rows unpacked elsewhere. XLA:CPU runs only
+  each slot's own decoder (`lax.switch`), GPU/TPU all of them and selects, as in `encode`."""
+  return lax.platform_dependent(rows_MxW, choice_M, cache_MxR,
+                                cpu=functools.partial(decode_each, codec=codec),
+                                default=functools.partial(decode_all, codec=codec))
+
+
+def _decoders(codec: ReplicaCodec, uint):
+  value_bits = codec.layout.total_bits
 
   def plain(row_W, cache_R):
     del cache_R
@@ -199,9 +232,21 @@ def decode(rows_MxW: jax.Array, choice_M: jax.Array, cache_MxR: jax.Array, codec
   def patched(fmt):
     return lambda row_W, cache_R: word.decode(cache_R[None], row_W[None, :fmt.words], fmt)[0]
 
-  branches = [plain] + [patched(f) for f in codec.fmts]
+  return [plain] + [patched(f) for f in codec.fmts]
+
+
+def decode_each(rows_MxW, choice_M, cache_MxR, codec: ReplicaCodec):
+  """`decode`, each slot's own decoder only (XLA:CPU)."""
+  branches = _decoders(codec, cache_MxR.dtype)
   return lax.map(lambda a: lax.switch(a[0], branches, a[1], a[2]),
                  (choice_M, rows_MxW, cache_MxR))
+
+
+def decode_all(rows_MxW, choice_M, cache_MxR, codec: ReplicaCodec):
+  """`decode`, every decoder then a select (no conditional)."""
+  branches = _decoders(codec, cache_MxR.dtype)
+  outs = jnp.stack([jax.vmap(f)(rows_MxW, cache_MxR) for f in branches])   # [K + 1, M, R]
+  return jnp.take_along_axis(outs, choice_M[None, :, None], axis=0)[0]
 
 
 def slot_words(holder_NxM, choice_NxM, codec: ReplicaCodec):

@@ -61,3 +61,26 @@ def test_a_slot_hits_when_its_device_held_the_expert_and_a_patch_fits():
   np.testing.assert_array_equal(np.asarray(source)[:2], [[1, 0], [0, 0]])
   choice, _ = replicas.hits(replicas.invalidate(state), now, choice_E)
   assert not np.any(np.asarray(choice))
+
+
+def test_the_cpu_and_gpu_forms_of_encode_and_decode_agree():
+  """XLA:CPU encodes and decodes only each expert's chosen format (`lax.switch`); GPU/TPU run
+  every format and select (no conditional): both forms, run here, give the same words."""
+  rng = np.random.default_rng(3)
+  prev = _experts(rng, 4)
+  now = prev.astype(np.int32) + rng.integers(-3, 4, prev.shape)
+  now[1] += rng.integers(-4, 5, prev.shape[1])
+  now[2] = prev[2].astype(np.int32) + rng.integers(-100, 101, prev.shape[1])
+  now[3] = rng.integers(0, 2 ** 16, CODEC.values)
+  now[:, :4] = prev[:, :4]
+  now, prev = jnp.asarray(now.astype(np.uint16)), jnp.asarray(prev)
+  each = replicas.encode_each(now, prev, CODEC)
+  every = replicas.encode_all(now, prev, CODEC)
+  for a, b in zip(each, every):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  rows = jnp.where((each[1] > 0)[:, None], each[0], replicas.plain_rows(now, CODEC))
+  got_each = replicas.decode_each(rows, each[1], prev, CODEC)
+  got_all = replicas.decode_all(rows, each[1], prev, CODEC)
+  np.testing.assert_array_equal(np.asarray(got_each), np.asarray(now))
+  np.testing.assert_array_equal(np.asarray(got_all), np.asarray(now))
+  assert set(np.asarray(each[1]).tolist()) >= {0, 3}
