@@ -91,6 +91,7 @@ def deepseek_projection(calib, gpus, steps) -> dict[str, list[dict]]:
   cluster = get_cluster("h200")
   tokens = 4096
   systems = ("moejax-ep", "moejax-ep+admit", "moejax-fssdp", "moejax-fssdp-t16",
+             "moejax-fssdp-t16+codec",
              "moejax-fssdp+admit", "themis", "uniform")
   recorded, _ = ld.load_recorded()
   recorded = np.concatenate([recorded, recorded], axis=1)          # 2 -> 4 layers

@@ -3,7 +3,9 @@ ep and fssdp), replayed over the steps of a load trace.
 
 Per MoE layer, forward (each op on the critical GPU: the slowest device, the busiest link):
   [replicas] SparseAllGather of this step's planned replicas, issued before attention (overlaps
-             it); with calibration, the replicas added after gating are fetched on the path
+             it); with calibration, the replicas added after gating are fetched on the path;
+             with the replica codec a replica its device held last step travels as a patch of
+             `replica_ratio` of its bytes (moejax's `fssdp.replica_codec`)
   attention (+ router)  compute; [fsdp dense] its weights gathered one layer ahead
   [fastermoe] broadcast of the shadowed experts (on the path, after gating)
   dispatch all-to-all   tokens to the devices holding their experts (bf16 rows of width D)
@@ -47,19 +49,25 @@ def themis_overlap_degree(shape: ModelShape, cluster, run: Run, calib: Calibrati
   return max(1, int(t_attn * bw / (2.0 * shape.expert_params())))
 
 
-def _spag_bytes(holders_ExN, owner_E, dpn, psi):
-  """(busiest GPU's received bytes, busiest node's ingress) of fetching the replicas."""
+def _spag_bytes(holders_ExN, owner_E, dpn, psi, kept_ExN=None, ratio=1.0):
+  """(busiest GPU's received bytes, busiest node's ingress) of fetching the replicas; a replica
+  in `kept_ExN` (its device held it last step) costs `ratio` of `psi`. A node's ingress carries
+  an expert once: as a patch when every receiver there kept it, else whole."""
   rep = holders_ExN.copy()
   rep[np.arange(rep.shape[0]), owner_E] = False
   n = rep.shape[1]
+  kept = np.zeros_like(rep) if kept_ExN is None else (kept_ExN & rep)
+  cost_ExN = np.where(kept, ratio * psi, psi) * rep
   node = np.arange(n) // dpn
   g = node.max() + 1
-  per_gpu = rep.sum(0).max() * psi if rep.any() else 0.0
+  per_gpu = cost_ExN.sum(0).max() if rep.any() else 0.0
   owner_node = node[owner_E]
   ingress = np.zeros(g)
   for e in np.nonzero(rep.any(1))[0]:
-    nodes = np.unique(node[rep[e]])
-    ingress[nodes[nodes != owner_node[e]]] += psi
+    for nd in np.unique(node[rep[e]]):
+      if nd != owner_node[e]:
+        here = (node == nd) & rep[e]
+        ingress[nd] += ratio * psi if kept[e, here].all() else psi
   return per_gpu, ingress.max() if g > 1 else 0.0
 
 
@@ -97,6 +105,7 @@ def step(shape: ModelShape, cluster, run: Run, system, calib: Calibration,
   reshard_cost_bytes = 0.0
   flex_cost_bytes = 0.0
   moved_total = 0
+  held_L = None      # the replica codec: each layer's holders last step
   for s in range(WINDOW, last):
     hist = trace[s - WINDOW:s].sum(2).mean(0).astype(np.float64)      # [L, E] predicted
     if system.het_sharding and (s - WINDOW) % system.reshard_every == 0 and n > 1:
@@ -114,10 +123,13 @@ def step(shape: ModelShape, cluster, run: Run, system, calib: Calibration,
         changed = sum(int((a & ~b).sum()) for a, b in zip(new, flex_holders))
         flex_cost_bytes = changed * STATE_BYTES_PER_PARAM * shape.expert_params()
       flex_holders = new
-    results.append(_one_step(shape, cluster, run, system, calib, trace[s], hist, owner, t, m,
-                             dpn, flex_holders,
-                             reshard_cost_bytes / max(system.reshard_every, 1)
-                             + flex_cost_bytes / FLEX_INTERVAL))
+    if system.het_sharding and (s - WINDOW) % system.reshard_every == 0:
+      held_L = None   # owners moved: the codec's caches start again
+    result, held_L = _one_step(shape, cluster, run, system, calib, trace[s], hist, owner, t, m,
+                               dpn, flex_holders,
+                               reshard_cost_bytes / max(system.reshard_every, 1)
+                               + flex_cost_bytes / FLEX_INTERVAL, held_L)
+    results.append(result)
   out = mean_steps(results)
   if dropped is not None:
     out.extra["dropped_fraction"] = float(dropped[WINDOW:last].mean())
@@ -145,7 +157,8 @@ def _layer_plan(system, counts, pred, owner_E, n, dpn, t, m, flex):
 
 
 def _one_step(shape, cluster, run, system, calib, counts_LxNxE, pred_LxE, owner_LxE, t, m, dpn,
-              flex_holders, amortized_bytes) -> StepTime:
+              flex_holders, amortized_bytes, held_L=None):
+  """(StepTime, each layer's holders: what the replica codec's caches hold next step)."""
   net = net_of(cluster, run.gpus, calib)
   gpu = cluster.gpu
   eff, hbm = calib.gpu(gpu.kind), gpu.hbm_bandwidth
@@ -158,6 +171,7 @@ def _one_step(shape, cluster, run, system, calib, counts_LxNxE, pred_LxE, owner_
   dense_groups = {g: v for g, v in shape.layer_groups(True).items() if g != "experts"}
   dense_values = sum(dense_groups.values())
   layers = []
+  holders_L = []
   stragglers, inter_frac, replicas = [], [], []
   for l in range(shape.moe_layers):
     counts = counts_LxNxE[l].astype(np.float64)
@@ -197,12 +211,15 @@ def _one_step(shape, cluster, run, system, calib, counts_LxNxE, pred_LxE, owner_
     exp_max = sec(load.max() * cp.expert_flops(shape))
     exp_mean = sec(load.mean() * cp.expert_flops(shape))
     spag = sprs = late_s = 0.0
+    holders_L.append(holders)
+    kept = None if held_L is None or system.replica_ratio >= 1.0 else held_L[l]
     if system.balance in ("replicas", "flexmoe") and reps:
       early = holders & ~late if late is not None else holders
-      g, nd = _spag_bytes(early, owner_LxE[l], dpn, psi)
+      g, nd = _spag_bytes(early, owner_LxE[l], dpn, psi, kept, system.replica_ratio)
       spag = net.sparse(g, nd)
       if late is not None and late.any():
-        g2, nd2 = _spag_bytes(late | ld.owner_holders(owner_LxE[l], n), owner_LxE[l], dpn, psi)
+        g2, nd2 = _spag_bytes(late | ld.owner_holders(owner_LxE[l], n), owner_LxE[l], dpn, psi,
+                              kept, system.replica_ratio)
         late_s = net.sparse(g2, nd2)
       g3, nd3 = _spag_bytes(holders, owner_LxE[l], dpn, 2 * psi)   # fp32 gradients
       sprs = net.sparse(g3, nd3)
@@ -257,7 +274,7 @@ def _one_step(shape, cluster, run, system, calib, counts_LxNxE, pred_LxE, owner_
            float(np.mean(inter_frac)), "replicas_per_layer": float(np.mean(replicas))}
   extra["memory_gb"] = (STATE_BYTES_PER_PARAM * (owned + dense_total)
                         + max(replicas) / n * psi) / 1e9
-  return StepTime(res.seconds, res.exposed, res.busy, extra)
+  return StepTime(res.seconds, res.exposed, res.busy, extra), holders_L
 
 
 def _forward_layer(p, system, L, attn_s, shared_s, dense_ag, net, psi, prev, recompute=False):

@@ -33,7 +33,9 @@ Expert-parallel family (experts stay whole on owners; tokens travel by all-to-al
   moejax-fssdp    moejax's fssdp: replicas planned on the predicted load (LPT), re-planned after
                   gating (late fetch on the critical path), balanced dispatch, heterogeneous
                   owners, remat (the config defaults M=2, t=4; `-t16`: M=4, t=16); `+admit`
-                  variants add capacity-limited admission (reroute, factor 1.25).
+                  variants add capacity-limited admission (reroute, factor 1.25);
+                  `+codec` the replica codec (a replica its device held last step travels as a
+                  delta patch, `REPLICA_PATCH_RATIO` of its bytes).
 """
 from __future__ import annotations
 
@@ -78,7 +80,16 @@ class System:
   overlap_degree: int = 0
   """t distinct experts replicated per layer; 0: Themis's rule floor(T_attn * bw / expert
   bytes)."""
+  replica_ratio: float = 1.0
+  """Bytes of a replica its device held last step over a plain one (moejax's replica codec;
+  1.0: none)."""
   description: str = ""
+
+
+REPLICA_PATCH_RATIO = 0.468
+"""A kept replica's patch over its plain bytes: the expert weights' delta ratio at the tiny
+preset's peak learning rate (README codec table, `bench/codec.py --quick`), the same
+step-to-step moves the replica codec's delta formats code."""
 
 
 def _s(name, **kw) -> System:
@@ -121,6 +132,10 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
        balanced_dispatch=True, het_sharding=True, dense="fsdp", replica_slots=2,
        overlap_degree=4, admission="reroute",
        description="moejax fssdp + reroute admission (factor 1.25)"),
+    _e("moejax-fssdp-t16+codec", balance="replicas", planner="lpt", calibrate=True,
+       balanced_dispatch=True, het_sharding=True, dense="fsdp", replica_slots=4,
+       overlap_degree=16, replica_ratio=REPLICA_PATCH_RATIO,
+       description="moejax fssdp (M=4, t=16) with fssdp.replica_codec=delta"),
     _e("moejax-ep+admit", dense="fsdp", admission="reroute",
        description="moejax ep + reroute admission (factor 1.25)"),
 )}
