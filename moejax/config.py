@@ -179,9 +179,9 @@ class FssdpConfig:
   calibrate: bool = True
   """Re-plan from the actual loads after gating when it pays."""
   replica_codec: str = ""
-  """One of `moejax.codec.replicas.REPLICA_CODECS`: "delta" sends a replica slot that kept its
-  expert since last step as a delta patch (lossless), "off" always plain; "" (default) = delta
-  when codec.mode is not off."""
+  """One of `moejax.codec.replicas.REPLICA_CODECS`: "delta" sends a replica whose device held
+  the same expert last step (in any slot) as a delta patch (lossless), "off" always plain; ""
+  (default) = delta when codec.mode is not off."""
 
   def resolved_replica_codec(self, codec_mode: str) -> str:
     return self.replica_codec or ("off" if codec_mode == "off" else "delta")
@@ -517,7 +517,8 @@ def validate(c: Config) -> None:
   _check(c.fssdp.replica_codec in ("",) + REPLICA_CODECS,
          f"config.fssdp.replica_codec={c.fssdp.replica_codec!r}: must be one of "
          f"{', '.join(REPLICA_CODECS)} (or '' to follow codec.mode)")
-  _check(c.fssdp.resolved_replica_codec(c.codec.mode) == "off" or c.compute_dtype == "bfloat16",
+  _check(moe.placement != "fssdp" or c.fssdp.resolved_replica_codec(c.codec.mode) == "off"
+         or c.compute_dtype == "bfloat16",
          f"config.fssdp.replica_codec={c.fssdp.replica_codec!r} needs compute_dtype='bfloat16' "
          f"(its delta codes count bfloat16 units in the last place; got {c.compute_dtype!r}): "
          "set fssdp.replica_codec='off'")

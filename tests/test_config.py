@@ -168,7 +168,7 @@ def test_unknown_preset():
     ({"routing.admission": "maybe"}, r"config.routing.admission='maybe'"),
     ({"fssdp.replica_codec": "zstd"}, r"config.fssdp.replica_codec='zstd': must be one of "
                                       r"off, delta \(or '' to follow codec.mode\)"),
-    ({"fssdp.replica_codec": "delta", "compute_dtype": "float32"},
+    ({"fssdp.replica_codec": "delta", "compute_dtype": "float32", "moe.placement": "fssdp"},
      r"config.fssdp.replica_codec='delta' needs compute_dtype='bfloat16'"),
 ])
 def test_bad_config_values(overrides, message):

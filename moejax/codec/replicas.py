@@ -1,4 +1,4 @@
-"""Compressed replicas for SparseAllGather: a slot that held the same expert last step gets a patch.
+"""Compressed replicas for SparseAllGather: a device that held an expert last step gets a patch.
 
 FSSDP (`moejax.placement.fssdp`) fills each device's M replica slots with whole experts from
 their owners every step. A hot expert tends to stay on the same device from one step to the next,
@@ -7,8 +7,9 @@ receiver's copy from last step plus a delta patch (`moejax.codec.word`, delta mo
 step's expert exactly, for about a quarter of its bytes.
 
 The state of one layer on one device (`init_state`; rebuilt, never checkpointed):
-  held   int32 [N, M]  the expert each slot of every device held after last step (-1: none);
-                       the same on every device, as the plan it comes from
+  held   int32 [N, M]  the expert each slot of every device held after last step (E for an
+                       empty slot, -1 before the first step); the same on every device, as the
+                       plan it comes from
   cache  uint  [M, R]  this device's replicas after last step, as bit patterns
   prev   uint  [C, R]  this device's owned experts of last step (by rank), as bit patterns
   valid  bool          False until a step filled them, and after re-sharding (owners moved)

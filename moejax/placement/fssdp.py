@@ -339,7 +339,7 @@ _coded_gather.defvjp(_coded_gather_fwd, _coded_gather_bwd)
 class Materialized(NamedTuple):
   """`materialize`'s result: the plan, the weights [C + M, ...] (owned by rank, then the
   replicas), the owners, and with the replica codec its `Coding` and each slot's patch format
-  (0: plain; else None)."""
+  (0: the slot went plain); both None without the codec."""
   plan: planner.Plan
   weights: tuple
   owners: Owners
@@ -375,18 +375,19 @@ def materialize(predicted_load_E, w_gate, w_up, w_down, *, dispatch: Dispatch,
 
 def _replica_bytes(plan, choice_NxM, dispatch: Dispatch, num_experts: int, expert_bytes: int,
                    owned: int):
-  """(bytes on the ragged path, the same replicas plain) of one SparseAllGather, summed over
-  the receiving devices, as this device's share (the replicated figure / N). `owned` > 0: add
-  the agreement all_gather of the coding (once per layer and step, however many gathers)."""
+  """(bytes on the ragged path, the same replicas plain) of one SparseAllGather, per device
+  (the mean over devices of what each receives), as this device's share of it (/ N: the step
+  sums the shares). `owned` > 0: add the agreement all_gather of the coding (once per layer
+  and step, however many gathers)."""
   n = dispatch.num_devices
   filled = jnp.sum(plan.replica_expert_NxM < num_experts).astype(jnp.float32)
   plain = filled * expert_bytes
   codec = dispatch.replica_codec
   if choice_NxM is None:
-    return plain / n, plain / n
+    return plain / n ** 2, plain / n ** 2
   sent = jnp.sum(replicas_lib.slot_bytes(plan.replica_expert_NxM, choice_NxM, num_experts,
                                          codec))
-  return (sent + n * (n - 1) * codec.agree_bytes(owned)) / n, plain / n
+  return (sent + n * (n - 1) * codec.agree_bytes(owned)) / n ** 2, plain / n ** 2
 
 
 def fssdp_experts(x_TxD, experts_TxK, weights_TxK, mat: Materialized, *, dispatch: Dispatch):

@@ -161,8 +161,8 @@ class Placement:
     (None without the codec, or without a state)."""
     if self.kind != "fssdp":
       return params, None, None, None
-    if pstate is None:
-      pstate = self.init_state()     # an empty history predicts flat loads
+    if pstate is None:   # an empty history predicts flat loads; replicas go plain
+      pstate = self.init_state().replace(replicas=None)
     predicted_LxE = planner.predict(pstate.history)
     experts = {path: _at(params, path) for path in self.expert_paths}
     owners_L, windows = fssdp.owned_windows(
@@ -193,12 +193,12 @@ class Placement:
     return pstate if replicas is None else pstate.replace(replicas=replicas)
 
   def metrics(self, placement_L: dict, *, tokens_per_device: int, remat: str) -> dict:
-    """Per-layer figures from the layers, plus bytes moved per step by kind: per device, the ep
-    exchange (`a2a_bytes`) and SparseReduceScatter (`sprs_bytes`, its [N, M] buffer); summed
-    over devices, SparseAllGather's: `spag_bytes` (its ragged form, patches included: what a GPU
-    moves), `spag_bytes_plain` (the same replicas plain), `spag_bytes_capacity` (the static
-    [N, M] buffers XLA:CPU moves), all for every pass (remat runs the gather again), and
-    `spag_bytes_needed` (the plan's replicas, once)."""
+    """Per-layer figures from the layers, plus bytes moved per device and step by kind: the ep
+    exchange (`a2a_bytes`), SparseReduceScatter (`sprs_bytes`, its [N, M] buffer), and
+    SparseAllGather's: `spag_bytes` (its ragged form, patches included: what a GPU moves; the
+    mean over devices of what each receives), `spag_bytes_plain` (the same replicas plain),
+    `spag_bytes_capacity` (the static [N, M] buffer XLA:CPU moves), all for every pass (remat
+    runs the gather again), and `spag_bytes_needed` (the plan's replicas, once)."""
     metrics = dict(placement_L)
     n = self.num_devices
     if "dispatch_needed" in metrics:   # [L] shares summed over devices: the most rows any
@@ -216,9 +216,9 @@ class Placement:
       # SparseAllGather runs again in backward when the layer is recomputed; its transpose once,
       # in fp32.
       passes = 2 if recomputes(remat) else 1
-      metrics["spag_bytes_capacity"] = jnp.full((layers,), n * buffer * passes, jnp.float32)
+      metrics["spag_bytes_capacity"] = jnp.full((layers,), buffer * passes, jnp.float32)
       metrics["sprs_bytes"] = jnp.full((layers,), buffer * 4 / self.itemsize, jnp.float32)
-      metrics["spag_bytes_needed"] = placement_L["replicas"] * self.expert_bytes
+      metrics["spag_bytes_needed"] = placement_L["replicas"] / n * self.expert_bytes
       metrics["spag_bytes"] = metrics.pop("replica_bytes") * passes
       metrics["spag_bytes_plain"] = metrics.pop("replica_bytes_plain") * passes
     return metrics

@@ -36,9 +36,12 @@ FAMILY = "deepseek_v3"
 STEPS = 6
 STANDARD_ATTENTION = {"model.kv_lora_rank": 0, "model.q_lora_rank": 0, "model.qk_nope_head_dim": 0,
                       "model.qk_rope_head_dim": 0, "model.v_head_dim": 0, "model.head_dim": 16}
-# run(): 8 steps, re-shards after steps 3 and 6, checkpoints at 4 and 8.
+# run(): 8 steps, re-shards after steps 3 and 6, checkpoints at 4 and 8. The replica codec is on
+# (delta patches where a device kept its expert; ep ignores it), so re-sharding, resume and
+# evaluation run with it.
 RUN = {"batch_size": 16, "seq_len": 32, "mesh.shape": (2, 4), "steps": 8, "log_every": 1,
-       "eval_batches": 1, "checkpoint.every": 4, "fssdp.reshard_every": 3, **STANDARD_ATTENTION}
+       "eval_batches": 1, "checkpoint.every": 4, "fssdp.reshard_every": 3,
+       "fssdp.replica_codec": "delta", **STANDARD_ATTENTION}
 TIMING = ("step_time_s", "tokens_per_s")
 
 
@@ -251,7 +254,17 @@ def test_resume_across_a_heterogeneous_reshard_is_bit_exact(fssdp_trainer, unint
   assert [r["step"] for r in records] == list(range(1, 9))
   moved = {r["step"]: r["reshard_moved_experts"] for r in reference if "reshard_moved_experts" in r}
   assert sorted(moved) == [4, 7] and all(m > 0 for m in moved.values())   # after steps 3, 6
-  assert records == reference                       # losses, plans, moves: every figure
+  # Losses, plans, moves: every figure, but the replicas' bytes of the first step after the
+  # restore: the replica codec's caches are rebuilt, not saved, so that step sends them plain.
+  first = 5
+  strip = lambda rs: [{k: v for k, v in r.items() if k != "spag_bytes"} for r in rs]  # noqa: E731
+  assert strip(records) == strip(reference)
+  assert any(sum(r["spag_bytes"]) < sum(r["spag_bytes_plain"]) for r in reference)  # patches
+  for r, ref in zip(records, reference):
+    if r["step"] == first:
+      assert sum(r["spag_bytes"]) >= sum(r["spag_bytes_plain"]) >= sum(ref["spag_bytes"])
+    else:
+      assert r["spag_bytes"] == ref["spag_bytes"]
   # The checkpoint resumed from held a heterogeneous layout: unequal counts per layer, equal
   # slot counts per device.
   owner = ocp.StandardCheckpointer().restore(workdir / "checkpoints" / "4" / "fssdp")[

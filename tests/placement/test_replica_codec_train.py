@@ -52,8 +52,9 @@ def test_replica_codec_is_lossless_and_pays_once_devices_keep_their_experts(trai
   assert all(jax.tree.leaves(same))
   placement = trainer.layout.placement
   n, codec = placement.num_devices, placement.replica_codec
-  # The agreement: every device's choices to the 7 others, per layer and pass (remat reruns it).
-  agreement = 2 * LAYERS * n * (n - 1) * codec.agree_bytes(placement.max_per_layer)
+  # The agreement: each device receives the 7 others' choices, per layer and pass (remat reruns
+  # it).
+  agreement = 2 * LAYERS * (n - 1) * codec.agree_bytes(placement.max_per_layer)
   assert plain == plain_off
   assert all(s == p + agreement for s, p in zip(sent_off, plain))
   assert all(s <= p + agreement for s, p in zip(sent, plain))
