@@ -28,7 +28,7 @@ def trainer():
 def _run(trainer, *, patches: bool):
   state = trainer.init_state()
   rng = np.random.default_rng(3)
-  losses, sent, plain = [], [], []
+  losses, sent, plain, late = [], [], [], []
   for _ in range(STEPS):
     if not patches:
       state = state.replace(placement=state.placement.replace(
@@ -39,12 +39,17 @@ def _run(trainer, *, patches: bool):
     losses.append(float(m["loss"]))
     sent.append(float(np.sum(m["spag_bytes"])))
     plain.append(float(np.sum(m["spag_bytes_plain"])))
-  return losses, sent, plain, jax.device_get(state.params)
+    # Calibration's late SparseAllGather ran (adopted) when the replicas' bytes exceed the
+    # planned ones' over the two passes.
+    late.append(bool(np.any(np.asarray(m["spag_bytes_plain"])
+                            > 2 * np.asarray(m["spag_bytes_needed"]) + 1)))
+  return losses, sent, plain, late, jax.device_get(state.params)
 
 
 def test_replica_codec_is_lossless_and_pays_once_devices_keep_their_experts(trainer):
-  losses_off, sent_off, plain_off, params_off = _run(trainer, patches=False)
-  losses, sent, plain, params = _run(trainer, patches=True)
+  losses_off, sent_off, plain_off, _, params_off = _run(trainer, patches=False)
+  losses, sent, plain, late, params = _run(trainer, patches=True)
+  assert sum(late) >= 5          # the coded late gather (in its conditional) ran too
   assert losses == losses_off
   same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a).view(np.uint8),
                                                   np.asarray(b).view(np.uint8)),
