@@ -15,7 +15,10 @@ scatters back into the slots). Each step and layer:
      owner fills the slots that hold its experts: device d receives its M replica slots. Its
      transpose (the backward) is an `all_gather` of the replicas' gradients in fp32, of which each
      owner keeps and sums its own rows in fp32: SparseReduceScatter. Only gradients move;
-     optimizer state never.
+     optimizer state never. With the replica codec (`fssdp.replica_codec`,
+     `moejax.codec.replicas`) a device that held an expert last step receives it as a delta
+     patch against its copy (`coded_sparse_all_gather`: uint32 rows, each a patch or a plain
+     expert), bit-exact either way.
   2. After gating, every device learns all devices' routing counts (one all_gather of N x E
      ints) and computes the same balanced assignment of tokens to holders
      (`planner.balanced_send`); tokens go local first, then within the node, then across.
