@@ -171,6 +171,7 @@ _GROUP_OF = {f: g for g, files in XDIST_GROUPS.items() for f in files}
 # others take a few seconds). Units start longest first, so no long unit is left for the end
 # while the other worker idles; only the order matters, not the figures.
 UNIT_SECONDS = {"codec_auto": 270, "tiny8": 260, "tests/placement/test_fssdp_train.py": 120,
+                "tests/placement/test_replica_codec_train.py": 60,
                 "tests/train/test_families.py": 80, "tests/codec/test_kernels.py": 56,
                 "tests/models/test_decode.py": 48, "tests/codec/test_gather.py": 42,
                 "tests/convert/test_fine_tune.py": 40, "tests/routing/test_sharded_admission.py": 29,
