@@ -168,13 +168,68 @@ def step_ragged(dims: dict) -> dict:
   local_NxCxR = w[0].reshape(n, 2, d * f)          # device i owns experts 2i, 2i+1
   want = local_NxCxR[(jnp.arange(n) + 1) % n, 0][:, None]
   spag_exact = bool(jnp.all(spag(local_NxCxR) == want))
+  coded = _coded_spag(mesh, fdispatch, replica_NxM, w, n, e)
   out = {"devices": n, "ep_max_abs_diff": ep_err, "spag_exact": spag_exact,
          "ep_s": _timed(ep, x, ids, weights, *w),
          "local_s": _timed(local, x, ids, weights, *w), "grouped_rel_err": grouped_err,
-         "grouped_s": _timed(grouped, xs, group_sizes, *w)}
-  if ep_err > 1e-2 or grouped_err > 2e-2 or not spag_exact:
+         "grouped_s": _timed(grouped, xs, group_sizes, *w), **coded}
+  if (ep_err > 1e-2 or grouped_err > 2e-2 or not spag_exact or not coded["coded_spag_exact"]
+      or coded["coded_spag_patched_slots"] == 0):
     raise AssertionError(f"ragged paths differ from their references: {out}")
   return out
+
+
+def _coded_spag(mesh, fdispatch, replica_NxM, w, n: int, e: int) -> dict:
+  """The replica codec's SparseAllGather (`fssdp.coded_sparse_all_gather`; ragged words on GPU):
+  a first step sends plain, a second whose slots kept their experts (every value moved a unit
+  in the last place) sends patches; both bit for bit the plain SparseAllGather's. Timed against
+  it."""
+  import dataclasses
+
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import PartitionSpec as P
+  from moejax.codec import replicas
+  from moejax.placement import fssdp
+
+  codec = replicas.ReplicaCodec(sum(v[0].size for v in w), "bfloat16")
+  dispatch = dataclasses.replace(fdispatch, replica_codec=codec)
+  owners = fssdp.even_owners(e, n)
+  state_specs = {"held": P(), "cache": P("devices"), "prev": P("devices"), "valid": P()}
+
+  def body(ws, state):
+    ws = tuple(v[0] for v in ws)
+    state = {**state, "cache": state["cache"][0], "prev": state["prev"][0]}
+    coding = fssdp.prepare_coding(ws, state, owners, codec, ("devices",))
+    reps, choice = fssdp.coded_sparse_all_gather(ws, replica_NxM, coding, dispatch=dispatch,
+                                                 owners=owners, codec=codec)
+    return (replicas.to_bits(reps, codec.layout)[None], choice, coding.bits_CxR[None])
+
+  def plain_body(ws):
+    reps = tuple(fssdp.sparse_all_gather(v[0], replica_NxM, dispatch=dispatch, owners=owners)
+                 for v in ws)
+    return replicas.to_bits(reps, codec.layout)[None]
+
+  coded = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("devices"), state_specs),
+                                out_specs=(P("devices"), P(), P("devices")), check_vma=False))
+  plain = jax.jit(jax.shard_map(plain_body, mesh=mesh, in_specs=P("devices"),
+                                out_specs=P("devices"), check_vma=False))
+  stored = lambda ws: tuple(v.reshape((n, 2) + v.shape[1:]) for v in ws)   # noqa: E731
+  ws0 = stored(w)
+  m = replica_NxM.shape[1]
+  state = {"held": jnp.full((n, m), -1, jnp.int32),
+           "cache": jnp.zeros((n, m, codec.values), jnp.uint16),
+           "prev": jnp.zeros((n, 2, codec.values), jnp.uint16), "valid": jnp.zeros((), bool)}
+  got0, choice0, prev = coded(ws0, state)
+  nudge = lambda v: jax.lax.bitcast_convert_type(                           # noqa: E731
+      jax.lax.bitcast_convert_type(v, jnp.uint16) + jnp.uint16(1), jnp.bfloat16)
+  ws1 = tuple(nudge(v) for v in ws0)
+  state = {"held": replica_NxM, "cache": got0, "prev": prev, "valid": jnp.ones((), bool)}
+  got1, choice1, _ = coded(ws1, state)
+  exact = bool(jnp.all(got0 == plain(ws0)) & jnp.all(got1 == plain(ws1)))
+  return {"coded_spag_exact": exact, "coded_spag_patched_slots": int(jnp.sum(choice1 > 0)),
+          "coded_spag_plain_first_step": int(jnp.sum(choice0 > 0)) == 0,
+          "coded_spag_s": _timed(coded, ws1, state), "plain_spag_s": _timed(plain, ws1)}
 
 
 def _config(preset: str, **overrides):
