@@ -2,8 +2,9 @@
 process so the machine's drift hits every variant alike.
 
   python bench/step.py --quick        # peer dims: reference, 1 device, fsdp on 8 (~3 min)
-  python bench/step.py                # tiny and peer dims x {1 device, fsdp, ep, fssdp,
-                                      #   codec element / delta forced} on 8 fake devices
+  python bench/step.py                # tiny and peer dims x {1 device, fsdp, ep, fssdp, fssdp
+                                      #   with coded replicas, codec element / delta forced} on
+                                      #   8 fake devices
   python bench/step.py --experts      # tiny, top-2, 1 device: E = 8, 32, 128 (fixed routed work),
                                       #   and the reference at E = 8 and 128
   python bench/step.py --only codec --only "tiny fsdp"   # a subset, by name
@@ -136,7 +137,10 @@ def variants(args) -> list[Variant]:
       continue
     out += [Variant(f"{dims} ep x8", dims, 8, {"moe.placement": "ep"}),
             Variant(f"{dims} fssdp x8", dims, 8, {"moe.placement": "fssdp"},
-                    baseline=f"{dims} ep x8")]
+                    baseline=f"{dims} ep x8"),
+            Variant(f"{dims} fssdp coded replicas x8", dims, 8,
+                    {"moe.placement": "fssdp", "fssdp.replica_codec": "delta"},
+                    baseline=f"{dims} fssdp x8")]
     for mode in ("element", "delta"):
       out.append(Variant(f"{dims} codec {mode} x8", dims, 8, {"codec.mode": mode, **CODEC},
                          baseline=f"{dims} fsdp x8"))
