@@ -261,3 +261,22 @@ def test_each_platform_lowers_its_own_coded_sparse_all_gather():
     # body runs the coded gather twice (replicas, hits) and the plain one once, plus the
     # backward of each; the forward output keeps the coded and plain forwards
     assert (text.count("@ragged_all_to_all") > 0) == bool(want), platform
+
+
+def test_replica_bytes_count_every_pass_and_are_per_device():
+  """`Placement.metrics`: SparseAllGather's bytes count twice when remat recomputes the layer
+  (the gather runs again) and once without; the layers' shares arrive summed over devices."""
+  from moejax.placement import Placement
+  placement = Placement("fssdp", 2, E2, 2, D, F, N, 4, ("devices",), replica_slots=M2)
+  layer = {"replicas": jnp.array([3.0, 1.0]), "replica_bytes": jnp.array([300.0, 100.0]),
+           "replica_bytes_plain": jnp.array([600.0, 200.0])}
+  full = placement.metrics(dict(layer), tokens_per_device=8, remat="full")
+  none = placement.metrics(dict(layer), tokens_per_device=8, remat="none")
+  np.testing.assert_array_equal(full["spag_bytes"], 2 * none["spag_bytes"])
+  np.testing.assert_array_equal(none["spag_bytes"], [300.0, 100.0])
+  np.testing.assert_array_equal(none["spag_bytes_plain"], [600.0, 200.0])
+  np.testing.assert_array_equal(full["spag_bytes_capacity"], 2 * none["spag_bytes_capacity"])
+  # The plan's replicas, once, per device: 3 replicas over 8 devices of one expert's bytes.
+  np.testing.assert_allclose(none["spag_bytes_needed"], np.array([3.0, 1.0]) / N
+                             * placement.expert_bytes)
+  assert "replica_bytes" not in none
