@@ -86,12 +86,18 @@ def sparse_all_gather(local_w_CxR, replica_expert_NxM, *, dispatch: Dispatch,
   n = dispatch.num_devices
   if owners is None:
     owners = even_owners(local_w_CxR.shape[0] * n, n)
+  holder_NxM, rank_NxM = _slot_sources(replica_expert_NxM, owners, n)
+  return _sparse_all_gather(local_w_CxR, holder_NxM, rank_NxM, dispatch.axis_names)
+
+
+def _slot_sources(replica_expert_NxM, owners: Owners, n: int):
+  """(holder [N, M]: the device that fills each slot, N for an empty one; rank [N, M]: the
+  expert's index among its owner's)."""
   e = owners.owner_E.shape[0]
   safe_NxM = jnp.minimum(replica_expert_NxM, e - 1)
   valid_NxM = replica_expert_NxM < e
-  holder_NxM = jnp.where(valid_NxM, owners.owner_E[safe_NxM], n)   # who fills each slot
-  rank_NxM = jnp.where(valid_NxM, owners.rank_E[safe_NxM], 0)
-  return _sparse_all_gather(local_w_CxR, holder_NxM, rank_NxM, dispatch.axis_names)
+  return (jnp.where(valid_NxM, owners.owner_E[safe_NxM], n),
+          jnp.where(valid_NxM, owners.rank_E[safe_NxM], 0))
 
 
 def _masked(x_NxMxR, mine_NxM):
@@ -222,12 +228,7 @@ def coded_sparse_all_gather(ws, replica_expert_NxM, coding: Coding, *, dispatch:
   expert last step travelling as a patch (`moejax.codec.replicas`): (replicas, bit for bit
   those of `sparse_all_gather`; choice_NxM, each slot's patch format, 0 where it went plain).
   The backward is the same SparseReduceScatter."""
-  n = dispatch.num_devices
-  e = owners.owner_E.shape[0]
-  safe_NxM = jnp.minimum(replica_expert_NxM, e - 1)
-  valid_NxM = replica_expert_NxM < e
-  holder_NxM = jnp.where(valid_NxM, owners.owner_E[safe_NxM], n)
-  rank_NxM = jnp.where(valid_NxM, owners.rank_E[safe_NxM], 0)
+  holder_NxM, rank_NxM = _slot_sources(replica_expert_NxM, owners, dispatch.num_devices)
   choice_NxM, source_NxM = replicas_lib.hits(coding.state, replica_expert_NxM, coding.choice_E)
   me = lax.axis_index(dispatch.axis_names)
   cache_MxR = coding.state["cache"][source_NxM[me]]   # last step's copy under each slot
