@@ -33,6 +33,7 @@ from moejax.codec import replicas as replicas_lib
 from moejax.errors import ConfigError
 from moejax.placement import fssdp, ownership, planner, reshard
 from moejax.placement.dispatch import LOCAL, Dispatch, ep_a2a_bytes, ep_capacity
+from moejax.sharding.gatherer import squeeze_device_axis
 from moejax.sharding.prefetch import recomputes
 
 
@@ -41,8 +42,9 @@ class FssdpState:
   """fssdp's state across steps: the load predictor's recent loads and the owner of each expert
   (int32 [L, E], says where it is stored; changed only by re-sharding), both checkpointed; with
   the replica codec, what each layer's replica slots held last step (`replicas`: the layers'
-  `moejax.codec.replicas` states stacked, "cache" and "prev" with a leading device axis;
-  rebuilt, not checkpointed: a resumed run's first step sends its replicas plain)."""
+  `moejax.codec.replicas` states stacked, each device's behind a leading device axis, like the
+  gather state; rebuilt, not checkpointed: a resumed run's first step sends its replicas
+  plain)."""
   history: planner.LoadHistory
   owner_LxE: jax.Array
   replicas: dict | None = None
@@ -132,9 +134,7 @@ class Placement:
     if self.replica_codec is not None:
       n, layers = self.num_devices, self.num_layers
       one = replicas_lib.init_state(n, self.replica_slots, self.max_per_layer, self.replica_codec)
-      stack = lambda x, lead: jnp.broadcast_to(x, lead + x.shape)   # noqa: E731
-      replicas = {"held": stack(one["held"], (layers,)), "cache": stack(one["cache"], (n, layers)),
-                  "prev": stack(one["prev"], (n, layers)), "valid": stack(one["valid"], (layers,))}
+      replicas = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, layers) + x.shape), one)
     return FssdpState(
         planner.init_history(window=self.window, num_layers=self.num_layers,
                              num_experts=self.num_experts),
@@ -142,15 +142,12 @@ class Placement:
                                                 self.num_devices)), replicas)
 
   def state_specs(self):
-    """PartitionSpecs of `init_state()`'s leaves (None without a state): the replica caches
-    are per device (a leading device axis), everything else replicated."""
+    """PartitionSpecs of `init_state()`'s leaves (None without a state): the replica codec's
+    states per device (a leading device axis), everything else replicated."""
     if self.kind != "fssdp":
       return None
     specs = jax.tree.map(lambda _: P(), jax.eval_shape(self.init_state))
-    if specs.replicas is not None:
-      specs = specs.replace(replicas={**specs.replicas, "cache": P(self.axis_names),
-                                      "prev": P(self.axis_names)})
-    return specs
+    return specs.replace(replicas=jax.tree.map(lambda _: P(self.axis_names), specs.replicas))
 
   # -- in the step -------------------------------------------------------------------------------
   def local_params(self, params: dict, pstate: FssdpState | None, *, me):
@@ -170,23 +167,12 @@ class Placement:
         max_per_layer=self.max_per_layer)
     for path, window in windows.items():
       params = _replace_at(params, path, window)
-    replicas_L = pstate.replicas
-    if replicas_L is not None:
-      replicas_L = {**replicas_L, "cache": replicas_L["cache"][0], "prev": replicas_L["prev"][0]}
-    return params, owners_L, predicted_LxE, replicas_L
-
-  @staticmethod
-  def device_replicas(replicas_L: dict | None) -> dict | None:
-    """Inside shard_map: the layers' next replica states as stored (a leading device axis on
-    this device's caches)."""
-    if replicas_L is None:
-      return None
-    return {**replicas_L, "cache": replicas_L["cache"][None], "prev": replicas_L["prev"][None]}
+    return params, owners_L, predicted_LxE, squeeze_device_axis(pstate.replicas)
 
   def next_state(self, pstate: FssdpState | None, load_LxE,
                  replicas: dict | None = None) -> FssdpState | None:
     """The load history after this step's loads; `replicas` the step's replica states as stored
-    (`device_replicas`), or None to keep them."""
+    (with the device axis), or None to keep them."""
     if pstate is None:
       return None
     pstate = pstate.replace(history=planner.update_history(pstate.history, load_LxE))

@@ -72,7 +72,7 @@ def _loss_share(cfg: Config, lay: StateLayout, params, batch, step, gather_state
            "admitted_load_LxE": aux_L["admitted_load_E"].astype(jnp.float32)}
   if "placement" in aux_L:
     parts["placement_L"] = aux_L["placement"]
-  replicas = lay.placement.device_replicas(aux_L.get("replica_state"))
+  replicas = expand_device_axis(aux_L.get("replica_state"))   # None without the replica codec
   return loss, (parts, new_gather_state, gather_stats, replicas)
 
 
