@@ -381,18 +381,27 @@ def check_auto(cfg, state, data, steps: int, first: int, every: int, budget: int
     state = trainer.init_state()
   else:   # fresh (plain) codec state for this trainer
     state = state.replace(gather_state=trainer.layout.gatherer.init_states(trainer.mesh))
-  compiled = trainer.compiled(trainer.layout.gatherer.specs)
-  choice = policy.start(0, state.params)
   sent = plain = 0.0
-  for step in range(1, steps + 1):
-    if choice is not None:
-      state, compiled = trainer.adopt(state, compiled, choice)
-    state, metrics = compiled.train_step(state, put_batch(next(data.train), trainer.mesh))
-    metrics, choice = policy.after_step(step, state.params, metrics)
+  for step, state, metrics in controlled_steps(trainer, policy, state, data, steps):
     if step > first:
       sent += metrics["gather_bytes"]
       plain += metrics["gather_bytes_plain"]
   return float(sent / plain), state
+
+
+def controlled_steps(trainer, policy, state, data, steps: int):
+  """Yields (step, state, metrics) of `steps` train steps, the codec controller (`policy`;
+  None: the config's fixed codec) deciding and the trainer adopting its choices, as the loop
+  does."""
+  compiled = trainer.compiled(trainer.layout.gatherer.specs)
+  choice = policy.start(0, state.params) if policy is not None else None
+  for step in range(1, steps + 1):
+    if choice is not None:
+      state, compiled = trainer.adopt(state, compiled, choice)
+    state, metrics = compiled.train_step(state, put_batch(next(data.train), trainer.mesh))
+    if policy is not None:
+      metrics, choice = policy.after_step(step, state.params, metrics)
+    yield step, state, metrics
 
 
 def composed(steps: int = 60, warmup: int = 10) -> dict:
@@ -412,18 +421,10 @@ def composed(steps: int = 60, warmup: int = 10) -> dict:
     trainer = Trainer(cfg)
     policy = (codec_control.CodecPolicy(trainer.layout.gatherer, trainer.mesh, cfg.codec,
                                         log=lambda _: None) if mode == "auto" else None)
-    state = trainer.init_state()
-    compiled = trainer.compiled(trainer.layout.gatherer.specs)
-    choice = policy.start(0, state.params) if policy else None
     data = make_data(DataSpec(seed=cfg.seed), batch_size=cfg.batch_size, seq_len=cfg.seq_len)
     rows = []
     t0 = time.perf_counter()
-    for step in range(1, steps + 1):
-      if choice is not None:
-        state, compiled = trainer.adopt(state, compiled, choice)
-      state, metrics = compiled.train_step(state, put_batch(next(data.train), trainer.mesh))
-      if policy is not None:
-        metrics, choice = policy.after_step(step, state.params, metrics)
+    for _, _, metrics in controlled_steps(trainer, policy, trainer.init_state(), data, steps):
       rows.append({k: float(np.sum(metrics[k])) for k in (
           "loss", "gather_bytes", "gather_bytes_plain", "spag_bytes", "spag_bytes_plain")})
     data.train.close()
