@@ -23,9 +23,10 @@ import time
 # each step runs about 3x slower (85 -> 248 ms), a good trade for tests that run a few steps.
 # Re-measured on the whole suite (529 tests, -n 2): -O0 820 test-s (431 s wall) against -O2's
 # 918 (479 s); only step-heavy files gain at -O2 (placement/test_replica_codec_train 62 -> 47 s).
-# Flags that gave no compile win: --xla_llvm_disable_expensive_passes, loop unrolling and SLP
-# off, --xla_cpu_emitter_verification_level=0, --xla_cpu_parallel_codegen_split_count=1, the
-# concurrency-optimized scheduler off, copy insertion without region analysis (within noise).
+# Flags that gave no compile win (codec/test_training, -n 0): within noise,
+# --xla_llvm_disable_expensive_passes, loop unrolling and SLP off, the concurrency-optimized
+# scheduler off; slower (33 vs 28 s), --xla_cpu_emitter_verification_level=0 and
+# --xla_cpu_parallel_codegen_split_count=1.
 # Values move by float rounding only (FMA contraction); every bit-exact comparison here is
 # between programs compiled alike. Subprocesses get the same flags (tests/helpers.xla_flags).
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
