@@ -22,7 +22,8 @@ import time
 # generation (canonical fsdp step: 13.3 -> 9.2 s compile, codec/test_training 186 -> 90 s) while
 # each step runs about 3x slower (85 -> 248 ms), a good trade for tests that run a few steps.
 # Re-measured on the whole suite (529 tests, -n 2): -O0 820 test-s (431 s wall) against -O2's
-# 918 (479 s); only step-heavy files gain at -O2 (placement/test_replica_codec_train 62 -> 47 s).
+# 918 (479 s); only step-heavy files gain at -O2 (the replica-codec run, then a file of its
+# own, 62 -> 47 s).
 # Flags that gave no compile win (codec/test_training, -n 0): within noise,
 # --xla_llvm_disable_expensive_passes, loop unrolling and SLP off, the concurrency-optimized
 # scheduler off; slower (33 vs 28 s), --xla_cpu_emitter_verification_level=0 and
@@ -176,8 +177,7 @@ _GROUP_OF = {f: g for g, files in XDIST_GROUPS.items() for f in files}
 # Seconds each heavy unit takes under `-n 2` (the "test s" column of a clean-clone run; the
 # others take a few seconds). Units start longest first, so no long unit is left for the end
 # while the other worker idles; only the order matters, not the figures.
-UNIT_SECONDS = {"codec_auto": 270, "tiny8": 260, "tests/placement/test_fssdp_train.py": 120,
-                "tests/placement/test_replica_codec_train.py": 60,
+UNIT_SECONDS = {"codec_auto": 270, "tiny8": 260, "tests/placement/test_fssdp_train.py": 150,
                 "tests/train/test_families.py": 80, "tests/codec/test_kernels.py": 56,
                 "tests/models/test_decode.py": 48, "tests/codec/test_gather.py": 42,
                 "tests/convert/test_fine_tune.py": 40, "tests/routing/test_sharded_admission.py": 29,
