@@ -177,11 +177,12 @@ _GROUP_OF = {f: g for g, files in XDIST_GROUPS.items() for f in files}
 # Seconds each heavy unit takes under `-n 2` (the "test s" column of a clean-clone run; the
 # others take a few seconds). Units start longest first, so no long unit is left for the end
 # while the other worker idles; only the order matters, not the figures.
-UNIT_SECONDS = {"codec_auto": 270, "tiny8": 260, "tests/placement/test_fssdp_train.py": 150,
-                "tests/train/test_families.py": 80, "tests/codec/test_kernels.py": 56,
-                "tests/models/test_decode.py": 48, "tests/codec/test_gather.py": 42,
-                "tests/convert/test_fine_tune.py": 40, "tests/routing/test_sharded_admission.py": 29,
-                "tests/convert/test_hf_parity.py": 28, "tests/sharding/test_gatherer.py": 26}
+UNIT_SECONDS = {"tiny8": 137, "codec_auto": 123, "tests/placement/test_fssdp_train.py": 91,
+                "tests/train/test_families.py": 32, "tests/codec/test_kernels.py": 30,
+                "tests/models/test_decode.py": 29, "tests/codec/test_gather.py": 23,
+                "tests/convert/test_fine_tune.py": 19, "tests/train/test_dispatch_growth.py": 12,
+                "tests/routing/test_sharded_admission.py": 12, "tests/codec/test_replicas.py": 11,
+                "tests/convert/test_hf_parity.py": 11, "tests/sharding/test_gatherer.py": 10}
 
 
 @pytest.hookimpl(optionalhook=True)
