@@ -174,7 +174,7 @@ def pytest_runtest_protocol(item, nextitem):
 _GROUP_OF = {f: g for g, files in XDIST_GROUPS.items() for f in files}
 
 
-# Seconds each heavy unit takes under `-n 2` (the "test s" column of a clean-clone run; the
+# Seconds each heavy unit takes under `-n 2` (the "test s" column of a whole-suite run; the
 # others take a few seconds). Units start longest first, so no long unit is left for the end
 # while the other worker idles; only the order matters, not the figures.
 UNIT_SECONDS = {"tiny8": 137, "codec_auto": 123, "tests/placement/test_fssdp_train.py": 91,

@@ -333,15 +333,12 @@ def _replica_run(trainer, *, patches: bool):
   """REPLICA_STEPS in-process steps (no re-shard: that is the loop's), every replica sent plain
   (its replica state invalidated before each step) unless `patches`."""
   state = trainer.init_state()
-  rng = np.random.default_rng(3)
   losses, sent, plain, late = [], [], [], []
-  for _ in range(REPLICA_STEPS):
+  for b in _batches(REPLICA_STEPS):
     if not patches:
       state = state.replace(placement=state.placement.replace(
           replicas=replicas.invalidate(state.placement.replicas)))
-    toks = rng.integers(0, 256, (16, 33)).astype(np.int32)
-    state, m = trainer.train_step(state, put_batch({"inputs": toks[:, :-1],
-                                                    "targets": toks[:, 1:]}, trainer.mesh))
+    state, m = trainer.train_step(state, put_batch(b, trainer.mesh))
     losses.append(float(m["loss"]))
     sent.append(float(np.sum(m["spag_bytes"])))
     plain.append(float(np.sum(m["spag_bytes_plain"])))
