@@ -46,6 +46,7 @@ import numpy as np  # noqa: E402
 
 import configs.olmoe as olmoe_configs  # noqa: E402
 import reference  # noqa: E402
+from moejax import host_memory  # noqa: E402
 from moejax.config import from_config_dict  # noqa: E402
 from moejax.models import olmoe  # noqa: E402
 from moejax.sharding.mesh import make_mesh  # noqa: E402
@@ -168,6 +169,10 @@ def main():
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--steps", type=int, default=4, help="timed steps per variant and round")
   args = parser.parse_args()
+  # Before any step runs, for the reference as for moejax (a Trainer on CPU does it too).
+  kept = host_memory.keep_freed_memory_mapped()
+  print(f"host memory: freed pages {'kept mapped' if kept else 'returned to the OS'} "
+        f"(moejax.host_memory; {host_memory.ENV}=0 leaves malloc as it is)", flush=True)
 
   vs = [v for v in variants(args) if not args.only or any(o in v.name for o in args.only)]
   batches = {dims: make_batches(dims) for dims in DIMS}

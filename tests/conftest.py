@@ -41,6 +41,10 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+# As a CPU Trainer does (moejax.host_memory), from the start: steps reuse freed pages.
+from moejax import host_memory  # noqa: E402
+
+host_memory.keep_freed_memory_mapped()
 
 # No persistent compilation cache: on XLA:CPU (jax 0.11) an executable with collectives loaded
 # back from the cache can deadlock its devices (seen: one device in an all-reduce while the

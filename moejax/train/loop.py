@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from moejax import weights
+from moejax import host_memory, weights
 from moejax.config import Config, num_params
 from moejax.data import DataSpec, check_vocab, make_data
 from moejax.errors import ConfigError, TrainingError
@@ -150,6 +150,8 @@ class Trainer:
     self.trace_guard = trace_guard
     self.mesh = mesh if mesh is not None else make_mesh(cfg.mesh.shape)
     step_lib.check_divisibility(cfg, self.mesh)
+    if self.mesh.devices.flat[0].platform == "cpu":   # XLA:CPU steps malloc their buffers
+      host_memory.keep_freed_memory_mapped()
     self.tx = optim.make_optimizer(cfg)
     self.schedule = optim.lr_schedule(cfg)
     limit = memory.device_memory_bytes(self.mesh.devices.flat[0])
