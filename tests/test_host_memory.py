@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from moejax.host_memory import ENV
 from tests.helpers import REPO
 
 # 64 MiB, past glibc's largest mmap threshold (32 MiB): 16384 pages of 4 KiB.
@@ -28,9 +29,9 @@ print(on, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 def _probe(env_value):
-  env = {k: v for k, v in os.environ.items() if k != "MOEJAX_KEEP_HOST_MEMORY"}
+  env = {k: v for k, v in os.environ.items() if k != ENV}
   if env_value is not None:
-    env["MOEJAX_KEEP_HOST_MEMORY"] = env_value
+    env[ENV] = env_value
   out = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, env=env, capture_output=True,
                        text=True, check=True).stdout.split()
   return out[0] == "True", int(out[1])
