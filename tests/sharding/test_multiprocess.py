@@ -27,6 +27,7 @@ WARMUP = CODEC_AUTO_RUN["codec.warmup_steps"]     # codec.mode=auto decides afte
 TIMEOUT_S = 420          # generous: 2 processes compile at once on a busy machine
 ARGS = config_flags(CODEC_AUTO_RUN)
 COMPARED = ("loss", "aux_loss", "z_loss", "grad_norm", "val_loss")
+TIGHT_STEPS = 4         # steps compared at rtol 1e-6 (the rest at 1e-3)
 SAME = ("step", "lr", "gather_bytes", "scatter_bytes", "a2a_bytes")
 
 
@@ -116,14 +117,18 @@ def test_two_processes_match_one_and_agree_on_the_codec_choice(tmp_path, codec_a
   two, one = _records(tmp_path / "job"), _records(pathlib.Path(single))
   assert [r["step"] for r in two] == list(range(1, STEPS + 1))
 
-  # Same losses as 1 process x 8 devices: only the order of cross-device sums may differ. Before
-  # the codec's first decision (plain gathers) the byte figures are equal too.
+  # Same losses as 1 process x 8 devices: only the order of cross-device sums may differ (gloo's
+  # against the in-process reduction). That difference is about 1e-7 at first and grows step by
+  # step through Adam and the bf16 casts (measured: grad_norm -3.7e-6 at step 5, -1.1e-4 at step
+  # 6, aux_loss 1.3e-4 at step 8), so the first steps are held tightly and the rest loosely.
+  # Before the codec's first decision (plain gathers) the byte figures are equal too.
   for a, b in zip(two, one, strict=True):
     same = SAME if a["step"] <= WARMUP else ("step", "lr", "scatter_bytes", "a2a_bytes")
     assert {k: a[k] for k in same} == {k: b[k] for k in same}
     got = [a.get(k, np.nan) for k in COMPARED]
     want = [b.get(k, np.nan) for k in COMPARED]
-    np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"step {a['step']}")
+    rtol = 1e-6 if a["step"] <= TIGHT_STEPS else 1e-3
+    np.testing.assert_allclose(got, want, rtol=rtol, err_msg=f"step {a['step']}")
   assert np.isfinite(two[-1]["val_loss"])
 
   # One decision, after the warm-up, taken alike by both processes; the job compresses.
