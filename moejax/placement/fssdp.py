@@ -23,7 +23,8 @@ scatters back into the slots). Each step and layer:
      ints) and computes the same balanced assignment of tokens to holders
      (`planner.balanced_send`); tokens go local first, then within the node, then across.
      With `calibrate`, the plan is re-made from the actual counts and adopted (with a second,
-     late SparseAllGather) when its modelled straggler is lower by a margin.
+     late SparseAllGather of only the replicas a device does not hold yet, `new_replicas`)
+     when its modelled straggler is lower by a margin.
   3. The exchange is ep's `all_to_all` with a destination and the expert's local group there
      (owned experts 0..C-1 by their rank on the owner, replica slots C..C+M-1).
 On XLA:CPU the static buffers move their capacity (N*M expert slots for SpAG); on GPU/TPU
@@ -377,6 +378,42 @@ def materialize(predicted_load_E, w_gate, w_up, w_down, *, dispatch: Dispatch,
   return Materialized(plan, weights, owners, coding, choice_NxM)
 
 
+def new_replicas(first_NxM, fresh_NxM, num_experts: int):
+  """What a re-plan (`planner.calibrate`) must fetch: (need_NxM, the fresh plan with every
+  replica its device already received from the first plan emptied (E); kept_NxM, those slots;
+  source_NxM, the first plan's slot of the same device holding that expert). The planner orders
+  a device's slots by when it adopted them, so a kept expert may sit in another slot."""
+  same_NxMxM = ((fresh_NxM[:, :, None] == first_NxM[:, None, :])
+                & (fresh_NxM[:, :, None] < num_experts))
+  kept_NxM = jnp.any(same_NxMxM, axis=2)
+  source_NxM = jnp.argmax(same_NxMxM, axis=2).astype(jnp.int32)
+  return jnp.where(kept_NxM, num_experts, fresh_NxM), kept_NxM, source_NxM
+
+
+def late_replicas(owned, first, first_NxM, fresh_NxM, *, dispatch: Dispatch, owners: Owners,
+                  coding: Coding | None = None):
+  """The replicas of an adopted re-plan `fresh_NxM`, given those of the first plan `first_NxM`
+  (`first`: this device's, [M, ...] per matrix; `owned`: its owned experts by rank). Only the
+  replicas a device does not hold yet travel (`new_replicas`, coded like the first gather when
+  `coding` is given); one it already received is copied from its first-plan slot, and its
+  gradient goes home through the first gather's SparseReduceScatter. Returns (replicas, bit for
+  bit those of a full gather of `fresh_NxM`; need_NxM, the slots that travelled; choice_NxM,
+  their patch formats, None without `coding`)."""
+  e = owners.owner_E.shape[0]
+  need_NxM, kept_NxM, source_NxM = new_replicas(first_NxM, fresh_NxM, e)
+  if coding is None:
+    moved = tuple(sparse_all_gather(w, need_NxM, dispatch=dispatch, owners=owners) for w in owned)
+    choice_NxM = None
+  else:
+    moved, choice_NxM = coded_sparse_all_gather(owned, need_NxM, coding, dispatch=dispatch,
+                                                owners=owners, codec=dispatch.replica_codec)
+  me = lax.axis_index(dispatch.axis_names)
+  kept_M, source_M = kept_NxM[me], source_NxM[me]
+  reps = tuple(jnp.where(kept_M.reshape((-1,) + (1,) * (r.ndim - 1)), f[source_M], r)
+               for f, r in zip(first, moved))
+  return reps, need_NxM, choice_NxM
+
+
 def _replica_bytes(plan, choice_NxM, dispatch: Dispatch, num_experts: int, expert_bytes: int,
                    owned: int):
   """(bytes on the ragged path, the same replicas plain) of one SparseAllGather, per device
@@ -454,16 +491,12 @@ def fssdp_experts(x_TxD, experts_TxK, weights_TxK, mat: Materialized, *, dispatc
       overlap_degree=dispatch.overlap_degree, actual_source_load_NxE=source_load_NxE)
 
   def late_gather(weights):
-    owned = tuple(w[:c] for w in weights)
-    if coding is None:
-      reps = tuple(sparse_all_gather(w, fresh.replica_expert_NxM, dispatch=dispatch,
-                                     owners=owners) for w in owned)
-      choice_NxM = None
-    else:
-      reps, choice_NxM = coded_sparse_all_gather(owned, fresh.replica_expert_NxM, coding,
-                                                 dispatch=dispatch, owners=owners,
-                                                 codec=dispatch.replica_codec)
-    late = _replica_bytes(fresh, choice_NxM, dispatch, e, expert_bytes, 0)
+    owned, first = tuple(w[:c] for w in weights), tuple(w[c:] for w in weights)
+    reps, need_NxM, choice_NxM = late_replicas(
+        owned, first, mat.plan.replica_expert_NxM, fresh.replica_expert_NxM, dispatch=dispatch,
+        owners=owners, coding=coding)
+    late = _replica_bytes(fresh._replace(replica_expert_NxM=need_NxM), choice_NxM, dispatch, e,
+                          expert_bytes, 0)
     return run(fresh, tuple(jnp.concatenate([w, r], axis=0) for w, r in zip(owned, reps)),
                late)
 

@@ -280,3 +280,54 @@ def test_replica_bytes_count_every_pass_and_are_per_device():
   np.testing.assert_allclose(none["spag_bytes_needed"], np.array([3.0, 1.0]) / N
                              * placement.expert_bytes)
   assert "replica_bytes" not in none
+
+
+def test_a_re_plan_fetches_only_the_replicas_a_device_lacks():
+  """Calibration's late SparseAllGather (`late_replicas`): of an adopted re-plan, only the
+  replicas a device did not receive with the first plan travel; the kept ones are copied from
+  whichever first-plan slot holds them. Replicas and gradients equal a full gather of the re-plan
+  (fp32 weights and small-integer gradients: every sum is exact, in any grouping)."""
+  mesh = Mesh(np.array(jax.devices()[:N]), ("devices",))
+  dispatch = Dispatch(kind="fssdp", axis_names=("devices",), num_devices=N, devices_per_node=4,
+                      replica_slots=M2)
+  owners = fssdp.even_owners(E2, N)
+  d = np.arange(N)[:, None]
+  # Device d first holds experts 2d+2 and 2d+4 (never its own 2d, 2d+1); the re-plan keeps 2d+4
+  # in the other slot and brings 2d+6 on even devices, keeps 2d+2 in place and empties the other
+  # slot on odd ones (E2: empty).
+  first = (np.concatenate([2 * d + 2, 2 * d + 4], axis=1)) % E2
+  fresh = np.where(d % 2 == 0, np.concatenate([2 * d + 4, 2 * d + 6], axis=1) % E2,
+                   np.concatenate([(2 * d + 2) % E2, np.full_like(d, E2)], axis=1))
+  need, kept, source = jax.tree.map(np.asarray, fssdp.new_replicas(
+      jnp.asarray(first), jnp.asarray(fresh), E2))
+  np.testing.assert_array_equal(kept, (fresh < E2) & (fresh != (2 * d + 6) % E2))
+  np.testing.assert_array_equal(need, np.where(kept, E2, fresh))
+  assert np.sum(need < E2) == N // 2                      # one expert travels, to even devices
+  np.testing.assert_array_equal(np.take_along_axis(first, source, axis=1)[kept], fresh[kept])
+
+  def body(w_1xCxR, g_1xMxR):
+    w, g = w_1xCxR[0], g_1xMxR[0]
+    spag = lambda w, plan: fssdp.sparse_all_gather(w, jnp.asarray(plan), dispatch=dispatch,  # noqa: E731
+                                                   owners=owners)
+
+    def late(w):
+      reps, _, _ = fssdp.late_replicas((w,), (spag(w, first),), jnp.asarray(first),
+                                       jnp.asarray(fresh), dispatch=dispatch, owners=owners)
+      return reps[0]
+
+    def loss(fn, w):
+      return jnp.sum(fn(w) * g)
+
+    full = functools.partial(spag, plan=fresh)
+    return (late(w)[None], full(w)[None], jax.grad(functools.partial(loss, late))(w)[None],
+            jax.grad(functools.partial(loss, full))(w)[None])
+
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("devices"), P("devices")),
+                             out_specs=(P("devices"),) * 4, check_vma=False))
+  rng = np.random.default_rng(2)
+  w = jnp.asarray(rng.standard_normal((N, 2, R)), jnp.float32)       # 2 experts per device
+  g = jnp.asarray(rng.integers(-3, 4, (N, M2, R)), jnp.float32)
+  reps, want, grads, want_grads = fn(w, g)
+  np.testing.assert_array_equal(reps, want)
+  np.testing.assert_array_equal(grads, want_grads)
+  assert np.any(np.asarray(grads) != 0)
