@@ -480,29 +480,26 @@ def fssdp_experts(x_TxD, experts_TxK, weights_TxK, mat: Materialized, *, dispatc
   zero = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
   if not dispatch.calibrate:
     return finish(run(mat.plan, mat.weights, zero))
-  # Re-plan with the actual loads; adopted (with a late SparseAllGather) only when it pays.
-  # Every device computes the same decision from the same gathered counts. The late gather sits
-  # in the branch with the exchange and expert compute, so it can overlap them (a collective
-  # alone in a branch starts and finishes there). It is coded against the same state as the
-  # first: both replace last step's replicas.
-  fresh, adopted = planner.calibrate(
+  # Re-plan with the actual loads; adopted only when it pays. Every device computes the same
+  # decision from the same gathered counts. Not adopted, `fresh` is the first plan (its loads
+  # updated to the actual ones), so every replica is kept and the late SparseAllGather moves
+  # nothing on the ragged path. It runs unconditionally, in the same computation as the
+  # exchange and expert compute it can overlap: no conditional around a collective, whose
+  # differentiation would also carry both branches' residuals (on XLA:CPU the conditional cost
+  # the tiny fssdp step 15 ms of 123). It is coded against the same state as the first gather:
+  # both replace last step's replicas.
+  fresh, _ = planner.calibrate(
       mat.plan, jnp.sum(source_load_NxE, axis=0), owners.owner_E, num_devices=n,
       devices_per_node=dpn, replica_slots=dispatch.replica_slots,
       overlap_degree=dispatch.overlap_degree, actual_source_load_NxE=source_load_NxE)
-
-  def late_gather(weights):
-    owned, first = tuple(w[:c] for w in weights), tuple(w[c:] for w in weights)
-    reps, need_NxM, choice_NxM = late_replicas(
-        owned, first, mat.plan.replica_expert_NxM, fresh.replica_expert_NxM, dispatch=dispatch,
-        owners=owners, coding=coding)
-    late = _replica_bytes(fresh._replace(replica_expert_NxM=need_NxM), choice_NxM, dispatch, e,
-                          expert_bytes, 0)
-    return run(fresh, tuple(jnp.concatenate([w, r], axis=0) for w, r in zip(owned, reps)),
-               late)
-
-  # Not adopted, `fresh` is the current plan (its loads updated to the actual ones).
-  return finish(lax.cond(adopted, late_gather, lambda weights: run(fresh, weights, zero),
-                         mat.weights))
+  owned, first = tuple(w[:c] for w in mat.weights), tuple(w[c:] for w in mat.weights)
+  reps, need_NxM, choice_NxM = late_replicas(
+      owned, first, mat.plan.replica_expert_NxM, fresh.replica_expert_NxM, dispatch=dispatch,
+      owners=owners, coding=coding)
+  late = _replica_bytes(fresh._replace(replica_expert_NxM=need_NxM), choice_NxM, dispatch, e,
+                        expert_bytes, 0)
+  return finish(run(fresh, tuple(jnp.concatenate([w, r], axis=0) for w, r in zip(owned, reps)),
+                    late))
 
 
 def ep_stats(experts_TxK, received, needed, dispatch: Dispatch, d_model: int, num_local: int,

@@ -177,8 +177,8 @@ def memory_report(cfg: Config, num_devices: int, *,
                                               + n * cfg.fssdp.replica_slots * 4 + 1)
       exchange += (2 * owned + n * cfg.fssdp.replica_slots) * 3 * d * f * c
   if moe.placement == "fssdp" and cfg.fssdp.calibrate:
-    # Calibration's late SparseAllGather holds a second set of M replicas (and its SpRS) beside
-    # the planned one: the two branches of its conditional are live together.
+    # Calibration's late SparseAllGather (every step; it moves only a re-plan's new replicas)
+    # holds a second set of M replicas (and its SpRS) beside the planned one.
     gathered += fssdp_replicas * c
     exchange += n * cfg.fssdp.replica_slots * 3 * d * f * 4
   codec_state = _codec_state_bytes(cfg, meta, layouts, n)

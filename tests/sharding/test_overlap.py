@@ -5,8 +5,8 @@ run it under compute outside. Read from the compiled 8-device train step (codec 
 - fsdp (the suite's shared compiled step): the prefetching layer scan issues the next layer's
   gather unconditionally, in forward and in backward; no conditional holds a collective.
 - fssdp with calibration (tests/placement/test_fssdp_train.py, on its compiled step): the late
-  SparseAllGather's form is chosen at run time, so it sits in its branch together with the
-  exchange and the expert matmuls it overlaps.
+  SparseAllGather runs every step (moving only the replicas a re-plan adds), beside the
+  exchange and the expert matmuls; no conditional holds a collective.
 The checker is shown to flag a collective alone in a branch.
 """
 import jax
