@@ -392,26 +392,56 @@ def new_replicas(first_NxM, fresh_NxM, num_experts: int):
 
 def late_replicas(owned, first, first_NxM, fresh_NxM, *, dispatch: Dispatch, owners: Owners,
                   coding: Coding | None = None):
-  """The replicas of an adopted re-plan `fresh_NxM`, given those of the first plan `first_NxM`
-  (`first`: this device's, [M, ...] per matrix; `owned`: its owned experts by rank). Only the
-  replicas a device does not hold yet travel (`new_replicas`, coded like the first gather when
-  `coding` is given); one it already received is copied from its first-plan slot, and its
-  gradient goes home through the first gather's SparseReduceScatter. Returns (replicas, bit for
-  bit those of a full gather of `fresh_NxM`; need_NxM, the slots that travelled; choice_NxM,
-  their patch formats, None without `coding`)."""
-  e = owners.owner_E.shape[0]
+  """The replicas of a re-plan `fresh_NxM`, given those of the first plan `first_NxM` (`first`:
+  this device's, [M, ...] per matrix; `owned`: its owned experts by rank). Only the replicas a
+  device does not hold yet travel (`new_replicas`, coded like the first gather when `coding` is
+  given); one it already received is copied from its first-plan slot. Every replica's gradient
+  goes home by one SparseReduceScatter of the re-plan (`_home_gradients`), so each expert's
+  replica gradients are summed in fp32 and rounded once, as a full gather of the re-plan would
+  have them. Returns (replicas, bit for bit those of a full gather of `fresh_NxM`; need_NxM, the
+  slots that travelled; choice_NxM, their patch formats, None without `coding`)."""
+  n, e = dispatch.num_devices, owners.owner_E.shape[0]
   need_NxM, kept_NxM, source_NxM = new_replicas(first_NxM, fresh_NxM, e)
+  values = tuple(lax.stop_gradient(w) for w in owned)   # the gradients take `_home_gradients`
   if coding is None:
-    moved = tuple(sparse_all_gather(w, need_NxM, dispatch=dispatch, owners=owners) for w in owned)
+    moved = tuple(sparse_all_gather(w, need_NxM, dispatch=dispatch, owners=owners)
+                  for w in values)
     choice_NxM = None
   else:
-    moved, choice_NxM = coded_sparse_all_gather(owned, need_NxM, coding, dispatch=dispatch,
+    moved, choice_NxM = coded_sparse_all_gather(values, need_NxM, coding, dispatch=dispatch,
                                                 owners=owners, codec=dispatch.replica_codec)
   me = lax.axis_index(dispatch.axis_names)
   kept_M, source_M = kept_NxM[me], source_NxM[me]
-  reps = tuple(jnp.where(kept_M.reshape((-1,) + (1,) * (r.ndim - 1)), f[source_M], r)
-               for f, r in zip(first, moved))
+  holder_NxM, rank_NxM = _slot_sources(fresh_NxM, owners, n)
+  reps = tuple(
+      _home_gradients(jnp.where(kept_M.reshape((-1,) + (1,) * (r.ndim - 1)),
+                                lax.stop_gradient(f)[source_M], r),
+                      w, holder_NxM, rank_NxM, dispatch.axis_names)
+      for w, f, r in zip(owned, first, moved))
   return reps, need_NxM, choice_NxM
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _home_gradients(reps_MxR, local_w_CxR, holder_NxM, rank_NxM, axis_names):
+  """`reps_MxR` as they are, their gradients sent home to the owners of `local_w_CxR` by the
+  SparseReduceScatter of the slots' (holder, rank): the backward of a SparseAllGather whose
+  forward was assembled otherwise."""
+  del local_w_CxR, holder_NxM, rank_NxM, axis_names
+  return reps_MxR
+
+
+def _home_gradients_fwd(reps_MxR, local_w_CxR, holder_NxM, rank_NxM, axis_names):
+  del axis_names
+  like_Cx0 = jnp.zeros((local_w_CxR.shape[0], 0), local_w_CxR.dtype)
+  return reps_MxR, (holder_NxM, rank_NxM, like_Cx0)
+
+
+def _home_gradients_bwd(axis_names, res, g_MxR):
+  d_CxR, _, _ = _sparse_reduce_scatter(axis_names, res, g_MxR)
+  return jnp.zeros_like(g_MxR), d_CxR, None, None
+
+
+_home_gradients.defvjp(_home_gradients_fwd, _home_gradients_bwd)
 
 
 def _replica_bytes(plan, choice_NxM, dispatch: Dispatch, num_experts: int, expert_bytes: int,

@@ -286,23 +286,22 @@ def test_a_re_plan_fetches_only_the_replicas_a_device_lacks():
   """Calibration's late SparseAllGather (`late_replicas`): of an adopted re-plan, only the
   replicas a device did not receive with the first plan travel; the kept ones are copied from
   whichever first-plan slot holds them. Replicas and gradients equal a full gather of the re-plan
-  (fp32 weights and small-integer gradients: every sum is exact, in any grouping)."""
+  bit for bit (bf16: each expert's replica gradients, kept and moved alike, summed in fp32 and
+  rounded once), and the first gather's SparseReduceScatter returns nothing."""
   mesh = Mesh(np.array(jax.devices()[:N]), ("devices",))
   dispatch = Dispatch(kind="fssdp", axis_names=("devices",), num_devices=N, devices_per_node=4,
                       replica_slots=M2)
   owners = fssdp.even_owners(E2, N)
-  d = np.arange(N)[:, None]
-  # Device d first holds experts 2d+2 and 2d+4 (never its own 2d, 2d+1); the re-plan keeps 2d+4
-  # in the other slot and brings 2d+6 on even devices, keeps 2d+2 in place and empties the other
-  # slot on odd ones (E2: empty).
-  first = (np.concatenate([2 * d + 2, 2 * d + 4], axis=1)) % E2
-  fresh = np.where(d % 2 == 0, np.concatenate([2 * d + 4, 2 * d + 6], axis=1) % E2,
-                   np.concatenate([(2 * d + 2) % E2, np.full_like(d, E2)], axis=1))
+  # Device d owns experts 2d and 2d + 1; E2 marks an empty slot. Expert 0 is kept on devices 1,
+  # 2 (in another slot) and 5, and new on 3, 4 and 6: its gradient sums kept and moved replicas.
+  first = np.array([[2, 4], [0, 4], [0, 6], [2, 8], [10, 12], [0, 14], [E2, E2], [3, 5]])
+  fresh = np.array([[4, 2], [0, 5], [9, 0], [0, E2], [0, 12], [E2, 0], [0, 3], [5, E2]])
   need, kept, source = jax.tree.map(np.asarray, fssdp.new_replicas(
       jnp.asarray(first), jnp.asarray(fresh), E2))
-  np.testing.assert_array_equal(kept, (fresh < E2) & (fresh != (2 * d + 6) % E2))
+  held = np.array([[x in row for x in new_row] for row, new_row in zip(first, fresh)])
+  np.testing.assert_array_equal(kept, held & (fresh < E2))
   np.testing.assert_array_equal(need, np.where(kept, E2, fresh))
-  assert np.sum(need < E2) == N // 2                      # one expert travels, to even devices
+  assert np.sum(need < E2) == 6 and np.sum(kept) == 7
   np.testing.assert_array_equal(np.take_along_axis(first, source, axis=1)[kept], fresh[kept])
 
   def body(w_1xCxR, g_1xMxR):
@@ -310,24 +309,29 @@ def test_a_re_plan_fetches_only_the_replicas_a_device_lacks():
     spag = lambda w, plan: fssdp.sparse_all_gather(w, jnp.asarray(plan), dispatch=dispatch,  # noqa: E731
                                                    owners=owners)
 
-    def late(w):
-      reps, _, _ = fssdp.late_replicas((w,), (spag(w, first),), jnp.asarray(first),
+    def late(w, first_w):
+      reps, _, _ = fssdp.late_replicas((w,), (spag(first_w, first),), jnp.asarray(first),
                                        jnp.asarray(fresh), dispatch=dispatch, owners=owners)
       return reps[0]
 
-    def loss(fn, w):
-      return jnp.sum(fn(w) * g)
+    def loss(w, first_w):
+      return jnp.sum((late(w, first_w) * g).astype(jnp.float32))
 
-    full = functools.partial(spag, plan=fresh)
-    return (late(w)[None], full(w)[None], jax.grad(functools.partial(loss, late))(w)[None],
-            jax.grad(functools.partial(loss, full))(w)[None])
+    def full_loss(w):
+      return jnp.sum((spag(w, fresh) * g).astype(jnp.float32))
+
+    grads, first_grads = jax.grad(loss, argnums=(0, 1))(w, w)
+    return (late(w, w)[None], spag(w, fresh)[None], grads[None],
+            jax.grad(full_loss)(w)[None], first_grads[None])
 
   fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("devices"), P("devices")),
-                             out_specs=(P("devices"),) * 4, check_vma=False))
+                             out_specs=(P("devices"),) * 5, check_vma=False))
   rng = np.random.default_rng(2)
-  w = jnp.asarray(rng.standard_normal((N, 2, R)), jnp.float32)       # 2 experts per device
-  g = jnp.asarray(rng.integers(-3, 4, (N, M2, R)), jnp.float32)
-  reps, want, grads, want_grads = fn(w, g)
-  np.testing.assert_array_equal(reps, want)
-  np.testing.assert_array_equal(grads, want_grads)
-  assert np.any(np.asarray(grads) != 0)
+  w = jnp.asarray(rng.standard_normal((N, 2, R)), jnp.bfloat16)      # 2 experts per device
+  g = jnp.asarray(rng.standard_normal((N, M2, R)), jnp.bfloat16)
+  reps, want, grads, want_grads, first_grads = fn(w, g)
+  bits = lambda x: np.asarray(x).view(np.uint16)   # noqa: E731
+  np.testing.assert_array_equal(bits(reps), bits(want))
+  np.testing.assert_array_equal(bits(grads), bits(want_grads))
+  assert np.any(np.asarray(grads, np.float32) != 0)
+  np.testing.assert_array_equal(np.asarray(first_grads, np.float32), 0)
