@@ -443,6 +443,8 @@ def composed(steps: int = 60, warmup: int = 10) -> dict:
                                if spag_plain else float("nan")),
       "gather_ratio_last10": (sum(r["gather_bytes"] for r in last)
                               / sum(r["gather_bytes_plain"] for r in last)),
+      "replica_bytes_last10": sum(r["spag_bytes"] for r in last) / len(last),
+      "replica_bytes_off_last10": sum(r["spag_bytes"] for r in off[-10:]) / len(off[-10:]),
       "replica_ratio_off_last10": (sum(r["spag_bytes"] for r in off[-10:])
                                    / max(sum(r["spag_bytes_plain"] for r in off[-10:]), 1.0)),
       "seconds_off": runs["off"]["seconds"], "seconds_auto": runs["auto"]["seconds"]}
@@ -457,7 +459,9 @@ def print_composed(c: dict):
         f"over plain in a step: {c['max_gather_excess_bytes']:.0f} B (the agreements)")
   print(f"  replicas (SparseAllGather), last 10 steps: {c['replica_ratio_last10']:.3f} of plain "
         f"(codec off: {c['replica_ratio_off_last10']:.3f}); most over plain in a step: "
-        f"{c['max_replica_excess_bytes']:.0f} B (the agreement)")
+        f"{c['max_replica_excess_bytes']:.0f} B (the agreement); per step "
+        f"{c['replica_bytes_last10']:.0f} B ({c['replica_bytes_off_last10']:.0f} B with the "
+        f"codec off)")
   print(f"  wall: {c['seconds_off']:.1f} s off, {c['seconds_auto']:.1f} s auto")
 
 
