@@ -163,10 +163,15 @@ def _sparse_all_gather(local_w_CxR, holder_NxM, rank_NxM, axis_names):
   return lax.platform_dependent(local_w_CxR, holder_NxM, rank_NxM, cpu=static, default=ragged)
 
 
+def _reduce_scatter_residuals(local_w_CxR, holder_NxM, rank_NxM):
+  """What SparseReduceScatter needs of the forward: the slots' sources and an empty array with
+  the owned experts' rows and dtype."""
+  return holder_NxM, rank_NxM, jnp.zeros((local_w_CxR.shape[0], 0), local_w_CxR.dtype)
+
+
 def _sparse_all_gather_fwd(local_w_CxR, holder_NxM, rank_NxM, axis_names):
-  like_Cx0 = jnp.zeros((local_w_CxR.shape[0], 0), local_w_CxR.dtype)   # its rows and dtype
   return (_sparse_all_gather(local_w_CxR, holder_NxM, rank_NxM, axis_names),
-          (holder_NxM, rank_NxM, like_Cx0))
+          _reduce_scatter_residuals(local_w_CxR, holder_NxM, rank_NxM))
 
 
 def _sparse_reduce_scatter(axis_names, res, g_MxR):
@@ -432,8 +437,7 @@ def _home_gradients(reps_MxR, local_w_CxR, holder_NxM, rank_NxM, axis_names):
 
 def _home_gradients_fwd(reps_MxR, local_w_CxR, holder_NxM, rank_NxM, axis_names):
   del axis_names
-  like_Cx0 = jnp.zeros((local_w_CxR.shape[0], 0), local_w_CxR.dtype)
-  return reps_MxR, (holder_NxM, rank_NxM, like_Cx0)
+  return reps_MxR, _reduce_scatter_residuals(local_w_CxR, holder_NxM, rank_NxM)
 
 
 def _home_gradients_bwd(axis_names, res, g_MxR):
