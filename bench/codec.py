@@ -427,6 +427,7 @@ def composed(steps: int = 60, warmup: int = 10) -> dict:
     for _, _, metrics in controlled_steps(trainer, policy, trainer.init_state(), data, steps):
       rows.append({k: float(np.sum(metrics[k])) for k in (
           "loss", "gather_bytes", "gather_bytes_plain", "spag_bytes", "spag_bytes_plain")})
+      rows[-1]["straggler"] = float(np.mean(metrics["straggler"]))   # mean over layers
     data.train.close()
     runs[name] = {"rows": rows, "seconds": time.perf_counter() - t0,
                   "replica_codec": trainer.layout.placement.replica_codec is not None}
@@ -447,6 +448,9 @@ def composed(steps: int = 60, warmup: int = 10) -> dict:
       "replica_bytes_off_last10": sum(r["spag_bytes"] for r in off[-10:]) / len(off[-10:]),
       "replica_ratio_off_last10": (sum(r["spag_bytes"] for r in off[-10:])
                                    / max(sum(r["spag_bytes_plain"] for r in off[-10:]), 1.0)),
+      # the balance the replicas buy: the busiest device's expert rows over the mean
+      "straggler_last10": sum(r["straggler"] for r in last) / len(last),
+      "straggler_off_last10": sum(r["straggler"] for r in off[-10:]) / 10,
       "seconds_off": runs["off"]["seconds"], "seconds_auto": runs["auto"]["seconds"]}
 
 
@@ -462,6 +466,8 @@ def print_composed(c: dict):
         f"{c['max_replica_excess_bytes']:.0f} B (the agreement); per step "
         f"{c['replica_bytes_last10']:.0f} B ({c['replica_bytes_off_last10']:.0f} B with the "
         f"codec off)")
+  print(f"  straggler (busiest device's expert rows / mean), last 10 steps: "
+        f"{c['straggler_last10']:.3f} ({c['straggler_off_last10']:.3f} with the codec off)")
   print(f"  wall: {c['seconds_off']:.1f} s off, {c['seconds_auto']:.1f} s auto")
 
 

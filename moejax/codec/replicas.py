@@ -6,10 +6,11 @@ and one optimizer step moves most of its values by a few units in the last place
 receiver's copy from last step plus a delta patch (`moejax.codec.word`, delta mode) rebuilds this
 step's expert exactly, for about a quarter of its bytes.
 
-The state of one layer on one device (`init_state`; rebuilt, never checkpointed):
+The state of one layer on one device (`init_state`; rebuilt, never checkpointed, but `held`):
   held   int32 [N, M]  the expert each slot of every device held after last step (E for an
                        empty slot, -1 before the first step); the same on every device, as the
-                       plan it comes from
+                       plan it comes from. Every fssdp run keeps it, coded or not: the planner
+                       prefers these devices for the same experts (`init_held`)
   cache  uint  [M, R]  this device's replicas after last step, as bit patterns
   prev   uint  [C, R]  this device's owned experts of last step (by rank), as bit patterns
   valid  bool          False until a step filled them, and after re-sharding (owners moved)
@@ -96,10 +97,15 @@ class ReplicaCodec:
     return 4 * bits.packed_words(owned, _CHOICE_BITS)
 
 
+def init_held(num_devices: int, slots: int) -> jax.Array:
+  """`held` before the first step (every fssdp run keeps it: the planner reads it too)."""
+  return jnp.full((num_devices, slots), -1, jnp.int32)
+
+
 def init_state(num_devices: int, slots: int, owned: int, codec: ReplicaCodec) -> dict:
   """One layer's state on one device, before the first step (see the module docstring)."""
   uint = codec.layout.uint_dtype
-  return {"held": jnp.full((num_devices, slots), -1, jnp.int32),
+  return {"held": init_held(num_devices, slots),
           "cache": jnp.zeros((slots, codec.values), uint),
           "prev": jnp.zeros((owned, codec.values), uint),
           "valid": jnp.zeros((), bool)}

@@ -9,8 +9,9 @@ owner table of `moejax.placement.reshard`, heterogeneous across layers). Without
 e is owned by device e // El, like `ep`. `owned_windows` turns a device's S stored slots into
 [L, C] per-layer windows of its owned experts (a local gather, no communication; its gradient
 scatters back into the slots). Each step and layer:
-  1. `materialize`: plan replicas from the *predicted* loads (`planner.materialize_plan`)
-     and fetch them with SparseAllGather, before the layer's attention, so the transfer can hide
+  1. `materialize`: plan replicas from the *predicted* loads (`planner.materialize_plan`,
+     preferring, within 2% of the best straggler, the devices that held the same expert last
+     step: the replica state's `held`, which every fssdp run keeps) and fetch them with SparseAllGather, before the layer's attention, so the transfer can hide
      behind it. SparseAllGather is one `psum_scatter` of an [N, M, ...] buffer in which each
      owner fills the slots that hold its experts: device d receives its M replica slots. Its
      transpose (the backward) is an `all_gather` of the replicas' gradients in fp32, of which each
@@ -24,7 +25,8 @@ scatters back into the slots). Each step and layer:
      (`planner.balanced_send`); tokens go local first, then within the node, then across.
      With `calibrate`, the plan is re-made from the actual counts and adopted (with a second,
      late SparseAllGather of only the replicas a device does not hold yet, `new_replicas`)
-     when its modelled straggler is lower by a margin.
+     when its modelled straggler is lower by a margin. The re-plan prefers the first plan's
+     holders the same way: a replica it keeps moves nothing.
   3. The exchange is ep's `all_to_all` with a destination and the expert's local group there
      (owned experts 0..C-1 by their rank on the owner, replica slots C..C+M-1).
 On XLA:CPU the static buffers move their capacity (N*M expert slots for SpAG); on GPU/TPU
@@ -360,18 +362,21 @@ class Materialized(NamedTuple):
 def materialize(predicted_load_E, w_gate, w_up, w_down, *, dispatch: Dispatch,
                 owners: Owners | None = None, replica_state: dict | None = None) -> Materialized:
   """This step's plan and weights. w_* hold this device's experts of the layer by rank
-  (`owners`; default: even, C = El). With `dispatch.replica_codec` and the layer's
-  `replica_state`, slots that kept their expert receive patches."""
+  (`owners`; default: even, C = El). The plan prefers the devices that held an expert last step
+  (`replica_state["held"]`); with `dispatch.replica_codec` those slots receive patches."""
   n = dispatch.num_devices
   if owners is None:
     owners = even_owners(w_gate.shape[0] * n, n)
+  codec = dispatch.replica_codec
+  coded = codec is not None and replica_state is not None
+  held_ExN = None if replica_state is None else held_by_device(replica_state["held"],
+                                                               owners.owner_E.shape[0])
   plan = planner.materialize_plan(
       predicted_load_E, owners.owner_E, num_devices=n,
       devices_per_node=dispatch.devices_per_node, replica_slots=dispatch.replica_slots,
-      overlap_degree=dispatch.overlap_degree)
+      overlap_degree=dispatch.overlap_degree, prefer_ExN=held_ExN)
   ws = (w_gate, w_up, w_down)
-  codec = dispatch.replica_codec
-  if codec is None or replica_state is None:
+  if not coded:
     weights = tuple(jnp.concatenate([w, sparse_all_gather(w, plan.replica_expert_NxM,
                                                           dispatch=dispatch, owners=owners)],
                                     axis=0) for w in ws)
@@ -381,6 +386,15 @@ def materialize(predicted_load_E, w_gate, w_up, w_down, *, dispatch: Dispatch,
                                              dispatch=dispatch, owners=owners, codec=codec)
   weights = tuple(jnp.concatenate([w, r], axis=0) for w, r in zip(ws, reps))
   return Materialized(plan, weights, owners, coding, choice_NxM)
+
+
+def held_by_device(held_NxM, num_experts: int) -> jax.Array:
+  """[E, N] bool: device n held a replica of expert e after last step (`held_NxM`, the replica
+  state's: E or -1 for none)."""
+  n, m = held_NxM.shape
+  e_NxM = jnp.where(held_NxM >= 0, held_NxM, num_experts)
+  out = jnp.zeros((num_experts + 1, n), jnp.bool_)
+  return out.at[e_NxM, jnp.broadcast_to(jnp.arange(n)[:, None], (n, m))].set(True)[:num_experts]
 
 
 def new_replicas(first_NxM, fresh_NxM, num_experts: int):
@@ -507,7 +521,7 @@ def fssdp_experts(x_TxD, experts_TxK, weights_TxK, mat: Materialized, *, dispatc
   def finish(out):
     y_TxD, dropped, stats, (held_NxM, cache_MxR) = out
     if coding is None:
-      return y_TxD, dropped, stats, None
+      return y_TxD, dropped, stats, {"held": held_NxM}
     return y_TxD, dropped, stats, {"held": held_NxM, "cache": cache_MxR,
                                    "prev": coding.bits_CxR, "valid": jnp.ones((), bool)}
 
@@ -525,7 +539,9 @@ def fssdp_experts(x_TxD, experts_TxK, weights_TxK, mat: Materialized, *, dispatc
   fresh, _ = planner.calibrate(
       mat.plan, jnp.sum(source_load_NxE, axis=0), owners.owner_E, num_devices=n,
       devices_per_node=dpn, replica_slots=dispatch.replica_slots,
-      overlap_degree=dispatch.overlap_degree, actual_source_load_NxE=source_load_NxE)
+      overlap_degree=dispatch.overlap_degree, actual_source_load_NxE=source_load_NxE,
+      # a replica the first plan placed moves nothing
+      prefer_ExN=mat.plan.holders_ExN)
   owned, first = tuple(w[:c] for w in mat.weights), tuple(w[c:] for w in mat.weights)
   reps, need_NxM, choice_NxM = late_replicas(
       owned, first, mat.plan.replica_expert_NxM, fresh.replica_expert_NxM, dispatch=dispatch,

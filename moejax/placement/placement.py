@@ -40,11 +40,12 @@ from moejax.sharding.prefetch import recomputes
 @struct.dataclass
 class FssdpState:
   """fssdp's state across steps: the load predictor's recent loads and the owner of each expert
-  (int32 [L, E], says where it is stored; changed only by re-sharding), both checkpointed; with
-  the replica codec, what each layer's replica slots held last step (`replicas`: the layers'
-  `moejax.codec.replicas` states stacked, each device's behind a leading device axis, like the
-  gather state; rebuilt, not checkpointed: a resumed run's first step sends its replicas
-  plain)."""
+  (int32 [L, E], says where it is stored; changed only by re-sharding), both checkpointed; and
+  `replicas`, the layers' `moejax.codec.replicas` states stacked, each device's behind a leading
+  device axis, like the gather state: "held", what every device's replica slots held last step
+  (the planner prefers those devices for the same experts; checkpointed, so a resumed run plans
+  as the uninterrupted one), and with the replica codec the caches the patches apply to
+  (rebuilt, not checkpointed: a resumed run's first step sends its replicas plain)."""
   history: planner.LoadHistory
   owner_LxE: jax.Array
   replicas: dict | None = None
@@ -130,11 +131,11 @@ class Placement:
     """The state a run starts from: an empty history and the even owners (host arrays)."""
     if self.kind != "fssdp":
       return None
-    replicas = None
+    n, layers = self.num_devices, self.num_layers
+    one = {"held": replicas_lib.init_held(n, self.replica_slots)}
     if self.replica_codec is not None:
-      n, layers = self.num_devices, self.num_layers
       one = replicas_lib.init_state(n, self.replica_slots, self.max_per_layer, self.replica_codec)
-      replicas = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, layers) + x.shape), one)
+    replicas = jax.tree.map(lambda x: jnp.broadcast_to(x, (n, layers) + x.shape), one)
     return FssdpState(
         planner.init_history(window=self.window, num_layers=self.num_layers,
                              num_experts=self.num_experts),
@@ -230,7 +231,7 @@ class Placement:
                                      donate=True)
     owner = jax.device_put(resharding.owner_LxE, pstate.owner_LxE.sharding)
     pstate = pstate.replace(owner_LxE=owner)
-    if pstate.replicas is not None:   # owned windows now hold other experts
+    if self.replica_codec is not None:   # owned windows now hold other experts
       pstate = pstate.replace(replicas=replicas_lib.invalidate(pstate.replicas))
     return params, opt_state, pstate, resharding
 
@@ -265,7 +266,8 @@ def _permute_fn(shardings_leaves, treedef, expert_paths, donate: bool):
 @dataclasses.dataclass(frozen=True)
 class FssdpCheckpoint:
   """fssdp's checkpoint item "fssdp": {"load_history": {"loads_WxLxE", "count"},
-  "expert_owner"}. Checkpoints hold experts in canonical order (expert (l, e) at [l, e]), the
+  "expert_owner", "replica_plan" (int32 [L, N, M]: what each device's replica slots held after
+  the step, which the next step's plan prefers)}. Checkpoints hold experts in canonical order (expert (l, e) at [l, e]), the
   order `load_params` and every placement read; a restore moves them to the saved owners."""
   placement: Placement
   state_shardings: FssdpState      # NamedShardings like the state
@@ -278,6 +280,10 @@ class FssdpCheckpoint:
     item = {"load_history": {"loads_WxLxE": pstate.history.loads_WxLxE,
                              "count": pstate.history.count},
             "expert_owner": pstate.owner_LxE}
+    # The same on every device: this process's first copy, saved replicated.
+    held = np.asarray(pstate.replicas["held"].addressable_shards[0].data)[0]
+    item["replica_plan"] = jax.make_array_from_callback(
+        held.shape, self.state_shardings.owner_LxE, lambda index: held[index])
     perm = reshard.to_canonical(np.asarray(pstate.owner_LxE), self.placement.num_devices)
     if not reshard.is_identity(perm):
       params, opt_state = self.placement.permute((state.params, state.opt_state), perm,
@@ -287,8 +293,9 @@ class FssdpCheckpoint:
 
   def target(self, saved_keys):
     """What the item restores into (ShapeDtypeStructs on the run's shardings); `saved_keys`
-    lists the saved leaves, so an item saved before the owners were kept restores without
-    them."""
+    maps the saved leaves to their (shape, dtype), so an item saved before the owners or the
+    replica plan were kept restores without them, and a replica plan for another mesh restores
+    as saved (then `restore` drops it)."""
     shapes = jax.eval_shape(self.placement.init_state)
     history, owner = jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
@@ -298,6 +305,10 @@ class FssdpCheckpoint:
               "expert_owner": owner}
     if not any(k.startswith("expert_owner") for k in saved_keys):
       del target["expert_owner"]
+    if "replica_plan" in saved_keys:
+      shape, dtype = saved_keys["replica_plan"]
+      target["replica_plan"] = jax.ShapeDtypeStruct(shape, dtype,
+                                                    sharding=self.state_shardings.owner_LxE)
     return target
 
   def restore(self, state, item, where: str, log):
@@ -310,7 +321,9 @@ class FssdpCheckpoint:
       return state
     history = item["load_history"]
     pstate = state.placement.replace(
-        history=planner.LoadHistory(history["loads_WxLxE"], history["count"]))
+        history=planner.LoadHistory(history["loads_WxLxE"], history["count"]),
+        replicas=self._replica_plan(state.placement.replicas, item.get("replica_plan"), where,
+                                    log))
     state = state.replace(placement=pstate)
     if "expert_owner" not in item:
       return state
@@ -328,3 +341,16 @@ class FssdpCheckpoint:
       state = state.replace(params=params, opt_state=opt_state)
     owner = jax.device_put(owner, self.state_shardings.owner_LxE)
     return state.replace(placement=pstate.replace(owner_LxE=owner))
+
+  def _replica_plan(self, replicas: dict, saved, where: str, log) -> dict:
+    """`replicas` with the saved plan as every device's `held`; unchanged, with a log line, when
+    the checkpoint has none or one for another mesh (the next step plans afresh)."""
+    want = replicas["held"].shape[1:]
+    if saved is None or tuple(saved.shape) != want:
+      log(f"moejax: {where} holds no replica plan for {want[1]} devices x {want[2]} slots "
+          "(an older version or another mesh wrote it): the next step plans its replicas "
+          "without last step's, so this resume is not bit-exact")
+      return replicas
+    held = np.broadcast_to(np.asarray(saved)[None], replicas["held"].shape)
+    return {**replicas, "held": jax.make_array_from_callback(
+        held.shape, self.state_shardings.replicas["held"], lambda index: held[index])}

@@ -34,6 +34,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+PREFER_WITHIN = 0.02
+"""`materialize_plan`: how much worse (x the mean device load) a device that already holds, or
+held last step, an expert's replica may make the modelled straggler and still get the new one."""
+
 # ----------------------------------------------------------------------------- load predictor
 
 
@@ -147,7 +151,8 @@ def owner_holders(owner_E, num_devices: int) -> jax.Array:
 
 def materialize_plan(load_E, owner_E, *, num_devices: int, devices_per_node: int,
                      replica_slots: int, overlap_degree: int, target_straggler: float = 1.05,
-                     lookahead: int | None = None, source_load_NxE=None) -> Plan:
+                     lookahead: int | None = None, source_load_NxE=None, prefer_ExN=None,
+                     prefer_within: float = PREFER_WITHIN) -> Plan:
   """Chooses this step's expert replicas for one layer (greedy, static shapes).
 
   load_E: predicted load per expert (any non-negative scale); owner_E: int32 owning device;
@@ -166,6 +171,10 @@ def materialize_plan(load_E, owner_E, *, num_devices: int, devices_per_node: int
   first replica on a node takes the whole node's share and can overload its host, while a few
   together relieve everyone.
 
+  prefer_ExN (optional bool [E, N]): devices that already hold, or held last step, a replica of
+  e (a replica there moves nothing, or only a patch). A new replica goes to such a device when
+  its modelled straggler is within `prefer_within` x the mean device load of the best choice.
+
   So the hottest experts get replicas first, each gets a number roughly proportional to its load,
   spread over nodes that lack a holder first, then onto the least-loaded devices with free slots.
   It stops when the modelled straggler is at most `target_straggler`, when nothing improves it,
@@ -182,11 +191,14 @@ def materialize_plan(load_E, owner_E, *, num_devices: int, devices_per_node: int
   else:
     src_ExN = jnp.maximum(jnp.asarray(source_load_NxE, jnp.float32), 0.0).T
   lookahead = dpn + 1 if lookahead is None else lookahead
+  prefer_ExN = (jnp.zeros(src_ExN.shape, jnp.bool_) if prefer_ExN is None
+                else jnp.asarray(prefer_ExN, jnp.bool_))
   return _plan(src_ExN, jnp.asarray(owner_E, jnp.int32), n, dpn, replica_slots, overlap_degree,
-               target_straggler, lookahead)
+               target_straggler, lookahead, prefer_ExN, prefer_within)
 
 
-def _plan(src_ExN, owner_E, n, dpn, m, overlap_degree, target_straggler, lookahead) -> Plan:
+def _plan(src_ExN, owner_E, n, dpn, m, overlap_degree, target_straggler, lookahead, prefer_ExN,
+          prefer_within) -> Plan:
   e = src_ExN.shape[0]
   g = n // dpn
   load_E = jnp.sum(src_ExN, axis=1)
@@ -201,7 +213,7 @@ def _plan(src_ExN, owner_E, n, dpn, m, overlap_degree, target_straggler, lookahe
   def contributions(holders_ExN):
     return expert_device_load(None, holders_ExN, devices_per_node=dpn, source_load_ExN=src_ExN)
 
-  def grow(src_N, held_N, base_N, allowed_N):
+  def grow(src_N, held_N, base_N, allowed_N, prefer_N):
     """A chain of up to J new replicas of one expert; (held_JxN, max_J, sos_J) after each."""
     node_tiebreak_N = base_N / jnp.maximum(2.0 * jnp.max(base_N), 1e-30)
 
@@ -217,6 +229,9 @@ def _plan(src_ExN, owner_E, n, dpn, m, overlap_degree, target_straggler, lookahe
       node_has_N = (jnp.sum(held_N.reshape(g, dpn), axis=1) > 0)[node_N]
       rank_N = node_has_N.astype(jnp.float32) * 2.0 + node_tiebreak_N
       d = jnp.argmin(jnp.where(tie_N, rank_N, jnp.inf))
+      # A preferred device close enough to the best wins: its replica is cheaper to move.
+      near_N = prefer_N & ok_N & (max_N <= jnp.min(max_N) + prefer_within * mean + eps)
+      d = jnp.where(jnp.any(near_N), jnp.argmin(jnp.where(near_N, sos_N, jnp.inf)), d)
       any_ok = jnp.any(ok_N)
       held_N = held_N | (eye_NxN[d] & any_ok)
       return held_N, (held_N, jnp.where(any_ok, max_N[d], jnp.inf),
@@ -238,11 +253,15 @@ def _plan(src_ExN, owner_E, n, dpn, m, overlap_degree, target_straggler, lookahe
     valid_E = (materialized_E | can_open) & (load_E > 0)
     allowed_ExN = valid_E[:, None] & (used_N < m)[None, :]
     held_ExJxN, max_ExJ, sos_ExJ = jax.vmap(grow)(
-        src_ExN, holders_ExN, load_N[None, :] - contrib_ExN, allowed_ExN)
+        src_ExN, holders_ExN, load_N[None, :] - contrib_ExN, allowed_ExN, prefer_ExN)
     better_ExJ = (max_ExJ < cur_max - eps) | ((max_ExJ <= cur_max + eps)
                                               & (sos_ExJ < cur_sos - eps * mean))
     max_ExJ = jnp.where(better_ExJ, max_ExJ, jnp.inf)
     tie_ExJ = max_ExJ <= jnp.min(max_ExJ) + 0.01 * mean
+    # Candidates that add replicas only where they are cheap to move win when close enough.
+    cheap_ExJ = ~jnp.any(held_ExJxN & ~holders_ExN[:, None, :] & ~prefer_ExN[:, None, :], axis=2)
+    cheap_ExJ = cheap_ExJ & better_ExJ & (max_ExJ <= jnp.min(max_ExJ) + prefer_within * mean)
+    tie_ExJ = jnp.where(jnp.any(cheap_ExJ), cheap_ExJ, tie_ExJ)
     length_ExJ = jnp.broadcast_to(jnp.arange(chain)[None, :], (e, chain))
     tie_ExJ = tie_ExJ & (length_ExJ == jnp.min(jnp.where(tie_ExJ, length_ExJ, chain)))
     flat = jnp.argmin(jnp.where(tie_ExJ, sos_ExJ, jnp.inf))
@@ -274,7 +293,8 @@ def _plan(src_ExN, owner_E, n, dpn, m, overlap_degree, target_straggler, lookahe
 def calibrate(plan: Plan, actual_load_E, owner_E, *, num_devices: int, devices_per_node: int,
               replica_slots: int, overlap_degree: int, target_straggler: float = 1.05,
               lookahead: int | None = None, margin: float = 0.05,
-              actual_source_load_NxE=None, fresh: Plan | None = None) -> tuple[Plan, jax.Array]:
+              actual_source_load_NxE=None, fresh: Plan | None = None,
+              prefer_ExN=None) -> tuple[Plan, jax.Array]:
   """After gating: re-plan with the actual loads, adopted only when it pays.
 
   Returns (plan, adopted). The fresh plan (`materialize_plan` on the actual loads, per source
@@ -283,6 +303,8 @@ def calibrate(plan: Plan, actual_load_E, owner_E, *, num_devices: int, devices_p
   `margin` (re-planning costs a late SparseAllGather of the replicas that change). Either way the
   returned plan's `load_N` and `straggler` are those under the actual loads. Pass `fresh` when
   it is already made (e.g. batched with other plans in one `vmap`) to skip re-planning here.
+  `prefer_ExN` as in `materialize_plan` (default: the current plan's holders, whose replicas the
+  re-plan keeps without moving them).
   """
   dpn = devices_per_node
   src = None if actual_source_load_NxE is None else jnp.asarray(actual_source_load_NxE,
@@ -291,10 +313,13 @@ def calibrate(plan: Plan, actual_load_E, owner_E, *, num_devices: int, devices_p
                                           source_load_ExN=src), axis=0)
   cur = plan._replace(load_N=cur_load_N, straggler=straggler_of(cur_load_N))
   if fresh is None:
+    if prefer_ExN is None:
+      prefer_ExN = plan.holders_ExN
     fresh = materialize_plan(actual_load_E, owner_E, num_devices=num_devices,
                              devices_per_node=dpn, replica_slots=replica_slots,
                              overlap_degree=overlap_degree, target_straggler=target_straggler,
-                             lookahead=lookahead, source_load_NxE=actual_source_load_NxE)
+                             lookahead=lookahead, source_load_NxE=actual_source_load_NxE,
+                             prefer_ExN=prefer_ExN)
   adopted = fresh.straggler < cur.straggler - margin
   chosen = jax.tree.map(lambda a, b: jnp.where(adopted, a, b), fresh, cur)
   return chosen, adopted

@@ -343,7 +343,7 @@ class Checkpointer:
           for feature in self.features:
             if feature.name in saved_items:
               saved = saved_items[feature.name]
-              feature_targets[feature.name] = feature.target(list(_shapes(saved)))
+              feature_targets[feature.name] = feature.target(_shapes(saved))
               _check_shapes(feature.name, saved, feature_targets[feature.name])
         except CheckpointError as e:
           raise CheckpointError(f"{where} does not fit this run: {e}; resume with the "

@@ -163,18 +163,17 @@ def memory_report(cfg: Config, num_devices: int, *,
     if moe.placement == "fssdp":
       exchange += n * cfg.fssdp.replica_slots * 3 * d * f * 4      # SpRS, fp32
   placement = 0
-  if moe.placement == "fssdp":     # FssdpState: the load history (fp32) and the owners (int32)
-    experts = num_moe_layers(cfg) * e
-    placement = (cfg.fssdp.window * experts + experts) * 4 + 4
+  if moe.placement == "fssdp":     # FssdpState: the load history (fp32), the owners and what
+    experts = num_moe_layers(cfg) * e    # the replica slots held last step (int32)
+    placement = ((cfg.fssdp.window * experts + experts) * 4 + 4
+                 + 2 * num_moe_layers(cfg) * n * cfg.fssdp.replica_slots * 4)   # old and new
     if cfg.fssdp.resolved_replica_codec(cfg.codec.mode) != "off":
-      # The replica codec: last step's replicas (M) and owned experts (C) as bit patterns, and
-      # the slots' experts (`moejax.codec.replicas`); the step's new ones live beside them until
-      # it returns. One layer's coded gather adds the owned experts' plain and patch rows and
+      # The replica codec: last step's replicas (M) and owned experts (C) as bit patterns
+      # (`moejax.codec.replicas`); the step's new ones live beside them until it returns. One layer's coded gather adds the owned experts' plain and patch rows and
       # its [N, M] send buffer (uint32 words, about the expert's bytes each).
       owned = cfg.fssdp.max_per_layer or ownership.default_max_per_layer(e, n)
       per_layer = owned + cfg.fssdp.replica_slots
-      placement += 2 * num_moe_layers(cfg) * (per_layer * 3 * d * f * c
-                                              + n * cfg.fssdp.replica_slots * 4 + 1)
+      placement += 2 * num_moe_layers(cfg) * (per_layer * 3 * d * f * c + 1)
       exchange += (2 * owned + n * cfg.fssdp.replica_slots) * 3 * d * f * c
   if moe.placement == "fssdp" and cfg.fssdp.calibrate:
     # Calibration's late SparseAllGather (every step; it moves only a re-plan's new replicas)

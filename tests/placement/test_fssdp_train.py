@@ -279,19 +279,48 @@ def test_resume_across_a_heterogeneous_reshard_is_bit_exact(fssdp_trainer, unint
     np.testing.assert_array_equal(a, b)
 
 
+def _restore(trainer, workdir):
+  """(state, step) of the latest checkpoint in `workdir`, restored for `trainer`."""
+  checkpoints = ckpt.Checkpointer(str(workdir), trainer.cfg, trainer.layout.checkpoint_items)
+  try:
+    return checkpoints.restore(trainer.layout, trainer.tx)
+  finally:
+    checkpoints.close()
+
+
 def test_checkpoint_without_load_history_restores_with_a_log_line(fssdp_trainer, uninterrupted,
                                                                    tmp_path, capsys):
   workdir = tmp_path / "w"
   shutil.copytree(uninterrupted, workdir)
   shutil.rmtree(workdir / "checkpoints" / "8" / "fssdp")     # as an older version wrote it
-  checkpoints = ckpt.Checkpointer(str(workdir), fssdp_trainer.cfg,
-                                  fssdp_trainer.layout.checkpoint_items)
-  try:
-    state, step = checkpoints.restore(fssdp_trainer.layout, fssdp_trainer.tx)
-  finally:
-    checkpoints.close()
+  state, step = _restore(fssdp_trainer, workdir)
   assert step == 8 and int(state.placement.history.count) == 0
   assert (f"moejax: checkpoint {workdir}/checkpoints/8 (step 8) holds no fssdp load history"
+          in capsys.readouterr().out)
+
+
+def test_checkpoint_without_replica_plan_restores_with_a_log_line(fssdp_trainer, uninterrupted,
+                                                                  tmp_path, capsys):
+  """A checkpoint from before the replica plan was saved: restored, the next step plans without
+  last step's replicas, and says so."""
+  workdir = tmp_path / "w"
+  shutil.copytree(uninterrupted, workdir)
+  step_dir = workdir / "checkpoints" / "8"
+  saved = ocp.StandardCheckpointer().restore(step_dir / "fssdp")
+  slots = fssdp_trainer.cfg.fssdp.replica_slots
+  assert np.asarray(saved.pop("replica_plan")).shape == (2, 8, slots)   # [L, N, M]
+  shutil.rmtree(step_dir / "fssdp")
+  with ocp.StandardCheckpointer() as writer:                  # as an older version wrote it
+    writer.save(step_dir / "fssdp", saved)
+  meta_file = next((step_dir / "meta").glob("*"))
+  meta = json.loads(meta_file.read_text())
+  meta["checksums"]["fssdp"] = {k: v for k, v in meta["checksums"]["fssdp"].items()
+                                if "replica_plan" not in k}
+  meta_file.write_text(json.dumps(meta))
+  state, step = _restore(fssdp_trainer, workdir)
+  assert step == 8 and int(state.placement.history.count) == 8
+  assert np.all(np.asarray(state.placement.replicas["held"]) == -1)
+  assert (f"moejax: checkpoint {workdir}/checkpoints/8 (step 8) holds no replica plan"
           in capsys.readouterr().out)
 
 

@@ -159,6 +159,29 @@ def test_plan_balances_skewed_loads(cases):
   assert plan.num_replicas[18] == 0 and plan.num_replicas[19] == 0
 
 
+def test_plan_prefers_devices_that_held_the_expert_within_its_tolerance():
+  """A replica goes to a device that held the expert (`prefer_ExN`: its copy moves as a patch or
+  not at all) when that costs the modelled straggler at most `PREFER_WITHIN` of the mean load,
+  and never to a busy one; no preference plans as before."""
+  owner = np.arange(E) // (E // N)
+  load = np.full(E, 10.0)
+  load[0] = 100.0                       # hot, on device 0
+  load[6], load[7] = 60.0, 40.0         # device 3's own experts keep it busy
+  plan = jax.jit(lambda prefer: fp.materialize_plan(load, owner, prefer_ExN=prefer, **KW))
+  base = jax.jit(lambda: fp.materialize_plan(load, owner, **KW))()
+  chex.assert_trees_all_equal(plan(np.zeros((E, N), bool)), base)
+  assert not base.holders_ExN[0, 3]
+  for y in range(N):
+    prefer = np.zeros((E, N), bool)
+    prefer[0, y] = True
+    got = plan(prefer)
+    assert got.straggler <= base.straggler + fp.PREFER_WITHIN
+    if y == 3:
+      np.testing.assert_array_equal(got.holders_ExN, base.holders_ExN)
+    else:
+      assert got.holders_ExN[0, y], y
+
+
 # ----------------------------------------------------------------------------- dispatch
 
 
