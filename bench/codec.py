@@ -433,6 +433,7 @@ def composed(steps: int = 60, warmup: int = 10) -> dict:
                   "replica_codec": trainer.layout.placement.replica_codec is not None}
   off, auto = runs["off"]["rows"], runs["auto"]["rows"]
   last = auto[-10:]
+  settled = slice(min(2 * warmup, steps - 10), None)   # past the codec's warm-up and first picks
   spag_plain = sum(r["spag_bytes_plain"] for r in last)
   return {
       "steps": steps, "warmup": warmup,
@@ -448,6 +449,11 @@ def composed(steps: int = 60, warmup: int = 10) -> dict:
       "replica_bytes_off_last10": sum(r["spag_bytes"] for r in off[-10:]) / len(off[-10:]),
       "replica_ratio_off_last10": (sum(r["spag_bytes"] for r in off[-10:])
                                    / max(sum(r["spag_bytes_plain"] for r in off[-10:]), 1.0)),
+      "settled_from": settled.start + 1,
+      "replica_ratio_settled": (sum(r["spag_bytes"] for r in auto[settled])
+                                / max(sum(r["spag_bytes_plain"] for r in auto[settled]), 1.0)),
+      "replica_bytes_settled": float(np.mean([r["spag_bytes"] for r in auto[settled]])),
+      "replica_bytes_off_settled": float(np.mean([r["spag_bytes"] for r in off[settled]])),
       # the balance the replicas buy: the busiest device's expert rows over the mean
       "straggler_last10": sum(r["straggler"] for r in last) / len(last),
       "straggler_off_last10": sum(r["straggler"] for r in off[-10:]) / 10,
@@ -466,6 +472,9 @@ def print_composed(c: dict):
         f"{c['max_replica_excess_bytes']:.0f} B (the agreement); per step "
         f"{c['replica_bytes_last10']:.0f} B ({c['replica_bytes_off_last10']:.0f} B with the "
         f"codec off)")
+  print(f"  replicas over steps {c['settled_from']}-{c['steps']}: {c['replica_ratio_settled']:.3f} "
+        f"of plain; per step {c['replica_bytes_settled']:.0f} B "
+        f"({c['replica_bytes_off_settled']:.0f} B with the codec off)")
   print(f"  straggler (busiest device's expert rows / mean), last 10 steps: "
         f"{c['straggler_last10']:.3f} ({c['straggler_off_last10']:.3f} with the codec off)")
   print(f"  wall: {c['seconds_off']:.1f} s off, {c['seconds_auto']:.1f} s auto")
@@ -526,11 +535,13 @@ def main():
   parser.add_argument("--low_lr", type=float, default=LOW_LR, help="the fine-tuning lr")
   parser.add_argument("--check", action="store_true",
                       help="also with --quick: train again with auto in the train step")
+  parser.add_argument("--composed_steps", type=int, default=60,
+                      help="steps of the composed run (--composed)")
   parser.add_argument("--composed", action="store_true",
                       help="only the composed run (codec auto + fssdp + reroute, 60 steps)")
   args = parser.parse_args()
   if args.composed:
-    c = composed()
+    c = composed(steps=args.composed_steps)
     print_composed(c)
     print(json.dumps({f"composed_{k}": v for k, v in c.items()}))
     return
