@@ -8,12 +8,15 @@ A trace is the routing of a global batch per step and layer, kept as per-source-
 counts [steps, L, N, E]. Each step is replayed through:
   ep             the owner of each expert processes all its assignments (even placement).
   fssdp          `planner.materialize_plan` on the load predicted from the previous steps
-                 (`LoadHistory`, sliding-window mean), tokens sent by the even rule of
-                 `dispatch_devices` (local, else my node's holders, else all holders, evenly).
+                 (`LoadHistory`, sliding-window mean), preferring the devices that held an
+                 expert's replicas last step as the train step does, tokens sent by the even
+                 rule of `dispatch_devices` (local, else my node's holders, else all holders,
+                 evenly).
   fssdp+bal      the same replicas, tokens sent by `balanced_send` (water-filled over the
                  holders from the step's actual counts; no replica changes after gating).
-  fssdp+cal      then `calibrate` with the step's actual loads after gating (re-plans when that
-                 pays; the new replicas are fetched late), even rule.
+  fssdp+cal      then `calibrate` with the step's actual loads after gating (re-plans, preferring
+                 the first plan's holders, when that pays; the new replicas are fetched late),
+                 even rule.
   fssdp+cal+bal  calibrated replicas and balanced sends.
   het-ep         owner only, on heterogeneous sharding (`ownership.heterogeneous_placement`
                  of the predicted loads, re-sharded every `--reshard_every` steps).
@@ -24,7 +27,9 @@ factor (max over devices of expert assignments processed / mean; p95 and max ove
 replicas per layer, SpAG bytes per step (replicas fetched, late ones included, x one expert in
 bf16), SpRS bytes per step (replicas used x one expert's fp32 gradient), token bytes of the
 dispatch per step sent within a node and across nodes (one way, bf16 rows of width D; the
-combine sends the same back). All summed over layers. Ends with one JSON line.
+combine sends the same back). All summed over layers. With calibration, `kept`: the share of the
+replicas whose device held the expert last step too (what the replica codec sends as patches).
+Ends with one JSON line.
 
 Traces: synthetic skews at tiny-preset shapes (128 tokens per device, 2 layers; 8 experts top-2
 and 64 experts top-8): one hot expert, a rotating hotspot (moves every 8 steps), bursts (a mild
@@ -146,20 +151,20 @@ def make_replay(k: int, tokens: int, *, replica_slots: int, overlap_degree: int,
     tr = jax.vmap(functools.partial(fp.traffic, devices_per_node=dpn))(dest_LxNxTxK)
     return st_L, tr["intra_node"], tr["inter_node"]
 
-  def step(history, xs):
+  def step(carry, xs):
+    history, held_LxExN = carry          # held: last step's replicas, which the plans prefer
     owner_LxE, counts_LxNxE = xs
     actual_LxE = jnp.sum(counts_LxNxE, axis=1).astype(jnp.float32)
     experts_LxNxTxK = jax.vmap(jax.vmap(lambda c: expand(c, tokens * k)))(counts_LxNxE).reshape(
         counts_LxNxE.shape[0], n, tokens, k)
     predicted_LxE = fp.predict(history)
-    # Plan from the prediction (as from even sources) and from the actual per-source counts in
-    # one batched call; calibrate then picks between them.
-    sources_2xLxNxE = jnp.stack([
-        jnp.broadcast_to(predicted_LxE[:, None, :] / n, counts_LxNxE.shape),
-        counts_LxNxE.astype(jnp.float32)])
-    plans = jax.vmap(jax.vmap(lambda c, o: fp.materialize_plan(
-        None, o, source_load_NxE=c, **kw)), in_axes=(0, None))(sources_2xLxNxE, owner_LxE)
-    plan, fresh = (jax.tree.map(lambda x, i=i: x[i], plans) for i in range(2))
+    # Plan from the prediction (as from even sources), then re-plan from the actual per-source
+    # counts preferring the first plan's holders; calibrate picks between them.
+    plan = jax.vmap(lambda l, o, h: fp.materialize_plan(l, o, prefer_ExN=h, **kw))(
+        predicted_LxE, owner_LxE, held_LxExN)
+    fresh = jax.vmap(lambda c, o, h: fp.materialize_plan(
+        None, o, source_load_NxE=c, prefer_ExN=h, **kw))(
+            counts_LxNxE.astype(jnp.float32), owner_LxE, plan.holders_ExN)
     cal, adopted_L = jax.vmap(lambda p, f, l, o, c: fp.calibrate(
         p, l, o, margin=margin, actual_source_load_NxE=c, fresh=f, **kw))(
             plan, fresh, actual_LxE, owner_LxE, counts_LxNxE)
@@ -186,12 +191,15 @@ def make_replay(k: int, tokens: int, *, replica_slots: int, overlap_degree: int,
                    "replicas": zero if p is None else p.num_replicas,
                    "fetched": zero if fetched is None else fetched}
     out["adopted"] = adopted_L
-    return fp.update_history(history, actual_LxE), out
+    # Replicas this step that a device also held last step (a patch with the replica codec).
+    owned_LxExN = jax.vmap(lambda o: fp.owner_holders(o, n))(owner_LxE)
+    out["kept"] = jnp.sum(cal.holders_ExN & held_LxExN & ~owned_LxExN, axis=(1, 2))
+    return (fp.update_history(history, actual_LxE), cal.holders_ExN & ~owned_LxExN), out
 
-  def segment(history, owner_LxE, counts_SxLxNxE):
+  def segment(carry, owner_LxE, counts_SxLxNxE):
     s = counts_SxLxNxE.shape[0]
     owners = jnp.broadcast_to(owner_LxE, (s,) + owner_LxE.shape)
-    return jax.lax.scan(step, history, (owners, counts_SxLxNxE))
+    return jax.lax.scan(step, carry, (owners, counts_SxLxNxE))
 
   return jax.jit(segment)
 
@@ -204,17 +212,18 @@ def replay(counts, *, k: int, reshard_every: int, replica_slots: int, overlap_de
   tokens = int(counts[0, 0, 0].sum()) // k
   run = make_replay(k, tokens, replica_slots=replica_slots, overlap_degree=overlap_degree,
                     target=target, margin=margin)
-  history = fp.init_history(window=window, num_layers=layers, num_experts=e)
+  carry = (fp.init_history(window=window, num_layers=layers, num_experts=e),
+           jnp.zeros((layers, e, n), bool))
   owner = fs.initial_placement(layers, e, n)
   outs, moves, moved_bytes = [], 0, 0
   for start in range(0, steps, reshard_every):
     if heterogeneous and start > 0:
-      new = fs.heterogeneous_placement(np.asarray(fp.predict(history)), n, DEVICES_PER_NODE,
+      new = fs.heterogeneous_placement(np.asarray(fp.predict(carry[0])), n, DEVICES_PER_NODE,
                                        previous_owner_LxE=owner)
       r = fs.reshard_moves(owner, new, num_devices=n, expert_bytes=expert_move_bytes)
       moves, moved_bytes, owner = moves + r.num_moves, moved_bytes + r.bytes_moved, new
     segment = jnp.asarray(counts[start:start + reshard_every])
-    history, out = run(history, jnp.asarray(owner), segment)
+    carry, out = run(carry, jnp.asarray(owner), segment)
     outs.append(jax.device_get(out))
   out = jax.tree.map(lambda *xs: np.concatenate(xs, axis=0), *outs)
   return out, {"reshard_moves": moves, "reshard_bytes": moved_bytes}
@@ -254,6 +263,9 @@ def summarize(counts, k, args, dims):
   rows["het+cal+bal"]["reshard_bytes"] = float(het_cost["reshard_bytes"])
   rows["het+cal+bal"]["reshard_moves"] = het_cost["reshard_moves"]
   rows["fssdp+cal"]["adopted"] = float(np.asarray(even["adopted"])[1:].mean())
+  for name, src in (("fssdp+cal", even), ("fssdp+cal+bal", even), ("het+cal+bal", het)):
+    kept, reps = (np.asarray(x)[1:].sum() for x in (src["kept"], src["cal"]["replicas"]))
+    rows[name]["kept"] = float(kept / max(reps, 1))
   rows["balanced"] = {"straggler": 1.0}
   return rows
 
@@ -347,8 +359,8 @@ def _mb(x):
 
 def print_table(results):
   header = ("trace", "scheme", "straggler", "p95", "max", "vs ep", "replicas/L", "SpAG MB",
-            "SpRS MB", "intra MB", "inter MB", "inter vs ep")
-  widths = (14, 13, 9, 6, 6, 6, 10, 8, 8, 8, 8, 11)
+            "SpRS MB", "intra MB", "inter MB", "inter vs ep", "kept")
+  widths = (14, 13, 9, 6, 6, 6, 10, 8, 8, 8, 8, 11, 5)
   print(" | ".join(f"{h:>{w}}" for h, w in zip(header, widths)))
   print("-+-".join("-" * w for w in widths))
   for trace, rows in results.items():
@@ -356,13 +368,14 @@ def print_table(results):
     for scheme, r in rows.items():
       if scheme == "balanced":
         cells = (trace, scheme, f"{r['straggler']:.3f}", "", "",
-                 f"{r['straggler'] / ep['straggler']:.2f}", "", "", "", "", "", "")
+                 f"{r['straggler'] / ep['straggler']:.2f}", "", "", "", "", "", "", "")
       else:
         cells = (trace, scheme, f"{r['straggler']:.3f}", f"{r['straggler_p95']:.2f}",
                  f"{r['straggler_max']:.2f}", f"{r['straggler'] / ep['straggler']:.2f}",
                  f"{r['replicas']:.1f}", _mb(r["spag_bytes"]), _mb(r["sprs_bytes"]),
                  _mb(r["intra_bytes"]), _mb(r["inter_bytes"]),
-                 f"{r['inter_bytes'] / max(ep['inter_bytes'], 1):.2f}")
+                 f"{r['inter_bytes'] / max(ep['inter_bytes'], 1):.2f}",
+                 f"{r['kept']:.2f}" if "kept" in r else "")
       print(" | ".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
 
 
