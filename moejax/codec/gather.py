@@ -36,7 +36,8 @@ the capacities, and they serve the stats too), issued before the payload; a cond
 device sends everyone down the dense path. `compressed_all_gather_group` does
 the same for several shards with one agreement collective for all of them, and sends its word
 and delta shards of one code width and dtype as one pool: one patch of their concatenated
-values with their capacities summed, one payload collective, one choice of path.
+values with their capacities summed, one payload collective, one choice of path. When no pool
+of the group falls back, all pools' patches travel in one payload collective.
 
 Both paths are exact, so the output never depends on which one ran.
 
@@ -493,8 +494,9 @@ def _forward(shards, states, axis_name, axes, specs):
       out.append((bits_k, others_RxN))
     return out
 
-  def compressed_path(s):
-    wire_WxL = lax.all_gather(s["make_wire"](), axis_name)
+  def compressed_path(s, wire_WxL=None):
+    if wire_WxL is None:
+      wire_WxL = lax.all_gather(s["make_wire"](), axis_name)
     if not s["words"]:   # patch + merge in one op (Triton kernel on GPU)
       return [kernels.decode(s["caches"][0], wire_WxL, s["own"], me, s["fmt"], s["layout"])]
     patches_RxP = others(wire_WxL[:, :s["fmt"].words])
@@ -503,9 +505,26 @@ def _forward(shards, states, axis_name, axes, specs):
             for cache_RxN, (a, b) in zip(caches, s["bounds"])]
 
   # Each pool its own path: a pool that overflows falls back alone.
-  gathered = [lax.cond(dense_P[p], lambda _, s=s: dense_path(s),
-                       lambda _, s=s: compressed_path(s), None)
-              for p, s in enumerate(send)]
+  def per_pool(_):
+    return [lax.cond(dense_P[p], lambda _, s=s: dense_path(s),
+                     lambda _, s=s: compressed_path(s), None)
+            for p, s in enumerate(send)]
+
+  def all_compressed(_):
+    """Every pool compressed: their wires in one collective (each collective is a rendezvous
+    of every device; a layer's shards in exponent modes would otherwise take one each)."""
+    wires = [s["make_wire"]() for s in send]
+    wire_WxL = lax.all_gather(jnp.concatenate(wires), axis_name)
+    ends = np.cumsum([x.shape[0] for x in wires]).tolist()
+    return [compressed_path(s, wire_WxL[:, a:b])
+            for s, a, b in zip(send, [0] + ends[:-1], ends)]
+
+  if len(send) > 1 and len({jax.eval_shape(s["make_wire"]).dtype for s in send}) == 1:
+    # The usual step (no pool falls back) takes one payload collective for the group; a step
+    # where some pool must go dense takes each pool's own, as above.
+    gathered = lax.cond(jnp.any(jnp.stack(dense_P)), per_pool, all_compressed, None)
+  else:
+    gathered = per_pool(None)
 
   fulls, new_states, stats = [None] * len(shards), [None] * len(shards), [None] * len(shards)
   for p, (pool, s) in enumerate(zip(pools, send)):
