@@ -153,17 +153,21 @@ class Rows:
   shard: list               # shard shape per row
   repeat: np.ndarray        # gathers per step (step.gathers_per_copy)
   plain: np.ndarray         # bytes per device per gather, plain
+  moving: np.ndarray        # of those, the share that moves bytes in word / delta mode (the
+                            # backward's re-gathers are rebuilt from the cache)
 
   @classmethod
   def of(cls, gatherer, probe, cfg):
-    names, shard, repeat = [], [], []
+    names, shard, repeat, moving = [], [], [], []
     for (g, p), rows in zip(probe.names, probe.rows):
       for _ in range(rows):
         names.append((g, p))
         shard.append(gatherer.shard_shape(g, p))
         repeat.append(step_lib.gathers_per_copy(cfg, gatherer, g))
+        moving.append(step_lib.gathers_per_copy(cfg, gatherer, g, rebuilt=True) / repeat[-1])
     plain = np.array([2 * math.prod(s) for s in shard], np.float64)
-    return cls(names, shard, np.asarray(repeat, np.float64), plain)
+    return cls(names, shard, np.asarray(repeat, np.float64), plain,
+               np.asarray(moving, np.float64))
 
 
 @dataclasses.dataclass
@@ -202,6 +206,8 @@ def simulate(rows: Rows, counts: np.ndarray, steps: range, plan, refill: bool = 
       dense = key in refill or over
       fallbacks += int(over and key not in refill)
       sent[i, r] = sizes["dense"] if dense else sizes["compressed"]
+      if spec.mode in codec.WORD_MODES:      # per gather on average, rebuilt ones included
+        sent[i, r] *= rows.moving[r]
     refill = set()
     new = plan(t)
     if new is not None:

@@ -475,11 +475,7 @@ def _forward(shards, states, axis_name, axes, specs):
     return jnp.where(r < me, x_WxN[:-1], x_WxN[1:])
 
   def with_own(cache_RxN, own_N):
-    """The inverse: the W-1 cached rows and this device's own -> [W, N] in device order."""
-    d = lax.broadcasted_iota(jnp.int32, (w,) + own_N.shape, 0)
-    own = jnp.broadcast_to(own_N[None], (1,) + own_N.shape)
-    return jnp.where(d < me, jnp.concatenate([cache_RxN, own]),
-                     jnp.where(d == me, own, jnp.concatenate([own, cache_RxN])))
+    return _with_own(cache_RxN, own_N, me)
 
   def dense_path(s):
     """-> [(bits [W, N_k], new cache [R, N'_k]) per shard of the pool]."""
@@ -555,6 +551,32 @@ def _forward(shards, states, axis_name, axes, specs):
           fallback=pool_overflow[p] & valid & jnp.logical_not(warm_K[k]),
           dense=dense_P[p])
   return tuple(fulls), tuple(new_states), tuple(stats)
+
+
+def _with_own(cache_RxN, own_N, me):
+  """The W-1 cached rows of the other devices and this device's own -> [W, N] in device
+  order (row r of the cache is device r + (r >= me)); selects, not gathers of rows."""
+  w = cache_RxN.shape[0] + 1
+  d = lax.broadcasted_iota(jnp.int32, (w,) + own_N.shape, 0)
+  own = jnp.broadcast_to(own_N[None], (1,) + own_N.shape)
+  return jnp.where(d < me, jnp.concatenate([cache_RxN, own]),
+                   jnp.where(d == me, own, jnp.concatenate([own, cache_RxN])))
+
+
+def rebuilt_gather(shard: jax.Array, state: dict, *, axis_name, axis: int,
+                   spec: CodecSpec) -> jax.Array:
+  """What the compressed gather of `shard` that left `state` returned, rebuilt with no
+  collective: in word and delta modes the receiver's cache holds every other device's bit
+  patterns. For a gather run again on the same shard (the backward's re-gather under remat,
+  `moejax.sharding.prefetch`), whose new state is at hand."""
+  if spec.mode not in WORD_MODES:
+    raise ValueError(f"only {WORD_MODES} caches hold whole values, not {spec.mode!r}")
+  layout = bits.layout_of(shard.dtype)
+  fmt = patch_format(shard.shape, shard.dtype, spec)
+  w = lax.axis_size(axis_name)
+  own_N = lax.bitcast_convert_type(shard, layout.uint_dtype).reshape(fmt.n)
+  bits_WxN = _with_own(state["cache"], own_N, lax.axis_index(axis_name))
+  return tile(lax.bitcast_convert_type(bits_WxN, layout.dtype).reshape((w,) + shard.shape), axis)
 
 
 def codec_work(shard, state, *, axis_size: int, spec: CodecSpec):

@@ -273,8 +273,10 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
       consts = (jnp.asarray(step, jnp.int32), part(predicted_load_LxE), part(expert_owners_L),
                 part(replica_state_L))
 
-    def gather_run(shards, state, group=group):
-      return gather(group, shards, state)
+    def gather_run(shards, state, rebuild_from=None, group=group):
+      if rebuild_from is None:
+        return gather(group, shards, state)
+      return gather(group, shards, state, rebuild_from)
 
     h_BxSxD, *out = scan_layers(
         moe_step if group == MOE_LAYERS else dense_step, h_BxSxD, part(params[group]),

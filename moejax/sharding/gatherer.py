@@ -202,9 +202,11 @@ class Gatherer:
     return total
 
   # -- the hook --------------------------------------------------------------------------------
-  def gather(self, group: str, shards, states: dict | None):
+  def gather(self, group: str, shards, states: dict | None, rebuild_from: dict | None = None):
     """-> (full tree in the compute dtype, new states {path: state}, {report group: stats,
-    PARAM_STATS: ...})."""
+    PARAM_STATS: ...}). `rebuild_from`: the new states of the same gather run before on the
+    same shards (a re-gather under remat); word / delta parameters are rebuilt from their caches
+    with no collective (`hook.gather_leaves`)."""
     lays = self.layouts[group]
     if self.is_stacked(group):
       lays = jax.tree.map(Layout.unstacked, lays)
@@ -216,7 +218,9 @@ class Gatherer:
         leaves, treedef.flatten_up_to(lays), specs,
         [states[path] if spec else None for path, spec in zip(paths, specs)],
         dtypes=[jnp.float32 if key in axes.FLOAT32_GROUPS else self.compute_dtype
-                for key in keys])
+                for key in keys],
+        rebuild_states=None if rebuild_from is None else [
+            rebuild_from[path] if spec else None for path, spec in zip(paths, specs)])
     new_states, stats, per_param = {}, {}, {}
     for path, spec, key, new_state, s in zip(paths, specs, keys, leaf_states, leaf_stats):
       if spec is not None:

@@ -53,17 +53,26 @@ STAT_KEYS = ("bytes_sent", "bytes_plain", "exponent_changes", "block_changes", "
              "capacity_fill", "fallback", "dense")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _all_gather(shards: tuple, states: tuple, dims: tuple, axis_names, dtype, specs: tuple):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _all_gather(shards: tuple, states: tuple, rebuild: tuple, dims: tuple, axis_names, dtype,
+                specs: tuple):
   """The sharded leaves of one gather group and dtype -> (fulls, new states, codec figures).
   Plain leaves (spec None): their bit patterns in `dtype` packed into one flat buffer [N],
   gathered as [W, N], each split out and tiled along its own dim, exactly what a tiled gather of
-  each would return. Compressed leaves: one `codec.compressed_all_gather_group`. One
-  reduce-scatter back for all of them."""
+  each would return. Compressed leaves: one `codec.compressed_all_gather_group`, but those with
+  a `rebuild` state (word / delta: the state this same gather left) rebuilt from its cache with
+  no collective (`codec.rebuilt_gather`; they report no bytes). One reduce-scatter back for
+  all of them."""
   n = len(shards)
   fulls, new_states, raws = [None] * n, list(states), [None] * n
   plain = [i for i in range(n) if specs[i] is None]
-  coded = [i for i in range(n) if specs[i] is not None]
+  for i in range(n):
+    if specs[i] is not None and rebuild[i] is not None:
+      fulls[i] = codec.rebuilt_gather(shards[i].astype(dtype), rebuild[i], axis_name=axis_names,
+                                      axis=dims[i], spec=specs[i])
+      new_states[i] = rebuild[i]
+      raws[i] = {k: jnp.zeros((), jnp.float32) for k in STAT_KEYS}
+  coded = [i for i in range(n) if specs[i] is not None and rebuild[i] is None]
   if plain:
     uint = _BITS_DTYPES[jnp.dtype(dtype).itemsize]
     flat_N = jnp.concatenate([lax.bitcast_convert_type(shards[i].astype(dtype), uint).reshape(-1)
@@ -84,8 +93,8 @@ def _all_gather(shards: tuple, states: tuple, dims: tuple, axis_names, dtype, sp
   return tuple(fulls), tuple(new_states), tuple(raws)
 
 
-def _all_gather_fwd(shards, states, dims, axis_names, dtype, specs):
-  return _all_gather(shards, states, dims, axis_names, dtype, specs), None
+def _all_gather_fwd(shards, states, rebuild, dims, axis_names, dtype, specs):
+  return _all_gather(shards, states, rebuild, dims, axis_names, dtype, specs), None
 
 
 def _all_gather_bwd(dims, axis_names, dtype, specs, _, cotangents):
@@ -100,7 +109,7 @@ def _all_gather_bwd(dims, axis_names, dtype, specs, _, cotangents):
     size = p[0].size
     grads.append(flat_N[start:start + size].reshape(p.shape[1:]))
     start += size
-  return tuple(grads), None
+  return tuple(grads), None, None
 
 
 _all_gather.defvjp(_all_gather_fwd, _all_gather_bwd)
@@ -140,24 +149,25 @@ def scatter_bytes(shard_shape, layout: Layout, num_devices: int) -> float:
   return 0.0
 
 
-def run_gathers(num_layers: int, *, remat: str, prefetch: bool) -> int:
+def run_gathers(num_layers: int, *, remat: str, prefetch: bool, rebuilt: bool = False) -> int:
   """Gathers of each parameter of one scanned run of `num_layers` layers per step
   (`moejax.sharding.prefetch.scan_layers`). Without prefetch every layer is gathered once, and
   again in backward when it recomputes the layer (remat full or minimal: a gather is no matmul,
   so minimal does not keep it). Prefetching gathers one layer ahead with no condition around the
   collective, so the forward's last iteration gathers layer L-1 again; under remat full backward
   uses that one and gathers ahead too, its last iteration layer 0 again; minimal and none keep
-  the weights for backward and gather nothing there."""
+  the weights for backward and gather nothing there. `rebuilt`: a codec parameter in word or
+  delta mode, whose prefetched backward gathers are rebuilt from its cache (no collective)."""
   if prefetch and num_layers > 1:
-    return 2 * num_layers + 1 if remat == "full" else num_layers + 1
+    return 2 * num_layers + 1 if remat == "full" and not rebuilt else num_layers + 1
   return num_layers * (2 if prefetch_lib.recomputes(remat) else 1)
 
 
-def gathers_per_layer(run_lengths, *, remat: str, prefetch: bool) -> float:
+def gathers_per_layer(run_lengths, *, remat: str, prefetch: bool, rebuilt: bool = False) -> float:
   """Gathers per step of each layer's slice of a parameter stacked over the layers of
   `run_lengths` (the scanned runs that hold them), on average."""
-  return (sum(run_gathers(n, remat=remat, prefetch=prefetch) for n in run_lengths)
-          / sum(run_lengths))
+  return (sum(run_gathers(n, remat=remat, prefetch=prefetch, rebuilt=rebuilt)
+              for n in run_lengths) / sum(run_lengths))
 
 
 def _plain_stats(shard, layout: Layout, dtype) -> dict:
@@ -184,16 +194,22 @@ def gather_leaf(shard, layout: Layout, spec: codec.CodecSpec | None = None, stat
   return full, new_state, stats
 
 
-def gather_leaves(shards, layouts, specs, states, axis_names=DEVICES, dtypes=None):
+def gather_leaves(shards, layouts, specs, states, axis_names=DEVICES, dtypes=None,
+                  rebuild_states=None):
   """`gather_leaf` for a list of leaves (one gather group: a layer's parameters) -> (fulls,
   new_states, stats), lists in the same order. The sharded leaves of one dtype travel together:
   the plain ones as one all_gather of their packed bit patterns, the compressed ones as one
   `codec.compressed_all_gather_group` (one agreement collective; each leaf keeps its own spec
   and state; word / delta leaves of one code width share one pooled patch and path, the others
   each their own), and all their fp32 gradients in one reduce-scatter back. `dtypes`: each leaf's
-  compute dtype (default all bf16)."""
+  compute dtype (default all bf16). `rebuild_states`: for a gather run again on the same shards,
+  the states the first one left; a word / delta leaf's is rebuilt from its cache, with no
+  collective (`codec.rebuilt_gather`)."""
   n = len(shards)
   dtypes = [COMPUTE_DTYPE] * n if dtypes is None else list(dtypes)
+  rebuild = [None] * n if rebuild_states is None else [
+      r if spec is not None and spec.mode in codec.WORD_MODES else None
+      for r, spec in zip(rebuild_states, specs)]
   fulls, new_states, stats = [None] * n, list(states), [None] * n
   packs: dict = {}     # dtype -> indices of its sharded leaves, gathered together
   for i, (shard, layout, spec, dtype) in enumerate(zip(shards, layouts, specs, dtypes)):
@@ -213,6 +229,7 @@ def gather_leaves(shards, layouts, specs, states, axis_names=DEVICES, dtypes=Non
   for dtype, indices in packs.items():
     outs = _all_gather(tuple(shards[i] for i in indices),
                        tuple(states[i] if specs[i] is not None else None for i in indices),
+                       tuple(rebuild[i] for i in indices),
                        tuple(layouts[i].dim for i in indices), axis_names, dtype,
                        tuple(specs[i] for i in indices))
     for i, full, new_state, raw in zip(indices, *outs):

@@ -17,7 +17,9 @@ prefetch=True    (more than one layer) the gather of layer i+1 is issued in iter
                  (`_prefetched_scan`): under remat full the forward keeps each layer's input,
                  and the backward scan gathers layer i-1 before layer i's recomputation and
                  backward (starting from the forward's last gather; its own last iteration
-                 gathers layer 0 again), then reduce-scatters layer i's weight gradient through
+                 gathers layer 0 again; `gather(shards, states, new_states)` rebuilds from the
+                 new states the forward's gather left what it can: the codec's word and delta
+                 parameters, whose caches hold every device's values), then reduce-scatters layer i's weight gradient through
                  the gather's VJP (which needs no residual, so no gather runs for it). The
                  prefetched weights travel in the carries, never saved for backward.
                  `hook.run_gathers` counts the gathers.
@@ -81,8 +83,12 @@ def _prefetched_scan(layer_fn, gather, remat: str, num_layers: int):
   first layer uses; backward's last gathers layer 0 again, its one wasted gather per step)."""
   index_L = jnp.arange(num_layers, dtype=jnp.int32)
 
-  def regather(shards_L, states_L, i):
-    return gather(_take(shards_L, i), _take(states_L, i))[0]
+  def regather(shards_L, states_L, new_states_L, i):
+    """Layer i's weights again; word / delta parameters of the codec rebuilt from the caches
+    the forward's gather left (`rebuild_from`: no collective, no decode)."""
+    if not jax.tree.leaves(new_states_L):
+      return gather(_take(shards_L, i), _take(states_L, i))[0]
+    return gather(_take(shards_L, i), _take(states_L, i), _take(new_states_L, i))[0]
 
   def forward(h, shards_L, states_L, consts, keep: str):
     """keep: "none" (no backward), "inputs" (each layer's input) or "vjp" (each layer's
@@ -124,10 +130,13 @@ def _prefetched_scan(layer_fn, gather, remat: str, num_layers: int):
   def run_fwd(h, shards_L, states_L, consts):
     keep = "inputs" if remat == "full" else "vjp"
     out, (saved_L, full_last) = forward(h, shards_L, states_L, consts, keep)
-    return out, (saved_L, full_last if keep == "inputs" else None, shards_L, states_L, consts)
+    # The gathers' new states (outputs of the step anyway) let backward rebuild what it can.
+    new_states_L = out[2] if keep == "inputs" else None
+    return out, (saved_L, full_last if keep == "inputs" else None, shards_L, states_L,
+                 new_states_L, consts)
 
   def run_bwd(res, cotangents):
-    saved_L, full_last, shards_L, states_L, consts = res
+    saved_L, full_last, shards_L, states_L, new_states_L, consts = res
     saved_leaves_L, saved_def = jax.tree.flatten(saved_L)
     dh, daux_L = cotangents[0], cotangents[1]
     daux_kept_L, daux_of = _float0_split(daux_L)
@@ -143,7 +152,7 @@ def _prefetched_scan(layer_fn, gather, remat: str, num_layers: int):
       dh, full = carry
       if full_last is not None:   # remat full: recompute the layer from its input
         # Layer i-1's gather first, then layer i's backward.
-        full_prev = regather(shards_L, states_L, jnp.maximum(i - 1, 0))
+        full_prev = regather(shards_L, states_L, new_states_L, jnp.maximum(i - 1, 0))
         vjp = jax.vjp(lambda h, full: layer_fn(h, full, consts, i), saved, full)[1]
       else:
         full_prev, vjp = full, saved

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from moejax.codec import gather as codec
 from moejax.config import Config, num_moe_layers
 from moejax.errors import ConfigError
 from moejax.models import olmoe
@@ -104,20 +105,23 @@ def make_grad_fn(cfg: Config, mesh, lay: StateLayout):
                        check_vma=False)
 
 
-def gathers_per_copy(cfg: Config, gatherer, group: str) -> float:
+def gathers_per_copy(cfg: Config, gatherer, group: str, rebuilt: bool = False) -> float:
   """Gathers per step of one copy of a group's parameters: each layer's slice of a layer group
-  (`hook.gathers_per_layer` over the scanned runs that hold the group), else 1."""
+  (`hook.gathers_per_layer` over the scanned runs that hold the group), else 1. `rebuilt`: a
+  codec parameter in word or delta mode (its prefetched backward gathers move nothing)."""
   if not gatherer.is_stacked(group):
     return 1.0
   runs = [count for g, _, count in olmoe.layer_runs(cfg) if g == group]
-  return hook.gathers_per_layer(runs, remat=cfg.remat, prefetch=cfg.prefetch)
+  return hook.gathers_per_layer(runs, remat=cfg.remat, prefetch=cfg.prefetch, rebuilt=rebuilt)
 
 
 def gather_metrics(cfg: Config, lay: StateLayout, stats: dict) -> dict:
   """Step figures of the parameter gathers, per report group and in total.
 
   Bytes are what each device receives over the step: (N-1) times what each device puts into a
-  gather, times the gathers of that parameter per step (`gathers_per_copy`).
+  gather, times the gathers of that parameter per step (`gathers_per_copy`; the plain figure
+  counts every gather, the sent one not the backward's rebuilt gathers of word / delta
+  parameters, which move nothing).
   """
   n = lay.gatherer.num_devices
   sizes = codec_denominators(lay)
@@ -131,6 +135,12 @@ def gather_metrics(cfg: Config, lay: StateLayout, stats: dict) -> dict:
         if k.startswith("bytes"):
           value = value * (n - 1) * gathers_per_copy(cfg, lay.gatherer, group)
         acc[k] = acc[k] + value
+    saved = (gathers_per_copy(cfg, lay.gatherer, group)
+             - gathers_per_copy(cfg, lay.gatherer, group, rebuilt=True))
+    for path, figures in param_stats[group].items():
+      if saved and lay.gatherer.specs[group][path].mode in codec.WORD_MODES:
+        sent = jnp.sum(figures[..., hook.STAT_KEYS.index("bytes_sent")])
+        by_group[lay.gatherer.report_group(group, path)]["bytes_sent"] -= sent * (n - 1) * saved
   metrics = {}
   total = {k: sum(g[k] for g in by_group.values()) for k in hook.STAT_KEYS}
   metrics["gather_bytes"] = total["bytes_sent"]

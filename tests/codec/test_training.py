@@ -18,7 +18,7 @@ import pytest
 from moejax.codec import gather as codec
 from moejax.sharding.gatherer import PARAM_METRIC
 from moejax.sharding.hook import STAT_KEYS
-from moejax.train import codec_control
+from moejax.train import codec_control, step as step_lib
 from moejax.train.loop import put_batch, training_data
 from tests.helpers import CODEC_AUTO_RUN, CODEC_AUTO_STEPS, tiny_config
 
@@ -157,3 +157,26 @@ def test_probe_counts_what_the_codec_counts(runs):
         assert row[cols[2]] == expected[2], (g, p, layer)
       checked += int(expected[0] > 0)
     assert checked > 0
+
+
+def test_word_and_delta_bytes_count_their_forward_gathers_only(runs):
+  """A word / delta parameter's prefetched backward re-gathers are rebuilt from its cache
+  (tests/sharding/test_prefetch.py) and move nothing: a step's gather_bytes count its forward
+  gathers only, the plain figure every gather (the mixed run: every mode somewhere)."""
+  gatherer, cfg = runs["trainer"].layout.gatherer, runs["trainer"].cfg
+  n, specs = gatherer.num_devices, runs["mixed"]
+  raw, rows = runs["codec_rows"][1]                  # step MIXED + 2
+  metrics = runs["codec"][MIXED + 1]
+  sent, plain = (STAT_KEYS.index(k) for k in ("bytes_sent", "bytes_plain"))
+  coded_sent = coded_plain = 0.0
+  rebuilt = 0
+  for (g, p, _), row in zip(rows, np.asarray(jax.device_get(raw))):
+    every = step_lib.gathers_per_copy(cfg, gatherer, g)
+    moved = step_lib.gathers_per_copy(cfg, gatherer, g,
+                                      rebuilt=specs[g][p].mode in codec.WORD_MODES)
+    rebuilt += moved < every
+    coded_sent += row[sent] * (n - 1) * moved
+    coded_plain += row[plain] * (n - 1) * every
+  assert rebuilt > 0
+  uncoded = metrics["gather_bytes_plain"] - coded_plain     # parameters the codec leaves plain
+  np.testing.assert_allclose(metrics["gather_bytes"], uncoded + coded_sent, rtol=1e-5)

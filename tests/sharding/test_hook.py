@@ -134,6 +134,10 @@ def test_byte_figures_and_regather_rule():
   assert hook.run_gathers(3, remat="none", prefetch=True) == 4
   assert hook.run_gathers(1, remat="full", prefetch=True) == 2
   assert hook.gathers_per_layer([3, 1], remat="full", prefetch=True) == (7 + 2) / 4
+  # A word / delta parameter's prefetched backward gathers are rebuilt from its cache.
+  assert hook.run_gathers(3, remat="full", prefetch=True, rebuilt=True) == 4
+  assert hook.run_gathers(3, remat="full", prefetch=False, rebuilt=True) == 6
+  assert hook.run_gathers(1, remat="full", prefetch=True, rebuilt=True) == 2
 
 
 def test_codec_refuses_mode_off_and_points_at_the_hook():
