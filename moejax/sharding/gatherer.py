@@ -53,10 +53,13 @@ class Gatherer:
   num_devices: int
   specs: dict                  # {group: {path: CodecSpec}} for compressed parameters only
   compute_dtype: Any = hook.COMPUTE_DTYPE   # what the plain gathers deliver (config.compute_dtype)
+  # {group: share of a word / delta parameter's gathers per step that the backward rebuilds from
+  # its cache} (`hook.run_gathers`; what the codec's selection prices)
+  rebuilt_share: dict = dataclasses.field(default_factory=dict)
 
   @classmethod
   def create(cls, param_meta, layouts, num_devices: int, spec: codec.CodecSpec | None,
-             select=None, compute_dtype=hook.COMPUTE_DTYPE):
+             select=None, compute_dtype=hook.COMPUTE_DTYPE, rebuilt_share=None):
     """Compresses every sharded parameter (or those `select(group, path)` accepts). The gather
     groups are the top-level keys of `param_meta`, as the model declares its parameters."""
     specs = {g: {} for g in param_meta}
@@ -65,7 +68,7 @@ class Gatherer:
       for group, path in probe.candidates():
         if select is None or select(group, path):
           specs[group][path] = spec
-    return cls(layouts, param_meta, num_devices, specs, compute_dtype)
+    return cls(layouts, param_meta, num_devices, specs, compute_dtype, dict(rebuilt_share or {}))
 
   @property
   def groups(self) -> tuple[str, ...]:

@@ -282,7 +282,8 @@ def choose(gatherer: Gatherer, rates: Rates, codec_cfg: CodecConfig, comm: selec
         q_block=float(mean[1]), q_word=float(mean[2]),
         q_delta={k: float(mean[RATE_KINDS.index(f"delta{k}")]) for k in word.DELTA_BITS},
         q_far=float(mean[RATE_KINDS.index("far")]),
-        copies=gatherer.copies(g), peak=dict(zip(RATE_KINDS, map(float, peak)))))
+        copies=gatherer.copies(g), rebuilt_share=gatherer.rebuilt_share.get(g, 0.0),
+        peak=dict(zip(RATE_KINDS, map(float, peak)))))
     old = (current or {}).get(g, {}).get(p)
     if old is not None and old.capacity_fraction is not None:
       kind = RATE_KINDS.index(old.rate_kind)
@@ -534,7 +535,11 @@ class CodecPolicy:
                **{f"peak_{kind}": float(m) for kind, m in zip(RATE_KINDS, peak)},
                "bytes_plain": sel.bytes_plain,
                "bytes_sent": sel.bytes_sent, "gain": sel.gain_s, "state_bytes": sel.state_bytes
-               if sel.selected else 0, "best_state_bytes": sel.state_bytes}
+               if sel.selected else 0, "best_state_bytes": sel.state_bytes,
+               # the share of its gathers that move bytes (word / delta: the backward's are
+               # rebuilt from the cache)
+               "moving_share": 1.0 - (self.base.rebuilt_share.get(g, 0.0)
+                                      if sel.spec.mode in codec.WORD_MODES else 0.0)}
       if sel.selected:
         fmt = codec.patch_format(self.gatherer.shard_shape(g, p), hook.COMPUTE_DTYPE, sel.spec)
         entry.update(detect=sel.spec.detect, capacity_fraction=sel.spec.capacity_fraction,
@@ -582,8 +587,11 @@ class CodecPolicy:
       live = e.get("live")
       since = (f"; since step {record['live_since']}: {live['sent_over_plain']:.2f}x plain, "
                f"{live['fallbacks']} fallbacks" if live else "")
+      ratio = e["bytes_sent"] / max(e["bytes_plain"], 1)
+      share = e.get("moving_share", 1.0)
+      per_step = f" ({ratio * share:.2f}x a step)" if share < 1.0 else ""
       self.log(f"codec:   {e['group'] + e['path']:<34} {what}  {rates}  "
-               f"{e['bytes_sent'] / max(e['bytes_plain'], 1):.2f}x plain  "
+               f"{ratio:.2f}x plain{per_step}  "
                f"cache {_size(e['state_bytes'])}  {why}{since}")
     self._write()
 

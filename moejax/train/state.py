@@ -96,7 +96,8 @@ def state_layout(cfg: Config, mesh, tx: optax.GradientTransformation) -> StateLa
       is_leaf=lambda v: isinstance(v, NamedSharding))
   n = num_devices(mesh)
   gatherer = Gatherer.create(param_meta, layouts, n, codec_spec(cfg),
-                             compute_dtype=hook.COMPUTE_DTYPES[cfg.compute_dtype])
+                             compute_dtype=hook.COMPUTE_DTYPES[cfg.compute_dtype],
+                             rebuilt_share=rebuilt_shares(cfg))
   gather_state_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), gatherer.state_specs(),
                                         is_leaf=lambda s: isinstance(s, P))
   placement = placement_of(cfg, mesh, param_meta)
@@ -105,6 +106,18 @@ def state_layout(cfg: Config, mesh, tx: optax.GradientTransformation) -> StateLa
   shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings,
                          gather_state=gather_state_shardings, placement=placement_shardings)
   return StateLayout(param_shapes, layouts, specs, shardings, gatherer, mesh, cfg, placement)
+
+
+def rebuilt_shares(cfg: Config) -> dict[str, float]:
+  """{layer group: share of a word / delta parameter's gathers per step rebuilt from its
+  cache} (`hook.run_gathers`); groups gathered once per step rebuild nothing."""
+  out = {}
+  for group in {g for g, _, _ in olmoe.layer_runs(cfg)}:
+    runs = [count for g, _, count in olmoe.layer_runs(cfg) if g == group]
+    every, moving = (hook.gathers_per_layer(runs, remat=cfg.remat, prefetch=cfg.prefetch,
+                                            rebuilt=r) for r in (False, True))
+    out[group] = 1.0 - moving / every
+  return out
 
 
 def codec_spec(cfg: Config) -> CodecSpec | None:

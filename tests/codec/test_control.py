@@ -89,8 +89,9 @@ def test_gatherer_with_specs(gatherer):
 
 
 def test_profile_fits_a_model_of_this_mesh():
-  comm = codec_control.profile_comm(make_mesh((2, 4), jax.devices()[:8]), sizes=(1 << 12, 1 << 18),
-                                    reps=2, repeats=2)
+  # Sizes 512x apart: on a loaded 2-core machine 64x apart sometimes timed the larger faster.
+  comm = codec_control.profile_comm(make_mesh((2, 4), jax.devices()[:8]), sizes=(1 << 12, 1 << 21),
+                                    reps=2, repeats=3)
   assert comm.alpha >= 0 and comm.beta > 0
 
 
@@ -128,8 +129,10 @@ def test_codec_work_is_profiled_and_counts_against_the_gain(gatherer):
   same = [(a, b, g) for a, b, (g, _) in zip(free, cheap, low.names)
           if a.selected and b.spec == a.spec]
   assert same
-  for a, b, g in same:                               # the same choice, its work subtracted
-    assert b.gain_s == pytest.approx(a.gain_s - gatherer.copies(g) * 1e-7)
+  for a, b, g in same:   # the same choice, its work subtracted (not on rebuilt gathers)
+    moving = 1.0 - (gatherer.rebuilt_share.get(g, 0.0) if a.spec.mode in codec.WORD_MODES
+                    else 0.0)
+    assert b.gain_s == pytest.approx(a.gain_s - gatherer.copies(g) * moving * 1e-7)
   # Work that costs more than any collective saves: nothing pays.
   costly = codec_control.choose(gatherer, low, _codec(), comm,
                                 codec_seconds={m: (1.0, 0.0) for m in ("element", "block",

@@ -105,8 +105,12 @@ def test_auto_decisions(runs):
   # Norms cost more than they save (8 values per shard); the experts compress.
   assert first["final_norm"]["mode"] == "off" and first["final_norm"]["reason"] == "no gain"
   assert first["layers['moe']['w_up']"]["mode"] in ("element", "word", "delta", "block")
+  # Per step, each compressed parameter sends less than plain (word / delta move no bytes on
+  # the gathers the backward rebuilds from their caches, so a gather may cost a little more).
+  shares = runs["trainer"].layout.gatherer.rebuilt_share
   for e in first.values():
-    assert e["mode"] == "off" or e["bytes_sent"] < e["bytes_plain"]
+    moving = 1.0 - (shares.get(e["group"], 0.0) if e["mode"] in codec.WORD_MODES else 0.0)
+    assert e["mode"] == "off" or e["bytes_sent"] * moving < e["bytes_plain"]
   # One header and one line per parameter per decision.
   assert len(runs["lines"]) == 2 * (1 + len(first))
   assert all(line.startswith("codec:") for line in runs["lines"])
