@@ -153,7 +153,7 @@ class Rows:
   shard: list               # shard shape per row
   repeat: np.ndarray        # gathers per step (step.gathers_per_copy)
   plain: np.ndarray         # bytes per device per gather, plain
-  moving: np.ndarray        # of those, the share that moves bytes in word / delta mode (the
+  moving: np.ndarray        # of those, the share a compressed parameter sends as such (the
                             # backward's re-gathers are rebuilt from the cache)
 
   @classmethod
@@ -206,8 +206,8 @@ def simulate(rows: Rows, counts: np.ndarray, steps: range, plan, refill: bool = 
       dense = key in refill or over
       fallbacks += int(over and key not in refill)
       sent[i, r] = sizes["dense"] if dense else sizes["compressed"]
-      if spec.mode in codec.WORD_MODES:      # per gather on average, rebuilt ones included
-        sent[i, r] *= rows.moving[r]
+      # per gather on average over the step, the rebuilt ones at what they move
+      sent[i, r] = rows.moving[r] * sent[i, r] + (1 - rows.moving[r]) * sizes["rebuilt"]
     refill = set()
     new = plan(t)
     if new is not None:

@@ -180,16 +180,17 @@ def patch_format(shard_shape, dtype, spec: CodecSpec):
 
 
 def wire_bytes(shard_shape, dtype, spec: CodecSpec) -> dict:
-  """Static per-device bytes of one gather: plain, compressed path, dense path."""
+  """Static per-device bytes of one gather: plain, compressed path, dense path, and a gather
+  rebuilt from the state the same gather left (`rebuilt_gather_group`)."""
   n = math.prod(shard_shape)
   plain = n * np.dtype(dtype).itemsize
   if spec.mode == "off":
-    return {"plain": plain, "compressed": plain, "dense": plain}
+    return {"plain": plain, "compressed": plain, "dense": plain, "rebuilt": plain}
   layout = bits.layout_of(dtype)
   words = patch_format(shard_shape, dtype, spec).words
-  if spec.mode not in WORD_MODES:
-    words += bits.packed_words(n, layout.rest_bits)
-  return {"plain": plain, "compressed": 4 * (words + STATS_WORDS), "dense": plain + 4 * STATS_WORDS}
+  rest = 0 if spec.mode in WORD_MODES else bits.packed_words(n, layout.rest_bits)
+  return {"plain": plain, "compressed": 4 * (words + rest + STATS_WORDS),
+          "dense": plain + 4 * STATS_WORDS, "rebuilt": 4 * rest}
 
 
 def state_bytes(shard_shape, dtype, axis_size: int, spec: CodecSpec) -> int:
@@ -563,20 +564,37 @@ def _with_own(cache_RxN, own_N, me):
                    jnp.where(d == me, own, jnp.concatenate([own, cache_RxN])))
 
 
-def rebuilt_gather(shard: jax.Array, state: dict, *, axis_name, axis: int,
-                   spec: CodecSpec) -> jax.Array:
-  """What the compressed gather of `shard` that left `state` returned, rebuilt with no
-  collective: in word and delta modes the receiver's cache holds every other device's bit
-  patterns. For a gather run again on the same shard (the backward's re-gather under remat,
-  `moejax.sharding.prefetch`), whose new state is at hand."""
-  if spec.mode not in WORD_MODES:
-    raise ValueError(f"only {WORD_MODES} caches hold whole values, not {spec.mode!r}")
-  layout = bits.layout_of(shard.dtype)
-  fmt = patch_format(shard.shape, shard.dtype, spec)
-  w = lax.axis_size(axis_name)
-  own_N = lax.bitcast_convert_type(shard, layout.uint_dtype).reshape(fmt.n)
-  bits_WxN = _with_own(state["cache"], own_N, lax.axis_index(axis_name))
-  return tile(lax.bitcast_convert_type(bits_WxN, layout.dtype).reshape((w,) + shard.shape), axis)
+def rebuilt_gather_group(shards, states, *, axis_name, axes, specs) -> tuple:
+  """What the compressed gathers of `shards` that left `states` returned, again, for a gather
+  run a second time on the same shards (the backward's re-gather under remat,
+  `moejax.sharding.prefetch`), whose new states are at hand. Word and delta caches hold every
+  other device's bit patterns: rebuilt locally, no collective. Element and block caches hold
+  the others' exponents: only the sign+mantissa bits travel, one all_gather for all those shards
+  (`wire_bytes(...)["rebuilt"]` each), then merged; no encode, no patch."""
+  w, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
+  fulls, rests = [None] * len(shards), []
+  for k, (shard, state, spec) in enumerate(zip(shards, states, specs)):
+    layout = bits.layout_of(shard.dtype)
+    fmt = patch_format(shard.shape, shard.dtype, spec)
+    bits_N = lax.bitcast_convert_type(shard, layout.uint_dtype).reshape(fmt.n)
+    if spec.mode in WORD_MODES:
+      fulls[k] = _with_own(state["cache"], bits_N, me)
+    else:
+      exp_N, rest_N = bits.split_bits(bits_N, layout)
+      rests.append((k, exp_N, bits.pack_bits(rest_N, layout.rest_bits)))
+  if rests:
+    words_WxL = lax.all_gather(jnp.concatenate([packed for _, _, packed in rests]), axis_name)
+    start = 0
+    for k, exp_N, packed in rests:
+      layout, n = bits.layout_of(shards[k].dtype), exp_N.shape[0]
+      rest_WxN = bits.unpack_bits(words_WxL[:, start:start + packed.shape[0]],
+                                  layout.rest_bits, n)
+      exp_WxN = _with_own(states[k]["cache"][:, :n], exp_N, me)
+      fulls[k] = bits.merge_bits(exp_WxN, rest_WxN, layout)
+      start += packed.shape[0]
+  return tuple(
+      tile(lax.bitcast_convert_type(bits_WxN, bits.layout_of(x.dtype).dtype).reshape(
+          (w,) + x.shape), axis) for bits_WxN, x, axis in zip(fulls, shards, axes))
 
 
 def codec_work(shard, state, *, axis_size: int, spec: CodecSpec):

@@ -14,9 +14,10 @@ For parameter i (one shard per device, W devices on the gather axis), all figure
               it at start-up, `train.codec_control.profile_codec`)
   g_i(m)      = Comm(S_i) - Comm(P_i(m)) - Comm(16) - T_i(m)
               (the codec also issues the 16-byte agreement all-gather, which costs one alpha);
-              in word and delta mode (1 - r_i) g_i(m) + r_i Comm(S_i), where r_i is the share
-              of the parameter's gathers rebuilt from the cache with no collective (the
-              backward's re-gathers under remat full, `moejax.sharding.prefetch`)
+              averaged with r_i, the share of the parameter's gathers rebuilt from the cache
+              (the backward's re-gathers under remat full, `moejax.sharding.prefetch`), which
+              save Comm(S_i) - Comm(R_i(m)): R_i the sign+mantissa bytes in element / block
+              mode, no collective at all in word / delta mode
   M_i(m)      bytes of codec state per device: (W-1) x exponent bytes of cache, plus the sender's
               previous exponents ("exact") or block hashes ("hash"); word mode W x shard bytes
 A stacked parameter (one shard per layer, one choice for all) counts `copies` times in g and M.
@@ -103,7 +104,7 @@ class ParamStats:
   q_delta: Mapping[int, float] | None = None
   q_far: float | None = None   # measured fraction of values that move more than 127 units
   copies: int = 1              # shards sharing this choice (the layers of a stacked parameter)
-  rebuilt_share: float = 0.0   # gathers that word / delta mode rebuild from the cache (r_i)
+  rebuilt_share: float = 0.0   # gathers rebuilt from the cache (r_i)
   # Worst rate per mode (max over devices, layers and measured steps), which sizes the
   # capacity; the mean rates above when absent.
   peak: Mapping[str, float] | None = None
@@ -178,8 +179,9 @@ def evaluate(p: ParamStats, mode: str, detect: str, comm: CommModel, axis_size: 
   agreement = 4 * gather.STATS_WORDS
   gain = (comm(sizes["plain"]) - comm(sizes["compressed"] - agreement) - comm(agreement)
           - _decode_s(p, mode))
-  if mode in gather.WORD_MODES:      # a rebuilt gather saves the whole plain gather
-    gain = (1.0 - p.rebuilt_share) * gain + p.rebuilt_share * comm(sizes["plain"])
+  if p.rebuilt_share:
+    rebuilt = comm(sizes["plain"]) - (comm(sizes["rebuilt"]) if sizes["rebuilt"] else 0.0)
+    gain = (1.0 - p.rebuilt_share) * gain + p.rebuilt_share * rebuilt
   return (spec, p.copies * gain,
           p.copies * gather.state_bytes(p.shard_shape, p.dtype, axis_size, spec))
 

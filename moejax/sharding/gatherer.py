@@ -53,7 +53,7 @@ class Gatherer:
   num_devices: int
   specs: dict                  # {group: {path: CodecSpec}} for compressed parameters only
   compute_dtype: Any = hook.COMPUTE_DTYPE   # what the plain gathers deliver (config.compute_dtype)
-  # {group: share of a word / delta parameter's gathers per step that the backward rebuilds from
+  # {group: share of a compressed parameter's gathers per step that the backward rebuilds from
   # its cache} (`hook.run_gathers`; what the codec's selection prices)
   rebuilt_share: dict = dataclasses.field(default_factory=dict)
 

@@ -60,18 +60,24 @@ def _all_gather(shards: tuple, states: tuple, rebuild: tuple, dims: tuple, axis_
   Plain leaves (spec None): their bit patterns in `dtype` packed into one flat buffer [N],
   gathered as [W, N], each split out and tiled along its own dim, exactly what a tiled gather of
   each would return. Compressed leaves: one `codec.compressed_all_gather_group`, but those with
-  a `rebuild` state (word / delta: the state this same gather left) rebuilt from its cache with
-  no collective (`codec.rebuilt_gather`; they report no bytes). One reduce-scatter back for
-  all of them."""
+  a `rebuild` state (the state this same gather left) are rebuilt from their caches
+  (`codec.rebuilt_gather_group`: word / delta with no collective, element / block from one
+  gather of sign+mantissa bits; they report those bytes). One reduce-scatter back for all of
+  them."""
   n = len(shards)
   fulls, new_states, raws = [None] * n, list(states), [None] * n
   plain = [i for i in range(n) if specs[i] is None]
-  for i in range(n):
-    if specs[i] is not None and rebuild[i] is not None:
-      fulls[i] = codec.rebuilt_gather(shards[i].astype(dtype), rebuild[i], axis_name=axis_names,
-                                      axis=dims[i], spec=specs[i])
-      new_states[i] = rebuild[i]
+  again = [i for i in range(n) if specs[i] is not None and rebuild[i] is not None]
+  if again:
+    outs = codec.rebuilt_gather_group(
+        [shards[i].astype(dtype) for i in again], [rebuild[i] for i in again],
+        axis_name=axis_names, axes=[dims[i] for i in again], specs=[specs[i] for i in again])
+    for i, full in zip(again, outs):
+      sizes = codec.wire_bytes(shards[i].shape, dtype, specs[i])
+      fulls[i], new_states[i] = full, rebuild[i]
       raws[i] = {k: jnp.zeros((), jnp.float32) for k in STAT_KEYS}
+      raws[i].update(bytes_sent=jnp.float32(sizes["rebuilt"]),
+                     bytes_plain=jnp.float32(sizes["plain"]))
   coded = [i for i in range(n) if specs[i] is not None and rebuild[i] is None]
   if plain:
     uint = _BITS_DTYPES[jnp.dtype(dtype).itemsize]
@@ -156,8 +162,10 @@ def run_gathers(num_layers: int, *, remat: str, prefetch: bool, rebuilt: bool = 
   so minimal does not keep it). Prefetching gathers one layer ahead with no condition around the
   collective, so the forward's last iteration gathers layer L-1 again; under remat full backward
   uses that one and gathers ahead too, its last iteration layer 0 again; minimal and none keep
-  the weights for backward and gather nothing there. `rebuilt`: a codec parameter in word or
-  delta mode, whose prefetched backward gathers are rebuilt from its cache (no collective)."""
+  the weights for backward and gather nothing there. `rebuilt`: the compressed gathers of a
+  codec parameter, whose prefetched backward gathers are rebuilt from its cache instead
+  (`codec.rebuilt_gather_group`: none moves in word / delta mode, sign+mantissa only in element /
+  block mode)."""
   if prefetch and num_layers > 1:
     return 2 * num_layers + 1 if remat == "full" and not rebuilt else num_layers + 1
   return num_layers * (2 if prefetch_lib.recomputes(remat) else 1)
@@ -203,13 +211,12 @@ def gather_leaves(shards, layouts, specs, states, axis_names=DEVICES, dtypes=Non
   and state; word / delta leaves of one code width share one pooled patch and path, the others
   each their own), and all their fp32 gradients in one reduce-scatter back. `dtypes`: each leaf's
   compute dtype (default all bf16). `rebuild_states`: for a gather run again on the same shards,
-  the states the first one left; a word / delta leaf's is rebuilt from its cache, with no
-  collective (`codec.rebuilt_gather`)."""
+  the states the first one left; compressed leaves are rebuilt from their caches
+  (`codec.rebuilt_gather_group`)."""
   n = len(shards)
   dtypes = [COMPUTE_DTYPE] * n if dtypes is None else list(dtypes)
   rebuild = [None] * n if rebuild_states is None else [
-      r if spec is not None and spec.mode in codec.WORD_MODES else None
-      for r, spec in zip(rebuild_states, specs)]
+      r if spec is not None else None for r, spec in zip(rebuild_states, specs)]
   fulls, new_states, stats = [None] * n, list(states), [None] * n
   packs: dict = {}     # dtype -> indices of its sharded leaves, gathered together
   for i, (shard, layout, spec, dtype) in enumerate(zip(shards, layouts, specs, dtypes)):

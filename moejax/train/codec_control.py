@@ -264,6 +264,15 @@ def modes_of(codec_cfg: CodecConfig) -> tuple[str, ...]:
   return ("element", "block", "word", "delta") if codec_cfg.mode == "auto" else (codec_cfg.mode,)
 
 
+def _bytes_a_step(sel: select.Selection, rebuilt_share: float, shard_shape, copies: int) -> float:
+  """A selection's bytes per gather averaged over a step's gathers, the backward's rebuilt ones
+  (`codec.rebuilt_gather_group`) at what they move."""
+  if not sel.selected or not rebuilt_share:
+    return float(sel.bytes_sent)
+  rebuilt = copies * codec.wire_bytes(shard_shape, hook.COMPUTE_DTYPE, sel.spec)["rebuilt"]
+  return float((1.0 - rebuilt_share) * sel.bytes_sent + rebuilt_share * rebuilt)
+
+
 def choose(gatherer: Gatherer, rates: Rates, codec_cfg: CodecConfig, comm: select.CommModel,
            current: dict | None = None, codec_seconds: dict | None = None
            ) -> list[select.Selection]:
@@ -536,10 +545,10 @@ class CodecPolicy:
                "bytes_plain": sel.bytes_plain,
                "bytes_sent": sel.bytes_sent, "gain": sel.gain_s, "state_bytes": sel.state_bytes
                if sel.selected else 0, "best_state_bytes": sel.state_bytes,
-               # the share of its gathers that move bytes (word / delta: the backward's are
-               # rebuilt from the cache)
-               "moving_share": 1.0 - (self.base.rebuilt_share.get(g, 0.0)
-                                      if sel.spec.mode in codec.WORD_MODES else 0.0)}
+               # per gather on average over a step: the backward's are rebuilt from the cache
+               "bytes_sent_step": _bytes_a_step(sel, self.base.rebuilt_share.get(g, 0.0),
+                                                self.gatherer.shard_shape(g, p),
+                                                self.base.copies(g))}
       if sel.selected:
         fmt = codec.patch_format(self.gatherer.shard_shape(g, p), hook.COMPUTE_DTYPE, sel.spec)
         entry.update(detect=sel.spec.detect, capacity_fraction=sel.spec.capacity_fraction,
@@ -588,8 +597,8 @@ class CodecPolicy:
       since = (f"; since step {record['live_since']}: {live['sent_over_plain']:.2f}x plain, "
                f"{live['fallbacks']} fallbacks" if live else "")
       ratio = e["bytes_sent"] / max(e["bytes_plain"], 1)
-      share = e.get("moving_share", 1.0)
-      per_step = f" ({ratio * share:.2f}x a step)" if share < 1.0 else ""
+      step_ratio = e.get("bytes_sent_step", e["bytes_sent"]) / max(e["bytes_plain"], 1)
+      per_step = f" ({step_ratio:.2f}x a step)" if step_ratio != ratio else ""
       self.log(f"codec:   {e['group'] + e['path']:<34} {what}  {rates}  "
                f"{ratio:.2f}x plain{per_step}  "
                f"cache {_size(e['state_bytes'])}  {why}{since}")

@@ -109,8 +109,8 @@ def state_layout(cfg: Config, mesh, tx: optax.GradientTransformation) -> StateLa
 
 
 def rebuilt_shares(cfg: Config) -> dict[str, float]:
-  """{layer group: share of a word / delta parameter's gathers per step rebuilt from its
-  cache} (`hook.run_gathers`); groups gathered once per step rebuild nothing."""
+  """{layer group: share of a compressed parameter's gathers per step rebuilt from its cache}
+  (`hook.run_gathers`); groups gathered once per step rebuild nothing."""
   out = {}
   for group in {g for g, _, _ in olmoe.layer_runs(cfg)}:
     runs = [count for g, _, count in olmoe.layer_runs(cfg) if g == group]

@@ -107,8 +107,8 @@ def make_grad_fn(cfg: Config, mesh, lay: StateLayout):
 
 def gathers_per_copy(cfg: Config, gatherer, group: str, rebuilt: bool = False) -> float:
   """Gathers per step of one copy of a group's parameters: each layer's slice of a layer group
-  (`hook.gathers_per_layer` over the scanned runs that hold the group), else 1. `rebuilt`: a
-  codec parameter in word or delta mode (its prefetched backward gathers move nothing)."""
+  (`hook.gathers_per_layer` over the scanned runs that hold the group), else 1. `rebuilt`: the
+  compressed gathers of a codec parameter (its prefetched backward gathers are rebuilt)."""
   if not gatherer.is_stacked(group):
     return 1.0
   runs = [count for g, _, count in olmoe.layer_runs(cfg) if g == group]
@@ -120,8 +120,8 @@ def gather_metrics(cfg: Config, lay: StateLayout, stats: dict) -> dict:
 
   Bytes are what each device receives over the step: (N-1) times what each device puts into a
   gather, times the gathers of that parameter per step (`gathers_per_copy`; the plain figure
-  counts every gather, the sent one not the backward's rebuilt gathers of word / delta
-  parameters, which move nothing).
+  counts every gather; the sent one counts a compressed parameter's backward re-gathers as what
+  their rebuild moves: nothing in word / delta mode, sign+mantissa in element / block mode).
   """
   n = lay.gatherer.num_devices
   sizes = codec_denominators(lay)
@@ -138,9 +138,13 @@ def gather_metrics(cfg: Config, lay: StateLayout, stats: dict) -> dict:
     saved = (gathers_per_copy(cfg, lay.gatherer, group)
              - gathers_per_copy(cfg, lay.gatherer, group, rebuilt=True))
     for path, figures in param_stats[group].items():
-      if saved and lay.gatherer.specs[group][path].mode in codec.WORD_MODES:
-        sent = jnp.sum(figures[..., hook.STAT_KEYS.index("bytes_sent")])
-        by_group[lay.gatherer.report_group(group, path)]["bytes_sent"] -= sent * (n - 1) * saved
+      if not saved:
+        continue
+      sent_L = figures[..., hook.STAT_KEYS.index("bytes_sent")]
+      rebuilt = codec.wire_bytes(lay.gatherer.shard_shape(group, path), hook.COMPUTE_DTYPE,
+                                 lay.gatherer.specs[group][path])["rebuilt"]
+      by_group[lay.gatherer.report_group(group, path)]["bytes_sent"] -= (
+          (jnp.sum(sent_L) - rebuilt * sent_L.size) * (n - 1) * saved)
   metrics = {}
   total = {k: sum(g[k] for g in by_group.values()) for k in hook.STAT_KEYS}
   metrics["gather_bytes"] = total["bytes_sent"]

@@ -115,7 +115,7 @@ def test_config_fields():
 
 
 def test_codec_work_is_profiled_and_counts_against_the_gain(gatherer):
-  seconds = codec_control.profile_codec(("element", "word"), 8, sizes=(1 << 12, 1 << 16),
+  seconds = codec_control.profile_codec(("element", "word"), 8, sizes=(1 << 12, 1 << 18),
                                         repeats=2)
   assert set(seconds) == {"element", "word"}
   assert all(alpha >= 0 and beta > 0 for alpha, beta in seconds.values())

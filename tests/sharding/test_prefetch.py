@@ -9,9 +9,10 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
-from moejax.codec import gather as codec
+from moejax.codec import bits, gather as codec
 from moejax.sharding import hook, prefetch as prefetch_lib
 from moejax.sharding.layout import Layout
 
@@ -69,57 +70,65 @@ def test_remat_modes_and_prefetch_give_the_same_gradients_through_the_hook():
     np.testing.assert_allclose(a, 8 * b, rtol=1e-5, atol=1e-6)
 
 
-DELTA = codec.CodecSpec("delta", delta_bits=4, warmup_steps=0, capacity_fraction=1.0,
-                        far_fraction=1.0)
+SPECS = {"delta": codec.CodecSpec("delta", delta_bits=4, warmup_steps=0, capacity_fraction=1.0,
+                                  far_fraction=1.0),
+         "element": codec.CodecSpec("element", warmup_steps=0, capacity_fraction=1.0)}
 
 
-def _delta_gather(shards, states, rebuild_from=None):
-  """The hook's compressed gather (delta mode) of both weights, bf16."""
-  names = sorted(shards)
-  fulls, new, _ = hook.gather_leaves(
-      [shards[k] for k in names], [Layout("shard", 1)] * len(names), [DELTA] * len(names),
-      [states[k] for k in names], axis_names=AXIS,
-      rebuild_states=None if rebuild_from is None else [rebuild_from[k] for k in names])
-  return dict(zip(names, fulls)), dict(zip(names, new)), {}
+def _coded_gather(spec):
+  def gather(shards, states, rebuild_from=None):
+    """The hook's compressed gather of both weights, bf16."""
+    names = sorted(shards)
+    fulls, new, _ = hook.gather_leaves(
+        [shards[k] for k in names], [Layout("shard", 1)] * len(names), [spec] * len(names),
+        [states[k] for k in names], axis_names=AXIS,
+        rebuild_states=None if rebuild_from is None else [rebuild_from[k] for k in names])
+    return dict(zip(names, fulls)), dict(zip(names, new)), {}
+  return gather
 
 
-def test_backward_rebuilds_delta_weights_from_the_forward_caches():
-  """Under remat full the prefetched backward needs each layer's weights again; a delta
-  parameter's cache after the forward's gather holds every device's values, so backward rebuilds
-  them with no collective: gradients bit-identical to the plain scan's re-gathers, and the
-  compiled backward issues no all-gather (the forward's gathers run the compressed path)."""
+@pytest.mark.parametrize("mode", sorted(SPECS))
+def test_backward_rebuilds_coded_weights_from_the_forward_caches(mode):
+  """Under remat full the prefetched backward needs each layer's weights again. After the
+  forward's gather a delta cache holds every device's values: rebuilt with no collective. An
+  element cache holds the others' exponents: only the sign+mantissa bits travel (one all-gather
+  of both weights' packed bits a layer, no patch). Gradients bit-identical to the plain scan's,
+  which gathers again through the codec (the forward's gathers take the compressed path)."""
+  spec, gather = SPECS[mode], _coded_gather(SPECS[mode])
   key = jax.random.key(1)
   shards = {"a": jax.random.normal(key, (LAYERS, 8, WIDTH)) * 0.3,
             "b": jax.random.normal(jax.random.fold_in(key, 1), (LAYERS, 8, WIDTH)) * 0.3}
   h = jax.random.normal(jax.random.fold_in(key, 2), (4, 8))
 
-  def grads(h, shards):
+  def grads(h, shards, prefetch):
     def fresh(x):        # this device's state of one weight, every layer
-      one = codec.init_state(x.shape[1:], jnp.bfloat16, 8, DELTA)
+      one = codec.init_state(x.shape[1:], jnp.bfloat16, 8, spec)
       return jax.tree.map(lambda s: jnp.broadcast_to(s, (LAYERS,) + s.shape), one)
 
     states = {k: fresh(x) for k, x in shards.items()}
     # A first forward fills the caches (dense); the weights then move a little, so the gathers
     # under test take the compressed path.
-    states = prefetch_lib.scan_layers(_layer_fn, h, shards, _delta_gather, states, (),
-                                      remat="full", prefetch=False)[2]
+    states = prefetch_lib.scan_layers(_layer_fn, h, shards, gather, states, (), remat="full",
+                                      prefetch=False)[2]
     moved = jax.tree.map(lambda x: x * 1.001, shards)
 
-    def loss(shards, prefetch):
-      out, _, _, stats_L = prefetch_lib.scan_layers(_layer_fn, h, shards, _delta_gather, states,
-                                                    (), remat="full", prefetch=prefetch)
+    def loss(shards):
+      out = prefetch_lib.scan_layers(_layer_fn, h, shards, gather, states, (), remat="full",
+                                     prefetch=prefetch)[0]
       return jnp.sum(out ** 2)
-    return [jax.grad(loss)(moved, p) for p in (False, True)]
+    return jax.grad(loss)(moved)
 
   stacked = P(None, None, AXIS)
-  f = jax.jit(jax.shard_map(grads, mesh=MESH, in_specs=(P(), stacked),
-                            out_specs=[stacked] * 2, check_vma=False))
-  plain, prefetched = f(h, shards)
-  for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(prefetched)):
+  run = {p: jax.jit(jax.shard_map(lambda h, s, p=p: grads(h, s, p), mesh=MESH,
+                                  in_specs=(P(), stacked), out_specs=stacked, check_vma=False))
+         for p in (False, True)}
+  for a, b in zip(jax.tree.leaves(run[False](h, shards)), jax.tree.leaves(run[True](h, shards))):
     np.testing.assert_array_equal(a, b)
-  text = f.lower(h, shards).compile().as_text()
-  gathers = [line for line in text.splitlines() if re.search(r" all-gather(-start)?\(", line)
-             and "u32[" in line.split("=")[1].split("all-gather")[0]]
-  # The payloads (uint32 words) of the compressed path: forward only, for the prefetching scan.
-  backward = [line for line in gathers if "transpose(" in line]
-  assert gathers and len(backward) == 1      # the plain scan's backward re-gather; none prefetched
+  text = run[True].lower(h, shards).compile().as_text()
+  backward = [line for line in text.splitlines()
+              if re.search(r" all-gather(-start)?\(", line) and "transpose(" in line]
+  if mode == "delta":
+    assert backward == []
+  else:   # both weights' sign+mantissa bits (a byte a value, 8 x 2 values a shard), packed
+    words = 2 * bits.packed_words(8 * WIDTH // 8, 8)
+    assert backward and all(f"u32[8,{words}]" in line for line in backward)
