@@ -164,7 +164,7 @@ class Rows:
         names.append((g, p))
         shard.append(gatherer.shard_shape(g, p))
         repeat.append(step_lib.gathers_per_copy(cfg, gatherer, g))
-        moving.append(step_lib.gathers_per_copy(cfg, gatherer, g, rebuilt=True) / repeat[-1])
+        moving.append(1.0 - gatherer.rebuilt_share.get(g, 0.0))
     plain = np.array([2 * math.prod(s) for s in shard], np.float64)
     return cls(names, shard, np.asarray(repeat, np.float64), plain,
                np.asarray(moving, np.float64))

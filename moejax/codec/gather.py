@@ -516,9 +516,9 @@ def _forward(shards, states, axis_name, axes, specs):
     return [compressed_path(s, wire_WxL[:, a:b])
             for s, a, b in zip(send, [0] + ends[:-1], ends)]
 
-  if len(send) > 1 and len({jax.eval_shape(s["make_wire"]).dtype for s in send}) == 1:
-    # The usual step (no pool falls back) takes one payload collective for the group; a step
-    # where some pool must go dense takes each pool's own, as above.
+  if len(send) > 1:
+    # The usual step (no pool falls back) takes one payload collective for the group (every
+    # wire is uint32 words); a step where some pool must go dense takes each pool's own.
     gathered = lax.cond(jnp.any(jnp.stack(dense_P)), per_pool, all_compressed, None)
   else:
     gathered = per_pool(None)

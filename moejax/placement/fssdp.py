@@ -11,8 +11,8 @@ e is owned by device e // El, like `ep`. `owned_windows` turns a device's S stor
 scatters back into the slots). Each step and layer:
   1. `materialize`: plan replicas from the *predicted* loads (`planner.materialize_plan`,
      preferring, within 2% of the best straggler, the devices that held the same expert last
-     step: the replica state's `held`, which every fssdp run keeps) and fetch them with SparseAllGather, before the layer's attention, so the transfer can hide
-     behind it. SparseAllGather is one `psum_scatter` of an [N, M, ...] buffer in which each
+     step: the replica state's `held`, which every fssdp run keeps) and fetch them with
+     SparseAllGather, before the layer's attention, so the transfer can hide behind it. SparseAllGather is one `psum_scatter` of an [N, M, ...] buffer in which each
      owner fills the slots that hold its experts: device d receives its M replica slots. Its
      transpose (the backward) is an `all_gather` of the replicas' gradients in fp32, of which each
      owner keeps and sums its own rows in fp32: SparseReduceScatter. Only gradients move;

@@ -267,8 +267,9 @@ def _permute_fn(shardings_leaves, treedef, expert_paths, donate: bool):
 class FssdpCheckpoint:
   """fssdp's checkpoint item "fssdp": {"load_history": {"loads_WxLxE", "count"},
   "expert_owner", "replica_plan" (int32 [L, N, M]: what each device's replica slots held after
-  the step, which the next step's plan prefers)}. Checkpoints hold experts in canonical order (expert (l, e) at [l, e]), the
-  order `load_params` and every placement read; a restore moves them to the saved owners."""
+  the step, which the next step's plan prefers)}. Checkpoints hold experts in canonical order
+  (expert (l, e) at [l, e]), the order `load_params` and every placement read; a restore moves
+  them to the saved owners."""
   placement: Placement
   state_shardings: FssdpState      # NamedShardings like the state
   param_shardings: tuple           # (params, opt_state) shardings

@@ -208,8 +208,8 @@ class Gatherer:
   def gather(self, group: str, shards, states: dict | None, rebuild_from: dict | None = None):
     """-> (full tree in the compute dtype, new states {path: state}, {report group: stats,
     PARAM_STATS: ...}). `rebuild_from`: the new states of the same gather run before on the
-    same shards (a re-gather under remat); word / delta parameters are rebuilt from their caches
-    with no collective (`hook.gather_leaves`)."""
+    same shards (a re-gather under remat); compressed parameters are rebuilt from their caches
+    (`hook.gather_leaves`)."""
     lays = self.layouts[group]
     if self.is_stacked(group):
       lays = jax.tree.map(Layout.unstacked, lays)

@@ -105,14 +105,14 @@ def make_grad_fn(cfg: Config, mesh, lay: StateLayout):
                        check_vma=False)
 
 
-def gathers_per_copy(cfg: Config, gatherer, group: str, rebuilt: bool = False) -> float:
+def gathers_per_copy(cfg: Config, gatherer, group: str) -> float:
   """Gathers per step of one copy of a group's parameters: each layer's slice of a layer group
-  (`hook.gathers_per_layer` over the scanned runs that hold the group), else 1. `rebuilt`: the
-  compressed gathers of a codec parameter (its prefetched backward gathers are rebuilt)."""
+  (`hook.gathers_per_layer` over the scanned runs that hold the group), else 1. Of a compressed
+  parameter's, `gatherer.rebuilt_share` are rebuilt from its cache."""
   if not gatherer.is_stacked(group):
     return 1.0
   runs = [count for g, _, count in olmoe.layer_runs(cfg) if g == group]
-  return hook.gathers_per_layer(runs, remat=cfg.remat, prefetch=cfg.prefetch, rebuilt=rebuilt)
+  return hook.gathers_per_layer(runs, remat=cfg.remat, prefetch=cfg.prefetch)
 
 
 def gather_metrics(cfg: Config, lay: StateLayout, stats: dict) -> dict:
@@ -120,31 +120,31 @@ def gather_metrics(cfg: Config, lay: StateLayout, stats: dict) -> dict:
 
   Bytes are what each device receives over the step: (N-1) times what each device puts into a
   gather, times the gathers of that parameter per step (`gathers_per_copy`; the plain figure
-  counts every gather; the sent one counts a compressed parameter's backward re-gathers as what
-  their rebuild moves: nothing in word / delta mode, sign+mantissa in element / block mode).
+  counts every gather; the sent one counts a compressed parameter's rebuilt re-gathers
+  (`gatherer.rebuilt_share`) as what the rebuild moves: nothing in word / delta mode,
+  sign+mantissa in element / block mode).
   """
   n = lay.gatherer.num_devices
   sizes = codec_denominators(lay)
   stats, param_stats = lay.gatherer.split_param_stats(stats)
   by_group: dict = {}
   for group, group_stats in stats.items():
+    every = gathers_per_copy(cfg, lay.gatherer, group)
     for report, s in group_stats.items():
       acc = by_group.setdefault(report, {k: 0.0 for k in hook.STAT_KEYS})
       for k in hook.STAT_KEYS:
         value = jnp.sum(s[k])
         if k.startswith("bytes"):
-          value = value * (n - 1) * gathers_per_copy(cfg, lay.gatherer, group)
+          value = value * (n - 1) * every
         acc[k] = acc[k] + value
-    saved = (gathers_per_copy(cfg, lay.gatherer, group)
-             - gathers_per_copy(cfg, lay.gatherer, group, rebuilt=True))
-    for path, figures in param_stats[group].items():
-      if not saved:
-        continue
-      sent_L = figures[..., hook.STAT_KEYS.index("bytes_sent")]
-      rebuilt = codec.wire_bytes(lay.gatherer.shard_shape(group, path), hook.COMPUTE_DTYPE,
-                                 lay.gatherer.specs[group][path])["rebuilt"]
-      by_group[lay.gatherer.report_group(group, path)]["bytes_sent"] -= (
-          (jnp.sum(sent_L) - rebuilt * sent_L.size) * (n - 1) * saved)
+    saved = every * lay.gatherer.rebuilt_share.get(group, 0.0)
+    if saved:
+      for path, figures in param_stats[group].items():
+        sent_L = figures[..., hook.STAT_KEYS.index("bytes_sent")]
+        rebuilt = codec.wire_bytes(lay.gatherer.shard_shape(group, path), hook.COMPUTE_DTYPE,
+                                   lay.gatherer.specs[group][path])["rebuilt"]
+        by_group[lay.gatherer.report_group(group, path)]["bytes_sent"] -= (
+            (jnp.sum(sent_L) - rebuilt * sent_L.size) * (n - 1) * saved)
   metrics = {}
   total = {k: sum(g[k] for g in by_group.values()) for k in hook.STAT_KEYS}
   metrics["gather_bytes"] = total["bytes_sent"]

@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 
 from moejax.codec import gather as codec
+from moejax.models import olmoe
+from moejax.sharding import hook
 from moejax.sharding.gatherer import PARAM_METRIC
 from moejax.sharding.hook import STAT_KEYS
 from moejax.train import codec_control, step as step_lib
@@ -176,7 +178,9 @@ def test_word_and_delta_bytes_count_their_forward_gathers_only(runs):
   rebuilt = 0
   for (g, p, _), row in zip(rows, np.asarray(jax.device_get(raw))):
     every = step_lib.gathers_per_copy(cfg, gatherer, g)
-    moved = step_lib.gathers_per_copy(cfg, gatherer, g, rebuilt=True)
+    runs = [count for group, _, count in olmoe.layer_runs(cfg) if group == g]
+    moved = every if not runs else hook.gathers_per_layer(runs, remat=cfg.remat,
+                                                          prefetch=cfg.prefetch, rebuilt=True)
     again = codec.wire_bytes(gatherer.shard_shape(g, p), jnp.bfloat16, specs[g][p])["rebuilt"]
     rebuilt += moved < every and specs[g][p].mode not in codec.WORD_MODES and again > 0
     coded_sent += (row[sent] * moved + again * (every - moved)) * (n - 1)
