@@ -363,7 +363,9 @@ def materialize(predicted_load_E, w_gate, w_up, w_down, *, dispatch: Dispatch,
                 owners: Owners | None = None, replica_state: dict | None = None) -> Materialized:
   """This step's plan and weights. w_* hold this device's experts of the layer by rank
   (`owners`; default: even, C = El). The plan prefers the devices that held an expert last step
-  (`replica_state["held"]`); with `dispatch.replica_codec` those slots receive patches."""
+  (`replica_state["held"]`); with `dispatch.replica_codec` those slots receive patches. The
+  preference applies with the codec off too, so the plans, and so the losses, do not depend on
+  the codec; it costs the modelled straggler at most `planner.PREFER_WITHIN`."""
   n = dispatch.num_devices
   if owners is None:
     owners = even_owners(w_gate.shape[0] * n, n)

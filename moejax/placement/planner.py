@@ -28,6 +28,7 @@ minimizes the largest such device load.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -174,6 +175,9 @@ def materialize_plan(load_E, owner_E, *, num_devices: int, devices_per_node: int
   prefer_ExN (optional bool [E, N]): devices that already hold, or held last step, a replica of
   e (a replica there moves nothing, or only a patch). A new replica goes to such a device when
   its modelled straggler is within `prefer_within` x the mean device load of the best choice.
+  Those choices add up over the rounds (a cheap replica of a cold expert can take an opening
+  that a hot one needed), so the plan is also made without the preference, and the preferred
+  one is kept only when its modelled straggler is within `prefer_within` of that one's.
 
   So the hottest experts get replicas first, each gets a number roughly proportional to its load,
   spread over nodes that lack a holder first, then onto the least-loaded devices with free slots.
@@ -191,10 +195,15 @@ def materialize_plan(load_E, owner_E, *, num_devices: int, devices_per_node: int
   else:
     src_ExN = jnp.maximum(jnp.asarray(source_load_NxE, jnp.float32), 0.0).T
   lookahead = dpn + 1 if lookahead is None else lookahead
-  prefer_ExN = (jnp.zeros(src_ExN.shape, jnp.bool_) if prefer_ExN is None
-                else jnp.asarray(prefer_ExN, jnp.bool_))
-  return _plan(src_ExN, jnp.asarray(owner_E, jnp.int32), n, dpn, replica_slots, overlap_degree,
-               target_straggler, lookahead, prefer_ExN, prefer_within)
+  owner_E = jnp.asarray(owner_E, jnp.int32)
+  plan = functools.partial(_plan, src_ExN, owner_E, n, dpn, replica_slots, overlap_degree,
+                           target_straggler, lookahead, prefer_within=prefer_within)
+  base = plan(jnp.zeros(src_ExN.shape, jnp.bool_))
+  if prefer_ExN is None:
+    return base
+  preferred = plan(jnp.asarray(prefer_ExN, jnp.bool_))
+  keep = preferred.straggler <= base.straggler + prefer_within
+  return jax.tree.map(lambda a, b: jnp.where(keep, a, b), preferred, base)
 
 
 def _plan(src_ExN, owner_E, n, dpn, m, overlap_degree, target_straggler, lookahead, prefer_ExN,

@@ -19,7 +19,9 @@ prefetch=True    (more than one layer) the gather of layer i+1 is issued in iter
                  backward (starting from the forward's last gather; its own last iteration
                  gathers layer 0 again; `gather(shards, states, new_states)` rebuilds from the
                  new states the forward's gather left what it can: the codec's word and delta
-                 parameters, whose caches hold every device's values), then reduce-scatters layer i's weight gradient through
+                 parameters from their caches with no collective, element and block ones from
+                 their cached exponents and one all-gather of sign+mantissa), then
+                 reduce-scatters layer i's weight gradient through
                  the gather's VJP (which needs no residual, so no gather runs for it). The
                  prefetched weights travel in the carries, never saved for backward.
                  `hook.run_gathers` counts the gathers.
@@ -84,8 +86,9 @@ def _prefetched_scan(layer_fn, gather, remat: str, num_layers: int):
   index_L = jnp.arange(num_layers, dtype=jnp.int32)
 
   def regather(shards_L, states_L, new_states_L, i):
-    """Layer i's weights again; word / delta parameters of the codec rebuilt from the caches
-    the forward's gather left (`rebuild_from`: no collective, no decode)."""
+    """Layer i's weights again; the codec's parameters rebuilt from the caches the forward's
+    gather left (`rebuild_from`: word / delta with no collective, element / block from their
+    cached exponents and an all-gather of sign+mantissa)."""
     if not jax.tree.leaves(new_states_L):
       return gather(_take(shards_L, i), _take(states_L, i))[0]
     return gather(_take(shards_L, i), _take(states_L, i), _take(new_states_L, i))[0]

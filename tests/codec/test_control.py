@@ -129,9 +129,8 @@ def test_codec_work_is_profiled_and_counts_against_the_gain(gatherer):
   same = [(a, b, g) for a, b, (g, _) in zip(free, cheap, low.names)
           if a.selected and b.spec == a.spec]
   assert same
-  for a, b, g in same:   # the same choice, its work subtracted (not on rebuilt gathers)
-    moving = 1.0 - (gatherer.rebuilt_share.get(g, 0.0) if a.spec.mode in codec.WORD_MODES
-                    else 0.0)
+  for a, b, g in same:   # the same choice, its work subtracted (not on rebuilt gathers, in
+    moving = 1.0 - gatherer.rebuilt_share.get(g, 0.0)   # every mode)
     assert b.gain_s == pytest.approx(a.gain_s - gatherer.copies(g) * moving * 1e-7)
   # Work that costs more than any collective saves: nothing pays.
   costly = codec_control.choose(gatherer, low, _codec(), comm,
