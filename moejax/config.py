@@ -538,6 +538,8 @@ def validate(c: Config) -> None:
   for field in ("admission_capacity_factor", "admission_capacity_factor_warmup"):
     value = getattr(c.routing, field)
     _check(value > 0, f"config.routing.{field}={value}: must be positive")
+  _check(c.routing.warmup_steps >= 0,
+         f"config.routing.warmup_steps={c.routing.warmup_steps}: must be >= 0")
   _check(c.routing.locality_weight >= 0,
          f"config.routing.locality_weight={c.routing.locality_weight}: must be >= 0")
   _choice(c.data.source, "data.source", DATA_SOURCES)

@@ -166,6 +166,7 @@ def test_unknown_preset():
     ({"data.source": "text"}, r"config.data.path is empty"),
     ({"mesh.shape": (-1, -1)}, r"config.mesh.shape"),
     ({"routing.admission": "maybe"}, r"config.routing.admission='maybe'"),
+    ({"routing.warmup_steps": -5}, r"config.routing.warmup_steps=-5: must be >= 0"),
     ({"fssdp.replica_codec": "zstd"}, r"config.fssdp.replica_codec='zstd': must be one of "
                                       r"off, delta \(or '' to follow codec.mode\)"),
     ({"fssdp.replica_codec": "delta", "compute_dtype": "float32", "moe.placement": "fssdp"},

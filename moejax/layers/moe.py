@@ -139,9 +139,14 @@ class MoEBlock(nnx.Module):
           step, num_tokens=b * s, k=spec.top_k, num_experts=spec.num_experts,
           factor=spec.capacity_factor, factor_warmup=spec.capacity_factor_warmup,
           warmup_steps=spec.warmup_steps)
+      allowed_TxE = None
+      if spec.admission == "reroute":   # rerouted assignments stay in the token's groups
+        allowed_TxE = router_lib.allowed_experts(
+            scores_TxE, bias_E=self.score_bias[...] if spec.score_bias else None,
+            groups=spec.groups, top_groups=spec.top_groups)
       admitted = admission_lib.admit(x_TxD, router_DxE, experts_TxK, weights_TxK, scores_TxE,
                                      capacity_E=capacity_E, threshold=spec.threshold,
-                                     policy=spec.admission)
+                                     policy=spec.admission, allowed_TxE=allowed_TxE)
       experts_TxK, weights_TxK = admitted.experts_TxK, admitted.weights_TxK
       kept_TxK, rerouted_TxK = admitted.kept_TxK, admitted.rerouted_TxK
     aux["locality_loss"] = jnp.zeros((), jnp.float32)

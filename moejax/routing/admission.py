@@ -15,7 +15,8 @@ Policies:
   reroute  strict admission first (its decisions are final, nothing it accepted is ever evicted,
            so strict-kept is a subset of reroute-kept); then each rejected assignment moves to the
            most similar expert (by affinity) that clears the threshold, still has room, and is not
-           already one of the token's experts; if none qualifies it is dropped.
+           already one of the token's experts (under group-limited routing, one of the token's
+           allowed groups: `allowed_TxE`); if none qualifies it is dropped.
 
 Reroute runs in rounds. In each round every token that has rejected assignments and at least one
 qualifying expert proposes its lowest pending slot to its most similar qualifying expert (ties:
@@ -164,12 +165,15 @@ def _first_true(mask_TxK: jax.Array) -> jax.Array:
 
 
 def _reroute(experts_TxK, valid_TxK, strict_kept_TxK, room_E, affinity_TxE, threshold,
-             num_experts):
+             num_experts, allowed_TxE=None):
   """Final expert per slot after rerouting the strict rejects (E where dropped).
 
-  `room_E` is what strict admission left on each expert.
+  `room_E` is what strict admission left on each expert; `allowed_TxE` (optional) the experts
+  each token may go to (group-limited routing).
   """
   clears_TxE = affinity_TxE >= threshold
+  if allowed_TxE is not None:
+    clears_TxE = clears_TxE & allowed_TxE
   expert_ids_E = jnp.arange(num_experts, dtype=jnp.int32)
   member_TxE = jnp.any((experts_TxK[:, :, None] == expert_ids_E[None, None, :])
                        & valid_TxK[:, :, None], axis=1)
@@ -207,7 +211,7 @@ def _reroute(experts_TxK, valid_TxK, strict_kept_TxK, room_E, affinity_TxE, thre
 def admit(x_TxD: jax.Array, router_w_DxE: jax.Array, experts_TxK: jax.Array,
           weights_TxK: jax.Array, scores_TxE: jax.Array, *, capacity_E: jax.Array,
           threshold: float | jax.Array, policy: str,
-          renormalize_kept: bool = False) -> Admission:
+          renormalize_kept: bool = False, allowed_TxE: jax.Array | None = None) -> Admission:
   """Capacity-limited affinity admission of top-k assignments (see the module docstring).
 
   Args:
@@ -219,6 +223,8 @@ def admit(x_TxD: jax.Array, router_w_DxE: jax.Array, experts_TxK: jax.Array,
     threshold: minimum affinity (cosine similarity, may be traced); -1 admits everything.
     policy: one of POLICIES (static).
     renormalize_kept: rescale kept weights so each token's total is what it was before admission.
+    allowed_TxE: the experts each token may be rerouted to (`router.allowed_experts` under
+      group-limited routing: a rerouted assignment stays in the token's groups); None: any.
   """
   if policy not in POLICIES:
     raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -250,7 +256,7 @@ def admit(x_TxD: jax.Array, router_w_DxE: jax.Array, experts_TxK: jax.Array,
       final_TxK = jnp.where(kept_TxK, experts_TxK, num_experts)
     else:
       final_TxK = _reroute(experts_TxK, valid_TxK, kept_TxK, room_E, affinity_TxE, threshold,
-                           num_experts)
+                           num_experts, allowed_TxE)
   strict_kept_TxK = kept_TxK
   kept_TxK = final_TxK < num_experts
   rerouted_TxK = kept_TxK & ~strict_kept_TxK
@@ -322,5 +328,8 @@ def capacity_schedule(step: int | jax.Array, *, num_tokens: int, k: int, num_exp
     return jnp.broadcast_to(cap, (num_experts,)).astype(jnp.int32)
   f = jnp.where(warming, factor_warmup, jnp.asarray(after_L, jnp.float32)[layer])
   share_E = jnp.asarray(expert_share_E, jnp.float32)
-  cap_E = jnp.ceil(f * assignments * share_E - 1e-6)
+  # Forgives fp32 noise relative to the value (1.2 is stored a little above 1.2: 3 experts' equal
+  # shares of 100 assignments must give 40, not 41).
+  value_E = f * assignments * share_E
+  cap_E = jnp.ceil(value_E - 4e-7 * jnp.maximum(value_E, 1.0))
   return jnp.maximum(cap_E, 0).astype(jnp.int32)

@@ -47,15 +47,9 @@ def top_k_route(logits_TxE: jax.Array, k: int, *, score: str = "softmax",
   (`lax.top_k` order), so the choice is deterministic.
   """
   scores_TxE = router_scores(logits_TxE, score)
-  choice_TxE = scores_TxE
-  if bias_E is not None:
-    choice_TxE = choice_TxE + jax.lax.stop_gradient(bias_E.astype(jnp.float32))[None, :]
+  choice_TxE = _choice(scores_TxE, bias_E)
   if groups > 1:
-    t, e = choice_TxE.shape
-    best2_TxGx2, _ = jax.lax.top_k(choice_TxE.reshape(t, groups, e // groups), 2)
-    _, top_TxGk = jax.lax.top_k(jnp.sum(best2_TxGx2, axis=-1), top_groups)
-    allowed_TxG = jnp.any(jax.nn.one_hot(top_TxGk, groups, dtype=bool), axis=1)
-    allowed_TxE = jnp.repeat(allowed_TxG, e // groups, axis=1)
+    allowed_TxE = _allowed(choice_TxE, groups, top_groups)
     choice_TxE = jnp.where(allowed_TxE, choice_TxE, -jnp.inf)
   if choice_TxE is scores_TxE:
     weights_TxK, experts_TxK = jax.lax.top_k(scores_TxE, k)
@@ -67,6 +61,30 @@ def top_k_route(logits_TxE: jax.Array, k: int, *, score: str = "softmax",
   if scale != 1.0:
     weights_TxK = weights_TxK * scale
   return weights_TxK, experts_TxK.astype(jnp.int32), scores_TxE
+
+
+def _choice(scores_TxE, bias_E):
+  if bias_E is None:
+    return scores_TxE
+  return scores_TxE + jax.lax.stop_gradient(bias_E.astype(jnp.float32))[None, :]
+
+
+def _allowed(choice_TxE, groups: int, top_groups: int):
+  t, e = choice_TxE.shape
+  best2_TxGx2, _ = jax.lax.top_k(jax.lax.stop_gradient(choice_TxE).reshape(t, groups, e // groups),
+                                 2)
+  _, top_TxGk = jax.lax.top_k(jnp.sum(best2_TxGx2, axis=-1), top_groups)
+  allowed_TxG = jnp.any(jax.nn.one_hot(top_TxGk, groups, dtype=bool), axis=1)
+  return jnp.repeat(allowed_TxG, e // groups, axis=1)
+
+
+def allowed_experts(scores_TxE: jax.Array, *, bias_E: jax.Array | None = None, groups: int = 1,
+                    top_groups: int = 1) -> jax.Array | None:
+  """[T, E] bool: the experts of each token's `top_groups` best groups, the ones `top_k_route`
+  chose among (None when routing is not group-limited). Admission's reroute keeps to them."""
+  if groups <= 1:
+    return None
+  return _allowed(_choice(scores_TxE, bias_E), groups, top_groups)
 
 
 def expert_counts(experts_TxK: jax.Array, num_experts: int,

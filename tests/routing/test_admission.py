@@ -1,5 +1,6 @@
 """Capacity-limited affinity admission against a slow numpy reference, plus its invariants."""
 import functools
+import math
 
 import chex
 import jax
@@ -15,7 +16,7 @@ T, D, E, K = 48, 8, 6, 2
 
 
 # ----------------------------------------------------------------------------- reference
-def ref_admit(aff_TxE, experts_TxK, capacity_E, threshold, policy):
+def ref_admit(aff_TxE, experts_TxK, capacity_E, threshold, policy, allowed_TxE=None):
   """Slow loop reference: returns the final expert per slot (E where dropped)."""
   aff = np.asarray(aff_TxE)
   n_tok, k = experts_TxK.shape
@@ -43,7 +44,8 @@ def ref_admit(aff_TxE, experts_TxK, capacity_E, threshold, policy):
       if not pending[t]:
         continue
       options = [e for e in range(n_exp)
-                 if aff[t, e] >= thr and room[e] > 0 and e not in members[t]]
+                 if aff[t, e] >= thr and room[e] > 0 and e not in members[t]
+                 and (allowed_TxE is None or allowed_TxE[t, e])]
       if options:
         best = max(options, key=lambda e: (aff[t, e], -e))
         proposals.setdefault(best, []).append(t)
@@ -316,6 +318,14 @@ def test_capacity_schedule():
   share = jnp.asarray([0.5, 0.25, 0.125, 0.125])
   got = admission.capacity_schedule(jnp.int32(20), factor=1.0, expert_share_E=share, **kw)
   assert got.dtype == jnp.int32 and got.tolist() == [8, 4, 2, 2]
+  # Equal shares give the uniform capacities: fp32 noise is forgiven relative to the value (1.2
+  # x 100 / 3 is 40, not 41), a true fraction is not (1.2 x 65536 x 8 / 5 = 125829.12 -> 125830).
+  for e, t, k, f in [(3, 100, 1, 1.2), (5, 65536, 8, 1.2), (7, 4096, 2, 1.1), (12, 1000, 6, 1.25),
+                     (160, 16384, 8, 1.5), (10, 384, 2, 2.0)]:
+    uniform = admission.capacity_schedule(0, num_tokens=t, k=k, num_experts=e, factor=f)
+    shared = admission.capacity_schedule(0, num_tokens=t, k=k, num_experts=e, factor=f,
+                                         expert_share_E=jnp.full(e, 1.0 / e))
+    assert shared.tolist() == uniform.tolist() == [math.ceil(round(f * t * k / e, 9))] * e
   with pytest.raises(ValueError, match="factor"):
     admission.capacity_schedule(0, factor=0.0, **kw)
   with pytest.raises(ValueError, match="layer"):
@@ -419,3 +429,35 @@ def test_many_experts_and_rounds_match_reference():
       want = ref_admit(aff, np.asarray(experts), capacity, threshold, "reroute")
       np.testing.assert_array_equal(np.asarray(adm.experts_TxK), want)
       assert np.all(_loads(want, n_exp) <= capacity)
+
+
+def test_reroute_stays_in_the_tokens_groups_under_group_limited_routing():
+  """With group-limited top-k (DeepSeek's expert groups) a rerouted assignment goes only to an
+  expert of the token's `top_groups` groups (`router.allowed_experts`), as the reference does;
+  without the mask some leave them."""
+  n_exp, groups, top_groups, k = 8, 4, 2, 2
+  rng = np.random.default_rng(3)
+  w = jnp.asarray(rng.normal(size=(D, n_exp)), jnp.float32)
+  x = rng.normal(size=(64, D))
+  x[rng.random(64) < 0.7] += 3.0 * np.asarray(w[:, 0])       # a hot expert in group 0
+  x = jnp.asarray(x, jnp.float32)
+  weights, experts, scores = router.top_k_route(x @ w, k, groups=groups, top_groups=top_groups)
+  allowed = router.allowed_experts(scores, groups=groups, top_groups=top_groups)
+  assert all(np.asarray(allowed)[t, e] for t in range(64) for e in np.asarray(experts)[t])
+  assert router.allowed_experts(scores) is None
+  capacity = admission.capacity_schedule(0, num_tokens=64, k=k, num_experts=n_exp, factor=1.0)
+  got = admission.admit(x, w, experts, weights, scores, capacity_E=capacity, threshold=-1.0,
+                        policy="reroute", allowed_TxE=allowed)
+  final = np.asarray(got.experts_TxK)
+  aff = admission.affinity(x, w)
+  np.testing.assert_array_equal(final, ref_admit(aff, np.asarray(experts), capacity, -1.0,
+                                                 "reroute", np.asarray(allowed)))
+  rerouted = np.asarray(got.rerouted_TxK)
+  assert rerouted.sum() > 0
+  allowed_np = np.asarray(allowed)
+  assert all(allowed_np[t, final[t, s]] for t, s in zip(*np.nonzero(rerouted)))
+  unmasked = admission.admit(x, w, experts, weights, scores, capacity_E=capacity, threshold=-1.0,
+                             policy="reroute")
+  moved = np.asarray(unmasked.rerouted_TxK)
+  assert any(not allowed_np[t, np.asarray(unmasked.experts_TxK)[t, s]]
+             for t, s in zip(*np.nonzero(moved)))
