@@ -201,7 +201,10 @@ def make_train_step(cfg: Config, mesh, lay: StateLayout, tx: optax.GradientTrans
     params = optax.apply_updates(state.params, updates)
     load_LxE = parts.pop("load_LxE")        # the router's choices, before admission
     params = balance.apply(params, load_LxE, cfg.moe.score_bias_rate)
-    placement_state = lay.placement.next_state(state.placement, load_LxE, replicas)
+    # The load history plans what the experts process: the assignments admission kept (the
+    # router's choices when there is no admission).
+    placement_state = lay.placement.next_state(state.placement, parts["admitted_load_LxE"],
+                                               replicas)
     routing = routing_metrics(cfg, parts.pop("routing_L"), parts.pop("ep_dropped_L"))
     placement = lay.placement.metrics(parts.pop("placement_L", {}),
                                       tokens_per_device=tokens_per_device, remat=cfg.remat)
