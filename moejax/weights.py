@@ -137,12 +137,19 @@ def one_line(e: BaseException) -> str:
   return text if isinstance(e, MoejaxError) else f"{type(e).__name__}: {text}"
 
 
-def save_params(out_dir: str, cfg: Config, params, *, source: str = "") -> str:
-  """Writes `params` as step 0 of a parameters-only checkpoint in `out_dir` (must not hold
-  one): what `load_params(out_dir)` and `--config.init_from=out_dir` read."""
+def check_new_dir(out_dir: str) -> str:
+  """`out_dir` as an absolute path, or a CheckpointError when it already holds files (callers
+  check before reading the weights they will write there)."""
   out_dir = os.path.abspath(out_dir)
   if os.path.isdir(out_dir) and os.listdir(out_dir):
     raise CheckpointError(f"{out_dir}: not empty; choose a new directory for the checkpoint")
+  return out_dir
+
+
+def save_params(out_dir: str, cfg: Config, params, *, source: str = "") -> str:
+  """Writes `params` as step 0 of a parameters-only checkpoint in `out_dir` (must not hold
+  one): what `load_params(out_dir)` and `--config.init_from=out_dir` read."""
+  out_dir = check_new_dir(out_dir)
   meta = {"format": FORMAT, "step": PARAMS_STEP, "source": source,
           "checksums": {"params": checksums(params)}}
   manager = ocp.CheckpointManager(

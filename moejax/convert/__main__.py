@@ -43,7 +43,9 @@ def _describe(cfg) -> str:
 
 
 def from_hf(args) -> None:
+  from moejax import weights
   from moejax.convert import hf
+  weights.check_new_dir(args.out_dir)   # before reading every weight into host memory
   hf_config = hf.read_hf_config(args.hf_dir)
   cfg, params = hf.load_hf(args.hf_dir)
   from moejax.convert import checkpoint_io   # orbax: imported once there is something to save

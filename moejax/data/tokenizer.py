@@ -44,9 +44,12 @@ class ByteTokenizer:
 class HFTokenizer:
   """A `tokenizers.Tokenizer` read from a tokenizer.json file (or a folder holding one).
 
-  EOS is the first of `EOS_CANDIDATES` in the vocabulary. A tokenizer that has none of them gets
-  one extra id right after its largest id, so that `vocab_size` is one more than the file's; that
-  id decodes to nothing.
+  EOS is the one the checkpoint declares beside the file (`tokenizer_config.json`'s `eos_token`,
+  else the `eos_token_id` of `config.json` or of a from-hf checkpoint's `hf_config.json`: the id
+  the model was trained to end documents with, e.g. DeepSeek's `<｜end▁of▁sentence｜>`), else the
+  first of `EOS_CANDIDATES` in the vocabulary. A tokenizer that has none of them gets one extra
+  id right after its largest id, so that `vocab_size` is one more than the file's; that id
+  decodes to nothing.
   """
 
   def __init__(self, path: str):
@@ -66,7 +69,9 @@ class HFTokenizer:
     if not vocab:
       raise DataError(f"{path}: tokenizer has an empty vocabulary")
     num_ids = max(vocab.values()) + 1
-    eos = next((t for t in EOS_CANDIDATES if t in vocab), None)
+    eos = _declared_eos(os.path.dirname(os.path.abspath(path)), vocab)
+    if eos is None:
+      eos = next((t for t in EOS_CANDIDATES if t in vocab), None)
     if eos is not None:
       self.eos_token, self.eos_id, self.vocab_size = eos, vocab[eos], num_ids
     else:
@@ -91,6 +96,32 @@ class HFTokenizer:
 
 
 Tokenizer = ByteTokenizer | HFTokenizer
+
+
+def _read_json(path: str) -> dict:
+  import json
+  try:
+    with open(path, encoding="utf-8") as f:
+      data = json.load(f)
+  except (OSError, ValueError):
+    return {}
+  return data if isinstance(data, dict) else {}
+
+
+def _declared_eos(directory: str, vocab: dict) -> str | None:
+  """The EOS token the checkpoint's files beside tokenizer.json name, if it is in `vocab`."""
+  token = _read_json(os.path.join(directory, "tokenizer_config.json")).get("eos_token")
+  if isinstance(token, dict):
+    token = token.get("content")
+  if isinstance(token, str) and token in vocab:
+    return token
+  by_id = {i: t for t, i in vocab.items()}
+  for name in ("config.json", "hf_config.json"):
+    ids = _read_json(os.path.join(directory, name)).get("eos_token_id")
+    for i in ids if isinstance(ids, list) else [ids]:
+      if isinstance(i, int) and i in by_id:
+        return by_id[i]
+  return None
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

@@ -309,15 +309,20 @@ def init_from(trainer: Trainer, path: str):
   from moejax.train import checkpoint as ckpt
   cfg = trainer.cfg
   shardings = trainer.layout.shardings.params
-  if os.path.isfile(os.path.join(path, "config.json")):
-    loaded, params = convert.load_hf(path, shardings=shardings, base=cfg)
-  else:
-    loaded = ckpt.load_config(path)
-    params = ckpt.load_params(path, shardings=shardings)
+  hf_dir = os.path.isfile(os.path.join(path, "config.json"))
+  # The weights' config first: a mismatch is one line naming the field, before any weight is
+  # read (reading them in the preset's layout would fail on the first missing tensor instead).
+  loaded = (convert.config_from_hf(convert.read_hf_config(path), cfg,
+                                   where=os.path.join(path, "config.json"))
+            if hf_dir else ckpt.load_config(path))
   mismatch = _first_mismatch(loaded, cfg)
   if mismatch:
     raise ConfigError(f"config.init_from={path!r}: {mismatch}; use a config with the "
                       "model's shapes")
+  if hf_dir:
+    loaded, params = convert.load_hf(path, shardings=shardings, base=cfg)
+  else:
+    params = ckpt.load_params(path, shardings=shardings)
   log(f"moejax: initialized from {path}")
   return state_lib.state_from_params(params, trainer.tx, trainer.layout)
 

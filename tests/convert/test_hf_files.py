@@ -15,6 +15,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from moejax.convert import __main__ as cli
+from moejax.convert import safetensors_io
 from moejax.convert import config_from_hf, hf_config_from, load_hf, save_hf
 from moejax.families import FAMILIES
 from moejax.errors import CheckpointError
@@ -269,9 +270,14 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
   assert "not a directory" in run.stderr
 
 
-def test_cli_from_hf_refuses_a_used_directory(hf_dir, tmp_path, capsys):
+def test_cli_from_hf_refuses_a_used_directory(hf_dir, tmp_path, capsys, monkeypatch):
   out = tmp_path / "used"
   out.mkdir()
   (out / "something").write_text("x")
+
+  def no_read(*args, **kwargs):   # refused before any weight is read into host memory
+    raise AssertionError("a tensor was read before the output directory was checked")
+
+  monkeypatch.setattr(safetensors_io.TensorReader, "read", no_read)
   assert cli.main(["from-hf", hf_dir, str(out)]) == 2
   assert "not empty" in capsys.readouterr().err

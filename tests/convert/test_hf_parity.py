@@ -45,7 +45,7 @@ def fp32_logits(cfg, params, tokens):
   return np.asarray(logits)
 
 
-def assert_logits_close(got, want, rel=1e-4):
+def assert_logits_close(got, want, rel=1e-5):
   scale = float(np.max(np.abs(want)))
   diff = float(np.max(np.abs(got - want)))
   assert diff < rel * scale, f"max |logit diff| {diff:.3g} >= {rel:g} * max |logit| {scale:.3g}"

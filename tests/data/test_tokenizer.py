@@ -85,3 +85,29 @@ def test_check_vocab(word_tokenizer_path):
   pattern = f"^{re.escape(word_tokenizer_path)}: .* {tok.vocab_size} .* vocab_size 4;"
   with pytest.raises(DataError, match=pattern):
     check_vocab(tok, 4)
+
+
+def test_hf_eos_is_the_one_the_checkpoint_declares(tmp_path):
+  """DeepSeek's EOS ('<｜end▁of▁sentence｜>', id 1) is none of EOS_CANDIDATES: the checkpoint's
+  tokenizer_config.json or config.json (hf_config.json after from-hf) names it."""
+  from tokenizers import models, pre_tokenizers
+  eos = "<｜end▁of▁sentence｜>"
+  vocab = {"<｜begin▁of▁sentence｜>": 0, eos: 1, "</s>": 2,
+           **{w: i + 3 for i, w in enumerate(["a", "b", "c"])}}
+  raw = Tokenizer(models.WordLevel(vocab, unk_token="a"))
+  raw.pre_tokenizer = pre_tokenizers.Whitespace()
+  declared = {"tokenizer_config.json": {"eos_token": {"content": eos, "special": True}},
+              "config.json": {"eos_token_id": 1}, "hf_config.json": {"eos_token_id": [1, 2]}}
+  for name, content in [(None, None), *declared.items()]:
+    folder = tmp_path / (name or "none")
+    folder.mkdir()
+    raw.save(str(folder / "tokenizer.json"))
+    if name:
+      (folder / name).write_text(json.dumps(content), encoding="utf-8")
+    tok = load_tokenizer(str(folder))
+    if name is None:                       # nothing declared: the first candidate in the vocab
+      assert (tok.eos_token, tok.eos_id) == ("</s>", 2)
+    else:
+      assert (tok.eos_token, tok.eos_id, tok.vocab_size) == (eos, 1, 6), name
+  (tmp_path / "none" / "config.json").write_text('{"eos_token_id": 99}', encoding="utf-8")
+  assert load_tokenizer(str(tmp_path / "none")).eos_id == 2    # an id outside the vocab: ignored

@@ -25,6 +25,20 @@ def test_init_from_a_checkpoint(trained, trainer_for):
     init_from(other, src)
 
 
+def test_a_mismatch_is_found_before_any_weight_is_read(trained, monkeypatch):
+  """Weights of another family's layout (qk norms the checkpoint lacks) stop with the one line
+  naming the field, not with the first tensor the preset's layout misses."""
+  def no_read(*args, **kwargs):
+    raise AssertionError("weights were read before the config was checked")
+
+  monkeypatch.setattr(checkpoint, "load_params", no_read)
+  qwen3 = Trainer(canonical_config(**{"model.family": "qwen3_moe", "model.qk_norm": "head"}),
+                  mesh=make_mesh((1, -1), jax.devices()[:1]))
+  with pytest.raises(ConfigError, match=r"init_from=.*config.model.qk_norm='head', but the "
+                                        r"weights have 'full'"):
+    init_from(qwen3, str(trained))
+
+
 def test_a_mismatch_names_any_option_that_changes_what_the_weights_compute():
   from moejax.train.loop import _first_mismatch
   from tests.helpers import tiny_config
