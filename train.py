@@ -48,7 +48,10 @@ def main(argv):
   except MoejaxError as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     distributed.stop(2)     # multi-process: the other processes stop too, none waits on them
-    sys.exit(2)
+    # Exit now: a save that failed can leave Orbax's background threads waiting forever on a
+    # directory that was never created, and interpreter exit would wait on them.
+    sys.stdout.flush()
+    os._exit(2)
   distributed.finish()
 
 

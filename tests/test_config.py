@@ -203,6 +203,16 @@ def test_unwritable_workdir(tmp_path):
   blocker.write_text("x")
   with pytest.raises(ConfigError, match=r"workdir '.*file/run' is not writable"):
     prepare_workdir(str(blocker / "run"))
+  # A checkpoints/ that cannot take files is found before training, not at the first save (a
+  # save that failed there left Orbax threads that kept the process from exiting).
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "checkpoints").write_text("not a directory")
+  with pytest.raises(ConfigError, match=r"checkpoint directory '.*run/checkpoints' is not "
+                                        r"writable"):
+    prepare_workdir(str(run))
+  prepare_workdir(str(tmp_path / "fresh"))
+  assert (tmp_path / "fresh" / "checkpoints").is_dir()
 
 
 def test_tokenizer_init_from_reads_the_one_beside_the_weights(tmp_path):

@@ -129,8 +129,12 @@ def _is_json(feature) -> bool:
 def _open_manager(directory: str, keep: int, features=()):
   handlers = {f.name: ocp.JsonCheckpointHandler() if _is_json(f)
               else ocp.StandardCheckpointHandler() for f in features}
-  return weights.open_manager(directory, keep=keep, opt_state=ocp.StandardCheckpointHandler(),
-                              **handlers)
+  try:
+    return weights.open_manager(directory, keep=keep, opt_state=ocp.StandardCheckpointHandler(),
+                                **handlers)
+  except OSError as e:    # e.g. a dangling checkpoints symlink
+    raise CheckpointError(f"{directory}: cannot open the checkpoint directory "
+                          f"({e.strerror or e})") from None
 
 
 def _all_agree(ok: bool) -> bool:

@@ -35,14 +35,18 @@ from moejax.train.metrics import MetricsWriter, Progress, log
 
 
 def prepare_workdir(workdir: str) -> None:
-  try:
-    os.makedirs(workdir, exist_ok=True)
-    probe = os.path.join(workdir, f".write_test.{jax.process_index()}")
-    with open(probe, "w") as f:
-      f.write("ok")
-    os.remove(probe)
-  except OSError as e:
-    raise ConfigError(f"workdir {workdir!r} is not writable: {e.strerror or e}") from None
+  """The workdir and its checkpoints/ folder exist and take files, or a ConfigError now (not
+  at the first save, `checkpoint.every` steps in)."""
+  for directory in (workdir, checkpoint_lib.checkpoint_dir(workdir)):
+    try:
+      os.makedirs(directory, exist_ok=True)
+      probe = os.path.join(directory, f".write_test.{jax.process_index()}")
+      with open(probe, "w") as f:
+        f.write("ok")
+      os.remove(probe)
+    except OSError as e:
+      what = "workdir" if directory == workdir else "checkpoint directory"
+      raise ConfigError(f"{what} {directory!r} is not writable: {e.strerror or e}") from None
 
 
 def _keep_tokenizer(tokenizer: str, workdir: str) -> None:
