@@ -8,6 +8,7 @@ appends. `decode` leaves special tokens (EOS included) out of the text.
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import Iterable, Sequence
 
@@ -99,7 +100,6 @@ Tokenizer = ByteTokenizer | HFTokenizer
 
 
 def _read_json(path: str) -> dict:
-  import json
   try:
     with open(path, encoding="utf-8") as f:
       data = json.load(f)

@@ -324,7 +324,7 @@ def init_from(trainer: Trainer, path: str):
     raise ConfigError(f"config.init_from={path!r}: {mismatch}; use a config with the "
                       "model's shapes")
   if hf_dir:
-    loaded, params = convert.load_hf(path, shardings=shardings, base=cfg)
+    _, params = convert.load_hf(path, shardings=shardings, base=cfg)
   else:
     params = ckpt.load_params(path, shardings=shardings)
   log(f"moejax: initialized from {path}")
