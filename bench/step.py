@@ -7,6 +7,8 @@ process so the machine's drift hits every variant alike.
                                       #   8 fake devices
   python bench/step.py --experts      # tiny, top-2, 1 device: E = 8, 32, 128 (fixed routed work),
                                       #   and the reference at E = 8 and 128
+  python bench/step.py --tiles        # the CPU expert kernel alone, fwd+bwd CPU ms per call, at
+                                      #   each tile size M, for the shapes the variants run
   python bench/step.py --only codec --only "tiny fsdp"   # a subset, by name
   python bench/step.py --quick --peer # then ../shared/peers/maxtext/compare.sh (MaxText beside)
 
@@ -148,6 +150,49 @@ def variants(args) -> list[Variant]:
   return out
 
 
+# (d_model, expert_hidden, rows, experts, rows routed) of the kernel calls the variants make on
+# one device: rows routed < rows for an exchange buffer (dropless: its empty slots).
+TILE_SHAPES = {"tiny 1 device": (64, 64, 2048, 8, 2048), "tiny fsdp x8": (64, 64, 256, 8, 256),
+               "tiny E=32": (64, 64, 2048, 32, 2048), "tiny E=128": (64, 64, 2048, 128, 2048),
+               "tiny ep x8": (64, 64, 2048, 1, 256), "peer 1 device": (256, 512, 4096, 8, 4096),
+               "peer fsdp x8": (256, 512, 512, 8, 512), "peer ep x8": (256, 512, 4096, 1, 512)}
+
+
+def tile_sweep(rounds: int):
+  """CPU seconds of the expert kernel's fwd+bwd per call at each tile size M (process time:
+  on 8 fake devices the cores are saturated, so CPU time is what a device's call costs)."""
+  from moejax.placement import experts
+  results = []
+  for name, (d, f, a, g, routed) in TILE_SHAPES.items():
+    rng = np.random.default_rng(0)
+    x = jax.numpy.asarray(rng.standard_normal((a, d)), jax.numpy.bfloat16)
+    sizes = jax.numpy.asarray(np.bincount(rng.integers(0, g, routed), minlength=g), "int32")
+    w = [jax.numpy.asarray(rng.standard_normal(sh) * 0.05, jax.numpy.bfloat16)
+         for sh in ((g, d, f), (g, d, f), (g, f, d))]
+    calls = {}
+    for m in (16, 32, 64, 128, 256):
+      if m > 4 * a // g:
+        continue
+      loss = lambda x, *w, m=m: jax.numpy.sum(   # noqa: E731
+          experts._looped(x, sizes, *w, m).astype("float32") ** 2)
+      fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+      jax.block_until_ready(fn(x, *w))
+      calls[m] = (fn, [])
+    reps = max(3, 200_000 // a)
+    for _ in range(rounds):
+      for m, (fn, times) in calls.items():
+        c0 = time.process_time()
+        for _ in range(reps):
+          jax.block_until_ready(fn(x, *w))
+        times.append((time.process_time() - c0) / reps * 1e3)
+    ms = {m: min(t) for m, (_, t) in calls.items()}
+    chosen, best = experts.tile_rows(a, g), min(ms, key=ms.get)
+    print(f"{name:14s} " + "  ".join(f"M={m}: {v:7.2f}" for m, v in ms.items())
+          + f"   chosen M={chosen} ({ms[chosen] / ms[best]:.2f} x the best, M={best})", flush=True)
+    results.append({"shape": name, "cpu_ms": ms, "chosen": chosen, "best": best})
+  print(json.dumps({"bench": "step_tiles", "results": results}))
+
+
 def make_batches(dims: str, count: int = 4):
   cfg = config(dims)
   rng = np.random.default_rng(0)
@@ -164,6 +209,7 @@ def main():
                       help="peer dims: reference, 1 device, fsdp x8")
   parser.add_argument("--experts", action="store_true", help="the number-of-experts sweep")
   parser.add_argument("--peer", action="store_true", help="then run the MaxText comparison")
+  parser.add_argument("--tiles", action="store_true", help="the expert kernel's tile-size sweep")
   parser.add_argument("--only", action="append", default=[],
                       help="keep the variants whose name contains this (repeatable)")
   parser.add_argument("--rounds", type=int, default=3)
@@ -174,6 +220,9 @@ def main():
   print(f"host memory: freed pages {'kept mapped' if kept else 'returned to the OS'} "
         f"(moejax.host_memory; {host_memory.ENV}=0 leaves malloc as it is)", flush=True)
 
+  if args.tiles:
+    tile_sweep(args.rounds)
+    return
   vs = [v for v in variants(args) if not args.only or any(o in v.name for o in args.only)]
   batches = {dims: make_batches(dims) for dims in DIMS}
   runs = {}

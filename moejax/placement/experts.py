@@ -8,11 +8,11 @@ rows each expert takes; rows past the sum of the group sizes come out as zeros.
   CPU      row tiles: XLA:CPU lowers `ragged_dot` to a dense matmul over every expert, masked
            (G times the routed work, measured 7-10x slower at G=8 and growing with G). Here
            each expert's rows are padded to whole tiles of M rows, every tile belongs to one
-           expert; one batched matmul over the tiles (each tile's weights taken) or, for
-           small groups, a loop over the tiles that hold rows (a dynamic trip count; weights
+           expert, and a loop over the tiles that hold rows (a dynamic trip count; weights
            read in place; gate and up as one product; a hand-written backward of the same
-           loop) runs each against its expert's weights. Static shapes: at most
-           A/M + G tiles, so the padding costs at most G*M rows.
+           loop) runs each against its expert's weights. Static shapes: at most A/M + G tiles,
+           so the padding costs at most G*M rows; rows past the groups (an exchange buffer's
+           empty slots) cost nothing.
 """
 from __future__ import annotations
 
@@ -24,25 +24,14 @@ import numpy as np
 from jax import lax
 
 
-# Which CPU kernel, by the mean rows per expert (measured in the train step, bench/step.py):
-# from BATCHED_FROM rows up, one batched matmul over all tiles with each tile's weights taken
-# first (tiles of 128 rows: the copy is 1/128 of the work; 0.91 vs 1.07 s at 4096 rows, 8
-# experts); below it, a loop over tiles reading weights in place (1.36 vs 1.61 s at 512 rows).
-BATCHED_FROM = 256
-
-
-def _batched_kernel(num_rows: int, num_groups: int) -> bool:
-  return num_rows // max(1, num_groups) >= BATCHED_FROM
-
-
 def tile_rows(num_rows: int, num_groups: int) -> int:
-  """M for the CPU kernel: 128 for the batched one; for the loop a power of two near half the
-  mean group size, 16 to 64 (smaller tiles waste less padding when groups are small, larger
-  ones run the matmuls faster)."""
-  if _batched_kernel(num_rows, num_groups):
-    return 128
+  """M for the CPU kernel: the largest power of two at most the mean rows per expert, 16 to 128.
+  The loop's cost is per operation more than per flop, so larger tiles run faster until their
+  padding outweighs it. Measured, fwd+bwd CPU ms per call (`python bench/step.py --tiles`): peer dims
+  on 8 devices (512 rows, 8 experts) M=32 31.4, 64 24.5, 128 28.6; 4096 rows, 8 experts M=64
+  146, 128 123; tiny dims at 2048 rows over 128 experts M=16 6.6, 32 7.1."""
   mean = max(1, num_rows // max(1, num_groups))
-  return int(min(64, max(16, 1 << (max(1, mean // 2).bit_length() - 1))))
+  return int(min(128, max(16, 1 << (mean.bit_length() - 1))))
 
 
 def _ragged_swiglu(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD):
@@ -172,23 +161,9 @@ def _looped_bwd(m, residuals, dy_AxD):
 _looped.defvjp(_looped_fwd, _looped_bwd)
 
 
-def _batched(x_AxD, group_sizes_G, w_gate, w_up, w_down, m: int):
-  """All tiles in one batched matmul per projection, weights taken per tile (autodiff)."""
-  dtype = x_AxD.dtype
-  num_tiles, group_T, src_P, slot_A = _tile_plan(group_sizes_G, x_AxD.shape[0], m)
-  x_TlxMxD = _rows_to_tiles(x_AxD, src_P, num_tiles, m).astype(_F32)
-  per_tile = lambda w: jnp.take(w, group_T, axis=0).astype(_F32)   # noqa: E731
-  gate = jnp.einsum("tmd,tdf->tmf", x_TlxMxD, per_tile(w_gate))
-  up = jnp.einsum("tmd,tdf->tmf", x_TlxMxD, per_tile(w_up))
-  h_TlxMxF = (jax.nn.silu(gate) * up).astype(dtype).astype(_F32)
-  y_TlxMxD = jnp.einsum("tmf,tfd->tmd", h_TlxMxF, per_tile(w_down)).astype(dtype)
-  return _tiles_to_rows(y_TlxMxD, slot_A)
-
-
 def _tiled_swiglu(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD):
   (a, _), g = x_AxD.shape, group_sizes_G.shape[0]
-  kernel = _batched if _batched_kernel(a, g) else _looped
-  return kernel(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD, tile_rows(a, g))
+  return _looped(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD, tile_rows(a, g))
 
 
 def grouped_swiglu(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD):
