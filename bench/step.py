@@ -159,8 +159,10 @@ TILE_SHAPES = {"tiny 1 device": (64, 64, 2048, 8, 2048), "tiny fsdp x8": (64, 64
 
 
 def tile_sweep(rounds: int):
-  """CPU seconds of the expert kernel's fwd+bwd per call at each tile size M (process time:
-  on 8 fake devices the cores are saturated, so CPU time is what a device's call costs)."""
+  """CPU seconds of the expert kernel's fwd+bwd per call, the loop at each tile size M and the
+  batched kernel at M=128 (process time: on 8 fake devices the cores are saturated, so CPU time
+  is what a device's call costs; on one device the batched kernel's larger matmuls use both
+  cores, so the train step decides there, see BATCHED_FROM)."""
   from moejax.placement import experts
   results = []
   for name, (d, f, a, g, routed) in TILE_SHAPES.items():
@@ -169,26 +171,28 @@ def tile_sweep(rounds: int):
     sizes = jax.numpy.asarray(np.bincount(rng.integers(0, g, routed), minlength=g), "int32")
     w = [jax.numpy.asarray(rng.standard_normal(sh) * 0.05, jax.numpy.bfloat16)
          for sh in ((g, d, f), (g, d, f), (g, f, d))]
+    kernels = [("loop", experts._looped, m) for m in (16, 32, 64, 128, 256) if m <= 4 * a // g]
     calls = {}
-    for m in (16, 32, 64, 128, 256):
-      if m > 4 * a // g:
-        continue
-      loss = lambda x, *w, m=m: jax.numpy.sum(   # noqa: E731
-          experts._looped(x, sizes, *w, m).astype("float32") ** 2)
+    for kname, kernel, m in kernels + [("batched", experts._batched, 128)]:
+      loss = lambda x, *w, k=kernel, m=m: jax.numpy.sum(   # noqa: E731
+          k(x, sizes, *w, m).astype("float32") ** 2)
       fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
       jax.block_until_ready(fn(x, *w))
-      calls[m] = (fn, [])
+      calls[f"{kname} M={m}"] = (fn, [])
     reps = max(3, 200_000 // a)
     for _ in range(rounds):
-      for m, (fn, times) in calls.items():
+      for fn, times in calls.values():
         c0 = time.process_time()
         for _ in range(reps):
           jax.block_until_ready(fn(x, *w))
         times.append((time.process_time() - c0) / reps * 1e3)
-    ms = {m: min(t) for m, (_, t) in calls.items()}
-    chosen, best = experts.tile_rows(a, g), min(ms, key=ms.get)
-    print(f"{name:14s} " + "  ".join(f"M={m}: {v:7.2f}" for m, v in ms.items())
-          + f"   chosen M={chosen} ({ms[chosen] / ms[best]:.2f} x the best, M={best})", flush=True)
+    ms = {k: min(t) for k, (_, t) in calls.items()}
+    packed = routed == a
+    chosen = (f"{'batched' if experts._batched_kernel(a, g, packed) else 'loop'} "
+              f"M={experts.tile_rows(a, g, packed)}")
+    best = min(ms, key=ms.get)
+    print(f"{name:14s} " + "  ".join(f"{k}: {v:.2f}" for k, v in ms.items())
+          + f"   chosen {chosen} ({ms[chosen] / ms[best]:.2f} x the best, {best})", flush=True)
     results.append({"shape": name, "cpu_ms": ms, "chosen": chosen, "best": best})
   print(json.dumps({"bench": "step_tiles", "results": results}))
 

@@ -122,7 +122,8 @@ def exchange(x_TxD, dest_A, local_id_A, weights_TxK, w_gate, w_up, w_down, *,
   blocks = dict(axes=axes, num_devices=n, capacity=c)
   recv_g, received_N = _send_groups(send_g, sent_N, num_groups, **blocks)
   recv_x = send_blocks(send_x, sent_N, received_N, 0, **blocks)
-  y_recv = run_sorted(recv_x, recv_g, num_groups, w_gate, w_up, w_down)   # zeros where no group
+  y_recv = run_sorted(recv_x, recv_g, num_groups, w_gate, w_up, w_down,   # zeros where no group
+                      packed=False)
   y_back = send_blocks(y_recv, received_N, sent_N, 0, **blocks)
   y_AxD = jnp.where(fits_A[:, None], y_back[jnp.minimum(slot_A, n * c - 1)], 0)
   dropped = jnp.sum(valid_A & ~fits_A).astype(jnp.int32)

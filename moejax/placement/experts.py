@@ -8,11 +8,12 @@ rows each expert takes; rows past the sum of the group sizes come out as zeros.
   CPU      row tiles: XLA:CPU lowers `ragged_dot` to a dense matmul over every expert, masked
            (G times the routed work, measured 7-10x slower at G=8 and growing with G). Here
            each expert's rows are padded to whole tiles of M rows, every tile belongs to one
-           expert, and a loop over the tiles that hold rows (a dynamic trip count; weights
-           read in place; gate and up as one product; a hand-written backward of the same
-           loop) runs each against its expert's weights. Static shapes: at most A/M + G tiles,
-           so the padding costs at most G*M rows; rows past the groups (an exchange buffer's
-           empty slots) cost nothing.
+           expert; one batched matmul over the tiles (each tile's weights taken) or a loop
+           over the tiles that hold rows (a dynamic trip count; weights read in place; gate
+           and up as one product; a hand-written backward of the same loop) runs each against
+           its expert's weights. Static shapes: at most A/M + G tiles, so the padding costs at
+           most G*M rows. The batched matmul runs over every tile, so rows that are an exchange
+           buffer's empty slots (`packed=False`) always take the loop, which skips them.
 """
 from __future__ import annotations
 
@@ -24,12 +25,28 @@ import numpy as np
 from jax import lax
 
 
-def tile_rows(num_rows: int, num_groups: int) -> int:
-  """M for the CPU kernel: the largest power of two at most the mean rows per expert, 16 to 128.
-  The loop's cost is per operation more than per flop, so larger tiles run faster until their
-  padding outweighs it. Measured, fwd+bwd CPU ms per call (`python bench/step.py --tiles`): peer dims
-  on 8 devices (512 rows, 8 experts) M=32 31.4, 64 24.5, 128 28.6; 4096 rows, 8 experts M=64
-  146, 128 123; tiny dims at 2048 rows over 128 experts M=16 6.6, 32 7.1."""
+# Which CPU kernel for packed rows (every row routed), by the mean rows per expert (measured in
+# the train step, bench/step.py): from BATCHED_FROM rows up, one batched matmul over all tiles
+# with each tile's weights taken first (tiles of 128 rows: the copy is 1/128 of the work; peer
+# dims on one device 0.377 vs 0.432 s a step for the loop); below it, the loop over tiles
+# reading weights in place (1.36 vs 1.61 s at 512 rows).
+BATCHED_FROM = 256
+
+
+def _batched_kernel(num_rows: int, num_groups: int, packed: bool) -> bool:
+  return packed and num_rows // max(1, num_groups) >= BATCHED_FROM
+
+
+def tile_rows(num_rows: int, num_groups: int, packed: bool = True) -> int:
+  """M for the CPU kernel: 128 for the batched one; for the loop the largest power of two at
+  most the mean rows per expert, 16 to 128 (the loop's cost is per operation more than per flop,
+  so larger tiles run faster until their padding outweighs it). Measured, fwd+bwd CPU ms per
+  call (`python bench/step.py --tiles`): peer dims on 8 devices (512 rows, 8 experts) M=32 38.5,
+  64 32.0, 128 36.9; tiny dims at 2048 rows over 128 experts M=16 6.4, 32 6.9; an exchange
+  buffer of 4096 rows holding 512 for one expert M=32 24.8, 128 15.9 (the batched kernel over
+  the whole buffer: 128)."""
+  if _batched_kernel(num_rows, num_groups, packed):
+    return 128
   mean = max(1, num_rows // max(1, num_groups))
   return int(min(128, max(16, 1 << (mean.bit_length() - 1))))
 
@@ -161,19 +178,41 @@ def _looped_bwd(m, residuals, dy_AxD):
 _looped.defvjp(_looped_fwd, _looped_bwd)
 
 
-def _tiled_swiglu(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD):
+def _batched(x_AxD, group_sizes_G, w_gate, w_up, w_down, m: int):
+  """All tiles in one batched matmul per projection, weights taken per tile (autodiff)."""
+  dtype = x_AxD.dtype
+  num_tiles, group_T, src_P, slot_A = _tile_plan(group_sizes_G, x_AxD.shape[0], m)
+  x_TlxMxD = _rows_to_tiles(x_AxD, src_P, num_tiles, m).astype(_F32)
+  per_tile = lambda w: jnp.take(w, group_T, axis=0).astype(_F32)   # noqa: E731
+  gate = jnp.einsum("tmd,tdf->tmf", x_TlxMxD, per_tile(w_gate))
+  up = jnp.einsum("tmd,tdf->tmf", x_TlxMxD, per_tile(w_up))
+  h_TlxMxF = (jax.nn.silu(gate) * up).astype(dtype).astype(_F32)
+  y_TlxMxD = jnp.einsum("tmf,tfd->tmd", h_TlxMxF, per_tile(w_down)).astype(dtype)
+  return _tiles_to_rows(y_TlxMxD, slot_A)
+
+
+def _tiled_swiglu(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD, packed=True):
   (a, _), g = x_AxD.shape, group_sizes_G.shape[0]
-  return _looped(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD, tile_rows(a, g))
+  kernel = _batched if _batched_kernel(a, g, packed) else _looped
+  return kernel(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD,
+                tile_rows(a, g, packed))
 
 
-def grouped_swiglu(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD):
+def grouped_swiglu(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD, *,
+                   packed: bool = True):
+  """`packed`: the rows are the routed assignments; False: a static exchange buffer whose empty
+  slots (rows past the groups) may be most of it."""
   return lax.platform_dependent(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD,
-                                cpu=_tiled_swiglu, default=_ragged_swiglu)
+                                cpu=functools.partial(_tiled_swiglu, packed=packed),
+                                default=_ragged_swiglu)
 
 
-def run_sorted(x_AxD, expert_A, num_local_experts: int, w_gate, w_up, w_down):
-  """Runs each row through expert `expert_A[a]` (ids >= num_local_experts: no expert, zeros)."""
+def run_sorted(x_AxD, expert_A, num_local_experts: int, w_gate, w_up, w_down, *,
+               packed: bool = True):
+  """Runs each row through expert `expert_A[a]` (ids >= num_local_experts: no expert, zeros;
+  `packed=False` where most rows may be such, as in an exchange buffer)."""
   order_A = jnp.argsort(expert_A, stable=True)
   group_sizes_G = jnp.bincount(expert_A, length=num_local_experts).astype(jnp.int32)
-  y_sorted_AxD = grouped_swiglu(x_AxD[order_A], group_sizes_G, w_gate, w_up, w_down)
+  y_sorted_AxD = grouped_swiglu(x_AxD[order_A], group_sizes_G, w_gate, w_up, w_down,
+                                packed=packed)
   return jnp.zeros_like(y_sorted_AxD).at[order_A].set(y_sorted_AxD)

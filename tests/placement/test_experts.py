@@ -38,10 +38,10 @@ def test_tiled_equals_ragged_values_and_grads():
 
   y_ragged, g_ragged = value_and_grads(experts._ragged_swiglu)
   used = int(sum(sizes))
-  # The CPU loop (its hand-written backward) at the smallest tile and at one that pads most
-  # groups' rows several times over.
-  for m in (16, 64):
-    y_tiled, g_tiled = value_and_grads(lambda x, gs, *w, m=m: experts._looped(x, gs, *w, m))
+  # Both CPU kernels (the loop with its hand-written backward, the batched one by autodiff); the
+  # loop also at a tile that pads most groups' rows several times over.
+  for kernel, m in ((experts._looped, 16), (experts._looped, 64), (experts._batched, 16)):
+    y_tiled, g_tiled = value_and_grads(lambda x, gs, *w, k=kernel, m=m: k(x, gs, *w, m))
     assert not np.any(np.asarray(y_tiled[used:]))
     # Same products, fp32 sums in another order, one bf16 rounding: within a bf16 ulp or two.
     np.testing.assert_allclose(np.asarray(y_tiled), np.asarray(y_ragged), rtol=2e-2, atol=2e-2)
@@ -78,7 +78,12 @@ def test_tile_rows_bounds():
   assert experts.tile_rows(10, 64) == 16
   assert experts.tile_rows(100, 3) == 32
   assert experts.tile_rows(512, 8) == 64
-  assert experts.tile_rows(2048, 1) == 128   # an exchange buffer: its mean is an upper bound
+  # Packed rows from 256 a group take the batched kernel; an exchange buffer never does (it would
+  # run over the buffer's empty slots), and its mean is only an upper bound.
+  assert experts._batched_kernel(2048, 1, packed=True)
+  assert not experts._batched_kernel(2048, 1, packed=False)
+  assert experts.tile_rows(2048, 1, packed=False) == 128
+  assert experts.tile_rows(192, 1, packed=False) == 128
 
 
 def _lowered(fn, args, platform):
