@@ -128,24 +128,24 @@ def _looped_fwd(x_AxD, group_sizes_G, w_gate, w_up, w_down, m):
   # is per operation, not per flop).
   w_gu_GxDx2F = jnp.concatenate([w_gate, w_up], axis=-1)
 
-  def tile(t, carry):
-    y_TlxMxD, gu_TlxMx2F = carry
+  def tile(t, y_TlxMxD):
     e = group_T[t]
     x32 = lax.dynamic_index_in_dim(x_TlxMxD, t, keepdims=False).astype(_F32)
     gu_Mx2F = x32 @ _w(w_gu_GxDx2F, e)
     h_MxF = (jax.nn.silu(gu_Mx2F[:, :f]) * gu_Mx2F[:, f:]).astype(dtype).astype(_F32)
     y_MxD = (h_MxF @ _w(w_down, e)).astype(dtype)
-    return (lax.dynamic_update_index_in_dim(y_TlxMxD, y_MxD, t, 0),
-            lax.dynamic_update_index_in_dim(gu_TlxMx2F, gu_Mx2F, t, 0))
+    return lax.dynamic_update_index_in_dim(y_TlxMxD, y_MxD, t, 0)
 
-  init = (jnp.zeros(x_TlxMxD.shape, dtype), jnp.zeros((num_tiles, m, 2 * f), _F32))
-  y_TlxMxD, gu = lax.fori_loop(0, _used_tiles(group_sizes_G, m), tile, init)
-  residuals = (x_TlxMxD, gu, group_T, src_P, slot_A, group_sizes_G, w_gu_GxDx2F, w_down)
+  # The backward recomputes each tile's gate and up (one product) rather than keep them: a
+  # [tiles, M, 2F] fp32 buffer, written in full (zeros) whatever the rows used.
+  y_TlxMxD = lax.fori_loop(0, _used_tiles(group_sizes_G, m), tile,
+                           jnp.zeros(x_TlxMxD.shape, dtype))
+  residuals = (x_TlxMxD, group_T, src_P, slot_A, group_sizes_G, w_gu_GxDx2F, w_down)
   return _tiles_to_rows(y_TlxMxD, slot_A), residuals
 
 
 def _looped_bwd(m, residuals, dy_AxD):
-  x_TlxMxD, gu, group_T, src_P, slot_A, group_sizes_G, w_gu_GxDx2F, w_down = residuals
+  x_TlxMxD, group_T, src_P, slot_A, group_sizes_G, w_gu_GxDx2F, w_down = residuals
   dtype = x_TlxMxD.dtype
   f = w_down.shape[1]
   dy_TlxMxD = _rows_to_tiles(dy_AxD, src_P, x_TlxMxD.shape[0], m)
@@ -155,7 +155,8 @@ def _looped_bwd(m, residuals, dy_AxD):
     e = group_T[t]
     x32 = lax.dynamic_index_in_dim(x_TlxMxD, t, keepdims=False).astype(_F32)
     dy32 = lax.dynamic_index_in_dim(dy_TlxMxD, t, keepdims=False).astype(_F32)
-    gu_Mx2F = lax.dynamic_index_in_dim(gu, t, keepdims=False)
+    w_gu_Dx2F = _w(w_gu_GxDx2F, e)
+    gu_Mx2F = x32 @ w_gu_Dx2F
     gate_MxF, up_MxF = gu_Mx2F[:, :f], gu_Mx2F[:, f:]
     sig = jax.nn.sigmoid(gate_MxF)
     silu = gate_MxF * sig
@@ -163,7 +164,7 @@ def _looped_bwd(m, residuals, dy_AxD):
     dh_MxF = (dy32 @ _w(w_down, e).T).astype(dtype).astype(_F32)
     dgu_Mx2F = jnp.concatenate([dh_MxF * up_MxF * (sig * (1 + gate_MxF * (1 - sig))),
                                 dh_MxF * silu], axis=-1)
-    dx_MxD = (dgu_Mx2F @ _w(w_gu_GxDx2F, e).T).astype(dtype)
+    dx_MxD = (dgu_Mx2F @ w_gu_Dx2F.T).astype(dtype)
     return (dw_gu.at[e].add(x32.T @ dgu_Mx2F), dw_down.at[e].add(h_MxF.T @ dy32),
             lax.dynamic_update_index_in_dim(dx_TlxMxD, dx_MxD, t, 0))
 
