@@ -12,7 +12,8 @@ Layout of WORKDIR/checkpoints/, one Orbax `CheckpointManager` keeping the last `
   <step>/config/      JSON: the config of the run that wrote it, checked on resume
   <step>.orbax-checkpoint-tmp/   a save in progress. Orbax renames it to <step> once every item
                       is written, so a run killed mid-save leaves only this name, which is ignored
-  <step>.unreadable/  a checkpoint that failed to restore, moved out of the way, never deleted
+  <step>.unreadable/  a checkpoint whose files failed to restore, moved out of the way, never
+                      deleted (a restore that ran out of memory or permission stops instead)
 
 Retention: each save prunes to the latest `checkpoint.keep`, and so does a rerun right after it
 restores (`Checkpointer.prune`): a run killed between a save's commit and its pruning leaves one
@@ -135,6 +136,26 @@ def _open_manager(directory: str, keep: int, features=()):
   except OSError as e:    # e.g. a dangling checkpoints symlink
     raise CheckpointError(f"{directory}: cannot open the checkpoint directory "
                           f"({e.strerror or e})") from None
+
+
+# What a restore may raise that says nothing about the checkpoint's files: out of host or device
+# memory, no permission, too many open files. Such a checkpoint is not set aside.
+_RESOURCE_ERRNOS = (errno.ENOMEM, errno.EACCES, errno.EPERM, errno.EMFILE, errno.ENFILE)
+_RESOURCE_MESSAGES = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
+
+
+def _not_the_files(error: BaseException | None) -> bool:
+  """Whether `error` (or anything in its cause chain) is a resource failure rather than damage."""
+  seen = 0
+  while error is not None and seen < 16:
+    if isinstance(error, MemoryError):
+      return True
+    if isinstance(error, OSError) and error.errno in _RESOURCE_ERRNOS:
+      return True
+    if any(m in str(error) for m in _RESOURCE_MESSAGES):
+      return True
+    error, seen = error.__cause__ or error.__context__, seen + 1
+  return False
 
 
 def _all_agree(ok: bool) -> bool:
@@ -318,7 +339,9 @@ class Checkpointer:
 
     Sets `data_iterator` to the saved position. An unreadable checkpoint is reported, moved to
     <step>.unreadable and skipped for the one before it; one from an incompatible config (or
-    with other array shapes) stops with CheckpointError. Returns None when there is none.
+    with other array shapes) stops with CheckpointError, and so does a restore that failed for
+    want of memory or permission (`_not_the_files`), leaving the checkpoint where it is.
+    Returns None when there is none.
     """
     target = abstract_state(layout, tx)
     for step in sorted(self._manager.all_steps(), reverse=True):
@@ -357,6 +380,11 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001
           error = e
       if not _all_agree(error is None):
+        if not _all_agree(not _not_the_files(error)):
+          raise CheckpointError(
+              f"restoring {where} failed for a reason that is not the checkpoint's: "
+              f"{weights.one_line(error) if _not_the_files(error) else 'on another process'}; "
+              "it was left in place. Free the resource and rerun") from None
         self._set_aside(step, error)
         continue
       if data_iterator is not None:

@@ -181,6 +181,30 @@ def test_damaged_checkpoint_is_reported_skipped_and_kept(trainer, trained, tmp_p
   assert sorted(os.listdir(workdir / "checkpoints")) == ["12.unreadable", "4", "8"]
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("error", [MemoryError("host"), PermissionError(13, "Permission denied"),
+                                   RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating")])
+def test_restore_that_ran_out_of_memory_keeps_the_checkpoint(trainer, trained, tmp_path,
+                                                             monkeypatch, error):
+  """Out of memory (or permission) while reading is not damage: the checkpoint stays where it is
+  and the restore stops with one line, rather than resuming from an older one."""
+  workdir = _copy(trained, tmp_path)
+  before = sorted(os.listdir(workdir / "checkpoints"))
+
+  def failing(self, *args, **kwargs):
+    raise RuntimeError("reading params/ failed") from error
+
+  monkeypatch.setattr(ckpt.Checkpointer, "_restore_state", failing)
+  checkpoints = ckpt.Checkpointer(str(workdir), trainer.cfg)
+  try:
+    with pytest.raises(CheckpointError, match="not the checkpoint's: .*left in place"):
+      checkpoints.restore(trainer.layout, trainer.tx)
+  finally:
+    checkpoints.close()
+  assert sorted(os.listdir(workdir / "checkpoints")) == before
+  assert ckpt._not_the_files(error) and not ckpt._not_the_files(ValueError("bad header"))
+
+
 def test_only_unreadable_checkpoints_is_an_error_not_a_fresh_start(trainer, trained, tmp_path):
   workdir = _copy(trained, tmp_path)
   for step in ("4", "8", "12"):
