@@ -76,6 +76,8 @@ class FamilySpec:
 
 
 _COMMON_REQUIRED = (("hidden_act", "silu", "moejax experts are SwiGLU"),)
+# Values transformers treats as the same function (its ACT2FN maps "swish" to SiLU).
+_SAME_AS = {("hidden_act", "swish"): "silu"}
 _NO_SLIDING_WINDOW = (("use_sliding_window", False, "moejax attends to the whole sequence"),)
 
 FAMILY_SPECS = {
@@ -181,6 +183,8 @@ def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
     value = hf.get(key, want)
     if key == "mlp_only_layers" and value is None:
       value = []
+    if isinstance(value, str):
+      value = _SAME_AS.get((key, value), value)
     if value != want:
       _refuse(where, key, value, f"{why} (needs {want!r})")
   layer_types = hf.get("layer_types") or []

@@ -80,6 +80,13 @@ def test_refuses_configs_moejax_does_not_model(hf_dir, changes, expected):
   assert expected in load_error(hf_dir)
 
 
+def test_swish_is_silu(hf_dir):
+  """transformers maps hidden_act "swish" to SiLU: the same model, loaded alike."""
+  cfg_silu = load_hf(hf_dir)[0]
+  edit_config(hf_dir, hidden_act="swish")
+  assert load_hf(hf_dir)[0] == cfg_silu
+
+
 def test_refuses_what_is_not_a_checkpoint(hf_dir, tmp_path):
   assert "not a directory" in load_error(str(tmp_path / "nowhere"))
   os.remove(os.path.join(hf_dir, SINGLE))
