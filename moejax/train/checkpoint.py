@@ -42,6 +42,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import sys
 from typing import Any
 
 import jax
@@ -141,20 +142,25 @@ def _open_manager(directory: str, keep: int, features=()):
 # What a restore may raise that says nothing about the checkpoint's files: out of host or device
 # memory, no permission, too many open files. Such a checkpoint is not set aside.
 _RESOURCE_ERRNOS = (errno.ENOMEM, errno.EACCES, errno.EPERM, errno.EMFILE, errno.ENFILE)
-_RESOURCE_MESSAGES = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory")
+# (tensorstore, which reads the arrays, reports errno as a status: PERMISSION_DENIED for EACCES,
+# RESOURCE_EXHAUSTED for ENOMEM / EMFILE.)
+_RESOURCE_MESSAGES = ("RESOURCE_EXHAUSTED", "PERMISSION_DENIED", "Out of memory", "out of memory")
 
 
-def _not_the_files(error: BaseException | None) -> bool:
-  """Whether `error` (or anything in its cause chain) is a resource failure rather than damage."""
+def _not_the_files(error: BaseException | None, handled: BaseException | None = None) -> bool:
+  """Whether `error`, or what caused it, is a resource failure rather than damage. The walk
+  follows causes and unsuppressed contexts, and stops at `handled`: an error the caller was
+  already handling when the restore began, which says nothing about this checkpoint."""
   seen = 0
-  while error is not None and seen < 16:
+  while error is not None and error is not handled and seen < 16:
     if isinstance(error, MemoryError):
       return True
     if isinstance(error, OSError) and error.errno in _RESOURCE_ERRNOS:
       return True
     if any(m in str(error) for m in _RESOURCE_MESSAGES):
       return True
-    error, seen = error.__cause__ or error.__context__, seen + 1
+    error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+    seen += 1
   return False
 
 
@@ -344,6 +350,7 @@ class Checkpointer:
     Returns None when there is none.
     """
     target = abstract_state(layout, tx)
+    handled = sys.exc_info()[1]     # a caller's own error in flight: not this restore's
     for step in sorted(self._manager.all_steps(), reverse=True):
       where = f"checkpoint {self.step_path(step)} (step {step})"
       error = None
@@ -380,10 +387,11 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001
           error = e
       if not _all_agree(error is None):
-        if not _all_agree(not _not_the_files(error)):
+        resource = _not_the_files(error, handled)
+        if not _all_agree(not resource):
           raise CheckpointError(
               f"restoring {where} failed for a reason that is not the checkpoint's: "
-              f"{weights.one_line(error) if _not_the_files(error) else 'on another process'}; "
+              f"{weights.one_line(error) if resource else 'on another process'}; "
               "it was left in place. Free the resource and rerun") from None
         self._set_aside(step, error)
         continue

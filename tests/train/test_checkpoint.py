@@ -203,6 +203,25 @@ def test_restore_that_ran_out_of_memory_keeps_the_checkpoint(trainer, trained, t
     checkpoints.close()
   assert sorted(os.listdir(workdir / "checkpoints")) == before
   assert ckpt._not_the_files(error) and not ckpt._not_the_files(ValueError("bad header"))
+  assert ckpt._not_the_files(ValueError("PERMISSION_DENIED: Failed to open [os_error_code='13']"))
+
+
+def test_damage_found_while_the_caller_handles_a_memory_error_is_still_damage(trainer, trained,
+                                                                              tmp_path):
+  """A caller's own MemoryError in flight becomes the damage's __context__; it must not make a
+  truncated checkpoint look like a resource failure."""
+  workdir = _copy(trained, tmp_path)
+  os.truncate(workdir / "checkpoints" / "12" / "meta" / "metadata", 10)
+  checkpoints = ckpt.Checkpointer(str(workdir), trainer.cfg)
+  try:
+    try:
+      raise MemoryError("the caller's")
+    except MemoryError:
+      _, step = checkpoints.restore(trainer.layout, trainer.tx)
+  finally:
+    checkpoints.close()
+  assert step == 8
+  assert "12.unreadable" in os.listdir(workdir / "checkpoints")
 
 
 def test_only_unreadable_checkpoints_is_an_error_not_a_fresh_start(trainer, trained, tmp_path):
