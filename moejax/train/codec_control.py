@@ -398,6 +398,7 @@ class CodecPolicy:
     if not self.active:
       return None
     self._live_since = step
+    schedule = (self.restored or {}).get("schedule")
     last = self._restored_choice()
     if last is not None:
       specs, decided_at = last
@@ -407,9 +408,13 @@ class CodecPolicy:
       self.decided_at = decided_at
       self._schedule(decided_at + self.cfg.reselect_every if self.cfg.reselect_every else None,
                      step, params)
-      return self._adopt(specs)
-    self._schedule(max(self.cfg.warmup_steps, step + PROBE_STEPS), step, params)
-    return self._adopt({}) if any(self.specs.values()) else None
+      choice = self._adopt(specs)
+    else:
+      self._schedule(max(self.cfg.warmup_steps, step + PROBE_STEPS), step, params)
+      choice = self._adopt({}) if any(self.specs.values()) else None
+    if schedule is not None:
+      self._resume_schedule(schedule, step, params)
+    return choice
 
   def after_step(self, step: int, params, metrics: dict) -> tuple[dict, dict | None]:
     """Call right after the train step that produced `step`, with its new parameters and
@@ -497,10 +502,50 @@ class CodecPolicy:
 
   # -- the checkpoint item -----------------------------------------------------------------------
   def saved_decision(self) -> dict:
-    """The decision in force as JSON: its step and the spec of every compressed parameter."""
+    """The decision in force as JSON: its step and the spec of every compressed parameter, and
+    where the next decision stands (`schedule`: its step, the change counts probed for it so
+    far, the live figures behind the fallback check), so a resumed run decides when and as the
+    uninterrupted one does."""
+    lists = lambda arrays: None if arrays is None else [   # noqa: E731
+        np.asarray(a).tolist() for a in jax.device_get(arrays)]
     return {"step": self.decided_at,
             "specs": [_spec_entry(g, p, s) for g, ps in self.specs.items()
-                      for p, s in sorted(ps.items())]}
+                      for p, s in sorted(ps.items())],
+            "schedule": {"next": self._next, "probe_steps": self._probe_steps,
+                         "acc": lists(self._acc),
+                         "live": lists(None if self._live is None else [self._live]),
+                         "live_prev": lists(None if self._live_prev is None
+                                            else [self._live_prev]),
+                         "live_steps": self._live_steps, "live_since": self._live_since}}
+
+  def _resume_schedule(self, saved: dict, step: int, params):
+    """Continues the saved schedule (`saved_decision`) from `step`, the step it was saved at:
+    the same next decision, over the same probed counts, with the same live figures."""
+    w, r, k = num_devices(self.mesh), sum(self.probe.rows), len(RATE_KINDS)
+    # Replicated over the mesh, like the figures they continue (every process holds them all).
+    put = lambda a, dtype: jax.device_put(np.asarray(a, dtype),   # noqa: E731
+                                          NamedSharding(self.mesh, P()))
+    acc = saved.get("acc")
+    shapes = [(w, r, k), (w, r, k), (r, k)]
+    if acc is not None and [np.shape(a) for a in acc] != shapes:
+      self.log(f"codec: the checkpoint's probe counts have shapes {[np.shape(a) for a in acc]}, "
+               f"this run's {shapes}: probing afresh for the next decision")
+      return
+    live_shape = (len(self.gatherer.param_rows()), len(hook.STAT_KEYS))
+    for key in ("live", "live_prev"):
+      if saved.get(key) is not None and np.shape(saved[key][0]) != live_shape:
+        saved = {**saved, "live": None, "live_prev": None, "live_steps": 0}
+    self._next = saved["next"]
+    self._probe_steps = int(saved["probe_steps"])
+    self._acc = None if acc is None else tuple(put(a, np.int32) for a in acc)
+    self._snap = (self.probe.snapshot(params)
+                  if self._next is not None and self._next - PROBE_STEPS <= step < self._next
+                  else None)
+    live = lambda key: (None if saved.get(key) is None     # noqa: E731
+                        else put(saved[key][0], np.float32))
+    self._live, self._live_prev = live("live"), live("live_prev")
+    self._live_steps = int(saved.get("live_steps", 0))
+    self._live_since = int(saved.get("live_since", step))
 
   def _restored_choice(self):
     """(specs, decision step) from the restored checkpoint item, if it fits these parameters."""

@@ -71,6 +71,24 @@ def test_resumed_auto_run_reinstalls_the_choice_bit_for_bit(trainer, uninterrupt
     assert a == b
 
 
+def test_run_resumed_while_probing_decides_as_the_uninterrupted_one(trainer, uninterrupted,
+                                                                    tmp_path, capsys):
+  """Stopped at step 2, inside the probe window of the first decision (steps 1-3): the
+  checkpoint holds the decision's schedule and the counts probed so far, so the resumed run
+  decides at step 3 from the same counts, and its every figure is the uninterrupted run's."""
+  workdir = str(tmp_path / "w")
+  run(trainer.cfg, workdir, trainer=trainer, stop_at=2)
+  run(trainer.cfg, workdir, trainer=trainer)
+  capsys.readouterr()
+  with open(os.path.join(workdir, codec_control.SELECTION_FILE)) as f:
+    resumed = json.load(f)["decisions"]
+  with open(os.path.join(uninterrupted, codec_control.SELECTION_FILE)) as f:
+    reference = json.load(f)["decisions"]
+  assert [d["step"] for d in resumed] == [d["step"] for d in reference] == [3]
+  assert resumed[0]["params"] == reference[0]["params"]
+  assert _records(workdir) == _records(uninterrupted)
+
+
 def test_checkpoints_hold_the_decision_in_force(uninterrupted):
   with open(os.path.join(uninterrupted, codec_control.SELECTION_FILE)) as f:
     logged = json.load(f)["decisions"][0]
