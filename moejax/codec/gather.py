@@ -488,23 +488,16 @@ class Pending:
     return jnp.any(jnp.stack(self.overflow())) | jnp.any(self.not_ready())
 
 
-def prepare_group(shards, states, *, axis_name, specs, reuse=None) -> Pending:
+def prepare_group(shards, states, *, axis_name, specs) -> Pending:
   """The first half of `compressed_all_gather_group`: every pool's encode, and the agreement
   (one tiny all_gather of six int32 per shard and device; every device decides from the same
-  gathered flags, so all take the same path even if their states disagreed). `reuse` (flag,
-  Pending of the same shapes): where the flag holds, that Pending's encode stands for this one
-  (the same shards and states prepared again: the prefetching scan's last layers), and only the
-  agreement runs."""
+  gathered flags, so all take the same path even if their states disagreed)."""
   shards, states, specs = tuple(shards), tuple(states), tuple(specs)
   pools = pools_of([(x.shape, x.dtype) for x in shards], specs)
-
-  def encode():
-    return tuple(_sender([shards[k] for k in pool], [states[k] for k in pool], axis_name,
-                         [specs[k] for k in pool]) for pool in pools)
-
-  send = encode() if reuse is None else lax.cond(reuse[0], lambda: reuse[1].pools, encode)
+  send = [_sender([shards[k] for k in pool], [states[k] for k in pool], axis_name,
+                  [specs[k] for k in pool]) for pool in pools]
   order = [k for pool in pools for k in pool]
-  agreed_WxKx6 = lax.all_gather(jnp.concatenate([s["local_Kx6"] for s in send]), axis_name)
+  agreed_WxKx6 = lax.all_gather(jnp.concatenate([s.pop("local_Kx6") for s in send]), axis_name)
   if order != sorted(order):
     agreed_WxKx6 = jnp.take(agreed_WxKx6, np.argsort(order), axis=1)    # back in shard order
   limits = []
@@ -512,7 +505,7 @@ def prepare_group(shards, states, *, axis_name, specs, reuse=None) -> Pending:
     fmt = _pool_static([shards[k] for k in pool], [specs[k] for k in pool]).fmt
     limits.append((tuple(pool), fmt.capacity, getattr(fmt, "far_capacity", 0)
                    if specs[pool[0]].mode in WORD_MODES else 0))
-  return Pending(agreed_WxKx6, send, tuple(limits))
+  return Pending(agreed_WxKx6, tuple(send), tuple(limits))
 
 
 def finish_group(shards, states, pending: Pending, *, axis_name, axes, specs, dense: bool):

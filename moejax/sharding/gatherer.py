@@ -230,17 +230,16 @@ class Gatherer:
       stats[PARAM_STATS] = per_param
     return treedef.unflatten(fulls), new_states, stats
 
-  def prepare(self, group: str, shards, states: dict | None, reuse=None):
+  def prepare(self, group: str, shards, states: dict | None):
     """The first half of `gather` (`hook.prepare_leaves`: the codec's encode and agreement), or
     None when the codec gathers nothing of `group`. Finish it with `gather(..., pending=p,
-    dense=...)` in each branch of `lax.cond(p.dense(), ...)`. `reuse` (flag, a Pending of the
-    same group): where the flag holds, its encode stands for this one (`codec.prepare_group`)."""
+    dense=...)` in each branch of `lax.cond(p.dense(), ...)`."""
     if states is None:
       return None
     paths, leaves, _, lays, specs, _, dtypes = self._leaves(group, shards, states)
     return hook.prepare_leaves(leaves, lays, specs,
                                [states[path] if spec else None for path, spec in zip(paths, specs)],
-                               dtypes=dtypes, reuse=reuse)
+                               dtypes=dtypes)
 
   def _leaves(self, group: str, shards, states):
     lays = self.layouts[group]

@@ -217,12 +217,12 @@ def _coded_pack(shards, layouts, specs, dtypes, rebuild) -> list[int]:
           if layout.kind == "shard" and spec is not None and r is None]
 
 
-def prepare_leaves(shards, layouts, specs, states, axis_names=DEVICES, dtypes=None, reuse=None):
+def prepare_leaves(shards, layouts, specs, states, axis_names=DEVICES, dtypes=None):
   """The first half of `gather_leaves` for leaves the codec gathers: their encode and the
   agreement (`codec.prepare_group`), or None when the codec gathers none of them. Pass it to
   `gather_leaves(..., pending=...)` with `dense=pending.dense()` as a static branch (a caller's
   `lax.cond`), which then issues every other collective of the gather beside the caller's
-  compute. `reuse`: see `codec.prepare_group`."""
+  compute."""
   n = len(shards)
   dtypes = [COMPUTE_DTYPE] * n if dtypes is None else list(dtypes)
   coded = _coded_pack(shards, layouts, specs, dtypes, [None] * n)
@@ -230,7 +230,7 @@ def prepare_leaves(shards, layouts, specs, states, axis_names=DEVICES, dtypes=No
     return None
   return codec.prepare_group([shards[i].astype(COMPUTE_DTYPE) for i in coded],
                              [states[i] for i in coded], axis_name=axis_names,
-                             specs=[specs[i] for i in coded], reuse=reuse)
+                             specs=[specs[i] for i in coded])
 
 
 def gather_leaves(shards, layouts, specs, states, axis_names=DEVICES, dtypes=None,

@@ -136,9 +136,7 @@ def _prefetched_scan(layer_fn, gather, remat: str, num_layers: int):
         def run():
           # Layer i+2's encode and agreement, layer i+1's payload, layer i's compute: one
           # computation, so the collectives can run under the compute.
-          # Past the last layer, layer L-1 again: its encode is the one carried (only the
-          # tiny agreement runs again).
-          pending_next = prepare(*layer(i + 2), reuse=(i + 2 >= num_layers, pending))
+          pending_next = prepare(*layer(i + 2))
           full_next, state_next, stats_next = gather.finish(*layer(i + 1), pending, dense)
           return (full_next, state_next, stats_next, pending_next), compute(h, full, i)
         return run
