@@ -36,12 +36,8 @@ the capacities, and they serve the stats too), issued before the payload; a cond
 device sends everyone down the dense path. `compressed_all_gather_group` does
 the same for several shards with one agreement collective for all of them, and sends its word
 and delta shards of one code width and dtype as one pool: one patch of their concatenated
-values with their capacities summed, one encode, one decode. The group takes one path: every
-pool's patch in one payload collective, or, when some pool overflows or some shard is not ready
-on some device, every shard dense (one collective per unsigned type), so that the group has one
-conditional whose branches a caller can fill with its own compute: `prepare_group` (encode and
-agreement) and `finish_group` (the payload on a static path), which the prefetching layer scan
-(`moejax.sharding.prefetch`) runs one layer ahead.
+values with their capacities summed, one payload collective, one choice of path. When no pool
+of the group falls back, all pools' patches travel in one payload collective.
 
 Both paths are exact, so the output never depends on which one ran.
 
@@ -406,16 +402,23 @@ def _pool_format(fmts):
 
 
 def _sender(shards, states, axis_name, specs):
-  """One pool's sender side -> dict of arrays: bits (its values' bit patterns, concatenated in a
-  pool), prev (the sender's new state), own (its own cache row), wire (the patch, padded to the
-  pool's wire words), local_Kx6 (its flags and counts per shard, for the agreement)."""
-  del axis_name
-  static = _pool_static(shards, specs)
-  layout, fmt, fmts, bounds = static.layout, static.fmt, static.fmts, static.bounds
-  concat = (lambda xs: xs[0]) if len(shards) == 1 else jnp.concatenate   # noqa: E731
+  """One pool's sender side and static formats -> dict (see `_send_exponents`)."""
+  layout = bits.layout_of(shards[0].dtype)
+  fmts = [patch_format(x.shape, x.dtype, spec) for x, spec in zip(shards, specs)]
+  w = lax.axis_size(axis_name)
+  for x, state, fmt in zip(shards, states, fmts):
+    if state["cache"].shape != (w - 1, fmt.cache_width):
+      raise ValueError(f"state cache has shape {state['cache'].shape}, expected "
+                       f"{(w - 1, fmt.cache_width)} for a shard of {x.shape} on an axis of "
+                       f"{w} devices")
+  words = specs[0].mode in WORD_MODES
+  concat = lambda xs, axis=0: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=axis)  # noqa
   bits_N = concat([lax.bitcast_convert_type(x, layout.uint_dtype).reshape(f.n)
                    for x, f in zip(shards, fmts)])
-  if static.words:
+  offsets = np.cumsum([0] + [f.n for f in fmts]).tolist()
+  bounds = list(zip(offsets[:-1], offsets[1:]))
+  fmt = _pool_format(fmts)
+  if words:
     sent = _send_words(bits_N, concat([st["prev"] for st in states]), specs, fmt, layout, bounds)
   else:
     sent = _send_exponents(bits_N, states[0]["prev"], specs[0], fmt, layout)
@@ -424,114 +427,46 @@ def _sender(shards, states, axis_name, specs):
                      + (st["step"] < spec.warmup_steps).astype(jnp.int32) * _WARM
                      for st, spec in zip(states, specs)])
   local_Kx6 = jnp.stack([flags, exponent_changes, block_changes, word_changes, count, far], axis=1)
-  wire_L = make_wire()
-  if wire_L.shape[0] < static.wire_words:
-    wire_L = jnp.pad(wire_L, (0, static.wire_words - wire_L.shape[0]))
-  return dict(bits=bits_N, prev=new_prev, own=own, wire=wire_L, local_Kx6=local_Kx6)
+  wire_words = sum(f.words for f in fmts) if words else fmt.words
+
+  def wire():
+    wire_L = make_wire()
+    if wire_L.shape[0] < wire_words:
+      wire_L = jnp.pad(wire_L, (0, wire_words - wire_L.shape[0]))
+    return wire_L
+
+  return dict(layout=layout, fmt=fmt, fmts=fmts, words=words, bits_N=bits_N, new_prev=new_prev,
+              own=own, make_wire=wire, local_Kx6=local_Kx6, bounds=bounds,
+              caches=[st["cache"] for st in states])
 
 
-@dataclasses.dataclass(frozen=True)
-class _PoolStatic:
-  """What a pool's shapes and specs fix: its layout, its pooled format and each shard's, whether
-  it caches whole words, each shard's [start, end) in the pool, and its wire's words."""
-  layout: bits.Layout
-  fmt: object
-  fmts: tuple
-  words: bool
-  bounds: tuple
-  wire_words: int
-
-
-def _pool_static(shards, specs) -> _PoolStatic:
-  layout = bits.layout_of(shards[0].dtype)
-  fmts = tuple(patch_format(x.shape, x.dtype, spec) for x, spec in zip(shards, specs))
-  ends = np.cumsum([f.n for f in fmts]).tolist()
-  words = specs[0].mode in WORD_MODES
-  fmt = _pool_format(fmts)
-  return _PoolStatic(layout, fmt, fmts, words, tuple(zip([0] + ends[:-1], ends)),
-                     sum(f.words for f in fmts) if words else fmt.words)
-
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("agreed_WxKx6", "pools"),
-                   meta_fields=("limits",))
-@dataclasses.dataclass(frozen=True)
-class Pending:
-  """A group's compressed gather, prepared (`prepare_group`): every pool's sender side and the
-  agreement, all but the payload collective (`finish_group`). `dense()` says which path the
-  payload must take, the same on every device. A pytree: it can wait in a scan's carry for the
-  next layer (`moejax.sharding.prefetch`).
-
-  agreed_WxKx6: every device's flags and counts per shard (shard order); pools: per pool the
-  arrays of `_sender`; limits (static): per pool (its shards, capacity, far capacity)."""
-  agreed_WxKx6: jax.Array
-  pools: tuple
-  limits: tuple
-
-  def overflow(self) -> list:
-    """Per pool: some device's changes exceed its capacity."""
-    out = []
-    for members, capacity, far_capacity in self.limits:
-      count_W, far_W = (jnp.sum(self.agreed_WxKx6[:, list(members), i], axis=1) for i in (4, 5))
-      over = jnp.any(count_W > capacity)
-      if far_capacity:
-        over = over | jnp.any(far_W > far_capacity)
-      out.append(over)
-    return out
-
-  def not_ready(self) -> jax.Array:
-    """[K] bool: a shard's cache is stale on some device, or its warm-up runs."""
-    flags_WxK = self.agreed_WxKx6[:, :, 0]
-    return jnp.any((flags_WxK & (_INVALID | _WARM)) != 0, axis=0)
-
-  def dense(self) -> jax.Array:
-    """Whether the group's payload goes dense: some pool overflows, or some shard is not ready."""
-    return jnp.any(jnp.stack(self.overflow())) | jnp.any(self.not_ready())
-
-
-def prepare_group(shards, states, *, axis_name, specs) -> Pending:
-  """The first half of `compressed_all_gather_group`: every pool's encode, and the agreement
-  (one tiny all_gather of six int32 per shard and device; every device decides from the same
-  gathered flags, so all take the same path even if their states disagreed)."""
-  shards, states, specs = tuple(shards), tuple(states), tuple(specs)
-  pools = pools_of([(x.shape, x.dtype) for x in shards], specs)
-  send = [_sender([shards[k] for k in pool], [states[k] for k in pool], axis_name,
-                  [specs[k] for k in pool]) for pool in pools]
-  order = [k for pool in pools for k in pool]
-  agreed_WxKx6 = lax.all_gather(jnp.concatenate([s.pop("local_Kx6") for s in send]), axis_name)
-  if order != sorted(order):
-    agreed_WxKx6 = jnp.take(agreed_WxKx6, np.argsort(order), axis=1)    # back in shard order
-  limits = []
-  for pool in pools:
-    fmt = _pool_static([shards[k] for k in pool], [specs[k] for k in pool]).fmt
-    limits.append((tuple(pool), fmt.capacity, getattr(fmt, "far_capacity", 0)
-                   if specs[pool[0]].mode in WORD_MODES else 0))
-  return Pending(agreed_WxKx6, tuple(send), tuple(limits))
-
-
-def finish_group(shards, states, pending: Pending, *, axis_name, axes, specs, dense: bool):
-  """The second half of `compressed_all_gather_group`: the payload and decode, on the path
-  `dense` (static; it must be `pending.dense()`, which the caller branches on). Dense: the
-  pools' plain bit patterns in one all_gather per unsigned type, refilling every cache. Compressed: every
-  pool's patch in one all_gather (every wire is uint32 words), then decoded. No conditional
-  inside, so a caller can put its own compute beside the collective in each branch
-  (`moejax.sharding.prefetch`). -> (fulls, new_states, stats), tuples in shard order."""
-  shards, states, specs = tuple(shards), tuple(states), tuple(specs)
+def _forward(shards, states, axis_name, axes, specs):
   w = lax.axis_size(axis_name)
   me = lax.axis_index(axis_name)
   pools = pools_of([(x.shape, x.dtype) for x in shards], specs)
-  statics = [_pool_static([shards[k] for k in pool], [specs[k] for k in pool]) for pool in pools]
-  caches = [[states[k]["cache"] for k in pool] for pool in pools]
-  all_WxKx6 = pending.agreed_WxKx6
-  invalid_K = jnp.any((all_WxKx6[:, :, 0] & _INVALID) != 0, axis=0)
-  warm_K = jnp.any((all_WxKx6[:, :, 0] & _WARM) != 0, axis=0)
-  pool_overflow = pending.overflow()
-  pool_fill = []
-  for (members, capacity, far_capacity), s in zip(pending.limits, statics):
-    count_W, far_W = (jnp.sum(all_WxKx6[:, list(members), i], axis=1) for i in (4, 5))
-    fill = jnp.max(count_W) / np.float32(capacity)
-    if far_capacity:
-      fill = jnp.maximum(fill, jnp.max(far_W) / np.float32(far_capacity))
+  send = [_sender([shards[k] for k in pool], [states[k] for k in pool], axis_name,
+                  [specs[k] for k in pool]) for pool in pools]
+
+  # Agreement: one tiny collective of every shard's flags and counts. Every device decides from
+  # the same gathered flags, so all take the same path for a pool even if their states
+  # disagreed. A pool overflows when some device's escapes (changed units) exceed its capacity.
+  order = [k for pool in pools for k in pool]
+  all_WxKx6 = lax.all_gather(jnp.concatenate([s["local_Kx6"] for s in send]), axis_name)
+  if order != sorted(order):
+    all_WxKx6 = jnp.take(all_WxKx6, np.argsort(order), axis=1)    # back in shard order
+  invalid_K, warm_K = (jnp.any((all_WxKx6[:, :, 0] & f) != 0, axis=0) for f in (_INVALID, _WARM))
+  pool_fill, pool_overflow = [], []
+  for pool, s in zip(pools, send):
+    count_W, far_W = (jnp.sum(all_WxKx6[:, pool, i], axis=1) for i in (4, 5))
+    fill = jnp.max(count_W) / np.float32(s["fmt"].capacity)
+    over = jnp.any(count_W > s["fmt"].capacity)
+    if s["words"] and s["fmt"].far_capacity:
+      fill = jnp.maximum(fill, jnp.max(far_W) / np.float32(s["fmt"].far_capacity))
+      over = over | jnp.any(far_W > s["fmt"].far_capacity)
     pool_fill.append(fill)
+    pool_overflow.append(over)
+  dense_P = [pool_overflow[p] | jnp.any(jnp.stack([invalid_K[k] | warm_K[k] for k in pool]))
+             for p, pool in enumerate(pools)]
 
   # Receivers: row r of the cache is device r + (r >= me). Rows are picked by selects, not by
   # gathers of rows: XLA:CPU gathers element by element.
@@ -540,54 +475,60 @@ def finish_group(shards, states, pending: Pending, *, axis_name, axes, specs, de
     r = lax.broadcasted_iota(jnp.int32, (w - 1,) + x_WxN.shape[1:], 0)
     return jnp.where(r < me, x_WxN[:-1], x_WxN[1:])
 
-  def dense_path(s, bits_WxN):
-    """A pool's gathered bit patterns -> [(bits [W, N_k], new cache [R, N'_k]) per shard]."""
+  def with_own(cache_RxN, own_N):
+    return _with_own(cache_RxN, own_N, me)
+
+  def dense_path(s):
+    """-> [(bits [W, N_k], new cache [R, N'_k]) per shard of the pool]."""
+    bits_WxN = lax.all_gather(s["bits_N"], axis_name)
     out = []
-    for (a, b), fmt in zip(s.bounds, s.fmts):
-      bits_k = bits_WxN if len(s.fmts) == 1 else bits_WxN[:, a:b]
+    for (a, b), fmt in zip(s["bounds"], s["fmts"]):
+      bits_k = bits_WxN if len(s["fmts"]) == 1 else bits_WxN[:, a:b]
       others_RxN = others(bits_k)
-      if not s.words:
-        exp_RxN, _ = bits.split_bits(others_RxN, s.layout)
+      if not s["words"]:
+        exp_RxN, _ = bits.split_bits(others_RxN, s["layout"])
         others_RxN = jnp.pad(exp_RxN, ((0, 0), (0, fmt.cache_width - fmt.n)))
       out.append((bits_k, others_RxN))
     return out
 
-  def compressed_path(s, sent, pool_caches, wire_WxL):
-    if not s.words:   # patch + merge in one op (Triton kernel on GPU)
-      return [kernels.decode(pool_caches[0], wire_WxL, sent["own"], me, s.fmt, s.layout)]
-    patches_RxP = others(wire_WxL[:, :s.fmt.words])
-    new = word.decode_pool(pool_caches, patches_RxP, s.fmt, s.bounds)
-    return [(_with_own(cache_RxN, sent["bits"][a:b], me), cache_RxN)
-            for cache_RxN, (a, b) in zip(new, s.bounds)]
+  def compressed_path(s, wire_WxL=None):
+    if wire_WxL is None:
+      wire_WxL = lax.all_gather(s["make_wire"](), axis_name)
+    if not s["words"]:   # patch + merge in one op (Triton kernel on GPU)
+      return [kernels.decode(s["caches"][0], wire_WxL, s["own"], me, s["fmt"], s["layout"])]
+    patches_RxP = others(wire_WxL[:, :s["fmt"].words])
+    caches = word.decode_pool(s["caches"], patches_RxP, s["fmt"], s["bounds"])
+    return [(with_own(cache_RxN, s["bits_N"][a:b]), cache_RxN)
+            for cache_RxN, (a, b) in zip(caches, s["bounds"])]
 
-  if dense:
-    # The pools' bit patterns in one collective per unsigned type.
-    by_type: dict = {}
-    for p, sent in enumerate(pending.pools):
-      by_type.setdefault(sent["bits"].dtype, []).append(p)
-    pool_bits = [None] * len(pools)
-    for members in by_type.values():
-      parts = [pending.pools[p]["bits"] for p in members]
-      got_WxN = lax.all_gather(parts[0] if len(parts) == 1 else jnp.concatenate(parts), axis_name)
-      ends = np.cumsum([x.shape[0] for x in parts]).tolist()
-      for p, a, b in zip(members, [0] + ends[:-1], ends):
-        pool_bits[p] = got_WxN if len(parts) == 1 else got_WxN[:, a:b]
-    gathered = [dense_path(s, x) for s, x in zip(statics, pool_bits)]
-  else:
-    # Every pool's patch in one collective: each collective is a rendezvous of every device,
-    # and a layer's shards in exponent modes would otherwise take one each.
-    wires = [sent["wire"] for sent in pending.pools]
-    wire_WxL = lax.all_gather(wires[0] if len(wires) == 1 else jnp.concatenate(wires), axis_name)
+  # Each pool its own path: a pool that overflows falls back alone.
+  def per_pool(_):
+    return [lax.cond(dense_P[p], lambda _, s=s: dense_path(s),
+                     lambda _, s=s: compressed_path(s), None)
+            for p, s in enumerate(send)]
+
+  def all_compressed(_):
+    """Every pool compressed: their wires in one collective (each collective is a rendezvous
+    of every device; a layer's shards in exponent modes would otherwise take one each)."""
+    wires = [s["make_wire"]() for s in send]
+    wire_WxL = lax.all_gather(jnp.concatenate(wires), axis_name)
     ends = np.cumsum([x.shape[0] for x in wires]).tolist()
-    gathered = [compressed_path(s, sent, c, wire_WxL[:, a:b]) for s, sent, c, a, b in
-                zip(statics, pending.pools, caches, [0] + ends[:-1], ends)]
+    return [compressed_path(s, wire_WxL[:, a:b])
+            for s, a, b in zip(send, [0] + ends[:-1], ends)]
+
+  if len(send) > 1:
+    # The usual step (no pool falls back) takes one payload collective for the group (every
+    # wire is uint32 words); a step where some pool must go dense takes each pool's own.
+    gathered = lax.cond(jnp.any(jnp.stack(dense_P)), per_pool, all_compressed, None)
+  else:
+    gathered = per_pool(None)
 
   fulls, new_states, stats = [None] * len(shards), [None] * len(shards), [None] * len(shards)
-  for p, (pool, s, sent) in enumerate(zip(pools, statics, pending.pools)):
-    layout, words = s.layout, s.words
-    for k, (a, b), fmt, (bits_k, cache_k) in zip(pool, s.bounds, s.fmts, gathered[p]):
+  for p, (pool, s) in enumerate(zip(pools, send)):
+    layout, words = s["layout"], s["words"]
+    for k, (a, b), fmt, (bits_k, cache_k) in zip(pool, s["bounds"], s["fmts"], gathered[p]):
       shard, state, spec = shards[k], states[k], specs[k]
-      prev_k = sent["prev"][a:b] if len(pool) > 1 else sent["prev"]
+      prev_k = s["new_prev"][a:b] if len(pool) > 1 else s["new_prev"]
       fulls[k] = tile(lax.bitcast_convert_type(bits_k, layout.dtype).reshape((w,) + shard.shape),
                       axes[k])
       new_states[k] = {"prev": prev_k, "cache": cache_k,
@@ -600,7 +541,7 @@ def finish_group(shards, states, pending: Pending, *, axis_name, axes, specs, de
       needed = ((0 if words else fmt.n * layout.rest_bits)
                 + (fmt.fill_bits(mean_count, mean_far) if words else fmt.fill_bits(mean_count))) / 8
       stats[k] = _stats(
-          bytes_sent=sizes["dense"] if dense else sizes["compressed"],
+          bytes_sent=jnp.where(dense_P[p], sizes["dense"], sizes["compressed"]),
           bytes_plain=sizes["plain"],
           bytes_needed=jnp.where(valid, needed, sizes["plain"]),
           exponent_changes=(jnp.where(valid, jnp.sum(all_Wx6[:, 1]), 0)
@@ -609,18 +550,8 @@ def finish_group(shards, states, pending: Pending, *, axis_name, axes, specs, de
           word_changes=jnp.where(valid, jnp.sum(all_Wx6[:, 3]), 0) if words else -1,
           capacity_fill=jnp.where(valid, pool_fill[p], 0.0),
           fallback=pool_overflow[p] & valid & jnp.logical_not(warm_K[k]),
-          dense=int(dense))
+          dense=dense_P[p])
   return tuple(fulls), tuple(new_states), tuple(stats)
-
-
-def _forward(shards, states, axis_name, axes, specs):
-  """`prepare_group`, then `finish_group` on the agreed path: the group's one conditional."""
-  pending = prepare_group(shards, states, axis_name=axis_name, specs=specs)
-  return lax.cond(pending.dense(),
-                  lambda: finish_group(shards, states, pending, axis_name=axis_name, axes=axes,
-                                       specs=specs, dense=True),
-                  lambda: finish_group(shards, states, pending, axis_name=axis_name, axes=axes,
-                                       specs=specs, dense=False))
 
 
 def _with_own(cache_RxN, own_N, me):

@@ -278,14 +278,6 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
         return gather(group, shards, state)
       return gather(group, shards, state, rebuild_from)
 
-    # A Gatherer's gather comes in two halves, so the prefetching scan can put the next
-    # layer's payload beside this layer's compute in each branch of the codec's path.
-    owner = getattr(gather, "__self__", None)
-    if hasattr(owner, "prepare") and states[group] is not None:
-      gather_run.prepare = functools.partial(owner.prepare, group)
-      gather_run.finish = lambda shards, state, pending, dense, group=group: owner.gather(
-          group, shards, state, pending=pending, dense=dense)
-
     h_BxSxD, *out = scan_layers(
         moe_step if group == MOE_LAYERS else dense_step, h_BxSxD, part(params[group]),
         gather_run, part(states[group]), consts, remat=remat, prefetch=prefetch)

@@ -205,21 +205,25 @@ class Gatherer:
     return total
 
   # -- the hook --------------------------------------------------------------------------------
-  def gather(self, group: str, shards, states: dict | None, rebuild_from: dict | None = None,
-             *, pending=None, dense: bool | None = None):
+  def gather(self, group: str, shards, states: dict | None, rebuild_from: dict | None = None):
     """-> (full tree in the compute dtype, new states {path: state}, {report group: stats,
     PARAM_STATS: ...}). `rebuild_from`: the new states of the same gather run before on the
     same shards (a re-gather under remat); compressed parameters are rebuilt from their caches
-    (`hook.gather_leaves`). `pending` (`prepare` of the same shards and states) and `dense`
-    (static, the branch of `pending.dense()`): the second half of a prepared gather, with no
-    conditional and no VJP (`moejax.sharding.prefetch`)."""
-    paths, leaves, treedef, lays, specs, keys, dtypes = self._leaves(group, shards, states)
+    (`hook.gather_leaves`)."""
+    lays = self.layouts[group]
+    if self.is_stacked(group):
+      lays = jax.tree.map(Layout.unstacked, lays)
+    paths = _leaf_paths(shards)
+    leaves, treedef = jax.tree.flatten(shards)
+    specs = [self.specs[group].get(path) if states is not None else None for path in paths]
+    keys = [self.report_group(group, path) for path in paths]
     fulls, leaf_states, leaf_stats = hook.gather_leaves(
-        leaves, lays, specs,
-        [states[path] if spec else None for path, spec in zip(paths, specs)], dtypes=dtypes,
+        leaves, treedef.flatten_up_to(lays), specs,
+        [states[path] if spec else None for path, spec in zip(paths, specs)],
+        dtypes=[jnp.float32 if key in axes.FLOAT32_GROUPS else self.compute_dtype
+                for key in keys],
         rebuild_states=None if rebuild_from is None else [
-            rebuild_from[path] if spec else None for path, spec in zip(paths, specs)],
-        pending=pending, dense=dense)
+            rebuild_from[path] if spec else None for path, spec in zip(paths, specs)])
     new_states, stats, per_param = {}, {}, {}
     for path, spec, key, new_state, s in zip(paths, specs, keys, leaf_states, leaf_stats):
       if spec is not None:
@@ -229,28 +233,6 @@ class Gatherer:
     if per_param:
       stats[PARAM_STATS] = per_param
     return treedef.unflatten(fulls), new_states, stats
-
-  def prepare(self, group: str, shards, states: dict | None):
-    """The first half of `gather` (`hook.prepare_leaves`: the codec's encode and agreement), or
-    None when the codec gathers nothing of `group`. Finish it with `gather(..., pending=p,
-    dense=...)` in each branch of `lax.cond(p.dense(), ...)`."""
-    if states is None:
-      return None
-    paths, leaves, _, lays, specs, _, dtypes = self._leaves(group, shards, states)
-    return hook.prepare_leaves(leaves, lays, specs,
-                               [states[path] if spec else None for path, spec in zip(paths, specs)],
-                               dtypes=dtypes)
-
-  def _leaves(self, group: str, shards, states):
-    lays = self.layouts[group]
-    if self.is_stacked(group):
-      lays = jax.tree.map(Layout.unstacked, lays)
-    paths = _leaf_paths(shards)
-    leaves, treedef = jax.tree.flatten(shards)
-    specs = [self.specs[group].get(path) if states is not None else None for path in paths]
-    keys = [self.report_group(group, path) for path in paths]
-    dtypes = [jnp.float32 if key in axes.FLOAT32_GROUPS else self.compute_dtype for key in keys]
-    return paths, leaves, treedef, treedef.flatten_up_to(lays), specs, keys, dtypes
 
   # -- figures ---------------------------------------------------------------------------------
   def param_rows(self) -> list[tuple[str, str, int]]:

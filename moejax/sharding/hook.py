@@ -56,12 +56,6 @@ STAT_KEYS = ("bytes_sent", "bytes_plain", "exponent_changes", "block_changes", "
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
 def _all_gather(shards: tuple, states: tuple, rebuild: tuple, dims: tuple, axis_names, dtype,
                 specs: tuple):
-  """`_gather_pack` whose VJP reduce-scatters every leaf's gradient at once."""
-  return _gather_pack(shards, states, rebuild, dims, axis_names, dtype, specs)
-
-
-def _gather_pack(shards: tuple, states: tuple, rebuild: tuple, dims: tuple, axis_names, dtype,
-                 specs: tuple, finish=None):
   """The sharded leaves of one gather group and dtype -> (fulls, new states, codec figures).
   Plain leaves (spec None): their bit patterns in `dtype` packed into one flat buffer [N],
   gathered as [W, N], each split out and tiled along its own dim, exactly what a tiled gather of
@@ -97,9 +91,7 @@ def _gather_pack(shards: tuple, states: tuple, rebuild: tuple, dims: tuple, axis
       fulls[i] = lax.bitcast_convert_type(codec.tile(piece_WxS, dims[i]), dtype)
       start += x.size
   if coded:
-    # `finish` (`gather_leaves(..., pending=...)`): the payload of a prepared codec group.
-    group = codec.compressed_all_gather_group if finish is None else finish
-    outs = group(
+    outs = codec.compressed_all_gather_group(
         [shards[i].astype(dtype) for i in coded], [states[i] for i in coded],
         axis_name=axis_names, axes=[dims[i] for i in coded], specs=[specs[i] for i in coded])
     for i, full, new_state, raw in zip(coded, *outs):
@@ -210,31 +202,8 @@ def gather_leaf(shard, layout: Layout, spec: codec.CodecSpec | None = None, stat
   return full, new_state, stats
 
 
-def _coded_pack(shards, layouts, specs, dtypes, rebuild) -> list[int]:
-  """Indices of the leaves the codec gathers (sharded, with a spec, not rebuilt); all of the
-  compute dtype, so one pack."""
-  return [i for i, (layout, spec, dtype, r) in enumerate(zip(layouts, specs, dtypes, rebuild))
-          if layout.kind == "shard" and spec is not None and r is None]
-
-
-def prepare_leaves(shards, layouts, specs, states, axis_names=DEVICES, dtypes=None):
-  """The first half of `gather_leaves` for leaves the codec gathers: their encode and the
-  agreement (`codec.prepare_group`), or None when the codec gathers none of them. Pass it to
-  `gather_leaves(..., pending=...)` with `dense=pending.dense()` as a static branch (a caller's
-  `lax.cond`), which then issues every other collective of the gather beside the caller's
-  compute."""
-  n = len(shards)
-  dtypes = [COMPUTE_DTYPE] * n if dtypes is None else list(dtypes)
-  coded = _coded_pack(shards, layouts, specs, dtypes, [None] * n)
-  if not coded:
-    return None
-  return codec.prepare_group([shards[i].astype(COMPUTE_DTYPE) for i in coded],
-                             [states[i] for i in coded], axis_name=axis_names,
-                             specs=[specs[i] for i in coded])
-
-
 def gather_leaves(shards, layouts, specs, states, axis_names=DEVICES, dtypes=None,
-                  rebuild_states=None, pending=None, dense: bool | None = None):
+                  rebuild_states=None):
   """`gather_leaf` for a list of leaves (one gather group: a layer's parameters) -> (fulls,
   new_states, stats), lists in the same order. The sharded leaves of one dtype travel together:
   the plain ones as one all_gather of their packed bit patterns, the compressed ones as one
@@ -243,10 +212,7 @@ def gather_leaves(shards, layouts, specs, states, axis_names=DEVICES, dtypes=Non
   each their own), and all their fp32 gradients in one reduce-scatter back. `dtypes`: each leaf's
   compute dtype (default all bf16). `rebuild_states`: for a gather run again on the same shards,
   the states the first one left; compressed leaves are rebuilt from their caches
-  (`codec.rebuilt_gather_group`). `pending` (`prepare_leaves` of the same leaves and states) and
-  `dense` (static: the branch of `pending.dense()` this call is in): the codec group's payload
-  only, with no conditional of its own and no VJP (for a forward that is not differentiated:
-  the prefetched layer scan's, `moejax.sharding.prefetch`)."""
+  (`codec.rebuilt_gather_group`)."""
   n = len(shards)
   dtypes = [COMPUTE_DTYPE] * n if dtypes is None else list(dtypes)
   rebuild = [None] * n if rebuild_states is None else [
@@ -267,17 +233,12 @@ def gather_leaves(shards, layouts, specs, states, axis_names=DEVICES, dtypes=Non
     else:
       raise ValueError(f"unknown layout kind {layout.kind!r}")
     stats[i] = _plain_stats(shard, layout, dtype)
-  if pending is not None and dense is None:
-    raise ValueError("gather_leaves(pending=...) needs dense: the branch of pending.dense()")
-  finish = None if pending is None else functools.partial(codec.finish_group, pending=pending,
-                                                          dense=dense)
   for dtype, indices in packs.items():
-    args = (tuple(shards[i] for i in indices),
-            tuple(states[i] if specs[i] is not None else None for i in indices),
-            tuple(rebuild[i] for i in indices),
-            tuple(layouts[i].dim for i in indices), axis_names, dtype,
-            tuple(specs[i] for i in indices))
-    outs = _all_gather(*args) if finish is None else _gather_pack(*args, finish=finish)
+    outs = _all_gather(tuple(shards[i] for i in indices),
+                       tuple(states[i] if specs[i] is not None else None for i in indices),
+                       tuple(rebuild[i] for i in indices),
+                       tuple(layouts[i].dim for i in indices), axis_names, dtype,
+                       tuple(specs[i] for i in indices))
     for i, full, new_state, raw in zip(indices, *outs):
       fulls[i] = full
       if specs[i] is None:

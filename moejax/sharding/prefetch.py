@@ -24,13 +24,7 @@ prefetch=True    (more than one layer) the gather of layer i+1 is issued in iter
                  reduce-scatters layer i's weight gradient through
                  the gather's VJP (which needs no residual, so no gather runs for it). The
                  prefetched weights travel in the carries, never saved for backward.
-                 `hook.run_gathers` counts the gathers. A gather with two halves
-                 (`gather.prepare(shards, states) -> pending` and `gather.finish(shards,
-                 states, pending, dense)`: the codec's encode and agreement, then its payload
-                 on the agreed path) is prepared one layer ahead, and iteration i runs
-                 `lax.cond(pending.dense(), ...)` with layer i+1's payload, layer i+2's
-                 preparation and layer i's compute in each branch, so no collective of the
-                 scan sits in a conditional without the compute it can hide behind.
+                 `hook.run_gathers` counts the gathers.
 Both give bit-identical results (tests/sharding/test_prefetch.py).
 
 `remat` (REMAT_MODES) says what a layer keeps for its backward: "full" only its input (and its
@@ -104,53 +98,26 @@ def _prefetched_scan(layer_fn, gather, remat: str, num_layers: int):
     backward residuals under the remat policy, its weights among them)."""
     full_0, state_0, stats_0 = gather(_take(shards_L, 0), _take(states_L, 0))
     vjp_def = []
-    layer = lambda i: _take((shards_L, states_L), jnp.minimum(i, num_layers - 1))  # noqa: E731
-    # A gather in two halves (the codec's: encode + agreement, then the payload on the agreed
-    # path) is prepared one layer ahead, so that the branch on its path can hold the layer's
-    # compute beside the payload.
-    prepare = getattr(gather, "prepare", None)
-    pending_1 = None if prepare is None else prepare(*layer(1))
-
-    def compute(h, full, i):
-      fn = lambda h, full: layer_fn(h, full, consts, i)   # noqa: E731
-      if keep == "vjp":
-        (h_out, aux), vjp = jax.vjp(checkpointed(fn, remat), h, full)
-        leaves, treedef = jax.tree.flatten(vjp)
-        vjp_def[:] = [treedef]
-        return h_out, aux, leaves
-      h_out, aux = fn(h, full)
-      return h_out, aux, (h if keep == "inputs" else None)
 
     def body(carry, i):
       h, full = carry
       # Layer i+1's gather first (read in place: a rolled copy of the shards as scan input would
       # copy every layer's shards each step), then layer i's compute.
-      full_next, state_next, stats_next = gather(*layer(i + 1))
-      h_out, aux, saved = compute(h, full, i)
+      full_next, state_next, stats_next = gather(*_take((shards_L, states_L),
+                                                        jnp.minimum(i + 1, num_layers - 1)))
+      fn = lambda h, full: layer_fn(h, full, consts, i)   # noqa: E731
+      if keep == "vjp":
+        (h_out, aux), vjp = jax.vjp(checkpointed(fn, remat), h, full)
+        leaves, treedef = jax.tree.flatten(vjp)
+        vjp_def[:] = [treedef]
+        saved = leaves
+      else:
+        h_out, aux = fn(h, full)
+        saved = h if keep == "inputs" else None
       return (h_out, full_next), (aux, state_next, stats_next, saved)
 
-    def body_prepared(carry, i):
-      h, full, pending = carry     # pending: layer i+1's gather, prepared in iteration i-1
-
-      def branch(dense):
-        def run():
-          # Layer i+2's encode and agreement, layer i+1's payload, layer i's compute: one
-          # computation, so the collectives can run under the compute.
-          pending_next = prepare(*layer(i + 2))
-          full_next, state_next, stats_next = gather.finish(*layer(i + 1), pending, dense)
-          return (full_next, state_next, stats_next, pending_next), compute(h, full, i)
-        return run
-
-      (full_next, state_next, stats_next, pending_next), (h_out, aux, saved) = lax.cond(
-          pending.dense(), branch(True), branch(False))
-      return (h_out, full_next, pending_next), (aux, state_next, stats_next, saved)
-
-    if pending_1 is None:
-      (h, full_last), (aux_L, states_next_L, stats_next_L, saved_L) = lax.scan(
-          body, (h, full_0), index_L)
-    else:
-      (h, full_last, _), (aux_L, states_next_L, stats_next_L, saved_L) = lax.scan(
-          body_prepared, (h, full_0, pending_1), index_L)
+    (h, full_last), (aux_L, states_next_L, stats_next_L, saved_L) = lax.scan(
+        body, (h, full_0), index_L)
     if keep == "vjp":   # the layers' stacked residuals as one pytree (a VJP of [L, ...] leaves)
       saved_L = vjp_def[0].unflatten(saved_L)
     # Iteration i gathered layer i+1: shift back and put layer 0's in front.

@@ -178,36 +178,26 @@ class Branch:
   name: str
   collectives: tuple   # ops, e.g. ("all-gather", ...)
   dots: int            # matmuls (the layer compute a collective could hide behind)
-  in_loop: bool = False   # the conditional sits in a while loop's body (a layer scan)
-
-
-def _reachable(comps: dict, roots) -> set:
-  seen, todo = set(), list(roots)
-  while todo:
-    name = todo.pop()
-    if name in seen or name not in comps:
-      continue
-    seen.add(name)
-    for inner in comps[name]:
-      todo += _called(inner)
-  return seen
-
-
-_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
 
 
 def conditional_branches(hlo_text: str) -> list[Branch]:
   comps = _computations(hlo_text)
-  looped = _reachable(comps, [m[1] for lines in comps.values() for line in lines
-                              if " while(" in line and (m := _BODY.search(line))])
   out = []
-  for where, lines in comps.items():
+  for lines in comps.values():
     for line in lines:
       if " conditional(" not in line:
         continue
       for branch in _called(line):
-        body = [inner for name in _reachable(comps, [branch]) for inner in comps[name]]
+        seen, todo = set(), [branch]
+        while todo:
+          name = todo.pop()
+          if name in seen or name not in comps:
+            continue
+          seen.add(name)
+          for inner in comps[name]:
+            todo += _called(inner)
+        body = [inner for name in seen for inner in comps[name]]
         out.append(Branch(branch, tuple(m[1] for inner in body
                                         if (m := _COLLECTIVE.search(inner))),
-                          sum(bool(_DOT.search(inner)) for inner in body), where in looped))
+                          sum(bool(_DOT.search(inner)) for inner in body)))
   return out
