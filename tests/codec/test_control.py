@@ -137,3 +137,26 @@ def test_codec_work_is_profiled_and_counts_against_the_gain(gatherer):
                                 codec_seconds={m: (1.0, 0.0) for m in ("element", "block",
                                                                       "word", "delta")})
   assert not any(s.selected for s in costly)
+
+
+def test_a_saved_schedule_of_other_shapes_is_set_aside(gatherer):
+  """A checkpoint's probe counts from another mesh (8 devices there, 4 here) do not fit this
+  run's: one line says so, and the next decision probes afresh instead of failing later."""
+  mesh = make_mesh((1, 4), jax.devices()[:4])
+  small = state_layout(tiny_config(), mesh, make_optimizer(tiny_config())).gatherer
+  lines = []
+  policy = codec_control.CodecPolicy(small, mesh, _codec(comm_model="bytes"), log=lines.append)
+  r, k = sum(policy.probe.rows), len(codec_control.RATE_KINDS)
+  saved = {"next": 9, "probe_steps": 2, "acc": [np.zeros((8, r, k)).tolist()] * 2
+           + [np.zeros((r, k)).tolist()], "live": None, "live_prev": None, "live_steps": 0,
+           "live_since": 0}
+  policy._resume_schedule(saved, 7, params=None)
+  assert policy._next != 9 and policy._acc is None
+  assert len(lines) == 1 and "probe counts" in lines[0] and "probing afresh" in lines[0]
+  # The same counts for this mesh's 4 devices are taken up.
+  saved["acc"] = [np.ones((4, r, k), int).tolist()] * 2 + [np.ones((r, k), int).tolist()]
+  saved["next"] = 20                         # outside the window: no snapshot of params needed
+  policy._resume_schedule(saved, 7, params=None)
+  assert policy._next == 20 and policy._probe_steps == 2
+  assert [a.shape for a in policy._acc] == [(4, r, k), (4, r, k), (r, k)]
+  assert int(policy._acc[0].sum()) == 4 * r * k
