@@ -406,14 +406,13 @@ class CodecPolicy:
                f"({sum(len(v) for v in specs.values())} parameters compressed)")
       self._continue_log(step)
       self.decided_at = decided_at
-      self._schedule(decided_at + self.cfg.reselect_every if self.cfg.reselect_every else None,
-                     step, params)
+      next_step = decided_at + self.cfg.reselect_every if self.cfg.reselect_every else None
       choice = self._adopt(specs)
     else:
-      self._schedule(max(self.cfg.warmup_steps, step + PROBE_STEPS), step, params)
+      next_step = max(self.cfg.warmup_steps, step + PROBE_STEPS)
       choice = self._adopt({}) if any(self.specs.values()) else None
-    if schedule is not None:
-      self._resume_schedule(schedule, step, params)
+    if schedule is None or not self._resume_schedule(schedule, step, params):
+      self._schedule(next_step, step, params)
     return choice
 
   def after_step(self, step: int, params, metrics: dict) -> tuple[dict, dict | None]:
@@ -506,21 +505,19 @@ class CodecPolicy:
     where the next decision stands (`schedule`: its step, the change counts probed for it so
     far, the live figures behind the fallback check), so a resumed run decides when and as the
     uninterrupted one does."""
-    lists = lambda arrays: None if arrays is None else [   # noqa: E731
-        np.asarray(a).tolist() for a in jax.device_get(arrays)]
+    plain = lambda a: None if a is None else np.asarray(jax.device_get(a)).tolist()  # noqa: E731
     return {"step": self.decided_at,
             "specs": [_spec_entry(g, p, s) for g, ps in self.specs.items()
                       for p, s in sorted(ps.items())],
             "schedule": {"next": self._next, "probe_steps": self._probe_steps,
-                         "acc": lists(self._acc),
-                         "live": lists(None if self._live is None else [self._live]),
-                         "live_prev": lists(None if self._live_prev is None
-                                            else [self._live_prev]),
+                         "acc": None if self._acc is None else [plain(a) for a in self._acc],
+                         "live": plain(self._live), "live_prev": plain(self._live_prev),
                          "live_steps": self._live_steps, "live_since": self._live_since}}
 
   def _resume_schedule(self, saved: dict, step: int, params):
     """Continues the saved schedule (`saved_decision`) from `step`, the step it was saved at:
-    the same next decision, over the same probed counts, with the same live figures."""
+    the same next decision, over the same probed counts, with the same live figures. False (and
+    nothing changed) when its counts do not fit this run's parameters and mesh."""
     w, r, k = num_devices(self.mesh), sum(self.probe.rows), len(RATE_KINDS)
     # Replicated over the mesh, like the figures they continue (every process holds them all).
     put = lambda a, dtype: jax.device_put(np.asarray(a, dtype),   # noqa: E731
@@ -530,22 +527,22 @@ class CodecPolicy:
     if acc is not None and [np.shape(a) for a in acc] != shapes:
       self.log(f"codec: the checkpoint's probe counts have shapes {[np.shape(a) for a in acc]}, "
                f"this run's {shapes}: probing afresh for the next decision")
-      return
+      return False
     live_shape = (len(self.gatherer.param_rows()), len(hook.STAT_KEYS))
-    for key in ("live", "live_prev"):
-      if saved.get(key) is not None and np.shape(saved[key][0]) != live_shape:
-        saved = {**saved, "live": None, "live_prev": None, "live_steps": 0}
+    if any(saved.get(key) is not None and np.shape(saved[key]) != live_shape
+           for key in ("live", "live_prev")):
+      saved = {**saved, "live": None, "live_prev": None, "live_steps": 0}
     self._next = saved["next"]
     self._probe_steps = int(saved["probe_steps"])
     self._acc = None if acc is None else tuple(put(a, np.int32) for a in acc)
     self._snap = (self.probe.snapshot(params)
                   if self._next is not None and self._next - PROBE_STEPS <= step < self._next
                   else None)
-    live = lambda key: (None if saved.get(key) is None     # noqa: E731
-                        else put(saved[key][0], np.float32))
+    live = lambda key: None if saved.get(key) is None else put(saved[key], np.float32)  # noqa: E731
     self._live, self._live_prev = live("live"), live("live_prev")
     self._live_steps = int(saved.get("live_steps", 0))
     self._live_since = int(saved.get("live_since", step))
+    return True
 
   def _restored_choice(self):
     """(specs, decision step) from the restored checkpoint item, if it fits these parameters."""

@@ -150,13 +150,13 @@ def test_a_saved_schedule_of_other_shapes_is_set_aside(gatherer):
   saved = {"next": 9, "probe_steps": 2, "acc": [np.zeros((8, r, k)).tolist()] * 2
            + [np.zeros((r, k)).tolist()], "live": None, "live_prev": None, "live_steps": 0,
            "live_since": 0}
-  policy._resume_schedule(saved, 7, params=None)
+  assert not policy._resume_schedule(saved, 7, params=None)
   assert policy._next != 9 and policy._acc is None
   assert len(lines) == 1 and "probe counts" in lines[0] and "probing afresh" in lines[0]
   # The same counts for this mesh's 4 devices are taken up.
   saved["acc"] = [np.ones((4, r, k), int).tolist()] * 2 + [np.ones((r, k), int).tolist()]
   saved["next"] = 20                         # outside the window: no snapshot of params needed
-  policy._resume_schedule(saved, 7, params=None)
+  assert policy._resume_schedule(saved, 7, params=None)
   assert policy._next == 20 and policy._probe_steps == 2
   assert [a.shape for a in policy._acc] == [(4, r, k), (4, r, k), (r, k)]
   assert int(policy._acc[0].sum()) == 4 * r * k

@@ -1,8 +1,8 @@
 """The whole 8-device train step lowers for CUDA on this CPU machine (`lowering_platforms`), so a
 GPU session's time is not spent on an error only the GPU branches have: the platform-chosen
 paths (`ragged_all_to_all` for the ep / fssdp exchange and SparseAllGather, `ragged_dot` for the
-experts, the coded replicas' ragged words) in the composed step, and the codec's phased layer
-scan. Lowering only: nothing compiles."""
+experts, the coded replicas' ragged words) in the composed step. Lowering only: nothing
+compiles."""
 import pytest
 
 from tests.helpers import tiny_config
@@ -19,9 +19,9 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_train_step_lowers_for_cuda(trainer_for, name):
   trainer = trainer_for(tiny_config(**CASES[name]), 8)
-  cpu = trainer.train_step.trace(*trainer.abstract_inputs()).lower().as_text()
-  cuda = trainer.train_step.trace(*trainer.abstract_inputs()).lower(
-      lowering_platforms=("cuda",)).as_text()
+  traced = trainer.train_step.trace(*trainer.abstract_inputs())
+  cpu = traced.lower().as_text()
+  cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
   placed = "moe.placement" in CASES[name]
   # The variable-volume collectives are the GPU's alone; the CPU keeps static buffers.
   assert ("ragged_all_to_all" in cuda) == placed
