@@ -16,6 +16,13 @@ records its error and the others still run. Steps:
              model's time minus a one-layer model's)
   schedule   the compiled tiny train step's async collectives: start/done pairs and the
              instructions scheduled between each pair (0 pairs on one device, or on XLA:CPU)
+  schedule8  the same for the tiny preset's 8-device train step (fsdp; fsdp + codec element;
+             fssdp + coded replicas), compiled by this GPU's compiler for 8 GPUs in a child
+             process (jax's mock GPU topology: nothing runs), and the collectives that sit
+             inside a conditional's branch
+  nvcomp     nvCOMP's ANS (GPU) on the codec's payloads (a bf16 shard's exponent bytes, the
+             delta codes of an update): ratio, encode/decode seconds beside a device copy, and
+             the link speed under which it pays
 
 --dry-run runs every step at tiny shapes on CPU (8 fake devices), through the reference paths:
 it checks the script itself, in CI. Exit status 1 if any step failed.
@@ -47,11 +54,37 @@ def _timed(fn, *args, repeats: int = 10) -> float:
   return statistics.median(times)
 
 
+def _jax_triton_on_older_triton() -> bool:
+  """jax-triton 0.4.1 wants triton >= 3.7; a GPU image may carry 3.6, whose nvidia driver module
+  lacks one constant (`TMA_TF32`, used only for TMA descriptors, which moejax's kernels do not
+  use). Without it jax-triton's import silently drops its CUDA backend. Define it (3.7's value),
+  before jax-triton is imported; True if it was missing. Checked on CPU: with it, jax-triton
+  0.4.1 on triton 3.6.0 compiles every codec kernel to sm_90 PTX."""
+  try:
+    import triton.backends.nvidia.driver as driver
+  except Exception:   # no triton, or no CUDA backend: nothing to mend
+    return False
+  if hasattr(driver, "TMA_TF32"):
+    return False
+  driver.TMA_TF32 = 11
+  return True
+
+
+_SHIMMED = []   # set by main(), before any step imports jax-triton
+
+
 def step_env(dims: dict) -> dict:
   import jax
+  shim = bool(_SHIMMED and _SHIMMED[0])
   from moejax.codec.kernels import ops
+  try:
+    import triton
+    triton_version = triton.__version__
+  except Exception:
+    triton_version = None
   return {"jax": jax.__version__, "backend": jax.default_backend(),
           "devices": [str(d) for d in jax.devices()], "device_kind": jax.devices()[0].device_kind,
+          "triton": triton_version, "jax_triton_tma_tf32_defined": shim,
           "triton_kernels": jax.default_backend() == "gpu" and ops._triton_backend() is not None}
 
 
@@ -154,6 +187,10 @@ def step_ragged(dims: dict) -> dict:
   y_dense = jnp.einsum("af,afd->ad", h.astype(jnp.bfloat16).astype(jnp.float32), w32[2])
   scale = float(jnp.max(jnp.abs(y_dense)))
   grouped_err = float(jnp.max(jnp.abs(y_grouped.astype(jnp.float32) - y_dense))) / scale
+  # The static-capacity path (XLA:CPU's branch) on this platform: both timed (step-speed issue).
+  static = jax.jit(experts._tiled_swiglu)
+  y_static = static(xs, group_sizes, *w)
+  static_err = float(jnp.max(jnp.abs(y_static.astype(jnp.float32) - y_dense))) / scale
   # SparseAllGather (ragged on GPU): every device's one slot holds the next device's expert 0.
   from moejax.placement import fssdp
   fdispatch = dispatch_lib.Dispatch(kind="fssdp", axis_names=("devices",), num_devices=n,
@@ -172,8 +209,10 @@ def step_ragged(dims: dict) -> dict:
   out = {"devices": n, "ep_max_abs_diff": ep_err, "spag_exact": spag_exact,
          "ep_s": _timed(ep, x, ids, weights, *w),
          "local_s": _timed(local, x, ids, weights, *w), "grouped_rel_err": grouped_err,
-         "grouped_s": _timed(grouped, xs, group_sizes, *w), **coded}
-  if (ep_err > 1e-2 or grouped_err > 2e-2 or not spag_exact or not coded["coded_spag_exact"]
+         "grouped_s": _timed(grouped, xs, group_sizes, *w), "grouped_static_rel_err": static_err,
+         "grouped_static_s": _timed(static, xs, group_sizes, *w), **coded}
+  if (ep_err > 1e-2 or grouped_err > 2e-2 or static_err > 2e-2 or not spag_exact
+      or not coded["coded_spag_exact"]
       or coded["coded_spag_patched_slots"] == 0):
     raise AssertionError(f"ragged paths differ from their references: {out}")
   return out
@@ -322,6 +361,11 @@ def step_schedule(dims: dict) -> dict:
     _TRAINERS[cfg] = Trainer(cfg)
   trainer = _TRAINERS[cfg]
   text = trainer.train_step.lower(*trainer.abstract_inputs()).compile().as_text()
+  return _async_pairs(text)
+
+
+def _async_pairs(text: str) -> dict:
+  """Async collectives' start/done pairs in compiled HLO text, and what is scheduled between."""
   pairs = {}
   for comp in text.split("\n\n"):
     lines = comp.splitlines()
@@ -338,15 +382,127 @@ def step_schedule(dims: dict) -> dict:
           "instructions_between": {op: statistics.median(v) for op, v in pairs.items()}}
 
 
+# The 8-device variants of schedule8 (as tests/train/test_cuda_lowering.py lowers them).
+SCHEDULE8 = {
+    "fsdp": {},
+    "fsdp_codec_element": {"codec.mode": "element", "codec.warmup_steps": 2},
+    "fssdp_coded_replicas": {"moe.placement": "fssdp", "fssdp.replica_codec": "delta",
+                             "moe.dispatch_capacity_factor": 0.0},
+}
+
+
+def step_schedule8(dims: dict) -> dict:
+  """Runs `_schedule8_child` in a child process: on a GPU with jax's mock topology of 8 GPUs
+  (one real, seven mocked: compile only), on CPU with this process's 8 fake devices."""
+  import subprocess
+  env = dict(os.environ)
+  if not dims.get("dry"):
+    env["JAX_MOCK_GPU_TOPOLOGY"] = "1x8x1"
+  proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--schedule8-child"],
+                        env=env, capture_output=True, text=True, timeout=dims["child_timeout_s"])
+  lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+  if proc.returncode != 0 or not lines:
+    raise RuntimeError(f"schedule8 child exited {proc.returncode}: {proc.stderr[-2000:]}")
+  return json.loads(lines[-1])
+
+
+def _schedule8_child() -> int:
+  sys.path.insert(0, REPO)
+  import jax
+  from moejax.train.loop import Trainer
+  from tests.sharding import hlo
+  out = {"devices": len(jax.devices()), "platform": jax.devices()[0].platform, "variants": {}}
+  for name, overrides in SCHEDULE8.items():
+    start = time.perf_counter()
+    try:
+      trainer = Trainer(_config("tiny", **overrides))
+      traced = trainer.train_step.trace(*trainer.abstract_inputs())
+      text = traced.lower().compile().as_text()
+      branches = [b for b in hlo.conditional_branches(text) if b.collectives]
+      ops = [m[1] for m in re.finditer(hlo._COLLECTIVE, text)]
+      out["variants"][name] = {
+          **_async_pairs(text), "collectives": {op: ops.count(op) for op in sorted(set(ops))},
+          "collectives_in_conditional_branches": sum(len(b.collectives) for b in branches),
+          "branches_with_collectives_and_dots": sum(1 for b in branches if b.dots),
+          "compile_s": round(time.perf_counter() - start, 2)}
+    except Exception as e:
+      out["variants"][name] = {"error": f"{type(e).__name__}: {e}"[:1500]}
+  print(json.dumps(out), flush=True)
+  return 0
+
+
+def _nvcomp_payloads(n: int) -> dict:
+  """Host byte buffers of the codec's payloads, from a bf16 shard (std 0.02, as initialized) and
+  an update that moves about one value in eight by one or two units in the last place."""
+  import numpy as np
+  rng = np.random.default_rng(0)
+  x = (rng.standard_normal(n) * 0.02).astype(np.float32)
+  bits_N = (x.view(np.uint32) >> 16).astype(np.uint16)          # bf16 by truncation
+  moved = rng.random(n) < 1 / 8
+  step = rng.choice(np.array([-2, -1, 1, 2], np.int16), n)
+  delta = np.where(moved, step, 0).astype(np.int16)
+  return {"exponents": ((bits_N >> 7) & 0xFF).astype(np.uint8),
+          "sign_mantissa": (((bits_N >> 8) & 0x80) | (bits_N & 0x7F)).astype(np.uint8),
+          "delta_codes": delta[moved].view(np.uint8)}
+
+
+def step_nvcomp(dims: dict) -> dict:
+  import jax
+  payloads = _nvcomp_payloads(dims["codec_values"])
+  out = {"payload_bytes": {k: int(v.nbytes) for k, v in payloads.items()}}
+  if jax.default_backend() != "gpu":
+    out["skipped"] = "no GPU: the payload stays uncoded (nvCOMP runs on CUDA only)"
+    return out
+  import cupy as cp
+  from nvidia import nvcomp
+
+  def timed(fn, repeats=10):
+    fn()
+    cp.cuda.runtime.deviceSynchronize()
+    times = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      fn()
+      cp.cuda.runtime.deviceSynchronize()
+      times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+  out["nvcomp"] = getattr(nvcomp, "__version__", None)
+  codec = nvcomp.Codec(algorithm="ANS")
+  for name, host in payloads.items():
+    x = cp.asarray(host)
+    src = nvcomp.as_array(x)
+    enc = codec.encode(src)
+    dec = codec.decode(enc)
+    back = cp.asarray(dec).reshape(-1).view(cp.uint8)
+    exact = back.size == x.size and bool(cp.all(back == x))
+    enc_s, dec_s = timed(lambda: codec.encode(src)), timed(lambda: codec.decode(enc))
+    copy_s = timed(lambda: x.copy())
+    saved = host.nbytes - int(enc.buffer_size)
+    out[name] = {"round_trip_exact": exact, "raw_bytes": int(host.nbytes),
+                 "coded_bytes": int(enc.buffer_size),
+                 "ratio": host.nbytes / max(int(enc.buffer_size), 1),
+                 "encode_s": enc_s, "decode_s": dec_s, "copy_s": copy_s,
+                 # ANS saves time only on a link slower than this (bytes saved per second spent)
+                 "pays_below_GBps": saved / (enc_s + dec_s) / 1e9 if saved > 0 else 0.0}
+    if not exact:
+      raise AssertionError(f"nvCOMP ANS round trip of {name} is not exact")
+  return out
+
+
 STEPS = {"env": step_env, "kernels": step_kernels, "ragged": step_ragged, "train": step_train,
-         "one_layer": step_one_layer, "layer": step_layer, "schedule": step_schedule}
+         "one_layer": step_one_layer, "layer": step_layer, "schedule": step_schedule,
+         "schedule8": step_schedule8, "nvcomp": step_nvcomp}
+# The order of a full run: what only a GPU can tell first, the longest compiles last.
+ORDER = ("env", "kernels", "ragged", "nvcomp", "train", "schedule", "schedule8", "one_layer",
+         "layer")
 FULL = {"codec_values": 1 << 24, "ragged_tokens": 4096, "ragged_d": 2048, "ragged_f": 1024,
         "train_steps": 20, "layer_preset": "1b7b", "layer_batch": 8, "layer_seq": 4096,
-        "layer_model": {}}
+        "layer_model": {}, "child_timeout_s": 240}
 # Tiny shapes (the tiny preset's width for the "1b7b" steps), on CPU.
 DRY = {"codec_values": 1 << 14, "ragged_tokens": 32, "ragged_d": 64, "ragged_f": 64,
        "train_steps": 5, "layer_preset": "tiny", "layer_batch": 8, "layer_seq": 64,
-       "layer_model": {}}
+       "layer_model": {}, "child_timeout_s": 240, "dry": True}
 
 
 def main() -> int:
@@ -355,9 +511,13 @@ def main() -> int:
                       help="every step at tiny shapes on CPU (8 fake devices)")
   parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
                                                     "device_check.json"))
-  parser.add_argument("--only", nargs="*", choices=list(STEPS), default=list(STEPS))
+  parser.add_argument("--only", nargs="*", choices=list(STEPS), default=list(ORDER))
+  parser.add_argument("--schedule8-child", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args()
   sys.path.insert(0, REPO)
+  _SHIMMED.append(_jax_triton_on_older_triton())
+  if args.schedule8_child:
+    return _schedule8_child()
   dims = DRY if args.dry_run else FULL
   report = {"dry_run": args.dry_run, "steps": {}}
   failed = []

@@ -22,6 +22,8 @@ else
     export PYTHONPATH="/tmp/moejax_site${PYTHONPATH:+:$PYTHONPATH}"
   fi
   OUT="${OUT:-.}"
+  # No up-front grab of 75% of the GPU: the schedule8 child process and nvCOMP (cupy) allocate too.
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false
 fi
 export OUT PYTHONUNBUFFERED=1
 exec "$PYTHON" scripts/device_check.py "$@"
