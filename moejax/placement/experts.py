@@ -4,7 +4,11 @@ Letters: A rows (token-expert assignments), D model width, F expert hidden width
 here, Tl row tiles, M rows per tile. Rows must be sorted by expert; `group_sizes_G` says how many
 rows each expert takes; rows past the sum of the group sizes come out as zeros.
 
-  GPU/TPU  `lax.ragged_dot`: the backends' grouped matmul does the routed rows' work.
+  Hopper   jax's Pallas Mosaic GPU grouped matmuls (`hopper.py`): XLA:GPU rewrites
+           `ragged_dot` into a dense dot over every expert (64 GiB for one OLMoE-1B-7B layer's
+           operand at batch 8 x 4096 on an H200), so on compute capability 9.x, for 16-bit
+           floats with D and F multiples of 128, the kernels jax ships for it run instead.
+  GPU/TPU  otherwise `lax.ragged_dot`: the backend's grouped matmul.
   CPU      row tiles: XLA:CPU lowers `ragged_dot` to a dense matmul over every expert, masked
            (G times the routed work, measured 7-10x slower at G=8 and growing with G). Here
            each expert's rows are padded to whole tiles of M rows, every tile belongs to one
@@ -199,13 +203,20 @@ def _tiled_swiglu(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD, 
                 tile_rows(a, g, packed))
 
 
+def _gpu_swiglu(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD):
+  from moejax.placement import hopper
+  if hopper.usable(x_AxD, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD):
+    return hopper.kernel_swiglu()(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD)
+  return _ragged_swiglu(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD)
+
+
 def grouped_swiglu(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD, *,
                    packed: bool = True):
   """`packed`: the rows are the routed assignments; False: a static exchange buffer whose empty
   slots (rows past the groups) may be most of it."""
   return lax.platform_dependent(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD,
                                 cpu=functools.partial(_tiled_swiglu, packed=packed),
-                                default=_ragged_swiglu)
+                                cuda=_gpu_swiglu, default=_ragged_swiglu)
 
 
 def run_sorted(x_AxD, expert_A, num_local_experts: int, w_gate, w_up, w_down, *,

@@ -1,0 +1,147 @@
+"""SwiGLU experts on Hopper GPUs: jax's own Pallas Mosaic GPU grouped matmuls, with their VJP.
+
+Why not `lax.ragged_dot` there: XLA:GPU (jaxlib 0.11.2) rewrites it into a dense dot over every
+expert (the rows' operand widened to [A, G*D]); on an H200 one OLMoE-1B-7B layer at batch 8 x 4096
+asked for 64 GiB for that operand alone and stopped (scripts/device_check.py, `layer`). jax ships
+Hopper (wgmma) kernels for the two grouped products a grouped matmul and its gradients need:
+
+  ragged_dot(lhs [A, K], rhs [G, K, N])          rows of group g times rhs[g]  (forward, dgrad
+                                                 with `transpose_rhs`: rhs given as [G, N, K])
+  transposed_ragged_dot(lhs [A, M], rhs [A, N])  per group g, lhs[rows of g].T @ rhs[rows of g]
+                                                 -> [G, M, N]                  (wgrad)
+
+Both accumulate in fp32 and write the inputs' dtype (bf16): gate/up and the weight gradients are
+rounded to bf16 once, where `_ragged_swiglu` keeps gate/up in fp32. Rows past the groups' sum
+are not written by the kernel: they are masked to zero here, in the output and the gradients.
+
+`swiglu_with(ops)` builds the op over any pair of grouped products, so the VJP is tested on CPU
+with `lax.ragged_dot` in their place (tests/placement/test_hopper.py); the kernels themselves run
+only on a GPU of compute capability 9.x (the device check times them against the alternatives).
+
+Letters: A rows, D model width, F expert hidden width, G experts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# Tile sizes of the kernels: 128 x 128 output tiles over 64-wide K steps. The grouped products'
+# widths (D and F) must be multiples of TILE; other shapes take the fallback path.
+TILE = 128
+ENABLED = True   # the device check turns the kernels off to time the fallback beside them
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedOps:
+  """ragged(x_AxK, w_GxKxN, gs, transpose=False) -> [A, N];  transposed(a_AxM, b_AxN, gs) -> [G, M, N]
+  (with transpose, w is given as [G, N, K])."""
+  ragged: Callable
+  transposed: Callable
+
+
+def kernel_ops() -> GroupedOps:
+  """jax's Pallas Mosaic GPU kernels (Hopper)."""
+  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+
+  def ragged(x, w, gs, transpose=False):
+    return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=gs, block_m=TILE, block_n=TILE,
+                                      block_k=64, max_concurrent_steps=4, grid_block_n=1,
+                                      transpose_rhs=transpose)
+
+  def transposed(a, b, gs):
+    return transposed_ragged_dot_mgpu.transposed_ragged_dot(
+        a, b, group_sizes=gs, block_m=TILE, block_n=TILE, block_k=64, max_concurrent_steps=2,
+        grid_block_n=1)
+
+  return GroupedOps(ragged, transposed)
+
+
+def reference_ops() -> GroupedOps:
+  """The same products by `lax.ragged_dot(_general)`, fp32 accumulation, the inputs' dtype out."""
+  def ragged(x, w, gs, transpose=False):
+    if transpose:
+      w = jnp.swapaxes(w, 1, 2)
+    return lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32).astype(x.dtype)
+
+  def transposed(a, b, gs):
+    dims = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
+                                         lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    return lax.ragged_dot_general(a, b, gs, dims,
+                                  preferred_element_type=jnp.float32).astype(a.dtype)
+
+  return GroupedOps(ragged, transposed)
+
+
+def _rows_in_groups(a: int, group_sizes_G) -> jax.Array:
+  return (jnp.arange(a) < jnp.sum(group_sizes_G))[:, None]
+
+
+def swiglu_with(ops: GroupedOps):
+  """y_AxD = (silu(x Wg) * (x Wu)) Wd per row's expert, as a custom_vjp over `ops`."""
+
+  @jax.custom_vjp
+  def swiglu(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD):
+    return fwd(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD)[0]
+
+  def fwd(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD):
+    used_Ax1 = _rows_in_groups(x_AxD.shape[0], group_sizes_G)
+    gate_AxF = ops.ragged(x_AxD, w_gate_GxDxF, group_sizes_G)
+    up_AxF = ops.ragged(x_AxD, w_up_GxDxF, group_sizes_G)
+    h_AxF = (jax.nn.silu(gate_AxF.astype(jnp.float32)) * up_AxF.astype(jnp.float32))
+    h_AxF = jnp.where(used_Ax1, h_AxF, 0.0).astype(x_AxD.dtype)
+    y_AxD = jnp.where(used_Ax1, ops.ragged(h_AxF, w_down_GxFxD, group_sizes_G), 0)
+    return y_AxD.astype(x_AxD.dtype), (x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF,
+                                       w_down_GxFxD, gate_AxF, up_AxF, h_AxF)
+
+  def bwd(residuals, dy_AxD):
+    x_AxD, group_sizes_G, w_gate, w_up, w_down, gate_AxF, up_AxF, h_AxF = residuals
+    dtype = x_AxD.dtype
+    used_Ax1 = _rows_in_groups(x_AxD.shape[0], group_sizes_G)
+    dy_AxD = jnp.where(used_Ax1, dy_AxD, 0).astype(dtype)
+    dh_AxF = ops.ragged(dy_AxD, w_down, group_sizes_G, transpose=True).astype(jnp.float32)
+    gate, up = gate_AxF.astype(jnp.float32), up_AxF.astype(jnp.float32)
+    sig = jax.nn.sigmoid(gate)
+    dgate_AxF = jnp.where(used_Ax1, dh_AxF * up * sig * (1 + gate * (1 - sig)), 0).astype(dtype)
+    dup_AxF = jnp.where(used_Ax1, dh_AxF * gate * sig, 0).astype(dtype)
+    dx_AxD = (ops.ragged(dgate_AxF, w_gate, group_sizes_G, transpose=True).astype(jnp.float32)
+              + ops.ragged(dup_AxF, w_up, group_sizes_G, transpose=True).astype(jnp.float32))
+    dx_AxD = jnp.where(used_Ax1, dx_AxD, 0).astype(dtype)
+    dw_gate = ops.transposed(x_AxD, dgate_AxF, group_sizes_G).astype(w_gate.dtype)
+    dw_up = ops.transposed(x_AxD, dup_AxF, group_sizes_G).astype(w_up.dtype)
+    dw_down = ops.transposed(h_AxF, dy_AxD, group_sizes_G).astype(w_down.dtype)
+    return dx_AxD, None, dw_gate, dw_up, dw_down
+
+  swiglu.defvjp(fwd, bwd)
+  return swiglu
+
+
+def _compute_capability() -> str | None:
+  try:
+    device = jax.devices()[0]
+  except RuntimeError:
+    return None
+  return getattr(device, "compute_capability", None) if device.platform == "gpu" else None
+
+
+def usable(x_AxD, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD) -> bool:
+  """The kernels apply: a Hopper GPU (compute capability 9.x), one 16-bit float dtype for rows
+  and weights, D and F multiples of TILE."""
+  if not ENABLED:
+    return False
+  cc = _compute_capability()
+  if cc is None or not str(cc).startswith("9"):
+    return False
+  dtypes = {jnp.dtype(v.dtype) for v in (x_AxD, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD)}
+  d, f = w_gate_GxDxF.shape[1:]
+  return (len(dtypes) == 1 and dtypes <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}
+          and d % TILE == 0 and f % TILE == 0)
+
+
+@functools.cache
+def kernel_swiglu():
+  return swiglu_with(kernel_ops())
