@@ -20,7 +20,7 @@ Four modes:
   optimizer step to the next) costs only its code; the others ("escapes") carry their move in a
   byte, or travel whole when it exceeds 127 units (a second list with its own capacity).
 
-Everything travels in one `all_gather` of a static-shape uint32 buffer.
+Everything travels as uint32 words (see the payload below).
 
 Dense path. The gather sends the plain bit patterns instead (one `all_gather`, as many bytes as
 the uncompressed gather) and refills every cache when
@@ -36,8 +36,15 @@ the capacities, and they serve the stats too), issued before the payload; a cond
 device sends everyone down the dense path. `compressed_all_gather_group` does
 the same for several shards with one agreement collective for all of them, and sends its word
 and delta shards of one code width and dtype as one pool: one patch of their concatenated
-values with their capacities summed, one payload collective, one choice of path. When no pool
-of the group falls back, all pools' patches travel in one payload collective.
+values with their capacities summed, one choice of path.
+
+One payload collective carries the whole group, on either path, in no conditional (a collective
+inside a conditional's branch could not overlap the layer compute outside it): each pool's
+segment holds its patch or, on the dense path, its bit patterns, packed one after the other in a
+uint32 buffer sized for the larger of the two. The agreed flags are the same on every device, so
+every device sends the same number of words; on GPU one `ragged_all_to_all` moves just those
+words (`payload_all_gather`), on XLA:CPU an `all_gather` moves the whole buffer. Receivers decode
+each pool both ways and keep the agreed one.
 
 Both paths are exact, so the output never depends on which one ran.
 
@@ -478,9 +485,9 @@ def _forward(shards, states, axis_name, axes, specs):
   def with_own(cache_RxN, own_N):
     return _with_own(cache_RxN, own_N, me)
 
-  def dense_path(s):
-    """-> [(bits [W, N_k], new cache [R, N'_k]) per shard of the pool]."""
-    bits_WxN = lax.all_gather(s["bits_N"], axis_name)
+  def dense_from(s, bits_WxN):
+    """The dense path's result from every device's bit patterns [W, N] of the pool -> [(bits
+    [W, N_k], new cache [R, N'_k]) per shard of the pool]."""
     out = []
     for (a, b), fmt in zip(s["bounds"], s["fmts"]):
       bits_k = bits_WxN if len(s["fmts"]) == 1 else bits_WxN[:, a:b]
@@ -491,9 +498,7 @@ def _forward(shards, states, axis_name, axes, specs):
       out.append((bits_k, others_RxN))
     return out
 
-  def compressed_path(s, wire_WxL=None):
-    if wire_WxL is None:
-      wire_WxL = lax.all_gather(s["make_wire"](), axis_name)
+  def compressed_from(s, wire_WxL):
     if not s["words"]:   # patch + merge in one op (Triton kernel on GPU)
       return [kernels.decode(s["caches"][0], wire_WxL, s["own"], me, s["fmt"], s["layout"])]
     patches_RxP = others(wire_WxL[:, :s["fmt"].words])
@@ -501,27 +506,36 @@ def _forward(shards, states, axis_name, axes, specs):
     return [(with_own(cache_RxN, s["bits_N"][a:b]), cache_RxN)
             for cache_RxN, (a, b) in zip(caches, s["bounds"])]
 
-  # Each pool its own path: a pool that overflows falls back alone.
-  def per_pool(_):
-    return [lax.cond(dense_P[p], lambda _, s=s: dense_path(s),
-                     lambda _, s=s: compressed_path(s), None)
-            for p, s in enumerate(send)]
-
-  def all_compressed(_):
-    """Every pool compressed: their wires in one collective (each collective is a rendezvous
-    of every device; a layer's shards in exponent modes would otherwise take one each)."""
-    wires = [s["make_wire"]() for s in send]
-    wire_WxL = lax.all_gather(jnp.concatenate(wires), axis_name)
-    ends = np.cumsum([x.shape[0] for x in wires]).tolist()
-    return [compressed_path(s, wire_WxL[:, a:b])
-            for s, a, b in zip(send, [0] + ends[:-1], ends)]
-
-  if len(send) > 1:
-    # The usual step (no pool falls back) takes one payload collective for the group (every
-    # wire is uint32 words); a step where some pool must go dense takes each pool's own.
-    gathered = lax.cond(jnp.any(jnp.stack(dense_P)), per_pool, all_compressed, None)
-  else:
-    gathered = per_pool(None)
+  # One payload collective for the group, in no conditional (a collective inside a branch
+  # could not overlap the compute outside it): each pool sends its patch or, where the agreed
+  # flag says dense, its bit patterns (two per uint32 word), packed one after the other. The
+  # flags are the same on every device, so every device sends the same number of words; the
+  # collective moves those words (`payload_all_gather`: all of a static buffer on XLA:CPU, only
+  # the filled words on GPU). Receivers decode each pool both ways and keep the agreed one.
+  wires = [s["make_wire"]() for s in send]
+  dense_words = [_to_words(s["bits_N"]) for s in send]
+  seg = [max(x.shape[0], d.shape[0]) for x, d in zip(wires, dense_words)]
+  sizes = [jnp.where(dense_P[p], d.shape[0], x.shape[0]).astype(jnp.int32)
+           for p, (x, d) in enumerate(zip(wires, dense_words))]
+  starts = [jnp.int32(0)]
+  for size in sizes[:-1]:
+    starts.append(starts[-1] + size)
+  send_R = jnp.zeros((sum(seg),), jnp.uint32)
+  for p in range(len(send)):   # in order: each pool overwrites the unused tail of the last
+    piece = jnp.where(dense_P[p], _pad_to(dense_words[p], seg[p]), _pad_to(wires[p], seg[p]))
+    send_R = lax.dynamic_update_slice(send_R, piece, (starts[p],))
+  recv_WxR = payload_all_gather(send_R, starts[-1] + sizes[-1], axis_name)
+  gathered = []
+  for p, s in enumerate(send):
+    seg_WxM = lax.dynamic_slice_in_dim(recv_WxR, starts[p], seg[p], axis=1)
+    n = s["bits_N"].shape[0]
+    dense = dense_from(s, _from_words(seg_WxM[:, :dense_words[p].shape[0]], n,
+                                      s["bits_N"].dtype))
+    # a dense pool's words are no patch: the decoder sees an empty one instead
+    wire_WxL = jnp.where(dense_P[p], jnp.uint32(0), seg_WxM[:, :wires[p].shape[0]])
+    coded = compressed_from(s, wire_WxL)
+    gathered.append([tuple(jnp.where(dense_P[p], d, c) for d, c in zip(dk, ck))
+                     for dk, ck in zip(dense, coded)])
 
   fulls, new_states, stats = [None] * len(shards), [None] * len(shards), [None] * len(shards)
   for p, (pool, s) in enumerate(zip(pools, send)):
@@ -552,6 +566,51 @@ def _forward(shards, states, axis_name, axes, specs):
           fallback=pool_overflow[p] & valid & jnp.logical_not(warm_K[k]),
           dense=dense_P[p])
   return tuple(fulls), tuple(new_states), tuple(stats)
+
+
+def _to_words(bits_N: jax.Array) -> jax.Array:
+  """uint16 [N] -> uint32 [ceil(N / 2)] (two per word, the last padded with zeros); uint32
+  passes through."""
+  if bits_N.dtype == jnp.uint32:
+    return bits_N
+  n = bits_N.shape[0]
+  pairs = jnp.pad(bits_N, (0, n % 2)).reshape(-1, 2)
+  return lax.bitcast_convert_type(pairs, jnp.uint32)
+
+
+def _from_words(words_WxL: jax.Array, n: int, dtype) -> jax.Array:
+  """The inverse of `_to_words` on every row: uint32 [W, L] -> `dtype` [W, n]."""
+  if jnp.dtype(dtype) == jnp.uint32:
+    return words_WxL[:, :n]
+  w = words_WxL.shape[0]
+  halves = lax.bitcast_convert_type(words_WxL, jnp.uint16).reshape(w, -1)
+  return halves[:, :n]
+
+
+def _pad_to(x_L: jax.Array, size: int) -> jax.Array:
+  return x_L if x_L.shape[0] == size else jnp.pad(x_L, (0, size - x_L.shape[0]))
+
+
+def payload_all_gather(send_R: jax.Array, used: jax.Array, axis_name) -> jax.Array:
+  """Every device's uint32 [R] payload -> [W, R], of which only the first `used` words of each
+  row are defined (`used` is the same on every device). XLA:CPU: an all_gather of the whole
+  buffer. GPU/TPU: one `ragged_all_to_all` that sends the `used` words to every device, so the
+  bytes moved are the payload's, not the buffer's."""
+  r = send_R.shape[0]
+
+  def static(send_R, used):
+    del used
+    return lax.all_gather(send_R, axis_name)
+
+  def ragged(send_R, used):
+    w, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
+    size_W = jnp.full((w,), used, jnp.int32)
+    out = lax.ragged_all_to_all(send_R, jnp.zeros((w * r,), jnp.uint32),
+                                jnp.zeros((w,), jnp.int32), size_W,
+                                jnp.full((w,), me * r, jnp.int32), size_W, axis_name=axis_name)
+    return out.reshape(w, r)
+
+  return lax.platform_dependent(send_R, used, cpu=static, default=ragged)
 
 
 def _with_own(cache_RxN, own_N, me):

@@ -201,3 +201,27 @@ def conditional_branches(hlo_text: str) -> list[Branch]:
                                         if (m := _COLLECTIVE.search(inner))),
                           sum(bool(_DOT.search(inner)) for inner in body)))
   return out
+
+
+def lonely_collectives(hlo_text: str) -> list[str]:
+  """Computations that issue a collective but hold no matmul, themselves or in what they call
+  (fusions): a collective there has no layer compute beside it to overlap. [] when every
+  collective shares its computation with some matmul."""
+  comps = _computations(hlo_text)
+
+  def has_dot(name: str) -> bool:
+    seen, todo = set(), [name]
+    while todo:
+      c = todo.pop()
+      if c in seen or c not in comps:
+        continue
+      seen.add(c)
+      for line in comps[c]:
+        if _DOT.search(line):
+          return True
+        todo += [x for x in _called(line) if x not in seen]
+    return False
+
+  return [f"{name}: {', '.join(ops)}" for name, lines in comps.items()
+          if (ops := [m[1] for line in lines if (m := _COLLECTIVE.search(line))])
+          and not has_dot(name)]

@@ -4,6 +4,9 @@ A collective inside a conditional's branch starts and finishes inside it, so no 
 run it under compute outside. Read from the compiled 8-device train step (codec off):
 - fsdp (the suite's shared compiled step): the prefetching layer scan issues the next layer's
   gather unconditionally, in forward and in backward; no conditional holds a collective.
+- fsdp with the codec (`element`): the agreement and the one payload collective of each gather
+  sit beside the layer compute, in no conditional (a gather that must go dense sends its bit
+  patterns through the same collective); no computation issues a collective without a matmul.
 - fssdp with calibration (tests/placement/test_fssdp_train.py, on its compiled step): the late
   SparseAllGather runs every step (moving only the replicas a re-plan adds), beside the
   exchange and the expert matmuls; no conditional holds a collective.
@@ -15,6 +18,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
+from tests.helpers import tiny_config
 from tests.sharding import hlo
 
 
@@ -24,6 +28,16 @@ def test_fsdp_step_has_no_collective_in_a_conditional(compiled_step):
   text = step.compiled.as_text()
   assert hlo.compiled_collectives(text)            # the premise: the step does gather
   assert [b for b in hlo.conditional_branches(text) if b.collectives] == []
+
+
+def test_codec_step_has_no_collective_in_a_conditional(trainer_for):
+  trainer = trainer_for(tiny_config(**{"codec.mode": "element", "codec.warmup_steps": 2}), 8)
+  assert trainer.layout.gatherer.enabled
+  text = trainer.train_step.lower(*trainer.abstract_inputs()).compile().as_text()
+  gathers = [c for c in hlo.compiled_collectives(text) if c.op == "all-gather"]
+  assert any(c.dtype == "u32" for c in gathers)        # the premise: the codec's payload
+  assert [b for b in hlo.conditional_branches(text) if b.collectives] == []
+  assert hlo.lonely_collectives(text) == []
 
 
 def test_checker_flags_a_collective_alone_in_a_branch():
@@ -39,3 +53,4 @@ def test_checker_flags_a_collective_alone_in_a_branch():
   text = f.lower(jnp.ones((64, 4)), jnp.ones((1,), jnp.int32)).compile().as_text()
   alone = [b for b in hlo.conditional_branches(text) if b.collectives]
   assert len(alone) == 1 and alone[0].collectives == ("all-gather",) and alone[0].dots == 0
+  assert [x for x in hlo.lonely_collectives(text) if "all-gather" in x] != []
