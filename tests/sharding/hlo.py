@@ -180,6 +180,19 @@ class Branch:
   dots: int            # matmuls (the layer compute a collective could hide behind)
 
 
+def _reachable(comps: dict, start: str) -> set:
+  """`start` and every computation it calls, transitively."""
+  seen, todo = set(), [start]
+  while todo:
+    name = todo.pop()
+    if name in seen or name not in comps:
+      continue
+    seen.add(name)
+    for inner in comps[name]:
+      todo += _called(inner)
+  return seen
+
+
 def conditional_branches(hlo_text: str) -> list[Branch]:
   comps = _computations(hlo_text)
   out = []
@@ -188,15 +201,7 @@ def conditional_branches(hlo_text: str) -> list[Branch]:
       if " conditional(" not in line:
         continue
       for branch in _called(line):
-        seen, todo = set(), [branch]
-        while todo:
-          name = todo.pop()
-          if name in seen or name not in comps:
-            continue
-          seen.add(name)
-          for inner in comps[name]:
-            todo += _called(inner)
-        body = [inner for name in seen for inner in comps[name]]
+        body = [inner for name in _reachable(comps, branch) for inner in comps[name]]
         out.append(Branch(branch, tuple(m[1] for inner in body
                                         if (m := _COLLECTIVE.search(inner))),
                           sum(bool(_DOT.search(inner)) for inner in body)))
@@ -210,17 +215,7 @@ def lonely_collectives(hlo_text: str) -> list[str]:
   comps = _computations(hlo_text)
 
   def has_dot(name: str) -> bool:
-    seen, todo = set(), [name]
-    while todo:
-      c = todo.pop()
-      if c in seen or c not in comps:
-        continue
-      seen.add(c)
-      for line in comps[c]:
-        if _DOT.search(line):
-          return True
-        todo += [x for x in _called(line) if x not in seen]
-    return False
+    return any(_DOT.search(line) for c in _reachable(comps, name) for line in comps[c])
 
   return [f"{name}: {', '.join(ops)}" for name, lines in comps.items()
           if (ops := [m[1] for line in lines if (m := _COLLECTIVE.search(line))])
