@@ -14,7 +14,7 @@ from typing import Any
 
 import ml_collections
 
-from moejax.codec.gather import COMPRESSED_MODES, DETECTORS, MODES
+from moejax.codec.gather import COMPRESSED_MODES, DETECTORS, MODES, TRANSPORTS
 from moejax.codec.replicas import REPLICA_CODECS
 from moejax.codec.word import DELTA_BITS
 from moejax.data.sources import SOURCES as DATA_SOURCES
@@ -272,6 +272,12 @@ class CodecConfig:
   comm_model: str = "profile"
   """Gain measured in seconds from a profile of the mesh ("profile") or in bytes saved
   ("bytes")."""
+  transport: str = "auto"
+  """How a gather group's payload travels, one of `moejax.codec.gather.TRANSPORTS`: "single": one
+  collective in no conditional (each pool its patch or, falling back, its bit patterns; on GPU
+  only the used words move), so it can overlap the layer compute; "cond": a conditional per pool
+  runs only the agreed path, its own collective inside; "auto": "cond" on XLA:CPU (whose
+  collectives never overlap compute) and "single" elsewhere."""
 
   @property
   def controlled(self) -> bool:
@@ -558,6 +564,7 @@ def validate(c: Config) -> None:
          "positive, with at most one -1")
   _choice(c.codec.mode, "codec.mode", CODEC_MODES)
   _choice(c.codec.detect, "codec.detect", DETECTORS)
+  _choice(c.codec.transport, "codec.transport", TRANSPORTS)
   _check(c.codec.detect == "exact" or c.codec.mode in ("block", "auto"),
          f"config.codec.detect={c.codec.detect!r} needs codec.mode='block' or 'auto' (hashes "
          "tell which blocks changed, not which values)")

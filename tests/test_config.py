@@ -137,6 +137,9 @@ def test_choices_come_from_the_owning_modules():
                           + ", ".join(map(str, codec_word.DELTA_BITS)))
   with pytest.raises(ConfigError, match=r"config.codec.detect='md5': must be one of exact, hash"):
     tiny_config(**{"codec.detect": "md5"})
+  with pytest.raises(ConfigError,
+                     match=r"config.codec.transport='ragged': must be one of auto, single, cond"):
+    tiny_config(**{"codec.transport": "ragged"})
 
 
 def test_unknown_preset():

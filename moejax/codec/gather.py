@@ -38,13 +38,18 @@ the same for several shards with one agreement collective for all of them, and s
 and delta shards of one code width and dtype as one pool: one patch of their concatenated
 values with their capacities summed, one choice of path.
 
-One payload collective carries the whole group, on either path, in no conditional (a collective
-inside a conditional's branch could not overlap the layer compute outside it): each pool's
-segment holds its patch or, on the dense path, its bit patterns, packed one after the other in a
-uint32 buffer sized for the larger of the two. The agreed flags are the same on every device, so
-every device sends the same number of words; on GPU one `ragged_all_to_all` moves just those
-words (`payload_all_gather`), on XLA:CPU an `all_gather` moves the whole buffer. Receivers decode
-each pool both ways and keep the agreed one.
+How the payload travels (`transport`, `TRANSPORTS`):
+* "single" (GPU/TPU under "auto"): one collective for the whole group, on either path, in no
+  conditional (a collective inside a conditional's branch could not overlap the layer compute
+  outside it). Each pool's segment holds its patch or, on the dense path, its bit patterns,
+  packed one after the other in a uint32 buffer sized for the larger of the two. The agreed
+  flags are the same on every device, so every device sends the same number of words; on GPU
+  one `ragged_all_to_all` moves just those words (`payload_all_gather`), on XLA:CPU an
+  `all_gather` moves the whole buffer. Receivers decode each pool both ways and keep the agreed
+  one.
+* "cond" (XLA:CPU under "auto", whose collectives never overlap compute): a conditional per pool
+  runs only the agreed path, its own collective inside; when no pool falls back, every pool's
+  patch travels in one payload all-gather. Less work and fewer bytes on fake CPU devices.
 
 Both paths are exact, so the output never depends on which one ran.
 
@@ -121,6 +126,9 @@ DETECTORS = ("exact", "hash")
 DEFAULT_CAPACITY_FRACTION = {"element": 1 / 16, "block": 1 / 4, "word": 1 / 4, "delta": 1 / 8}
 DEFAULT_FAR_FRACTION = 1 / 64   # delta mode: whole values (moves beyond 127 units) a patch holds
 STATS_WORDS = 6   # int32 per device in the agreement collective
+# How a group's payload travels: one collective in no conditional ("single"), a conditional per
+# pool ("cond"), or by platform ("auto": cond on XLA:CPU, single elsewhere).
+TRANSPORTS = ("auto", "single", "cond")
 _INVALID, _WARM = 1, 2   # bits of the agreed flags word
 
 
@@ -290,7 +298,7 @@ def _scatter_grad(ct_full, axis_name, axis, dtypes):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def _codec_gather(shard, state, axis_name, axis, spec, dtypes):
   (full,), (new_state,), (stats,) = _forward_jit((shard.astype(dtypes[0]),), (state,), axis_name,
-                                                 (axis,), (spec,))
+                                                 (axis,), (spec,), "auto")
   return full, new_state, stats
 
 
@@ -371,7 +379,7 @@ def _send_words(bits_N, prev_N, specs, fmt: word.WordFormat, layout: bits.Layout
           lambda: word.encode(bits_N, codes_N, fmt, d_N)[0])
 
 
-def compressed_all_gather_group(shards, states, *, axis_name, axes, specs):
+def compressed_all_gather_group(shards, states, *, axis_name, axes, specs, transport="auto"):
   """The forward of `compressed_all_gather` for several shards at once (one gather group: a
   layer's compressed parameters), without a VJP, for a caller that owns the gradient
   (`moejax.sharding.hook.gather_leaves`). -> (fulls, new_states, stats), tuples in order.
@@ -384,8 +392,11 @@ def compressed_all_gather_group(shards, states, *, axis_name, axes, specs):
   back together when its escapes exceed the pooled capacity on some device). The patch is padded
   to the sum of the shards' own patch sizes, so every shard's byte figures are those of
   `wire_bytes`. Exponent-mode shards (their positions would need more bits in a pool) each keep
-  their own patch and choice."""
-  return _forward_jit(tuple(shards), tuple(states), axis_name, tuple(axes), tuple(specs))
+  their own patch and choice. `transport`: how the pools' payloads travel (`TRANSPORTS`)."""
+  if transport not in TRANSPORTS:
+    raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+  return _forward_jit(tuple(shards), tuple(states), axis_name, tuple(axes), tuple(specs),
+                      transport)
 
 
 def pools_of(shapes_dtypes, specs) -> list[list[int]]:
@@ -447,7 +458,7 @@ def _sender(shards, states, axis_name, specs):
               caches=[st["cache"] for st in states])
 
 
-def _forward(shards, states, axis_name, axes, specs):
+def _forward(shards, states, axis_name, axes, specs, transport="auto"):
   w = lax.axis_size(axis_name)
   me = lax.axis_index(axis_name)
   pools = pools_of([(x.shape, x.dtype) for x in shards], specs)
@@ -506,36 +517,71 @@ def _forward(shards, states, axis_name, axes, specs):
     return [(with_own(cache_RxN, s["bits_N"][a:b]), cache_RxN)
             for cache_RxN, (a, b) in zip(caches, s["bounds"])]
 
-  # One payload collective for the group, in no conditional (a collective inside a branch
-  # could not overlap the compute outside it): each pool sends its patch or, where the agreed
-  # flag says dense, its bit patterns (two per uint32 word), packed one after the other. The
-  # flags are the same on every device, so every device sends the same number of words; the
-  # collective moves those words (`payload_all_gather`: all of a static buffer on XLA:CPU, only
-  # the filled words on GPU). Receivers decode each pool both ways and keep the agreed one.
-  wires = [s["make_wire"]() for s in send]
-  dense_words = [_to_words(s["bits_N"]) for s in send]
-  seg = [max(x.shape[0], d.shape[0]) for x, d in zip(wires, dense_words)]
-  sizes = [jnp.where(dense_P[p], d.shape[0], x.shape[0]).astype(jnp.int32)
-           for p, (x, d) in enumerate(zip(wires, dense_words))]
-  starts = [jnp.int32(0)]
-  for size in sizes[:-1]:
-    starts.append(starts[-1] + size)
-  send_R = jnp.zeros((sum(seg),), jnp.uint32)
-  for p in range(len(send)):   # in order: each pool overwrites the unused tail of the last
-    piece = jnp.where(dense_P[p], _pad_to(dense_words[p], seg[p]), _pad_to(wires[p], seg[p]))
-    send_R = lax.dynamic_update_slice(send_R, piece, (starts[p],))
-  recv_WxR = payload_all_gather(send_R, starts[-1] + sizes[-1], axis_name)
-  gathered = []
-  for p, s in enumerate(send):
-    seg_WxM = lax.dynamic_slice_in_dim(recv_WxR, starts[p], seg[p], axis=1)
-    n = s["bits_N"].shape[0]
-    dense = dense_from(s, _from_words(seg_WxM[:, :dense_words[p].shape[0]], n,
-                                      s["bits_N"].dtype))
-    # a dense pool's words are no patch: the decoder sees an empty one instead
-    wire_WxL = jnp.where(dense_P[p], jnp.uint32(0), seg_WxM[:, :wires[p].shape[0]])
-    coded = compressed_from(s, wire_WxL)
-    gathered.append([tuple(jnp.where(dense_P[p], d, c) for d, c in zip(dk, ck))
-                     for dk, ck in zip(dense, coded)])
+  def by_payload():
+    """GPU/TPU: one payload collective for the group, in no conditional (a collective inside a
+    branch could not overlap the compute outside it): each pool sends its patch or, where the
+    agreed flag says dense, its bit patterns (two per uint32 word), packed one after the other.
+    The flags are the same on every device, so every device sends the same number of words, and
+    `payload_all_gather` moves just those. Receivers decode each pool both ways and keep the
+    agreed one."""
+    wires = [s["make_wire"]() for s in send]
+    dense_words = [_to_words(s["bits_N"]) for s in send]
+    seg = [max(x.shape[0], d.shape[0]) for x, d in zip(wires, dense_words)]
+    sizes = [jnp.where(dense_P[p], d.shape[0], x.shape[0]).astype(jnp.int32)
+             for p, (x, d) in enumerate(zip(wires, dense_words))]
+    starts = [jnp.int32(0)]
+    for size in sizes[:-1]:
+      starts.append(starts[-1] + size)
+    send_R = jnp.zeros((sum(seg),), jnp.uint32)
+    for p in range(len(send)):   # in order: each pool overwrites the unused tail of the last
+      piece = jnp.where(dense_P[p], _pad_to(dense_words[p], seg[p]), _pad_to(wires[p], seg[p]))
+      send_R = lax.dynamic_update_slice(send_R, piece, (starts[p],))
+    recv_WxR = payload_all_gather(send_R, starts[-1] + sizes[-1], axis_name)
+    gathered = []
+    for p, s in enumerate(send):
+      seg_WxM = lax.dynamic_slice_in_dim(recv_WxR, starts[p], seg[p], axis=1)
+      n = s["bits_N"].shape[0]
+      dense = dense_from(s, _from_words(seg_WxM[:, :dense_words[p].shape[0]], n,
+                                        s["bits_N"].dtype))
+      # a dense pool's words are no patch: the decoder sees an empty one instead
+      wire_WxL = jnp.where(dense_P[p], jnp.uint32(0), seg_WxM[:, :wires[p].shape[0]])
+      # Materialized once each: fused into both selects (bits and cache), a decode would run
+      # twice.
+      dense, coded = lax.optimization_barrier((dense, compressed_from(s, wire_WxL)))
+      gathered.append([tuple(jnp.where(dense_P[p], d, c) for d, c in zip(dk, ck))
+                       for dk, ck in zip(dense, coded)])
+    return gathered
+
+  def by_cond():
+    """XLA:CPU, where no collective overlaps compute (its collectives are synchronous): a
+    conditional per pool runs only the agreed path, its own collective inside; when no pool
+    falls back, every pool's patch travels in one payload all_gather."""
+    def dense_path(s):
+      return dense_from(s, lax.all_gather(s["bits_N"], axis_name))
+
+    def per_pool():
+      return [lax.cond(dense_P[p], lambda s=s: dense_path(s),
+                       lambda s=s: compressed_from(s, lax.all_gather(s["make_wire"](),
+                                                                     axis_name)))
+              for p, s in enumerate(send)]
+
+    def all_compressed():
+      wires = [s["make_wire"]() for s in send]
+      wire_WxL = lax.all_gather(jnp.concatenate(wires), axis_name)
+      ends = np.cumsum([x.shape[0] for x in wires]).tolist()
+      return [compressed_from(s, wire_WxL[:, a:b])
+              for s, a, b in zip(send, [0] + ends[:-1], ends)]
+
+    if len(send) > 1:
+      return lax.cond(jnp.any(jnp.stack(dense_P)), per_pool, all_compressed)
+    return per_pool()
+
+  if transport == "single":
+    gathered = by_payload()
+  elif transport == "cond":
+    gathered = by_cond()
+  else:
+    gathered = lax.platform_dependent(cpu=by_cond, default=by_payload)
 
   fulls, new_states, stats = [None] * len(shards), [None] * len(shards), [None] * len(shards)
   for p, (pool, s) in enumerate(zip(pools, send)):
@@ -680,4 +726,4 @@ def codec_work(shard, state, *, axis_size: int, spec: CodecSpec):
 # A nested jit: a model gathers the same group of shards several times (each layer's gather
 # traced again for prefetch and for the backward re-gather), and a jit is traced and lowered
 # once per signature, which keeps tracing time flat.
-_forward_jit = jax.jit(_forward, static_argnums=(2, 3, 4))
+_forward_jit = jax.jit(_forward, static_argnums=(2, 3, 4, 5))

@@ -56,10 +56,12 @@ class Gatherer:
   # {group: share of a compressed parameter's gathers per step that the backward rebuilds from
   # its cache} (`hook.run_gathers`; what the codec's selection prices)
   rebuilt_share: dict = dataclasses.field(default_factory=dict)
+  transport: str = "auto"      # how the codec payload travels (`codec.gather.TRANSPORTS`)
 
   @classmethod
   def create(cls, param_meta, layouts, num_devices: int, spec: codec.CodecSpec | None,
-             select=None, compute_dtype=hook.COMPUTE_DTYPE, rebuilt_share=None):
+             select=None, compute_dtype=hook.COMPUTE_DTYPE, rebuilt_share=None,
+             transport: str = "auto"):
     """Compresses every sharded parameter (or those `select(group, path)` accepts). The gather
     groups are the top-level keys of `param_meta`, as the model declares its parameters."""
     specs = {g: {} for g in param_meta}
@@ -68,7 +70,8 @@ class Gatherer:
       for group, path in probe.candidates():
         if select is None or select(group, path):
           specs[group][path] = spec
-    return cls(layouts, param_meta, num_devices, specs, compute_dtype, dict(rebuilt_share or {}))
+    return cls(layouts, param_meta, num_devices, specs, compute_dtype, dict(rebuilt_share or {}),
+               transport)
 
   @property
   def groups(self) -> tuple[str, ...]:
@@ -223,7 +226,8 @@ class Gatherer:
         dtypes=[jnp.float32 if key in axes.FLOAT32_GROUPS else self.compute_dtype
                 for key in keys],
         rebuild_states=None if rebuild_from is None else [
-            rebuild_from[path] if spec else None for path, spec in zip(paths, specs)])
+            rebuild_from[path] if spec else None for path, spec in zip(paths, specs)],
+        transport=self.transport)
     new_states, stats, per_param = {}, {}, {}
     for path, spec, key, new_state, s in zip(paths, specs, keys, leaf_states, leaf_stats):
       if spec is not None:

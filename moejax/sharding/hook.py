@@ -53,9 +53,9 @@ STAT_KEYS = ("bytes_sent", "bytes_plain", "exponent_changes", "block_changes", "
              "capacity_fill", "fallback", "dense")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
 def _all_gather(shards: tuple, states: tuple, rebuild: tuple, dims: tuple, axis_names, dtype,
-                specs: tuple):
+                specs: tuple, transport: str = "auto"):
   """The sharded leaves of one gather group and dtype -> (fulls, new states, codec figures).
   Plain leaves (spec None): their bit patterns in `dtype` packed into one flat buffer [N],
   gathered as [W, N], each split out and tiled along its own dim, exactly what a tiled gather of
@@ -93,17 +93,18 @@ def _all_gather(shards: tuple, states: tuple, rebuild: tuple, dims: tuple, axis_
   if coded:
     outs = codec.compressed_all_gather_group(
         [shards[i].astype(dtype) for i in coded], [states[i] for i in coded],
-        axis_name=axis_names, axes=[dims[i] for i in coded], specs=[specs[i] for i in coded])
+        axis_name=axis_names, axes=[dims[i] for i in coded], specs=[specs[i] for i in coded],
+        transport=transport)
     for i, full, new_state, raw in zip(coded, *outs):
       fulls[i], new_states[i], raws[i] = full, new_state, raw
   return tuple(fulls), tuple(new_states), tuple(raws)
 
 
-def _all_gather_fwd(shards, states, rebuild, dims, axis_names, dtype, specs):
-  return _all_gather(shards, states, rebuild, dims, axis_names, dtype, specs), None
+def _all_gather_fwd(shards, states, rebuild, dims, axis_names, dtype, specs, transport):
+  return _all_gather(shards, states, rebuild, dims, axis_names, dtype, specs, transport), None
 
 
-def _all_gather_bwd(dims, axis_names, dtype, specs, _, cotangents):
+def _all_gather_bwd(dims, axis_names, dtype, specs, transport, _, cotangents):
   """One reduce-scatter (fp32) of all the leaves' cotangents, packed like the forward's
   buffer; the states get none."""
   w = lax.axis_size(axis_names)
@@ -203,7 +204,7 @@ def gather_leaf(shard, layout: Layout, spec: codec.CodecSpec | None = None, stat
 
 
 def gather_leaves(shards, layouts, specs, states, axis_names=DEVICES, dtypes=None,
-                  rebuild_states=None):
+                  rebuild_states=None, transport: str = "auto"):
   """`gather_leaf` for a list of leaves (one gather group: a layer's parameters) -> (fulls,
   new_states, stats), lists in the same order. The sharded leaves of one dtype travel together:
   the plain ones as one all_gather of their packed bit patterns, the compressed ones as one
@@ -212,7 +213,8 @@ def gather_leaves(shards, layouts, specs, states, axis_names=DEVICES, dtypes=Non
   each their own), and all their fp32 gradients in one reduce-scatter back. `dtypes`: each leaf's
   compute dtype (default all bf16). `rebuild_states`: for a gather run again on the same shards,
   the states the first one left; compressed leaves are rebuilt from their caches
-  (`codec.rebuilt_gather_group`)."""
+  (`codec.rebuilt_gather_group`). `transport`: how the codec's payload travels
+  (`codec.gather.TRANSPORTS`)."""
   n = len(shards)
   dtypes = [COMPUTE_DTYPE] * n if dtypes is None else list(dtypes)
   rebuild = [None] * n if rebuild_states is None else [
@@ -238,7 +240,7 @@ def gather_leaves(shards, layouts, specs, states, axis_names=DEVICES, dtypes=Non
                        tuple(states[i] if specs[i] is not None else None for i in indices),
                        tuple(rebuild[i] for i in indices),
                        tuple(layouts[i].dim for i in indices), axis_names, dtype,
-                       tuple(specs[i] for i in indices))
+                       tuple(specs[i] for i in indices), transport)
     for i, full, new_state, raw in zip(indices, *outs):
       fulls[i] = full
       if specs[i] is None:

@@ -211,12 +211,12 @@ def test_multi_step_bit_identical(case):
   assert sizes["compressed"] < sizes["dense"]
 
 
-def _group_gather(cases):
+def _group_gather(cases, transport="auto"):
   """(jitted compressed_all_gather_group over `cases` under shard_map, initial states)."""
   def body(xs, states):
     fulls, new_states, stats = gather.compressed_all_gather_group(
         xs, [_unstack(st) for st in states], axis_name=AXIS, axes=[c[2] for c in cases],
-        specs=[c[3] for c in cases])
+        specs=[c[3] for c in cases], transport=transport)
     return ([f[None] for f in fulls], [_restack(st) for st in new_states],
             [_restack(st) for st in stats])
 
@@ -241,21 +241,28 @@ def _group_step(f, scripts, states, stale, t):
   return states, stats
 
 
-def test_a_group_shares_one_agreement_and_falls_back_shard_by_shard():
+@pytest.mark.parametrize("transport", ["auto", "single"])
+def test_a_group_shares_one_agreement_and_falls_back_shard_by_shard(transport):
   """compressed_all_gather_group over three shards (element, word and delta; bf16 and float32;
   gathered along different axes; no two of them pool): one agreement all-gather for the group,
-  then one payload all-gather for the three, in no conditional: each shard's segment holds its
-  patch or, falling back, its bit patterns. Bit-identical to each shard's plain gather on every step; one shard's
+  then one payload all-gather for the three when none falls back, else each shard its own
+  conditional and payload (transport "auto" on CPU); with transport "single" (GPU's), one payload
+  all-gather for the three in no conditional, each segment a patch or, falling back, the shard's
+  bit patterns. Bit-identical to each shard's plain gather on every step; one shard's
   overflow, or one stale device in one shard's state, sends that shard alone dense."""
   cases = [CASES[0], CASES[4], CASES[7]]
   scripts = [Script(dtype, shape, axis, spec, seed=10 + k)
              for k, (dtype, shape, axis, spec) in enumerate(cases)]
 
-  f, states = _group_gather(cases)
+  f, states = _group_gather(cases, transport)
   lowered = f.lower([sc.global_array() for sc in scripts], states)
   k, compiled = len(cases), lowered.compile().as_text()
-  assert lowered.as_text().count("stablehlo.all_gather") == 1 + 1
-  assert k == 3 and compiled.count(" conditional(") == 0
+  if transport == "single":
+    assert lowered.as_text().count("stablehlo.all_gather") == 1 + 1
+    assert compiled.count(" conditional(") == 0
+  else:
+    assert lowered.as_text().count("stablehlo.all_gather") == 1 + 1 + 2 * k
+    assert compiled.count(" conditional(") == 1 + k
 
   def small(sc):
     return [max(1, sc.fmt.capacity // 2)] * W
@@ -277,11 +284,12 @@ def test_a_group_shares_one_agreement_and_falls_back_shard_by_shard():
       assert (np.asarray(stats[j]["fallback"]) == (1 if j == over else 0)).all(), (t, j)
 
 
-def test_delta_shards_of_a_group_travel_as_one_pool_and_fall_back_together():
+@pytest.mark.parametrize("transport", ["auto", "single"])
+def test_delta_shards_of_a_group_travel_as_one_pool_and_fall_back_together(transport):
   """Three bf16 delta3 shards of a group (different shapes and axes) beside an element shard:
-  the delta shards travel as one pool (one patch or, falling back, their bit patterns, for the
-  three, capacities summed), the element shard alone, both payloads in one all-gather in no
-  conditional. A shard over its own capacity rides on
+  the delta shards travel as one pool (one conditional and one payload all-gather for the
+  three, capacities summed), the element shard alone, both payloads in one all-gather when
+  neither falls back. A shard over its own capacity rides on
   the pool's room (still compressed, exact); the pool falls back together when one device's
   escapes exceed the pooled capacity, or when one shard's state is stale on one device."""
   delta = gather.CodecSpec("delta", delta_bits=3, warmup_steps=2, capacity_fraction=0.05,
@@ -292,10 +300,11 @@ def test_delta_shards_of_a_group_travel_as_one_pool_and_fall_back_together():
   scripts = [Script(dtype, shape, axis, spec, seed=20 + k)
              for k, (dtype, shape, axis, spec) in enumerate(cases)]
 
-  f, states = _group_gather(cases)
+  f, states = _group_gather(cases, transport)
   lowered = f.lower([sc.global_array() for sc in scripts], states)
-  assert lowered.as_text().count("stablehlo.all_gather") == 1 + 1
-  assert lowered.compile().as_text().count(" conditional(") == 0
+  single = transport == "single"   # one payload all-gather in no conditional
+  assert lowered.as_text().count("stablehlo.all_gather") == (2 if single else 1 + 1 + 2 * 2)
+  assert lowered.compile().as_text().count(" conditional(") == (0 if single else 1 + 2)
   caps = [sc.fmt.capacity for sc in scripts]
   assert caps[1:] == [20, 7, 20]              # the pool holds 47 escapes per device
 

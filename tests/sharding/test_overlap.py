@@ -4,9 +4,11 @@ A collective inside a conditional's branch starts and finishes inside it, so no 
 run it under compute outside. Read from the compiled 8-device train step (codec off):
 - fsdp (the suite's shared compiled step): the prefetching layer scan issues the next layer's
   gather unconditionally, in forward and in backward; no conditional holds a collective.
-- fsdp with the codec (`element`): the agreement and the one payload collective of each gather
-  sit beside the layer compute, in no conditional (a gather that must go dense sends its bit
-  patterns through the same collective); no computation issues a collective without a matmul.
+- fsdp with the codec (`element`, `codec.transport="single"`: what GPUs run; XLA:CPU's default
+  keeps a conditional per pool, its collectives never overlapping compute anyway): the
+  agreement and the one payload collective of each gather sit beside the layer compute, in no
+  conditional (a gather that must go dense sends its bit patterns through the same collective);
+  no computation issues a collective without a matmul.
 - fssdp with calibration (tests/placement/test_fssdp_train.py, on its compiled step): the late
   SparseAllGather runs every step (moving only the replicas a re-plan adds), beside the
   exchange and the expert matmuls; no conditional holds a collective.
@@ -31,7 +33,8 @@ def test_fsdp_step_has_no_collective_in_a_conditional(compiled_step):
 
 
 def test_codec_step_has_no_collective_in_a_conditional(trainer_for):
-  trainer = trainer_for(tiny_config(**{"codec.mode": "element", "codec.warmup_steps": 2}), 8)
+  trainer = trainer_for(tiny_config(**{"codec.mode": "element", "codec.warmup_steps": 2,
+                                       "codec.transport": "single"}), 8)
   assert trainer.layout.gatherer.enabled
   text = trainer.train_step.lower(*trainer.abstract_inputs()).compile().as_text()
   gathers = [c for c in hlo.compiled_collectives(text) if c.op == "all-gather"]
