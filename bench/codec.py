@@ -410,20 +410,21 @@ def controlled_steps(trainer, policy, state, data, steps: int):
     yield step, state, metrics
 
 
-def composed(steps: int = 60, warmup: int = 10) -> dict:
+def composed(steps: int = 60, warmup: int = 10, transport: str = "auto") -> dict:
   """The composed run: codec auto (warm-up `warmup`) + fssdp (2 nodes x 4 fake devices, its
   replicas then delta-coded: `fssdp.replica_codec` follows the codec) + reroute admission,
   beside the same run with the codec off, batch for batch. Per step: parameter gather bytes
   over plain (plus the 24-byte agreement of each gather) and replica bytes over plain (plus the
   replica agreement); over the last 10 steps the replicas' bytes over plain; and whether the
-  losses agree bit for bit."""
+  losses agree bit for bit. `transport`: `codec.transport` of the codec's run ("single": the
+  payload GPUs send, in no conditional)."""
   over = {"moe.placement": "fssdp", "mesh.shape": (2, 4), "routing.admission": "reroute",
           "moe.dispatch_capacity_factor": 0.0}
   runs = {}
   for name, mode in (("off", "off"), ("auto", "auto")):
     cfg = config(steps, **over)
     cfg = dataclasses.replace(cfg, codec=dataclasses.replace(
-        cfg.codec, mode=mode, warmup_steps=warmup, comm_model="bytes"))
+        cfg.codec, mode=mode, warmup_steps=warmup, comm_model="bytes", transport=transport))
     trainer = Trainer(cfg)
     policy = (codec_control.CodecPolicy(trainer.layout.gatherer, trainer.mesh, cfg.codec,
                                         log=lambda _: None) if mode == "auto" else None)
@@ -442,7 +443,7 @@ def composed(steps: int = 60, warmup: int = 10) -> dict:
   settled = slice(min(2 * warmup, steps - 10), None)   # past the codec's warm-up and first picks
   spag_plain = sum(r["spag_bytes_plain"] for r in last)
   return {
-      "steps": steps, "warmup": warmup,
+      "steps": steps, "warmup": warmup, "transport": transport,
       "losses_equal": [r["loss"] for r in off] == [r["loss"] for r in auto],
       "replica_codec": runs["auto"]["replica_codec"],
       "max_gather_excess_bytes": max(r["gather_bytes"] - r["gather_bytes_plain"] for r in auto),
@@ -467,8 +468,8 @@ def composed(steps: int = 60, warmup: int = 10) -> dict:
 
 
 def print_composed(c: dict):
-  print(f"\n== composed: codec auto (warm-up {c['warmup']}) + fssdp 2 x 4 + reroute, "
-        f"{c['steps']} steps, against codec off ==")
+  print(f"\n== composed: codec auto (warm-up {c['warmup']}, transport {c['transport']}) + "
+        f"fssdp 2 x 4 + reroute, {c['steps']} steps, against codec off ==")
   print(f"  losses equal bit for bit: {c['losses_equal']}; replicas delta-coded: "
         f"{c['replica_codec']}")
   print(f"  parameter gathers, last 10 steps: {c['gather_ratio_last10']:.3f} of plain; most "
@@ -543,11 +544,12 @@ def main():
                       help="also with --quick: train again with auto in the train step")
   parser.add_argument("--composed_steps", type=int, default=60,
                       help="steps of the composed run (--composed)")
+  parser.add_argument("--transport", default="auto", help="codec.transport of --composed")
   parser.add_argument("--composed", action="store_true",
                       help="only the composed run (codec auto + fssdp + reroute, 60 steps)")
   args = parser.parse_args()
   if args.composed:
-    c = composed(steps=args.composed_steps)
+    c = composed(steps=args.composed_steps, transport=args.transport)
     print_composed(c)
     print(json.dumps({f"composed_{k}": v for k, v in c.items()}))
     return
