@@ -16,6 +16,8 @@ records its error and the others still run. Steps:
              model's time minus a one-layer model's)
   schedule   the compiled tiny train step's async collectives: start/done pairs and the
              instructions scheduled between each pair (0 pairs on one device, or on XLA:CPU)
+  attention  causal attention at OLMoE-1B-7B's shapes: moejax's (XLA's materialized path) beside
+             cuDNN's flash attention (GPU only), forward and forward+backward
   grouped    the experts' grouped matmuls at OLMoE-1B-7B's expert shapes, forward and
              forward+backward: jax's Hopper kernels (the GPU default where they apply), XLA's
              ragged_dot, and XLA:CPU's row tiles, each against a dense per-expert product
@@ -282,6 +284,41 @@ def step_grouped(dims: dict) -> dict:
   for name in impls:
     if "error" not in out[name] and out[name]["rel_err"] > 2e-2:
       raise AssertionError(f"grouped {name} differs from the dense product: {out[name]}")
+  return out
+
+
+def step_attention(dims: dict) -> dict:
+  """Causal attention at OLMoE-1B-7B's shapes (moejax's `layers.attention.attend`: XLA's
+  materialized path) beside `jax.nn.dot_product_attention(implementation="cudnn")` (flash
+  attention; GPU only), forward and forward+backward."""
+  import jax
+  import jax.numpy as jnp
+  from moejax.layers import attention
+
+  b, t, h, d = dims["attn_batch"], dims["attn_seq"], dims["attn_heads"], dims["attn_head_dim"]
+  keys = jax.random.split(jax.random.key(2), 4)
+  q, k, v, dy = (jax.random.normal(key, (b, t, h, d), jnp.float32).astype(jnp.bfloat16)
+                 for key in keys)
+  flops = 4 * b * h * t * t * d / 2      # causal: half the scores
+  impls = {"xla": lambda q, k, v: attention.attend(q, k, v, is_causal=True)}
+  if jax.default_backend() == "gpu":
+    impls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, scale=d ** -0.5, implementation="cudnn")
+  out = {"batch": b, "seq": t, "heads": h, "head_dim": d, "forward_flops": flops}
+  ys = {}
+  for name, fn in impls.items():
+    try:
+      fwd = jax.jit(fn)
+      ys[name] = fwd(q, k, v)
+      bwd = jax.jit(lambda q, k, v, fn=fn: jax.vjp(fn, q, k, v)[1](dy))
+      fs, bs = _timed(fwd, q, k, v, repeats=5), _timed(bwd, q, k, v, repeats=5)
+      out[name] = {"forward_s": fs, "forward_backward_s": bs,
+                   "forward_tflops": flops / fs / 1e12, "forward_backward_tflops": 3 * flops / bs / 1e12}
+    except Exception as e:
+      out[name] = {"error": f"{type(e).__name__}: {e}"[:600]}
+  if "cudnn" in ys and "xla" in ys:
+    a, c = ys["xla"].astype(jnp.float32), ys["cudnn"].astype(jnp.float32)
+    out["cudnn_max_abs_diff"] = float(jnp.max(jnp.abs(a - c)))
   return out
 
 
@@ -578,21 +615,24 @@ def step_nvcomp(dims: dict) -> dict:
 
 STEPS = {"env": step_env, "kernels": step_kernels, "ragged": step_ragged, "train": step_train,
          "one_layer": step_one_layer, "layer": step_layer, "schedule": step_schedule,
-         "schedule8": step_schedule8, "nvcomp": step_nvcomp, "grouped": step_grouped}
+         "schedule8": step_schedule8, "nvcomp": step_nvcomp, "grouped": step_grouped,
+         "attention": step_attention}
 # The order of a full run: what only a GPU can tell first; `grouped` (XLA's ragged_dot alone took
 # about 2 minutes on an H200) and the 8-GPU compile (its mock topology had not answered within 2
 # minutes there) last.
-ORDER = ("env", "kernels", "ragged", "nvcomp", "train", "one_layer", "layer", "grouped",
-         "schedule", "schedule8")
+ORDER = ("env", "kernels", "ragged", "nvcomp", "train", "one_layer", "layer", "attention",
+         "grouped", "schedule", "schedule8")
 FULL = {"codec_values": 1 << 24, "ragged_tokens": 4096, "ragged_d": 2048, "ragged_f": 1024,
         "train_steps": 20, "layer_preset": "1b7b", "layer_batch": 8, "layer_seq": 4096,
         "layer_model": {}, "child_timeout_s": 60, "grouped_rows": 16384, "grouped_experts": 64,
-        "grouped_d": 2048, "grouped_f": 1024}
+        "grouped_d": 2048, "grouped_f": 1024, "attn_batch": 8, "attn_seq": 4096, "attn_heads": 16,
+        "attn_head_dim": 128}
 # Tiny shapes (the tiny preset's width for the "1b7b" steps), on CPU.
 DRY = {"codec_values": 1 << 14, "ragged_tokens": 32, "ragged_d": 64, "ragged_f": 64,
        "train_steps": 5, "layer_preset": "tiny", "layer_batch": 8, "layer_seq": 64,
        "layer_model": {}, "child_timeout_s": 240, "dry": True, "grouped_rows": 512,
-       "grouped_experts": 8, "grouped_d": 128, "grouped_f": 128}
+       "grouped_experts": 8, "grouped_d": 128, "grouped_f": 128, "attn_batch": 2, "attn_seq": 64,
+       "attn_heads": 4, "attn_head_dim": 32}
 
 
 def main() -> int:
