@@ -1,0 +1,58 @@
+"""Pieces of scripts/device_check.py that a CPU dry run leaves unexercised: reading async
+collective pairs out of a GPU-compiled program (XLA:CPU has none), and the references the GPU
+steps compare against."""
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "device_check.py")
+_spec = importlib.util.spec_from_file_location("device_check", _PATH)
+device_check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(device_check)
+
+# The shape of XLA:GPU's scheduled HLO: async starts and dones with work between them.
+_HLO = """\
+ENTRY %main {
+  %p0 = u32[8,64]{1,0} parameter(0)
+  %ragged-all-to-all-start.1 = ((u32[64]{0}, u32[512]{0}), u32[512]{0}) ragged-all-to-all-start(%a, %b), replica_groups={}
+  %fusion.1 = f32[64,64]{1,0} fusion(%p0), kind=kLoop
+  %dot.2 = f32[64,64]{1,0} dot(%fusion.1, %fusion.1)
+  %ragged-all-to-all-done.1 = u32[512]{0} ragged-all-to-all-done(%ragged-all-to-all-start.1)
+  %all-gather-start = (u16[64]{0}, u16[512]{0}) all-gather-start(%c), dimensions={0}
+  %all-gather-done = u16[512]{0} all-gather-done(%all-gather-start)
+}
+"""
+
+
+def test_async_pairs_name_the_whole_op_and_count_what_runs_between():
+  got = device_check._async_pairs(_HLO)
+  assert got["async_pairs"] == {"ragged-all-to-all": 1, "all-gather": 1}
+  assert got["instructions_between"] == {"ragged-all-to-all": 2, "all-gather": 0}
+
+
+def test_dense_swiglu_is_each_expert_on_its_rows():
+  keys = jax.random.split(jax.random.key(0), 4)
+  sizes = jnp.array([3, 0, 5], jnp.int32)
+  xs = jax.random.normal(keys[0], (10, 4), jnp.float32).astype(jnp.bfloat16)   # 2 rows unused
+  w = [jax.random.normal(k, s, jnp.float32).astype(jnp.bfloat16)
+       for k, s in zip(keys[1:], ((3, 4, 6), (3, 4, 6), (3, 6, 4)))]
+  got = np.asarray(device_check._dense_swiglu(xs, sizes, w))
+  expert = [0, 0, 0, 2, 2, 2, 2, 2]
+  for row, g in enumerate(expert):
+    x = xs[row].astype(jnp.float32)
+    wg, wu, wd = (v[g].astype(jnp.float32) for v in w)
+    h = (jax.nn.silu(x @ wg) * (x @ wu)).astype(jnp.bfloat16).astype(jnp.float32)
+    np.testing.assert_allclose(got[row], np.asarray(h @ wd), rtol=1e-5, atol=1e-6)
+  assert not got[8:].any()
+
+
+def test_nvcomp_payloads_are_the_codec_planes():
+  p = device_check._nvcomp_payloads(4096)
+  assert p["exponents"].dtype == np.uint8 and p["exponents"].size == 4096
+  assert p["sign_mantissa"].size == 4096
+  assert 0 < p["delta_codes"].size < 2 * 4096 and p["delta_codes"].size % 2 == 0
+  # weights ~N(0, 0.02): their exponents crowd a few values, which is what ANS codes
+  assert len(np.unique(p["exponents"])) < 40
