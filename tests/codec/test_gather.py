@@ -284,6 +284,30 @@ def test_a_group_shares_one_agreement_and_falls_back_shard_by_shard(transport):
       assert (np.asarray(stats[j]["fallback"]) == (1 if j == over else 0)).all(), (t, j)
 
 
+def test_single_transport_packs_odd_and_32_bit_shards():
+  """The single payload packs 16-bit values two to a word and 32-bit ones as they are: an odd
+  bf16 shard, float32 shards in block (hash) and word mode, and an element shard beside them,
+  bit for bit through warm-up, patches, one shard's overflow and a stale device."""
+  cases = [(jnp.bfloat16, (3, 7), 0, gather.CodecSpec("element", warmup_steps=2,
+                                                     capacity_fraction=0.5)),
+           CASES[3], CASES[5], CASES[0]]
+  scripts = [Script(dtype, shape, axis, spec, seed=40 + k)
+             for k, (dtype, shape, axis, spec) in enumerate(cases)]
+  f, states = _group_gather(cases, "single")
+  plan = [(None, None), (None, None), (None, None), (0, None), (None, 2), (3, None),
+          (None, None)]
+  for t, (over, stale) in enumerate(plan):
+    for j, sc in enumerate(scripts):
+      changes = [max(1, sc.fmt.capacity // 2)] * W
+      if j == over:
+        changes[5] = sc.fmt.capacity + 1
+      sc.step(changes)
+    states, stats = _group_step(f, scripts, states, stale, t)
+    for j in range(len(scripts)):
+      dense = t < 2 or j == over or j == stale
+      assert (np.asarray(stats[j]["dense"]) == int(dense)).all(), (t, j)
+
+
 @pytest.mark.parametrize("transport", ["auto", "single"])
 def test_delta_shards_of_a_group_travel_as_one_pool_and_fall_back_together(transport):
   """Three bf16 delta3 shards of a group (different shapes and axes) beside an element shard:
