@@ -235,6 +235,18 @@ def _dense_swiglu(xs, group_sizes, w):
   return jnp.concatenate(parts + [jnp.zeros((rest, xs.shape[1]), jnp.float32)])
 
 
+def _forward_backward(fn, args, dy, flops: float):
+  """(output, gradients, figures) of `fn(*args)` and its VJP on `dy`, each jitted and timed;
+  the backward counts twice the forward's `flops`."""
+  import jax
+  fwd = jax.jit(fn)
+  bwd = jax.jit(lambda *a: jax.vjp(fn, *a)[1](dy))
+  y, grads = fwd(*args), bwd(*args)
+  fs, bs = _timed(fwd, *args, repeats=5), _timed(bwd, *args, repeats=5)
+  return y, grads, {"forward_s": fs, "forward_backward_s": bs, "forward_tflops": flops / fs / 1e12,
+                    "forward_backward_tflops": 3 * flops / bs / 1e12}
+
+
 def step_grouped(dims: dict) -> dict:
   """The experts' grouped matmuls at OLMoE-1B-7B's expert shapes, forward and forward+backward,
   by each implementation on this platform: jax's Hopper kernels (`placement/hopper.py`; the GPU
@@ -263,14 +275,10 @@ def step_grouped(dims: dict) -> dict:
   grads = {}
   for name, fn in impls.items():
     try:
-      fwd = jax.jit(fn)
-      y = fwd(x, sizes, *w)
-      bwd = jax.jit(lambda x, *w, fn=fn: jax.vjp(lambda x, *w: fn(x, sizes, *w), x, *w)[1](dy))
-      grads[name] = bwd(x, *w)
-      fs, bs = _timed(fwd, x, sizes, *w, repeats=5), _timed(bwd, x, *w, repeats=5)
+      y, grads[name], figures = _forward_backward(
+          lambda x, *w, fn=fn: fn(x, sizes, *w), (x, *w), dy, flops)
       out[name] = {"rel_err": float(jnp.max(jnp.abs(y.astype(jnp.float32) - want))) / scale,
-                   "forward_s": fs, "forward_backward_s": bs,
-                   "forward_tflops": flops / fs / 1e12, "forward_backward_tflops": 3 * flops / bs / 1e12}
+                   **figures}
     except Exception as e:   # one implementation failing (say out of memory) is a figure too
       out[name] = {"error": f"{type(e).__name__}: {e}"[:600]}
   if "hopper" in grads and "ragged_dot" in grads:
@@ -312,12 +320,7 @@ def step_attention(dims: dict) -> dict:
   ys = {}
   for name, fn in impls.items():
     try:
-      fwd = jax.jit(fn)
-      ys[name] = fwd(q, k, v)
-      bwd = jax.jit(lambda q, k, v, fn=fn: jax.vjp(fn, q, k, v)[1](dy))
-      fs, bs = _timed(fwd, q, k, v, repeats=5), _timed(bwd, q, k, v, repeats=5)
-      out[name] = {"forward_s": fs, "forward_backward_s": bs,
-                   "forward_tflops": flops / fs / 1e12, "forward_backward_tflops": 3 * flops / bs / 1e12}
+      ys[name], _, out[name] = _forward_backward(fn, (q, k, v), dy, flops)
     except Exception as e:
       out[name] = {"error": f"{type(e).__name__}: {e}"[:600]}
   if "cudnn" in ys and "xla" in ys:

@@ -448,10 +448,7 @@ def _sender(shards, states, axis_name, specs):
   wire_words = sum(f.words for f in fmts) if words else fmt.words
 
   def wire():
-    wire_L = make_wire()
-    if wire_L.shape[0] < wire_words:
-      wire_L = jnp.pad(wire_L, (0, wire_words - wire_L.shape[0]))
-    return wire_L
+    return _pad_to(make_wire(), wire_words)
 
   return dict(layout=layout, fmt=fmt, fmts=fmts, words=words, bits_N=bits_N, new_prev=new_prev,
               own=own, make_wire=wire, local_Kx6=local_Kx6, bounds=bounds,
@@ -634,7 +631,7 @@ def _from_words(words_WxL: jax.Array, n: int, dtype) -> jax.Array:
 
 
 def _pad_to(x_L: jax.Array, size: int) -> jax.Array:
-  return x_L if x_L.shape[0] == size else jnp.pad(x_L, (0, size - x_L.shape[0]))
+  return x_L if x_L.shape[0] >= size else jnp.pad(x_L, (0, size - x_L.shape[0]))
 
 
 def payload_all_gather(send_R: jax.Array, used: jax.Array, axis_name) -> jax.Array:

@@ -33,13 +33,13 @@ from jax import lax
 # Tile sizes of the kernels: 128 x 128 output tiles over 64-wide K steps. The grouped products'
 # widths (D and F) must be multiples of TILE; other shapes take the fallback path.
 TILE = 128
-ENABLED = True   # the device check turns the kernels off to time the fallback beside them
+ENABLED = True   # the device check turns the kernels off for its later steps if they are wrong
 
 
 @dataclasses.dataclass(frozen=True)
 class GroupedOps:
-  """ragged(x_AxK, w_GxKxN, gs, transpose=False) -> [A, N];  transposed(a_AxM, b_AxN, gs) -> [G, M, N]
-  (with transpose, w is given as [G, N, K])."""
+  """ragged(x_AxK, w_GxKxN, gs, transpose=False) -> [A, N] (with transpose, w is given as
+  [G, N, K]);  transposed(a_AxM, b_AxN, gs) -> [G, M, N]."""
   ragged: Callable
   transposed: Callable
 
