@@ -11,16 +11,20 @@ moejax / reference is the cost of everything around the kernel.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from moejax.config import Config
 from moejax.layers.attention import apply_rotary, rotary_tables
 from moejax.layers.matmul import dense
 from moejax.layers.norm import rms_norm
+from moejax.models import olmoe
 from moejax.placement.experts import grouped_swiglu
 from moejax.routing.router import load_balancing_loss, router_z_loss
 from moejax.sharding.prefetch import checkpointed
@@ -41,7 +45,7 @@ def _attention(cfg: Config, p, x_BxSxD, cos_SxDh, sin_SxDh):
   return dense(out.reshape(b, s, -1), p["wo"].astype(BF16))
 
 
-def _moe(cfg: Config, p, x_BxSxD):
+def _moe(cfg: Config, p, x_BxSxD, axis_name=None):
   e, k = cfg.moe.num_experts, cfg.moe.top_k
   b, s, d = x_BxSxD.shape
   x_TxD = x_BxSxD.reshape(b * s, d)
@@ -50,7 +54,8 @@ def _moe(cfg: Config, p, x_BxSxD):
   weights_TxK, experts_TxK = jax.lax.top_k(scores_TxE, k)
   expert_A = experts_TxK.reshape(-1)
   counts_E = jnp.bincount(expert_A, length=e)
-  aux, z = load_balancing_loss(scores_TxE, experts_TxK), router_z_loss(logits_TxE)
+  aux = load_balancing_loss(scores_TxE, experts_TxK, axis_name=axis_name)
+  z = router_z_loss(logits_TxE, axis_name=axis_name)
   order_A = jnp.argsort(expert_A, stable=True)
   token_A = order_A // k
   y_sorted_AxD = grouped_swiglu(x_TxD[token_A], counts_E.astype(jnp.int32),
@@ -61,14 +66,17 @@ def _moe(cfg: Config, p, x_BxSxD):
   return y_TxD.astype(BF16).reshape(b, s, d), aux, z
 
 
-def loss_fn(cfg: Config, params, inputs_BxS, targets_BxS, *, remat: str):
+def loss_fn(cfg: Config, params, inputs_BxS, targets_BxS, *, remat: str, axis_name=None):
+  """(loss, ce). With `axis_name` (inside shard_map, each device its slice of the batch), this
+  device's share: the sums over the axis are the loss and ce of the whole batch."""
   m = cfg.model
   cos_SxDh, sin_SxDh = rotary_tables(inputs_BxS.shape[1], m.head_dim, m.rope_theta)
 
   def layer(h_BxSxD, p):
     h_BxSxD = h_BxSxD + _attention(cfg, p["attn"], rms_norm(h_BxSxD, p["attn_norm"]["scale"],
                                                        m.norm_eps), cos_SxDh, sin_SxDh)
-    y, aux, z = _moe(cfg, p["moe"], rms_norm(h_BxSxD, p["ffn_norm"]["scale"], m.norm_eps))
+    y, aux, z = _moe(cfg, p["moe"], rms_norm(h_BxSxD, p["ffn_norm"]["scale"], m.norm_eps),
+                     axis_name)
     return h_BxSxD + y, (aux, z)
 
   h_BxSxD = params["embed"].astype(BF16)[inputs_BxS]
@@ -76,6 +84,8 @@ def loss_fn(cfg: Config, params, inputs_BxS, targets_BxS, *, remat: str):
   h_BxSxD = rms_norm(h_BxSxD, params["final_norm"], m.norm_eps)
   logits = dense(h_BxSxD, params["lm_head"].astype(BF16), jnp.float32)
   ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets_BxS))
+  if axis_name is not None:
+    ce = ce / jax.lax.axis_size(axis_name)
   return ce + cfg.moe.aux_loss_weight * jnp.mean(aux_L) + cfg.moe.z_loss_weight * jnp.mean(z_L), ce
 
 
@@ -91,3 +101,74 @@ def make_train_step(cfg: Config, *, remat: str):
     return optax.apply_updates(params, updates), opt_state, ce
 
   return train_step, tx
+
+
+def _shard_axis(shape, n: int) -> int:
+  """The first axis of `shape` that `n` devices split evenly; -1: none (kept whole on each)."""
+  return next((a for a, size in enumerate(shape) if size % n == 0), -1)
+
+
+def _spec(shape, n: int, axis_names) -> P:
+  a = _shard_axis(shape, n)
+  return P() if a < 0 else P(*([None] * a + [axis_names] + [None] * (len(shape) - a - 1)))
+
+
+def make_sharded_train_step(cfg: Config, mesh: Mesh, *, remat: str):
+  """The floor on several devices: the same math, data parallel as plainly as JAX writes it.
+
+  One `shard_map` over every device of `mesh`: each device takes its slice of the batch with the
+  full fp32 parameters (replicated), its gradients are reduce-scattered (each leaf over the first
+  axis the devices split evenly; a leaf no axis splits is summed whole), AdamW updates each
+  device's slice with its slice of the optimizer state (ZeRO-1), and the updated slices are
+  all-gathered. Clipping uses the norm of the whole gradient, as `make_optimizer` does.
+
+  Returns (train_step(params, opt_state, inputs_BxS, targets_BxS) -> (params, opt_state, ce),
+  init(params) -> (params, opt_state), both placed on the mesh).
+  """
+  names, n = tuple(mesh.axis_names), mesh.size
+  clip = cfg.optim.clip_norm
+  tx = optim.make_optimizer(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim,
+                                                                               clip_norm=0.0)))
+  shapes = jax.eval_shape(lambda: olmoe.init_params(cfg, jax.random.key(0)))
+  axes = jax.tree.map(lambda x: _shard_axis(x.shape, n), shapes)
+  param_specs = jax.tree.map(lambda x: P(), shapes)
+  opt_specs = jax.tree.map(lambda x: _spec(x.shape, n, names), jax.eval_shape(tx.init, shapes))
+
+  def reduce(g, a):
+    if a < 0:
+      return jax.lax.psum(g, names)
+    return jax.lax.psum_scatter(g, names, scatter_dimension=a, tiled=True)
+
+  def my_slice(p, a):
+    if a < 0:
+      return p
+    size = p.shape[a] // n
+    return jax.lax.dynamic_slice_in_dim(p, jax.lax.axis_index(names) * size, size, a)
+
+  def local(params, opt_state, inputs_BxS, targets_BxS):
+    grads, ce = jax.grad(loss_fn, argnums=1, has_aux=True)(
+        cfg, params, inputs_BxS, targets_BxS, remat=remat, axis_name=names)
+    grads = jax.tree.map(reduce, grads, axes)
+    if clip > 0:   # optax.clip_by_global_norm, over the whole gradient
+      sq = [(jnp.sum(jnp.square(g)), a) for g, a in zip(jax.tree.leaves(grads),
+                                                        jax.tree.leaves(axes))]
+      norm = jnp.sqrt(jax.lax.psum(sum(s for s, a in sq if a >= 0), names)
+                      + sum(s for s, a in sq if a < 0))
+      grads = jax.tree.map(
+          lambda g: jax.lax.select(norm < clip, g, (g / norm.astype(g.dtype)) * clip), grads)
+    mine = jax.tree.map(my_slice, params, axes)
+    updates, opt_state = tx.update(grads, opt_state, mine)
+    mine = optax.apply_updates(mine, updates)
+    params = jax.tree.map(
+        lambda p, a: p if a < 0 else jax.lax.all_gather(p, names, axis=a, tiled=True), mine, axes)
+    return params, opt_state, jax.lax.psum(ce, names)
+
+  train_step = jax.jit(jax.shard_map(
+      local, mesh=mesh, in_specs=(param_specs, opt_specs, P(names), P(names)),
+      out_specs=(param_specs, opt_specs, P()), check_vma=False), donate_argnums=(0, 1))
+
+  def init(params):
+    put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
+    return jax.tree.map(put, params, param_specs), jax.tree.map(put, tx.init(params), opt_specs)
+
+  return train_step, init

@@ -79,6 +79,8 @@ class Variant:
   devices: int = 1                 # 0: the plain-JAX reference (one device)
   overrides: dict = dataclasses.field(default_factory=dict)
   baseline: str = ""               # ratio to this variant ("" = the reference of its dims)
+  floor: bool = False              # the plain-JAX reference on `devices` devices (data parallel)
+  also: str = ""                   # a second ratio, to this variant
   times: list = dataclasses.field(default_factory=list)
   figures: dict = dataclasses.field(default_factory=dict)
 
@@ -96,6 +98,17 @@ class Variant:
       def run(i):
         b = {k: jax.numpy.asarray(v) for k, v in batches[i % len(batches)].items()}
         state[0], state[1], ce = compiled(state[0], state[1], b)
+        jax.block_until_ready(ce)
+    elif self.floor:
+      mesh = make_mesh((1, -1), jax.devices()[:self.devices])
+      step, init = reference.make_sharded_train_step(cfg, mesh, remat=cfg.remat)
+      state = list(init(olmoe.init_params(cfg, jax.random.key(cfg.seed))))
+      placed = [put_batch(b, mesh) for b in batches]
+      compiled = step.lower(*state, placed[0]["inputs"], placed[0]["targets"]).compile()
+
+      def run(i):
+        b = placed[i % len(placed)]
+        state[0], state[1], ce = compiled(state[0], state[1], b["inputs"], b["targets"])
         jax.block_until_ready(ce)
     else:
       trainer = Trainer(cfg, mesh=make_mesh((1, -1), jax.devices()[:self.devices]))
@@ -135,7 +148,9 @@ def variants(args) -> list[Variant]:
   out = []
   for dims in dims_list:
     out += [Variant(f"{dims} reference", dims, 0), Variant(f"{dims} 1 device", dims, 1)]
-    out.append(Variant(f"{dims} fsdp x8", dims, 8, {"moe.placement": "fsdp"}))
+    out += [Variant(f"{dims} reference x8", dims, 8, floor=True),
+            Variant(f"{dims} fsdp x8", dims, 8, {"moe.placement": "fsdp"},
+                    also=f"{dims} reference x8")]
     if args.quick:
       continue
     out += [Variant(f"{dims} ep x8", dims, 8, {"moe.placement": "ep"}),
@@ -258,14 +273,17 @@ def main():
     base = v.baseline or (f"{v.dims} reference" if v.devices else "")
     ratio = median[v.name] / median[base] if base in median and base != v.name else None
     f = v.figures
-    frac = v.compressed_fraction() if v.devices else None
+    frac = v.compressed_fraction() if v.devices and not v.floor else None
     extra = f"  compressed {frac:.0%} of gathered bytes" if frac is not None else ""
+    also = median[v.name] / median[v.also] if v.also in median else None
+    extra += f"  ({also:.2f} x {v.also})" if also is not None else ""
     print(f"{v.name:24s} {median[v.name]:8.4f} {v.tokens / median[v.name]:8.0f} "
           f"{f['gflop']:7.2f} {f['gb_accessed']:6.2f} {f.get('peak_mb', 0):8.1f} "
           f"{'' if ratio is None else f'{ratio:6.2f}':>6s}  {base if ratio else ''}{extra}")
     results.append({"variant": v.name, "s_per_step": median[v.name],
                     "tokens_per_s": v.tokens / median[v.name], **f, "ratio": ratio,
-                    "vs": base if ratio else None, "compressed_fraction": frac})
+                    "vs": base if ratio else None, "compressed_fraction": frac,
+                    **({"ratio_also": also, "vs_also": v.also} if also is not None else {})})
   print(json.dumps({"bench": "step", "results": results}))
   if args.peer:
     script = os.path.join(REPO, "..", "shared", "peers", "maxtext", "compare.sh")
