@@ -1,10 +1,10 @@
 """Step time: moejax's train step beside a plain-JAX floor (bench/reference.py), interleaved in one
 process so the machine's drift hits every variant alike.
 
-  python bench/step.py --quick        # peer dims: reference, 1 device, fsdp on 8 (~3 min)
-  python bench/step.py                # tiny and peer dims x {1 device, fsdp, ep, fssdp, fssdp
-                                      #   with coded replicas, codec element / delta forced} on
-                                      #   8 fake devices
+  python bench/step.py --quick        # peer dims: reference, 1 device, reference x8, fsdp x8
+  python bench/step.py                # tiny and peer dims x {1 device; on 8 fake devices the
+                                      #   reference, fsdp, ep, fssdp, fssdp with coded replicas,
+                                      #   codec element / delta forced}
   python bench/step.py --experts      # tiny, top-2, 1 device: E = 8, 32, 128 (fixed routed work),
                                       #   and the reference at E = 8 and 128
   python bench/step.py --tiles        # the CPU expert kernel alone, fwd+bwd CPU ms per call, at
@@ -15,8 +15,11 @@ process so the machine's drift hits every variant alike.
 Per variant: median s/step, tokens/s, XLA-counted GFLOP and GB accessed of the compiled step
 (`cost_analysis`; loops counted once, so a scanned model's figures are per layer-iteration),
 peak memory (`memory_analysis`: arguments + temporaries + outputs - aliased), and the ratio to
-the reference of the same dims (to the first variant of a sweep). Codec variants also print the
-fraction of their gathered bytes that went compressed. Ends with one JSON line.
+the reference of the same dims (to the first variant of a sweep); fsdp x8 also to `reference x8`,
+the same plain-JAX step split over the same 8 devices (data parallel, ZeRO-1): the 8-device
+floor, since splitting the work eight ways over these cores costs every program alike. Codec
+variants also print the fraction of their gathered bytes that went compressed. Ends with one
+JSON line.
 
 The peer dims are those of ../shared/peers/maxtext/compare.sh (2 layers, d_model 256, 4 heads x
 64, 8 experts top-2, expert hidden 512, seq 128, global batch 16). Variants on 8 fake CPU devices
@@ -229,7 +232,7 @@ def make_batches(dims: str, count: int = 4):
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true",
-                      help="peer dims: reference, 1 device, fsdp x8")
+                      help="peer dims: reference, 1 device, reference x8, fsdp x8")
   parser.add_argument("--experts", action="store_true", help="the number-of-experts sweep")
   parser.add_argument("--peer", action="store_true", help="then run the MaxText comparison")
   parser.add_argument("--tiles", action="store_true", help="the expert kernel's tile-size sweep")
