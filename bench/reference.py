@@ -8,6 +8,9 @@ functions for the norms, rotary embeddings and router losses. bf16 compute, fp32
 weights, one `jit`, no `shard_map`, no gather hook, no telemetry. The experts run through
 `moejax.placement.experts.grouped_swiglu` (the kernel both sides share), so the ratio
 moejax / reference is the cost of everything around the kernel.
+
+`make_sharded_train_step` is the same step on several devices (data parallel, ZeRO-1, one
+`shard_map`): the floor for moejax's 8-device rows, which pay for the split as it does.
 """
 from __future__ import annotations
 
