@@ -134,7 +134,6 @@ def make_sharded_train_step(cfg: Config, mesh: Mesh, *, remat: str):
                                                                                clip_norm=0.0)))
   shapes = jax.eval_shape(lambda: olmoe.init_params(cfg, jax.random.key(0)))
   axes = jax.tree.map(lambda x: _shard_axis(x.shape, n), shapes)
-  param_specs = jax.tree.map(lambda x: P(), shapes)
   opt_specs = jax.tree.map(lambda x: _spec(x.shape, n, names), jax.eval_shape(tx.init, shapes))
 
   def reduce(g, a):
@@ -167,11 +166,11 @@ def make_sharded_train_step(cfg: Config, mesh: Mesh, *, remat: str):
     return params, opt_state, jax.lax.psum(ce, names)
 
   train_step = jax.jit(jax.shard_map(
-      local, mesh=mesh, in_specs=(param_specs, opt_specs, P(names), P(names)),
-      out_specs=(param_specs, opt_specs, P()), check_vma=False), donate_argnums=(0, 1))
+      local, mesh=mesh, in_specs=(P(), opt_specs, P(names), P(names)),
+      out_specs=(P(), opt_specs, P()), check_vma=False), donate_argnums=(0, 1))
 
   def init(params):
     put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s))
-    return jax.tree.map(put, params, param_specs), jax.tree.map(put, tx.init(params), opt_specs)
+    return put(params, P()), jax.tree.map(put, tx.init(params), opt_specs)
 
   return train_step, init

@@ -86,6 +86,7 @@ class Variant:
   also: str = ""                   # a second ratio, to this variant
   times: list = dataclasses.field(default_factory=list)
   figures: dict = dataclasses.field(default_factory=dict)
+  last: dict = dataclasses.field(default_factory=dict)   # a moejax variant's latest metrics
 
   def build(self, batches):
     """Compiles the step; returns a function running one step (blocking)."""
@@ -118,7 +119,6 @@ class Variant:
       state = [trainer.init_state()]
       placed = [put_batch(b, trainer.mesh) for b in batches]
       compiled = trainer.train_step.lower(state[0], placed[0]).compile()
-      self.last = {}
 
       def run(i):
         state[0], metrics = compiled(state[0], placed[i % len(placed)])
@@ -276,7 +276,7 @@ def main():
     base = v.baseline or (f"{v.dims} reference" if v.devices else "")
     ratio = median[v.name] / median[base] if base in median and base != v.name else None
     f = v.figures
-    frac = v.compressed_fraction() if v.devices and not v.floor else None
+    frac = v.compressed_fraction()
     extra = f"  compressed {frac:.0%} of gathered bytes" if frac is not None else ""
     also = median[v.name] / median[v.also] if v.also in median else None
     extra += f"  ({also:.2f} x {v.also})" if also is not None else ""

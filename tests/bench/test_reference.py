@@ -60,10 +60,8 @@ def test_the_floor_on_8_devices_trains_as_on_one():
     assert np.linalg.norm(a - b) < 0.1 * np.linalg.norm(b)
   # The parameters: Adam steps of about lr wherever the gradient is nonzero, so an element
   # whose gradient is near 0 may step either way; compare the updates as a whole.
-  update1 = np.concatenate([(np.asarray(a) - b).ravel()
-                            for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(params))])
-  update8 = np.concatenate([(np.asarray(a) - b).ravel()
-                            for a, b in zip(jax.tree.leaves(p8), jax.tree.leaves(params))])
+  update1, update8 = (np.concatenate([(np.asarray(a) - b).ravel() for a, b in zip(
+      jax.tree.leaves(p), jax.tree.leaves(params))]) for p in (p1, p8))
   assert np.linalg.norm(update8 - update1) < 0.1 * np.linalg.norm(update1)
   # Every device holds the same parameters after the all-gather.
   w = p8["layers"]["moe"]["w_gate"]
