@@ -7,6 +7,8 @@ process so the machine's drift hits every variant alike.
                                       #   codec element / delta forced}
   python bench/step.py --experts      # tiny, top-2, 1 device: E = 8, 32, 128 (fixed routed work),
                                       #   and the reference at E = 8 and 128
+  python bench/step.py --scaling      # peer dims, ep and fssdp on 2, 4 and 8 fake devices (the
+                                      #   same global batch): what sharing the cores costs each
   python bench/step.py --tiles        # the CPU expert kernel alone, fwd+bwd CPU ms per call, at
                                       #   each tile size M, for the shapes the variants run
   python bench/step.py --only codec --only "tiny fsdp"   # a subset, by name
@@ -147,6 +149,13 @@ def variants(args) -> list[Variant]:
              for e in (8, 32, 128)]
     return sweep + [Variant(f"tiny reference E={e}", "tiny", 0, {"moe.num_experts": e},
                             baseline="tiny reference E=8") for e in (8, 128)]
+  if args.scaling:
+    # fssdp's static sparse collectives move [N, M, ...] buffers per device (the ragged ones on
+    # GPU move the M filled slots), so its cost over ep grows with N on fake devices.
+    return [v for n in (2, 4, 8) for v in (
+        Variant(f"peer ep x{n}", "peer", n, {"moe.placement": "ep"}),
+        Variant(f"peer fssdp x{n}", "peer", n, {"moe.placement": "fssdp"},
+                baseline=f"peer ep x{n}"))]
   dims_list = ("peer",) if args.quick else ("tiny", "peer")
   out = []
   for dims in dims_list:
@@ -235,6 +244,8 @@ def main():
                       help="peer dims: reference, 1 device, reference x8, fsdp x8")
   parser.add_argument("--experts", action="store_true", help="the number-of-experts sweep")
   parser.add_argument("--peer", action="store_true", help="then run the MaxText comparison")
+  parser.add_argument("--scaling", action="store_true",
+                      help="peer dims: ep and fssdp on 2, 4 and 8 fake devices")
   parser.add_argument("--tiles", action="store_true", help="the expert kernel's tile-size sweep")
   parser.add_argument("--only", action="append", default=[],
                       help="keep the variants whose name contains this (repeatable)")
