@@ -221,16 +221,22 @@ def gather_leaves(shards, layouts, specs, states, axis_names=DEVICES, dtypes=Non
       r if spec is not None else None for r, spec in zip(rebuild_states, specs)]
   fulls, new_states, stats = [None] * n, list(states), [None] * n
   packs: dict = {}     # dtype -> indices of its sharded leaves, gathered together
+  # On one device a plain leaf is already whole and its gradient complete: a cast, whose
+  # transpose returns the gradient in the shard's fp32 (the same values as the gather's pack,
+  # collective and slice, which cost 1-2 copies of the parameters a step).
+  # (Expert leaves need no axis: a group of only those may be gathered outside a mesh.)
+  alone = (any(lay.kind != "expert" for lay in layouts)
+           and lax.axis_size(axis_names) == 1)
   for i, (shard, layout, spec, dtype) in enumerate(zip(shards, layouts, specs, dtypes)):
-    if layout.kind == "shard":
+    if layout.kind == "shard" and not (alone and spec is None):
       if spec is not None and jnp.dtype(dtype) != jnp.dtype(COMPUTE_DTYPE):
         raise ValueError(f"the codec gathers {jnp.dtype(COMPUTE_DTYPE).name} only, not "
                          f"{jnp.dtype(dtype).name}")
       packs.setdefault(jnp.dtype(dtype), []).append(i)
       continue
-    if layout.kind == "replicate":
+    if layout.kind == "replicate" and not alone:
       fulls[i] = _replicated(shard, axis_names, dtype)
-    elif layout.kind == "expert":
+    elif layout.kind in ("expert", "shard", "replicate"):
       fulls[i] = shard.astype(dtype)
     else:
       raise ValueError(f"unknown layout kind {layout.kind!r}")

@@ -210,6 +210,42 @@ def test_a_groups_plain_gathers_travel_in_one_collective_each_way():
     np.testing.assert_allclose(np.asarray(g), expected, rtol=1e-6)
 
 
+def test_one_device_group_is_casts_without_collectives():
+  """On a one-device mesh a plain group has nothing to gather or reduce: no collective in the
+  program, each full leaf the cast of its shard, each gradient the cotangent in fp32 (what the
+  pack, the collectives and the slice returned)."""
+  rng = np.random.default_rng(4)
+  mesh = jax.make_mesh((1,), (AXIS,), axis_types=(AxisType.Auto,))
+  shapes = [(2, 3), (4, 5), (6,), (3, 4), (2, 2)]
+  layouts = [Layout("shard", 0), Layout("shard", 1), Layout("shard", 0), Layout("replicate"),
+             Layout("expert", 0)]
+  dtypes = [jnp.bfloat16, jnp.bfloat16, jnp.float32, jnp.bfloat16, jnp.bfloat16]
+  xs = tuple(jnp.asarray(rng.normal(size=s).astype(np.float32)) for s in shapes)
+  weights = tuple(jnp.asarray(rng.normal(size=s).astype(np.float32)) for s in shapes)
+
+  def body(xs):
+    def loss(xs):
+      fulls, _, _ = hook.gather_leaves(list(xs), layouts, [None] * len(xs), [None] * len(xs),
+                                       axis_names=AXIS, dtypes=dtypes)
+      return sum(jnp.sum(jnp.sin(f.astype(jnp.float32)) * w)
+                 for f, w in zip(fulls, weights)), fulls
+    return jax.grad(loss, has_aux=True)(xs)
+
+  fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(tuple(P() for _ in shapes),),
+                             out_specs=P(), check_vma=False))
+  text = fn.lower(xs).as_text()
+  for op in ("all_gather", "reduce_scatter", "all_reduce"):
+    assert _collective_count(text, op) == 0, op
+  grads, fulls = fn(xs)
+  for x, full, g, w, dtype in zip(xs, fulls, grads, weights, dtypes):
+    want = np.asarray(x.astype(dtype))
+    np.testing.assert_array_equal(np.asarray(full).view(np.uint8), want.view(np.uint8))
+    ct = jnp.cos(x.astype(dtype).astype(jnp.float32)) * w
+    assert g.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(g), np.asarray(ct.astype(dtype).astype(jnp.float32)),
+                               rtol=1e-6)
+
+
 def test_rebuilt_gathers_equal_plain_gathers_in_every_mode_and_edge_case():
   """`gather_leaves(rebuild_states=)` (the backward's re-gather under remat full + prefetch)
   against the forward's gather and a plain all-gather of the bit patterns, over four steps:
