@@ -24,8 +24,9 @@ layer, splitting the buffer into its parameters.
 `state` is the compressed gather's per-parameter state (None for the plain gather), carried from
 step to step in the train state. `stats` are per-device figures of one gather, `STAT_KEYS`, as
 float32 scalars identical on every device: static for the plain gather, the codec's own
-(`moejax.codec.gather`) for a compressed one. `local_gather` is the hook outside a mesh (a
-user's own model, plain `jit`): parameters are already whole, only cast.
+(`moejax.codec.gather`) for a compressed one. On a one-device mesh the plain leaves are only
+cast (nothing to gather or reduce). `local_gather` is the hook outside a mesh (a user's own
+model, plain `jit`): parameters are already whole, only cast.
 """
 from __future__ import annotations
 
