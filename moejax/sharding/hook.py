@@ -229,18 +229,18 @@ def gather_leaves(shards, layouts, specs, states, axis_names=DEVICES, dtypes=Non
   alone = (any(lay.kind != "expert" for lay in layouts)
            and lax.axis_size(axis_names) == 1)
   for i, (shard, layout, spec, dtype) in enumerate(zip(shards, layouts, specs, dtypes)):
-    if layout.kind == "shard" and not (alone and spec is None):
+    if layout.kind not in ("shard", "replicate", "expert"):
+      raise ValueError(f"unknown layout kind {layout.kind!r}")
+    if layout.kind == "expert" or (alone and spec is None):
+      fulls[i] = shard.astype(dtype)
+    elif layout.kind == "replicate":
+      fulls[i] = _replicated(shard, axis_names, dtype)
+    else:
       if spec is not None and jnp.dtype(dtype) != jnp.dtype(COMPUTE_DTYPE):
         raise ValueError(f"the codec gathers {jnp.dtype(COMPUTE_DTYPE).name} only, not "
                          f"{jnp.dtype(dtype).name}")
       packs.setdefault(jnp.dtype(dtype), []).append(i)
       continue
-    if layout.kind == "replicate" and not alone:
-      fulls[i] = _replicated(shard, axis_names, dtype)
-    elif layout.kind in ("expert", "shard", "replicate"):
-      fulls[i] = shard.astype(dtype)
-    else:
-      raise ValueError(f"unknown layout kind {layout.kind!r}")
     stats[i] = _plain_stats(shard, layout, dtype)
   for dtype, indices in packs.items():
     outs = _all_gather(tuple(shards[i] for i in indices),
