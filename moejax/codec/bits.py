@@ -201,3 +201,20 @@ def unpack_bits(words: jax.Array, width: int, n: int) -> jax.Array:
     hi = jnp.take(w_GxW, j1, axis=-1) << _lead(hsh, w_GxW.ndim)
     out = jnp.where(_lead(spills, w_GxW.ndim), lo | hi, lo) & _mask(width)
   return out.reshape(*lead, groups * 32)[..., :n]
+
+
+def running_count(mask: jax.Array) -> jax.Array:
+  """[..., N] bool -> [..., N] int32: True entries up to and including each position (an
+  inclusive `cumsum`). XLA:CPU runs `lax.cumsum` as a window reduction, about 3 ns a value
+  (7 x 430k: 9.5 ms); here the mask is packed 32 values to a word, only the words' popcounts
+  are summed that way (32x fewer), and each value adds the popcount of its word's bits up to
+  it: 4.4 ms."""
+  *lead, n = mask.shape
+  groups = -(-n // 32)
+  words_G = pack_bits(mask.astype(jnp.uint32), 1)                        # [..., G]
+  count_G = lax.population_count(words_G).astype(jnp.int32)
+  before_G = lax.cumsum(count_G, axis=count_G.ndim - 1) - count_G
+  upto_32 = (np.uint32(2) << np.arange(32, dtype=np.uint32)) - np.uint32(1)   # bits 0..k
+  within_Gx32 = lax.population_count(words_G[..., None] & _lead(upto_32, words_G.ndim + 1))
+  out = before_G[..., None] + within_Gx32.astype(jnp.int32)
+  return out.reshape(*lead, groups * 32)[..., :n]

@@ -248,13 +248,13 @@ def decode_pool(caches, patches_RxP: jax.Array, fmt: WordFormat, bounds) -> list
   codes_RxN = jax.lax.optimization_barrier(
       unpack_codes(patches_RxP[:, :head], fmt.code_bits, fmt.n).astype(jnp.uint8))
   escaped_RxN = codes_RxN == fmt.escape
-  rank_RxN = jax.lax.cumsum(escaped_RxN.astype(jnp.int32), axis=1) - 1
+  rank_RxN = jax.lax.optimization_barrier(bits.running_count(escaped_RxN) - 1)
   if fmt.code_bits == 1:
     slots_RxC = bits.unpack_bits(patches_RxP[:, head:], fmt.value_bits, fmt.capacity)
   else:
     near_RxC = bits.unpack_bits(patches_RxP[:, head:head + mid], NEAR_BITS, fmt.capacity)
     far_RxC = near_RxC == _FAR
-    far_rank_RxC = jax.lax.cumsum(far_RxC.astype(jnp.int32), axis=1) - 1
+    far_rank_RxC = bits.running_count(far_RxC) - 1
     vals_RxF = bits.unpack_bits(patches_RxP[:, head + mid:], fmt.value_bits, fmt.far_capacity)
     far_vals_RxC = jnp.take_along_axis(vals_RxF, jnp.clip(far_rank_RxC, 0, fmt.far_capacity - 1),
                                        axis=1)
@@ -266,6 +266,8 @@ def decode_pool(caches, patches_RxP: jax.Array, fmt: WordFormat, bounds) -> list
   # Escapes past the capacity stay as cached (`decode`'s contract; the caller has fallen back).
   applied_RxN = escaped_RxN & (rank_RxN < fmt.capacity)
   rank_RxN = jnp.clip(rank_RxN, 0, fmt.capacity - 1)
+  # Materialized: fused into the gather, the slots' unpacking would run once per value.
+  slots_RxC = jax.lax.optimization_barrier(slots_RxC)
   slot_RxN = jnp.take_along_axis(slots_RxC, rank_RxN, axis=1)
   if fmt.code_bits > 1:
     far_val_RxN = (slot_RxN >> 16 if fmt.value_bits <= 16

@@ -131,3 +131,12 @@ def test_packed_sizes_have_no_padding_per_value():
   assert bits.packed_words(32, 11) == 11      # 32 float16 sign+mantissa fields in 44 bytes
   assert bits.packed_words(64, 24) == 48      # 64 float32 sign+mantissa fields in 192 bytes
   assert bits.packed_words(33, 11) == 22      # whole groups of 32 values
+
+
+@pytest.mark.parametrize("shape", [(1,), (31,), (32,), (33,), (3, 1000), (2, 2, 97)])
+@pytest.mark.parametrize("density", [0.0, 0.07, 0.5, 1.0])
+def test_running_count_is_an_inclusive_cumsum(shape, density):
+  mask = np.random.default_rng(sum(shape)).random(shape) < density
+  got = jax.jit(bits.running_count)(jnp.asarray(mask))
+  assert got.dtype == jnp.int32 and got.shape == shape
+  np.testing.assert_array_equal(np.asarray(got), np.cumsum(mask, axis=-1))
