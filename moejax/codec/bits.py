@@ -211,7 +211,7 @@ def running_count(mask: jax.Array) -> jax.Array:
   it: 4.4 ms."""
   *lead, n = mask.shape
   groups = -(-n // 32)
-  words_G = pack_bits(mask.astype(jnp.uint32), 1)                        # [..., G]
+  words_G = pack_bits(mask, 1)                                            # [..., G]
   count_G = lax.population_count(words_G).astype(jnp.int32)
   before_G = lax.cumsum(count_G, axis=count_G.ndim - 1) - count_G
   upto_32 = (np.uint32(2) << np.arange(32, dtype=np.uint32)) - np.uint32(1)   # bits 0..k

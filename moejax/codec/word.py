@@ -248,6 +248,8 @@ def decode_pool(caches, patches_RxP: jax.Array, fmt: WordFormat, bounds) -> list
   codes_RxN = jax.lax.optimization_barrier(
       unpack_codes(patches_RxP[:, :head], fmt.code_bits, fmt.n).astype(jnp.uint8))
   escaped_RxN = codes_RxN == fmt.escape
+  # Ranks and the escape slots materialized once each: fused into their consumers (the slot
+  # gather, the applied mask), they are recomputed per use (one device, 7 x 430k: 19 -> 7 ms).
   rank_RxN = jax.lax.optimization_barrier(bits.running_count(escaped_RxN) - 1)
   if fmt.code_bits == 1:
     slots_RxC = bits.unpack_bits(patches_RxP[:, head:], fmt.value_bits, fmt.capacity)
@@ -266,8 +268,7 @@ def decode_pool(caches, patches_RxP: jax.Array, fmt: WordFormat, bounds) -> list
   # Escapes past the capacity stay as cached (`decode`'s contract; the caller has fallen back).
   applied_RxN = escaped_RxN & (rank_RxN < fmt.capacity)
   rank_RxN = jnp.clip(rank_RxN, 0, fmt.capacity - 1)
-  # Materialized: fused into the gather, the slots' unpacking would run once per value.
-  slots_RxC = jax.lax.optimization_barrier(slots_RxC)
+  slots_RxC = jax.lax.optimization_barrier(slots_RxC)   # once, as rank_RxN above
   slot_RxN = jnp.take_along_axis(slots_RxC, rank_RxN, axis=1)
   if fmt.code_bits > 1:
     far_val_RxN = (slot_RxN >> 16 if fmt.value_bits <= 16
