@@ -21,6 +21,9 @@ records its error and the others still run. Steps:
   grouped    the experts' grouped matmuls at OLMoE-1B-7B's expert shapes, forward and
              forward+backward: jax's Hopper kernels (the GPU default where they apply), XLA's
              ragged_dot, and XLA:CPU's row tiles, each against a dense per-expert product
+  tiles      (only with --only) jax's Hopper grouped-matmul kernels at other tile configurations,
+             each grouped product of a SwiGLU forward+backward timed and checked against
+             hopper.py's own tiles; the steps after it run at the fastest
   schedule8  the same for the tiny preset's 8-device train step (fsdp; fsdp + codec element;
              fssdp + coded replicas), compiled by this GPU's compiler for 8 GPUs in a child
              process (jax's mock GPU topology: nothing runs), and the collectives that sit
@@ -35,6 +38,7 @@ it checks the script itself, in CI. Exit status 1 if any step failed.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import re
@@ -271,7 +275,7 @@ def step_grouped(dims: dict) -> dict:
          "hopper_usable": hopper.usable(x, *w)}
   impls = {"ragged_dot": experts._ragged_swiglu, "tiles": experts._tiled_swiglu}
   if out["hopper_usable"]:
-    impls = {"hopper": hopper.kernel_swiglu(), **impls}
+    impls = {"hopper": hopper.kernel_swiglu(d, f), **impls}
   grads = {}
   for name, fn in impls.items():
     try:
@@ -296,6 +300,101 @@ def step_grouped(dims: dict) -> dict:
       raise AssertionError(f"grouped {name} differs from the dense product: {out[name]}")
   if grad_err > 2e-2:   # the kernels' backward (transpose_rhs, transposed_ragged_dot)
     raise AssertionError(f"Hopper gradients differ from ragged_dot's by {grad_err:.3g}")
+  return out
+
+
+# Tile configurations the `tiles` step tries for jax's Hopper grouped-matmul kernels (block_m,
+# block_n, block_k, max_concurrent_steps, grid_block_n); hopper.py's own are tried first.
+_TILE_NAMES = ("block_m", "block_n", "block_k", "max_concurrent_steps", "grid_block_n")
+RAGGED_TILE_TRIES = ((128, 128, 64, 4, 2), (128, 128, 64, 4, 4), (128, 128, 64, 6, 1),
+                     (128, 256, 64, 3, 1), (64, 128, 64, 4, 1), (64, 256, 64, 4, 1),
+                     (128, 128, 128, 3, 1), (192, 128, 64, 4, 1))
+TRANSPOSED_TILE_TRIES = ((128, 128, 64, 4, 1), (128, 128, 128, 2, 1), (64, 128, 64, 4, 1),
+                         (128, 128, 64, 4, 2), (128, 128, 64, 5, 4), (128, 64, 64, 4, 1))
+
+
+def _tile_products(x, h, dy, gs, w_gate, w_down):
+  """The grouped products of one SwiGLU forward and backward, each once, with how many times the
+  VJP runs it: name -> (count, fn(ops) -> array). Letters as in placement/hopper.py."""
+  return {
+      "ragged_KD_NF": (2, lambda ops: ops.ragged(x, w_gate, gs)),             # gate, up
+      "ragged_KF_ND": (1, lambda ops: ops.ragged(h, w_down, gs)),             # down
+      "ragged_T_KD_NF": (1, lambda ops: ops.ragged(dy, w_down, gs, transpose=True)),   # dh
+      "ragged_T_KF_ND": (2, lambda ops: ops.ragged(h, w_gate, gs, transpose=True)),    # dx
+      "transposed_MD_NF": (2, lambda ops: ops.transposed(x, h, gs)),          # dw_gate, dw_up
+      "transposed_MF_ND": (1, lambda ops: ops.transposed(h, dy, gs)),         # dw_down
+  }
+
+
+def step_tiles(dims: dict) -> dict:
+  """jax's Hopper grouped-matmul kernels (`placement/hopper.py`) at other tile configurations, at
+  OLMoE-1B-7B's expert shapes: each grouped product of the SwiGLU forward and backward timed per
+  configuration, checked against hopper.py's own tiles' output, and the configuration with the
+  least time over one forward+backward per kernel, which the later steps then use. Off a Hopper GPU the ragged kernel's
+  configurations are only lowered for CUDA (what catches a bad argument before a GPU is spent on
+  it)."""
+  import jax
+  import jax.numpy as jnp
+  from moejax.placement import hopper
+
+  a, g, d, f = dims["tiles_rows"], dims["tiles_experts"], dims["tiles_d"], dims["tiles_f"]
+  keys = jax.random.split(jax.random.key(3), 6)
+  gs = jnp.bincount(jax.random.randint(keys[0], (a,), 0, g), length=g).astype(jnp.int32)
+  x, dy = (jax.random.normal(k, (a, d), jnp.float32).astype(jnp.bfloat16) for k in keys[1:3])
+  h = jax.random.normal(keys[3], (a, f), jnp.float32).astype(jnp.bfloat16)
+  w_gate, w_down = ((jax.random.normal(k, s, jnp.float32) * 0.02).astype(jnp.bfloat16)
+                    for k, s in zip(keys[4:6], ((g, d, f), (g, f, d))))
+  products = _tile_products(x, h, dy, gs, w_gate, w_down)
+  run = hopper.usable(x, w_gate, w_gate, w_down)
+  out = {"rows": a, "experts": g, "d": d, "f": f, "timed": run,
+         "flops": {name: 2 * a * d * f for name in products}}
+  own_ragged, own_transposed = hopper.tiles_for(d, f)
+  for kind, own, tries in (("ragged", own_ragged, RAGGED_TILE_TRIES),
+                           ("transposed", own_transposed, TRANSPOSED_TILE_TRIES)):
+    if kind == "transposed" and not run:
+      out[kind] = "not lowered off a GPU: the kernel reads the GPU's SM count while tracing"
+      continue
+    configs = [own] + [dict(zip(_TILE_NAMES, t)) for t in tries]
+    names = [n for n in products if n.startswith(kind)]
+    want = {}
+    rows = []
+    for config in configs:
+      ops = (hopper.kernel_ops(ragged_tiles=config) if kind == "ragged"
+             else hopper.kernel_ops(transposed_tiles=config))
+      row = {"config": config}
+      try:
+        if d % config["block_n"] or f % config["block_n"]:
+          raise ValueError(f"d={d} and f={f} must be multiples of block_n")
+        for name in names:
+          fn = jax.jit(lambda ops=ops, name=name: products[name][1](ops))
+          if not run:
+            text = fn.trace().lower(lowering_platforms=("cuda",)).as_text()
+            assert "mosaic_gpu" in text, name
+            continue
+          y = fn().astype(jnp.float32)
+          want.setdefault(name, y)     # the first configuration is hopper.py's own
+          scale = max(float(jnp.max(jnp.abs(want[name]))), 1e-30)
+          row[name] = {"s": _timed(fn, repeats=5),
+                       "rel_err": float(jnp.max(jnp.abs(y - want[name]))) / scale}
+        if run:
+          row["fwd_bwd_s"] = sum(products[n][0] * row[n]["s"] for n in names)
+          row["max_rel_err"] = max(row[n]["rel_err"] for n in names)
+      except Exception as e:   # shared memory exceeded, say: that configuration's figure
+        row["error"] = f"{type(e).__name__}: {e}"[:300]
+      rows.append(row)
+    out[kind] = rows
+    good = [r for r in rows if "fwd_bwd_s" in r and r["max_rel_err"] < 1e-2]
+    if good:
+      best = min(good, key=lambda r: r["fwd_bwd_s"])
+      out[f"{kind}_best"] = best["config"]
+      if "fwd_bwd_s" in rows[0]:
+        out[f"{kind}_best_speedup"] = rows[0]["fwd_bwd_s"] / best["fwd_bwd_s"]
+      if best is not rows[0]:   # the later steps (layer, one_layer) run at the best tiles
+        setattr(hopper, "RAGGED_TILES" if kind == "ragged" else "TRANSPOSED_TILES",
+                best["config"])
+        out[f"{kind}_best_applied_for_later_steps"] = True
+    elif not run and any("error" in r for r in rows):
+      raise AssertionError(f"{kind} tiles did not lower: {[r for r in rows if 'error' in r]}")
   return out
 
 
@@ -506,25 +605,35 @@ SCHEDULE8 = {
 
 def step_schedule8(dims: dict) -> dict:
   """Runs `_schedule8_child` in a child process: on a GPU with jax's mock topology of 8 GPUs
-  (one real, seven mocked: compile only), on CPU with this process's 8 fake devices."""
+  (one real, seven mocked: compile only), on CPU with this process's 8 fake devices. The child
+  prints its figures after each variant, so a child stopped at the time limit still reports the
+  variants it compiled (`incomplete`)."""
   import subprocess
   tries = {}
+  deadline = time.monotonic() + dims["child_timeout_s"]
+  env = dict(os.environ)
+  if not dims.get("dry"):   # the schedule is the figure, not the kernels: no autotuning
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
   for mock in ((None,) if dims.get("dry") else ("topology", "processes")):
+    left = deadline - time.monotonic()
+    if left < 10:
+      tries[str(mock)] = "not tried: no time left"
+      continue
     try:
       proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--schedule8-child",
-                             str(mock)], capture_output=True, text=True,
-                            timeout=dims["child_timeout_s"])
-    except subprocess.TimeoutExpired:
-      tries[str(mock)] = f"no answer within {dims['child_timeout_s']} s"
-      continue
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-      tries[str(mock)] = f"child exited {proc.returncode}: {proc.stderr[-1500:]}"
-      continue
-    result = json.loads(lines[-1])
-    if result["devices"] == 8:
-      return {**result, "mock": mock, "other_tries": tries}
-    tries[str(mock)] = f"{result['devices']} device(s)"
+                             str(mock)], capture_output=True, text=True, timeout=left, env=env)
+      stdout, stderr, code = proc.stdout, proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as e:
+      stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+      stderr = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+      code = f"stopped after {left:.0f} s"
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+    result = json.loads(lines[-1]) if lines else None
+    if result and result["devices"] == 8 and result.get("variants"):
+      return {**result, "mock": mock, "other_tries": tries, "xla_flags": env.get("XLA_FLAGS", ""),
+              "incomplete": code != 0 or len(result["variants"]) < len(SCHEDULE8)}
+    tries[str(mock)] = (f"child {code}: " + (f"{result['devices']} device(s); " if result else "")
+                        + stderr[-1500:])
   raise RuntimeError(f"no 8-device compile: {tries}")
 
 
@@ -535,29 +644,33 @@ def _schedule8_child(mock: str) -> int:
     jax.config.update("jax_mock_gpu_topology", "1x8x1")
   elif mock == "processes":
     jax.config.update("mock_num_gpu_processes", 8)
-  out_devices = len(jax.devices())
-  if out_devices != 8:
-    print(json.dumps({"devices": out_devices}), flush=True)
+  out = {"devices": len(jax.devices()), "platform": jax.devices()[0].platform, "variants": {}}
+  print(json.dumps(out), flush=True)
+  if out["devices"] != 8:
     return 0
   from moejax.train.loop import Trainer
   from tests.sharding import hlo
-  out = {"devices": len(jax.devices()), "platform": jax.devices()[0].platform, "variants": {}}
   for name, overrides in SCHEDULE8.items():
     start = time.perf_counter()
     try:
       trainer = Trainer(_config("tiny", **overrides))
-      traced = trainer.train_step.trace(*trainer.abstract_inputs())
-      text = traced.lower().compile().as_text()
+      lowered = trainer.train_step.trace(*trainer.abstract_inputs()).lower()
+      lower_s = time.perf_counter() - start
+      print(f"schedule8 child: {name} lowered in {lower_s:.1f} s", file=sys.stderr, flush=True)
+      text = lowered.compile().as_text()
+      if os.environ.get("OUT"):   # the compiled program itself, to read what the counts mean
+        with gzip.open(os.path.join(os.environ["OUT"], f"schedule8_{name}.hlo.gz"), "wt") as f:
+          f.write(text)
       branches = [b for b in hlo.conditional_branches(text) if b.collectives]
       ops = [m[1] for m in re.finditer(hlo._COLLECTIVE, text)]
       out["variants"][name] = {
           **_async_pairs(text), "collectives": {op: ops.count(op) for op in sorted(set(ops))},
           "collectives_in_conditional_branches": sum(len(b.collectives) for b in branches),
           "branches_with_collectives_and_dots": sum(1 for b in branches if b.dots),
-          "compile_s": round(time.perf_counter() - start, 2)}
+          "lower_s": round(lower_s, 2), "compile_s": round(time.perf_counter() - start, 2)}
     except Exception as e:
       out["variants"][name] = {"error": f"{type(e).__name__}: {e}"[:1500]}
-  print(json.dumps(out), flush=True)
+    print(json.dumps(out), flush=True)   # after each variant: a child stopped later keeps these
   return 0
 
 
@@ -627,24 +740,28 @@ def step_nvcomp(dims: dict) -> dict:
 STEPS = {"env": step_env, "kernels": step_kernels, "ragged": step_ragged, "train": step_train,
          "one_layer": step_one_layer, "layer": step_layer, "schedule": step_schedule,
          "schedule8": step_schedule8, "nvcomp": step_nvcomp, "grouped": step_grouped,
-         "attention": step_attention}
+         "attention": step_attention, "tiles": step_tiles}
 # The order of a full run: what only a GPU can tell first; `grouped` before the training steps
 # (it checks the Hopper kernels' forward and backward, and turns them off for the later steps if
 # they are wrong; XLA's ragged_dot there took about 2 minutes on an H200); the 8-GPU compile
 # (its mock topology had not answered within 2 minutes there) last.
 ORDER = ("env", "kernels", "ragged", "nvcomp", "grouped", "train", "one_layer", "layer",
          "attention", "schedule", "schedule8")
+# Not in a full run (7.5 minutes of Mosaic GPU compiles on an H200): `--only tiles` (first, so the
+# steps after it run at the best tiles).
 FULL = {"codec_values": 1 << 24, "ragged_tokens": 4096, "ragged_d": 2048, "ragged_f": 1024,
         "train_steps": 20, "layer_preset": "1b7b", "layer_batch": 8, "layer_seq": 4096,
-        "layer_model": {}, "child_timeout_s": 60, "grouped_rows": 16384, "grouped_experts": 64,
+        "layer_model": {}, "child_timeout_s": 130, "grouped_rows": 16384, "grouped_experts": 64,
         "grouped_d": 2048, "grouped_f": 1024, "attn_batch": 8, "attn_seq": 4096, "attn_heads": 16,
-        "attn_head_dim": 128}
+        "attn_head_dim": 128, "tiles_rows": 16384, "tiles_experts": 64, "tiles_d": 2048,
+        "tiles_f": 1024}
 # Tiny shapes (the tiny preset's width for the "1b7b" steps), on CPU.
 DRY = {"codec_values": 1 << 14, "ragged_tokens": 32, "ragged_d": 64, "ragged_f": 64,
        "train_steps": 5, "layer_preset": "tiny", "layer_batch": 8, "layer_seq": 64,
        "layer_model": {}, "child_timeout_s": 240, "dry": True, "grouped_rows": 512,
        "grouped_experts": 8, "grouped_d": 128, "grouped_f": 128, "attn_batch": 2, "attn_seq": 64,
-       "attn_heads": 4, "attn_head_dim": 32}
+       "attn_heads": 4, "attn_head_dim": 32, "tiles_rows": 512, "tiles_experts": 8,
+       "tiles_d": 512, "tiles_f": 512}
 
 
 def main() -> int:
@@ -653,7 +770,9 @@ def main() -> int:
                       help="every step at tiny shapes on CPU (8 fake devices)")
   parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
                                                     "device_check.json"))
-  parser.add_argument("--only", nargs="*", choices=list(STEPS), default=list(ORDER))
+  parser.add_argument("--only", nargs="*", choices=list(STEPS), default=None,
+                      help=f"steps, in this order (default: {' '.join(ORDER)}; --dry-run adds "
+                           "tiles, which a GPU run takes only when named)")
   parser.add_argument("--schedule8-child", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args()
   sys.path.insert(0, REPO)
@@ -663,7 +782,7 @@ def main() -> int:
   dims = DRY if args.dry_run else FULL
   report = {"dry_run": args.dry_run, "steps": {}}
   failed = []
-  for name in args.only:
+  for name in args.only or (ORDER + ("tiles",) if args.dry_run else ORDER):
     start = time.perf_counter()
     print(f"device_check: {name} ...", flush=True)
     try:

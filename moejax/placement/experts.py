@@ -206,7 +206,8 @@ def _tiled_swiglu(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD, 
 def _gpu_swiglu(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD):
   from moejax.placement import hopper
   if hopper.usable(x_AxD, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD):
-    return hopper.kernel_swiglu()(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD)
+    swiglu = hopper.kernel_swiglu(*w_gate_GxDxF.shape[1:])
+    return swiglu(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD)
   return _ragged_swiglu(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD)
 
 

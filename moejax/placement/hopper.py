@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-# Tile sizes of the kernels: 128 x 128 output tiles over 64-wide K steps. The grouped products'
-# widths (D and F) must be multiples of TILE; other shapes take the fallback path.
-TILE = 128
 ENABLED = True   # the device check turns the kernels off for its later steps if they are wrong
 
 
@@ -44,19 +42,33 @@ class GroupedOps:
   transposed: Callable
 
 
-def kernel_ops() -> GroupedOps:
-  """jax's Pallas Mosaic GPU kernels (Hopper)."""
+# The kernels' tile configurations (jax's ragged_dot_mgpu / transposed_ragged_dot_mgpu
+# arguments). 128 x 128 output tiles over 64-wide K steps take any D and F multiple of 128:
+BASE_RAGGED_TILES = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4,
+                         grid_block_n=1)
+BASE_TRANSPOSED_TILES = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=2,
+                             grid_block_n=1)
+# The fastest of 9 and 7 tried on an H200 at OLMoE-1B-7B's expert shapes (scripts/device_check.py,
+# `tiles`: 1.18x and 1.27x the base tiles over one SwiGLU forward+backward), for D and F
+# multiples of 512 (4 output tiles per grid block).
+RAGGED_TILES = dict(BASE_RAGGED_TILES, grid_block_n=4)
+TRANSPOSED_TILES = dict(BASE_TRANSPOSED_TILES, max_concurrent_steps=5, grid_block_n=4)
+
+
+def kernel_ops(ragged_tiles: dict | None = None,
+               transposed_tiles: dict | None = None) -> GroupedOps:
+  """jax's Pallas Mosaic GPU kernels (Hopper), at the given tiles (default: the tuned ones)."""
   from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+  ragged_tiles = RAGGED_TILES if ragged_tiles is None else ragged_tiles
+  transposed_tiles = TRANSPOSED_TILES if transposed_tiles is None else transposed_tiles
 
   def ragged(x, w, gs, transpose=False):
-    return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=gs, block_m=TILE, block_n=TILE,
-                                      block_k=64, max_concurrent_steps=4, grid_block_n=1,
-                                      transpose_rhs=transpose)
+    return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=gs, transpose_rhs=transpose,
+                                      **ragged_tiles)
 
   def transposed(a, b, gs):
-    return transposed_ragged_dot_mgpu.transposed_ragged_dot(
-        a, b, group_sizes=gs, block_m=TILE, block_n=TILE, block_k=64, max_concurrent_steps=2,
-        grid_block_n=1)
+    return transposed_ragged_dot_mgpu.transposed_ragged_dot(a, b, group_sizes=gs,
+                                                            **transposed_tiles)
 
   return GroupedOps(ragged, transposed)
 
@@ -128,9 +140,25 @@ def _compute_capability() -> str | None:
   return getattr(device, "compute_capability", None) if device.platform == "gpu" else None
 
 
+def width_multiple(ragged_tiles: dict, transposed_tiles: dict) -> int:
+  """What D and F must be multiples of for the kernels at these tiles: every block size, and the
+  output tiles of a grid block (D and F are each a K and an N somewhere)."""
+  r, t = ragged_tiles, transposed_tiles
+  return math.lcm(r["block_k"], r["block_n"] * r["grid_block_n"], t["block_m"],
+                  t["block_n"] * t["grid_block_n"])
+
+
+def tiles_for(d: int, f: int) -> tuple[dict, dict]:
+  """(ragged, transposed) tiles for widths D and F: the tuned ones where they fit, else the
+  base ones."""
+  if all(n % width_multiple(RAGGED_TILES, TRANSPOSED_TILES) == 0 for n in (d, f)):
+    return RAGGED_TILES, TRANSPOSED_TILES
+  return BASE_RAGGED_TILES, BASE_TRANSPOSED_TILES
+
+
 def usable(x_AxD, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD) -> bool:
   """The kernels apply: a Hopper GPU (compute capability 9.x), one 16-bit float dtype for rows
-  and weights, D and F multiples of TILE."""
+  and weights, D and F multiples of the base tiles' width; other shapes take the fallback path."""
   if not ENABLED:
     return False
   cc = _compute_capability()
@@ -138,10 +166,17 @@ def usable(x_AxD, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD) -> bool:
     return False
   dtypes = {jnp.dtype(v.dtype) for v in (x_AxD, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD)}
   d, f = w_gate_GxDxF.shape[1:]
+  m = width_multiple(BASE_RAGGED_TILES, BASE_TRANSPOSED_TILES)
   return (len(dtypes) == 1 and dtypes <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}
-          and d % TILE == 0 and f % TILE == 0)
+          and d % m == 0 and f % m == 0)
+
+
+def kernel_swiglu(d: int, f: int):
+  """The SwiGLU op over the kernels at `tiles_for(d, f)`."""
+  ragged, transposed = tiles_for(d, f)
+  return _kernel_swiglu_at(tuple(ragged.items()), tuple(transposed.items()))
 
 
 @functools.cache
-def kernel_swiglu():
-  return swiglu_with(kernel_ops())
+def _kernel_swiglu_at(ragged_items: tuple, transposed_items: tuple):
+  return swiglu_with(kernel_ops(dict(ragged_items), dict(transposed_items)))

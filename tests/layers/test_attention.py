@@ -1,10 +1,14 @@
 """`attend` with key and value widths that differ either way (latent attention) against plain
-causal softmax attention written out."""
+causal softmax attention written out; on CUDA it is cuDNN's flash attention (lowered here, run
+by scripts/device_check.py on an H200), where cuDNN takes the shapes."""
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from moejax.layers import attention
 from moejax.layers.attention import attend
 
 
@@ -16,3 +20,24 @@ def test_attend_any_widths(dk, dv):
   logits = jnp.where(jnp.tril(jnp.ones((5, 5), bool)), logits, -jnp.inf)
   want = jnp.einsum("bhst,bthd->bshd", jax.nn.softmax(logits, axis=-1), v)
   np.testing.assert_allclose(attend(q, k, v, is_causal=True), want, rtol=1e-5, atol=1e-6)
+
+
+def _lowered_grad(platform: str, dtype=jnp.bfloat16, head_dim: int = 32, mask=None) -> str:
+  q, k, v = (jax.random.normal(jax.random.key(i), (2, 64, 4, head_dim)).astype(dtype)
+             for i in range(3))
+  loss = lambda q, k, v: attend(q, k, v, mask=mask, is_causal=mask is None).astype(  # noqa: E731
+      jnp.float32).sum()
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(
+      lowering_platforms=(platform,)).as_text()
+
+
+def test_cuda_attention_is_cudnn_flash_attention_where_it_applies():
+  assert "cudnn" not in _lowered_grad("cpu")
+  # As on a GPU: jax checks the installed cuDNN while tracing its attention.
+  with mock.patch.object(attention, "on_gpu", lambda: True), \
+      mock.patch("jax._src.cudnn.fused_attention_stablehlo.check_cudnn_version", lambda: None):
+    text = _lowered_grad("cuda")
+    assert "__cudnn$fmhaSoftmax(" in text and "__cudnn$fmhaSoftmaxBackward(" in text
+    for other in (dict(dtype=jnp.float32), dict(head_dim=160),
+                  dict(mask=jnp.tril(jnp.ones((64, 64), bool)))):
+      assert "cudnn" not in _lowered_grad("cuda", **other), other

@@ -63,6 +63,17 @@ def test_kernels_not_used_off_hopper():
 
 def test_kernel_forward_lowers_for_cuda():
   x, gs, w, _ = _inputs()
-  text = jax.jit(hopper.kernel_swiglu()).trace(x, gs, *w).lower(
+  text = jax.jit(hopper.kernel_swiglu(D, F)).trace(x, gs, *w).lower(
       lowering_platforms=("cuda",)).as_text()
   assert text.count("mosaic_gpu") >= 3   # gate, up, down: one kernel call each
+
+
+def test_tuned_tiles_where_the_widths_take_them():
+  assert hopper.tiles_for(2048, 1024) == (hopper.RAGGED_TILES, hopper.TRANSPOSED_TILES)
+  assert hopper.tiles_for(2048, 1408) == (hopper.BASE_RAGGED_TILES, hopper.BASE_TRANSPOSED_TILES)
+  x = jnp.zeros((256, 512), jnp.bfloat16)
+  w = jnp.zeros((4, 512, 512), jnp.bfloat16)
+  gs = jnp.array([64, 64, 64, 64], jnp.int32)
+  text = jax.jit(hopper.kernel_swiglu(512, 512)).trace(x, gs, w, w, w).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("mosaic_gpu") >= 3
