@@ -14,6 +14,9 @@ records its error and the others still run. Steps:
   one_layer  5 train steps of a one-layer model at the 1b7b shapes: s/step, tokens/s, peak bytes
   layer      forward and forward+backward time of one layer at the 1b7b shapes (a two-layer
              model's time minus a one-layer model's)
+  profile    where one layer's forward+backward at the 1b7b shapes spends its device time: a
+             jax.profiler trace, each op's time summed per moejax source line (the compiled
+             HLO's stack frames)
   schedule   the compiled tiny train step's async collectives: start/done pairs and the
              instructions scheduled between each pair (0 pairs on one device, or on XLA:CPU)
   attention  causal attention at OLMoE-1B-7B's shapes: moejax's (XLA's materialized path) beside
@@ -563,6 +566,116 @@ def step_layer(dims: dict) -> dict:
   return out
 
 
+_FRAME_TABLE = re.compile(r"^(\d+) (?:\"(.*)\"|\{(.*)\})$")
+_META = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = .*metadata=\{([^}]*)\}")
+_CALLS = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = .*\bcalls=%([\w.\-]+)")
+
+
+def _hlo_sources(text: str) -> dict:
+  """Compiled HLO text -> {instruction: (op_name, "file:line")}: the innermost stack frame in
+  moejax/ of the instruction's metadata (a fusion without its own: its fused root's)."""
+  tables, table = {}, None
+  for line in text.splitlines():
+    if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+      table = tables.setdefault(line, {})
+      continue
+    m = _FRAME_TABLE.match(line) if table is not None else None
+    if m:
+      table[int(m[1])] = m[2] if m[2] is not None else dict(
+          kv.split("=", 1) for kv in m[3].split())
+    elif line.strip():
+      table = None
+
+  def source(frame_id: int) -> str:
+    seen = set()
+    while frame_id in tables.get("StackFrames", {}) and frame_id not in seen:
+      seen.add(frame_id)
+      frame = tables["StackFrames"][frame_id]
+      loc = tables["FileLocations"][int(frame["file_location_id"])]
+      path = tables["FileNames"][int(loc["file_name_id"])]
+      if "/moejax/" in path or path.startswith("moejax/"):
+        return f"moejax/{path.split('moejax/', 1)[1]}:{loc['line']}"
+      frame_id = int(frame["parent_frame_id"])
+    return "(outside moejax)"
+
+  own, roots, calls, computation = {}, {}, {}, None
+  for line in text.splitlines():
+    if line.startswith("%") or line.startswith("ENTRY"):
+      computation = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
+    m = _META.match(line)
+    if m:
+      meta = dict(re.findall(r'(\w+)=("[^"]*"|\S+)', m[2]))
+      entry = (meta.get("op_name", "").strip('"'),
+               source(int(meta["stack_frame_id"])) if "stack_frame_id" in meta else "")
+      own[m[1]] = entry
+      if line.lstrip().startswith("ROOT") and computation:
+        roots[computation] = entry
+    c = _CALLS.match(line)
+    if c:
+      calls[c[1]] = c[2]
+  for name, called in calls.items():
+    if name not in own and called in roots:
+      own[name] = roots[called]
+  return own
+
+
+def step_profile(dims: dict) -> dict:
+  """Where one layer's forward+backward spends its device time: a one-layer model at the 1b7b
+  shapes (random tokens) run under `jax.profiler.trace`; each op's time from the trace, named
+  by the compiled HLO's source lines (the innermost frame in moejax/), summed per source line."""
+  import gzip
+  import glob
+  import jax
+  import jax.numpy as jnp
+  from moejax.models import olmoe
+
+  cfg = _config(dims["layer_preset"], **dict(_one_layer_overrides(dims),
+                                             **{"data.tokenizer": "bytes"}))
+  params = jax.jit(lambda key: olmoe.init_params(cfg, key))(jax.random.key(0))
+  tokens = jax.random.randint(jax.random.key(1), (cfg.batch_size, cfg.seq_len), 0,
+                              cfg.model.vocab_size)
+
+  def loss(params, tokens):
+    logits, _ = olmoe.forward(cfg, params, tokens, remat=cfg.remat)
+    return jnp.mean(logits[..., 0])
+
+  step = jax.jit(jax.grad(loss))
+  compiled = step.lower(params, tokens).compile()
+  text = compiled.as_text()
+  module = re.search(r"^HloModule ([\w.\-]+)", text, re.M)[1]
+  calls = dims["profile_calls"]
+  jax.block_until_ready(compiled(params, tokens))
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      for _ in range(calls):
+        jax.block_until_ready(compiled(params, tokens))
+    path = glob.glob(os.path.join(trace_dir, "**", "*.json.gz"), recursive=True)[0]
+    with gzip.open(path, "rt") as f:
+      trace = json.load(f)
+  events = trace["traceEvents"] if isinstance(trace, dict) else trace
+  procs = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  timed = [e for e in events if "dur" in e and e.get("ph") != "M"]
+  on_device = [e for e in timed if procs.get(e.get("pid"), "").startswith("/device:")]
+  # XLA:CPU has no device lane: its thunk executor's spans ("end: OP", timed) on the host.
+  spans = on_device or [e for e in timed if e["name"].startswith("end: ")]
+  per_op = {}
+  for e in spans:
+    name = (e.get("args") or {}).get("hlo_op") or e["name"].removeprefix("end: ")
+    per_op[name] = per_op.get(name, 0.0) + e["dur"] / 1e3 / calls   # us -> ms per call
+  sources = _hlo_sources(text)
+  by_source = {}
+  for name, ms in per_op.items():
+    src = sources.get(name, ("", "(not in the HLO: " + name.split(".")[0] + ")"))[1] or "?"
+    by_source[src] = by_source.get(src, 0.0) + ms
+  top = sorted(per_op.items(), key=lambda kv: -kv[1])[:dims["profile_top"]]
+  return {"calls": calls, "module": module, "device_events": bool(on_device),
+          "ms_per_call": sum(per_op.values()), "ops": len(per_op),
+          "by_source": dict(sorted(by_source.items(), key=lambda kv: -kv[1])[:dims["profile_top"]]),
+          "top_ops": [{"op": n, "ms": ms, "op_name": sources.get(n, ("", ""))[0][-120:],
+                       "source": sources.get(n, ("", ""))[1]} for n, ms in top]}
+
+
 _ASYNC = re.compile(r"%([\w.\-]+) = .* ([a-z][a-z\-]*)-start\(")
 
 
@@ -740,13 +853,13 @@ def step_nvcomp(dims: dict) -> dict:
 STEPS = {"env": step_env, "kernels": step_kernels, "ragged": step_ragged, "train": step_train,
          "one_layer": step_one_layer, "layer": step_layer, "schedule": step_schedule,
          "schedule8": step_schedule8, "nvcomp": step_nvcomp, "grouped": step_grouped,
-         "attention": step_attention, "tiles": step_tiles}
+         "attention": step_attention, "tiles": step_tiles, "profile": step_profile}
 # The order of a full run: what only a GPU can tell first; `grouped` before the training steps
 # (it checks the Hopper kernels' forward and backward, and turns them off for the later steps if
 # they are wrong; XLA's ragged_dot there took about 2 minutes on an H200); the 8-GPU compile
 # (its mock topology had not answered within 2 minutes there) last.
 ORDER = ("env", "kernels", "ragged", "nvcomp", "grouped", "train", "one_layer", "layer",
-         "attention", "schedule", "schedule8")
+         "profile", "attention", "schedule", "schedule8")
 # Not in a full run (7.5 minutes of Mosaic GPU compiles on an H200): `--only tiles` (first, so the
 # steps after it run at the best tiles).
 FULL = {"codec_values": 1 << 24, "ragged_tokens": 4096, "ragged_d": 2048, "ragged_f": 1024,
@@ -754,14 +867,14 @@ FULL = {"codec_values": 1 << 24, "ragged_tokens": 4096, "ragged_d": 2048, "ragge
         "layer_model": {}, "child_timeout_s": 130, "grouped_rows": 16384, "grouped_experts": 64,
         "grouped_d": 2048, "grouped_f": 1024, "attn_batch": 8, "attn_seq": 4096, "attn_heads": 16,
         "attn_head_dim": 128, "tiles_rows": 16384, "tiles_experts": 64, "tiles_d": 2048,
-        "tiles_f": 1024}
+        "tiles_f": 1024, "profile_calls": 3, "profile_top": 30}
 # Tiny shapes (the tiny preset's width for the "1b7b" steps), on CPU.
 DRY = {"codec_values": 1 << 14, "ragged_tokens": 32, "ragged_d": 64, "ragged_f": 64,
        "train_steps": 5, "layer_preset": "tiny", "layer_batch": 8, "layer_seq": 64,
        "layer_model": {}, "child_timeout_s": 240, "dry": True, "grouped_rows": 512,
        "grouped_experts": 8, "grouped_d": 128, "grouped_f": 128, "attn_batch": 2, "attn_seq": 64,
        "attn_heads": 4, "attn_head_dim": 32, "tiles_rows": 512, "tiles_experts": 8,
-       "tiles_d": 512, "tiles_f": 512}
+       "tiles_d": 512, "tiles_f": 512, "profile_calls": 2, "profile_top": 10}
 
 
 def main() -> int:
