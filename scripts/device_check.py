@@ -657,11 +657,14 @@ def step_profile(dims: dict) -> dict:
            if e.get("ph") == "M" and e.get("name") == "process_name"}
   timed = [e for e in events if "dur" in e and e.get("ph") != "M"]
   on_device = [e for e in timed if procs.get(e.get("pid"), "").startswith("/device:")]
-  # XLA:CPU has no device lane: its thunk executor's spans ("end: OP", timed) on the host.
-  spans = on_device or [e for e in timed if e["name"].startswith("end: ")]
+  # XLA:CPU has no device lane: its thunk executor's spans on the host, named by `hlo_op`.
+  spans = on_device or [e for e in timed if "hlo_op" in (e.get("args") or {})
+                        and not e["name"].startswith("end: ")]
   per_op = {}
   for e in spans:
-    name = (e.get("args") or {}).get("hlo_op") or e["name"].removeprefix("end: ")
+    name = (e.get("args") or {}).get("hlo_op") or e["name"]
+    if name.split(".")[0] in ("while", "conditional", "call"):   # spans holding other spans
+      continue
     per_op[name] = per_op.get(name, 0.0) + e["dur"] / 1e3 / calls   # us -> ms per call
   sources = _hlo_sources(text)
   by_source = {}
