@@ -13,6 +13,9 @@ process so the machine's drift hits every variant alike.
                                       #   each tile size M, for the shapes the variants run
   python bench/step.py --only codec --only "tiny fsdp"   # a subset, by name
   python bench/step.py --quick --peer # then ../shared/peers/maxtext/compare.sh (MaxText beside)
+  python bench/step.py --profile --only "peer codec delta"   # where each chosen variant's step
+                                      #   spends its time, by moejax source line
+                                      #   (moejax.profiling; no timing table)
 
 Per variant: median s/step, tokens/s, XLA-counted GFLOP and GB accessed of the compiled step
 (`cost_analysis`; loops counted once, so a scanned model's figures are per layer-iteration),
@@ -53,7 +56,7 @@ import numpy as np  # noqa: E402
 
 import configs.olmoe as olmoe_configs  # noqa: E402
 import reference  # noqa: E402
-from moejax import host_memory  # noqa: E402
+from moejax import host_memory, profiling  # noqa: E402
 from moejax.config import from_config_dict  # noqa: E402
 from moejax.models import olmoe  # noqa: E402
 from moejax.sharding.mesh import make_mesh  # noqa: E402
@@ -126,6 +129,7 @@ class Variant:
         state[0], metrics = compiled(state[0], placed[i % len(placed)])
         self.last = metrics
         jax.block_until_ready(metrics)
+    self.compiled = compiled
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     mem = compiled.memory_analysis()
@@ -238,6 +242,19 @@ def make_batches(dims: str, count: int = 4):
   return out
 
 
+def print_profile(v: Variant, run, steps: int = 3, top: int = 20):
+  """`moejax.profiling` of one variant's step: its ops' time by moejax source line."""
+  count = iter(range(3, 10**6))
+  out = profiling.profile(v.compiled, (), calls=steps, top=top, run=lambda: run(next(count)))
+  where = "device" if out["device_events"] else "host threads, waits included"
+  print(f"\n{v.name}: ops {out['ms_per_call']:.0f} ms per step ({where}), {out['ops']} ops")
+  for src, ms in out["by_source"].items():
+    print(f"  {ms:9.1f} ms {ms / out['ms_per_call']:6.1%}  {src}")
+  print("  largest ops:")
+  for op in out["top_ops"][:10]:
+    print(f"  {op['ms']:9.1f} ms  {op['op']:36s} {op['source']}  {op['op_name'][-60:]}")
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true",
@@ -249,6 +266,8 @@ def main():
   parser.add_argument("--tiles", action="store_true", help="the expert kernel's tile-size sweep")
   parser.add_argument("--only", action="append", default=[],
                       help="keep the variants whose name contains this (repeatable)")
+  parser.add_argument("--profile", action="store_true",
+                      help="per chosen variant: its step's time by moejax source line")
   parser.add_argument("--rounds", type=int, default=3)
   parser.add_argument("--steps", type=int, default=4, help="timed steps per variant and round")
   args = parser.parse_args()
@@ -269,6 +288,10 @@ def main():
     for i in range(3):   # warm-up (codec variants: past their warm-up gathers)
       runs[v.name](i)
     print(f"compiled {v.name} in {time.perf_counter() - t0:.0f} s", flush=True)
+  if args.profile:
+    for v in vs:
+      print_profile(v, runs[v.name])
+    return
   i = 3
   for r in range(args.rounds):
     for v in vs:

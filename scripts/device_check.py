@@ -566,67 +566,13 @@ def step_layer(dims: dict) -> dict:
   return out
 
 
-_FRAME_TABLE = re.compile(r"^(\d+) (?:\"(.*)\"|\{(.*)\})$")
-_META = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = .*metadata=\{([^}]*)\}")
-_CALLS = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = .*\bcalls=%([\w.\-]+)")
-
-
-def _hlo_sources(text: str) -> dict:
-  """Compiled HLO text -> {instruction: (op_name, "file:line")}: the innermost stack frame in
-  moejax/ of the instruction's metadata (a fusion without its own: its fused root's)."""
-  tables, table = {}, None
-  for line in text.splitlines():
-    if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
-      table = tables.setdefault(line, {})
-      continue
-    m = _FRAME_TABLE.match(line) if table is not None else None
-    if m:
-      table[int(m[1])] = m[2] if m[2] is not None else dict(
-          kv.split("=", 1) for kv in m[3].split())
-    elif line.strip():
-      table = None
-
-  def source(frame_id: int) -> str:
-    seen = set()
-    while frame_id in tables.get("StackFrames", {}) and frame_id not in seen:
-      seen.add(frame_id)
-      frame = tables["StackFrames"][frame_id]
-      loc = tables["FileLocations"][int(frame["file_location_id"])]
-      path = tables["FileNames"][int(loc["file_name_id"])]
-      if "/moejax/" in path or path.startswith("moejax/"):
-        return f"moejax/{path.split('moejax/', 1)[1]}:{loc['line']}"
-      frame_id = int(frame["parent_frame_id"])
-    return "(outside moejax)"
-
-  own, roots, calls, computation = {}, {}, {}, None
-  for line in text.splitlines():
-    if line.startswith("%") or line.startswith("ENTRY"):
-      computation = line.split()[1 if line.startswith("ENTRY") else 0].lstrip("%")
-    m = _META.match(line)
-    if m:
-      meta = dict(re.findall(r'(\w+)=("[^"]*"|\S+)', m[2]))
-      entry = (meta.get("op_name", "").strip('"'),
-               source(int(meta["stack_frame_id"])) if "stack_frame_id" in meta else "")
-      own[m[1]] = entry
-      if line.lstrip().startswith("ROOT") and computation:
-        roots[computation] = entry
-    c = _CALLS.match(line)
-    if c:
-      calls[c[1]] = c[2]
-  for name, called in calls.items():
-    if name not in own and called in roots:
-      own[name] = roots[called]
-  return own
-
-
 def step_profile(dims: dict) -> dict:
   """Where one layer's forward+backward spends its device time: a one-layer model at the 1b7b
-  shapes (random tokens) run under `jax.profiler.trace`; each op's time from the trace, named
-  by the compiled HLO's source lines (the innermost frame in moejax/), summed per source line."""
-  import gzip
-  import glob
+  shapes (random tokens) run under `jax.profiler.trace` (`moejax.profiling.profile`): each op's
+  time from the trace, named by the compiled HLO's source lines, summed per source line."""
   import jax
   import jax.numpy as jnp
+  from moejax import profiling
   from moejax.models import olmoe
 
   cfg = _config(dims["layer_preset"], **dict(_one_layer_overrides(dims),
@@ -639,44 +585,9 @@ def step_profile(dims: dict) -> dict:
     logits, _ = olmoe.forward(cfg, params, tokens, remat=cfg.remat)
     return jnp.mean(logits[..., 0])
 
-  step = jax.jit(jax.grad(loss))
-  compiled = step.lower(params, tokens).compile()
-  text = compiled.as_text()
-  module = re.search(r"^HloModule ([\w.\-]+)", text, re.M)[1]
-  calls = dims["profile_calls"]
-  jax.block_until_ready(compiled(params, tokens))
-  with tempfile.TemporaryDirectory() as trace_dir:
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-      for _ in range(calls):
-        jax.block_until_ready(compiled(params, tokens))
-    path = glob.glob(os.path.join(trace_dir, "**", "*.json.gz"), recursive=True)[0]
-    with gzip.open(path, "rt") as f:
-      trace = json.load(f)
-  events = trace["traceEvents"] if isinstance(trace, dict) else trace
-  procs = {e["pid"]: e.get("args", {}).get("name", "") for e in events
-           if e.get("ph") == "M" and e.get("name") == "process_name"}
-  timed = [e for e in events if "dur" in e and e.get("ph") != "M"]
-  on_device = [e for e in timed if procs.get(e.get("pid"), "").startswith("/device:")]
-  # XLA:CPU has no device lane: its thunk executor's spans on the host, named by `hlo_op`.
-  spans = on_device or [e for e in timed if "hlo_op" in (e.get("args") or {})
-                        and not e["name"].startswith("end: ")]
-  per_op = {}
-  for e in spans:
-    name = (e.get("args") or {}).get("hlo_op") or e["name"]
-    if name.split(".")[0] in ("while", "conditional", "call"):   # spans holding other spans
-      continue
-    per_op[name] = per_op.get(name, 0.0) + e["dur"] / 1e3 / calls   # us -> ms per call
-  sources = _hlo_sources(text)
-  by_source = {}
-  for name, ms in per_op.items():
-    src = sources.get(name, ("", "(not in the HLO: " + name.split(".")[0] + ")"))[1] or "?"
-    by_source[src] = by_source.get(src, 0.0) + ms
-  top = sorted(per_op.items(), key=lambda kv: -kv[1])[:dims["profile_top"]]
-  return {"calls": calls, "module": module, "device_events": bool(on_device),
-          "ms_per_call": sum(per_op.values()), "ops": len(per_op),
-          "by_source": dict(sorted(by_source.items(), key=lambda kv: -kv[1])[:dims["profile_top"]]),
-          "top_ops": [{"op": n, "ms": ms, "op_name": sources.get(n, ("", ""))[0][-120:],
-                       "source": sources.get(n, ("", ""))[1]} for n, ms in top]}
+  compiled = jax.jit(jax.grad(loss)).lower(params, tokens).compile()
+  return profiling.profile(compiled, (params, tokens), calls=dims["profile_calls"],
+                           top=dims["profile_top"])
 
 
 _ASYNC = re.compile(r"%([\w.\-]+) = .* ([a-z][a-z\-]*)-start\(")

@@ -242,6 +242,10 @@ def decode_pool(caches, patches_RxP: jax.Array, fmt: WordFormat, bounds) -> list
   time: locating the escapes by scattering every position took 32 of the 57 ms this decode took
   for 7 x 430k bf16 values."""
   head, mid, _ = fmt.sections
+  # The patches materialized first: inside the train step they arrive as a select of the other
+  # devices' rows of the gathered payload, which XLA:CPU otherwise recomputes for each value it
+  # unpacks (the codes' unpacking, peer delta x8: 962 -> 423 ms of thread time per step).
+  patches_RxP = jax.lax.optimization_barrier(patches_RxP)
   # Codes materialized once, in bytes: XLA:CPU otherwise fuses their unpacking (gathers) into
   # each of their consumers and recomputes it there (delta decode of 7 x 131k values: 21 -> 8
   # ms).
