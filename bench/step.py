@@ -248,6 +248,8 @@ def print_profile(v: Variant, run, steps: int = 3, top: int = 20):
   out = profiling.profile(v.compiled, (), calls=steps, top=top, run=lambda: run(next(count)))
   where = "device" if out["device_events"] else "host threads, waits included"
   print(f"\n{v.name}: ops {out['ms_per_call']:.0f} ms per step ({where}), {out['ops']} ops")
+  for scope, ms in out["by_scope"].items():
+    print(f"  {ms:9.1f} ms {ms / out['ms_per_call']:6.1%}  [{scope}]")
   for src, ms in out["by_source"].items():
     print(f"  {ms:9.1f} ms {ms / out['ms_per_call']:6.1%}  {src}")
   print("  largest ops:")

@@ -5,8 +5,9 @@ time from the trace (a GPU's device lanes; on XLA:CPU the thunk executor's host 
 over the devices' threads, waits included) and names each op by the moejax line it came from:
 the innermost stack frame under `moejax/` of the compiled HLO's metadata (`hlo_sources`). Ops
 of a transposed VJP carry the line that called the VJP (for the prefetched scan's backward,
-`moejax/sharding/prefetch.py`). Used by `scripts/device_check.py` (`profile`) and
-`bench/step.py --profile`.
+`moejax/sharding/prefetch.py`); the named scopes moejax puts on its parts (`scoped`, SCOPES)
+survive there, so `by_scope` splits forward and backward time by part. Used by
+`scripts/device_check.py` (`profile`) and `bench/step.py --profile`.
 
 Nothing beyond jax: the trace is read from the Perfetto JSON that `jax.profiler.trace` writes
 beside its XPlane (`create_perfetto_trace=True`), so no profiler plugin is needed to read it.
@@ -14,6 +15,7 @@ beside its XPlane (`create_perfetto_trace=True`), so no profiler plugin is neede
 from __future__ import annotations
 
 import collections
+import functools
 import glob
 import gzip
 import json
@@ -29,6 +31,33 @@ _CALLS = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = .*\bcalls=%([\w.\-]+)")
 _TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
 _CONTAINERS = ("while", "conditional", "call")   # spans that hold other ops' spans
 OUTSIDE = "(outside moejax)"
+# moejax's named scopes (`scoped`): they survive autodiff and remat in the ops' names, where a
+# transposed op's stack frames point only at the VJP's call.
+SCOPES = ("attention", "router", "experts", "norm", "gather", "codec_encode", "codec_decode",
+          "optimizer")
+_SCOPE = re.compile(r"(?<![\w])(" + "|".join(SCOPES) + r")(?![\w])")
+
+
+def scoped(name: str):
+  """Decorator: the function's ops under `jax.named_scope(name)` (one of SCOPES)."""
+  if name not in SCOPES:
+    raise ValueError(f"scope {name!r}: must be one of {SCOPES}")
+
+  def wrap(fn):
+    @functools.wraps(fn)
+    def inner(*args, **kwargs):
+      with jax.named_scope(name):
+        return fn(*args, **kwargs)
+    return inner
+  return wrap
+
+
+def scope_of(op_name: str) -> str:
+  """An op's innermost moejax scope, "+ backward" when autodiff transposed it; "other" outside
+  every scope."""
+  found = _SCOPE.findall(op_name)
+  scope = found[-1] if found else "other"
+  return scope + (" backward" if "transpose(" in op_name else "")
 
 
 def _frame_tables(text: str) -> dict:
@@ -107,8 +136,8 @@ def op_times(trace: dict, calls: int = 1) -> tuple[dict[str, float], bool]:
 def profile(compiled, args, *, calls: int = 3, top: int = 30, run=None) -> dict:
   """Runs `compiled(*args)` once, then `calls` times under the profiler (or `run()`, when the
   call has to thread state itself) -> {calls, module, device_events, ms_per_call, ops,
-  by_source {moejax line: ms per call}, top_ops [{op, ms, op_name, source}]}, the largest
-  `top` of each."""
+  by_scope {`scope_of`: ms per call}, by_source {moejax line: ms per call}, top_ops [{op, ms,
+  op_name, source}]}, the largest `top` of the last two."""
   text = compiled.as_text()
   module = re.search(r"^HloModule ([\w.\-]+)", text, re.M)[1]
   run = run or (lambda: jax.block_until_ready(compiled(*args)))
@@ -122,12 +151,13 @@ def profile(compiled, args, *, calls: int = 3, top: int = 30, run=None) -> dict:
       trace = json.load(f)
   per_op, on_device = op_times(trace, calls)
   sources = hlo_sources(text)
-  by_source = collections.Counter()
+  by_source, by_scope = collections.Counter(), collections.Counter()
   for name, ms in per_op.items():
     by_source[sources.get(name, ("", f"(no metadata: {name.split('.')[0]})"))[1]] += ms
+    by_scope[scope_of(sources.get(name, ("", ""))[0])] += ms
   return {"calls": calls, "module": module, "device_events": on_device,
           "ms_per_call": sum(per_op.values()), "ops": len(per_op),
-          "by_source": dict(by_source.most_common(top)),
+          "by_scope": dict(by_scope.most_common()), "by_source": dict(by_source.most_common(top)),
           "top_ops": [{"op": n, "ms": ms, "op_name": sources.get(n, ("", ""))[0][-120:],
                        "source": sources.get(n, ("", ""))[1]}
                       for n, ms in collections.Counter(per_op).most_common(top)]}

@@ -37,3 +37,17 @@ def test_profile_of_a_compiled_function():
   assert abs(sum(out["by_source"].values()) - out["ms_per_call"]) < 1e-6 or len(
       out["by_source"]) == 5
   assert any(s.startswith("moejax/layers/norm.py:") for s in out["by_source"]), out
+
+
+def test_scopes_survive_autodiff_and_name_the_backward():
+  @profiling.scoped("router")
+  def route(x):
+    return jnp.tanh(x) * 3.0
+
+  loss = jax.checkpoint(lambda x: jnp.sum(route(x) ** 2))
+  text = jax.jit(jax.grad(loss)).lower(jnp.ones((4, 8))).compile().as_text()
+  scopes = {profiling.scope_of(op_name) for op_name, _ in profiling.hlo_sources(text).values()}
+  assert "router backward" in scopes, scopes
+  assert profiling.scope_of("jit(f)/jvp(attention)/tanh") == "attention"
+  assert profiling.scope_of("jit(f)/transpose(jvp())/moe/experts/dot") == "experts backward"
+  assert profiling.scope_of("jit(f)/mul") == "other"

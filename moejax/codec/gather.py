@@ -102,6 +102,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from moejax import profiling
 from moejax.codec import bits
 from moejax.codec import detect
 from moejax.codec import kernels
@@ -419,6 +420,7 @@ def _pool_format(fmts):
                          sum(f.far_capacity for f in fmts))
 
 
+@profiling.scoped("codec_encode")
 def _sender(shards, states, axis_name, specs):
   """One pool's sender side and static formats -> dict (see `_send_exponents`)."""
   layout = bits.layout_of(shards[0].dtype)
@@ -506,6 +508,7 @@ def _forward(shards, states, axis_name, axes, specs, transport="auto"):
       out.append((bits_k, others_RxN))
     return out
 
+  @profiling.scoped("codec_decode")
   def compressed_from(s, wire_WxL):
     if not s["words"]:   # patch + merge in one op (Triton kernel on GPU)
       return [kernels.decode(s["caches"][0], wire_WxL, s["own"], me, s["fmt"], s["layout"])]

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from moejax import profiling
 from moejax.layers.matmul import dense
 from moejax.layers.norm import rms_norm
 from moejax.sharding.axes import (ATTENTION, BIASES, EMBED, HEADS, KV_HEADS, LATENT, NORM, NORMS,
@@ -122,6 +123,7 @@ class Attention(nnx.Module):
     self.rope_theta, self.norm_eps = rope_theta, norm_eps
     self.rotary_dim = head_dim
 
+  @profiling.scoped("attention")
   def __call__(self, x_BxSxD):
     s = x_BxSxD.shape[1]
     q, k, v = self.qkv(x_BxSxD, rotary_tables(s, self.rotary_dim, self.rope_theta))
@@ -200,6 +202,7 @@ class LatentAttention(nnx.Module):
     self.nope, self.rotary_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
     self.rope_theta = rope_theta
 
+  @profiling.scoped("attention")
   def __call__(self, x_BxSxD):
     s = x_BxSxD.shape[1]
     q, k, v = self.qkv(x_BxSxD, rotary_tables(s, self.rotary_dim, self.rope_theta))

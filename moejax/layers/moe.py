@@ -118,61 +118,63 @@ class MoEBlock(nnx.Module):
     b, s, d = x_BxSxD.shape
     spec = self.spec
     x_TxD = x_BxSxD.reshape(b * s, d)
-    router_DxE = self.router[...]
-    if router_DxE.dtype != jnp.float32:
-      router_DxE = router_DxE.astype(x_TxD.dtype)
-    # Router: logits in fp32 for a stable softmax and z-loss (from fp32 inputs when the router
-    # is kept in fp32).
-    logits_TxE = dense(x_TxD.astype(router_DxE.dtype), router_DxE, jnp.float32)
-    weights_TxK, experts_TxK, scores_TxE = router_lib.top_k_route(
-        logits_TxE, spec.top_k, score=spec.score, renormalize=spec.renormalize,
-        bias_E=self.score_bias[...] if spec.score_bias else None, groups=spec.groups,
-        top_groups=spec.top_groups, scale=spec.routed_scale)
-    aux = {
-        "aux_loss": router_lib.load_balancing_loss(scores_TxE, experts_TxK, axis_name=axis_name),
-        "z_loss": router_lib.router_z_loss(logits_TxE, axis_name=axis_name),
-        "load_E": router_lib.expert_counts(experts_TxK, spec.num_experts),
-    }
-    kept_TxK = rerouted_TxK = None
-    if spec.admission != "none":
-      capacity_E = admission_lib.capacity_schedule(
-          step, num_tokens=b * s, k=spec.top_k, num_experts=spec.num_experts,
-          factor=spec.capacity_factor, factor_warmup=spec.capacity_factor_warmup,
-          warmup_steps=spec.warmup_steps)
-      allowed_TxE = None
-      if spec.admission == "reroute":   # rerouted assignments stay in the token's groups
-        allowed_TxE = router_lib.allowed_experts(
-            scores_TxE, bias_E=self.score_bias[...] if spec.score_bias else None,
-            groups=spec.groups, top_groups=spec.top_groups)
-      admitted = admission_lib.admit(x_TxD, router_DxE, experts_TxK, weights_TxK, scores_TxE,
-                                     capacity_E=capacity_E, threshold=spec.threshold,
-                                     policy=spec.admission, allowed_TxE=allowed_TxE)
-      experts_TxK, weights_TxK = admitted.experts_TxK, admitted.weights_TxK
-      kept_TxK, rerouted_TxK = admitted.kept_TxK, admitted.rerouted_TxK
-    aux["locality_loss"] = jnp.zeros((), jnp.float32)
-    if spec.locality_weight > 0 and dispatch.kind == "ep":
-      aux["locality_loss"] = router_lib.locality_loss(
-          scores_TxE, local_experts_mask(dispatch, spec.num_experts), axis_name=axis_name)
-    aux["admitted_load_E"] = router_lib.expert_counts(experts_TxK, spec.num_experts, kept_TxK)
-    aux["routing"] = stats_lib.routing_stats(experts_TxK, spec.num_experts, kept_TxK=kept_TxK,
-                                             rerouted_TxK=rerouted_TxK, axis_name=axis_name,
-                                             local_load_E=aux["admitted_load_E"])
-    w = (self.w_gate[...].astype(x_TxD.dtype), self.w_up[...].astype(x_TxD.dtype),
-         self.w_down[...].astype(x_TxD.dtype))
-    if dispatch.kind == "local":
-      y_TxD, dropped = dispatch_lib.local_experts(x_TxD, experts_TxK, weights_TxK, *w)
-    elif dispatch.kind == "ep":
-      y_TxD, dropped, received, needed = dispatch_lib.ep_experts(
-          x_TxD, experts_TxK, weights_TxK, *w, dispatch=dispatch)
-      aux["placement"] = sparse.ep_stats(experts_TxK, received, needed, dispatch, d,
-                                         w[0].shape[0], x_TxD.dtype.itemsize)
-    elif dispatch.kind == "fssdp":
-      y_TxD, dropped, aux["placement"], replica_state = sparse.fssdp_experts(
-          x_TxD, experts_TxK, weights_TxK, materialized, dispatch=dispatch)
-      if replica_state is not None:
-        aux["replica_state"] = replica_state
-    else:
-      raise ValueError(f"unknown dispatch kind {dispatch.kind!r}")
+    with jax.named_scope("router"):
+      router_DxE = self.router[...]
+      if router_DxE.dtype != jnp.float32:
+        router_DxE = router_DxE.astype(x_TxD.dtype)
+      # Router: logits in fp32 for a stable softmax and z-loss (from fp32 inputs when the router
+      # is kept in fp32).
+      logits_TxE = dense(x_TxD.astype(router_DxE.dtype), router_DxE, jnp.float32)
+      weights_TxK, experts_TxK, scores_TxE = router_lib.top_k_route(
+          logits_TxE, spec.top_k, score=spec.score, renormalize=spec.renormalize,
+          bias_E=self.score_bias[...] if spec.score_bias else None, groups=spec.groups,
+          top_groups=spec.top_groups, scale=spec.routed_scale)
+      aux = {
+          "aux_loss": router_lib.load_balancing_loss(scores_TxE, experts_TxK, axis_name=axis_name),
+          "z_loss": router_lib.router_z_loss(logits_TxE, axis_name=axis_name),
+          "load_E": router_lib.expert_counts(experts_TxK, spec.num_experts),
+      }
+      kept_TxK = rerouted_TxK = None
+      if spec.admission != "none":
+        capacity_E = admission_lib.capacity_schedule(
+            step, num_tokens=b * s, k=spec.top_k, num_experts=spec.num_experts,
+            factor=spec.capacity_factor, factor_warmup=spec.capacity_factor_warmup,
+            warmup_steps=spec.warmup_steps)
+        allowed_TxE = None
+        if spec.admission == "reroute":   # rerouted assignments stay in the token's groups
+          allowed_TxE = router_lib.allowed_experts(
+              scores_TxE, bias_E=self.score_bias[...] if spec.score_bias else None,
+              groups=spec.groups, top_groups=spec.top_groups)
+        admitted = admission_lib.admit(x_TxD, router_DxE, experts_TxK, weights_TxK, scores_TxE,
+                                       capacity_E=capacity_E, threshold=spec.threshold,
+                                       policy=spec.admission, allowed_TxE=allowed_TxE)
+        experts_TxK, weights_TxK = admitted.experts_TxK, admitted.weights_TxK
+        kept_TxK, rerouted_TxK = admitted.kept_TxK, admitted.rerouted_TxK
+      aux["locality_loss"] = jnp.zeros((), jnp.float32)
+      if spec.locality_weight > 0 and dispatch.kind == "ep":
+        aux["locality_loss"] = router_lib.locality_loss(
+            scores_TxE, local_experts_mask(dispatch, spec.num_experts), axis_name=axis_name)
+      aux["admitted_load_E"] = router_lib.expert_counts(experts_TxK, spec.num_experts, kept_TxK)
+      aux["routing"] = stats_lib.routing_stats(experts_TxK, spec.num_experts, kept_TxK=kept_TxK,
+                                               rerouted_TxK=rerouted_TxK, axis_name=axis_name,
+                                               local_load_E=aux["admitted_load_E"])
+    with jax.named_scope("experts"):
+      w = (self.w_gate[...].astype(x_TxD.dtype), self.w_up[...].astype(x_TxD.dtype),
+           self.w_down[...].astype(x_TxD.dtype))
+      if dispatch.kind == "local":
+        y_TxD, dropped = dispatch_lib.local_experts(x_TxD, experts_TxK, weights_TxK, *w)
+      elif dispatch.kind == "ep":
+        y_TxD, dropped, received, needed = dispatch_lib.ep_experts(
+            x_TxD, experts_TxK, weights_TxK, *w, dispatch=dispatch)
+        aux["placement"] = sparse.ep_stats(experts_TxK, received, needed, dispatch, d,
+                                           w[0].shape[0], x_TxD.dtype.itemsize)
+      elif dispatch.kind == "fssdp":
+        y_TxD, dropped, aux["placement"], replica_state = sparse.fssdp_experts(
+            x_TxD, experts_TxK, weights_TxK, materialized, dispatch=dispatch)
+        if replica_state is not None:
+          aux["replica_state"] = replica_state
+      else:
+        raise ValueError(f"unknown dispatch kind {dispatch.kind!r}")
     aux["dropped"] = dropped
     y_TxD = y_TxD.astype(x_BxSxD.dtype)
     if spec.shared_hidden:

@@ -5,9 +5,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moejax import profiling
 from moejax.sharding.axes import NORM, NORMS, param
 
 
+@profiling.scoped("norm")
 def rms_norm(x, scale, eps: float):
   x32 = x.astype(jnp.float32)
   y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from moejax import profiling
 from moejax.codec import gather as codec
 from moejax.sharding import axes, prefetch as prefetch_lib
 from moejax.sharding.layout import Layout
@@ -204,6 +205,7 @@ def gather_leaf(shard, layout: Layout, spec: codec.CodecSpec | None = None, stat
   return full, new_state, stats
 
 
+@profiling.scoped("gather")
 def gather_leaves(shards, layouts, specs, states, axis_names=DEVICES, dtypes=None,
                   rebuild_states=None, transport: str = "auto"):
   """`gather_leaf` for a list of leaves (one gather group: a layer's parameters) -> (fulls,

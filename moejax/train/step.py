@@ -197,8 +197,9 @@ def make_train_step(cfg: Config, mesh, lay: StateLayout, tx: optax.GradientTrans
   def train_step(state: TrainState, batch):
     grads, parts, gather_state, gather_stats, replicas = sharded_grads(
         state.params, batch, state.step, state.gather_state, state.placement)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    with jax.named_scope("optimizer"):
+      updates, opt_state = tx.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
     load_LxE = parts.pop("load_LxE")        # the router's choices, before admission
     params = balance.apply(params, load_LxE, cfg.moe.score_bias_rate)
     # The load history plans what the experts process: the assignments admission kept (the
