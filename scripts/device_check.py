@@ -333,9 +333,9 @@ def step_tiles(dims: dict) -> dict:
   """jax's Hopper grouped-matmul kernels (`placement/hopper.py`) at other tile configurations, at
   OLMoE-1B-7B's expert shapes: each grouped product of the SwiGLU forward and backward timed per
   configuration, checked against hopper.py's own tiles' output, and the configuration with the
-  least time over one forward+backward per kernel, which the later steps then use. Off a Hopper GPU the ragged kernel's
-  configurations are only lowered for CUDA (what catches a bad argument before a GPU is spent on
-  it)."""
+  least time over one forward+backward per kernel, which the later steps then use. Off a Hopper
+  GPU the ragged kernel's configurations are only lowered for CUDA (what catches a bad argument
+  before a GPU is spent on it)."""
   import jax
   import jax.numpy as jnp
   from moejax.placement import hopper
