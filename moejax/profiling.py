@@ -150,6 +150,9 @@ def profile(compiled, args, *, calls: int = 3, top: int = 30, run=None) -> dict:
     with gzip.open(path, "rt") as f:
       trace = json.load(f)
   per_op, on_device = op_times(trace, calls)
+  if not per_op:   # a GPU without CUPTI traces no device lane, and its host has no op spans
+    raise RuntimeError(f"the profiler's trace of {module} holds no op spans (on a GPU: is "
+                       "CUPTI installed?)")
   sources = hlo_sources(text)
   by_source, by_scope = collections.Counter(), collections.Counter()
   for name, ms in per_op.items():
