@@ -33,8 +33,8 @@ _CONTAINERS = ("while", "conditional", "call")   # spans that hold other ops' sp
 OUTSIDE = "(outside moejax)"
 # moejax's named scopes (`scoped`): they survive autodiff and remat in the ops' names, where a
 # transposed op's stack frames point only at the VJP's call.
-SCOPES = ("attention", "router", "experts", "norm", "gather", "codec_encode", "codec_decode",
-          "optimizer")
+SCOPES = ("attention", "router", "experts", "replicas", "norm", "gather", "codec_encode",
+          "codec_decode", "optimizer")
 _SCOPE = re.compile(r"(?<![\w])(" + "|".join(SCOPES) + r")(?![\w])")
 
 

@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from moejax import profiling
 from moejax.codec import replicas as replicas_lib
 from moejax.placement.dispatch import Dispatch, exchange
 from moejax.routing import router as router_lib
@@ -359,6 +360,7 @@ class Materialized(NamedTuple):
   choice_NxM: jax.Array | None = None
 
 
+@profiling.scoped("replicas")
 def materialize(predicted_load_E, w_gate, w_up, w_down, *, dispatch: Dispatch,
                 owners: Owners | None = None, replica_state: dict | None = None) -> Materialized:
   """This step's plan and weights. w_* hold this device's experts of the layer by rank
@@ -411,6 +413,7 @@ def new_replicas(first_NxM, fresh_NxM, num_experts: int):
   return jnp.where(kept_NxM, num_experts, fresh_NxM), kept_NxM, source_NxM
 
 
+@profiling.scoped("replicas")
 def late_replicas(owned, first, first_NxM, fresh_NxM, *, dispatch: Dispatch, owners: Owners,
                   coding: Coding | None = None):
   """The replicas of a re-plan `fresh_NxM`, given those of the first plan `first_NxM` (`first`:
