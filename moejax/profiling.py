@@ -38,15 +38,21 @@ SCOPES = ("attention", "router", "experts", "replicas", "norm", "gather", "codec
 _SCOPE = re.compile(r"(?<![\w])(" + "|".join(SCOPES) + r")(?![\w])")
 
 
-def scoped(name: str):
-  """Decorator: the function's ops under `jax.named_scope(name)` (one of SCOPES)."""
+def scope(name: str):
+  """`jax.named_scope(name)` for one of SCOPES (a context manager)."""
   if name not in SCOPES:
     raise ValueError(f"scope {name!r}: must be one of {SCOPES}")
+  return jax.named_scope(name)
+
+
+def scoped(name: str):
+  """Decorator: the function's ops under `scope(name)`."""
+  scope(name)   # checked where the decorator is applied, not at the first call
 
   def wrap(fn):
     @functools.wraps(fn)
     def inner(*args, **kwargs):
-      with jax.named_scope(name):
+      with scope(name):
         return fn(*args, **kwargs)
     return inner
   return wrap

@@ -366,8 +366,10 @@ def step_tiles(dims: dict) -> dict:
              else hopper.kernel_ops(transposed_tiles=config))
       row = {"config": config}
       try:
-        if d % config["block_n"] or f % config["block_n"]:
-          raise ValueError(f"d={d} and f={f} must be multiples of block_n")
+        tiles = (config, own_transposed) if kind == "ragged" else (own_ragged, config)
+        if d % hopper.width_multiple(*tiles) or f % hopper.width_multiple(*tiles):
+          raise ValueError(f"d={d} and f={f} must be multiples of "
+                           f"{hopper.width_multiple(*tiles)} at these tiles")
         for name in names:
           fn = jax.jit(lambda ops=ops, name=name: products[name][1](ops))
           if not run:

@@ -1,6 +1,7 @@
 """moejax.profiling: ops named by their moejax source line, times read from a real trace."""
 import jax
 import jax.numpy as jnp
+import pytest
 
 from moejax import profiling
 from moejax.layers import norm
@@ -51,3 +52,10 @@ def test_scopes_survive_autodiff_and_name_the_backward():
   assert profiling.scope_of("jit(f)/jvp(attention)/tanh") == "attention"
   assert profiling.scope_of("jit(f)/transpose(jvp())/moe/experts/dot") == "experts backward"
   assert profiling.scope_of("jit(f)/mul") == "other"
+
+
+def test_an_unknown_scope_stops_with_one_line():
+  with pytest.raises(ValueError, match="^scope 'routing': must be one of"):
+    profiling.scope("routing")
+  with pytest.raises(ValueError, match="^scope 'routing': must be one of"):
+    profiling.scoped("routing")

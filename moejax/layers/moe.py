@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax import lax
 
+from moejax import profiling
 from moejax.layers.matmul import dense
 from moejax.placement import dispatch as dispatch_lib
 from moejax.routing import admission as admission_lib
@@ -118,7 +119,7 @@ class MoEBlock(nnx.Module):
     b, s, d = x_BxSxD.shape
     spec = self.spec
     x_TxD = x_BxSxD.reshape(b * s, d)
-    with jax.named_scope("router"):
+    with profiling.scope("router"):
       router_DxE = self.router[...]
       if router_DxE.dtype != jnp.float32:
         router_DxE = router_DxE.astype(x_TxD.dtype)
@@ -158,7 +159,7 @@ class MoEBlock(nnx.Module):
       aux["routing"] = stats_lib.routing_stats(experts_TxK, spec.num_experts, kept_TxK=kept_TxK,
                                                rerouted_TxK=rerouted_TxK, axis_name=axis_name,
                                                local_load_E=aux["admitted_load_E"])
-    with jax.named_scope("experts"):
+    with profiling.scope("experts"):
       w = (self.w_gate[...].astype(x_TxD.dtype), self.w_up[...].astype(x_TxD.dtype),
            self.w_down[...].astype(x_TxD.dtype))
       if dispatch.kind == "local":

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from moejax import profiling
 from moejax.codec import gather as codec
 from moejax.config import Config, num_moe_layers
 from moejax.errors import ConfigError
@@ -197,7 +198,7 @@ def make_train_step(cfg: Config, mesh, lay: StateLayout, tx: optax.GradientTrans
   def train_step(state: TrainState, batch):
     grads, parts, gather_state, gather_stats, replicas = sharded_grads(
         state.params, batch, state.step, state.gather_state, state.placement)
-    with jax.named_scope("optimizer"):
+    with profiling.scope("optimizer"):
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
     load_LxE = parts.pop("load_LxE")        # the router's choices, before admission
