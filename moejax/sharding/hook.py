@@ -163,14 +163,15 @@ def run_gathers(num_layers: int, *, remat: str, prefetch: bool, rebuilt: bool = 
   (`moejax.sharding.prefetch.scan_layers`). Without prefetch every layer is gathered once, and
   again in backward when it recomputes the layer (remat full or minimal: a gather is no matmul,
   so minimal does not keep it). Prefetching gathers one layer ahead with no condition around the
-  collective, so the forward's last iteration gathers layer L-1 again; under remat full backward
-  uses that one and gathers ahead too, its last iteration layer 0 again; minimal and none keep
-  the weights for backward and gather nothing there. `rebuilt`: the compressed gathers of a
+  collective: the forward gathers each layer once (its last layer runs after the scan, on the
+  weights the scan's last iteration gathered); under remat full backward starts from those and
+  gathers ahead too, its last iteration layer 0 again; minimal and none keep the weights for
+  backward and gather nothing there. `rebuilt`: the compressed gathers of a
   codec parameter, whose prefetched backward gathers are rebuilt from its cache instead
   (`codec.rebuilt_gather_group`: none moves in word / delta mode, sign+mantissa only in element /
   block mode)."""
   if prefetch and num_layers > 1:
-    return 2 * num_layers + 1 if remat == "full" and not rebuilt else num_layers + 1
+    return 2 * num_layers if remat == "full" and not rebuilt else num_layers
   return num_layers * (2 if prefetch_lib.recomputes(remat) else 1)
 
 

@@ -12,8 +12,11 @@ prefetch=False   `lax.scan(jax.checkpoint(body))`: each iteration gathers its ow
                  computes. Under remat the gather is recomputed in backward from the same state.
 prefetch=True    (more than one layer) the gather of layer i+1 is issued in iteration i,
                  *before* layer i's compute and with no condition around it (a collective in a
-                 conditional's branch starts and finishes there, so nothing could overlap it):
-                 the last iteration gathers layer L-1 again. The whole scan has its own VJP
+                 conditional's branch starts and finishes there, so nothing could overlap it).
+                 The scan runs layers 0..L-2; layer L-1 runs after it on the weights its last
+                 iteration gathered (inside the scan that iteration would gather layer L-1
+                 again: one more gather, encode and decode a step, a fifth of the codec delta
+                 step at the peer dims of bench/step.py). The whole scan has its own VJP
                  (`_prefetched_scan`): under remat full the forward keeps each layer's input,
                  and the backward scan gathers layer i-1 before layer i's recomputation and
                  backward (starting from the forward's last gather; its own last iteration
@@ -81,8 +84,9 @@ def _float0_split(tree):
 def _prefetched_scan(layer_fn, gather, remat: str, num_layers: int):
   """run(h, shards_L, states_L, consts) -> (h, aux_L, new_states_L, stats_L), with its own VJP:
   both passes issue the next layer's gather before the current layer's compute, with no
-  condition around it (the forward's last iteration gathers layer L-1 again, which backward's
-  first layer uses; backward's last gathers layer 0 again, its one wasted gather per step)."""
+  condition around it (the forward's last layer runs after its scan, on the weights the scan
+  gathered last, which backward's first layer uses; backward's last iteration gathers layer 0
+  again, its one wasted gather per step: peeling it would compile the layer's backward twice)."""
   index_L = jnp.arange(num_layers, dtype=jnp.int32)
 
   def regather(shards_L, states_L, new_states_L, i):
@@ -99,31 +103,38 @@ def _prefetched_scan(layer_fn, gather, remat: str, num_layers: int):
     full_0, state_0, stats_0 = gather(_take(shards_L, 0), _take(states_L, 0))
     vjp_def = []
 
-    def body(carry, i):
-      h, full = carry
-      # Layer i+1's gather first (read in place: a rolled copy of the shards as scan input would
-      # copy every layer's shards each step), then layer i's compute.
-      full_next, state_next, stats_next = gather(*_take((shards_L, states_L),
-                                                        jnp.minimum(i + 1, num_layers - 1)))
+    def compute(h, full, i):
       fn = lambda h, full: layer_fn(h, full, consts, i)   # noqa: E731
       if keep == "vjp":
         (h_out, aux), vjp = jax.vjp(checkpointed(fn, remat), h, full)
         leaves, treedef = jax.tree.flatten(vjp)
         vjp_def[:] = [treedef]
-        saved = leaves
-      else:
-        h_out, aux = fn(h, full)
-        saved = h if keep == "inputs" else None
+        return h_out, aux, leaves
+      h_out, aux = fn(h, full)
+      return h_out, aux, (h if keep == "inputs" else None)
+
+    def body(carry, i):
+      h, full = carry
+      # Layer i+1's gather first (read in place: a rolled copy of the shards as scan input would
+      # copy every layer's shards each step), then layer i's compute.
+      full_next, state_next, stats_next = gather(*_take((shards_L, states_L), i + 1))
+      h_out, aux, saved = compute(h, full, i)
       return (h_out, full_next), (aux, state_next, stats_next, saved)
 
-    (h, full_last), (aux_L, states_next_L, stats_next_L, saved_L) = lax.scan(
-        body, (h, full_0), index_L)
+    # Layers 0..L-2 in the scan, each under the next one's gather; the last layer after it, on
+    # the weights its last iteration gathered (in the scan it would gather layer L-1 again).
+    (h, full_last), (aux_s, states_next_L, stats_next_L, saved_s) = lax.scan(
+        body, (h, full_0), index_L[:-1])
+    h, aux_last, saved_last = compute(h, full_last, index_L[-1])
+    append = lambda rest, last: jax.tree.map(                # noqa: E731
+        lambda a, b: jnp.concatenate([a, b[None]], axis=0), rest, last)
+    prepend = lambda first, rest: jax.tree.map(              # noqa: E731
+        lambda a, b: jnp.concatenate([a[None], b], axis=0), first, rest)
+    saved_L = append(saved_s, saved_last)
     if keep == "vjp":   # the layers' stacked residuals as one pytree (a VJP of [L, ...] leaves)
       saved_L = vjp_def[0].unflatten(saved_L)
-    # Iteration i gathered layer i+1: shift back and put layer 0's in front.
-    unshift = lambda first, rest: jax.tree.map(          # noqa: E731
-        lambda a, b: jnp.concatenate([a[None], b[:-1]], axis=0), first, rest)
-    out = (h, aux_L, unshift(state_0, states_next_L), unshift(stats_0, stats_next_L))
+    out = (h, append(aux_s, aux_last), prepend(state_0, states_next_L),
+           prepend(stats_0, stats_next_L))
     return out, (saved_L, full_last)
 
   @jax.custom_vjp
