@@ -60,8 +60,9 @@ def scoped(name: str):
 
 def scope_of(op_name: str) -> str:
   """An op's innermost moejax scope, "+ backward" when autodiff transposed it; "other" outside
-  every scope."""
-  found = _SCOPE.findall(op_name)
+  every scope. The name's last part is the op's primitive, never a scope (a `gather` primitive
+  inside codec_decode is codec_decode's)."""
+  found = _SCOPE.findall(op_name.rpartition("/")[0])
   scope = found[-1] if found else "other"
   return scope + (" backward" if "transpose(" in op_name else "")
 

@@ -52,6 +52,10 @@ def test_scopes_survive_autodiff_and_name_the_backward():
   assert profiling.scope_of("jit(f)/jvp(attention)/tanh") == "attention"
   assert profiling.scope_of("jit(f)/transpose(jvp())/moe/experts/dot") == "experts backward"
   assert profiling.scope_of("jit(f)/mul") == "other"
+  # The last part is the primitive: jnp.take_along_axis's `gather` is not the gather scope.
+  assert profiling.scope_of("jit(f)/codec_decode/jit(take_along_axis)/gather") == "codec_decode"
+  assert profiling.scope_of("jit(f)/router/gather") == "router"
+  assert profiling.scope_of("jit(f)/gather/all_gather") == "gather"
 
 
 def test_an_unknown_scope_stops_with_one_line():
