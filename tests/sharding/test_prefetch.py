@@ -132,3 +132,37 @@ def test_backward_rebuilds_coded_weights_from_the_forward_caches(mode):
   else:   # both weights' sign+mantissa bits (a byte a value, 8 x 2 values a shard), packed
     words = 2 * bits.packed_words(8 * WIDTH // 8, 8)
     assert backward and all(f"u32[8,{words}]" in line for line in backward)
+
+
+@pytest.mark.parametrize("remat", prefetch_lib.REMAT_MODES)
+def test_prefetched_forward_gathers_each_layer_once(remat):
+  """Counted as they run (a host callback in the gather): the prefetched forward gathers each of
+  the L layers once (its last layer runs after the scan, on the weights the scan gathered last),
+  with and without residuals for backward, and a step's gathers are what `hook.run_gathers`
+  prices the codec by. (The backward also traces each layer's gather once for its transpose,
+  the reduce-scatter; without the callback nothing of that gather's forward survives.)"""
+  calls = []
+
+  def counting_gather(shards, state):
+    jax.debug.callback(lambda: calls.append(1))
+    return shards, state, {}
+
+  def loss(h, shards):
+    out = prefetch_lib.scan_layers(_layer_fn, h, shards, counting_gather, None, (), remat=remat,
+                                   prefetch=True)[0]
+    return jnp.sum(out ** 2)
+
+  def count(fn):
+    calls.clear()
+    jax.block_until_ready(jax.jit(fn)(h, shards))
+    jax.effects_barrier()
+    return len(calls)
+
+  key = jax.random.key(3)
+  shards = {"a": jax.random.normal(key, (LAYERS, WIDTH, WIDTH)) * 0.3,
+            "b": jax.random.normal(jax.random.fold_in(key, 1), (LAYERS, WIDTH, WIDTH)) * 0.3}
+  h = jnp.ones((4, WIDTH))
+  assert count(loss) == LAYERS
+  assert count(lambda h, s: jax.vjp(loss, h, s)[0]) == LAYERS
+  assert (count(jax.grad(loss, argnums=1))
+          == hook.run_gathers(LAYERS, remat=remat, prefetch=True) + LAYERS)
