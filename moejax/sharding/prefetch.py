@@ -15,7 +15,7 @@ prefetch=True    (more than one layer) the gather of layer i+1 is issued in iter
                  conditional's branch starts and finishes there, so nothing could overlap it).
                  The scan runs layers 0..L-2; layer L-1 runs after it on the weights its last
                  iteration gathered (inside the scan that iteration would gather layer L-1
-                 again: one more gather, encode and decode a step, a fifth of the codec delta
+                 again: one more gather, encode and decode a step, a quarter of the codec delta
                  step at the peer dims of bench/step.py). The whole scan has its own VJP
                  (`_prefetched_scan`): under remat full the forward keeps each layer's input,
                  and the backward scan gathers layer i-1 before layer i's recomputation and
@@ -86,7 +86,8 @@ def _prefetched_scan(layer_fn, gather, remat: str, num_layers: int):
   both passes issue the next layer's gather before the current layer's compute, with no
   condition around it (the forward's last layer runs after its scan, on the weights the scan
   gathered last, which backward's first layer uses; backward's last iteration gathers layer 0
-  again, its one wasted gather per step: peeling it would compile the layer's backward twice)."""
+  again, its one wasted gather per step: peeled out the same way, the step measured slower on
+  fake CPU devices, README)."""
   index_L = jnp.arange(num_layers, dtype=jnp.int32)
 
   def regather(shards_L, states_L, new_states_L, i):
@@ -114,18 +115,19 @@ def _prefetched_scan(layer_fn, gather, remat: str, num_layers: int):
       return h_out, aux, (h if keep == "inputs" else None)
 
     def body(carry, i):
-      h, full = carry
+      h, full, _ = carry
       # Layer i+1's gather first (read in place: a rolled copy of the shards as scan input would
       # copy every layer's shards each step), then layer i's compute.
       full_next, state_next, stats_next = gather(*_take((shards_L, states_L), i + 1))
       h_out, aux, saved = compute(h, full, i)
-      return (h_out, full_next), (aux, state_next, stats_next, saved)
+      return (h_out, full_next, i + 1), (aux, state_next, stats_next, saved)
 
     # Layers 0..L-2 in the scan, each under the next one's gather; the last layer after it, on
-    # the weights its last iteration gathered (in the scan it would gather layer L-1 again).
-    (h, full_last), (aux_s, states_next_L, stats_next_L, saved_s) = lax.scan(
-        body, (h, full_0), index_L[:-1])
-    h, aux_last, saved_last = compute(h, full_last, index_L[-1])
+    # the weights its last iteration gathered (in the scan it would gather layer L-1 again). Its
+    # index comes out of the loop, traced like the body's, so its residuals have their pytree.
+    (h, full_last, i_last), (aux_s, states_next_L, stats_next_L, saved_s) = lax.scan(
+        body, (h, full_0, index_L[0]), index_L[:-1])
+    h, aux_last, saved_last = compute(h, full_last, i_last)
     append = lambda rest, last: jax.tree.map(                # noqa: E731
         lambda a, b: jnp.concatenate([a, b[None]], axis=0), rest, last)
     prepend = lambda first, rest: jax.tree.map(              # noqa: E731
