@@ -12,6 +12,7 @@ on one device. Prints the continuation; bad input stops with one line and exit c
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import numpy as np
@@ -40,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
 def encode_prompt(tokenizer, prompt: str, vocab_size: int) -> np.ndarray:
   """[1, P] ids, or a DataError naming --prompt."""
   try:
-    ids = np.asarray(tokenizer.encode(prompt), np.int32)
+    # With the tokenizer's special tokens (a Llama-style BOS), as transformers encodes a prompt.
+    ids = np.asarray(tokenizer.encode(prompt, special_tokens=True), np.int32)
   except Exception as e:  # noqa: BLE001  tokenizers raise bare exceptions
     raise DataError(f"--prompt {prompt!r}: the tokenizer {tokenizer.name} cannot encode it "
                     f"({e})") from None
@@ -56,9 +58,13 @@ def encode_prompt(tokenizer, prompt: str, vocab_size: int) -> np.ndarray:
 def run(args) -> str:
   if args.max_new_tokens < 1:
     raise DataError(f"--max-new-tokens={args.max_new_tokens}: must be at least 1")
-  if args.temperature < 0 or not 0 < args.top_p <= 1:
-    raise DataError(f"--temperature={args.temperature} --top-p={args.top_p}: need "
-                    "temperature >= 0 and 0 < top-p <= 1")
+  if not (math.isfinite(args.temperature) and args.temperature >= 0):
+    raise DataError(f"--temperature={args.temperature}: must be a finite number >= 0 (0 is "
+                    "greedy)")
+  if not 0 < args.top_p <= 1:   # NaN fails this too
+    raise DataError(f"--top-p={args.top_p}: must be in (0, 1]")
+  if not -2 ** 63 <= args.seed < 2 ** 63:
+    raise DataError(f"--seed={args.seed}: must fit in 64 bits, in [-2^63, 2^63)")
   import jax.numpy as jnp
   from moejax.convert.checkpoint_io import load_model
   from moejax.data.tokenizer import check_vocab, load_tokenizer
@@ -67,14 +73,53 @@ def run(args) -> str:
   tokenizer = load_tokenizer(tokenizer_spec)
   check_vocab(tokenizer, cfg.model.vocab_size)
   prompt_1xP = encode_prompt(tokenizer, args.prompt, cfg.model.vocab_size)
+  dtype = jnp.dtype(args.dtype)
+  check_cache_fits(cfg, prompt_1xP.shape[1] + args.max_new_tokens, dtype)
   tokens_1xN, _ = decode.generate(cfg, params, prompt_1xP, max_new_tokens=args.max_new_tokens,
                                   temperature=args.temperature, top_p=args.top_p,
-                                  seed=args.seed, dtype=jnp.dtype(args.dtype),
-                                  eos_id=tokenizer.eos_id)
-  new = np.asarray(tokens_1xN)[0, prompt_1xP.shape[1]:]
+                                  seed=args.seed, dtype=dtype, eos_id=tokenizer.eos_id)
+  prompt_ids = prompt_1xP[0]
+  new = np.asarray(tokens_1xN)[0, prompt_ids.size:]
   if new.size and new[-1] == tokenizer.eos_id:
     new = new[:-1]
-  return tokenizer.decode(new)
+  return continuation(tokenizer, prompt_ids, new)
+
+
+def continuation(tokenizer, prompt_ids: np.ndarray, new_ids: np.ndarray) -> str:
+  """The text the new ids add to the prompt's. Decoded with the prompt, then the prompt's own
+  text cut off: tokenizers that mark word starts in the token (SentencePiece's metaspace) drop
+  a leading space when a sequence is decoded alone, so decoding the new ids by themselves would
+  glue the first new word to the prompt."""
+  whole = tokenizer.decode(np.concatenate([prompt_ids, new_ids]))
+  head = tokenizer.decode(prompt_ids)
+  return whole[len(head):] if whole.startswith(head) else tokenizer.decode(new_ids)
+
+
+def check_cache_fits(cfg, positions: int, dtype) -> None:
+  """DataError naming --max-new-tokens when the KV cache for `positions` cannot fit in the
+  device's memory (its allocator's limit; on CPU the machine's physical memory)."""
+  import jax
+  from moejax.models import decode
+  cache = jax.eval_shape(lambda: decode.init_cache(cfg, 1, positions, dtype))
+  need = sum(x.size * x.dtype.itemsize for x in cache)
+  limit = device_memory_bytes(jax.devices()[0])
+  if limit and need > limit:
+    raise DataError(f"--max-new-tokens: a KV cache of {positions:,} positions needs "
+                    f"{need / 2**30:.1f} GiB, more than the device's {limit / 2**30:.1f} GiB; "
+                    "ask for fewer new tokens")
+
+
+def device_memory_bytes(device) -> int | None:
+  stats = device.memory_stats() or {}
+  if stats.get("bytes_limit"):
+    return int(stats["bytes_limit"])
+  if device.platform == "cpu":
+    import os
+    try:
+      return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+      return None
+  return None
 
 
 def main(argv: list[str] | None = None) -> int:

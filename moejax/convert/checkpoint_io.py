@@ -100,6 +100,9 @@ def load_model(path: str, step: int | None = None, *,
   if not os.path.exists(path):
     raise CheckpointError(f"{path}: no such checkpoint, workdir or Hugging Face directory")
   from_hf = os.path.isdir(path) and is_hf_dir(path)
+  if from_hf and step is not None:
+    raise CheckpointError(f"--step={step}: {path} is a Hugging Face directory, which holds one "
+                          "set of weights; drop --step")
   if from_hf:
     from moejax.convert import hf
     cfg, params = hf.load_hf(path)

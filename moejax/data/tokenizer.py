@@ -3,7 +3,8 @@
 Both classes have `name`, `vocab_size`, `eos_id`, `encode(text) -> list[int]`,
 `decode(ids) -> str` and `encode_documents(docs) -> int32[N]`, the token stream the pipeline
 trains on: every document's ids followed by `eos_id`. `encode` adds no special tokens (no BOS,
-no post-processor template); documents are separated by the one EOS that `encode_documents`
+no post-processor template) unless asked (`special_tokens=True`: a prompt for generation, as
+transformers encodes it); documents are separated by the one EOS that `encode_documents`
 appends. `decode` leaves special tokens (EOS included) out of the text.
 """
 from __future__ import annotations
@@ -27,7 +28,8 @@ class ByteTokenizer:
   eos_id = 256
   vocab_size = 257
 
-  def encode(self, text: str) -> list[int]:
+  def encode(self, text: str, special_tokens: bool = False) -> list[int]:
+    del special_tokens   # bytes have none
     return _utf8(text).tolist()
 
   def decode(self, ids: Iterable[int]) -> str:
@@ -78,8 +80,10 @@ class HFTokenizer:
     else:
       self.eos_token, self.eos_id, self.vocab_size = None, num_ids, num_ids + 1
 
-  def encode(self, text: str) -> list[int]:
-    return self._tok.encode(text, add_special_tokens=False).ids
+  def encode(self, text: str, special_tokens: bool = False) -> list[int]:
+    """`special_tokens`: apply the file's post-processor (e.g. the BOS that Llama-style
+    tokenizers put in front), as transformers' tokenizer does by default; for a prompt."""
+    return self._tok.encode(text, add_special_tokens=special_tokens).ids
 
   def decode(self, ids: Iterable[int]) -> str:
     ids_N = _as_ids(ids)

@@ -110,7 +110,11 @@ def sample(logits_BxV, key, *, temperature: float, top_p: float):
   from the smallest set of tokens whose probability reaches top_p (nucleus sampling)."""
   if temperature <= 0:
     return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
-  logits_BxV = logits_BxV / temperature
+  # The largest logit subtracted first (softmax does not change): a small temperature then
+  # sends the others to -inf and the largest stays 0 (greedy), where dividing the raw logits
+  # overflowed to +-inf and sampled among them.
+  logits_BxV = logits_BxV.astype(jnp.float32)
+  logits_BxV = (logits_BxV - jnp.max(logits_BxV, axis=-1, keepdims=True)) / temperature
   if top_p < 1.0:
     sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
     cumulative_BxV = jnp.cumsum(jax.nn.softmax(sorted_BxV, axis=-1), axis=-1)
