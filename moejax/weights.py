@@ -141,6 +141,9 @@ def check_new_dir(out_dir: str) -> str:
   """`out_dir` as an absolute path, or a CheckpointError when it already holds files (callers
   check before reading the weights they will write there)."""
   out_dir = os.path.abspath(out_dir)
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise CheckpointError(f"{out_dir}: is a file, not a directory; choose a new directory for "
+                          "the checkpoint")
   if os.path.isdir(out_dir) and os.listdir(out_dir):
     raise CheckpointError(f"{out_dir}: not empty; choose a new directory for the checkpoint")
   return out_dir

@@ -59,12 +59,36 @@ def from_hf(args) -> None:
 
 def to_hf(args) -> None:
   from moejax.convert import checkpoint_io, hf
+  hf.check_out_dir(args.out_dir, args.overwrite)   # before reading every weight
   cfg, params, hf_config = checkpoint_io.load_params(args.ckpt, args.step)
   files = hf.save_hf(params, cfg, args.out_dir, dtype=args.dtype,
                      max_shard_bytes=args.max_shard_size, hf_config_base=hf_config,
                      overwrite=args.overwrite)
   shards = sum(f.endswith(".safetensors") for f in files)
-  print(f"wrote {args.out_dir}: {_describe(cfg)}, {shards} safetensors file(s), {args.dtype}")
+  tokenizer = _tokenizer_file(args.ckpt, cfg)
+  if tokenizer is not None:   # transformers (and generate / evaluate) read it beside the weights
+    shutil.copyfile(tokenizer, os.path.join(args.out_dir, checkpoint_io.TOKENIZER_FILE))
+  print(f"wrote {args.out_dir}: {_describe(cfg)}, {shards} safetensors file(s), {args.dtype}"
+        + (f", {checkpoint_io.TOKENIZER_FILE}" if tokenizer else
+           " (no tokenizer.json: the run trained on bytes or names none)"))
+
+
+def _tokenizer_file(ckpt: str, cfg) -> str | None:
+  """The tokenizer.json a checkpoint was trained with: the one kept beside it, else the file
+  its config names (`data.tokenizer`); None for the byte tokenizer."""
+  from moejax import weights
+  from moejax.errors import CheckpointError
+  found = weights.tokenizer_beside(ckpt)
+  if found is not None:
+    return found
+  try:
+    spec = weights.tokenizer_of(cfg)
+  except CheckpointError:   # init_from's weights moved: nothing to copy
+    return None
+  if spec == "bytes":
+    return None
+  path = os.path.join(spec, weights.TOKENIZER_FILE) if os.path.isdir(spec) else spec
+  return path if os.path.isfile(path) else None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -175,6 +175,19 @@ def _existing_checkpoint_files(out_dir: str) -> list[str]:
                 + glob.glob(os.path.join(out_dir, INDEX_FILE)))
 
 
+def check_out_dir(out_dir: str, overwrite: bool = False) -> list[str]:
+  """The checkpoint files `save_hf` would replace in `out_dir`, or a CheckpointError when it
+  is a file, or holds a checkpoint and not `overwrite`."""
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise CheckpointError(f"{out_dir}: is a file, not a directory; choose a directory for the "
+                          "Hugging Face checkpoint")
+  existing = _existing_checkpoint_files(out_dir)
+  if existing and not overwrite:
+    raise CheckpointError(f"{out_dir}: already holds a checkpoint ({os.path.basename(existing[0])})"
+                          "; choose an empty directory, or overwrite (--overwrite)")
+  return existing
+
+
 def save_hf(params, cfg: Config, out_dir: str, *, dtype: str = "float32",
             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, hf_config_base: dict | None = None,
             overwrite: bool = False) -> list[str]:
@@ -189,10 +202,7 @@ def save_hf(params, cfg: Config, out_dir: str, *, dtype: str = "float32",
   hf = hf_config.hf_config_from(cfg, hf_config_base, dtype=dtype)
   maps = hf_names.leaf_maps(cfg, hf_names.PER_EXPERT)
   _check_params(params, cfg, maps)
-  existing = _existing_checkpoint_files(out_dir)
-  if existing and not overwrite:
-    raise CheckpointError(f"{out_dir}: already holds a checkpoint ({os.path.basename(existing[0])})"
-                          "; choose an empty directory, or overwrite (--overwrite)")
+  existing = check_out_dir(out_dir, overwrite)
   for path in existing:
     os.remove(path)
 

@@ -87,3 +87,7 @@ def test_fine_tune_a_hugging_face_checkpoint_through_train_py(hf_reference, tmp_
     exported = json.load(f)
   assert exported["model_type"] == FAMILY and exported["max_window_layers"] == source[
       "max_window_layers"]
+  # ... and the tokenizer it was trained with, which transformers and generate read from there.
+  with open(os.path.join(out, "tokenizer.json")) as a, open(os.path.join(hf_dir,
+                                                                          "tokenizer.json")) as b:
+    assert a.read() == b.read()

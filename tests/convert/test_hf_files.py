@@ -275,6 +275,13 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
   assert run.returncode == 2, run.stderr
   assert run.stderr.startswith("error: ") and run.stderr.count("\n") == 1, run.stderr
   assert "not a directory" in run.stderr
+  # An output path that is a file, refused before anything is read.
+  (tmp_path / "afile").write_text("x")
+  for argv in (["to-hf", str(tmp_path / "no_ckpt"), str(tmp_path / "afile")],
+               ["from-hf", str(tmp_path / "none"), str(tmp_path / "afile")]):
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{tmp_path / 'afile'}: is a file" in err, err
 
 
 def test_cli_from_hf_refuses_a_used_directory(hf_dir, tmp_path, capsys, monkeypatch):
