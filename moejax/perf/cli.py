@@ -37,11 +37,21 @@ def load_config(spec: str):
   path, _, arg = spec.partition(":")
   if not os.path.isfile(path):
     raise ValueError(f"--config {spec}: no such file {path}")
+  from moejax.config import from_config_dict
+  from moejax.errors import MoejaxError
   mod_spec = importlib.util.spec_from_file_location("_perf_config", path)
   module = importlib.util.module_from_spec(mod_spec)
-  mod_spec.loader.exec_module(module)
-  from moejax.config import from_config_dict
-  return from_config_dict(module.get_config(arg or None))
+  try:
+    mod_spec.loader.exec_module(module)
+  except Exception as e:  # noqa: BLE001  a config file can raise anything; the message is enough
+    raise ValueError(f"--config {spec}: {path} failed to load ({type(e).__name__}: {e})") from None
+  if not callable(getattr(module, "get_config", None)):
+    raise ValueError(f"--config {spec}: {path} defines no get_config(), which moejax config "
+                     "files provide")
+  try:
+    return from_config_dict(module.get_config(arg or None))
+  except MoejaxError as e:
+    raise ValueError(f"--config {spec}: {e}") from None
 
 
 def _parser():
@@ -93,7 +103,20 @@ def main(argv=None) -> int:
     return 2
 
 
+def _check_numbers(args) -> None:
+  """ValueError naming the flag of a number that is not finite or out of range (0 means the
+  default where a flag has one)."""
+  import math
+  for flag, value, low in (("--layers", args.layers, 0), ("--seq-len", args.seq_len, 0),
+                           ("--tokens-per-gpu", args.tokens_per_gpu, 0),
+                           ("--steps", args.steps, 1)):
+    if not (math.isfinite(value) and value >= low):
+      raise ValueError(f"{flag}={value}: must be a finite number >= {low}"
+                       + (" (0: the default)" if low == 0 else ""))
+
+
 def _run(args) -> int:
+  _check_numbers(args)
   cfg = None
   if args.config:
     cfg = load_config(args.config)

@@ -121,10 +121,18 @@ def read_metrics(path: str) -> list[dict]:
   """The records of a run's metrics.jsonl (one JSON object per logged step)."""
   out = []
   with open(path, encoding="utf-8") as f:
-    for line in f:
+    for number, line in enumerate(f, 1):
       line = line.strip()
-      if line:
-        out.append(json.loads(line))
+      if not line:
+        continue
+      try:
+        record = json.loads(line)
+      except ValueError as e:
+        raise ValueError(f"{path}:{number}: not JSON ({e})") from None
+      if not isinstance(record, dict):
+        raise ValueError(f"{path}:{number}: a {type(record).__name__}, where metrics.jsonl has "
+                         "one JSON object per line")
+      out.append(record)
   if not out:
     raise ValueError(f"{path}: no records")
   return out

@@ -160,7 +160,10 @@ def step(shape: ModelShape, cluster, run: Run, system, calib: Calibration,
                 waits + [state["prev"]], f"{u.name} {'bwd' if backward else 'fwd'}")
       state["prev"] = c
       if backward:
-        groups = [g for g in u.groups.values() if g.tensors or not deepspeed]
+        # Every gradient is reduced, DeepSpeed's unpartitioned small tensors too (their
+        # tensors count 0: no fetch hook; they were left out here, and a tiny shape's ZeRO-3
+        # step came out as 0 ms).
+        groups = list(u.groups.values())
         full = sum(g.values for g in groups)
         deps = c
         if deepspeed:

@@ -41,3 +41,29 @@ def test_cli_errors(capsys):
   assert "--gpus" in capsys.readouterr().err
   assert cli.main(["--config", "configs/nope.py:tiny", "--plot", ""]) == 2
   assert "no such file" in capsys.readouterr().err
+
+
+def test_cli_refuses_bad_numbers_config_files_and_metrics_in_one_line(tmp_path, capsys):
+  def refused(argv, message):
+    assert cli.main([*argv, "--plot", ""]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+
+  model = ["--model", "OLMoE-1B-7B", "--gpus", "8"]
+  refused([*model, "--tokens-per-gpu", "nan"], "--tokens-per-gpu=nan")
+  refused([*model, "--layers", "-1"], "--layers=-1")
+  refused([*model, "--seq-len", "-5"], "--seq-len=-5")
+  refused([*model, "--steps", "-10"], "--steps=-10")
+  bad_value = tmp_path / "topk.py"
+  bad_value.write_text("import configs.olmoe as o\n"
+                       "def get_config(arg):\n  c = o.get_config('tiny')\n  c.moe.top_k = 99\n"
+                       "  return c\n")
+  refused(["--config", f"{bad_value}:tiny"], "top_k")
+  (tmp_path / "none.py").write_text("x = 1\n")
+  refused(["--config", str(tmp_path / "none.py")], "defines no get_config()")
+  (tmp_path / "syntax.py").write_text("def get_config(:\n")
+  refused(["--config", str(tmp_path / "syntax.py")], "failed to load (SyntaxError")
+  (tmp_path / "list.jsonl").write_text("[1, 2]\n")
+  refused([*model, "--metrics", str(tmp_path / "list.jsonl")], "list.jsonl:1: a list")
+  (tmp_path / "junk.jsonl").write_text('{"step": 1}\nnot json\n')
+  refused([*model, "--metrics", str(tmp_path / "junk.jsonl")], "junk.jsonl:2: not JSON")
