@@ -103,9 +103,14 @@ def write_report(workdir: str) -> str:
     sections.append(f'<section id="{panel.name}"><img alt="{html.escape(panel.title)}" '
                     f'src="data:image/png;base64,{base64.b64encode(png).decode()}"></section>')
   last = records[-1]
-  summary = (f"{len(records)} logged steps (to step {last['step']}); last loss "
-             f"{last['loss']:.4f}" + (f", validation loss {last['val_loss']:.4f}"
-                                      if "val_loss" in last else ""))
+  # The last record with a loss: a record may hold only some figures (a validation step's).
+  trained = next((r for r in reversed(records) if "loss" in r), None)
+  summary = f"{len(records)} logged steps (to step {last['step']})" + (
+      f"; last loss {trained['loss']:.4f} (step {trained['step']})" if trained else
+      "; no training loss logged")
+  if "val_loss" in last:
+    summary += f", validation loss {last['val_loss']:.4f}"
+
   left_out = (f"<h2>Left out</h2><ul>{''.join(missing)}</ul>" if missing else "")
   page = f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>moejax run report: {html.escape(workdir)}</title>

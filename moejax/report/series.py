@@ -66,11 +66,22 @@ def read_records(workdir: str) -> list[dict]:
 
 
 def read_decisions(workdir: str) -> list[dict] | None:
+  """codec_selection.json's decisions (None without the file; a ConfigError naming it when it
+  is damaged: not JSON, or no list of decisions with their `step` and `params`)."""
   path = os.path.join(workdir, CODEC_FILE)
   if not os.path.isfile(path):
     return None
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)["decisions"]
+  try:
+    with open(path, encoding="utf-8") as f:
+      decisions = json.load(f)["decisions"]
+    for d in decisions:
+      int(d["step"])
+      for e in d["params"]:
+        e["group"], e["path"], e["mode"]   # noqa: B018  every entry names its parameter and mode
+  except (ValueError, KeyError, TypeError) as e:
+    raise ConfigError(f"{path}: not a codec selection file ({type(e).__name__}: {e}); move it "
+                      "away to report without the codec plot") from None
+  return decisions
 
 
 def column(records: list[dict], key: str):
@@ -165,6 +176,9 @@ def codec_modes(records, decisions) -> Panel:
     return Panel("codec", "Codec mode per parameter", missing=(
         f"no {CODEC_FILE} in the workdir: the run did not choose codec modes "
         "(codec.mode=auto or codec.select)"))
+  if not decisions:
+    return Panel("codec", "Codec mode per parameter", missing=(
+        f"{CODEC_FILE} holds no decision yet (the run stopped before the codec chose)"))
   names = [f"{e['group']}{e['path']}" for e in decisions[0]["params"]]
   steps = np.array([r["step"] for r in records])
   modes_TxP = np.zeros((len(steps), len(names)), np.int64)   # off before the first decision

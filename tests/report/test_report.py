@@ -154,6 +154,21 @@ def test_bad_workdir_is_one_line_exit_2(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith(f"error: {message}"), err
 
 
+def test_damaged_codec_file_is_one_line_and_odd_records_still_report(tmp_path, capsys):
+  from moejax.report.__main__ import main
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "val_loss": 3.0}\n')
+  for text in ('{"decisions": [{"step": 1', '{"decisions": [{"step": 1, "params": [{}]}]}'):
+    (tmp_path / series.CODEC_FILE).write_text(text)
+    assert main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{tmp_path / series.CODEC_FILE}: not a codec selection" in err[0]
+  # No decision yet, and a last record without a training loss: the report says so.
+  (tmp_path / series.CODEC_FILE).write_text('{"decisions": []}')
+  assert main([str(tmp_path)]) == 0
+  page = (tmp_path / "report.html").read_text()
+  assert "holds no decision yet" in page and "last loss 2.0000 (step 1)" in page
+
+
 def test_a_resumed_runs_records_replace_the_abandoned_ones(tmp_path):
   """A run logged steps 1-6, was resumed from a checkpoint at 4 and logs every 2 steps: from
   the first step it logs again (6) on, only its records count."""
