@@ -61,6 +61,34 @@ class MoESpec:
   top_groups: int = 1                     # ... of which a token uses the best (topk_group)
   score_bias: bool = False                # a selection-only score bias (e_score_correction_bias)
 
+  def __post_init__(self):
+    """ValueError naming the field, so a block built from a bad spec fails here, not with a
+    shape or division error at its first call (train.py's config checks the same fields)."""
+    def need(ok, message):
+      if not ok:
+        raise ValueError(f"MoESpec.{message}")
+    need(self.num_experts >= 1, f"num_experts={self.num_experts}: must be >= 1")
+    need(1 <= self.top_k <= self.num_experts,
+         f"top_k={self.top_k}: must be in [1, num_experts={self.num_experts}]")
+    need(self.score in router_lib.SCORE_FUNCTIONS,
+         f"score={self.score!r}: must be one of {', '.join(router_lib.SCORE_FUNCTIONS)}")
+    need(self.admission in admission_lib.POLICIES,
+         f"admission={self.admission!r}: must be one of {', '.join(admission_lib.POLICIES)}")
+    need(-1.0 <= self.threshold <= 1.0, f"threshold={self.threshold}: a cosine similarity, in "
+         "[-1, 1]")
+    for field in ("capacity_factor", "capacity_factor_warmup", "routed_scale"):
+      need(getattr(self, field) > 0, f"{field}={getattr(self, field)}: must be positive")
+    for field in ("warmup_steps", "locality_weight", "shared_hidden"):
+      need(getattr(self, field) >= 0, f"{field}={getattr(self, field)}: must be >= 0")
+    need(self.shared_hidden > 0 or not self.shared_gate,
+         "shared_gate=True needs a shared expert (shared_hidden > 0)")
+    need(self.groups >= 1 and self.num_experts % self.groups == 0,
+         f"groups={self.groups}: must divide num_experts={self.num_experts}")
+    need(1 <= self.top_groups <= self.groups
+         and self.top_groups * (self.num_experts // self.groups) >= self.top_k,
+         f"top_groups={self.top_groups}: must be in [1, groups={self.groups}] with enough "
+         f"experts for top_k={self.top_k}")
+
 
 def local_experts_mask(dispatch: dispatch_lib.Dispatch, num_experts: int):
   """[E] bool: experts owned by a device on this device's node (ep placement)."""

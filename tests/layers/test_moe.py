@@ -1,7 +1,10 @@
 """The MoE block against a naive per-token loop, and as a drop-in layer (NNX and Linen)."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import linen, nnx
 
 from moejax.layers.moe import MoEBlock, MoESpec
@@ -74,3 +77,17 @@ def test_drop_into_a_linen_model():
   leaves = jax.tree.leaves(grads)
   assert all(np.isfinite(np.asarray(g)).all() for g in leaves)
   assert sum(float(jnp.abs(g).sum()) for g in leaves) > 0
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(top_k=0), "top_k=0"), (dict(top_k=9), "top_k=9"), (dict(num_experts=0, top_k=0),
+                                                             "num_experts=0"),
+    (dict(groups=3), "groups=3"), (dict(groups=4, top_groups=1, top_k=3), "top_groups=1"),
+    (dict(score="relu"), "score='relu'"), (dict(admission="drop"), "admission='drop'"),
+    (dict(capacity_factor=0.0), "capacity_factor=0.0"), (dict(shared_gate=True), "shared_gate"),
+    (dict(threshold=2.0), "threshold=2.0")])
+def test_spec_refuses_bad_fields_by_name(changes, field):
+  """Refused when the spec is made, naming the field (a block built from it failed only at its
+  first call: top_k=0 a ZeroDivisionError, groups=3 a reshape TypeError)."""
+  with pytest.raises(ValueError, match=f"^MoESpec.{re.escape(field)}"):
+    MoESpec(**{"num_experts": 8, "top_k": 2, **changes})
