@@ -1,6 +1,7 @@
 """Loss and perplexity of a checkpoint on a text or JSONL file (or the built-in corpus).
 
   python -m moejax.evaluate CKPT --data PATH [--split all|val] [--batches N] [--step N]
+      [--seq-len N] [--batch-size N]
 
 CKPT as for `moejax.generate`. PATH: a .jsonl file (one {"text": ...} per line), any other
 file as plain text, or `builtin`. `--split all` (default) scores every window of the file in
@@ -8,8 +9,9 @@ order; `--split val` the batches the training loop validates on (the config's
 `data.val_fraction` split, its first `eval_batches` batches, in order), so on the training data
 it gives the run's `val_loss` (exactly for fsdp on the run's device count; with admission, whose
 capacity is per device, or ep, whose buffers are, another device count routes slightly
-differently). Windows are the config's batch_size x seq_len, the last partial batch left
-out. The evaluation runs the training loop's own eval step (`Trainer.evaluate`: routing as after
+differently). Windows are the config's batch_size x seq_len (`--batch-size`, `--seq-len`: a
+Hugging Face directory's config names no training shape, so moejax's defaults, 16 x 64, unless
+given), the last partial batch left out. The evaluation runs the training loop's own eval step (`Trainer.evaluate`: routing as after
 the admission warm-up, plain gathers) on all local devices, placement fsdp.
 """
 from __future__ import annotations
@@ -36,6 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--tokenizer", default=None,
                       help="'bytes' or a tokenizer.json (default: the one beside CKPT)")
   parser.add_argument("--step", type=int, default=None, help="checkpoint step (default latest)")
+  parser.add_argument("--seq-len", type=int, default=None,
+                      help="tokens per window (default: the checkpoint config's seq_len; a "
+                           "Hugging Face directory's is moejax's default, 64)")
+  parser.add_argument("--batch-size", type=int, default=None,
+                      help="windows per batch (default: the checkpoint config's batch_size)")
   return parser
 
 
@@ -99,13 +106,18 @@ def mean_loss(trainer, params, eval_batches) -> float:
 def run(args) -> dict:
   if args.batches is not None and args.batches < 1:
     raise DataError(f"--batches={args.batches}: must be at least 1")
+  for flag, value in (("--seq-len", args.seq_len), ("--batch-size", args.batch_size)):
+    if value is not None and value < 1:
+      raise DataError(f"{flag}={value}: must be at least 1")
   from moejax.convert.checkpoint_io import load_model
   cfg, params, tokenizer_spec = load_model(args.ckpt, args.step, tokenizer=args.tokenizer)
+  cfg = dataclasses.replace(cfg, seq_len=args.seq_len or cfg.seq_len,
+                            batch_size=args.batch_size or cfg.batch_size)
   eval_batches = batches(cfg, args.data, args.split, tokenizer_spec, args.batches)
   loss = mean_loss(evaluation_trainer(cfg), params, eval_batches)
   tokens = len(eval_batches) * cfg.batch_size * cfg.seq_len
   return {"loss": loss, "perplexity": math.exp(loss), "tokens": tokens,
-          "batches": len(eval_batches)}
+          "batches": len(eval_batches), "batch_size": cfg.batch_size, "seq_len": cfg.seq_len}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     print(f"{args.data} ({args.split}): loss {result['loss']:.4f} nats/token, perplexity "
           f"{result['perplexity']:.2f} over {result['tokens']:,} tokens "
-          f"({result['batches']} batches)")
+          f"({result['batches']} batches of {result['batch_size']} x {result['seq_len']})")
 
   return run_command(body)
 

@@ -21,7 +21,7 @@ def test_cli_validation_split_defaults_to_the_loops_batches(trained, capsys):
   assert evaluate.main([str(trained), "--data", "builtin", "--split", "val"]) == 0
   out = capsys.readouterr().out
   assert f"loss {records(trained)[-1]['val_loss']:.4f} nats/token" in out
-  assert "(1 batches)" in out                  # the canonical run's eval_batches
+  assert "(1 batches of " in out               # the canonical run's eval_batches
 
 
 def test_cli_scores_a_file(trained, tmp_path, capsys):
@@ -31,7 +31,11 @@ def test_cli_scores_a_file(trained, tmp_path, capsys):
   text.write_text("\n".join(lines))
   assert evaluate.main([str(trained), "--data", str(text), "--batches", "2"]) == 0
   out = capsys.readouterr().out
-  assert out.startswith(f"{text} (all): loss ") and "over 2,048 tokens (2 batches)" in out
+  assert out.startswith(f"{text} (all): loss ") and "over 2,048 tokens (2 batches of 16 x 64)" in out
+  # Another window: the same file scored in windows of 32 tokens, 4 to a batch.
+  assert evaluate.main([str(trained), "--data", str(text), "--batches", "2", "--seq-len", "32",
+                        "--batch-size", "4"]) == 0
+  assert "over 256 tokens (2 batches of 4 x 32)" in capsys.readouterr().out
   loss = float(out.split("loss ")[1].split()[0])
   perplexity = float(out.split("perplexity ")[1].split()[0])
   assert 0 < loss < 10 and np.isclose(perplexity, math.exp(loss), rtol=1e-3)
@@ -43,7 +47,8 @@ def test_bad_input_is_one_line_exit_2(trained, tmp_path, capsys):
   for argv, message in (
       ([str(tmp_path / "nothing"), "--data", "builtin"], f"{tmp_path / 'nothing'}: no such"),
       ([str(trained), "--data", str(tmp_path / "missing.txt")], "missing.txt: file not found"),
-      ([str(trained), "--data", str(binary)], "bad.txt: not UTF-8 text")):
+      ([str(trained), "--data", str(binary)], "bad.txt: not UTF-8 text"),
+      ([str(trained), "--data", "builtin", "--seq-len", "0"], "--seq-len=0")):
     assert evaluate.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
