@@ -76,7 +76,11 @@ def parse_flags(argv):
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   try:
-    return flags.FLAGS(argv)
+    parsed = flags.FLAGS(argv)
+    # The config file is read lazily, on first use, when no --config.FIELD override made it
+    # load here: a missing file would end in a traceback in main.
+    _CONFIG.value.keys()
+    return parsed
   except Exception as e:  # noqa: BLE001  config files raise anything; the message is enough
     inner = e   # ConfigDict wraps a KeyError in an AttributeError; a KeyError's str() is a repr
     while inner.args and isinstance(inner.args[0], BaseException):

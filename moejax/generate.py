@@ -102,24 +102,24 @@ def check_cache_fits(cfg, positions: int, dtype) -> None:
   from moejax.models import decode
   cache = jax.eval_shape(lambda: decode.init_cache(cfg, 1, positions, dtype))
   need = sum(x.size * x.dtype.itemsize for x in cache)
-  limit = device_memory_bytes(jax.devices()[0])
+  limit = cache_limit_bytes(jax.devices()[0])
   if limit and need > limit:
     raise DataError(f"--max-new-tokens: a KV cache of {positions:,} positions needs "
                     f"{need / 2**30:.1f} GiB, more than the device's {limit / 2**30:.1f} GiB; "
                     "ask for fewer new tokens")
 
 
-def device_memory_bytes(device) -> int | None:
-  stats = device.memory_stats() or {}
-  if stats.get("bytes_limit"):
-    return int(stats["bytes_limit"])
-  if device.platform == "cpu":
-    import os
-    try:
-      return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-      return None
-  return None
+def cache_limit_bytes(device) -> int | None:
+  """The device's memory as XLA reports it (GPUs), else on CPU the machine's physical memory."""
+  from moejax.train.memory import device_memory_bytes
+  limit = device_memory_bytes(device)
+  if limit or device.platform != "cpu":
+    return limit
+  import os
+  try:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  except (ValueError, OSError):
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,9 @@ def _one_error_line(proc, message):
     (["--config", "configs/olmoe.py:huge"], "unknown preset 'huge'"),
     (["--config.moe.foo=1"], "unknown config field 'foo'"),
     (["--config.moe.top_k=abc"], "--config.moe.top_k=abc"),
+    # No override to make absl read the file: it used to fail later, in main, with a traceback.
+    (["--config", "configs/nothere.py:tiny"], "No such file or directory: 'configs/nothere.py'"),
+    (["--config", "configs"], "Is a directory: 'configs'"),
 ])
 def test_bad_command_line_is_one_line(tmp_path, args, message):
   if not args[0].startswith("--config="):

@@ -70,9 +70,12 @@ load_params = weights.load_params
 # (data.path may move: the data iterator checks the token stream itself, by length and CRC.)
 # (init_from only matters when there is no checkpoint to resume.)
 # (the dispatch buffers' size changes which step may overflow, never an assignment.)
+# (optim.: the optimizer's hyperparameters act on each step's update, not on its state's
+# structure, so a run that diverged resumes with a lower lr; clipping switched on or off is
+# refused apart, since it adds or drops a transformation's state.)
 MAY_DIFFER = ("steps", "log_every", "eval_every", "eval_batches", "remat", "prefetch", "mesh.",
               "moe.placement", "moe.dispatch_capacity_factor", "moe.dispatch_overflow",
-              "checkpoint.", "codec.", "data.path", "init_from", "distributed.")
+              "checkpoint.", "codec.", "data.path", "init_from", "distributed.", "optim.")
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -118,6 +121,14 @@ def check_compatible(saved: dict, cfg: Config) -> None:
     want = run.get(field, _ABSENT)
     if have != want:
       raise CheckpointError(f"config.{field}: checkpoint has {_show(have)}, run has {_show(want)}")
+  have = saved.get("optim.clip_norm", defaults["optim.clip_norm"])
+  if (have > 0) != (cfg.optim.clip_norm > 0):
+    raise CheckpointError(
+        f"config.optim.clip_norm: checkpoint has {_show(have)}, run has "
+        f"{_show(cfg.optim.clip_norm)}: clipping switched {'off' if have > 0 else 'on'} changes "
+        "the optimizer state's structure; keep it "
+        f"{'on (any value > 0)' if have > 0 else 'off (0)'}, or start a new workdir from these "
+        "weights (--config.init_from=CHECKPOINT)")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -350,15 +350,17 @@ def _billions(n: int) -> str:
 FINITE = ("loss", "grad_norm")     # a step whose figures are not finite stops the run
 
 
-def _check_finite(step: int, metrics: dict, checkpoints) -> None:
+def _check_finite(step: int, metrics: dict, checkpoints, clipped: bool = True) -> None:
   """Raises TrainingError if the step's loss or gradient norm is not finite, naming the latest
-  good checkpoint a rerun would resume from (after waiting for a save still in flight)."""
+  good checkpoint a rerun would resume from (after waiting for a save still in flight), with the
+  optimizer settings that a rerun may change (`checkpoint.MAY_DIFFER`)."""
   for name in FINITE:
     value = float(metrics[name])
     if not math.isfinite(value):
       checkpoints.wait()
-      raise TrainingError(f"{name} became {value} at step {step}; stopping (try a lower "
-                          f"optim.lr or a smaller optim.clip_norm); {checkpoints.resume_point()}")
+      fix = "a lower optim.lr or a smaller optim.clip_norm" if clipped else "a lower optim.lr"
+      raise TrainingError(f"{name} became {value} at step {step}; stopping (try {fix}: a rerun "
+                          f"may change them); {checkpoints.resume_point()}")
 
 
 def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
@@ -433,6 +435,7 @@ def _train(trainer: Trainer, state, data, val_batches, writer, progress, checkpo
         "nothing to train")
   first_step_time = 0.0
   reshard_moved = None
+  clipped = cfg.optim.clip_norm > 0
   for step in range(first_step, last_step + 1):
     t_step = time.perf_counter()
     state, metrics = compiled.train_step(state, put_batch(next(data.train), trainer.mesh))
@@ -440,7 +443,7 @@ def _train(trainer: Trainer, state, data, val_batches, writer, progress, checkpo
     if choice is not None:       # the codec's new choice, from the next step on
       state, compiled = trainer.adopt(state, compiled, choice)
     if previous is not None:
-      _check_finite(*previous, checkpoints)
+      _check_finite(*previous, checkpoints, clipped)
     previous = (step, metrics)
     steps_since_log += 1
     log_now = True
@@ -453,7 +456,7 @@ def _train(trainer: Trainer, state, data, val_batches, writer, progress, checkpo
     evaluate = step % cfg.eval_every == 0 or step == cfg.steps
     if log_now and (step % cfg.log_every == 0 or evaluate):
       values = jax.device_get(metrics)   # waits for this step: the timing below is honest
-      _check_finite(step, values, checkpoints)
+      _check_finite(step, values, checkpoints, clipped)
       if steps_since_log:
         step_time = (time.perf_counter() - t_log) / steps_since_log
       else:                                # the first (compiling) step, logged on its own
@@ -478,6 +481,8 @@ def _train(trainer: Trainer, state, data, val_batches, writer, progress, checkpo
     if checkpoints.should_save(step) or step == last_step:
       # Never save a non-finite state: this step's loss (the parameters it started from) and
       # gradient norm (the update it made) must be finite. Waits for this step's figures.
-      _check_finite(step, metrics, checkpoints)
+      _check_finite(step, metrics, checkpoints, clipped)
+      t_save = time.perf_counter()      # the step is done (its figures were read): from here on
       checkpoints.save(step, state, data.train.get_state())
+      t_log += time.perf_counter() - t_save   # the save's own time, left out of the steps'
   return record

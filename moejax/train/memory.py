@@ -85,7 +85,12 @@ def memory_report(cfg: Config, num_devices: int, *,
   from moejax.sharding import hook, layout as layout_lib
   from moejax.sharding.prefetch import recomputes
   from moejax.train import optim
+  from moejax.train.state import placement_for
+  from moejax.train.step import check_batch_divides
   n = num_devices
+  # What training on n devices would refuse, refused here too (one node of n devices).
+  check_batch_divides(cfg, n)
+  placement_for(cfg, n, n).check()
   m, moe = cfg.model, cfg.moe
   factor = moe.dispatch_capacity_factor if dispatch_capacity_factor is None else (
       dispatch_capacity_factor)

@@ -59,11 +59,17 @@ class StateLayout:
 
 
 def placement_of(cfg: Config, mesh, param_meta=None) -> Placement:
+  return placement_for(cfg, num_devices(mesh), topology(mesh).devices_per_node, param_meta)
+
+
+def placement_for(cfg: Config, num_devices_: int, devices_per_node: int,
+                  param_meta=None) -> Placement:
+  """`placement_of` for a device count, without a mesh (`train.memory` plans devices it has
+  not got)."""
   moe, f = cfg.moe, cfg.fssdp
   param_meta = olmoe.param_meta(cfg) if param_meta is None else param_meta
   return Placement(moe.placement, num_moe_layers(cfg), moe.num_experts, moe.top_k,
-                   cfg.model.d_model, moe.expert_hidden, num_devices(mesh),
-                   topology(mesh).devices_per_node, DEVICES,
+                   cfg.model.d_model, moe.expert_hidden, num_devices_, devices_per_node, DEVICES,
                    dispatch_capacity_factor=moe.dispatch_capacity_factor,
                    dispatch_overflow=moe.dispatch_overflow, replica_slots=f.replica_slots,
                    overlap_degree=f.overlap_degree,

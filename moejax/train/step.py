@@ -34,11 +34,14 @@ BATCH_SPEC = {"inputs": P(DEVICES), "targets": P(DEVICES)}
 
 
 def check_divisibility(cfg: Config, mesh, lay: StateLayout | None = None) -> None:
-  n = num_devices(mesh)
+  check_batch_divides(cfg, num_devices(mesh))
+  (lay.placement if lay is not None else placement_of(cfg, mesh)).check()
+
+
+def check_batch_divides(cfg: Config, n: int) -> None:
   if cfg.batch_size % n:
     raise ConfigError(f"config.batch_size={cfg.batch_size} is not divisible by the {n} devices "
                       "of the mesh (each device takes an equal slice of the batch)")
-  (lay.placement if lay is not None else placement_of(cfg, mesh)).check()
 
 
 def _forward_local(cfg: Config, lay: StateLayout, params, inputs_BxS, step, gather_state=None,

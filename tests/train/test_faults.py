@@ -104,7 +104,8 @@ def test_nan_gradient_at_a_save_step_is_never_saved_and_a_rerun_resumes_bit_exac
         trainer=_variant(trainer, _poisoned(4, "gradient"), **QUIET))
   assert str(e.value) == (
       "grad_norm became nan at step 4; stopping (try a lower optim.lr or a smaller "
-      f"optim.clip_norm); a rerun resumes from checkpoint {workdir}/checkpoints/2 (step 2)")
+      "optim.clip_norm: a rerun may change them); a rerun resumes from checkpoint "
+      f"{workdir}/checkpoints/2 (step 2)")
   assert _listing(workdir) == ["2"]
   capsys.readouterr()
   run(trainer.cfg, str(workdir), trainer=trainer, stop_at=4)   # the rerun, without the fault
@@ -122,9 +123,29 @@ def test_nan_loss_stops_one_step_late_before_any_checkpoint(trainer, tmp_path):
     run(_config(trainer.cfg, **quiet), str(workdir),
         trainer=_variant(trainer, _poisoned(2, "params"), **quiet))
   assert str(e.value) == (
-      "loss became nan at step 2; stopping (try a lower optim.lr or a smaller optim.clip_norm); "
-      "no checkpoint yet: a rerun starts from the beginning")
+      "loss became nan at step 2; stopping (try a lower optim.lr or a smaller optim.clip_norm: "
+      "a rerun may change them); no checkpoint yet: a rerun starts from the beginning")
   assert _listing(workdir) == []
+
+
+def test_a_saves_time_is_not_counted_as_the_steps(trainer, tmp_path, monkeypatch):
+  """Each save made slow by 1.5 s: the logged step times and tokens/s stay the steps' own (the
+  save used to be charged to the steps of the next logging window: 0.15 against 0.03 s/step)."""
+  slow = 1.5
+  save = ckpt.Checkpointer.save
+
+  def slow_save(self, *args, **kwargs):
+    save(self, *args, **kwargs)
+    time.sleep(slow)
+
+  monkeypatch.setattr(ckpt.Checkpointer, "save", slow_save)
+  workdir = tmp_path / "w"
+  # Saves at 2 and 4, logging at 3 and 6 (the save at 4 inside the second window).
+  overrides = {"log_every": 3, "checkpoint.every": 2}
+  run(_config(trainer.cfg, **overrides), str(workdir), trainer=_variant(trainer, **overrides),
+      stop_at=6)
+  times = [r["step_time_s"] for r in records(workdir)]
+  assert len(times) == 2 and max(times) < slow / 3, times
 
 
 # ------------------------------------------------------------------------------------------------

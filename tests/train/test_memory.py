@@ -9,6 +9,7 @@ from configs import olmoe as olmoe_configs
 from moejax.config import from_config_dict
 from moejax.errors import ConfigError
 from moejax.train.memory import check_fits, memory_report
+from tests.helpers import tiny_config
 
 GB80 = 80 * 10**9          # an 80 GB accelerator (A100/H100-80G)
 
@@ -83,3 +84,13 @@ def test_the_replica_codec_adds_its_caches_at_scale_and_still_fits():
   assert (coded.components["placement"] - plain.components["placement"]
           == 2 * 16 * per_layer)
   assert coded.total < GB80, coded.table()
+
+
+def test_a_split_that_training_would_refuse_is_refused_here_too():
+  """`--memory_on_devices` plans devices it has not got: what training on them would refuse
+  (a batch or an expert count that does not divide) stops with the same line, not a traceback
+  or a table for a step that cannot run."""
+  with pytest.raises(ConfigError, match="config.batch_size=16 is not divisible by the 3 devices"):
+    memory_report(tiny_config(), 3)
+  with pytest.raises(ConfigError, match="config.moe.num_experts=8 is not divisible by the 16 "):
+    memory_report(tiny_config(**{"moe.placement": "ep"}), 16)
