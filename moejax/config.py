@@ -9,6 +9,7 @@ choices come from the modules that own them.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from typing import Any
 
@@ -442,9 +443,31 @@ def _choice(value, field: str, valid: tuple):
          f"config.{field}={value!r}: must be one of {', '.join(str(v) for v in valid)}")
 
 
+def _floats(obj, prefix: str = ""):
+  """(dotted field, value) of every float field of a config dataclass, nested ones too."""
+  for f in dataclasses.fields(obj):
+    value = getattr(obj, f.name)
+    if dataclasses.is_dataclass(value):
+      yield from _floats(value, f"{prefix}{f.name}.")
+    elif isinstance(value, float):
+      yield prefix + f.name, value
+
+
 def validate(c: Config) -> None:
   """Cross-field checks that do not need devices (mesh checks live in sharding.mesh)."""
   m, moe = c.model, c.moe
+  for field, value in _floats(c):   # inf or nan ends in a NaN loss that blames the lr
+    _check(math.isfinite(value), f"config.{field}={value}: must be a finite number")
+  _check(0 <= c.seed < 2 ** 63, f"config.seed={c.seed}: must be in [0, 2^63)")
+  for field, value in [("model.rope_theta", m.rope_theta), ("model.norm_eps", m.norm_eps),
+                       ("model.init_std", m.init_std)]:
+    _check(value > 0, f"config.{field}={value}: must be positive")
+  for field, value in [("moe.aux_loss_weight", moe.aux_loss_weight),
+                       ("moe.z_loss_weight", moe.z_loss_weight),
+                       ("optim.weight_decay", c.optim.weight_decay), ("optim.eps", c.optim.eps)]:
+    _check(value >= 0, f"config.{field}={value}: must be >= 0")
+  for field, value in [("optim.b1", c.optim.b1), ("optim.b2", c.optim.b2)]:
+    _check(0 <= value < 1, f"config.{field}={value}: an Adam decay rate, in [0, 1)")
   for field, value in [("model.vocab_size", m.vocab_size), ("model.d_model", m.d_model),
                        ("model.num_layers", m.num_layers), ("model.num_heads", m.num_heads),
                        ("model.head_dim", m.head_dim), ("moe.num_experts", moe.num_experts),
@@ -520,6 +543,10 @@ def validate(c: Config) -> None:
   for field in ("replica_slots", "overlap_degree", "window"):
     value = getattr(c.fssdp, field)
     _check(value > 0, f"config.fssdp.{field}={value}: must be positive")
+  for field in ("replica_slots", "overlap_degree"):   # replicas of distinct experts of a layer
+    value = getattr(c.fssdp, field)
+    _check(value <= moe.num_experts, f"config.fssdp.{field}={value}: must be at most "
+           f"moe.num_experts={moe.num_experts} (replicas are of distinct experts)")
   _check(c.fssdp.replica_codec in ("",) + REPLICA_CODECS,
          f"config.fssdp.replica_codec={c.fssdp.replica_codec!r}: must be one of "
          f"{', '.join(REPLICA_CODECS)} (or '' to follow codec.mode)")

@@ -211,9 +211,12 @@ def test_unwritable_workdir(tmp_path):
   run = tmp_path / "run"
   run.mkdir()
   (run / "checkpoints").write_text("not a directory")
-  with pytest.raises(ConfigError, match=r"checkpoint directory '.*run/checkpoints' is not "
-                                        r"writable"):
+  with pytest.raises(ConfigError, match=r"checkpoint directory '.*run/checkpoints' is a file, "
+                                        r"not a folder; move the file away"):
     prepare_workdir(str(run))
+  with pytest.raises(ConfigError, match=r"workdir '.*/file' is a file, not a folder; choose "
+                                        r"another --workdir"):
+    prepare_workdir(str(blocker))
   prepare_workdir(str(tmp_path / "fresh"))
   assert (tmp_path / "fresh" / "checkpoints").is_dir()
 
@@ -231,3 +234,24 @@ def test_tokenizer_init_from_reads_the_one_beside_the_weights(tmp_path):
   (tmp_path / "run" / "tokenizer.json").write_text("{}")    # a workdir's, found from a step dir
   assert weights.tokenizer_of(cfg) == str(tmp_path / "run" / "tokenizer.json")
   assert weights.tokenizer_of(tiny_config()) == "bytes"
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("seed", 2 ** 64, "config.seed=18446744073709551616: must be in [0, 2^63)"),
+    ("seed", -1, "config.seed=-1: must be in [0, 2^63)"),
+    ("optim.lr", float("inf"), "config.optim.lr=inf: must be a finite number"),
+    ("routing.threshold", float("nan"), "config.routing.threshold=nan: must be a finite number"),
+    ("model.rope_theta", 0.0, "config.model.rope_theta=0.0: must be positive"),
+    ("model.norm_eps", -1.0, "config.model.norm_eps=-1.0: must be positive"),
+    ("model.init_std", -5.0, "config.model.init_std=-5.0: must be positive"),
+    ("moe.aux_loss_weight", -100.0, "config.moe.aux_loss_weight=-100.0: must be >= 0"),
+    ("optim.b1", 1.5, "config.optim.b1=1.5: an Adam decay rate, in [0, 1)"),
+    ("fssdp.replica_slots", 100, "config.fssdp.replica_slots=100: must be at most "
+                                 "moe.num_experts=8 (replicas are of distinct experts)")])
+def test_values_that_would_train_wrong_or_end_in_nan_are_refused_by_name(field, value, message):
+  """Each of these used to be accepted: b1=1.5 trained, init_std=-5 reached a loss of 108,
+  rope_theta=0 and lr=inf stopped on a NaN loss blaming the learning rate, a seed past 64 bits
+  ended in a traceback."""
+  with pytest.raises(ConfigError) as e:
+    tiny_config(**{field: value})
+  assert str(e.value) == message

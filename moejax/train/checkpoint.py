@@ -139,9 +139,16 @@ def _is_json(feature) -> bool:
   return bool(getattr(feature, "json", False))
 
 
+# Every feature item a checkpoint may hold, JSON or not: a run whose features lack one (fsdp
+# resuming an fssdp run's checkpoint) still registers its handler, or Orbax warns on restore
+# that the item it did not ask for "could not be restored".
+FEATURE_ITEMS_JSON = {"dispatch": True, "codec": True, "fssdp": False}
+
+
 def _open_manager(directory: str, keep: int, features=()):
-  handlers = {f.name: ocp.JsonCheckpointHandler() if _is_json(f)
-              else ocp.StandardCheckpointHandler() for f in features}
+  json_items = {**FEATURE_ITEMS_JSON, **{f.name: _is_json(f) for f in features}}
+  handlers = {name: ocp.JsonCheckpointHandler() if is_json else ocp.StandardCheckpointHandler()
+              for name, is_json in json_items.items()}
   try:
     return weights.open_manager(directory, keep=keep, opt_state=ocp.StandardCheckpointHandler(),
                                 **handlers)

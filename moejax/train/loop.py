@@ -38,6 +38,10 @@ def prepare_workdir(workdir: str) -> None:
   """The workdir and its checkpoints/ folder exist and take files, or a ConfigError now (not
   at the first save, `checkpoint.every` steps in)."""
   for directory in (workdir, checkpoint_lib.checkpoint_dir(workdir)):
+    what = "workdir" if directory == workdir else "checkpoint directory"
+    if os.path.exists(directory) and not os.path.isdir(directory):
+      fix = "choose another --workdir" if what == "workdir" else "move the file away"
+      raise ConfigError(f"{what} {directory!r} is a file, not a folder; {fix}")
     try:
       os.makedirs(directory, exist_ok=True)
       probe = os.path.join(directory, f".write_test.{jax.process_index()}")
@@ -45,7 +49,6 @@ def prepare_workdir(workdir: str) -> None:
         f.write("ok")
       os.remove(probe)
     except OSError as e:
-      what = "workdir" if directory == workdir else "checkpoint directory"
       raise ConfigError(f"{what} {directory!r} is not writable: {e.strerror or e}") from None
 
 

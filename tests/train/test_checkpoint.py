@@ -340,6 +340,42 @@ def test_restore_onto_another_mesh_and_placement(tmp_path, host_state, source, t
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
+def test_an_item_this_run_does_not_use_restores_without_orbaxs_warning(tmp_path, host_state,
+                                                                         caplog):
+  """A checkpoint of a run with a feature item ("dispatch": ep's grown buffers), restored by a
+  run without it (fsdp): Orbax warned that the item "could not be restored" (no handler was
+  registered for it); the state restores either way."""
+  import dataclasses as dc
+
+  @dc.dataclass
+  class Dispatch:
+    name: str = "dispatch"
+    json: bool = True
+
+    def item(self, state):
+      return {"dispatch_capacity_factor": 3.0}, state
+
+  cfg, _, layout, tx = _layout("fsdp", 1)
+  state = jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), host_state,
+                       ckpt.abstract_state(layout, tx))
+  checkpoints = ckpt.Checkpointer(str(tmp_path), cfg, features=(Dispatch(),))
+  checkpoints.save(3, state, {"next_batch": 3})
+  checkpoints.close()
+  checkpoints = ckpt.Checkpointer(str(tmp_path), cfg)
+  with caplog.at_level("WARNING"):
+    _, step = checkpoints.restore(layout, tx)
+  checkpoints.close()
+  assert step == 3
+  assert not [r for r in caplog.records if "could not be restored" in r.getMessage()]
+  # The registry names every feature item there is, JSON or not, as the features do.
+  from moejax.placement.placement import FssdpCheckpoint
+  from moejax.train.codec_control import CodecDecisionItem
+  from moejax.train.loop import DispatchCapacityItem
+  items = {c.name: getattr(c, "json", False) for c in (
+      DispatchCapacityItem(None), CodecDecisionItem(None), FssdpCheckpoint(None, None, None))}
+  assert items == ckpt.FEATURE_ITEMS_JSON
+
+
 # ------------------------------------------------------------------------------------------------
 # load_params: a checkpoint's parameters in your own code.
 
