@@ -11,8 +11,9 @@ it gives the run's `val_loss` (exactly for fsdp on the run's device count; with 
 capacity is per device, or ep, whose buffers are, another device count routes slightly
 differently). Windows are the config's batch_size x seq_len (`--batch-size`, `--seq-len`: a
 Hugging Face directory's config names no training shape, so moejax's defaults, 16 x 64, unless
-given), the last partial batch left out. The evaluation runs the training loop's own eval step (`Trainer.evaluate`: routing as after
-the admission warm-up, plain gathers) on all local devices, placement fsdp.
+given), the last partial batch left out. The evaluation runs the training loop's own eval step
+(`Trainer.evaluate`: routing as after the admission warm-up, plain gathers) on all local
+devices, placement fsdp.
 """
 from __future__ import annotations
 

@@ -31,7 +31,8 @@ def test_cli_scores_a_file(trained, tmp_path, capsys):
   text.write_text("\n".join(lines))
   assert evaluate.main([str(trained), "--data", str(text), "--batches", "2"]) == 0
   out = capsys.readouterr().out
-  assert out.startswith(f"{text} (all): loss ") and "over 2,048 tokens (2 batches of 16 x 64)" in out
+  assert out.startswith(f"{text} (all): loss ")
+  assert "over 2,048 tokens (2 batches of 16 x 64)" in out
   # Another window: the same file scored in windows of 32 tokens, 4 to a batch.
   assert evaluate.main([str(trained), "--data", str(text), "--batches", "2", "--seq-len", "32",
                         "--batch-size", "4"]) == 0

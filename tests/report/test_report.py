@@ -156,7 +156,8 @@ def test_bad_workdir_is_one_line_exit_2(tmp_path, capsys):
 
 def test_damaged_codec_file_is_one_line_and_odd_records_still_report(tmp_path, capsys):
   from moejax.report.__main__ import main
-  (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "val_loss": 3.0}\n')
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n'
+                                          '{"step": 2, "val_loss": 3.0}\n')
   for text in ('{"decisions": [{"step": 1', '{"decisions": [{"step": 1, "params": [{}]}]}'):
     (tmp_path / series.CODEC_FILE).write_text(text)
     assert main([str(tmp_path)]) == 2
