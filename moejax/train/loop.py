@@ -13,6 +13,7 @@ step's figures). A failed save stops it with CheckpointError (`moejax.train.chec
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -351,6 +352,40 @@ def _billions(n: int) -> str:
 
 
 FINITE = ("loss", "grad_norm")     # a step whose figures are not finite stops the run
+# jax's own durations of making a program: a step compiled mid-run (a codec decision's new step,
+# grown dispatch buffers) spends them inside the window of steps it is timed in.
+COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
+                  "/jax/core/compile/jaxpr_to_mlir_module_duration",
+                  "/jax/core/compile/backend_compile_duration")
+
+
+class CompileSeconds:
+  """Seconds jax spent tracing, lowering and compiling since the last `take()` (from
+  `jax.monitoring`), left out of the logged step time as evaluation and saves are."""
+
+  def __init__(self):
+    self._seconds = 0.0
+    jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+
+  def _on_duration(self, event, duration, **_):
+    if event in COMPILE_EVENTS:
+      self._seconds += duration
+
+  def take(self) -> float:
+    seconds, self._seconds = self._seconds, 0.0
+    return seconds
+
+  @contextlib.contextmanager
+  def left_out(self):
+    """What compiles inside the block is not counted (the block is timed apart)."""
+    held = self.take()
+    try:
+      yield
+    finally:
+      self._seconds = held
+
+  def close(self):
+    jax.monitoring.unregister_event_duration_listener(self._on_duration)
 
 
 def _check_finite(step: int, metrics: dict, checkpoints, clipped: bool = True) -> None:
@@ -427,6 +462,16 @@ def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
 
 def _train(trainer: Trainer, state, data, val_batches, writer, progress, checkpoints, policy,
            compiled, last_step: int) -> dict:
+  compile_seconds = CompileSeconds()
+  try:
+    return _train_steps(trainer, state, data, val_batches, writer, progress, checkpoints,
+                        policy, compiled, last_step, compile_seconds)
+  finally:
+    compile_seconds.close()
+
+
+def _train_steps(trainer: Trainer, state, data, val_batches, writer, progress, checkpoints,
+                 policy, compiled, last_step: int, compile_seconds: CompileSeconds) -> dict:
   cfg = trainer.cfg
   record: dict = {}
   previous = None                        # (step, metrics) read one step late
@@ -454,14 +499,15 @@ def _train(trainer: Trainer, state, data, val_batches, writer, progress, checkpo
       # The first step compiles; time the steps after it.
       jax.block_until_ready(metrics)
       t_log, steps_since_log = time.perf_counter(), 0
+      compile_seconds.take()
       first_step_time = t_log - t_step      # reported only if this step is logged alone
       log_now = step % cfg.log_every == 0
     evaluate = step % cfg.eval_every == 0 or step == cfg.steps
     if log_now and (step % cfg.log_every == 0 or evaluate):
       values = jax.device_get(metrics)   # waits for this step: the timing below is honest
       _check_finite(step, values, checkpoints, clipped)
-      if steps_since_log:
-        step_time = (time.perf_counter() - t_log) / steps_since_log
+      if steps_since_log:   # less any step compiled meanwhile (a codec decision's)
+        step_time = (time.perf_counter() - t_log - compile_seconds.take()) / steps_since_log
       else:                                # the first (compiling) step, logged on its own
         step_time = first_step_time
       record = {"step": step, **values, "step_time_s": step_time,
@@ -474,6 +520,7 @@ def _train(trainer: Trainer, state, data, val_batches, writer, progress, checkpo
       writer.write(record)
       progress.update(step, record, (cfg.steps - step) * step_time)
       t_log, steps_since_log = time.perf_counter(), 0
+      compile_seconds.take()               # the evaluation's compile was not the steps'
     if (cfg.moe.placement == "fssdp" and cfg.fssdp.reshard_every
         and step % cfg.fssdp.reshard_every == 0 and step < cfg.steps):
       # Before any checkpoint of this step, so a resumed run continues from the same owners.
@@ -486,6 +533,7 @@ def _train(trainer: Trainer, state, data, val_batches, writer, progress, checkpo
       # gradient norm (the update it made) must be finite. Waits for this step's figures.
       _check_finite(step, metrics, checkpoints, clipped)
       t_save = time.perf_counter()      # the step is done (its figures were read): from here on
-      checkpoints.save(step, state, data.train.get_state())
+      with compile_seconds.left_out():
+        checkpoints.save(step, state, data.train.get_state())
       t_log += time.perf_counter() - t_save   # the save's own time, left out of the steps'
   return record
