@@ -50,6 +50,15 @@ def tokenizer_beside(path: str) -> str | None:
   return None
 
 
+def tokenizer_file(spec: str) -> str | None:
+  """The tokenizer.json a tokenizer spec names (the file, or a folder holding one); None for
+  'bytes' or when there is no such file."""
+  if spec == "bytes":
+    return None
+  path = os.path.join(spec, TOKENIZER_FILE) if os.path.isdir(spec) else spec
+  return path if os.path.isfile(path) else None
+
+
 def tokenizer_of(cfg: Config) -> str:
   """`cfg.data.tokenizer`, with `init_from` resolved to the tokenizer.json beside
   `cfg.init_from`'s weights; CheckpointError if there is none."""

@@ -367,9 +367,9 @@ def step_tiles(dims: dict) -> dict:
       row = {"config": config}
       try:
         tiles = (config, own_transposed) if kind == "ragged" else (own_ragged, config)
-        if d % hopper.width_multiple(*tiles) or f % hopper.width_multiple(*tiles):
-          raise ValueError(f"d={d} and f={f} must be multiples of "
-                           f"{hopper.width_multiple(*tiles)} at these tiles")
+        multiple = hopper.width_multiple(*tiles)
+        if d % multiple or f % multiple:
+          raise ValueError(f"d={d} and f={f} must be multiples of {multiple} at these tiles")
         for name in names:
           fn = jax.jit(lambda ops=ops, name=name: products[name][1](ops))
           if not run:

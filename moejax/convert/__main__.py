@@ -82,13 +82,9 @@ def _tokenizer_file(ckpt: str, cfg) -> str | None:
   if found is not None:
     return found
   try:
-    spec = weights.tokenizer_of(cfg)
+    return weights.tokenizer_file(weights.tokenizer_of(cfg))
   except CheckpointError:   # init_from's weights moved: nothing to copy
     return None
-  if spec == "bytes":
-    return None
-  path = os.path.join(spec, weights.TOKENIZER_FILE) if os.path.isdir(spec) else spec
-  return path if os.path.isfile(path) else None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -56,12 +56,11 @@ def prepare_workdir(workdir: str) -> None:
 def _keep_tokenizer(tokenizer: str, workdir: str) -> None:
   """A Hugging Face tokenizer.json the run trains with is copied into the workdir (once, by
   process 0), so generate / evaluate and a later init_from from this workdir find it there."""
-  if tokenizer == "bytes" or jax.process_index() != 0:
+  if jax.process_index() != 0:
     return
-  source = (os.path.join(tokenizer, weights.TOKENIZER_FILE) if os.path.isdir(tokenizer)
-            else tokenizer)
+  source = weights.tokenizer_file(tokenizer)
   target = os.path.join(workdir, weights.TOKENIZER_FILE)
-  if os.path.isfile(source) and not os.path.exists(target):
+  if source is not None and not os.path.exists(target):
     shutil.copyfile(source, target)
 
 
