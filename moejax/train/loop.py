@@ -449,10 +449,12 @@ def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
     writer = MetricsWriter(workdir, first_step=first_step)
     last_step = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
     progress = Progress(cfg.steps, first_step)
+    compile_seconds = CompileSeconds()
     try:
       return _train(trainer, state, data, val_batches, writer, progress, checkpoints, policy,
-                    compiled, last_step)
+                    compiled, last_step, compile_seconds)
     finally:
+      compile_seconds.close()
       progress.close()
       writer.close()
   finally:
@@ -460,17 +462,7 @@ def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
 
 
 def _train(trainer: Trainer, state, data, val_batches, writer, progress, checkpoints, policy,
-           compiled, last_step: int) -> dict:
-  compile_seconds = CompileSeconds()
-  try:
-    return _train_steps(trainer, state, data, val_batches, writer, progress, checkpoints,
-                        policy, compiled, last_step, compile_seconds)
-  finally:
-    compile_seconds.close()
-
-
-def _train_steps(trainer: Trainer, state, data, val_batches, writer, progress, checkpoints,
-                 policy, compiled, last_step: int, compile_seconds: CompileSeconds) -> dict:
+           compiled, last_step: int, compile_seconds: CompileSeconds) -> dict:
   cfg = trainer.cfg
   record: dict = {}
   previous = None                        # (step, metrics) read one step late
