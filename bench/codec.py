@@ -365,7 +365,8 @@ def run_regime(name, trainer, state, data, steps, first, every, budget, block_si
       if report == "total" or param_group(*k) == report:
         num += steady[:, :, offsets[i]:offsets[i + 1]].sum(axis=(0, 1, 2))
         den += units[i] * steady.shape[0] * steady.shape[1] * probe.rows[i]
-    group_rates[report] = num / den
+    if den.any():                            # a group the model has none of prints "-"
+      group_rates[report] = num / den
   return {"name": name, "rows": rows, "runs": runs, "results": results, "late": late_results,
           "late_steps": late, "rates": group_rates, "full_block": traj.full_block,
           "last_choice": last_choice, "names": probe.names, "state": traj.state,
@@ -492,7 +493,8 @@ def print_regime(reg, block_size):
   first, measured = reg["first"], reg["measured"]
   print(f"\n== {reg['name']}: steps {measured.start}-{measured.stop - 1}, decisions after step "
         f"{first} and every {reg['every']} steps ==")
-  print(f"change rates per gather (exponent; block of {block_size} per shard, what the codec "
+  print(f"change rates per gather (exponent; blocks of at most {block_size} per shard (its "
+        "blocks made even), what the codec "
         f"sees; block of {FULL_BLOCK} over whole tensors; whole word; values too far for a delta "
         "code of 2, 3, 4 bits; values moving more than 127 units in the last place):")
   head = ("group", "values", "exp", f"blk{block_size}", f"blk{FULL_BLOCK} full", "word",
@@ -501,6 +503,9 @@ def print_regime(reg, block_size):
   for report in GROUPS + ("total",):
     mask = [report == "total" or param_group(*k) == report for k in rows.names]
     values = int(sum(rows.plain[mask] / 2) * 8)
+    if report not in reg["rates"]:
+      print(" | ".join(f"{c:>12}" for c in (report,) + ("-",) * (len(head) - 1)))
+      continue
     r = reg["rates"][report]
     print(" | ".join(f"{c:>12}" for c in (
         report, values, f"{100 * r[0]:.2f}%", f"{100 * r[1]:.1f}%",

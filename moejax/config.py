@@ -251,7 +251,8 @@ class CodecConfig:
   """One of `moejax.codec.gather.MODES` (every sharded parameter in that mode), or auto: a mode
   per parameter (or plain), chosen and re-chosen from measured change rates."""
   block_size: int = 512
-  """Values per block (block mode)."""
+  """Values per block (block mode), at most: a shard's ceil(n / block_size) blocks are made
+  even (a shard smaller than one block is one block of its size)."""
   warmup_steps: int = 30
   """Gathers that send everything while caches fill."""
   detect: str = "exact"

@@ -43,6 +43,14 @@ def num_blocks(n: int, block_size: int) -> int:
   return -(-n // block_size)
 
 
+def shard_block_size(n: int, block_size: int) -> int:
+  """Values per block of an n-value shard under a configured `block_size`: the shard's
+  ceil(n / block_size) blocks made as even as they go. The block count is unchanged, but a
+  shard smaller than one block is one block of n values (not padded to `block_size`: a 64-value
+  norm shard's changed block cost 512 exponents), and no shard pads more than NB - 1 values."""
+  return -(-n // num_blocks(n, block_size))
+
+
 def block_view(values_N: jax.Array, block_size: int) -> jax.Array:
   """[N] -> [NB, B], zero-padded at the end (padding never changes, so never reports a change)."""
   n = values_N.shape[0]

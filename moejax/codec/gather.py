@@ -60,7 +60,8 @@ State (one per shard and device; a pytree of arrays, rebuilt rather than checkpo
          order, this device skipped
   step   int32 gathers since `init_state`, saturating at `warmup_steps`
   valid  bool, False until a dense gather has filled the caches
-N' is N rounded up to whole blocks in block mode and N otherwise. Memory per device: (W-1) N'
+N' is N rounded up to whole blocks in block mode (of `detect.shard_block_size`: less than NB
+values of padding) and N otherwise. Memory per device: (W-1) N'
 bytes of cache plus N' ("exact") or 16 NB ("hash") bytes of sender state; word/delta W N times
 the float's size. Each device holds its own state: under `shard_map` stack the states of the
 devices along the gathered axis.
@@ -346,7 +347,7 @@ def _send_exponents(bits_N, prev, spec: CodecSpec, fmt: payload.Format, layout: 
   # block hashes (block mode only), in jnp
   exp_N, rest_N = bits.split_bits(bits_N, layout)
   exp_Np = jnp.pad(exp_N, (0, width - n))
-  new_prev = detect.block_hashes(exp_N, spec.block_size)
+  new_prev = detect.block_hashes(exp_N, fmt.block_size)
   blocks_changed_NB = detect.changed_blocks_hashed(new_prev, prev)
   block_changes = jnp.sum(blocks_changed_NB, dtype=jnp.int32)
 
@@ -370,7 +371,8 @@ def _send_words(bits_N, prev_N, specs, fmt: word.WordFormat, layout: bits.Layout
   prev_exp_N, _ = bits.split_bits(prev_N, layout)
   exp_changed_N = detect.changed_values(exp_N, prev_exp_N)
   block_changes_K = jnp.stack([
-      jnp.sum(jnp.any(detect.block_view(exp_changed_N[a:b], spec.block_size), axis=1),
+      jnp.sum(jnp.any(detect.block_view(exp_changed_N[a:b],
+                                        detect.shard_block_size(b - a, spec.block_size)), axis=1),
               dtype=jnp.int32) for (a, b), spec in zip(bounds, specs)])
   escaped = [word.escapes(codes_N[a:b], fmt, None if d_N is None else d_N[a:b])
              for a, b in bounds]

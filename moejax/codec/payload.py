@@ -53,7 +53,9 @@ class Format:
   @classmethod
   def create(cls, mode: str, n: int, exp_bits: int, block_size: int,
              capacity_fraction: float) -> "Format":
-    """Capacity = ceil(fraction * units), at least 1 and at most all units (blocks or values)."""
+    """Capacity = ceil(fraction * units), at least 1 and at most all units (blocks or values);
+    the configured block size evened out over the shard (`detect.shard_block_size`)."""
+    block_size = detect.shard_block_size(n, block_size)
     units = detect.num_blocks(n, block_size) if mode == "block" else n
     capacity = min(units, max(1, math.ceil(capacity_fraction * units)))
     return cls(mode, n, exp_bits, block_size, capacity)

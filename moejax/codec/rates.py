@@ -24,7 +24,8 @@ def change_counts(bits_N: jax.Array, prev_bits_N: jax.Array, layout, block_size:
   exp_N, _ = bits.split_bits(bits_N, layout)
   prev_N, _ = bits.split_bits(prev_bits_N, layout)
   exp_changed = detect.changed_values(exp_N, prev_N)
-  blocks = jnp.any(detect.block_view(exp_changed, block_size), axis=1)
+  block = detect.shard_block_size(exp_changed.shape[0], block_size)   # as the patch's blocks
+  blocks = jnp.any(detect.block_view(exp_changed, block), axis=1)
   d_N = jnp.abs(word.key_delta(bits_N, prev_bits_N, layout.total_bits))   # |INT_MIN| < 0: far
   esc = [jnp.sum((d_N > reach) | (d_N < 0), dtype=jnp.int32)
          for reach in [2 ** (k - 1) - 1 for k in word.DELTA_BITS] + [word.NEAR_MAX]]

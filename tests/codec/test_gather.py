@@ -13,6 +13,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from moejax.codec import bits
+from moejax.codec import detect
 from moejax.codec import gather
 
 W = 8
@@ -89,7 +90,7 @@ class Script:
     self.local = (self.local & keep) | (noise & ~keep)
     for d, k in enumerate(changed_units_per_device):
       if self.spec.mode == "block":
-        b = self.spec.block_size
+        b = detect.shard_block_size(self.n, self.spec.block_size)   # the shard's blocks
         blocks = self.rng.choice(-(-self.n // b), size=k, replace=False)
         pos = np.concatenate([blk * b + self.rng.choice(min(b, self.n - blk * b), size=2)
                               for blk in blocks]) if k else np.zeros(0, int)
@@ -120,7 +121,7 @@ class Script:
     """(exponent changes, blocks with one, whole-word changes), summed over devices."""
     new_exp = self._exp(self.local)
     changed = new_exp != old_exp
-    b = self.spec.block_size
+    b = detect.shard_block_size(self.n, self.spec.block_size)
     pad = -(-self.n // b) * b - self.n
     blocks = np.pad(changed, ((0, 0), (0, pad))).reshape(W, -1, b).any(-1)
     return int(changed.sum()), int(blocks.sum()), int((self.local != old_local).sum())

@@ -92,9 +92,10 @@ def test_capacity_edges():
 
 
 def test_format_sizes():
-  block = FORMATS["block8"]
-  assert (block.num_blocks, block.capacity, block.cache_width) == (16, 4, 1024)
-  assert block.words == 1 + 4 * 64 * 8 // 32                 # bitmap + 4 blocks of bytes
+  block = FORMATS["block8"]   # 1000 values in blocks of 64 -> 16 blocks of 63
+  assert (block.num_blocks, block.block_size, block.capacity, block.cache_width) == (16, 63, 4,
+                                                                                    1008)
+  assert block.words == 1 + 256 * 8 // 32     # bitmap + 4 blocks of bytes (252, packed by 32)
   elem = FORMATS["element5"]
   assert (elem.capacity, elem.pos_bits, elem.cache_width) == (10, 10, 1000)
   assert elem.words == 10 + 5                                  # 32 slots x 10 bits, x 5 bits
@@ -103,6 +104,19 @@ def test_format_sizes():
   assert payload.Format.create("block", 10, 8, 4, 1.0).capacity == 3
   with pytest.raises(ValueError, match="mode must be one of"):
     payload.Format.create("dense", 10, 8, 4, 0.5)
+
+
+def test_shard_blocks_pad_less_than_one_value_per_block():
+  """A shard's blocks: the configured block size's count, evened out, so a shard smaller than a
+  block is not padded to it (a 64-value norm's changed block cost 512 exponents)."""
+  for n in range(1, 700):
+    for block_size in (1, 3, 64, 512):
+      b = detect.shard_block_size(n, block_size)
+      nb = detect.num_blocks(n, block_size)
+      assert b <= block_size and detect.num_blocks(n, b) == nb and nb * b - n < nb, (n, block_size)
+  small = payload.Format.create("block", 64, 8, 512, 0.25)
+  assert (small.num_blocks, small.block_size, small.cache_width) == (1, 64, 64)
+  assert small.words == 1 + 64 * 8 // 32
 
 
 @pytest.mark.parametrize("n", [37, payload.SORT_MAX + 5])
