@@ -215,7 +215,8 @@ class DataConfig:
   """"bytes", a path to a Hugging Face tokenizer.json (or its folder), or "init_from": the
   tokenizer.json beside config.init_from's weights (the Hugging Face presets)."""
   val_fraction: float = 0.05
-  """The last this fraction of the token stream is the validation split."""
+  """The last this fraction of the token stream is the validation split (0: none, no
+  val_loss; the whole stream trains)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -579,8 +580,9 @@ def validate(c: Config) -> None:
   _choice(c.data.source, "data.source", DATA_SOURCES)
   _check(c.data.source == "builtin" or bool(c.data.path),
          f"config.data.path is empty: data.source={c.data.source!r} needs a file path")
-  _check(0.0 < c.data.val_fraction < 0.5,
-         f"config.data.val_fraction={c.data.val_fraction}: must be in (0, 0.5)")
+  _check(0.0 <= c.data.val_fraction < 0.5,
+         f"config.data.val_fraction={c.data.val_fraction}: must be in [0, 0.5) (0: no "
+         "validation split, no val_loss)")
   o = c.optim
   _check(o.lr > 0, f"config.optim.lr={o.lr}: must be positive")
   _check(0 <= o.min_lr_ratio <= 1, f"config.optim.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")

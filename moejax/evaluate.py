@@ -1,10 +1,10 @@
 """Loss and perplexity of a checkpoint on a text or JSONL file (or the built-in corpus).
 
-  python -m moejax.evaluate CKPT --data PATH [--split all|val] [--batches N] [--step N]
-      [--seq-len N] [--batch-size N]
+  python -m moejax.evaluate CKPT --data PATH [--source text|jsonl] [--split all|val]
+      [--batches N] [--step N] [--seq-len N] [--batch-size N]
 
 CKPT as for `moejax.generate`. PATH: a .jsonl file (one {"text": ...} per line), any other
-file as plain text, or `builtin`. `--split all` (default) scores every window of the file in
+file as plain text (one document; `--source jsonl|text` overrides the name), or `builtin`. `--split all` (default) scores every window of the file in
 order; `--split val` the batches the training loop validates on (the config's
 `data.val_fraction` split, its first `eval_batches` batches, in order), so on the training data
 it gives the run's `val_loss` (exactly for fsdp on the run's device count; with admission, whose
@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    description="Loss and perplexity of a checkpoint on a file.")
   parser.add_argument("ckpt", help="workdir, from-hf output or Hugging Face directory")
   parser.add_argument("--data", required=True, help="a .jsonl or text file, or 'builtin'")
+  parser.add_argument("--source", choices=("text", "jsonl"), default=None,
+                      help="how to read --data (default: jsonl for a .jsonl file, else text)")
   parser.add_argument("--split", choices=SPLITS, default="all")
   parser.add_argument("--batches", type=int, default=None,
                       help="at most this many batches (--split val: default eval_batches)")
@@ -47,19 +49,26 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
-def source_of(path: str) -> str:
+def source_of(path: str, source: str | None = None) -> str:
+  """`source` if given, else by the name: 'builtin', jsonl for a .jsonl file, text otherwise."""
   if path == "builtin":
+    if source is not None:
+      raise DataError(f"--source={source} reads a file; --data builtin is the built-in corpus")
     return "builtin"
-  return "jsonl" if path.endswith(".jsonl") else "text"
+  return source or ("jsonl" if path.endswith(".jsonl") else "text")
 
 
-def batches(cfg, data: str, split: str, tokenizer_spec: str, max_batches: int | None = None):
+def batches(cfg, data: str, split: str, tokenizer_spec: str, max_batches: int | None = None,
+            source: str | None = None):
   """The evaluation batches ({"inputs", "targets"} int32 [batch_size, seq_len]) of `data`."""
   from moejax.data import iterator, pipeline
   from moejax.data.sources import load_documents
   from moejax.data.tokenizer import check_vocab, load_tokenizer
-  source = source_of(data)
+  source = source_of(data, source)
   path = None if source == "builtin" else data
+  if split == "val" and cfg.data.val_fraction == 0:
+    raise DataError(f"--split val: the run trained with no validation split "
+                    "(data.val_fraction=0); use --split all on a held-out file")
   if split == "val":
     spec = pipeline.DataSpec(source, path, tokenizer_spec, cfg.data.val_fraction, cfg.seed)
     loaded = pipeline.make_data(spec, batch_size=cfg.batch_size, seq_len=cfg.seq_len)
@@ -114,7 +123,7 @@ def run(args) -> dict:
   cfg, params, tokenizer_spec = load_model(args.ckpt, args.step, tokenizer=args.tokenizer)
   cfg = dataclasses.replace(cfg, seq_len=args.seq_len or cfg.seq_len,
                             batch_size=args.batch_size or cfg.batch_size)
-  eval_batches = batches(cfg, args.data, args.split, tokenizer_spec, args.batches)
+  eval_batches = batches(cfg, args.data, args.split, tokenizer_spec, args.batches, args.source)
   loss = mean_loss(evaluation_trainer(cfg), params, eval_batches)
   tokens = len(eval_batches) * cfg.batch_size * cfg.seq_len
   return {"loss": loss, "perplexity": math.exp(loss), "tokens": tokens,

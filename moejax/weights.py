@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +28,7 @@ from jax.sharding import NamedSharding, Sharding
 from moejax.config import Config, from_config_dict, upgrade_saved
 from moejax.errors import CheckpointError, ConfigError, MoejaxError
 from moejax.sharding import layout as layout_lib
+from moejax.sharding import mesh as mesh_lib
 
 SUBDIR = "checkpoints"    # a run's checkpoints, inside its workdir
 TOKENIZER_FILE = "tokenizer.json"   # a Hugging Face tokenizer, kept beside the weights
@@ -57,6 +59,38 @@ def tokenizer_file(spec: str) -> str | None:
     return None
   path = os.path.join(spec, TOKENIZER_FILE) if os.path.isdir(spec) else spec
   return path if os.path.isfile(path) else None
+
+
+def keep_tokenizer(spec: str, directory: str) -> str | None:
+  """Copies the tokenizer.json that `spec` names into `directory` (replacing another one there)
+  with a tokenizer_config.json naming the EOS the tokenizer resolves to where it stands (its own
+  tokenizer_config.json, or a config.json / hf_config.json beside it), so the copy ends
+  documents with the same id wherever it is read. Returns the copy, or None for 'bytes'."""
+  from moejax.data.tokenizer import TOKENIZER_CONFIG_FILE, load_tokenizer
+  source = tokenizer_file(spec)
+  if source is None:
+    return None
+  target = os.path.join(directory, TOKENIZER_FILE)
+  if os.path.abspath(os.path.dirname(source)) == os.path.abspath(directory):
+    return source                    # already there, with whatever declares its EOS
+  eos = load_tokenizer(source).eos_token
+  config_path = os.path.join(os.path.dirname(source), TOKENIZER_CONFIG_FILE)
+  try:
+    with open(config_path, encoding="utf-8") as f:
+      config = json.load(f)
+  except (OSError, ValueError):
+    config = {}
+  config = config if isinstance(config, dict) else {}
+  if eos is not None:
+    config["eos_token"] = eos
+  shutil.copyfile(source, target)
+  config_target = os.path.join(directory, TOKENIZER_CONFIG_FILE)
+  if config:
+    with open(config_target, "w", encoding="utf-8") as f:
+      json.dump(config, f, indent=2, ensure_ascii=False)
+  elif os.path.exists(config_target):
+    os.remove(config_target)         # a stale one would name another tokenizer's EOS
+  return target
 
 
 def tokenizer_of(cfg: Config) -> str:
@@ -220,6 +254,27 @@ def load_config(path: str, step: int | None = None) -> Config:
   return _read_config(*_locate(path, step))
 
 
+def _check_shardings(shapes, shardings) -> None:
+  """CheckpointError naming the parameter whose sharding does not fit it (before Orbax starts a
+  restore it cannot finish)."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+  try:
+    per_leaf = treedef.flatten_up_to(shardings)
+  except (ValueError, TypeError) as e:
+    raise CheckpointError(f"load_params: shardings is not one Sharding or a pytree like the "
+                          f"parameters: {one_line(e)}") from None
+  for (path, shape), sharding in zip(leaves, per_leaf):
+    name = jax.tree_util.keystr(path)
+    if not isinstance(sharding, Sharding):
+      raise CheckpointError(f"load_params: shardings{name} is {type(sharding).__name__}, not a "
+                            "jax Sharding")
+    try:
+      sharding.shard_shape(shape.shape)
+    except Exception as e:  # noqa: BLE001  (jax raises several kinds for a misfit)
+      raise CheckpointError(f"load_params: shardings{name} does not fit its shape "
+                            f"{tuple(shape.shape)}: {one_line(e)}") from None
+
+
 def load_params(path: str, step: int | None = None, *, mesh=None, shardings=None) -> dict:
   """A checkpoint's parameters: the nested dict `moejax.models.olmoe.forward` takes.
 
@@ -233,6 +288,12 @@ def load_params(path: str, step: int | None = None, *, mesh=None, shardings=None
   """
   if mesh is not None and shardings is not None:
     raise CheckpointError("load_params takes mesh or shardings, not both")
+  if step is not None and (isinstance(step, bool) or not isinstance(step, (int, np.integer))):
+    raise CheckpointError(f"load_params: step={step!r} must be an int (or None: the latest)")
+  if mesh is not None and tuple(mesh.axis_names) != tuple(mesh_lib.DEVICES):
+    raise CheckpointError(f"load_params: mesh has axes {tuple(mesh.axis_names)}, not moejax's "
+                          f"{tuple(mesh_lib.DEVICES)}: make it with "
+                          "moejax.sharding.mesh.make_mesh, or pass shardings=")
   directory, step = _locate(path, step)
   cfg = _read_config(directory, step)
   from moejax.models import olmoe   # only to know the shapes
@@ -247,6 +308,7 @@ def load_params(path: str, step: int | None = None, *, mesh=None, shardings=None
   else:
     if isinstance(shardings, Sharding):
       shardings = jax.tree.map(lambda _: shardings, shapes)
+    _check_shardings(shapes, shardings)
     restore_args = jax.tree.map(lambda _, sh: ocp.ArrayRestoreArgs(sharding=sh), shapes,
                                 shardings)
   try:

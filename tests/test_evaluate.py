@@ -38,6 +38,12 @@ def test_cli_scores_a_file(trained, tmp_path, capsys):
                         "--batch-size", "4"]) == 0
   assert "over 256 tokens (2 batches of 4 x 32)" in capsys.readouterr().out
   loss = float(out.split("loss ")[1].split()[0])
+  # A JSONL file by another name reads as JSONL with --source jsonl (as text by its name).
+  renamed = tmp_path / "held_out.json"
+  renamed.write_text(text.read_text())
+  assert evaluate.main([str(trained), "--data", str(renamed), "--batches", "2",
+                        "--source", "jsonl"]) == 0
+  assert f"loss {loss:.4f} " in capsys.readouterr().out
   perplexity = float(out.split("perplexity ")[1].split()[0])
   assert 0 < loss < 10 and np.isclose(perplexity, math.exp(loss), rtol=1e-3)
 

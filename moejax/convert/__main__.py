@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 import sys
 
 from moejax.config import num_params
@@ -51,13 +50,13 @@ def from_hf(args) -> None:
   from moejax.convert import checkpoint_io   # orbax: imported once there is something to save
   checkpoint_io.save_params(args.out_dir, cfg, params, hf_config=hf_config,
                             source=os.path.abspath(args.hf_dir))
-  tokenizer = os.path.join(args.hf_dir, checkpoint_io.TOKENIZER_FILE)
-  if os.path.isfile(tokenizer):   # generate/evaluate find it beside the weights
-    shutil.copyfile(tokenizer, os.path.join(args.out_dir, checkpoint_io.TOKENIZER_FILE))
+  if os.path.isfile(os.path.join(args.hf_dir, checkpoint_io.TOKENIZER_FILE)):
+    weights.keep_tokenizer(args.hf_dir, args.out_dir)   # generate/evaluate find it beside them
   print(f"wrote {args.out_dir}: {_describe(cfg)} (from {args.hf_dir})")
 
 
 def to_hf(args) -> None:
+  from moejax import weights
   from moejax.convert import checkpoint_io, hf
   hf.check_out_dir(args.out_dir, args.overwrite)   # before reading every weight
   cfg, params, hf_config = checkpoint_io.load_params(args.ckpt, args.step)
@@ -67,7 +66,7 @@ def to_hf(args) -> None:
   shards = sum(f.endswith(".safetensors") for f in files)
   tokenizer = _tokenizer_file(args.ckpt, cfg)
   if tokenizer is not None:   # transformers (and generate / evaluate) read it beside the weights
-    shutil.copyfile(tokenizer, os.path.join(args.out_dir, checkpoint_io.TOKENIZER_FILE))
+    weights.keep_tokenizer(tokenizer, args.out_dir)
   print(f"wrote {args.out_dir}: {_describe(cfg)}, {shards} safetensors file(s), {args.dtype}"
         + (f", {checkpoint_io.TOKENIZER_FILE}" if tokenizer else
            " (no tokenizer.json: the run trained on bytes or names none)"))

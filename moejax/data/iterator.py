@@ -60,6 +60,7 @@ class TrainIterator:
       raise DataError(f"{len(tokens_N)} tokens make {len(windows_WxL)} windows of {seq_len + 1}, "
                       f"fewer than one batch of {batch_size}")
     self.batch_size, self.seq_len, self.num_windows = batch_size, seq_len, len(windows_WxL)
+    self.num_tokens = len(tokens_N)
     self._stream = {
         "seed": int(seed),
         "batch_size": int(batch_size),
@@ -82,6 +83,11 @@ class TrainIterator:
     return next(self._it)
 
   @property
+  def windows_read(self) -> int:
+    """Windows in the batches returned so far (over every epoch)."""
+    return self._it.get_state()["next_index"] * self.batch_size
+
+  @property
   def epoch(self) -> int:
     """The epoch the next batch starts in (0-based)."""
     return self._it.get_state()["next_index"] * self.batch_size // self.num_windows
@@ -94,8 +100,10 @@ class TrainIterator:
       if key not in state:
         raise DataError(f"data iterator state lacks '{key}' (keys: {sorted(state)})")
       if int(state[key]) != want:
-        raise DataError(f"data iterator state is for another stream: {key} is {int(state[key])} "
-                        f"in the state, {want} in this pipeline")
+        raise DataError(f"the checkpoint's data position is for other training data ({key} "
+                        f"{int(state[key])} there, {want} now): resume with the data.source, "
+                        "data.path, data.tokenizer, data.val_fraction, seed, batch_size and "
+                        "seq_len it was saved with, or train in a new --workdir")
     if "next_batch" not in state or int(state["next_batch"]) < 0:
       raise DataError(f"data iterator state needs a non-negative 'next_batch', got "
                       f"{state.get('next_batch')!r}")

@@ -12,6 +12,8 @@ list: the validation windows in one permutation that is the same for every seed.
 from __future__ import annotations
 
 import dataclasses
+import time
+from typing import Callable
 
 import numpy as np
 
@@ -20,6 +22,7 @@ from moejax.data.sources import BUILTIN_NAME, SOURCES, load_documents
 from moejax.data.tokenizer import Tokenizer, load_tokenizer
 from moejax.errors import ConfigError, DataError
 
+PROGRESS_SECONDS = 10.0   # tokenizing longer than this says how far it got
 _VAL_ORDER_SEED = 0  # Fixed: the validation batches must not depend on the training seed.
 
 
@@ -77,13 +80,28 @@ def split_tokens(tokens_N: np.ndarray, val_fraction: float) -> tuple[np.ndarray,
   return tokens_N[:len(tokens_N) - num_val], tokens_N[len(tokens_N) - num_val:]
 
 
-def make_data(spec: DataSpec, *, batch_size: int, seq_len: int, prefetch: int = 2) -> Data:
-  """Loads, tokenizes and splits the corpus; raises DataError if it cannot fill one batch."""
+def make_data(spec: DataSpec, *, batch_size: int, seq_len: int, prefetch: int = 2,
+              log: Callable[[str], None] | None = None) -> Data:
+  """Loads, tokenizes and splits the corpus; raises DataError if it cannot fill one batch.
+  `log`: where to say how tokenizing goes, every PROGRESS_SECONDS while it runs."""
   if batch_size < 1 or seq_len < 1:
     raise ConfigError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
   tokenizer = load_tokenizer(spec.tokenizer)
   name = spec.path if spec.source != "builtin" else BUILTIN_NAME
-  tokens_N = tokenizer.encode_documents(load_documents(spec.source, spec.path))
+  docs = load_documents(spec.source, spec.path)
+  started = last = time.perf_counter()
+
+  def progress(done: int, total: int):
+    nonlocal last
+    now = time.perf_counter()
+    if log is not None and (now - last >= PROGRESS_SECONDS or
+                            (done == total and now - started >= PROGRESS_SECONDS)):
+      log(f"moejax: tokenizing {name}: {done:,} of {total:,} documents, "
+          f"{now - started:.0f} s")
+      last = now
+
+  tokens_N = tokenizer.encode_documents(docs, progress)
+  del docs
   if not np.any(tokens_N != tokenizer.eos_id):
     raise DataError(f"{name}: no text after tokenization with {tokenizer.name}")
   train_N, val_N = split_tokens(tokens_N, spec.val_fraction)

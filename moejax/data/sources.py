@@ -2,7 +2,8 @@
 
 - "builtin": the English documentation that ships with CPython (`pydoc_data.topics`), one
   document per topic, in sorted topic order. Needs no download and no path.
-- "text": a UTF-8 text file; the whole file is one document (use JSONL for many documents).
+- "text": a UTF-8 text file (a leading byte-order mark is dropped); the whole file is one
+  document (use JSONL for many documents).
 - "jsonl": one JSON object per line with a string field `text`, one document per line. Blank
   lines are skipped.
 
@@ -44,6 +45,9 @@ def _builtin() -> list[str]:
 
 def _read_text(path: str) -> str:
   if not os.path.exists(path):
+    if any(c in path for c in "*?["):
+      raise DataError(f"{path}: file not found (a pattern is not expanded: name one file; one "
+                      "JSONL file holds many documents)")
     raise DataError(f"{path}: file not found")
   if not os.path.isfile(path):
     raise DataError(f"{path}: not a regular file")
@@ -52,7 +56,7 @@ def _read_text(path: str) -> str:
   if not raw:
     raise DataError(f"{path}: file is empty")
   try:
-    return raw.decode("utf-8")
+    return raw.decode("utf-8-sig")   # a byte-order mark is not text
   except UnicodeDecodeError as e:
     raise DataError(f"{path}: not UTF-8 text (bad byte at offset {e.start})") from None
 

@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import shutil
 import time
 
 import jax
@@ -53,15 +52,20 @@ def prepare_workdir(workdir: str) -> None:
       raise ConfigError(f"{what} {directory!r} is not writable: {e.strerror or e}") from None
 
 
-def _keep_tokenizer(tokenizer: str, workdir: str) -> None:
-  """A Hugging Face tokenizer.json the run trains with is copied into the workdir (once, by
-  process 0), so generate / evaluate and a later init_from from this workdir find it there."""
-  if jax.process_index() != 0:
-    return
-  source = weights.tokenizer_file(tokenizer)
-  target = os.path.join(workdir, weights.TOKENIZER_FILE)
-  if source is not None and not os.path.exists(target):
-    shutil.copyfile(source, target)
+def data_line(cfg: Config, data) -> str:
+  """What the run reads: the splits' tokens, and how many times `cfg.steps` go over the
+  training split (its windows are reshuffled each time)."""
+  train = data.train
+  epochs = cfg.steps * cfg.batch_size / train.num_windows
+  val = (f"{len(data.val_tokens):,} validation tokens" if cfg.data.val_fraction > 0 else
+         "no validation split (data.val_fraction=0: no val_loss)")
+  return (f"moejax: data: {train.num_tokens:,} training tokens ({train.num_windows:,} windows "
+          f"of {cfg.seq_len + 1}), {val}; {cfg.steps} steps read {epochs:.3g} epoch(s)")
+
+
+def _epoch_read(train) -> int:
+  """The 0-based epoch of the last training window read (0 before any)."""
+  return max(0, train.windows_read - 1) // train.num_windows
 
 
 def put_batch(batch: dict, mesh) -> dict:
@@ -75,7 +79,7 @@ def training_data(cfg: Config):
   """The data `run` trains `cfg` on: its corpus, tokenizer, validation split and seed."""
   return make_data(DataSpec(cfg.data.source, cfg.data.path or None, weights.tokenizer_of(cfg),
                             cfg.data.val_fraction, cfg.seed),
-                   batch_size=cfg.batch_size, seq_len=cfg.seq_len)
+                   batch_size=cfg.batch_size, seq_len=cfg.seq_len, log=log)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -410,14 +414,14 @@ def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
     again to resume); the learning-rate schedule still spans `cfg.steps`.
   """
   prepare_workdir(workdir)
-  tokenizer = weights.tokenizer_of(cfg)
-  _keep_tokenizer(tokenizer, workdir)
   data = training_data(cfg)
   check_vocab(data.tokenizer, cfg.model.vocab_size)
   if trainer is None:
     trainer = Trainer(cfg)
-  elif trainer.cfg != cfg:
-    raise ValueError("run(trainer=...) needs a Trainer built for the same config")
+  elif dataclasses.replace(trainer.cfg, data=cfg.data, eval_batches=cfg.eval_batches) != cfg:
+    # What the run reads compiles nothing: a Trainer serves any data and validation batches.
+    raise ValueError("run(trainer=...) needs a Trainer built for the same config (but for "
+                     "data.* and eval_batches)")
   # codec.mode=auto / codec.select: plain gathers until the policy's first decision.
   policy = CodecPolicy(trainer.layout.gatherer, trainer.mesh, cfg.codec, workdir=workdir)
   checkpoints = checkpoint_lib.Checkpointer(
@@ -433,14 +437,25 @@ def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
       state, step = restored
       log(f"moejax: resuming from step {step} (checkpoint {checkpoints.step_path(step)})")
       checkpoints.prune()     # a run killed before its save pruned left one too many
-    val_batches = [put_batch(b, trainer.mesh)
-                   for b in data.val_batches(min(cfg.eval_batches, data.num_val_batches))]
+    if jax.process_index() == 0:
+      # Once the data, the vocabulary and any checkpoint accepted it: generate / evaluate and a
+      # later init_from from this workdir read it (and the EOS it ends documents with) here.
+      weights.keep_tokenizer(weights.tokenizer_of(cfg), workdir)
     counts = num_params(cfg)
     log(f"moejax: {cfg.model.family} model, {_billions(counts['total'])} parameters, "
         f"{_billions(counts['active'])} active per token")
     _note_if_not_exportable(cfg)
     log(f"moejax: {data.name}, {num_devices(trainer.mesh)} device(s), "
         f"placement={cfg.moe.placement}, {cfg.steps} steps of {cfg.batch_size}x{cfg.seq_len}")
+    log(data_line(cfg, data))
+    val_batches = None
+    if cfg.data.val_fraction > 0:
+      num_val = min(cfg.eval_batches, data.num_val_batches)
+      if num_val < cfg.eval_batches:
+        log(f"moejax: the validation split holds {num_val} batch(es) of "
+            f"{cfg.batch_size}x{cfg.seq_len}: val_loss is over {num_val}, not "
+            f"config.eval_batches={cfg.eval_batches} (a larger data.val_fraction holds more)")
+      val_batches = [put_batch(b, trainer.mesh) for b in data.val_batches(num_val)]
     compiled = trainer.compiled(trainer.layout.gatherer.specs)
     choice = policy.start(int(state.step), state.params)
     if choice is not None:
@@ -451,8 +466,8 @@ def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
     progress = Progress(cfg.steps, first_step)
     compile_seconds = CompileSeconds()
     try:
-      return _train(trainer, state, data, val_batches, writer, progress, checkpoints, policy,
-                    compiled, last_step, compile_seconds)
+      return _train(cfg, trainer, state, data, val_batches, writer, progress, checkpoints,
+                    policy, compiled, last_step, compile_seconds)
     finally:
       compile_seconds.close()
       progress.close()
@@ -461,9 +476,8 @@ def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
     checkpoints.close()     # waits for the last save to commit
 
 
-def _train(trainer: Trainer, state, data, val_batches, writer, progress, checkpoints, policy,
-           compiled, last_step: int, compile_seconds: CompileSeconds) -> dict:
-  cfg = trainer.cfg
+def _train(cfg: Config, trainer: Trainer, state, data, val_batches, writer, progress,
+           checkpoints, policy, compiled, last_step: int, compile_seconds: CompileSeconds) -> dict:
   record: dict = {}
   previous = None                        # (step, metrics) read one step late
   t_start = t_log = time.perf_counter()
@@ -475,9 +489,14 @@ def _train(trainer: Trainer, state, data, val_batches, writer, progress, checkpo
   first_step_time = 0.0
   reshard_moved = None
   clipped = cfg.optim.clip_norm > 0
+  epoch = _epoch_read(data.train)
   for step in range(first_step, last_step + 1):
     t_step = time.perf_counter()
     state, metrics = compiled.train_step(state, put_batch(next(data.train), trainer.mesh))
+    if _epoch_read(data.train) > epoch:     # this batch reached into another pass
+      epoch = _epoch_read(data.train)
+      log(f"moejax: step {step}: epoch {epoch + 1} of the training split began (every window "
+          "read once before it; reshuffled)")
     metrics, choice = policy.after_step(step, state.params, metrics)
     if choice is not None:       # the codec's new choice, from the next step on
       state, compiled = trainer.adopt(state, compiled, choice)
@@ -506,7 +525,7 @@ def _train(trainer: Trainer, state, data, val_batches, writer, progress, checkpo
       if reshard_moved is not None:
         record["reshard_moved_experts"] = reshard_moved
         reshard_moved = None
-      if evaluate:
+      if evaluate and val_batches is not None:
         record["val_loss"] = trainer.evaluate(state.params, val_batches, state.placement)
       writer.write(record)
       progress.update(step, record, (cfg.steps - step) * step_time)

@@ -88,8 +88,9 @@ def test_state_with_numpy_values_restores():
 
 def test_state_from_another_stream_is_refused():
   state = _iterator(seed=1).get_state()
-  with pytest.raises(DataError, match="^data iterator state is for another stream: seed is 1 in "
-                                      "the state, 2 in this pipeline$"):
+  with pytest.raises(DataError, match=r"^the checkpoint's data position is for other training "
+                                      r"data \(seed 1 there, 2 now\): resume with the "
+                                      r"data.source, data.path"):
     _iterator(seed=2).set_state(state)
   other_tokens = TOKENS_N.copy()
   other_tokens[5] += 1

@@ -64,7 +64,7 @@ def test_resume_through_make_data():
   restored.train.set_state(state)
   for w, g in zip(want, _take(restored.train, 3), strict=True):
     np.testing.assert_array_equal(g["inputs"], w["inputs"])
-  with pytest.raises(DataError, match="batch_size is 4 in the state, 2 in this pipeline"):
+  with pytest.raises(DataError, match=r"\(batch_size 4 there, 2 now\)"):
     make_data(spec, batch_size=2, seq_len=16).train.set_state(state)
 
 
@@ -103,6 +103,25 @@ def test_val_batches_errors():
     data.val_batches(n + 1)
   with pytest.raises(DataError, match="no validation split"):
     make_data(DataSpec(val_fraction=0.0), batch_size=4, seq_len=32).val_batches(1)
+
+
+def test_hf_tokenizing_goes_in_chunks_and_says_how_far_it_got(tmp_path, word_tokenizer_path,
+                                                              monkeypatch):
+  """Chunks of a few documents give the stream one batch gives; each chunk reports progress."""
+  from moejax.data import pipeline, tokenizer
+  path = tmp_path / "docs.jsonl"
+  sentences = ["the cat sat on the mat", "a dog ran", "the bird sang a song in the park"]
+  path.write_text("\n".join(json.dumps({"text": sentences[i % 3]}) for i in range(40)))
+  spec = DataSpec("jsonl", str(path), word_tokenizer_path, val_fraction=0.25, seed=0)
+  whole = make_data(spec, batch_size=2, seq_len=5)
+  monkeypatch.setattr(tokenizer, "ENCODE_CHUNK_CHARS", 50)    # 2-3 documents a chunk
+  monkeypatch.setattr(pipeline, "PROGRESS_SECONDS", 0.0)
+  lines = []
+  chunked = make_data(spec, batch_size=2, seq_len=5, log=lines.append)
+  assert chunked.train.get_state() == whole.train.get_state()    # the stream's checksum too
+  done = [int(n) for n in re.findall(r": (\d+) of 40 documents", "\n".join(lines))]
+  assert len(done) >= 10 and done == sorted(done) and done[-1] == 40, lines
+  assert lines[0].startswith(f"moejax: tokenizing {path}: ")
 
 
 def test_jsonl_with_word_tokenizer(tmp_path, word_tokenizer_path):

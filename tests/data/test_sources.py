@@ -47,6 +47,18 @@ def test_missing_file(tmp_path, source):
   path = tmp_path / "missing.txt"
   with _raises(path, ": file not found"):
     load_documents(source, str(path))
+  pattern = tmp_path / "*.jsonl"
+  (tmp_path / "a.jsonl").write_text('{"text": "a"}')
+  with _raises(pattern, re.escape(": file not found (a pattern is not expanded: name one file; "
+                                  "one JSONL file holds many documents)")):
+    load_documents(source, str(pattern))
+
+
+def test_a_byte_order_mark_is_not_text(tmp_path):
+  (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfhello")
+  (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "hi"}\n')
+  assert load_documents("text", str(tmp_path / "bom.txt")) == ["hello"]
+  assert load_documents("jsonl", str(tmp_path / "bom.jsonl")) == ["hi"]   # was refused
 
 
 @pytest.mark.parametrize("source", ["text", "jsonl"])
