@@ -26,6 +26,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax import lax
 
@@ -67,6 +68,11 @@ class MoESpec:
     def need(ok, message):
       if not ok:
         raise ValueError(f"MoESpec.{message}")
+    for field in ("num_experts", "top_k", "warmup_steps", "shared_hidden", "groups",
+                  "top_groups"):
+      value = getattr(self, field)
+      need(isinstance(value, (int, np.integer)) and not isinstance(value, bool),
+           f"{field}={value!r}: must be an int")
     need(self.num_experts >= 1, f"num_experts={self.num_experts}: must be >= 1")
     need(1 <= self.top_k <= self.num_experts,
          f"top_k={self.top_k}: must be in [1, num_experts={self.num_experts}]")
@@ -96,6 +102,49 @@ def local_experts_mask(dispatch: dispatch_lib.Dispatch, num_experts: int):
   my_node = lax.axis_index(dispatch.axis_names) // dispatch.devices_per_node
   owner_node_E = (jnp.arange(num_experts) // per_device) // dispatch.devices_per_node
   return owner_node_E == my_node
+
+
+def _explicit_axes(x) -> tuple:
+  """The Explicit mesh axes `x` is sharded over (none outside such a mesh)."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or not getattr(mesh, "axis_names", ()):
+    return ()
+  explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+              if kind == jax.sharding.AxisType.Explicit}
+  used = set()
+  for entry in sharding.spec:
+    used |= set(entry if isinstance(entry, tuple) else (entry,)) - {None}
+  return tuple(sorted(used & explicit))
+
+
+def _check_input(block, x, dispatch, materialized) -> None:
+  """One line naming what is wrong with a call's arguments, before anything traces."""
+  d = block.router.shape[0]
+  shape = tuple(getattr(x, "shape", ()))
+  if len(shape) != 3 or shape[-1] != d or not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"MoEBlock: x_BxSxD must be a float array [batch, seq, d_model={d}], got "
+                     f"{getattr(x, 'dtype', type(x).__name__)}{list(shape)}")
+  if 0 in shape:
+    raise ValueError(f"MoEBlock: x_BxSxD {list(shape)} holds no token")
+  if not isinstance(dispatch, dispatch_lib.Dispatch):
+    raise ValueError(f"MoEBlock: dispatch must be a moejax.placement.dispatch.Dispatch, got "
+                     f"{type(dispatch).__name__}")
+  if dispatch.kind == "fssdp" and materialized is None:
+    raise ValueError("MoEBlock: dispatch kind 'fssdp' needs materialized= (from "
+                     "MoEBlock.materialize)")
+  if dispatch.kind == "ep" and block.w_gate.shape[0] * dispatch.num_devices != block.spec.num_experts:
+    raise ValueError(f"MoEBlock: ep dispatch over num_devices={dispatch.num_devices} with "
+                     f"{block.w_gate.shape[0]} experts here makes "
+                     f"{block.w_gate.shape[0] * dispatch.num_devices}, not the spec's "
+                     f"{block.spec.num_experts}: shard the experts over the dispatch's devices")
+  explicit = _explicit_axes(x)
+  if explicit:
+    raise ValueError(
+        f"MoEBlock: x is sharded over Explicit mesh axes {explicit} (jax.make_mesh's default); "
+        "the router's sort and the experts' gathers run over every token, which explicit "
+        "sharding refuses: make the mesh with axis_types=(jax.sharding.AxisType.Auto, ...) "
+        "(as moejax.sharding.mesh.make_mesh does), or call the block under shard_map")
 
 
 class MoEBlock(nnx.Module):
@@ -144,6 +193,11 @@ class MoEBlock(nnx.Module):
 
   def __call__(self, x_BxSxD, *, dispatch: dispatch_lib.Dispatch = dispatch_lib.LOCAL,
                axis_name=None, step=0, materialized=None):
+    _check_input(self, x_BxSxD, dispatch, materialized)
+    return self._forward(x_BxSxD, dispatch=dispatch, axis_name=axis_name, step=step,
+                         materialized=materialized)
+
+  def _forward(self, x_BxSxD, *, dispatch, axis_name, step, materialized):
     b, s, d = x_BxSxD.shape
     spec = self.spec
     x_TxD = x_BxSxD.reshape(b * s, d)

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from moejax.config import Config
 from moejax.layers.attention import attend, rotary_at
@@ -60,7 +61,6 @@ def cast_params(params: dict, dtype, cfg: Config | None = None) -> dict:
           for group, tree in params.items()}
 
 
-@functools.partial(jax.jit, static_argnums=0)
 def forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start):
   """Logits [B, S, V] (fp32) of tokens at positions start..start+S-1, and the cache with their
   keys and values written in; start + S must not exceed the cache's length (`generate` sizes it
@@ -69,6 +69,17 @@ def forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start)
   s = tokens_BxS.shape[1]
   if s > cache.max_len:
     raise ValueError(f"{s} new tokens do not fit a KV cache of {cache.max_len} positions")
+  # A start held on the host is checked; one on the device (`generate` sizes its cache up front)
+  # is not read back: past the cache's end its writes would clamp.
+  if isinstance(start, (int, np.integer)) and int(start) + s > cache.max_len:
+    raise ValueError(f"start={int(start)} + {s} new tokens do not fit a KV cache of "
+                     f"{cache.max_len} positions")
+  return _forward_cached(cfg, params, tokens_BxS, cache, start)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start):
+  s = tokens_BxS.shape[1]
   positions_S = start + jnp.arange(s, dtype=jnp.int32)
   visible_SxT = jnp.arange(cache.max_len)[None, :] <= positions_S[:, None]   # causal, filled
   h_BxSxD = jnp.take(params["embed"], tokens_BxS, axis=0)

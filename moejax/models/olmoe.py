@@ -198,10 +198,32 @@ def _layer_template(cfg: Config, group: str = MOE_LAYERS):
   return nnx.split(nnx.eval_shape(lambda: _layer_class(group)(cfg, rngs=nnx.Rngs(0))))
 
 
+def _check_layer_params(want: dict, got, path: str = "") -> None:
+  """ValueError naming the first key missing, extra, or with another rank than one layer's
+  (stacked parameters, params["layers"], have one axis more); sizes may differ (a device's
+  expert shards)."""
+  if not isinstance(got, dict):
+    raise ValueError(f"layer_from_params: layer_params{path} is {type(got).__name__}, not a dict")
+  for key in sorted(set(want) | set(got), key=str):
+    where = f"{path}[{key!r}]"
+    if key not in got:
+      raise ValueError(f"layer_from_params: layer_params{where} is missing")
+    if key not in want:
+      raise ValueError(f"layer_from_params: layer_params{where} is not a parameter of this "
+                       "layer")
+    if isinstance(want[key], dict):
+      _check_layer_params(want[key], got[key], where)
+    elif jnp.ndim(got[key]) != len(want[key].shape):
+      raise ValueError(f"layer_from_params: layer_params{where} has shape "
+                       f"{tuple(jnp.shape(got[key]))}, one layer's is {tuple(want[key].shape)} "
+                       "(pass one layer's slice of stacked parameters)")
+
+
 def layer_from_params(cfg: Config, layer_params: dict, group: str = MOE_LAYERS):
   """A layer module (DecoderLayer, or DenseLayer for `DENSE_LAYERS`) holding the given (one
   layer's) parameter arrays."""
   graphdef, template = _layer_template(cfg, group)
+  _check_layer_params(nnx.to_pure_dict(template), layer_params)
   state = jax.tree.map(lambda v: v, template)
   nnx.replace_by_pure_dict(state, layer_params)
   return nnx.merge(graphdef, state)

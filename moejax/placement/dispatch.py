@@ -108,6 +108,10 @@ def exchange(x_TxD, dest_A, local_id_A, weights_TxK, w_gate, w_up, w_down, *,
   every device)."""
   t, k = weights_TxK.shape
   n, a, d = dispatch.num_devices, t * k, x_TxD.shape[-1]
+  size = math.prod(lax.axis_size(name) for name in dispatch.axis_names)
+  if size != n:    # a destination past the axis would be dropped without a count
+    raise ValueError(f"Dispatch.num_devices={n}, but its axes {dispatch.axis_names} hold {size} "
+                     "devices: set num_devices to their size")
   c = ep_capacity(a, n, dispatch.capacity_factor)
   valid_A = dest_A < n
   onehot_AxN = jax.nn.one_hot(dest_A, n, dtype=jnp.int32)

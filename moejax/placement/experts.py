@@ -123,6 +123,32 @@ def _looped(x_AxD, group_sizes_G, w_gate, w_up, w_down, m: int):
   return _looped_fwd(x_AxD, group_sizes_G, w_gate, w_up, w_down, m)[0]
 
 
+# Under a caller's `shard_map(check_vma=True)` (moejax's own run with check_vma=False, where no
+# array is typed varying and these do nothing): a loop's carry must type as its body's output,
+# and a custom VJP's cotangent as its primal.
+def _varying(*arrays) -> set:
+  """The mesh axes any of `arrays` varies over."""
+  axes = set()
+  for x in arrays:
+    t = jax.typeof(x)
+    manual = getattr(t, "manual_axis_type", None)
+    axes |= set(manual.varying if manual is not None else getattr(t, "vma", ()))
+  return axes
+
+
+def _loop_zeros(shape, dtype, *inputs):
+  """Zeros that vary over the axes any of `inputs` varies over (a loop carry's start)."""
+  zeros, axes = jnp.zeros(shape, dtype), _varying(*inputs)
+  return lax.pcast(zeros, tuple(sorted(axes)), to="varying") if axes else zeros
+
+
+def _cotangent_of(primal, ct):
+  """`ct` summed over the axes it varies over and `primal` does not (a replicated weight's
+  gradient is the sum of every device's)."""
+  axes = _varying(ct) - _varying(primal)
+  return lax.psum(ct, tuple(sorted(axes))) if axes else ct
+
+
 def _looped_fwd(x_AxD, group_sizes_G, w_gate, w_up, w_down, m):
   dtype = x_AxD.dtype
   f = w_gate.shape[-1]
@@ -143,7 +169,7 @@ def _looped_fwd(x_AxD, group_sizes_G, w_gate, w_up, w_down, m):
   # The backward recomputes each tile's gate and up (one product) rather than keep them: a
   # [tiles, M, 2F] fp32 buffer, written in full (zeros) whatever the rows used.
   y_TlxMxD = lax.fori_loop(0, _used_tiles(group_sizes_G, m), tile,
-                           jnp.zeros(x_TlxMxD.shape, dtype))
+                           _loop_zeros(x_TlxMxD.shape, dtype, x_TlxMxD, w_gu_GxDx2F, w_down))
   residuals = (x_TlxMxD, group_T, src_P, slot_A, group_sizes_G, w_gu_GxDx2F, w_down)
   return _tiles_to_rows(y_TlxMxD, slot_A), residuals
 
@@ -172,12 +198,14 @@ def _looped_bwd(m, residuals, dy_AxD):
     return (dw_gu.at[e].add(x32.T @ dgu_Mx2F), dw_down.at[e].add(h_MxF.T @ dy32),
             lax.dynamic_update_index_in_dim(dx_TlxMxD, dx_MxD, t, 0))
 
-  init = (jnp.zeros(w_gu_GxDx2F.shape, _F32), jnp.zeros(w_down.shape, _F32),
-          jnp.zeros(x_TlxMxD.shape, dtype))
+  inputs = (x_TlxMxD, dy_TlxMxD, w_gu_GxDx2F, w_down)
+  init = (_loop_zeros(w_gu_GxDx2F.shape, _F32, *inputs), _loop_zeros(w_down.shape, _F32, *inputs),
+          _loop_zeros(x_TlxMxD.shape, dtype, *inputs))
   dw_gu, dw_down, dx_TlxMxD = lax.fori_loop(0, _used_tiles(group_sizes_G, m), tile, init)
   no_grad = np.zeros(group_sizes_G.shape, jax.dtypes.float0)
-  return (_tiles_to_rows(dx_TlxMxD, slot_A), no_grad, dw_gu[..., :f].astype(w_down.dtype),
-          dw_gu[..., f:].astype(w_down.dtype), dw_down.astype(w_down.dtype))
+  dw_gate, dw_up = dw_gu[..., :f].astype(w_down.dtype), dw_gu[..., f:].astype(w_down.dtype)
+  return (_tiles_to_rows(dx_TlxMxD, slot_A), no_grad, _cotangent_of(w_gu_GxDx2F, dw_gate),
+          _cotangent_of(w_gu_GxDx2F, dw_up), _cotangent_of(w_down, dw_down.astype(w_down.dtype)))
 
 
 _looped.defvjp(_looped_fwd, _looped_bwd)

@@ -92,3 +92,8 @@ def test_tokens_beyond_the_cache_are_refused(model):
   with pytest.raises(ValueError, match="do not fit a KV cache of 4"):
     decode.forward_cached(decode.without_admission(cfg), decode.cast_params(params, jnp.float32),
                           jnp.zeros((1, 5), jnp.int32), cache, jnp.int32(0))
+  # Fewer tokens than the cache, from a start too late for them (the writes clamped to the
+  # cache's end: logits 0.18 off the full forward, no error).
+  with pytest.raises(ValueError, match=r"^start=3 \+ 2 new tokens do not fit a KV cache of 4"):
+    decode.forward_cached(decode.without_admission(cfg), decode.cast_params(params, jnp.float32),
+                          jnp.zeros((1, 2), jnp.int32), cache, 3)

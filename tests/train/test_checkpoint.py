@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moejax.config import Config
 from moejax.errors import CheckpointError
@@ -398,3 +399,28 @@ def test_load_params_into_numpy_and_nnx_modules(trainer, trained):
 
   with pytest.raises(CheckpointError, match="no checkpoint of step 5 .steps: 4, 8, 12."):
     ckpt.load_params(str(trained), step=5)
+  # A layer's parameters checked by name and rank when the module is made (stacked ones, or a
+  # missing router, built a module that failed at its call).
+  with pytest.raises(ValueError, match=r"layer_params\['attn'\]\['k_norm'\] has shape \(2, 64\), "
+                                       "one layer's is \(64,\)"):
+    olmoe.layer_from_params(cfg, params["layers"])
+  missing = jax.tree.map(lambda x: x[0], params["layers"])
+  del missing["moe"]["router"]
+  with pytest.raises(ValueError, match=r"layer_params\['moe'\]\['router'\] is missing"):
+    olmoe.layer_from_params(cfg, missing)
+
+
+def test_load_params_refuses_bad_arguments_by_name(trained):
+  """Before Orbax starts a restore it cannot finish (a sharding that does not divide a leaf was
+  reported as a damaged checkpoint, then Orbax's abandoned coroutines printed ~1,200 lines)."""
+  mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+  for kwargs, message in (
+      (dict(step="4"), r"^load_params: step='4' must be an int"),
+      (dict(mesh=mesh), r"^load_params: mesh has axes \('x',\), not moejax's"),
+      (dict(shardings=NamedSharding(mesh, P("x"))),
+       r"^load_params: shardings\['layers'\]\['attn'\]\['k_norm'\] does not fit its shape "
+       r"\(2, 64\)"),
+      (dict(shardings={"embed": NamedSharding(mesh, P())}),
+       r"^load_params: shardings is not one Sharding or a pytree like the parameters")):
+    with pytest.raises(CheckpointError, match=message):
+      ckpt.load_params(str(trained), **kwargs)
