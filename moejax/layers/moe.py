@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from moejax import profiling
 from moejax.layers.matmul import dense
@@ -138,13 +139,6 @@ def _check_input(block, x, dispatch, materialized) -> None:
                      f"{block.w_gate.shape[0]} experts here makes "
                      f"{block.w_gate.shape[0] * dispatch.num_devices}, not the spec's "
                      f"{block.spec.num_experts}: shard the experts over the dispatch's devices")
-  explicit = _explicit_axes(x)
-  if explicit:
-    raise ValueError(
-        f"MoEBlock: x is sharded over Explicit mesh axes {explicit} (jax.make_mesh's default); "
-        "the router's sort and the experts' gathers run over every token, which explicit "
-        "sharding refuses: make the mesh with axis_types=(jax.sharding.AxisType.Auto, ...) "
-        "(as moejax.sharding.mesh.make_mesh does), or call the block under shard_map")
 
 
 class MoEBlock(nnx.Module):
@@ -194,8 +188,24 @@ class MoEBlock(nnx.Module):
   def __call__(self, x_BxSxD, *, dispatch: dispatch_lib.Dispatch = dispatch_lib.LOCAL,
                axis_name=None, step=0, materialized=None):
     _check_input(self, x_BxSxD, dispatch, materialized)
-    return self._forward(x_BxSxD, dispatch=dispatch, axis_name=axis_name, step=step,
-                         materialized=materialized)
+    explicit = _explicit_axes(x_BxSxD)
+    if not explicit:
+      return self._forward(x_BxSxD, dispatch=dispatch, axis_name=axis_name, step=step,
+                           materialized=materialized)
+    # x sharded over Explicit mesh axes (jax.make_mesh's default): the router's sort and the
+    # experts' gathers run over every token, which explicit sharding types refuse. The block
+    # runs with those axes Auto (XLA's partitioner places it; the parameters enter as arguments,
+    # typed there too) and returns y sharded as x, aux replicated.
+    graphdef, state = nnx.split(self)
+
+    def run(state, x, step, materialized):
+      return nnx.merge(graphdef, state)._forward(x, dispatch=dispatch, axis_name=axis_name,
+                                                 step=step, materialized=materialized)
+
+    x_spec = jax.typeof(x_BxSxD).sharding.spec
+    with jax.sharding.use_abstract_mesh(jax.typeof(x_BxSxD).sharding.mesh):
+      return jax.sharding.auto_axes(run, axes=explicit, out_sharding=(x_spec, P()))(
+          state, x_BxSxD, step, materialized)
 
   def _forward(self, x_BxSxD, *, dispatch, axis_name, step, materialized):
     b, s, d = x_BxSxD.shape

@@ -140,8 +140,6 @@ def test_block_under_a_callers_shard_map_with_its_type_checks(kind):
 
 
 def test_block_refuses_bad_calls_by_name():
-  from jax.sharding import NamedSharding, PartitionSpec as P
-
   from moejax.placement.dispatch import Dispatch
   block, x_BxSxD, *_ = _block_and_reference()
   for x, message in ((x_BxSxD[0], r"x_BxSxD must be a float array \[batch, seq, d_model=32\], "
@@ -158,8 +156,22 @@ def test_block_refuses_bad_calls_by_name():
   with pytest.raises(ValueError, match="^MoEBlock: ep dispatch over num_devices=16 with 8 "
                                        "experts here makes 128, not the spec's 8"):
     block(x_BxSxD, dispatch=Dispatch(kind="ep", axis_names=("data",), num_devices=16))
+
+
+def test_block_on_a_mesh_with_explicit_axes_equals_one_device():
+  """jax.make_mesh's default axes are Explicit, whose types refuse the router's sort over
+  sharded tokens (a ShardingTypeError before): the block runs them Auto and keeps y's sharding."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  block, x_BxSxD, _, _, (want_loss, want_grads) = _block_and_reference()
   explicit = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
   x_sharded = jax.device_put(x_BxSxD, NamedSharding(explicit, P("data")))
-  with pytest.raises(ValueError, match=r"^MoEBlock: x is sharded over Explicit mesh axes "
-                                       r"\('data',\)"):
-    nnx.jit(lambda block, x: block(x))(block, x_sharded)
+
+  def loss(block, x):
+    y, aux = block(x)
+    return jnp.sum(y ** 2) + aux["aux_loss"], y
+
+  (got_loss, y), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(block, x_sharded)
+  assert y.sharding.spec == P("data", None, None)
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+  for got, want in zip(jax.tree.leaves(nnx.state(grads)), jax.tree.leaves(want_grads), strict=True):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(jnp.abs(want).max()))
