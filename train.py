@@ -31,6 +31,7 @@ def main(argv):
   from moejax.config import from_config_dict
   from moejax.errors import ConfigError, MoejaxError
   from moejax.train.loop import run
+  from moejax.train.stop import Interrupted
   try:
     cfg = from_config_dict(_CONFIG.value)
     if _MEMORY.value is not None:
@@ -45,6 +46,10 @@ def main(argv):
     distributed.maybe_initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                                  heartbeat_timeout_s=cfg.distributed.heartbeat_timeout_s)
     run(cfg, _WORKDIR.value)
+  except Interrupted as e:     # SIGINT / SIGTERM: saved at a step boundary, every process alike
+    print(f"moejax: {e}", flush=True)
+    distributed.finish()
+    sys.exit(e.exit_code)
   except MoejaxError as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     distributed.stop(2)     # multi-process: the other processes stop too, none waits on them

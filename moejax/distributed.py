@@ -45,6 +45,7 @@ from moejax.errors import ConfigError
 CPU_COLLECTIVES_ENV = "JAX_CPU_COLLECTIVES_IMPLEMENTATION"
 JAX_MARGIN_S = 10              # jax.distributed's heartbeat timeout = ours + this
 CONNECT_TIMEOUT_S = 120        # for all processes to connect to process 0's watchdog
+JOIN_TIMEOUT_S = 300           # for all processes to join jax.distributed (jax's default)
 LOST_EXIT_CODE = 2
 
 _watchdog: "Watchdog | None" = None
@@ -118,7 +119,11 @@ def maybe_initialize(coordinator: str | None = None, num_processes: int | None =
   if not 0 <= process_id < num_processes:
     raise ConfigError(f"--process_id={process_id} must be in [0, num_processes={num_processes})")
   _use_gloo_on_cpu()
+  # jax waits JOIN_TIMEOUT_S for every process to join, then aborts with its own log.
+  print(f"moejax: process {process_id} of {num_processes} joining the job at {coordinator} "
+        f"(waits up to {JOIN_TIMEOUT_S} s for the others)", flush=True)
   jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                             initialization_timeout=JOIN_TIMEOUT_S,
                              process_id=process_id,
                              heartbeat_timeout_seconds=int(heartbeat_timeout_s) + JAX_MARGIN_S)
   _watch(coordinator, process_id, num_processes, heartbeat_timeout_s)

@@ -29,9 +29,10 @@ from moejax.data import DataSpec, check_vocab, make_data
 from moejax.errors import ConfigError, TrainingError
 from moejax.sharding.mesh import make_mesh, num_devices
 from moejax.train import (checkpoint as checkpoint_lib, memory, optim, state as state_lib,
-                          step as step_lib)
+                          step as step_lib, workdir as workdir_lib)
 from moejax.train.codec_control import CodecPolicy, specs_key
 from moejax.train.metrics import MetricsWriter, Progress, log
+from moejax.train.stop import Interrupted, StopRequests
 
 
 def prepare_workdir(workdir: str) -> None:
@@ -414,6 +415,16 @@ def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
     again to resume); the learning-rate schedule still spans `cfg.steps`.
   """
   prepare_workdir(workdir)
+  lock = workdir_lib.WorkdirLock(workdir) if jax.process_index() == 0 else None
+  try:
+    workdir_lib.check_same_job(weights.config_to_dict(cfg), workdir)
+    return _run(cfg, workdir, trainer, stop_at)
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def _run(cfg: Config, workdir: str, trainer: Trainer | None, stop_at: int | None) -> dict:
   data = training_data(cfg)
   check_vocab(data.tokenizer, cfg.model.vocab_size)
   if trainer is None:
@@ -465,10 +476,12 @@ def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
     last_step = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
     progress = Progress(cfg.steps, first_step)
     compile_seconds = CompileSeconds()
+    stops = StopRequests()
     try:
       return _train(cfg, trainer, state, data, val_batches, writer, progress, checkpoints,
-                    policy, compiled, last_step, compile_seconds)
+                    policy, compiled, last_step, compile_seconds, stops)
     finally:
+      stops.close()
       compile_seconds.close()
       progress.close()
       writer.close()
@@ -477,7 +490,8 @@ def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
 
 
 def _train(cfg: Config, trainer: Trainer, state, data, val_batches, writer, progress,
-           checkpoints, policy, compiled, last_step: int, compile_seconds: CompileSeconds) -> dict:
+           checkpoints, policy, compiled, last_step: int, compile_seconds: CompileSeconds,
+           stops: StopRequests) -> dict:
   record: dict = {}
   previous = None                        # (step, metrics) read one step late
   t_start = t_log = time.perf_counter()
@@ -538,7 +552,8 @@ def _train(cfg: Config, trainer: Trainer, state, data, val_batches, writer, prog
       reshard_moved = resharding.moved
       log(f"moejax: step {step}: re-sharded experts: {resharding.moved} moved "
           f"({resharding.moved_bytes / 2**20:.1f} MiB of parameters and optimizer state)")
-    if checkpoints.should_save(step) or step == last_step:
+    stop = step < last_step and stops.requested(step)
+    if checkpoints.should_save(step) or step == last_step or stop:
       # Never save a non-finite state: this step's loss (the parameters it started from) and
       # gradient norm (the update it made) must be finite. Waits for this step's figures.
       _check_finite(step, metrics, checkpoints, clipped)
@@ -546,4 +561,11 @@ def _train(cfg: Config, trainer: Trainer, state, data, val_batches, writer, prog
       with compile_seconds.left_out():
         checkpoints.save(step, state, data.train.get_state())
       t_log += time.perf_counter() - t_save   # the save's own time, left out of the steps'
+    if stop:
+      checkpoints.wait()
+      asked = (f"{stops.name()}" if stops.signum is not None else
+               "SIGTERM to a process of the job")
+      raise Interrupted(f"stopped on {asked} after step {step}, saved "
+                        f"{checkpoints.step_path(step)}; rerun the same command to resume",
+                        stops.signum or 15)
   return record

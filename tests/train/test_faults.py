@@ -24,6 +24,7 @@ import pytest
 from moejax.errors import CheckpointError, TrainingError
 from moejax.train import checkpoint as ckpt
 from moejax.train.loop import run
+from moejax.train.stop import Interrupted
 from tests.helpers import CANONICAL, REPO, xla_flags
 from tests.train.conftest import TIMING, records
 
@@ -88,6 +89,71 @@ def _poisoned(at_step: int, what: str):
 def _listing(workdir) -> list[str]:
   directory = workdir / "checkpoints"
   return sorted(os.listdir(directory)) if directory.is_dir() else []
+
+
+# ------------------------------------------------------------------------------------------------
+# SIGINT / SIGTERM: a stop at a step boundary, with a checkpoint there.
+
+def _signalled(at_step: int, signum: int, times: int = 1):
+  """A train-step wrapper that sends this process `signum` (`times` times) during `at_step`, as
+  Ctrl-C or a scheduler would."""
+  def wrap(train_step):
+    def step(state, batch):
+      n = int(state.step) + 1
+      out = train_step(state, batch)
+      if n == at_step:
+        for _ in range(times):
+          os.kill(os.getpid(), signum)
+      return out
+    return step
+  return wrap
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_at_the_step_with_a_checkpoint_and_a_rerun_resumes_bit_exact(
+    trainer, trained, tmp_path, capsys, signum):
+  """SIGTERM (a scheduler's preemption) or Ctrl-C during step 6, between the saves at 4 and 8:
+  it was a silent death or a KeyboardInterrupt traceback, steps 5-6 lost. Now step 6 finishes,
+  is saved, and the run stops naming it; the rerun equals the uninterrupted run."""
+  workdir = tmp_path / "w"
+  handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+  with pytest.raises(Interrupted) as e:
+    run(trainer.cfg, str(workdir), trainer=_variant(trainer, _signalled(6, signum)))
+  name = signal.Signals(signum).name
+  assert str(e.value) == (f"stopped on {name} after step 6, saved {workdir}/checkpoints/6; "
+                          "rerun the same command to resume")
+  assert e.value.exit_code == 128 + signum
+  assert _listing(workdir) == ["4", "6"]
+  assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers
+  capsys.readouterr()
+  run(trainer.cfg, str(workdir), trainer=trainer)
+  assert "moejax: resuming from step 6" in capsys.readouterr().out
+  assert _numbers(records(workdir)) == _numbers(records(trained))
+
+
+def test_a_workdir_in_use_by_another_run_is_refused(trainer, tmp_path):
+  """Two runs into one workdir interleaved their metrics lines and deleted each other's
+  checkpoints; the second now stops before it writes anything, naming the first."""
+  from moejax.errors import ConfigError
+  from moejax.train.workdir import WorkdirLock
+  workdir = tmp_path / "w"
+  workdir.mkdir()
+  other = WorkdirLock(str(workdir))          # as another process's run would hold it
+  with pytest.raises(ConfigError, match=rf"^workdir '{workdir}' is in use by another run \(pid "
+                                        rf"{os.getpid()} on .* since .*\): wait for it to end, "
+                                        "or choose another --workdir$"):
+    run(trainer.cfg, str(workdir), trainer=trainer)
+  assert not (workdir / "metrics.jsonl").exists() and _listing(workdir) == []
+  other.release()
+  WorkdirLock(str(workdir)).release()        # free again once the holder is gone
+
+
+def test_a_second_ctrl_c_stops_at_once(trainer, tmp_path):
+  with pytest.raises(KeyboardInterrupt):
+    run(trainer.cfg, str(tmp_path / "w"),
+        trainer=_variant(trainer, _signalled(6, signal.SIGINT, times=2)))
+  assert _listing(tmp_path / "w") == ["4"]
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 # ------------------------------------------------------------------------------------------------

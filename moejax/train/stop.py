@@ -1,0 +1,72 @@
+"""Stop requests: SIGINT (Ctrl-C) or SIGTERM (a scheduler's preemption or time limit) during a
+run end it at a step boundary with a checkpoint there, so a rerun resumes from it.
+
+One process: handlers for both signals note the request; the loop finishes its step, saves and
+raises `Interrupted`. A second signal of the same kind acts as it would without moejax (Ctrl-C
+twice stops at once). Several processes must stop at the same step, or the ones still training
+wait forever in their next collective: jax.distributed's preemption notifier receives SIGTERM,
+and every process learns of it at the same step (`reached_preemption_sync_point`, called by all
+of them each step); SIGINT is forwarded to it as SIGTERM.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import jax
+
+from moejax.errors import MoejaxError
+
+
+class Interrupted(MoejaxError):
+  """The run stopped on a signal after saving its checkpoint; `exit_code` 128 + the signal."""
+
+  def __init__(self, message: str, signum: int):
+    super().__init__(message)
+    self.exit_code = 128 + signum
+
+
+class StopRequests:
+  """Installed for the length of a run (`close` puts the previous handlers back)."""
+
+  def __init__(self):
+    self.signum: int | None = None
+    self._previous: dict = {}
+    self._multi = jax.process_count() > 1
+    self._sync_error: str | None = None
+    if threading.current_thread() is not threading.main_thread():
+      return                      # Python delivers signals to the main thread only
+    for sig in (signal.SIGINT,) if self._multi else (signal.SIGINT, signal.SIGTERM):
+      self._previous[sig] = signal.signal(sig, self._handle)
+
+  def _handle(self, signum, frame):
+    del frame
+    if self.signum == signum:     # the second one: as without moejax
+      self.close()
+      signal.raise_signal(signum)
+      return
+    self.signum = signum
+    if self._multi:               # to jax's preemption notifier, which all processes consult
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  def requested(self, step: int) -> bool:
+    """Whether to stop after `step` (every process calls this at every step)."""
+    if not self._multi:
+      return self.signum is not None
+    if self._sync_error is not None:
+      return False
+    from jax.experimental import multihost_utils
+    try:
+      return bool(multihost_utils.reached_preemption_sync_point(step))
+    except RuntimeError as e:     # no preemption service in this jax.distributed
+      self._sync_error = str(e)
+      return False
+
+  def name(self) -> str:
+    return signal.Signals(self.signum or signal.SIGTERM).name
+
+  def close(self) -> None:
+    for sig, previous in self._previous.items():
+      signal.signal(sig, previous)
+    self._previous = {}
