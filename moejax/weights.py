@@ -71,8 +71,8 @@ def keep_tokenizer(spec: str, directory: str) -> str | None:
   if source is None:
     return None
   target = os.path.join(directory, TOKENIZER_FILE)
-  if os.path.abspath(os.path.dirname(source)) == os.path.abspath(directory):
-    return source                    # already there, with whatever declares its EOS
+  if os.path.exists(target) and os.path.samefile(source, target):
+    return target                    # already there, with whatever declares its EOS
   eos = load_tokenizer(source).eos_token
   config_path = os.path.join(os.path.dirname(source), TOKENIZER_CONFIG_FILE)
   try:

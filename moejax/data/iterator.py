@@ -88,6 +88,11 @@ class TrainIterator:
     return self._it.get_state()["next_index"] * self.batch_size
 
   @property
+  def epoch_read(self) -> int:
+    """The epoch (0-based) of the last window returned (0 before any)."""
+    return max(0, self.windows_read - 1) // self.num_windows
+
+  @property
   def epoch(self) -> int:
     """The epoch the next batch starts in (0-based)."""
     return self._it.get_state()["next_index"] * self.batch_size // self.num_windows

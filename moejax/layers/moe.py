@@ -105,18 +105,19 @@ def local_experts_mask(dispatch: dispatch_lib.Dispatch, num_experts: int):
   return owner_node_E == my_node
 
 
-def _explicit_axes(x) -> tuple:
-  """The Explicit mesh axes `x` is sharded over (none outside such a mesh)."""
-  sharding = getattr(jax.typeof(x), "sharding", None)
-  mesh = getattr(sharding, "mesh", None)
-  if mesh is None or not getattr(mesh, "axis_names", ()):
-    return ()
-  explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
-              if kind == jax.sharding.AxisType.Explicit}
+def _explicit_axes(*arrays) -> tuple:
+  """The Explicit mesh axes any of `arrays` is sharded over (none outside such a mesh)."""
   used = set()
-  for entry in sharding.spec:
-    used |= set(entry if isinstance(entry, tuple) else (entry,)) - {None}
-  return tuple(sorted(used & explicit))
+  for x in arrays:
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or not getattr(mesh, "axis_names", ()):
+      continue
+    explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+                if kind == jax.sharding.AxisType.Explicit}
+    for entry in sharding.spec:
+      used |= (set(entry if isinstance(entry, tuple) else (entry,)) - {None}) & explicit
+  return tuple(sorted(used))
 
 
 def _check_input(block, x, dispatch, materialized) -> None:
@@ -188,22 +189,24 @@ class MoEBlock(nnx.Module):
   def __call__(self, x_BxSxD, *, dispatch: dispatch_lib.Dispatch = dispatch_lib.LOCAL,
                axis_name=None, step=0, materialized=None):
     _check_input(self, x_BxSxD, dispatch, materialized)
-    explicit = _explicit_axes(x_BxSxD)
+    graphdef, state = nnx.split(self)
+    arrays = (x_BxSxD, *jax.tree.leaves(state), *jax.tree.leaves(materialized))
+    explicit = _explicit_axes(*arrays)
     if not explicit:
       return self._forward(x_BxSxD, dispatch=dispatch, axis_name=axis_name, step=step,
                            materialized=materialized)
-    # x sharded over Explicit mesh axes (jax.make_mesh's default): the router's sort and the
+    # x or the weights sharded over Explicit mesh axes (jax.make_mesh's default): the sort and the
     # experts' gathers run over every token, which explicit sharding types refuse. The block
     # runs with those axes Auto (XLA's partitioner places it; the parameters enter as arguments,
     # typed there too) and returns y sharded as x, aux replicated.
-    graphdef, state = nnx.split(self)
 
     def run(state, x, step, materialized):
       return nnx.merge(graphdef, state)._forward(x, dispatch=dispatch, axis_name=axis_name,
                                                  step=step, materialized=materialized)
 
     x_spec = jax.typeof(x_BxSxD).sharding.spec
-    with jax.sharding.use_abstract_mesh(jax.typeof(x_BxSxD).sharding.mesh):
+    mesh = next(jax.typeof(a).sharding.mesh for a in arrays if _explicit_axes(a))
+    with jax.sharding.use_abstract_mesh(mesh):
       return jax.sharding.auto_axes(run, axes=explicit, out_sharding=(x_spec, P()))(
           state, x_BxSxD, step, materialized)
 

@@ -85,11 +85,12 @@ def checkpoint_dir(workdir: str) -> str:
 # ------------------------------------------------------------------------------------------------
 # Config as JSON, and the compatibility check.
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+  """A nested config dict -> {"dotted.field": value}."""
   flat = {}
   for key, value in tree.items():
     if isinstance(value, dict):
-      flat.update(_flatten(value, f"{prefix}{key}."))
+      flat.update(flatten(value, f"{prefix}{key}."))
     else:
       flat[prefix + key] = value
   return flat
@@ -111,9 +112,9 @@ def check_compatible(saved: dict, cfg: Config) -> None:
 
   A field missing from an older checkpoint counts as its default value.
   """
-  run = _flatten(weights.config_to_dict(cfg))
-  saved = _flatten(upgrade_saved(saved))
-  defaults = _flatten(weights.config_to_dict(Config()))
+  run = flatten(weights.config_to_dict(cfg))
+  saved = flatten(upgrade_saved(saved))
+  defaults = flatten(weights.config_to_dict(Config()))
   for field in [*run, *(k for k in saved if k not in run)]:
     if _may_differ(field):
       continue

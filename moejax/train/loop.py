@@ -64,11 +64,6 @@ def data_line(cfg: Config, data) -> str:
           f"of {cfg.seq_len + 1}), {val}; {cfg.steps} steps read {epochs:.3g} epoch(s)")
 
 
-def _epoch_read(train) -> int:
-  """The 0-based epoch of the last training window read (0 before any)."""
-  return max(0, train.windows_read - 1) // train.num_windows
-
-
 def put_batch(batch: dict, mesh) -> dict:
   """Global host batch -> arrays sharded over the devices (each process fills its shards)."""
   sharding = NamedSharding(mesh, step_lib.BATCH_SPEC["inputs"])
@@ -503,12 +498,12 @@ def _train(cfg: Config, trainer: Trainer, state, data, val_batches, writer, prog
   first_step_time = 0.0
   reshard_moved = None
   clipped = cfg.optim.clip_norm > 0
-  epoch = _epoch_read(data.train)
+  epoch = data.train.epoch_read
   for step in range(first_step, last_step + 1):
     t_step = time.perf_counter()
     state, metrics = compiled.train_step(state, put_batch(next(data.train), trainer.mesh))
-    if _epoch_read(data.train) > epoch:     # this batch reached into another pass
-      epoch = _epoch_read(data.train)
+    if data.train.epoch_read > epoch:     # this batch reached into another pass
+      epoch = data.train.epoch_read
       log(f"moejax: step {step}: epoch {epoch + 1} of the training split began (every window "
           "read once before it; reshuffled)")
     metrics, choice = policy.after_step(step, state.params, metrics)
@@ -552,7 +547,7 @@ def _train(cfg: Config, trainer: Trainer, state, data, val_batches, writer, prog
       reshard_moved = resharding.moved
       log(f"moejax: step {step}: re-sharded experts: {resharding.moved} moved "
           f"({resharding.moved_bytes / 2**20:.1f} MiB of parameters and optimizer state)")
-    stop = step < last_step and stops.requested(step)
+    stop = step < last_step and stops.requested(step - first_step + 1)
     if checkpoints.should_save(step) or step == last_step or stop:
       # Never save a non-finite state: this step's loss (the parameters it started from) and
       # gradient norm (the update it made) must be finite. Waits for this step's figures.

@@ -27,6 +27,13 @@ class Interrupted(MoejaxError):
     self.exit_code = 128 + signum
 
 
+def _preemption_service() -> bool:
+  """Whether jax.distributed runs its preemption sync manager (jax_enable_preemption_service)."""
+  from jax._src import distributed as jax_distributed
+  state = getattr(jax_distributed, "global_state", None)
+  return getattr(state, "preemption_sync_manager", None) is not None
+
+
 class StopRequests:
   """Installed for the length of a run (`close` puts the previous handlers back)."""
 
@@ -37,6 +44,8 @@ class StopRequests:
     self._sync_error: str | None = None
     if threading.current_thread() is not threading.main_thread():
       return                      # Python delivers signals to the main thread only
+    if self._multi and not _preemption_service():
+      return                      # nothing would take a forwarded SIGTERM: signals as before
     for sig in (signal.SIGINT,) if self._multi else (signal.SIGINT, signal.SIGTERM):
       self._previous[sig] = signal.signal(sig, self._handle)
 
@@ -51,7 +60,10 @@ class StopRequests:
       os.kill(os.getpid(), signal.SIGTERM)
 
   def requested(self, step: int) -> bool:
-    """Whether to stop after `step` (every process calls this at every step)."""
+    """Whether to stop after this run's `step`-th step, counted from 1 in this run (every
+    process calls this at every step of the run). jax's sync point counts its calls from 0 and
+    stops one past the highest count any process had reached when the signal came, so the
+    count must be the run's own, not the training step (a resumed run would never meet it)."""
     if not self._multi:
       return self.signum is not None
     if self._sync_error is not None:

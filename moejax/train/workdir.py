@@ -5,13 +5,14 @@ job of several processes, that every process runs the same config into the same 
 (the kernel releases it when the process dies, so a killed run leaves no stale lock). Two runs
 into one workdir interleaved their metrics.jsonl lines and deleted each other's checkpoints.
 
-`check_same_job`: process 0's config (field by field) and workdir against every other process's,
-and a file process 0 writes there read back by the others (a workdir on each machine's own disk
-is refused: a checkpoint needs every process's shards in one folder). Mismatched configs hung at
+`check_same_job`: process 0's config (field by field) against every other process's, and a file
+process 0 writes in its workdir read back by the others (another folder, or one on each
+machine's own disk, is refused: a checkpoint needs every process's shards in one folder). Mismatched configs hung at
 the first step whose programs differed.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -34,7 +35,12 @@ class WorkdirLock:
     self._file = open(self.path, "a+", encoding="utf-8")
     try:
       fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as e:
+      if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+        # A filesystem without flock (Lustre without -o flock, some FUSE mounts): run unlocked.
+        print(f"moejax: warning: cannot lock {self.path} ({e.strerror}); another run into "
+              "this workdir would not be refused", flush=True)
+        return
       self._file.seek(0)
       holder = self._file.read().strip() or "another process"
       self._file.close()
@@ -62,17 +68,21 @@ def check_same_job(config: dict, workdir: str) -> None:
   if jax.process_count() == 1:
     return
   from jax.experimental import multihost_utils
-  fields = sorted(_flatten(config).items())
-  mine = np.asarray([_digest(json.dumps(v, sort_keys=True)) for _, v in fields]
-                    + [_digest(os.path.abspath(workdir))], np.int32)
-  theirs = np.asarray(multihost_utils.broadcast_one_to_all(mine))
+  from moejax.train.checkpoint import flatten
+  fields = sorted(flatten(config).items())
   me = jax.process_index()
+  # The fields' count and names first (a broadcast needs one shape on every process: another
+  # moejax version on one machine may have other fields), then each field's value.
+  header = np.asarray([len(fields), _digest(json.dumps([k for k, _ in fields]))], np.int32)
+  if not np.array_equal(header, np.asarray(multihost_utils.broadcast_one_to_all(header))):
+    raise ConfigError(f"process {me} has other config fields than process 0 (another moejax "
+                      "version?): run the same code and config on every process")
+  mine = np.asarray([_digest(json.dumps(v, sort_keys=True)) for _, v in fields], np.int32)
+  theirs = np.asarray(multihost_utils.broadcast_one_to_all(mine))
   if not np.array_equal(mine, theirs):
-    where = int(np.flatnonzero(mine != theirs)[0])
-    what = (f"config.{fields[where][0]}" if where < len(fields) else
-            f"--workdir ({os.path.abspath(workdir)!r})")
-    raise ConfigError(f"process {me} runs another {what} than process 0: start every process "
-                      "of the job with the same config and workdir")
+    field = fields[int(np.flatnonzero(mine != theirs)[0])][0]
+    raise ConfigError(f"process {me} runs another config.{field} than process 0: start every "
+                      "process of the job with the same config and workdir")
   token = int(np.random.default_rng().integers(1, 2**31 - 1))
   token = int(np.asarray(multihost_utils.broadcast_one_to_all(np.int32(token))))
   path = os.path.join(workdir, JOB_FILE)
@@ -88,15 +98,6 @@ def check_same_job(config: dict, workdir: str) -> None:
   if seen != str(token):
     raise ConfigError(f"process {me} does not see the file process 0 wrote in workdir "
                       f"{os.path.abspath(workdir)!r}: every process must write checkpoints to "
-                      "one shared folder (a path on a shared filesystem)")
+                      "one shared folder (the same --workdir, on a shared filesystem)")
   multihost_utils.sync_global_devices("moejax: workdir token read")
 
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-  out = {}
-  for key, value in tree.items():
-    if isinstance(value, dict):
-      out.update(_flatten(value, f"{prefix}{key}."))
-    else:
-      out[f"{prefix}{key}"] = value
-  return out

@@ -158,20 +158,27 @@ def test_block_refuses_bad_calls_by_name():
     block(x_BxSxD, dispatch=Dispatch(kind="ep", axis_names=("data",), num_devices=16))
 
 
-def test_block_on_a_mesh_with_explicit_axes_equals_one_device():
+@pytest.mark.parametrize("sharded", ["tokens", "experts"])
+def test_block_on_a_mesh_with_explicit_axes_equals_one_device(sharded):
   """jax.make_mesh's default axes are Explicit, whose types refuse the router's sort over
-  sharded tokens (a ShardingTypeError before): the block runs them Auto and keeps y's sharding."""
+  sharded tokens, or a slice of sharded experts (ShardingTypeErrors before): the block runs them
+  Auto and keeps y's sharding."""
   from jax.sharding import NamedSharding, PartitionSpec as P
   block, x_BxSxD, _, _, (want_loss, want_grads) = _block_and_reference()
   explicit = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
-  x_sharded = jax.device_put(x_BxSxD, NamedSharding(explicit, P("data")))
+  x_spec = P("data") if sharded == "tokens" else P()
+  x_sharded = jax.device_put(x_BxSxD, NamedSharding(explicit, x_spec))
+  if sharded == "experts":
+    state = nnx.state(block)
+    nnx.update(block, jax.tree.map(lambda v: jax.device_put(
+        v, NamedSharding(explicit, P("data") if v.ndim == 3 else P())), state))
 
   def loss(block, x):
     y, aux = block(x)
     return jnp.sum(y ** 2) + aux["aux_loss"], y
 
   (got_loss, y), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(block, x_sharded)
-  assert y.sharding.spec == P("data", None, None)
+  assert y.sharding.spec == (P("data", None, None) if sharded == "tokens" else P(None, None, None))
   np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
   for got, want in zip(jax.tree.leaves(nnx.state(grads)), jax.tree.leaves(want_grads), strict=True):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(jnp.abs(want).max()))

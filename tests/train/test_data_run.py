@@ -89,6 +89,19 @@ def test_the_kept_tokenizer_ends_documents_with_the_same_eos(tmp_path, declare):
   assert json.loads((workdir / "tokenizer_config.json").read_text()) == {"eos_token": "</s>"}
 
 
+def test_keeping_a_tokenizer_from_the_workdir_itself(tmp_path):
+  """The workdir as the tokenizer's folder by another path (a symlink: copyfile raised
+  SameFileError), and a tokenizer file in the workdir under another name (never copied to
+  tokenizer.json, where generate and evaluate look)."""
+  source, eot = _tokenizer_dir(tmp_path / "w", "tokenizer_config.json")
+  (tmp_path / "link").symlink_to(source)
+  assert weights.keep_tokenizer(str(tmp_path / "link"), str(source)) == str(
+      source / "tokenizer.json")
+  (source / "tokenizer.json").rename(source / "mine.json")
+  weights.keep_tokenizer(str(source / "mine.json"), str(source))
+  assert load_tokenizer(str(source)).eos_id == eot
+
+
 def test_a_run_that_fails_on_its_data_keeps_no_tokenizer(trainer, tmp_path):
   source, _ = _tokenizer_dir(tmp_path / "tok")
   corpus = tmp_path / "short.txt"
