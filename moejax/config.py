@@ -303,7 +303,7 @@ class DistributedConfig:
   heartbeat_timeout_s: int = 30
   """Seconds a process may go without a heartbeat before the others count it as lost and stop
   with one line naming it (exit 2); a process that dies is noticed at once. jax.distributed's
-  own heartbeat timeout is set to this plus `moejax.distributed.JAX_MARGIN_S`."""
+  own heartbeat timeout is set to twice this plus `moejax.distributed.JAX_MARGIN_S`."""
 
 
 @dataclasses.dataclass(frozen=True)
