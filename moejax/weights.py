@@ -66,7 +66,7 @@ def keep_tokenizer(spec: str, directory: str) -> str | None:
   with a tokenizer_config.json naming the EOS the tokenizer resolves to where it stands (its own
   tokenizer_config.json, or a config.json / hf_config.json beside it), so the copy ends
   documents with the same id wherever it is read. Returns the copy, or None for 'bytes'."""
-  from moejax.data.tokenizer import TOKENIZER_CONFIG_FILE, load_tokenizer
+  from moejax.data.tokenizer import TOKENIZER_CONFIG_FILE, load_tokenizer, read_json
   source = tokenizer_file(spec)
   if source is None:
     return None
@@ -74,13 +74,7 @@ def keep_tokenizer(spec: str, directory: str) -> str | None:
   if os.path.exists(target) and os.path.samefile(source, target):
     return target                    # already there, with whatever declares its EOS
   eos = load_tokenizer(source).eos_token
-  config_path = os.path.join(os.path.dirname(source), TOKENIZER_CONFIG_FILE)
-  try:
-    with open(config_path, encoding="utf-8") as f:
-      config = json.load(f)
-  except (OSError, ValueError):
-    config = {}
-  config = config if isinstance(config, dict) else {}
+  config = read_json(os.path.join(os.path.dirname(source), TOKENIZER_CONFIG_FILE))
   if eos is not None:
     config["eos_token"] = eos
   shutil.copyfile(source, target)

@@ -122,7 +122,7 @@ class HFTokenizer:
 Tokenizer = ByteTokenizer | HFTokenizer
 
 
-def _read_json(path: str) -> dict:
+def read_json(path: str) -> dict:
   try:
     with open(path, encoding="utf-8") as f:
       data = json.load(f)
@@ -133,14 +133,14 @@ def _read_json(path: str) -> dict:
 
 def _declared_eos(directory: str, vocab: dict) -> str | None:
   """The EOS token the checkpoint's files beside tokenizer.json name, if it is in `vocab`."""
-  token = _read_json(os.path.join(directory, TOKENIZER_CONFIG_FILE)).get("eos_token")
+  token = read_json(os.path.join(directory, TOKENIZER_CONFIG_FILE)).get("eos_token")
   if isinstance(token, dict):
     token = token.get("content")
   if isinstance(token, str) and token in vocab:
     return token
   by_id = {i: t for t, i in vocab.items()}
   for name in ("config.json", "hf_config.json"):
-    ids = _read_json(os.path.join(directory, name)).get("eos_token_id")
+    ids = read_json(os.path.join(directory, name)).get("eos_token_id")
     for i in ids if isinstance(ids, list) else [ids]:
       if isinstance(i, int) and i in by_id:
         return by_id[i]

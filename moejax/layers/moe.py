@@ -105,9 +105,10 @@ def local_experts_mask(dispatch: dispatch_lib.Dispatch, num_experts: int):
   return owner_node_E == my_node
 
 
-def _explicit_axes(*arrays) -> tuple:
-  """The Explicit mesh axes any of `arrays` is sharded over (none outside such a mesh)."""
-  used = set()
+def _explicit_axes(*arrays) -> tuple[tuple, object]:
+  """(the Explicit mesh axes any of `arrays` is sharded over, their mesh); ((), None) outside
+  such a mesh."""
+  used, found = set(), None
   for x in arrays:
     sharding = getattr(jax.typeof(x), "sharding", None)
     mesh = getattr(sharding, "mesh", None)
@@ -116,8 +117,11 @@ def _explicit_axes(*arrays) -> tuple:
     explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
                 if kind == jax.sharding.AxisType.Explicit}
     for entry in sharding.spec:
-      used |= (set(entry if isinstance(entry, tuple) else (entry,)) - {None}) & explicit
-  return tuple(sorted(used))
+      axes = (set(entry if isinstance(entry, tuple) else (entry,)) - {None}) & explicit
+      if axes:
+        used |= axes
+        found = mesh
+  return tuple(sorted(used)), found
 
 
 def _check_input(block, x, dispatch, materialized) -> None:
@@ -190,8 +194,8 @@ class MoEBlock(nnx.Module):
                axis_name=None, step=0, materialized=None):
     _check_input(self, x_BxSxD, dispatch, materialized)
     graphdef, state = nnx.split(self)
-    arrays = (x_BxSxD, *jax.tree.leaves(state), *jax.tree.leaves(materialized))
-    explicit = _explicit_axes(*arrays)
+    explicit, mesh = _explicit_axes(x_BxSxD, *jax.tree.leaves(state),
+                                    *jax.tree.leaves(materialized))
     if not explicit:
       return self._forward(x_BxSxD, dispatch=dispatch, axis_name=axis_name, step=step,
                            materialized=materialized)
@@ -205,7 +209,6 @@ class MoEBlock(nnx.Module):
                                                  step=step, materialized=materialized)
 
     x_spec = jax.typeof(x_BxSxD).sharding.spec
-    mesh = next(jax.typeof(a).sharding.mesh for a in arrays if _explicit_axes(a))
     with jax.sharding.use_abstract_mesh(mesh):
       return jax.sharding.auto_axes(run, axes=explicit, out_sharding=(x_spec, P()))(
           state, x_BxSxD, step, materialized)

@@ -32,7 +32,7 @@ from moejax.train import (checkpoint as checkpoint_lib, memory, optim, state as 
                           step as step_lib, workdir as workdir_lib)
 from moejax.train.codec_control import CodecPolicy, specs_key
 from moejax.train.metrics import MetricsWriter, Progress, log
-from moejax.train.stop import Interrupted, StopRequests
+from moejax.train.stop import StopRequests
 
 
 def prepare_workdir(workdir: str) -> None:
@@ -502,8 +502,8 @@ def _train(cfg: Config, trainer: Trainer, state, data, val_batches, writer, prog
   for step in range(first_step, last_step + 1):
     t_step = time.perf_counter()
     state, metrics = compiled.train_step(state, put_batch(next(data.train), trainer.mesh))
-    if data.train.epoch_read > epoch:     # this batch reached into another pass
-      epoch = data.train.epoch_read
+    if (read := data.train.epoch_read) > epoch:     # this batch reached into another pass
+      epoch = read
       log(f"moejax: step {step}: epoch {epoch + 1} of the training split began (every window "
           "read once before it; reshuffled)")
     metrics, choice = policy.after_step(step, state.params, metrics)
@@ -558,9 +558,5 @@ def _train(cfg: Config, trainer: Trainer, state, data, val_batches, writer, prog
       t_log += time.perf_counter() - t_save   # the save's own time, left out of the steps'
     if stop:
       checkpoints.wait()
-      asked = (f"{stops.name()}" if stops.signum is not None else
-               "SIGTERM to a process of the job")
-      raise Interrupted(f"stopped on {asked} after step {step}, saved "
-                        f"{checkpoints.step_path(step)}; rerun the same command to resume",
-                        stops.signum or 15)
+      raise stops.interrupted(step, checkpoints.step_path(step))
   return record

@@ -41,11 +41,13 @@ class StopRequests:
     self.signum: int | None = None
     self._previous: dict = {}
     self._multi = jax.process_count() > 1
-    self._sync_error: str | None = None
+    # Several processes without jax's preemption service: nothing would take a forwarded
+    # SIGTERM, nor answer the sync point; signals act as before.
+    self._sync = self._multi and _preemption_service()
     if threading.current_thread() is not threading.main_thread():
       return                      # Python delivers signals to the main thread only
-    if self._multi and not _preemption_service():
-      return                      # nothing would take a forwarded SIGTERM: signals as before
+    if self._multi and not self._sync:
+      return
     for sig in (signal.SIGINT,) if self._multi else (signal.SIGINT, signal.SIGTERM):
       self._previous[sig] = signal.signal(sig, self._handle)
 
@@ -66,17 +68,17 @@ class StopRequests:
     count must be the run's own, not the training step (a resumed run would never meet it)."""
     if not self._multi:
       return self.signum is not None
-    if self._sync_error is not None:
+    if not self._sync:
       return False
     from jax.experimental import multihost_utils
-    try:
-      return bool(multihost_utils.reached_preemption_sync_point(step))
-    except RuntimeError as e:     # no preemption service in this jax.distributed
-      self._sync_error = str(e)
-      return False
+    return bool(multihost_utils.reached_preemption_sync_point(step))
 
-  def name(self) -> str:
-    return signal.Signals(self.signum or signal.SIGTERM).name
+  def interrupted(self, step: int, saved: str) -> Interrupted:
+    """The error the run stops with after saving `step` at `saved`."""
+    asked = (signal.Signals(self.signum).name if self.signum is not None else
+             "SIGTERM to a process of the job")
+    return Interrupted(f"stopped on {asked} after step {step}, saved {saved}; rerun the same "
+                       "command to resume", self.signum or signal.SIGTERM)
 
   def close(self) -> None:
     for sig, previous in self._previous.items():
