@@ -66,6 +66,7 @@ def forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start)
   keys and values written in; start + S must not exceed the cache's length (`generate` sizes it
   to the prompt plus the new tokens). `params` in the compute dtype (`cast_params`); `cfg` without
   admission (`without_admission`)."""
+  olmoe.check_tokens(cfg, tokens_BxS)
   s = tokens_BxS.shape[1]
   if s > cache.max_len:
     raise ValueError(f"{s} new tokens do not fit a KV cache of {cache.max_len} positions")

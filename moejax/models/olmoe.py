@@ -26,6 +26,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from moejax.config import Config
@@ -229,6 +230,21 @@ def layer_from_params(cfg: Config, layer_params: dict, group: str = MOE_LAYERS):
   return nnx.merge(graphdef, state)
 
 
+def check_tokens(cfg: Config, tokens_BxS) -> None:
+  """Token ids [B, S] of an integer type; ids held as values (not traced under `jit`) must lie
+  in [0, vocab_size): `jnp.take` fills an id outside with a row of NaNs, which reaches every
+  logit through attention. Traced ids are not read back (the data path checks its files)."""
+  if isinstance(tokens_BxS, jax.core.Tracer):
+    return
+  tokens = np.asarray(tokens_BxS)
+  if tokens.ndim != 2 or not np.issubdtype(tokens.dtype, np.integer):
+    raise ValueError(f"tokens must be [batch, seq] integer ids, got shape {tokens.shape} "
+                     f"dtype {tokens.dtype}")
+  if tokens.size and (tokens.min() < 0 or tokens.max() >= cfg.model.vocab_size):
+    raise ValueError(f"token ids must lie in [0, {cfg.model.vocab_size}) (model.vocab_size), "
+                     f"got ids from {tokens.min()} to {tokens.max()}")
+
+
 def forward(cfg: Config, params: dict, tokens_BxS, *, gather=None,
             dispatch: Dispatch = LOCAL, axis_name=None, remat: str = "full",
             prefetch: bool = False, step=0):
@@ -256,6 +272,7 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
   Returns (logits_BxSxV, aux_L, new_states, stats) with stats {group: stats of its gathers}
   (a layer group's stacked over its layers); aux_L covers the MoE layers.
   """
+  check_tokens(cfg, tokens_BxS)
   if gather is None:
     gather = functools.partial(local_gather, dtype=COMPUTE_DTYPES[cfg.compute_dtype],
                                param_meta=param_meta(cfg))

@@ -44,6 +44,20 @@ def test_causal(tiny):
   assert not np.allclose(np.asarray(a[:, 10:]), np.asarray(b[:, 10:]))
 
 
+def test_token_ids_outside_the_vocabulary_are_refused(tiny):
+  """An id past the vocabulary gathered a NaN row that reached every logit; ids held as values
+  are checked before any work (traced ids under jit are not read back)."""
+  cfg, params, _ = tiny
+  v = cfg.model.vocab_size
+  for bad in (np.full((1, 4), v, np.int32), np.full((1, 4), -1, np.int32)):
+    with pytest.raises(ValueError, match=r"model.vocab_size"):
+      olmoe.forward(cfg, params, bad)
+  with pytest.raises(ValueError, match=r"integer ids"):
+    olmoe.forward(cfg, params, np.zeros((1, 4), np.float32))
+  with pytest.raises(ValueError, match=r"\[batch, seq\]"):
+    olmoe.forward(cfg, params, np.zeros((4,), np.int32))
+
+
 def test_param_count_matches_init():
   cfg = tiny_config()
   shapes = jax.eval_shape(lambda k: olmoe.init_params(cfg, k), jax.random.key(0))
