@@ -180,8 +180,8 @@ class Placement:
     return pstate if replicas is None else pstate.replace(replicas=replicas)
 
   def metrics(self, placement_L: dict, *, tokens_per_device: int, remat: str) -> dict:
-    """Per-layer figures from the layers, plus bytes moved per device and step by kind: the ep
-    exchange (`a2a_bytes`), SparseReduceScatter (`sprs_bytes`, its [N, M] buffer), and
+    """Per-layer figures from the layers, plus bytes moved per device and step by kind: the token
+    exchange of ep and fssdp (`a2a_bytes`, its static buffer), SparseReduceScatter (`sprs_bytes`, its [N, M] buffer), and
     SparseAllGather's: `spag_bytes` (its ragged form, patches included: what a GPU moves; the
     mean over devices of what each receives), `spag_bytes_plain` (the same replicas plain),
     `spag_bytes_capacity` (the static [N, M] buffer XLA:CPU moves), all for every pass (remat
@@ -193,7 +193,7 @@ class Placement:
       metrics["dispatch_needed"] = jnp.round(jnp.max(metrics["dispatch_needed"]))
       metrics["dispatch_capacity"] = float(self.dispatch_capacity(tokens_per_device))
     metrics["a2a_bytes"] = 0.0
-    if self.kind == "ep" and n > 1:
+    if self.owns_experts and n > 1:     # fssdp's tokens travel in ep's exchange buffer
       metrics["a2a_bytes"] = self.num_layers * ep_a2a_bytes(
           tokens_per_device, self.top_k, self.d_model, n, self.dispatch_capacity_factor,
           remat=remat, itemsize=self.itemsize)

@@ -399,7 +399,10 @@ class CodecPolicy:
       return None
     self._live_since = step
     schedule = (self.restored or {}).get("schedule")
+    decided = (self.restored or {}).get("step") is not None
     last = self._restored_choice()
+    if decided and last is None:
+      schedule = None      # the schedule continued a decision this run does not take up
     if last is not None:
       specs, decided_at = last
       self.log(f"codec: step {step}: reinstalled the codec choice of step {decided_at} "
@@ -557,7 +560,34 @@ class CodecPolicy:
                  "this run does not gather: deciding afresh")
         return None
       specs.setdefault(e["group"], {})[e["path"]] = _spec_of(e)
+    why = self._outside_config(specs)
+    if why:
+      self.log(f"codec: the checkpoint's codec choice (step {int(item['step'])}) {why}: deciding "
+               "afresh")
+      return None
     return specs, int(item["step"])
+
+  def _outside_config(self, specs: dict) -> str | None:
+    """Why a restored choice does not fit this run's codec.* (a resume may change them), or
+    None: a mode `codec.mode` does not allow, hash detection without `codec.detect='hash'`, or
+    caches over `codec.cache_budget_bytes`."""
+    allowed = modes_of(self.cfg)
+    used = 0
+    for g, ps in specs.items():
+      for p, spec in ps.items():
+        if spec.mode not in allowed:
+          return (f"compresses {g}{p} with {spec.mode!r}, which codec.mode={self.cfg.mode!r} "
+                  f"does not allow (it allows {', '.join(allowed)})")
+        if spec.detect == "hash" and self.cfg.detect != "hash":
+          return (f"detects {g}{p}'s changes by hashes, which codec.detect="
+                  f"{self.cfg.detect!r} does not allow")
+        used += self.base.copies(g) * codec.state_bytes(
+            self.base.shard_shape(g, p), hook.COMPUTE_DTYPE, self.base.num_devices, spec)
+    budget = self.cfg.cache_budget_bytes
+    if budget and used > budget:
+      return (f"keeps {_size(used)} of caches per device, over codec.cache_budget_bytes="
+              f"{budget} ({_size(budget)})")
+    return None
 
   # -- records (the JSON log, for people) --------------------------------------------------------
   def _live_figures(self) -> dict:

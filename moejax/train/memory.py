@@ -69,7 +69,11 @@ class MemoryReport:
 
 
 def _gib(nbytes: float) -> str:
-  return f"{nbytes / 2**30:.2f} GiB"
+  """Binary units sized to the figure: a tiny preset's parts read in KiB or MiB, not 0.00 GiB."""
+  for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if abs(nbytes) >= scale:
+      return f"{nbytes / scale:.2f} {unit}"
+  return f"{nbytes:.0f} B"
 
 
 def _nbytes(tree) -> int:
@@ -82,7 +86,7 @@ def memory_report(cfg: Config, num_devices: int, *,
   `dispatch_capacity_factor`: the ep/fssdp buffers' factor, if not the config's."""
   from moejax.models import olmoe
   from moejax.placement.dispatch import ep_capacity
-  from moejax.sharding import hook, layout as layout_lib
+  from moejax.sharding import axes, hook, layout as layout_lib
   from moejax.sharding.prefetch import recomputes
   from moejax.train import optim
   from moejax.train.state import placement_for
@@ -124,8 +128,8 @@ def memory_report(cfg: Config, num_devices: int, *,
       size = math.prod(leaf.shape) // (leaf.shape[0] if stacked else 1)
       if owns and lay.kind == "expert":
         local += size // n
-      elif lay.kind != "replicate":
-        full += size
+      elif lay.kind != "replicate" or (c < 4 and leaf.group not in axes.FLOAT32_GROUPS):
+        full += size        # gathered, or a replicated master cast to the compute dtype
     if not stacked:
       gathered += full * c
     else:
@@ -171,7 +175,7 @@ def memory_report(cfg: Config, num_devices: int, *,
   if moe.placement == "fssdp":     # FssdpState: the load history (fp32), the owners and what
     experts = num_moe_layers(cfg) * e    # the replica slots held last step (int32)
     placement = ((cfg.fssdp.window * experts + experts) * 4 + 4
-                 + 2 * num_moe_layers(cfg) * n * cfg.fssdp.replica_slots * 4)   # old and new
+                 + num_moe_layers(cfg) * n * cfg.fssdp.replica_slots * 4)   # updated in place
     if cfg.fssdp.resolved_replica_codec(cfg.codec.mode) != "off":
       # The replica codec: last step's replicas (M) and owned experts (C) as bit patterns
       # (`moejax.codec.replicas`); the step's new ones live beside them until it returns. One layer's coded gather adds the owned experts' plain and patch rows and

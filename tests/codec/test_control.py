@@ -160,3 +160,30 @@ def test_a_saved_schedule_of_other_shapes_is_set_aside(gatherer):
   assert policy._next == 20 and policy._probe_steps == 2
   assert [a.shape for a in policy._acc] == [(4, r, k), (4, r, k), (r, k)]
   assert int(policy._acc[0].sum()) == 4 * r * k
+
+
+def test_a_restored_choice_outside_this_runs_codec_config_is_decided_afresh(gatherer):
+  """A resume may change codec.*: a checkpoint's choice that compresses with a mode the run's
+  codec.mode does not allow, or keeps caches over its codec.cache_budget_bytes, was reinstalled
+  silently (and with reselect_every=0 kept for good). Now one line says why, and the run
+  decides afresh after its warm-up; a choice that fits is reinstalled."""
+  mesh = make_mesh((2, 4), jax.devices()[:8])
+  (g, p) = next(iter(gatherer.candidates()))
+  saved = {"step": 5, "specs": [codec_control._spec_entry(g, p, codec.CodecSpec("delta"))],
+           "schedule": {"next": None, "probe_steps": 0, "acc": None, "live": None,
+                        "live_prev": None, "live_steps": 0, "live_since": 0}}
+  cases = [(dict(mode="element", select=True), "codec.mode='element' does not allow"),
+           (dict(cache_budget_bytes=100), "over codec.cache_budget_bytes=100"),
+           (dict(), None)]
+  for overrides, why in cases:
+    lines = []
+    policy = codec_control.CodecPolicy(gatherer, mesh, _codec(reselect_every=0, comm_model="bytes", **overrides),
+                                       log=lines.append)
+    policy.restored = dict(saved)
+    choice = policy.start(5, params=None)
+    if why is None:
+      assert choice[g] == {p: codec.CodecSpec("delta")} and policy._next is None
+      assert "reinstalled the codec choice of step 5" in lines[0]
+    else:
+      assert len(lines) == 1 and why in lines[0] and "deciding afresh" in lines[0], lines
+      assert choice is None and policy._next is not None     # a decision comes after all

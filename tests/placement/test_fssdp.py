@@ -280,6 +280,10 @@ def test_replica_bytes_count_every_pass_and_are_per_device():
   np.testing.assert_allclose(none["spag_bytes_needed"], np.array([3.0, 1.0]) / N
                              * placement.expert_bytes)
   assert "replica_bytes" not in none
+  # Tokens travel in ep's exchange buffer: the same bytes as ep's (they read 0 under fssdp).
+  ep = Placement("ep", 2, E2, 2, D, F, N, 4, ("devices",))
+  assert none["a2a_bytes"] > 0
+  assert none["a2a_bytes"] == ep.metrics({}, tokens_per_device=8, remat="none")["a2a_bytes"]
 
 
 def test_a_re_plan_fetches_only_the_replicas_a_device_lacks():

@@ -8,7 +8,7 @@ import pytest
 from configs import olmoe as olmoe_configs
 from moejax.config import from_config_dict
 from moejax.errors import ConfigError
-from moejax.train.memory import check_fits, memory_report
+from moejax.train.memory import MemoryReport, check_fits, memory_report
 from tests.helpers import tiny_config
 
 GB80 = 80 * 10**9          # an 80 GB accelerator (A100/H100-80G)
@@ -94,3 +94,14 @@ def test_a_split_that_training_would_refuse_is_refused_here_too():
     memory_report(tiny_config(), 3)
   with pytest.raises(ConfigError, match="config.moe.num_experts=8 is not divisible by the 16 "):
     memory_report(tiny_config(**{"moe.placement": "ep"}), 16)
+
+
+def test_the_table_reads_at_every_size():
+  """The tiny preset's parts printed as 0.00 GiB: each figure takes the unit that fits it."""
+  report = MemoryReport(8, {"params": 3.0 * 2**30, "activations": 5.2 * 2**20,
+                                "gathered": 1536.0, "exchange": 12.0})
+  lines = report.table().splitlines()
+  assert lines[0].split()[-2:] == ["3.00", "GiB"]
+  assert lines[1].split()[-2:] == ["5.20", "MiB"]
+  assert lines[2].split()[-2:] == ["1.50", "KiB"]
+  assert lines[3].split()[-2:] == ["12", "B"]
