@@ -615,6 +615,19 @@ def validate(c: Config) -> None:
          f"config.codec.capacity_fraction={c.codec.capacity_fraction}: must be in [0, 1]")
   _check(c.codec.warmup_steps >= 0,
          f"config.codec.warmup_steps={c.codec.warmup_steps}: must be >= 0")
+  # Fields that act only in some modes, refused where they would be ignored.
+  for field in ("reselect_every", "cache_budget_bytes"):
+    value = getattr(c.codec, field)
+    _check(not value or c.codec.controlled,
+           f"config.codec.{field}={value} acts on a codec chosen at run time: needs "
+           "codec.mode='auto', or a compressed mode with codec.select=True")
+  _check(not c.codec.capacity_fraction or (c.codec.mode != "off" and not c.codec.controlled),
+         f"config.codec.capacity_fraction={c.codec.capacity_fraction} sizes a fixed mode's "
+         "patches: needs one of " + ", ".join(COMPRESSED_MODES) + " with codec.select=False ("
+         "auto and select size capacities from measured rates)")
+  _check(not c.fssdp.replica_codec or moe.placement == "fssdp",
+         f"config.fssdp.replica_codec={c.fssdp.replica_codec!r} codes fssdp's expert replicas: "
+         f"needs moe.placement='fssdp' (got {moe.placement!r}; '' leaves it to codec.mode)")
   _check(c.checkpoint.every >= 0, f"config.checkpoint.every={c.checkpoint.every}: must be >= 0")
   _check(c.distributed.heartbeat_timeout_s > 0,
          f"config.distributed.heartbeat_timeout_s={c.distributed.heartbeat_timeout_s}: must be "

@@ -107,7 +107,16 @@ def test_config_fields():
                            ({"codec.reselect_every": -5}, "codec.reselect_every"),
                            ({"codec.capacity_margin": 0.5}, "codec.capacity_margin"),
                            ({"codec.comm_model": "fast"}, "codec.comm_model"),
-                           ({"codec.mode": "word", "codec.detect": "hash"}, "codec.detect")]:
+                           ({"codec.mode": "word", "codec.detect": "hash"}, "codec.detect"),
+                           # set where they would be ignored
+                           ({"codec.mode": "delta", "codec.reselect_every": 10},
+                            "codec.reselect_every"),
+                           ({"codec.cache_budget_bytes": 1000}, "codec.cache_budget_bytes"),
+                           ({"codec.mode": "auto", "codec.capacity_fraction": 0.5},
+                            "codec.capacity_fraction"),
+                           ({"codec.capacity_fraction": 0.5}, "codec.capacity_fraction"),
+                           ({"moe.placement": "ep", "fssdp.replica_codec": "delta"},
+                            "fssdp.replica_codec")]:
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
       tiny_config(**overrides)
   for preset in olmoe_configs.PRESETS:
@@ -177,8 +186,9 @@ def test_a_restored_choice_outside_this_runs_codec_config_is_decided_afresh(gath
            (dict(), None)]
   for overrides, why in cases:
     lines = []
-    policy = codec_control.CodecPolicy(gatherer, mesh, _codec(reselect_every=0, comm_model="bytes", **overrides),
-                                       log=lines.append)
+    policy = codec_control.CodecPolicy(
+        gatherer, mesh, _codec(reselect_every=0, comm_model="bytes", **overrides),
+        log=lines.append)
     policy.restored = dict(saved)
     choice = policy.start(5, params=None)
     if why is None:
