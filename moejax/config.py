@@ -615,23 +615,31 @@ def validate(c: Config) -> None:
          f"config.codec.capacity_fraction={c.codec.capacity_fraction}: must be in [0, 1]")
   _check(c.codec.warmup_steps >= 0,
          f"config.codec.warmup_steps={c.codec.warmup_steps}: must be >= 0")
-  # Fields that act only in some modes, refused where they would be ignored.
-  for field in ("reselect_every", "cache_budget_bytes"):
-    value = getattr(c.codec, field)
-    _check(not value or c.codec.controlled,
-           f"config.codec.{field}={value} acts on a codec chosen at run time: needs "
-           "codec.mode='auto', or a compressed mode with codec.select=True")
-  _check(not c.codec.capacity_fraction or (c.codec.mode != "off" and not c.codec.controlled),
-         f"config.codec.capacity_fraction={c.codec.capacity_fraction} sizes a fixed mode's "
-         "patches: needs one of " + ", ".join(COMPRESSED_MODES) + " with codec.select=False ("
-         "auto and select size capacities from measured rates)")
-  _check(not c.fssdp.replica_codec or moe.placement == "fssdp",
-         f"config.fssdp.replica_codec={c.fssdp.replica_codec!r} codes fssdp's expert replicas: "
-         f"needs moe.placement='fssdp' (got {moe.placement!r}; '' leaves it to codec.mode)")
   _check(c.checkpoint.every >= 0, f"config.checkpoint.every={c.checkpoint.every}: must be >= 0")
   _check(c.distributed.heartbeat_timeout_s > 0,
          f"config.distributed.heartbeat_timeout_s={c.distributed.heartbeat_timeout_s}: must be "
          "positive (seconds)")
+
+
+def unused_settings(c: Config) -> list[str]:
+  """Fields set away from their defaults that this config's modes never read: not errors (one
+  config often serves several runs, e.g. codec.mode=off or moe.placement=ep as the baseline of
+  the same settings), but a run says so once, so a setting that does nothing is not mistaken for
+  one that did."""
+  notes = []
+  for field in ("reselect_every", "cache_budget_bytes"):
+    value = getattr(c.codec, field)
+    if value and not c.codec.controlled:
+      notes.append(f"config.codec.{field}={value} has no effect: it acts on a codec chosen at "
+                   "run time (codec.mode='auto', or a compressed mode with codec.select=True)")
+  if c.codec.capacity_fraction and (c.codec.mode == "off" or c.codec.controlled):
+    notes.append(f"config.codec.capacity_fraction={c.codec.capacity_fraction} has no effect: it "
+                 "sizes a fixed mode's patches (codec.select=False); auto and select size them "
+                 "from measured rates")
+  if c.fssdp.replica_codec and c.moe.placement != "fssdp":
+    notes.append(f"config.fssdp.replica_codec={c.fssdp.replica_codec!r} has no effect: it codes "
+                 f"fssdp's expert replicas (moe.placement={c.moe.placement!r})")
+  return notes
 
 
 def num_params(c: Config) -> dict[str, int]:

@@ -255,3 +255,22 @@ def test_values_that_would_train_wrong_or_end_in_nan_are_refused_by_name(field, 
   with pytest.raises(ConfigError) as e:
     tiny_config(**{field: value})
   assert str(e.value) == message
+
+
+def test_settings_that_do_nothing_here_are_named():
+  """Accepted (one config serves its baselines too), but named once at the run's start: these
+  were silently ignored."""
+  cases = [({"codec.mode": "delta", "codec.reselect_every": 10}, "codec.reselect_every=10"),
+           ({"codec.cache_budget_bytes": 1000}, "codec.cache_budget_bytes=1000"),
+           ({"codec.mode": "auto", "codec.capacity_fraction": 0.5}, "codec.capacity_fraction"),
+           ({"codec.capacity_fraction": 0.5}, "codec.capacity_fraction"),
+           ({"moe.placement": "ep", "fssdp.replica_codec": "delta"}, "fssdp.replica_codec")]
+  for overrides, field in cases:
+    (note,) = config_lib.unused_settings(tiny_config(**overrides))
+    assert note.startswith(f"config.{field}") and "has no effect" in note
+  for overrides in ({"codec.mode": "auto", "codec.reselect_every": 10,
+                     "codec.cache_budget_bytes": 1000},
+                    {"codec.mode": "element", "codec.select": True, "codec.reselect_every": 10},
+                    {"codec.mode": "element", "codec.capacity_fraction": 0.5},
+                    {"moe.placement": "fssdp", "fssdp.replica_codec": "off"}, {}):
+    assert config_lib.unused_settings(tiny_config(**overrides)) == [], overrides

@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moejax import host_memory, weights
-from moejax.config import Config, num_params
+from moejax.config import Config, num_params, unused_settings
 from moejax.data import DataSpec, check_vocab, make_data
 from moejax.errors import ConfigError, TrainingError
 from moejax.sharding.mesh import make_mesh, num_devices
@@ -451,6 +451,8 @@ def _run(cfg: Config, workdir: str, trainer: Trainer | None, stop_at: int | None
     log(f"moejax: {cfg.model.family} model, {_billions(counts['total'])} parameters, "
         f"{_billions(counts['active'])} active per token")
     _note_if_not_exportable(cfg)
+    for note in unused_settings(cfg):
+      log(f"moejax: note: {note}")
     log(f"moejax: {data.name}, {num_devices(trainer.mesh)} device(s), "
         f"placement={cfg.moe.placement}, {cfg.steps} steps of {cfg.batch_size}x{cfg.seq_len}")
     log(data_line(cfg, data))
@@ -518,9 +520,20 @@ def _train(cfg: Config, trainer: Trainer, state, data, val_batches, writer, prog
       # The first step compiles; time the steps after it.
       jax.block_until_ready(metrics)
       t_log, steps_since_log = time.perf_counter(), 0
-      compile_seconds.take()
-      first_step_time = t_log - t_step      # reported only if this step is logged alone
+      # Reported only if this step is logged alone: its own time, less its compile.
+      first_step_time = max(t_log - t_step - compile_seconds.take(), 1e-9)
       log_now = step % cfg.log_every == 0
+    if (cfg.moe.placement == "fssdp" and cfg.fssdp.reshard_every
+        and step % cfg.fssdp.reshard_every == 0 and step < cfg.steps):
+      # Before any checkpoint of this step, so a resumed run continues from the same owners;
+      # before its record, which says how many moved. Its time is left out of the steps'.
+      t_reshard = time.perf_counter()
+      with compile_seconds.left_out():
+        state, resharding = trainer.reshard(state)
+        reshard_moved = resharding.moved
+        log(f"moejax: step {step}: re-sharded experts: {resharding.moved} moved "
+            f"({resharding.moved_bytes / 2**20:.1f} MiB of parameters and optimizer state)")
+      t_log += time.perf_counter() - t_reshard
     evaluate = step % cfg.eval_every == 0 or step == cfg.steps
     if log_now and (step % cfg.log_every == 0 or evaluate):
       values = jax.device_get(metrics)   # waits for this step: the timing below is honest
@@ -540,13 +553,6 @@ def _train(cfg: Config, trainer: Trainer, state, data, val_batches, writer, prog
       progress.update(step, record, (cfg.steps - step) * step_time)
       t_log, steps_since_log = time.perf_counter(), 0
       compile_seconds.take()               # the evaluation's compile was not the steps'
-    if (cfg.moe.placement == "fssdp" and cfg.fssdp.reshard_every
-        and step % cfg.fssdp.reshard_every == 0 and step < cfg.steps):
-      # Before any checkpoint of this step, so a resumed run continues from the same owners.
-      state, resharding = trainer.reshard(state)
-      reshard_moved = resharding.moved
-      log(f"moejax: step {step}: re-sharded experts: {resharding.moved} moved "
-          f"({resharding.moved_bytes / 2**20:.1f} MiB of parameters and optimizer state)")
     stop = step < last_step and stops.requested(step - first_step + 1)
     if checkpoints.should_save(step) or step == last_step or stop:
       # Never save a non-finite state: this step's loss (the parameters it started from) and

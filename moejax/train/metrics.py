@@ -91,7 +91,7 @@ def progress_line(step: int, total: int, record: dict, eta_s: float) -> str:
   val = record.get("val_loss")
   val_text = f"{val:.3f}" if val is not None else "-"
   return (f"step {step:>6d}/{total} | loss {record['loss']:.3f} | val {val_text} | "
-          f"{record['tokens_per_s'] / 1000:.1f}k tok/s | {record['step_time_s']:.3f} s/step | "
+          f"{_tokens_per_s(record['tokens_per_s'])} | {record['step_time_s']:.3f} s/step | "
           f"ETA {datetime.timedelta(seconds=int(eta_s))}")
 
 
@@ -123,9 +123,13 @@ class Progress:
       return
     val = record.get("val_loss")
     status = (f"loss {record['loss']:.3f}" + (f" | val {val:.3f}" if val is not None else "")
-              + f" | {record['tokens_per_s'] / 1000:.1f}k tok/s")
+              + f" | {_tokens_per_s(record['tokens_per_s'])}")
     self._bar.update(self._task, completed=step, status=status)
 
   def close(self) -> None:
     if self._bar is not None:
       self._bar.stop()
+
+
+def _tokens_per_s(value: float) -> str:
+  return f"{value / 1000:.1f}k tok/s" if value >= 1000 else f"{value:.0f} tok/s"

@@ -238,6 +238,29 @@ def test_a_step_compiled_mid_run_is_not_counted_as_the_steps(trainer, tmp_path):
   assert len(times) == 2 and max(times) < slow / 3, times
 
 
+def test_the_first_steps_compile_is_not_counted_when_it_is_logged_alone(trainer, tmp_path):
+  """With log_every=1 the first step is logged on its own: its compile (here a 1.5 s one, as
+  jax.monitoring reports XLA's) counted as the step's time (8.5 s/step, 0.1k tok/s for a tiny
+  step of 0.04 s)."""
+  slow = 1.5
+
+  def wrap(train_step):
+    def step(state, batch):
+      if int(state.step) == 0:
+        time.sleep(slow)
+        jax.monitoring.record_event_duration_secs(
+            "/jax/core/compile/backend_compile_duration", slow)
+      return train_step(state, batch)
+    return step
+
+  overrides = {"log_every": 1, "checkpoint.every": 100}
+  workdir = tmp_path / "w"
+  run(_config(trainer.cfg, **overrides), str(workdir),
+      trainer=_variant(trainer, wrap, **overrides), stop_at=2)
+  times = [r["step_time_s"] for r in records(workdir)]
+  assert len(times) == 2 and max(times) < slow / 3, times
+
+
 # ------------------------------------------------------------------------------------------------
 # Retention on start.
 
