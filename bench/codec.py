@@ -533,7 +533,7 @@ def print_regime(reg, block_size):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="fewer steps (about a minute)")
   parser.add_argument("--steps_high", type=int, default=None)
   parser.add_argument("--steps_low", type=int, default=None)
@@ -549,7 +549,8 @@ def main():
                       help="also with --quick: train again with auto in the train step")
   parser.add_argument("--composed_steps", type=int, default=60,
                       help="steps of the composed run (--composed)")
-  parser.add_argument("--transport", default="auto", help="codec.transport of --composed")
+  parser.add_argument("--transport", default="auto", choices=codec.TRANSPORTS,
+                      help="codec.transport of --composed")
   parser.add_argument("--composed", action="store_true",
                       help="only the composed run (codec auto + fssdp + reroute, 60 steps)")
   args = parser.parse_args()

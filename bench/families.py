@@ -65,7 +65,7 @@ def train(cfg, devices: int) -> dict:
 
 
 def main(argv=None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="the tiny presets on 1 device only")
   parser.add_argument("--steps", type=int, default=200)
   parser.add_argument("--matrix-steps", type=int, default=30)

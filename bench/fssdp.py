@@ -380,7 +380,7 @@ def print_table(results):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="40 steps per trace (under a minute)")
   parser.add_argument("--steps", type=int, default=None, help="synthetic steps per trace")
   parser.add_argument("--record", action="store_true", help=f"re-record {RECORDED} and exit")

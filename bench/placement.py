@@ -110,7 +110,7 @@ def _ratio(a: float, b: float) -> str:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="fewer steps (under a minute)")
   parser.add_argument("--steps", type=int, default=None, help="timed steps per placement")
   args = parser.parse_args()

@@ -119,7 +119,7 @@ def deepseek_projection(calib, gpus, steps) -> dict[str, list[dict]]:
 
 
 def main():
-  ap = argparse.ArgumentParser()
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--quick", action="store_true", help="fewer trace steps in the projections")
   ap.add_argument("--write", action="store_true", help="rewrite data/calibration.json")
   ap.add_argument("--plot", default=os.path.join(REPO, "docs", "projection.png"))

@@ -112,7 +112,7 @@ def hotspot_trace(num_tokens=4096, num_experts=8, k=2, d=64, hot_fraction=0.7, s
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="fewer steps (under a minute)")
   parser.add_argument("--steps", type=int, default=None)
   parser.add_argument("--capacity_factor", type=float, default=1.25)

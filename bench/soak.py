@@ -1,7 +1,7 @@
 """Soak: a long tiny run, checking that host memory and step time stay flat.
 
   python bench/soak.py --quick          # 200 steps, about two minutes on 2 busy CPU cores
-  python bench/soak.py                  # 2,000 steps (issue 18's load run)
+  python bench/soak.py                  # 2,000 steps (the load run)
 
 Trains the tiny preset with `moejax.train.loop.run` as train.py does, on 8 fake CPU devices with
 `codec.mode=auto` (priced in bytes, so the codec is really chosen: `codec.comm_model=bytes`),
@@ -82,7 +82,7 @@ def window(samples: list[dict], lo: int, hi: int) -> dict:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="200 steps (about two minutes)")
   parser.add_argument("--steps", type=int, default=None, help="default 2000 (200 with --quick)")
   parser.add_argument("--workdir", default=None, help="default: a temporary directory")

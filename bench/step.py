@@ -258,7 +258,7 @@ def print_profile(v: Variant, run, steps: int = 3, top: int = 20):
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true",
                       help="peer dims: reference, 1 device, reference x8, fsdp x8")
   parser.add_argument("--experts", action="store_true", help="the number-of-experts sweep")
