@@ -49,7 +49,7 @@ def test_state_bytes_per_device_fall_as_one_over_devices(steps):
 
 # The component model of moejax.train.memory against XLA's buffers for the tiny preset's step on
 # 8 devices (the canonical fsdp step above: no compile of its own). Measured the same way for the
-# other placements: ep 1.26 (default capacity) and 1.44 (dropless), fssdp 1.08 and 1.31: the CPU
+# other placements: ep 1.26 (default capacity) and 1.44 (dropless), fssdp 1.06 and 1.31: the CPU
 # expert loop recomputes gate and up in its backward, where the GPU program the model describes
 # keeps them in fp32 over the whole exchange buffer (1.02 / 1.01 and 0.999 while the CPU kept them
 # too); remat="none" 0.79 and "minimal" 0.70, where XLA:CPU keeps fp32 copies of bf16 dot
