@@ -547,8 +547,9 @@ def validate(c: Config) -> None:
     _check(value > 0, f"config.fssdp.{field}={value}: must be positive")
   for field in ("replica_slots", "overlap_degree"):   # replicas of distinct experts of a layer
     value = getattr(c.fssdp, field)
-    _check(value <= moe.num_experts, f"config.fssdp.{field}={value}: must be at most "
-           f"moe.num_experts={moe.num_experts} (replicas are of distinct experts)")
+    _check(value <= moe.num_experts or moe.placement != "fssdp",
+           f"config.fssdp.{field}={value}: must be at most moe.num_experts={moe.num_experts} "
+           "(replicas are of distinct experts)")
   _check(c.fssdp.replica_codec in ("",) + REPLICA_CODECS,
          f"config.fssdp.replica_codec={c.fssdp.replica_codec!r}: must be one of "
          f"{', '.join(REPLICA_CODECS)} (or '' to follow codec.mode)")
@@ -636,6 +637,10 @@ def unused_settings(c: Config) -> list[str]:
     notes.append(f"config.codec.capacity_fraction={c.codec.capacity_fraction} has no effect: it "
                  "sizes a fixed mode's patches (codec.select=False); auto and select size them "
                  "from measured rates")
+  if c.routing.locality_weight and c.moe.placement != "ep":
+    notes.append(f"config.routing.locality_weight={c.routing.locality_weight} has no effect: "
+                 f"the locality loss favours experts on a token's node under ep "
+                 f"(moe.placement={c.moe.placement!r})")
   if c.fssdp.replica_codec and c.moe.placement != "fssdp":
     notes.append(f"config.fssdp.replica_codec={c.fssdp.replica_codec!r} has no effect: it codes "
                  f"fssdp's expert replicas (moe.placement={c.moe.placement!r})")

@@ -23,6 +23,7 @@ and shard_map.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -84,13 +85,17 @@ class MoESpec:
     need(-1.0 <= self.threshold <= 1.0, f"threshold={self.threshold}: a cosine similarity, in "
          "[-1, 1]")
     for field in ("capacity_factor", "capacity_factor_warmup", "routed_scale"):
-      need(getattr(self, field) > 0, f"{field}={getattr(self, field)}: must be positive")
+      need(0 < getattr(self, field) < math.inf,
+           f"{field}={getattr(self, field)}: must be positive and finite")
     for field in ("warmup_steps", "locality_weight", "shared_hidden"):
-      need(getattr(self, field) >= 0, f"{field}={getattr(self, field)}: must be >= 0")
+      need(0 <= getattr(self, field) < math.inf,
+           f"{field}={getattr(self, field)}: must be >= 0 and finite")
     need(self.shared_hidden > 0 or not self.shared_gate,
          "shared_gate=True needs a shared expert (shared_hidden > 0)")
-    need(self.groups >= 1 and self.num_experts % self.groups == 0,
-         f"groups={self.groups}: must divide num_experts={self.num_experts}")
+    need(self.groups >= 1 and self.num_experts % self.groups == 0
+         and (self.groups == 1 or self.num_experts // self.groups >= 2),
+         f"groups={self.groups}: must divide num_experts={self.num_experts} into groups of at "
+         "least 2 experts (or be 1)")
     need(1 <= self.top_groups <= self.groups
          and self.top_groups * (self.num_experts // self.groups) >= self.top_k,
          f"top_groups={self.top_groups}: must be in [1, groups={self.groups}] with enough "

@@ -219,7 +219,8 @@ def admit(x_TxD: jax.Array, router_w_DxE: jax.Array, experts_TxK: jax.Array,
     router_w_DxE: the router weight; column e is expert e's router vector.
     experts_TxK, weights_TxK, scores_TxE: `top_k_route` outputs. Expert ids outside [0, E) mark
       slots that are already empty; they are never kept.
-    capacity_E: int, per-expert capacity for this call (may be traced, may differ per expert).
+    capacity_E: per-expert capacity for this call, [E] ints or one int for every expert (may be
+      traced, may differ per expert).
     threshold: minimum affinity (cosine similarity, may be traced); -1 admits everything.
     policy: one of POLICIES (static).
     renormalize_kept: rescale kept weights so each token's total is what it was before admission.
@@ -237,6 +238,14 @@ def admit(x_TxD: jax.Array, router_w_DxE: jax.Array, experts_TxK: jax.Array,
   experts_TxK = experts_TxK.astype(jnp.int32)
   weights_TxK = weights_TxK.astype(jnp.float32)
   scores_TxE = scores_TxE.astype(jnp.float32)
+  if jnp.ndim(capacity_E) == 0:       # one capacity for every expert
+    capacity_E = jnp.full((num_experts,), capacity_E, jnp.int32)
+  if jnp.shape(capacity_E) != (num_experts,):
+    raise ValueError(f"capacity_E must be a scalar or [{num_experts}] (one per expert of "
+                     f"router_w_DxE {router_w_DxE.shape}), got shape {jnp.shape(capacity_E)}")
+  if isinstance(threshold, (int, float)) and not -1.0 <= threshold <= 1.0:
+    raise ValueError(f"threshold={threshold}: a cosine similarity, in [-1, 1] (-1 admits "
+                     "everything)")
   capacity_E = jnp.maximum(jnp.asarray(capacity_E, jnp.int32), 0)
   threshold = jnp.asarray(threshold, jnp.float32)
 
@@ -282,9 +291,11 @@ def admit(x_TxD: jax.Array, router_w_DxE: jax.Array, experts_TxK: jax.Array,
                    kept_TxK=kept_TxK, rerouted_TxK=rerouted_TxK, affinity_TxK=affinity_TxK)
 
 
-def _ceil(value: float) -> int:
-  # Forgives float noise: 1.25 * 8 * 2 / 4 must give 5, not 6.
-  return max(0, math.ceil(value - 1e-9))
+def _ceil(value: float, most: int) -> int:
+  """ceil(value) in [1, most]: a positive factor admits at least one, and no expert takes more
+  than every assignment (a huge factor means no limit, not an int32 overflow). Forgives float
+  noise: 1.25 * 8 * 2 / 4 must give 5, not 6."""
+  return most if value >= most else max(1, math.ceil(value - 1e-9))
 
 
 def capacity_schedule(step: int | jax.Array, *, num_tokens: int, k: int, num_experts: int,
@@ -301,20 +312,21 @@ def capacity_schedule(step: int | jax.Array, *, num_tokens: int, k: int, num_exp
   traced (a scan over layers); the table of factors is static. Capacity is fixed for the whole
   micro-batch. With uniform shares the figures are computed exactly on the host.
   """
-  if factor <= 0:
-    raise ValueError(f"factor={factor}: must be positive")
+  if not 0 < factor < math.inf:
+    raise ValueError(f"factor={factor}: must be positive and finite")
   if factor_warmup is None:
     factor_warmup = factor
-  if factor_warmup <= 0:
-    raise ValueError(f"factor_warmup={factor_warmup}: must be positive")
+  if not 0 < factor_warmup < math.inf:
+    raise ValueError(f"factor_warmup={factor_warmup}: must be positive and finite")
   if warmup_steps < 0:
     raise ValueError(f"warmup_steps={warmup_steps}: must be >= 0")
   if layer_factors is not None:
     if layer is None:
       raise ValueError("layer_factors needs the layer index `layer`")
-    bad = [f for f in layer_factors if f is not None and f <= 0]
+    bad = [f for f in layer_factors if f is not None and not 0 < f < math.inf]
     if bad:
-      raise ValueError(f"layer_factors={list(layer_factors)}: factors must be positive")
+      raise ValueError(f"layer_factors={list(layer_factors)}: factors must be positive and "
+                       "finite")
     after_L = [factor if f is None else f for f in layer_factors]
   else:
     after_L = [factor]
@@ -322,8 +334,9 @@ def capacity_schedule(step: int | jax.Array, *, num_tokens: int, k: int, num_exp
   assignments = num_tokens * k
   warming = jnp.asarray(step) < warmup_steps
   if expert_share_E is None:
-    warm_cap = _ceil(factor_warmup * assignments / num_experts)
-    cap_L = jnp.asarray([_ceil(f * assignments / num_experts) for f in after_L], jnp.int32)
+    warm_cap = _ceil(factor_warmup * assignments / num_experts, assignments)
+    cap_L = jnp.asarray([_ceil(f * assignments / num_experts, assignments) for f in after_L],
+                        jnp.int32)
     cap = jnp.where(warming, warm_cap, cap_L[layer])
     return jnp.broadcast_to(cap, (num_experts,)).astype(jnp.int32)
   f = jnp.where(warming, factor_warmup, jnp.asarray(after_L, jnp.float32)[layer])
@@ -332,4 +345,4 @@ def capacity_schedule(step: int | jax.Array, *, num_tokens: int, k: int, num_exp
   # shares of 100 assignments must give 40, not 41).
   value_E = f * assignments * share_E
   cap_E = jnp.ceil(value_E - 4e-7 * jnp.maximum(value_E, 1.0))
-  return jnp.maximum(cap_E, 0).astype(jnp.int32)
+  return jnp.clip(cap_E, 0, assignments).astype(jnp.int32)

@@ -515,14 +515,14 @@ def _train(cfg: Config, trainer: Trainer, state, data, val_batches, writer, prog
       _check_finite(*previous, checkpoints, clipped)
     previous = (step, metrics)
     steps_since_log += 1
-    log_now = True
     if steps_since_log == 1 and t_log == t_start:
       # The first step compiles; time the steps after it.
       jax.block_until_ready(metrics)
       t_log, steps_since_log = time.perf_counter(), 0
       # Reported only if this step is logged alone: its own time, less its compile.
       first_step_time = max(t_log - t_step - compile_seconds.take(), 1e-9)
-      log_now = step % cfg.log_every == 0
+      # Logged alone when due to log or to evaluate (a one-step run, or a resumed run's last
+      # step, wrote no record and no val_loss).
     if (cfg.moe.placement == "fssdp" and cfg.fssdp.reshard_every
         and step % cfg.fssdp.reshard_every == 0 and step < cfg.steps):
       # Before any checkpoint of this step, so a resumed run continues from the same owners;
@@ -535,7 +535,7 @@ def _train(cfg: Config, trainer: Trainer, state, data, val_batches, writer, prog
             f"({resharding.moved_bytes / 2**20:.1f} MiB of parameters and optimizer state)")
       t_log += time.perf_counter() - t_reshard
     evaluate = step % cfg.eval_every == 0 or step == cfg.steps
-    if log_now and (step % cfg.log_every == 0 or evaluate):
+    if step % cfg.log_every == 0 or evaluate:
       values = jax.device_get(metrics)   # waits for this step: the timing below is honest
       _check_finite(step, values, checkpoints, clipped)
       if steps_since_log:   # less any step compiled meanwhile (a codec decision's)

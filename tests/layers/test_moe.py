@@ -1,4 +1,5 @@
 """The MoE block against a naive per-token loop, and as a drop-in layer (NNX and Linen)."""
+import math
 import re
 
 import jax
@@ -86,7 +87,13 @@ def test_drop_into_a_linen_model():
     (dict(score="relu"), "score='relu'"), (dict(admission="drop"), "admission='drop'"),
     (dict(capacity_factor=0.0), "capacity_factor=0.0"), (dict(shared_gate=True), "shared_gate"),
     (dict(threshold=2.0), "threshold=2.0"), (dict(num_experts=8.0), "num_experts=8.0: must be "
-                                                                     "an int")])
+                                                                     "an int"),
+    # groups of one expert (top_k failed at the first call), non-finite factors (an overflow
+    # there, or non-finite outputs)
+    (dict(groups=8, top_groups=2), "groups=8"), (dict(capacity_factor=math.inf),
+                                                 "capacity_factor=inf"),
+    (dict(capacity_factor_warmup=math.inf), "capacity_factor_warmup=inf"),
+    (dict(routed_scale=math.inf), "routed_scale=inf")])
 def test_spec_refuses_bad_fields_by_name(changes, field):
   """Refused when the spec is made, naming the field (a block built from it failed only at its
   first call: top_k=0 a ZeroDivisionError, groups=3 a reshape TypeError)."""

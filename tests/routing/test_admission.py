@@ -131,6 +131,25 @@ def test_ample_capacity_and_open_threshold_change_nothing(policy):
     assert adm.experts_TxK.dtype == np.int32 and adm.weights_TxK.dtype == np.float32
 
 
+def test_one_capacity_for_every_expert_and_bad_shapes_by_name():
+  """`capacity_E` as one int (which the docstring allowed) was a concatenate error, a wrong
+  length a broadcasting TypeError; a Python threshold outside [-1, 1] dropped everything."""
+  x, w = _inputs(3, "hotspot")
+  weights, experts, scores = _top_k()(x, w)
+  one = admission.admit(x, w, experts, weights, scores, capacity_E=3, threshold=-1.0,
+                        policy="strict")
+  each = admission.admit(x, w, experts, weights, scores, capacity_E=np.full(E, 3),
+                         threshold=-1.0, policy="strict")
+  np.testing.assert_array_equal(one.experts_TxK, each.experts_TxK)
+  with pytest.raises(ValueError, match=rf"capacity_E must be a scalar or \[{E}\]"):
+    admission.admit(x, w, experts, weights, scores, capacity_E=np.ones(E - 1), threshold=-1.0,
+                    policy="strict")
+  for bad in (2.0, math.nan):
+    with pytest.raises(ValueError, match="cosine similarity"):
+      admission.admit(x, w, experts, weights, scores, capacity_E=3, threshold=bad,
+                      policy="strict")
+
+
 def test_policy_none_ignores_capacity():
   x, w = _inputs(2, "hotspot")
   (weights, experts, _), adm = _route_and_admit(x, w, np.zeros(E), 0.9, "none")
@@ -328,6 +347,16 @@ def test_capacity_schedule():
     assert shared.tolist() == uniform.tolist() == [math.ceil(round(f * t * k / e, 9))] * e
   with pytest.raises(ValueError, match="factor"):
     admission.capacity_schedule(0, factor=0.0, **kw)
+  # A huge factor means no limit: every assignment (was an int32 OverflowError at the first
+  # step); a tiny positive one still admits one (was 0: the float-noise allowance ate it).
+  for huge in (1e7, 1e30):
+    assert admission.capacity_schedule(0, factor=huge, **kw).tolist() == [16] * 4
+    assert admission.capacity_schedule(0, factor=huge, expert_share_E=jnp.full(4, 0.25),
+                                       **kw).tolist() == [16] * 4
+  assert admission.capacity_schedule(0, factor=1e-12, **kw).tolist() == [1] * 4
+  for bad in (math.inf, math.nan):
+    with pytest.raises(ValueError, match="finite"):
+      admission.capacity_schedule(0, factor=bad, **kw)
   with pytest.raises(ValueError, match="layer"):
     admission.capacity_schedule(0, factor=1.0, layer_factors=[1.0], **kw)
 

@@ -9,6 +9,7 @@ by a hook the test controls, for a config that differs only in fields the step d
 """
 import copy
 import dataclasses
+import math
 import os
 import shutil
 import signal
@@ -52,7 +53,7 @@ def _config(cfg, **overrides):
 def _variant(trainer, wrap=None, **overrides):
   """`trainer`'s compiled steps for its config with `overrides`, each train step wrapped by
   `wrap(train_step)`: no new compile (the overrides are fields the step does not read)."""
-  assert all(k == "log_every" or k.startswith("checkpoint.") for k in overrides)
+  assert all(k in ("log_every", "eval_every") or k.startswith("checkpoint.") for k in overrides)
   cfg = _config(trainer.cfg, **overrides)
   variant = copy.copy(trainer)
   variant.cfg = cfg
@@ -259,6 +260,18 @@ def test_the_first_steps_compile_is_not_counted_when_it_is_logged_alone(trainer,
       trainer=_variant(trainer, wrap, **overrides), stop_at=2)
   times = [r["step_time_s"] for r in records(workdir)]
   assert len(times) == 2 and max(times) < slow / 3, times
+
+
+def test_the_first_step_is_logged_when_it_evaluates(trainer, tmp_path):
+  """The first (compiling) step was logged only when log_every divided it: a step due to
+  evaluate there (eval_every=1 here; a one-step run's last step) wrote no record, no val_loss."""
+  overrides = {"log_every": 5, "eval_every": 1, "checkpoint.every": 100}
+  workdir = tmp_path / "w"
+  run(_config(trainer.cfg, **overrides), str(workdir), trainer=_variant(trainer, **overrides),
+      stop_at=2)
+  logged = records(workdir)
+  assert [r["step"] for r in logged] == [1, 2]
+  assert all(math.isfinite(r["val_loss"]) for r in logged)
 
 
 # ------------------------------------------------------------------------------------------------
