@@ -38,10 +38,11 @@ def main(argv):
       from moejax.train.memory import memory_report
       if _MEMORY.value < 1:
         raise ConfigError(f"--memory_on_devices={_MEMORY.value}: must be a positive device count")
+      report = memory_report(cfg, _MEMORY.value)      # refuses a split first: no header then
       print(f"train-step memory per device on {_MEMORY.value} devices "
             f"(placement={cfg.moe.placement}, remat={cfg.remat}, batch {cfg.batch_size}x"
             f"{cfg.seq_len}):")
-      print(memory_report(cfg, _MEMORY.value).table())
+      print(report.table())
       return
     distributed.maybe_initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                                  heartbeat_timeout_s=cfg.distributed.heartbeat_timeout_s)

@@ -121,7 +121,9 @@ MODEL_TYPES = {spec.model_type: name for name, spec in FAMILY_SPECS.items()}
 def _get(hf: dict, key: str, kind, where: str, default=None):
   value = hf.get(key, default)
   if value is None:
-    raise CheckpointError(f"{where}: field {key!r} is missing")
+    state = "null" if key in hf else "missing"
+    raise CheckpointError(f"{where}: field {key!r} is {state} (expected "
+                          f"{getattr(kind, '__name__', kind)})")
   ok = (isinstance(value, (int, float)) and not isinstance(value, bool) if kind is float
         else isinstance(value, kind) and not (kind is int and isinstance(value, bool)))
   if not ok:
@@ -289,7 +291,9 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
                             if spec.shared_expert else 0),
       shared_expert_gate=spec.shared_expert,
       score="softmax",
-      renormalize=(_get(hf, spec.renormalize_key, bool, where, spec.renormalize_default)
+      # transformers declares it `bool | None` and tests its truth: null is off
+      renormalize=((hf.get(spec.renormalize_key, spec.renormalize_default) is not None
+                    and _get(hf, spec.renormalize_key, bool, where, spec.renormalize_default))
                    if spec.renormalize_key else True),
       aux_loss_weight=_get(hf, "router_aux_loss_coef", float, where, base.moe.aux_loss_weight),
       z_loss_weight=(_get(hf, spec.z_loss_key, float, where, base.moe.z_loss_weight)

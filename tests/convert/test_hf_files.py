@@ -218,6 +218,17 @@ def test_refuses_what_a_family_asks_for_and_moejax_does_not_model(family, change
   assert expected in str(info.value) and "\n" not in str(info.value)
 
 
+def test_a_null_field_reads_as_transformers_reads_it():
+  """transformers declares norm_topk_prob `bool | None` and tests its truth: null is off (it was
+  refused as "missing"); a null field moejax needs a value of says null, not missing."""
+  cfg = tiny_config("deepseek_v3")
+  assert cfg.moe.renormalize
+  hf = dict(hf_config_from(cfg), norm_topk_prob=None)
+  assert config_from_hf(hf).moe.renormalize is False
+  with pytest.raises(CheckpointError, match="field 'hidden_size' is null"):
+    config_from_hf(dict(hf, hidden_size=None))
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_config_round_trips(family):
   cfg = tiny_config(family, **{"moe.aux_loss_weight": 0.03, "model.rope_theta": 5e5})
