@@ -40,6 +40,8 @@ def test_balanced_and_empty_extremes():
   empty = run(jnp.full((2, 2), E, jnp.int32))
   assert all(np.isfinite(float(v)) for v in empty.values())
   assert float(empty["dropped_frac"]) == 1.0 and float(empty["top1_share"]) == 0.0
+  one = stats.routing_stats(jnp.zeros((4, 1), jnp.int32), 1)   # one expert: 0, not -0.0
+  assert float(one["load_entropy"]) == 0.0 and not np.signbit(one["load_entropy"])
 
 
 def test_share_convention_under_shard_map():
