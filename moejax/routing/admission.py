@@ -67,6 +67,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 POLICIES = ("none", "strict", "reroute")
 
@@ -339,7 +340,11 @@ def capacity_schedule(step: int | jax.Array, *, num_tokens: int, k: int, num_exp
                         jnp.int32)
     cap = jnp.where(warming, warm_cap, cap_L[layer])
     return jnp.broadcast_to(cap, (num_experts,)).astype(jnp.int32)
-  f = jnp.where(warming, factor_warmup, jnp.asarray(after_L, jnp.float32)[layer])
+  # A huge factor kept finite in float32: f * assignments * share stays a number (inf times a
+  # zero share would be NaN, which casts to a capacity of 0); a no-op for any real factor.
+  most = float(np.finfo(np.float32).max) / max(assignments, 1)
+  f = jnp.where(warming, min(factor_warmup, most),
+                jnp.asarray([min(x, most) for x in after_L], jnp.float32)[layer])
   share_E = jnp.asarray(expert_share_E, jnp.float32)
   # Forgives fp32 noise relative to the value (1.2 is stored a little above 1.2: 3 experts' equal
   # shares of 100 assignments must give 40, not 41).

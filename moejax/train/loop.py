@@ -527,10 +527,16 @@ def _train(cfg: Config, trainer: Trainer, state, data, val_batches, writer, prog
         and step % cfg.fssdp.reshard_every == 0 and step < cfg.steps):
       # Before any checkpoint of this step, so a resumed run continues from the same owners;
       # before its record, which says how many moved. Its time is left out of the steps'.
+      # The plan reads the step's load history (a wait for the step, which is the steps'
+      # time) and the moves run asynchronously: both waited for, so only the re-shard's own
+      # time is left out.
+      jax.block_until_ready((state, metrics))
       t_reshard = time.perf_counter()
       with compile_seconds.left_out():
         state, resharding = trainer.reshard(state)
-        reshard_moved = resharding.moved
+        jax.block_until_ready(state)
+        # Summed until the next record (re-sharding may be more frequent than logging).
+        reshard_moved = (reshard_moved or 0) + resharding.moved
         log(f"moejax: step {step}: re-sharded experts: {resharding.moved} moved "
             f"({resharding.moved_bytes / 2**20:.1f} MiB of parameters and optimizer state)")
       t_log += time.perf_counter() - t_reshard

@@ -349,10 +349,10 @@ def test_capacity_schedule():
     admission.capacity_schedule(0, factor=0.0, **kw)
   # A huge factor means no limit: every assignment (was an int32 OverflowError at the first
   # step); a tiny positive one still admits one (was 0: the float-noise allowance ate it).
-  for huge in (1e7, 1e30):
+  for huge in (1e7, 1e30, 1e38, 1e300):
     assert admission.capacity_schedule(0, factor=huge, **kw).tolist() == [16] * 4
-    assert admission.capacity_schedule(0, factor=huge, expert_share_E=jnp.full(4, 0.25),
-                                       **kw).tolist() == [16] * 4
+    assert admission.capacity_schedule(0, factor=huge, expert_share_E=jnp.asarray(
+        [0.5, 0.5, 0.0, 0.0]), **kw).tolist() == [16, 16, 0, 0]
   assert admission.capacity_schedule(0, factor=1e-12, **kw).tolist() == [1] * 4
   for bad in (math.inf, math.nan):
     with pytest.raises(ValueError, match="finite"):
