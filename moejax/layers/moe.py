@@ -129,7 +129,7 @@ def _explicit_axes(*arrays) -> tuple[tuple, object]:
   return tuple(sorted(used)), found
 
 
-def _check_input(block, x, dispatch, materialized) -> None:
+def _check_input(block, x, dispatch, materialized, token_mask=None) -> None:
   """One line naming what is wrong with a call's arguments, before anything traces."""
   d = block.router.shape[0]
   shape = tuple(getattr(x, "shape", ()))
@@ -138,6 +138,11 @@ def _check_input(block, x, dispatch, materialized) -> None:
                      f"{getattr(x, 'dtype', type(x).__name__)}{list(shape)}")
   if 0 in shape:
     raise ValueError(f"MoEBlock: x_BxSxD {list(shape)} holds no token")
+  if token_mask is not None and (tuple(getattr(token_mask, "shape", ())) != shape[:2]
+                                 or getattr(token_mask, "dtype", None) != jnp.bool_):
+    raise ValueError(f"MoEBlock: token_mask must be bool [batch, seq] = {list(shape[:2])}, got "
+                     f"{getattr(token_mask, 'dtype', type(token_mask).__name__)}"
+                     f"{list(getattr(token_mask, 'shape', ()))}")
   if not isinstance(dispatch, dispatch_lib.Dispatch):
     raise ValueError(f"MoEBlock: dispatch must be a moejax.placement.dispatch.Dispatch, got "
                      f"{type(dispatch).__name__}")
@@ -196,32 +201,36 @@ class MoEBlock(nnx.Module):
                               replica_state=replica_state)
 
   def __call__(self, x_BxSxD, *, dispatch: dispatch_lib.Dispatch = dispatch_lib.LOCAL,
-               axis_name=None, step=0, materialized=None):
-    _check_input(self, x_BxSxD, dispatch, materialized)
+               axis_name=None, step=0, materialized=None, token_mask=None):
+    """`token_mask` [B, S] bool marks the real tokens: padding (False) routes to no expert, takes
+    no admission capacity, is left out of the losses and statistics, and its y is 0."""
+    _check_input(self, x_BxSxD, dispatch, materialized, token_mask)
     graphdef, state = nnx.split(self)
     explicit, mesh = _explicit_axes(x_BxSxD, *jax.tree.leaves(state),
                                     *jax.tree.leaves(materialized))
     if not explicit:
       return self._forward(x_BxSxD, dispatch=dispatch, axis_name=axis_name, step=step,
-                           materialized=materialized)
+                           materialized=materialized, token_mask=token_mask)
     # x or the weights sharded over Explicit mesh axes (jax.make_mesh's default): the sort and the
     # experts' gathers run over every token, which explicit sharding types refuse. The block
     # runs with those axes Auto (XLA's partitioner places it; the parameters enter as arguments,
     # typed there too) and returns y sharded as x, aux replicated.
 
-    def run(state, x, step, materialized):
+    def run(state, x, step, materialized, token_mask):
       return nnx.merge(graphdef, state)._forward(x, dispatch=dispatch, axis_name=axis_name,
-                                                 step=step, materialized=materialized)
+                                                 step=step, materialized=materialized,
+                                                 token_mask=token_mask)
 
     x_spec = jax.typeof(x_BxSxD).sharding.spec
     with jax.sharding.use_abstract_mesh(mesh):
       return jax.sharding.auto_axes(run, axes=explicit, out_sharding=(x_spec, P()))(
-          state, x_BxSxD, step, materialized)
+          state, x_BxSxD, step, materialized, token_mask)
 
-  def _forward(self, x_BxSxD, *, dispatch, axis_name, step, materialized):
+  def _forward(self, x_BxSxD, *, dispatch, axis_name, step, materialized, token_mask=None):
     b, s, d = x_BxSxD.shape
     spec = self.spec
     x_TxD = x_BxSxD.reshape(b * s, d)
+    mask_T = None if token_mask is None else token_mask.reshape(b * s)
     with profiling.scope("router"):
       router_DxE = self.router[...]
       if router_DxE.dtype != jnp.float32:
@@ -233,9 +242,13 @@ class MoEBlock(nnx.Module):
           logits_TxE, spec.top_k, score=spec.score, renormalize=spec.renormalize,
           bias_E=self.score_bias[...] if spec.score_bias else None, groups=spec.groups,
           top_groups=spec.top_groups, scale=spec.routed_scale)
+      if mask_T is not None:    # padding: empty slots (expert E), which nothing keeps
+        experts_TxK = jnp.where(mask_T[:, None], experts_TxK, spec.num_experts)
+        weights_TxK = jnp.where(mask_T[:, None], weights_TxK, 0.0).astype(weights_TxK.dtype)
       aux = {
-          "aux_loss": router_lib.load_balancing_loss(scores_TxE, experts_TxK, axis_name=axis_name),
-          "z_loss": router_lib.router_z_loss(logits_TxE, axis_name=axis_name),
+          "aux_loss": router_lib.load_balancing_loss(scores_TxE, experts_TxK, axis_name=axis_name,
+                                                     mask_T=mask_T),
+          "z_loss": router_lib.router_z_loss(logits_TxE, axis_name=axis_name, mask_T=mask_T),
           "load_E": router_lib.expert_counts(experts_TxK, spec.num_experts),
       }
       kept_TxK = rerouted_TxK = None
@@ -257,11 +270,13 @@ class MoEBlock(nnx.Module):
       aux["locality_loss"] = jnp.zeros((), jnp.float32)
       if spec.locality_weight > 0 and dispatch.kind == "ep":
         aux["locality_loss"] = router_lib.locality_loss(
-            scores_TxE, local_experts_mask(dispatch, spec.num_experts), axis_name=axis_name)
+            scores_TxE, local_experts_mask(dispatch, spec.num_experts), axis_name=axis_name,
+            mask_T=mask_T)
       aux["admitted_load_E"] = router_lib.expert_counts(experts_TxK, spec.num_experts, kept_TxK)
       aux["routing"] = stats_lib.routing_stats(experts_TxK, spec.num_experts, kept_TxK=kept_TxK,
                                                rerouted_TxK=rerouted_TxK, axis_name=axis_name,
-                                               local_load_E=aux["admitted_load_E"])
+                                               local_load_E=aux["admitted_load_E"],
+                                               mask_T=mask_T)
     with profiling.scope("experts"):
       w = (self.w_gate[...].astype(x_TxD.dtype), self.w_up[...].astype(x_TxD.dtype),
            self.w_down[...].astype(x_TxD.dtype))
@@ -283,4 +298,6 @@ class MoEBlock(nnx.Module):
     y_TxD = y_TxD.astype(x_BxSxD.dtype)
     if spec.shared_hidden:
       y_TxD = y_TxD + self.shared_expert(x_TxD)
+    if mask_T is not None:
+      y_TxD = jnp.where(mask_T[:, None], y_TxD, jnp.zeros((), y_TxD.dtype))
     return y_TxD.reshape(b, s, d), aux

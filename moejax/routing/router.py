@@ -96,30 +96,47 @@ def expert_counts(experts_TxK: jax.Array, num_experts: int,
   return jnp.sum(one_hot_TxKxE, axis=(0, 1))
 
 
+def _token_count(num_tokens: int, mask_T, axis_name):
+  """Tokens over the axis: all of them, or those `mask_T` marks (at least 1: a batch of padding
+  alone gives losses of 0, not NaN)."""
+  if mask_T is None:
+    return _psum(jnp.asarray(num_tokens, jnp.float32), axis_name)
+  return jnp.maximum(_psum(jnp.sum(mask_T, dtype=jnp.float32), axis_name), 1.0)
+
+
+def _masked_rows(x_TxE, mask_T):
+  x_TxE = x_TxE.astype(jnp.float32)
+  return x_TxE if mask_T is None else jnp.where(mask_T[:, None], x_TxE, 0.0)
+
+
 def load_balancing_loss(scores_TxE: jax.Array, experts_TxK: jax.Array, *,
-                        axis_name=None) -> jax.Array:
+                        axis_name=None, mask_T: jax.Array | None = None) -> jax.Array:
   """Switch/OLMoE load-balancing loss: E * sum_e f_e * P_e.
 
   f_e is the fraction of all T*K assignments that went to expert e (no gradient), P_e the mean
-  router score of expert e over all tokens.
+  router score of expert e over all tokens; with `mask_T` [T] bool, over the tokens it marks
+  (padding left out).
   """
   num_tokens, k = experts_TxK.shape
   num_experts = scores_TxE.shape[-1]
-  counts_E = _psum(expert_counts(experts_TxK, num_experts), axis_name)
-  total_tokens = _psum(jnp.asarray(num_tokens, jnp.float32), axis_name)
+  valid_TxK = None if mask_T is None else jnp.broadcast_to(mask_T[:, None], experts_TxK.shape)
+  counts_E = _psum(expert_counts(experts_TxK, num_experts, valid_TxK), axis_name)
+  total_tokens = _token_count(num_tokens, mask_T, axis_name)
   frac_E = jax.lax.stop_gradient(counts_E.astype(jnp.float32) / (total_tokens * k))
-  score_sum_E = jnp.sum(scores_TxE.astype(jnp.float32), axis=0)
+  score_sum_E = jnp.sum(_masked_rows(scores_TxE, mask_T), axis=0)
   return num_experts * jnp.sum(frac_E * score_sum_E) / total_tokens
 
 
-def router_z_loss(logits_TxE: jax.Array, *, axis_name=None) -> jax.Array:
-  """ST-MoE z-loss: mean over tokens of logsumexp(logits)^2."""
+def router_z_loss(logits_TxE: jax.Array, *, axis_name=None,
+                  mask_T: jax.Array | None = None) -> jax.Array:
+  """ST-MoE z-loss: mean over tokens (those `mask_T` marks) of logsumexp(logits)^2."""
   lse_T = jax.nn.logsumexp(logits_TxE.astype(jnp.float32), axis=-1)
-  total_tokens = _psum(jnp.asarray(lse_T.shape[0], jnp.float32), axis_name)
-  return jnp.sum(lse_T**2) / total_tokens
+  total_tokens = _token_count(lse_T.shape[0], mask_T, axis_name)
+  return jnp.sum(_masked_rows(lse_T[:, None], mask_T) ** 2) / total_tokens
 
 
-def locality_loss(scores_TxE: jax.Array, local_E: jax.Array, *, axis_name=None) -> jax.Array:
+def locality_loss(scores_TxE: jax.Array, local_E: jax.Array, *, axis_name=None,
+                  mask_T: jax.Array | None = None) -> jax.Array:
   """Mean over tokens of the fraction of router score mass on experts outside this device's group.
 
   `local_E` is a 0/1 (or bool) mask of the experts held by this device's expert-parallel group or
@@ -132,5 +149,5 @@ def locality_loss(scores_TxE: jax.Array, local_E: jax.Array, *, axis_name=None) 
   remote_T = jnp.sum(scores_TxE * remote_1xE, axis=-1)
   total_T = jnp.sum(scores_TxE, axis=-1)
   frac_T = remote_T / jnp.maximum(total_T, jnp.finfo(jnp.float32).tiny)
-  total_tokens = _psum(jnp.asarray(scores_TxE.shape[0], jnp.float32), axis_name)
-  return jnp.sum(frac_T) / total_tokens
+  total_tokens = _token_count(scores_TxE.shape[0], mask_T, axis_name)
+  return jnp.sum(_masked_rows(frac_T[:, None], mask_T)) / total_tokens

@@ -32,15 +32,20 @@ STAT_KEYS = ("load_max", "load_mean", "load_std", "top1_share", "load_entropy",
 
 def routing_stats(experts_TxK: jax.Array, num_experts: int, *,
                   kept_TxK: jax.Array | None = None, rerouted_TxK: jax.Array | None = None,
-                  axis_name=None, local_load_E: jax.Array | None = None) -> dict[str, jax.Array]:
+                  axis_name=None, local_load_E: jax.Array | None = None,
+                  mask_T: jax.Array | None = None) -> dict[str, jax.Array]:
   """Telemetry dict with keys STAT_KEYS (see the module docstring); no gradients.
   `local_load_E`: this device's kept assignments per expert, when the caller has counted them
-  (`router.expert_counts(experts_TxK, num_experts, kept_TxK)`); else they are counted here."""
+  (`router.expert_counts(experts_TxK, num_experts, kept_TxK)`); else they are counted here.
+  `mask_T` [T] bool: the real tokens (padding, marked False, has no slots: it is neither kept
+  nor dropped)."""
   experts_TxK = jax.lax.stop_gradient(experts_TxK)
   num_tokens, k = experts_TxK.shape
   kept_mask_TxK = (experts_TxK >= 0) & (experts_TxK < num_experts)
   if kept_TxK is not None:
     kept_mask_TxK = kept_mask_TxK & kept_TxK
+  if mask_T is not None:
+    kept_mask_TxK = kept_mask_TxK & mask_T[:, None]
   rerouted = jnp.zeros((), jnp.int32)
   if rerouted_TxK is not None:
     rerouted = jnp.sum(rerouted_TxK & kept_mask_TxK, dtype=jnp.int32)
@@ -49,9 +54,11 @@ def routing_stats(experts_TxK: jax.Array, num_experts: int, *,
     local_load_E = expert_counts(experts_TxK, num_experts, kept_mask_TxK)
   load_E = _psum(jax.lax.stop_gradient(local_load_E), axis_name).astype(jnp.float32)
   rerouted = _psum(rerouted, axis_name).astype(jnp.float32)
-  tokens = _psum(jnp.asarray(num_tokens, jnp.float32), axis_name)
+  tokens = _psum(jnp.asarray(num_tokens, jnp.float32) if mask_T is None
+                 else jnp.sum(mask_T, dtype=jnp.float32), axis_name)
   devices = _psum(jnp.asarray(1.0, jnp.float32), axis_name)
   slots = tokens * k
+  per_token, per_slot = jnp.maximum(tokens, 1.0), jnp.maximum(slots, 1.0)   # padding alone: 0
 
   kept = jnp.sum(load_E)
   load_max = jnp.max(load_E)
@@ -66,8 +73,8 @@ def routing_stats(experts_TxK: jax.Array, num_experts: int, *,
       load_std=load_std,
       top1_share=load_max / safe_kept,
       load_entropy=nats / math.log(num_experts) if num_experts > 1 else jnp.zeros_like(nats),
-      experts_per_token=kept / tokens,
-      dropped_frac=(slots - kept) / slots,
-      rerouted_frac=rerouted / slots,
+      experts_per_token=kept / per_token,
+      dropped_frac=(slots - kept) / per_slot,
+      rerouted_frac=rerouted / per_slot,
   )
   return {key: (stats[key] / devices).astype(jnp.float32) for key in STAT_KEYS}

@@ -189,3 +189,41 @@ def test_block_on_a_mesh_with_explicit_axes_equals_one_device(sharded):
   np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
   for got, want in zip(jax.tree.leaves(nnx.state(grads)), jax.tree.leaves(want_grads), strict=True):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(jnp.abs(want).max()))
+
+
+def test_padding_marked_by_token_mask_changes_no_real_token():
+  """`token_mask` False marks padding: it routes to no expert, takes no admission capacity, is
+  left out of the losses and statistics, and its y is 0. So whatever the padding holds, the real
+  tokens' outputs and every figure are the same, under strict admission with tight capacity
+  (padding competed for capacity before: no mask reached the block)."""
+  spec = MoESpec(num_experts=4, top_k=2, admission="strict", capacity_factor=0.5)
+  block = MoEBlock(16, 24, spec, init_std=0.3, rngs=nnx.Rngs(0))
+  rng = np.random.default_rng(5)
+  x = rng.normal(size=(2, 8, 16)).astype(np.float32)
+  mask = np.ones((2, 8), bool)
+  mask[1, 4:] = False
+  other = x.copy()
+  other[1, 4:] = x[0, 0] * 3.0               # padding that would crowd one expert
+  call = nnx.jit(lambda block, x, m: block(x, token_mask=m))
+  (y1, aux1), (y2, aux2) = call(block, jnp.asarray(x), mask), call(block, jnp.asarray(other), mask)
+  np.testing.assert_array_equal(np.asarray(y1)[mask], np.asarray(y2)[mask])
+  assert np.all(np.asarray(y1)[~mask] == 0)
+  for key in ("aux_loss", "z_loss", "load_E", "admitted_load_E"):
+    np.testing.assert_array_equal(aux1[key], aux2[key], err_msg=key)
+  for key, value in aux1["routing"].items():
+    np.testing.assert_array_equal(value, aux2["routing"][key], err_msg=key)
+  assert int(aux1["load_E"].sum()) == 12 * 2                   # the 12 real tokens' choices
+  # The premise: unmasked, the same padding takes capacity from real tokens.
+  plain = nnx.jit(lambda block, x: block(x)[0])
+  assert not np.array_equal(np.asarray(plain(block, jnp.asarray(x)))[mask],
+                            np.asarray(plain(block, jnp.asarray(other)))[mask])
+  # Without admission each token is its own: the real tokens' losses are those of the real
+  # tokens alone.
+  free = MoEBlock(16, 24, MoESpec(num_experts=4, top_k=2), init_std=0.3, rngs=nnx.Rngs(0))
+  (_, aux_masked), (_, aux_real) = (call(free, jnp.asarray(x), mask),
+                                    nnx.jit(lambda b, x: b(x))(free, jnp.asarray(x[mask][None])))
+  for key in ("aux_loss", "z_loss"):
+    np.testing.assert_allclose(aux_masked[key], aux_real[key], rtol=1e-6, err_msg=key)
+  with pytest.raises(ValueError, match=r"token_mask must be bool \[batch, seq\] = \[2, 8\], got "
+                                       r"int32\[2, 8\]"):
+    block(jnp.asarray(x), token_mask=jnp.ones((2, 8), jnp.int32))
