@@ -132,7 +132,8 @@ def router_z_loss(logits_TxE: jax.Array, *, axis_name=None,
   """ST-MoE z-loss: mean over tokens (those `mask_T` marks) of logsumexp(logits)^2."""
   lse_T = jax.nn.logsumexp(logits_TxE.astype(jnp.float32), axis=-1)
   total_tokens = _token_count(lse_T.shape[0], mask_T, axis_name)
-  return jnp.sum(_masked_rows(lse_T[:, None], mask_T) ** 2) / total_tokens
+  sq_T = lse_T**2
+  return jnp.sum(sq_T if mask_T is None else jnp.where(mask_T, sq_T, 0.0)) / total_tokens
 
 
 def locality_loss(scores_TxE: jax.Array, local_E: jax.Array, *, axis_name=None,
@@ -150,4 +151,4 @@ def locality_loss(scores_TxE: jax.Array, local_E: jax.Array, *, axis_name=None,
   total_T = jnp.sum(scores_TxE, axis=-1)
   frac_T = remote_T / jnp.maximum(total_T, jnp.finfo(jnp.float32).tiny)
   total_tokens = _token_count(scores_TxE.shape[0], mask_T, axis_name)
-  return jnp.sum(_masked_rows(frac_T[:, None], mask_T)) / total_tokens
+  return jnp.sum(frac_T if mask_T is None else jnp.where(mask_T, frac_T, 0.0)) / total_tokens
