@@ -64,8 +64,8 @@ class MemoryReport:
     return max(self.components, key=self.components.get)
 
   def table(self) -> str:
-    rows = [f"{name:<12} {_gib(b):>10}" for name, b in self.components.items()]
-    return "\n".join(rows + [f"{'total':<12} {_gib(self.total):>10}"])
+    rows = [f"{name:<12} {_gib(b):>11}" for name, b in self.components.items()]
+    return "\n".join(rows + [f"{'total':<12} {_gib(self.total):>11}"])
 
 
 def _gib(nbytes: float) -> str:

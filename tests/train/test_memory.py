@@ -105,3 +105,5 @@ def test_the_table_reads_at_every_size():
   assert lines[1].split()[-2:] == ["5.20", "MiB"]
   assert lines[2].split()[-2:] == ["1.50", "KiB"]
   assert lines[3].split()[-2:] == ["12", "B"]
+  wide = MemoryReport(8, {"batch": 5.0, "activations": 1023.99 * 2**20}).table().splitlines()
+  assert len({len(line) for line in wide}) == 1        # "1023.99 MiB" keeps the column
