@@ -244,7 +244,7 @@ class MoEBlock(nnx.Module):
           top_groups=spec.top_groups, scale=spec.routed_scale)
       if mask_T is not None:    # padding: empty slots (expert E), which nothing keeps
         experts_TxK = jnp.where(mask_T[:, None], experts_TxK, spec.num_experts)
-        weights_TxK = jnp.where(mask_T[:, None], weights_TxK, 0.0).astype(weights_TxK.dtype)
+        weights_TxK = jnp.where(mask_T[:, None], weights_TxK, 0.0)
       aux = {
           "aux_loss": router_lib.load_balancing_loss(scores_TxE, experts_TxK, axis_name=axis_name,
                                                      mask_T=mask_T),

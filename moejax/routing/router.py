@@ -104,9 +104,11 @@ def _token_count(num_tokens: int, mask_T, axis_name):
   return jnp.maximum(_psum(jnp.sum(mask_T, dtype=jnp.float32), axis_name), 1.0)
 
 
-def _masked_rows(x_TxE, mask_T):
-  x_TxE = x_TxE.astype(jnp.float32)
-  return x_TxE if mask_T is None else jnp.where(mask_T[:, None], x_TxE, 0.0)
+def _real(x_T, mask_T):
+  """x_T [T, ...] with the rows `mask_T` leaves out (padding) zeroed; as it is without a mask."""
+  if mask_T is None:
+    return x_T
+  return jnp.where(mask_T.reshape(mask_T.shape + (1,) * (x_T.ndim - 1)), x_T, 0.0)
 
 
 def load_balancing_loss(scores_TxE: jax.Array, experts_TxK: jax.Array, *,
@@ -123,7 +125,7 @@ def load_balancing_loss(scores_TxE: jax.Array, experts_TxK: jax.Array, *,
   counts_E = _psum(expert_counts(experts_TxK, num_experts, valid_TxK), axis_name)
   total_tokens = _token_count(num_tokens, mask_T, axis_name)
   frac_E = jax.lax.stop_gradient(counts_E.astype(jnp.float32) / (total_tokens * k))
-  score_sum_E = jnp.sum(_masked_rows(scores_TxE, mask_T), axis=0)
+  score_sum_E = jnp.sum(_real(scores_TxE.astype(jnp.float32), mask_T), axis=0)
   return num_experts * jnp.sum(frac_E * score_sum_E) / total_tokens
 
 
@@ -132,8 +134,7 @@ def router_z_loss(logits_TxE: jax.Array, *, axis_name=None,
   """ST-MoE z-loss: mean over tokens (those `mask_T` marks) of logsumexp(logits)^2."""
   lse_T = jax.nn.logsumexp(logits_TxE.astype(jnp.float32), axis=-1)
   total_tokens = _token_count(lse_T.shape[0], mask_T, axis_name)
-  sq_T = lse_T**2
-  return jnp.sum(sq_T if mask_T is None else jnp.where(mask_T, sq_T, 0.0)) / total_tokens
+  return jnp.sum(_real(lse_T**2, mask_T)) / total_tokens
 
 
 def locality_loss(scores_TxE: jax.Array, local_E: jax.Array, *, axis_name=None,
@@ -151,4 +152,4 @@ def locality_loss(scores_TxE: jax.Array, local_E: jax.Array, *, axis_name=None,
   total_T = jnp.sum(scores_TxE, axis=-1)
   frac_T = remote_T / jnp.maximum(total_T, jnp.finfo(jnp.float32).tiny)
   total_tokens = _token_count(scores_TxE.shape[0], mask_T, axis_name)
-  return jnp.sum(frac_T if mask_T is None else jnp.where(mask_T, frac_T, 0.0)) / total_tokens
+  return jnp.sum(_real(frac_T, mask_T)) / total_tokens

@@ -519,17 +519,15 @@ def _train(cfg: Config, trainer: Trainer, state, data, val_batches, writer, prog
       # The first step compiles; time the steps after it.
       jax.block_until_ready(metrics)
       t_log, steps_since_log = time.perf_counter(), 0
-      # Reported only if this step is logged alone: its own time, less its compile.
+      # Reported only if this step is logged alone (when due to log or to evaluate): its own
+      # time, less its compile.
       first_step_time = max(t_log - t_step - compile_seconds.take(), 1e-9)
-      # Logged alone when due to log or to evaluate (a one-step run, or a resumed run's last
-      # step, wrote no record and no val_loss).
     if (cfg.moe.placement == "fssdp" and cfg.fssdp.reshard_every
         and step % cfg.fssdp.reshard_every == 0 and step < cfg.steps):
       # Before any checkpoint of this step, so a resumed run continues from the same owners;
-      # before its record, which says how many moved. Its time is left out of the steps'.
-      # The plan reads the step's load history (a wait for the step, which is the steps'
-      # time) and the moves run asynchronously: both waited for, so only the re-shard's own
-      # time is left out.
+      # before its record, which says how many moved. Only the re-shard's own time is left out
+      # of the steps': the step it reads the load history of is waited for first, and its
+      # asynchronous moves before the clock stops.
       jax.block_until_ready((state, metrics))
       t_reshard = time.perf_counter()
       with compile_seconds.left_out():

@@ -215,26 +215,30 @@ def test_a_saves_time_is_not_counted_as_the_steps(trainer, tmp_path, monkeypatch
   assert len(times) == 2 and max(times) < slow / 3, times
 
 
+def _compiling_for(seconds: float, *, at_step: int):
+  """A train-step wrapper: step `at_step` takes `seconds` longer, reported to jax.monitoring as
+  XLA reports a compile of its own."""
+  def wrap(train_step):
+    def step(state, batch):
+      if int(state.step) + 1 == at_step:
+        time.sleep(seconds)
+        jax.monitoring.record_event_duration_secs(
+            "/jax/core/compile/backend_compile_duration", seconds)
+      return train_step(state, batch)
+    return step
+  return wrap
+
+
 def test_a_step_compiled_mid_run_is_not_counted_as_the_steps(trainer, tmp_path):
   """A codec decision (or grown dispatch buffers) compiles a new step mid-run: that compile,
   here a 1.5 s one reported to jax.monitoring as XLA reports its own, is left out of the logged
   step time (it counted: 2.0 s a step at tiny dims on 8 fake devices after the codec's
   decision)."""
   slow = 1.5
-
-  def wrap(train_step):
-    def step(state, batch):
-      if int(state.step) + 1 == 5:
-        time.sleep(slow)
-        jax.monitoring.record_event_duration_secs(
-            "/jax/core/compile/backend_compile_duration", slow)
-      return train_step(state, batch)
-    return step
-
   overrides = {"log_every": 3, "checkpoint.every": 100}
   workdir = tmp_path / "w"
   run(_config(trainer.cfg, **overrides), str(workdir),
-      trainer=_variant(trainer, wrap, **overrides), stop_at=6)
+      trainer=_variant(trainer, _compiling_for(slow, at_step=5), **overrides), stop_at=6)
   times = [r["step_time_s"] for r in records(workdir)]
   assert len(times) == 2 and max(times) < slow / 3, times
 
@@ -244,20 +248,10 @@ def test_the_first_steps_compile_is_not_counted_when_it_is_logged_alone(trainer,
   jax.monitoring reports XLA's) counted as the step's time (8.5 s/step, 0.1k tok/s for a tiny
   step of 0.04 s)."""
   slow = 1.5
-
-  def wrap(train_step):
-    def step(state, batch):
-      if int(state.step) == 0:
-        time.sleep(slow)
-        jax.monitoring.record_event_duration_secs(
-            "/jax/core/compile/backend_compile_duration", slow)
-      return train_step(state, batch)
-    return step
-
   overrides = {"log_every": 1, "checkpoint.every": 100}
   workdir = tmp_path / "w"
   run(_config(trainer.cfg, **overrides), str(workdir),
-      trainer=_variant(trainer, wrap, **overrides), stop_at=2)
+      trainer=_variant(trainer, _compiling_for(slow, at_step=1), **overrides), stop_at=2)
   times = [r["step_time_s"] for r in records(workdir)]
   assert len(times) == 2 and max(times) < slow / 3, times
 
