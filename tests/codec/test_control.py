@@ -68,13 +68,19 @@ def test_budget_and_hysteresis(gatherer):
   used = sum(s.state_bytes for s in tight if s.selected)
   assert 0 < used <= full // 3
   assert any(s.reason in ("over budget", "cheaper mode (budget)") for s in tight)
-  # A capacity in use is kept while the rate that sizes it stays within a factor 4 below it.
+  # A capacity in use is kept while the one sized from the rates is at most KEEP_RATIO below it,
+  # and sized afresh once it falls further.
   specs = codec_control.specs_of(low.names, free)
   g, p = next((g, p) for g, ps in specs.items() for p in ps)
-  current = {g: {p: dataclasses.replace(specs[g][p], capacity_fraction=0.5)}}
-  again = codec_control.choose(gatherer, low, _codec(), BYTES, current)
-  assert codec_control.specs_of(low.names, again)[g][p].capacity_fraction == (
-      0.5 if specs[g][p].capacity_fraction >= 0.125 else specs[g][p].capacity_fraction)
+  fresh = specs[g][p].capacity_fraction
+  need = select.capacity_fraction(0.02, _codec().capacity_margin, quantize=True)
+  kept = round(need * codec_control.KEEP_RATIO * 0.9, 4)
+  assert kept != fresh
+  for current_fraction, expected in [(kept, kept),
+                                     (need * codec_control.KEEP_RATIO * 1.1, fresh)]:
+    current = {g: {p: dataclasses.replace(specs[g][p], capacity_fraction=current_fraction)}}
+    again = codec_control.choose(gatherer, low, _codec(), BYTES, current)
+    assert codec_control.specs_of(low.names, again)[g][p].capacity_fraction == expected
 
 
 def test_gatherer_with_specs(gatherer):

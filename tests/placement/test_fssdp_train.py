@@ -119,7 +119,7 @@ def fssdp_run_rate() -> float:
 def test_fssdp_matches_ep_across_a_heterogeneous_reshard(ep, fssdp_run):
   losses_ep, _, _ = ep
   losses, records, (resharding, before, after) = fssdp_run
-  np.testing.assert_allclose(losses, losses_ep, rtol=2e-3)
+  np.testing.assert_allclose(losses, losses_ep, rtol=3e-4)
   assert resharding.moved > 0 and resharding.moved_bytes > 0
   # Heterogeneous: some layer gives a device more than E/N = 1 experts, another fewer; every
   # device still holds S = L * E/N = 2 slots.
@@ -277,6 +277,23 @@ def test_resume_across_a_heterogeneous_reshard_is_bit_exact(fssdp_trainer, unint
   for a, b in zip(jax.tree.leaves(ckpt.load_params(str(workdir))),
                   jax.tree.leaves(ckpt.load_params(str(uninterrupted)))):
     np.testing.assert_array_equal(a, b)
+
+
+def test_checkpoints_hold_experts_in_canonical_order(fssdp_trainer, uninterrupted):
+  """What `load_params` (and so ep, fsdp, to-hf) reads at [l, e] is expert e of layer l. Checked
+  against the run's start, not against moejax's own permutations: four small AdamW steps leave
+  each expert far closer to its own initial weights than to any other expert's, so an expert
+  saved in another's place (the step-4 checkpoint's owners are heterogeneous) shows."""
+  init = _expert_leaves(jax.device_get(fssdp_trainer.init_state().params))
+  saved = _expert_leaves(ckpt.load_params(str(uninterrupted), step=4))
+  assert init.keys() == saved.keys() and init
+  for name, w0 in init.items():
+    w = np.asarray(saved[name], np.float32).reshape(*w0.shape[:2], -1)   # [L, E, ...]
+    w0 = np.asarray(w0, np.float32).reshape(w.shape)
+    dist_LxExE = np.linalg.norm(w[:, :, None] - w0[:, None, :], axis=-1)  # saved e to initial e'
+    own = np.diagonal(dist_LxExE, axis1=1, axis2=2)
+    others = np.where(np.eye(w.shape[1], dtype=bool), np.inf, dist_LxExE).min(axis=2)
+    assert np.all(own < 0.5 * others), (name, own, others)
 
 
 def _restore(trainer, workdir):

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 
+import matplotlib.image
 import numpy as np
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
@@ -125,20 +126,16 @@ def test_report_html_embeds_every_plot_the_run_has(workdir, tmp_path):
   page = (copy / "report.html").read_text()
   images = page.split('src="data:image/png;base64,')[1:]
   assert len(images) == 7                                   # all but the straggler plot
-  for image in images:
-    assert base64.b64decode(image.split('"', 1)[0]).startswith(b"\x89PNG")
+  embedded = sorted(base64.b64decode(image.split('"', 1)[0]) for image in images)
   assert "Straggler per layer</b>: no per-layer straggler" in page
   assert sorted(os.listdir(copy / "report")) == sorted(
       f"{n}.png" for n in ("loss", "lr_grad_norm", "speed", "expert_load", "dropped", "bytes",
                            "codec"))
-  browser = shutil.which("chromium") or shutil.which("chromium-browser")
-  if browser:        # the page renders: a screenshot of it is a real, non-blank image
-    shot = tmp_path / "shot.png"
-    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu",
-                    "--window-size=1400,4000", f"--screenshot={shot}",
-                    f"file://{copy / 'report.html'}"], capture_output=True, timeout=120,
-                   check=False)
-    assert shot.read_bytes().startswith(b"\x89PNG") and shot.stat().st_size > 50_000
+  # The page embeds the plots written beside it, each a real, non-blank image.
+  assert embedded == sorted(f.read_bytes() for f in (copy / "report").iterdir())
+  for f in (copy / "report").iterdir():
+    pixels = matplotlib.image.imread(f)
+    assert pixels.shape[0] > 100 and pixels.shape[1] > 100 and pixels.std() > 0.01, f.name
 
 
 def test_bad_workdir_is_one_line_exit_2(tmp_path, capsys):

@@ -15,7 +15,7 @@ from tests.helpers import tiny_config
 @pytest.mark.parametrize("family,placement,policy", [("qwen2_moe", "ep", "reroute")])
 def test_admission_in_sharded_step(family, placement, policy):
   cfg = tiny_config(family, **{"moe.placement": placement, "routing.admission": policy,
-                       "routing.admission_capacity_factor": 0.5, "routing.threshold": -1.0,
+                       "routing.admission_capacity_factor": 1.0, "routing.threshold": -1.0,
                        "routing.locality_weight": 0.01, "batch_size": 8, "seq_len": 32})
   trainer = Trainer(cfg, mesh=make_mesh((2, 4), jax.devices()[:8]))
   state = trainer.init_state()
@@ -29,13 +29,14 @@ def test_admission_in_sharded_step(family, placement, policy):
   m = jax.device_get(metrics)
   assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
   assert float(m["grad_norm"]) > 0
-  # Each device admits its own tokens: at most capacity per expert per device.
+  # Each device admits its own tokens: at most its capacity per expert.
   tokens_per_device = cfg.batch_size * cfg.seq_len // 8
   cap = int(np.max(capacity_schedule(10**6, num_tokens=tokens_per_device, k=cfg.moe.top_k,
-                                     num_experts=cfg.moe.num_experts, factor=0.5)))
+                                     num_experts=cfg.moe.num_experts, factor=1.0)))
   assert np.all(m["load_max"] <= 8 * cap)
-  # A capacity factor of 0.5 cannot hold all T*K assignments: strict drops the rest,
-  # reroute has nowhere to send them either (every expert is full), so both drop.
-  assert np.all(m["dropped_frac"] >= 0.5 - 1e-6)
-  if placement == "ep":
-    assert float(m["locality_loss"]) > 0
+  # Capacity for exactly T*K assignments per device: the top-k overfills some experts, strict
+  # admission would drop what they cannot hold (16-34% of the slots here); rerouting moves it to
+  # the next most similar expert with room, so little is dropped.
+  assert np.all(m["rerouted_frac"] > 0.05)
+  assert np.all(m["dropped_frac"] < 0.25 * m["rerouted_frac"])
+  assert float(m["locality_loss"]) > 0

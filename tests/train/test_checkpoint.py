@@ -9,6 +9,7 @@ placement changes are tested on random states, without training.
 """
 import gc
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -377,6 +378,39 @@ def test_an_item_this_run_does_not_use_restores_without_orbaxs_warning(tmp_path,
   assert items == ckpt.FEATURE_ITEMS_JSON
 
 
+@pytest.mark.parametrize("saved_overrides,run_overrides,message", [
+    ({}, {"model.d_model": 32},
+     r"params/embed: checkpoint has float32\[320, 64\], run has float32\[320, 32\]"),
+    ({}, {"model.qk_norm": "none"},
+     r"params/layers/attn/k_norm: in the checkpoint but not in the run"),
+    ({"model.qk_norm": "none"}, {},
+     r"params/layers/attn/k_norm: not in the checkpoint"),
+])
+def test_a_checkpoint_whose_arrays_do_not_fit_the_run_is_refused_by_path(
+    tmp_path, saved_overrides, run_overrides, message):
+  """A checkpoint whose config matches the run's but whose arrays do not (written by another
+  version, or its config edited by hand): refused before any array is read, naming the array,
+  and left in place."""
+  saved_cfg = tiny_config(**SMALL, **saved_overrides)
+  mesh = make_mesh((1, -1), jax.devices()[:1])
+  tx = optim.make_optimizer(saved_cfg)
+  state = jax.tree.map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype), s.sharding),
+                       ckpt.abstract_state(state_lib.state_layout(saved_cfg, mesh, tx), tx))
+  checkpoints = ckpt.Checkpointer(str(tmp_path), saved_cfg)
+  checkpoints.save(3, state, {"next_batch": 3})
+  checkpoints.close()
+  run_cfg = tiny_config(**SMALL, **run_overrides)
+  run_tx = optim.make_optimizer(run_cfg)
+  checkpoints = ckpt.Checkpointer(str(tmp_path), saved_cfg)  # the saved config: arrays differ
+  with pytest.raises(CheckpointError) as e:
+    checkpoints.restore(state_lib.state_layout(run_cfg, mesh, run_tx), run_tx)
+  checkpoints.close()
+  assert re.fullmatch(f"checkpoint {re.escape(str(tmp_path))}/checkpoints/3 \\(step 3\\) does not fit this "
+                      f"run: {message}; resume with the checkpoint's config or use a new "
+                      "--workdir", str(e.value)), str(e.value)
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["3"]
+
+
 # ------------------------------------------------------------------------------------------------
 # load_params: a checkpoint's parameters in your own code.
 
@@ -402,7 +436,7 @@ def test_load_params_into_numpy_and_nnx_modules(trainer, trained):
   # A layer's parameters checked by name and rank when the module is made (stacked ones, or a
   # missing router, built a module that failed at its call).
   with pytest.raises(ValueError, match=r"layer_params\['attn'\]\['k_norm'\] has shape \(2, 64\), "
-                                       "one layer's is \(64,\)"):
+                                       r"one layer's is \(64,\)"):
     olmoe.layer_from_params(cfg, params["layers"])
   missing = jax.tree.map(lambda x: x[0], params["layers"])
   del missing["moe"]["router"]
