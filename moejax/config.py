@@ -155,8 +155,8 @@ class MoEConfig:
   dispatch_capacity_factor: float = 2.0
   """ep/fssdp dispatch buffer: per destination ceil(factor * assignments / devices) rows, the
   starting size (see `dispatch_overflow`); 0 = dropless: N x T x K rows per device, the worst
-  case, only when asked for (at scale it does not fit: 137 GB for the 1b7b preset on 64
-  devices)."""
+  case, only when asked for (at scale it does not fit: 136 GiB per device for the 1b7b preset on
+  64 devices, `python train.py ... --memory_on_devices=64`)."""
   dispatch_overflow: str = "grow"
   """A step whose dispatch buffers overflow: one of `moejax.placement.dispatch.OVERFLOW_POLICIES`
   (grow: no update, the buffers are resized from the measured loads and the step reruns,

@@ -87,9 +87,11 @@ class System:
 
 
 REPLICA_PATCH_RATIO = 0.468
-"""A kept replica's patch over its plain bytes: the expert weights' delta ratio at the tiny
-preset's peak learning rate (README codec table, `bench/codec.py --quick`), the same
-step-to-step moves the replica codec's delta formats code."""
+"""A kept replica's patch over its plain bytes: the expert weights' delta patch per forward
+gather at the tiny preset's peak learning rate (`bench/codec.py --quick`: 0.469 when every
+gather sent one, before the backward rebuilt its weights; the README codec table's 0.233 per
+step is 2 x 0.466 over a step's 4 gathers, 2 of them rebuilt), the same step-to-step moves the
+replica codec's delta formats code."""
 
 
 def _s(name, **kw) -> System:

@@ -411,6 +411,38 @@ def test_a_checkpoint_whose_arrays_do_not_fit_the_run_is_refused_by_path(
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["3"]
 
 
+def test_a_checkpoint_of_other_training_data_is_refused_and_kept(tmp_path, host_state):
+  """The data position saved with a checkpoint belongs to its corpus: a rerun whose text file
+  changed under the same data.path (a field that may differ) stops with one line naming the
+  checkpoint, rather than resuming at a position in other data."""
+  from moejax.data import DataSpec, make_data
+  corpus = tmp_path / "corpus.txt"
+  corpus.write_text("the first corpus, long enough for a few batches of windows. " * 40)
+  data = make_data(DataSpec("text", str(corpus)), batch_size=2, seq_len=16)
+  next(data.train)
+  cfg, _, layout, tx = _layout("fsdp", 1)
+  state = jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), host_state,
+                       ckpt.abstract_state(layout, tx))
+  checkpoints = ckpt.Checkpointer(str(tmp_path / "w"), cfg)
+  checkpoints.save(3, state, data.train.get_state())
+  checkpoints.close()
+  # The same file read again: resumes where it was.
+  again = make_data(DataSpec("text", str(corpus)), batch_size=2, seq_len=16)
+  checkpoints = ckpt.Checkpointer(str(tmp_path / "w"), cfg)
+  assert checkpoints.restore(layout, tx, data_iterator=again.train)[1] == 3
+  checkpoints.close()
+  assert again.train.get_state() == data.train.get_state()
+  corpus.write_text("another corpus altogether, of other words and another length. " * 50)
+  other = make_data(DataSpec("text", str(corpus)), batch_size=2, seq_len=16)
+  checkpoints = ckpt.Checkpointer(str(tmp_path / "w"), cfg)
+  with pytest.raises(CheckpointError, match=r"^checkpoint .*/w/checkpoints/3 \(step 3\): the "
+                                            r"checkpoint's data position is for other training "
+                                            r"data .* or train in a new --workdir$"):
+    checkpoints.restore(layout, tx, data_iterator=other.train)
+  checkpoints.close()
+  assert sorted(os.listdir(tmp_path / "w" / "checkpoints")) == ["3"]
+
+
 # ------------------------------------------------------------------------------------------------
 # load_params: a checkpoint's parameters in your own code.
 
