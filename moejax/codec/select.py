@@ -12,8 +12,8 @@ For parameter i (one shard per device, W devices on the gather axis), all figure
               `CommModel.bytes_only()` (alpha 0, beta 1: the gain is bytes saved)
   T_i(m)      encode + decode time per gather (the caller's estimate: the train loop profiles
               it at start-up, `train.codec_control.profile_codec`)
-  g_i(m)      = Comm(S_i) - Comm(P_i(m)) - Comm(16) - T_i(m)
-              (the codec also issues the 16-byte agreement all-gather, which costs one alpha);
+  g_i(m)      = Comm(S_i) - Comm(P_i(m)) - Comm(24) - T_i(m)
+              (the codec also issues the 24-byte agreement all-gather, which costs one alpha);
               averaged with r_i, the share of the parameter's gathers rebuilt from the cache
               (the backward's re-gathers under remat full, `moejax.sharding.prefetch`), which
               save Comm(S_i) - Comm(R_i(m)): R_i the sign+mantissa bytes in element / block
