@@ -31,6 +31,7 @@ sys.path.insert(0, REPO)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.cli_args import at_least  # noqa: E402
 from moejax.config import from_config_dict, num_params  # noqa: E402
 from moejax.families import FAMILIES, config_file  # noqa: E402
 from moejax.placement import PLACEMENTS  # noqa: E402
@@ -57,7 +58,7 @@ def train(cfg, devices: int) -> dict:
       records = [r for r in map(json.loads, f) if "loss" in r]
   losses = [r["loss"] for r in records]
   # The first step includes the compile; a one-step run (a reference loss) has only that one.
-  times = [r["step_time_s"] for r in records[1:]] or [records[0]["step_time_s"]]
+  times = [r["step_time_s"] for r in records[1:]]   # the first step's compile left out
   counts = num_params(cfg)
   return {"total": counts["total"], "active": counts["active"], "first_loss": losses[0],
           "last_loss": losses[-1], "ratio": losses[-1] / losses[0],
@@ -67,8 +68,10 @@ def train(cfg, devices: int) -> dict:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="the tiny presets on 1 device only")
-  parser.add_argument("--steps", type=int, default=200)
-  parser.add_argument("--matrix-steps", type=int, default=30)
+  parser.add_argument("--steps", type=at_least(2), default=200,
+                      help="training steps per family preset (the first, compiling, is not timed)")
+  parser.add_argument("--matrix-steps", type=at_least(2), default=30,
+                      help="steps per family and placement of the 8-device matrix")
   parser.add_argument("--families", default=",".join(FAMILIES),
                       help="comma-separated subset of " + ", ".join(FAMILIES))
   args = parser.parse_args(argv)

@@ -1,7 +1,7 @@
 """FSSDP trace replay: expert parallel (owner only) vs FSSDP replicas vs a perfectly balanced
 reference, on 8 devices as 2 nodes x 4.
 
-  python bench/fssdp.py --quick          # replay; under a minute on 2 CPU cores
+  python bench/fssdp.py --quick          # replay + step time; about 1.5 minutes on 2 CPU cores
   python bench/fssdp.py --record         # re-record bench/traces/tiny_recorded.npz (tiny preset)
 
 A trace is the routing of a global batch per step and layer, kept as per-source-device expert
@@ -29,7 +29,8 @@ bf16), SpRS bytes per step (replicas used x one expert's fp32 gradient), token b
 dispatch per step sent within a node and across nodes (one way, bf16 rows of width D; the
 combine sends the same back). All summed over layers. With calibration, `kept`: the share of the
 replicas whose device held the expert last step too (what the replica codec sends as patches).
-Ends with one JSON line.
+Then the real train step's time, ep against fssdp (tiny preset, 8 fake CPU devices), their steps
+interleaved after a warm-up, median of 10 (`--quick`) or 20. Ends with one JSON line.
 
 Traces: synthetic skews at tiny-preset shapes (128 tokens per device, 2 layers; 8 experts top-2
 and 64 experts top-8): one hot expert, a rotating hotspot (moves every 8 steps), bursts (a mild
@@ -58,6 +59,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench.cli_args import at_least  # noqa: E402
 from moejax.placement import planner as fp  # noqa: E402
 from moejax.placement import ownership as fs  # noqa: E402
 
@@ -331,23 +333,21 @@ def make_step_runner(placement: str) -> Callable[[], None]:
   return run_one
 
 
-def measure_step_time(make_step: Callable[[str], Callable[[], None]] | None, *,
+def measure_step_time(make_step: Callable[[str], Callable[[], None]], *,
                       placements=("ep", "fssdp"), warmup: int = 2, steps: int = 5) -> dict:
-  """Median seconds per train step per placement; {} until the integration provides make_step."""
-  if make_step is None:
-    return {}
-  out = {}
-  for placement in placements:
-    run_one = make_step(placement)
+  """Median seconds per train step per placement, the placements' steps interleaved (one of
+  each in turn, after every one's warm-up), so that drift of the machine hits them alike."""
+  runners = {placement: make_step(placement) for placement in placements}
+  for run_one in runners.values():
     for _ in range(warmup):
       run_one()
-    times = []
-    for _ in range(steps):
+  times = {placement: [] for placement in placements}
+  for _ in range(steps):
+    for placement, run_one in runners.items():
       t0 = time.perf_counter()
       run_one()
-      times.append(time.perf_counter() - t0)
-    out[placement] = float(np.median(times))
-  return out
+      times[placement].append(time.perf_counter() - t0)
+  return {placement: float(np.median(t)) for placement, t in times.items()}
 
 
 # ----------------------------------------------------------------------------- main
@@ -381,14 +381,21 @@ def print_table(results):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--quick", action="store_true", help="40 steps per trace (under a minute)")
-  parser.add_argument("--steps", type=int, default=None, help="synthetic steps per trace")
+  parser.add_argument("--quick", action="store_true",
+                      help="40 steps per trace (about a minute and a half)")
+  parser.add_argument("--steps", type=at_least(1), default=None,
+                      help="synthetic steps per trace (a multiple of --reshard_every is used)")
   parser.add_argument("--record", action="store_true", help=f"re-record {RECORDED} and exit")
-  parser.add_argument("--record_steps", type=int, default=60)
-  parser.add_argument("--reshard_every", type=int, default=10)
-  parser.add_argument("--window", type=int, default=5)
-  parser.add_argument("--target_straggler", type=float, default=1.05)
-  parser.add_argument("--margin", type=float, default=0.05)
+  parser.add_argument("--record_steps", type=at_least(1), default=60,
+                      help="training steps to record with --record")
+  parser.add_argument("--reshard_every", type=at_least(1), default=10,
+                      help="steps between heterogeneous re-shards in the replay")
+  parser.add_argument("--window", type=at_least(1), default=5,
+                      help="the load predictor's window (steps)")
+  parser.add_argument("--target_straggler", type=float, default=1.05,
+                      help="the planner's target straggler factor")
+  parser.add_argument("--margin", type=float, default=0.05,
+                      help="the planner's margin over the target")
   parser.add_argument("--replica_slots_small", type=int, default=2, help="M for 8 experts")
   parser.add_argument("--replica_slots_large", type=int, default=4, help="M for 64 experts")
   parser.add_argument("--overlap_small", type=int, default=4, help="t for 8 experts")
@@ -397,7 +404,9 @@ def main():
   if args.record:
     record(RECORDED, args.record_steps)
     return
-  steps = args.steps or (40 if args.quick else 200)
+  steps = args.steps if args.steps is not None else (40 if args.quick else 200)
+  if steps < args.reshard_every:
+    parser.error(f"argument --steps: must be >= --reshard_every={args.reshard_every}, got {steps}")
   steps -= steps % args.reshard_every
   t0 = time.perf_counter()
   traces = {}
@@ -434,7 +443,8 @@ def main():
       print(f"  {trace}: het re-sharding moved {h['reshard_moves']} experts "
             f"({_mb(h['reshard_bytes'])} MB with optimizer state); calibration adopted in "
             f"{100 * rows['fssdp+cal']['adopted']:.0f}% of layer-steps")
-  step_times = measure_step_time(make_step_runner, steps=3 if args.quick else 10)
+  print("timing the train step, ep and fssdp interleaved ...", flush=True)
+  step_times = measure_step_time(make_step_runner, steps=10 if args.quick else 20)
   ratio = step_times["fssdp"] / step_times["ep"]
   print(f"\nmeasured train step on 8 fake CPU devices (tiny preset, median): ep "
         f"{1000 * step_times['ep']:.1f} ms, fssdp {1000 * step_times['fssdp']:.1f} ms "

@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 
 import configs.olmoe as olmoe_configs  # noqa: E402
+from bench.cli_args import at_least  # noqa: E402
 from moejax.config import from_config_dict  # noqa: E402
 from moejax.data import DataSpec, make_data  # noqa: E402
 from moejax.train.loop import Trainer, put_batch  # noqa: E402
@@ -112,9 +113,10 @@ def _ratio(a: float, b: float) -> str:
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="fewer steps (under a minute)")
-  parser.add_argument("--steps", type=int, default=None, help="timed steps per placement")
+  parser.add_argument("--steps", type=at_least(1), default=None,
+                      help="timed steps per placement (default 50, 10 with --quick)")
   args = parser.parse_args()
-  steps = args.steps or (10 if args.quick else 50)
+  steps = args.steps if args.steps is not None else (10 if args.quick else 50)
   results = run_all(steps)
   fsdp, ep = results["fsdp"], results["ep"]
 

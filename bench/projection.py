@@ -122,8 +122,14 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--quick", action="store_true", help="fewer trace steps in the projections")
   ap.add_argument("--write", action="store_true", help="rewrite data/calibration.json")
-  ap.add_argument("--plot", default=os.path.join(REPO, "docs", "projection.png"))
+  ap.add_argument("--plot", default=None,
+                  help="where to write the plot (default: docs/projection.png, the README's, "
+                  "on a full run; none with --quick, whose projections are shorter; '' for none)")
   args = ap.parse_args()
+  if args.plot is None:
+    args.plot = "" if args.quick else os.path.join(REPO, "docs", "projection.png")
+  if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+    ap.error(f"argument --plot: no folder {os.path.dirname(os.path.abspath(args.plot))!r}")
   t0 = time.perf_counter()
   points = cb.load_points()
   fitted = cb.fit(points)

@@ -26,6 +26,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import configs.olmoe as olmoe_configs  # noqa: E402
+from bench.cli_args import at_least  # noqa: E402
 from moejax.config import from_config_dict  # noqa: E402
 from moejax.data import DataSpec, make_data  # noqa: E402
 from moejax.routing import admission, router, stats  # noqa: E402
@@ -114,10 +115,12 @@ def hotspot_trace(num_tokens=4096, num_experts=8, k=2, d=64, hot_fraction=0.7, s
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="fewer steps (under a minute)")
-  parser.add_argument("--steps", type=int, default=None)
-  parser.add_argument("--capacity_factor", type=float, default=1.25)
+  parser.add_argument("--steps", type=at_least(3), default=None,
+                      help="steps per policy (default 200, 30 with --quick; the first 2 warm up)")
+  parser.add_argument("--capacity_factor", type=float, default=1.25,
+                      help="admission's capacity factor")
   args = parser.parse_args()
-  steps = args.steps or (30 if args.quick else 200)
+  steps = args.steps if args.steps is not None else (30 if args.quick else 200)
   eval_batches = 2 if args.quick else 8
   results = train_policies(POLICIES, steps, eval_batches, args.capacity_factor)
   base = results["none"]

@@ -34,6 +34,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import configs.olmoe as olmoe_configs  # noqa: E402
+from bench.cli_args import at_least  # noqa: E402
 from moejax.config import from_config_dict  # noqa: E402
 from moejax.train import loop, metrics  # noqa: E402
 
@@ -84,11 +85,17 @@ def window(samples: list[dict], lo: int, hi: int) -> dict:
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="200 steps (about two minutes)")
-  parser.add_argument("--steps", type=int, default=None, help="default 2000 (200 with --quick)")
-  parser.add_argument("--workdir", default=None, help="default: a temporary directory")
+  parser.add_argument("--steps", type=at_least(200), default=None,
+                      help="a multiple of 100; default 2000 (200 with --quick)")
+  parser.add_argument("--workdir", default=None,
+                      help="a new folder for the run (default: a temporary directory)")
   args = parser.parse_args()
-  steps = args.steps or (200 if args.quick else 2000)
-  assert steps >= 200 and steps % 100 == 0, "--steps: at least 200, a multiple of 100"
+  steps = args.steps if args.steps is not None else (200 if args.quick else 2000)
+  if steps % 100:
+    parser.error(f"argument --steps: must be a multiple of 100, got {steps}")
+  if args.workdir and os.path.exists(os.path.join(args.workdir, "checkpoints")):
+    parser.error(f"argument --workdir: {args.workdir!r} holds a run already (its checkpoints/ "
+                 "would be resumed, not soaked from the start); give a new folder")
   cfg = soak_config(steps, log_every=5 if args.quick else 10)
   load_before = os.getloadavg()[0]
 
@@ -136,7 +143,8 @@ def main():
       "rss_ok": rss_ratio <= RSS_LIMIT, "step_time_ok": time_ratio <= TIME_LIMIT,
       "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
       "checkpoints_kept": checkpoints, "wall_s": wall}))
+  return 0 if rss_ratio <= RSS_LIMIT and time_ratio <= TIME_LIMIT else 1
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

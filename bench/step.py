@@ -56,6 +56,7 @@ import numpy as np  # noqa: E402
 
 import configs.olmoe as olmoe_configs  # noqa: E402
 import reference  # noqa: E402
+from bench.cli_args import at_least  # noqa: E402
 from moejax import host_memory, profiling  # noqa: E402
 from moejax.config import from_config_dict  # noqa: E402
 from moejax.models import olmoe  # noqa: E402
@@ -101,12 +102,12 @@ class Variant:
       step, tx = reference.make_train_step(cfg, remat=cfg.remat)
       params = olmoe.init_params(cfg, jax.random.key(cfg.seed))
       state = [params, tx.init(params)]
-      batch0 = {k: jax.numpy.asarray(v) for k, v in batches[0].items()}
-      compiled = step.lower(state[0], state[1], batch0).compile()
+      # on the device before timing, as the other variants' batches
+      placed = [{k: jax.device_put(v) for k, v in b.items()} for b in batches]
+      compiled = step.lower(state[0], state[1], placed[0]).compile()
 
       def run(i):
-        b = {k: jax.numpy.asarray(v) for k, v in batches[i % len(batches)].items()}
-        state[0], state[1], ce = compiled(state[0], state[1], b)
+        state[0], state[1], ce = compiled(state[0], state[1], placed[i % len(placed)])
         jax.block_until_ready(ce)
     elif self.floor:
       mesh = make_mesh((1, -1), jax.devices()[:self.devices])
@@ -259,20 +260,27 @@ def print_profile(v: Variant, run, steps: int = 3, top: int = 20):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--quick", action="store_true",
-                      help="peer dims: reference, 1 device, reference x8, fsdp x8")
-  parser.add_argument("--experts", action="store_true", help="the number-of-experts sweep")
-  parser.add_argument("--peer", action="store_true", help="then run the MaxText comparison")
-  parser.add_argument("--scaling", action="store_true",
-                      help="peer dims: ep and fssdp on 2, 4 and 8 fake devices")
-  parser.add_argument("--tiles", action="store_true", help="the expert kernel's tile-size sweep")
+  sets = parser.add_mutually_exclusive_group()   # which variants (default: the full table)
+  sets.add_argument("--quick", action="store_true",
+                    help="peer dims: reference, 1 device, reference x8, fsdp x8")
+  sets.add_argument("--experts", action="store_true", help="the number-of-experts sweep")
+  sets.add_argument("--scaling", action="store_true",
+                    help="peer dims: ep and fssdp on 2, 4 and 8 fake devices")
+  sets.add_argument("--tiles", action="store_true",
+                    help="the expert kernel's tile-size sweep (takes --rounds only)")
+  parser.add_argument("--peer", action="store_true",
+                      help="then run the MaxText comparison (exit code: its failure's)")
   parser.add_argument("--only", action="append", default=[],
                       help="keep the variants whose name contains this (repeatable)")
   parser.add_argument("--profile", action="store_true",
                       help="per chosen variant: its step's time by moejax source line")
-  parser.add_argument("--rounds", type=int, default=3)
-  parser.add_argument("--steps", type=int, default=4, help="timed steps per variant and round")
+  parser.add_argument("--rounds", type=at_least(1), default=3,
+                      help="rounds over the variants (each round times every variant in turn)")
+  parser.add_argument("--steps", type=at_least(1), default=4,
+                      help="timed steps per variant and round")
   args = parser.parse_args()
+  if args.tiles and (args.only or args.profile):
+    parser.error("argument --tiles: takes neither --only nor --profile")
   # Before any step runs, for the reference as for moejax (a Trainer on CPU does it too).
   kept = host_memory.keep_freed_memory_mapped()
   print(f"host memory: freed pages {'kept mapped' if kept else 'returned to the OS'} "
@@ -281,7 +289,11 @@ def main():
   if args.tiles:
     tile_sweep(args.rounds)
     return
-  vs = [v for v in variants(args) if not args.only or any(o in v.name for o in args.only)]
+  every = variants(args)
+  vs = [v for v in every if not args.only or any(o in v.name for o in args.only)]
+  if not vs:
+    parser.error(f"argument --only: no variant's name contains {' or '.join(map(repr, args.only))}"
+                 f" (variants here: {', '.join(v.name for v in every)})")
   batches = {dims: make_batches(dims) for dims in DIMS}
   runs = {}
   for v in vs:
@@ -326,9 +338,12 @@ def main():
   print(json.dumps({"bench": "step", "results": results}))
   if args.peer:
     script = os.path.join(REPO, "..", "shared", "peers", "maxtext", "compare.sh")
+    failed = 0
     for devices in ("1", "8"):
-      subprocess.run(["bash", script, REPO, "3"], env={**os.environ, "DEVICES": devices,
-                                                       "XLA_FLAGS": ""}, check=False)
+      failed = failed or subprocess.run(
+          ["bash", script, REPO, "3"], env={**os.environ, "DEVICES": devices, "XLA_FLAGS": ""},
+          check=False).returncode
+    sys.exit(failed)
 
 
 if __name__ == "__main__":

@@ -197,17 +197,22 @@ def patch_format(shard_shape, dtype, spec: CodecSpec):
 
 
 def wire_bytes(shard_shape, dtype, spec: CodecSpec) -> dict:
-  """Static per-device bytes of one gather: plain, compressed path, dense path, and a gather
-  rebuilt from the state the same gather left (`rebuilt_gather_group`)."""
+  """Static per-device bytes of one gather: plain, compressed path, dense path, a forward gather
+  whose patch fits (the compressed path, or the dense one where the patch would be no smaller:
+  `_patch_is_no_smaller`), and a gather rebuilt from the state the same gather left
+  (`rebuilt_gather_group`)."""
   n = math.prod(shard_shape)
   plain = n * np.dtype(dtype).itemsize
   if spec.mode == "off":
-    return {"plain": plain, "compressed": plain, "dense": plain, "rebuilt": plain}
+    return {"plain": plain, "compressed": plain, "dense": plain, "forward": plain,
+            "rebuilt": plain}
   layout = bits.layout_of(dtype)
   words = patch_format(shard_shape, dtype, spec).words
   rest = 0 if spec.mode in WORD_MODES else bits.packed_words(n, layout.rest_bits)
-  return {"plain": plain, "compressed": 4 * (words + rest + STATS_WORDS),
-          "dense": plain + 4 * STATS_WORDS, "rebuilt": 4 * rest}
+  compressed, dense = 4 * (words + rest + STATS_WORDS), plain + 4 * STATS_WORDS
+  dense_words = -(-n * np.dtype(dtype).itemsize // 4)
+  return {"plain": plain, "compressed": compressed, "dense": dense,
+          "forward": dense if words + rest >= dense_words else compressed, "rebuilt": 4 * rest}
 
 
 def state_bytes(shard_shape, dtype, axis_size: int, spec: CodecSpec) -> int:
@@ -485,7 +490,7 @@ def _forward(shards, states, axis_name, axes, specs, transport="auto"):
     pool_fill.append(fill)
     pool_overflow.append(over)
   dense_P = [pool_overflow[p] | jnp.any(jnp.stack([invalid_K[k] | warm_K[k] for k in pool]))
-             for p, pool in enumerate(pools)]
+             | _patch_is_no_smaller(s) for p, (pool, s) in enumerate(zip(pools, send))]
 
   # Receivers: row r of the cache is device r + (r >= me). Rows are picked by selects, not by
   # gathers of rows: XLA:CPU gathers element by element.
@@ -614,6 +619,14 @@ def _forward(shards, states, axis_name, axes, specs, transport="auto"):
           fallback=pool_overflow[p] & valid & jnp.logical_not(warm_K[k]),
           dense=dense_P[p])
   return tuple(fulls), tuple(new_states), tuple(stats)
+
+
+def _patch_is_no_smaller(s) -> bool:
+  """Whether a pool's patch (static size) is at least its dense payload: then it always goes
+  dense, which leaves the same caches (so the backward's rebuild still holds) for fewer bytes.
+  Specs sized for change rates near 1 get there (word mode at capacity 1.0 sends 4 B per value's
+  slot against 2 B plain), and shards of a few values in any mode."""
+  return jax.eval_shape(s["make_wire"]).shape[0] >= _to_words(s["bits_N"]).shape[0]
 
 
 def _to_words(bits_N: jax.Array) -> jax.Array:

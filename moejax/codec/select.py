@@ -13,7 +13,10 @@ For parameter i (one shard per device, W devices on the gather axis), all figure
   T_i(m)      encode + decode time per gather (the caller's estimate: the train loop profiles
               it at start-up, `train.codec_control.profile_codec`)
   g_i(m)      = Comm(S_i) - Comm(P_i(m)) - Comm(24) - T_i(m)
-              (the codec also issues the 24-byte agreement all-gather, which costs one alpha);
+              (the codec also issues the 24-byte agreement all-gather, which costs one alpha;
+              P_i(m) is the patch: where it is no smaller than the dense payload the gather
+              sends that instead, `gather.wire_bytes`'s "forward", which `Selection.bytes_sent`
+              reports; the choice prices the patch, an upper bound);
               averaged with r_i, the share of the parameter's gathers rebuilt from the cache
               (the backward's re-gathers under remat full, `moejax.sharding.prefetch`), which
               save Comm(S_i) - Comm(R_i(m)): R_i the sign+mantissa bytes in element / block
@@ -254,6 +257,6 @@ def select(params: Sequence[ParamStats], comm: CommModel, *, axis_size: int,
       continue
     nbytes, gain, spec = hull[level[i]]
     reason = "selected" if level[i] == len(hull) - 1 else "cheaper mode (budget)"
-    sent = p.copies * gather.wire_bytes(p.shard_shape, p.dtype, spec)["compressed"]
+    sent = p.copies * gather.wire_bytes(p.shard_shape, p.dtype, spec)["forward"]
     out.append(Selection(p.name, spec, hull[-1][2], gain, nbytes, reason, plain, sent))
   return out

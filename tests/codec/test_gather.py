@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from moejax.codec import bits
 from moejax.codec import detect
 from moejax.codec import gather
+from moejax.codec import select
 
 W = 8
 AXIS = "d"
@@ -289,8 +290,8 @@ def test_single_transport_packs_odd_and_32_bit_shards():
   """The single payload packs 16-bit values two to a word and 32-bit ones as they are: an odd
   bf16 shard, float32 shards in block (hash) and word mode, and an element shard beside them,
   bit for bit through warm-up, patches, one shard's overflow and a stale device."""
-  cases = [(jnp.bfloat16, (3, 7), 0, gather.CodecSpec("element", warmup_steps=2,
-                                                     capacity_fraction=0.5)),
+  cases = [(jnp.bfloat16, (31, 33), 0, gather.CodecSpec("element", warmup_steps=2,
+                                                       capacity_fraction=0.1)),
            CASES[3], CASES[5], CASES[0]]
   scripts = [Script(dtype, shape, axis, spec, seed=40 + k)
              for k, (dtype, shape, axis, spec) in enumerate(cases)]
@@ -356,6 +357,33 @@ def test_delta_shards_of_a_group_travel_as_one_pool_and_fall_back_together(trans
       assert (np.asarray(stats[j]["bytes_sent"]) == want).all(), (t, j)
 
 
+def test_a_patch_no_smaller_than_the_dense_payload_always_goes_dense():
+  """Word mode at capacity 1.0 (sized for values that nearly all change, which the selector
+  picks when the backward rebuilds from the caches): its patch (8728 B here) would outweigh the
+  dense payload (8216 B), so every gather goes dense, leaving the same caches, bit-exact, never
+  above plain plus the agreement; the selector prices it so."""
+  shape, spec = (4096,), gather.CodecSpec("word", capacity_fraction=1.0, warmup_steps=0)
+  sizes = gather.wire_bytes(shape, jnp.bfloat16, spec)
+  assert sizes["compressed"] > sizes["dense"] == sizes["forward"] == sizes["plain"] + 24
+  script = Script(jnp.bfloat16, shape, 0, spec, seed=5)
+  f = _make_gather(spec, 1, 0)
+  states = _stack_states(gather.init_state(shape, jnp.bfloat16, W, spec))
+  for t in range(3):
+    script.step([int(0.9 * 4096)] * W)
+    full, states, stats = f(script.global_array(), states)
+    full_bits = np.asarray(lax.bitcast_convert_type(full, jnp.uint16))
+    for d in range(W):
+      np.testing.assert_array_equal(full_bits[d], script.global_bits(), err_msg=f"step {t}")
+    assert (np.asarray(stats["dense"]) == 1).all() and (np.asarray(stats["fallback"]) == 0).all()
+    assert (np.asarray(stats["bytes_sent"]) == sizes["dense"]).all()
+  stats = select.ParamStats("w", shape, jnp.bfloat16, q_element=0.9, q_block=1.0, q_word=0.9,
+                            q_delta={2: 0.9, 3: 0.9, 4: 0.9}, q_far=0.9, rebuilt_share=0.5)
+  (chosen,) = select.select([stats], select.CommModel.bytes_only(), axis_size=W,
+                            cache_budget_bytes=None, modes=("word",))
+  assert chosen.spec.mode == "word" and chosen.spec.capacity_fraction == 1.0
+  assert chosen.bytes_sent == sizes["dense"] <= chosen.bytes_plain + 24
+
+
 def test_compressed_path_sends_fewer_bytes_at_realistic_sizes():
   """bf16, element mode, default capacity (1/16): about 0.6x the plain bytes per device."""
   spec = gather.CodecSpec("element")
@@ -380,7 +408,7 @@ def test_spec_validation():
 # ---------------------------------------------------------------------------------------------
 # Gradients, lax.scan over stacked layers, jax.checkpoint.
 
-LAYERS, D = 3, 16
+LAYERS, D = 3, 32     # shards of 128 values: large enough for a patch to pay
 
 
 @functools.lru_cache(maxsize=None)
@@ -446,7 +474,7 @@ def test_two_mesh_axes_and_fp32_master():
   """Gathering over a tuple of mesh axes (2 x 4), fp32 master shards sent as bf16."""
   mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
   axes = ("a", "b")
-  spec = gather.CodecSpec("element", warmup_steps=0, capacity_fraction=0.5)
+  spec = gather.CodecSpec("element", warmup_steps=0, capacity_fraction=0.05)
 
   def body(x, states):
     full, new_states, stats = gather.compressed_all_gather(
@@ -455,8 +483,8 @@ def test_two_mesh_axes_and_fp32_master():
 
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(axes), P(axes)), out_specs=P(axes),
                             check_vma=False))
-  states = _stack_states(gather.init_state((2, 8), jnp.bfloat16, W, spec))
-  x = np.random.default_rng(3).normal(size=(2 * W, 8)).astype(np.float32)
+  states = _stack_states(gather.init_state((2, 512), jnp.bfloat16, W, spec))  # a patch pays
+  x = np.random.default_rng(3).normal(size=(2 * W, 512)).astype(np.float32)
   for step in range(3):
     full, states, dense = f(jnp.asarray(x), states)
     expected = np.asarray(jnp.asarray(x).astype(jnp.bfloat16)).view(np.uint16)

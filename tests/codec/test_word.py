@@ -102,7 +102,8 @@ def test_format_sizes_and_state():
   assert gather.patch_format((N,), jnp.bfloat16, spec) == fmt
   sizes = gather.wire_bytes((N,), jnp.bfloat16, spec)
   assert sizes == {"plain": 2 * N, "compressed": 4 * (fmt.words + gather.STATS_WORDS),
-                   "dense": 2 * N + 4 * gather.STATS_WORDS, "rebuilt": 0}
+                   "dense": 2 * N + 4 * gather.STATS_WORDS,
+                   "forward": 4 * (fmt.words + gather.STATS_WORDS), "rebuilt": 0}
   state = gather.init_state((N,), jnp.bfloat16, 8, spec)
   assert state["cache"].shape == (7, N) and state["cache"].dtype == jnp.uint16
   assert gather.state_bytes((N,), jnp.bfloat16, 8, spec) == sum(
