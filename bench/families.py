@@ -7,7 +7,7 @@ family under every placement on 8 fake devices against the same family on one de
 Quick: each family's `tiny` preset (configs/FAMILY.py) trains `--steps` steps on the built-in
 corpus through `moejax.train.loop.run` on one device; printed per family: parameters (total,
 active), first and last logged loss, their ratio (the target: below 0.6), median step time.
-Full: the same for fsdp, ep and fssdp on 8 devices (`--matrix-steps` steps), with each run's
+Full: the same for fsdp, ep and fssdp on 8 devices (`--matrix_steps` steps), with each run's
 first-step loss against the family's one-device first-step loss (same data, same initial
 weights: they differ by bf16 rounding only). Ends with one JSON line.
 """
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
   parser.add_argument("--quick", action="store_true", help="the tiny presets on 1 device only")
   parser.add_argument("--steps", type=at_least(2), default=200,
                       help="training steps per family preset (the first, compiling, is not timed)")
-  parser.add_argument("--matrix-steps", type=at_least(2), default=30,
+  parser.add_argument("--matrix_steps", "--matrix-steps", type=at_least(2), default=30,
                       help="steps per family and placement of the 8-device matrix")
   parser.add_argument("--families", default=",".join(FAMILIES),
                       help="comma-separated subset of " + ", ".join(FAMILIES))

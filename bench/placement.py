@@ -90,6 +90,8 @@ class PlacementRun:
 
 def run_all(timed_steps: int) -> dict[str, dict]:
   runs = {p: PlacementRun(p, timed_steps) for p in PLACEMENTS}
+  print(f"compiling {', '.join(runs)} (at once), then {WARMUP_STEPS} + {timed_steps} steps each, "
+        "alternating ...", flush=True)
   # XLA compiles with the GIL released: both placements compile at once.
   with concurrent.futures.ThreadPoolExecutor(len(runs)) as pool:
     list(pool.map(PlacementRun.compile, runs.values()))

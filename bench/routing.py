@@ -38,6 +38,7 @@ POLICIES = ("none", "strict", "reroute")
 def train_policies(policies, steps: int, eval_batches: int, capacity_factor: float):
   runs = {}
   for policy in policies:
+    print(f"admission {policy}: {steps} steps ...", flush=True)
     cd = olmoe_configs.get_config("tiny")
     cd.routing.admission = policy
     cd.routing.admission_capacity_factor = capacity_factor

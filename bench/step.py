@@ -271,7 +271,8 @@ def main():
   parser.add_argument("--peer", action="store_true",
                       help="then run the MaxText comparison (exit code: its failure's)")
   parser.add_argument("--only", action="append", default=[],
-                      help="keep the variants whose name contains this (repeatable)")
+                      help="keep the variants whose name contains this text (repeatable; a "
+                      "substring: 'tiny reference' keeps 'tiny reference x8' too)")
   parser.add_argument("--profile", action="store_true",
                       help="per chosen variant: its step's time by moejax source line")
   parser.add_argument("--rounds", type=at_least(1), default=3,
@@ -317,7 +318,8 @@ def main():
     print(f"round {r + 1}/{args.rounds} done", flush=True)
 
   median = {v.name: statistics.median(v.times) for v in vs}
-  print(f"\n{'variant':24s} {'s/step':>8s} {'tok/s':>8s} {'GFLOP':>7s} {'GB':>6s} {'peak MB':>8s}"
+  print("\n(GFLOP, GB accessed and peak MB are XLA's per device: an x8 row's are one device's of 8)")
+  print(f"{'variant':24s} {'s/step':>8s} {'tok/s':>8s} {'GFLOP':>7s} {'GB':>6s} {'peak MB':>8s}"
         f" {'ratio':>6s}  vs")
   results = []
   for v in vs:
