@@ -115,6 +115,7 @@ def main():
   rss_ratio = end["rss"] / start["rss"]
   time_ratio = end["step_time_s"] / start["step_time_s"]
   cpu_ratio = end["cpu_s_per_step"] / start["cpu_s_per_step"]
+  rss_ok, time_ok = rss_ratio <= RSS_LIMIT, time_ratio <= TIME_LIMIT
   load_after = os.getloadavg()[0]
 
   mib = 2 ** 20
@@ -130,8 +131,7 @@ def main():
           f"{w['cpu_s_per_step']:10.4f}")
   print(f"{'end/start':9} {'':>9} {'':>6} {rss_ratio:9.3f} {time_ratio:8.3f} {cpu_ratio:10.3f}"
         f"   (limits {RSS_LIMIT:.2f} memory, {TIME_LIMIT:.2f} time: "
-        f"{'ok' if rss_ratio <= RSS_LIMIT else 'MEMORY GREW'}, "
-        f"{'ok' if time_ratio <= TIME_LIMIT else 'STEP TIME GREW'})")
+        f"{'ok' if rss_ok else 'MEMORY GREW'}, {'ok' if time_ok else 'STEP TIME GREW'})")
   print(json.dumps({
       "bench": "soak", "steps": steps, "devices": 8, "codec": "auto", "checkpoint_every": 50,
       "rss_mib_before": rss_before / mib, "rss_mib_first_log": first["rss"] / mib,
@@ -140,10 +140,10 @@ def main():
       "step_time_s_end": end["step_time_s"], "step_time_ratio": time_ratio,
       "cpu_s_per_step_start": start["cpu_s_per_step"], "cpu_s_per_step_end": end["cpu_s_per_step"],
       "cpu_per_step_ratio": cpu_ratio, "load_avg_before": load_before, "load_avg_after": load_after,
-      "rss_ok": rss_ratio <= RSS_LIMIT, "step_time_ok": time_ratio <= TIME_LIMIT,
+      "rss_ok": rss_ok, "step_time_ok": time_ok,
       "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
       "checkpoints_kept": checkpoints, "wall_s": wall}))
-  return 0 if rss_ratio <= RSS_LIMIT and time_ratio <= TIME_LIMIT else 1
+  return 0 if rss_ok and time_ok else 1
 
 
 if __name__ == "__main__":

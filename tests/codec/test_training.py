@@ -80,10 +80,10 @@ def runs(codec_auto_run, tmp_path_factory):
     if step == MIXED:
       out["mixed"] = _mixed(compiled.layout.gatherer)
       # shards whose patch would be no smaller than their values: always dense
-      out["always_dense"] = {
-          (g, p) for g, ps in out["mixed"].items() for p, spec in ps.items()
-          if (lambda s: s["forward"] != s["compressed"])(codec.wire_bytes(
-              compiled.layout.gatherer.shard_shape(g, p), hook.COMPUTE_DTYPE, spec))}
+      sizes = {(g, p): codec.wire_bytes(compiled.layout.gatherer.shard_shape(g, p),
+                                        hook.COMPUTE_DTYPE, spec)
+               for g, ps in out["mixed"].items() for p, spec in ps.items()}
+      out["always_dense"] = {k for k, s in sizes.items() if s["forward"] != s["compressed"]}
       choice = controller.force(step, out["mixed"], keep_deciding=False)
     if choice is not None:
       s_codec, compiled = trainer.adopt(s_codec, compiled, choice)

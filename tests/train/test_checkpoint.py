@@ -283,11 +283,20 @@ def test_which_fields_may_differ_on_resume():
 # ------------------------------------------------------------------------------------------------
 # Other meshes and expert placements (in process, no training: random state, exact equality).
 
-def _layout(placement: str, devices: int):
-  cfg = tiny_config(**SMALL, **{"moe.placement": placement})
+def _layout(placement: str, devices: int, **overrides):
+  cfg = tiny_config(**SMALL, **{"moe.placement": placement}, **overrides)
   mesh = make_mesh((1, -1), jax.devices()[:devices])
   tx = optim.make_optimizer(cfg)
   return cfg, mesh, state_lib.state_layout(cfg, mesh, tx), tx
+
+
+def _save(directory, cfg, layout, tx, host_state, data_state=None, **kwargs):
+  """Checkpoint step 3 of `host_state` laid out on `layout` in `directory`."""
+  state = jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), host_state,
+                       ckpt.abstract_state(layout, tx))
+  checkpoints = ckpt.Checkpointer(str(directory), cfg, **kwargs)
+  checkpoints.save(3, state, data_state or {"next_batch": 3})
+  checkpoints.close()
 
 
 @pytest.fixture(scope="module")
@@ -312,12 +321,8 @@ def host_state():
     (("ep", 8), ("fsdp", 1)),
 ])
 def test_restore_onto_another_mesh_and_placement(tmp_path, host_state, source, target):
-  cfg, _, layout, _ = _layout(*source)
-  state = jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), host_state,
-                       ckpt.abstract_state(layout, optim.make_optimizer(cfg)))
-  checkpoints = ckpt.Checkpointer(str(tmp_path), cfg)
-  checkpoints.save(3, state, {"next_batch": 3})
-  checkpoints.close()
+  cfg, _, layout, tx = _layout(*source)
+  _save(tmp_path, cfg, layout, tx, host_state)
 
   cfg, mesh, layout, tx = _layout(*target)
   checkpoints = ckpt.Checkpointer(str(tmp_path), cfg)
@@ -358,11 +363,7 @@ def test_an_item_this_run_does_not_use_restores_without_orbaxs_warning(tmp_path,
       return {"dispatch_capacity_factor": 3.0}, state
 
   cfg, _, layout, tx = _layout("fsdp", 1)
-  state = jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), host_state,
-                       ckpt.abstract_state(layout, tx))
-  checkpoints = ckpt.Checkpointer(str(tmp_path), cfg, features=(Dispatch(),))
-  checkpoints.save(3, state, {"next_batch": 3})
-  checkpoints.close()
+  _save(tmp_path, cfg, layout, tx, host_state, features=(Dispatch(),))
   checkpoints = ckpt.Checkpointer(str(tmp_path), cfg)
   with caplog.at_level("WARNING"):
     _, step = checkpoints.restore(layout, tx)
@@ -391,19 +392,13 @@ def test_a_checkpoint_whose_arrays_do_not_fit_the_run_is_refused_by_path(
   """A checkpoint whose config matches the run's but whose arrays do not (written by another
   version, or its config edited by hand): refused before any array is read, naming the array,
   and left in place."""
-  saved_cfg = tiny_config(**SMALL, **saved_overrides)
-  mesh = make_mesh((1, -1), jax.devices()[:1])
-  tx = optim.make_optimizer(saved_cfg)
-  state = jax.tree.map(lambda s: jax.device_put(np.zeros(s.shape, s.dtype), s.sharding),
-                       ckpt.abstract_state(state_lib.state_layout(saved_cfg, mesh, tx), tx))
-  checkpoints = ckpt.Checkpointer(str(tmp_path), saved_cfg)
-  checkpoints.save(3, state, {"next_batch": 3})
-  checkpoints.close()
-  run_cfg = tiny_config(**SMALL, **run_overrides)
-  run_tx = optim.make_optimizer(run_cfg)
+  saved_cfg, _, layout, tx = _layout("fsdp", 1, **saved_overrides)
+  zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), ckpt.abstract_state(layout, tx))
+  _save(tmp_path, saved_cfg, layout, tx, zeros)
+  _, _, run_layout, run_tx = _layout("fsdp", 1, **run_overrides)
   checkpoints = ckpt.Checkpointer(str(tmp_path), saved_cfg)  # the saved config: arrays differ
   with pytest.raises(CheckpointError) as e:
-    checkpoints.restore(state_lib.state_layout(run_cfg, mesh, run_tx), run_tx)
+    checkpoints.restore(run_layout, run_tx)
   checkpoints.close()
   assert re.fullmatch(f"checkpoint {re.escape(str(tmp_path))}/checkpoints/3 \\(step 3\\) does not fit this "
                       f"run: {message}; resume with the checkpoint's config or use a new "
@@ -421,11 +416,7 @@ def test_a_checkpoint_of_other_training_data_is_refused_and_kept(tmp_path, host_
   data = make_data(DataSpec("text", str(corpus)), batch_size=2, seq_len=16)
   next(data.train)
   cfg, _, layout, tx = _layout("fsdp", 1)
-  state = jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), host_state,
-                       ckpt.abstract_state(layout, tx))
-  checkpoints = ckpt.Checkpointer(str(tmp_path / "w"), cfg)
-  checkpoints.save(3, state, data.train.get_state())
-  checkpoints.close()
+  _save(tmp_path / "w", cfg, layout, tx, host_state, data.train.get_state())
   # The same file read again: resumes where it was.
   again = make_data(DataSpec("text", str(corpus)), batch_size=2, seq_len=16)
   checkpoints = ckpt.Checkpointer(str(tmp_path / "w"), cfg)
