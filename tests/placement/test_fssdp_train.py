@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import shutil
+import unittest.mock
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,7 @@ from moejax.sharding import axes
 from moejax.models import olmoe
 from moejax.sharding.mesh import DEVICES, make_mesh
 from moejax.train import checkpoint as ckpt
+from moejax.train import optim, state as state_lib
 from moejax.train.loop import Trainer, put_batch, run
 from tests.helpers import tiny_config
 
@@ -339,6 +341,69 @@ def test_checkpoint_without_replica_plan_restores_with_a_log_line(fssdp_trainer,
   assert np.all(np.asarray(state.placement.replicas["held"]) == -1)
   assert (f"moejax: checkpoint {workdir}/checkpoints/8 (step 8) holds no replica plan"
           in capsys.readouterr().out)
+
+
+@pytest.fixture(scope="module")
+def step4(uninterrupted, tmp_path_factory):
+  """The run's workdir up to its step-4 checkpoint, whose owners are heterogeneous (unequal
+  counts per layer: `test_resume_across_a_heterogeneous_reshard_is_bit_exact`)."""
+  workdir = tmp_path_factory.mktemp("fssdp_step4") / "w"
+  shutil.copytree(uninterrupted, workdir)
+  shutil.rmtree(workdir / "checkpoints" / "8")
+  return workdir
+
+
+@pytest.fixture(scope="module")
+def restored_elsewhere(step4):
+  """The step-4 checkpoint restored, as a resume with another `mesh.shape` or `moe.placement`
+  does, on 4 devices under fssdp and on 8 under ep: {placement: (layout, state, step, log
+  lines)}. No step runs (that would compile two more train steps)."""
+  out = {}
+  for placement, devices in (("fssdp", 4), ("ep", 8)):
+    cfg = tiny_config(FAMILY, **{**RUN, "moe.placement": placement, "mesh.shape": (1, devices)})
+    mesh = make_mesh(cfg.mesh.shape, jax.devices()[:devices])
+    tx = optim.make_optimizer(cfg)
+    layout = state_lib.state_layout(cfg, mesh, tx)
+    lines = []
+    checkpoints = ckpt.Checkpointer(str(step4), cfg, layout.checkpoint_items)
+    try:
+      with unittest.mock.patch.object(ckpt, "log", lines.append):
+        state, step = checkpoints.restore(layout, tx)
+    finally:
+      checkpoints.close()
+    out[placement] = (layout, state, step, lines)
+  return out
+
+
+@pytest.mark.parametrize("placement", ["fssdp", "ep"])
+def test_a_heterogeneous_checkpoint_restores_onto_another_device_count_and_placement(
+    step4, restored_elsewhere, placement):
+  """Every expert lands at its canonical place with its optimizer moments: the parameters equal
+  what `load_params` reads, the moments equal across the two restores (ep permutes nothing), and
+  fssdp on 4 devices starts from the even owners with one line saying why."""
+  layout, state, step, lines = restored_elsewhere[placement]
+  assert step == 4
+  for want, got, sharding in zip(jax.tree.leaves(ckpt.load_params(str(step4))),
+                                 jax.tree.leaves(state.params),
+                                 jax.tree.leaves(layout.shardings.params)):
+    assert got.sharding == sharding
+    np.testing.assert_array_equal(np.asarray(got), want)
+  for a, b in zip(jax.tree.leaves(restored_elsewhere["fssdp"][1].opt_state),
+                  jax.tree.leaves(restored_elsewhere["ep"][1].opt_state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  if placement == "ep":
+    assert state.placement is None and not lines
+    return
+  where = f"moejax: checkpoint {step4}/checkpoints/4 (step 4)"
+  assert lines == [
+      f"{where} holds no replica plan for 4 devices x 2 slots (an older version or another mesh "
+      "wrote it): the next step plans its replicas without last step's, so this resume is not "
+      "bit-exact",
+      f"{where}: its expert owners are for another number of devices; experts start from the "
+      "even placement on 4 devices"]
+  even = layout.placement.init_state()
+  np.testing.assert_array_equal(np.asarray(state.placement.owner_LxE), np.asarray(even.owner_LxE))
+  assert int(state.placement.history.count) == 4   # the load history is per expert: kept
 
 
 def test_report_plots_the_straggler_per_layer(uninterrupted):
