@@ -19,7 +19,7 @@ An expert's R values are its three matrices, flattened and concatenated.
 Each step an owner encodes each of its C experts once against `prev` (`encode`) in each of a few
 delta formats (`FORMATS`: 3-bit codes for small moves, 4-bit ones, a byte per value for the
 large moves of a peak learning rate) and picks for each expert the smallest patch that fits its
-capacities, or none. The owners agree on their choices with one all_gather of 2 bits per expert
+capacities and is smaller than the plain expert, or none: no replica costs more than plain. The owners agree on their choices with one all_gather of 2 bits per expert
 (`agree`: 4 bytes per device per 16 owned experts). Slot (d, m) then travels as a patch when it
 `hits`: the state is valid, device d held this expert last step (in any of its slots) and the
 expert has a patch; otherwise plain (a miss, every patch over capacity, or the first step). Every
@@ -144,11 +144,16 @@ def encode(bits_CxR: jax.Array, prev_CxR: jax.Array, codec: ReplicaCodec):
 
 
 def _choice(d_R, codec: ReplicaCodec):
-  """The smallest format whose capacities hold this expert's escapes (0: none)."""
+  """The smallest format whose capacities hold this expert's escapes and whose patch is smaller
+  than the plain expert (0: none). A small expert's patch can be larger: its sections round up
+  to whole words and its capacities to at least one value (96 bf16 values: 48 words plain, the
+  byte format's patch 48)."""
   fmts = codec.fmts
   far = jnp.sum((d_R > word.NEAR_MAX) | (d_R < -word.NEAR_MAX), dtype=jnp.int32)
   choice = jnp.int32(0)
   for k in reversed(range(len(fmts))):
+    if fmts[k].words >= codec.plain_words:
+      continue
     escapes = jnp.sum((d_R > fmts[k].max_delta) | (d_R < -fmts[k].max_delta), dtype=jnp.int32)
     choice = jnp.where((escapes <= fmts[k].capacity) & (far <= fmts[k].far_capacity), k + 1,
                        choice)

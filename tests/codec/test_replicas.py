@@ -6,7 +6,7 @@ import numpy as np
 
 from moejax.codec import replicas
 
-CODEC = replicas.ReplicaCodec(96, "bfloat16")
+CODEC = replicas.ReplicaCodec(128, "bfloat16")   # every format's patch is smaller than plain
 
 
 def _experts(rng, k):
@@ -39,13 +39,31 @@ def test_patches_rebuild_experts_exactly_in_the_smallest_format_that_fits():
   np.testing.assert_allclose(fractions, [1.0, 0.27, 0.41, 0.59], atol=0.01)
 
 
+def test_a_format_whose_patch_is_no_smaller_than_the_expert_is_never_chosen():
+  """A small expert's patch can outweigh it (sections round up to whole words, capacities to a
+  value): at 96 bf16 values the byte format's patch is 48 words, as large as the plain expert,
+  so moves that only it holds send the expert plain; at 128 values (56 against 64) it is chosen.
+  No replica costs more than plain."""
+  rng = np.random.default_rng(4)
+  for values, byte_choice in ((96, 0), (128, 3)):
+    codec = replicas.ReplicaCodec(values)
+    prev = rng.standard_normal((3, values)).astype(jnp.bfloat16).view(np.uint16)
+    moves = np.stack([rng.integers(-3, 4, values), rng.integers(-7, 8, values),
+                      rng.integers(-100, 101, values)])
+    now = jnp.asarray((prev.astype(np.int32) + moves).astype(np.uint16))
+    _, choice = replicas.encode(now, jnp.asarray(prev), codec)
+    np.testing.assert_array_equal(np.asarray(choice), [1, 2, byte_choice])
+    words = np.asarray(codec.words_by_choice)[np.asarray(choice)]
+    assert np.all(words[np.asarray(choice) > 0] < codec.plain_words), (values, words)
+
+
 def test_bits_round_trip_three_matrices():
   rng = np.random.default_rng(1)
   ws = (jnp.asarray(rng.standard_normal((2, 4, 8)), jnp.bfloat16),
         jnp.asarray(rng.standard_normal((2, 4, 8)), jnp.bfloat16),
         jnp.asarray(rng.standard_normal((2, 8, 4)), jnp.bfloat16))
   bits = replicas.to_bits(ws, CODEC.layout)
-  assert bits.shape == (2, CODEC.values)
+  assert bits.shape == (2, 96)
   for a, b in zip(replicas.from_bits(bits, ws, CODEC.layout), ws):
     np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
 
