@@ -13,8 +13,9 @@ Presets:
   tiny  (default)  2 layers, d_model 64, 8 experts top-2, byte-level vocab; trains on CPU.
   1b7b             the published OLMoE-1B-7B shapes (16 layers, d_model 2048, 16 heads,
                    64 experts, top-8, expert hidden 1024, vocab 50304): 6.92B total,
-                   1.28B active parameters. Reads the checkpoint's tokenizer.json
-                   (data.tokenizer=init_from): fine-tune with --config.init_from=HF_DIR.
+                   1.28B active parameters (published: 6.9B, 1.3B). Reads the checkpoint's
+                   tokenizer.json (data.tokenizer=init_from): fine-tune with
+                   --config.init_from=HF_DIR.
 
 Each preset sets only what differs from the typed defaults in moejax/config.py.
 Override any field: --config.moe.placement=ep --config.steps=100
@@ -25,8 +26,9 @@ from moejax.config import default_config_dict, published_fine_tuning
 
 PRESETS = ("tiny", "1b7b")
 # Published (total, active) parameters and where the figures come from.
-PUBLISHED = {"1b7b": (6.92e9, 1.28e9, "OLMoE-1B-7B model card (allenai/OLMoE-1B-7B-0924): 6.92B "
-                                      "total, 1.28B active")}
+PUBLISHED = {"1b7b": (6.9e9, 1.3e9, "OLMoE paper (arXiv 2409.02060) and the "
+                                    "allenai/OLMoE-1B-7B-0924 model card: 6.9B total, 1.3B "
+                                    "active")}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
