@@ -20,7 +20,13 @@ Presets:
                    top-8 of width 2048 in 8 groups of which 4 are used, vocab 129280; 671.0B
                    total, 37.5B active (the multi-token-prediction module not counted). Plain
                    RoPE: the published weights' YaRN scaling is not implemented, so their import
-                   is refused (one line naming rope_scaling).
+                   is refused (one line naming rope_scaling); a run starts from scratch and
+                   needs a tokenizer: --config.data.tokenizer=PATH to V3's tokenizer.json.
+
+moe_16b and v3 keep the fine-tuning optimizer settings the published presets share (lr 1e-5,
+100 warm-up steps, 2000 steps; `moejax.config.published_fine_tuning`), though neither imports
+weights: a run from scratch sets its own (--config.optim.lr, --config.optim.warmup_steps,
+--config.steps).
 
 Each preset sets only what differs from the typed defaults in moejax/config.py.
 """
