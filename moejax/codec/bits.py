@@ -116,6 +116,18 @@ def packed_words(n: int, width: int) -> int:
   return -(-n // 32) * width
 
 
+# Ragged exchanges (`lax.ragged_all_to_all`) move rows of this many words: their int32 offsets
+# and sizes count rows, not words, so they stay below 2^31 up to 2^38 words a buffer (offsets in
+# words wrapped once a gathered layer's payload passed 2^31 words: DeepSeek-V3's experts on 64
+# devices). The price is at most CHUNK_WORDS - 1 words of padding per transfer.
+CHUNK_WORDS = 128
+
+
+def chunks(words):
+  """Rows of CHUNK_WORDS that hold `words` uint32 words (an int or an int32 array)."""
+  return (words + (CHUNK_WORDS - 1)) // CHUNK_WORDS
+
+
 def _check_width(width: int):
   if not 1 <= width <= 32:
     raise ValueError(f"width must be in [1, 32] bits, got {width}")

@@ -44,9 +44,9 @@ How the payload travels (`transport`, `TRANSPORTS`):
   outside it). Each pool's segment holds its patch or, on the dense path, its bit patterns,
   packed one after the other in a uint32 buffer sized for the larger of the two. The agreed
   flags are the same on every device, so every device sends the same number of words; on GPU
-  one `ragged_all_to_all` moves just those words (`payload_all_gather`), on XLA:CPU an
-  `all_gather` moves the whole buffer. Receivers decode each pool both ways and keep the agreed
-  one.
+  one `ragged_all_to_all` moves just those words, rounded up to rows of `bits.CHUNK_WORDS` so
+  that its int32 offsets count rows (`payload_all_gather`), on XLA:CPU an `all_gather` moves
+  the whole buffer. Receivers decode each pool both ways and keep the agreed one.
 * "cond" (XLA:CPU under "auto", whose collectives never overlap compute): a conditional per pool
   runs only the agreed path, its own collective inside; when no pool falls back, every pool's
   patch travels in one payload all-gather. Less work and fewer bytes on fake CPU devices.
@@ -292,7 +292,9 @@ def _check_axis(shard, axis: int) -> int:
 
 
 def _stats(**kw) -> dict:
-  ints = ("exponent_changes", "block_changes", "word_changes", "fallback", "dense")
+  # Change counts are float32: summed over devices they pass 2^31 (DeepSeek-V3's expert leaf
+  # holds 3.8e9 values a layer), where int32 wrapped.
+  ints = ("fallback", "dense")
   return {k: jnp.asarray(v, jnp.int32 if k in ints else jnp.float32) for k, v in kw.items()}
 
 
@@ -602,8 +604,9 @@ def _forward(shards, states, axis_name, axes, specs, transport="auto"):
                        "step": jnp.minimum(state["step"] + 1, spec.warmup_steps).astype(jnp.int32),
                        "valid": jnp.ones_like(state["valid"])}
       all_Wx6 = all_WxKx6[:, k]
+      total = lambda i, all_Wx6=all_Wx6: jnp.sum(all_Wx6[:, i].astype(jnp.float32))  # noqa: E731
       valid = jnp.logical_not(invalid_K[k])
-      sizes = wire_bytes(shard.shape, shard.dtype, spec)
+      sizes = {k: np.float32(v) for k, v in wire_bytes(shard.shape, shard.dtype, spec).items()}
       mean_count, mean_far = (jnp.mean(all_Wx6[:, i].astype(jnp.float32)) for i in (4, 5))
       needed = ((0 if words else fmt.n * layout.rest_bits)
                 + (fmt.fill_bits(mean_count, mean_far) if words else fmt.fill_bits(mean_count))) / 8
@@ -611,10 +614,9 @@ def _forward(shards, states, axis_name, axes, specs, transport="auto"):
           bytes_sent=jnp.where(dense_P[p], sizes["dense"], sizes["compressed"]),
           bytes_plain=sizes["plain"],
           bytes_needed=jnp.where(valid, needed, sizes["plain"]),
-          exponent_changes=(jnp.where(valid, jnp.sum(all_Wx6[:, 1]), 0)
-                            if spec.detect == "exact" else -1),
-          block_changes=jnp.where(valid, jnp.sum(all_Wx6[:, 2]), 0),
-          word_changes=jnp.where(valid, jnp.sum(all_Wx6[:, 3]), 0) if words else -1,
+          exponent_changes=(jnp.where(valid, total(1), 0) if spec.detect == "exact" else -1),
+          block_changes=jnp.where(valid, total(2), 0),
+          word_changes=jnp.where(valid, total(3), 0) if words else -1,
           capacity_fill=jnp.where(valid, pool_fill[p], 0.0),
           fallback=pool_overflow[p] & valid & jnp.logical_not(warm_K[k]),
           dense=dense_P[p])
@@ -655,23 +657,37 @@ def _pad_to(x_L: jax.Array, size: int) -> jax.Array:
 def payload_all_gather(send_R: jax.Array, used: jax.Array, axis_name) -> jax.Array:
   """Every device's uint32 [R] payload -> [W, R], of which only the first `used` words of each
   row are defined (`used` is the same on every device). XLA:CPU: an all_gather of the whole
-  buffer. GPU/TPU: one `ragged_all_to_all` that sends the `used` words to every device, so the
-  bytes moved are the payload's, not the buffer's."""
-  r = send_R.shape[0]
-
+  buffer. GPU/TPU: one `ragged_all_to_all` that sends the `used` words (rounded up to whole
+  `bits.CHUNK_WORDS` rows) to every device, so the bytes moved are the payload's, not the
+  buffer's."""
   def static(send_R, used):
     del used
     return lax.all_gather(send_R, axis_name)
 
-  def ragged(send_R, used):
-    w, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
-    size_W = jnp.full((w,), used, jnp.int32)
-    out = lax.ragged_all_to_all(send_R, jnp.zeros((w * r,), jnp.uint32),
-                                jnp.zeros((w,), jnp.int32), size_W,
-                                jnp.full((w,), me * r, jnp.int32), size_W, axis_name=axis_name)
-    return out.reshape(w, r)
+  return lax.platform_dependent(send_R, used, cpu=static,
+                                default=functools.partial(ragged_payload_all_gather,
+                                                          axis_name=axis_name))
 
-  return lax.platform_dependent(send_R, used, cpu=static, default=ragged)
+
+def ragged_payload_all_gather(send_R: jax.Array, used: jax.Array, axis_name) -> jax.Array:
+  """`payload_all_gather` on GPU/TPU: one `ragged_all_to_all` of the used words' chunks."""
+  r = send_R.shape[0]
+  w, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
+  rows, size_W, offset_W = ragged_payload_plan(r, used, me, w)
+  send_RxK = jnp.pad(send_R, (0, rows * bits.CHUNK_WORDS - r)).reshape(rows, bits.CHUNK_WORDS)
+  out = lax.ragged_all_to_all(send_RxK, jnp.zeros((w * rows, bits.CHUNK_WORDS), jnp.uint32),
+                              jnp.zeros((w,), jnp.int32), size_W, offset_W, size_W,
+                              axis_name=axis_name)
+  return out.reshape(w, rows * bits.CHUNK_WORDS)[:, :r]
+
+
+def ragged_payload_plan(r: int, used, me, w: int):
+  """(rows of one device's [R]-word payload, int32 [W] rows sent to each device, int32 [W]
+  row where this device's payload lands on each): `payload_all_gather`'s ragged exchange, in
+  rows of `bits.CHUNK_WORDS` words."""
+  rows = bits.chunks(r)
+  size_W = jnp.full((w,), bits.chunks(jnp.asarray(used, jnp.int32)), jnp.int32)
+  return rows, size_W, jnp.full((w,), me * rows, jnp.int32)
 
 
 def _with_own(cache_RxN, own_N, me):

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from moejax import profiling
+from moejax.codec import bits
 from moejax.codec import replicas as replicas_lib
 from moejax.placement.dispatch import Dispatch, exchange
 from moejax.routing import router as router_lib
@@ -246,11 +247,13 @@ def coded_sparse_all_gather(ws, replica_expert_NxM, coding: Coding, *, dispatch:
   return out, choice_NxM
 
 
-class RaggedWords(NamedTuple):
-  """The ragged exchange of coded rows in words, from replicated data alone (`ragged_words`).
-  As owner: row q of the flat (destination, slot) order starts at word `start_Q[q]` of the send
-  buffer; `send_N` words go to each destination from `offset_N`, landing at `land_N` there. As
-  receiver: `recv_N` words from each owner; slot m's row starts at word `row_start_M[m]`."""
+class CodedRaggedPlan(NamedTuple):
+  """The ragged exchange of coded rows, in `bits.CHUNK_WORDS`-word chunks, from replicated data
+  alone (`coded_ragged_plan`). As owner: row q of the flat (destination, slot) order starts at
+  chunk `start_Q[q]` of the send buffer; `send_N` chunks go to each destination from `offset_N`,
+  landing at `land_N` there. As receiver: `recv_N` chunks from each owner; slot m's row starts
+  at chunk `row_start_M[m]`. Chunks, not words: offsets in words pass 2^31 for a few slots of
+  large experts (DeepSeek-V3's 22M words each: 98 slots)."""
   start_Q: jax.Array
   send_N: jax.Array
   offset_N: jax.Array
@@ -259,40 +262,41 @@ class RaggedWords(NamedTuple):
   row_start_M: jax.Array
 
 
-def ragged_words(holder_NxM, words_NxM, me) -> RaggedWords:
+def coded_ragged_plan(holder_NxM, chunks_NxM, me) -> CodedRaggedPlan:
   """A receiver's buffer holds its rows grouped by owner in device order, each owner's in slot
   order: the order in which owners send them (destination, then slot)."""
   n, m = holder_NxM.shape
-  mine_NxM = jnp.where(holder_NxM == me, words_NxM, 0)
+  mine_NxM = jnp.where(holder_NxM == me, chunks_NxM, 0)
   flat_Q = mine_NxM.reshape(-1)
   send_N = jnp.sum(mine_NxM, axis=1)
-  land_N = jnp.sum(jnp.where(holder_NxM < me, words_NxM, 0), axis=1)
-  holder_M, words_M = holder_NxM[me], words_NxM[me]
-  recv_N = jnp.sum(jnp.where(holder_M[None, :] == jnp.arange(n)[:, None], words_M[None, :], 0),
+  land_N = jnp.sum(jnp.where(holder_NxM < me, chunks_NxM, 0), axis=1)
+  holder_M, chunks_M = holder_NxM[me], chunks_NxM[me]
+  recv_N = jnp.sum(jnp.where(holder_M[None, :] == jnp.arange(n)[:, None], chunks_M[None, :], 0),
                    axis=1)
   slot_M = jnp.arange(m)
   before_MxM = (holder_M[None, :] < holder_M[:, None]) | (
       (holder_M[None, :] == holder_M[:, None]) & (slot_M[None, :] < slot_M[:, None]))
-  row_start_M = jnp.sum(jnp.where(before_MxM, words_M[None, :], 0), axis=1)
-  return RaggedWords(jnp.cumsum(flat_Q) - flat_Q, send_N, jnp.cumsum(send_N) - send_N, land_N,
-                     recv_N, row_start_M)
+  row_start_M = jnp.sum(jnp.where(before_MxM, chunks_M[None, :], 0), axis=1)
+  return CodedRaggedPlan(jnp.cumsum(flat_Q) - flat_Q, send_N, jnp.cumsum(send_N) - send_N,
+                         land_N, recv_N, row_start_M)
 
 
-def pack_send_words(rows_QxW, words_Q, start_Q):
-  """The owner's rows back to back: [Q * W] uint32 (each row's first `words_Q` words)."""
-  q, w = rows_QxW.shape
-  col_W = jnp.arange(w, dtype=jnp.int32)
-  pos_QxW = jnp.where(col_W[None, :] < words_Q[:, None], start_Q[:, None] + col_W[None, :], q * w)
-  return jnp.zeros((q * w,), jnp.uint32).at[pos_QxW.reshape(-1)].set(rows_QxW.reshape(-1),
-                                                                      mode="drop")
+def pack_send_chunks(rows_QxUxK, chunks_Q, start_Q):
+  """The owner's rows back to back: [Q * U, K] (each row's first `chunks_Q` chunks)."""
+  q, u, k = rows_QxUxK.shape
+  col_U = jnp.arange(u, dtype=jnp.int32)
+  pos_QxU = jnp.where(col_U[None, :] < chunks_Q[:, None], start_Q[:, None] + col_U[None, :], q * u)
+  return jnp.zeros((q * u, k), rows_QxUxK.dtype).at[pos_QxU.reshape(-1)].set(
+      rows_QxUxK.reshape(q * u, k), mode="drop")
 
 
-def unpack_recv_words(got_V, words_M, row_start_M, w: int):
-  """The receiver's rows [M, W] from its packed buffer (zeros past each row's words)."""
-  col_W = jnp.arange(w, dtype=jnp.int32)
-  padded = jnp.concatenate([got_V, jnp.zeros((w,), got_V.dtype)])
-  rows_MxW = padded[row_start_M[:, None] + col_W[None, :]]
-  return jnp.where(col_W[None, :] < words_M[:, None], rows_MxW, jnp.zeros((), got_V.dtype))
+def unpack_recv_chunks(got_VxK, chunks_M, row_start_M, u: int):
+  """The receiver's rows [M, U, K] from its packed buffer (zeros past each row's chunks)."""
+  col_U = jnp.arange(u, dtype=jnp.int32)
+  padded = jnp.concatenate([got_VxK, jnp.zeros((u,) + got_VxK.shape[1:], got_VxK.dtype)])
+  rows_MxUxK = padded[row_start_M[:, None] + col_U[None, :]]
+  return jnp.where((col_U[None, :] < chunks_M[:, None])[..., None], rows_MxUxK,
+                   jnp.zeros((), got_VxK.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
@@ -300,9 +304,10 @@ def _coded_gather(ws, holder_NxM, rank_NxM, choice_NxM, plain_CxW, patch_CxW, ca
                   axis_names, codec):
   """Slot (d, m) receives its expert's patch row where `choice_NxM` > 0, else its plain row,
   from the slot's holder. XLA:CPU: one psum_scatter of a static [N, M, W] uint32 buffer;
-  GPU/TPU: one `ragged_all_to_all` of the rows' words (`ragged_words`)."""
+  GPU/TPU: one `ragged_all_to_all` of the rows' words in chunks (`coded_ragged_plan`)."""
   n, m = holder_NxM.shape
   w = codec.row_words
+  k, u = bits.CHUNK_WORDS, bits.chunks(codec.row_words)
 
   def rows_of(holder_NxM, rank_NxM, choice_NxM, plain_CxW, patch_CxW):
     me = lax.axis_index(axis_names)
@@ -316,12 +321,17 @@ def _coded_gather(ws, holder_NxM, rank_NxM, choice_NxM, plain_CxW, patch_CxW, ca
   def ragged(holder_NxM, rank_NxM, choice_NxM, plain_CxW, patch_CxW):
     rows_NxMxW, me = rows_of(holder_NxM, rank_NxM, choice_NxM, plain_CxW, patch_CxW)
     words_NxM = replicas_lib.slot_words(holder_NxM, choice_NxM, codec)
-    plan = ragged_words(holder_NxM, words_NxM, me)
-    send = pack_send_words(rows_NxMxW.reshape(n * m, w),
-                           jnp.where(holder_NxM == me, words_NxM, 0).reshape(-1), plan.start_Q)
-    got = lax.ragged_all_to_all(send, jnp.zeros((m * w,), jnp.uint32), plan.offset_N,
+    chunks_NxM = bits.chunks(words_NxM)
+    plan = coded_ragged_plan(holder_NxM, chunks_NxM, me)
+    rows_QxUxK = jnp.pad(rows_NxMxW.reshape(n * m, w), ((0, 0), (0, u * k - w))).reshape(n * m,
+                                                                                          u, k)
+    send = pack_send_chunks(rows_QxUxK, jnp.where(holder_NxM == me, chunks_NxM, 0).reshape(-1),
+                            plan.start_Q)
+    got = lax.ragged_all_to_all(send, jnp.zeros((m * u, k), jnp.uint32), plan.offset_N,
                                 plan.send_N, plan.land_N, plan.recv_N, axis_name=axis_names)
-    return unpack_recv_words(got, words_NxM[me], plan.row_start_M, w)
+    got_MxW = unpack_recv_chunks(got, chunks_NxM[me], plan.row_start_M, u).reshape(m, u * k)
+    col_W = jnp.arange(w, dtype=jnp.int32)
+    return jnp.where(col_W[None, :] < words_NxM[me][:, None], got_MxW[:, :w], jnp.uint32(0))
 
   got_MxW = lax.platform_dependent(holder_NxM, rank_NxM, choice_NxM, plain_CxW, patch_CxW,
                                    cpu=static, default=ragged)

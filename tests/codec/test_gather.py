@@ -286,10 +286,32 @@ def test_a_group_shares_one_agreement_and_falls_back_shard_by_shard(transport):
       assert (np.asarray(stats[j]["fallback"]) == (1 if j == over else 0)).all(), (t, j)
 
 
-def test_single_transport_packs_odd_and_32_bit_shards():
+def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                                recv_sizes, *, axis_name):
+  """`lax.ragged_all_to_all` by its documented semantics, from all_gathers (XLA:CPU has none):
+  sender j's rows [input_offsets[me], + send_sizes[me]) land at its output_offsets[me] here."""
+  del recv_sizes
+  me, w = lax.axis_index(axis_name), lax.axis_size(axis_name)
+  ops, starts, sizes, lands = (lax.all_gather(x, axis_name)
+                               for x in (operand, input_offsets, send_sizes, output_offsets))
+  row = jnp.arange(output.shape[0])
+  for j in range(w):
+    src = jnp.clip(row - lands[j, me] + starts[j, me], 0, operand.shape[0] - 1)
+    hit = (row >= lands[j, me]) & (row < lands[j, me] + sizes[j, me])
+    output = jnp.where(hit.reshape((-1,) + (1,) * (output.ndim - 1)), ops[j][src], output)
+  return output
+
+
+@pytest.mark.parametrize("exchange", ["all_gather", "ragged chunks"])
+def test_single_transport_packs_odd_and_32_bit_shards(exchange, monkeypatch):
   """The single payload packs 16-bit values two to a word and 32-bit ones as they are: an odd
   bf16 shard, float32 shards in block (hash) and word mode, and an element shard beside them,
-  bit for bit through warm-up, patches, one shard's overflow and a stale device."""
+  bit for bit through warm-up, patches, one shard's overflow and a stale device. "ragged
+  chunks": the payload travels as on GPU (`ragged_payload_all_gather`: the used words in chunks
+  of `bits.CHUNK_WORDS`, here 7 to 10 of them, the last part full), the exchange emulated."""
+  if exchange == "ragged chunks":
+    monkeypatch.setattr(gather, "payload_all_gather", gather.ragged_payload_all_gather)
+    monkeypatch.setattr(lax, "ragged_all_to_all", _emulated_ragged_all_to_all)
   cases = [(jnp.bfloat16, (31, 33), 0, gather.CodecSpec("element", warmup_steps=2,
                                                        capacity_fraction=0.1)),
            CASES[3], CASES[5], CASES[0]]
@@ -392,6 +414,23 @@ def test_compressed_path_sends_fewer_bytes_at_realistic_sizes():
   # 1 byte sign+mantissa, and 1/16 of (20 position bits + 8 exponent bits) per value.
   assert sizes["compressed"] == 2**20 + 2**16 * 28 // 8 + 4 * gather.STATS_WORDS
   assert 0.6 < sizes["compressed"] / sizes["plain"] < 0.62
+
+
+def test_ragged_payload_offsets_count_chunks_and_fit_int32():
+  """The GPU payload exchange (`payload_all_gather`'s ragged branch) of a layer group whose
+  gathered payload passes 2^31 words (DeepSeek-V3's experts on 64 devices, element mode: about
+  88M words a device): offsets in words wrapped from device 25 on; in chunks of
+  `bits.CHUNK_WORDS` every device's is exact, and the sizes cover the used words."""
+  r, w = 88_080_384, 64
+  assert w * r > 2 ** 31
+  rows = bits.chunks(r)
+  for me in (0, 25, 63):
+    got_rows, size_W, offset_W = gather.ragged_payload_plan(r, jnp.int32(r - 5), jnp.int32(me), w)
+    assert got_rows == rows and rows * bits.CHUNK_WORDS >= r
+    np.testing.assert_array_equal(np.asarray(offset_W), np.full(w, me * rows))
+    np.testing.assert_array_equal(np.asarray(size_W), np.full(w, rows))
+  _, size_W, _ = gather.ragged_payload_plan(r, jnp.int32(bits.CHUNK_WORDS + 1), jnp.int32(0), w)
+  assert int(size_W[0]) == 2
 
 
 def test_spec_validation():

@@ -204,41 +204,59 @@ def test_coded_replicas_equal_plain_ones_bit_for_bit_and_patch_kept_experts():
   assert hit.sum() >= 4
 
 
-def test_coded_ragged_words_deliver_the_static_rows():
-  """The GPU path's word-level `ragged_all_to_all` (emulated in numpy by its documented
-  semantics from each device's `ragged_words`) hands every device the rows of the static
-  buffer: patch rows for hits, plain rows otherwise, zeros for empty slots."""
+def test_coded_ragged_chunks_deliver_the_static_rows():
+  """The GPU path's `ragged_all_to_all` of the rows in chunks (emulated in numpy by its
+  documented semantics from each device's `coded_ragged_plan`) hands every device the rows of the
+  static buffer: patch rows for hits, plain rows otherwise, zeros for empty slots. Chunks of 2
+  words here, a patch row's last one half full."""
   rng = np.random.default_rng(2)
-  n, m, c, w = N, 3, 2, 6
-  plain_words, patch_words = 6, 2
+  n, m, c, k = N, 3, 2, 2
+  plain_chunks, patch_chunks, u = 3, 2, 3
   holder = rng.integers(0, n + 1, (n, m))                  # n: an empty slot
   rank = np.where(holder < n, rng.integers(0, c, (n, m)), 0)
   hit = (rng.random((n, m)) < 0.5) & (holder < n)
-  words = np.where(holder < n, np.where(hit, patch_words, plain_words), 0)
-  plain = rng.integers(1, 2 ** 31, (n, c, w)).astype(np.uint32)
-  patch = rng.integers(1, 2 ** 31, (n, c, w)).astype(np.uint32)
-  patch[..., patch_words:] = 0
-  want = np.where((holder < n)[..., None], np.where(
-      hit[..., None], patch[np.minimum(holder, n - 1), rank], plain[np.minimum(holder, n - 1),
-                                                                    rank]), 0)
-  want = np.where(np.arange(w) < words[..., None], want, 0)
-  plans = [jax.tree.map(np.asarray, fssdp.ragged_words(jnp.asarray(holder), jnp.asarray(words),
-                                                       me)) for me in range(n)]
-  out = np.zeros((n, m * w), np.uint32)
+  chunks = np.where(holder < n, np.where(hit, patch_chunks, plain_chunks), 0)
+  plain = rng.integers(1, 2 ** 31, (n, c, u, k)).astype(np.uint32)
+  patch = rng.integers(1, 2 ** 31, (n, c, u, k)).astype(np.uint32)
+  patch[..., patch_chunks:, :] = 0
+  patch[..., patch_chunks - 1, 1:] = 0                     # 3 words: a chunk and a half
+  want = np.where((holder < n)[..., None, None], np.where(
+      hit[..., None, None], patch[np.minimum(holder, n - 1), rank],
+      plain[np.minimum(holder, n - 1), rank]), 0)
+  want = np.where((np.arange(u) < chunks[..., None])[..., None], want, 0)
+  plans = [jax.tree.map(np.asarray, fssdp.coded_ragged_plan(
+      jnp.asarray(holder), jnp.asarray(chunks), me)) for me in range(n)]
+  out = np.zeros((n, m * u, k), np.uint32)
   for o, p in enumerate(plans):
-    rows = np.where((holder == o)[..., None], np.where(hit[..., None], patch[o][rank],
-                                                       plain[o][rank]), 0).reshape(n * m, w)
-    mine = np.where(holder == o, words, 0).reshape(-1)
-    send = np.asarray(fssdp.pack_send_words(jnp.asarray(rows), jnp.asarray(mine),
-                                            jnp.asarray(p.start_Q)))
+    rows = np.where((holder == o)[..., None, None], np.where(
+        hit[..., None, None], patch[o][rank], plain[o][rank]), 0).reshape(n * m, u, k)
+    mine = np.where(holder == o, chunks, 0).reshape(-1)
+    send = np.asarray(fssdp.pack_send_chunks(jnp.asarray(rows), jnp.asarray(mine),
+                                             jnp.asarray(p.start_Q)))
     for d in range(n):
       assert p.send_N[d] == plans[d].recv_N[o]
       size, land = p.send_N[d], p.land_N[d]
       out[d, land:land + size] = send[p.offset_N[d]:p.offset_N[d] + size]
   for d, p in enumerate(plans):
-    got = np.asarray(fssdp.unpack_recv_words(jnp.asarray(out[d]), jnp.asarray(words[d]),
-                                             jnp.asarray(p.row_start_M), w))
+    got = np.asarray(fssdp.unpack_recv_chunks(jnp.asarray(out[d]), jnp.asarray(chunks[d]),
+                                              jnp.asarray(p.row_start_M), u))
     np.testing.assert_array_equal(got, want[d])
+
+
+def test_coded_ragged_offsets_fit_int32_for_deepseek_v3_experts():
+  """DeepSeek-V3's expert (3 x 7168 x 2048 bf16 values: 22M words plain) in 64 x 2 replica
+  slots: offsets in words would pass 2^31 (the send buffer's Q x W = 2.8e9 words overflowed at
+  trace time); in chunks they stay far below. Traced abstractly, nothing allocated."""
+  from moejax.codec import bits, replicas
+  codec = replicas.ReplicaCodec(3 * 7168 * 2048)
+  q, u = 64 * 2, bits.chunks(codec.row_words)
+  assert q * codec.row_words > 2 ** 31 > q * u
+  out = jax.eval_shape(fssdp.pack_send_chunks,
+                       jax.ShapeDtypeStruct((q, u, bits.CHUNK_WORDS), jnp.uint32),
+                       jax.ShapeDtypeStruct((q,), jnp.int32), jax.ShapeDtypeStruct((q,), jnp.int32))
+  assert out.shape == (q * u, bits.CHUNK_WORDS)
+  plan = fssdp.coded_ragged_plan(jnp.full((64, 2), 63), jnp.full((64, 2), u, jnp.int32), 63)
+  assert int(plan.start_Q[-1]) == (q - 1) * u and int(plan.offset_N[-1]) == 63 * 2 * u
 
 
 def test_each_platform_lowers_its_own_coded_sparse_all_gather():
