@@ -126,3 +126,25 @@ def run_steps(trainer):
   return {"grads": grads, "losses": np.array(losses), "grad_norms": np.array(grad_norms),
           "params": jax.device_get(state.params), "metrics": all_metrics[-1],
           "all_metrics": all_metrics, "state": state}
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                               recv_sizes, *, axis_name):
+  """`jax.lax.ragged_all_to_all` by its documented semantics, from all_gathers (XLA:CPU has
+  none), for running the GPU forms of moejax's exchanges on fake CPU devices: sender j's rows
+  [input_offsets[me], + send_sizes[me]) land at its output_offsets[me] on this device."""
+  import jax.numpy as jnp
+  from jax import lax
+  del recv_sizes
+  me, w = lax.axis_index(axis_name), lax.axis_size(axis_name)
+  # Bit patterns through the all_gather: XLA:CPU's float collectives rewrite NaN payloads.
+  uint = jnp.dtype(f"uint{8 * operand.dtype.itemsize}")
+  ops, starts, sizes, lands = (lax.all_gather(x, axis_name) for x in (
+      lax.bitcast_convert_type(operand, uint), input_offsets, send_sizes, output_offsets))
+  out = lax.bitcast_convert_type(output, uint)
+  row = jnp.arange(output.shape[0])
+  for j in range(w):
+    src = jnp.clip(row - lands[j, me] + starts[j, me], 0, operand.shape[0] - 1)
+    hit = (row >= lands[j, me]) & (row < lands[j, me] + sizes[j, me])
+    out = jnp.where(hit.reshape((-1,) + (1,) * (output.ndim - 1)), ops[j][src], out)
+  return lax.bitcast_convert_type(out, output.dtype)

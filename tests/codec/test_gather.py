@@ -16,6 +16,7 @@ from moejax.codec import bits
 from moejax.codec import detect
 from moejax.codec import gather
 from moejax.codec import select
+from tests.helpers import emulated_ragged_all_to_all
 
 W = 8
 AXIS = "d"
@@ -286,22 +287,6 @@ def test_a_group_shares_one_agreement_and_falls_back_shard_by_shard(transport):
       assert (np.asarray(stats[j]["fallback"]) == (1 if j == over else 0)).all(), (t, j)
 
 
-def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
-                                recv_sizes, *, axis_name):
-  """`lax.ragged_all_to_all` by its documented semantics, from all_gathers (XLA:CPU has none):
-  sender j's rows [input_offsets[me], + send_sizes[me]) land at its output_offsets[me] here."""
-  del recv_sizes
-  me, w = lax.axis_index(axis_name), lax.axis_size(axis_name)
-  ops, starts, sizes, lands = (lax.all_gather(x, axis_name)
-                               for x in (operand, input_offsets, send_sizes, output_offsets))
-  row = jnp.arange(output.shape[0])
-  for j in range(w):
-    src = jnp.clip(row - lands[j, me] + starts[j, me], 0, operand.shape[0] - 1)
-    hit = (row >= lands[j, me]) & (row < lands[j, me] + sizes[j, me])
-    output = jnp.where(hit.reshape((-1,) + (1,) * (output.ndim - 1)), ops[j][src], output)
-  return output
-
-
 @pytest.mark.parametrize("exchange", ["all_gather", "ragged chunks"])
 def test_single_transport_packs_odd_and_32_bit_shards(exchange, monkeypatch):
   """The single payload packs 16-bit values two to a word and 32-bit ones as they are: an odd
@@ -311,7 +296,7 @@ def test_single_transport_packs_odd_and_32_bit_shards(exchange, monkeypatch):
   of `bits.CHUNK_WORDS`, here 7 to 10 of them, the last part full), the exchange emulated."""
   if exchange == "ragged chunks":
     monkeypatch.setattr(gather, "payload_all_gather", gather.ragged_payload_all_gather)
-    monkeypatch.setattr(lax, "ragged_all_to_all", _emulated_ragged_all_to_all)
+    monkeypatch.setattr(lax, "ragged_all_to_all", emulated_ragged_all_to_all)
   cases = [(jnp.bfloat16, (31, 33), 0, gather.CodecSpec("element", warmup_steps=2,
                                                        capacity_fraction=0.1)),
            CASES[3], CASES[5], CASES[0]]

@@ -6,10 +6,13 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from moejax.placement import fssdp
 from moejax.placement.dispatch import Dispatch
+from tests.helpers import emulated_ragged_all_to_all
 
 N, R = 8, 4
 
@@ -162,11 +165,11 @@ def _bits_equal(a, b):
              for x, y in zip(a, b))
 
 
-def test_coded_replicas_equal_plain_ones_bit_for_bit_and_patch_kept_experts():
-  """Two steps of the coded SparseAllGather on 8 devices: the first sends everything plain (no
-  state); in the second, slots whose device held the same expert last step (in either slot)
-  arrive as patches, except an expert moved too far for any patch format; replicas (NaN payloads,
-  -0.0 and infinities included) and gradients equal the plain path's bit for bit."""
+def _two_coded_steps():
+  """Two steps of the coded SparseAllGather on 8 devices (and the plain one beside it, with
+  both backwards), every value of the second moved a few units in the last place but one
+  expert's, moved wholesale; slots swap on every device, and device 0 takes an expert it did
+  not hold -> (rep1, rep2, [(replicas, plain replicas, grads, plain grads, choice) per step])."""
   codec, owners, fn, _, _, _ = _coded_setup()
   rng = np.random.default_rng(1)
   shapes = ((E2, D, F), (E2, D, F), (E2, F, D))
@@ -179,11 +182,7 @@ def test_coded_replicas_equal_plain_ones_bit_for_bit_and_patch_kept_experts():
   state = {"held": jnp.full((N, M2), -1, jnp.int32),
            "cache": jnp.zeros((N, M2, codec.values), jnp.uint16),
            "prev": jnp.zeros((N, 2, codec.values), jnp.uint16), "valid": jnp.zeros((), bool)}
-  reps, want, grads, want_grads, hit, prev, cache = fn(stored(w0), g, rep1, state)
-  assert _bits_equal(reps, want) and _bits_equal(grads, want_grads)
-  assert not np.any(hit)
-  # Step 2: every value moves a few units in the last place, expert 5 moves wholesale; slots
-  # swap on every device, and device 0 takes an expert it did not hold.
+  *first, prev, cache = fn(stored(w0), g, rep1, state)
   w1 = []
   for w in w0:
     u = w.view(np.uint16).astype(np.int32)
@@ -194,14 +193,47 @@ def test_coded_replicas_equal_plain_ones_bit_for_bit_and_patch_kept_experts():
   rep2[0] = [e for e in range(E2) if e not in np.asarray(rep1[0])][:M2]
   rep2 = jnp.asarray(rep2)
   state = {"held": rep1, "cache": cache, "prev": prev, "valid": jnp.ones((), bool)}
-  reps, want, grads, want_grads, hit, _, _ = fn(stored(w1), g, rep2, state)
-  assert _bits_equal(reps, want) and _bits_equal(grads, want_grads)
-  hit = np.asarray(hit) > 0
+  *second, _, _ = fn(stored(w1), g, rep2, state)
+  return rep1, rep2, [first, second]
+
+
+@pytest.fixture(scope="module")
+def coded_steps():
+  return _two_coded_steps()
+
+
+def test_coded_replicas_equal_plain_ones_bit_for_bit_and_patch_kept_experts(coded_steps):
+  """The first step sends everything plain (no state); in the second, slots whose device held
+  the same expert last step (in either slot) arrive as patches, except the expert moved too far
+  for any patch format; replicas (NaN payloads, -0.0 and infinities included) and gradients
+  equal the plain path's bit for bit."""
+  rep1, rep2, steps = coded_steps
+  for reps, want, grads, want_grads, _ in steps:
+    assert _bits_equal(reps, want) and _bits_equal(grads, want_grads)
+  assert not np.any(steps[0][4])
+  hit = np.asarray(steps[1][4]) > 0
   kept = np.asarray(rep2) == np.asarray(rep1)[:, ::-1]
   expected = kept & (np.asarray(rep2) < E2) & (np.asarray(rep2) != 5)
   expected[0] = False
   np.testing.assert_array_equal(hit, expected)
   assert hit.sum() >= 4
+
+
+def test_the_gpu_forms_of_the_sparse_collectives_equal_the_cpu_forms(coded_steps, monkeypatch):
+  """Every `lax.platform_dependent` takes its GPU branch and `ragged_all_to_all` is emulated
+  from all_gathers: the ragged SparseAllGather (rows), its coded form (rows in chunks of
+  `bits.CHUNK_WORDS` words, patches and plain rows), the ragged SparseReduceScatter and the
+  replica codec's encode/decode without conditionals give the CPU forms' replicas, gradients
+  and choices bit for bit, over both steps."""
+  monkeypatch.setattr(lax, "platform_dependent", lambda *args, default, **_: default(*args))
+  monkeypatch.setattr(lax, "ragged_all_to_all", emulated_ragged_all_to_all)
+  _, _, gpu_steps = _two_coded_steps()
+  for cpu, gpu in zip(coded_steps[2], gpu_steps):
+    for a, b in zip(jax.tree.leaves(cpu), jax.tree.leaves(gpu)):
+      a, b = np.asarray(a), np.asarray(b)
+      if a.dtype.kind == "V" or a.dtype.itemsize == 2 and a.dtype.kind == "f":
+        a, b = a.view(np.uint16), b.view(np.uint16)
+      np.testing.assert_array_equal(a, b)
 
 
 def test_coded_ragged_chunks_deliver_the_static_rows():
