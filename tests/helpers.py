@@ -148,3 +148,12 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
     hit = (row >= lands[j, me]) & (row < lands[j, me] + sizes[j, me])
     out = jnp.where(hit.reshape((-1,) + (1,) * (output.ndim - 1)), ops[j][src], out)
   return lax.bitcast_convert_type(out, output.dtype)
+
+
+def gpu_forms_of(*modules):
+  """A `jax.lax.platform_dependent` that takes the GPU (`default`) branch where it is defined in
+  one of `modules` and the CPU one elsewhere (kernels with no CPU lowering stay out)."""
+  def choose(*args, default=None, **per_platform):
+    mine = getattr(default, "__module__", None) in modules
+    return (default if mine else per_platform.get("cpu", default))(*args)
+  return choose

@@ -7,10 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export
+from jax import export, lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from moejax.placement import dispatch as dispatch_lib
+from tests.helpers import emulated_ragged_all_to_all, gpu_forms_of
 
 N, T, K, D, F, E = 8, 16, 2, 32, 64, 16     # T tokens per device
 
@@ -79,6 +80,28 @@ def test_each_platform_lowers_its_own_exchange(platform):
       assert ragged == 0 and "stablehlo.all_to_all" in text
     else:                     # ids and tokens out, results back (and their transposes)
       assert ragged >= 3
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.0])
+def test_the_gpu_exchange_gives_the_cpu_ones_results_and_gradients(capacity_factor, monkeypatch):
+  """The GPU form of the exchange (ids, tokens and results as `ragged_all_to_all`s of the filled
+  rows, emulated from all_gathers; the rest of the step on its CPU forms) gives the static
+  buffer's outputs, drop counts and gradients bit for bit, dropless and with drops."""
+  args = _inputs()
+
+  def outputs(ep):
+    loss = lambda *a: jnp.sum(ep(*a)[0].astype(jnp.float32))   # noqa: E731
+    return ep(*args), jax.jit(jax.grad(loss, argnums=(0, 3, 4, 5)))(*args)
+
+  want = outputs(_ep(capacity_factor))
+  monkeypatch.setattr(lax, "platform_dependent", gpu_forms_of("moejax.placement.dispatch"))
+  monkeypatch.setattr(lax, "ragged_all_to_all", emulated_ragged_all_to_all)
+  got = outputs(_ep.__wrapped__(capacity_factor))
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype.kind not in "iub":
+      a, b = a.view(f"uint{8 * a.dtype.itemsize}"), b.view(f"uint{8 * b.dtype.itemsize}")
+    np.testing.assert_array_equal(a, b)
 
 
 def test_grown_capacity_covers_the_need_with_a_margin_and_at_least_doubles():
