@@ -115,13 +115,16 @@ class RaggedPlan(NamedTuple):
   plan alone. As owner, this device sends its rows in (destination, slot) order: `order` [N*M]
   lists first the flat (d, slot) indices it fills; `send_N` rows to each destination, from
   `start_N`, landing at `land_N` there. As receiver it gets `recv_N` rows from each owner,
-  grouped by owner; received row j belongs in slot `slot_of_row[j]`."""
+  grouped by owner; received row j belongs in slot `slot_of_row[j]`, and SparseReduceScatter
+  returns its rows' gradients to each owner at `back_N` there (where that owner's rows for this
+  device started: read off the plan, no collective)."""
   order: jax.Array
   send_N: jax.Array
   start_N: jax.Array
   land_N: jax.Array
   recv_N: jax.Array
   slot_of_row: jax.Array
+  back_N: jax.Array
 
 
 def ragged_plan(holder_NxM, me) -> RaggedPlan:
@@ -136,8 +139,10 @@ def ragged_plan(holder_NxM, me) -> RaggedPlan:
   mine_M = holder_NxM[me]
   slot_of_row = jnp.argsort(jnp.where(mine_M < n, mine_M * m + jnp.arange(m), n * m),
                             stable=True)
+  back_OxD = jnp.cumsum(count_OxD, axis=1) - count_OxD        # rows for lower devices first
   return RaggedPlan(order.astype(jnp.int32), send_N, jnp.cumsum(send_N) - send_N,
-                    before_OxD[me], count_OxD[:, me], slot_of_row.astype(jnp.int32))
+                    before_OxD[me], count_OxD[:, me], slot_of_row.astype(jnp.int32),
+                    back_OxD[:, me])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -198,8 +203,7 @@ def _sparse_reduce_scatter(axis_names, res, g_MxR):
     # Sent back in the order received; each row lands where its owner sent it from.
     rows = lax.ragged_all_to_all(
         g_MxR[plan.slot_of_row], back, jnp.cumsum(plan.recv_N) - plan.recv_N, plan.recv_N,
-        lax.all_to_all(plan.start_N, axis_names, 0, 0, tiled=True), plan.send_N,
-        axis_name=axis_names)
+        plan.back_N, plan.send_N, axis_name=axis_names)
     return zeros_CxR.at[rank_NxM.reshape(-1)[plan.order]].add(rows)
 
   d_CxR = lax.platform_dependent(g_MxR.astype(jnp.float32), holder_NxM, rank_NxM, cpu=static,

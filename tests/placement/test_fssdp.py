@@ -69,7 +69,9 @@ def _simulate_ragged(holder_NxM, rank_NxM, local_NxCxR, g_NxMxR):
     sent = g_NxMxR[d][p.slot_of_row]
     starts = np.cumsum(p.recv_N) - p.recv_N
     for o in range(n):
-      size, land = p.recv_N[o], plans[o].start_N[d]
+      # where owner o's rows for d started: d reads it off the plan, as the owner counted it
+      size, land = p.recv_N[o], p.back_N[o]
+      assert land == plans[o].start_N[d]
       back[o, land:land + size] = sent[starts[o]:starts[o] + size]
   grads = np.zeros(local_NxCxR.shape, np.float32)
   for o, p in enumerate(plans):
