@@ -136,17 +136,18 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
   import jax.numpy as jnp
   from jax import lax
   del recv_sizes
-  me, w = lax.axis_index(axis_name), lax.axis_size(axis_name)
+  me = lax.axis_index(axis_name)
   # Bit patterns through the all_gather: XLA:CPU's float collectives rewrite NaN payloads.
   uint = jnp.dtype(f"uint{8 * operand.dtype.itemsize}")
-  ops, starts, sizes, lands = (lax.all_gather(x, axis_name) for x in (
-      lax.bitcast_convert_type(operand, uint), input_offsets, send_sizes, output_offsets))
-  out = lax.bitcast_convert_type(output, uint)
-  row = jnp.arange(output.shape[0])
-  for j in range(w):
-    src = jnp.clip(row - lands[j, me] + starts[j, me], 0, operand.shape[0] - 1)
-    hit = (row >= lands[j, me]) & (row < lands[j, me] + sizes[j, me])
-    out = jnp.where(hit.reshape((-1,) + (1,) * (output.ndim - 1)), ops[j][src], out)
+  ops = lax.all_gather(lax.bitcast_convert_type(operand, uint), axis_name)
+  starts, sizes, lands = (lax.all_gather(x, axis_name)[:, me]      # each sender's, for me
+                          for x in (input_offsets, send_sizes, output_offsets))
+  row = jnp.arange(output.shape[0])[:, None]
+  hit_RxW = (row >= lands[None, :]) & (row < (lands + sizes)[None, :])
+  sender = jnp.argmax(hit_RxW, axis=1)
+  src = jnp.clip(row[:, 0] - lands[sender] + starts[sender], 0, operand.shape[0] - 1)
+  hit = jnp.any(hit_RxW, axis=1).reshape((-1,) + (1,) * (output.ndim - 1))
+  out = jnp.where(hit, ops[sender, src], lax.bitcast_convert_type(output, uint))
   return lax.bitcast_convert_type(out, output.dtype)
 
 
