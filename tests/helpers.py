@@ -132,10 +132,12 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
                                recv_sizes, *, axis_name):
   """`jax.lax.ragged_all_to_all` by its documented semantics, from all_gathers (XLA:CPU has
   none), for running the GPU forms of moejax's exchanges on fake CPU devices: sender j's rows
-  [input_offsets[me], + send_sizes[me]) land at its output_offsets[me] on this device."""
+  [input_offsets[me], + send_sizes[me]) land at its output_offsets[me] on this device, which
+  takes recv_sizes[j] rows from j. Where the two sizes disagree, or a send reads past the
+  operand, the whole output is poisoned (every bit set), so a caller's error shows as a
+  mismatch instead of being papered over."""
   import jax.numpy as jnp
   from jax import lax
-  del recv_sizes
   me = lax.axis_index(axis_name)
   # Bit patterns through the all_gather: XLA:CPU's float collectives rewrite NaN payloads.
   uint = jnp.dtype(f"uint{8 * operand.dtype.itemsize}")
@@ -143,11 +145,16 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
   starts, sizes, lands = (lax.all_gather(x, axis_name)[:, me]      # each sender's, for me
                           for x in (input_offsets, send_sizes, output_offsets))
   row = jnp.arange(output.shape[0])[:, None]
-  hit_RxW = (row >= lands[None, :]) & (row < (lands + sizes)[None, :])
+  hit_RxW = (row >= lands[None, :]) & (row < (lands + recv_sizes)[None, :])
   sender = jnp.argmax(hit_RxW, axis=1)
-  src = jnp.clip(row[:, 0] - lands[sender] + starts[sender], 0, operand.shape[0] - 1)
-  hit = jnp.any(hit_RxW, axis=1).reshape((-1,) + (1,) * (output.ndim - 1))
-  out = jnp.where(hit, ops[sender, src], lax.bitcast_convert_type(output, uint))
+  src = row[:, 0] - lands[sender] + starts[sender]
+  hit = jnp.any(hit_RxW, axis=1)
+  wrong = (jnp.any(sizes != recv_sizes) | jnp.any(hit & (src >= operand.shape[0]))
+           | jnp.any(lands + recv_sizes > output.shape[0]))
+  got = ops[sender, jnp.clip(src, 0, operand.shape[0] - 1)]
+  out = jnp.where(hit.reshape((-1,) + (1,) * (output.ndim - 1)), got,
+                  lax.bitcast_convert_type(output, uint))
+  out = jnp.where(wrong, jnp.array(jnp.iinfo(uint).max, uint), out)
   return lax.bitcast_convert_type(out, output.dtype)
 
 

@@ -674,8 +674,8 @@ def ragged_payload_all_gather(send_R: jax.Array, used: jax.Array, axis_name) -> 
   r = send_R.shape[0]
   w, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
   rows, size_W, offset_W = ragged_payload_plan(r, used, me, w)
-  send_RxK = jnp.pad(send_R, (0, rows * bits.CHUNK_WORDS - r)).reshape(rows, bits.CHUNK_WORDS)
-  out = lax.ragged_all_to_all(send_RxK, jnp.zeros((w * rows, bits.CHUNK_WORDS), jnp.uint32),
+  chunks = jnp.pad(send_R, (0, rows * bits.CHUNK_WORDS - r)).reshape(rows, bits.CHUNK_WORDS)
+  out = lax.ragged_all_to_all(chunks, jnp.zeros((w * rows, bits.CHUNK_WORDS), jnp.uint32),
                               jnp.zeros((w,), jnp.int32), size_W, offset_W, size_W,
                               axis_name=axis_name)
   return out.reshape(w, rows * bits.CHUNK_WORDS)[:, :r]

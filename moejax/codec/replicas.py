@@ -19,8 +19,9 @@ An expert's R values are its three matrices, flattened and concatenated.
 Each step an owner encodes each of its C experts once against `prev` (`encode`) in each of a few
 delta formats (`FORMATS`: 3-bit codes for small moves, 4-bit ones, a byte per value for the
 large moves of a peak learning rate) and picks for each expert the smallest patch that fits its
-capacities and is smaller than the plain expert, or none: no replica costs more than plain. The owners agree on their choices with one all_gather of 2 bits per expert
-(`agree`: 4 bytes per device per 16 owned experts). Slot (d, m) then travels as a patch when it
+capacities and is smaller than the plain expert, or none: no replica costs more than plain.
+The owners agree on their choices with one all_gather of 2 bits per expert (`agree`: 4 bytes per
+device per 16 owned experts). Slot (d, m) then travels as a patch when it
 `hits`: the state is valid, device d held this expert last step (in any of its slots) and the
 expert has a patch; otherwise plain (a miss, every patch over capacity, or the first step). Every
 device knows every slot's form from replicated data, so the ragged (GPU) exchange sizes its

@@ -333,9 +333,8 @@ def _coded_gather(ws, holder_NxM, rank_NxM, choice_NxM, plain_CxW, patch_CxW, ca
                             plan.start_Q)
     got = lax.ragged_all_to_all(send, jnp.zeros((m * u, k), jnp.uint32), plan.offset_N,
                                 plan.send_N, plan.land_N, plan.recv_N, axis_name=axis_names)
-    got_MxW = unpack_recv_chunks(got, chunks_NxM[me], plan.row_start_M, u).reshape(m, u * k)
-    col_W = jnp.arange(w, dtype=jnp.int32)
-    return jnp.where(col_W[None, :] < words_NxM[me][:, None], got_MxW[:, :w], jnp.uint32(0))
+    # Past its words a row holds the sender's zero padding, as the static path's rows do.
+    return unpack_recv_chunks(got, chunks_NxM[me], plan.row_start_M, u).reshape(m, u * k)[:, :w]
 
   got_MxW = lax.platform_dependent(holder_NxM, rank_NxM, choice_NxM, plain_CxW, patch_CxW,
                                    cpu=static, default=ragged)

@@ -294,9 +294,14 @@ def test_single_transport_packs_odd_and_32_bit_shards(exchange, monkeypatch):
   bit for bit through warm-up, patches, one shard's overflow and a stale device. "ragged
   chunks": the payload travels as on GPU (`ragged_payload_all_gather`: the used words in chunks
   of `bits.CHUNK_WORDS`, here 7 to 10 of them, the last part full), the exchange emulated."""
+  ran = []
   if exchange == "ragged chunks":
     monkeypatch.setattr(gather, "payload_all_gather", gather.ragged_payload_all_gather)
-    monkeypatch.setattr(lax, "ragged_all_to_all", emulated_ragged_all_to_all)
+    monkeypatch.setattr(lax, "ragged_all_to_all",
+                        lambda *a, **k: ran.append(1) or emulated_ragged_all_to_all(*a, **k))
+    # A jit of its own: `_forward_jit` may hold this group's program, traced unpatched.
+    monkeypatch.setattr(gather, "_forward_jit", jax.jit(lambda *a: gather._forward(*a),
+                                                        static_argnums=(2, 3, 4, 5)))
   cases = [(jnp.bfloat16, (31, 33), 0, gather.CodecSpec("element", warmup_steps=2,
                                                        capacity_fraction=0.1)),
            CASES[3], CASES[5], CASES[0]]
@@ -315,6 +320,7 @@ def test_single_transport_packs_odd_and_32_bit_shards(exchange, monkeypatch):
     for j in range(len(scripts)):
       dense = t < 2 or j == over or j == stale
       assert (np.asarray(stats[j]["dense"]) == int(dense)).all(), (t, j)
+  assert bool(ran) == (exchange == "ragged chunks")      # traced through the emulated exchange
 
 
 @pytest.mark.parametrize("transport", ["auto", "single"])
