@@ -434,7 +434,7 @@ def step_attention(dims: dict) -> dict:
 
 
 def _coded_spag(mesh, fdispatch, replica_NxM, w, n: int, e: int) -> dict:
-  """The replica codec's SparseAllGather (`fssdp.coded_sparse_all_gather`; ragged words on GPU):
+  """The replica codec's SparseAllGather (`fssdp.coded_sparse_all_gather`; ragged chunks on GPU):
   a first step sends plain, a second whose slots kept their experts (every value moved a unit
   in the last place) sends patches; both bit for bit the plain SparseAllGather's. Timed against
   it."""
