@@ -160,8 +160,9 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
 
 def gpu_forms_of(*modules):
   """A `jax.lax.platform_dependent` that takes the GPU (`default`) branch where it is defined in
-  one of `modules` and the CPU one elsewhere (kernels with no CPU lowering stay out)."""
+  one of `modules` (a `functools.partial` by its function's) and the CPU one elsewhere (kernels
+  with no CPU lowering stay out)."""
   def choose(*args, default=None, **per_platform):
-    mine = getattr(default, "__module__", None) in modules
+    mine = getattr(getattr(default, "func", default), "__module__", None) in modules
     return (default if mine else per_platform.get("cpu", default))(*args)
   return choose

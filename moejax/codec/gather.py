@@ -603,20 +603,20 @@ def _forward(shards, states, axis_name, axes, specs, transport="auto"):
       new_states[k] = {"prev": prev_k, "cache": cache_k,
                        "step": jnp.minimum(state["step"] + 1, spec.warmup_steps).astype(jnp.int32),
                        "valid": jnp.ones_like(state["valid"])}
-      all_Wx6 = all_WxKx6[:, k]
-      total = lambda i, all_Wx6=all_Wx6: jnp.sum(all_Wx6[:, i].astype(jnp.float32))  # noqa: E731
+      # Summed over devices in float32: int32 sums wrapped past 2^31 (DeepSeek-V3's expert leaf).
+      total_6 = jnp.sum(all_WxKx6[:, k].astype(jnp.float32), axis=0)
       valid = jnp.logical_not(invalid_K[k])
       sizes = {k: np.float32(v) for k, v in wire_bytes(shard.shape, shard.dtype, spec).items()}
-      mean_count, mean_far = (jnp.mean(all_Wx6[:, i].astype(jnp.float32)) for i in (4, 5))
+      mean_count, mean_far = total_6[4] / w, total_6[5] / w
       needed = ((0 if words else fmt.n * layout.rest_bits)
                 + (fmt.fill_bits(mean_count, mean_far) if words else fmt.fill_bits(mean_count))) / 8
       stats[k] = _stats(
           bytes_sent=jnp.where(dense_P[p], sizes["dense"], sizes["compressed"]),
           bytes_plain=sizes["plain"],
           bytes_needed=jnp.where(valid, needed, sizes["plain"]),
-          exponent_changes=(jnp.where(valid, total(1), 0) if spec.detect == "exact" else -1),
-          block_changes=jnp.where(valid, total(2), 0),
-          word_changes=jnp.where(valid, total(3), 0) if words else -1,
+          exponent_changes=(jnp.where(valid, total_6[1], 0) if spec.detect == "exact" else -1),
+          block_changes=jnp.where(valid, total_6[2], 0),
+          word_changes=jnp.where(valid, total_6[3], 0) if words else -1,
           capacity_fill=jnp.where(valid, pool_fill[p], 0.0),
           fallback=pool_overflow[p] & valid & jnp.logical_not(warm_K[k]),
           dense=dense_P[p])

@@ -311,7 +311,7 @@ def _coded_gather(ws, holder_NxM, rank_NxM, choice_NxM, plain_CxW, patch_CxW, ca
   GPU/TPU: one `ragged_all_to_all` of the rows' words in chunks (`coded_ragged_plan`)."""
   n, m = holder_NxM.shape
   w = codec.row_words
-  k, u = bits.CHUNK_WORDS, bits.chunks(codec.row_words)
+  k, u = bits.CHUNK_WORDS, bits.chunks(w)
 
   def rows_of(holder_NxM, rank_NxM, choice_NxM, plain_CxW, patch_CxW):
     me = lax.axis_index(axis_names)

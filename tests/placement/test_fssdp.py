@@ -12,7 +12,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from moejax.placement import fssdp
 from moejax.placement.dispatch import Dispatch
-from tests.helpers import emulated_ragged_all_to_all
+from tests.helpers import emulated_ragged_all_to_all, gpu_forms_of
 
 N, R = 8, 4
 
@@ -222,12 +222,14 @@ def test_coded_replicas_equal_plain_ones_bit_for_bit_and_patch_kept_experts(code
 
 
 def test_the_gpu_forms_of_the_sparse_collectives_equal_the_cpu_forms(coded_steps, monkeypatch):
-  """Every `lax.platform_dependent` takes its GPU branch and `ragged_all_to_all` is emulated
+  """The sparse collectives' and the replica codec's `lax.platform_dependent`s take their GPU
+  branches and `ragged_all_to_all` is emulated
   from all_gathers: the ragged SparseAllGather (rows), its coded form (rows in chunks of
   `bits.CHUNK_WORDS` words, patches and plain rows), the ragged SparseReduceScatter and the
   replica codec's encode/decode without conditionals give the CPU forms' replicas, gradients
   and choices bit for bit, over both steps."""
-  monkeypatch.setattr(lax, "platform_dependent", lambda *args, default, **_: default(*args))
+  monkeypatch.setattr(lax, "platform_dependent",
+                      gpu_forms_of("moejax.placement.fssdp", "moejax.codec.replicas"))
   monkeypatch.setattr(lax, "ragged_all_to_all", emulated_ragged_all_to_all)
   _, _, gpu_steps = _two_coded_steps()
   for cpu, gpu in zip(coded_steps[2], gpu_steps):
