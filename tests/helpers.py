@@ -166,3 +166,15 @@ def gpu_forms_of(*modules):
     mine = getattr(getattr(default, "func", default), "__module__", None) in modules
     return (default if mine else per_platform.get("cpu", default))(*args)
   return choose
+
+
+def assert_bits_equal(want, got):
+  """Every leaf of two pytrees equal bit for bit (floats compared as their bit patterns, so NaN
+  payloads and -0.0 count)."""
+  import jax
+  import numpy as np
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype.kind not in "iub":
+      a, b = a.view(f"uint{8 * a.dtype.itemsize}"), b.view(f"uint{8 * b.dtype.itemsize}")
+    np.testing.assert_array_equal(a, b)

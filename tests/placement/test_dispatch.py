@@ -11,7 +11,7 @@ from jax import export, lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from moejax.placement import dispatch as dispatch_lib
-from tests.helpers import emulated_ragged_all_to_all, gpu_forms_of
+from tests.helpers import assert_bits_equal, emulated_ragged_all_to_all, gpu_forms_of
 
 N, T, K, D, F, E = 8, 16, 2, 32, 64, 16     # T tokens per device
 
@@ -96,12 +96,7 @@ def test_the_gpu_exchange_gives_the_cpu_ones_results_and_gradients(monkeypatch):
   want = outputs(_ep(capacity_factor))
   monkeypatch.setattr(lax, "platform_dependent", gpu_forms_of("moejax.placement.dispatch"))
   monkeypatch.setattr(lax, "ragged_all_to_all", emulated_ragged_all_to_all)
-  got = outputs(_ep.__wrapped__(capacity_factor))
-  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
-    a, b = np.asarray(a), np.asarray(b)
-    if a.dtype.kind not in "iub":
-      a, b = a.view(f"uint{8 * a.dtype.itemsize}"), b.view(f"uint{8 * b.dtype.itemsize}")
-    np.testing.assert_array_equal(a, b)
+  assert_bits_equal(want, outputs(_ep.__wrapped__(capacity_factor)))
 
 
 def test_grown_capacity_covers_the_need_with_a_margin_and_at_least_doubles():
