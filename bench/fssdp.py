@@ -141,11 +141,11 @@ def expand(counts_E, length: int):
 
 @functools.lru_cache(maxsize=None)
 def make_replay(k: int, tokens: int, *, replica_slots: int, overlap_degree: int, target: float,
-                margin: float):
+                margin: float, owner_sends: int):
   """jit(segment(history, owner_LxE, counts_SxLxNxE) -> (history, per-step figures))."""
   n, dpn = NUM_DEVICES, DEVICES_PER_NODE
   kw = dict(num_devices=n, devices_per_node=dpn, replica_slots=replica_slots,
-            overlap_degree=overlap_degree, target_straggler=target)
+            overlap_degree=overlap_degree, target_straggler=target, owner_sends=owner_sends)
 
   def figures(dest_LxNxTxK):
     tokens_LxN = jax.vmap(lambda d: fp.tokens_per_device(d, n))(dest_LxNxTxK)
@@ -207,13 +207,14 @@ def make_replay(k: int, tokens: int, *, replica_slots: int, overlap_degree: int,
 
 
 def replay(counts, *, k: int, reshard_every: int, replica_slots: int, overlap_degree: int,
+           owner_sends: int,
            window: int, target: float, margin: float, heterogeneous: bool, expert_move_bytes: int):
   """All steps of a trace, in segments of `reshard_every` steps (one compiled scan each; the
   owners are an input, so re-sharding between segments does not recompile)."""
   steps, layers, n, e = counts.shape
   tokens = int(counts[0, 0, 0].sum()) // k
   run = make_replay(k, tokens, replica_slots=replica_slots, overlap_degree=overlap_degree,
-                    target=target, margin=margin)
+                    target=target, margin=margin, owner_sends=owner_sends)
   carry = (fp.init_history(window=window, num_layers=layers, num_experts=e),
            jnp.zeros((layers, e, n), bool))
   owner = fs.initial_placement(layers, e, n)
@@ -238,9 +239,11 @@ def summarize(counts, k, args, dims):
   spag_b, sprs_b = 2 * expert_params, 4 * expert_params    # bf16 weights, fp32 gradients
   token_b = 2 * d_model
   small = counts.shape[-1] <= 8
+  overlap = args.overlap_small if small else args.overlap_large
   common = dict(k=k, reshard_every=args.reshard_every,
                 replica_slots=args.replica_slots_small if small else args.replica_slots_large,
-                overlap_degree=args.overlap_small if small else args.overlap_large,
+                overlap_degree=overlap,
+                owner_sends=overlap if args.owner_sends == -1 else args.owner_sends,
                 window=args.window,
                 target=args.target_straggler, margin=args.margin,
                 expert_move_bytes=12 * expert_params)   # fp32 master + Adam m, v
@@ -400,6 +403,10 @@ def main():
   parser.add_argument("--replica_slots_large", type=int, default=4, help="M for 64 experts")
   parser.add_argument("--overlap_small", type=int, default=4, help="t for 8 experts")
   parser.add_argument("--overlap_large", type=int, default=12, help="t for 64 experts")
+  parser.add_argument("--owner_sends", type=int, default=-1,
+                      help="replica slots one owner fills per layer (fssdp.owner_sends); -1: "
+                           "the config's default, 0: no bound")
+  parser.add_argument("--no_step", action="store_true", help="the replay only, no step timing")
   args = parser.parse_args()
   if args.record:
     record(RECORDED, args.record_steps)
@@ -422,10 +429,12 @@ def main():
                                                            int(meta["expert_hidden"])))
   results = {name: summarize(c, k, args, dims) for name, (c, k, dims) in traces.items()}
   elapsed = time.perf_counter() - t0
+  bound = {0: "no bound on", -1: "at most t"}.get(args.owner_sends, f"at most {args.owner_sends}")
   print(f"\nFSSDP trace replay: {NUM_DEVICES} devices as {NUM_DEVICES // DEVICES_PER_NODE} nodes "
         f"x {DEVICES_PER_NODE}, {steps} steps per synthetic trace, 2 layers, 128 tokens per "
         f"device; M={args.replica_slots_small}/{args.replica_slots_large} replica slots, "
-        f"t={args.overlap_small}/{args.overlap_large} (8/64 experts), window {args.window}, "
+        f"t={args.overlap_small}/{args.overlap_large} (8/64 experts), "
+        f"{bound} replicas from one owner, window {args.window}, "
         f"reshard every {args.reshard_every}; bytes per step, all layers")
   print_table(results)
   verdict = {}
@@ -443,13 +452,15 @@ def main():
       print(f"  {trace}: het re-sharding moved {h['reshard_moves']} experts "
             f"({_mb(h['reshard_bytes'])} MB with optimizer state); calibration adopted in "
             f"{100 * rows['fssdp+cal']['adopted']:.0f}% of layer-steps")
-  print("timing the train step, ep and fssdp interleaved ...", flush=True)
-  step_times = measure_step_time(make_step_runner, steps=10 if args.quick else 20)
-  ratio = step_times["fssdp"] / step_times["ep"]
-  print(f"\nmeasured train step on 8 fake CPU devices (tiny preset, median): ep "
-        f"{1000 * step_times['ep']:.1f} ms, fssdp {1000 * step_times['fssdp']:.1f} ms "
-        f"(fssdp/ep {ratio:.2f}x; on CPU the planner's and SpAG's cost show, the straggler "
-        f"gain does not, since fake devices share the same cores); replay took {elapsed:.1f} s")
+  step_times = {}
+  if not args.no_step:
+    print("timing the train step, ep and fssdp interleaved ...", flush=True)
+    step_times = measure_step_time(make_step_runner, steps=10 if args.quick else 20)
+    ratio = step_times["fssdp"] / step_times["ep"]
+    print(f"\nmeasured train step on 8 fake CPU devices (tiny preset, median): ep "
+          f"{1000 * step_times['ep']:.1f} ms, fssdp {1000 * step_times['fssdp']:.1f} ms "
+          f"(fssdp/ep {ratio:.2f}x; on CPU the planner's and SpAG's cost show, the straggler "
+          f"gain does not, since fake devices share the same cores); replay took {elapsed:.1f} s")
   figures = {"steps": steps, "step_time_s": step_times, "replay_s": elapsed,
              "target_met": {s: all(v[s] for v in verdict.values()) for s in FSSDP_SCHEMES}}
   for trace, rows in results.items():

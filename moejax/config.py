@@ -170,6 +170,11 @@ class FssdpConfig:
   """M: replica slots per device per layer."""
   overlap_degree: int = 4
   """t: distinct experts materialized per layer and step."""
+  owner_sends: int = -1
+  """The most replica slots one owner fills per layer and step, over all its experts: it sizes
+  SparseAllGather's send rows and SparseReduceScatter's fp32 receive rows on GPU (that many
+  experts per device instead of N * M); -1 = overlap_degree (the replicas an owner's link sends
+  within the overlap window, as t bounds what a receiver's link takes), 0 = no bound (N * M)."""
   window: int = 5
   """Load predictor: the mean of the last `window` steps' loads."""
   reshard_every: int = 100
@@ -183,6 +188,10 @@ class FssdpConfig:
   """One of `moejax.codec.replicas.REPLICA_CODECS`: "delta" sends a replica whose device held
   the same expert last step (in any slot) as a delta patch (lossless), "off" always plain; ""
   (default) = delta when codec.mode is not off."""
+
+  def resolved_owner_sends(self) -> int:
+    """`owner_sends` with -1 resolved (0: no bound)."""
+    return self.overlap_degree if self.owner_sends == -1 else self.owner_sends
 
   def resolved_replica_codec(self, codec_mode: str) -> str:
     return self.replica_codec or ("off" if codec_mode == "off" else "delta")
@@ -558,6 +567,9 @@ def validate(c: Config) -> None:
          f"config.fssdp.replica_codec={c.fssdp.replica_codec!r} needs compute_dtype='bfloat16' "
          f"(its delta codes count bfloat16 units in the last place; got {c.compute_dtype!r}): "
          "set fssdp.replica_codec='off'")
+  _check(c.fssdp.owner_sends >= -1,
+         f"config.fssdp.owner_sends={c.fssdp.owner_sends}: must be -1 (= overlap_degree), 0 "
+         "(no bound) or a positive count of replica slots")
   _check(c.fssdp.reshard_every >= 0,
          f"config.fssdp.reshard_every={c.fssdp.reshard_every}: must be >= 0 (0 = never)")
   _check(0 <= c.fssdp.max_per_layer <= moe.num_experts,

@@ -173,6 +173,7 @@ def test_unknown_preset():
     ({"moe.shared_expert_gate": True}, r"config.moe.shared_expert_gate=True needs "
                                        r"moe.shared_expert_hidden > 0"),
     ({"moe.routed_scale": 0.0}, r"config.moe.routed_scale=0.0: must be positive"),
+    ({"fssdp.owner_sends": -2}, r"config.fssdp.owner_sends=-2: must be -1 \(= overlap_degree\)"),
     ({"fssdp.reshard_every": -1}, r"config.fssdp.reshard_every=-1: must be >= 0"),
     ({"fssdp.max_per_layer": 9}, r"config.fssdp.max_per_layer=9: must be in \[0, "
                                  r"moe.num_experts=8\]"),

@@ -142,11 +142,13 @@ def step(shape: ModelShape, cluster, run: Run, system, calib: Calibration,
 def _layer_plan(system, counts, pred, owner_E, n, dpn, t, m, flex):
   """(holders, late holders (fetched after gating), shadowed experts) of one layer."""
   if system.balance == "replicas":
-    h = ld.plan_replicas(pred, owner_E, n, dpn, slots=m, overlap=t, method=system.planner)
+    sends = t if system.owner_sends == -1 else system.owner_sends
+    h = ld.plan_replicas(pred, owner_E, n, dpn, slots=m, overlap=t, method=system.planner,
+                         owner_sends=sends)
     late = np.zeros_like(h)
     if system.calibrate:
       h2 = ld.plan_replicas(counts.sum(0).astype(np.float64), owner_E, n, dpn, slots=m,
-                            overlap=t, method=system.planner)
+                            overlap=t, method=system.planner, owner_sends=sends)
       late = h2 & ~h
       h = h | h2
     return h, late

@@ -184,7 +184,7 @@ def owner_holders(owner_E: np.ndarray, num_devices: int) -> np.ndarray:
 
 def plan_replicas(pred_load_E: np.ndarray, owner_E: np.ndarray, num_devices: int,
                   devices_per_node: int, *, slots: int, overlap: int,
-                  method: str = "themis") -> np.ndarray:
+                  method: str = "themis", owner_sends: int = 0) -> np.ndarray:
   """holders_ExN: owners plus replicas; `slots` = m replicas per device, `overlap` = t distinct
   experts per layer.
 
@@ -193,10 +193,12 @@ def plan_replicas(pred_load_E: np.ndarray, owner_E: np.ndarray, num_devices: int
   method="lpt": longest-processing-time first on the straggler, as moejax's planner
   (`moejax.placement.planner.materialize_plan`): repeatedly give the busiest device's hottest
   expert one more holder (a node without it first, then the least-loaded device with a free
-  slot), loads water-filled over holders, until t distinct experts are used or it stops helping.
+  slot), loads water-filled over holders, until t distinct experts are used or it stops helping;
+  at most `owner_sends` replicas from one owner (0: no bound), as fssdp.owner_sends.
   """
   if method == "lpt":
-    return _plan_lpt(pred_load_E, owner_E, num_devices, devices_per_node, slots, overlap)
+    return _plan_lpt(pred_load_E, owner_E, num_devices, devices_per_node, slots, overlap,
+                     owner_sends)
   if method != "themis":
     raise ValueError(f"unknown planning method {method!r} (valid: themis, lpt)")
   n, dpn = num_devices, devices_per_node
@@ -232,9 +234,11 @@ def plan_replicas(pred_load_E: np.ndarray, owner_E: np.ndarray, num_devices: int
   return holders
 
 
-def _plan_lpt(load_E, owner_E, n, dpn, slots, overlap) -> np.ndarray:
+def _plan_lpt(load_E, owner_E, n, dpn, slots, overlap, owner_sends=0) -> np.ndarray:
   load_E = np.asarray(load_E, np.float64)
+  owner_E = np.asarray(owner_E)
   holders = owner_holders(owner_E, n)
+  room = np.full(n, owner_sends if owner_sends > 0 else n * slots)   # replicas each owner sends
   if n <= 1 or slots <= 0 or overlap <= 0:
     return holders
   node = np.arange(n) // dpn
@@ -245,7 +249,8 @@ def _plan_lpt(load_E, owner_E, n, dpn, slots, overlap) -> np.ndarray:
     hot = int(np.argmax(dev))
     mine = np.nonzero(holders[:, hot])[0]
     mine = [int(x) for x in mine[np.argsort(-load_E[mine] / holders[mine].sum(1))]
-            if holders[x].sum() < n and (int(x) in chosen or len(chosen) < overlap)]
+            if holders[x].sum() < n and room[owner_E[x]] > 0
+            and (int(x) in chosen or len(chosen) < overlap)]
     placed = False
     for ex in mine:
       cand = np.nonzero(~holders[ex] & (free > 0))[0]
@@ -259,6 +264,7 @@ def _plan_lpt(load_E, owner_E, n, dpn, slots, overlap) -> np.ndarray:
       if new_dev.max() < dev.max() - 1e-9 * max(dev.max(), 1e-30):
         holders, dev = trial, new_dev
         free[d] -= 1
+        room[owner_E[ex]] -= 1
         chosen.add(ex)
         placed = True
         break

@@ -80,6 +80,9 @@ class System:
   overlap_degree: int = 0
   """t distinct experts replicated per layer; 0: Themis's rule floor(T_attn * bw / expert
   bytes)."""
+  owner_sends: int = -1
+  """planner="lpt": the most replicas one owner sends per layer (moejax's fssdp.owner_sends):
+  -1 = t, its default; 0 = no bound. Themis's plan broadcasts within nodes instead."""
   replica_ratio: float = 1.0
   """Bytes of a replica its device held last step over a plain one (moejax's replica codec;
   1.0: none)."""

@@ -48,6 +48,7 @@ class Dispatch:
   capacity_factor: float = 0.0        # ep / fssdp; 0 = dropless
   replica_slots: int = 0              # fssdp: M replica slots per device per layer
   overlap_degree: int = 0             # fssdp: t, distinct experts materialized per step
+  owner_sends: int = 0                # fssdp: replica slots one owner fills per step; 0 = N * M
   calibrate: bool = False             # fssdp: re-plan after gating when it pays
   replica_codec: Any = None           # fssdp: `codec.replicas.ReplicaCodec`, None = plain
 

@@ -32,7 +32,9 @@ scatters back into the slots). Each step and layer:
 On XLA:CPU the static buffers move their capacity (N*M expert slots for SpAG); on GPU/TPU
 `ragged_all_to_all` moves only the filled slots (`ragged_plan`, chosen by
 `lax.platform_dependent`), and the token exchange only the filled rows
-(`dispatch.send_blocks`). Metrics report capacity and fill.
+(`dispatch.send_blocks`). Metrics report capacity and fill. The planner lets one owner fill at
+most Q = `fssdp.owner_sends` slots (`owner_sends`), so the ragged forms' send rows and
+SparseReduceScatter's fp32 receive rows are Q per device, not N*M: bounded as devices grow.
 """
 from __future__ import annotations
 
@@ -92,7 +94,15 @@ def sparse_all_gather(local_w_CxR, replica_expert_NxM, *, dispatch: Dispatch,
   if owners is None:
     owners = even_owners(local_w_CxR.shape[0] * n, n)
   holder_NxM, rank_NxM = _slot_sources(replica_expert_NxM, owners, n)
-  return _sparse_all_gather(local_w_CxR, holder_NxM, rank_NxM, dispatch.axis_names)
+  return _sparse_all_gather(local_w_CxR, holder_NxM, rank_NxM, dispatch.axis_names,
+                            owner_sends(dispatch))
+
+
+def owner_sends(dispatch: Dispatch) -> int:
+  """Q: the most replica slots one owner fills (the planner's bound, `fssdp.owner_sends`): the
+  ragged path's send rows and SparseReduceScatter's fp32 receive rows per device."""
+  return planner.resolve_owner_sends(dispatch.owner_sends, dispatch.num_devices,
+                                     dispatch.replica_slots)
 
 
 def _slot_sources(replica_expert_NxM, owners: Owners, n: int):
@@ -112,8 +122,9 @@ def _masked(x_NxMxR, mine_NxM):
 
 class RaggedPlan(NamedTuple):
   """Where each replica row travels in the ragged SparseAllGather (GPU), from the replicated
-  plan alone. As owner, this device sends its rows in (destination, slot) order: `order` [N*M]
-  lists first the flat (d, slot) indices it fills; `send_N` rows to each destination, from
+  plan alone. As owner, this device sends its rows in (destination, slot) order: `order` [Q]
+  lists the flat (d, slot) indices it fills (then others', never sent: the planner lets one
+  owner fill at most Q = `owner_sends` slots); `send_N` rows to each destination, from
   `start_N`, landing at `land_N` there. As receiver it gets `recv_N` rows from each owner,
   grouped by owner; received row j belongs in slot `slot_of_row[j]`, and SparseReduceScatter
   returns its rows' gradients to each owner at `back_N` there (where that owner's rows for this
@@ -127,11 +138,19 @@ class RaggedPlan(NamedTuple):
   back_N: jax.Array
 
 
-def ragged_plan(holder_NxM, me) -> RaggedPlan:
+def send_order(holder_NxM, me, sends: int | None = None):
+  """[Q] int32: the flat (destination, slot) indices this owner fills, in that order, first
+  (Q = `sends`, default N * M)."""
   n, m = holder_NxM.shape
   flat_NxM = jnp.arange(n * m, dtype=jnp.int32).reshape(n, m)
+  order = jnp.argsort(jnp.where(holder_NxM == me, flat_NxM, n * m).reshape(-1), stable=True)
+  return order[:sends].astype(jnp.int32)
+
+
+def ragged_plan(holder_NxM, me, sends: int | None = None) -> RaggedPlan:
+  n, m = holder_NxM.shape
   mine_NxM = holder_NxM == me
-  order = jnp.argsort(jnp.where(mine_NxM, flat_NxM, n * m).reshape(-1), stable=True)
+  order = send_order(holder_NxM, me, sends)
   send_N = jnp.sum(mine_NxM, axis=1, dtype=jnp.int32)
   # count_OxD[o, d]: slots of device d that owner o fills (the empty-slot holder n drops out).
   count_OxD = jnp.sum(jax.nn.one_hot(holder_NxM, n, dtype=jnp.int32), axis=1).T
@@ -140,17 +159,18 @@ def ragged_plan(holder_NxM, me) -> RaggedPlan:
   slot_of_row = jnp.argsort(jnp.where(mine_M < n, mine_M * m + jnp.arange(m), n * m),
                             stable=True)
   back_OxD = jnp.cumsum(count_OxD, axis=1) - count_OxD        # rows for lower devices first
-  return RaggedPlan(order.astype(jnp.int32), send_N, jnp.cumsum(send_N) - send_N,
+  return RaggedPlan(order, send_N, jnp.cumsum(send_N) - send_N,
                     before_OxD[me], count_OxD[:, me], slot_of_row.astype(jnp.int32),
                     back_OxD[:, me])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _sparse_all_gather(local_w_CxR, holder_NxM, rank_NxM, axis_names):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _sparse_all_gather(local_w_CxR, holder_NxM, rank_NxM, axis_names, sends):
   """Device d receives its M slots, each filled by the owner of its expert (`holder`, the
   expert at `rank` among the owner's own; holder N: an empty slot, zeros). XLA:CPU: one
   psum_scatter of the [N, M, ...] buffer every owner fills with its rows; GPU/TPU: one
-  `ragged_all_to_all` of the filled rows only (`ragged_plan`)."""
+  `ragged_all_to_all` of the filled rows only (`ragged_plan`), from a send buffer of `sends`
+  rows (no owner fills more: the planner's `owner_sends`)."""
   def static(local_w_CxR, holder_NxM, rank_NxM):
     # Bit patterns, summed as integers (one device fills each slot, the others send zeros): a
     # float sum would turn -0.0 into +0.0, and XLA:CPU's float collectives rewrite NaN payloads.
@@ -162,7 +182,7 @@ def _sparse_all_gather(local_w_CxR, holder_NxM, rank_NxM, axis_names):
 
   def ragged(local_w_CxR, holder_NxM, rank_NxM):
     m = holder_NxM.shape[1]
-    plan = ragged_plan(holder_NxM, lax.axis_index(axis_names))
+    plan = ragged_plan(holder_NxM, lax.axis_index(axis_names), sends)
     rows = local_w_CxR[rank_NxM.reshape(-1)[plan.order]]
     out = jnp.zeros((m,) + local_w_CxR.shape[1:], local_w_CxR.dtype)
     got = lax.ragged_all_to_all(rows, out, plan.start_N, plan.send_N, plan.land_N, plan.recv_N,
@@ -178,12 +198,12 @@ def _reduce_scatter_residuals(local_w_CxR, holder_NxM, rank_NxM):
   return holder_NxM, rank_NxM, jnp.zeros((local_w_CxR.shape[0], 0), local_w_CxR.dtype)
 
 
-def _sparse_all_gather_fwd(local_w_CxR, holder_NxM, rank_NxM, axis_names):
-  return (_sparse_all_gather(local_w_CxR, holder_NxM, rank_NxM, axis_names),
+def _sparse_all_gather_fwd(local_w_CxR, holder_NxM, rank_NxM, axis_names, sends):
+  return (_sparse_all_gather(local_w_CxR, holder_NxM, rank_NxM, axis_names, sends),
           _reduce_scatter_residuals(local_w_CxR, holder_NxM, rank_NxM))
 
 
-def _sparse_reduce_scatter(axis_names, res, g_MxR):
+def _sparse_reduce_scatter(axis_names, sends, res, g_MxR):
   """The replicas' gradients go home in fp32 (as the hook's reduce-scatter), where each owner
   sums those of its experts in fp32 and rounds once. XLA:CPU: an all_gather of every device's
   [M, ...] gradients, each owner keeping its rows; GPU/TPU: the ragged exchange reversed."""
@@ -197,9 +217,8 @@ def _sparse_reduce_scatter(axis_names, res, g_MxR):
     return zeros_CxR.at[rank_NxM.reshape(-1)].add(g_NxMxR.reshape((-1,) + shape[1:]))
 
   def ragged(g_MxR, holder_NxM, rank_NxM):
-    n, m = holder_NxM.shape
-    plan = ragged_plan(holder_NxM, lax.axis_index(axis_names))
-    back = jnp.zeros((n * m,) + shape[1:], jnp.float32)
+    plan = ragged_plan(holder_NxM, lax.axis_index(axis_names), sends)
+    back = jnp.zeros(plan.order.shape + shape[1:], jnp.float32)
     # Sent back in the order received; each row lands where its owner sent it from.
     rows = lax.ragged_all_to_all(
         g_MxR[plan.slot_of_row], back, jnp.cumsum(plan.recv_N) - plan.recv_N, plan.recv_N,
@@ -247,17 +266,20 @@ def coded_sparse_all_gather(ws, replica_expert_NxM, coding: Coding, *, dispatch:
   me = lax.axis_index(dispatch.axis_names)
   cache_MxR = coding.state["cache"][source_NxM[me]]   # last step's copy under each slot
   out = _coded_gather(tuple(ws), holder_NxM, rank_NxM, choice_NxM, coding.plain_CxW,
-                      coding.patch_CxW, cache_MxR, dispatch.axis_names, codec)
+                      coding.patch_CxW, cache_MxR, dispatch.axis_names, codec,
+                      owner_sends(dispatch))
   return out, choice_NxM
 
 
 class CodedRaggedPlan(NamedTuple):
   """The ragged exchange of coded rows, in `bits.CHUNK_WORDS`-word chunks, from replicated data
-  alone (`coded_ragged_plan`). As owner: row q of the flat (destination, slot) order starts at
-  chunk `start_Q[q]` of the send buffer; `send_N` chunks go to each destination from `offset_N`,
+  alone (`coded_ragged_plan`). As owner: it sends the rows of the flat (destination, slot)
+  indices `order_Q` (`send_order`: its own first), row q starting at chunk `start_Q[q]` of the
+  send buffer; `send_N` chunks go to each destination from `offset_N`,
   landing at `land_N` there. As receiver: `recv_N` chunks from each owner; slot m's row starts
   at chunk `row_start_M[m]`. Chunks, not words: offsets in words pass 2^31 for a few slots of
   large experts (DeepSeek-V3's 22M words each: 98 slots)."""
+  order_Q: jax.Array
   start_Q: jax.Array
   send_N: jax.Array
   offset_N: jax.Array
@@ -266,12 +288,14 @@ class CodedRaggedPlan(NamedTuple):
   row_start_M: jax.Array
 
 
-def coded_ragged_plan(holder_NxM, chunks_NxM, me) -> CodedRaggedPlan:
+def coded_ragged_plan(holder_NxM, chunks_NxM, me, sends: int | None = None) -> CodedRaggedPlan:
   """A receiver's buffer holds its rows grouped by owner in device order, each owner's in slot
-  order: the order in which owners send them (destination, then slot)."""
+  order: the order in which owners send them (destination, then slot). `sends`: Q, the most
+  slots one owner fills (default N * M)."""
   n, m = holder_NxM.shape
   mine_NxM = jnp.where(holder_NxM == me, chunks_NxM, 0)
-  flat_Q = mine_NxM.reshape(-1)
+  order_Q = send_order(holder_NxM, me, sends)
+  flat_Q = mine_NxM.reshape(-1)[order_Q]
   send_N = jnp.sum(mine_NxM, axis=1)
   land_N = jnp.sum(jnp.where(holder_NxM < me, chunks_NxM, 0), axis=1)
   holder_M, chunks_M = holder_NxM[me], chunks_NxM[me]
@@ -281,7 +305,7 @@ def coded_ragged_plan(holder_NxM, chunks_NxM, me) -> CodedRaggedPlan:
   before_MxM = (holder_M[None, :] < holder_M[:, None]) | (
       (holder_M[None, :] == holder_M[:, None]) & (slot_M[None, :] < slot_M[:, None]))
   row_start_M = jnp.sum(jnp.where(before_MxM, chunks_M[None, :], 0), axis=1)
-  return CodedRaggedPlan(jnp.cumsum(flat_Q) - flat_Q, send_N, jnp.cumsum(send_N) - send_N,
+  return CodedRaggedPlan(order_Q, jnp.cumsum(flat_Q) - flat_Q, send_N, jnp.cumsum(send_N) - send_N,
                          land_N, recv_N, row_start_M)
 
 
@@ -303,33 +327,36 @@ def unpack_recv_chunks(got_VxK, chunks_M, row_start_M, u: int):
                    jnp.zeros((), got_VxK.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
 def _coded_gather(ws, holder_NxM, rank_NxM, choice_NxM, plain_CxW, patch_CxW, cache_MxR,
-                  axis_names, codec):
+                  axis_names, codec, sends):
   """Slot (d, m) receives its expert's patch row where `choice_NxM` > 0, else its plain row,
   from the slot's holder. XLA:CPU: one psum_scatter of a static [N, M, W] uint32 buffer;
-  GPU/TPU: one `ragged_all_to_all` of the rows' words in chunks (`coded_ragged_plan`)."""
+  GPU/TPU: one `ragged_all_to_all` of the rows' words in chunks (`coded_ragged_plan`), from
+  the `sends` rows an owner fills at most."""
   n, m = holder_NxM.shape
   w = codec.row_words
   k, u = bits.CHUNK_WORDS, bits.chunks(w)
 
-  def rows_of(holder_NxM, rank_NxM, choice_NxM, plain_CxW, patch_CxW):
-    me = lax.axis_index(axis_names)
-    rows = jnp.where((choice_NxM > 0)[..., None], patch_CxW[rank_NxM], plain_CxW[rank_NxM])
-    return _masked(rows, holder_NxM == me), me
+  def rows_of(rank, choice, plain_CxW, patch_CxW):
+    return jnp.where((choice > 0)[..., None], patch_CxW[rank], plain_CxW[rank])
 
   def static(holder_NxM, rank_NxM, choice_NxM, plain_CxW, patch_CxW):
-    rows_NxMxW, _ = rows_of(holder_NxM, rank_NxM, choice_NxM, plain_CxW, patch_CxW)
+    me = lax.axis_index(axis_names)
+    rows_NxMxW = _masked(rows_of(rank_NxM, choice_NxM, plain_CxW, patch_CxW), holder_NxM == me)
     return lax.psum_scatter(rows_NxMxW, axis_names, scatter_dimension=0, tiled=False)
 
   def ragged(holder_NxM, rank_NxM, choice_NxM, plain_CxW, patch_CxW):
-    rows_NxMxW, me = rows_of(holder_NxM, rank_NxM, choice_NxM, plain_CxW, patch_CxW)
+    me = lax.axis_index(axis_names)
     words_NxM = replicas_lib.slot_words(holder_NxM, choice_NxM, codec)
     chunks_NxM = bits.chunks(words_NxM)
-    plan = coded_ragged_plan(holder_NxM, chunks_NxM, me)
-    rows_QxUxK = jnp.pad(rows_NxMxW.reshape(n * m, w), ((0, 0), (0, u * k - w))).reshape(n * m,
-                                                                                          u, k)
-    send = pack_send_chunks(rows_QxUxK, jnp.where(holder_NxM == me, chunks_NxM, 0).reshape(-1),
+    plan = coded_ragged_plan(holder_NxM, chunks_NxM, me, sends)
+    q = plan.order_Q.shape[0]
+    rows_QxW = rows_of(rank_NxM.reshape(-1)[plan.order_Q], choice_NxM.reshape(-1)[plan.order_Q],
+                       plain_CxW, patch_CxW)
+    rows_QxUxK = jnp.pad(rows_QxW, ((0, 0), (0, u * k - w))).reshape(q, u, k)
+    mine_Q = holder_NxM.reshape(-1)[plan.order_Q] == me
+    send = pack_send_chunks(rows_QxUxK, jnp.where(mine_Q, chunks_NxM.reshape(-1)[plan.order_Q], 0),
                             plan.start_Q)
     got = lax.ragged_all_to_all(send, jnp.zeros((m * u, k), jnp.uint32), plan.offset_N,
                                 plan.send_N, plan.land_N, plan.recv_N, axis_name=axis_names)
@@ -344,17 +371,17 @@ def _coded_gather(ws, holder_NxM, rank_NxM, choice_NxM, plain_CxW, patch_CxW, ca
 
 
 def _coded_gather_fwd(ws, holder_NxM, rank_NxM, choice_NxM, plain_CxW, patch_CxW, cache_MxR,
-                      axis_names, codec):
+                      axis_names, codec, sends):
   likes = tuple(jnp.zeros((w.shape[0], 0), w.dtype) for w in ws)
   out = _coded_gather(ws, holder_NxM, rank_NxM, choice_NxM, plain_CxW, patch_CxW, cache_MxR,
-                      axis_names, codec)
+                      axis_names, codec, sends)
   return out, (holder_NxM, rank_NxM, likes)
 
 
-def _coded_gather_bwd(axis_names, codec, res, g_ws):
+def _coded_gather_bwd(axis_names, codec, sends, res, g_ws):
   del codec
   holder_NxM, rank_NxM, likes = res
-  d_ws = tuple(_sparse_reduce_scatter(axis_names, (holder_NxM, rank_NxM, like), g)[0]
+  d_ws = tuple(_sparse_reduce_scatter(axis_names, sends, (holder_NxM, rank_NxM, like), g)[0]
                for like, g in zip(likes, g_ws))
   return (d_ws, None, None, None, None, None, None)
 
@@ -391,7 +418,8 @@ def materialize(predicted_load_E, w_gate, w_up, w_down, *, dispatch: Dispatch,
   plan = planner.materialize_plan(
       predicted_load_E, owners.owner_E, num_devices=n,
       devices_per_node=dispatch.devices_per_node, replica_slots=dispatch.replica_slots,
-      overlap_degree=dispatch.overlap_degree, prefer_ExN=held_ExN)
+      overlap_degree=dispatch.overlap_degree, prefer_ExN=held_ExN,
+      owner_sends=dispatch.owner_sends)
   ws = (w_gate, w_up, w_down)
   if not coded:
     weights = tuple(jnp.concatenate([w, sparse_all_gather(w, plan.replica_expert_NxM,
@@ -453,27 +481,27 @@ def late_replicas(owned, first, first_NxM, fresh_NxM, *, dispatch: Dispatch, own
   reps = tuple(
       _home_gradients(jnp.where(kept_M.reshape((-1,) + (1,) * (r.ndim - 1)),
                                 lax.stop_gradient(f)[source_M], r),
-                      w, holder_NxM, rank_NxM, dispatch.axis_names)
+                      w, holder_NxM, rank_NxM, dispatch.axis_names, owner_sends(dispatch))
       for w, f, r in zip(owned, first, moved))
   return reps, need_NxM, choice_NxM
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _home_gradients(reps_MxR, local_w_CxR, holder_NxM, rank_NxM, axis_names):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _home_gradients(reps_MxR, local_w_CxR, holder_NxM, rank_NxM, axis_names, sends):
   """`reps_MxR` as they are, their gradients sent home to the owners of `local_w_CxR` by the
   SparseReduceScatter of the slots' (holder, rank): the backward of a SparseAllGather whose
   forward was assembled otherwise."""
-  del local_w_CxR, holder_NxM, rank_NxM, axis_names
+  del local_w_CxR, holder_NxM, rank_NxM, axis_names, sends
   return reps_MxR
 
 
-def _home_gradients_fwd(reps_MxR, local_w_CxR, holder_NxM, rank_NxM, axis_names):
-  del axis_names
+def _home_gradients_fwd(reps_MxR, local_w_CxR, holder_NxM, rank_NxM, axis_names, sends):
+  del axis_names, sends
   return reps_MxR, _reduce_scatter_residuals(local_w_CxR, holder_NxM, rank_NxM)
 
 
-def _home_gradients_bwd(axis_names, res, g_MxR):
-  d_CxR, _, _ = _sparse_reduce_scatter(axis_names, res, g_MxR)
+def _home_gradients_bwd(axis_names, sends, res, g_MxR):
+  d_CxR, _, _ = _sparse_reduce_scatter(axis_names, sends, res, g_MxR)
   return jnp.zeros_like(g_MxR), d_CxR, None, None
 
 
@@ -558,6 +586,7 @@ def fssdp_experts(x_TxD, experts_TxK, weights_TxK, mat: Materialized, *, dispatc
       mat.plan, jnp.sum(source_load_NxE, axis=0), owners.owner_E, num_devices=n,
       devices_per_node=dpn, replica_slots=dispatch.replica_slots,
       overlap_degree=dispatch.overlap_degree, actual_source_load_NxE=source_load_NxE,
+      owner_sends=dispatch.owner_sends,
       # a replica the first plan placed moves nothing
       prefer_ExN=mat.plan.holders_ExN)
   owned, first = tuple(w[:c] for w in mat.weights), tuple(w[c:] for w in mat.weights)

@@ -66,6 +66,7 @@ class Placement:
   dispatch_overflow: str = "grow"     # `moejax.placement.dispatch.OVERFLOW_POLICIES`
   replica_slots: int = 0
   overlap_degree: int = 0
+  owner_sends: int = 0                # fssdp.owner_sends resolved (0 = no bound)
   calibrate: bool = False
   window: int = 5
   max_per_layer_setting: int = 0      # fssdp.max_per_layer as configured (0 = default)
@@ -105,7 +106,8 @@ class Placement:
       return LOCAL
     return Dispatch(self.kind, self.axis_names, self.num_devices, self.devices_per_node,
                     self.dispatch_capacity_factor, replica_slots=self.replica_slots,
-                    overlap_degree=self.overlap_degree, calibrate=self.calibrate,
+                    overlap_degree=self.overlap_degree, owner_sends=self.owner_sends,
+                    calibrate=self.calibrate,
                     replica_codec=self.replica_codec if self.kind == "fssdp" else None)
 
   def dispatch_capacity(self, tokens_per_device: int) -> int:

@@ -133,6 +133,7 @@ class Plan(NamedTuple):
   holders_ExN         devices holding each expert this step: its owner plus its replicas.
   num_replicas        replicas added (<= N * M).
   num_materialized    distinct experts given replicas (<= overlap_degree).
+  sends_N             replica slots each device fills as owner (<= owner_sends).
   load_N              modelled work per device under the plan, for the load it was made for.
   straggler           max / mean of load_N.
   """
@@ -143,6 +144,7 @@ class Plan(NamedTuple):
   num_materialized: jax.Array
   load_N: jax.Array
   straggler: jax.Array
+  sends_N: jax.Array
 
 
 def owner_holders(owner_E, num_devices: int) -> jax.Array:
@@ -153,7 +155,8 @@ def owner_holders(owner_E, num_devices: int) -> jax.Array:
 def materialize_plan(load_E, owner_E, *, num_devices: int, devices_per_node: int,
                      replica_slots: int, overlap_degree: int, target_straggler: float = 1.05,
                      lookahead: int | None = None, source_load_NxE=None, prefer_ExN=None,
-                     prefer_within: float = PREFER_WITHIN) -> Plan:
+                     prefer_within: float = PREFER_WITHIN, owner_sends: int | None = None
+                     ) -> Plan:
   """Chooses this step's expert replicas for one layer (greedy, static shapes).
 
   load_E: predicted load per expert (any non-negative scale); owner_E: int32 owning device;
@@ -184,7 +187,10 @@ def materialize_plan(load_E, owner_E, *, num_devices: int, devices_per_node: int
   It stops when the modelled straggler is at most `target_straggler`, when nothing improves it,
   or after min(N * M, t * (N - 1)) rounds (a static bound; `lax.while_loop`). At most
   `overlap_degree` (t) distinct experts get replicas, at most N - 1 per expert, at most
-  `replica_slots` (M) per device; a replica never sits on its owner or twice on one device.
+  `replica_slots` (M) per device, at most `owner_sends` (default N * M: no bound) from one
+  owner, over all its experts; a replica never sits on its owner or twice on one device.
+  The owner bound sizes SparseAllGather's send rows and SparseReduceScatter's fp32 receive
+  rows on the ragged (GPU) path: `owner_sends` rows per device instead of N * M.
   """
   n, dpn = num_devices, devices_per_node
   if n % dpn:
@@ -196,8 +202,10 @@ def materialize_plan(load_E, owner_E, *, num_devices: int, devices_per_node: int
     src_ExN = jnp.maximum(jnp.asarray(source_load_NxE, jnp.float32), 0.0).T
   lookahead = dpn + 1 if lookahead is None else lookahead
   owner_E = jnp.asarray(owner_E, jnp.int32)
+  owner_sends = resolve_owner_sends(owner_sends, n, replica_slots)
   plan = functools.partial(_plan, src_ExN, owner_E, n, dpn, replica_slots, overlap_degree,
-                           target_straggler, lookahead, prefer_within=prefer_within)
+                           target_straggler, lookahead, prefer_within=prefer_within,
+                           owner_sends=owner_sends)
   base = plan(jnp.zeros(src_ExN.shape, jnp.bool_))
   if prefer_ExN is None:
     return base
@@ -206,8 +214,15 @@ def materialize_plan(load_E, owner_E, *, num_devices: int, devices_per_node: int
   return jax.tree.map(lambda a, b: jnp.where(keep, a, b), preferred, base)
 
 
+def resolve_owner_sends(owner_sends: int | None, num_devices: int, replica_slots: int) -> int:
+  """The bound on replica slots one owner fills per layer and step: `owner_sends`, at most
+  N * M (every slot of every device), which None or 0 means."""
+  most = num_devices * replica_slots
+  return most if not owner_sends else min(int(owner_sends), most)
+
+
 def _plan(src_ExN, owner_E, n, dpn, m, overlap_degree, target_straggler, lookahead, prefer_ExN,
-          prefer_within) -> Plan:
+          prefer_within, owner_sends) -> Plan:
   e = src_ExN.shape[0]
   g = n // dpn
   load_E = jnp.sum(src_ExN, axis=1)
@@ -215,7 +230,7 @@ def _plan(src_ExN, owner_E, n, dpn, m, overlap_degree, target_straggler, lookahe
   total = jnp.sum(load_E)
   mean = total / n
   eps = 1e-6 * jnp.maximum(total, 1e-30)
-  rounds = min(n * m, max(overlap_degree, 0) * (n - 1))
+  rounds = min(n * m, max(overlap_degree, 0) * (n - 1), n * owner_sends)
   chain = max(1, min(lookahead, n - 1))
   eye_NxN = jnp.eye(n, dtype=jnp.bool_)
 
@@ -253,25 +268,27 @@ def _plan(src_ExN, owner_E, n, dpn, m, overlap_degree, target_straggler, lookahe
     return (i < rounds) & ~done
 
   def body(carry):
-    i, holders_ExN, rep_NxM, used_N, done = carry
+    i, holders_ExN, rep_NxM, used_N, sends_N, done = carry
     contrib_ExN = contributions(holders_ExN)
     load_N = jnp.sum(contrib_ExN, axis=0)
     cur_max, cur_sos = jnp.max(load_N), jnp.sum(load_N * load_N)
     materialized_E = jnp.sum(holders_ExN, axis=1) > 1
     can_open = jnp.sum(materialized_E) < overlap_degree
-    valid_E = (materialized_E | can_open) & (load_E > 0)
+    room_E = owner_sends - sends_N[owner_E]            # replicas each expert's owner can still fill
+    valid_E = (materialized_E | can_open) & (load_E > 0) & (room_E > 0)
     allowed_ExN = valid_E[:, None] & (used_N < m)[None, :]
     held_ExJxN, max_ExJ, sos_ExJ = jax.vmap(grow)(
         src_ExN, holders_ExN, load_N[None, :] - contrib_ExN, allowed_ExN, prefer_ExN)
     better_ExJ = (max_ExJ < cur_max - eps) | ((max_ExJ <= cur_max + eps)
                                               & (sos_ExJ < cur_sos - eps * mean))
+    length_ExJ = jnp.broadcast_to(jnp.arange(chain)[None, :], (e, chain))
+    better_ExJ = better_ExJ & (length_ExJ < room_E[:, None])    # a chain of j + 1 replicas
     max_ExJ = jnp.where(better_ExJ, max_ExJ, jnp.inf)
     tie_ExJ = max_ExJ <= jnp.min(max_ExJ) + 0.01 * mean
     # Candidates that add replicas only where they are cheap to move win when close enough.
     cheap_ExJ = ~jnp.any(held_ExJxN & ~holders_ExN[:, None, :] & ~prefer_ExN[:, None, :], axis=2)
     cheap_ExJ = cheap_ExJ & better_ExJ & (max_ExJ <= jnp.min(max_ExJ) + prefer_within * mean)
     tie_ExJ = jnp.where(jnp.any(cheap_ExJ), cheap_ExJ, tie_ExJ)
-    length_ExJ = jnp.broadcast_to(jnp.arange(chain)[None, :], (e, chain))
     tie_ExJ = tie_ExJ & (length_ExJ == jnp.min(jnp.where(tie_ExJ, length_ExJ, chain)))
     flat = jnp.argmin(jnp.where(tie_ExJ, sos_ExJ, jnp.inf))
     be, bj = flat // chain, flat % chain
@@ -282,13 +299,14 @@ def _plan(src_ExN, owner_E, n, dpn, m, overlap_degree, target_straggler, lookahe
     rows = jnp.arange(n)
     rep_NxM = rep_NxM.at[rows, slot_N].set(jnp.where(added_N, be, rep_NxM[rows, slot_N]))
     used_N = used_N + added_N.astype(jnp.int32)
-    return i + 1, holders_ExN, rep_NxM, used_N, ~take
+    sends_N = sends_N.at[owner_E[be]].add(jnp.sum(added_N, dtype=jnp.int32))
+    return i + 1, holders_ExN, rep_NxM, used_N, sends_N, ~take
 
   carry = (jnp.zeros((), jnp.int32), owner_holders(owner_E, n), jnp.full((n, m), e, jnp.int32),
-           jnp.zeros((n,), jnp.int32), jnp.zeros((), jnp.bool_))
+           jnp.zeros((n,), jnp.int32), jnp.zeros((n,), jnp.int32), jnp.zeros((), jnp.bool_))
   if rounds > 0:
     carry = lax.while_loop(cond, body, carry)
-  _, holders_ExN, rep_NxM, used_N, _ = carry
+  _, holders_ExN, rep_NxM, used_N, sends_N, _ = carry
   slot_ExN = jnp.full((e + 1, n), -1, jnp.int32)
   slot_ExN = slot_ExN.at[rep_NxM, jnp.broadcast_to(jnp.arange(n)[:, None], (n, m))].set(
       jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32)[None, :], (n, m)))[:e]
@@ -296,14 +314,14 @@ def _plan(src_ExN, owner_E, n, dpn, m, overlap_degree, target_straggler, lookahe
   return Plan(replica_expert_NxM=rep_NxM, replica_slot_ExN=slot_ExN, holders_ExN=holders_ExN,
               num_replicas=jnp.sum(used_N),
               num_materialized=jnp.sum(jnp.sum(holders_ExN, axis=1) > 1).astype(jnp.int32),
-              load_N=load_N, straggler=straggler_of(load_N))
+              load_N=load_N, straggler=straggler_of(load_N), sends_N=sends_N)
 
 
 def calibrate(plan: Plan, actual_load_E, owner_E, *, num_devices: int, devices_per_node: int,
               replica_slots: int, overlap_degree: int, target_straggler: float = 1.05,
               lookahead: int | None = None, margin: float = 0.05,
               actual_source_load_NxE=None, fresh: Plan | None = None,
-              prefer_ExN=None) -> tuple[Plan, jax.Array]:
+              prefer_ExN=None, owner_sends: int | None = None) -> tuple[Plan, jax.Array]:
   """After gating: re-plan with the actual loads, adopted only when it pays.
 
   Returns (plan, adopted). The fresh plan (`materialize_plan` on the actual loads, per source
@@ -328,7 +346,7 @@ def calibrate(plan: Plan, actual_load_E, owner_E, *, num_devices: int, devices_p
                              devices_per_node=dpn, replica_slots=replica_slots,
                              overlap_degree=overlap_degree, target_straggler=target_straggler,
                              lookahead=lookahead, source_load_NxE=actual_source_load_NxE,
-                             prefer_ExN=prefer_ExN)
+                             prefer_ExN=prefer_ExN, owner_sends=owner_sends)
   adopted = fresh.straggler < cur.straggler - margin
   chosen = jax.tree.map(lambda a, b: jnp.where(adopted, a, b), fresh, cur)
   return chosen, adopted

@@ -18,7 +18,8 @@ no devices, no compile (`jax.eval_shape` only), so it answers for a cluster you 
                   the fp32 logits with their gradient
   exchange        ep/fssdp dispatch buffers of one MoE layer (forward and backward; every layer's
                   forward under remat="none"): N x C rows each way and sorted by expert, the
-                  expert hidden rows, and fssdp's SparseReduceScatter buffer (fp32)
+                  expert hidden rows, and fssdp's replica rows: Q = fssdp.owner_sends send
+                  rows (compute dtype) and SparseReduceScatter's Q fp32 receive rows
 
 It models the program a GPU runs (attention in the fused kernel, no score matrix kept; bf16
 matmuls accumulate in fp32 without upcast copies of the weights). XLA:CPU's buffers differ: it
@@ -39,7 +40,7 @@ import numpy as np
 
 from moejax.config import Config, num_moe_layers
 from moejax.errors import ConfigError
-from moejax.placement import ownership
+from moejax.placement import ownership, planner
 
 # The config field that sizes each component, named when the step does not fit.
 FIELDS = {"parameters": "model (its shapes)", "optimizer": "optim", "gradients": "model",
@@ -169,8 +170,14 @@ def memory_report(cfg: Config, num_devices: int, *,
     # expert ids, and the hidden rows (gate and up accumulated in fp32, their product).
     forward = 6 * one_way + 2 * rows * 4 + rows * f * (2 * 4 + c)
     exchange = forward * (num_moe_layers(cfg) if not recomputes(cfg.remat) else 1) + forward
-    if moe.placement == "fssdp":
-      exchange += n * cfg.fssdp.replica_slots * 3 * d * f * 4      # SpRS, fp32
+  # fssdp's ragged SparseAllGather sends from Q rows (the most slots one owner fills, the
+  # planner's fssdp.owner_sends; N x M unbounded) and its SparseReduceScatter receives Q fp32
+  # gradient rows.
+  sends = planner.resolve_owner_sends(cfg.fssdp.resolved_owner_sends(), n,
+                                      cfg.fssdp.replica_slots)
+  expert = 3 * m.d_model * moe.expert_hidden
+  if owns and n > 1 and moe.placement == "fssdp":
+    exchange += sends * expert * (c + 4)
   placement = 0
   if moe.placement == "fssdp":     # FssdpState: the load history (fp32), the owners and what
     experts = num_moe_layers(cfg) * e    # the replica slots held last step (int32)
@@ -178,17 +185,18 @@ def memory_report(cfg: Config, num_devices: int, *,
                  + num_moe_layers(cfg) * n * cfg.fssdp.replica_slots * 4)   # updated in place
     if cfg.fssdp.resolved_replica_codec(cfg.codec.mode) != "off":
       # The replica codec: last step's replicas (M) and owned experts (C) as bit patterns
-      # (`moejax.codec.replicas`); the step's new ones live beside them until it returns. One layer's coded gather adds the owned experts' plain and patch rows and
-      # its [N, M] send buffer (uint32 words, about the expert's bytes each).
+      # (`moejax.codec.replicas`); the step's new ones live beside them until it returns. One
+      # layer's coded gather adds the owned experts' plain and patch rows and its Q-row send
+      # buffer (uint32 words, about the expert's bytes each; it replaces the plain one).
       owned = cfg.fssdp.max_per_layer or ownership.default_max_per_layer(e, n)
       per_layer = owned + cfg.fssdp.replica_slots
       placement += 2 * num_moe_layers(cfg) * (per_layer * 3 * d * f * c + 1)
-      exchange += (2 * owned + n * cfg.fssdp.replica_slots) * 3 * d * f * c
+      exchange += 2 * owned * expert * c
   if moe.placement == "fssdp" and cfg.fssdp.calibrate:
     # Calibration's late SparseAllGather (every step; it moves only a re-plan's new replicas)
-    # holds a second set of M replicas (and its SpRS) beside the planned one.
+    # holds a second set of M replicas (and its send rows and SpRS) beside the planned one.
     gathered += fssdp_replicas * c
-    exchange += n * cfg.fssdp.replica_slots * 3 * d * f * 4
+    exchange += sends * expert * (c + 4)
   codec_state = _codec_state_bytes(cfg, meta, layouts, n)
   batch = 2 * tokens * 4
   return MemoryReport(n, {

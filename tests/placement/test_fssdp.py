@@ -120,12 +120,12 @@ def test_each_platform_lowers_its_own_sparse_all_gather():
 E2, D, F, M2 = 2 * N, 4, 8, 2          # two experts per device, two replica slots
 
 
-def _coded_setup():
+def _coded_setup(owner_sends: int = 0):
   from moejax.codec import replicas
   codec = replicas.ReplicaCodec(3 * D * F, "bfloat16")
   mesh = Mesh(np.array(jax.devices()[:N]), ("devices",))
   dispatch = Dispatch(kind="fssdp", axis_names=("devices",), num_devices=N, devices_per_node=4,
-                      replica_slots=M2, replica_codec=codec)
+                      replica_slots=M2, replica_codec=codec, owner_sends=owner_sends)
   owners = fssdp.even_owners(E2, N)
 
   def body(ws, g_ws, replica_NxM, state):
@@ -167,12 +167,13 @@ def _bits_equal(a, b):
              for x, y in zip(a, b))
 
 
-def _two_coded_steps():
+def _two_coded_steps(owner_sends: int = 0):
   """Two steps of the coded SparseAllGather on 8 devices (and the plain one beside it, with
   both backwards), every value of the second moved a few units in the last place but one
   expert's, moved wholesale; slots swap on every device, and device 0 takes an expert it did
-  not hold -> (rep1, rep2, [(replicas, plain replicas, grads, plain grads, choice) per step])."""
-  codec, owners, fn, _, _, _ = _coded_setup()
+  not hold -> (rep1, rep2, [(replicas, plain replicas, grads, plain grads, choice) per step]).
+  `owner_sends`: the dispatch's bound on the slots one owner fills (sizes the GPU forms)."""
+  codec, owners, fn, _, _, _ = _coded_setup(owner_sends)
   rng = np.random.default_rng(1)
   shapes = ((E2, D, F), (E2, D, F), (E2, F, D))
   w0 = [rng.standard_normal(s).astype(jnp.bfloat16) for s in shapes]
@@ -227,11 +228,18 @@ def test_the_gpu_forms_of_the_sparse_collectives_equal_the_cpu_forms(coded_steps
   from all_gathers: the ragged SparseAllGather (rows), its coded form (rows in chunks of
   `bits.CHUNK_WORDS` words, patches and plain rows), the ragged SparseReduceScatter and the
   replica codec's encode/decode without conditionals give the CPU forms' replicas, gradients
-  and choices bit for bit, over both steps."""
+  and choices bit for bit, over both steps. The GPU forms' send and gradient rows are sized by
+  the dispatch's `owner_sends`, here the most slots any owner fills in either step (one fewer
+  drops a row), well below the N x M rows an unbounded owner may fill."""
+  rep1, rep2, _ = coded_steps
+  owner = np.asarray(fssdp.even_owners(E2, N).owner_E)
+  most = max(np.bincount(owner[r[r < E2]], minlength=N).max() for r in map(np.asarray,
+                                                                           (rep1, rep2)))
+  assert most < N * M2 // 2
   monkeypatch.setattr(lax, "platform_dependent",
                       gpu_forms_of("moejax.placement.fssdp", "moejax.codec.replicas"))
   monkeypatch.setattr(lax, "ragged_all_to_all", emulated_ragged_all_to_all)
-  _, _, gpu_steps = _two_coded_steps()
+  _, _, gpu_steps = _two_coded_steps(owner_sends=int(most))
   assert_bits_equal(coded_steps[2], gpu_steps)
 
 
@@ -262,8 +270,8 @@ def test_coded_ragged_chunks_deliver_the_static_rows():
     rows = np.where((holder == o)[..., None, None], np.where(
         hit[..., None, None], patch[o][rank], plain[o][rank]), 0).reshape(n * m, u, k)
     mine = np.where(holder == o, chunks, 0).reshape(-1)
-    send = np.asarray(fssdp.pack_send_chunks(jnp.asarray(rows), jnp.asarray(mine),
-                                             jnp.asarray(p.start_Q)))
+    send = np.asarray(fssdp.pack_send_chunks(jnp.asarray(rows[p.order_Q]),
+                                             jnp.asarray(mine[p.order_Q]), jnp.asarray(p.start_Q)))
     for d in range(n):
       assert p.send_N[d] == plans[d].recv_N[o]
       size, land = p.send_N[d], p.land_N[d]

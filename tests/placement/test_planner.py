@@ -13,6 +13,7 @@ from moejax.sharding.mesh import DEVICES, make_mesh
 
 E, N, DPN, M, OVERLAP, T, K = 16, 8, 4, 2, 4, 32, 2
 KW = dict(num_devices=N, devices_per_node=DPN, replica_slots=M, overlap_degree=OVERLAP)
+SENDS = 3                   # a bound on the slots one owner fills (fssdp.owner_sends)
 
 
 # ----------------------------------------------------------------------------- predictor
@@ -94,7 +95,12 @@ def _run(loads_BxE, owners_BxE, experts_BxNxTxK):
                                          devices_per_node=DPN), axis=0)
     cal, adopted = fp.calibrate(plan, jnp.sum(counts_NxE, axis=0), owner_E,
                                 actual_source_load_NxE=counts_NxE, **KW)
+    bounded = fp.materialize_plan(load_E, owner_E, owner_sends=SENDS, **KW)
+    bounded_cal, _ = fp.calibrate(bounded, jnp.sum(counts_NxE, axis=0), owner_E,
+                                  actual_source_load_NxE=counts_NxE, owner_sends=SENDS,
+                                  margin=-1.0, **KW)     # always adopt the fresh plan
     return {
+        "bounded": bounded, "bounded_cal": bounded_cal,
         "plan": plan, "ep_straggler": fp.straggler_of(ep_N),
         "dest": fp.global_dispatch(experts_NxTxK, plan, devices_per_node=DPN),
         "send": send_NxExN,
@@ -144,6 +150,26 @@ def test_plan_invariants(cases):
     np.testing.assert_allclose(plan.load_N[b].sum(), loads[b].sum(), rtol=1e-4)
     # Replicas only ever lower the modelled straggler.
     assert plan.straggler[b] <= out["ep_straggler"][b] + 1e-5
+
+
+def test_owner_sends_bounds_the_slots_one_owner_fills(cases):
+  """`owner_sends` (fssdp.owner_sends, which sizes the GPU exchange's send and gradient rows)
+  caps the slots each owner fills over all its experts, in the plan and in a re-plan; `sends_N`
+  counts them. Unbounded plans exceed the cap in some cases here; bounded ones still never
+  raise the modelled straggler above ep's, and lower it where ep is skewed."""
+  loads, owners, _, out = cases
+  for key, cap in (("plan", N * M), ("bounded", SENDS), ("bounded_cal", SENDS)):
+    plan = out[key]
+    for b in range(len(loads)):
+      rep = plan.replica_expert_NxM[b]
+      filled = np.bincount(owners[b][rep[rep < E]], minlength=N)
+      np.testing.assert_array_equal(plan.sends_N[b], filled)
+      assert filled.max() <= cap, (key, b)
+  assert np.any(out["plan"].sends_N.max(axis=1) > SENDS)
+  bounded = out["bounded"]
+  assert np.all(bounded.straggler <= out["ep_straggler"] + 1e-5)
+  skewed = out["ep_straggler"] > 1.5
+  assert np.all(bounded.straggler[skewed] < out["ep_straggler"][skewed])
 
 
 def test_plan_balances_skewed_loads(cases):

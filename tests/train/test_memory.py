@@ -107,3 +107,26 @@ def test_the_table_reads_at_every_size():
   assert lines[3].split()[-2:] == ["12", "B"]
   wide = MemoryReport(8, {"batch": 5.0, "activations": 1023.99 * 2**20}).table().splitlines()
   assert len({len(line) for line in wide}) == 1        # "1023.99 MiB" keeps the column
+
+
+def test_fssdp_replica_rows_do_not_grow_with_the_device_count():
+  """fssdp's GPU exchange holds the send rows (bf16) and SparseReduceScatter's fp32 gradient rows
+  of at most `fssdp.owner_sends` (default t) replicas per owner, for the planned and the late
+  (calibrated) gather: the same bytes over ep's at 64 and 256 devices for DeepSeek-V3's experts.
+  Unbounded (owner_sends=0, every slot of every device from one owner) they were N x M rows:
+  252 GiB a device at 256 devices."""
+  from configs import deepseek as deepseek_configs
+
+  def exchange(placement, n, **fssdp):
+    cd = deepseek_configs.get_config("v3")
+    cd.batch_size = 256
+    cd.moe.placement = placement
+    cd.fssdp.update(**fssdp)
+    return memory_report(from_config_dict(cd), n).components["exchange"]
+
+  expert = 3 * 7168 * 2048                          # one expert's values
+  per_row = expert * (2 + 4)                        # its bf16 row sent, its fp32 gradient back
+  for n in (64, 256):
+    assert exchange("fssdp", n) - exchange("ep", n) == 2 * 4 * per_row     # t = 4, two gathers
+  assert exchange("fssdp", 256, owner_sends=0) - exchange("ep", 256) == 2 * 256 * 2 * per_row
+  assert exchange("fssdp", 256, owner_sends=6) - exchange("ep", 256) == 2 * 6 * per_row
