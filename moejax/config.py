@@ -173,8 +173,9 @@ class FssdpConfig:
   owner_sends: int = -1
   """The most replica slots one owner fills per layer and step, over all its experts: it sizes
   SparseAllGather's send rows and SparseReduceScatter's fp32 receive rows on GPU (that many
-  experts per device instead of N * M); -1 = overlap_degree (the replicas an owner's link sends
-  within the overlap window, as t bounds what a receiver's link takes), 0 = no bound (N * M)."""
+  experts per device instead of N * M); -1 = overlap_degree (the paper's t is the expert chunks
+  one link can take within the attention window; here an owner's link sends one per replica),
+  0 = no bound (N * M)."""
   window: int = 5
   """Load predictor: the mean of the last `window` steps' loads."""
   reshard_every: int = 100

@@ -199,10 +199,11 @@ def step_ragged(dims: dict) -> dict:
   static = jax.jit(experts._tiled_swiglu)
   y_static = static(xs, group_sizes, *w)
   static_err = float(jnp.max(jnp.abs(y_static.astype(jnp.float32) - y_dense))) / scale
-  # SparseAllGather (ragged on GPU): every device's one slot holds the next device's expert 0.
+  # SparseAllGather (ragged on GPU): every device's one slot holds the next device's expert 0,
+  # so each owner fills one slot: the send and gradient rows sized by that bound (owner_sends).
   from moejax.placement import fssdp
   fdispatch = dispatch_lib.Dispatch(kind="fssdp", axis_names=("devices",), num_devices=n,
-                                    devices_per_node=n, replica_slots=1)
+                                    devices_per_node=n, replica_slots=1, owner_sends=1)
   replica_NxM = (2 * (jnp.arange(n) + 1) % e)[:, None].astype(jnp.int32)
 
   def spag_body(w_1xCxR):

@@ -172,12 +172,13 @@ def memory_report(cfg: Config, num_devices: int, *,
     exchange = forward * (num_moe_layers(cfg) if not recomputes(cfg.remat) else 1) + forward
   # fssdp's ragged SparseAllGather sends from Q rows (the most slots one owner fills, the
   # planner's fssdp.owner_sends; N x M unbounded) and its SparseReduceScatter receives Q fp32
-  # gradient rows.
+  # gradient rows, sends its M replicas' gradients in fp32 and sums the C owned experts' in fp32.
   sends = planner.resolve_owner_sends(cfg.fssdp.resolved_owner_sends(), n,
                                       cfg.fssdp.replica_slots)
   expert = 3 * m.d_model * moe.expert_hidden
+  owned = cfg.fssdp.max_per_layer or ownership.default_max_per_layer(e, max(n, 1))
   if owns and n > 1 and moe.placement == "fssdp":
-    exchange += sends * expert * (c + 4)
+    exchange += sends * expert * (c + 4) + (cfg.fssdp.replica_slots + owned) * expert * 4
   placement = 0
   if moe.placement == "fssdp":     # FssdpState: the load history (fp32), the owners and what
     experts = num_moe_layers(cfg) * e    # the replica slots held last step (int32)
@@ -186,12 +187,12 @@ def memory_report(cfg: Config, num_devices: int, *,
     if cfg.fssdp.resolved_replica_codec(cfg.codec.mode) != "off":
       # The replica codec: last step's replicas (M) and owned experts (C) as bit patterns
       # (`moejax.codec.replicas`); the step's new ones live beside them until it returns. One
-      # layer's coded gather adds the owned experts' plain and patch rows and its Q-row send
-      # buffer (uint32 words, about the expert's bytes each; it replaces the plain one).
-      owned = cfg.fssdp.max_per_layer or ownership.default_max_per_layer(e, n)
+      # layer's coded gather adds the owned experts' plain and patch rows, and its Q rows
+      # gathered from them beside the packed send buffer (uint32 words, about the expert's
+      # bytes each; the packed buffer replaces the plain send rows).
       per_layer = owned + cfg.fssdp.replica_slots
       placement += 2 * num_moe_layers(cfg) * (per_layer * 3 * d * f * c + 1)
-      exchange += 2 * owned * expert * c
+      exchange += (2 * owned + sends) * expert * c
   if moe.placement == "fssdp" and cfg.fssdp.calibrate:
     # Calibration's late SparseAllGather (every step; it moves only a re-plan's new replicas)
     # holds a second set of M replicas (and its send rows and SpRS) beside the planned one.

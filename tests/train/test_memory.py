@@ -112,9 +112,9 @@ def test_the_table_reads_at_every_size():
 def test_fssdp_replica_rows_do_not_grow_with_the_device_count():
   """fssdp's GPU exchange holds the send rows (bf16) and SparseReduceScatter's fp32 gradient rows
   of at most `fssdp.owner_sends` (default t) replicas per owner, for the planned and the late
-  (calibrated) gather: the same bytes over ep's at 64 and 256 devices for DeepSeek-V3's experts.
+  (calibrated) gather: the same rows over ep's at 64 and 256 devices for DeepSeek-V3's experts.
   Unbounded (owner_sends=0, every slot of every device from one owner) they were N x M rows:
-  252 GiB a device at 256 devices."""
+  253 GiB a device at 256 devices (2.6 GiB bounded)."""
   from configs import deepseek as deepseek_configs
 
   def exchange(placement, n, **fssdp):
@@ -126,7 +126,13 @@ def test_fssdp_replica_rows_do_not_grow_with_the_device_count():
 
   expert = 3 * 7168 * 2048                          # one expert's values
   per_row = expert * (2 + 4)                        # its bf16 row sent, its fp32 gradient back
+  # Beside them, the M = 2 replicas' fp32 gradients sent and the C owned experts' summed
+  # (C = 2E/N: 8 on 64 devices, 2 on 256).
+  fp32_sums = {64: (2 + 8) * expert * 4, 256: (2 + 2) * expert * 4}
   for n in (64, 256):
-    assert exchange("fssdp", n) - exchange("ep", n) == 2 * 4 * per_row     # t = 4, two gathers
-  assert exchange("fssdp", 256, owner_sends=0) - exchange("ep", 256) == 2 * 256 * 2 * per_row
-  assert exchange("fssdp", 256, owner_sends=6) - exchange("ep", 256) == 2 * 6 * per_row
+    assert (exchange("fssdp", n) - exchange("ep", n)
+            == 2 * 4 * per_row + fp32_sums[n])     # t = 4 rows, the planned and the late gather
+  assert (exchange("fssdp", 256, owner_sends=0) - exchange("ep", 256)
+          == 2 * 256 * 2 * per_row + fp32_sums[256])
+  assert (exchange("fssdp", 256, owner_sends=6) - exchange("ep", 256)
+          == 2 * 6 * per_row + fp32_sums[256])
