@@ -115,6 +115,22 @@ def _slot_sources(replica_expert_NxM, owners: Owners, n: int):
           jnp.where(valid_NxM, owners.rank_E[safe_NxM], 0))
 
 
+def _overfilled(holder_NxM, sends: int):
+  """True when some owner fills more than `sends` slots. The ragged (GPU) forms' buffers hold
+  `sends` rows, so they would move wrong rows; the planner never makes such a plan, and the
+  collectives return NaN for one (on every platform, so CPU tests see it) rather than a silently
+  wrong result."""
+  n = holder_NxM.shape[0]
+  if sends >= holder_NxM.size:
+    return jnp.zeros((), jnp.bool_)
+  count_N = jnp.zeros((n + 1,), jnp.int32).at[holder_NxM.reshape(-1)].add(1)[:n]
+  return jnp.max(count_N) > sends
+
+
+def _poisoned(x, over):
+  return jnp.where(over, jnp.full((), jnp.nan, x.dtype), x)
+
+
 def _masked(x_NxMxR, mine_NxM):
   mask = mine_NxM.reshape(mine_NxM.shape + (1,) * (x_NxMxR.ndim - 2))
   return jnp.where(mask, x_NxMxR, jnp.zeros((), x_NxMxR.dtype))
@@ -189,7 +205,8 @@ def _sparse_all_gather(local_w_CxR, holder_NxM, rank_NxM, axis_names, sends):
                                 axis_name=axis_names)
     return jnp.zeros_like(got).at[plan.slot_of_row].set(got)
 
-  return lax.platform_dependent(local_w_CxR, holder_NxM, rank_NxM, cpu=static, default=ragged)
+  return _poisoned(lax.platform_dependent(local_w_CxR, holder_NxM, rank_NxM, cpu=static,
+                                          default=ragged), _overfilled(holder_NxM, sends))
 
 
 def _reduce_scatter_residuals(local_w_CxR, holder_NxM, rank_NxM):
@@ -227,7 +244,7 @@ def _sparse_reduce_scatter(axis_names, sends, res, g_MxR):
 
   d_CxR = lax.platform_dependent(g_MxR.astype(jnp.float32), holder_NxM, rank_NxM, cpu=static,
                                  default=ragged)
-  return d_CxR.astype(like_Cx0.dtype), None, None
+  return _poisoned(d_CxR, _overfilled(holder_NxM, sends)).astype(like_Cx0.dtype), None, None
 
 
 _sparse_all_gather.defvjp(_sparse_all_gather_fwd, _sparse_reduce_scatter)
@@ -367,7 +384,8 @@ def _coded_gather(ws, holder_NxM, rank_NxM, choice_NxM, plain_CxW, patch_CxW, ca
                                    cpu=static, default=ragged)
   me = lax.axis_index(axis_names)
   bits_MxR = replicas_lib.decode(got_MxW, choice_NxM[me], cache_MxR, codec)
-  return replicas_lib.from_bits(bits_MxR, ws, codec.layout)
+  over = _overfilled(holder_NxM, sends)
+  return tuple(_poisoned(r, over) for r in replicas_lib.from_bits(bits_MxR, ws, codec.layout))
 
 
 def _coded_gather_fwd(ws, holder_NxM, rank_NxM, choice_NxM, plain_CxW, patch_CxW, cache_MxR,

@@ -17,10 +17,10 @@ from tests.helpers import assert_bits_equal, emulated_ragged_all_to_all, gpu_for
 N, R = 8, 4
 
 
-def _spag():
+def _spag(owner_sends: int = 0):
   mesh = Mesh(np.array(jax.devices()[:N]), ("devices",))
   dispatch = Dispatch(kind="fssdp", axis_names=("devices",), num_devices=N, devices_per_node=N,
-                      replica_slots=1)
+                      replica_slots=1, owner_sends=owner_sends)
   replica_NxM = jnp.zeros((N, 1), jnp.int32)      # every device's one slot: expert 0
 
   def body(local_w_1xCxR):
@@ -44,6 +44,20 @@ def test_replicas_arrive_and_their_gradients_sum_in_fp32():
   np.testing.assert_array_equal(np.asarray(grad[0], np.float32),
                                 np.full((1, R), np.asarray(jnp.bfloat16(exact), np.float32)))
   np.testing.assert_array_equal(np.asarray(grad[1:], np.float32), 0)
+
+
+def test_a_plan_past_the_owner_bound_comes_back_as_nan():
+  """Every device's slot holds expert 0: its owner fills all 8 slots. Under a bound of 7
+  (`Dispatch.owner_sends`; the GPU forms then hold 7 send and gradient rows) the replicas and
+  the gradients come back NaN, on every platform, instead of silently wrong; at 8 they arrive."""
+  local_w = jnp.broadcast_to(jnp.arange(1, N + 1, dtype=jnp.bfloat16)[:, None, None], (N, 1, R))
+  for sends, broken in ((N - 1, True), (N, False)):
+    spag = _spag(sends)
+    replicas = np.asarray(jax.jit(spag)(local_w), np.float32)
+    grad = np.asarray(jax.jit(jax.grad(lambda w: jnp.sum(spag(w).astype(jnp.float32))))(local_w),
+                      np.float32)
+    assert np.all(np.isnan(replicas)) == broken and np.all(np.isnan(grad[0])) == broken
+    assert broken or (np.all(replicas == 1) and np.all(grad[0] == N))
 
 
 def _simulate_ragged(holder_NxM, rank_NxM, local_NxCxR, g_NxMxR):
