@@ -461,7 +461,8 @@ def main():
           f"{1000 * step_times['ep']:.1f} ms, fssdp {1000 * step_times['fssdp']:.1f} ms "
           f"(fssdp/ep {ratio:.2f}x; on CPU the planner's and SpAG's cost show, the straggler "
           f"gain does not, since fake devices share the same cores); replay took {elapsed:.1f} s")
-  figures = {"steps": steps, "step_time_s": step_times, "replay_s": elapsed,
+  figures = {"steps": steps, "owner_sends": args.owner_sends, "step_time_s": step_times,
+             "replay_s": elapsed,
              "target_met": {s: all(v[s] for v in verdict.values()) for s in FSSDP_SCHEMES}}
   for trace, rows in results.items():
     for scheme, r in rows.items():
