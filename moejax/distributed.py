@@ -26,7 +26,9 @@ declared a stopped process dead first: after 23 s against its 40).
 Leaving. `finish()` (a clean end: the others stop watching this process) and `stop(code)` (this
 process stops with an error it has printed: the others stop too, saying so, and this process
 exits without waiting on them) are what train.py calls; to the others, an exit without either
-(an uncaught exception) is an error exit too.
+(an uncaught exception) is an error exit too. On a peer's error exit a process waits
+`ERROR_GRACE_S` first: when every process stops for the same reason at once (a config that
+differs between them), each prints that reason rather than the other's exit.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ JAX_MARGIN_S = 10              # jax.distributed's heartbeat timeout = 2 x ours 
 CONNECT_TIMEOUT_S = 120        # for all processes to connect to process 0's watchdog
 JOIN_TIMEOUT_S = 300           # for all processes to join jax.distributed (jax's default)
 LOST_EXIT_CODE = 2
+ERROR_GRACE_S = 1.0           # a peer's error exit: how long this process's own error may take
 
 _watchdog: "Watchdog | None" = None
 
@@ -270,6 +273,11 @@ class Watchdog:
         return self._lost(int(lost) if lost.isdigit() else peer, "reported by process 0")
 
   def _lost(self, peer: int, why: str, error: bool = False) -> None:
+    if error:
+      # The peer printed why it stopped, and this process may be stopping for the same reason
+      # (every process makes the job's checks at once): its own line, if it has one, comes
+      # first (its `stop` closes this watchdog, and this line is not printed).
+      time.sleep(ERROR_GRACE_S)
     with self._lock:
       if self._closed:
         return

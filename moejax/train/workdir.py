@@ -7,8 +7,9 @@ into one workdir interleaved their metrics.jsonl lines and deleted each other's 
 
 `check_same_job`: process 0's config (field by field) against every other process's, and a file
 process 0 writes in its workdir read back by the others (another folder, or one on each
-machine's own disk, is refused: a checkpoint needs every process's shards in one folder). Mismatched configs hung at
-the first step whose programs differed.
+machine's own disk, is refused: a checkpoint needs every process's shards in one folder).
+Mismatched configs hung at the first step whose programs differed. Every process gathers every
+process's view, so all of them stop with the same line.
 """
 from __future__ import annotations
 
@@ -63,26 +64,30 @@ def _digest(text: str) -> int:
 
 
 def check_same_job(config: dict, workdir: str) -> None:
-  """ConfigError on a process whose config or workdir differs from process 0's (every process
-  calls this; one process: nothing to compare)."""
+  """ConfigError, on every process alike, when some process's config or workdir differs from
+  process 0's (one process: nothing to compare). Each check gathers every process's view, so
+  all of them stop with the same line instead of one stopping and the others waiting for it."""
   if jax.process_count() == 1:
     return
   from jax.experimental import multihost_utils
   from moejax.train.checkpoint import flatten
   fields = sorted(flatten(config).items())
-  me = jax.process_index()
-  # The fields' count and names first (a broadcast needs one shape on every process: another
+  # The fields' count and names first (a gather needs one shape on every process: another
   # moejax version on one machine may have other fields), then each field's value.
   header = np.asarray([len(fields), _digest(json.dumps([k for k, _ in fields]))], np.int32)
-  if not np.array_equal(header, np.asarray(multihost_utils.broadcast_one_to_all(header))):
-    raise ConfigError(f"process {me} has other config fields than process 0 (another moejax "
+  headers_PxH = np.asarray(multihost_utils.process_allgather(header))
+  other = _first_other(headers_PxH)
+  if other is not None:
+    raise ConfigError(f"process {other} has other config fields than process 0 (another moejax "
                       "version?): run the same code and config on every process")
   mine = np.asarray([_digest(json.dumps(v, sort_keys=True)) for _, v in fields], np.int32)
-  theirs = np.asarray(multihost_utils.broadcast_one_to_all(mine))
-  if not np.array_equal(mine, theirs):
-    field = fields[int(np.flatnonzero(mine != theirs)[0])][0]
-    raise ConfigError(f"process {me} runs another config.{field} than process 0: start every "
+  digests_PxF = np.asarray(multihost_utils.process_allgather(mine))
+  other = _first_other(digests_PxF)
+  if other is not None:
+    field = fields[int(np.flatnonzero(digests_PxF[other] != digests_PxF[0])[0])][0]
+    raise ConfigError(f"process {other} runs another config.{field} than process 0: start every "
                       "process of the job with the same config and workdir")
+  me = jax.process_index()
   token = int(np.random.default_rng().integers(1, 2**31 - 1))
   token = int(np.asarray(multihost_utils.broadcast_one_to_all(np.int32(token))))
   path = os.path.join(workdir, JOB_FILE)
@@ -95,9 +100,17 @@ def check_same_job(config: dict, workdir: str) -> None:
       seen = f.read().strip()
   except OSError:
     seen = ""
-  if seen != str(token):
-    raise ConfigError(f"process {me} does not see the file process 0 wrote in workdir "
-                      f"{os.path.abspath(workdir)!r}: every process must write checkpoints to "
-                      "one shared folder (the same --workdir, on a shared filesystem)")
-  multihost_utils.sync_global_devices("moejax: workdir token read")
+  sees_P = np.asarray(multihost_utils.process_allgather(np.int32(seen == str(token))))
+  blind = [int(p) for p in np.flatnonzero(sees_P == 0)]
+  if blind:
+    who = "process " + ", ".join(map(str, blind[:8])) + (", ..." if len(blind) > 8 else "")
+    raise ConfigError(f"{who} does not see the file process 0 wrote in its workdir (this "
+                      f"process's: {os.path.abspath(workdir)!r}): every process must write "
+                      "checkpoints to one shared folder (the same --workdir, on a shared "
+                      "filesystem)")
 
+
+def _first_other(rows_PxK):
+  """The first process whose row differs from process 0's, or None."""
+  differs_P = np.any(rows_PxK != rows_PxK[:1], axis=1)
+  return int(np.argmax(differs_P)) if differs_P.any() else None

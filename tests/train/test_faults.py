@@ -399,8 +399,9 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _job(tmp_path, name: str, wrapper=()):
-  """Both processes of one job on 1 CPU device each; `wrapper` runs process 1 under a script."""
+def _job(tmp_path, name: str, wrapper=(), extra1=(), workdir1=None):
+  """Both processes of one job on 1 CPU device each; `wrapper` runs process 1 under a script,
+  `extra1` adds arguments to process 1's, `workdir1` gives it another workdir."""
   address = f"127.0.0.1:{_free_port()}"
   env = dict(os.environ, XLA_FLAGS=xla_flags(1),
              JAX_PLATFORMS="cpu", JAX_ENABLE_COMPILATION_CACHE="false", PYTHONUNBUFFERED="1")
@@ -409,9 +410,10 @@ def _job(tmp_path, name: str, wrapper=()):
     env.pop(var, None)
   procs = []
   for i in range(2):
+    workdir = workdir1 if i == 1 and workdir1 is not None else tmp_path / "job"
     command = [sys.executable, *(wrapper if i == 1 else ()), os.path.join(REPO, "train.py"),
-               *MP_ARGS, "--workdir", str(tmp_path / "job"), "--coordinator_address", address,
-               "--num_processes=2", f"--process_id={i}"]
+               *MP_ARGS, *(extra1 if i == 1 else ()), "--workdir", str(workdir),
+               "--coordinator_address", address, "--num_processes=2", f"--process_id={i}"]
     with open(tmp_path / f"{name}{i}.out", "w") as out, \
          open(tmp_path / f"{name}{i}.err", "w") as err:
       procs.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=err))
@@ -476,3 +478,37 @@ def test_a_killed_process_stops_the_other_with_one_line_and_a_rerun_resumes_bit_
   assert _numbers(again[:1]) == _numbers(first[2:3])     # bit for bit, every figure
   assert np.isfinite(again[-1]["val_loss"])
   assert _listing(tmp_path / "job") == ["2", "4"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("differs", ["config", "workdir"])
+def test_a_process_with_another_config_or_workdir_stops_every_process_with_one_line(
+    tmp_path, differs):
+  """Process 1 starts with another config.seed, or with its own workdir: before anything
+  compiles, both processes stop with exit code 2, each with the line naming process 1 and what
+  differs (process 0 used to say only that process 1 stopped with an error); nothing is trained
+  or written."""
+  other = tmp_path / "other"
+  procs = _job(tmp_path, differs, extra1=["--config.seed=7"] if differs == "config" else (),
+               workdir1=other if differs == "workdir" else None)
+  try:
+    codes = [proc.wait(timeout=MP_TIMEOUT_S) for proc in procs]
+  finally:
+    _kill_all(procs)
+  firsts = []
+  for i in range(2):
+    err = (tmp_path / f"{differs}{i}.err").read_text()
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert codes[i] == 2 and errors, err[-3000:]
+    firsts.append(errors[0])
+  if differs == "config":
+    assert firsts == ["error: process 1 runs another config.seed than process 0: start every "
+                      "process of the job with the same config and workdir"] * 2
+  else:
+    for i, line in enumerate(firsts):
+      assert line.startswith("error: process 1 does not see the file process 0 wrote in its "
+                             "workdir (this process's: "), line
+      assert repr(str(other if i == 1 else tmp_path / "job")) in line, line
+  for workdir in (tmp_path / "job", other):
+    assert not (workdir / "metrics.jsonl").exists()
+    assert not (workdir / "checkpoints").exists() or not any((workdir / "checkpoints").iterdir())
