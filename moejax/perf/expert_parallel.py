@@ -49,10 +49,15 @@ def themis_overlap_degree(shape: ModelShape, cluster, run: Run, calib: Calibrati
   return max(1, int(t_attn * bw / (2.0 * shape.expert_params())))
 
 
-def _spag_bytes(holders_ExN, owner_E, dpn, psi, kept_ExN=None, ratio=1.0):
-  """(busiest GPU's received bytes, busiest node's ingress) of fetching the replicas; a replica
-  in `kept_ExN` (its device held it last step) costs `ratio` of `psi`. A node's ingress carries
-  an expert once: as a patch when every receiver there kept it, else whole."""
+def _spag_bytes(holders_ExN, owner_E, dpn, psi, kept_ExN=None, ratio=1.0, direct=False):
+  """(busiest GPU's bytes, busiest node's bytes over its NICs) of fetching the replicas; a
+  replica in `kept_ExN` (its device held it last step) costs `ratio` of `psi`. Themis
+  (`direct=False`) routes an expert once to each node that needs it and broadcasts it there: a
+  node's ingress carries it once (as a patch when every receiver there kept it, else whole), a
+  GPU's figure is what it receives. moejax (`direct=True`) sends every replica from its owner
+  (one `ragged_all_to_all`): a GPU's figure is the larger of what it receives and what it sends
+  as owner (at most `fssdp.owner_sends` replicas), a node's the larger of its NICs' ingress and
+  egress, each replica crossing on its own. The transpose moves the same bytes the other way."""
   rep = holders_ExN.copy()
   rep[np.arange(rep.shape[0]), owner_E] = False
   n = rep.shape[1]
@@ -62,6 +67,12 @@ def _spag_bytes(holders_ExN, owner_E, dpn, psi, kept_ExN=None, ratio=1.0):
   g = node.max() + 1
   per_gpu = cost_ExN.sum(0).max() if rep.any() else 0.0
   owner_node = node[owner_E]
+  if direct:
+    per_gpu = max(per_gpu, np.bincount(owner_E, weights=cost_ExN.sum(1), minlength=n).max())
+    cross_ExN = cost_ExN * (owner_node[:, None] != node[None, :])
+    ingress = np.bincount(node, weights=cross_ExN.sum(0), minlength=g)
+    egress = np.bincount(owner_node, weights=cross_ExN.sum(1), minlength=g)
+    return per_gpu, max(ingress.max(), egress.max()) if g > 1 else 0.0
   ingress = np.zeros(g)
   for e in np.nonzero(rep.any(1))[0]:
     for nd in np.unique(node[rep[e]]):
@@ -217,13 +228,14 @@ def _one_step(shape, cluster, run, system, calib, counts_LxNxE, pred_LxE, owner_
     kept = None if held_L is None or system.replica_ratio >= 1.0 else held_L[l]
     if system.balance in ("replicas", "flexmoe") and reps:
       early = holders & ~late if late is not None else holders
-      g, nd = _spag_bytes(early, owner_LxE[l], dpn, psi, kept, system.replica_ratio)
+      direct = system.planner == "lpt"          # moejax: every replica from its owner
+      g, nd = _spag_bytes(early, owner_LxE[l], dpn, psi, kept, system.replica_ratio, direct)
       spag = net.sparse(g, nd)
       if late is not None and late.any():
         g2, nd2 = _spag_bytes(late | ld.owner_holders(owner_LxE[l], n), owner_LxE[l], dpn, psi,
-                              kept, system.replica_ratio)
+                              kept, system.replica_ratio, direct)
         late_s = net.sparse(g2, nd2)
-      g3, nd3 = _spag_bytes(holders, owner_LxE[l], dpn, 2 * psi)   # fp32 gradients
+      g3, nd3 = _spag_bytes(holders, owner_LxE[l], dpn, 2 * psi, direct=direct)   # fp32 grads
       sprs = net.sparse(g3, nd3)
     layers.append({"a2a": a2a, "a2a_even": a2a_even, "exp_max": exp_max, "exp_mean": exp_mean,
                    "spag": spag, "late": late_s, "sprs": sprs, "shadow": shadow})

@@ -165,3 +165,21 @@ def test_ep_step_hand_straggler_split():
   expert = 384 / 5e11
   assert ep.exposed["straggler"] >= (600 - 400) * expert * 3 * 0.999   # fwd + bwd (2x)
   assert "straggler" not in uni.exposed or uni.exposed["straggler"] == 0
+
+
+def test_sparse_gather_bytes_themis_routes_once_per_node_moejax_from_the_owner():
+  """One expert owned by GPU 0 (node 0 of 2 x 4), replicated on all of node 1: Themis carries it
+  into node 1 once and broadcasts it there; moejax sends each replica from the owner, so the
+  owner's link and node 0's NICs carry it four times (what `fssdp.owner_sends` bounds), and a
+  replica its device kept goes as a patch."""
+  from moejax.perf.expert_parallel import _spag_bytes
+  holders = np.zeros((2, 8), bool)
+  holders[0, [0, 4, 5, 6, 7]] = True
+  holders[1, 1] = True                         # expert 1: its owner only
+  owner = np.array([0, 1])
+  assert _spag_bytes(holders, owner, 4, 10.0) == (10.0, 10.0)
+  assert _spag_bytes(holders, owner, 4, 10.0, direct=True) == (40.0, 40.0)
+  kept = np.zeros_like(holders)
+  kept[0, 4] = True
+  assert _spag_bytes(holders, owner, 4, 10.0, kept, 0.5, direct=True) == (35.0, 35.0)
+  assert _spag_bytes(holders, owner, 4, 10.0, kept, 0.5) == (10.0, 10.0)   # not all kept
