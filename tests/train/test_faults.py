@@ -399,9 +399,9 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _job(tmp_path, name: str, wrapper=(), extra1=(), workdir1=None):
+def _job(tmp_path, name: str, wrapper=(), extra0=(), extra1=(), workdir1=None):
   """Both processes of one job on 1 CPU device each; `wrapper` runs process 1 under a script,
-  `extra1` adds arguments to process 1's, `workdir1` gives it another workdir."""
+  `extra0` / `extra1` add arguments to process 0's / 1's, `workdir1` gives it another workdir."""
   address = f"127.0.0.1:{_free_port()}"
   env = dict(os.environ, XLA_FLAGS=xla_flags(1),
              JAX_PLATFORMS="cpu", JAX_ENABLE_COMPILATION_CACHE="false", PYTHONUNBUFFERED="1")
@@ -412,7 +412,7 @@ def _job(tmp_path, name: str, wrapper=(), extra1=(), workdir1=None):
   for i in range(2):
     workdir = workdir1 if i == 1 and workdir1 is not None else tmp_path / "job"
     command = [sys.executable, *(wrapper if i == 1 else ()), os.path.join(REPO, "train.py"),
-               *MP_ARGS, *(extra1 if i == 1 else ()), "--workdir", str(workdir),
+               *MP_ARGS, *(extra1 if i == 1 else extra0), "--workdir", str(workdir),
                "--coordinator_address", address, "--num_processes=2", f"--process_id={i}"]
     with open(tmp_path / f"{name}{i}.out", "w") as out, \
          open(tmp_path / f"{name}{i}.err", "w") as err:
@@ -512,3 +512,32 @@ def test_a_process_with_another_config_or_workdir_stops_every_process_with_one_l
   for workdir in (tmp_path / "job", other):
     assert not (workdir / "metrics.jsonl").exists()
     assert not (workdir / "checkpoints").exists() or not any((workdir / "checkpoints").iterdir())
+
+
+@pytest.mark.slow
+def test_a_silent_process_is_declared_lost_after_the_heartbeat_timeout(tmp_path):
+  """Process 1 is SIGSTOPped once the job has started (alive, connections open, silent): process
+  0 stops after `config.distributed.heartbeat_timeout_s` (2 s here) with one line naming it,
+  exit code 2, rather than waiting in its next collective for jax.distributed's own timeout."""
+  procs = _job(tmp_path, "silent", extra0=["--config.distributed.heartbeat_timeout_s=2"],
+               extra1=["--config.distributed.heartbeat_timeout_s=2"])
+  try:
+    deadline = time.monotonic() + MP_TIMEOUT_S
+    while "moejax: olmoe model" not in (tmp_path / "silent0.out").read_text():  # past the checks
+      for i, proc in enumerate(procs):
+        assert proc.poll() is None, (tmp_path / f"silent{i}.err").read_text()[-3000:]
+      assert time.monotonic() < deadline, "the job never started"
+      time.sleep(0.05)
+    procs[1].send_signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    rc = procs[0].wait(timeout=LOST_WITHIN_S)
+    waited = time.monotonic() - stopped
+  finally:
+    _kill_all(procs)
+  err = (tmp_path / "silent0.err").read_text()
+  errors = [line for line in err.splitlines() if line.startswith("error:")]
+  assert rc == 2 and errors == [
+      "error: process 1 of 2 was lost (no heartbeat for 2 s "
+      "(config.distributed.heartbeat_timeout_s)); process 0 stops too: rerun every process to "
+      "resume from the latest checkpoint"], err[-3000:]
+  assert 1.5 < waited < 2 + 10, waited
