@@ -476,8 +476,12 @@ def validate(c: Config) -> None:
     _check(value > 0, f"config.{field}={value}: must be positive")
   for field, value in [("moe.aux_loss_weight", moe.aux_loss_weight),
                        ("moe.z_loss_weight", moe.z_loss_weight),
-                       ("optim.weight_decay", c.optim.weight_decay), ("optim.eps", c.optim.eps)]:
+                       ("optim.weight_decay", c.optim.weight_decay)]:
     _check(value >= 0, f"config.{field}={value}: must be >= 0")
+  # 0 divides a moment by a square root that is 0 for a parameter with no gradient (an
+  # embedding row no token uses): NaN weights, saved before the loss shows them.
+  _check(c.optim.eps > 0, f"config.optim.eps={c.optim.eps}: must be positive (Adam divides by "
+         "sqrt(v) + eps, and v is 0 where a parameter never had a gradient)")
   for field, value in [("optim.b1", c.optim.b1), ("optim.b2", c.optim.b2)]:
     _check(0 <= value < 1, f"config.{field}={value}: an Adam decay rate, in [0, 1)")
   for field, value in [("model.vocab_size", m.vocab_size), ("model.d_model", m.d_model),
@@ -511,6 +515,8 @@ def validate(c: Config) -> None:
          and len(m.dense_layers) < m.num_layers,
          f"config.model.dense_layers={m.dense_layers}: must be ascending distinct layer indices "
          f"in [0, model.num_layers={m.num_layers}), leaving at least one MoE layer")
+  _check(m.dense_hidden >= 0, f"config.model.dense_hidden={m.dense_hidden}: must be >= 0 (0: no "
+         "dense layers)")
   _check(not m.dense_layers or m.dense_hidden > 0,
          f"config.model.dense_hidden={m.dense_hidden}: model.dense_layers={m.dense_layers} "
          "needs a positive dense MLP width")
@@ -657,6 +663,29 @@ def unused_settings(c: Config) -> list[str]:
   if c.fssdp.replica_codec and c.moe.placement != "fssdp":
     notes.append(f"config.fssdp.replica_codec={c.fssdp.replica_codec!r} has no effect: it codes "
                  f"fssdp's expert replicas (moe.placement={c.moe.placement!r})")
+  unread = [  # (group, fields, whether this config reads them, when it would)
+      ("fssdp", ("replica_slots", "overlap_degree", "owner_sends", "window", "reshard_every",
+                 "max_per_layer", "calibrate"), c.moe.placement == "fssdp",
+       f"moe.placement='fssdp' (here {c.moe.placement!r})"),
+      ("moe", ("dispatch_capacity_factor", "dispatch_overflow"), c.moe.placement != "fsdp",
+       "moe.placement is 'ep' or 'fssdp', whose tokens travel (here 'fsdp')"),
+      ("routing", ("threshold", "admission_capacity_factor", "admission_capacity_factor_warmup",
+                   "warmup_steps"), c.routing.admission != "none",
+       "routing.admission is not 'none'"),
+      ("codec", ("block_size", "warmup_steps", "detect", "select", "delta_bits", "transport"),
+       c.codec.mode != "off", "codec.mode is not 'off'"),
+      ("codec", ("capacity_margin", "comm_model"), c.codec.mode == "off" or c.codec.controlled,
+       "the codec is chosen at run time (codec.mode='auto', or codec.select=True)"),
+      ("model", ("dense_hidden",), bool(c.model.dense_layers), "model.dense_layers is not empty")]
+  for group, fields, read, when in unread:
+    if read:
+      continue
+    default = type(getattr(c, group))()
+    changed = [f"config.{group}.{f}={getattr(getattr(c, group), f)!r}" for f in fields
+               if getattr(getattr(c, group), f) != getattr(default, f)]
+    if changed:
+      notes.append(f"{', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect: "
+                   f"read only when {when}")
   return notes
 
 

@@ -173,6 +173,8 @@ def test_unknown_preset():
     ({"moe.shared_expert_gate": True}, r"config.moe.shared_expert_gate=True needs "
                                        r"moe.shared_expert_hidden > 0"),
     ({"moe.routed_scale": 0.0}, r"config.moe.routed_scale=0.0: must be positive"),
+    ({"optim.eps": 0.0}, r"config.optim.eps=0.0: must be positive \(Adam divides by"),
+    ({"model.dense_hidden": -5}, r"config.model.dense_hidden=-5: must be >= 0"),
     ({"fssdp.owner_sends": -2}, r"config.fssdp.owner_sends=-2: must be -1 \(= overlap_degree\)"),
     ({"fssdp.reshard_every": -1}, r"config.fssdp.reshard_every=-1: must be >= 0"),
     ({"fssdp.max_per_layer": 9}, r"config.fssdp.max_per_layer=9: must be in \[0, "
@@ -274,23 +276,43 @@ def test_values_that_would_train_wrong_or_end_in_nan_are_refused_by_name(field, 
   assert str(e.value) == message
 
 
+def _notes(**overrides):
+  """`unused_settings` of tiny_config(**overrides), but for the note on the dropless dispatch
+  buffer that tiny_config sets under every placement (fsdp reads none)."""
+  return [n for n in config_lib.unused_settings(tiny_config(**overrides))
+          if not n.startswith("config.moe.dispatch_capacity_factor=0.0 ")]
+
+
 def test_settings_that_do_nothing_here_are_named():
   """Accepted (one config serves its baselines too), but named once at the run's start: these
-  were silently ignored."""
+  were silently ignored (the fssdp, dispatch, admission, codec and dense-MLP fields found by an
+  audit of every field)."""
   cases = [({"codec.mode": "delta", "codec.reselect_every": 10}, "codec.reselect_every=10"),
            ({"codec.cache_budget_bytes": 1000}, "codec.cache_budget_bytes=1000"),
            ({"codec.mode": "auto", "codec.capacity_fraction": 0.5}, "codec.capacity_fraction"),
            ({"codec.capacity_fraction": 0.5}, "codec.capacity_fraction"),
-           ({"moe.placement": "ep", "fssdp.replica_codec": "delta"}, "fssdp.replica_codec")]
+           ({"moe.placement": "ep", "fssdp.replica_codec": "delta"}, "fssdp.replica_codec"),
+           ({"moe.placement": "ep", "fssdp.replica_slots": 9, "fssdp.window": 3},
+            "fssdp.replica_slots=9, config.fssdp.window=3 have"),
+           ({"moe.dispatch_overflow": "drop"},
+            "moe.dispatch_capacity_factor=0.0, config.moe.dispatch_overflow='drop' have"),
+           ({"routing.threshold": 0.5}, "routing.threshold=0.5 has"),
+           ({"codec.delta_bits": 4, "codec.transport": "single"},
+            "codec.delta_bits=4, config.codec.transport='single' have"),
+           ({"codec.mode": "element", "codec.comm_model": "bytes"}, "codec.comm_model='bytes'"),
+           ({"model.dense_hidden": 128}, "model.dense_hidden=128 has")]
   for overrides, field in cases:
-    (note,) = config_lib.unused_settings(tiny_config(**overrides))
-    assert note.startswith(f"config.{field}") and "has no effect" in note
+    (note,) = _notes(**overrides)
+    assert note.startswith(f"config.{field}") and "no effect" in note, note
   for overrides in ({"codec.mode": "auto", "codec.reselect_every": 10,
-                     "codec.cache_budget_bytes": 1000},
+                     "codec.cache_budget_bytes": 1000, "codec.comm_model": "bytes"},
                     {"codec.mode": "element", "codec.select": True, "codec.reselect_every": 10},
                     {"codec.mode": "element", "codec.capacity_fraction": 0.5},
-                    {"moe.placement": "fssdp", "fssdp.replica_codec": "off"}, {}):
-    assert config_lib.unused_settings(tiny_config(**overrides)) == [], overrides
+                    {"moe.placement": "fssdp", "fssdp.replica_codec": "off",
+                     "fssdp.window": 3},
+                    {"moe.placement": "ep", "moe.dispatch_overflow": "drop"},
+                    {"routing.admission": "strict", "routing.threshold": 0.5}, {}):
+    assert _notes(**overrides) == [], overrides
 
 
 def test_fssdp_fields_bind_only_under_fssdp():
@@ -305,7 +327,7 @@ def test_fssdp_fields_bind_only_under_fssdp():
     tiny_config(**{"moe.placement": "fssdp", "fssdp.replica_slots": 100})
   assert str(e.value) == ("config.fssdp.replica_slots=100: must be at most moe.num_experts=8 "
                           "(replicas are of distinct experts)")
-  (note,) = config_lib.unused_settings(tiny_config(**{"routing.locality_weight": 0.5}))
+  (note,) = _notes(**{"routing.locality_weight": 0.5})
   assert note.startswith("config.routing.locality_weight=0.5 has no effect")
   assert not config_lib.unused_settings(tiny_config(**{"routing.locality_weight": 0.5,
                                                         "moe.placement": "ep"}))

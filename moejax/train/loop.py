@@ -9,7 +9,8 @@ interrupted run continues bit for bit. It saves every `checkpoint.every` steps a
 
 A step whose loss or gradient norm is not finite stops the run with TrainingError naming the
 latest good checkpoint; no checkpoint of a non-finite state is written (a save first reads that
-step's figures). A failed save stops it with CheckpointError (`moejax.train.checkpoint`).
+step's figures and checks that every parameter is finite). A failed save stops it with
+CheckpointError (`moejax.train.checkpoint`).
 """
 from __future__ import annotations
 
@@ -387,6 +388,24 @@ class CompileSeconds:
     jax.monitoring.unregister_event_duration_listener(self._on_duration)
 
 
+@jax.jit
+def _all_finite(params) -> jax.Array:
+  """One bool: every value of every parameter is finite (one small program, run at saves)."""
+  import jax.numpy as jnp
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
+
+
+def _check_params_finite(step: int, params, checkpoints) -> None:
+  """Raises TrainingError if a parameter is not finite after step `step`: an update can make
+  them so with a finite loss and gradient norm (the loss shows it one step later, after the
+  save), and a checkpoint of such a state would resume into NaN."""
+  if not bool(_all_finite(params)):
+    checkpoints.wait()
+    raise TrainingError(f"a parameter became non-finite at step {step} with a finite loss and "
+                        "gradient norm (an update too large: try a lower optim.lr); not saved; "
+                        f"{checkpoints.resume_point()}")
+
+
 def _check_finite(step: int, metrics: dict, checkpoints, clipped: bool = True) -> None:
   """Raises TrainingError if the step's loss or gradient norm is not finite, naming the latest
   good checkpoint a rerun would resume from (after waiting for a save still in flight), with the
@@ -560,8 +579,10 @@ def _train(cfg: Config, trainer: Trainer, state, data, val_batches, writer, prog
     stop = step < last_step and stops.requested(step - first_step + 1)
     if checkpoints.should_save(step) or step == last_step or stop:
       # Never save a non-finite state: this step's loss (the parameters it started from) and
-      # gradient norm (the update it made) must be finite. Waits for this step's figures.
+      # gradient norm (the update it made) must be finite, and so must the parameters it
+      # made. Waits for this step's figures.
       _check_finite(step, metrics, checkpoints, clipped)
+      _check_params_finite(step, state.params, checkpoints)
       t_save = time.perf_counter()      # the step is done (its figures were read): from here on
       with compile_seconds.left_out():
         checkpoints.save(step, state, data.train.get_state())

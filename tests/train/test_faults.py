@@ -72,15 +72,18 @@ def _nan_like(tree):
 def _poisoned(at_step: int, what: str):
   """A train-step wrapper. what="params": the parameters become NaN before `at_step` (its loss
   is NaN). what="gradient": `at_step` computes a NaN gradient from good parameters (finite loss,
-  NaN grad_norm, NaN parameters after the update)."""
+  NaN grad_norm, NaN parameters after the update). what="update": `at_step`'s figures are finite
+  but its update makes the parameters NaN (Adam with eps=0 did, where a parameter had no
+  gradient)."""
   def wrap(train_step):
     def step(state, batch):
       n = int(state.step) + 1
       if what == "params" and n == at_step:
         state = state.replace(params=_nan_like(state.params))
       state, metrics = train_step(state, batch)
-      if what == "gradient" and n == at_step:
+      if what in ("gradient", "update") and n == at_step:
         state = state.replace(params=_nan_like(state.params))
+      if what == "gradient" and n == at_step:
         metrics = dict(metrics, grad_norm=_nan_like(metrics["grad_norm"]))
       return state, metrics
     return step
@@ -180,6 +183,21 @@ def test_nan_gradient_at_a_save_step_is_never_saved_and_a_rerun_resumes_bit_exac
           in capsys.readouterr().out)
   assert _numbers(records(workdir)) == _numbers(records(trained))[2:4]     # steps 3, 4
   assert _listing(workdir) == ["2", "4"]
+
+
+def test_nan_parameters_from_a_finite_step_are_never_saved(trainer, tmp_path):
+  """Step 4's loss and gradient norm are finite but its update leaves NaN parameters (a step-1
+  run with optim.eps=0 saved such a checkpoint and exited 0): the save checks the parameters,
+  writes nothing, and the run stops naming checkpoint 2."""
+  workdir = tmp_path / "w"
+  with pytest.raises(TrainingError) as e:
+    run(_config(trainer.cfg, **QUIET), str(workdir),
+        trainer=_variant(trainer, _poisoned(4, "update"), **QUIET))
+  assert str(e.value) == (
+      "a parameter became non-finite at step 4 with a finite loss and gradient norm (an update "
+      "too large: try a lower optim.lr); not saved; a rerun resumes from checkpoint "
+      f"{workdir}/checkpoints/2 (step 2)")
+  assert _listing(workdir) == ["2"]
 
 
 def test_nan_loss_stops_one_step_late_before_any_checkpoint(trainer, tmp_path):
