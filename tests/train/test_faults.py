@@ -163,20 +163,26 @@ def test_a_second_ctrl_c_stops_at_once(trainer, tmp_path):
 # ------------------------------------------------------------------------------------------------
 # A non-finite loss or gradient norm.
 
+def _stopped_before_saving_step_4(trainer, workdir, what: str) -> str:
+  """Runs with step 4 (a save step) poisoned (`_poisoned(4, what)`); asserts that only
+  checkpoint 2 exists; returns the TrainingError's message."""
+  with pytest.raises(TrainingError) as e:
+    run(_config(trainer.cfg, **QUIET), str(workdir),
+        trainer=_variant(trainer, _poisoned(4, what), **QUIET))
+  assert _listing(workdir) == ["2"]
+  return str(e.value)
+
+
 def test_nan_gradient_at_a_save_step_is_never_saved_and_a_rerun_resumes_bit_exact(
     trainer, trained, tmp_path, capsys):
   """Step 4's gradient is NaN (its loss is finite). Step 4 saves: the save reads that step's
   grad_norm first, so no checkpoint 4 is written; the run stops naming checkpoint 2, and a rerun
   from it equals the uninterrupted run, bit for bit."""
   workdir = tmp_path / "w"
-  with pytest.raises(TrainingError) as e:
-    run(_config(trainer.cfg, **QUIET), str(workdir),
-        trainer=_variant(trainer, _poisoned(4, "gradient"), **QUIET))
-  assert str(e.value) == (
+  assert _stopped_before_saving_step_4(trainer, workdir, "gradient") == (
       "grad_norm became nan at step 4; stopping (try a lower optim.lr or a smaller "
       "optim.clip_norm: a rerun may change them); a rerun resumes from checkpoint "
       f"{workdir}/checkpoints/2 (step 2)")
-  assert _listing(workdir) == ["2"]
   capsys.readouterr()
   run(trainer.cfg, str(workdir), trainer=trainer, stop_at=4)   # the rerun, without the fault
   assert (f"moejax: resuming from step 2 (checkpoint {workdir}/checkpoints/2)"
@@ -190,14 +196,10 @@ def test_nan_parameters_from_a_finite_step_are_never_saved(trainer, tmp_path):
   run with optim.eps=0 saved such a checkpoint and exited 0): the save checks the parameters,
   writes nothing, and the run stops naming checkpoint 2."""
   workdir = tmp_path / "w"
-  with pytest.raises(TrainingError) as e:
-    run(_config(trainer.cfg, **QUIET), str(workdir),
-        trainer=_variant(trainer, _poisoned(4, "update"), **QUIET))
-  assert str(e.value) == (
+  assert _stopped_before_saving_step_4(trainer, workdir, "update") == (
       "a parameter became non-finite at step 4 with a finite loss and gradient norm (an update "
       "too large: try a lower optim.lr); not saved; a rerun resumes from checkpoint "
       f"{workdir}/checkpoints/2 (step 2)")
-  assert _listing(workdir) == ["2"]
 
 
 def test_nan_loss_stops_one_step_late_before_any_checkpoint(trainer, tmp_path):
