@@ -600,6 +600,9 @@ def validate(c: Config) -> None:
   _choice(c.data.source, "data.source", DATA_SOURCES)
   _check(c.data.source == "builtin" or bool(c.data.path),
          f"config.data.path is empty: data.source={c.data.source!r} needs a file path")
+  _check(bool(c.data.tokenizer.strip()),
+         "config.data.tokenizer is empty: 'bytes', 'init_from' or a path to a tokenizer.json "
+         "(or its folder)")
   _check(0.0 <= c.data.val_fraction < 0.5,
          f"config.data.val_fraction={c.data.val_fraction}: must be in [0, 0.5) (0: no "
          "validation split, no val_loss)")

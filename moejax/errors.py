@@ -14,7 +14,12 @@ class ConfigError(MoejaxError):
 
 
 class DataError(MoejaxError):
-  """A data file or tokenizer cannot be used."""
+  """A data file or tokenizer cannot be used. `input`: which input failed, "tokenizer" or
+  "path" (a caller names its own setting for it), or None."""
+
+  def __init__(self, message: str, input: str | None = None):
+    super().__init__(message)
+    self.input = input
 
 
 class CheckpointError(MoejaxError):

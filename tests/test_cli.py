@@ -55,10 +55,16 @@ def test_invalid_config_is_one_message():
 
 
 def test_missing_data_file_is_one_message(tmp_path):
-  cfg = tiny_config(**{"data.source": "jsonl", "data.path": "/no/such.jsonl"})
-  with pytest.raises(MoejaxError) as e:     # what train.py prints as one line, exit 2
-    run(cfg, str(tmp_path / "w"))          # fails before anything compiles
-  assert "\n" not in str(e.value) and "/no/such.jsonl: file not found" in str(e.value)
+  """A data file or tokenizer that cannot be read: one line naming its config field (the path
+  alone before) and the path."""
+  for overrides, start in (
+      ({"data.source": "jsonl", "data.path": "/no/such.jsonl"},
+       "config.data.path='/no/such.jsonl': /no/such.jsonl: file not found"),
+      ({"data.tokenizer": "/no/tokenizer.json"},
+       "config.data.tokenizer='/no/tokenizer.json': /no/tokenizer.json: tokenizer file not found")):
+    with pytest.raises(MoejaxError) as e:     # what train.py prints as one line, exit 2
+      run(tiny_config(**overrides), str(tmp_path / "w"))   # fails before anything compiles
+    assert "\n" not in str(e.value) and str(e.value).startswith(start), str(e.value)
 
 
 def test_memory_on_devices_prints_the_report_and_trains_nothing(tmp_path, capsys):

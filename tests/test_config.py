@@ -173,6 +173,7 @@ def test_unknown_preset():
     ({"moe.shared_expert_gate": True}, r"config.moe.shared_expert_gate=True needs "
                                        r"moe.shared_expert_hidden > 0"),
     ({"moe.routed_scale": 0.0}, r"config.moe.routed_scale=0.0: must be positive"),
+    ({"data.tokenizer": ""}, r"config.data.tokenizer is empty: 'bytes', 'init_from' or a path"),
     ({"optim.eps": 0.0}, r"config.optim.eps=0.0: must be positive \(Adam divides by"),
     ({"model.dense_hidden": -5}, r"config.model.dense_hidden=-5: must be >= 0"),
     ({"fssdp.owner_sends": -2}, r"config.fssdp.owner_sends=-2: must be -1 \(= overlap_degree\)"),

@@ -86,9 +86,15 @@ def make_data(spec: DataSpec, *, batch_size: int, seq_len: int, prefetch: int = 
   `log`: where to say how tokenizing goes, every PROGRESS_SECONDS while it runs."""
   if batch_size < 1 or seq_len < 1:
     raise ConfigError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
-  tokenizer = load_tokenizer(spec.tokenizer)
+  try:
+    tokenizer = load_tokenizer(spec.tokenizer)
+  except DataError as e:
+    raise DataError(str(e), "tokenizer") from None
   name = spec.path if spec.source != "builtin" else BUILTIN_NAME
-  docs = load_documents(spec.source, spec.path)
+  try:
+    docs = load_documents(spec.source, spec.path)
+  except DataError as e:
+    raise DataError(str(e), "path") from None
   started = last = time.perf_counter()
 
   def progress(done: int, total: int):
@@ -120,4 +126,6 @@ def _check_fits(name: str, what: str, tokens_N: np.ndarray, batch_size: int, seq
   if num_windows(len(tokens_N), seq_len) < batch_size:
     raise DataError(
         f"{name}: corpus too small: the {what} has {len(tokens_N)} of {total} tokens, but one "
-        f"batch of {batch_size}x{seq_len} needs {batch_size * seq_len + 1}")
+        f"batch of {batch_size}x{seq_len} needs {batch_size * seq_len + 1}: "
+        f"{'a larger val_fraction (or 0: none), ' if 'validation' in what else ''}a smaller batch "
+        "size or sequence length, or a larger corpus")

@@ -159,7 +159,7 @@ def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
   if tokenizer.vocab_size > model_vocab_size:
     raise DataError(
         f"{tokenizer.name}: tokenizer vocab_size {tokenizer.vocab_size} exceeds the model's "
-        f"vocab_size {model_vocab_size}; set the model vocab_size to at least "
+        f"vocab_size {model_vocab_size}; set config.model.vocab_size to at least "
         f"{tokenizer.vocab_size}")
 
 

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from moejax import host_memory, weights
 from moejax.config import Config, num_params, unused_settings
 from moejax.data import DataSpec, check_vocab, make_data
-from moejax.errors import ConfigError, TrainingError
+from moejax.errors import ConfigError, DataError, TrainingError
 from moejax.sharding.mesh import make_mesh, num_devices
 from moejax.train import (checkpoint as checkpoint_lib, memory, optim, state as state_lib,
                           step as step_lib, workdir as workdir_lib)
@@ -73,10 +73,17 @@ def put_batch(batch: dict, mesh) -> dict:
 
 
 def training_data(cfg: Config):
-  """The data `run` trains `cfg` on: its corpus, tokenizer, validation split and seed."""
-  return make_data(DataSpec(cfg.data.source, cfg.data.path or None, weights.tokenizer_of(cfg),
-                            cfg.data.val_fraction, cfg.seed),
-                   batch_size=cfg.batch_size, seq_len=cfg.seq_len, log=log)
+  """The data `run` trains `cfg` on: its corpus, tokenizer, validation split and seed. A file
+  that cannot be used is named with its config field."""
+  try:
+    return make_data(DataSpec(cfg.data.source, cfg.data.path or None, weights.tokenizer_of(cfg),
+                              cfg.data.val_fraction, cfg.seed),
+                     batch_size=cfg.batch_size, seq_len=cfg.seq_len, log=log)
+  except DataError as e:
+    if e.input is None:
+      raise
+    raise DataError(f"config.data.{e.input}={getattr(cfg.data, e.input)!r}: {e}",
+                    e.input) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,11 +324,14 @@ def init_from(trainer: Trainer, path: str):
   from moejax.train import checkpoint as ckpt
   cfg = trainer.cfg
   shardings = trainer.layout.shardings.params
+  if not os.path.isdir(path):
+    raise ConfigError(f"config.init_from={path!r}: no such directory (a Hugging Face model "
+                      "folder with config.json, or a moejax workdir or checkpoint)")
   hf_dir = os.path.isfile(os.path.join(path, "config.json"))
   # The weights' config first: a mismatch is one line naming the field, before any weight is
   # read (reading them in the preset's layout would fail on the first missing tensor instead).
-  loaded = (convert.config_from_hf(convert.read_hf_config(path), cfg,
-                                   where=os.path.join(path, "config.json"))
+  hf_config = convert.read_hf_config(path) if hf_dir else {}
+  loaded = (convert.config_from_hf(hf_config, cfg, where=os.path.join(path, "config.json"))
             if hf_dir else ckpt.load_config(path))
   mismatch = _first_mismatch(loaded, cfg)
   if mismatch:
@@ -332,6 +342,10 @@ def init_from(trainer: Trainer, path: str):
   else:
     params = ckpt.load_params(path, shardings=shardings)
   log(f"moejax: initialized from {path}")
+  limit = hf_config.get("max_position_embeddings")
+  if isinstance(limit, int) and cfg.seq_len > limit:
+    log(f"moejax: note: config.seq_len={cfg.seq_len} is past the weights' "
+        f"max_position_embeddings={limit}: positions beyond it were never trained")
   return state_lib.state_from_params(params, trainer.tx, trainer.layout)
 
 

@@ -93,9 +93,11 @@ def memory_report(cfg: Config, num_devices: int, *,
   from moejax.train.state import placement_for
   from moejax.train.step import check_batch_divides
   n = num_devices
-  # What training on n devices would refuse, refused here too (one node of n devices).
+  # What training on n devices would refuse, refused here too (the mesh config.mesh.shape gives).
   check_batch_divides(cfg, n)
-  placement_for(cfg, n, n).check()
+  from moejax.sharding.mesh import resolve_shape
+  _, per_node = resolve_shape(cfg.mesh.shape, n)     # the mesh a run on n devices would build
+  placement_for(cfg, n, per_node).check()
   m, moe = cfg.model, cfg.moe
   factor = moe.dispatch_capacity_factor if dispatch_capacity_factor is None else (
       dispatch_capacity_factor)

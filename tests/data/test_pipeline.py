@@ -154,7 +154,8 @@ def test_corpus_too_small_for_one_batch(tmp_path):
   path = tmp_path / "small.txt"
   path.write_text("hello")  # 5 bytes and EOS.
   pattern = (f"^{re.escape(str(path))}: corpus too small: the training split has 6 of 6 tokens, "
-             f"but one batch of 4x16 needs 65$")
+             f"but one batch of 4x16 needs 65: a smaller batch size or sequence length, or a "
+             f"larger corpus$")
   with pytest.raises(DataError, match=pattern):
     make_data(DataSpec("text", str(path), "bytes", val_fraction=0.0, seed=0),
               batch_size=4, seq_len=16)
@@ -164,7 +165,9 @@ def test_validation_split_too_small(tmp_path):
   path = tmp_path / "medium.txt"
   path.write_text("x" * 999)
   with pytest.raises(DataError, match=r"the validation split \(val_fraction=0.01\) has 10 of "
-                                      r"1000 tokens, but one batch of 4x16 needs 65$"):
+                                      r"1000 tokens, but one batch of 4x16 needs 65: a larger "
+                                      r"val_fraction \(or 0: none\), a smaller batch size or "
+                                      r"sequence length, or a larger corpus$"):
     make_data(DataSpec("text", str(path), "bytes", val_fraction=0.01, seed=0),
               batch_size=4, seq_len=16)
 

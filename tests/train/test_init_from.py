@@ -23,6 +23,10 @@ def test_init_from_a_checkpoint(trained, trainer_for):
   with pytest.raises(ConfigError, match=r"init_from=.*config.model.d_model=32, but the weights "
                                         r"have 64"):
     init_from(other, src)
+  with pytest.raises(ConfigError) as e:    # named the path only, not the field
+    init_from(trainer, src + "/nowhere")
+  assert str(e.value) == (f"config.init_from={src + '/nowhere'!r}: no such directory (a Hugging "
+                          "Face model folder with config.json, or a moejax workdir or checkpoint)")
 
 
 def test_a_mismatch_is_found_before_any_weight_is_read(trained, monkeypatch):
@@ -50,3 +54,22 @@ def test_a_mismatch_names_any_option_that_changes_what_the_weights_compute():
       weights, tiny_config(**{"moe.renormalize": True}))
   qwen = tiny_config("qwen2_moe", **{"model.num_kv_heads": 4})
   assert _first_mismatch(weights, qwen) == "config.model.qk_norm='none', but the weights have 'full'"
+
+
+def test_a_sequence_past_the_weights_positions_is_noted(trained, trainer_for, tmp_path, capsys):
+  """Hugging Face weights trained to max_position_embeddings=16, fine-tuned at seq_len 64: the
+  run says so at the start (it trained on silently)."""
+  import json
+  from moejax.convert.hf import save_hf
+  cfg = canonical_config()
+  save_hf(checkpoint.load_params(str(trained)), cfg, str(tmp_path / "hf"))
+  with open(tmp_path / "hf" / "config.json") as f:
+    hf = json.load(f)
+  hf["max_position_embeddings"] = 16
+  with open(tmp_path / "hf" / "config.json", "w") as f:
+    json.dump(hf, f)
+  capsys.readouterr()
+  init_from(trainer_for(cfg, 4), str(tmp_path / "hf"))
+  assert (f"moejax: note: config.seq_len={cfg.seq_len} is past the weights' "
+          "max_position_embeddings=16: positions beyond it were never trained"
+          in capsys.readouterr().out)

@@ -94,6 +94,8 @@ def test_a_split_that_training_would_refuse_is_refused_here_too():
     memory_report(tiny_config(), 3)
   with pytest.raises(ConfigError, match="config.moe.num_experts=8 is not divisible by the 16 "):
     memory_report(tiny_config(**{"moe.placement": "ep"}), 16)
+  with pytest.raises(ConfigError, match=r"config.mesh.shape=\(2, 8\) needs 16 devices, but 8 "):
+    memory_report(tiny_config(**{"mesh.shape": (2, 8)}), 8)      # was ignored here
 
 
 def test_the_table_reads_at_every_size():
