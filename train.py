@@ -99,8 +99,41 @@ def parse_flags(argv):
       hint = f" ({message[1]})" if len(message) > 1 else ""   # e.g. 'Did you mean "top_k"...'
       detail = (f"unknown config field {message[0].strip(chr(34))} in a --config.FIELD "
                 f"override{hint}") if message else detail
-    print(f"error: bad command line: {detail}", file=sys.stderr)
+      print(f"error: bad command line: {detail}", file=sys.stderr)
+      sys.exit(2)
+    typed = _typed_value_error(detail)
+    print(f"error: {typed}" if typed else f"error: bad command line: {detail}", file=sys.stderr)
     sys.exit(2)
+
+
+def _typed_value_error(detail: str) -> str | None:
+  """absl's "flag --config.FIELD=VALUE: <parser's words>" as "config.FIELD=VALUE: <what the
+  field takes>", from the typed config's field; None when the flag is not a config field."""
+  import dataclasses
+  import re
+
+  from moejax.config import Config
+  match = re.match(r"flag --config\.([\w.]+)=(.*?): ", detail)
+  if not match:
+    return None
+  field, value = match.groups()
+  node = Config
+  for name in field.split("."):
+    fields = {f.name: f for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else {}
+    if name not in fields:
+      return None
+    node = fields[name].type
+    node = {"int": int, "float": float, "bool": bool, "str": str}.get(node, node) if isinstance(
+        node, str) else node
+    if isinstance(node, str):          # a group, by its class name
+      import moejax.config as config_lib
+      node = getattr(config_lib, node, node)
+  if dataclasses.is_dataclass(node):
+    return (f"config.{field}={value}: a group of fields, set one at a time (e.g. "
+            f"--config.{field}.{dataclasses.fields(node)[0].name}=...)")
+  takes = {int: "an integer (e.g. 1000, not 1e3)", float: "a number (e.g. 3e-4)",
+           bool: "True or False"}.get(node)
+  return f"config.{field}={value}: takes {takes}" if takes else None
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ def _one_error_line(proc, message):
 @pytest.mark.parametrize("args,message", [
     (["--config", "configs/olmoe.py:huge"], "unknown preset 'huge'"),
     (["--config.moe.foo=1"], "unknown config field 'foo'"),
-    (["--config.moe.top_k=abc"], "--config.moe.top_k=abc"),
+    (["--config.moe.top_k=abc"], "error: config.moe.top_k=abc: takes an integer"),
     # No override to make absl read the file: it used to fail later, in main, with a traceback.
     (["--config", "configs/nothere.py:tiny"], "No such file or directory: 'configs/nothere.py'"),
     (["--config", "configs"], "Is a directory: 'configs'"),
@@ -33,6 +33,25 @@ def test_bad_command_line_is_one_line(tmp_path, args, message):
   if not args[0].startswith("--config="):
     args = ["--config", "configs/olmoe.py:tiny", *args]
   _one_error_line(run_train([*args, "--workdir", str(tmp_path / "w")], timeout=120), message)
+
+
+def test_a_value_of_the_wrong_type_says_what_the_field_takes():
+  """absl's parser words ("invalid literal for int() with base 10: '1e3'", an ast.Name for a
+  group) become what the typed config's field takes."""
+  import train
+  cases = {
+      "flag --config.steps=1e3: invalid literal for int() with base 10: '1e3'":
+          "config.steps=1e3: takes an integer (e.g. 1000, not 1e3)",
+      "flag --config.model.qkv_bias=yes: ('Non-boolean argument to boolean flag', 'yes')":
+          "config.model.qkv_bias=yes: takes True or False",
+      "flag --config.optim.lr=abc: could not convert string to float: 'abc'":
+          "config.optim.lr=abc: takes a number (e.g. 3e-4)",
+      "flag --config.moe=ep: Failed to parse 'ep' as a ConfigDict: ValueError(...)":
+          "config.moe=ep: a group of fields, set one at a time (e.g. --config.moe.num_experts=...)",
+      "flag --workdir=x: something": None,                 # not a config field: absl's words
+      "flag --config.moe.placement=3: odd": None}          # a string field: the validator's
+  for detail, want in cases.items():
+    assert train._typed_value_error(detail) == want, detail
 
 
 def test_library_error_is_one_line_smoke(tmp_path):
