@@ -402,18 +402,23 @@ class CompileSeconds:
     jax.monitoring.unregister_event_duration_listener(self._on_duration)
 
 
-@jax.jit
-def _all_finite(params) -> jax.Array:
-  """One bool: every value of every parameter is finite (one small program, run at saves)."""
-  import jax.numpy as jnp
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
+def _all_finite(params) -> bool:
+  """Every value of every parameter is finite: checked on the host, shard by shard (no program
+  to compile: a jitted reduction cost each run's first save a compile), agreed by all
+  processes."""
+  finite = all(bool(np.isfinite(np.asarray(shard.data)).all())
+               for x in jax.tree.leaves(params) for shard in x.addressable_shards)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    finite = bool(np.all(multihost_utils.process_allgather(np.int32(finite))))
+  return finite
 
 
 def _check_params_finite(step: int, params, checkpoints) -> None:
   """Raises TrainingError if a parameter is not finite after step `step`: an update can make
   them so with a finite loss and gradient norm (the loss shows it one step later, after the
   save), and a checkpoint of such a state would resume into NaN."""
-  if not bool(_all_finite(params)):
+  if not _all_finite(params):
     checkpoints.wait()
     raise TrainingError(f"a parameter became non-finite at step {step} with a finite loss and "
                         "gradient norm (an update too large: try a lower optim.lr); not saved; "

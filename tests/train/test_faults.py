@@ -534,21 +534,42 @@ def test_a_process_with_another_config_or_workdir_stops_every_process_with_one_l
     assert not (workdir / "checkpoints").exists() or not any((workdir / "checkpoints").iterdir())
 
 
+# train.py that stops itself (SIGSTOP: alive, connections open, silent) right after the job's
+# checks, writing `marker` first.
+SILENT = """
+import os, runpy, signal, sys
+from moejax.train import loop, workdir
+marker, train_py = sys.argv[1], sys.argv[2]
+sys.argv = [train_py, *sys.argv[3:]]
+original = workdir.check_same_job
+
+def check_same_job(*args, **kwargs):
+  original(*args, **kwargs)
+  open(marker, "w").close()
+  os.kill(os.getpid(), signal.SIGSTOP)
+
+loop.workdir_lib.check_same_job = check_same_job
+runpy.run_path(train_py, run_name="__main__")
+"""
+
+
 @pytest.mark.slow
 def test_a_silent_process_is_declared_lost_after_the_heartbeat_timeout(tmp_path):
-  """Process 1 is SIGSTOPped once the job has started (alive, connections open, silent): process
-  0 stops after `config.distributed.heartbeat_timeout_s` (2 s here) with one line naming it,
-  exit code 2, rather than waiting in its next collective for jax.distributed's own timeout."""
-  procs = _job(tmp_path, "silent", extra0=["--config.distributed.heartbeat_timeout_s=2"],
-               extra1=["--config.distributed.heartbeat_timeout_s=2"])
+  """Process 1 stops itself (SIGSTOP) once the job's checks have passed: process 0 stops after
+  `config.distributed.heartbeat_timeout_s` (2 s here) with one line naming it, exit code 2,
+  rather than waiting in its next collective for jax.distributed's own timeout."""
+  marker = tmp_path / "stopped"
+  (tmp_path / "silent.py").write_text(SILENT)
+  timeout = ["--config.distributed.heartbeat_timeout_s=2"]
+  procs = _job(tmp_path, "silent", wrapper=(str(tmp_path / "silent.py"), str(marker)),
+               extra0=timeout, extra1=timeout)
   try:
     deadline = time.monotonic() + MP_TIMEOUT_S
-    while "moejax: olmoe model" not in (tmp_path / "silent0.out").read_text():  # past the checks
+    while not marker.exists():
       for i, proc in enumerate(procs):
         assert proc.poll() is None, (tmp_path / f"silent{i}.err").read_text()[-3000:]
-      assert time.monotonic() < deadline, "the job never started"
-      time.sleep(0.05)
-    procs[1].send_signal(signal.SIGSTOP)
+      assert time.monotonic() < deadline, "the job never passed its checks"
+      time.sleep(0.02)
     stopped = time.monotonic()
     rc = procs[0].wait(timeout=LOST_WITHIN_S)
     waited = time.monotonic() - stopped
