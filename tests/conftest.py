@@ -181,7 +181,8 @@ _GROUP_OF = {f: g for g, files in XDIST_GROUPS.items() for f in files}
 # Seconds each heavy unit takes under `-n 2` (the "test s" column of a whole-suite run; the
 # others take a few seconds). Units start longest first, so no long unit is left for the end
 # while the other worker idles; only the order matters, not the figures.
-UNIT_SECONDS = {"tiny8": 137, "codec_auto": 123, "tests/placement/test_fssdp_train.py": 91,
+UNIT_SECONDS = {"tiny8": 125, "codec_auto": 123, "tests/placement/test_fssdp_train.py": 91,
+                "tests/train/test_job_faults.py": 35,
                 "tests/train/test_families.py": 32, "tests/codec/test_kernels.py": 30,
                 "tests/models/test_decode.py": 29, "tests/codec/test_gather.py": 23,
                 "tests/convert/test_fine_tune.py": 19, "tests/train/test_dispatch_growth.py": 12,

@@ -1,6 +1,6 @@
 """train.py as one job of 2 processes x 4 CPU devices (jax.distributed over loopback, gloo),
 started as SLURM starts tasks: SLURM's variables and no flags, so jax.distributed's cluster
-auto-detection itself finds the coordinator, process count and index (tests/train/test_faults.py
+auto-detection itself finds the coordinator, process count and index (tests/train/test_job_faults.py
 starts its jobs with the flags).
 
 The two processes run in lockstep (every step's collectives span both), process 0 alone writes
