@@ -291,12 +291,14 @@ def coded_sparse_all_gather(ws, replica_expert_NxM, coding: Coding, *, dispatch:
 class CodedRaggedPlan(NamedTuple):
   """The ragged exchange of coded rows, in `bits.CHUNK_WORDS`-word chunks, from replicated data
   alone (`coded_ragged_plan`). As owner: it sends the rows of the flat (destination, slot)
-  indices `order_Q` (`send_order`: its own first), row q starting at chunk `start_Q[q]` of the
-  send buffer; `send_N` chunks go to each destination from `offset_N`,
+  indices `order_Q` (`send_order`: its own first), row q's `chunks_Q[q]` chunks (0 for another
+  owner's) starting at chunk `start_Q[q]` of the send buffer; `send_N` chunks go to each
+  destination from `offset_N`,
   landing at `land_N` there. As receiver: `recv_N` chunks from each owner; slot m's row starts
   at chunk `row_start_M[m]`. Chunks, not words: offsets in words pass 2^31 for a few slots of
   large experts (DeepSeek-V3's 22M words each: 98 slots)."""
   order_Q: jax.Array
+  chunks_Q: jax.Array
   start_Q: jax.Array
   send_N: jax.Array
   offset_N: jax.Array
@@ -322,8 +324,8 @@ def coded_ragged_plan(holder_NxM, chunks_NxM, me, sends: int | None = None) -> C
   before_MxM = (holder_M[None, :] < holder_M[:, None]) | (
       (holder_M[None, :] == holder_M[:, None]) & (slot_M[None, :] < slot_M[:, None]))
   row_start_M = jnp.sum(jnp.where(before_MxM, chunks_M[None, :], 0), axis=1)
-  return CodedRaggedPlan(order_Q, jnp.cumsum(flat_Q) - flat_Q, send_N, jnp.cumsum(send_N) - send_N,
-                         land_N, recv_N, row_start_M)
+  return CodedRaggedPlan(order_Q, flat_Q, jnp.cumsum(flat_Q) - flat_Q, send_N,
+                         jnp.cumsum(send_N) - send_N, land_N, recv_N, row_start_M)
 
 
 def pack_send_chunks(rows_QxUxK, chunks_Q, start_Q):
@@ -372,9 +374,7 @@ def _coded_gather(ws, holder_NxM, rank_NxM, choice_NxM, plain_CxW, patch_CxW, ca
     rows_QxW = rows_of(rank_NxM.reshape(-1)[plan.order_Q], choice_NxM.reshape(-1)[plan.order_Q],
                        plain_CxW, patch_CxW)
     rows_QxUxK = jnp.pad(rows_QxW, ((0, 0), (0, u * k - w))).reshape(q, u, k)
-    mine_Q = holder_NxM.reshape(-1)[plan.order_Q] == me
-    send = pack_send_chunks(rows_QxUxK, jnp.where(mine_Q, chunks_NxM.reshape(-1)[plan.order_Q], 0),
-                            plan.start_Q)
+    send = pack_send_chunks(rows_QxUxK, plan.chunks_Q, plan.start_Q)
     got = lax.ragged_all_to_all(send, jnp.zeros((m * u, k), jnp.uint32), plan.offset_N,
                                 plan.send_N, plan.land_N, plan.recv_N, axis_name=axis_names)
     # Past its words a row holds the sender's zero padding, as the static path's rows do.

@@ -185,8 +185,8 @@ def materialize_plan(load_E, owner_E, *, num_devices: int, devices_per_node: int
   So the hottest experts get replicas first, each gets a number roughly proportional to its load,
   spread over nodes that lack a holder first, then onto the least-loaded devices with free slots.
   It stops when the modelled straggler is at most `target_straggler`, when nothing improves it,
-  or after min(N * M, t * (N - 1), N * owner_sends) rounds (a static bound; `lax.while_loop`). At most
-  `overlap_degree` (t) distinct experts get replicas, at most N - 1 per expert, at most
+  or after min(N * M, t * (N - 1), N * owner_sends) rounds (a static bound; `lax.while_loop`).
+  At most `overlap_degree` (t) distinct experts get replicas, at most N - 1 per expert, at most
   `replica_slots` (M) per device, at most `owner_sends` (default N * M: no bound) from one
   owner, over all its experts; a replica never sits on its owner or twice on one device.
   The owner bound sizes SparseAllGather's send rows and SparseReduceScatter's fp32 receive

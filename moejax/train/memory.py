@@ -179,8 +179,9 @@ def memory_report(cfg: Config, num_devices: int, *,
                                       cfg.fssdp.replica_slots)
   expert = 3 * m.d_model * moe.expert_hidden
   owned = cfg.fssdp.max_per_layer or ownership.default_max_per_layer(e, max(n, 1))
+  replica_rows = sends * expert * (c + 4)           # one gather's send rows and SpRS's rows
   if owns and n > 1 and moe.placement == "fssdp":
-    exchange += sends * expert * (c + 4) + (cfg.fssdp.replica_slots + owned) * expert * 4
+    exchange += replica_rows + (cfg.fssdp.replica_slots + owned) * expert * 4
   placement = 0
   if moe.placement == "fssdp":     # FssdpState: the load history (fp32), the owners and what
     experts = num_moe_layers(cfg) * e    # the replica slots held last step (int32)
@@ -199,7 +200,7 @@ def memory_report(cfg: Config, num_devices: int, *,
     # Calibration's late SparseAllGather (every step; it moves only a re-plan's new replicas)
     # holds a second set of M replicas (and its send rows and SpRS) beside the planned one.
     gathered += fssdp_replicas * c
-    exchange += sends * expert * (c + 4)
+    exchange += replica_rows
   codec_state = _codec_state_bytes(cfg, meta, layouts, n)
   batch = 2 * tokens * 4
   return MemoryReport(n, {

@@ -284,6 +284,7 @@ def test_coded_ragged_chunks_deliver_the_static_rows():
     rows = np.where((holder == o)[..., None, None], np.where(
         hit[..., None, None], patch[o][rank], plain[o][rank]), 0).reshape(n * m, u, k)
     mine = np.where(holder == o, chunks, 0).reshape(-1)
+    np.testing.assert_array_equal(p.chunks_Q, mine[p.order_Q])     # what the owner sends
     send = np.asarray(fssdp.pack_send_chunks(jnp.asarray(rows[p.order_Q]),
                                              jnp.asarray(mine[p.order_Q]), jnp.asarray(p.start_Q)))
     for d in range(n):

@@ -75,6 +75,15 @@ def _job(tmp_path, name: str, wrapper=(), extra0=(), extra1=(), workdir1=None):
   return procs
 
 
+def _wait_for(path, procs, tmp_path, name: str, what: str, deadline: float) -> None:
+  """Until `path` exists, with every process of job `name` still running (else its stderr)."""
+  while not path.exists():
+    for i, proc in enumerate(procs):
+      assert proc.poll() is None, (tmp_path / f"{name}{i}.err").read_text()[-3000:]
+    assert time.monotonic() < deadline, what
+    time.sleep(0.02)
+
+
 def _kill_all(procs):
   for proc in procs:
     if proc.poll() is None:
@@ -92,11 +101,7 @@ def test_a_killed_process_stops_the_other_with_one_line_and_a_rerun_resumes_bit_
   procs = _job(tmp_path, "first", wrapper=(str(tmp_path / "stall.py"), str(marker), "3"))
   try:
     deadline = time.monotonic() + MP_TIMEOUT_S
-    while not marker.exists():
-      for i, proc in enumerate(procs):
-        assert proc.poll() is None, (tmp_path / f"first{i}.err").read_text()[-3000:]
-      assert time.monotonic() < deadline, "the job never reached step 3"
-      time.sleep(0.1)
+    _wait_for(marker, procs, tmp_path, "first", "the job never reached step 3", deadline)
     while not (tmp_path / "job" / "checkpoints" / str(MP_EVERY)).is_dir():   # committed
       assert time.monotonic() < deadline, "the save of step 2 never committed"
       time.sleep(0.1)
@@ -199,12 +204,8 @@ def test_a_silent_process_is_declared_lost_after_the_heartbeat_timeout(tmp_path)
   procs = _job(tmp_path, "silent", wrapper=(str(tmp_path / "silent.py"), str(marker)),
                extra0=timeout, extra1=timeout)
   try:
-    deadline = time.monotonic() + MP_TIMEOUT_S
-    while not marker.exists():
-      for i, proc in enumerate(procs):
-        assert proc.poll() is None, (tmp_path / f"silent{i}.err").read_text()[-3000:]
-      assert time.monotonic() < deadline, "the job never passed its checks"
-      time.sleep(0.02)
+    _wait_for(marker, procs, tmp_path, "silent", "the job never passed its checks",
+              time.monotonic() + MP_TIMEOUT_S)
     stopped = time.monotonic()
     rc = procs[0].wait(timeout=LOST_WITHIN_S)
     waited = time.monotonic() - stopped
