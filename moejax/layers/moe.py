@@ -231,6 +231,10 @@ class MoEBlock(nnx.Module):
     spec = self.spec
     x_TxD = x_BxSxD.reshape(b * s, d)
     mask_T = None if token_mask is None else token_mask.reshape(b * s)
+    if mask_T is not None:
+      # Padding zeroed before anything reads it: the outputs below are masked, but a NaN or inf
+      # in a padded row would still reach the router's and shared expert's gradients (0 x inf).
+      x_TxD = jnp.where(mask_T[:, None], x_TxD, jnp.zeros((), x_TxD.dtype))
     with profiling.scope("router"):
       router_DxE = self.router[...]
       if router_DxE.dtype != jnp.float32:

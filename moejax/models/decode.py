@@ -83,7 +83,7 @@ def _forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start
   s = tokens_BxS.shape[1]
   positions_S = start + jnp.arange(s, dtype=jnp.int32)
   visible_SxT = jnp.arange(cache.max_len)[None, :] <= positions_S[:, None]   # causal, filled
-  h_BxSxD = jnp.take(params["embed"], tokens_BxS, axis=0)
+  h_BxSxD = olmoe.embed(params["embed"], tokens_BxS)
 
   def layer_step(group, h_BxSxD, inputs):
     layer_params, k_BxTxGxDk, v_BxTxGxDv = inputs

@@ -57,7 +57,11 @@ def top_k_route(logits_TxE: jax.Array, k: int, *, score: str = "softmax",
     _, experts_TxK = jax.lax.top_k(jax.lax.stop_gradient(choice_TxE), k)
     weights_TxK = jnp.take_along_axis(scores_TxE, experts_TxK, axis=-1)
   if renormalize:
-    weights_TxK = weights_TxK / jnp.sum(weights_TxK, axis=-1, keepdims=True)
+    # Sigmoid scores can all underflow to 0 (DeepSeek-V3's reference adds 1e-20 to the sum). The
+    # floor is 1e-18 because the quotient's gradient divides by the sum squared, which must stay
+    # a normal float (XLA:CPU flushes (1e-20)^2 to 0, and 0 / 0 is NaN). Sums above the floor
+    # divide as before.
+    weights_TxK = weights_TxK / jnp.maximum(jnp.sum(weights_TxK, axis=-1, keepdims=True), 1e-18)
   if scale != 1.0:
     weights_TxK = weights_TxK * scale
   return weights_TxK, experts_TxK.astype(jnp.int32), scores_TxE

@@ -8,8 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flax import nnx
+
 from moejax.layers import attention
 from moejax.layers.attention import attend
+from moejax.models import olmoe
 
 
 @pytest.mark.parametrize("dk,dv", [(6, 4), (4, 6), (5, 5)])
@@ -41,3 +44,25 @@ def test_cuda_attention_is_cudnn_flash_attention_where_it_applies():
     for other in (dict(dtype=jnp.float32), dict(head_dim=160),
                   dict(mask=jnp.tril(jnp.ones((64, 64), bool)))):
       assert "cudnn" not in _lowered_grad("cuda", **other), other
+
+
+def test_bias_and_embedding_gradients_sum_every_token_in_fp32():
+  """A bf16 step's gradients that sum over every token: the qkv biases' (broadcast over the
+  tokens in bf16) and an embedding row's (the lookup's scatter-add). 4096 tokens with cotangents
+  in [0.5, 1.5): in bf16 the bias sums came out rounded (4096 for 4104), the row's stalled at
+  512."""
+  weights_BxSx8 = jnp.asarray(np.random.default_rng(0).uniform(0.5, 1.5, (2, 2048, 8)),
+                              jnp.bfloat16)
+  want_8 = np.asarray(weights_BxSx8, np.float64).sum(axis=(0, 1))
+  att = attention.Attention(8, 2, 4, rope_theta=1e4, norm_eps=1e-6, init_std=0.02,
+                            rngs=nnx.Rngs(0), qk_norm="none", qkv_bias=True)
+  x = jnp.ones((2, 2048, 8), jnp.bfloat16)
+  rotary = attention.rotary_tables(2048, 4, 1e4)
+  g = nnx.grad(lambda att: jnp.sum(att.qkv(x, rotary)[2].reshape(2, 2048, 8).astype(jnp.float32)
+                                   * weights_BxSx8))(att)
+  np.testing.assert_allclose(g.bv[...], want_8, rtol=1e-5)
+  table = jnp.ones((5, 8), jnp.bfloat16)
+  g = jax.grad(lambda t: jnp.sum(olmoe.embed(t, jnp.full((2, 2048), 3)).astype(jnp.float32)
+                                 * weights_BxSx8))(table)
+  np.testing.assert_allclose(np.asarray(g, np.float32)[3], want_8, rtol=4e-3)
+  assert not np.any(np.asarray(g, np.float32)[[0, 1, 2, 4]])

@@ -227,3 +227,25 @@ def test_padding_marked_by_token_mask_changes_no_real_token():
   with pytest.raises(ValueError, match=r"token_mask must be bool \[batch, seq\] = \[2, 8\], got "
                                        r"int32\[2, 8\]"):
     block(jnp.asarray(x), token_mask=jnp.ones((2, 8), jnp.int32))
+
+
+def test_padding_holding_nan_or_inf_leaves_every_gradient_as_zero_padding_does():
+  """The outputs at padding are masked, but the router and the shared expert read the padded
+  rows too: a NaN or inf there reached their gradients through 0 x inf (a fully masked
+  attention row gives one). The block zeroes the padding first."""
+  spec = MoESpec(num_experts=4, top_k=2, shared_hidden=8, shared_gate=True)
+  block = MoEBlock(16, 24, spec, init_std=0.3, rngs=nnx.Rngs(0))
+  x = np.random.default_rng(5).normal(size=(2, 8, 16)).astype(np.float32)
+  mask = np.ones((2, 8), bool)
+  mask[1, 4:] = False
+
+  def loss(block, x):
+    y, aux = block(x, token_mask=jnp.asarray(mask))
+    return jnp.sum(y ** 2) + aux["aux_loss"] + aux["z_loss"]
+
+  grad = nnx.jit(nnx.grad(loss))
+  want = nnx.to_flat_state(nnx.state(grad(block, jnp.asarray(np.where(mask[..., None], x, 0)))))
+  for pad in (np.nan, np.inf):
+    got = nnx.to_flat_state(nnx.state(grad(block, jnp.asarray(np.where(mask[..., None], x, pad)))))
+    for (path, g), (_, w) in zip(got, want):
+      np.testing.assert_array_equal(g[...], w[...], err_msg=f"{pad} {path}")

@@ -67,6 +67,21 @@ def test_sigmoid_scores_by_hand():
     router.router_scores(LOGITS, "relu")
 
 
+def test_renormalized_sigmoid_weights_stay_finite_when_every_score_underflows():
+  """Sigmoid scores of very negative logits are 0 (XLA:CPU flushes them), so renormalizing the
+  chosen ones divided 0 by 0: NaN weights and gradients. The sum now has a floor."""
+  logits = jnp.full((2, 4), -120.0).at[1].set(jnp.asarray([0.0, math.log(3.0), -1.0, -2.0]))
+
+  def weights(logits):
+    return router.top_k_route(logits, 2, score="sigmoid", renormalize=True,
+                              bias_E=jnp.asarray([0.0, 0.1, 0.2, 0.3]))[0]
+
+  w = jax.jit(weights)(logits)
+  np.testing.assert_array_equal(w[0], [0.0, 0.0])
+  np.testing.assert_allclose(w[1], [0.6, 0.4], rtol=1e-6)     # 0.75 / 1.25, 0.5 / 1.25
+  assert np.all(np.isfinite(jax.jit(jax.grad(lambda x: jnp.sum(weights(x) ** 2)))(logits)))
+
+
 def test_losses_by_hand():
   _, experts, scores = router.top_k_route(LOGITS, 2)
   # Assignments per expert: e0 {t1,t2,t3}=3, e1 {t0,t1,t2}=3, e2 {t0,t3}=2 of 8.

@@ -1,7 +1,7 @@
 """Every family trains sharded as on one device: each family's tiny preset on 8 fake devices,
 one placement per family, against the same config on one device, in float32 compute
-(`compute_dtype`), so the comparison is tight: bf16 rounding alone moves the gradients of small
-leaves (the qkv biases) by a few percent. OLMoE's fsdp is tests/train/test_step.py's (bf16);
+(`compute_dtype`), so the comparison is tight (in bf16 the two programs round in different
+places). OLMoE's fsdp is tests/train/test_step.py's (bf16);
 DeepSeek (latent attention, a dense first layer, grouped sigmoid routing with a score bias) trains
 under fssdp against ep across a re-shard, resumed bit for bit, in
 tests/placement/test_fssdp_train.py; its score bias is checked there. Qwen3-MoE's one option of
