@@ -88,9 +88,11 @@ def test_the_gpu_exchange_gives_the_cpu_ones_results_and_gradients(monkeypatch):
   buffer's outputs, drop counts and gradients bit for bit, at a capacity that one source
   overflows and the others fill in part."""
   args, capacity_factor = _inputs(), 1.0
+  # Random cotangents: all ones would hide rows returned to the wrong token.
+  ct_TxD = jax.random.normal(jax.random.key(1), (N * T, D), jnp.float32)
 
   def outputs(ep):
-    loss = lambda *a: jnp.sum(ep(*a)[0].astype(jnp.float32))   # noqa: E731
+    loss = lambda *a: jnp.sum(ep(*a)[0].astype(jnp.float32) * ct_TxD)   # noqa: E731
     return ep(*args), jax.jit(jax.grad(loss, argnums=(0, 3, 4, 5)))(*args)
 
   want = outputs(_ep(capacity_factor))
