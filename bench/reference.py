@@ -82,7 +82,7 @@ def loss_fn(cfg: Config, params, inputs_BxS, targets_BxS, *, remat: str, axis_na
                      axis_name)
     return h_BxSxD + y, (aux, z)
 
-  h_BxSxD = params["embed"].astype(BF16)[inputs_BxS]
+  h_BxSxD = olmoe.embed(params["embed"].astype(BF16), inputs_BxS)
   h_BxSxD, (aux_L, z_L) = jax.lax.scan(checkpointed(layer, remat), h_BxSxD, params["layers"])
   h_BxSxD = rms_norm(h_BxSxD, params["final_norm"], m.norm_eps)
   logits = dense(h_BxSxD, params["lm_head"].astype(BF16), jnp.float32)
