@@ -57,14 +57,26 @@ def top_k_route(logits_TxE: jax.Array, k: int, *, score: str = "softmax",
     _, experts_TxK = jax.lax.top_k(jax.lax.stop_gradient(choice_TxE), k)
     weights_TxK = jnp.take_along_axis(scores_TxE, experts_TxK, axis=-1)
   if renormalize:
-    # Sigmoid scores can all underflow to 0 (DeepSeek-V3's reference adds 1e-20 to the sum). The
-    # floor is 1e-18 because the quotient's gradient divides by the sum squared, which must stay
-    # a normal float (XLA:CPU flushes (1e-20)^2 to 0, and 0 / 0 is NaN). Sums above the floor
-    # divide as before.
-    weights_TxK = weights_TxK / jnp.maximum(jnp.sum(weights_TxK, axis=-1, keepdims=True), 1e-18)
+    weights_TxK = _renormalized(weights_TxK)
   if scale != 1.0:
     weights_TxK = weights_TxK * scale
   return weights_TxK, experts_TxK.astype(jnp.int32), scores_TxE
+
+
+def _renormalized(weights_TxK):
+  """Each row divided by its sum. Sigmoid scores of very negative logits are tiny or 0, where
+  the plain quotient fails: its gradient divides by the sum squared, which underflows below
+  ~1e-19 (0 / 0 = NaN), and an all-zero row is 0 / 0 itself. Such rows are first scaled by their
+  largest weight (a constant to the gradient: the quotient does not depend on it), and an
+  all-zero row stays 0. Rows summing to 1e-18 or more divide exactly as the plain quotient."""
+  sum_Tx1 = jnp.sum(weights_TxK, axis=-1, keepdims=True)
+  plain = sum_Tx1 >= 1e-18
+  direct_TxK = weights_TxK / jnp.where(plain, sum_Tx1, 1.0)
+  top_Tx1 = jax.lax.stop_gradient(jnp.max(weights_TxK, axis=-1, keepdims=True))
+  scaled_TxK = weights_TxK / jnp.where(top_Tx1 > 0, top_Tx1, 1.0)
+  scaled_Tx1 = jnp.sum(scaled_TxK, axis=-1, keepdims=True)      # >= 1 unless the row is 0
+  small_TxK = scaled_TxK / jnp.where(scaled_Tx1 > 0, scaled_Tx1, 1.0)
+  return jnp.where(plain, direct_TxK, small_TxK)
 
 
 def _choice(scores_TxE, bias_E):

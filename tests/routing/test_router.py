@@ -67,18 +67,23 @@ def test_sigmoid_scores_by_hand():
     router.router_scores(LOGITS, "relu")
 
 
-def test_renormalized_sigmoid_weights_stay_finite_when_every_score_underflows():
-  """Sigmoid scores of very negative logits are 0 (XLA:CPU flushes them), so renormalizing the
-  chosen ones divided 0 by 0: NaN weights and gradients. The sum now has a floor."""
-  logits = jnp.full((2, 4), -120.0).at[1].set(jnp.asarray([0.0, math.log(3.0), -1.0, -2.0]))
+def test_renormalized_sigmoid_weights_of_tiny_or_zero_scores_sum_to_one_or_zero():
+  """Sigmoid scores of very negative logits: at -120 every score is 0 in fp32, and renormalizing
+  divided 0 by 0 (NaN weights and gradients); near -50 the scores are tiny normal floats
+  (~1e-22) whose sum squared underflows in the gradient (NaN too). Now the tiny row normalizes
+  as any other (3:1 stays 0.75, 0.25), the zero row stays 0, gradients are finite, and a
+  normal row divides as before."""
+  logits = jnp.asarray([[-120.0] * 4, [-50.0, -50.0 + math.log(3.0), -60.0, -61.0],
+                        [0.0, math.log(3.0), -1.0, -2.0]])
 
   def weights(logits):
-    return router.top_k_route(logits, 2, score="sigmoid", renormalize=True,
-                              bias_E=jnp.asarray([0.0, 0.1, 0.2, 0.3]))[0]
+    return router.top_k_route(logits, 2, score="sigmoid", renormalize=True)[0]
 
   w = jax.jit(weights)(logits)
   np.testing.assert_array_equal(w[0], [0.0, 0.0])
-  np.testing.assert_allclose(w[1], [0.6, 0.4], rtol=1e-6)     # 0.75 / 1.25, 0.5 / 1.25
+  np.testing.assert_allclose(w[1], [0.75, 0.25], rtol=1e-5)
+  scores = jax.nn.sigmoid(logits[2, :2])[::-1]
+  np.testing.assert_array_equal(w[2], scores / jnp.sum(scores))        # 0.75 / 1.25, 0.5 / 1.25
   assert np.all(np.isfinite(jax.jit(jax.grad(lambda x: jnp.sum(weights(x) ** 2)))(logits)))
 
 
