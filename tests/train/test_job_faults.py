@@ -84,6 +84,12 @@ def _wait_for(path, procs, tmp_path, name: str, what: str, deadline: float) -> N
     time.sleep(0.02)
 
 
+def _errors(path):
+  """(the text of a process's stderr file, its `error:` lines)."""
+  err = path.read_text()
+  return err, [line for line in err.splitlines() if line.startswith("error:")]
+
+
 def _kill_all(procs):
   for proc in procs:
     if proc.poll() is None:
@@ -115,8 +121,7 @@ def test_a_killed_process_stops_the_other_with_one_line_and_a_rerun_resumes_bit_
     waited = time.monotonic() - killed
   finally:
     _kill_all(procs)
-  err = (tmp_path / "first0.err").read_text()
-  errors = [line for line in err.splitlines() if line.startswith("error:")]
+  err, errors = _errors(tmp_path / "first0.err")
   assert rc == 2 and errors == [
       "error: process 1 of 2 was lost (its connection closed: the process exited or was "
       "killed); process 0 stops too: rerun every process to resume from the latest "
@@ -157,8 +162,7 @@ def test_a_process_with_another_config_or_workdir_stops_every_process_with_one_l
     _kill_all(procs)
   firsts = []
   for i in range(2):
-    err = (tmp_path / f"{differs}{i}.err").read_text()
-    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    err, errors = _errors(tmp_path / f"{differs}{i}.err")
     assert codes[i] == 2 and errors, err[-3000:]
     firsts.append(errors[0])
   if differs == "config":
@@ -211,8 +215,7 @@ def test_a_silent_process_is_declared_lost_after_the_heartbeat_timeout(tmp_path)
     waited = time.monotonic() - stopped
   finally:
     _kill_all(procs)
-  err = (tmp_path / "silent0.err").read_text()
-  errors = [line for line in err.splitlines() if line.startswith("error:")]
+  err, errors = _errors(tmp_path / "silent0.err")
   assert rc == 2 and errors == [
       "error: process 1 of 2 was lost (no heartbeat for 2 s "
       "(config.distributed.heartbeat_timeout_s)); process 0 stops too: rerun every process to "
