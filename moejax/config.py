@@ -220,7 +220,8 @@ class DataConfig:
   source: str = "builtin"
   """One of `moejax.data.sources.SOURCES`; builtin needs no file."""
   path: str = ""
-  """The text or jsonl file (data.source != 'builtin')."""
+  """The text or jsonl file, or for data.source='tokens' the directory `python -m
+  moejax.data.prepare` wrote (unused for 'builtin')."""
   tokenizer: str = "bytes"
   """"bytes", a path to a Hugging Face tokenizer.json (or its folder), or "init_from": the
   tokenizer.json beside config.init_from's weights (the Hugging Face presets)."""

@@ -1,10 +1,12 @@
-"""Loss and perplexity of a checkpoint on a text or JSONL file (or the built-in corpus).
+"""Loss and perplexity of a checkpoint on a text or JSONL file, a prepared corpus (or the
+built-in corpus).
 
-  python -m moejax.evaluate CKPT --data PATH [--source text|jsonl] [--split all|val]
+  python -m moejax.evaluate CKPT --data PATH [--source text|jsonl|tokens] [--split all|val]
       [--batches N] [--step N] [--seq-len N] [--batch-size N]
 
 CKPT as for `moejax.generate`. PATH: a .jsonl file (one {"text": ...} per line), any other
-file as plain text (one document; `--source jsonl|text` overrides the name), or `builtin`. `--split all` (default) scores every window of the file in
+file as plain text (one document; `--source jsonl|text` overrides the name), a directory that
+`python -m moejax.data.prepare` wrote (tokenized with the checkpoint's tokenizer), or `builtin`. `--split all` (default) scores every window of the file in
 order; `--split val` the batches the training loop validates on (the config's
 `data.val_fraction` split, its first `eval_batches` batches, in order), so on the training data
 it gives the run's `val_loss` (exactly for fsdp on the run's device count; with admission, whose
@@ -32,9 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m moejax.evaluate",
                                    description="Loss and perplexity of a checkpoint on a file.")
   parser.add_argument("ckpt", help="workdir, from-hf output or Hugging Face directory")
-  parser.add_argument("--data", required=True, help="a .jsonl or text file, or 'builtin'")
-  parser.add_argument("--source", choices=("text", "jsonl"), default=None,
-                      help="how to read --data (default: jsonl for a .jsonl file, else text)")
+  parser.add_argument("--data", required=True,
+                      help="a .jsonl or text file, a prepared corpus's directory, or 'builtin'")
+  parser.add_argument("--source", choices=("text", "jsonl", "tokens"), default=None,
+                      help="how to read --data (default: tokens for a directory, jsonl for a "
+                           ".jsonl file, else text)")
   parser.add_argument("--split", choices=SPLITS, default="all")
   parser.add_argument("--batches", type=int, default=None,
                       help="at most this many batches (--split val: default eval_batches)")
@@ -49,20 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
-def source_of(path: str, source: str | None = None) -> str:
-  """`source` if given, else by the name: 'builtin', jsonl for a .jsonl file, text otherwise."""
-  if path == "builtin":
-    if source is not None:
-      raise DataError(f"--source={source} reads a file; --data builtin is the built-in corpus")
-    return "builtin"
-  return source or ("jsonl" if path.endswith(".jsonl") else "text")
-
-
 def batches(cfg, data: str, split: str, tokenizer_spec: str, max_batches: int | None = None,
             source: str | None = None):
   """The evaluation batches ({"inputs", "targets"} int32 [batch_size, seq_len]) of `data`."""
-  from moejax.data import iterator, pipeline
-  from moejax.data.sources import load_documents
+  from moejax.data import iterator, pipeline, prepared
+  from moejax.data.sources import load_documents, source_of
   from moejax.data.tokenizer import check_vocab, load_tokenizer
   source = source_of(data, source)
   path = None if source == "builtin" else data
@@ -81,8 +76,9 @@ def batches(cfg, data: str, split: str, tokenizer_spec: str, max_batches: int | 
     return loaded.val_batches(count)
   tokenizer = load_tokenizer(tokenizer_spec)
   check_vocab(tokenizer, cfg.model.vocab_size)
-  windows_WxL = iterator.windows(tokenizer.encode_documents(load_documents(source, path)),
-                                 cfg.seq_len)
+  tokens_N = (prepared.read(path, tokenizer).tokens_N if source == "tokens" else
+              tokenizer.encode_documents(load_documents(source, path)))
+  windows_WxL = iterator.windows(tokens_N, cfg.seq_len)
   count = len(windows_WxL) // cfg.batch_size
   if count == 0:
     raise DataError(f"{data}: {len(windows_WxL)} windows of {cfg.seq_len + 1} tokens, fewer than "

@@ -28,7 +28,7 @@ def num_windows(num_tokens: int, seq_len: int) -> int:
 
 
 def windows(tokens_N: np.ndarray, seq_len: int) -> np.ndarray:
-  """int32[W, L] read-only view of the windows of tokens_N (no copy)."""
+  """[W, L] read-only view of the windows of tokens_N (no copy; tokens_N's dtype)."""
   w = num_windows(len(tokens_N), seq_len)
   if w == 0:
     return np.zeros((0, seq_len + 1), np.int32)
@@ -53,8 +53,13 @@ class TrainIterator:
   """Infinite iterator of training batches; `next(it)` -> {"inputs", "targets"}: int32[B, S]."""
 
   def __init__(self, tokens_N: np.ndarray, *, batch_size: int, seq_len: int, seed: int,
-               prefetch: int = 2):
-    tokens_N = np.asarray(tokens_N, np.int32)
+               prefetch: int = 2, fingerprint: int | None = None):
+    """`fingerprint`: what names the token stream in the state (default: the CRC-32 of its
+    int32 bytes, which reads every token; a prepared corpus gives its file's, and is mapped,
+    not copied: uint16 / uint32 ids become int32 a batch at a time)."""
+    if fingerprint is None:
+      tokens_N = np.asarray(tokens_N, np.int32)
+      fingerprint = zlib.crc32(tokens_N.tobytes())
     windows_WxL = windows(tokens_N, seq_len)
     if len(windows_WxL) < batch_size:
       raise DataError(f"{len(tokens_N)} tokens make {len(windows_WxL)} windows of {seq_len + 1}, "
@@ -66,7 +71,7 @@ class TrainIterator:
         "batch_size": int(batch_size),
         "seq_len": int(seq_len),
         "num_tokens": int(len(tokens_N)),
-        "tokens_crc32": zlib.crc32(tokens_N.tobytes()),
+        "tokens_crc32": int(fingerprint),
     }
     ds = (grain.MapDataset.source(windows_WxL)
           .shuffle(seed=shuffle_seed(seed))

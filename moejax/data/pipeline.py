@@ -17,6 +17,7 @@ from typing import Callable
 
 import numpy as np
 
+from moejax.data import prepared
 from moejax.data.iterator import TrainIterator, num_windows, to_example, windows
 from moejax.data.sources import BUILTIN_NAME, SOURCES, load_documents
 from moejax.data.tokenizer import Tokenizer, load_tokenizer
@@ -28,7 +29,8 @@ _VAL_ORDER_SEED = 0  # Fixed: the validation batches must not depend on the trai
 
 @dataclasses.dataclass(frozen=True)
 class DataSpec:
-  """What to train on. `path` is required for "text" and "jsonl", absent for "builtin"."""
+  """What to train on. `path` is required for "text" and "jsonl" (a file) and "tokens" (a
+  directory `python -m moejax.data.prepare` wrote), absent for "builtin"."""
   source: str = "builtin"
   path: str | None = None
   tokenizer: str = "bytes"
@@ -49,7 +51,7 @@ class Data:
   """What `make_data` returns: the tokenizer, the training iterator, the validation split."""
   tokenizer: Tokenizer
   train: TrainIterator
-  val_tokens: np.ndarray  # int32[N_val]
+  val_tokens: np.ndarray  # int32[N_val], or uint16 / uint32 mapped from a prepared corpus
   batch_size: int
   seq_len: int
   name: str
@@ -91,6 +93,27 @@ def make_data(spec: DataSpec, *, batch_size: int, seq_len: int, prefetch: int = 
   except DataError as e:
     raise DataError(str(e), "tokenizer") from None
   name = spec.path if spec.source != "builtin" else BUILTIN_NAME
+  if spec.source == "tokens":
+    # Tokenized once by `python -m moejax.data.prepare`: mapped, not read; its CRC-32 (of the
+    # whole stream, from meta.json) names the stream in the iterator's state.
+    corpus = prepared.read(spec.path, tokenizer)
+    tokens_N, fingerprint = corpus.tokens_N, corpus.meta["crc32"]
+  else:
+    tokens_N, fingerprint = _tokenize(spec, tokenizer, name, log), None
+  train_N, val_N = split_tokens(tokens_N, spec.val_fraction)
+  _check_fits(name, "training split", train_N, batch_size, seq_len, len(tokens_N))
+  if spec.val_fraction > 0:
+    _check_fits(name, f"validation split (val_fraction={spec.val_fraction})", val_N, batch_size,
+                seq_len, len(tokens_N))
+  train = TrainIterator(train_N, batch_size=batch_size, seq_len=seq_len, seed=spec.seed,
+                        prefetch=prefetch, fingerprint=fingerprint)
+  return Data(tokenizer=tokenizer, train=train, val_tokens=val_N, batch_size=batch_size,
+              seq_len=seq_len, name=name)
+
+
+def _tokenize(spec: DataSpec, tokenizer: Tokenizer, name: str,
+              log: Callable[[str], None] | None) -> np.ndarray:
+  """The documents of `spec` as one int32 token stream, each followed by EOS."""
   try:
     docs = load_documents(spec.source, spec.path)
   except DataError as e:
@@ -110,15 +133,7 @@ def make_data(spec: DataSpec, *, batch_size: int, seq_len: int, prefetch: int = 
   del docs
   if not np.any(tokens_N != tokenizer.eos_id):
     raise DataError(f"{name}: no text after tokenization with {tokenizer.name}")
-  train_N, val_N = split_tokens(tokens_N, spec.val_fraction)
-  _check_fits(name, "training split", train_N, batch_size, seq_len, len(tokens_N))
-  if spec.val_fraction > 0:
-    _check_fits(name, f"validation split (val_fraction={spec.val_fraction})", val_N, batch_size,
-                seq_len, len(tokens_N))
-  train = TrainIterator(train_N, batch_size=batch_size, seq_len=seq_len, seed=spec.seed,
-                        prefetch=prefetch)
-  return Data(tokenizer=tokenizer, train=train, val_tokens=val_N, batch_size=batch_size,
-              seq_len=seq_len, name=name)
+  return tokens_N
 
 
 def _check_fits(name: str, what: str, tokens_N: np.ndarray, batch_size: int, seq_len: int,

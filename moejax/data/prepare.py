@@ -1,0 +1,60 @@
+"""Tokenize a corpus once, for `data.source=tokens` (see moejax.data.prepared).
+
+  python -m moejax.data.prepare --data PATH|builtin [--source text|jsonl] --tokenizer T --out DIR
+  python -m moejax.data.prepare --verify DIR
+
+`--data`, `--source` and `--tokenizer` read as `moejax.evaluate`'s and the config's `data.*`
+do; training on DIR (`--config.data.source=tokens --config.data.path=DIR`, the same
+`data.tokenizer`) reads the same token stream, batches and validation split as training on
+PATH. `--verify` reads DIR's tokens whole and checks them against the CRC-32 it was written
+with (after copying it between machines).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from moejax.errors import DataError, run_command
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="python -m moejax.data.prepare",
+                                   description="Tokenize a corpus once, for data.source=tokens.")
+  parser.add_argument("--data", help="a .jsonl or text file, or 'builtin'")
+  parser.add_argument("--source", choices=("text", "jsonl"), default=None,
+                      help="how to read --data (default: jsonl for a .jsonl file, else text)")
+  parser.add_argument("--tokenizer", default="bytes",
+                      help="'bytes' or a tokenizer.json (or its folder): the run's data.tokenizer")
+  parser.add_argument("--out", help="the directory to write (must not exist)")
+  parser.add_argument("--verify", metavar="DIR", default=None,
+                      help="check a prepared directory's tokens against its CRC-32 instead")
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+
+  def body():
+    from moejax.data import prepared
+    from moejax.data.tokenizer import load_tokenizer
+    from moejax.data.sources import source_of
+    if args.verify is not None:
+      if args.data or args.out:
+        raise DataError("--verify DIR takes no --data or --out")
+      prepared.verify(args.verify)
+      print(f"{args.verify}: tokens match their CRC-32")
+      return
+    if not args.data or not args.out:
+      raise DataError("--data and --out are required (or --verify DIR)")
+    source = source_of(args.data, args.source)
+    if source == "tokens":
+      raise DataError(f"--data {args.data}: a directory is already prepared (--data names a "
+                      "text or .jsonl file, or builtin)")
+    prepared.write(source, None if source == "builtin" else args.data,
+                   load_tokenizer(args.tokenizer), args.out, log=print)
+
+  return run_command(body)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

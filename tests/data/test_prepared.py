@@ -1,0 +1,173 @@
+"""Prepared corpora (`python -m moejax.data.prepare`, data.source=tokens): the same stream,
+batches and validation split as the source they were prepared from, read in place; their errors."""
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+
+from moejax.data import DataSpec, make_data, prepared
+from moejax.data.prepare import main as prepare_main
+from moejax.data.sources import iter_documents
+from moejax.data.tokenizer import ByteTokenizer, load_tokenizer
+from moejax.errors import DataError
+
+SENTENCES = ["the cat sat on the mat", "a dog ran", "the bird sang a song in the park"]
+
+
+def _corpus(tmp_path, count=60):
+  path = tmp_path / "docs.jsonl"
+  path.write_text("\n".join(json.dumps({"text": SENTENCES[i % 3] + f" {i}" * (i % 4)})
+                            for i in range(count)) + "\n")
+  return str(path)
+
+
+def _take(it, n):
+  return [next(it) for _ in range(n)]
+
+
+def _same_batches(a, b):
+  return all(np.array_equal(x[k], y[k]) and x[k].dtype == y[k].dtype == np.int32
+             for x, y in zip(a, b, strict=True) for k in ("inputs", "targets"))
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_prepared_corpus_trains_on_the_source_s_batches_and_resumes(tmp_path, word_tokenizer_path,
+                                                                    monkeypatch, dtype):
+  """Documents encoded in chunks of 2-3, written as uint16 or uint32: the training batches (over
+  an epoch boundary), the validation batches and a resumed position equal the source's."""
+  monkeypatch.setattr(prepared, "ENCODE_CHUNK_CHARS", 50)
+  monkeypatch.setattr(prepared, "dtype_for", lambda vocab_size: dtype)
+  path, out = _corpus(tmp_path), str(tmp_path / "prepared")
+  tokenizer = load_tokenizer(word_tokenizer_path)
+  meta = prepared.write("jsonl", path, tokenizer, out)
+  assert meta["dtype"] == dtype and meta["num_documents"] == 60
+  assert sorted(os.listdir(out)) == ["meta.json", "tokens.bin"]
+  assert not os.path.exists(out + ".partial")
+  source = make_data(DataSpec("jsonl", path, word_tokenizer_path, 0.2, seed=4), batch_size=3,
+                     seq_len=7)
+  tokens = make_data(DataSpec("tokens", out, word_tokenizer_path, 0.2, seed=4), batch_size=3,
+                     seq_len=7)
+  assert isinstance(tokens.val_tokens, np.memmap) and tokens.val_tokens.dtype == dtype
+  np.testing.assert_array_equal(tokens.val_tokens, source.val_tokens)
+  assert tokens.train.num_windows == source.train.num_windows
+  steps = source.train.num_windows // 3 + 2                   # into the second epoch
+  assert _same_batches(_take(tokens.train, steps), _take(source.train, steps))
+  assert _same_batches(tokens.val_batches(2), source.val_batches(2))
+  state = tokens.train.get_state()
+  resumed = make_data(DataSpec("tokens", out, word_tokenizer_path, 0.2, seed=4), batch_size=3,
+                      seq_len=7)
+  resumed.train.set_state(state)
+  assert _same_batches(_take(resumed.train, 4), _take(source.train, 4))
+  # The stream is named by the file's CRC-32: a checkpoint of the source's run is refused.
+  with pytest.raises(DataError, match=r"^the checkpoint's data position is for other training "
+                                      r"data \(tokens_crc32 "):
+    resumed.train.set_state(source.train.get_state())
+
+
+def test_documents_are_read_one_line_at_a_time(tmp_path):
+  """A bad line is reported when reached: the lines before it came out first."""
+  path = tmp_path / "late.jsonl"
+  path.write_text('{"text": "one"}\n{"text": "two"}\nnot json\n')
+  docs = iter_documents("jsonl", str(path))
+  assert [next(docs), next(docs)] == ["one", "two"]
+  with pytest.raises(DataError, match=rf"^{re.escape(str(path))}:3: not valid JSON"):
+    next(docs)
+
+
+def test_reading_a_prepared_corpus_refuses_what_it_cannot_use(tmp_path, word_tokenizer_path):
+  path, out = _corpus(tmp_path), str(tmp_path / "p")
+  bytes_tokenizer = ByteTokenizer()
+  prepared.write("jsonl", path, bytes_tokenizer, out)
+
+  def refused(where, pattern, tokenizer=bytes_tokenizer, field="path"):
+    with pytest.raises(DataError, match=pattern) as e:
+      prepared.read(where, tokenizer)
+    assert e.value.input == field and "\n" not in str(e.value)
+
+  refused(str(tmp_path / "q"), r"q: not found \(data.source=tokens reads a directory written by "
+                               r"python -m moejax.data.prepare\)$")
+  refused(os.path.join(out, "tokens.bin"), r"tokens.bin: name the prepared directory that holds "
+                                           r"it, .*/p$")
+  refused(path, r"docs.jsonl: is a file \(data.source=tokens")
+  refused(out, r"tokenizer.json: not the tokenizer .*/p was prepared with \(bytes; this one, "
+               r"SHA-256 [0-9a-f]{12}\.\.\.\): name that file, or prepare the corpus with this "
+               r"one$", load_tokenizer(word_tokenizer_path), "tokenizer")
+  os.rename(out, out + ".partial")
+  refused(out, r"p: not prepared \(.*p.partial holds a preparation that did not finish")
+  os.rename(out + ".partial", out)
+  tokens_bin = os.path.join(out, "tokens.bin")
+  with open(tokens_bin, "r+b") as f:
+    size = f.seek(0, 2)
+    f.truncate(size - 2)
+  refused(out, rf"tokens.bin: {size - 2:,} bytes, but meta.json says {size // 2:,} uint16 tokens "
+               rf"\({size:,} bytes\): prepare the corpus again$")
+  meta_file = os.path.join(out, "meta.json")
+  meta = json.load(open(meta_file))
+  for damaged, pattern in [("{", r"meta.json: unreadable \("),
+                           (json.dumps({**meta, "format": "v0"}),
+                            r"meta.json: format 'v0', expected 'moejax-tokens-1'$"),
+                           (json.dumps({**meta, "crc32": "x"}),
+                            r"meta.json: field 'crc32' is 'x', expected int: prepare the corpus "
+                            r"again$")]:
+    with open(meta_file, "w") as f:
+      f.write(damaged)
+    refused(out, pattern)
+  os.remove(meta_file)
+  refused(out, r"p: no meta.json: not a directory written by python -m moejax.data.prepare$")
+
+
+def test_prepare_command(tmp_path, capsys, erasing_tokenizer_path):
+  """Writes once, refuses to overwrite, replaces a stopped preparation's leftovers, verifies a
+  copy; every refusal one line and exit code 2."""
+  path, out = _corpus(tmp_path), str(tmp_path / "p")
+  os.makedirs(out + ".partial")
+  open(os.path.join(out + ".partial", "tokens.bin"), "wb").close()   # a stopped run's
+  assert prepare_main(["--data", path, "--out", out]) == 0
+  assert "moejax: prepared " in capsys.readouterr().out
+  assert prepare_main(["--verify", out]) == 0
+  assert capsys.readouterr().out.strip() == f"{out}: tokens match their CRC-32"
+
+  def error(argv):
+    assert prepare_main(argv) == 2
+    return capsys.readouterr().err.strip()
+
+  assert error(["--data", path, "--out", out]) == (
+      f"error: {out}: already exists (remove it, or choose another output directory)")
+  with open(os.path.join(out, "tokens.bin"), "r+b") as f:
+    f.seek(3)
+    f.write(b"\xff")
+  assert re.fullmatch(r"error: .*tokens.bin: CRC-32 0x[0-9a-f]{8}, meta.json says 0x[0-9a-f]{8}: "
+                      r"the file is damaged; prepare the corpus again", error(["--verify", out]))
+  assert error(["--data", out, "--out", str(tmp_path / "r")]).startswith(
+      f"error: --data {out}: a directory is already prepared")
+  assert error(["--out", out]) == "error: --data and --out are required (or --verify DIR)"
+  lowercase = tmp_path / "lowercase.txt"
+  lowercase.write_text(" ".join(SENTENCES))
+  assert error(["--data", str(lowercase), "--tokenizer", erasing_tokenizer_path, "--out",
+                str(tmp_path / "e")]).startswith(f"error: {lowercase}: no text after tokenization")
+  assert not os.path.exists(tmp_path / "e") and not os.path.exists(tmp_path / "e.partial")
+
+
+def test_training_and_evaluation_read_a_prepared_corpus(tmp_path, word_tokenizer_path):
+  """The loop's data (errors named by their config field) and `moejax.evaluate`'s batches."""
+  import dataclasses
+  from moejax import evaluate
+  from moejax.config import Config, DataConfig
+  from moejax.train.loop import training_data
+  path, out = _corpus(tmp_path), str(tmp_path / "p")
+  prepared.write("jsonl", path, load_tokenizer(word_tokenizer_path), out)
+  cfg = dataclasses.replace(Config(), batch_size=2, seq_len=6,
+                            data=DataConfig("tokens", out, word_tokenizer_path, 0.2))
+  assert _same_batches(_take(training_data(cfg).train, 3),
+                       _take(training_data(dataclasses.replace(
+                           cfg, data=DataConfig("jsonl", path, word_tokenizer_path, 0.2))).train, 3))
+  for split in ("all", "val"):
+    assert _same_batches(evaluate.batches(cfg, out, split, word_tokenizer_path),
+                         evaluate.batches(cfg, path, split, word_tokenizer_path))
+  with pytest.raises(DataError, match=rf"^config.data.tokenizer='bytes': bytes: not the tokenizer "):
+    training_data(dataclasses.replace(cfg, data=DataConfig("tokens", out, "bytes", 0.2)))
+  with pytest.raises(DataError, match=r"^config.data.path='.*/q': .*/q: not found"):
+    training_data(dataclasses.replace(cfg, data=DataConfig("tokens", str(tmp_path / "q"),
+                                                           word_tokenizer_path, 0.2)))
