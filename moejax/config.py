@@ -600,7 +600,8 @@ def validate(c: Config) -> None:
          f"config.routing.locality_weight={c.routing.locality_weight}: must be >= 0")
   _choice(c.data.source, "data.source", DATA_SOURCES)
   _check(c.data.source == "builtin" or bool(c.data.path),
-         f"config.data.path is empty: data.source={c.data.source!r} needs a file path")
+         f"config.data.path is empty: data.source={c.data.source!r} needs "
+         f"{'the directory moejax.data.prepare wrote' if c.data.source == 'tokens' else 'a file path'}")
   _check(bool(c.data.tokenizer.strip()),
          "config.data.tokenizer is empty: 'bytes', 'init_from' or a path to a tokenizer.json "
          "(or its folder)")

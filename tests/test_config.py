@@ -189,6 +189,8 @@ def test_unknown_preset():
     ({"moe.score_bias_rate": 0.001}, r"needs moe.score_bias=True"),
     ({"model.d_model": 0}, r"config.model.d_model=0: must be positive"),
     ({"data.source": "text"}, r"config.data.path is empty"),
+    ({"data.source": "tokens"}, r"config.data.path is empty: data.source='tokens' needs the "
+                                r"directory moejax.data.prepare wrote"),
     ({"mesh.shape": (-1, -1)}, r"config.mesh.shape"),
     ({"routing.admission": "maybe"}, r"config.routing.admission='maybe'"),
     ({"routing.warmup_steps": -5}, r"config.routing.warmup_steps=-5: must be >= 0"),
