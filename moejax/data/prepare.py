@@ -1,12 +1,14 @@
 """Tokenize a corpus once, for `data.source=tokens` (see moejax.data.prepared).
 
-  python -m moejax.data.prepare --data PATH|builtin [--source text|jsonl] --tokenizer T --out DIR
+  python -m moejax.data.prepare --data PATH [PATH ...]|builtin [--source text|jsonl]
+      --tokenizer T --out DIR
   python -m moejax.data.prepare --verify DIR
 
 `--data`, `--source` and `--tokenizer` read as `moejax.evaluate`'s and the config's `data.*`
 do; training on DIR (`--config.data.source=tokens --config.data.path=DIR`, the same
 `data.tokenizer`) reads the same token stream, batches and validation split as training on
-PATH. `--verify` reads DIR's tokens whole and checks them against the CRC-32 it was written
+PATH. Several files (a corpus in shards, `--data shards/*.jsonl`) are one stream, in the order
+given. `--verify` reads DIR's tokens whole and checks them against the CRC-32 it was written
 with (after copying it between machines).
 """
 from __future__ import annotations
@@ -20,7 +22,8 @@ from moejax.errors import DataError, run_command
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="python -m moejax.data.prepare",
                                    description="Tokenize a corpus once, for data.source=tokens.")
-  parser.add_argument("--data", help="a .jsonl or text file, or 'builtin'")
+  parser.add_argument("--data", nargs="+", help=".jsonl or text files (one stream, in this "
+                      "order), or 'builtin'")
   parser.add_argument("--source", choices=("text", "jsonl"), default=None,
                       help="how to read --data (default: jsonl for a .jsonl file, else text)")
   parser.add_argument("--tokenizer", default="bytes",
@@ -46,12 +49,18 @@ def main(argv: list[str] | None = None) -> int:
       return
     if not args.data or not args.out:
       raise DataError("--data and --out are required (or --verify DIR)")
-    source = source_of(args.data, args.source)
-    if source == "tokens":
-      raise DataError(f"--data {args.data}: a directory is already prepared (--data names a "
-                      "text or .jsonl file, or builtin)")
-    prepared.write(source, None if source == "builtin" else args.data,
-                   load_tokenizer(args.tokenizer), args.out, log=print)
+    if "builtin" in args.data and len(args.data) > 1:
+      raise DataError("--data builtin is a corpus of its own: name it alone")
+    inputs = []
+    for path in args.data:
+      source = source_of(path, args.source)
+      if source == "tokens":
+        raise DataError(f"--data {path}: a directory is already prepared (--data names text or "
+                        ".jsonl files, or builtin)")
+      if path in args.data[:len(inputs)]:
+        raise DataError(f"--data names {path} twice")
+      inputs.append((source, None if source == "builtin" else path))
+    prepared.write(inputs, load_tokenizer(args.tokenizer), args.out, log=print)
 
   return run_command(body)
 

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import shutil
 import time
 import zlib
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -37,7 +38,7 @@ PARTIAL_SUFFIX = ".partial"
 PROGRESS_SECONDS = 10.0
 _META_FIELDS = {"format": str, "dtype": str, "num_tokens": int, "num_documents": int,
                 "tokenizer": str, "tokenizer_sha256": str, "vocab_size": int, "eos_id": int,
-                "crc32": int, "source": str, "path": str}
+                "crc32": int, "inputs": list}
 _DTYPES = ("uint16", "uint32")
 
 
@@ -63,12 +64,14 @@ def dtype_for(vocab_size: int) -> str:
   return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
-def write(source: str, path: str | None, tokenizer: Tokenizer, out: str,
+def write(inputs: Sequence[tuple[str, str | None]], tokenizer: Tokenizer, out: str,
           log: Callable[[str], None] | None = None) -> dict:
-  """Tokenizes `source` (as `make_data` would) into the directory `out`; returns its meta.
-
-  Documents are read one at a time and encoded in chunks of about ENCODE_CHUNK_CHARS
+  """Tokenizes the documents of `inputs`, (source, path) pairs read in order (a corpus in
+  shards), into the directory `out`, as `make_data` would tokenize one of them; returns its
+  meta. Documents are read one at a time and encoded in chunks of about ENCODE_CHUNK_CHARS
   characters, so memory holds one chunk whatever the corpus's size."""
+  if not inputs:
+    raise DataError("nothing to prepare: name at least one input")
   out = os.path.abspath(out)
   if os.path.exists(out):
     raise DataError(f"{out}: already exists (remove it, or choose another output directory)")
@@ -81,12 +84,14 @@ def write(source: str, path: str | None, tokenizer: Tokenizer, out: str,
     os.makedirs(partial)
   except OSError as e:
     raise DataError(f"{out}: cannot be created ({e.strerror})") from None
-  name = path if source != "builtin" else BUILTIN_NAME
+  names = [path if source != "builtin" else BUILTIN_NAME for source, path in inputs]
+  name = names[0] if len(names) == 1 else f"{len(names)} files ({names[0]}, ...)"
   dtype = np.dtype(dtype_for(tokenizer.vocab_size))
   started = last = time.perf_counter()
   num_tokens = num_documents = crc = 0
   with open(os.path.join(partial, TOKENS_FILE), "wb") as f:
-    for chunk in _chunks(iter_documents(source, path)):
+    docs = itertools.chain.from_iterable(iter_documents(s, p) for s, p in inputs)
+    for chunk in _chunks(docs):
       tokens_N = tokenizer.encode_documents(chunk).astype(dtype)
       data = tokens_N.astype(dtype.newbyteorder("<"), copy=False).tobytes()
       f.write(data)
@@ -105,7 +110,7 @@ def write(source: str, path: str | None, tokenizer: Tokenizer, out: str,
           "num_documents": num_documents, "tokenizer": tokenizer.name,
           "tokenizer_sha256": tokenizer_sha256(tokenizer),
           "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id, "crc32": crc,
-          "source": source, "path": os.path.abspath(path) if path else ""}
+          "inputs": [{"source": s, "path": os.path.abspath(p) if p else ""} for s, p in inputs]}
   with open(os.path.join(partial, META_FILE), "w", encoding="utf-8") as f:
     json.dump(meta, f, indent=1)
   os.replace(partial, out)

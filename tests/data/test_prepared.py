@@ -41,7 +41,7 @@ def test_prepared_corpus_trains_on_the_source_s_batches_and_resumes(tmp_path, wo
   monkeypatch.setattr(prepared, "dtype_for", lambda vocab_size: dtype)
   path, out = _corpus(tmp_path), str(tmp_path / "prepared")
   tokenizer = load_tokenizer(word_tokenizer_path)
-  meta = prepared.write("jsonl", path, tokenizer, out)
+  meta = prepared.write([("jsonl", path)], tokenizer, out)
   assert meta["dtype"] == dtype and meta["num_documents"] == 60
   assert sorted(os.listdir(out)) == ["meta.json", "tokens.bin"]
   assert not os.path.exists(out + ".partial")
@@ -66,6 +66,19 @@ def test_prepared_corpus_trains_on_the_source_s_batches_and_resumes(tmp_path, wo
     resumed.train.set_state(source.train.get_state())
 
 
+def test_a_corpus_in_shards_is_one_stream_in_the_order_given(tmp_path):
+  lines = open(_corpus(tmp_path)).read().splitlines(keepends=True)
+  shards = [tmp_path / f"shard{i}.jsonl" for i in range(3)]
+  for i, shard in enumerate(shards):
+    shard.write_text("".join(lines[i * 20:(i + 1) * 20]))
+  assert prepare_main(["--data", *map(str, shards), "--out", str(tmp_path / "sharded")]) == 0
+  assert prepare_main(["--data", str(tmp_path / "docs.jsonl"), "--out", str(tmp_path / "one")]) == 0
+  sharded, one = (open(tmp_path / d / "tokens.bin", "rb").read() for d in ("sharded", "one"))
+  assert sharded == one and len(one) > 1000
+  meta = json.load(open(tmp_path / "sharded" / "meta.json"))
+  assert [i["path"] for i in meta["inputs"]] == list(map(str, shards))
+
+
 def test_documents_are_read_one_line_at_a_time(tmp_path):
   """A bad line is reported when reached: the lines before it came out first."""
   path = tmp_path / "late.jsonl"
@@ -79,7 +92,7 @@ def test_documents_are_read_one_line_at_a_time(tmp_path):
 def test_reading_a_prepared_corpus_refuses_what_it_cannot_use(tmp_path, word_tokenizer_path):
   path, out = _corpus(tmp_path), str(tmp_path / "p")
   bytes_tokenizer = ByteTokenizer()
-  prepared.write("jsonl", path, bytes_tokenizer, out)
+  prepared.write([("jsonl", path)], bytes_tokenizer, out)
 
   def refused(where, pattern, tokenizer=bytes_tokenizer, field="path"):
     with pytest.raises(DataError, match=pattern) as e:
@@ -143,6 +156,10 @@ def test_prepare_command(tmp_path, capsys, erasing_tokenizer_path):
   assert error(["--data", out, "--out", str(tmp_path / "r")]).startswith(
       f"error: --data {out}: a directory is already prepared")
   assert error(["--out", out]) == "error: --data and --out are required (or --verify DIR)"
+  assert error(["--data", path, path, "--out", str(tmp_path / "r")]) == (
+      f"error: --data names {path} twice")
+  assert error(["--data", "builtin", path, "--out", str(tmp_path / "r")]) == (
+      "error: --data builtin is a corpus of its own: name it alone")
   lowercase = tmp_path / "lowercase.txt"
   lowercase.write_text(" ".join(SENTENCES))
   assert error(["--data", str(lowercase), "--tokenizer", erasing_tokenizer_path, "--out",
@@ -157,7 +174,7 @@ def test_training_and_evaluation_read_a_prepared_corpus(tmp_path, word_tokenizer
   from moejax.config import Config, DataConfig
   from moejax.train.loop import training_data
   path, out = _corpus(tmp_path), str(tmp_path / "p")
-  prepared.write("jsonl", path, load_tokenizer(word_tokenizer_path), out)
+  prepared.write([("jsonl", path)], load_tokenizer(word_tokenizer_path), out)
   cfg = dataclasses.replace(Config(), batch_size=2, seq_len=6,
                             data=DataConfig("tokens", out, word_tokenizer_path, 0.2))
   assert _same_batches(_take(training_data(cfg).train, 3),
