@@ -85,8 +85,7 @@ def batches(cfg, data: str, split: str, tokenizer_spec: str, max_batches: int | 
                     f"one batch of {cfg.batch_size}")
   if max_batches is not None:
     count = min(count, max_batches)
-  b = cfg.batch_size
-  return [iterator.to_example(windows_WxL[i * b:(i + 1) * b]) for i in range(count)]
+  return iterator.WindowBatches(windows_WxL, cfg.batch_size, count)
 
 
 def evaluation_trainer(cfg):
@@ -106,7 +105,7 @@ def mean_loss(trainer, params, eval_batches) -> float:
   import jax
   from moejax.train.loop import put_batch
   params = jax.device_put(params, trainer.layout.shardings.params)
-  return trainer.evaluate(params, [put_batch(b, trainer.mesh) for b in eval_batches])
+  return trainer.evaluate(params, (put_batch(b, trainer.mesh) for b in eval_batches))
 
 
 def run(args) -> dict:

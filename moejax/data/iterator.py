@@ -14,6 +14,7 @@ refuses a state from a different stream rather than silently yielding other batc
 """
 from __future__ import annotations
 
+import collections.abc
 import zlib
 
 import grain
@@ -44,6 +45,33 @@ def to_example(windows_BxL: np.ndarray) -> dict[str, np.ndarray]:
   }
 
 
+class WindowBatches(collections.abc.Sequence):
+  """Batches i = 0..count-1 of consecutive windows, each made when read (an evaluation over a
+  whole corpus holds one batch, not every window as int32)."""
+
+  def __init__(self, windows_WxL: np.ndarray, batch_size: int, count: int):
+    self.windows_WxL, self.batch_size, self.count = windows_WxL, batch_size, count
+
+  def __len__(self) -> int:
+    return self.count
+
+  def __getitem__(self, i):
+    if isinstance(i, slice):
+      return [self[j] for j in range(*i.indices(self.count))]
+    if not -self.count <= i < self.count:
+      raise IndexError(i)
+    b, i = self.batch_size, i % self.count
+    return to_example(self.windows_WxL[i * b:(i + 1) * b])
+
+
+def int32_crc32(tokens_N: np.ndarray, block: int = 1 << 24) -> int:
+  """The CRC-32 of tokens_N's ids as int32 bytes, `block` tokens at a time (no whole copy)."""
+  crc = 0
+  for start in range(0, len(tokens_N), block):
+    crc = zlib.crc32(np.ascontiguousarray(tokens_N[start:start + block], np.int32).data, crc)
+  return crc
+
+
 def shuffle_seed(seed: int) -> int:
   """The 32-bit seed grain shuffles with, mixed from `seed` so that nearby seeds are unrelated."""
   return int(np.random.SeedSequence([seed, 0x5EED]).generate_state(1)[0])
@@ -56,10 +84,14 @@ class TrainIterator:
                prefetch: int = 2, fingerprint: int | None = None):
     """`fingerprint`: what names the token stream in the state (default: the CRC-32 of its
     int32 bytes, which reads every token; a prepared corpus gives its file's, and is mapped,
-    not copied: uint16 / uint32 ids become int32 a batch at a time)."""
+    not copied: uint16 / uint32 ids become int32 a batch at a time). A state naming the stream
+    by its int32 CRC-32 (a run on the corpus's source files) is still accepted then, after
+    reading every token once to check it."""
+    self._named_by_file = fingerprint is not None
+    self._tokens_N = tokens_N if self._named_by_file else None
     if fingerprint is None:
       tokens_N = np.asarray(tokens_N, np.int32)
-      fingerprint = zlib.crc32(tokens_N.tobytes())
+      fingerprint = int32_crc32(tokens_N)
     windows_WxL = windows(tokens_N, seq_len)
     if len(windows_WxL) < batch_size:
       raise DataError(f"{len(tokens_N)} tokens make {len(windows_WxL)} windows of {seq_len + 1}, "
@@ -109,7 +141,8 @@ class TrainIterator:
     for key, want in self._stream.items():
       if key not in state:
         raise DataError(f"data iterator state lacks '{key}' (keys: {sorted(state)})")
-      if int(state[key]) != want:
+      if int(state[key]) != want and not (key == "tokens_crc32" and self._named_by_file and
+                                          int32_crc32(self._tokens_N) == int(state[key])):
         raise DataError(f"the checkpoint's data position is for other training data ({key} "
                         f"{int(state[key])} there, {want} now): resume with the data.source, "
                         "data.path, data.tokenizer, data.val_fraction, seed, batch_size and "

@@ -14,6 +14,7 @@ with (after copying it between machines).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from moejax.errors import DataError, run_command
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
       if source == "tokens":
         raise DataError(f"--data {path}: a directory is already prepared (--data names text or "
                         ".jsonl files, or builtin)")
-      if path in args.data[:len(inputs)]:
+      if os.path.realpath(path) in map(os.path.realpath, args.data[:len(inputs)]):
         raise DataError(f"--data names {path} twice")
       inputs.append((source, None if source == "builtin" else path))
     prepared.write(inputs, load_tokenizer(args.tokenizer), args.out, log=print)

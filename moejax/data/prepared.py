@@ -16,11 +16,13 @@ It is written into DIR.partial and renamed to DIR when complete, so a DIR is nev
 from __future__ import annotations
 
 import dataclasses
+import glob
 import hashlib
 import itertools
 import json
 import os
 import shutil
+import tempfile
 import time
 import zlib
 from typing import Callable, Iterable, Sequence
@@ -35,6 +37,7 @@ FORMAT = "moejax-tokens-1"
 TOKENS_FILE = "tokens.bin"
 META_FILE = "meta.json"
 PARTIAL_SUFFIX = ".partial"
+CHUNK_DOCUMENTS = 1 << 14     # and at most this many documents a chunk (empty ones take no chars)
 PROGRESS_SECONDS = 10.0
 _META_FIELDS = {"format": str, "dtype": str, "num_tokens": int, "num_documents": int,
                 "tokenizer": str, "tokenizer_sha256": str, "vocab_size": int, "eos_id": int,
@@ -68,32 +71,63 @@ def write(inputs: Sequence[tuple[str, str | None]], tokenizer: Tokenizer, out: s
           log: Callable[[str], None] | None = None) -> dict:
   """Tokenizes the documents of `inputs`, (source, path) pairs read in order (a corpus in
   shards), into the directory `out`, as `make_data` would tokenize one of them; returns its
-  meta. Documents are read one at a time and encoded in chunks of about ENCODE_CHUNK_CHARS
-  characters, so memory holds one chunk whatever the corpus's size."""
+  meta. JSONL documents are read one at a time and encoded in chunks of about
+  ENCODE_CHUNK_CHARS characters (or CHUNK_DOCUMENTS documents), so memory holds one chunk
+  whatever the corpus's size; a text file is one document, held whole.
+
+  Written in a directory of its own beside `out` (DIR.partial-*), synced, then renamed: a
+  preparation that fails or is interrupted removes it, one killed leaves it (never `out`), and
+  two preparations of one `out` at once never mix (the second to finish is refused)."""
   if not inputs:
     raise DataError("nothing to prepare: name at least one input")
   out = os.path.abspath(out)
   if os.path.exists(out):
     raise DataError(f"{out}: already exists (remove it, or choose another output directory)")
-  partial = out + PARTIAL_SUFFIX
-  if os.path.isdir(partial) and set(os.listdir(partial)) <= {TOKENS_FILE, META_FILE}:
-    shutil.rmtree(partial)          # left by a preparation that was stopped
-  elif os.path.exists(partial):
-    raise DataError(f"{partial}: exists and is not a preparation's (remove it)")
-  try:
-    os.makedirs(partial)
-  except OSError as e:
-    raise DataError(f"{out}: cannot be created ({e.strerror})") from None
   names = [path if source != "builtin" else BUILTIN_NAME for source, path in inputs]
   name = names[0] if len(names) == 1 else f"{len(names)} files ({names[0]}, ...)"
+  started = time.perf_counter()
+  try:
+    partial = tempfile.mkdtemp(prefix=os.path.basename(out) + PARTIAL_SUFFIX + "-",
+                               dir=os.path.dirname(out))
+  except OSError as e:
+    raise DataError(f"{out}: cannot be created ({e.strerror})") from None
+  try:
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(partial, 0o777 & ~umask)       # as os.makedirs would make it, not mkdtemp's 0700
+    meta = _write_into(partial, inputs, tokenizer, name, log)
+    try:
+      os.rename(partial, out)
+    except OSError:
+      if os.path.exists(out):
+        raise DataError(f"{out}: another preparation finished it first (this one's tokens are "
+                        "discarded)") from None
+      raise
+  except OSError as e:
+    shutil.rmtree(partial, ignore_errors=True)
+    raise DataError(f"{e.filename or out}: {e.strerror or e}") from None
+  except BaseException:
+    shutil.rmtree(partial, ignore_errors=True)
+    raise
+  if log is not None:
+    log(f"moejax: prepared {name}: {meta['num_documents']:,} documents, "
+        f"{meta['num_tokens']:,} tokens ({meta['dtype']}) in {out}, "
+        f"{time.perf_counter() - started:.0f} s")
+  return meta
+
+
+def _write_into(directory: str, inputs: Sequence[tuple[str, str | None]], tokenizer: Tokenizer,
+                name: str, log: Callable[[str], None] | None) -> dict:
   dtype = np.dtype(dtype_for(tokenizer.vocab_size))
   started = last = time.perf_counter()
   num_tokens = num_documents = crc = 0
-  with open(os.path.join(partial, TOKENS_FILE), "wb") as f:
+  has_text = False
+  with open(os.path.join(directory, TOKENS_FILE), "wb") as f:
     docs = itertools.chain.from_iterable(iter_documents(s, p) for s, p in inputs)
     for chunk in _chunks(docs):
-      tokens_N = tokenizer.encode_documents(chunk).astype(dtype)
-      data = tokens_N.astype(dtype.newbyteorder("<"), copy=False).tobytes()
+      tokens_N = tokenizer.encode_documents(chunk)
+      has_text = has_text or bool(np.any(tokens_N != tokenizer.eos_id))
+      data = tokens_N.astype(dtype.newbyteorder("<")).tobytes()
       f.write(data)
       crc = zlib.crc32(data, crc)
       num_tokens += len(tokens_N)
@@ -103,20 +137,19 @@ def write(inputs: Sequence[tuple[str, str | None]], tokenizer: Tokenizer, out: s
         log(f"moejax: preparing {name}: {num_documents:,} documents, {num_tokens:,} tokens, "
             f"{now - started:.0f} s")
         last = now
-  if num_tokens == num_documents:      # nothing but the EOS after each document
-    shutil.rmtree(partial)
+    f.flush()
+    os.fsync(f.fileno())
+  if not has_text:                  # as make_data refuses it
     raise DataError(f"{name}: no text after tokenization with {tokenizer.name}", "path")
   meta = {"format": FORMAT, "dtype": dtype.name, "num_tokens": num_tokens,
           "num_documents": num_documents, "tokenizer": tokenizer.name,
           "tokenizer_sha256": tokenizer_sha256(tokenizer),
           "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id, "crc32": crc,
           "inputs": [{"source": s, "path": os.path.abspath(p) if p else ""} for s, p in inputs]}
-  with open(os.path.join(partial, META_FILE), "w", encoding="utf-8") as f:
+  with open(os.path.join(directory, META_FILE), "w", encoding="utf-8") as f:
     json.dump(meta, f, indent=1)
-  os.replace(partial, out)
-  if log is not None:
-    log(f"moejax: prepared {name}: {num_documents:,} documents, {num_tokens:,} tokens "
-        f"({dtype.name}) in {out}, {time.perf_counter() - started:.0f} s")
+    f.flush()
+    os.fsync(f.fileno())
   return meta
 
 
@@ -125,7 +158,7 @@ def _chunks(docs: Iterable[str]) -> Iterable[list[str]]:
   for doc in docs:
     chunk.append(doc)
     chars += len(doc)
-    if chars >= ENCODE_CHUNK_CHARS:
+    if chars >= ENCODE_CHUNK_CHARS or len(chunk) >= CHUNK_DOCUMENTS:
       yield chunk
       chunk, chars = [], 0
   if chunk:
@@ -138,9 +171,11 @@ def read(path: str, tokenizer: Tokenizer) -> Prepared:
   corpus, or that another tokenizer prepared."""
   where = os.path.abspath(path)
   if not os.path.isdir(where):
-    if os.path.isdir(where + PARTIAL_SUFFIX):
-      raise DataError(f"{path}: not prepared ({path}{PARTIAL_SUFFIX} holds a preparation that "
-                      "did not finish: run python -m moejax.data.prepare again)", "path")
+    unfinished = sorted(glob.glob(glob.escape(where + PARTIAL_SUFFIX) + "-*"))
+    if unfinished:
+      raise DataError(f"{path}: not prepared ({unfinished[0]} holds a preparation that is "
+                      "running or was killed: wait for it, or remove it and run python -m "
+                      "moejax.data.prepare again)", "path")
     if os.path.basename(where) in (TOKENS_FILE, META_FILE):
       raise DataError(f"{path}: name the prepared directory that holds it, "
                       f"{os.path.dirname(path) or '.'}", "path")
@@ -190,10 +225,15 @@ def _read_meta(path: str) -> dict:
     if not isinstance(value, kind) or isinstance(value, bool):
       raise DataError(f"{meta_file}: field {field!r} is {value!r}, expected "
                       f"{kind.__name__}: prepare the corpus again", "path")
-  if meta["dtype"] not in _DTYPES or meta["num_tokens"] < 1:
-    raise DataError(f"{meta_file}: dtype {meta['dtype']!r} with {meta['num_tokens']} tokens "
-                    f"(expected one of {_DTYPES}, at least one token): prepare the corpus again",
-                    "path")
+  if meta["dtype"] not in _DTYPES:
+    raise DataError(f"{meta_file}: dtype {meta['dtype']!r} (expected one of {_DTYPES}): prepare "
+                    "the corpus again", "path")
+  for field, low, high in (("num_tokens", 1, None), ("num_documents", 1, None),
+                           ("vocab_size", 1, None), ("eos_id", 0, None), ("crc32", 0, 1 << 32)):
+    if meta[field] < low or (high is not None and meta[field] >= high):
+      valid = f">= {low}" if high is None else f"in [{low}, {high})"
+      raise DataError(f"{meta_file}: {field}={meta[field]} (expected {valid}): prepare the "
+                      "corpus again", "path")
   return meta
 
 

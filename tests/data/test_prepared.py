@@ -38,6 +38,7 @@ def test_prepared_corpus_trains_on_the_source_s_batches_and_resumes(tmp_path, wo
   """Documents encoded in chunks of 2-3, written as uint16 or uint32: the training batches (over
   an epoch boundary), the validation batches and a resumed position equal the source's."""
   monkeypatch.setattr(prepared, "ENCODE_CHUNK_CHARS", 50)
+  monkeypatch.setattr(prepared, "CHUNK_DOCUMENTS", 2)
   monkeypatch.setattr(prepared, "dtype_for", lambda vocab_size: dtype)
   path, out = _corpus(tmp_path), str(tmp_path / "prepared")
   tokenizer = load_tokenizer(word_tokenizer_path)
@@ -60,10 +61,17 @@ def test_prepared_corpus_trains_on_the_source_s_batches_and_resumes(tmp_path, wo
                       seq_len=7)
   resumed.train.set_state(state)
   assert _same_batches(_take(resumed.train, 4), _take(source.train, 4))
-  # The stream is named by the file's CRC-32: a checkpoint of the source's run is refused.
+  # A run on the source files moves to the prepared corpus: its position (the stream named by
+  # its int32 CRC-32) is checked against the tokens and accepted; other data's is refused.
+  moved = make_data(DataSpec("tokens", out, word_tokenizer_path, 0.2, seed=4), batch_size=3,
+                    seq_len=7)
+  moved.train.set_state(source.train.get_state())
+  assert moved.train.get_state()["tokens_crc32"] == meta["crc32"]
+  assert _same_batches(_take(moved.train, 4), _take(source.train, 4))
+  other = {**source.train.get_state(), "tokens_crc32": source.train.get_state()["tokens_crc32"] ^ 1}
   with pytest.raises(DataError, match=r"^the checkpoint's data position is for other training "
                                       r"data \(tokens_crc32 "):
-    resumed.train.set_state(source.train.get_state())
+    moved.train.set_state(other)
 
 
 def test_a_corpus_in_shards_is_one_stream_in_the_order_given(tmp_path):
@@ -77,6 +85,36 @@ def test_a_corpus_in_shards_is_one_stream_in_the_order_given(tmp_path):
   assert sharded == one and len(one) > 1000
   meta = json.load(open(tmp_path / "sharded" / "meta.json"))
   assert [i["path"] for i in meta["inputs"]] == list(map(str, shards))
+
+
+def test_a_preparation_that_fails_leaves_nothing(tmp_path, monkeypatch):
+  """A write error (a full disk) is one line; another preparation of the same directory that
+  finished first is kept, and this one's refused; neither leaves its partial directory."""
+  import errno
+  path, out = _corpus(tmp_path), str(tmp_path / "p")
+  write_into = prepared._write_into
+
+  def disk_full(directory, *args):
+    write_into(directory, *args)
+    raise OSError(errno.ENOSPC, "No space left on device", os.path.join(directory, "tokens.bin"))
+
+  monkeypatch.setattr(prepared, "_write_into", disk_full)
+  with pytest.raises(DataError, match=r"^.*/p.partial-\w+/tokens.bin: No space left on device$"):
+    prepared.write([("jsonl", path)], ByteTokenizer(), out)
+  assert sorted(os.listdir(tmp_path)) == ["docs.jsonl"]
+
+  def beaten(directory, *args):
+    meta = write_into(directory, *args)
+    monkeypatch.setattr(prepared, "_write_into", write_into)
+    prepared.write([("text", path)], ByteTokenizer(), out)     # the other one, finished first
+    return meta
+
+  monkeypatch.setattr(prepared, "_write_into", beaten)
+  with pytest.raises(DataError, match=r"^.*/p: another preparation finished it first \(this "
+                                      r"one's tokens are discarded\)$"):
+    prepared.write([("jsonl", path)], ByteTokenizer(), out)
+  assert sorted(os.listdir(tmp_path)) == ["docs.jsonl", "p"]
+  assert json.load(open(os.path.join(out, "meta.json")))["inputs"][0]["source"] == "text"
 
 
 def test_documents_are_read_one_line_at_a_time(tmp_path):
@@ -107,9 +145,10 @@ def test_reading_a_prepared_corpus_refuses_what_it_cannot_use(tmp_path, word_tok
   refused(out, r"tokenizer.json: not the tokenizer .*/p was prepared with \(bytes; this one, "
                r"SHA-256 [0-9a-f]{12}\.\.\.\): name that file, or prepare the corpus with this "
                r"one$", load_tokenizer(word_tokenizer_path), "tokenizer")
-  os.rename(out, out + ".partial")
-  refused(out, r"p: not prepared \(.*p.partial holds a preparation that did not finish")
-  os.rename(out + ".partial", out)
+  os.rename(out, out + ".partial-x1")         # as a killed preparation leaves it
+  refused(out, r"p: not prepared \(.*p.partial-x1 holds a preparation that is running or was "
+               r"killed: wait for it, or remove it and run python -m moejax.data.prepare again\)$")
+  os.rename(out + ".partial-x1", out)
   tokens_bin = os.path.join(out, "tokens.bin")
   with open(tokens_bin, "r+b") as f:
     size = f.seek(0, 2)
@@ -132,11 +171,9 @@ def test_reading_a_prepared_corpus_refuses_what_it_cannot_use(tmp_path, word_tok
 
 
 def test_prepare_command(tmp_path, capsys, erasing_tokenizer_path):
-  """Writes once, refuses to overwrite, replaces a stopped preparation's leftovers, verifies a
-  copy; every refusal one line and exit code 2."""
+  """Writes once, refuses to overwrite, verifies a copy, leaves nothing behind when it fails;
+  every refusal one line and exit code 2."""
   path, out = _corpus(tmp_path), str(tmp_path / "p")
-  os.makedirs(out + ".partial")
-  open(os.path.join(out + ".partial", "tokens.bin"), "wb").close()   # a stopped run's
   assert prepare_main(["--data", path, "--out", out]) == 0
   assert "moejax: prepared " in capsys.readouterr().out
   assert prepare_main(["--verify", out]) == 0
@@ -156,15 +193,20 @@ def test_prepare_command(tmp_path, capsys, erasing_tokenizer_path):
   assert error(["--data", out, "--out", str(tmp_path / "r")]).startswith(
       f"error: --data {out}: a directory is already prepared")
   assert error(["--out", out]) == "error: --data and --out are required (or --verify DIR)"
-  assert error(["--data", path, path, "--out", str(tmp_path / "r")]) == (
-      f"error: --data names {path} twice")
+  assert error(["--data", path, os.path.join(os.path.dirname(path), ".", "docs.jsonl"), "--out",
+                str(tmp_path / "r")]) == f"error: --data names {path.replace('docs', './docs')} twice"
   assert error(["--data", "builtin", path, "--out", str(tmp_path / "r")]) == (
       "error: --data builtin is a corpus of its own: name it alone")
   lowercase = tmp_path / "lowercase.txt"
   lowercase.write_text(" ".join(SENTENCES))
   assert error(["--data", str(lowercase), "--tokenizer", erasing_tokenizer_path, "--out",
                 str(tmp_path / "e")]).startswith(f"error: {lowercase}: no text after tokenization")
-  assert not os.path.exists(tmp_path / "e") and not os.path.exists(tmp_path / "e.partial")
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"text": "fine"}\n' * 3 + "not json\n")
+  assert error(["--data", str(bad), "--out", str(tmp_path / "e")]) == (
+      f"error: {bad}:4: not valid JSON (Expecting value)")
+  assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "docs.jsonl", "erasing.json",
+                                         "lowercase.txt", "p"]
 
 
 def test_training_and_evaluation_read_a_prepared_corpus(tmp_path, word_tokenizer_path):
