@@ -75,7 +75,7 @@ load_params = weights.load_params
 # refused apart, since it adds or drops a transformation's state.)
 MAY_DIFFER = ("steps", "log_every", "eval_every", "eval_batches", "remat", "prefetch", "mesh.",
               "moe.placement", "moe.dispatch_capacity_factor", "moe.dispatch_overflow",
-              "checkpoint.", "codec.", "data.path", "init_from", "distributed.", "optim.")
+              "checkpoint.", "codec.", "data.path", "data.source", "init_from", "distributed.", "optim.")
 
 
 def checkpoint_dir(workdir: str) -> str:

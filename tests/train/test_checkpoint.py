@@ -260,17 +260,18 @@ def test_which_fields_may_differ_on_resume():
       "mesh.shape": (2, -1), "moe.placement": "ep", "checkpoint.every": 5,
       "checkpoint.keep": 9, "init_from": "elsewhere", "moe.dispatch_capacity_factor": 3.0,
       "moe.dispatch_overflow": "drop", "optim.lr": 1e-3, "optim.clip_norm": 0.5,
-      "optim.warmup_steps": 0, "optim.b2": 0.99}))   # a diverged run resumes with a lower lr
+      "optim.warmup_steps": 0, "optim.b2": 0.99,     # a diverged run resumes with a lower lr
+      "data.source": "tokens", "data.path": "prepared"}))   # the iterator checks the stream
   for field, value, message in [
       ("optim.clip_norm", 0.0, "config.optim.clip_norm: checkpoint has 1.0, run has 0.0: "
        "clipping switched off changes the optimizer state's structure; keep it on (any value "
        "> 0), or start a new workdir from these weights (--config.init_from=CHECKPOINT)"),
       ("moe.num_experts", 16, "config.moe.num_experts: checkpoint has 8, run has 16"),
       ("seed", 1, "config.seed: checkpoint has 0, run has 1"),
-      ("data.source", "text", 'config.data.source: checkpoint has "builtin", run has "text"')]:
-    overrides = {field: value, **({"data.path": "x.txt"} if field == "data.source" else {})}
+      ("data.tokenizer", "tok.json",
+       'config.data.tokenizer: checkpoint has "bytes", run has "tok.json"')]:
     with pytest.raises(CheckpointError) as e:
-      ckpt.check_compatible(saved, tiny_config(**overrides))
+      ckpt.check_compatible(saved, tiny_config(**{field: value}))
     assert str(e.value) == message
   # A field an older checkpoint does not have counts as its default value.
   del saved["routing"]["locality_weight"]
