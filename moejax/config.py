@@ -363,7 +363,7 @@ class Config:
   prefetch: bool = True
   """Issue layer i+1's parameter gather before layer i's compute (moejax.sharding.prefetch).
   Another program, not other math: the same in float32; bf16 losses move in the 5th-6th digit
-  (XLA rounds the peeled last layer's casts apart), as between device counts."""
+  (XLA fuses the two programs apart), as between device counts."""
   compute_dtype: str = "bfloat16"
   """What gathered parameters and activations are computed in: bfloat16, or float32 (exact
   comparisons with a reference, e.g. a fine-tune's first step against transformers; codec off).
