@@ -11,7 +11,8 @@ A prepared corpus is a directory:
               ids, then EOS), little-endian uint16 where the tokenizer's ids fit, else uint32
   meta.json   FORMAT, the dtype and length, the tokenizer (name, SHA-256 of its file, vocab
               size, EOS id), the CRC-32 of tokens.bin, what it was prepared from
-It is written into DIR.partial and renamed to DIR when complete, so a DIR is never half written.
+It is written into a directory of its own beside DIR (DIR.partial-*), synced, and renamed to DIR
+when complete, so a DIR is never half written.
 """
 from __future__ import annotations
 
