@@ -67,7 +67,8 @@ load_config = weights.load_config
 load_params = weights.load_params
 
 # Config fields a resumed run may change: they do not change what the saved state means.
-# (data.path may move: the data iterator checks the token stream itself, by length and CRC.)
+# (data.path and data.source may change: the data iterator checks the token stream itself, by
+# length and CRC; a run on its source files moves to the same corpus prepared.)
 # (init_from only matters when there is no checkpoint to resume.)
 # (the dispatch buffers' size changes which step may overflow, never an assignment.)
 # (optim.: the optimizer's hyperparameters act on each step's update, not on its state's
@@ -75,7 +76,8 @@ load_params = weights.load_params
 # refused apart, since it adds or drops a transformation's state.)
 MAY_DIFFER = ("steps", "log_every", "eval_every", "eval_batches", "remat", "prefetch", "mesh.",
               "moe.placement", "moe.dispatch_capacity_factor", "moe.dispatch_overflow",
-              "checkpoint.", "codec.", "data.path", "data.source", "init_from", "distributed.", "optim.")
+              "checkpoint.", "codec.", "data.path", "data.source", "init_from", "distributed.",
+              "optim.")
 
 
 def checkpoint_dir(workdir: str) -> str:
