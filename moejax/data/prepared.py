@@ -22,8 +22,8 @@ import hashlib
 import itertools
 import json
 import os
+import secrets
 import shutil
-import tempfile
 import time
 import zlib
 from typing import Callable, Iterable, Sequence
@@ -87,15 +87,13 @@ def write(inputs: Sequence[tuple[str, str | None]], tokenizer: Tokenizer, out: s
   names = [path if source != "builtin" else BUILTIN_NAME for source, path in inputs]
   name = names[0] if len(names) == 1 else f"{len(names)} files ({names[0]}, ...)"
   started = time.perf_counter()
+  # Its own name (mkdir fails on an existing one), made with the umask's mode as `out` would be.
+  partial = f"{out}{PARTIAL_SUFFIX}-{os.getpid()}-{secrets.token_hex(4)}"
   try:
-    partial = tempfile.mkdtemp(prefix=os.path.basename(out) + PARTIAL_SUFFIX + "-",
-                               dir=os.path.dirname(out))
+    os.mkdir(partial)
   except OSError as e:
     raise DataError(f"{out}: cannot be created ({e.strerror})") from None
   try:
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(partial, 0o777 & ~umask)       # as os.makedirs would make it, not mkdtemp's 0700
     meta = _write_into(partial, inputs, tokenizer, name, log)
     try:
       os.rename(partial, out)

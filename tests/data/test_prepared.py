@@ -99,7 +99,8 @@ def test_a_preparation_that_fails_leaves_nothing(tmp_path, monkeypatch):
     raise OSError(errno.ENOSPC, "No space left on device", os.path.join(directory, "tokens.bin"))
 
   monkeypatch.setattr(prepared, "_write_into", disk_full)
-  with pytest.raises(DataError, match=r"^.*/p.partial-\w+/tokens.bin: No space left on device$"):
+  with pytest.raises(DataError, match=r"^.*/p.partial-\d+-[0-9a-f]{8}/tokens.bin: No space left "
+                                      r"on device$"):
     prepared.write([("jsonl", path)], ByteTokenizer(), out)
   assert sorted(os.listdir(tmp_path)) == ["docs.jsonl"]
 
