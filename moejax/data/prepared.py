@@ -1,8 +1,8 @@
 """Prepared corpora: a document source tokenized once into a directory, read in place.
 
 Tokenizing at every start holds the whole corpus, its documents and its ids in each process's
-memory and costs the tokenizer's time again at every resume (a 200 MB JSONL: 46 s and 1.5 GB
-on this 2-core machine). `write` (`python -m moejax.data.prepare`) streams the documents
+memory and costs the tokenizer's time again at every resume (a 200 MB JSONL: 19 s and 1.4 GB
+on a 2-core machine). `write` (`python -m moejax.data.prepare`) streams the documents
 through the tokenizer once; `data.source="tokens"` then memory-maps the result, so a run starts
 in a moment and every process of a job shares the operating system's page cache.
 
