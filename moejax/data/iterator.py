@@ -29,7 +29,8 @@ def num_windows(num_tokens: int, seq_len: int) -> int:
 
 
 def windows(tokens_N: np.ndarray, seq_len: int) -> np.ndarray:
-  """[W, L] read-only view of the windows of tokens_N (no copy; tokens_N's dtype)."""
+  """[W, L] read-only view of the windows of tokens_N (no copy; tokens_N's dtype, int32 when
+  there is none)."""
   w = num_windows(len(tokens_N), seq_len)
   if w == 0:
     return np.zeros((0, seq_len + 1), np.int32)
