@@ -8,11 +8,11 @@ CKPT as for `moejax.generate`. PATH: a .jsonl file (one {"text": ...} per line),
 file as plain text (one document; `--source jsonl|text` overrides the name), a directory that
 `python -m moejax.data.prepare` wrote (tokenized with the checkpoint's tokenizer), or `builtin`.
 `--split all` (default) scores every window of the file in order, its batches made one at a
-time (a prepared directory is mapped; a file is tokenized whole); `--split val` the batches the training loop validates on (the config's
-`data.val_fraction` split, its first `eval_batches` batches, in order), so on the training data
-it gives the run's `val_loss` (exactly for fsdp on the run's device count; with admission, whose
-capacity is per device, or ep, whose buffers are, another device count routes slightly
-differently). Windows are the config's batch_size x seq_len (`--batch-size`, `--seq-len`: a
+time (a prepared directory is mapped; a file is tokenized whole); `--split val` the batches the
+training loop validates on (the config's `data.val_fraction` split, its first `eval_batches`
+batches, in order), so on the training data it gives the run's `val_loss` (exactly for fsdp on
+the run's device count; with admission, whose capacity is per device, or ep, whose buffers are,
+another device count routes slightly differently). Windows are the config's batch_size x seq_len (`--batch-size`, `--seq-len`: a
 Hugging Face directory's config names no training shape, so moejax's defaults, 16 x 64, unless
 given), the last partial batch left out. The evaluation runs the training loop's own eval step
 (`Trainer.evaluate`: routing as after the admission warm-up, plain gathers) on all local

@@ -26,19 +26,18 @@ import secrets
 import shutil
 import time
 import zlib
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from moejax.data.sources import BUILTIN_NAME, iter_documents
-from moejax.data.tokenizer import ByteTokenizer, ENCODE_CHUNK_CHARS, Tokenizer
+from moejax.data.tokenizer import ByteTokenizer, Tokenizer, document_chunks
 from moejax.errors import DataError
 
 FORMAT = "moejax-tokens-1"
 TOKENS_FILE = "tokens.bin"
 META_FILE = "meta.json"
 PARTIAL_SUFFIX = ".partial"
-CHUNK_DOCUMENTS = 1 << 14     # and at most this many documents a chunk (empty ones take no chars)
 PROGRESS_SECONDS = 10.0
 _META_FIELDS = {"format": str, "dtype": str, "num_tokens": int, "num_documents": int,
                 "tokenizer": str, "tokenizer_sha256": str, "vocab_size": int, "eos_id": int,
@@ -57,11 +56,8 @@ def tokenizer_sha256(tokenizer: Tokenizer) -> str:
   """What names a tokenizer's ids: the SHA-256 of its tokenizer.json ("bytes" for bytes)."""
   if isinstance(tokenizer, ByteTokenizer):
     return "bytes"
-  digest = hashlib.sha256()
   with open(tokenizer.name, "rb") as f:
-    for block in iter(lambda: f.read(1 << 20), b""):
-      digest.update(block)
-  return digest.hexdigest()
+    return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def dtype_for(vocab_size: int) -> str:
@@ -72,9 +68,9 @@ def write(inputs: Sequence[tuple[str, str | None]], tokenizer: Tokenizer, out: s
           log: Callable[[str], None] | None = None) -> dict:
   """Tokenizes the documents of `inputs`, (source, path) pairs read in order (a corpus in
   shards), into the directory `out`, as `make_data` would tokenize one of them; returns its
-  meta. JSONL documents are read one at a time and encoded in chunks of about
-  ENCODE_CHUNK_CHARS characters (or CHUNK_DOCUMENTS documents), so memory holds one chunk
-  whatever the corpus's size; a text file is one document, held whole.
+  meta. JSONL documents are read one at a time and encoded in the tokenizer's
+  `document_chunks`, so memory holds one chunk whatever the corpus's size; a text file is one
+  document, held whole.
 
   Written in a directory of its own beside `out` (DIR.partial-*), synced, then renamed: a
   preparation that fails or is interrupted removes it, one killed leaves it (never `out`), and
@@ -123,7 +119,7 @@ def _write_into(directory: str, inputs: Sequence[tuple[str, str | None]], tokeni
   has_text = False
   with open(os.path.join(directory, TOKENS_FILE), "wb") as f:
     docs = itertools.chain.from_iterable(iter_documents(s, p) for s, p in inputs)
-    for chunk in _chunks(docs):
+    for chunk in document_chunks(docs):
       tokens_N = tokenizer.encode_documents(chunk)
       has_text = has_text or bool(np.any(tokens_N != tokenizer.eos_id))
       data = tokens_N.astype(dtype.newbyteorder("<")).tobytes()
@@ -150,18 +146,6 @@ def _write_into(directory: str, inputs: Sequence[tuple[str, str | None]], tokeni
     f.flush()
     os.fsync(f.fileno())
   return meta
-
-
-def _chunks(docs: Iterable[str]) -> Iterable[list[str]]:
-  chunk, chars = [], 0
-  for doc in docs:
-    chunk.append(doc)
-    chars += len(doc)
-    if chars >= ENCODE_CHUNK_CHARS or len(chunk) >= CHUNK_DOCUMENTS:
-      yield chunk
-      chunk, chars = [], 0
-  if chunk:
-    yield chunk
 
 
 def read(path: str, tokenizer: Tokenizer) -> Prepared:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from moejax.errors import DataError
 
 ENCODE_CHUNK_CHARS = 1 << 22   # characters a Hugging Face tokenizer encodes per batch
+ENCODE_CHUNK_DOCUMENTS = 1 << 14   # and at most this many documents (empty ones take no chars)
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"   # beside tokenizer.json: may declare the EOS
 # Looked up in this order in a tokenizer.json's vocabulary; the first one present is EOS.
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eos|>", "[EOS]")
@@ -97,22 +98,17 @@ class HFTokenizer:
 
   def encode_documents(self, docs: Sequence[str],
                        progress: Callable[[int, int], None] | None = None) -> np.ndarray:
-    """`progress(documents done, documents)` after each chunk. Encoded in chunks of about
-    ENCODE_CHUNK_CHARS characters whose ids are kept as int32 and their `Encoding`s dropped
-    (each holds offsets and token strings: one batch of a 60 MB JSONL peaked at 3.9 GB)."""
+    """`progress(documents done, documents)` after each chunk. Encoded in `document_chunks`,
+    whose ids are kept as int32 and their `Encoding`s dropped (each holds offsets and token
+    strings: one batch of a 60 MB JSONL peaked at 3.9 GB)."""
     encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)   # no offsets
     eos_1 = np.full((1,), self.eos_id, np.int32)
-    ids, start = [], 0
-    while start < len(docs):
-      end, chars = start, 0
-      while end < len(docs) and (end == start or chars < ENCODE_CHUNK_CHARS):
-        chars += len(docs[end])
-        end += 1
-      ids.extend(np.asarray(e.ids, np.int32)
-                 for e in encode(list(docs[start:end]), add_special_tokens=False))
-      start = end
+    ids, done = [], 0
+    for chunk in document_chunks(docs):
+      ids.extend(np.asarray(e.ids, np.int32) for e in encode(chunk, add_special_tokens=False))
+      done += len(chunk)
       if progress is not None:
-        progress(end, len(docs))
+        progress(done, len(docs))
     return _concat_with_eos(ids, eos_1)
 
   def __repr__(self) -> str:
@@ -120,6 +116,21 @@ class HFTokenizer:
 
 
 Tokenizer = ByteTokenizer | HFTokenizer
+
+
+def document_chunks(docs: Iterable[str]) -> Iterator[list[str]]:
+  """`docs` in order, in lists of about ENCODE_CHUNK_CHARS characters (the document that
+  reaches it included) or ENCODE_CHUNK_DOCUMENTS documents: what a tokenizer encodes at once.
+  Documents are encoded apart, so the chunks change no id; `docs` is read as it goes."""
+  chunk, chars = [], 0
+  for doc in docs:
+    chunk.append(doc)
+    chars += len(doc)
+    if chars >= ENCODE_CHUNK_CHARS or len(chunk) >= ENCODE_CHUNK_DOCUMENTS:
+      yield chunk
+      chunk, chars = [], 0
+  if chunk:
+    yield chunk
 
 
 def read_json(path: str) -> dict:

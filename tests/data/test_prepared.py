@@ -37,8 +37,9 @@ def test_prepared_corpus_trains_on_the_source_s_batches_and_resumes(tmp_path, wo
                                                                     monkeypatch, dtype):
   """Documents encoded in chunks of 2-3, written as uint16 or uint32: the training batches (over
   an epoch boundary), the validation batches and a resumed position equal the source's."""
-  monkeypatch.setattr(prepared, "ENCODE_CHUNK_CHARS", 50)
-  monkeypatch.setattr(prepared, "CHUNK_DOCUMENTS", 2)
+  from moejax.data import tokenizer as tokenizer_lib
+  monkeypatch.setattr(tokenizer_lib, "ENCODE_CHUNK_CHARS", 50)
+  monkeypatch.setattr(tokenizer_lib, "ENCODE_CHUNK_DOCUMENTS", 2)
   monkeypatch.setattr(prepared, "dtype_for", lambda vocab_size: dtype)
   path, out = _corpus(tmp_path), str(tmp_path / "prepared")
   tokenizer = load_tokenizer(word_tokenizer_path)
