@@ -18,10 +18,12 @@ Presets:
                    dense (18432), d_model 7168, 128 heads of latent attention (q latent 1536, kv
                    latent 512, 128 + 64 rotary, values 128), 1 shared + 256 routed experts
                    top-8 of width 2048 in 8 groups of which 4 are used, vocab 129280; 671.0B
-                   total, 37.5B active (the multi-token-prediction module not counted). Plain
-                   RoPE: the published weights' YaRN scaling is not implemented, so their import
-                   is refused (one line naming rope_scaling); a run starts from scratch and
-                   needs a tokenizer: --config.data.tokenizer=PATH to V3's tokenizer.json.
+                   total, 37.5B active (the multi-token-prediction module not counted); YaRN
+                   RoPE as published (factor 40 over 4096 positions, beta 32 / 1, mscale and
+                   mscale_all_dim 1). The published weights are FP8 and refused on import (one
+                   line naming quantization_config): dequantize them to bfloat16 first
+                   (--config.init_from=DIR then reads them and their tokenizer.json), or train
+                   from scratch with --config.data.tokenizer=PATH to V3's tokenizer.json.
 
 moe_16b and v3 keep the fine-tuning optimizer settings the published presets share (lr 1e-5,
 100 warm-up steps, 2000 steps; `moejax.config.published_fine_tuning`), though neither imports
@@ -72,7 +74,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.update(vocab_size=129280, d_model=7168, num_layers=61, dense_layers=(0, 1, 2),
                    dense_hidden=18432, num_heads=128, head_dim=192, norm_eps=1e-6,
                    q_lora_rank=1536,
-                   kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+                   kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                   rope_scaling="yarn", rope_factor=40.0, rope_original_max_len=4096,
+                   rope_mscale=1.0, rope_mscale_all_dim=1.0)
     c.moe.update(num_experts=256, top_k=8, expert_hidden=2048, shared_expert_hidden=2048,
                  expert_groups=8, top_groups=4)
     published_fine_tuning(c)

@@ -20,6 +20,7 @@ from moejax.codec.replicas import REPLICA_CODECS
 from moejax.codec.word import DELTA_BITS
 from moejax.data.sources import SOURCES as DATA_SOURCES
 from moejax.layers.attention import QK_NORMS
+from moejax.layers.rope import ROPE_SCALINGS, RopeScaling
 from moejax.families import FAMILIES
 from moejax.errors import ConfigError
 from moejax.placement import PLACEMENTS
@@ -110,6 +111,29 @@ class ModelConfig:
   """The LM head is the embedding's transpose (no lm_head parameter)."""
   rope_theta: float = 10000.0
   """Rotary embedding base."""
+  rope_scaling: str = "none"
+  """RoPE frequency scaling: one of `moejax.layers.rope.ROPE_SCALINGS`; "yarn" extends a context
+  of rope_original_max_len positions by rope_factor (YaRN; DeepSeek-V3's published weights,
+  Qwen's long-context configs). The rope_* fields below are YaRN's, read only under "yarn"."""
+  rope_factor: float = 1.0
+  """YaRN: how many times the original context the model is to reach (>= 1)."""
+  rope_original_max_len: int = 0
+  """YaRN: the context the weights were pretrained on (original_max_position_embeddings)."""
+  rope_beta_fast: float = 32.0
+  """YaRN: rotary pairs turning more than this many times over the original context keep their
+  frequency."""
+  rope_beta_slow: float = 1.0
+  """YaRN: pairs turning fewer times than this are interpolated (frequency / rope_factor)."""
+  rope_mscale: float = 0.0
+  """YaRN: with rope_mscale_all_dim, cos and sin are scaled by mscale(rope_mscale) /
+  mscale(rope_mscale_all_dim), mscale(m) = 0.1 m ln(rope_factor) + 1; 0: by mscale(1)."""
+  rope_mscale_all_dim: float = 0.0
+  """YaRN: see rope_mscale; latent attention also multiplies its softmax scale by
+  mscale(rope_mscale_all_dim)^2 (DeepSeek)."""
+  rope_attention_factor: float = 0.0
+  """YaRN: scales cos and sin by this instead of the mscale rule above; 0: that rule."""
+  rope_truncate: bool = True
+  """YaRN: round the correction range to whole pairs (transformers' `truncate`)."""
   norm_eps: float = 1e-5
   """RMSNorm epsilon (layer norms and QK-norm)."""
   init_std: float = 0.02
@@ -503,6 +527,20 @@ def validate(c: Config) -> None:
          "bfloat16 bit patterns)")
   _choice(m.family, "model.family", FAMILIES)
   _choice(m.qk_norm, "model.qk_norm", QK_NORMS)
+  _choice(m.rope_scaling, "model.rope_scaling", ROPE_SCALINGS)
+  if m.rope_scaling == "yarn":
+    _check(m.rope_factor >= 1, f"config.model.rope_factor={m.rope_factor}: YaRN's context "
+           "extension factor, >= 1")
+    _check(m.rope_original_max_len > 0,
+           f"config.model.rope_original_max_len={m.rope_original_max_len}: YaRN needs the "
+           "context the weights were pretrained on (original_max_position_embeddings), > 0")
+    _check(m.rope_beta_fast > m.rope_beta_slow > 0,
+           f"config.model.rope_beta_fast={m.rope_beta_fast}, rope_beta_slow={m.rope_beta_slow}: "
+           "YaRN needs rope_beta_fast > rope_beta_slow > 0 (rotations over the original "
+           "context; 32 and 1 by default)")
+    for field in ("rope_mscale", "rope_mscale_all_dim", "rope_attention_factor"):
+      _check(getattr(m, field) >= 0, f"config.model.{field}={getattr(m, field)}: must be >= 0 "
+             "(0: not set)")
   _check(m.num_kv_heads >= 0 and m.num_heads % (m.num_kv_heads or m.num_heads) == 0,
          f"config.model.num_kv_heads={m.num_kv_heads}: must divide model.num_heads="
          f"{m.num_heads} (0 = num_heads)")
@@ -683,7 +721,11 @@ def unused_settings(c: Config) -> list[str]:
        c.codec.mode != "off", "codec.mode is not 'off'"),
       ("codec", ("capacity_margin", "comm_model"), c.codec.mode == "off" or c.codec.controlled,
        "the codec is chosen at run time (codec.mode='auto', or codec.select=True)"),
-      ("model", ("dense_hidden",), bool(c.model.dense_layers), "model.dense_layers is not empty")]
+      ("model", ("dense_hidden",), bool(c.model.dense_layers), "model.dense_layers is not empty"),
+      ("model", tuple(f.name for f in dataclasses.fields(ModelConfig)
+                      if f.name.startswith("rope_") and f.name not in ("rope_theta",
+                                                                       "rope_scaling")),
+       c.model.rope_scaling != "none", "model.rope_scaling is 'yarn'")]
   for group, fields, read, when in unread:
     if read:
       continue
@@ -694,6 +736,17 @@ def unused_settings(c: Config) -> list[str]:
       notes.append(f"{', '.join(changed)} {'has' if len(changed) == 1 else 'have'} no effect: "
                    f"read only when {when}")
   return notes
+
+
+def rope_scaling(m: ModelConfig) -> RopeScaling:
+  """The model's RoPE scaling (`moejax.layers.rope`) from its rope_* fields."""
+  if m.rope_scaling == "none":
+    return RopeScaling()
+  return RopeScaling(kind=m.rope_scaling, factor=m.rope_factor,
+                     original_max_len=m.rope_original_max_len, beta_fast=m.rope_beta_fast,
+                     beta_slow=m.rope_beta_slow, mscale=m.rope_mscale,
+                     mscale_all_dim=m.rope_mscale_all_dim,
+                     attention_factor=m.rope_attention_factor, truncate=m.rope_truncate)
 
 
 def num_params(c: Config) -> dict[str, int]:

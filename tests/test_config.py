@@ -279,6 +279,24 @@ def test_values_that_would_train_wrong_or_end_in_nan_are_refused_by_name(field, 
   assert str(e.value) == message
 
 
+@pytest.mark.parametrize("overrides, message", [
+    ({"model.rope_scaling": "ntk"}, "config.model.rope_scaling='ntk': must be one of none, yarn"),
+    ({"model.rope_scaling": "yarn"}, "config.model.rope_original_max_len=0: YaRN needs the "
+     "context the weights were pretrained on (original_max_position_embeddings), > 0"),
+    ({"model.rope_scaling": "yarn", "model.rope_original_max_len": 64, "model.rope_factor": 0.5},
+     "config.model.rope_factor=0.5: YaRN's context extension factor, >= 1"),
+    ({"model.rope_scaling": "yarn", "model.rope_original_max_len": 64,
+      "model.rope_beta_slow": 40.0}, "config.model.rope_beta_fast=32.0, rope_beta_slow=40.0: "
+     "YaRN needs rope_beta_fast > rope_beta_slow > 0 (rotations over the original context; 32 "
+     "and 1 by default)"),
+    ({"model.rope_scaling": "yarn", "model.rope_original_max_len": 64,
+      "model.rope_mscale": -1.0}, "config.model.rope_mscale=-1.0: must be >= 0 (0: not set)")])
+def test_yarn_settings_that_cannot_scale_are_refused_by_name(overrides, message):
+  with pytest.raises(ConfigError) as e:
+    tiny_config(**overrides)
+  assert str(e.value) == message
+
+
 def _notes(**overrides):
   """`unused_settings` of tiny_config(**overrides), but for the note on the dropless dispatch
   buffer that tiny_config sets under every placement (fsdp reads none)."""
@@ -303,7 +321,9 @@ def test_settings_that_do_nothing_here_are_named():
            ({"codec.delta_bits": 4, "codec.transport": "single"},
             "codec.delta_bits=4, config.codec.transport='single' have"),
            ({"codec.mode": "element", "codec.comm_model": "bytes"}, "codec.comm_model='bytes'"),
-           ({"model.dense_hidden": 128}, "model.dense_hidden=128 has")]
+           ({"model.dense_hidden": 128}, "model.dense_hidden=128 has"),
+           ({"model.rope_factor": 4.0, "model.rope_original_max_len": 64},
+            "model.rope_factor=4.0, config.model.rope_original_max_len=64 have")]
   for overrides, field in cases:
     (note,) = _notes(**overrides)
     assert note.startswith(f"config.{field}") and "no effect" in note, note
@@ -314,7 +334,9 @@ def test_settings_that_do_nothing_here_are_named():
                     {"moe.placement": "fssdp", "fssdp.replica_codec": "off",
                      "fssdp.window": 3},
                     {"moe.placement": "ep", "moe.dispatch_overflow": "drop"},
-                    {"routing.admission": "strict", "routing.threshold": 0.5}, {}):
+                    {"routing.admission": "strict", "routing.threshold": 0.5},
+                    {"model.rope_scaling": "yarn", "model.rope_factor": 4.0,
+                     "model.rope_original_max_len": 64}, {}):
     assert _notes(**overrides) == [], overrides
 
 

@@ -1,7 +1,7 @@
 """Hugging Face config.json <-> moejax `Config`, for every family of `moejax.families`.
 
 Only what moejax models is carried over; a config that asks for something moejax does not model
-(clipped q/k/v, output-projection biases, scaled RoPE, sliding windows, another activation,
+(clipped q/k/v, output-projection biases, RoPE scaled other than by YaRN, sliding windows, another activation,
 quantized weights) is refused with one line naming the field,
 rather than converted into a different model. Each family fixes some options of the decoder
 (`FAMILY_SPECS`); the rest are read from its fields:
@@ -15,6 +15,11 @@ rather than converted into a different model. Each family fixes some options of 
   num_key_value_heads                  model.num_kv_heads
   head_dim (or hidden/heads)           model.head_dim
   rope_theta (or rope_parameters.rope_theta)  model.rope_theta
+  rope_scaling / rope_parameters: yarn  model.rope_scaling="yarn", rope_factor,
+   (factor, original_max_position_      rope_original_max_len, rope_beta_fast / _slow,
+   embeddings, beta_fast, beta_slow,    rope_mscale, rope_mscale_all_dim,
+   mscale, mscale_all_dim,              rope_attention_factor, rope_truncate
+   attention_factor, truncate)
   rms_norm_eps                         model.norm_eps
   initializer_range                    model.init_std
   qkv_bias (qwen2_moe)                 model.qkv_bias
@@ -135,23 +140,77 @@ def _refuse(where: str, key: str, value, why: str):
   raise CheckpointError(f"{where}: {key}={value!r} is not supported: {why}")
 
 
-def _rope_theta(hf: dict, where: str, default: float) -> float:
+_YARN_DEFAULTS = dict(rope_beta_fast=32.0, rope_beta_slow=1.0, rope_mscale=0.0,
+                     rope_mscale_all_dim=0.0, rope_attention_factor=0.0, rope_truncate=True)
+_YARN_KEYS = dict(rope_beta_fast="beta_fast", rope_beta_slow="beta_slow", rope_mscale="mscale",
+                  rope_mscale_all_dim="mscale_all_dim",
+                  rope_attention_factor="attention_factor", rope_truncate="truncate")
+
+
+def _rope(hf: dict, where: str, default_theta: float) -> dict:
+  """model.rope_theta and the rope_* fields from rope_theta and rope_scaling (transformers < 5,
+  the Hub's configs) or rope_parameters (transformers >= 5), as transformers reads them."""
   rope = hf.get("rope_parameters") or hf.get("rope_scaling")
-  theta = hf.get("rope_theta", default)
+  theta = hf.get("rope_theta", default_theta)
+  fields = dict(rope_scaling="none", rope_factor=1.0, rope_original_max_len=0, **_YARN_DEFAULTS)
   if rope is not None:
     key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     if not isinstance(rope, dict):
       _refuse(where, key, rope, "expected a dict with rope_type and rope_theta")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-      _refuse(where, f"{key}.rope_type", rope_type, "moejax implements plain (default) RoPE only")
+    if rope_type not in ("default", "yarn"):
+      _refuse(where, f"{key}.rope_type", rope_type,
+              "moejax implements plain (default) RoPE and yarn only")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
       _refuse(where, f"{key}.partial_rotary_factor", rope["partial_rotary_factor"],
               "moejax rotates the whole head")
     theta = rope.get("rope_theta", theta)
+    if rope_type == "yarn":
+      fields.update(_yarn(hf, rope, f"{where}: {key}"))
   if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
     _refuse(where, "rope_theta", theta, "expected a positive number")
-  return float(theta)
+  return dict(fields, rope_theta=float(theta))
+
+
+def _yarn(hf: dict, rope: dict, where: str) -> dict:
+  # transformers' rule: a top-level original_max_position_embeddings wins, then the rope dict's,
+  # then max_position_embeddings; factor null means max_position_embeddings / original.
+  original = hf.get("original_max_position_embeddings") or rope.get(
+      "original_max_position_embeddings") or hf.get("max_position_embeddings")
+  if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+    raise CheckpointError(f"{where}: yarn needs original_max_position_embeddings, a positive "
+                          f"integer (got {original!r})")
+  factor = rope.get("factor")
+  if factor is None and isinstance(hf.get("max_position_embeddings"), int):
+    factor = hf["max_position_embeddings"] / original
+  if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+    raise CheckpointError(f"{where}: yarn's factor={factor!r} should be a number")
+  fields = dict(rope_scaling="yarn", rope_factor=float(factor), rope_original_max_len=original)
+  for field, key in _YARN_KEYS.items():
+    value = rope.get(key)
+    if field in ("rope_beta_fast", "rope_beta_slow"):
+      value = value or None      # transformers: `get("beta_fast") or 32`
+    if value is None:
+      continue
+    kind = bool if field == "rope_truncate" else float
+    if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float))):
+      raise CheckpointError(f"{where}: {key}={value!r} should be a number")
+    if kind is bool and not isinstance(value, bool):
+      raise CheckpointError(f"{where}: {key}={value!r} should be true or false")
+    fields[field] = kind(value)
+  return fields
+
+
+def _rope_to_hf(m) -> dict:
+  """The rope dict of `m`'s RoPE (transformers' keys; rope_theta left to the caller)."""
+  if m.rope_scaling == "none":
+    return {"rope_type": "default"}
+  out = {"rope_type": m.rope_scaling, "factor": m.rope_factor,
+         "original_max_position_embeddings": m.rope_original_max_len}
+  for field, key in _YARN_KEYS.items():
+    if getattr(m, field) != _YARN_DEFAULTS[field] or field.startswith("rope_beta"):
+      out[key] = getattr(m, field)
+  return out
 
 
 def family_of(hf: dict, where: str = "config.json") -> FamilySpec:
@@ -213,7 +272,7 @@ def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
             "a positive width is needed (the shared expert is always there)")
   if not spec.deepseek:
     _head_dim(hf, spec, where)
-  _rope_theta(hf, where, spec.default_rope_theta)
+  _rope(hf, where, spec.default_rope_theta)
   return spec
 
 
@@ -273,7 +332,7 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       qk_norm=spec.qk_norm,
       qkv_bias=(_get(hf, spec.qkv_bias_key, bool, where, spec.qkv_bias_default)
                 if spec.qkv_bias_key else False),
-      rope_theta=_rope_theta(hf, where, spec.default_rope_theta),
+      **_rope(hf, where, spec.default_rope_theta),
       norm_eps=_get(hf, "rms_norm_eps", float, where, spec.default_norm_eps),
       init_std=_get(hf, "initializer_range", float, where, base.model.init_std),
       tie_embeddings=_get(hf, "tie_word_embeddings", bool, where, False),
@@ -422,9 +481,13 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
   hf.pop("quantization_config", None)      # transformers reads any value as "quantized"
   # transformers >= 5 writes "dtype"; older versions, and the Hub's configs, "torch_dtype".
   hf["dtype" if base and "dtype" in base else "torch_dtype"] = dtype
-  if isinstance(hf.get("rope_parameters"), dict):
-    hf["rope_parameters"] = {**hf["rope_parameters"], "rope_theta": m.rope_theta}
+  rope = _rope_to_hf(m)
+  hf.pop("original_max_position_embeddings", None)     # it would win over the rope dict's
+  if m.rope_scaling != "none" and not base:
+    hf["max_position_embeddings"] = round(m.rope_original_max_len * m.rope_factor)
+  if isinstance(hf.get("rope_parameters"), dict):     # transformers >= 5's own layout
+    hf["rope_parameters"] = {"rope_theta": m.rope_theta, **rope}
   else:
     hf.pop("rope_parameters", None)
-    hf["rope_scaling"] = None
+    hf["rope_scaling"] = None if m.rope_scaling == "none" else rope
   return dict(sorted(hf.items()))

@@ -10,8 +10,9 @@ Letters: B batch, S sequence, D model width, H query heads, G key/value heads, D
   qkv bias       biases on the q, k and v projections, not the output one (Qwen2).
   latent         `LatentAttention`: DeepSeek-V2/V3's multi-head latent attention (below).
 
-Rotary embeddings use the half-split (rotate_half) convention; latent attention's rotary part
-is stored interleaved (pairs (x0, x1), (x2, x3), ...), as DeepSeek's checkpoints are.
+Rotary embeddings (`moejax.layers.rope`: plain or YaRN-scaled) use the half-split (rotate_half)
+convention; latent attention's rotary part is stored interleaved (pairs (x0, x1), (x2, x3), ...),
+as DeepSeek's checkpoints are.
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from jax import lax
 from moejax import profiling
 from moejax.layers.matmul import dense
 from moejax.layers.norm import rms_norm
+from moejax.layers.rope import (NO_SCALING, RopeScaling, apply_rotary, rotary_at,  # noqa: F401
+                                rotary_tables)
 from moejax.sharding.axes import (ATTENTION, BIASES, EMBED, HEADS, KV_HEADS, LATENT, NORM, NORMS,
                                   Q_HEADS, param)
 
@@ -32,23 +35,10 @@ QK_NORMS = ("full", "head", "none")
 LATENT_NORM_EPS = 1e-6   # DeepSeek's latent norms use their module default, not rms_norm_eps
 
 
-def rotary_tables(seq_len: int, head_dim: int, theta: float):
-  """(cos, sin) [S, Dh] for positions 0..seq_len-1."""
-  return rotary_at(jnp.arange(seq_len, dtype=jnp.float32), head_dim, theta)
-
-
-def rotary_at(positions_S, head_dim: int, theta: float):
-  """(cos, sin) [S, Dh] for the given token positions (a KV-cached step's are not 0..S-1)."""
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-  angles_SxHalf = positions_S.astype(jnp.float32)[:, None] * inv_freq[None, :]
-  angles_SxDh = jnp.concatenate([angles_SxHalf, angles_SxHalf], axis=-1)
-  return jnp.cos(angles_SxDh), jnp.sin(angles_SxDh)
-
-
-def attend(q_BxSxHxDk, k_BxTxGxDk, v_BxTxGxDv, *, mask=None, is_causal=False):
-  """Softmax attention scaled by 1/sqrt(Dk). Values and keys may differ in width (latent
-  attention): `jax.nn.dot_product_attention` takes one width, so the narrower side is
-  zero-padded (zeros add nothing to q.k or to the output) and the output cut back to Dv. On
+def attend(q_BxSxHxDk, k_BxTxGxDk, v_BxTxGxDv, *, mask=None, is_causal=False, scale=None):
+  """Softmax attention scaled by `scale` (default 1/sqrt(Dk)). Values and keys may differ in
+  width (latent attention): `jax.nn.dot_product_attention` takes one width, so the narrower side
+  is zero-padded (zeros add nothing to q.k or to the output) and the output cut back to Dv. On
   CUDA, where `cudnn_applies`, cuDNN's flash attention; XLA's otherwise."""
   dk, dv = q_BxSxHxDk.shape[-1], v_BxTxGxDv.shape[-1]
   pad = lambda x, width: jnp.pad(x, ((0, 0),) * 3 + ((0, width - x.shape[-1]),))  # noqa: E731
@@ -57,7 +47,7 @@ def attend(q_BxSxHxDk, k_BxTxGxDk, v_BxTxGxDv, *, mask=None, is_causal=False):
   elif dk < dv:
     q_BxSxHxDk, k_BxTxGxDk = pad(q_BxSxHxDk, dv), pad(k_BxTxGxDk, dv)
   xla = functools.partial(jax.nn.dot_product_attention, mask=mask, is_causal=is_causal,
-                          scale=dk ** -0.5)
+                          scale=dk ** -0.5 if scale is None else scale)
   if not (on_gpu() and cudnn_applies(q_BxSxHxDk, k_BxTxGxDk, v_BxTxGxDv, mask)):
     return xla(q_BxSxHxDk, k_BxTxGxDk, v_BxTxGxDv)[..., :dv]
   # cuDNN's flash attention on CUDA: on an H200 at OLMoE-1B-7B's shapes (batch 8 x 4096, 16
@@ -83,18 +73,11 @@ def cudnn_applies(q_BxSxHxDh, k_BxTxGxDh, v_BxTxGxDh, mask) -> bool:
           and dh % 8 == 0 and dh <= 128)
 
 
-def apply_rotary(x_BxSxHxDh, cos_SxDh, sin_SxDh):
-  x32 = x_BxSxHxDh.astype(jnp.float32)
-  half = x32.shape[-1] // 2
-  rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-  cos, sin = cos_SxDh[None, :, None, :], sin_SxDh[None, :, None, :]
-  return (x32 * cos + rotated * sin).astype(x_BxSxHxDh.dtype)
-
-
 class Attention(nnx.Module):
   def __init__(self, d_model: int, num_heads: int, head_dim: int, *, rope_theta: float,
                norm_eps: float, init_std: float, rngs: nnx.Rngs, num_kv_heads: int = 0,
-               qk_norm: str = "full", qkv_bias: bool = False):
+               qk_norm: str = "full", qkv_bias: bool = False,
+               rope_scaling: RopeScaling = NO_SCALING):
     num_kv_heads = num_kv_heads or num_heads
     if qk_norm not in QK_NORMS:
       raise ValueError(f"qk_norm={qk_norm!r}: must be one of {', '.join(QK_NORMS)}")
@@ -120,14 +103,20 @@ class Attention(nnx.Module):
       self.k_norm = param(jnp.ones((k_norm,), jnp.float32), (NORM,), NORMS)
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
     self.qk_norm, self.qkv_bias = qk_norm, qkv_bias
-    self.rope_theta, self.norm_eps = rope_theta, norm_eps
+    self.rope_theta, self.rope_scaling, self.norm_eps = rope_theta, rope_scaling, norm_eps
     self.rotary_dim = head_dim
+    # YaRN scales cos and sin here, not the softmax (transformers' Llama-style models).
+    self.softmax_scale = head_dim ** -0.5
 
   @profiling.scoped("attention")
   def __call__(self, x_BxSxD):
     s = x_BxSxD.shape[1]
-    q, k, v = self.qkv(x_BxSxD, rotary_tables(s, self.rotary_dim, self.rope_theta))
-    return self.project_out(attend(q, k, v, is_causal=True))
+    q, k, v = self.qkv(x_BxSxD, self.rotary_at(jnp.arange(s, dtype=jnp.float32)))
+    return self.project_out(attend(q, k, v, is_causal=True, scale=self.softmax_scale))
+
+  def rotary_at(self, positions_S):
+    """(cos, sin) [S, Dh] of these positions, this layer's RoPE (for `qkv`)."""
+    return rotary_at(positions_S, self.rotary_dim, self.rope_theta, self.rope_scaling)
 
   def _project(self, x_BxSxD, w, b):
     w = w[...].astype(x_BxSxD.dtype)
@@ -179,12 +168,13 @@ class LatentAttention(nnx.Module):
     latent   = x Wkv_a = (c [R], k_rot [Dr])
     k, v     = norm(c) Wkv_b split per head into [Dn] and [Dv]; every head's key ends in the
                one rotated k_rot
-  attention scaled by 1/sqrt(Dn + Dr), output [H*Dv] -> D. The same `qkv` / `project_out`
-  interface as `Attention` (one kv head per query head)."""
+  attention scaled by 1/sqrt(Dn + Dr) (under YaRN times its mscale_all_dim term squared), output
+  [H*Dv] -> D. The same `qkv` / `project_out` interface as `Attention` (one kv head per query
+  head)."""
 
   def __init__(self, d_model: int, num_heads: int, *, q_lora_rank: int, kv_lora_rank: int,
                qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rope_theta: float,
-               init_std: float, rngs: nnx.Rngs):
+               init_std: float, rngs: nnx.Rngs, rope_scaling: RopeScaling = NO_SCALING):
     init = jax.nn.initializers.normal(init_std)
     h, qk = num_heads, qk_nope_head_dim + qk_rope_head_dim
     if q_lora_rank:
@@ -205,13 +195,19 @@ class LatentAttention(nnx.Module):
                     ATTENTION)
     self.num_heads, self.q_lora_rank, self.kv_lora_rank = num_heads, q_lora_rank, kv_lora_rank
     self.nope, self.rotary_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
-    self.rope_theta = rope_theta
+    self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
+    # Under YaRN DeepSeek scales all of q.k, the non-rotary part too (mscale_all_dim).
+    self.softmax_scale = (qk ** -0.5) * rope_scaling.latent_softmax_scale
 
   @profiling.scoped("attention")
   def __call__(self, x_BxSxD):
     s = x_BxSxD.shape[1]
-    q, k, v = self.qkv(x_BxSxD, rotary_tables(s, self.rotary_dim, self.rope_theta))
-    return self.project_out(attend(q, k, v, is_causal=True))
+    q, k, v = self.qkv(x_BxSxD, self.rotary_at(jnp.arange(s, dtype=jnp.float32)))
+    return self.project_out(attend(q, k, v, is_causal=True, scale=self.softmax_scale))
+
+  def rotary_at(self, positions_S):
+    """(cos, sin) [S, Dr] of these positions, this layer's RoPE (for `qkv`)."""
+    return rotary_at(positions_S, self.rotary_dim, self.rope_theta, self.rope_scaling)
 
   def qkv(self, x_BxSxD, rotary):
     """q and k [B, S, H, Dn + Dr], v [B, S, H, Dv]; `rotary` (cos, sin) [S, Dr]."""

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moejax.config import Config
+from moejax.config import Config, rope_scaling
 from moejax.layers.attention import Attention, LatentAttention
 from moejax.layers.matmul import dense
 from moejax.layers.mlp import MLP
@@ -95,10 +95,12 @@ def _attention(cfg: Config, rngs: nnx.Rngs):
     return LatentAttention(m.d_model, m.num_heads, q_lora_rank=m.q_lora_rank,
                            kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
                            qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
-                           rope_theta=m.rope_theta, init_std=m.init_std, rngs=rngs)
+                           rope_theta=m.rope_theta, init_std=m.init_std, rngs=rngs,
+                           rope_scaling=rope_scaling(m))
   return Attention(m.d_model, m.num_heads, m.head_dim, rope_theta=m.rope_theta,
                    norm_eps=m.norm_eps, init_std=m.init_std, rngs=rngs,
-                   num_kv_heads=m.num_kv_heads, qk_norm=m.qk_norm, qkv_bias=m.qkv_bias)
+                   num_kv_heads=m.num_kv_heads, qk_norm=m.qk_norm, qkv_bias=m.qkv_bias,
+                   rope_scaling=rope_scaling(m))
 
 
 class DenseLayer(nnx.Module):

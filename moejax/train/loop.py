@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moejax import host_memory, weights
-from moejax.config import Config, num_params, unused_settings
+from moejax.config import Config, ModelConfig, num_params, unused_settings
 from moejax.data import DataSpec, check_vocab, make_data
 from moejax.errors import ConfigError, DataError, TrainingError
 from moejax.sharding.mesh import make_mesh, num_devices
@@ -306,7 +306,20 @@ _WEIGHT_FIELDS = {
 }
 
 
+# RoPE scaling: weights trained with it compute something else without it (or with another),
+# but extending the context of weights trained without it is what YaRN is for.
+_ROPE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig)
+                     if f.name.startswith("rope_") and f.name != "rope_theta")
+
+
 def _first_mismatch(loaded: Config, cfg: Config) -> str | None:
+  if loaded.model.rope_scaling != "none":
+    for field in _ROPE_FIELDS:
+      a, b = getattr(loaded.model, field), getattr(cfg.model, field)
+      if a != b:
+        return (f"config.model.{field}={b!r}, but the weights were trained with {a!r}"
+                + ("" if field == "rope_scaling"
+                   else f" (model.rope_scaling={loaded.model.rope_scaling!r})"))
   for group, fields in _WEIGHT_FIELDS.items():
     for field in fields:
       a = getattr(getattr(loaded, group), field, None)
@@ -343,7 +356,11 @@ def init_from(trainer: Trainer, path: str):
     params = ckpt.load_params(path, shardings=shardings)
   log(f"moejax: initialized from {path}")
   limit = hf_config.get("max_position_embeddings")
-  if isinstance(limit, int) and cfg.seq_len > limit:
+  if loaded.model.rope_scaling == "none" and cfg.model.rope_scaling != "none":
+    log(f"moejax: note: the weights were trained with plain RoPE and this run scales it "
+        f"(model.rope_scaling={cfg.model.rope_scaling!r}, rope_factor={cfg.model.rope_factor}, "
+        f"rope_original_max_len={cfg.model.rope_original_max_len}): a context extension")
+  elif isinstance(limit, int) and cfg.seq_len > limit:
     log(f"moejax: note: config.seq_len={cfg.seq_len} is past the weights' "
         f"max_position_embeddings={limit}: positions beyond it were never trained")
   return state_lib.state_from_params(params, trainer.tx, trainer.layout)

@@ -22,8 +22,9 @@ import sys
 import traceback
 
 # Random configurations, each differing from the others and from the family presets in layers,
-# heads, kv heads, head width, experts, top-k, expert width, shared expert width, RoPE base, norm
-# epsilon, top-k renormalization and how the checkpoint is saved.
+# heads, kv heads, head width, experts, top-k, expert width, shared expert width, RoPE base and
+# scaling (b, qwen3_moe and deepseek_v3 YaRN), norm epsilon, top-k renormalization and how the
+# checkpoint is saved.
 MODELS = {
     "a": dict(
         model_type="olmoe",
@@ -36,8 +37,11 @@ MODELS = {
         model_type="olmoe",
         config=dict(vocab_size=80, hidden_size=48, intermediate_size=40, num_hidden_layers=3,
                     num_attention_heads=3, num_experts=6, num_experts_per_tok=3,
-                    norm_topk_prob=True, rope_theta=500000.0, rms_norm_eps=1e-6,
-                    router_aux_loss_coef=0.02),
+                    norm_topk_prob=True, rms_norm_eps=1e-6, router_aux_loss_coef=0.02,
+                    # YaRN, its attention factor from the factor alone (0.1 ln 4 + 1)
+                    rope_parameters=dict(rope_type="yarn", rope_theta=500000.0, factor=4.0,
+                                         original_max_position_embeddings=64),
+                    max_position_embeddings=256),
         # transformers >= 5 in-memory layout: fused gate_up_proj / down_proj, one file
         save=dict(save_original_format=False)),
     "mixtral": dict(
@@ -60,8 +64,13 @@ MODELS = {
         config=dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=1, head_dim=16, num_experts=10,
                     num_experts_per_tok=4, moe_intermediate_size=24, norm_topk_prob=True,
-                    rope_theta=1000000.0, rms_norm_eps=1e-6,
-                    decoder_sparse_step=2),                  # layer 0 dense, layer 1 MoE
+                    rms_norm_eps=1e-6,
+                    decoder_sparse_step=2,                   # layer 0 dense, layer 1 MoE
+                    # YaRN as Qwen's long-context configs, untruncated, attention factor given
+                    rope_parameters=dict(rope_type="yarn", rope_theta=1000000.0, factor=6.0,
+                                         original_max_position_embeddings=40, truncate=False,
+                                         attention_factor=1.25, beta_fast=24.0, beta_slow=2.0),
+                    max_position_embeddings=240),
         save=dict()),
     # DeepSeek-V3: latent attention with a q latent, two leading dense layers, two shared
     # experts, 12 experts in 3 groups (2 used), a random score bias, routed scaling; fused.
@@ -72,8 +81,12 @@ MODELS = {
                     q_lora_rank=24, kv_lora_rank=20, qk_nope_head_dim=12, qk_rope_head_dim=6,
                     v_head_dim=10, n_routed_experts=12, n_group=3, topk_group=2,
                     num_experts_per_tok=3, moe_intermediate_size=16, n_shared_experts=2,
-                    routed_scaling_factor=1.7, norm_topk_prob=True, rope_theta=30000.0,
-                    rms_norm_eps=1e-6),
+                    routed_scaling_factor=1.7, norm_topk_prob=True, rms_norm_eps=1e-6,
+                    # YaRN as DeepSeek-V3's, mscale != mscale_all_dim (cos and sin scaled too)
+                    rope_parameters=dict(rope_type="yarn", rope_theta=30000.0, factor=8.0,
+                                         original_max_position_embeddings=32, beta_fast=32,
+                                         beta_slow=1, mscale=0.9, mscale_all_dim=0.7),
+                    max_position_embeddings=256),
         save=dict(save_original_format=False)),
     # ... without a q latent, dense layers or groups, unnormalized top-k, tied embeddings; per
     # expert and sharded.

@@ -20,7 +20,8 @@ from moejax.convert import config_from_hf, hf_config_from, load_hf, save_hf
 from moejax.families import FAMILIES
 from moejax.errors import CheckpointError
 from moejax.models import olmoe
-from tests.helpers import REPO, tiny_config
+from moejax.config import from_config_dict
+from tests.helpers import FAMILY_CONFIGS, REPO, tiny_config
 
 SINGLE = "model.safetensors"
 
@@ -204,8 +205,21 @@ FAMILY_REFUSALS = [
      "quantization_config={'quant_method': 'fp8'} is not supported"),
     ("deepseek_v3", dict(num_key_value_heads=2), "num_key_value_heads=2 is not supported"),
     ("deepseek_v3", dict(n_shared_experts=0), "n_shared_experts=0 is not supported"),
-    ("deepseek_v3", dict(rope_scaling={"rope_type": "yarn", "factor": 40.0}),
-     "rope_scaling.rope_type='yarn' is not supported"),
+    ("deepseek_v3", dict(rope_scaling={"rope_type": "yarn", "factor": 40.0},
+                         max_position_embeddings=None),
+     "yarn needs original_max_position_embeddings, a positive integer (got None)"),
+    ("qwen3_moe", dict(rope_scaling={"rope_type": "yarn", "factor": "4",
+                                     "original_max_position_embeddings": 32768}),
+     "rope_scaling: yarn's factor='4' should be a number"),
+    ("qwen3_moe", dict(rope_scaling={"rope_type": "yarn", "factor": 0.5,
+                                     "original_max_position_embeddings": 32768}),
+     "config.model.rope_factor=0.5: YaRN's context extension factor, >= 1"),
+    ("olmoe", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 1.0,
+                                 "beta_slow": 2.0, "original_max_position_embeddings": 4096}),
+     "config.model.rope_beta_fast=1.0, rope_beta_slow=2.0: YaRN needs"),
+    ("mixtral", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "truncate": "no",
+                                   "original_max_position_embeddings": 4096}),
+     "truncate='no' should be true or false"),
     ("deepseek_v3", dict(n_group=3), "moe.expert_groups=3"),
 ]
 
@@ -229,12 +243,42 @@ def test_a_null_field_reads_as_transformers_reads_it():
     config_from_hf(dict(hf, hidden_size=None))
 
 
+YARN = {"model.rope_scaling": "yarn", "model.rope_factor": 4.0, "model.rope_original_max_len": 96,
+        "model.rope_beta_fast": 16.0, "model.rope_mscale": 0.5, "model.rope_mscale_all_dim": 0.25,
+        "model.rope_attention_factor": 1.5, "model.rope_truncate": False}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_family_config_round_trips(family):
-  cfg = tiny_config(family, **{"moe.aux_loss_weight": 0.03, "model.rope_theta": 5e5})
+@pytest.mark.parametrize("rope", ["plain", "yarn"])
+def test_every_family_config_round_trips(family, rope):
+  cfg = tiny_config(family, **{"moe.aux_loss_weight": 0.03, "model.rope_theta": 5e5},
+                    **(YARN if rope == "yarn" else {}))
   hf = hf_config_from(cfg)
   assert hf["model_type"] == family
   assert config_from_hf(hf, base=cfg) == cfg
+  # in transformers 5's layout too (rope_parameters, kept when the base config has it)
+  v5 = hf_config_from(cfg, base={**hf, "rope_parameters": {"rope_type": "default"}})
+  assert "rope_parameters" in v5 and config_from_hf(v5, base=cfg) == cfg
+
+
+def test_deepseek_v3_published_yarn_reads_as_the_v3_preset():
+  """DeepSeek-V3's config.json RoPE fields (transformers 4's rope_scaling with "type") give the
+  v3 preset's; the FP8 weights stay refused by quantization_config alone."""
+  v3 = from_config_dict(FAMILY_CONFIGS["deepseek_v3"].get_config("v3"))
+  hf = dict(hf_config_from(v3), rope_theta=10000, max_position_embeddings=163840, rope_scaling={
+      "beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+      "original_max_position_embeddings": 4096, "type": "yarn"})
+  got = config_from_hf(hf, base=v3)
+  assert got.model == v3.model
+  with pytest.raises(CheckpointError, match=r"quantization_config=\{'quant_method': 'fp8'\} is "
+                     "not supported"):
+    config_from_hf(dict(hf, quantization_config={"quant_method": "fp8"}))
+  # transformers' rules: a null factor is max_position_embeddings / original; a top-level
+  # original_max_position_embeddings wins over the rope dict's.
+  no_factor = dict(hf, rope_scaling={**hf["rope_scaling"], "factor": None})
+  assert config_from_hf(no_factor).model.rope_factor == 40.0
+  top = config_from_hf(dict(hf, original_max_position_embeddings=8192)).model
+  assert top.rope_original_max_len == 8192
 
 
 @pytest.mark.parametrize("family,field,value", [

@@ -10,7 +10,8 @@ two MoE layers, qwen3_moe's decoder_sparse_step=2), "deepseek_v3" (latent attent
 dense layers, grouped sigmoid routing with a random score bias and routed scaling, fused) and
 "deepseek_v3_b" (no q latent, no dense layers or groups, tied embeddings, sharded). They differ
 in layers, heads, kv heads, head width, experts, top-k, expert and shared widths, latent ranks,
-RoPE base, norm epsilon and top-k renormalization.
+RoPE base, norm epsilon and top-k renormalization; "b", "qwen3_moe" and "deepseek_v3" scale RoPE
+by YaRN (attention factor from the factor, given, and from DeepSeek's two mscales).
 """
 from __future__ import annotations
 
@@ -82,6 +83,10 @@ def test_logits_match_transformers_fp32(name, hf_models, imported):
   _, tokens, want = hf_models[name]
   cfg, params = imported[name]
   assert_logits_close(fp32_logits(cfg, params, tokens), want)
+  if cfg.model.rope_scaling != "none":   # YaRN moves these logits: plain RoPE would fail above
+    plain = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, rope_scaling="none"))
+    with pytest.raises(AssertionError):
+      assert_logits_close(fp32_logits(plain, params, tokens), want, rel=1e-2)
 
 
 def test_config_mapping(hf_models, imported):
@@ -89,6 +94,9 @@ def test_config_mapping(hf_models, imported):
   m, moe = cfg.model, cfg.moe
   assert (m.vocab_size, m.d_model, m.num_layers, m.num_heads, m.head_dim) == (80, 48, 3, 3, 16)
   assert (m.rope_theta, m.norm_eps, m.init_std) == (500000.0, 1e-6, 0.1)
+  assert (m.rope_scaling, m.rope_factor, m.rope_original_max_len, m.rope_attention_factor) == (
+      "yarn", 4.0, 64, 0.0)
+  assert imported["a"][0].model.rope_scaling == "none"
   assert (moe.num_experts, moe.top_k, moe.expert_hidden) == (6, 3, 40)
   assert moe.renormalize and moe.score == "softmax" and moe.aux_loss_weight == 0.02
   assert not imported["a"][0].moe.renormalize
@@ -106,6 +114,8 @@ def test_config_mapping(hf_models, imported):
   assert (m.family, m.qk_norm, m.num_kv_heads, m.head_dim) == ("qwen3_moe", "head", 1, 16)
   assert (m.dense_layers, m.dense_hidden) == ((0,), 48)
   assert (moe.num_experts, moe.top_k, moe.expert_hidden, moe.renormalize) == (10, 4, 24, True)
+  assert (m.rope_factor, m.rope_original_max_len, m.rope_truncate, m.rope_attention_factor,
+          m.rope_beta_fast, m.rope_beta_slow) == (6.0, 40, False, 1.25, 24.0, 2.0)
 
 
 def test_deepseek_config_mapping(imported):
@@ -116,6 +126,8 @@ def test_deepseek_config_mapping(imported):
       4, (0, 1), 56, False)
   assert (moe.num_experts, moe.top_k, moe.expert_hidden, moe.shared_expert_hidden) == (
       12, 3, 16, 32)
+  assert (m.rope_scaling, m.rope_factor, m.rope_mscale, m.rope_mscale_all_dim) == (
+      "yarn", 8.0, 0.9, 0.7)
   assert (moe.score, moe.score_bias, moe.expert_groups, moe.top_groups, moe.routed_scale,
           moe.renormalize) == ("sigmoid", True, 3, 2, 1.7, True)
   m, moe = imported["deepseek_v3_b"][0].model, imported["deepseek_v3_b"][0].moe
@@ -160,12 +172,16 @@ def test_export_writes_the_hub_tensors_bit_for_bit(name, hf_models, imported, tm
 
 
 def test_transformers_loads_the_export(hf_models, imported, hf_reference, tmp_path):
-  for name in MODELS:
+  # Each with its own config.json as the base (transformers 5's rope_parameters), and DeepSeek's
+  # YaRN once without one (transformers 4's rope_scaling, which transformers 5 still reads).
+  for name in (*MODELS, "deepseek_v3:no_base"):
+    name, no_base = name.split(":")[0], name.endswith(":no_base")
     hf_dir, tokens, want = hf_models[name]
     cfg, params = imported[name]
-    out = str(tmp_path / name)
+    out = str(tmp_path / name) + ("_no_base" if no_base else "")
     save_hf(params, cfg, out, max_shard_bytes=30_000 if name in SAVED_FUSED else 10**9,
-            hf_config_base=read_hf_config(hf_dir))
+            hf_config_base=None if no_base else read_hf_config(hf_dir))
+    assert ("rope_scaling" if no_base else "rope_parameters") in read_hf_config(out)
     np.save(str(tmp_path / f"{name}.tokens.npy"), tokens)
     reply = hf_reference.call("logits", hf_dir=out, tokens=str(tmp_path / f"{name}.tokens.npy"),
                               out=str(tmp_path / f"{name}.logits.npy"))

@@ -26,8 +26,16 @@ def prompt():
   return np.random.default_rng(0).integers(0, 256, (2, 5)).astype(np.int32)
 
 
+# YaRN with a short original context, so the generated positions reach past it; DeepSeek's
+# mscales scale cos and sin and latent attention's softmax.
+YARN = {"model.rope_scaling": "yarn", "model.rope_factor": 4.0, "model.rope_original_max_len": 4,
+        "model.rope_beta_fast": 8.0}
+
+
 def _family_model(family):
-  cfg = tiny_config(family, **{"model.init_std": 0.1})   # logits that vary: routing matters
+  yarn = dict(YARN, **({"model.rope_mscale": 0.9, "model.rope_mscale_all_dim": 0.7}
+                       if family == "deepseek_v3" else {}))
+  cfg = tiny_config(family, **{"model.init_std": 0.1}, **yarn)   # logits that vary
   return cfg, olmoe.init_params(cfg, jax.random.key(1))
 
 
@@ -35,7 +43,7 @@ def _family_model(family):
 def test_cached_logits_equal_the_full_forward(family, model, prompt):
   """OLMoE; Qwen2-MoE: a grouped-query cache of 2 kv heads, qkv biases, a gated shared
   expert; DeepSeek: latent attention's per-head keys (with the shared rotary part) and narrower
-  values, a dense layer before the MoE ones, grouped sigmoid routing."""
+  values, a dense layer before the MoE ones, grouped sigmoid routing. Both with YaRN RoPE."""
   cfg, params = model if family == "olmoe" else _family_model(family)
   tokens_BxN, logits_BxNxV = decode.generate(cfg, params, prompt, max_new_tokens=NEW)
   assert tokens_BxN.shape == (2, prompt.shape[1] + NEW)

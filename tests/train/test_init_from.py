@@ -54,6 +54,16 @@ def test_a_mismatch_names_any_option_that_changes_what_the_weights_compute():
       weights, tiny_config(**{"moe.renormalize": True}))
   qwen = tiny_config("qwen2_moe", **{"model.num_kv_heads": 4})
   assert _first_mismatch(weights, qwen) == "config.model.qk_norm='none', but the weights have 'full'"
+  # RoPE scaling: extending plain weights' context is allowed; weights trained scaled compute
+  # something else under another scaling, or none.
+  yarn = {"model.rope_scaling": "yarn", "model.rope_factor": 4.0,
+          "model.rope_original_max_len": 64}
+  assert _first_mismatch(weights, tiny_config(**yarn)) is None
+  assert _first_mismatch(tiny_config(**yarn), weights) == (
+      "config.model.rope_scaling='none', but the weights were trained with 'yarn'")
+  assert _first_mismatch(tiny_config(**yarn), tiny_config(**{
+      **yarn, "model.rope_factor": 8.0})) == ("config.model.rope_factor=8.0, but the weights were "
+                                      "trained with 4.0 (model.rope_scaling='yarn')")
 
 
 def test_a_sequence_past_the_weights_positions_is_noted(trained, trainer_for, tmp_path, capsys):
@@ -73,3 +83,11 @@ def test_a_sequence_past_the_weights_positions_is_noted(trained, trainer_for, tm
   assert (f"moejax: note: config.seq_len={cfg.seq_len} is past the weights' "
           "max_position_embeddings=16: positions beyond it were never trained"
           in capsys.readouterr().out)
+  # The same weights with YaRN in the run: a context extension, said as such.
+  yarn = canonical_config(**{"model.rope_scaling": "yarn", "model.rope_factor": 4.0,
+                             "model.rope_original_max_len": 16})
+  init_from(trainer_for(yarn, 4), str(tmp_path / "hf"))
+  out = capsys.readouterr().out
+  assert ("moejax: note: the weights were trained with plain RoPE and this run scales it "
+          "(model.rope_scaling='yarn', rope_factor=4.0, rope_original_max_len=16): a context "
+          "extension") in out and "never trained" not in out
