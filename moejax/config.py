@@ -26,7 +26,7 @@ from moejax.errors import ConfigError
 from moejax.placement import PLACEMENTS
 from moejax.placement.dispatch import OVERFLOW_POLICIES
 from moejax.routing.admission import POLICIES as ADMISSIONS
-from moejax.routing.router import SCORE_FUNCTIONS as SCORES
+from moejax.routing.router import GROUP_SCORES, SCORE_FUNCTIONS as SCORES
 from moejax.sharding.hook import COMPUTE_DTYPES
 from moejax.sharding.prefetch import REMAT_MODES
 
@@ -155,10 +155,13 @@ class MoEConfig:
   routed_scale: float = 1.0
   """Multiplies the routed experts' weights (DeepSeek's routed_scaling_factor)."""
   expert_groups: int = 1
-  """Group-limited top-k (DeepSeek-V3's n_group): experts split into this many groups, each
-  scored by its two best experts; 1 = no grouping."""
+  """Group-limited top-k (DeepSeek's n_group): experts split into this many groups, each scored
+  as moe.group_score says; 1 = no grouping."""
   top_groups: int = 1
   """Groups a token may choose its experts from (topk_group); top_k comes from their experts."""
+  group_score: str = "top2"
+  """A group's score under group-limited top-k: one of `moejax.routing.router.GROUP_SCORES`
+  (top2: the sum of its two best experts' scores, DeepSeek-V3; max: its best, DeepSeek-V2)."""
   score_bias: bool = False
   """A per-expert bias added to the scores for the top-k choice only, not to the weights
   (DeepSeek-V3's e_score_correction_bias; auxiliary-loss-free balancing)."""
@@ -624,6 +627,7 @@ def validate(c: Config) -> None:
          f"config.fssdp.max_per_layer={c.fssdp.max_per_layer}: must be in [0, "
          f"moe.num_experts={moe.num_experts}] (0 = default)")
   _choice(moe.score, "moe.score", SCORES)
+  _choice(moe.group_score, "moe.group_score", GROUP_SCORES)
   _check(moe.dispatch_capacity_factor >= 0,
          f"config.moe.dispatch_capacity_factor={moe.dispatch_capacity_factor}: must be >= 0 "
          "(0 = dropless)")
@@ -722,6 +726,7 @@ def unused_settings(c: Config) -> list[str]:
       ("codec", ("capacity_margin", "comm_model"), c.codec.mode == "off" or c.codec.controlled,
        "the codec is chosen at run time (codec.mode='auto', or codec.select=True)"),
       ("model", ("dense_hidden",), bool(c.model.dense_layers), "model.dense_layers is not empty"),
+      ("moe", ("group_score",), c.moe.expert_groups > 1, "moe.expert_groups > 1"),
       ("model", tuple(f.name for f in dataclasses.fields(ModelConfig)
                       if f.name.startswith("rope_") and f.name not in ("rope_theta",
                                                                        "rope_scaling")),

@@ -34,14 +34,17 @@ rather than converted into a different model. Each family fixes some options of 
   mlp_only_layers, decoder_sparse_step model.dense_layers: layer i is dense if listed or if
    (qwen2_moe, qwen3_moe)              (i + 1) % step != 0 (transformers' rule); with
                                        intermediate_size as model.dense_hidden
- DeepSeek-V3 (deepseek_v3) besides:
+ DeepSeek-V2 and V3 (deepseek_v2, deepseek_v3) besides:
   q_lora_rank (None: 0), kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
                                        model.* (latent attention; model.head_dim = nope + rope)
   first_k_dense_replace, intermediate_size  model.dense_layers (the first k), model.dense_hidden
   n_shared_experts * moe_intermediate_size  moe.shared_expert_hidden
   n_group, topk_group                  moe.expert_groups, moe.top_groups
   routed_scaling_factor                moe.routed_scale
-  (always) sigmoid scores with e_score_correction_bias: moe.score="sigmoid", moe.score_bias
+  V3 (always): sigmoid scores with e_score_correction_bias, groups scored by their two best:
+                                       moe.score="sigmoid", moe.score_bias, group_score="top2"
+  V2: topk_method greedy (no groups) or group_limited_greedy (groups scored by their best,
+   moe.group_score="max"), softmax, no renormalization; aux_loss_alpha: moe.aux_loss_weight
 """
 from __future__ import annotations
 
@@ -73,8 +76,9 @@ class FamilySpec:
   renormalize_default: bool = False    # transformers' default when renormalize_key is absent
   z_loss_key: str | None = None        # ... of the router z-loss weight, if it has one
   dense_pattern: bool = False          # dense layers from mlp_only_layers / decoder_sparse_step
-  deepseek: bool = False               # latent attention, leading dense layers, n_shared_experts,
-                                       # grouped sigmoid routing with a score bias (DeepSeek-V3)
+  deepseek: str = ""                   # "v2" / "v3": latent attention, leading dense layers,
+                                       # n_shared_experts; v3: grouped sigmoid routing with a
+                                       # score bias; v2: softmax, greedy or grouped by the best
   # Fields that must hold these values (moejax has no equivalent of the others); export writes
   # them so.
   required: tuple = ()
@@ -109,10 +113,24 @@ FAMILY_SPECS = {
         default_norm_eps=1e-6, dense_pattern=True,
         required=_COMMON_REQUIRED + _NO_SLIDING_WINDOW + (
             ("attention_bias", False, "moejax attention projections have no bias"),)),
+    "deepseek_v2": FamilySpec(
+        "deepseek_v2", "DeepseekV2ForCausalLM", "none", "n_routed_experts",
+        "moe_intermediate_size", "norm_topk_prob", experts_aliases=("num_local_experts",),
+        default_norm_eps=1e-6, deepseek="v2",
+        required=_COMMON_REQUIRED + (
+            ("attention_bias", False, "moejax attention projections have no bias"),
+            ("mlp_bias", False, "moejax MLPs have no bias"),
+            ("norm_topk_prob", False, "transformers' DeepseekV2 never renormalizes the top-k "
+             "weights"),
+            ("scoring_func", "softmax", "DeepSeek-V2 routes with a softmax"),
+            ("moe_layer_freq", 1, "transformers' DeepseekV2 puts experts in every layer after "
+             "first_k_dense_replace"),
+            ("quantization_config", None, "moejax reads unquantized weights (dequantize to "
+             "bfloat16 first)"))),
     "deepseek_v3": FamilySpec(
         "deepseek_v3", "DeepseekV3ForCausalLM", "none", "n_routed_experts",
         "moe_intermediate_size", "norm_topk_prob", experts_aliases=("num_local_experts",),
-        default_norm_eps=1e-6, deepseek=True, renormalize_default=True,
+        default_norm_eps=1e-6, deepseek="v3", renormalize_default=True,
         required=_COMMON_REQUIRED + (
             ("attention_bias", False, "moejax attention projections have no bias"),
             ("rope_interleave", True, "moejax reads DeepSeek's rotary dimensions interleaved"),
@@ -244,6 +262,8 @@ def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
     value = hf.get(key, want)
     if key == "mlp_only_layers" and value is None:
       value = []
+    if value is None and want is False:     # transformers tests these flags' truth
+      value = False
     if isinstance(value, str):
       value = _SAME_AS.get((key, value), value)
     if value != want:
@@ -291,11 +311,13 @@ def _dense_pattern(hf: dict, where: str) -> dict:
               dense_hidden=_get(hf, "intermediate_size", int, where) if dense else 0)
 
 
-def _deepseek_fields(hf: dict, where: str) -> tuple[dict, dict]:
-  """DeepSeek-V3's model and moe fields (`FamilySpec.deepseek`)."""
+def _deepseek_fields(hf: dict, where: str, version: str) -> tuple[dict, dict]:
+  """DeepSeek-V2's or V3's model and moe fields (`FamilySpec.deepseek`)."""
   nope, rope = _get(hf, "qk_nope_head_dim", int, where), _get(hf, "qk_rope_head_dim", int, where)
-  # Absent fields take transformers' DeepseekV3Config defaults (q_lora_rank null: no q latent).
-  dense = tuple(range(_get(hf, "first_k_dense_replace", int, where, 3)))
+  # Absent fields take transformers' DeepseekV2Config / V3Config defaults (q_lora_rank null: no q
+  # latent).
+  dense = tuple(range(_get(hf, "first_k_dense_replace", int, where,
+                           3 if version == "v3" else 0)))
   q_lora_rank = _get(hf, "q_lora_rank", int, where, 1536) if hf.get("q_lora_rank", 1536) else 0
   model = dict(kv_lora_rank=_get(hf, "kv_lora_rank", int, where),
                q_lora_rank=q_lora_rank,
@@ -304,11 +326,23 @@ def _deepseek_fields(hf: dict, where: str) -> tuple[dict, dict]:
                dense_layers=dense,
                dense_hidden=_get(hf, "intermediate_size", int, where) if dense else 0)
   moe = dict(shared_expert_hidden=_get(hf, "n_shared_experts", int, where)
-             * _get(hf, "moe_intermediate_size", int, where),
-             shared_expert_gate=False, score="sigmoid", score_bias=True,
-             expert_groups=_get(hf, "n_group", int, where, 8),
-             top_groups=_get(hf, "topk_group", int, where, 4),
-             routed_scale=_get(hf, "routed_scaling_factor", float, where, 2.5))
+             * _get(hf, "moe_intermediate_size", int, where), shared_expert_gate=False)
+  if version == "v3":
+    moe.update(score="sigmoid", score_bias=True, group_score="top2",
+               expert_groups=_get(hf, "n_group", int, where, 8),
+               top_groups=_get(hf, "topk_group", int, where, 4),
+               routed_scale=_get(hf, "routed_scaling_factor", float, where, 2.5))
+    return model, moe
+  method = hf.get("topk_method", "greedy")
+  if method not in ("greedy", "group_limited_greedy"):
+    _refuse(where, "topk_method", method, "DeepSeek-V2 routes greedy or group_limited_greedy")
+  grouped = method == "group_limited_greedy"
+  moe.update(score="softmax", score_bias=False, renormalize=False, group_score="max",
+             expert_groups=_get(hf, "n_group", int, where) if grouped else 1,
+             top_groups=_get(hf, "topk_group", int, where) if grouped else 1,
+             routed_scale=_get(hf, "routed_scaling_factor", float, where, 1.0))
+  if hf.get("aux_loss_alpha") is not None:    # the Hub's configs; transformers drops it
+    moe["aux_loss_weight"] = _get(hf, "aux_loss_alpha", float, where)
   return model, moe
 
 
@@ -357,9 +391,9 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       aux_loss_weight=_get(hf, "router_aux_loss_coef", float, where, base.moe.aux_loss_weight),
       z_loss_weight=(_get(hf, spec.z_loss_key, float, where, base.moe.z_loss_weight)
                      if spec.z_loss_key else base.moe.z_loss_weight),
-      score_bias=False, expert_groups=1, top_groups=1, routed_scale=1.0)
+      score_bias=False, expert_groups=1, top_groups=1, group_score="top2", routed_scale=1.0)
   if spec.deepseek:
-    model_fields, moe_fields = _deepseek_fields(hf, where)
+    model_fields, moe_fields = _deepseek_fields(hf, where, spec.deepseek)
     model = dataclasses.replace(model, **model_fields)
     moe = dataclasses.replace(moe, **moe_fields)
   if not moe.score_bias:
@@ -385,10 +419,18 @@ def check_exportable(cfg: Config) -> FamilySpec:
                             "another config.model.family or change the field")
 
   if spec.deepseek:
-    need("moe.score", moe.score, "sigmoid", " (it routes with sigmoids)")
     need("model.dense_layers", m.dense_layers, tuple(range(len(m.dense_layers))),
          " (its dense layers lead: first_k_dense_replace)")
-    need("moe.score_bias", moe.score_bias, True, " (its router always has the bias)")
+    if spec.deepseek == "v3":
+      need("moe.score", moe.score, "sigmoid", " (it routes with sigmoids)")
+      need("moe.score_bias", moe.score_bias, True, " (its router always has the bias)")
+    else:
+      need("moe.score", moe.score, "softmax", " (it routes with a softmax)")
+      need("moe.score_bias", moe.score_bias, False, " (no score bias)")
+      need("moe.renormalize", moe.renormalize, False, " (it never renormalizes the top-k)")
+    if moe.expert_groups > 1:
+      need("moe.group_score", moe.group_score, "top2" if spec.deepseek == "v3" else "max",
+           " (how its groups are scored)")
     if not m.kv_lora_rank:
       raise CheckpointError(f"config.model.kv_lora_rank=0: {what} has latent attention only; "
                             "choose another config.model.family or set the latent fields")
@@ -461,6 +503,10 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
         "n_shared_experts": moe.shared_expert_hidden // moe.expert_hidden,
         "n_group": moe.expert_groups, "topk_group": moe.top_groups,
         "routed_scaling_factor": moe.routed_scale, "head_dim": m.qk_rope_head_dim})
+    if spec.deepseek == "v2":
+      hf.update({"topk_method": "group_limited_greedy" if moe.expert_groups > 1 else "greedy",
+                 "aux_loss_alpha": moe.aux_loss_weight})
+      hf.pop("router_aux_loss_coef", None)
   elif spec.qk_norm != "full":
     hf["head_dim"] = m.head_dim
   if spec.dense_pattern:

@@ -106,9 +106,11 @@ HUB_EXPERT_NAMES = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
     "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "deepseek_v2": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
-SHARED_EXPERT_MODULE = {"qwen2_moe": "shared_expert", "deepseek_v3": "shared_experts"}
+SHARED_EXPERT_MODULE = {"qwen2_moe": "shared_expert", "deepseek_v2": "shared_experts",
+                        "deepseek_v3": "shared_experts"}
 
 
 def _attention_maps(cfg: Config, per_layer) -> None:

@@ -62,6 +62,7 @@ class MoESpec:
   routed_scale: float = 1.0               # multiplies the routed weights (routed_scaling_factor)
   groups: int = 1                         # group-limited top-k: expert groups (n_group) ...
   top_groups: int = 1                     # ... of which a token uses the best (topk_group)
+  group_score: str = "top2"               # ... scored by their two best experts, or the best
   score_bias: bool = False                # a selection-only score bias (e_score_correction_bias)
 
   def __post_init__(self):
@@ -80,6 +81,9 @@ class MoESpec:
          f"top_k={self.top_k}: must be in [1, num_experts={self.num_experts}]")
     need(self.score in router_lib.SCORE_FUNCTIONS,
          f"score={self.score!r}: must be one of {', '.join(router_lib.SCORE_FUNCTIONS)}")
+    need(self.group_score in router_lib.GROUP_SCORES,
+         f"group_score={self.group_score!r}: must be one of "
+         f"{', '.join(router_lib.GROUP_SCORES)}")
     need(self.admission in admission_lib.POLICIES,
          f"admission={self.admission!r}: must be one of {', '.join(admission_lib.POLICIES)}")
     need(-1.0 <= self.threshold <= 1.0, f"threshold={self.threshold}: a cosine similarity, in "
@@ -245,7 +249,7 @@ class MoEBlock(nnx.Module):
       weights_TxK, experts_TxK, scores_TxE = router_lib.top_k_route(
           logits_TxE, spec.top_k, score=spec.score, renormalize=spec.renormalize,
           bias_E=self.score_bias[...] if spec.score_bias else None, groups=spec.groups,
-          top_groups=spec.top_groups, scale=spec.routed_scale)
+          top_groups=spec.top_groups, scale=spec.routed_scale, group_score=spec.group_score)
       if mask_T is not None:    # padding: empty slots (expert E), which nothing keeps
         experts_TxK = jnp.where(mask_T[:, None], experts_TxK, spec.num_experts)
         weights_TxK = jnp.where(mask_T[:, None], weights_TxK, 0.0)
@@ -265,7 +269,7 @@ class MoEBlock(nnx.Module):
         if spec.admission == "reroute":   # rerouted assignments stay in the token's groups
           allowed_TxE = router_lib.allowed_experts(
               scores_TxE, bias_E=self.score_bias[...] if spec.score_bias else None,
-              groups=spec.groups, top_groups=spec.top_groups)
+              groups=spec.groups, top_groups=spec.top_groups, group_score=spec.group_score)
         admitted = admission_lib.admit(x_TxD, router_DxE, experts_TxK, weights_TxK, scores_TxE,
                                        capacity_E=capacity_E, threshold=spec.threshold,
                                        policy=spec.admission, allowed_TxE=allowed_TxE)

@@ -49,7 +49,8 @@ def moe_spec(cfg: Config) -> MoESpec:
                  capacity_factor_warmup=r.admission_capacity_factor_warmup, warmup_steps=r.warmup_steps,
                  locality_weight=r.locality_weight, shared_hidden=moe.shared_expert_hidden,
                  shared_gate=moe.shared_expert_gate, routed_scale=moe.routed_scale,
-                 groups=moe.expert_groups, top_groups=moe.top_groups, score_bias=moe.score_bias)
+                 groups=moe.expert_groups, top_groups=moe.top_groups,
+                 group_score=moe.group_score, score_bias=moe.score_bias)
 
 
 MOE_LAYERS = "layers"           # the parameter group of the MoE layers (stacked)

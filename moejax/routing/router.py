@@ -15,6 +15,9 @@ import jax
 import jax.numpy as jnp
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
+# How group-limited top-k scores a group: the sum of its two best experts (DeepSeek-V3's
+# noaux_tc) or its best (DeepSeek-V2's group_limited_greedy).
+GROUP_SCORES = ("top2", "max")
 
 
 def _psum(x, axis_name):
@@ -33,14 +36,14 @@ def router_scores(logits_TxE: jax.Array, score: str = "softmax") -> jax.Array:
 
 def top_k_route(logits_TxE: jax.Array, k: int, *, score: str = "softmax",
                 renormalize: bool = False, bias_E: jax.Array | None = None, groups: int = 1,
-                top_groups: int = 1, scale: float = 1.0):
+                top_groups: int = 1, scale: float = 1.0, group_score: str = "top2"):
   """Token-side top-k.
 
   `bias_E` (DeepSeek-V3's auxiliary-loss-free balancing) is added to the scores for the choice
   only: the weights are the unbiased scores of the chosen experts, and no gradient reaches it.
   `groups` > 1 (group-limited top-k): the experts split into `groups` equal groups, each scored by
-  the sum of its two best (biased) scores; a token chooses among the experts of its `top_groups`
-  best groups. After the optional renormalization the weights are multiplied by `scale`
+  the sum of its two best (biased) scores (`group_score="top2"`) or its best ("max"); a token
+  chooses among the experts of its `top_groups` best groups. After the optional renormalization the weights are multiplied by `scale`
   (routed_scaling_factor).
 
   Returns (weights_TxK fp32, experts_TxK int32, scores_TxE fp32). Ties go to the lower expert id
@@ -49,7 +52,7 @@ def top_k_route(logits_TxE: jax.Array, k: int, *, score: str = "softmax",
   scores_TxE = router_scores(logits_TxE, score)
   choice_TxE = _choice(scores_TxE, bias_E)
   if groups > 1:
-    allowed_TxE = _allowed(choice_TxE, groups, top_groups)
+    allowed_TxE = _allowed(choice_TxE, groups, top_groups, group_score)
     choice_TxE = jnp.where(allowed_TxE, choice_TxE, -jnp.inf)
   if choice_TxE is scores_TxE:
     weights_TxK, experts_TxK = jax.lax.top_k(scores_TxE, k)
@@ -85,22 +88,28 @@ def _choice(scores_TxE, bias_E):
   return scores_TxE + jax.lax.stop_gradient(bias_E.astype(jnp.float32))[None, :]
 
 
-def _allowed(choice_TxE, groups: int, top_groups: int):
+def _allowed(choice_TxE, groups: int, top_groups: int, group_score: str = "top2"):
+  if group_score not in GROUP_SCORES:
+    raise ValueError(f"group_score must be one of {GROUP_SCORES}, got {group_score!r}")
   t, e = choice_TxE.shape
-  best2_TxGx2, _ = jax.lax.top_k(jax.lax.stop_gradient(choice_TxE).reshape(t, groups, e // groups),
-                                 2)
-  _, top_TxGk = jax.lax.top_k(jnp.sum(best2_TxGx2, axis=-1), top_groups)
+  choice_TxGxM = jax.lax.stop_gradient(choice_TxE).reshape(t, groups, e // groups)
+  if group_score == "max":
+    group_TxG = jnp.max(choice_TxGxM, axis=-1)
+  else:
+    best2_TxGx2, _ = jax.lax.top_k(choice_TxGxM, 2)
+    group_TxG = jnp.sum(best2_TxGx2, axis=-1)
+  _, top_TxGk = jax.lax.top_k(group_TxG, top_groups)
   allowed_TxG = jnp.any(jax.nn.one_hot(top_TxGk, groups, dtype=bool), axis=1)
   return jnp.repeat(allowed_TxG, e // groups, axis=1)
 
 
 def allowed_experts(scores_TxE: jax.Array, *, bias_E: jax.Array | None = None, groups: int = 1,
-                    top_groups: int = 1) -> jax.Array | None:
+                    top_groups: int = 1, group_score: str = "top2") -> jax.Array | None:
   """[T, E] bool: the experts of each token's `top_groups` best groups, the ones `top_k_route`
   chose among (None when routing is not group-limited). Admission's reroute keeps to them."""
   if groups <= 1:
     return None
-  return _allowed(_choice(scores_TxE, bias_E), groups, top_groups)
+  return _allowed(_choice(scores_TxE, bias_E), groups, top_groups, group_score)
 
 
 def expert_counts(experts_TxK: jax.Array, num_experts: int,

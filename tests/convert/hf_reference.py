@@ -88,6 +88,23 @@ MODELS = {
                                          beta_slow=1, mscale=0.9, mscale_all_dim=0.7),
                     max_position_embeddings=256),
         save=dict(save_original_format=False)),
+    # DeepSeek-V2: latent attention without a q latent, a leading dense layer, softmax top-3
+    # among the 2 of 3 groups with the best expert, routed scaling, no renormalization, YaRN as
+    # V2-Lite's (both mscales equal: only the softmax scale moves); per expert.
+    "deepseek_v2": dict(
+        model_type="deepseek_v2",
+        config=dict(vocab_size=60, hidden_size=36, intermediate_size=44, num_hidden_layers=3,
+                    first_k_dense_replace=1, num_attention_heads=3, num_key_value_heads=3,
+                    q_lora_rank=None, kv_lora_rank=18, qk_nope_head_dim=10, qk_rope_head_dim=8,
+                    v_head_dim=12, n_routed_experts=9, n_group=3, topk_group=2,
+                    topk_method="group_limited_greedy", num_experts_per_tok=3,
+                    moe_intermediate_size=16, n_shared_experts=2, routed_scaling_factor=2.0,
+                    rms_norm_eps=1e-6, aux_loss_alpha=0.004,
+                    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=16.0,
+                                         original_max_position_embeddings=16, mscale=0.707,
+                                         mscale_all_dim=0.707),
+                    max_position_embeddings=256),
+        save=dict()),
     # ... without a q latent, dense layers or groups, unnormalized top-k, tied embeddings; per
     # expert and sharded.
     "deepseek_v3_b": dict(

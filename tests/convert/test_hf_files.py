@@ -221,6 +221,13 @@ FAMILY_REFUSALS = [
                                    "original_max_position_embeddings": 4096}),
      "truncate='no' should be true or false"),
     ("deepseek_v3", dict(n_group=3), "moe.expert_groups=3"),
+    ("deepseek_v2", dict(topk_method="noaux_tc"), "topk_method='noaux_tc' is not supported"),
+    ("deepseek_v2", dict(norm_topk_prob=True), "norm_topk_prob=True is not supported: "
+     "transformers' DeepseekV2 never renormalizes"),
+    ("deepseek_v2", dict(moe_layer_freq=2), "moe_layer_freq=2 is not supported"),
+    ("deepseek_v2", dict(scoring_func="sigmoid"), "scoring_func='sigmoid' is not supported"),
+    ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=None),
+     "field 'n_group' is null"),
 ]
 
 
@@ -261,6 +268,29 @@ def test_every_family_config_round_trips(family, rope):
   assert "rope_parameters" in v5 and config_from_hf(v5, base=cfg) == cfg
 
 
+def test_deepseek_v2_lite_published_config_reads_as_the_lite_preset():
+  """DeepSeek-V2-Lite's config.json as the Hub has it (transformers 4 names, the Hub code's
+  routing fields) gives the lite preset's model and routing."""
+  lite = from_config_dict(FAMILY_CONFIGS["deepseek_v2"].get_config("lite"))
+  hub = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+         "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
+         "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+         "num_key_value_heads": 16, "n_shared_experts": 2, "n_routed_experts": 64,
+         "routed_scaling_factor": 1.0, "kv_lora_rank": 512, "q_lora_rank": None,
+         "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+         "topk_method": "greedy", "n_group": 1, "topk_group": 1, "num_experts_per_tok": 6,
+         "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": False,
+         "scoring_func": "softmax", "aux_loss_alpha": 0.001, "seq_aux": True,
+         "hidden_act": "silu", "max_position_embeddings": 163840, "initializer_range": 0.02,
+         "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "rope_theta": 10000,
+         "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
+                          "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
+                          "type": "yarn"},
+         "attention_bias": False, "attention_dropout": 0.0, "torch_dtype": "bfloat16"}
+  got = config_from_hf(hub, base=lite)
+  assert got.model == lite.model and got.moe == lite.moe
+
+
 def test_deepseek_v3_published_yarn_reads_as_the_v3_preset():
   """DeepSeek-V3's config.json RoPE fields (transformers 4's rope_scaling with "type") give the
   v3 preset's; the FP8 weights stay refused by quantization_config alone."""
@@ -287,7 +317,9 @@ def test_deepseek_v3_published_yarn_reads_as_the_v3_preset():
     ("qwen2_moe", "moe.shared_expert_gate", False), ("olmoe", "moe.score", "sigmoid"),
     ("mixtral", "moe.routed_scale", 2.0), ("qwen3_moe", "moe.expert_groups", 2),
     ("deepseek_v3", "moe.score", "softmax"), ("deepseek_v3", "moe.shared_expert_hidden", 96),
-    ("deepseek_v3", "model.dense_layers", (1,)), ("mixtral", "model.dense_layers", (0,))])
+    ("deepseek_v3", "model.dense_layers", (1,)), ("mixtral", "model.dense_layers", (0,)),
+    ("deepseek_v3", "moe.group_score", "max"), ("deepseek_v2", "moe.group_score", "top2"),
+    ("deepseek_v2", "moe.renormalize", True), ("deepseek_v2", "moe.score", "sigmoid")])
 def test_export_refuses_options_the_family_cannot_hold(family, field, value):
   overrides = {field: value}
   if field == "moe.shared_expert_gate":

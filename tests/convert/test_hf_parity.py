@@ -8,10 +8,13 @@ block_sparse_moe, sharded), "qwen2_moe" (qkv biases, gated shared expert, fused)
 (per-head QK-norm, one kv head; Qwen's dense layers: qwen2_moe's mlp_only_layers=[1] between
 two MoE layers, qwen3_moe's decoder_sparse_step=2), "deepseek_v3" (latent attention with a q latent, two leading
 dense layers, grouped sigmoid routing with a random score bias and routed scaling, fused) and
-"deepseek_v3_b" (no q latent, no dense layers or groups, tied embeddings, sharded). They differ
+"deepseek_v3_b" (no q latent, no dense layers or groups, tied embeddings, sharded), "deepseek_v2"
+(no q latent, a dense first layer, softmax top-k among the groups with the best expert, routed
+scaling, per expert). They differ
 in layers, heads, kv heads, head width, experts, top-k, expert and shared widths, latent ranks,
-RoPE base, norm epsilon and top-k renormalization; "b", "qwen3_moe" and "deepseek_v3" scale RoPE
-by YaRN (attention factor from the factor, given, and from DeepSeek's two mscales).
+RoPE base, norm epsilon and top-k renormalization; "b", "qwen3_moe", "deepseek_v2" and
+"deepseek_v3" scale RoPE by YaRN (attention factor from the factor, given, and from DeepSeek's
+two mscales, equal and not).
 """
 from __future__ import annotations
 
@@ -35,7 +38,8 @@ from moejax.train import checkpoint as train_checkpoint
 from moejax.train.optim import make_optimizer
 from moejax.train.state import state_layout
 
-MODELS = ("a", "b", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v3_b")
+MODELS = ("a", "b", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3",
+          "deepseek_v3_b")
 SAVED_FUSED = ("b", "qwen2_moe", "deepseek_v3")
 
 
@@ -130,6 +134,14 @@ def test_deepseek_config_mapping(imported):
       "yarn", 8.0, 0.9, 0.7)
   assert (moe.score, moe.score_bias, moe.expert_groups, moe.top_groups, moe.routed_scale,
           moe.renormalize) == ("sigmoid", True, 3, 2, 1.7, True)
+  m, moe = imported["deepseek_v2"][0].model, imported["deepseek_v2"][0].moe
+  assert (m.family, m.q_lora_rank, m.kv_lora_rank, m.dense_layers, m.dense_hidden) == (
+      "deepseek_v2", 0, 18, (0,), 44)
+  assert (moe.score, moe.score_bias, moe.renormalize, moe.expert_groups, moe.top_groups,
+          moe.group_score, moe.routed_scale, moe.shared_expert_hidden, moe.aux_loss_weight) == (
+      "softmax", False, False, 3, 2, "max", 2.0, 32, 0.004)
+  assert (m.rope_scaling, m.rope_factor, m.rope_mscale, m.rope_mscale_all_dim) == (
+      "yarn", 16.0, 0.707, 0.707)
   m, moe = imported["deepseek_v3_b"][0].model, imported["deepseek_v3_b"][0].moe
   assert (m.q_lora_rank, m.dense_layers, m.tie_embeddings, moe.expert_groups) == (0, (), True, 1)
   assert "lm_head" not in imported["deepseek_v3_b"][1]

@@ -48,6 +48,17 @@ def test_bias_groups_and_scale_by_hand():
   _, e, _ = router.top_k_route(logits, 2, groups=2, top_groups=1,
                                bias_E=jnp.asarray([0.5, 0.0, 0.0, 0.0]))
   np.testing.assert_array_equal(e, [[0, 1]])
+  # DeepSeek-V2 scores a group by its best expert: scores 0.35 0.05 | 0.3 0.3 rank group 0
+  # first (0.35 > 0.3) where the two best rank group 1 (0.6 > 0.4).
+  split = jnp.log(jnp.asarray([[0.35, 0.05, 0.3, 0.3]], jnp.float32))
+  _, e, _ = router.top_k_route(split, 2, groups=2, top_groups=1)
+  np.testing.assert_array_equal(e, [[2, 3]])
+  w, e, _ = router.top_k_route(split, 2, groups=2, top_groups=1, group_score="max", scale=16.0)
+  np.testing.assert_array_equal(e, [[0, 1]])
+  np.testing.assert_allclose(w, [[16 * 0.35, 16 * 0.05]], rtol=1e-6)
+  np.testing.assert_array_equal(
+      router.allowed_experts(router.router_scores(split), groups=2, top_groups=1,
+                             group_score="max"), [[True, True, False, False]])
   # No gradient reaches the bias.
   grad = jax.grad(lambda b: jnp.sum(router.top_k_route(logits, 2, bias_E=b)[0]))(
       jnp.zeros(4))
