@@ -73,8 +73,8 @@ def loss_fn(cfg: Config, params, inputs_BxS, targets_BxS, *, remat: str, axis_na
   """(loss, ce). With `axis_name` (inside shard_map, each device its slice of the batch), this
   device's share: the sums over the axis are the loss and ce of the whole batch."""
   m = cfg.model
-  cos_SxDh, sin_SxDh = rotary_tables(inputs_BxS.shape[1], m.head_dim, m.rope_theta,
-                                     rope_scaling(m))
+  cos_SxDh, sin_SxDh = rotary_tables(inputs_BxS.shape[1], m.rotary_dim or m.head_dim,
+                                     m.rope_theta, rope_scaling(m))
 
   def layer(h_BxSxD, p):
     h_BxSxD = h_BxSxD + _attention(cfg, p["attn"], rms_norm(h_BxSxD, p["attn_norm"]["scale"],

@@ -111,6 +111,10 @@ class ModelConfig:
   """The LM head is the embedding's transpose (no lm_head parameter)."""
   rope_theta: float = 10000.0
   """Rotary embedding base."""
+  rotary_dim: int = 0
+  """Width of the rotated part of each q/k head, its first dims (partial rotary: GLM-4.5's
+  partial_rotary_factor 0.5 rotates half the head); even; 0 = the whole head. Latent attention
+  rotates qk_rope_head_dim instead."""
   rope_scaling: str = "none"
   """RoPE frequency scaling: one of `moejax.layers.rope.ROPE_SCALINGS`; "yarn" extends a context
   of rope_original_max_len positions by rope_factor (YaRN; DeepSeek-V3's published weights,
@@ -530,6 +534,12 @@ def validate(c: Config) -> None:
          "bfloat16 bit patterns)")
   _choice(m.family, "model.family", FAMILIES)
   _choice(m.qk_norm, "model.qk_norm", QK_NORMS)
+  _check(m.rotary_dim >= 0 and m.rotary_dim % 2 == 0 and m.rotary_dim <= m.head_dim,
+         f"config.model.rotary_dim={m.rotary_dim}: an even width up to model.head_dim="
+         f"{m.head_dim} (0 = the whole head)")
+  _check(not (m.rotary_dim and m.kv_lora_rank),
+         f"config.model.rotary_dim={m.rotary_dim}: latent attention rotates "
+         "model.qk_rope_head_dim; leave rotary_dim 0")
   _choice(m.rope_scaling, "model.rope_scaling", ROPE_SCALINGS)
   if m.rope_scaling == "yarn":
     _check(m.rope_factor >= 1, f"config.model.rope_factor={m.rope_factor}: YaRN's context "

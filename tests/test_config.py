@@ -281,6 +281,10 @@ def test_values_that_would_train_wrong_or_end_in_nan_are_refused_by_name(field, 
 
 @pytest.mark.parametrize("overrides, message", [
     ({"model.rope_scaling": "ntk"}, "config.model.rope_scaling='ntk': must be one of none, yarn"),
+    ({"model.rotary_dim": 7}, "config.model.rotary_dim=7: an even width up to model.head_dim=16 "
+     "(0 = the whole head)"),
+    ({"model.rotary_dim": 32}, "config.model.rotary_dim=32: an even width up to "
+     "model.head_dim=16 (0 = the whole head)"),
     ({"model.rope_scaling": "yarn"}, "config.model.rope_original_max_len=0: YaRN needs the "
      "context the weights were pretrained on (original_max_position_embeddings), > 0"),
     ({"model.rope_scaling": "yarn", "model.rope_original_max_len": 64, "model.rope_factor": 0.5},

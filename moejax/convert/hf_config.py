@@ -76,6 +76,12 @@ class FamilySpec:
   renormalize_default: bool = False    # transformers' default when renormalize_key is absent
   z_loss_key: str | None = None        # ... of the router z-loss weight, if it has one
   dense_pattern: bool = False          # dense layers from mlp_only_layers / decoder_sparse_step
+  qk_norm_key: str | None = None       # ... of whether qk_norm is on (GLM's use_qk_norm: "none"
+                                       # when false)
+  partial_rotary: float | None = None  # partial_rotary_factor when absent; None: always 1 (the
+                                       # architecture rotates whole heads)
+  glm: bool = False                    # GLM-4.5: leading dense layers, n_shared_experts, grouped
+                                       # sigmoid routing with a score bias (as DeepSeek-V3's)
   deepseek: str = ""                   # "v2" / "v3": latent attention, leading dense layers,
                                        # n_shared_experts; v3: grouped sigmoid routing with a
                                        # score bias; v2: softmax, greedy or grouped by the best
@@ -113,6 +119,13 @@ FAMILY_SPECS = {
         default_norm_eps=1e-6, dense_pattern=True,
         required=_COMMON_REQUIRED + _NO_SLIDING_WINDOW + (
             ("attention_bias", False, "moejax attention projections have no bias"),)),
+    "glm4_moe": FamilySpec(
+        "glm4_moe", "Glm4MoeForCausalLM", "head", "n_routed_experts", "moe_intermediate_size",
+        "norm_topk_prob", experts_aliases=("num_local_experts",), renormalize_default=True,
+        qkv_bias_key="attention_bias", qk_norm_key="use_qk_norm", partial_rotary=0.5, glm=True,
+        required=_COMMON_REQUIRED + (
+            ("quantization_config", None, "moejax reads unquantized weights (dequantize to "
+             "bfloat16 first)"),)),
     "deepseek_v2": FamilySpec(
         "deepseek_v2", "DeepseekV2ForCausalLM", "none", "n_routed_experts",
         "moe_intermediate_size", "norm_topk_prob", experts_aliases=("num_local_experts",),
@@ -179,15 +192,37 @@ def _rope(hf: dict, where: str, default_theta: float) -> dict:
     if rope_type not in ("default", "yarn"):
       _refuse(where, f"{key}.rope_type", rope_type,
               "moejax implements plain (default) RoPE and yarn only")
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-      _refuse(where, f"{key}.partial_rotary_factor", rope["partial_rotary_factor"],
-              "moejax rotates the whole head")
     theta = rope.get("rope_theta", theta)
     if rope_type == "yarn":
       fields.update(_yarn(hf, rope, f"{where}: {key}"))
   if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
     _refuse(where, "rope_theta", theta, "expected a positive number")
   return dict(fields, rope_theta=float(theta))
+
+
+def _rotary_dim(hf: dict, spec: FamilySpec, head_dim: int, where: str) -> int:
+  """model.rotary_dim from partial_rotary_factor (the rope dict's, else the top-level one, as
+  transformers' standardize_rope_params takes them; else the architecture's default)."""
+  rope = hf.get("rope_parameters") or hf.get("rope_scaling")
+  rope = rope if isinstance(rope, dict) else {}
+  key = "partial_rotary_factor"
+  if key in rope:
+    factor = rope[key]
+  elif key in hf:
+    factor = hf[key]
+  else:       # Glm4MoeConfig's default when the field is absent (null is no factor: 1)
+    factor = spec.partial_rotary
+  factor = 1.0 if factor is None else factor
+  if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+    _refuse(where, "partial_rotary_factor", factor, "expected a number in (0, 1]")
+  if factor != 1.0 and spec.partial_rotary is None:
+    _refuse(where, "partial_rotary_factor", factor,
+            f"{spec.architecture} rotates whole heads (needs 1.0)")
+  dim = int(head_dim * factor)
+  if dim % 2 or dim == 0:
+    _refuse(where, "partial_rotary_factor", factor,
+            f"rotates {dim} of head_dim={head_dim} dims; moejax rotates pairs (an even width)")
+  return 0 if dim == head_dim else dim
 
 
 def _yarn(hf: dict, rope: dict, where: str) -> dict:
@@ -287,11 +322,14 @@ def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
               "a positive count is needed (moejax's DeepSeek layers always have shared experts)")
     for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
       _get(hf, key, int, where)
+  if spec.glm and _get(hf, "n_shared_experts", int, where, 1) < 1:
+    _refuse(where, "n_shared_experts", hf.get("n_shared_experts"),
+            "a positive count is needed (moejax's GLM layers always have a shared expert)")
   if spec.shared_expert and not hf.get("shared_expert_intermediate_size"):
     _refuse(where, "shared_expert_intermediate_size", hf.get("shared_expert_intermediate_size"),
             "a positive width is needed (the shared expert is always there)")
   if not spec.deepseek:
-    _head_dim(hf, spec, where)
+    _rotary_dim(hf, spec, _head_dim(hf, spec, where), where)
   _rope(hf, where, spec.default_rope_theta)
   return spec
 
@@ -346,6 +384,21 @@ def _deepseek_fields(hf: dict, where: str, version: str) -> tuple[dict, dict]:
   return model, moe
 
 
+def _glm_fields(hf: dict, where: str) -> tuple[dict, dict]:
+  """GLM-4.5's model and moe fields (`FamilySpec.glm`), transformers' Glm4MoeConfig defaults
+  for absent ones."""
+  dense = tuple(range(_get(hf, "first_k_dense_replace", int, where, 1)))
+  model = dict(dense_layers=dense,
+               dense_hidden=_get(hf, "intermediate_size", int, where) if dense else 0)
+  moe = dict(shared_expert_hidden=_get(hf, "n_shared_experts", int, where, 1)
+             * _get(hf, "moe_intermediate_size", int, where), shared_expert_gate=False,
+             score="sigmoid", score_bias=True, group_score="top2",
+             expert_groups=_get(hf, "n_group", int, where, 1),
+             top_groups=_get(hf, "topk_group", int, where, 1),
+             routed_scale=_get(hf, "routed_scaling_factor", float, where, 1.0))
+  return model, moe
+
+
 def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.json") -> Config:
   """The moejax `Config` of a config.json of any family; fields moejax does not take from it come
   from `base` (default: `Config()`)."""
@@ -363,7 +416,9 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       num_kv_heads=0 if (hf.get("num_key_value_heads") or heads) == heads
       else hf["num_key_value_heads"],
       head_dim=_head_dim(hf, spec, where),
-      qk_norm=spec.qk_norm,
+      rotary_dim=0 if spec.deepseek else _rotary_dim(hf, spec, _head_dim(hf, spec, where), where),
+      qk_norm=(spec.qk_norm if not spec.qk_norm_key
+               or _get(hf, spec.qk_norm_key, bool, where, False) else "none"),
       qkv_bias=(_get(hf, spec.qkv_bias_key, bool, where, spec.qkv_bias_default)
                 if spec.qkv_bias_key else False),
       **_rope(hf, where, spec.default_rope_theta),
@@ -392,8 +447,9 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       z_loss_weight=(_get(hf, spec.z_loss_key, float, where, base.moe.z_loss_weight)
                      if spec.z_loss_key else base.moe.z_loss_weight),
       score_bias=False, expert_groups=1, top_groups=1, group_score="top2", routed_scale=1.0)
-  if spec.deepseek:
-    model_fields, moe_fields = _deepseek_fields(hf, where, spec.deepseek)
+  if spec.deepseek or spec.glm:
+    model_fields, moe_fields = (_deepseek_fields(hf, where, spec.deepseek) if spec.deepseek
+                                else _glm_fields(hf, where))
     model = dataclasses.replace(model, **model_fields)
     moe = dataclasses.replace(moe, **moe_fields)
   if not moe.score_bias:
@@ -418,20 +474,22 @@ def check_exportable(cfg: Config) -> FamilySpec:
       raise CheckpointError(f"config.{field}={value!r}: {what} needs {want!r}{why}; choose "
                             "another config.model.family or change the field")
 
-  if spec.deepseek:
+  if spec.deepseek or spec.glm:
     need("model.dense_layers", m.dense_layers, tuple(range(len(m.dense_layers))),
          " (its dense layers lead: first_k_dense_replace)")
-    if spec.deepseek == "v3":
-      need("moe.score", moe.score, "sigmoid", " (it routes with sigmoids)")
-      need("moe.score_bias", moe.score_bias, True, " (its router always has the bias)")
-    else:
+    if spec.deepseek == "v2":
       need("moe.score", moe.score, "softmax", " (it routes with a softmax)")
       need("moe.score_bias", moe.score_bias, False, " (no score bias)")
       need("moe.renormalize", moe.renormalize, False, " (it never renormalizes the top-k)")
+    else:
+      need("moe.score", moe.score, "sigmoid", " (it routes with sigmoids)")
+      need("moe.score_bias", moe.score_bias, True, " (its router always has the bias)")
     if moe.expert_groups > 1:
-      need("moe.group_score", moe.group_score, "top2" if spec.deepseek == "v3" else "max",
+      need("moe.group_score", moe.group_score, "max" if spec.deepseek == "v2" else "top2",
            " (how its groups are scored)")
-    if not m.kv_lora_rank:
+    if spec.glm:
+      need("model.kv_lora_rank", m.kv_lora_rank, 0, " (no latent attention)")
+    elif not m.kv_lora_rank:
       raise CheckpointError(f"config.model.kv_lora_rank=0: {what} has latent attention only; "
                             "choose another config.model.family or set the latent fields")
     if not moe.shared_expert_hidden or moe.shared_expert_hidden % moe.expert_hidden:
@@ -446,13 +504,18 @@ def check_exportable(cfg: Config) -> FamilySpec:
     need("moe.score_bias", moe.score_bias, False, " (no score bias)")
     need("moe.expert_groups", moe.expert_groups, 1, " (no expert groups)")
     need("moe.routed_scale", moe.routed_scale, 1.0, " (no routed scaling)")
-  need("model.qk_norm", m.qk_norm, spec.qk_norm)
+  if spec.qk_norm_key and m.qk_norm == "none":
+    pass                                # the architecture's QK-norm switched off
+  else:
+    need("model.qk_norm", m.qk_norm, spec.qk_norm)
+  if spec.partial_rotary is None:
+    need("model.rotary_dim", m.rotary_dim, 0, " (it rotates whole heads)")
   if not spec.qkv_bias_key:
     need("model.qkv_bias", m.qkv_bias, False)
   if spec.renormalize_key is None:
     need("moe.renormalize", moe.renormalize, True)
   need("moe.shared_expert_gate", moe.shared_expert_gate, spec.shared_expert)
-  if not spec.shared_expert and not spec.deepseek:
+  if not spec.shared_expert and not spec.deepseek and not spec.glm:
     need("moe.shared_expert_hidden", moe.shared_expert_hidden, 0)
   if spec.qk_norm == "full" and m.num_heads * m.head_dim != m.d_model:
     raise CheckpointError(
@@ -509,6 +572,16 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
       hf.pop("router_aux_loss_coef", None)
   elif spec.qk_norm != "full":
     hf["head_dim"] = m.head_dim
+  if spec.glm:
+    hf.update({
+        "first_k_dense_replace": len(m.dense_layers),
+        "intermediate_size": m.dense_hidden or hf.get("intermediate_size", moe.expert_hidden),
+        "n_shared_experts": moe.shared_expert_hidden // moe.expert_hidden,
+        "n_group": moe.expert_groups, "topk_group": moe.top_groups,
+        "routed_scaling_factor": moe.routed_scale,
+        "num_nextn_predict_layers": 0})     # the export holds no multi-token-prediction layer
+  if spec.qk_norm_key:
+    hf[spec.qk_norm_key] = m.qk_norm != "none"
   if spec.dense_pattern:
     hf.update({"mlp_only_layers": list(m.dense_layers), "decoder_sparse_step": 1})
     if m.dense_layers:
@@ -528,6 +601,9 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
   # transformers >= 5 writes "dtype"; older versions, and the Hub's configs, "torch_dtype".
   hf["dtype" if base and "dtype" in base else "torch_dtype"] = dtype
   rope = _rope_to_hf(m)
+  if spec.partial_rotary is not None:
+    hf["partial_rotary_factor"] = rope["partial_rotary_factor"] = (
+        (m.rotary_dim or m.head_dim) / m.head_dim)
   hf.pop("original_max_position_embeddings", None)     # it would win over the rope dict's
   if m.rope_scaling != "none" and not base:
     hf["max_position_embeddings"] = round(m.rope_original_max_len * m.rope_factor)
@@ -535,5 +611,6 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
     hf["rope_parameters"] = {"rope_theta": m.rope_theta, **rope}
   else:
     hf.pop("rope_parameters", None)
-    hf["rope_scaling"] = None if m.rope_scaling == "none" else rope
+    hf["rope_scaling"] = None if m.rope_scaling == "none" else {
+        k: v for k, v in rope.items() if k != "partial_rotary_factor"}
   return dict(sorted(hf.items()))

@@ -106,11 +106,15 @@ HUB_EXPERT_NAMES = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
     "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "glm4_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "deepseek_v2": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
-SHARED_EXPERT_MODULE = {"qwen2_moe": "shared_expert", "deepseek_v2": "shared_experts",
-                        "deepseek_v3": "shared_experts"}
+SHARED_EXPERT_MODULE = {"qwen2_moe": "shared_expert", "glm4_moe": "shared_experts",
+                        "deepseek_v2": "shared_experts", "deepseek_v3": "shared_experts"}
+# Families whose checkpoints hold multi-token-prediction layers after the last one (transformers
+# does not load them either).
+MTP_FAMILIES = ("glm4_moe", "deepseek_v3")
 
 
 def _attention_maps(cfg: Config, per_layer) -> None:
@@ -226,13 +230,13 @@ def detect_expert_layout(names) -> str:
 
 def is_ignored(name: str, cfg: Config | None = None) -> bool:
   """Tensors that hold no moejax parameter: recomputed rotary tables; with `cfg`, layers past
-  its last (DeepSeek-V3's multi-token-prediction module, which transformers does not load
-  either) and a tied LM head's copy of the embedding."""
+  its last (DeepSeek-V3's and GLM-4.5's multi-token-prediction layers, which transformers does
+  not load either) and a tied LM head's copy of the embedding."""
   if name.endswith(IGNORED_SUFFIXES):
     return True
   if cfg is None:
     return False
   layer = hf_layer_of(name)
-  if layer is not None and layer >= cfg.model.num_layers and cfg.model.family == "deepseek_v3":
+  if layer is not None and layer >= cfg.model.num_layers and cfg.model.family in MTP_FAMILIES:
     return True
   return cfg.model.tie_embeddings and name == "lm_head.weight"

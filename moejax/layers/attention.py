@@ -77,7 +77,7 @@ class Attention(nnx.Module):
   def __init__(self, d_model: int, num_heads: int, head_dim: int, *, rope_theta: float,
                norm_eps: float, init_std: float, rngs: nnx.Rngs, num_kv_heads: int = 0,
                qk_norm: str = "full", qkv_bias: bool = False,
-               rope_scaling: RopeScaling = NO_SCALING):
+               rope_scaling: RopeScaling = NO_SCALING, rotary_dim: int = 0):
     num_kv_heads = num_kv_heads or num_heads
     if qk_norm not in QK_NORMS:
       raise ValueError(f"qk_norm={qk_norm!r}: must be one of {', '.join(QK_NORMS)}")
@@ -104,7 +104,7 @@ class Attention(nnx.Module):
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
     self.qk_norm, self.qkv_bias = qk_norm, qkv_bias
     self.rope_theta, self.rope_scaling, self.norm_eps = rope_theta, rope_scaling, norm_eps
-    self.rotary_dim = head_dim
+    self.rotary_dim = rotary_dim or head_dim      # partial rotary: its first dims only
     # YaRN scales cos and sin here, not the softmax (transformers' Llama-style models).
     self.softmax_scale = head_dim ** -0.5
 
@@ -129,7 +129,7 @@ class Attention(nnx.Module):
 
   def qkv(self, x_BxSxD, rotary):
     """q [B, S, H, Dh], k and v [B, S, G, Dh]: projected, QK-normed, q and k rotated by
-    `rotary` = (cos, sin) [S, Dh] of the tokens' positions (`rotary_tables`, or `rotary_at` with
+    `rotary` = (cos, sin) [S, rotary_dim] of the tokens' positions (`rotary_tables`, or `rotary_at` with
     a KV cache)."""
     b, s, _ = x_BxSxD.shape
     bias = (self.bq, self.bk, self.bv) if self.qkv_bias else (None, None, None)

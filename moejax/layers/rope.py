@@ -113,7 +113,13 @@ def rotary_at(positions_S, head_dim: int, theta: float, scaling: RopeScaling = N
 
 
 def apply_rotary(x_BxSxHxDh, cos_SxDh, sin_SxDh):
-  """x rotated half-split (rotate_half): pair i is (x[i], x[i + Dh/2])."""
+  """x rotated half-split (rotate_half): pair i is (x[i], x[i + Dh/2]). Tables narrower than x
+  (partial rotary, GLM-4.5's half head) rotate its first Dh' dims the same way and pass the rest
+  through."""
+  rotated_width = cos_SxDh.shape[-1]
+  if rotated_width < x_BxSxHxDh.shape[-1]:
+    return jnp.concatenate([apply_rotary(x_BxSxHxDh[..., :rotated_width], cos_SxDh, sin_SxDh),
+                            x_BxSxHxDh[..., rotated_width:]], axis=-1)
   x32 = x_BxSxHxDh.astype(jnp.float32)
   half = x32.shape[-1] // 2
   rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)

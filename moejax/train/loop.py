@@ -297,12 +297,12 @@ class Trainer:
 # What the weights fix: their shapes, and the options that change what the same weights compute.
 _WEIGHT_FIELDS = {
     "model": ("vocab_size", "d_model", "num_layers", "num_heads", "head_dim", "num_kv_heads",
-              "qk_norm", "qkv_bias", "rope_theta", "norm_eps", "dense_layers", "dense_hidden",
-              "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+              "qk_norm", "qkv_bias", "rope_theta", "rotary_dim", "norm_eps", "dense_layers",
+              "dense_hidden", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
               "v_head_dim", "tie_embeddings"),
     "moe": ("num_experts", "top_k", "expert_hidden", "shared_expert_hidden",
             "shared_expert_gate", "score", "renormalize", "routed_scale", "expert_groups",
-            "top_groups", "score_bias"),
+            "top_groups", "group_score", "score_bias"),
 }
 
 
@@ -326,6 +326,8 @@ def _first_mismatch(loaded: Config, cfg: Config) -> str | None:
       b = getattr(getattr(cfg, group), field, None)
       if field == "num_kv_heads":      # 0 means as many as query heads
         a, b = a or loaded.model.num_heads, b or cfg.model.num_heads
+      if field == "group_score" and loaded.moe.expert_groups == 1:    # read only with groups
+        continue
       if a is not None and a != b:
         return f"config.{group}.{field}={b!r}, but the weights have {a!r}"
   return None

@@ -88,6 +88,20 @@ MODELS = {
                                          beta_slow=1, mscale=0.9, mscale_all_dim=0.7),
                     max_position_embeddings=256),
         save=dict(save_original_format=False)),
+    # GLM-4.5: grouped-query attention with q/k/v biases and per-head QK-norm, half of each
+    # head rotated, a leading dense layer, one shared expert, sigmoid top-3 among the best 2 of 3
+    # groups with a random score bias, renormalized and scaled; per expert, with the
+    # multi-token-prediction layer the Hub's checkpoints carry.
+    "glm4_moe": dict(
+        model_type="glm4_moe",
+        config=dict(vocab_size=56, hidden_size=40, intermediate_size=48, num_hidden_layers=3,
+                    first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=12, partial_rotary_factor=0.5, attention_bias=True,
+                    use_qk_norm=True, n_routed_experts=9, n_group=3, topk_group=2,
+                    num_experts_per_tok=3, moe_intermediate_size=16, n_shared_experts=1,
+                    routed_scaling_factor=2.5, norm_topk_prob=True, rope_theta=100000.0,
+                    rms_norm_eps=1e-5),
+        save=dict(max_shard_size="64KB")),
     # DeepSeek-V2: latent attention without a q latent, a leading dense layer, softmax top-3
     # among the 2 of 3 groups with the best expert, routed scaling, no renormalization, YaRN as
     # V2-Lite's (both mscales equal: only the softmax scale moves); per expert.

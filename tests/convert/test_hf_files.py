@@ -221,6 +221,13 @@ FAMILY_REFUSALS = [
                                    "original_max_position_embeddings": 4096}),
      "truncate='no' should be true or false"),
     ("deepseek_v3", dict(n_group=3), "moe.expert_groups=3"),
+    ("qwen3_moe", dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5 is not supported: "
+     "Qwen3MoeForCausalLM rotates whole heads (needs 1.0)"),
+    ("glm4_moe", dict(partial_rotary_factor=0.3125), "partial_rotary_factor=0.3125 is not "
+     "supported: rotates 5 of head_dim=16"),
+    ("glm4_moe", dict(n_shared_experts=0), "n_shared_experts=0 is not supported"),
+    ("glm4_moe", dict(quantization_config={"quant_method": "fp8"}),
+     "quantization_config={'quant_method': 'fp8'} is not supported"),
     ("deepseek_v2", dict(topk_method="noaux_tc"), "topk_method='noaux_tc' is not supported"),
     ("deepseek_v2", dict(norm_topk_prob=True), "norm_topk_prob=True is not supported: "
      "transformers' DeepseekV2 never renormalizes"),
@@ -266,6 +273,29 @@ def test_every_family_config_round_trips(family, rope):
   # in transformers 5's layout too (rope_parameters, kept when the base config has it)
   v5 = hf_config_from(cfg, base={**hf, "rope_parameters": {"rope_type": "default"}})
   assert "rope_parameters" in v5 and config_from_hf(v5, base=cfg) == cfg
+
+
+def test_glm45_air_published_config_reads_as_the_air_preset():
+  """GLM-4.5-Air's config.json as the Hub has it gives the air preset's model and routing; its
+  multi-token-prediction layer (layer 46) is left out as transformers leaves it."""
+  air = from_config_dict(FAMILY_CONFIGS["glm4_moe"].get_config("air"))
+  hub = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
+         "attention_bias": True, "attention_dropout": 0.0, "pad_token_id": 151329,
+         "eos_token_id": [151329, 151336, 151338], "head_dim": 128, "hidden_act": "silu",
+         "hidden_size": 4096, "partial_rotary_factor": 0.5, "initializer_range": 0.02,
+         "intermediate_size": 10944, "max_position_embeddings": 131072,
+         "moe_intermediate_size": 1408, "norm_topk_prob": True, "num_attention_heads": 96,
+         "n_group": 1, "topk_group": 1, "n_routed_experts": 128, "n_shared_experts": 1,
+         "routed_scaling_factor": 1.0, "num_experts_per_tok": 8, "first_k_dense_replace": 1,
+         "num_hidden_layers": 46, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+         "rope_scaling": None, "rope_theta": 1000000, "num_nextn_predict_layers": 1,
+         "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+         "use_qk_norm": False, "vocab_size": 151552}
+  got = config_from_hf(hub, base=air)
+  assert got.model == air.model and got.moe == air.moe
+  from moejax.convert.hf_names import is_ignored
+  assert is_ignored("model.layers.46.mlp.experts.3.up_proj.weight", got)
+  assert not is_ignored("model.layers.45.mlp.experts.3.up_proj.weight", got)
 
 
 def test_deepseek_v2_lite_published_config_reads_as_the_lite_preset():
@@ -319,7 +349,9 @@ def test_deepseek_v3_published_yarn_reads_as_the_v3_preset():
     ("deepseek_v3", "moe.score", "softmax"), ("deepseek_v3", "moe.shared_expert_hidden", 96),
     ("deepseek_v3", "model.dense_layers", (1,)), ("mixtral", "model.dense_layers", (0,)),
     ("deepseek_v3", "moe.group_score", "max"), ("deepseek_v2", "moe.group_score", "top2"),
-    ("deepseek_v2", "moe.renormalize", True), ("deepseek_v2", "moe.score", "sigmoid")])
+    ("deepseek_v2", "moe.renormalize", True), ("deepseek_v2", "moe.score", "sigmoid"),
+    ("qwen3_moe", "model.rotary_dim", 8), ("glm4_moe", "moe.score", "softmax"),
+    ("glm4_moe", "model.qk_norm", "full")])
 def test_export_refuses_options_the_family_cannot_hold(family, field, value):
   overrides = {field: value}
   if field == "moe.shared_expert_gate":

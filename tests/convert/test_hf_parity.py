@@ -10,7 +10,9 @@ two MoE layers, qwen3_moe's decoder_sparse_step=2), "deepseek_v3" (latent attent
 dense layers, grouped sigmoid routing with a random score bias and routed scaling, fused) and
 "deepseek_v3_b" (no q latent, no dense layers or groups, tied embeddings, sharded), "deepseek_v2"
 (no q latent, a dense first layer, softmax top-k among the groups with the best expert, routed
-scaling, per expert). They differ
+scaling, per expert) and "glm4_moe" (grouped-query attention with q/k/v biases and per-head
+QK-norm, half of each head rotated, a dense first layer, sigmoid top-k among the best groups with
+a random score bias, per expert, sharded). They differ
 in layers, heads, kv heads, head width, experts, top-k, expert and shared widths, latent ranks,
 RoPE base, norm epsilon and top-k renormalization; "b", "qwen3_moe", "deepseek_v2" and
 "deepseek_v3" scale RoPE by YaRN (attention factor from the factor, given, and from DeepSeek's
@@ -38,7 +40,7 @@ from moejax.train import checkpoint as train_checkpoint
 from moejax.train.optim import make_optimizer
 from moejax.train.state import state_layout
 
-MODELS = ("a", "b", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3",
+MODELS = ("a", "b", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v2", "deepseek_v3",
           "deepseek_v3_b")
 SAVED_FUSED = ("b", "qwen2_moe", "deepseek_v3")
 
@@ -120,6 +122,13 @@ def test_config_mapping(hf_models, imported):
   assert (moe.num_experts, moe.top_k, moe.expert_hidden, moe.renormalize) == (10, 4, 24, True)
   assert (m.rope_factor, m.rope_original_max_len, m.rope_truncate, m.rope_attention_factor,
           m.rope_beta_fast, m.rope_beta_slow) == (6.0, 40, False, 1.25, 24.0, 2.0)
+  m, moe = imported["glm4_moe"][0].model, imported["glm4_moe"][0].moe
+  assert (m.family, m.head_dim, m.rotary_dim, m.qk_norm, m.qkv_bias, m.num_kv_heads) == (
+      "glm4_moe", 12, 6, "head", True, 2)
+  assert (m.dense_layers, m.dense_hidden, moe.shared_expert_hidden, moe.shared_expert_gate) == (
+      (0,), 48, 16, False)
+  assert (moe.score, moe.score_bias, moe.renormalize, moe.expert_groups, moe.top_groups,
+          moe.group_score, moe.routed_scale) == ("sigmoid", True, True, 3, 2, "top2", 2.5)
 
 
 def test_deepseek_config_mapping(imported):
