@@ -128,7 +128,7 @@ FAMILY_SPECS = {
              "bfloat16 first)"),)),
     "deepseek_v2": FamilySpec(
         "deepseek_v2", "DeepseekV2ForCausalLM", "none", "n_routed_experts",
-        "moe_intermediate_size", "norm_topk_prob", experts_aliases=("num_local_experts",),
+        "moe_intermediate_size", "norm_topk_prob", experts_aliases=("num_experts",),
         default_norm_eps=1e-6, deepseek="v2",
         required=_COMMON_REQUIRED + (
             ("attention_bias", False, "moejax attention projections have no bias"),
@@ -178,14 +178,22 @@ _YARN_KEYS = dict(rope_beta_fast="beta_fast", rope_beta_slow="beta_slow", rope_m
                   rope_attention_factor="attention_factor", rope_truncate="truncate")
 
 
+def _rope_dict(hf: dict) -> tuple:
+  """(the RoPE dict transformers reads, its key): rope_scaling wins over rope_parameters (a
+  transformers 5 config with YaRN added by hand under rope_scaling runs YaRN)."""
+  for key in ("rope_scaling", "rope_parameters"):
+    if hf.get(key):
+      return hf[key], key
+  return None, "rope_scaling"
+
+
 def _rope(hf: dict, where: str, default_theta: float) -> dict:
   """model.rope_theta and the rope_* fields from rope_theta and rope_scaling (transformers < 5,
   the Hub's configs) or rope_parameters (transformers >= 5), as transformers reads them."""
-  rope = hf.get("rope_parameters") or hf.get("rope_scaling")
+  rope, key = _rope_dict(hf)
   theta = hf.get("rope_theta", default_theta)
   fields = dict(rope_scaling="none", rope_factor=1.0, rope_original_max_len=0, **_YARN_DEFAULTS)
   if rope is not None:
-    key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     if not isinstance(rope, dict):
       _refuse(where, key, rope, "expected a dict with rope_type and rope_theta")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -203,7 +211,7 @@ def _rope(hf: dict, where: str, default_theta: float) -> dict:
 def _rotary_dim(hf: dict, spec: FamilySpec, head_dim: int, where: str) -> int:
   """model.rotary_dim from partial_rotary_factor (the rope dict's, else the top-level one, as
   transformers' standardize_rope_params takes them; else the architecture's default)."""
-  rope = hf.get("rope_parameters") or hf.get("rope_scaling")
+  rope, _ = _rope_dict(hf)
   rope = rope if isinstance(rope, dict) else {}
   key = "partial_rotary_factor"
   if key in rope:
@@ -243,6 +251,8 @@ def _yarn(hf: dict, rope: dict, where: str) -> dict:
     value = rope.get(key)
     if field in ("rope_beta_fast", "rope_beta_slow"):
       value = value or None      # transformers: `get("beta_fast") or 32`
+    if field == "rope_truncate" and key in rope and value is None:
+      value = False              # transformers: `get("truncate", True)` tests a null as false
     if value is None:
       continue
     kind = bool if field == "rope_truncate" else float
@@ -605,10 +615,13 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
     hf["partial_rotary_factor"] = rope["partial_rotary_factor"] = (
         (m.rotary_dim or m.head_dim) / m.head_dim)
   hf.pop("original_max_position_embeddings", None)     # it would win over the rope dict's
-  if m.rope_scaling != "none" and not base:
-    hf["max_position_embeddings"] = round(m.rope_original_max_len * m.rope_factor)
+  if m.rope_scaling != "none":
+    # transformers before 4.54 takes the factor from max_position_embeddings / original
+    hf["max_position_embeddings"] = max(hf.get("max_position_embeddings") or 0,
+                                        round(m.rope_original_max_len * m.rope_factor))
   if isinstance(hf.get("rope_parameters"), dict):     # transformers >= 5's own layout
     hf["rope_parameters"] = {"rope_theta": m.rope_theta, **rope}
+    hf["rope_scaling"] = None                         # it would win over rope_parameters
   else:
     hf.pop("rope_parameters", None)
     hf["rope_scaling"] = None if m.rope_scaling == "none" else {

@@ -321,6 +321,29 @@ def test_deepseek_v2_lite_published_config_reads_as_the_lite_preset():
   assert got.model == lite.model and got.moe == lite.moe
 
 
+def test_rope_fields_read_and_written_as_transformers_5_reads_them():
+  """Found by review, each a silent RoPE different from transformers': a transformers 5 config
+  with YaRN added under rope_scaling (transformers reads rope_scaling first: it ran plain RoPE
+  here, 0.81 of the largest logit off); a null truncate (false there, true here: 0.56 off); an
+  export over a base whose max_position_embeddings is the original context (transformers < 4.54
+  takes the factor from their ratio); DeepSeek-V2's other name for its expert count."""
+  cfg = tiny_config("qwen3_moe")
+  yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+  v5 = dict(hf_config_from(cfg, base={"model_type": "qwen3_moe",
+                                      "rope_parameters": {"rope_type": "default"}}))
+  got = config_from_hf(dict(v5, rope_scaling=yarn)).model
+  assert (got.rope_scaling, got.rope_factor, got.rope_truncate) == ("yarn", 4.0, True)
+  assert not config_from_hf(dict(v5, rope_scaling={**yarn, "truncate": None})).model.rope_truncate
+  scaled = config_from_hf(dict(v5, rope_scaling=yarn, max_position_embeddings=64))
+  out = hf_config_from(scaled, base=dict(v5, rope_scaling=yarn, max_position_embeddings=64))
+  assert out["rope_scaling"] is None and out["rope_parameters"]["rope_type"] == "yarn"
+  assert out["max_position_embeddings"] == 256
+  assert config_from_hf(out) == scaled
+  v2 = hf_config_from(tiny_config("deepseek_v2"))
+  del v2["n_routed_experts"]
+  assert config_from_hf(dict(v2, num_experts=16)).moe.num_experts == 16
+
+
 def test_deepseek_v3_published_yarn_reads_as_the_v3_preset():
   """DeepSeek-V3's config.json RoPE fields (transformers 4's rope_scaling with "type") give the
   v3 preset's; the FP8 weights stay refused by quantization_config alone."""

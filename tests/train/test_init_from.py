@@ -61,6 +61,14 @@ def test_a_mismatch_names_any_option_that_changes_what_the_weights_compute():
   assert _first_mismatch(weights, tiny_config(**yarn)) is None
   assert _first_mismatch(tiny_config(**yarn), weights) == (
       "config.model.rope_scaling='none', but the weights were trained with 'yarn'")
+  # DeepSeek-V2's groups scored by their best expert route the same weights differently from
+  # V3's two best (reviewed: 1.46 of the largest logit); without groups the score is not read.
+  v2 = tiny_config("deepseek_v2")
+  assert _first_mismatch(v2, tiny_config("deepseek_v2", **{"moe.group_score": "top2"})) == (
+      "config.moe.group_score='top2', but the weights have 'max'")
+  ungrouped = {"moe.expert_groups": 1, "moe.top_groups": 1}
+  assert _first_mismatch(tiny_config("deepseek_v2", **ungrouped), tiny_config(
+      "deepseek_v2", **ungrouped, **{"moe.group_score": "top2"})) is None
   assert _first_mismatch(tiny_config(**yarn), tiny_config(**{
       **yarn, "model.rope_factor": 8.0})) == ("config.model.rope_factor=8.0, but the weights were "
                                       "trained with 4.0 (model.rope_scaling='yarn')")
