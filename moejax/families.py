@@ -6,7 +6,7 @@ names and config.json fields of `moejax.convert`, and which options that archite
 """
 from __future__ import annotations
 
-FAMILIES = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v2",
+FAMILIES = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "dots1", "deepseek_v2",
             "deepseek_v3")
 
 # The config file of each family's presets (configs/NAME.py), where it is not the family's name.

@@ -53,6 +53,7 @@ import dataclasses
 
 from moejax.config import Config, validate
 from moejax.errors import CheckpointError, ConfigError
+from moejax.convert.hf_names import MTP_FAMILIES
 from moejax.families import FAMILIES
 
 
@@ -80,8 +81,13 @@ class FamilySpec:
                                        # when false)
   partial_rotary: float | None = None  # partial_rotary_factor when absent; None: always 1 (the
                                        # architecture rotates whole heads)
-  glm: bool = False                    # GLM-4.5: leading dense layers, n_shared_experts, grouped
-                                       # sigmoid routing with a score bias (as DeepSeek-V3's)
+  sigmoid_moe: bool = False            # standard attention, leading dense layers,
+                                       # n_shared_experts, DeepSeek-V3's grouped sigmoid router
+                                       # with a score bias (GLM-4.5, dots.llm1)
+  default_first_dense: int = 0         # ... transformers' first_k_dense_replace default
+  default_shared: int | None = None    # ... its n_shared_experts default (None: required)
+  window_from_layer: bool = False      # layer_types, when absent, slide from max_window_layers
+                                       # on if sliding_window is set (dots.llm1)
   deepseek: str = ""                   # "v2" / "v3": latent attention, leading dense layers,
                                        # n_shared_experts; v3: grouped sigmoid routing with a
                                        # score bias; v2: softmax, greedy or grouped by the best
@@ -122,10 +128,19 @@ FAMILY_SPECS = {
     "glm4_moe": FamilySpec(
         "glm4_moe", "Glm4MoeForCausalLM", "head", "n_routed_experts", "moe_intermediate_size",
         "norm_topk_prob", experts_aliases=("num_local_experts",), renormalize_default=True,
-        qkv_bias_key="attention_bias", qk_norm_key="use_qk_norm", partial_rotary=0.5, glm=True,
+        qkv_bias_key="attention_bias", qk_norm_key="use_qk_norm", partial_rotary=0.5,
+        sigmoid_moe=True, default_first_dense=1, default_shared=1,
         required=_COMMON_REQUIRED + (
             ("quantization_config", None, "moejax reads unquantized weights (dequantize to "
              "bfloat16 first)"),)),
+    "dots1": FamilySpec(
+        "dots1", "Dots1ForCausalLM", "head", "n_routed_experts", "moe_intermediate_size",
+        "norm_topk_prob", experts_aliases=("num_local_experts",), default_norm_eps=1e-6,
+        sigmoid_moe=True, window_from_layer=True,
+        required=_COMMON_REQUIRED + (
+            ("attention_bias", False, "moejax attention projections have no bias"),
+            ("quantization_config", None, "moejax reads unquantized weights (dequantize to "
+             "bfloat16 first)"))),
     "deepseek_v2": FamilySpec(
         "deepseek_v2", "DeepseekV2ForCausalLM", "none", "n_routed_experts",
         "moe_intermediate_size", "norm_topk_prob", experts_aliases=("num_experts",),
@@ -314,6 +329,13 @@ def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
     if value != want:
       _refuse(where, key, value, f"{why} (needs {want!r})")
   layer_types = hf.get("layer_types") or []
+  if (spec.window_from_layer and not layer_types and hf.get("sliding_window") is not None
+      and _get(hf, "max_window_layers", int, where, 62) < _get(hf, "num_hidden_layers", int,
+                                                               where)):
+    _refuse(where, "max_window_layers", hf.get("max_window_layers", 62),
+            f"layers from it on attend within sliding_window={hf['sliding_window']}; moejax "
+            "attends to the whole sequence (needs sliding_window null or max_window_layers >= "
+            "num_hidden_layers)")
   other = sorted({t for t in layer_types if t != "full_attention"})
   if other:
     _refuse(where, "layer_types", other[0], "moejax attends to the whole sequence in every "
@@ -332,9 +354,10 @@ def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
               "a positive count is needed (moejax's DeepSeek layers always have shared experts)")
     for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
       _get(hf, key, int, where)
-  if spec.glm and _get(hf, "n_shared_experts", int, where, 1) < 1:
+  if spec.sigmoid_moe and _get(hf, "n_shared_experts", int, where, spec.default_shared) < 1:
     _refuse(where, "n_shared_experts", hf.get("n_shared_experts"),
-            "a positive count is needed (moejax's GLM layers always have a shared expert)")
+            "a positive count is needed (moejax's layers of this family always have a shared "
+            "expert)")
   if spec.shared_expert and not hf.get("shared_expert_intermediate_size"):
     _refuse(where, "shared_expert_intermediate_size", hf.get("shared_expert_intermediate_size"),
             "a positive width is needed (the shared expert is always there)")
@@ -394,13 +417,13 @@ def _deepseek_fields(hf: dict, where: str, version: str) -> tuple[dict, dict]:
   return model, moe
 
 
-def _glm_fields(hf: dict, where: str) -> tuple[dict, dict]:
-  """GLM-4.5's model and moe fields (`FamilySpec.glm`), transformers' Glm4MoeConfig defaults
-  for absent ones."""
-  dense = tuple(range(_get(hf, "first_k_dense_replace", int, where, 1)))
+def _sigmoid_moe_fields(hf: dict, spec: FamilySpec, where: str) -> tuple[dict, dict]:
+  """GLM-4.5's and dots.llm1's model and moe fields (`FamilySpec.sigmoid_moe`), transformers'
+  defaults for absent ones."""
+  dense = tuple(range(_get(hf, "first_k_dense_replace", int, where, spec.default_first_dense)))
   model = dict(dense_layers=dense,
                dense_hidden=_get(hf, "intermediate_size", int, where) if dense else 0)
-  moe = dict(shared_expert_hidden=_get(hf, "n_shared_experts", int, where, 1)
+  moe = dict(shared_expert_hidden=_get(hf, "n_shared_experts", int, where, spec.default_shared)
              * _get(hf, "moe_intermediate_size", int, where), shared_expert_gate=False,
              score="sigmoid", score_bias=True, group_score="top2",
              expert_groups=_get(hf, "n_group", int, where, 1),
@@ -457,9 +480,9 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       z_loss_weight=(_get(hf, spec.z_loss_key, float, where, base.moe.z_loss_weight)
                      if spec.z_loss_key else base.moe.z_loss_weight),
       score_bias=False, expert_groups=1, top_groups=1, group_score="top2", routed_scale=1.0)
-  if spec.deepseek or spec.glm:
+  if spec.deepseek or spec.sigmoid_moe:
     model_fields, moe_fields = (_deepseek_fields(hf, where, spec.deepseek) if spec.deepseek
-                                else _glm_fields(hf, where))
+                                else _sigmoid_moe_fields(hf, spec, where))
     model = dataclasses.replace(model, **model_fields)
     moe = dataclasses.replace(moe, **moe_fields)
   if not moe.score_bias:
@@ -484,7 +507,7 @@ def check_exportable(cfg: Config) -> FamilySpec:
       raise CheckpointError(f"config.{field}={value!r}: {what} needs {want!r}{why}; choose "
                             "another config.model.family or change the field")
 
-  if spec.deepseek or spec.glm:
+  if spec.deepseek or spec.sigmoid_moe:
     need("model.dense_layers", m.dense_layers, tuple(range(len(m.dense_layers))),
          " (its dense layers lead: first_k_dense_replace)")
     if spec.deepseek == "v2":
@@ -497,7 +520,7 @@ def check_exportable(cfg: Config) -> FamilySpec:
     if moe.expert_groups > 1:
       need("moe.group_score", moe.group_score, "max" if spec.deepseek == "v2" else "top2",
            " (how its groups are scored)")
-    if spec.glm:
+    if spec.sigmoid_moe:
       need("model.kv_lora_rank", m.kv_lora_rank, 0, " (no latent attention)")
     elif not m.kv_lora_rank:
       raise CheckpointError(f"config.model.kv_lora_rank=0: {what} has latent attention only; "
@@ -525,7 +548,7 @@ def check_exportable(cfg: Config) -> FamilySpec:
   if spec.renormalize_key is None:
     need("moe.renormalize", moe.renormalize, True)
   need("moe.shared_expert_gate", moe.shared_expert_gate, spec.shared_expert)
-  if not spec.shared_expert and not spec.deepseek and not spec.glm:
+  if not spec.shared_expert and not spec.deepseek and not spec.sigmoid_moe:
     need("moe.shared_expert_hidden", moe.shared_expert_hidden, 0)
   if spec.qk_norm == "full" and m.num_heads * m.head_dim != m.d_model:
     raise CheckpointError(
@@ -582,14 +605,17 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
       hf.pop("router_aux_loss_coef", None)
   elif spec.qk_norm != "full":
     hf["head_dim"] = m.head_dim
-  if spec.glm:
+  if spec.sigmoid_moe:
     hf.update({
         "first_k_dense_replace": len(m.dense_layers),
         "intermediate_size": m.dense_hidden or hf.get("intermediate_size", moe.expert_hidden),
         "n_shared_experts": moe.shared_expert_hidden // moe.expert_hidden,
         "n_group": moe.expert_groups, "topk_group": moe.top_groups,
-        "routed_scaling_factor": moe.routed_scale,
-        "num_nextn_predict_layers": 0})     # the export holds no multi-token-prediction layer
+        "routed_scaling_factor": moe.routed_scale})
+    if spec.model_type in MTP_FAMILIES:   # the export holds no multi-token-prediction layer
+      hf["num_nextn_predict_layers"] = 0
+    if spec.window_from_layer:
+      hf.update({"sliding_window": None, "layer_types": None})
   if spec.qk_norm_key:
     hf[spec.qk_norm_key] = m.qk_norm != "none"
   if spec.dense_pattern:

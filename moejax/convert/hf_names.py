@@ -107,10 +107,12 @@ HUB_EXPERT_NAMES = {
     "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "glm4_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "dots1": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "deepseek_v2": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 SHARED_EXPERT_MODULE = {"qwen2_moe": "shared_expert", "glm4_moe": "shared_experts",
+                        "dots1": "shared_experts",
                         "deepseek_v2": "shared_experts", "deepseek_v3": "shared_experts"}
 # Families whose checkpoints hold multi-token-prediction layers after the last one (transformers
 # does not load them either).

@@ -102,6 +102,18 @@ MODELS = {
                     routed_scaling_factor=2.5, norm_topk_prob=True, rope_theta=100000.0,
                     rms_norm_eps=1e-5),
         save=dict(max_shard_size="64KB")),
+    # dots.llm1: per-head QK-norm, a leading dense layer, two shared experts, sigmoid top-2
+    # among the best 2 of 4 groups with a random score bias, not renormalized, scaled; sliding
+    # window set but past the last layer (max_window_layers); fused.
+    "dots1": dict(
+        model_type="dots1",
+        config=dict(vocab_size=52, hidden_size=32, intermediate_size=40, num_hidden_layers=3,
+                    first_k_dense_replace=1, num_attention_heads=2, num_key_value_heads=2,
+                    head_dim=20, n_routed_experts=8, n_group=4, topk_group=2,
+                    num_experts_per_tok=2, moe_intermediate_size=12, n_shared_experts=2,
+                    routed_scaling_factor=1.5, norm_topk_prob=False, rope_theta=50000.0,
+                    rms_norm_eps=1e-6, sliding_window=8, max_window_layers=3),
+        save=dict(save_original_format=False)),
     # DeepSeek-V2: latent attention without a q latent, a leading dense layer, softmax top-3
     # among the 2 of 3 groups with the best expert, routed scaling, no renormalization, YaRN as
     # V2-Lite's (both mscales equal: only the softmax scale moves); per expert.

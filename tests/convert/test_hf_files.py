@@ -228,6 +228,9 @@ FAMILY_REFUSALS = [
     ("glm4_moe", dict(n_shared_experts=0), "n_shared_experts=0 is not supported"),
     ("glm4_moe", dict(quantization_config={"quant_method": "fp8"}),
      "quantization_config={'quant_method': 'fp8'} is not supported"),
+    ("dots1", dict(sliding_window=8, max_window_layers=1, layer_types=None),
+     "max_window_layers=1 is not supported: layers from it on attend within sliding_window=8"),
+    ("dots1", dict(attention_bias=True), "attention_bias=True is not supported"),
     ("deepseek_v2", dict(topk_method="noaux_tc"), "topk_method='noaux_tc' is not supported"),
     ("deepseek_v2", dict(norm_topk_prob=True), "norm_topk_prob=True is not supported: "
      "transformers' DeepseekV2 never renormalizes"),

@@ -12,7 +12,9 @@ dense layers, grouped sigmoid routing with a random score bias and routed scalin
 (no q latent, a dense first layer, softmax top-k among the groups with the best expert, routed
 scaling, per expert) and "glm4_moe" (grouped-query attention with q/k/v biases and per-head
 QK-norm, half of each head rotated, a dense first layer, sigmoid top-k among the best groups with
-a random score bias, per expert, sharded). They differ
+a random score bias, per expert, sharded), "dots1" (per-head QK-norm, head width above
+hidden/heads, a dense first layer, two shared experts, grouped sigmoid top-k not renormalized,
+fused). They differ
 in layers, heads, kv heads, head width, experts, top-k, expert and shared widths, latent ranks,
 RoPE base, norm epsilon and top-k renormalization; "b", "qwen3_moe", "deepseek_v2" and
 "deepseek_v3" scale RoPE by YaRN (attention factor from the factor, given, and from DeepSeek's
@@ -40,9 +42,9 @@ from moejax.train import checkpoint as train_checkpoint
 from moejax.train.optim import make_optimizer
 from moejax.train.state import state_layout
 
-MODELS = ("a", "b", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "deepseek_v2", "deepseek_v3",
-          "deepseek_v3_b")
-SAVED_FUSED = ("b", "qwen2_moe", "deepseek_v3")
+MODELS = ("a", "b", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "dots1", "deepseek_v2",
+          "deepseek_v3", "deepseek_v3_b")
+SAVED_FUSED = ("b", "qwen2_moe", "dots1", "deepseek_v3")
 
 
 def fp32_logits(cfg, params, tokens):
@@ -129,6 +131,12 @@ def test_config_mapping(hf_models, imported):
       (0,), 48, 16, False)
   assert (moe.score, moe.score_bias, moe.renormalize, moe.expert_groups, moe.top_groups,
           moe.group_score, moe.routed_scale) == ("sigmoid", True, True, 3, 2, "top2", 2.5)
+  m, moe = imported["dots1"][0].model, imported["dots1"][0].moe
+  assert (m.family, m.head_dim, m.rotary_dim, m.qk_norm, m.qkv_bias, m.dense_layers) == (
+      "dots1", 20, 0, "head", False, (0,))
+  assert (moe.shared_expert_hidden, moe.score, moe.score_bias, moe.renormalize,
+          moe.expert_groups, moe.top_groups, moe.routed_scale) == (
+      24, "sigmoid", True, False, 4, 2, 1.5)
 
 
 def test_deepseek_config_mapping(imported):
