@@ -10,11 +10,10 @@ Presets:
                    scores renormalized and scaled by 2.5, score bias rate 1e-3.
   142b             dots.llm1 (rednote-hilab/dots.llm1.base): 62 layers, the first dense (10944),
                    d_model 4096, 32 heads of 128, per-head QK-norm, 2 shared + 128 routed experts
-                   top-6 of width 1408, vocab 152064; 142.7B total, 14.0B active (published
-                   142B / 14B). Its routing (renormalized, scaled by 2.5), RoPE base (1e4) and
-                   norm epsilon (1e-6) are DeepSeek-V3's, not read from the checkpoint:
-                   --config.init_from=HF_DIR checks them against its config.json first and names
-                   any field that differs (set it with --config.FIELD=VALUE).
+                   top-6 of width 1408 (renormalized, scaled by 2.5; no groups: n_group null),
+                   RoPE base 1e7, vocab 152064; 142.8B total, 14.0B active (published 142B /
+                   14B). --config.init_from=HF_DIR checks these against the checkpoint's
+                   config.json first and names any field that differs.
 
 142b keeps the fine-tuning settings the published presets share
 (`moejax.config.published_fine_tuning`).
@@ -46,7 +45,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.moe.update(shared_expert_hidden=2 * 64)
   elif preset == "142b":
     c.model.update(vocab_size=152064, d_model=4096, num_layers=62, dense_layers=(0,),
-                   dense_hidden=10944, num_heads=32, head_dim=128, norm_eps=1e-6)
+                   dense_hidden=10944, num_heads=32, head_dim=128, rope_theta=1e7)
     c.moe.update(num_experts=128, top_k=6, expert_hidden=1408, shared_expert_hidden=2 * 1408)
     published_fine_tuning(c)
   else:

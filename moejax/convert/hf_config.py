@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 from moejax.config import Config, validate
 from moejax.errors import CheckpointError, ConfigError
@@ -248,6 +249,16 @@ def _rotary_dim(hf: dict, spec: FamilySpec, head_dim: int, where: str) -> int:
   return 0 if dim == head_dim else dim
 
 
+def _partial_rotary_factor(m) -> float:
+  """The factor transformers reads back as `m`'s rotated width: it takes int(head_dim * factor),
+  and rotary_dim / head_dim can land just below a whole number (58 / 100 * 100 = 57.999...)."""
+  width = m.rotary_dim or m.head_dim
+  factor = width / m.head_dim
+  while int(m.head_dim * factor) < width:
+    factor = math.nextafter(factor, math.inf)
+  return factor
+
+
 def _yarn(hf: dict, rope: dict, where: str) -> dict:
   # transformers' rule: a top-level original_max_position_embeddings wins, then the rope dict's,
   # then max_position_embeddings; factor null means max_position_embeddings / original.
@@ -361,8 +372,9 @@ def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
   if spec.shared_expert and not hf.get("shared_expert_intermediate_size"):
     _refuse(where, "shared_expert_intermediate_size", hf.get("shared_expert_intermediate_size"),
             "a positive width is needed (the shared expert is always there)")
-  if not spec.deepseek:
-    _rotary_dim(hf, spec, _head_dim(hf, spec, where), where)
+  # (DeepSeek: only its refusal of a partial factor; the rotated width is qk_rope_head_dim)
+  _rotary_dim(hf, spec, _get(hf, "qk_rope_head_dim", int, where) if spec.deepseek
+              else _head_dim(hf, spec, where), where)
   _rope(hf, where, spec.default_rope_theta)
   return spec
 
@@ -426,8 +438,9 @@ def _sigmoid_moe_fields(hf: dict, spec: FamilySpec, where: str) -> tuple[dict, d
   moe = dict(shared_expert_hidden=_get(hf, "n_shared_experts", int, where, spec.default_shared)
              * _get(hf, "moe_intermediate_size", int, where), shared_expert_gate=False,
              score="sigmoid", score_bias=True, group_score="top2",
-             expert_groups=_get(hf, "n_group", int, where, 1),
-             top_groups=_get(hf, "topk_group", int, where, 1),
+             # null groups (dots.llm1's published config) are no grouping
+             expert_groups=_get(hf, "n_group", int, where, 1) if hf.get("n_group") else 1,
+             top_groups=_get(hf, "topk_group", int, where, 1) if hf.get("topk_group") else 1,
              routed_scale=_get(hf, "routed_scaling_factor", float, where, 1.0))
   return model, moe
 
@@ -638,8 +651,7 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
   hf["dtype" if base and "dtype" in base else "torch_dtype"] = dtype
   rope = _rope_to_hf(m)
   if spec.partial_rotary is not None:
-    hf["partial_rotary_factor"] = rope["partial_rotary_factor"] = (
-        (m.rotary_dim or m.head_dim) / m.head_dim)
+    hf["partial_rotary_factor"] = rope["partial_rotary_factor"] = _partial_rotary_factor(m)
   hf.pop("original_max_position_embeddings", None)     # it would win over the rope dict's
   if m.rope_scaling != "none":
     # transformers before 4.54 takes the factor from max_position_embeddings / original

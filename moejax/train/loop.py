@@ -326,6 +326,8 @@ def _first_mismatch(loaded: Config, cfg: Config) -> str | None:
       b = getattr(getattr(cfg, group), field, None)
       if field == "num_kv_heads":      # 0 means as many as query heads
         a, b = a or loaded.model.num_heads, b or cfg.model.num_heads
+      if field == "rotary_dim":        # 0 means the whole head
+        a, b = a or loaded.model.head_dim, b or cfg.model.head_dim
       if field == "group_score" and loaded.moe.expert_groups == 1:    # read only with groups
         continue
       if a is not None and a != b:

@@ -231,6 +231,8 @@ FAMILY_REFUSALS = [
     ("dots1", dict(sliding_window=8, max_window_layers=1, layer_types=None),
      "max_window_layers=1 is not supported: layers from it on attend within sliding_window=8"),
     ("dots1", dict(attention_bias=True), "attention_bias=True is not supported"),
+    ("deepseek_v3", dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5 is not "
+     "supported: DeepseekV3ForCausalLM rotates whole heads"),
     ("deepseek_v2", dict(topk_method="noaux_tc"), "topk_method='noaux_tc' is not supported"),
     ("deepseek_v2", dict(norm_topk_prob=True), "norm_topk_prob=True is not supported: "
      "transformers' DeepseekV2 never renormalizes"),
@@ -299,6 +301,34 @@ def test_glm45_air_published_config_reads_as_the_air_preset():
   from moejax.convert.hf_names import is_ignored
   assert is_ignored("model.layers.46.mlp.experts.3.up_proj.weight", got)
   assert not is_ignored("model.layers.45.mlp.experts.3.up_proj.weight", got)
+
+
+def test_dots1_published_config_reads_as_the_142b_preset():
+  """dots.llm1's config.json fields (its null n_group / topk_group: no grouping) give the 142b
+  preset's model and routing."""
+  dots = from_config_dict(FAMILY_CONFIGS["dots1"].get_config("142b"))
+  hub = {"architectures": ["Dots1ForCausalLM"], "model_type": "dots1", "hidden_size": 4096,
+         "num_hidden_layers": 62, "intermediate_size": 10944, "num_attention_heads": 32,
+         "num_key_value_heads": 32, "rms_norm_eps": 1e-05, "vocab_size": 152064,
+         "first_k_dense_replace": 1, "moe_intermediate_size": 1408, "n_routed_experts": 128,
+         "n_shared_experts": 2, "num_experts_per_tok": 6, "norm_topk_prob": True,
+         "routed_scaling_factor": 2.5, "max_position_embeddings": 32768,
+         "rope_theta": 10000000, "scoring_func": "sigmoid", "attention_bias": False,
+         "tie_word_embeddings": False, "n_group": None, "topk_group": None,
+         "sliding_window": None, "hidden_act": "silu"}
+  got = config_from_hf(hub, base=dots)
+  assert got.model == dots.model and got.moe == dots.moe
+
+
+def test_partial_rotary_exports_read_back_as_the_same_width():
+  """rotary_dim / head_dim can sit just below the factor transformers reads back as that width
+  (int(100 * 0.58) = 57: it rotated 57 dims, and moejax refused its own export); found by
+  review."""
+  for head_dim, rotary_dim in ((100, 58), (44, 30), (16, 8)):
+    cfg = tiny_config("glm4_moe", **{"model.head_dim": head_dim, "model.rotary_dim": rotary_dim})
+    hf = hf_config_from(cfg)
+    assert int(head_dim * hf["partial_rotary_factor"]) == rotary_dim
+    assert config_from_hf(hf).model.rotary_dim == rotary_dim
 
 
 def test_deepseek_v2_lite_published_config_reads_as_the_lite_preset():

@@ -66,6 +66,11 @@ def test_a_mismatch_names_any_option_that_changes_what_the_weights_compute():
   v2 = tiny_config("deepseek_v2")
   assert _first_mismatch(v2, tiny_config("deepseek_v2", **{"moe.group_score": "top2"})) == (
       "config.moe.group_score='top2', but the weights have 'max'")
+  # rotary_dim 0 is the whole head: the same as naming its width (found by review)
+  glm = tiny_config("glm4_moe", **{"model.rotary_dim": 0})
+  assert _first_mismatch(glm, tiny_config("glm4_moe", **{"model.rotary_dim": 16})) is None
+  assert _first_mismatch(glm, tiny_config("glm4_moe")) == (
+      "config.model.rotary_dim=8, but the weights have 16")
   ungrouped = {"moe.expert_groups": 1, "moe.top_groups": 1}
   assert _first_mismatch(tiny_config("deepseek_v2", **ungrouped), tiny_config(
       "deepseek_v2", **ungrouped, **{"moe.group_score": "top2"})) is None
