@@ -6,7 +6,9 @@ DeepSeek (latent attention, a dense first layer, grouped sigmoid routing with a 
 under fssdp against ep across a re-shard, resumed bit for bit, in
 tests/placement/test_fssdp_train.py; its score bias is checked there. Qwen3-MoE's one option of
 its own (QK-norm per head: two norm scales per layer) is checked against transformers in
-tests/convert/test_hf_parity.py and not trained sharded again.
+tests/convert/test_hf_parity.py and not trained sharded again. GLM-4.5 (grouped-query attention
+with q/k/v biases, per-head QK-norm, half of each head rotated, a dense first layer, a shared
+expert, grouped sigmoid routing with a score bias) trains under ep.
 
 The other techniques run on the families where their own tests run them: the codec gathers
 Qwen2-MoE's biases and shared expert bit-exactly (tests/sharding/test_gatherer.py); admission acts
@@ -20,7 +22,7 @@ import pytest
 
 from tests.helpers import run_steps, tiny_config
 
-FAMILY_PLACEMENTS = {"mixtral": "fsdp", "qwen2_moe": "ep"}
+FAMILY_PLACEMENTS = {"mixtral": "fsdp", "qwen2_moe": "ep", "glm4_moe": "ep"}
 SETTINGS = {"steps": 2, "compute_dtype": "float32"}
 TOLERANCE = 1e-5   # max |difference| per leaf, relative to its max |gradient| (measured ~5e-7)
 
