@@ -87,6 +87,12 @@ class FamilySpec:
                                        # with a score bias (GLM-4.5, dots.llm1)
   default_first_dense: int = 0         # ... transformers' first_k_dense_replace default
   default_shared: int | None = None    # ... its n_shared_experts default (None: required)
+  norm_over_hidden: bool = False       # "full" QK-norm is over hidden_size (OLMoE), so the q
+                                       # width must equal it
+  rotary_dim_key: str | None = None    # a legacy field of the rotated width (MiniMax-M2's
+                                       # rotary_dim), read when no partial_rotary_factor is given
+  score: str = "softmax"               # the router's scores and score bias, where neither
+  score_bias: bool = False             # `deepseek` nor `sigmoid_moe` sets them (MiniMax-M2)
   window_from_layer: bool = False      # layer_types, when absent, slide from max_window_layers
                                        # on if sliding_window is set (dots.llm1)
   deepseek: str = ""                   # "v2" / "v3": latent attention, leading dense layers,
@@ -105,7 +111,7 @@ _NO_SLIDING_WINDOW = (("use_sliding_window", False, "moejax attends to the whole
 FAMILY_SPECS = {
     "olmoe": FamilySpec(
         "olmoe", "OlmoeForCausalLM", "full", "num_experts", "intermediate_size",
-        "norm_topk_prob", z_loss_key="router_z_loss_coef",
+        "norm_topk_prob", z_loss_key="router_z_loss_coef", norm_over_hidden=True,
         required=_COMMON_REQUIRED + (
             ("clip_qkv", None, "moejax does not clip q/k/v"),
             ("attention_bias", False, "moejax attention projections have no bias"))),
@@ -126,6 +132,19 @@ FAMILY_SPECS = {
         default_norm_eps=1e-6, dense_pattern=True,
         required=_COMMON_REQUIRED + _NO_SLIDING_WINDOW + (
             ("attention_bias", False, "moejax attention projections have no bias"),)),
+    "minimax_m2": FamilySpec(
+        "minimax_m2", "MiniMaxM2ForCausalLM", "full", "num_local_experts", "intermediate_size",
+        None, experts_aliases=("num_experts",), default_norm_eps=1e-6, partial_rotary=1.0,
+        rotary_dim_key="rotary_dim", score="sigmoid", score_bias=True,
+        required=_COMMON_REQUIRED + (
+            ("router_jitter_noise", 0.0, "moejax's router adds no noise"),
+            ("use_qk_norm", True, "transformers' MiniMaxM2 always normalizes q and k"),
+            ("scoring_func", "sigmoid", "MiniMax-M2 routes with sigmoids"),
+            ("use_routing_bias", True, "transformers' MiniMaxM2 always adds the score bias"),
+            ("shared_intermediate_size", 0, "MiniMax-M2 has no shared expert"),
+            ("attention_bias", False, "moejax attention projections have no bias"),
+            ("quantization_config", None, "moejax reads unquantized weights (dequantize to "
+             "bfloat16 first)"))),
     "glm4_moe": FamilySpec(
         "glm4_moe", "Glm4MoeForCausalLM", "head", "n_routed_experts", "moe_intermediate_size",
         "norm_topk_prob", experts_aliases=("num_local_experts",), renormalize_default=True,
@@ -234,6 +253,9 @@ def _rotary_dim(hf: dict, spec: FamilySpec, head_dim: int, where: str) -> int:
     factor = rope[key]
   elif key in hf:
     factor = hf[key]
+  elif spec.rotary_dim_key and hf.get(spec.rotary_dim_key) is not None:
+    width = _get(hf, spec.rotary_dim_key, int, where)
+    factor = width / head_dim
   else:       # Glm4MoeConfig's default when the field is absent (null is no factor: 1)
     factor = spec.partial_rotary
   factor = 1.0 if factor is None else factor
@@ -317,7 +339,7 @@ def _head_dim(hf: dict, spec: FamilySpec, where: str) -> int:
   heads = _get(hf, "num_attention_heads", int, where)
   hidden = _get(hf, "hidden_size", int, where)
   head_dim = hf.get("head_dim")
-  if spec.qk_norm == "full" and head_dim is not None and head_dim * heads != hidden:
+  if spec.norm_over_hidden and head_dim is not None and head_dim * heads != hidden:
     _refuse(where, "head_dim", head_dim,
             f"OLMoE normalizes q over hidden_size={hidden}, so num_attention_heads * head_dim "
             f"must equal it ({heads} * {head_dim} = {heads * head_dim})")
@@ -347,6 +369,10 @@ def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
             f"layers from it on attend within sliding_window={hf['sliding_window']}; moejax "
             "attends to the whole sequence (needs sliding_window null or max_window_layers >= "
             "num_hidden_layers)")
+  attn_types = hf.get("attn_type_list") or []      # MiniMax's: 1 softmax, 0 linear attention
+  if any(t != 1 for t in attn_types):
+    _refuse(where, "attn_type_list", attn_types, "moejax's layers are all softmax attention "
+            "(needs every entry 1)")
   other = sorted({t for t in layer_types if t != "full_attention"})
   if other:
     _refuse(where, "layer_types", other[0], "moejax attends to the whole sequence in every "
@@ -484,7 +510,7 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       shared_expert_hidden=(_get(hf, "shared_expert_intermediate_size", int, where)
                             if spec.shared_expert else 0),
       shared_expert_gate=spec.shared_expert,
-      score="softmax",
+      score=spec.score,
       # transformers declares it `bool | None` and tests its truth: null is off
       renormalize=((hf.get(spec.renormalize_key, spec.renormalize_default) is not None
                     and _get(hf, spec.renormalize_key, bool, where, spec.renormalize_default))
@@ -492,7 +518,7 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       aux_loss_weight=_get(hf, "router_aux_loss_coef", float, where, base.moe.aux_loss_weight),
       z_loss_weight=(_get(hf, spec.z_loss_key, float, where, base.moe.z_loss_weight)
                      if spec.z_loss_key else base.moe.z_loss_weight),
-      score_bias=False, expert_groups=1, top_groups=1, group_score="top2", routed_scale=1.0)
+      score_bias=spec.score_bias, expert_groups=1, top_groups=1, group_score="top2", routed_scale=1.0)
   if spec.deepseek or spec.sigmoid_moe:
     model_fields, moe_fields = (_deepseek_fields(hf, where, spec.deepseek) if spec.deepseek
                                 else _sigmoid_moe_fields(hf, spec, where))
@@ -543,11 +569,12 @@ def check_exportable(cfg: Config) -> FamilySpec:
           f"config.moe.shared_expert_hidden={moe.shared_expert_hidden}: {what} needs a positive "
           f"multiple of moe.expert_hidden={moe.expert_hidden} (n_shared_experts of its width)")
   else:
-    need("moe.score", moe.score, "softmax", " (it routes with a softmax)")
+    need("moe.score", moe.score, spec.score, f" (it routes with {spec.score} scores)")
     need("model.kv_lora_rank", m.kv_lora_rank, 0, " (no latent attention)")
     if not spec.dense_pattern:
       need("model.dense_layers", m.dense_layers, (), " (no dense layers)")
-    need("moe.score_bias", moe.score_bias, False, " (no score bias)")
+    need("moe.score_bias", moe.score_bias, spec.score_bias,
+         " (its router has the score bias)" if spec.score_bias else " (no score bias)")
     need("moe.expert_groups", moe.expert_groups, 1, " (no expert groups)")
     need("moe.routed_scale", moe.routed_scale, 1.0, " (no routed scaling)")
   if spec.qk_norm_key and m.qk_norm == "none":
@@ -563,7 +590,7 @@ def check_exportable(cfg: Config) -> FamilySpec:
   need("moe.shared_expert_gate", moe.shared_expert_gate, spec.shared_expert)
   if not spec.shared_expert and not spec.deepseek and not spec.sigmoid_moe:
     need("moe.shared_expert_hidden", moe.shared_expert_hidden, 0)
-  if spec.qk_norm == "full" and m.num_heads * m.head_dim != m.d_model:
+  if spec.norm_over_hidden and m.num_heads * m.head_dim != m.d_model:
     raise CheckpointError(
         f"config.model.num_heads * head_dim = {m.num_heads * m.head_dim} differs from d_model="
         f"{m.d_model}; {what} normalizes q over hidden_size and needs them equal")
@@ -616,7 +643,7 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
       hf.update({"topk_method": "group_limited_greedy" if moe.expert_groups > 1 else "greedy",
                  "aux_loss_alpha": moe.aux_loss_weight})
       hf.pop("router_aux_loss_coef", None)
-  elif spec.qk_norm != "full":
+  elif not spec.norm_over_hidden:        # OLMoE: hidden / heads
     hf["head_dim"] = m.head_dim
   if spec.sigmoid_moe:
     hf.update({
@@ -652,6 +679,8 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
   rope = _rope_to_hf(m)
   if spec.partial_rotary is not None:
     hf["partial_rotary_factor"] = rope["partial_rotary_factor"] = _partial_rotary_factor(m)
+  if spec.rotary_dim_key:                 # what other readers (vLLM) take
+    hf[spec.rotary_dim_key] = m.rotary_dim or m.head_dim
   hf.pop("original_max_position_embeddings", None)     # it would win over the rope dict's
   if m.rope_scaling != "none":
     # transformers before 4.54 takes the factor from max_position_embeddings / original

@@ -27,6 +27,7 @@ weights are stored [out, in] by torch and [in, out] by moejax, so their tails ar
   layers.moe.shared_gate      [L, D, 1]  model.layers.i.mlp.shared_expert_gate.weight     [1, D]^T
                                          (DeepSeek: mlp.shared_experts.*, no gate)
   layers.moe.score_bias       [L, E]     model.layers.i.mlp.gate.e_score_correction_bias  [E]
+                                         (MiniMax-M2: block_sparse_moe.e_score_correction_bias)
   layers.attn.wq_a / wq_b     latent attention (DeepSeek-V3): self_attn.q_a_proj / q_b_proj
   layers.attn.q_a_norm        (or q_proj without a q latent), q_a_layernorm, kv_a_proj_with_mqa,
   layers.attn.wkv_a / wkv_b   kv_b_proj (all [out, in]^T), kv_a_layernorm, o_proj
@@ -106,6 +107,7 @@ HUB_EXPERT_NAMES = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
     "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "minimax_m2": ("block_sparse_moe", ("w1", "w3", "w2")),
     "glm4_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "dots1": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "deepseek_v2": ("mlp", ("gate_proj", "up_proj", "down_proj")),
@@ -117,6 +119,8 @@ SHARED_EXPERT_MODULE = {"qwen2_moe": "shared_expert", "glm4_moe": "shared_expert
 # Families whose checkpoints hold multi-token-prediction layers after the last one (transformers
 # does not load them either).
 MTP_FAMILIES = ("glm4_moe", "deepseek_v3")
+# Where the MoE block keeps its score bias, under its module (the others': gate.).
+SCORE_BIAS_NAME = {"minimax_m2": "e_score_correction_bias"}
 
 
 def _attention_maps(cfg: Config, per_layer) -> None:
@@ -181,7 +185,8 @@ def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:
       continue
     per_layer(("moe", "router"), (D, E), f"{moe_module}.gate.weight", True)
     if moe.score_bias:
-      per_layer(("moe", "score_bias"), (E,), f"{moe_module}.gate.e_score_correction_bias", False)
+      bias = SCORE_BIAS_NAME.get(m.family, "gate.e_score_correction_bias")
+      per_layer(("moe", "score_bias"), (E,), f"{moe_module}.{bias}", False)
     for name, tail, hf_name, offset in (("w_gate", (D, F), gate_name, 0),
                                         ("w_up", (D, F), up_name, F),
                                         ("w_down", (F, D), down_name, 0)):

@@ -88,6 +88,16 @@ MODELS = {
                                          beta_slow=1, mscale=0.9, mscale_all_dim=0.7),
                     max_position_embeddings=256),
         save=dict(save_original_format=False)),
+    # MiniMax-M2: QK-norm over all heads' width (wider than hidden), 16 of each head's 24 dims
+    # rotated (its legacy rotary_dim field), sigmoid top-3 of 8 with a random score bias,
+    # renormalized; the Hub's layout (block_sparse_moe, w1/w3/w2, the bias beside the gate).
+    "minimax_m2": dict(
+        model_type="minimax_m2",
+        config=dict(vocab_size=48, hidden_size=32, intermediate_size=20, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=24, rotary_dim=16,
+                    num_local_experts=8, num_experts_per_tok=3, rope_theta=5000000.0,
+                    rms_norm_eps=1e-6),
+        save=dict(max_shard_size="64KB")),
     # GLM-4.5: grouped-query attention with q/k/v biases and per-head QK-norm, half of each
     # head rotated, a leading dense layer, one shared expert, sigmoid top-3 among the best 2 of 3
     # groups with a random score bias, renormalized and scaled; per expert, with the

@@ -231,6 +231,10 @@ FAMILY_REFUSALS = [
     ("dots1", dict(sliding_window=8, max_window_layers=1, layer_types=None),
      "max_window_layers=1 is not supported: layers from it on attend within sliding_window=8"),
     ("dots1", dict(attention_bias=True), "attention_bias=True is not supported"),
+    ("minimax_m2", dict(attn_type_list=[1, 0]), "attn_type_list=[1, 0] is not supported"),
+    ("minimax_m2", dict(use_qk_norm=False), "use_qk_norm=False is not supported"),
+    ("minimax_m2", dict(shared_intermediate_size=512), "shared_intermediate_size=512 is not "
+     "supported"),
     ("deepseek_v3", dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5 is not "
      "supported: DeepseekV3ForCausalLM rotates whole heads"),
     ("deepseek_v2", dict(topk_method="noaux_tc"), "topk_method='noaux_tc' is not supported"),
@@ -301,6 +305,24 @@ def test_glm45_air_published_config_reads_as_the_air_preset():
   from moejax.convert.hf_names import is_ignored
   assert is_ignored("model.layers.46.mlp.experts.3.up_proj.weight", got)
   assert not is_ignored("model.layers.45.mlp.experts.3.up_proj.weight", got)
+
+
+def test_minimax_m2_published_config_reads_as_the_m2_preset():
+  """MiniMax-M2's config.json fields (its legacy rotary_dim for the rotated width, the Hub code's
+  routing and MTP fields) give the m2 preset's model and routing."""
+  m2 = from_config_dict(FAMILY_CONFIGS["minimax_m2"].get_config("m2"))
+  hub = {"architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2",
+         "vocab_size": 200064, "hidden_size": 3072, "intermediate_size": 1536,
+         "num_hidden_layers": 62, "num_attention_heads": 48, "num_key_value_heads": 8,
+         "head_dim": 128, "max_position_embeddings": 196608, "num_local_experts": 256,
+         "num_experts_per_tok": 8, "scoring_func": "sigmoid", "use_routing_bias": True,
+         "use_mtp": True, "num_mtp_modules": 3, "mtp_transformer_layers": 1,
+         "use_qk_norm": True, "qk_norm_type": "per_layer", "rotary_dim": 64,
+         "rope_theta": 5000000, "rms_norm_eps": 1e-06, "shared_intermediate_size": 0,
+         "attn_type_list": [1] * 62, "router_aux_loss_coef": 0.001, "hidden_act": "silu",
+         "tie_word_embeddings": False}
+  got = config_from_hf(hub, base=m2)
+  assert got.model == m2.model and got.moe == m2.moe
 
 
 def test_dots1_published_config_reads_as_the_142b_preset():
@@ -407,7 +429,8 @@ def test_deepseek_v3_published_yarn_reads_as_the_v3_preset():
     ("deepseek_v3", "moe.group_score", "max"), ("deepseek_v2", "moe.group_score", "top2"),
     ("deepseek_v2", "moe.renormalize", True), ("deepseek_v2", "moe.score", "sigmoid"),
     ("qwen3_moe", "model.rotary_dim", 8), ("glm4_moe", "moe.score", "softmax"),
-    ("glm4_moe", "model.qk_norm", "full")])
+    ("glm4_moe", "model.qk_norm", "full"), ("minimax_m2", "moe.score", "softmax"),
+    ("minimax_m2", "model.qk_norm", "head")])
 def test_export_refuses_options_the_family_cannot_hold(family, field, value):
   overrides = {field: value}
   if field == "moe.shared_expert_gate":

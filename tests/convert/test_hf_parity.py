@@ -14,7 +14,9 @@ scaling, per expert) and "glm4_moe" (grouped-query attention with q/k/v biases a
 QK-norm, half of each head rotated, a dense first layer, sigmoid top-k among the best groups with
 a random score bias, per expert, sharded), "dots1" (per-head QK-norm, head width above
 hidden/heads, a dense first layer, two shared experts, grouped sigmoid top-k not renormalized,
-fused). They differ
+fused), "minimax_m2" (QK-norm over all heads' width, wider than hidden, two thirds of each head
+rotated through its legacy rotary_dim field, sigmoid top-k with a random score bias beside the
+gate, the Hub's block_sparse_moe names, sharded). They differ
 in layers, heads, kv heads, head width, experts, top-k, expert and shared widths, latent ranks,
 RoPE base, norm epsilon and top-k renormalization; "b", "qwen3_moe", "deepseek_v2" and
 "deepseek_v3" scale RoPE by YaRN (attention factor from the factor, given, and from DeepSeek's
@@ -42,8 +44,8 @@ from moejax.train import checkpoint as train_checkpoint
 from moejax.train.optim import make_optimizer
 from moejax.train.state import state_layout
 
-MODELS = ("a", "b", "mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "dots1", "deepseek_v2",
-          "deepseek_v3", "deepseek_v3_b")
+MODELS = ("a", "b", "mixtral", "qwen2_moe", "qwen3_moe", "minimax_m2", "glm4_moe", "dots1",
+          "deepseek_v2", "deepseek_v3", "deepseek_v3_b")
 SAVED_FUSED = ("b", "qwen2_moe", "dots1", "deepseek_v3")
 
 
@@ -131,6 +133,11 @@ def test_config_mapping(hf_models, imported):
       (0,), 48, 16, False)
   assert (moe.score, moe.score_bias, moe.renormalize, moe.expert_groups, moe.top_groups,
           moe.group_score, moe.routed_scale) == ("sigmoid", True, True, 3, 2, "top2", 2.5)
+  m, moe = imported["minimax_m2"][0].model, imported["minimax_m2"][0].moe
+  assert (m.family, m.head_dim, m.rotary_dim, m.qk_norm, m.num_kv_heads, m.dense_layers) == (
+      "minimax_m2", 24, 16, "full", 2, ())
+  assert (moe.score, moe.score_bias, moe.renormalize, moe.shared_expert_hidden) == (
+      "sigmoid", True, True, 0)
   m, moe = imported["dots1"][0].model, imported["dots1"][0].moe
   assert (m.family, m.head_dim, m.rotary_dim, m.qk_norm, m.qkv_bias, m.dense_layers) == (
       "dots1", 20, 0, "head", False, (0,))
