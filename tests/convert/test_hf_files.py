@@ -473,6 +473,12 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys):
   assert run.returncode == 2, run.stderr
   assert run.stderr.startswith("error: ") and run.stderr.count("\n") == 1, run.stderr
   assert "not a directory" in run.stderr
+  # train.py with configs/hf.py on a directory that is not a checkpoint
+  run = subprocess.run([sys.executable, "train.py", "--config",
+                        f"configs/hf.py:{tmp_path / 'none'}"], cwd=REPO, capture_output=True,
+                       text=True, timeout=120, check=False)
+  assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+  assert f"{tmp_path / 'none'}: not a directory" in run.stderr
   # An output path that is a file, refused before anything is read.
   (tmp_path / "afile").write_text("x")
   for argv in (["to-hf", str(tmp_path / "no_ckpt"), str(tmp_path / "afile")],

@@ -171,6 +171,20 @@ def test_deepseek_config_mapping(imported):
   assert "lm_head" not in imported["deepseek_v3_b"][1]
 
 
+def test_configs_hf_presets_any_checkpoint_from_its_config_json(hf_models, imported):
+  """`--config configs/hf.py:DIR`: the model and routing of the checkpoint at DIR, init_from set
+  to it, so the weights' check finds nothing to refuse."""
+  import configs.hf as hf_preset
+  from moejax.config import from_config_dict
+  from moejax.train.loop import _first_mismatch
+  for name in ("qwen3_moe", "minimax_m2", "glm4_moe", "deepseek_v2"):
+    cfg = from_config_dict(hf_preset.get_config(hf_models[name][0]))
+    want = imported[name][0]
+    assert (cfg.model, cfg.moe) == (want.model, want.moe), name
+    assert cfg.init_from == hf_models[name][0] and cfg.data.tokenizer == "init_from"
+    assert _first_mismatch(want, cfg) is None
+
+
 def test_export_reimport_is_bit_exact(hf_models, imported, tmp_path):
   for name in MODELS:
     hf_dir = hf_models[name][0]
