@@ -20,6 +20,7 @@ PRESETS = ()      # the argument is a directory
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   from moejax.convert import config_from_hf, read_hf_config
+  from moejax.convert.hf_config import FAMILY_SPECS
   from moejax.weights import config_to_dict
   if not arg:
     raise ValueError("configs/hf.py needs a Hugging Face checkpoint directory: "
@@ -30,5 +31,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   for group in ("model", "moe"):
     fields = config_to_dict(cfg)[group]
     c[group].update({k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+  # Training choices the family presets make, not in config.json: no router z-loss where the
+  # architecture has none; a moving score bias (DeepSeek-V3's 1e-3 per step) where it has one.
+  if not FAMILY_SPECS[cfg.model.family].z_loss_key:
+    c.moe.z_loss_weight = 0.0
+  c.moe.score_bias_rate = 1e-3 if cfg.moe.score_bias else 0.0
   c.init_from = arg
   return c

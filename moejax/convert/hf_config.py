@@ -93,6 +93,9 @@ class FamilySpec:
                                        # rotary_dim), read when no partial_rotary_factor is given
   score: str = "softmax"               # the router's scores and score bias, where neither
   score_bias: bool = False             # `deepseek` nor `sigmoid_moe` sets them (MiniMax-M2)
+  default_aux: float | None = None     # transformers' router_aux_loss_coef default (None: the
+                                       # base config's)
+  default_head_dim: int | None = None  # transformers' head_dim default (None: hidden / heads)
   window_from_layer: bool = False      # layer_types, when absent, slide from max_window_layers
                                        # on if sliding_window is set (dots.llm1)
   deepseek: str = ""                   # "v2" / "v3": latent attention, leading dense layers,
@@ -135,7 +138,8 @@ FAMILY_SPECS = {
     "minimax_m2": FamilySpec(
         "minimax_m2", "MiniMaxM2ForCausalLM", "full", "num_local_experts", "intermediate_size",
         None, experts_aliases=("num_experts",), default_norm_eps=1e-6, partial_rotary=1.0,
-        rotary_dim_key="rotary_dim", score="sigmoid", score_bias=True,
+        rotary_dim_key="rotary_dim", score="sigmoid", score_bias=True, default_rope_theta=5e6,
+        default_aux=0.001, default_head_dim=128,
         required=_COMMON_REQUIRED + (
             ("router_jitter_noise", 0.0, "moejax's router adds no noise"),
             ("use_qk_norm", True, "transformers' MiniMaxM2 always normalizes q and k"),
@@ -149,14 +153,14 @@ FAMILY_SPECS = {
         "glm4_moe", "Glm4MoeForCausalLM", "head", "n_routed_experts", "moe_intermediate_size",
         "norm_topk_prob", experts_aliases=("num_local_experts",), renormalize_default=True,
         qkv_bias_key="attention_bias", qk_norm_key="use_qk_norm", partial_rotary=0.5,
-        sigmoid_moe=True, default_first_dense=1, default_shared=1,
+        sigmoid_moe=True, default_first_dense=1, default_shared=1, default_aux=0.0,
         required=_COMMON_REQUIRED + (
             ("quantization_config", None, "moejax reads unquantized weights (dequantize to "
              "bfloat16 first)"),)),
     "dots1": FamilySpec(
         "dots1", "Dots1ForCausalLM", "head", "n_routed_experts", "moe_intermediate_size",
         "norm_topk_prob", experts_aliases=("num_local_experts",), default_norm_eps=1e-6,
-        sigmoid_moe=True, window_from_layer=True,
+        sigmoid_moe=True, window_from_layer=True, default_aux=0.0,
         required=_COMMON_REQUIRED + (
             ("attention_bias", False, "moejax attention projections have no bias"),
             ("quantization_config", None, "moejax reads unquantized weights (dequantize to "
@@ -178,7 +182,7 @@ FAMILY_SPECS = {
     "deepseek_v3": FamilySpec(
         "deepseek_v3", "DeepseekV3ForCausalLM", "none", "n_routed_experts",
         "moe_intermediate_size", "norm_topk_prob", experts_aliases=("num_local_experts",),
-        default_norm_eps=1e-6, deepseek="v3", renormalize_default=True,
+        default_norm_eps=1e-6, deepseek="v3", renormalize_default=True, default_aux=0.0,
         required=_COMMON_REQUIRED + (
             ("attention_bias", False, "moejax attention projections have no bias"),
             ("rope_interleave", True, "moejax reads DeepSeek's rotary dimensions interleaved"),
@@ -338,7 +342,7 @@ def family_of(hf: dict, where: str = "config.json") -> FamilySpec:
 def _head_dim(hf: dict, spec: FamilySpec, where: str) -> int:
   heads = _get(hf, "num_attention_heads", int, where)
   hidden = _get(hf, "hidden_size", int, where)
-  head_dim = hf.get("head_dim")
+  head_dim = hf.get("head_dim") or spec.default_head_dim
   if spec.norm_over_hidden and head_dim is not None and head_dim * heads != hidden:
     _refuse(where, "head_dim", head_dim,
             f"OLMoE normalizes q over hidden_size={hidden}, so num_attention_heads * head_dim "
@@ -515,7 +519,9 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       renormalize=((hf.get(spec.renormalize_key, spec.renormalize_default) is not None
                     and _get(hf, spec.renormalize_key, bool, where, spec.renormalize_default))
                    if spec.renormalize_key else True),
-      aux_loss_weight=_get(hf, "router_aux_loss_coef", float, where, base.moe.aux_loss_weight),
+      aux_loss_weight=_get(hf, "router_aux_loss_coef", float, where,
+                           base.moe.aux_loss_weight if spec.default_aux is None
+                           else spec.default_aux),
       z_loss_weight=(_get(hf, spec.z_loss_key, float, where, base.moe.z_loss_weight)
                      if spec.z_loss_key else base.moe.z_loss_weight),
       score_bias=spec.score_bias, expert_groups=1, top_groups=1, group_score="top2", routed_scale=1.0)
@@ -607,7 +613,8 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
   hf = copy.deepcopy(base) if base else {
       "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
       "max_position_embeddings": 4096, "use_cache": True}
-  for stale in ("torch_dtype", "dtype", "transformers_version", "head_dim",
+  # auto_map names remote code the export does not carry (trust_remote_code would fail on it)
+  for stale in ("torch_dtype", "dtype", "transformers_version", "head_dim", "auto_map",
                 *spec.experts_aliases):
     hf.pop(stale, None)
   hf.update({
@@ -654,6 +661,8 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
         "routed_scaling_factor": moe.routed_scale})
     if spec.model_type in MTP_FAMILIES:   # the export holds no multi-token-prediction layer
       hf["num_nextn_predict_layers"] = 0
+  if spec.model_type == "minimax_m2" and hf.get("use_mtp"):   # ... nor MiniMax's modules
+    hf.update({"use_mtp": False, "num_mtp_modules": 0})
     if spec.window_from_layer:
       hf.update({"sliding_window": None, "layer_types": None})
   if spec.qk_norm_key:

@@ -118,7 +118,7 @@ SHARED_EXPERT_MODULE = {"qwen2_moe": "shared_expert", "glm4_moe": "shared_expert
                         "deepseek_v2": "shared_experts", "deepseek_v3": "shared_experts"}
 # Families whose checkpoints hold multi-token-prediction layers after the last one (transformers
 # does not load them either).
-MTP_FAMILIES = ("glm4_moe", "deepseek_v3")
+MTP_FAMILIES = ("minimax_m2", "glm4_moe", "deepseek_v3")
 # Where the MoE block keeps its score bias, under its module (the others': gate.).
 SCORE_BIAS_NAME = {"minimax_m2": "e_score_correction_bias"}
 

@@ -323,6 +323,15 @@ def test_minimax_m2_published_config_reads_as_the_m2_preset():
          "tie_word_embeddings": False}
   got = config_from_hf(hub, base=m2)
   assert got.model == m2.model and got.moe == m2.moe
+  # transformers' MiniMaxM2Config defaults (found by review: RoPE base 1e4 here was 0.55 of the
+  # largest logit off, and a missing head_dim was refused on shapes)
+  bare = {k: v for k, v in hub.items() if k not in ("rope_theta", "head_dim",
+                                                     "router_aux_loss_coef")}
+  got = config_from_hf(bare, base=m2)
+  assert got.model == m2.model and got.moe == m2.moe
+  # its export says it carries no MTP modules and no remote code
+  out = hf_config_from(got, base=dict(hub, auto_map={"AutoConfig": "configuration.X"}))
+  assert (out["use_mtp"], out["num_mtp_modules"], "auto_map" in out) == (False, 0, False)
 
 
 def test_dots1_published_config_reads_as_the_142b_preset():
