@@ -115,6 +115,9 @@ class ModelConfig:
   """Width of the rotated part of each q/k head, its first dims (partial rotary: GLM-4.5's
   partial_rotary_factor 0.5 rotates half the head); even; 0 = the whole head. Latent attention
   rotates qk_rope_head_dim instead."""
+  rotary_interleaved: bool = False
+  """The rotated dims pair up as neighbours (x0, x1), (x2, x3), ... (ERNIE-4.5, GPT-J) rather
+  than as halves (x_i, x_{i + Dh/2}). Latent attention's rotary part is always interleaved."""
   rope_scaling: str = "none"
   """RoPE frequency scaling: one of `moejax.layers.rope.ROPE_SCALINGS`; "yarn" extends a context
   of rope_original_max_len positions by rope_factor (YaRN; DeepSeek-V3's published weights,
@@ -537,6 +540,9 @@ def validate(c: Config) -> None:
   _check(m.rotary_dim >= 0 and m.rotary_dim % 2 == 0 and m.rotary_dim <= m.head_dim,
          f"config.model.rotary_dim={m.rotary_dim}: an even width up to model.head_dim="
          f"{m.head_dim} (0 = the whole head)")
+  _check(not (m.rotary_interleaved and m.kv_lora_rank),
+         "config.model.rotary_interleaved=True: latent attention's rotary part is interleaved "
+         "already; leave it False")
   _check(not (m.rotary_dim and m.kv_lora_rank),
          f"config.model.rotary_dim={m.rotary_dim}: latent attention rotates "
          "model.qk_rope_head_dim; leave rotary_dim 0")

@@ -211,6 +211,7 @@ def save_hf(params, cfg: Config, out_dir: str, *, dtype: str = "float32",
   for leaf in maps:
     for lead, src in leaf.sources.items():
       tail = leaf.tail[::-1] if src.transpose else leaf.tail
+      tail = (1, *tail) if src.singleton else tail
       by_layer.setdefault(hf_names.hf_layer_of(src.name), []).append(
           (src.name, tuple(tail), leaf, lead, src))
   first = by_layer.pop(None)
@@ -221,7 +222,8 @@ def save_hf(params, cfg: Config, out_dir: str, *, dtype: str = "float32",
   def produce(name: str) -> np.ndarray:
     leaf, lead, src = lookup[name]
     block = blocks.get(leaf.path, _get_path(params, leaf.path, "params"), lead)
-    return block.T if src.transpose else block
+    block = block.T if src.transpose else block
+    return block[None] if src.singleton else block
 
   os.makedirs(out_dir, exist_ok=True)
   files = write_tensors(out_dir, [(name, shape) for name, shape, *_ in ordered], produce,

@@ -96,6 +96,11 @@ class FamilySpec:
   default_aux: float | None = None     # transformers' router_aux_loss_coef default (None: the
                                        # base config's)
   default_head_dim: int | None = None  # transformers' head_dim default (None: hidden / heads)
+  top_k_key: str = "num_experts_per_tok"   # ... of the experts per token (ERNIE's moe_k)
+  default_tie: bool = False            # transformers' tie_word_embeddings default
+  ernie: bool = False                  # ERNIE-4.5: neighbour-pair rotary, MoE layers from
+                                       # moe_layer_start_index to _end_index every _interval,
+                                       # moe_num_shared_experts, softmax with a selection bias
   window_from_layer: bool = False      # layer_types, when absent, slide from max_window_layers
                                        # on if sliding_window is set (dots.llm1)
   deepseek: str = ""                   # "v2" / "v3": latent attention, leading dense layers,
@@ -147,6 +152,15 @@ FAMILY_SPECS = {
             ("use_routing_bias", True, "transformers' MiniMaxM2 always adds the score bias"),
             ("shared_intermediate_size", 0, "MiniMax-M2 has no shared expert"),
             ("attention_bias", False, "moejax attention projections have no bias"),
+            ("quantization_config", None, "moejax reads unquantized weights (dequantize to "
+             "bfloat16 first)"))),
+    "ernie4_5_moe": FamilySpec(
+        "ernie4_5_moe", "Ernie4_5_MoeForCausalLM", "none", "moe_num_experts",
+        "moe_intermediate_size", None, experts_aliases=("num_experts",), score_bias=True,
+        top_k_key="moe_k", default_tie=True, default_rope_theta=500000.0, default_aux=0.001,
+        ernie=True,
+        required=_COMMON_REQUIRED + (
+            ("use_bias", False, "moejax's projections have no bias"),
             ("quantization_config", None, "moejax reads unquantized weights (dequantize to "
              "bfloat16 first)"))),
     "glm4_moe": FamilySpec(
@@ -475,6 +489,42 @@ def _sigmoid_moe_fields(hf: dict, spec: FamilySpec, where: str) -> tuple[dict, d
   return model, moe
 
 
+def _ernie_layers(hf: dict, where: str) -> tuple[int, int, int]:
+  """ERNIE-4.5's MoE layers: (start, end, interval); layer i has experts when (i + 1) % interval
+  == 0 and start <= i <= end (end -1: the last), transformers' rule."""
+  layers = _get(hf, "num_hidden_layers", int, where)
+  start = _get(hf, "moe_layer_start_index", int, where, 1)
+  end = _get(hf, "moe_layer_end_index", int, where, -1)
+  interval = _get(hf, "moe_layer_interval", int, where, 1)
+  if interval < 1:
+    _refuse(where, "moe_layer_interval", interval, "expected a positive integer")
+  return start, layers - 1 if end == -1 else end, interval
+
+
+def _ernie_pattern(m) -> tuple[int, int, int] | None:
+  """(moe_layer_start_index, moe_layer_end_index, moe_layer_interval) whose MoE layers are
+  `m`'s, or None."""
+  moe_layers = [i for i in range(m.num_layers) if i not in m.dense_layers]
+  start, end = moe_layers[0], moe_layers[-1]
+  for interval in range(1, m.num_layers + 1):
+    if [i for i in range(start, end + 1) if (i + 1) % interval == 0] == moe_layers:
+      return start, end, interval
+  return None
+
+
+def _ernie_fields(hf: dict, where: str) -> tuple[dict, dict]:
+  """ERNIE-4.5's model and moe fields (`FamilySpec.ernie`)."""
+  layers = _get(hf, "num_hidden_layers", int, where)
+  start, end, interval = _ernie_layers(hf, where)
+  dense = tuple(i for i in range(layers)
+                if not ((i + 1) % interval == 0 and start <= i <= end))
+  model = dict(dense_layers=dense, rotary_interleaved=True,
+               dense_hidden=_get(hf, "intermediate_size", int, where) if dense else 0)
+  moe = dict(shared_expert_hidden=_get(hf, "moe_num_shared_experts", int, where, 2)
+             * _get(hf, "moe_intermediate_size", int, where), shared_expert_gate=False)
+  return model, moe
+
+
 def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.json") -> Config:
   """The moejax `Config` of a config.json of any family; fields moejax does not take from it come
   from `base` (default: `Config()`)."""
@@ -500,7 +550,7 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       **_rope(hf, where, spec.default_rope_theta),
       norm_eps=_get(hf, "rms_norm_eps", float, where, spec.default_norm_eps),
       init_std=_get(hf, "initializer_range", float, where, base.model.init_std),
-      tie_embeddings=_get(hf, "tie_word_embeddings", bool, where, False),
+      tie_embeddings=_get(hf, "tie_word_embeddings", bool, where, spec.default_tie),
       kv_lora_rank=0, q_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0,
       dense_layers=(), dense_hidden=0)
   if spec.dense_pattern:
@@ -509,7 +559,7 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       base.moe,
       num_experts=_get(hf, spec.experts_key, int, where, next(
           (hf[k] for k in spec.experts_aliases if hf.get(k) is not None), None)),
-      top_k=_get(hf, "num_experts_per_tok", int, where),
+      top_k=_get(hf, spec.top_k_key, int, where, hf.get("num_experts_per_tok")),
       expert_hidden=_get(hf, spec.expert_hidden_key, int, where),
       shared_expert_hidden=(_get(hf, "shared_expert_intermediate_size", int, where)
                             if spec.shared_expert else 0),
@@ -525,8 +575,9 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       z_loss_weight=(_get(hf, spec.z_loss_key, float, where, base.moe.z_loss_weight)
                      if spec.z_loss_key else base.moe.z_loss_weight),
       score_bias=spec.score_bias, expert_groups=1, top_groups=1, group_score="top2", routed_scale=1.0)
-  if spec.deepseek or spec.sigmoid_moe:
+  if spec.deepseek or spec.sigmoid_moe or spec.ernie:
     model_fields, moe_fields = (_deepseek_fields(hf, where, spec.deepseek) if spec.deepseek
+                                else _ernie_fields(hf, where) if spec.ernie
                                 else _sigmoid_moe_fields(hf, spec, where))
     model = dataclasses.replace(model, **model_fields)
     moe = dataclasses.replace(moe, **moe_fields)
@@ -577,12 +628,25 @@ def check_exportable(cfg: Config) -> FamilySpec:
   else:
     need("moe.score", moe.score, spec.score, f" (it routes with {spec.score} scores)")
     need("model.kv_lora_rank", m.kv_lora_rank, 0, " (no latent attention)")
-    if not spec.dense_pattern:
+    if not spec.dense_pattern and not spec.ernie:
       need("model.dense_layers", m.dense_layers, (), " (no dense layers)")
     need("moe.score_bias", moe.score_bias, spec.score_bias,
          " (its router has the score bias)" if spec.score_bias else " (no score bias)")
     need("moe.expert_groups", moe.expert_groups, 1, " (no expert groups)")
     need("moe.routed_scale", moe.routed_scale, 1.0, " (no routed scaling)")
+  need("model.rotary_interleaved", m.rotary_interleaved, spec.ernie,
+       " (how its rotary dims pair up)")
+  if spec.ernie:
+    if _ernie_pattern(m) is None:
+      raise CheckpointError(
+          f"config.model.dense_layers={m.dense_layers!r}: {what} puts experts in the layers "
+          "from moe_layer_start_index to moe_layer_end_index every moe_layer_interval, and no "
+          "such pattern gives these dense layers")
+    if not moe.shared_expert_hidden or moe.shared_expert_hidden % moe.expert_hidden:
+      raise CheckpointError(
+          f"config.moe.shared_expert_hidden={moe.shared_expert_hidden}: {what} needs a positive "
+          f"multiple of moe.expert_hidden={moe.expert_hidden} (moe_num_shared_experts of its "
+          "width)")
   if spec.qk_norm_key and m.qk_norm == "none":
     pass                                # the architecture's QK-norm switched off
   else:
@@ -594,7 +658,7 @@ def check_exportable(cfg: Config) -> FamilySpec:
   if spec.renormalize_key is None:
     need("moe.renormalize", moe.renormalize, True)
   need("moe.shared_expert_gate", moe.shared_expert_gate, spec.shared_expert)
-  if not spec.shared_expert and not spec.deepseek and not spec.sigmoid_moe:
+  if not spec.shared_expert and not spec.deepseek and not spec.sigmoid_moe and not spec.ernie:
     need("moe.shared_expert_hidden", moe.shared_expert_hidden, 0)
   if spec.norm_over_hidden and m.num_heads * m.head_dim != m.d_model:
     raise CheckpointError(
@@ -667,6 +731,15 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
       hf.update({"sliding_window": None, "layer_types": None})
   if spec.qk_norm_key:
     hf[spec.qk_norm_key] = m.qk_norm != "none"
+  if spec.ernie:
+    start, end, interval = _ernie_pattern(m)
+    hf.update({"moe_layer_start_index": start, "moe_layer_end_index": end,
+               "moe_layer_interval": interval,
+               "moe_num_shared_experts": moe.shared_expert_hidden // moe.expert_hidden,
+               "intermediate_size": m.dense_hidden or hf.get("intermediate_size",
+                                                             moe.expert_hidden)})
+  if spec.top_k_key != "num_experts_per_tok":
+    hf[spec.top_k_key] = hf.pop("num_experts_per_tok")
   if spec.dense_pattern:
     hf.update({"mlp_only_layers": list(m.dense_layers), "decoder_sparse_step": 1})
     if m.dense_layers:

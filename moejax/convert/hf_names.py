@@ -68,12 +68,14 @@ class Source:
 
   The tensor is `[*prefix_dims, *tail_hf]`; the block is `tensor[prefix][row_offset + ...]`, where
   `row_offset` shifts the first tail axis (the gate or up half of a fused gate_up tensor), and
-  `transpose` swaps the two tail axes to get moejax's [in, out].
+  `transpose` swaps the two tail axes to get moejax's [in, out]. `singleton`: the tensor has one
+  more leading axis of size 1 (ERNIE's [1, E] score bias), read at index 0 and written back so.
   """
   name: str
   prefix: tuple[int, ...] = ()
   row_offset: int = 0
   transpose: bool = False
+  singleton: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,17 +112,26 @@ HUB_EXPERT_NAMES = {
     "minimax_m2": ("block_sparse_moe", ("w1", "w3", "w2")),
     "glm4_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "dots1": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "ernie4_5_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "deepseek_v2": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 SHARED_EXPERT_MODULE = {"qwen2_moe": "shared_expert", "glm4_moe": "shared_experts",
-                        "dots1": "shared_experts",
+                        "dots1": "shared_experts", "ernie4_5_moe": "shared_experts",
                         "deepseek_v2": "shared_experts", "deepseek_v3": "shared_experts"}
 # Families whose checkpoints hold multi-token-prediction layers after the last one (transformers
 # does not load them either).
 MTP_FAMILIES = ("minimax_m2", "glm4_moe", "deepseek_v3")
-# Where the MoE block keeps its score bias, under its module (the others': gate.).
-SCORE_BIAS_NAME = {"minimax_m2": "e_score_correction_bias"}
+# Where the MoE block keeps its score bias, under its module (the others': gate.), in the Hub's
+# layout and in transformers 5's fused one.
+SCORE_BIAS_NAME = {"minimax_m2": ("e_score_correction_bias", "e_score_correction_bias"),
+                   "ernie4_5_moe": ("moe_statics.e_score_correction_bias",
+                                    "gate.moe_statics.e_score_correction_bias")}
+# ... held [1, E] rather than [E]
+SCORE_BIAS_SINGLETON = ("ernie4_5_moe",)
+# Families whose checkpoints hold multi-token-prediction tensors under names with "mtp"
+# (transformers' _keys_to_ignore_on_load_unexpected).
+MTP_NAMED = ("ernie4_5_moe",)
 
 
 def _attention_maps(cfg: Config, per_layer) -> None:
@@ -169,8 +180,9 @@ def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:
   for group, hf_ids in groups:
     count = len(hf_ids)
 
-    def per_layer(path, tail, suffix, transpose, group=group, hf_ids=hf_ids):
-      sources = {(i,): Source(f"{_layer(hf_i)}.{suffix}", transpose=transpose)
+    def per_layer(path, tail, suffix, transpose, group=group, hf_ids=hf_ids, singleton=False):
+      sources = {(i,): Source(f"{_layer(hf_i)}.{suffix}", transpose=transpose,
+                              prefix=(0,) if singleton else (), singleton=singleton)
                  for i, hf_i in enumerate(hf_ids)}
       maps.append(LeafMap((group, *path), (len(hf_ids), *tail), 1, sources))
 
@@ -185,8 +197,10 @@ def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:
       continue
     per_layer(("moe", "router"), (D, E), f"{moe_module}.gate.weight", True)
     if moe.score_bias:
-      bias = SCORE_BIAS_NAME.get(m.family, "gate.e_score_correction_bias")
-      per_layer(("moe", "score_bias"), (E,), f"{moe_module}.{bias}", False)
+      hub_bias, fused_bias = SCORE_BIAS_NAME.get(m.family, ("gate.e_score_correction_bias",) * 2)
+      bias = fused_bias if experts == FUSED else hub_bias
+      per_layer(("moe", "score_bias"), (E,), f"{moe_module}.{bias}", False,
+                singleton=m.family in SCORE_BIAS_SINGLETON)
     for name, tail, hf_name, offset in (("w_gate", (D, F), gate_name, 0),
                                         ("w_up", (D, F), up_name, F),
                                         ("w_down", (F, D), down_name, 0)):
@@ -224,6 +238,8 @@ def expected_shapes(cfg: Config, experts: str = PER_EXPERT) -> dict[str, tuple[i
       tail = leaf.tail[::-1] if src.transpose else leaf.tail
       if src.name.endswith("experts.gate_up_proj"):
         shapes[src.name] = (E, 2 * F, *tail[1:])
+      elif src.singleton:
+        shapes[src.name] = (1, *tail)
       elif src.prefix:
         shapes[src.name] = (E, *tail)
       else:
@@ -243,6 +259,8 @@ def is_ignored(name: str, cfg: Config | None = None) -> bool:
     return True
   if cfg is None:
     return False
+  if cfg.model.family in MTP_NAMED and "mtp" in name:
+    return True
   layer = hf_layer_of(name)
   if layer is not None and layer >= cfg.model.num_layers and cfg.model.family in MTP_FAMILIES:
     return True

@@ -77,7 +77,8 @@ class Attention(nnx.Module):
   def __init__(self, d_model: int, num_heads: int, head_dim: int, *, rope_theta: float,
                norm_eps: float, init_std: float, rngs: nnx.Rngs, num_kv_heads: int = 0,
                qk_norm: str = "full", qkv_bias: bool = False,
-               rope_scaling: RopeScaling = NO_SCALING, rotary_dim: int = 0):
+               rope_scaling: RopeScaling = NO_SCALING, rotary_dim: int = 0,
+               rotary_interleaved: bool = False):
     num_kv_heads = num_kv_heads or num_heads
     if qk_norm not in QK_NORMS:
       raise ValueError(f"qk_norm={qk_norm!r}: must be one of {', '.join(QK_NORMS)}")
@@ -105,6 +106,7 @@ class Attention(nnx.Module):
     self.qk_norm, self.qkv_bias = qk_norm, qkv_bias
     self.rope_theta, self.rope_scaling, self.norm_eps = rope_theta, rope_scaling, norm_eps
     self.rotary_dim = rotary_dim or head_dim      # partial rotary: its first dims only
+    self.rotary_interleaved = rotary_interleaved
     # YaRN scales cos and sin here, not the softmax (transformers' Llama-style models).
     self.softmax_scale = head_dim ** -0.5
 
@@ -146,6 +148,12 @@ class Attention(nnx.Module):
       q_BxSxHxDh = rms_norm(q_BxSxHxDh, self.q_norm[...], self.norm_eps)
       k_BxSxGxDh = rms_norm(k_BxSxGxDh, self.k_norm[...], self.norm_eps)
     cos, sin = rotary
+    if self.rotary_interleaved:
+      # Neighbour pairs, as halves: q and k permuted alike leave q.k unchanged (and the cache
+      # holds k permuted, consistently).
+      q_BxSxHxDh, k_BxSxGxDh = (jnp.concatenate(
+          [_deinterleave(x[..., :self.rotary_dim]), x[..., self.rotary_dim:]], axis=-1)
+          for x in (q_BxSxHxDh, k_BxSxGxDh))
     return (apply_rotary(q_BxSxHxDh, cos, sin), apply_rotary(k_BxSxGxDh, cos, sin),
             v_BxSxGxDh)
 

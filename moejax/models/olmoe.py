@@ -101,7 +101,8 @@ def _attention(cfg: Config, rngs: nnx.Rngs):
   return Attention(m.d_model, m.num_heads, m.head_dim, rope_theta=m.rope_theta,
                    norm_eps=m.norm_eps, init_std=m.init_std, rngs=rngs,
                    num_kv_heads=m.num_kv_heads, qk_norm=m.qk_norm, qkv_bias=m.qkv_bias,
-                   rope_scaling=rope_scaling(m), rotary_dim=m.rotary_dim)
+                   rope_scaling=rope_scaling(m), rotary_dim=m.rotary_dim,
+                   rotary_interleaved=m.rotary_interleaved)
 
 
 class DenseLayer(nnx.Module):

@@ -98,6 +98,18 @@ MODELS = {
                     num_local_experts=8, num_experts_per_tok=3, rope_theta=5000000.0,
                     rms_norm_eps=1e-6),
         save=dict(max_shard_size="64KB")),
+    # ERNIE-4.5: neighbour-pair rotary, a dense layer between MoE layers (moe_layer_interval 2
+    # from layer 1), two shared experts, softmax top-3 of 8 with a random selection bias ([1, E]
+    # under moe_statics), renormalized, tied embeddings; per expert, with an MTP tensor as the
+    # Hub's checkpoints carry.
+    "ernie4_5_moe": dict(
+        model_type="ernie4_5_moe",
+        config=dict(vocab_size=44, hidden_size=32, intermediate_size=36, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, moe_num_experts=8, moe_k=3,
+                    moe_intermediate_size=20, moe_num_shared_experts=2, moe_layer_start_index=1,
+                    moe_layer_end_index=-1, moe_layer_interval=2, rope_theta=500000.0,
+                    rms_norm_eps=1e-5, tie_word_embeddings=True),
+        save=dict()),
     # GLM-4.5: grouped-query attention with q/k/v biases and per-head QK-norm, half of each
     # head rotated, a leading dense layer, one shared expert, sigmoid top-3 among the best 2 of 3
     # groups with a random score bias, renormalized and scaled; per expert, with the

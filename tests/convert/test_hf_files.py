@@ -232,6 +232,8 @@ FAMILY_REFUSALS = [
      "max_window_layers=1 is not supported: layers from it on attend within sliding_window=8"),
     ("dots1", dict(attention_bias=True), "attention_bias=True is not supported"),
     ("minimax_m2", dict(attn_type_list=[1, 0]), "attn_type_list=[1, 0] is not supported"),
+    ("ernie4_5_moe", dict(use_bias=True), "use_bias=True is not supported"),
+    ("ernie4_5_moe", dict(moe_layer_interval=0), "moe_layer_interval=0 is not supported"),
     ("minimax_m2", dict(use_qk_norm=False), "use_qk_norm=False is not supported"),
     ("minimax_m2", dict(shared_intermediate_size=512), "shared_intermediate_size=512 is not "
      "supported"),
@@ -332,6 +334,25 @@ def test_minimax_m2_published_config_reads_as_the_m2_preset():
   # its export says it carries no MTP modules and no remote code
   out = hf_config_from(got, base=dict(hub, auto_map={"AutoConfig": "configuration.X"}))
   assert (out["use_mtp"], out["num_mtp_modules"], "auto_map" in out) == (False, 0, False)
+
+
+def test_ernie_published_config_reads_as_the_a3b_preset():
+  """ERNIE-4.5-21B-A3B's config.json fields give the a3b preset's model and routing; its
+  multi-token-prediction tensors (names with "mtp") are left out as transformers leaves them."""
+  a3b = from_config_dict(FAMILY_CONFIGS["ernie4_5_moe"].get_config("a3b"))
+  hub = {"architectures": ["Ernie4_5_MoeForCausalLM"], "model_type": "ernie4_5_moe",
+         "hidden_act": "silu", "hidden_size": 2560, "intermediate_size": 12288,
+         "max_position_embeddings": 131072, "num_attention_heads": 20,
+         "num_key_value_heads": 4, "num_hidden_layers": 28, "rms_norm_eps": 1e-05,
+         "vocab_size": 103424, "rope_theta": 500000, "use_bias": False,
+         "tie_word_embeddings": True, "moe_num_experts": 64, "moe_num_shared_experts": 2,
+         "moe_layer_start_index": 1, "moe_layer_end_index": 27, "moe_layer_interval": 1,
+         "moe_intermediate_size": 1536, "moe_k": 6, "num_nextn_predict_layers": 1}
+  got = config_from_hf(hub, base=a3b)
+  assert got.model == a3b.model and got.moe == a3b.moe
+  from moejax.convert.hf_names import is_ignored
+  assert is_ignored("model.mtp_block.0.self_attn.q_proj.weight", got)
+  assert not is_ignored("model.layers.5.self_attn.q_proj.weight", got)
 
 
 def test_dots1_published_config_reads_as_the_142b_preset():
@@ -439,7 +460,8 @@ def test_deepseek_v3_published_yarn_reads_as_the_v3_preset():
     ("deepseek_v2", "moe.renormalize", True), ("deepseek_v2", "moe.score", "sigmoid"),
     ("qwen3_moe", "model.rotary_dim", 8), ("glm4_moe", "moe.score", "softmax"),
     ("glm4_moe", "model.qk_norm", "full"), ("minimax_m2", "moe.score", "softmax"),
-    ("minimax_m2", "model.qk_norm", "head")])
+    ("minimax_m2", "model.qk_norm", "head"), ("ernie4_5_moe", "model.dense_layers", (1,)),
+    ("qwen3_moe", "model.rotary_interleaved", True)])
 def test_export_refuses_options_the_family_cannot_hold(family, field, value):
   overrides = {field: value}
   if field == "moe.shared_expert_gate":

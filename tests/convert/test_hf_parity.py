@@ -16,7 +16,9 @@ a random score bias, per expert, sharded), "dots1" (per-head QK-norm, head width
 hidden/heads, a dense first layer, two shared experts, grouped sigmoid top-k not renormalized,
 fused), "minimax_m2" (QK-norm over all heads' width, wider than hidden, two thirds of each head
 rotated through its legacy rotary_dim field, sigmoid top-k with a random score bias beside the
-gate, the Hub's block_sparse_moe names, sharded). They differ
+gate, the Hub's block_sparse_moe names, sharded), "ernie4_5_moe" (neighbour-pair rotary, dense
+layers between MoE ones, softmax top-k with a [1, E] selection bias, tied embeddings). They
+differ
 in layers, heads, kv heads, head width, experts, top-k, expert and shared widths, latent ranks,
 RoPE base, norm epsilon and top-k renormalization; "b", "qwen3_moe", "deepseek_v2" and
 "deepseek_v3" scale RoPE by YaRN (attention factor from the factor, given, and from DeepSeek's
@@ -44,8 +46,8 @@ from moejax.train import checkpoint as train_checkpoint
 from moejax.train.optim import make_optimizer
 from moejax.train.state import state_layout
 
-MODELS = ("a", "b", "mixtral", "qwen2_moe", "qwen3_moe", "minimax_m2", "glm4_moe", "dots1",
-          "deepseek_v2", "deepseek_v3", "deepseek_v3_b")
+MODELS = ("a", "b", "mixtral", "qwen2_moe", "qwen3_moe", "minimax_m2", "ernie4_5_moe", "glm4_moe",
+          "dots1", "deepseek_v2", "deepseek_v3", "deepseek_v3_b")
 SAVED_FUSED = ("b", "qwen2_moe", "dots1", "deepseek_v3")
 
 
@@ -138,6 +140,11 @@ def test_config_mapping(hf_models, imported):
       "minimax_m2", 24, 16, "full", 2, ())
   assert (moe.score, moe.score_bias, moe.renormalize, moe.shared_expert_hidden) == (
       "sigmoid", True, True, 0)
+  m, moe = imported["ernie4_5_moe"][0].model, imported["ernie4_5_moe"][0].moe
+  assert (m.family, m.rotary_interleaved, m.dense_layers, m.dense_hidden, m.tie_embeddings) == (
+      "ernie4_5_moe", True, (0, 2), 36, True)
+  assert (moe.top_k, moe.score, moe.score_bias, moe.renormalize, moe.shared_expert_hidden) == (
+      3, "softmax", True, True, 40)
   m, moe = imported["dots1"][0].model, imported["dots1"][0].moe
   assert (m.family, m.head_dim, m.rotary_dim, m.qk_norm, m.qkv_bias, m.dense_layers) == (
       "dots1", 20, 0, "head", False, (0,))

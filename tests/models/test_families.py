@@ -30,7 +30,9 @@ TWO_DIGITS = {("qwen2_moe", "57b_a14b", "active"): "cut",
               ("deepseek_v2", "v2", "active"): "cut",
               ("glm4_moe", "air", "active"): "cut",
               ("glm4_moe", "glm45", "active"): "cut",
-              ("minimax_m2", "m2", "active"): "cut"}
+              ("minimax_m2", "m2", "active"): "cut",
+              ("ernie4_5_moe", "a3b", "total"): "cut",     # 21.83B is "21B"
+              ("ernie4_5_moe", "a3b", "active"): "cut1"}   # 3.35B is "3B": one digit
 # Published active counts that leave the input embedding out (DeepSeek-V2-Lite's 2.4B: 2.45B
 # without its 0.21B embedding, 2.66B with it; GLM-4.5-Air's 12B: 12.80B without, 13.42B with;
 # GLM-4.5's 32B: 32.86B without; V2's 21B and V3's 37B count it).
@@ -65,8 +67,8 @@ def test_num_params_equals_the_parameter_leaves(family, preset):
 
 def _matches(count: int, published: float, two_digits: str | None) -> bool:
   if two_digits:
-    unit = 10 ** (math.floor(math.log10(published)) - 1)
-    digits = count / unit if two_digits == "cut" else count / unit + 0.5
+    unit = 10 ** (math.floor(math.log10(published)) - (0 if two_digits == "cut1" else 1))
+    digits = count / unit if two_digits in ("cut", "cut1") else count / unit + 0.5
     return math.floor(digits) * unit == pytest.approx(published)
   return abs(count - published) <= 0.01 * published
 
