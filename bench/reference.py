@@ -36,6 +36,23 @@ from moejax.train import optim
 BF16 = jnp.bfloat16
 
 
+def check_modelled(cfg: Config) -> None:
+  """ValueError naming the first option of `cfg` this floor does not write (it is OLMoE's step:
+  a config with other options would be timed against different math)."""
+  m, moe = cfg.model, cfg.moe
+  plain = dict(qk_norm="full", num_kv_heads=0, qkv_bias=False, kv_lora_rank=0, dense_layers=(),
+               rotary_dim=0, rotary_interleaved=False, rope_scaling="none",
+               tie_embeddings=False)
+  routing = dict(score="softmax", renormalize=False, score_bias=False, expert_groups=1,
+                 shared_expert_hidden=0, routed_scale=1.0)
+  for group, fields in (("model", plain), ("moe", routing)):
+    for field, want in fields.items():
+      value = getattr(getattr(cfg, group), field)
+      if value != want:
+        raise ValueError(f"bench/reference.py writes OLMoE's step only: config.{group}.{field}="
+                         f"{value!r} (it needs {want!r})")
+
+
 def _attention(cfg: Config, p, x_BxSxD, cos_SxDh, sin_SxDh):
   m = cfg.model
   b, s, _ = x_BxSxD.shape
@@ -95,6 +112,7 @@ def loss_fn(cfg: Config, params, inputs_BxS, targets_BxS, *, remat: str, axis_na
 
 def make_train_step(cfg: Config, *, remat: str):
   """(train_step(params, opt_state, batch) -> (params, opt_state, ce), optimizer)."""
+  check_modelled(cfg)
   tx = optim.make_optimizer(cfg)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -129,6 +147,7 @@ def make_sharded_train_step(cfg: Config, mesh: Mesh, *, remat: str):
   Returns (train_step(params, opt_state, inputs_BxS, targets_BxS) -> (params, opt_state, ce),
   init(params) -> (params, opt_state), both placed on the mesh).
   """
+  check_modelled(cfg)
   names, n = tuple(mesh.axis_names), mesh.size
   clip = cfg.optim.clip_norm
   tx = optim.make_optimizer(dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim,

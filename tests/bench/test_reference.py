@@ -1,11 +1,13 @@
 """bench/reference.py, the floor bench/step.py times moejax against: its data-parallel form on 8
 devices is the same math as its one-device form (sharded == single-device)."""
 import os
+import re
 import sys
 
 import jax
 import numpy as np
 import optax
+import pytest
 
 from moejax.models import olmoe
 from moejax.sharding.mesh import make_mesh
@@ -67,3 +69,15 @@ def test_the_floor_on_8_devices_trains_as_on_one():
   w = p8["layers"]["moe"]["w_gate"]
   shards = [np.asarray(s.data) for s in w.addressable_shards]
   assert all(np.array_equal(shards[0], s) for s in shards[1:])
+
+
+def test_the_floor_refuses_options_it_does_not_write():
+  """The floor is OLMoE's step: another family's options would be timed against other math."""
+  reference.check_modelled(tiny_config())
+  for family, field in (("glm4_moe", "config.model.qk_norm='head'"),
+                        ("ernie4_5_moe", "config.model.qk_norm='none'"),
+                        ("deepseek_v3", "config.model.qk_norm='none'")):
+    with pytest.raises(ValueError, match=re.escape(field)):
+      reference.check_modelled(tiny_config(family))
+  with pytest.raises(ValueError, match="config.model.rotary_interleaved=True"):
+    reference.check_modelled(tiny_config(**{"model.rotary_interleaved": True}))
