@@ -98,6 +98,7 @@ class FamilySpec:
   default_head_dim: int | None = None  # transformers' head_dim default (None: hidden / heads)
   top_k_key: str = "num_experts_per_tok"   # ... of the experts per token (ERNIE's moe_k)
   default_tie: bool = False            # transformers' tie_word_embeddings default
+  aliases_win: bool = False            # an alias's value wins over its field's (attribute_map)
   ernie: bool = False                  # ERNIE-4.5: neighbour-pair rotary, MoE layers from
                                        # moe_layer_start_index to _end_index every _interval,
                                        # moe_num_shared_experts, softmax with a selection bias
@@ -158,7 +159,7 @@ FAMILY_SPECS = {
         "ernie4_5_moe", "Ernie4_5_MoeForCausalLM", "none", "moe_num_experts",
         "moe_intermediate_size", None, experts_aliases=("num_experts",), score_bias=True,
         top_k_key="moe_k", default_tie=True, default_rope_theta=500000.0, default_aux=0.001,
-        ernie=True,
+        ernie=True, aliases_win=True,
         required=_COMMON_REQUIRED + (
             ("use_bias", False, "moejax's projections have no bias"),
             ("quantization_config", None, "moejax reads unquantized weights (dequantize to "
@@ -409,6 +410,9 @@ def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
               "a positive count is needed (moejax's DeepSeek layers always have shared experts)")
     for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
       _get(hf, key, int, where)
+  if spec.ernie and _get(hf, "moe_norm_min", float, where, 1e-12) > 1e-12:
+    _refuse(where, "moe_norm_min", hf["moe_norm_min"], "moejax divides the top-k weights by "
+            "their sum, which transformers' clamp at the published 1e-12 never reaches")
   if spec.sigmoid_moe and _get(hf, "n_shared_experts", int, where, spec.default_shared) < 1:
     _refuse(where, "n_shared_experts", hf.get("n_shared_experts"),
             "a positive count is needed (moejax's layers of this family always have a shared "
@@ -489,6 +493,17 @@ def _sigmoid_moe_fields(hf: dict, spec: FamilySpec, where: str) -> tuple[dict, d
   return model, moe
 
 
+def _aliased(hf: dict, spec: FamilySpec, key: str, aliases: tuple, where: str) -> int:
+  """An integer config.json may hold under `key` or an alias: the key's, else the first alias
+  given. Where transformers' attribute_map sends the alias to the field
+  (`FamilySpec.aliases_win`: ERNIE's num_experts_per_tok over moe_k), the alias's value is the
+  one it uses."""
+  given = [k for k in aliases if k != key and hf.get(k) is not None]
+  if spec.aliases_win and given:
+    return _get(hf, given[0], int, where)
+  return _get(hf, key, int, where, hf[given[0]] if given else None)
+
+
 def _ernie_layers(hf: dict, where: str) -> tuple[int, int, int]:
   """ERNIE-4.5's MoE layers: (start, end, interval); layer i has experts when (i + 1) % interval
   == 0 and start <= i <= end (end -1: the last), transformers' rule."""
@@ -557,9 +572,8 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
     model = dataclasses.replace(model, **_dense_pattern(hf, where))
   moe = dataclasses.replace(
       base.moe,
-      num_experts=_get(hf, spec.experts_key, int, where, next(
-          (hf[k] for k in spec.experts_aliases if hf.get(k) is not None), None)),
-      top_k=_get(hf, spec.top_k_key, int, where, hf.get("num_experts_per_tok")),
+      num_experts=_aliased(hf, spec, spec.experts_key, spec.experts_aliases, where),
+      top_k=_aliased(hf, spec, spec.top_k_key, ("num_experts_per_tok",), where),
       expert_hidden=_get(hf, spec.expert_hidden_key, int, where),
       shared_expert_hidden=(_get(hf, "shared_expert_intermediate_size", int, where)
                             if spec.shared_expert else 0),
@@ -642,9 +656,9 @@ def check_exportable(cfg: Config) -> FamilySpec:
           f"config.model.dense_layers={m.dense_layers!r}: {what} puts experts in the layers "
           "from moe_layer_start_index to moe_layer_end_index every moe_layer_interval, and no "
           "such pattern gives these dense layers")
-    if not moe.shared_expert_hidden or moe.shared_expert_hidden % moe.expert_hidden:
+    if moe.shared_expert_hidden % moe.expert_hidden:
       raise CheckpointError(
-          f"config.moe.shared_expert_hidden={moe.shared_expert_hidden}: {what} needs a positive "
+          f"config.moe.shared_expert_hidden={moe.shared_expert_hidden}: {what} needs a "
           f"multiple of moe.expert_hidden={moe.expert_hidden} (moe_num_shared_experts of its "
           "width)")
   if spec.qk_norm_key and m.qk_norm == "none":
@@ -736,6 +750,7 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
     hf.update({"moe_layer_start_index": start, "moe_layer_end_index": end,
                "moe_layer_interval": interval,
                "moe_num_shared_experts": moe.shared_expert_hidden // moe.expert_hidden,
+               "num_nextn_predict_layers": None,   # the export holds no MTP tensors
                "intermediate_size": m.dense_hidden or hf.get("intermediate_size",
                                                              moe.expert_hidden)})
   if spec.top_k_key != "num_experts_per_tok":

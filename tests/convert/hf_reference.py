@@ -100,8 +100,7 @@ MODELS = {
         save=dict(max_shard_size="64KB")),
     # ERNIE-4.5: neighbour-pair rotary, a dense layer between MoE layers (moe_layer_interval 2
     # from layer 1), two shared experts, softmax top-3 of 8 with a random selection bias ([1, E]
-    # under moe_statics), renormalized, tied embeddings; per expert, with an MTP tensor as the
-    # Hub's checkpoints carry.
+    # under moe_statics), renormalized, tied embeddings; per expert.
     "ernie4_5_moe": dict(
         model_type="ernie4_5_moe",
         config=dict(vocab_size=44, hidden_size=32, intermediate_size=36, num_hidden_layers=4,

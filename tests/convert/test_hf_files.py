@@ -234,6 +234,7 @@ FAMILY_REFUSALS = [
     ("minimax_m2", dict(attn_type_list=[1, 0]), "attn_type_list=[1, 0] is not supported"),
     ("ernie4_5_moe", dict(use_bias=True), "use_bias=True is not supported"),
     ("ernie4_5_moe", dict(moe_layer_interval=0), "moe_layer_interval=0 is not supported"),
+    ("ernie4_5_moe", dict(moe_norm_min=0.9), "moe_norm_min=0.9 is not supported"),
     ("minimax_m2", dict(use_qk_norm=False), "use_qk_norm=False is not supported"),
     ("minimax_m2", dict(shared_intermediate_size=512), "shared_intermediate_size=512 is not "
      "supported"),
@@ -350,6 +351,14 @@ def test_ernie_published_config_reads_as_the_a3b_preset():
          "moe_intermediate_size": 1536, "moe_k": 6, "num_nextn_predict_layers": 1}
   got = config_from_hf(hub, base=a3b)
   assert got.model == a3b.model and got.moe == a3b.moe
+  # Found by review: transformers' attribute_map sends num_experts_per_tok to moe_k, so with both
+  # given its value is used (moe_k's was: 0.13 of the largest logit off); no shared expert
+  # exports; an export says it holds no MTP layer.
+  assert config_from_hf(dict(hub, num_experts_per_tok=8)).moe.top_k == 8
+  no_shared = config_from_hf(dict(hub, moe_num_shared_experts=0))
+  out = hf_config_from(no_shared, base=hub)
+  assert (out["moe_num_shared_experts"], out["num_nextn_predict_layers"]) == (0, None)
+  assert config_from_hf(out) == no_shared
   from moejax.convert.hf_names import is_ignored
   assert is_ignored("model.mtp_block.0.self_attn.q_proj.weight", got)
   assert not is_ignored("model.layers.5.self_attn.q_proj.weight", got)
