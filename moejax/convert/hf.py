@@ -226,8 +226,13 @@ def save_hf(params, cfg: Config, out_dir: str, *, dtype: str = "float32",
     return block[None] if src.singleton else block
 
   os.makedirs(out_dir, exist_ok=True)
+  # A router with a score bias chooses experts by small margins: kept float32 beside the bias,
+  # as moejax gathers them and transformers keeps them (_keep_in_fp32_modules_strict).
+  fp32 = {name for name, (leaf, _, _) in lookup.items()
+          if cfg.moe.score_bias and leaf.path[-1] in ("router", "score_bias")}
   files = write_tensors(out_dir, [(name, shape) for name, shape, *_ in ordered], produce,
-                        dtype=dtype, max_shard_bytes=max_shard_bytes)
+                        dtype=dtype, max_shard_bytes=max_shard_bytes,
+                        keep_fp32=fp32.__contains__)
   with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
     json.dump(hf, f, indent=2)
     f.write("\n")

@@ -133,12 +133,14 @@ class TensorReader:
     self.close()
 
 
-def plan_shards(entries: list[tuple[str, tuple[int, ...]]], itemsize: int,
+def plan_shards(entries: list[tuple[str, tuple[int, ...]]], itemsize,
                 max_shard_bytes: int) -> list[list[tuple[str, tuple[int, ...]]]]:
-  """Greedy, in order: a new shard starts when the next tensor would overflow the current one."""
+  """Greedy, in order: a new shard starts when the next tensor would overflow the current one.
+  `itemsize`: bytes per element, or a function of the tensor name giving them."""
+  size_of = itemsize if callable(itemsize) else (lambda name: itemsize)
   shards, current, size = [], [], 0
   for name, shape in entries:
-    nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+    nbytes = int(np.prod(shape, dtype=np.int64)) * size_of(name)
     if current and size + nbytes > max_shard_bytes:
       shards.append(current)
       current, size = [], 0
@@ -149,10 +151,11 @@ def plan_shards(entries: list[tuple[str, tuple[int, ...]]], itemsize: int,
   return shards
 
 
-def _header(entries, st_dtype: str, itemsize: int) -> bytes:
+def _header(entries, dtype_of) -> bytes:
   header, offset = {"__metadata__": {"format": "pt"}}, 0
   for name, shape in entries:
-    nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+    st_dtype, np_dtype = dtype_of(name)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
     header[name] = {"dtype": st_dtype, "shape": list(shape),
                     "data_offsets": [offset, offset + nbytes]}
     offset += nbytes
@@ -163,29 +166,34 @@ def _header(entries, st_dtype: str, itemsize: int) -> bytes:
 
 def write_tensors(directory: str, entries: Iterable[tuple[str, tuple[int, ...]]],
                   produce: Callable[[str], np.ndarray], *, dtype: str = "float32",
-                  max_shard_bytes: int = 5_000_000_000) -> list[str]:
-  """Writes tensors `produce(name)` (called once each, in order) as safetensors shards.
+                  max_shard_bytes: int = 5_000_000_000,
+                  keep_fp32: Callable[[str], bool] = lambda name: False) -> list[str]:
+  """Writes tensors `produce(name)` (called once each, in order) as safetensors shards, in
+  `dtype` but those `keep_fp32` names, which stay float32.
 
   One shard -> `model.safetensors`; more -> `model-0000k-of-0000N.safetensors` and the index.
   Returns the file names written.
   """
   if dtype not in WRITABLE_DTYPES:
     raise CheckpointError(f"export dtype {dtype!r}: must be one of {', '.join(WRITABLE_DTYPES)}")
-  st_dtype, np_dtype = WRITABLE_DTYPES[dtype]
+
+  def dtype_of(name):
+    return WRITABLE_DTYPES["float32" if keep_fp32(name) else dtype]
+
   entries = [(n, tuple(int(s) for s in shape)) for n, shape in entries]
-  shards = plan_shards(entries, np_dtype.itemsize, max_shard_bytes)
+  shards = plan_shards(entries, lambda name: dtype_of(name)[1].itemsize, max_shard_bytes)
   names = ([SINGLE_FILE] if len(shards) == 1
            else [shard_file_name(k + 1, len(shards)) for k in range(len(shards))])
   os.makedirs(directory, exist_ok=True)
   weight_map, total = {}, 0
   for fname, shard in zip(names, shards):
     with open(os.path.join(directory, fname), "wb") as f:
-      f.write(_header(shard, st_dtype, np_dtype.itemsize))
+      f.write(_header(shard, dtype_of))
       for name, shape in shard:
         x = np.asarray(produce(name))
         if x.shape != shape:
           raise CheckpointError(f"tensor {name!r}: produced shape {x.shape}, planned {shape}")
-        x = np.ascontiguousarray(x.astype(np_dtype, copy=False))
+        x = np.ascontiguousarray(x.astype(dtype_of(name)[1], copy=False))
         f.write(x.reshape(-1).view(np.uint8).data)
         total += x.nbytes
         weight_map[name] = fname

@@ -157,6 +157,27 @@ def test_bfloat16_and_float16_checkpoints_read_exactly(model, tmp_path):
   np.testing.assert_array_equal(loaded16["embed"], emb.astype(np.float32))
 
 
+def test_bfloat16_export_keeps_a_biased_router_in_float32(tmp_path):
+  """Where a score bias picks the experts (DeepSeek-V3, GLM, ...), the router and the bias stay
+  float32 in a bfloat16 export, as transformers keeps them; everything else is bfloat16."""
+  cfg = tiny_config("glm4_moe")
+  params = jax.tree.map(np.asarray, olmoe.init_params(cfg, jax.random.key(0)))
+  path = str(tmp_path / "bf16")
+  save_hf(params, cfg, path, dtype="bfloat16", max_shard_bytes=20_000)
+  from safetensors import safe_open
+  dtypes = {}
+  for fname in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
+    with safe_open(os.path.join(path, fname), "np") as f:
+      dtypes.update({k: f.get_slice(k).get_dtype() for k in f.keys()})
+  kept = {k for k, d in dtypes.items() if d == "F32"}
+  assert kept == {k for k in dtypes if k.endswith(("mlp.gate.weight",
+                                                   "mlp.gate.e_score_correction_bias"))}
+  assert kept and set(dtypes.values()) == {"F32", "BF16"}
+  _, loaded = load_hf(path)
+  np.testing.assert_array_equal(loaded["layers"]["moe"]["router"],
+                                params["layers"]["moe"]["router"])
+
+
 def test_export_shards_and_index(model, tmp_path):
   cfg, params = model
   path = str(tmp_path / "hf")
