@@ -1,9 +1,9 @@
 """Hugging Face config.json <-> moejax `Config`, for every family of `moejax.families`.
 
 Only what moejax models is carried over; a config that asks for something moejax does not model
-(clipped q/k/v, output-projection biases, RoPE scaled other than by YaRN, sliding windows, another activation,
-quantized weights) is refused with one line naming the field,
-rather than converted into a different model. Each family fixes some options of the decoder
+(clipped q/k/v, output-projection biases, RoPE scaled other than by YaRN, sliding windows,
+another activation, quantized weights) is refused with one line naming the field, rather than
+converted into a different model. Each family fixes some options of the decoder
 (`FAMILY_SPECS`); the rest are read from its fields:
 
   config.json                          moejax
@@ -45,6 +45,16 @@ rather than converted into a different model. Each family fixes some options of 
                                        moe.score="sigmoid", moe.score_bias, group_score="top2"
   V2: topk_method greedy (no groups) or group_limited_greedy (groups scored by their best,
    moe.group_score="max"), softmax, no renormalization; aux_loss_alpha: moe.aux_loss_weight
+ GLM-4.5 and dots.llm1 (glm4_moe, dots1; `FamilySpec.sigmoid_moe`): standard attention, the
+  leading dense layers, shared experts, groups and routed scaling as DeepSeek-V3's (and its
+  sigmoid router with the score bias); GLM: attention_bias -> model.qkv_bias, use_qk_norm ->
+  model.qk_norm "head" / "none"
+  partial_rotary_factor (glm4_moe, minimax_m2; MiniMax's legacy rotary_dim)  model.rotary_dim
+ MiniMax-M2 (minimax_m2): QK-norm over all heads' width ("full"), sigmoid scores with the score
+  bias beside the gate, always renormalized
+ ERNIE-4.5 (ernie4_5_moe): moe_k, moe_num_experts, moe_num_shared_experts; moe_layer_start_index
+  / _end_index / _interval -> model.dense_layers; neighbour-pair rotary
+  (model.rotary_interleaved); softmax scores with moe_statics' [1, E] selection bias
 """
 from __future__ import annotations
 
