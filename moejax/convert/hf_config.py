@@ -749,10 +749,10 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
         "routed_scaling_factor": moe.routed_scale})
     if spec.model_type in MTP_FAMILIES:   # the export holds no multi-token-prediction layer
       hf["num_nextn_predict_layers"] = 0
-  if spec.model_type == "minimax_m2" and hf.get("use_mtp"):   # ... nor MiniMax's modules
-    hf.update({"use_mtp": False, "num_mtp_modules": 0})
     if spec.window_from_layer:
       hf.update({"sliding_window": None, "layer_types": None})
+  if spec.model_type == "minimax_m2" and hf.get("use_mtp"):   # ... nor MiniMax's modules
+    hf.update({"use_mtp": False, "num_mtp_modules": 0})
   if spec.qk_norm_key:
     hf[spec.qk_norm_key] = m.qk_norm != "none"
   if spec.ernie:

@@ -400,6 +400,12 @@ def test_dots1_published_config_reads_as_the_142b_preset():
          "sliding_window": None, "hidden_act": "silu"}
   got = config_from_hf(hub, base=dots)
   assert got.model == dots.model and got.moe == dots.moe
+  # An export says no layer slides, whatever the base said: transformers' defaults (window 4096
+  # from layer 62 on) would make every layer past the 62nd slide.
+  deep = dataclasses.replace(got, model=dataclasses.replace(got.model, num_layers=64))
+  for base in (None, dict(hub, sliding_window=4096, max_window_layers=62)):
+    out = hf_config_from(deep, base=base)
+    assert (out["sliding_window"], out.get("layer_types")) == (None, None)
 
 
 def test_partial_rotary_exports_read_back_as_the_same_width():
