@@ -743,10 +743,7 @@ def unused_settings(c: Config) -> list[str]:
        "the codec is chosen at run time (codec.mode='auto', or codec.select=True)"),
       ("model", ("dense_hidden",), bool(c.model.dense_layers), "model.dense_layers is not empty"),
       ("moe", ("group_score",), c.moe.expert_groups > 1, "moe.expert_groups > 1"),
-      ("model", tuple(f.name for f in dataclasses.fields(ModelConfig)
-                      if f.name.startswith("rope_") and f.name not in ("rope_theta",
-                                                                       "rope_scaling")),
-       c.model.rope_scaling != "none", "model.rope_scaling is 'yarn'")]
+      ("model", YARN_FIELDS, c.model.rope_scaling != "none", "model.rope_scaling is 'yarn'")]
   for group, fields, read, when in unread:
     if read:
       continue
@@ -759,15 +756,17 @@ def unused_settings(c: Config) -> list[str]:
   return notes
 
 
+# model.rope_<x> for each field <x> of RopeScaling but its kind (model.rope_scaling): YaRN's
+# settings, read only under rope_scaling="yarn".
+YARN_FIELDS = tuple(f"rope_{f.name}" for f in dataclasses.fields(RopeScaling) if f.name != "kind")
+
+
 def rope_scaling(m: ModelConfig) -> RopeScaling:
   """The model's RoPE scaling (`moejax.layers.rope`) from its rope_* fields."""
   if m.rope_scaling == "none":
     return RopeScaling()
-  return RopeScaling(kind=m.rope_scaling, factor=m.rope_factor,
-                     original_max_len=m.rope_original_max_len, beta_fast=m.rope_beta_fast,
-                     beta_slow=m.rope_beta_slow, mscale=m.rope_mscale,
-                     mscale_all_dim=m.rope_mscale_all_dim,
-                     attention_factor=m.rope_attention_factor, truncate=m.rope_truncate)
+  return RopeScaling(kind=m.rope_scaling,
+                     **{field[len("rope_"):]: getattr(m, field) for field in YARN_FIELDS})
 
 
 def num_params(c: Config) -> dict[str, int]:

@@ -62,7 +62,7 @@ import copy
 import dataclasses
 import math
 
-from moejax.config import Config, validate
+from moejax.config import Config, ModelConfig, validate
 from moejax.errors import CheckpointError, ConfigError
 from moejax.convert.hf_names import MTP_FAMILIES
 from moejax.families import FAMILIES
@@ -235,11 +235,12 @@ def _refuse(where: str, key: str, value, why: str):
   raise CheckpointError(f"{where}: {key}={value!r} is not supported: {why}")
 
 
-_YARN_DEFAULTS = dict(rope_beta_fast=32.0, rope_beta_slow=1.0, rope_mscale=0.0,
-                     rope_mscale_all_dim=0.0, rope_attention_factor=0.0, rope_truncate=True)
+# model.rope_* field -> its key in transformers' rope dict (factor and the original context
+# apart), and the field's default
 _YARN_KEYS = dict(rope_beta_fast="beta_fast", rope_beta_slow="beta_slow", rope_mscale="mscale",
                   rope_mscale_all_dim="mscale_all_dim",
                   rope_attention_factor="attention_factor", rope_truncate="truncate")
+_YARN_DEFAULTS = {field: getattr(ModelConfig(), field) for field in _YARN_KEYS}
 
 
 def _rope_dict(hf: dict) -> tuple:
@@ -452,22 +453,30 @@ def _dense_pattern(hf: dict, where: str) -> dict:
               dense_hidden=_get(hf, "intermediate_size", int, where) if dense else 0)
 
 
+def _leading_dense_and_shared(hf: dict, where: str, first_dense: int,
+                              shared: int | None) -> tuple[dict, dict]:
+  """DeepSeek's, GLM-4.5's and dots.llm1's first_k_dense_replace leading dense layers (width
+  intermediate_size) and n_shared_experts ungated shared experts of the routed width; the
+  defaults are transformers' for absent fields (None: required)."""
+  dense = tuple(range(_get(hf, "first_k_dense_replace", int, where, first_dense)))
+  model = dict(dense_layers=dense,
+               dense_hidden=_get(hf, "intermediate_size", int, where) if dense else 0)
+  moe = dict(shared_expert_hidden=_get(hf, "n_shared_experts", int, where, shared)
+             * _get(hf, "moe_intermediate_size", int, where), shared_expert_gate=False)
+  return model, moe
+
+
 def _deepseek_fields(hf: dict, where: str, version: str) -> tuple[dict, dict]:
   """DeepSeek-V2's or V3's model and moe fields (`FamilySpec.deepseek`)."""
   nope, rope = _get(hf, "qk_nope_head_dim", int, where), _get(hf, "qk_rope_head_dim", int, where)
   # Absent fields take transformers' DeepseekV2Config / V3Config defaults (q_lora_rank null: no q
   # latent).
-  dense = tuple(range(_get(hf, "first_k_dense_replace", int, where,
-                           3 if version == "v3" else 0)))
+  model, moe = _leading_dense_and_shared(hf, where, 3 if version == "v3" else 0, None)
   q_lora_rank = _get(hf, "q_lora_rank", int, where, 1536) if hf.get("q_lora_rank", 1536) else 0
-  model = dict(kv_lora_rank=_get(hf, "kv_lora_rank", int, where),
+  model.update(kv_lora_rank=_get(hf, "kv_lora_rank", int, where),
                q_lora_rank=q_lora_rank,
                qk_nope_head_dim=nope, qk_rope_head_dim=rope,
-               v_head_dim=_get(hf, "v_head_dim", int, where), head_dim=nope + rope,
-               dense_layers=dense,
-               dense_hidden=_get(hf, "intermediate_size", int, where) if dense else 0)
-  moe = dict(shared_expert_hidden=_get(hf, "n_shared_experts", int, where)
-             * _get(hf, "moe_intermediate_size", int, where), shared_expert_gate=False)
+               v_head_dim=_get(hf, "v_head_dim", int, where), head_dim=nope + rope)
   if version == "v3":
     moe.update(score="sigmoid", score_bias=True, group_score="top2",
                expert_groups=_get(hf, "n_group", int, where, 8),
@@ -490,12 +499,9 @@ def _deepseek_fields(hf: dict, where: str, version: str) -> tuple[dict, dict]:
 def _sigmoid_moe_fields(hf: dict, spec: FamilySpec, where: str) -> tuple[dict, dict]:
   """GLM-4.5's and dots.llm1's model and moe fields (`FamilySpec.sigmoid_moe`), transformers'
   defaults for absent ones."""
-  dense = tuple(range(_get(hf, "first_k_dense_replace", int, where, spec.default_first_dense)))
-  model = dict(dense_layers=dense,
-               dense_hidden=_get(hf, "intermediate_size", int, where) if dense else 0)
-  moe = dict(shared_expert_hidden=_get(hf, "n_shared_experts", int, where, spec.default_shared)
-             * _get(hf, "moe_intermediate_size", int, where), shared_expert_gate=False,
-             score="sigmoid", score_bias=True, group_score="top2",
+  model, moe = _leading_dense_and_shared(hf, where, spec.default_first_dense,
+                                         spec.default_shared)
+  moe.update(score="sigmoid", score_bias=True, group_score="top2",
              # null groups (dots.llm1's published config) are no grouping
              expert_groups=_get(hf, "n_group", int, where, 1) if hf.get("n_group") else 1,
              top_groups=_get(hf, "topk_group", int, where, 1) if hf.get("topk_group") else 1,
@@ -556,6 +562,7 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
   spec = check_supported(hf, where)
   base = Config() if base is None else base
   heads = _get(hf, "num_attention_heads", int, where)
+  head_dim = _head_dim(hf, spec, where)
   model = dataclasses.replace(
       base.model,
       family=MODEL_TYPES[spec.model_type],
@@ -566,8 +573,8 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       # 0: as many as query heads, the typed default, so multi-head configs compare equal
       num_kv_heads=0 if (hf.get("num_key_value_heads") or heads) == heads
       else hf["num_key_value_heads"],
-      head_dim=_head_dim(hf, spec, where),
-      rotary_dim=0 if spec.deepseek else _rotary_dim(hf, spec, _head_dim(hf, spec, where), where),
+      head_dim=head_dim,
+      rotary_dim=0 if spec.deepseek else _rotary_dim(hf, spec, head_dim, where),
       qk_norm=(spec.qk_norm if not spec.qk_norm_key
                or _get(hf, spec.qk_norm_key, bool, where, False) else "none"),
       qkv_bias=(_get(hf, spec.qkv_bias_key, bool, where, spec.qkv_bias_default)
@@ -598,7 +605,8 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
                            else spec.default_aux),
       z_loss_weight=(_get(hf, spec.z_loss_key, float, where, base.moe.z_loss_weight)
                      if spec.z_loss_key else base.moe.z_loss_weight),
-      score_bias=spec.score_bias, expert_groups=1, top_groups=1, group_score="top2", routed_scale=1.0)
+      score_bias=spec.score_bias, expert_groups=1, top_groups=1, group_score="top2",
+      routed_scale=1.0)
   if spec.deepseek or spec.sigmoid_moe or spec.ernie:
     model_fields, moe_fields = (_deepseek_fields(hf, where, spec.deepseek) if spec.deepseek
                                 else _ernie_fields(hf, where) if spec.ernie
@@ -645,10 +653,6 @@ def check_exportable(cfg: Config) -> FamilySpec:
     elif not m.kv_lora_rank:
       raise CheckpointError(f"config.model.kv_lora_rank=0: {what} has latent attention only; "
                             "choose another config.model.family or set the latent fields")
-    if not moe.shared_expert_hidden or moe.shared_expert_hidden % moe.expert_hidden:
-      raise CheckpointError(
-          f"config.moe.shared_expert_hidden={moe.shared_expert_hidden}: {what} needs a positive "
-          f"multiple of moe.expert_hidden={moe.expert_hidden} (n_shared_experts of its width)")
   else:
     need("moe.score", moe.score, spec.score, f" (it routes with {spec.score} scores)")
     need("model.kv_lora_rank", m.kv_lora_rank, 0, " (no latent attention)")
@@ -666,11 +670,7 @@ def check_exportable(cfg: Config) -> FamilySpec:
           f"config.model.dense_layers={m.dense_layers!r}: {what} puts experts in the layers "
           "from moe_layer_start_index to moe_layer_end_index every moe_layer_interval, and no "
           "such pattern gives these dense layers")
-    if moe.shared_expert_hidden % moe.expert_hidden:
-      raise CheckpointError(
-          f"config.moe.shared_expert_hidden={moe.shared_expert_hidden}: {what} needs a "
-          f"multiple of moe.expert_hidden={moe.expert_hidden} (moe_num_shared_experts of its "
-          "width)")
+
   if spec.qk_norm_key and m.qk_norm == "none":
     pass                                # the architecture's QK-norm switched off
   else:
@@ -682,7 +682,15 @@ def check_exportable(cfg: Config) -> FamilySpec:
   if spec.renormalize_key is None:
     need("moe.renormalize", moe.renormalize, True)
   need("moe.shared_expert_gate", moe.shared_expert_gate, spec.shared_expert)
-  if not spec.shared_expert and not spec.deepseek and not spec.sigmoid_moe and not spec.ernie:
+  if spec.deepseek or spec.sigmoid_moe or spec.ernie:   # n shared experts of the routed width
+    count = "moe_num_shared_experts" if spec.ernie else "n_shared_experts"
+    positive = not spec.ernie          # the others' layers always have one
+    if (positive and not moe.shared_expert_hidden) or moe.shared_expert_hidden % moe.expert_hidden:
+      raise CheckpointError(
+          f"config.moe.shared_expert_hidden={moe.shared_expert_hidden}: {what} needs a "
+          f"{'positive ' if positive else ''}multiple of moe.expert_hidden={moe.expert_hidden} "
+          f"({count} of its width)")
+  elif not spec.shared_expert:
     need("moe.shared_expert_hidden", moe.shared_expert_hidden, 0)
   if spec.norm_over_hidden and m.num_heads * m.head_dim != m.d_model:
     raise CheckpointError(
@@ -725,15 +733,18 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
       "tie_word_embeddings": m.tie_embeddings,
       "output_router_logits": hf.get("output_router_logits", False),
   })
+  if spec.deepseek or spec.sigmoid_moe:
+    hf.update({
+        "first_k_dense_replace": len(m.dense_layers),
+        "intermediate_size": m.dense_hidden or hf.get("intermediate_size", moe.expert_hidden),
+        "n_shared_experts": moe.shared_expert_hidden // moe.expert_hidden,
+        "n_group": moe.expert_groups, "topk_group": moe.top_groups,
+        "routed_scaling_factor": moe.routed_scale})
   if spec.deepseek:
     hf.update({
         "q_lora_rank": m.q_lora_rank or None, "kv_lora_rank": m.kv_lora_rank,
         "qk_nope_head_dim": m.qk_nope_head_dim, "qk_rope_head_dim": m.qk_rope_head_dim,
-        "v_head_dim": m.v_head_dim, "first_k_dense_replace": len(m.dense_layers),
-        "intermediate_size": m.dense_hidden or hf.get("intermediate_size", moe.expert_hidden),
-        "n_shared_experts": moe.shared_expert_hidden // moe.expert_hidden,
-        "n_group": moe.expert_groups, "topk_group": moe.top_groups,
-        "routed_scaling_factor": moe.routed_scale, "head_dim": m.qk_rope_head_dim})
+        "v_head_dim": m.v_head_dim, "head_dim": m.qk_rope_head_dim})
     if spec.deepseek == "v2":
       hf.update({"topk_method": "group_limited_greedy" if moe.expert_groups > 1 else "greedy",
                  "aux_loss_alpha": moe.aux_loss_weight})
@@ -741,12 +752,6 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
   elif not spec.norm_over_hidden:        # OLMoE: hidden / heads
     hf["head_dim"] = m.head_dim
   if spec.sigmoid_moe:
-    hf.update({
-        "first_k_dense_replace": len(m.dense_layers),
-        "intermediate_size": m.dense_hidden or hf.get("intermediate_size", moe.expert_hidden),
-        "n_shared_experts": moe.shared_expert_hidden // moe.expert_hidden,
-        "n_group": moe.expert_groups, "topk_group": moe.top_groups,
-        "routed_scaling_factor": moe.routed_scale})
     if spec.model_type in MTP_FAMILIES:   # the export holds no multi-token-prediction layer
       hf["num_nextn_predict_layers"] = 0
     if spec.window_from_layer:

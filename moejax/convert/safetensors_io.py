@@ -133,14 +133,13 @@ class TensorReader:
     self.close()
 
 
-def plan_shards(entries: list[tuple[str, tuple[int, ...]]], itemsize,
+def plan_shards(entries: list[tuple[str, tuple[int, ...]]], itemsize_of: Callable[[str], int],
                 max_shard_bytes: int) -> list[list[tuple[str, tuple[int, ...]]]]:
   """Greedy, in order: a new shard starts when the next tensor would overflow the current one.
-  `itemsize`: bytes per element, or a function of the tensor name giving them."""
-  size_of = itemsize if callable(itemsize) else (lambda name: itemsize)
+  `itemsize_of(name)`: bytes per element of that tensor."""
   shards, current, size = [], [], 0
   for name, shape in entries:
-    nbytes = int(np.prod(shape, dtype=np.int64)) * size_of(name)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize_of(name)
     if current and size + nbytes > max_shard_bytes:
       shards.append(current)
       current, size = [], 0

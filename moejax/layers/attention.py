@@ -131,8 +131,8 @@ class Attention(nnx.Module):
 
   def qkv(self, x_BxSxD, rotary):
     """q [B, S, H, Dh], k and v [B, S, G, Dh]: projected, QK-normed, q and k rotated by
-    `rotary` = (cos, sin) [S, rotary_dim] of the tokens' positions (`rotary_tables`, or `rotary_at` with
-    a KV cache)."""
+    `rotary` = (cos, sin) [S, rotary_dim] of the tokens' positions (`self.rotary_at`, which a
+    KV-cached step calls with its own positions)."""
     b, s, _ = x_BxSxD.shape
     bias = (self.bq, self.bk, self.bv) if self.qkv_bias else (None, None, None)
     q = self._project(x_BxSxD, self.wq, bias[0])

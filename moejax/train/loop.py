@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moejax import host_memory, weights
-from moejax.config import Config, ModelConfig, num_params, unused_settings
+from moejax.config import YARN_FIELDS, Config, num_params, unused_settings
 from moejax.data import DataSpec, check_vocab, make_data
 from moejax.errors import ConfigError, DataError, TrainingError
 from moejax.sharding.mesh import make_mesh, num_devices
@@ -308,8 +308,7 @@ _WEIGHT_FIELDS = {
 
 # RoPE scaling: weights trained with it compute something else without it (or with another),
 # but extending the context of weights trained without it is what YaRN is for.
-_ROPE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig)
-                     if f.name.startswith("rope_") and f.name != "rope_theta")
+_ROPE_FIELDS = ("rope_scaling", *YARN_FIELDS)
 
 
 def _first_mismatch(loaded: Config, cfg: Config) -> str | None:
