@@ -20,10 +20,9 @@ Presets:
                    top-8 of width 2048 in 8 groups of which 4 are used, vocab 129280; 671.0B
                    total, 37.5B active (the multi-token-prediction module not counted); YaRN
                    RoPE as published (factor 40 over 4096 positions, beta 32 / 1, mscale and
-                   mscale_all_dim 1). The published weights are FP8 and refused on import (one
-                   line naming quantization_config): dequantize them to bfloat16 first
-                   (--config.init_from=DIR then reads them and their tokenizer.json), or train
-                   from scratch with --config.data.tokenizer=PATH to V3's tokenizer.json.
+                   mscale_all_dim 1). The published weights are FP8 (128 x 128 blocks), dequantized
+                   on import: --config.init_from=DIR reads them and their tokenizer.json; or
+                   train from scratch with --config.data.tokenizer=PATH to V3's tokenizer.json.
 
 moe_16b and v3 keep the fine-tuning optimizer settings the published presets share (lr 1e-5,
 100 warm-up steps, 2000 steps; `moejax.config.published_fine_tuning`), though neither imports

@@ -11,8 +11,8 @@ Presets:
   m2               MiniMax-M2 (MiniMaxAI/MiniMax-M2 config.json): 62 layers, d_model 3072, 48
                    heads of 128 over 8 kv heads, 64 of each head's 128 dims rotated (theta 5e6),
                    256 experts top-8 of width 1536, vocab 200064; 228.7B total, 10.4B active
-                   without the embedding (published 230B / 10B). The published weights are FP8:
-                   dequantize them to bfloat16 before --config.init_from.
+                   without the embedding (published 230B / 10B). The published weights are FP8,
+                   dequantized on import (--config.init_from=DIR).
 
 m2 keeps the fine-tuning settings the published presets share
 (`moejax.config.published_fine_tuning`).

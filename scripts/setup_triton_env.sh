@@ -23,13 +23,14 @@ PY
 
 source scripts/pip_install.sh   # pip_install ARGS...
 
+if [ -f scripts/setup_torch_env.sh ]; then
+  bash scripts/setup_torch_env.sh     # idempotent; completes an older env (accelerate)
+fi
 if ready; then
   echo "triton env ready: $VENV"
   exit 0
 fi
-if [ -f scripts/setup_torch_env.sh ]; then
-  bash scripts/setup_torch_env.sh
-else
+if [ ! -f scripts/setup_torch_env.sh ]; then
   if ! command -v python3.11 >/dev/null 2>&1; then
     echo "error: the Triton test env needs Python 3.11 (python3.11 on PATH)" >&2
     exit 2

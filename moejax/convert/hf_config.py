@@ -162,34 +162,26 @@ FAMILY_SPECS = {
             ("scoring_func", "sigmoid", "MiniMax-M2 routes with sigmoids"),
             ("use_routing_bias", True, "transformers' MiniMaxM2 always adds the score bias"),
             ("shared_intermediate_size", 0, "MiniMax-M2 has no shared expert"),
-            ("attention_bias", False, "moejax attention projections have no bias"),
-            ("quantization_config", None, "moejax reads unquantized weights (dequantize to "
-             "bfloat16 first)"))),
+            ("attention_bias", False, "moejax attention projections have no bias"))),
     "ernie4_5_moe": FamilySpec(
         "ernie4_5_moe", "Ernie4_5_MoeForCausalLM", "none", "moe_num_experts",
         "moe_intermediate_size", None, experts_aliases=("num_experts",), score_bias=True,
         top_k_key="moe_k", default_tie=True, default_rope_theta=500000.0, default_aux=0.001,
         ernie=True, aliases_win=True,
         required=_COMMON_REQUIRED + (
-            ("use_bias", False, "moejax's projections have no bias"),
-            ("quantization_config", None, "moejax reads unquantized weights (dequantize to "
-             "bfloat16 first)"))),
+            ("use_bias", False, "moejax's projections have no bias"),)),
     "glm4_moe": FamilySpec(
         "glm4_moe", "Glm4MoeForCausalLM", "head", "n_routed_experts", "moe_intermediate_size",
         "norm_topk_prob", experts_aliases=("num_local_experts",), renormalize_default=True,
         qkv_bias_key="attention_bias", qk_norm_key="use_qk_norm", partial_rotary=0.5,
         sigmoid_moe=True, default_first_dense=1, default_shared=1, default_aux=0.0,
-        required=_COMMON_REQUIRED + (
-            ("quantization_config", None, "moejax reads unquantized weights (dequantize to "
-             "bfloat16 first)"),)),
+        required=_COMMON_REQUIRED),
     "dots1": FamilySpec(
         "dots1", "Dots1ForCausalLM", "head", "n_routed_experts", "moe_intermediate_size",
         "norm_topk_prob", experts_aliases=("num_local_experts",), default_norm_eps=1e-6,
         sigmoid_moe=True, window_from_layer=True, default_aux=0.0,
         required=_COMMON_REQUIRED + (
-            ("attention_bias", False, "moejax attention projections have no bias"),
-            ("quantization_config", None, "moejax reads unquantized weights (dequantize to "
-             "bfloat16 first)"))),
+            ("attention_bias", False, "moejax attention projections have no bias"),)),
     "deepseek_v2": FamilySpec(
         "deepseek_v2", "DeepseekV2ForCausalLM", "none", "n_routed_experts",
         "moe_intermediate_size", "norm_topk_prob", experts_aliases=("num_experts",),
@@ -201,18 +193,14 @@ FAMILY_SPECS = {
              "weights"),
             ("scoring_func", "softmax", "DeepSeek-V2 routes with a softmax"),
             ("moe_layer_freq", 1, "transformers' DeepseekV2 puts experts in every layer after "
-             "first_k_dense_replace"),
-            ("quantization_config", None, "moejax reads unquantized weights (dequantize to "
-             "bfloat16 first)"))),
+             "first_k_dense_replace"))),
     "deepseek_v3": FamilySpec(
         "deepseek_v3", "DeepseekV3ForCausalLM", "none", "n_routed_experts",
         "moe_intermediate_size", "norm_topk_prob", experts_aliases=("num_local_experts",),
         default_norm_eps=1e-6, deepseek="v3", renormalize_default=True, default_aux=0.0,
         required=_COMMON_REQUIRED + (
             ("attention_bias", False, "moejax attention projections have no bias"),
-            ("rope_interleave", True, "moejax reads DeepSeek's rotary dimensions interleaved"),
-            ("quantization_config", None, "moejax reads unquantized weights (dequantize to "
-             "bfloat16 first)"))),
+            ("rope_interleave", True, "moejax reads DeepSeek's rotary dimensions interleaved"))),
 }
 assert tuple(FAMILY_SPECS) == FAMILIES
 MODEL_TYPES = {spec.model_type: name for name, spec in FAMILY_SPECS.items()}
@@ -378,9 +366,41 @@ def _head_dim(hf: dict, spec: FamilySpec, where: str) -> int:
   return head_dim or hidden // heads
 
 
+FP8_DEFAULT_BLOCK = (128, 128)      # transformers' FineGrainedFP8Config weight_block_size
+_FP8_FORMATS = (None, "e4m3", "float8_e4m3fn")
+
+
+def fp8_block_size(hf: dict, where: str = "config.json") -> tuple[int, int] | None:
+  """The (rows, cols) of one scale block of a block-scaled FP8 checkpoint (transformers'
+  fine-grained FP8, quant_method "fp8": DeepSeek-V3, Qwen3-*-FP8, MiniMax-M2), None for an
+  unquantized one; refuses every other quantization (its weights would read wrong)."""
+  q = hf.get("quantization_config")
+  if q is None:
+    return None
+  fix = ("moejax dequantizes block-scaled FP8 only (quant_method 'fp8', e4m3 weights with "
+         "weight_scale_inv; dequantize other formats to bfloat16 first)")
+  if not isinstance(q, dict) or q.get("quant_method") != "fp8":
+    _refuse(where, "quantization_config", q, fix)
+  if q.get("fmt") not in _FP8_FORMATS:
+    _refuse(where, "quantization_config.fmt", q["fmt"], fix)
+  if q.get("activation_scheme") not in (None, "dynamic"):
+    _refuse(where, "quantization_config.activation_scheme", q["activation_scheme"],
+            "moejax reads weights with dynamic activation scaling only (no activation scales)")
+  block = q.get("weight_block_size")
+  if block is None:
+    return FP8_DEFAULT_BLOCK
+  if (not isinstance(block, (list, tuple)) or len(block) != 2
+      or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+    _refuse(where, "quantization_config.weight_block_size", block,
+            "expected [rows, cols], two positive integers (per-tensor or per-channel FP8 scales "
+            "are not read)")
+  return int(block[0]), int(block[1])
+
+
 def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
   """The family of `hf`; raises CheckpointError if moejax cannot represent it exactly."""
   spec = family_of(hf, where)
+  fp8_block_size(hf, where)
   for key, want, why in spec.required:
     value = hf.get(key, want)
     if key == "mlp_only_layers" and value is None:
@@ -785,7 +805,7 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
     hf[spec.z_loss_key] = moe.z_loss_weight
   for key, want, _ in spec.required:
     hf[key] = want
-  hf.pop("quantization_config", None)      # transformers reads any value as "quantized"
+  hf.pop("quantization_config", None)      # exports are unquantized (FP8 imports dequantized)
   # transformers >= 5 writes "dtype"; older versions, and the Hub's configs, "torch_dtype".
   hf["dtype" if base and "dtype" in base else "torch_dtype"] = dtype
   rope = _rope_to_hf(m)

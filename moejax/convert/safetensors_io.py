@@ -7,6 +7,13 @@ in `model.safetensors.index.json` (`weight_map`: tensor name -> shard file). Rea
 file. Writing streams: the shard plan (names, shapes, dtypes) is fixed first, so each shard's
 header goes out before its data and no shard is ever assembled in memory.
 
+Block-scaled FP8 checkpoints (DeepSeek-V3, Qwen3-*-FP8, MiniMax-M2: quantization_config
+quant_method "fp8") store a projection `X.weight` as float8 e4m3 beside `X.weight_scale_inv`, one
+fp32 scale per block of `block` = (rows, cols) elements, the grid rounded up where a dimension is
+not a multiple of the block. The reader dequantizes such a weight as it reads it (value * scale,
+one fp32 rounding, as transformers does) and hides the scale tensors, so the rest of import sees
+ordinary fp32 weights.
+
 File format (https://github.com/huggingface/safetensors): 8-byte little-endian header length N,
 N bytes of JSON header ({name: {dtype, shape, data_offsets}}, "__metadata__"), then the data.
 """
@@ -29,6 +36,10 @@ INDEX_FILE = "model.safetensors.index.json"
 
 # Dtypes whose every value an fp32 parameter holds exactly.
 READABLE_DTYPES = ("F32", "BF16", "F16")
+# Weights read through their block scales. safetensors' numpy reader has no float8 dtype (it looks
+# for numpy.float8_e4m3fn), so these are read from the mapped file directly.
+FP8_DTYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn)}
+SCALE_SUFFIX = "_scale_inv"          # X.weight -> X.weight_scale_inv
 WRITABLE_DTYPES = {"float32": ("F32", np.dtype(np.float32)),
                    "bfloat16": ("BF16", np.dtype(ml_dtypes.bfloat16))}
 
@@ -38,9 +49,12 @@ def shard_file_name(k: int, n: int) -> str:
 
 
 class TensorReader:
-  """Name -> (file, shape, dtype) for every tensor in a Hugging Face safetensors directory."""
+  """Name -> (file, shape, dtype) for every tensor in a Hugging Face safetensors directory.
 
-  def __init__(self, directory: str):
+  `fp8_block`: the (rows, cols) of one scale block when config.json declares block-scaled FP8
+  weights (`hf_config.fp8_block_size`), else None (an FP8 tensor is then refused)."""
+
+  def __init__(self, directory: str, fp8_block: tuple[int, int] | None = None):
     self.directory = directory
     self._stack = contextlib.ExitStack()
     self._handles: dict[str, object] = {}
@@ -62,6 +76,56 @@ class TensorReader:
         self.shapes[name] = tuple(int(s) for s in sl.get_shape())
         self.dtypes[name] = sl.get_dtype()
     self.release()
+    self._scales: dict[str, tuple[str, tuple[int, int]]] = {}   # fp8 weight -> (scale, block)
+    self._data_starts: dict[str, int] = {}                      # fp8 weight -> file offset
+    self._scale_files: dict[str, str] = {}                      # scale -> its file
+    self._pair_scales(fp8_block)
+
+  def _pair_scales(self, block: tuple[int, int] | None) -> None:
+    """Pairs each FP8 weight with its scale tensor (checked against `block`), then hides the
+    scales: import sees the weights only, in fp32."""
+    for name in sorted(n for n, d in self.dtypes.items() if d in FP8_DTYPES):
+      where = f"{self._path(self.files[name])}: tensor {name!r}"
+      scale, shape = name + SCALE_SUFFIX, self.shapes[name]
+      if block is None:
+        raise CheckpointError(f"{where} is {self.dtypes[name]} but config.json declares no FP8 "
+                              "quantization_config (quant_method 'fp8' with weight_block_size)")
+      if scale not in self.shapes:
+        raise CheckpointError(f"{where} is {self.dtypes[name]} without its block scales "
+                              f"{scale!r}; moejax reads block-scaled FP8 weights only")
+      if len(shape) < 2:
+        raise CheckpointError(f"{where} is {self.dtypes[name]} with shape {shape}; block-scaled "
+                              "FP8 weights have at least two dimensions")
+      grid = (*shape[:-2], -(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
+      if self.shapes[scale] != grid:
+        raise CheckpointError(
+            f"{self._path(self.files[scale])}: tensor {scale!r} has shape {self.shapes[scale]}; "
+            f"{name} {shape} in blocks of weight_block_size={list(block)} needs {grid}")
+      if self.dtypes[scale] not in READABLE_DTYPES:
+        raise CheckpointError(f"{self._path(self.files[scale])}: tensor {scale!r} has dtype "
+                              f"{self.dtypes[scale]}; FP8 scales are read as "
+                              f"{', '.join(READABLE_DTYPES)}")
+      self._scales[name] = (scale, block)
+    for fname in sorted({self.files[n] for n in self._scales}):
+      self._data_starts.update(self._fp8_offsets(fname))
+    orphans = sorted(n for n in self.shapes
+                     if n.endswith(SCALE_SUFFIX) and n[:-len(SCALE_SUFFIX)] not in self._scales)
+    if orphans:
+      raise CheckpointError(
+          f"{self._path(self.files[orphans[0]])}: tensor {orphans[0]!r} scales "
+          f"{orphans[0][:-len(SCALE_SUFFIX)]!r}, which is not stored as FP8 (F8_E4M3)")
+    for scale, _ in self._scales.values():
+      self._scale_files[scale] = self.files.pop(scale)
+      del self.shapes[scale], self.dtypes[scale]
+
+  def _fp8_offsets(self, fname: str) -> dict[str, int]:
+    """File offsets of the FP8 tensors in `fname` (safetensors' reader does not give them)."""
+    path = self._path(fname)
+    with open(path, "rb") as f:
+      (n,) = struct.unpack("<Q", f.read(8))
+      header = json.loads(f.read(n))
+    return {name: 8 + n + int(header[name]["data_offsets"][0])
+            for name in self._scales if self.files[name] == fname}
 
   def _path(self, fname: str) -> str:
     return os.path.join(self.directory, fname)
@@ -104,7 +168,7 @@ class TensorReader:
 
   def check_dtype(self, name: str) -> None:
     dtype = self.dtypes[name]
-    if dtype not in READABLE_DTYPES:
+    if dtype not in READABLE_DTYPES and name not in self._scales:
       raise CheckpointError(
           f"{self._path(self.files[name])}: tensor {name!r} has dtype {dtype}; moejax keeps fp32 "
           f"parameters and reads only {', '.join(READABLE_DTYPES)} (which fp32 holds exactly)")
@@ -112,9 +176,38 @@ class TensorReader:
   def read(self, name: str, index: tuple = ()) -> np.ndarray:
     """`tensor[index]` as fp32, reading only that block (index: ints and step-1 slices)."""
     self.check_dtype(name)
-    sl = self._open(self.files[name]).get_slice(name)
+    if name in self._scales:
+      return self._read_fp8(name, index)
+    return self._read_plain(self.files[name], name, index)
+
+  def _read_plain(self, fname: str, name: str, index: tuple) -> np.ndarray:
+    sl = self._open(fname).get_slice(name)
     block = sl[index] if index else sl[:]
     return np.asarray(block).astype(np.float32, copy=False)
+
+  def _read_fp8(self, name: str, index: tuple) -> np.ndarray:
+    """`dequantize(name)[index]`, reading only the FP8 block and the scales that cover it."""
+    shape, (scale, (bm, bn)) = self.shapes[name], self._scales[name]
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    squeeze = tuple(axis for axis, i in enumerate(index) if not isinstance(i, slice))
+    ranges = [range(i, i + 1) if axis in squeeze else range(*i.indices(n))
+              for axis, (i, n) in enumerate(zip(index, shape))]
+    if any(r.step != 1 for r in ranges):
+      raise ValueError(f"FP8 tensor {name!r}: block index {index} is not contiguous")
+    slices = tuple(slice(r.start, r.stop) for r in ranges)
+    stored = np.memmap(self._path(self.files[name]), dtype=FP8_DTYPES[self.dtypes[name]],
+                       mode="r", offset=self._data_starts[name], shape=shape)
+    values = np.asarray(stored[slices]).astype(np.float32)
+    del stored
+    rows, cols = ranges[-2], ranges[-1]
+    first_r, first_c = rows.start // bm, cols.start // bn
+    scale_slices = (*slices[:-2], slice(first_r, -(-rows.stop // bm)),
+                    slice(first_c, -(-cols.stop // bn)))
+    scales = self._read_plain(self._scale_files[scale], scale, scale_slices)
+    scales = np.repeat(np.repeat(scales, bm, axis=-2), bn, axis=-1)
+    r0, c0 = rows.start - first_r * bm, cols.start - first_c * bn
+    scales = scales[..., r0:r0 + len(rows), c0:c0 + len(cols)]
+    return (values * scales).squeeze(squeeze) if squeeze else values * scales
 
   def release(self):
     """Closes the open files. Their mapped pages count as this process's memory while open, so

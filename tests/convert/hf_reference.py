@@ -4,7 +4,9 @@ made by scripts/setup_torch_env.sh), never in the moejax env.
   make OUT_DIR                  small random models of each family, saved with save_pretrained,
                                 and their fp32 reference logits on random tokens (MODELS below):
                                 OUT_DIR/NAME/ (the checkpoint), OUT_DIR/NAME.tokens.npy,
-                                OUT_DIR/NAME.logits.npy
+                                OUT_DIR/NAME.logits.npy; then FP8 copies of some (FP8_MODELS),
+                                the logits transformers computes from them (dequantizing on CPU)
+                                and OUT_DIR/NAME_dequantized/, its dequantized weights saved
   logits HF_DIR TOKENS OUT      loads HF_DIR with transformers, writes fp32 logits for TOKENS
   (serve only) random_model     a random model from a config.json dict, saved to a directory
   (serve only) token_losses     per-token cross-entropy of a model on inputs/targets
@@ -165,6 +167,13 @@ MODELS = {
                     rms_norm_eps=1e-5, tie_word_embeddings=True),
         save=dict(max_shard_size="64KB")),
 }
+# Block-scaled FP8 copies, as the Hub's DeepSeek-V3, Qwen3-*-FP8 and MiniMax-M2 are stored: every
+# projection float8 e4m3 with one weight_scale_inv per block (non-square blocks for Qwen3, so rows
+# and columns cannot be swapped unnoticed); embeddings, head, router and norms as they were.
+FP8_MODELS = {"qwen3_moe_fp8": ("qwen3_moe", (8, 4)), "minimax_m2_fp8": ("minimax_m2", (4, 4)),
+              "deepseek_v3_b_fp8": ("deepseek_v3_b", (2, 2))}
+FP8_MAX = 448.0                 # largest finite float8 e4m3fn
+FP8_UNQUANTIZED = ("embed_tokens.", "lm_head.", ".gate.weight")
 TOKENS_SHAPE = (2, 16)
 WEIGHT_STD = 0.1       # larger than OLMoE's 0.02 so routing and attention are far from uniform
 
@@ -254,7 +263,75 @@ def make(out_dir: str) -> dict:
     np.save(os.path.join(out_dir, f"{name}.tokens.npy"), tokens)
     np.save(os.path.join(out_dir, f"{name}.logits.npy"), _logits(model, tokens))
     made[name] = hf_dir
+  made.update(make_fp8(out_dir))
   return {"models": made}
+
+
+def quantize_fp8(src_dir: str, out_dir: str, block: tuple[int, int]) -> None:
+  """A copy of the checkpoint at src_dir with every 2-D projection stored float8 e4m3 beside its
+  per-block scales (amax / 448, the grid rounded up), config.json declaring it."""
+  import glob
+  import shutil
+  torch = _torch()
+  from safetensors import safe_open
+  from safetensors.torch import load_file, save_file
+  shutil.rmtree(out_dir, ignore_errors=True)
+  shutil.copytree(src_dir, out_dir)
+  bm, bn = block
+  weight_map = {}
+  for path in sorted(glob.glob(os.path.join(out_dir, "*.safetensors"))):
+    tensors = {}
+    for name, w in load_file(path).items():
+      if w.ndim != 2 or not name.endswith(".weight") or any(k in name for k in FP8_UNQUANTIZED):
+        tensors[name] = w
+        continue
+      rows, cols = w.shape
+      grid_r, grid_c = -(-rows // bm), -(-cols // bn)
+      padded = torch.zeros(grid_r * bm, grid_c * bn)
+      padded[:rows, :cols] = w.float()
+      blocks = padded.reshape(grid_r, bm, grid_c, bn)
+      scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
+      q = (blocks / scale[:, None, :, None]).reshape(grid_r * bm, grid_c * bn)[:rows, :cols]
+      tensors[name] = q.to(torch.float8_e4m3fn).contiguous()
+      tensors[name + "_scale_inv"] = scale.contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
+    with safe_open(path, "pt") as f:
+      weight_map.update({k: os.path.basename(path) for k in f.keys()})
+  index_path = os.path.join(out_dir, "model.safetensors.index.json")
+  if os.path.exists(index_path):
+    with open(index_path) as f:
+      index = json.load(f)
+    index["weight_map"] = dict(sorted(weight_map.items()))
+    with open(index_path, "w") as f:
+      json.dump(index, f, indent=2)
+  config_path = os.path.join(out_dir, "config.json")
+  with open(config_path) as f:
+    config = json.load(f)
+  config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3",
+                                   "quant_method": "fp8", "weight_block_size": [bm, bn]}
+  with open(config_path, "w") as f:
+    json.dump(config, f, indent=2)
+
+
+def make_fp8(out_dir: str) -> dict:
+  """FP8_MODELS from the models `make` wrote: NAME/, NAME.tokens.npy, NAME.logits.npy (what
+  transformers computes from the FP8 checkpoint) and NAME_dequantized/ (its weights, fp32)."""
+  import shutil
+  import numpy as np
+  made = {}
+  for name, (base, block) in sorted(FP8_MODELS.items()):
+    hf_dir = os.path.join(out_dir, name)
+    quantize_fp8(os.path.join(out_dir, base), hf_dir, block)
+    model, info = _load(hf_dir)           # without a GPU, transformers dequantizes on load
+    if info:
+      raise RuntimeError(f"transformers did not read {hf_dir} whole: {info}")
+    shutil.copy(os.path.join(out_dir, f"{base}.tokens.npy"),
+                os.path.join(out_dir, f"{name}.tokens.npy"))
+    tokens = np.load(os.path.join(out_dir, f"{name}.tokens.npy"))
+    np.save(os.path.join(out_dir, f"{name}.logits.npy"), _logits(model, tokens))
+    model.save_pretrained(hf_dir + "_dequantized")
+    made[name] = hf_dir
+  return made
 
 
 def logits(hf_dir: str, tokens: str, out: str) -> dict:

@@ -17,6 +17,7 @@ from safetensors.numpy import load_file, save_file
 from moejax.convert import __main__ as cli
 from moejax.convert import safetensors_io
 from moejax.convert import config_from_hf, hf_config_from, load_hf, save_hf
+from moejax.convert.hf_config import fp8_block_size
 from moejax.families import FAMILIES
 from moejax.errors import CheckpointError
 from moejax.models import olmoe
@@ -157,6 +158,132 @@ def test_bfloat16_and_float16_checkpoints_read_exactly(model, tmp_path):
   np.testing.assert_array_equal(loaded16["embed"], emb.astype(np.float32))
 
 
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+ST_DTYPES = {np.dtype(np.float32): "F32", FP8: "F8_E4M3"}
+
+
+def write_safetensors(path, tensors: dict[str, np.ndarray]) -> None:
+  """safetensors' numpy writer has no float8: the format written by hand."""
+  header, offset = {}, 0
+  for name, x in tensors.items():
+    header[name] = {"dtype": ST_DTYPES[x.dtype], "shape": list(x.shape),
+                    "data_offsets": [offset, offset + x.nbytes]}
+    offset += x.nbytes
+  raw = json.dumps(header).encode()
+  with open(path, "wb") as f:
+    f.write(len(raw).to_bytes(8, "little") + raw)
+    for x in tensors.values():
+      f.write(np.ascontiguousarray(x).tobytes())
+
+
+def quantize_fp8(w, block):
+  """(float8 values, fp32 scales) of a 2-D weight in blocks of `block`, the grid rounded up."""
+  (rows, cols), (bm, bn) = w.shape, block
+  q, scales = np.empty(w.shape, FP8), np.empty((-(-rows // bm), -(-cols // bn)), np.float32)
+  for i in range(scales.shape[0]):
+    for j in range(scales.shape[1]):
+      part = w[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn]
+      scales[i, j] = np.abs(part).max() / 448.0
+      q[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn] = (part / scales[i, j]).astype(FP8)
+  return q, scales
+
+
+def dequantize_fp8(q, scales, block):
+  """The reference: each block's values times its scale, block by block."""
+  out, (bm, bn) = np.empty(q.shape, np.float32), block
+  for i in range(scales.shape[0]):
+    for j in range(scales.shape[1]):
+      part = (slice(i * bm, (i + 1) * bm), slice(j * bn, (j + 1) * bn))
+      out[part] = q[part].astype(np.float32) * scales[i, j]
+  return out
+
+
+def fp8_copy(hf_dir, out_dir, block, *, keep=lambda name: False):
+  """out_dir: hf_dir with its projections FP8 in `block`s; returns their dequantized values."""
+  os.makedirs(out_dir)
+  tensors, stored, dequantized = load_file(os.path.join(hf_dir, SINGLE)), {}, {}
+  for name, w in tensors.items():
+    if w.ndim == 2 and "proj" in name and not keep(name):
+      q, scales = quantize_fp8(w, block)
+      stored[name], stored[name + "_scale_inv"] = q, scales
+      dequantized[name] = dequantize_fp8(q, scales, block)
+    else:
+      stored[name] = w
+  write_safetensors(os.path.join(out_dir, SINGLE), stored)
+  with open(os.path.join(hf_dir, "config.json")) as f:
+    hf = json.load(f)
+  hf["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3",
+                               "quant_method": "fp8", "weight_block_size": list(block)}
+  with open(os.path.join(out_dir, "config.json"), "w") as f:
+    json.dump(hf, f)
+  return dequantized
+
+
+def test_fp8_blocks_that_do_not_divide_the_weight(hf_dir, tmp_path):
+  """3 x 5 blocks over 32 x 32 and 16 x 32 projections (the scale grid rounded up, as DeepSeek-V3's
+  576-row kv_a_proj_with_mqa in 128-row blocks): import equals the unquantized checkpoint of the
+  block-by-block dequantized values, bit for bit, read whole and read in 8 devices' blocks."""
+  fp8_dir, plain_dir = str(tmp_path / "fp8"), str(tmp_path / "plain")
+  dequantized = fp8_copy(hf_dir, fp8_dir, (3, 5))
+  assert len(dequantized) > 10
+  os.makedirs(plain_dir)
+  tensors = load_file(os.path.join(hf_dir, SINGLE))
+  save_file({**tensors, **dequantized}, os.path.join(plain_dir, SINGLE))
+  with open(os.path.join(hf_dir, "config.json")) as f, \
+      open(os.path.join(plain_dir, "config.json"), "w") as g:
+    g.write(f.read())
+  cfg, got = load_hf(fp8_dir)
+  assert (cfg, jax.tree.structure(got)) == (load_hf(plain_dir)[0], jax.tree.structure(got))
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(load_hf(plain_dir)[1])):
+    np.testing.assert_array_equal(x.view(np.uint32), y.view(np.uint32))
+  assert not np.array_equal(got["layers"]["attn"]["wq"],     # quantization moved the weights
+                            load_hf(hf_dir)[1]["layers"]["attn"]["wq"])
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+  def spec(x):     # blocks of 16 x 8 rows and columns (or fewer) against 3 x 5 scale blocks
+    if x.ndim < 2 or x.shape[-2] % 2 or x.shape[-1] % 4:
+      return jax.sharding.PartitionSpec()
+    return jax.sharding.PartitionSpec(*([None] * (x.ndim - 2)), "a", "b")
+  shardings = jax.tree.map(lambda x: jax.sharding.NamedSharding(mesh, spec(x)), got)
+  _, sharded = load_hf(fp8_dir, shardings=shardings)
+  for x, y in zip(jax.tree.leaves(sharded), jax.tree.leaves(got)):
+    np.testing.assert_array_equal(np.asarray(x).view(np.uint32), y.view(np.uint32))
+
+
+def test_fp8_checkpoints_that_do_not_hold_together(hf_dir, tmp_path):
+  fp8_dir = str(tmp_path / "fp8")
+  fp8_copy(hf_dir, fp8_dir, (4, 8))
+  name = "model.layers.0.self_attn.q_proj.weight"
+  path = os.path.join(fp8_dir, SINGLE)
+
+  def rewrite(edit):
+    tensors = {}
+    header_len = int.from_bytes(open(path, "rb").read(8), "little")
+    header = json.loads(open(path, "rb").read(8 + header_len)[8:])
+    data = np.fromfile(path, np.uint8, offset=8 + header_len)
+    for k, v in header.items():
+      dtype = FP8 if v["dtype"] == "F8_E4M3" else np.dtype(np.float32)
+      tensors[k] = data[v["data_offsets"][0]:v["data_offsets"][1]].view(dtype).reshape(v["shape"])
+    edit(tensors)
+    write_safetensors(path, tensors)
+
+  edit_config(fp8_dir, quantization_config={"quant_method": "fp8", "weight_block_size": [8, 8]})
+  first = "model.layers.0.mlp.experts.0.down_proj.weight"     # the first FP8 tensor by name
+  assert f"{first}_scale_inv' has shape (8, 2); {first} (32, 16) in blocks of " \
+      "weight_block_size=[8, 8] needs (4, 2)" in load_error(fp8_dir)
+  edit_config(fp8_dir, quantization_config=None)
+  assert f"tensor {first!r} is F8_E4M3 but config.json declares no FP8 quantization_config" in \
+      load_error(fp8_dir)
+  edit_config(fp8_dir, quantization_config={"quant_method": "fp8", "weight_block_size": [4, 8]})
+  assert load_hf(fp8_dir)[0] is not None
+  rewrite(lambda t: t.pop(name + "_scale_inv"))
+  assert f"tensor {name!r} is F8_E4M3 without its block scales {name + '_scale_inv'!r}" in \
+      load_error(fp8_dir)
+  rewrite(lambda t: t.update({name: t[name].astype(np.float32),
+                              name + "_scale_inv": np.ones((8, 4), np.float32)}))
+  assert f"tensor {name + '_scale_inv'!r} scales {name!r}, which is not stored as FP8" in \
+      load_error(fp8_dir)
+
+
 def test_bfloat16_export_keeps_a_biased_router_in_float32(tmp_path):
   """Where a score bias picks the experts (DeepSeek-V3, GLM, ...), the router and the bias stay
   float32 in a bfloat16 export, as transformers keeps them; everything else is bfloat16."""
@@ -222,8 +349,13 @@ FAMILY_REFUSALS = [
     ("qwen3_moe", dict(use_sliding_window=True), "use_sliding_window=True is not supported"),
     ("qwen3_moe", dict(attention_bias=True), "attention_bias=True is not supported"),
     ("deepseek_v3", dict(rope_interleave=False), "rope_interleave=False is not supported"),
-    ("deepseek_v3", dict(quantization_config={"quant_method": "fp8"}),
-     "quantization_config={'quant_method': 'fp8'} is not supported"),
+    ("deepseek_v3", dict(quantization_config={"quant_method": "compressed-tensors"}),
+     "quantization_config={'quant_method': 'compressed-tensors'} is not supported: moejax "
+     "dequantizes block-scaled FP8 only"),
+    ("qwen3_moe", dict(quantization_config={"quant_method": "fp8", "activation_scheme": "static"}),
+     "quantization_config.activation_scheme='static' is not supported"),
+    ("mixtral", dict(quantization_config={"quant_method": "fp8", "fmt": "e5m2"}),
+     "quantization_config.fmt='e5m2' is not supported"),
     ("deepseek_v3", dict(num_key_value_heads=2), "num_key_value_heads=2 is not supported"),
     ("deepseek_v3", dict(n_shared_experts=0), "n_shared_experts=0 is not supported"),
     ("deepseek_v3", dict(rope_scaling={"rope_type": "yarn", "factor": 40.0},
@@ -247,8 +379,8 @@ FAMILY_REFUSALS = [
     ("glm4_moe", dict(partial_rotary_factor=0.3125), "partial_rotary_factor=0.3125 is not "
      "supported: rotates 5 of head_dim=16"),
     ("glm4_moe", dict(n_shared_experts=0), "n_shared_experts=0 is not supported"),
-    ("glm4_moe", dict(quantization_config={"quant_method": "fp8"}),
-     "quantization_config={'quant_method': 'fp8'} is not supported"),
+    ("glm4_moe", dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128]}),
+     "quantization_config.weight_block_size=[128] is not supported: expected [rows, cols]"),
     ("dots1", dict(sliding_window=8, max_window_layers=1, layer_types=None),
      "max_window_layers=1 is not supported: layers from it on attend within sliding_window=8"),
     ("dots1", dict(attention_bias=True), "attention_bias=True is not supported"),
@@ -467,16 +599,17 @@ def test_rope_fields_read_and_written_as_transformers_5_reads_them():
 
 def test_deepseek_v3_published_yarn_reads_as_the_v3_preset():
   """DeepSeek-V3's config.json RoPE fields (transformers 4's rope_scaling with "type") give the
-  v3 preset's; the FP8 weights stay refused by quantization_config alone."""
+  v3 preset's, with its quantization_config (FP8 in 128 x 128 blocks) read as such."""
   v3 = from_config_dict(FAMILY_CONFIGS["deepseek_v3"].get_config("v3"))
   hf = dict(hf_config_from(v3), rope_theta=10000, max_position_embeddings=163840, rope_scaling={
       "beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
       "original_max_position_embeddings": 4096, "type": "yarn"})
   got = config_from_hf(hf, base=v3)
   assert got.model == v3.model
-  with pytest.raises(CheckpointError, match=r"quantization_config=\{'quant_method': 'fp8'\} is "
-                     "not supported"):
-    config_from_hf(dict(hf, quantization_config={"quant_method": "fp8"}))
+  fp8 = dict(hf, quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3",
+                                      "quant_method": "fp8", "weight_block_size": [128, 128]})
+  assert config_from_hf(fp8, base=v3) == got
+  assert fp8_block_size(fp8) == (128, 128) and fp8_block_size(hf) is None
   # transformers' rules: a null factor is max_position_embeddings / original; a top-level
   # original_max_position_embeddings wins over the rope dict's.
   no_factor = dict(hf, rope_scaling={**hf["rope_scaling"], "factor": None})

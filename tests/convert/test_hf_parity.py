@@ -22,7 +22,9 @@ differ
 in layers, heads, kv heads, head width, experts, top-k, expert and shared widths, latent ranks,
 RoPE base, norm epsilon and top-k renormalization; "b", "qwen3_moe", "deepseek_v2" and
 "deepseek_v3" scale RoPE by YaRN (attention factor from the factor, given, and from DeepSeek's
-two mscales, equal and not).
+two mscales, equal and not). FP8 copies of "qwen3_moe" (8 x 4 blocks), "minimax_m2" (4 x 4) and
+"deepseek_v3_b" (2 x 2), stored as the Hub's FP8 checkpoints are (float8 e4m3 projections beside
+per-block weight_scale_inv), against what transformers computes from them.
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ from moejax.train.state import state_layout
 MODELS = ("a", "b", "mixtral", "qwen2_moe", "qwen3_moe", "minimax_m2", "ernie4_5_moe", "glm4_moe",
           "dots1", "deepseek_v2", "deepseek_v3", "deepseek_v3_b")
 SAVED_FUSED = ("b", "qwen2_moe", "dots1", "deepseek_v3")
+FP8_MODELS = ("qwen3_moe_fp8", "minimax_m2_fp8", "deepseek_v3_b_fp8")
 
 
 def fp32_logits(cfg, params, tokens):
@@ -87,7 +90,7 @@ def read_all(hf_dir) -> dict[str, np.ndarray]:
 
 @pytest.fixture(scope="module")
 def imported(hf_models):
-  return {name: load_hf(hf_models[name][0]) for name in MODELS}
+  return {name: load_hf(hf_models[name][0]) for name in (*MODELS, *FP8_MODELS)}
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -99,6 +102,20 @@ def test_logits_match_transformers_fp32(name, hf_models, imported):
     plain = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, rope_scaling="none"))
     with pytest.raises(AssertionError):
       assert_logits_close(fp32_logits(plain, params, tokens), want, rel=1e-2)
+
+
+@pytest.mark.parametrize("name", FP8_MODELS)
+def test_fp8_checkpoints_import_as_transformers_dequantizes_them(name, hf_models, imported):
+  """Block-scaled FP8 imports to transformers' own dequantized weights bit for bit, and to its
+  logits; quantization moved those logits well past the bound, so the scales were applied."""
+  hf_dir, tokens, want = hf_models[name]
+  cfg, params = imported[name]
+  dequantized_cfg, dequantized = load_hf(hf_dir + "_dequantized")
+  assert cfg == dequantized_cfg == imported[name.removesuffix("_fp8")][0]
+  assert_same_bits(params, dequantized)
+  assert_logits_close(fp32_logits(cfg, params, tokens), want)
+  unquantized = hf_models[name.removesuffix("_fp8")][2]
+  assert np.max(np.abs(unquantized - want)) > 1e-2 * np.max(np.abs(want))
 
 
 def test_config_mapping(hf_models, imported):
@@ -253,10 +270,13 @@ def test_transformers_loads_the_export(hf_models, imported, hf_reference, tmp_pa
 
 @pytest.mark.parametrize("name,placement,mesh_shape", [("a", "ep", (2, 4)), ("a", "fsdp", (1, 8)),
                                                        ("b", "fsdp", (2, 4)),
-                                                       ("qwen2_moe", "fsdp", (1, 8))])
+                                                       ("qwen2_moe", "fsdp", (1, 8)),
+                                                       ("qwen3_moe_fp8", "fsdp", (1, 8)),
+                                                       ("minimax_m2_fp8", "ep", (2, 4))])
 def test_load_straight_into_shards(name, placement, mesh_shape, hf_models, imported):
   """On 8 devices: each leaf lands with the train state's sharding and the same bits as the
-  host load (model b reads fused gate/up halves block by block)."""
+  host load (model b reads fused gate/up halves block by block; the FP8 model's device blocks
+  cut through its 8 x 4 scale blocks)."""
   assert jax.device_count() == 8
   cfg, host_params = imported[name]
   cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, placement=placement))
