@@ -36,9 +36,12 @@ INDEX_FILE = "model.safetensors.index.json"
 
 # Dtypes whose every value an fp32 parameter holds exactly.
 READABLE_DTYPES = ("F32", "BF16", "F16")
-# Weights read through their block scales. safetensors' numpy reader has no float8 dtype (it looks
-# for numpy.float8_e4m3fn), so these are read from the mapped file directly.
+# Weights read through their block scales, and the scales' dtypes: fp32 ones, or powers of two
+# (E8M0, DeepSeek's "ue8m0" scale format). safetensors' numpy reader has no float8 dtypes (it
+# looks for numpy.float8_e4m3fn), so float8 tensors are read from the mapped file directly.
 FP8_DTYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn)}
+SCALE_DTYPES = (*READABLE_DTYPES, "F8_E8M0")
+RAW_DTYPES = {**FP8_DTYPES, "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu)}
 SCALE_SUFFIX = "_scale_inv"          # X.weight -> X.weight_scale_inv
 WRITABLE_DTYPES = {"float32": ("F32", np.dtype(np.float32)),
                    "bfloat16": ("BF16", np.dtype(ml_dtypes.bfloat16))}
@@ -77,8 +80,7 @@ class TensorReader:
         self.dtypes[name] = sl.get_dtype()
     self.release()
     self._scales: dict[str, tuple[str, tuple[int, int]]] = {}   # fp8 weight -> (scale, block)
-    self._data_starts: dict[str, int] = {}                      # fp8 weight -> file offset
-    self._scale_files: dict[str, str] = {}                      # scale -> its file
+    self._raw: dict[str, tuple[str, int, str, tuple]] = {}     # float8 -> file, offset, ...
     self._pair_scales(fp8_block)
 
   def _pair_scales(self, block: tuple[int, int] | None) -> None:
@@ -101,31 +103,33 @@ class TensorReader:
         raise CheckpointError(
             f"{self._path(self.files[scale])}: tensor {scale!r} has shape {self.shapes[scale]}; "
             f"{name} {shape} in blocks of weight_block_size={list(block)} needs {grid}")
-      if self.dtypes[scale] not in READABLE_DTYPES:
+      if self.dtypes[scale] not in SCALE_DTYPES:
         raise CheckpointError(f"{self._path(self.files[scale])}: tensor {scale!r} has dtype "
                               f"{self.dtypes[scale]}; FP8 scales are read as "
-                              f"{', '.join(READABLE_DTYPES)}")
+                              f"{', '.join(SCALE_DTYPES)}")
       self._scales[name] = (scale, block)
-    for fname in sorted({self.files[n] for n in self._scales}):
-      self._data_starts.update(self._fp8_offsets(fname))
+    raw = [n for n in self.shapes if self.dtypes[n] in RAW_DTYPES]
+    for fname in sorted({self.files[n] for n in raw}):
+      offsets = self._data_offsets(fname)
+      self._raw.update({n: (fname, offsets[n], self.dtypes[n], self.shapes[n])
+                        for n in raw if self.files[n] == fname})
     orphans = sorted(n for n in self.shapes
                      if n.endswith(SCALE_SUFFIX) and n[:-len(SCALE_SUFFIX)] not in self._scales)
     if orphans:
       raise CheckpointError(
           f"{self._path(self.files[orphans[0]])}: tensor {orphans[0]!r} scales "
           f"{orphans[0][:-len(SCALE_SUFFIX)]!r}, which is not stored as FP8 (F8_E4M3)")
-    for scale, _ in self._scales.values():
-      self._scale_files[scale] = self.files.pop(scale)
+    self._scale_files = {scale: self.files.pop(scale) for scale, _ in self._scales.values()}
+    for scale in self._scale_files:
       del self.shapes[scale], self.dtypes[scale]
 
-  def _fp8_offsets(self, fname: str) -> dict[str, int]:
-    """File offsets of the FP8 tensors in `fname` (safetensors' reader does not give them)."""
-    path = self._path(fname)
-    with open(path, "rb") as f:
+  def _data_offsets(self, fname: str) -> dict[str, int]:
+    """Each tensor's offset in `fname` (safetensors' reader does not give them)."""
+    with open(self._path(fname), "rb") as f:
       (n,) = struct.unpack("<Q", f.read(8))
       header = json.loads(f.read(n))
-    return {name: 8 + n + int(header[name]["data_offsets"][0])
-            for name in self._scales if self.files[name] == fname}
+    return {name: 8 + n + int(v["data_offsets"][0])
+            for name, v in header.items() if name != "__metadata__"}
 
   def _path(self, fname: str) -> str:
     return os.path.join(self.directory, fname)
@@ -181,6 +185,11 @@ class TensorReader:
     return self._read_plain(self.files[name], name, index)
 
   def _read_plain(self, fname: str, name: str, index: tuple) -> np.ndarray:
+    if name in self._raw:
+      fname, offset, dtype, shape = self._raw[name]
+      stored = np.memmap(self._path(fname), dtype=RAW_DTYPES[dtype], mode="r", offset=offset,
+                         shape=shape)
+      return np.asarray(stored[index]).astype(np.float32)
     sl = self._open(fname).get_slice(name)
     block = sl[index] if index else sl[:]
     return np.asarray(block).astype(np.float32, copy=False)
@@ -195,10 +204,7 @@ class TensorReader:
     if any(r.step != 1 for r in ranges):
       raise ValueError(f"FP8 tensor {name!r}: block index {index} is not contiguous")
     slices = tuple(slice(r.start, r.stop) for r in ranges)
-    stored = np.memmap(self._path(self.files[name]), dtype=FP8_DTYPES[self.dtypes[name]],
-                       mode="r", offset=self._data_starts[name], shape=shape)
-    values = np.asarray(stored[slices]).astype(np.float32)
-    del stored
+    values = self._read_plain(self.files[name], name, slices)
     rows, cols = ranges[-2], ranges[-1]
     first_r, first_c = rows.start // bm, cols.start // bn
     scale_slices = (*slices[:-2], slice(first_r, -(-rows.stop // bm)),

@@ -159,7 +159,8 @@ def test_bfloat16_and_float16_checkpoints_read_exactly(model, tmp_path):
 
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
-ST_DTYPES = {np.dtype(np.float32): "F32", FP8: "F8_E4M3"}
+E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
+ST_DTYPES = {np.dtype(np.float32): "F32", FP8: "F8_E4M3", E8M0: "F8_E8M0"}
 
 
 def write_safetensors(path, tensors: dict[str, np.ndarray]) -> None:
@@ -176,14 +177,17 @@ def write_safetensors(path, tensors: dict[str, np.ndarray]) -> None:
       f.write(np.ascontiguousarray(x).tobytes())
 
 
-def quantize_fp8(w, block):
-  """(float8 values, fp32 scales) of a 2-D weight in blocks of `block`, the grid rounded up."""
+def quantize_fp8(w, block, power_of_two=False):
+  """(float8 values, fp32 scales) of a 2-D weight in blocks of `block`, the grid rounded up;
+  `power_of_two`: each scale rounded up to one (DeepSeek's "ue8m0" scale format)."""
   (rows, cols), (bm, bn) = w.shape, block
   q, scales = np.empty(w.shape, FP8), np.empty((-(-rows // bm), -(-cols // bn)), np.float32)
   for i in range(scales.shape[0]):
     for j in range(scales.shape[1]):
       part = w[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn]
       scales[i, j] = np.abs(part).max() / 448.0
+      if power_of_two:
+        scales[i, j] = 2.0 ** np.ceil(np.log2(scales[i, j]))
       q[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn] = (part / scales[i, j]).astype(FP8)
   return q, scales
 
@@ -198,14 +202,15 @@ def dequantize_fp8(q, scales, block):
   return out
 
 
-def fp8_copy(hf_dir, out_dir, block, *, keep=lambda name: False):
-  """out_dir: hf_dir with its projections FP8 in `block`s; returns their dequantized values."""
+def fp8_copy(hf_dir, out_dir, block, scale_dtype=np.float32):
+  """out_dir: hf_dir with its projections FP8 in `block`s, their scales stored as `scale_dtype`
+  (float32 or E8M0); returns the dequantized values."""
   os.makedirs(out_dir)
   tensors, stored, dequantized = load_file(os.path.join(hf_dir, SINGLE)), {}, {}
   for name, w in tensors.items():
-    if w.ndim == 2 and "proj" in name and not keep(name):
-      q, scales = quantize_fp8(w, block)
-      stored[name], stored[name + "_scale_inv"] = q, scales
+    if w.ndim == 2 and "proj" in name:
+      q, scales = quantize_fp8(w, block, power_of_two=scale_dtype == E8M0)
+      stored[name], stored[name + "_scale_inv"] = q, scales.astype(scale_dtype)
       dequantized[name] = dequantize_fp8(q, scales, block)
     else:
       stored[name] = w
@@ -219,12 +224,14 @@ def fp8_copy(hf_dir, out_dir, block, *, keep=lambda name: False):
   return dequantized
 
 
-def test_fp8_blocks_that_do_not_divide_the_weight(hf_dir, tmp_path):
+@pytest.mark.parametrize("scale_dtype", [np.float32, E8M0])
+def test_fp8_blocks_that_do_not_divide_the_weight(hf_dir, tmp_path, scale_dtype):
   """3 x 5 blocks over 32 x 32 and 16 x 32 projections (the scale grid rounded up, as DeepSeek-V3's
-  576-row kv_a_proj_with_mqa in 128-row blocks): import equals the unquantized checkpoint of the
-  block-by-block dequantized values, bit for bit, read whole and read in 8 devices' blocks."""
+  576-row kv_a_proj_with_mqa in 128-row blocks), scales in fp32 or E8M0: import equals the
+  unquantized checkpoint of the block-by-block dequantized values, bit for bit, read whole and
+  read in 8 devices' blocks."""
   fp8_dir, plain_dir = str(tmp_path / "fp8"), str(tmp_path / "plain")
-  dequantized = fp8_copy(hf_dir, fp8_dir, (3, 5))
+  dequantized = fp8_copy(hf_dir, fp8_dir, (3, 5), scale_dtype)
   assert len(dequantized) > 10
   os.makedirs(plain_dir)
   tensors = load_file(os.path.join(hf_dir, SINGLE))
@@ -261,7 +268,7 @@ def test_fp8_checkpoints_that_do_not_hold_together(hf_dir, tmp_path):
     header = json.loads(open(path, "rb").read(8 + header_len)[8:])
     data = np.fromfile(path, np.uint8, offset=8 + header_len)
     for k, v in header.items():
-      dtype = FP8 if v["dtype"] == "F8_E4M3" else np.dtype(np.float32)
+      dtype = {label: dtype for dtype, label in ST_DTYPES.items()}[v["dtype"]]
       tensors[k] = data[v["data_offsets"][0]:v["data_offsets"][1]].view(dtype).reshape(v["shape"])
     edit(tensors)
     write_safetensors(path, tensors)
