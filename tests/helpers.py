@@ -10,6 +10,7 @@ import configs.deepseek_v2 as deepseek_v2_configs
 import configs.dots1 as dots1_configs
 import configs.ernie4_5_moe as ernie4_5_moe_configs
 import configs.glm4_moe as glm4_moe_configs
+import configs.glm4_moe_lite as glm4_moe_lite_configs
 import configs.minimax_m2 as minimax_m2_configs
 import configs.mixtral as mixtral_configs
 import configs.olmoe as olmoe_configs
@@ -23,7 +24,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Every family's config file (configs/FAMILY.py), by moejax.families name.
 FAMILY_CONFIGS = {"olmoe": olmoe_configs, "mixtral": mixtral_configs,
                   "qwen2_moe": qwen2_moe_configs, "qwen3_moe": qwen3_moe_configs,
-                  "minimax_m2": minimax_m2_configs, "ernie4_5_moe": ernie4_5_moe_configs, "glm4_moe": glm4_moe_configs, "dots1": dots1_configs, "deepseek_v2": deepseek_v2_configs, "deepseek_v3": deepseek_configs}
+                  "minimax_m2": minimax_m2_configs, "ernie4_5_moe": ernie4_5_moe_configs,
+                  "glm4_moe": glm4_moe_configs, "dots1": dots1_configs,
+                  "deepseek_v2": deepseek_v2_configs, "deepseek_v3": deepseek_configs,
+                  "glm4_moe_lite": glm4_moe_lite_configs}
 
 
 def tiny_config(family: str = "olmoe", **overrides):

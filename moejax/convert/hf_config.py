@@ -45,6 +45,9 @@ converted into a different model. Each family fixes some options of the decoder
                                        moe.score="sigmoid", moe.score_bias, group_score="top2"
   V2: topk_method greedy (no groups) or group_limited_greedy (groups scored by their best,
    moe.group_score="max"), softmax, no renormalization; aux_loss_alpha: moe.aux_loss_weight
+ GLM-4.7-Flash (glm4_moe_lite): DeepSeek-V3's latent attention and router (its own defaults:
+  no groups, routed scaling 1.8, q latent 768, one shared expert); mlp_layer_types ("dense" /
+  "sparse" per layer; transformers' default the first layer dense) -> model.dense_layers
  GLM-4.5 and dots.llm1 (glm4_moe, dots1; `FamilySpec.sigmoid_moe`): standard attention, the
   leading dense layers, shared experts, groups and routed scaling as DeepSeek-V3's (and its
   sigmoid router with the score bias); GLM: attention_bias -> model.qkv_bias, use_qk_norm ->
@@ -117,6 +120,11 @@ class FamilySpec:
   deepseek: str = ""                   # "v2" / "v3": latent attention, leading dense layers,
                                        # n_shared_experts; v3: grouped sigmoid routing with a
                                        # score bias; v2: softmax, greedy or grouped by the best
+  deepseek_defaults: tuple = ()        # ... (field, transformers' default) where the family's
+                                       # config class differs from DeepseekV3Config
+  layer_types_key: str | None = None   # dense layers from this per-layer list's "dense"
+                                       # entries rather than first_k_dense_replace (GLM-4.7-
+                                       # Flash's mlp_layer_types; absent: the first layer dense)
   # Fields that must hold these values (moejax has no equivalent of the others); export writes
   # them so.
   required: tuple = ()
@@ -201,6 +209,17 @@ FAMILY_SPECS = {
         required=_COMMON_REQUIRED + (
             ("attention_bias", False, "moejax attention projections have no bias"),
             ("rope_interleave", True, "moejax reads DeepSeek's rotary dimensions interleaved"))),
+    "glm4_moe_lite": FamilySpec(
+        "glm4_moe_lite", "Glm4MoeLiteForCausalLM", "none", "n_routed_experts",
+        "moe_intermediate_size", "norm_topk_prob", experts_aliases=("num_local_experts",),
+        deepseek="v3", renormalize_default=True, default_aux=0.0,
+        deepseek_defaults=(("q_lora_rank", 768), ("n_group", 1), ("topk_group", 1),
+                           ("routed_scaling_factor", 1.8), ("n_shared_experts", 1)),
+        layer_types_key="mlp_layer_types",
+        required=_COMMON_REQUIRED + (
+            ("attention_bias", False, "moejax attention projections have no bias"),
+            ("rope_interleave", True, "moejax reads latent attention's rotary dimensions "
+             "interleaved"))),
 }
 assert tuple(FAMILY_SPECS) == FAMILIES
 MODEL_TYPES = {spec.model_type: name for name, spec in FAMILY_SPECS.items()}
@@ -354,6 +373,8 @@ def family_of(hf: dict, where: str = "config.json") -> FamilySpec:
 
 
 def _head_dim(hf: dict, spec: FamilySpec, where: str) -> int:
+  if spec.deepseek:      # latent attention: each head's q.k width; head_dim, if any, is Dr
+    return _get(hf, "qk_nope_head_dim", int, where) + _get(hf, "qk_rope_head_dim", int, where)
   heads = _get(hf, "num_attention_heads", int, where)
   hidden = _get(hf, "hidden_size", int, where)
   head_dim = hf.get("head_dim") or spec.default_head_dim
@@ -436,9 +457,12 @@ def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
     if kv_heads != heads:
       _refuse(where, "num_key_value_heads", kv_heads, f"latent attention has one key per query "
               f"head (needs num_attention_heads={heads})")
-    if not hf.get("n_shared_experts"):
+    if not hf.get("n_shared_experts", dict(spec.deepseek_defaults).get("n_shared_experts")):
       _refuse(where, "n_shared_experts", hf.get("n_shared_experts"),
               "a positive count is needed (moejax's DeepSeek layers always have shared experts)")
+    if spec.deepseek_defaults and hf.get("head_dim") not in (None, hf.get("qk_rope_head_dim")):
+      _refuse(where, "head_dim", hf["head_dim"], "transformers reads it as qk_rope_head_dim "
+              f"(attribute_map), which is {hf.get('qk_rope_head_dim')!r}")
     for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
       _get(hf, key, int, where)
   if spec.ernie and _get(hf, "moe_norm_min", float, where, 1e-12) > 1e-12:
@@ -486,22 +510,48 @@ def _leading_dense_and_shared(hf: dict, where: str, first_dense: int,
   return model, moe
 
 
-def _deepseek_fields(hf: dict, where: str, version: str) -> tuple[dict, dict]:
+def _mlp_layer_types(hf: dict, spec: FamilySpec, where: str) -> tuple[int, ...]:
+  """The dense layers of a per-layer "dense" / "sparse" list (`FamilySpec.layer_types_key`);
+  absent, transformers' default: the first layer dense."""
+  layers = _get(hf, "num_hidden_layers", int, where)
+  types = hf.get(spec.layer_types_key)
+  if types is None:
+    types = ["dense"] + ["sparse"] * (layers - 1)
+  if (not isinstance(types, list) or len(types) != layers
+      or not all(t in ("dense", "sparse") for t in types)):
+    _refuse(where, spec.layer_types_key, types,
+            f"expected num_hidden_layers={layers} entries, each 'dense' or 'sparse'")
+  return tuple(i for i, t in enumerate(types) if t == "dense")
+
+
+def _deepseek_fields(hf: dict, spec: FamilySpec, where: str) -> tuple[dict, dict]:
   """DeepSeek-V2's or V3's model and moe fields (`FamilySpec.deepseek`)."""
+  version = spec.deepseek
   nope, rope = _get(hf, "qk_nope_head_dim", int, where), _get(hf, "qk_rope_head_dim", int, where)
-  # Absent fields take transformers' DeepseekV2Config / V3Config defaults (q_lora_rank null: no q
-  # latent).
-  model, moe = _leading_dense_and_shared(hf, where, 3 if version == "v3" else 0, None)
-  q_lora_rank = _get(hf, "q_lora_rank", int, where, 1536) if hf.get("q_lora_rank", 1536) else 0
+  # Absent fields take transformers' defaults: DeepseekV2Config's / V3Config's, or the family's
+  # own (q_lora_rank null: no q latent).
+  defaults = {"first_k_dense_replace": 3 if version == "v3" else 0, "q_lora_rank": 1536,
+              "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+              "n_shared_experts": None, **dict(spec.deepseek_defaults)}
+  model, moe = _leading_dense_and_shared(hf, where, defaults["first_k_dense_replace"],
+                                         defaults["n_shared_experts"])
+  if spec.layer_types_key:
+    dense = _mlp_layer_types(hf, spec, where)
+    model.update(dense_layers=dense,
+                 dense_hidden=_get(hf, "intermediate_size", int, where) if dense else 0)
+  q_default = defaults["q_lora_rank"]
+  q_lora_rank = (_get(hf, "q_lora_rank", int, where, q_default)
+                 if hf.get("q_lora_rank", q_default) else 0)
   model.update(kv_lora_rank=_get(hf, "kv_lora_rank", int, where),
                q_lora_rank=q_lora_rank,
                qk_nope_head_dim=nope, qk_rope_head_dim=rope,
                v_head_dim=_get(hf, "v_head_dim", int, where), head_dim=nope + rope)
   if version == "v3":
     moe.update(score="sigmoid", score_bias=True, group_score="top2",
-               expert_groups=_get(hf, "n_group", int, where, 8),
-               top_groups=_get(hf, "topk_group", int, where, 4),
-               routed_scale=_get(hf, "routed_scaling_factor", float, where, 2.5))
+               expert_groups=_get(hf, "n_group", int, where, defaults["n_group"]),
+               top_groups=_get(hf, "topk_group", int, where, defaults["topk_group"]),
+               routed_scale=_get(hf, "routed_scaling_factor", float, where,
+                                 defaults["routed_scaling_factor"]))
     return model, moe
   method = hf.get("topk_method", "greedy")
   if method not in ("greedy", "group_limited_greedy"):
@@ -628,7 +678,7 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       score_bias=spec.score_bias, expert_groups=1, top_groups=1, group_score="top2",
       routed_scale=1.0)
   if spec.deepseek or spec.sigmoid_moe or spec.ernie:
-    model_fields, moe_fields = (_deepseek_fields(hf, where, spec.deepseek) if spec.deepseek
+    model_fields, moe_fields = (_deepseek_fields(hf, spec, where) if spec.deepseek
                                 else _ernie_fields(hf, where) if spec.ernie
                                 else _sigmoid_moe_fields(hf, spec, where))
     model = dataclasses.replace(model, **model_fields)
@@ -769,11 +819,14 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
       hf.update({"topk_method": "group_limited_greedy" if moe.expert_groups > 1 else "greedy",
                  "aux_loss_alpha": moe.aux_loss_weight})
       hf.pop("router_aux_loss_coef", None)
+    if spec.layer_types_key:     # transformers reads this list; vLLM first_k_dense_replace
+      hf[spec.layer_types_key] = ["dense" if i in m.dense_layers else "sparse"
+                                  for i in range(m.num_layers)]
   elif not spec.norm_over_hidden:        # OLMoE: hidden / heads
     hf["head_dim"] = m.head_dim
+  if spec.model_type in MTP_FAMILIES and spec.model_type != "minimax_m2":
+    hf["num_nextn_predict_layers"] = 0    # the export holds no multi-token-prediction layer
   if spec.sigmoid_moe:
-    if spec.model_type in MTP_FAMILIES:   # the export holds no multi-token-prediction layer
-      hf["num_nextn_predict_layers"] = 0
     if spec.window_from_layer:
       hf.update({"sliding_window": None, "layer_types": None})
   if spec.model_type == "minimax_m2" and hf.get("use_mtp"):   # ... nor MiniMax's modules

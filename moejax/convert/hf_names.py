@@ -115,13 +115,15 @@ HUB_EXPERT_NAMES = {
     "ernie4_5_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "deepseek_v2": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "glm4_moe_lite": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 SHARED_EXPERT_MODULE = {"qwen2_moe": "shared_expert", "glm4_moe": "shared_experts",
                         "dots1": "shared_experts", "ernie4_5_moe": "shared_experts",
-                        "deepseek_v2": "shared_experts", "deepseek_v3": "shared_experts"}
+                        "deepseek_v2": "shared_experts", "deepseek_v3": "shared_experts",
+                        "glm4_moe_lite": "shared_experts"}
 # Families whose checkpoints hold multi-token-prediction layers after the last one (transformers
 # does not load them either).
-MTP_FAMILIES = ("minimax_m2", "glm4_moe", "deepseek_v3")
+MTP_FAMILIES = ("minimax_m2", "glm4_moe", "deepseek_v3", "glm4_moe_lite")
 # Where the MoE block keeps its score bias, under its module (the others': gate.), in the Hub's
 # layout and in transformers 5's fused one.
 SCORE_BIAS_NAME = {"minimax_m2": ("e_score_correction_bias", "e_score_correction_bias"),

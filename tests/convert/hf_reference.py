@@ -166,6 +166,17 @@ MODELS = {
                     routed_scaling_factor=1.0, norm_topk_prob=False, rope_theta=10000.0,
                     rms_norm_eps=1e-5, tie_word_embeddings=True),
         save=dict(max_shard_size="64KB")),
+    # GLM-4.7-Flash: latent attention with a q latent, GLM's router, transformers' defaults for
+    # what is left out (the first layer dense by mlp_layer_types' default, one shared expert, no
+    # groups, routed scaling 1.8); per expert, sharded.
+    "glm4_moe_lite": dict(
+        model_type="glm4_moe_lite",
+        config=dict(vocab_size=58, hidden_size=32, intermediate_size=44, num_hidden_layers=3,
+                    num_attention_heads=3, num_key_value_heads=3, q_lora_rank=20,
+                    kv_lora_rank=16, qk_nope_head_dim=10, qk_rope_head_dim=6, v_head_dim=12,
+                    n_routed_experts=7, num_experts_per_tok=3, moe_intermediate_size=12,
+                    norm_topk_prob=True, rope_theta=1000000.0, rms_norm_eps=1e-5),
+        save=dict(max_shard_size="64KB")),
 }
 # Block-scaled FP8 copies, as the Hub's DeepSeek-V3, Qwen3-*-FP8 and MiniMax-M2 are stored: every
 # projection float8 e4m3 with one weight_scale_inv per block (non-square blocks for Qwen3, so rows

@@ -407,6 +407,13 @@ FAMILY_REFUSALS = [
     ("deepseek_v2", dict(scoring_func="sigmoid"), "scoring_func='sigmoid' is not supported"),
     ("deepseek_v2", dict(topk_method="group_limited_greedy", n_group=None),
      "field 'n_group' is null"),
+    ("glm4_moe_lite", dict(mlp_layer_types=["dense", "moe", "sparse"]),
+     "mlp_layer_types=['dense', 'moe', 'sparse'] is not supported: expected "
+     "num_hidden_layers=3 entries, each 'dense' or 'sparse'"),
+    ("glm4_moe_lite", dict(head_dim=128), "head_dim=128 is not supported: transformers reads it "
+     "as qk_rope_head_dim"),
+    ("glm4_moe_lite", dict(rope_interleave=False), "rope_interleave=False is not supported"),
+    ("glm4_moe_lite", dict(n_shared_experts=0), "n_shared_experts=0 is not supported"),
 ]
 
 
@@ -545,6 +552,38 @@ def test_dots1_published_config_reads_as_the_142b_preset():
   for base in (None, dict(hub, sliding_window=4096, max_window_layers=62)):
     out = hf_config_from(deep, base=base)
     assert (out["sliding_window"], out.get("layer_types")) == (None, None)
+
+
+def test_glm47_flash_published_config_reads_as_the_flash_preset():
+  """GLM-4.7-Flash's config.json (zai-org/GLM-4.7-Flash) gives the flash preset's model and
+  routing: the dense first layer from transformers' mlp_layer_types default (the published
+  first_k_dense_replace is what vLLM reads); no groups."""
+  flash = from_config_dict(FAMILY_CONFIGS["glm4_moe_lite"].get_config("flash"))
+  published = {
+      "architectures": ["Glm4MoeLiteForCausalLM"], "model_type": "glm4_moe_lite",
+      "vocab_size": 154880, "hidden_size": 2048, "intermediate_size": 10240,
+      "moe_intermediate_size": 1536, "num_hidden_layers": 47, "num_attention_heads": 20,
+      "num_key_value_heads": 20, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+      "attention_dropout": 0.0, "attention_bias": False, "max_position_embeddings": 202752,
+      "rope_theta": 1000000.0, "rope_scaling": None, "partial_rotary_factor": 1.0,
+      "q_lora_rank": 768, "kv_lora_rank": 512, "qk_nope_head_dim": 192, "qk_rope_head_dim": 64,
+      "v_head_dim": 256, "n_routed_experts": 64, "n_shared_experts": 1, "num_experts_per_tok": 4,
+      "norm_topk_prob": True, "routed_scaling_factor": 1.8, "n_group": 1, "topk_group": 1,
+      "topk_method": "noaux_tc", "first_k_dense_replace": 1, "num_nextn_predict_layers": 1,
+      "tie_word_embeddings": False, "dtype": "bfloat16", "pad_token_id": 154820,
+      "eos_token_id": [154820, 154827, 154829]}
+  got = config_from_hf(published, base=flash)
+  assert got.model == flash.model and got.moe == flash.moe
+  # Dense layers anywhere import (transformers' list); an export needs them leading, as the
+  # first_k_dense_replace it writes beside the list says.
+  other = config_from_hf(dict(published, num_hidden_layers=3,
+                              mlp_layer_types=["sparse", "dense", "sparse"]))
+  assert other.model.dense_layers == (1,)
+  with pytest.raises(CheckpointError, match="its dense layers lead"):
+    hf_config_from(other)
+  exported = hf_config_from(got, published)
+  assert exported["mlp_layer_types"] == ["dense"] + ["sparse"] * 46
+  assert exported["first_k_dense_replace"] == 1 and exported["num_nextn_predict_layers"] == 0
 
 
 def test_partial_rotary_exports_read_back_as_the_same_width():

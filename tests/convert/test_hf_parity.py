@@ -17,7 +17,9 @@ hidden/heads, a dense first layer, two shared experts, grouped sigmoid top-k not
 fused), "minimax_m2" (QK-norm over all heads' width, wider than hidden, two thirds of each head
 rotated through its legacy rotary_dim field, sigmoid top-k with a random score bias beside the
 gate, the Hub's block_sparse_moe names, sharded), "ernie4_5_moe" (neighbour-pair rotary, dense
-layers between MoE ones, softmax top-k with a [1, E] selection bias, tied embeddings). They
+layers between MoE ones, softmax top-k with a [1, E] selection bias, tied embeddings),
+"glm4_moe_lite" (latent attention with a q latent, GLM's router, transformers' defaults for the
+dense first layer, the shared expert and routed scaling; per expert, sharded). They
 differ
 in layers, heads, kv heads, head width, experts, top-k, expert and shared widths, latent ranks,
 RoPE base, norm epsilon and top-k renormalization; "b", "qwen3_moe", "deepseek_v2" and
@@ -49,7 +51,7 @@ from moejax.train.optim import make_optimizer
 from moejax.train.state import state_layout
 
 MODELS = ("a", "b", "mixtral", "qwen2_moe", "qwen3_moe", "minimax_m2", "ernie4_5_moe", "glm4_moe",
-          "dots1", "deepseek_v2", "deepseek_v3", "deepseek_v3_b")
+          "dots1", "deepseek_v2", "deepseek_v3", "deepseek_v3_b", "glm4_moe_lite")
 SAVED_FUSED = ("b", "qwen2_moe", "dots1", "deepseek_v3")
 FP8_MODELS = ("qwen3_moe_fp8", "minimax_m2_fp8", "deepseek_v3_b_fp8")
 
