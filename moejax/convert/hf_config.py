@@ -2,7 +2,7 @@
 
 Only what moejax models is carried over; a config that asks for something moejax does not model
 (clipped q/k/v, output-projection biases, RoPE scaled other than by YaRN, sliding windows,
-another activation, quantized weights) is refused with one line naming the field, rather than
+another activation, quantizations other than block-scaled FP8) is refused with one line naming the field, rather than
 converted into a different model. Each family fixes some options of the decoder
 (`FAMILY_SPECS`); the rest are read from its fields:
 
