@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
-# Creates .venv311: Python 3.11 with a CPU torch, transformers, accelerate (transformers needs it to
-# load FP8 checkpoints) and safetensors, the reference side of the Hugging Face tests
-# (tests/convert/, which run it through subprocesses). torch has no
-# quick CPU install for the Python 3.12 moejax env, hence a separate env. Idempotent: a complete
-# env is left as it is.
+# Creates .venv311: Python 3.11 with a CPU torch, transformers, accelerate and compressed-tensors
+# (transformers needs them to load FP8 checkpoints) and safetensors, the reference side of the
+# Hugging Face tests (tests/convert/, which run it through subprocesses). torch has no quick CPU
+# install for the Python 3.12 moejax env, hence a separate env. Idempotent: a complete env is left
+# as it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=.venv311
 TORCH_VERSION=2.13.0
-PACKAGES=("torch==$TORCH_VERSION" transformers accelerate safetensors numpy)
+PACKAGES=("torch==$TORCH_VERSION" transformers accelerate compressed-tensors safetensors numpy)
 
 ready() {
   [ -x "$VENV/bin/python" ] && "$VENV/bin/python" - "$TORCH_VERSION" <<'PY' >/dev/null 2>&1
 import importlib.metadata as md, sys
 assert md.version("torch").split("+")[0] == sys.argv[1]
-for name in ("transformers", "accelerate", "safetensors", "numpy"):
+for name in ("transformers", "accelerate", "compressed-tensors", "safetensors", "numpy"):
   md.version(name)
 PY
 }

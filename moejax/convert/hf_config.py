@@ -2,8 +2,8 @@
 
 Only what moejax models is carried over; a config that asks for something moejax does not model
 (clipped q/k/v, output-projection biases, RoPE scaled other than by YaRN, sliding windows,
-another activation, quantizations other than block-scaled FP8) is refused with one line naming the field, rather than
-converted into a different model. Each family fixes some options of the decoder
+another activation, quantizations other than FP8) is refused with one line naming the field,
+rather than converted into a different model. Each family fixes some options of the decoder
 (`FAMILY_SPECS`); the rest are read from its fields:
 
   config.json                          moejax
@@ -68,6 +68,7 @@ import math
 from moejax.config import Config, ModelConfig, validate
 from moejax.errors import CheckpointError, ConfigError
 from moejax.convert.hf_names import MTP_FAMILIES
+from moejax.convert.safetensors_io import Fp8Scales
 from moejax.families import FAMILIES
 
 
@@ -389,39 +390,82 @@ def _head_dim(hf: dict, spec: FamilySpec, where: str) -> int:
 
 FP8_DEFAULT_BLOCK = (128, 128)      # transformers' FineGrainedFP8Config weight_block_size
 _FP8_FORMATS = (None, "e4m3", "float8_e4m3fn")
+# compressed-tensors' weight strategies -> the block one scale covers (0: a whole dimension)
+_CT_BLOCKS = {"tensor": lambda w: (0, 0), "channel": lambda w: (1, 0),
+              "group": lambda w: (1, w.get("group_size")),
+              "block": lambda w: tuple(w.get("block_structure") or ())}
 
 
-def fp8_block_size(hf: dict, where: str = "config.json") -> tuple[int, int] | None:
-  """The (rows, cols) of one scale block of a block-scaled FP8 checkpoint (transformers'
-  fine-grained FP8, quant_method "fp8": DeepSeek-V3, Qwen3-*-FP8, MiniMax-M2), None for an
-  unquantized one; refuses every other quantization (its weights would read wrong)."""
+def _positive_pair(block) -> bool:
+  return (isinstance(block, (list, tuple)) and len(block) == 2
+          and all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in block))
+
+
+def fp8_scales(hf: dict, where: str = "config.json") -> Fp8Scales | None:
+  """How the FP8 weights of a checkpoint carry their scales, None for an unquantized one:
+  transformers' fine-grained FP8 (quant_method "fp8": DeepSeek-V3, Qwen3-*-FP8, MiniMax-M2) or
+  compressed-tensors' float-quantized format (8-bit float weights per tensor, row, group or
+  block; activations quantized dynamically or not at all). Every other quantization is refused:
+  its weights would read wrong."""
   q = hf.get("quantization_config")
   if q is None:
     return None
-  fix = ("moejax dequantizes block-scaled FP8 only (quant_method 'fp8', e4m3 weights with "
-         "weight_scale_inv; dequantize other formats to bfloat16 first)")
-  if not isinstance(q, dict) or q.get("quant_method") != "fp8":
+  fix = ("moejax dequantizes FP8 weights only (quant_method 'fp8', or 'compressed-tensors' "
+         "with format 'float-quantized'); dequantize other formats to bfloat16 first")
+  method = q.get("quant_method") if isinstance(q, dict) else None
+  if method == "fp8":
+    if q.get("fmt") not in _FP8_FORMATS:
+      _refuse(where, "quantization_config.fmt", q["fmt"], fix)
+    if q.get("activation_scheme") not in (None, "dynamic"):
+      _refuse(where, "quantization_config.activation_scheme", q["activation_scheme"],
+              "moejax reads weights with dynamic activation scaling only (no activation scales)")
+    block = q.get("weight_block_size")
+    if block is None:
+      return Fp8Scales("_scale_inv", (FP8_DEFAULT_BLOCK,))
+    if not _positive_pair(block) or 0 in block:
+      _refuse(where, "quantization_config.weight_block_size", block,
+              "expected [rows, cols], two positive integers (per-tensor or per-channel FP8 "
+              "scales are not read)")
+    return Fp8Scales("_scale_inv", (tuple(block),))
+  if method != "compressed-tensors":
     _refuse(where, "quantization_config", q, fix)
-  if q.get("fmt") not in _FP8_FORMATS:
-    _refuse(where, "quantization_config.fmt", q["fmt"], fix)
-  if q.get("activation_scheme") not in (None, "dynamic"):
-    _refuse(where, "quantization_config.activation_scheme", q["activation_scheme"],
-            "moejax reads weights with dynamic activation scaling only (no activation scales)")
-  block = q.get("weight_block_size")
-  if block is None:
-    return FP8_DEFAULT_BLOCK
-  if (not isinstance(block, (list, tuple)) or len(block) != 2
-      or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-    _refuse(where, "quantization_config.weight_block_size", block,
-            "expected [rows, cols], two positive integers (per-tensor or per-channel FP8 scales "
-            "are not read)")
-  return int(block[0]), int(block[1])
+  groups = q.get("config_groups")
+  if not isinstance(groups, dict) or not groups:
+    _refuse(where, "quantization_config.config_groups", groups, "expected the groups of "
+            "compressed-tensors' float-quantized format")
+  if q.get("kv_cache_scheme") is not None:
+    _refuse(where, "quantization_config.kv_cache_scheme", q["kv_cache_scheme"],
+            "moejax reads weights only (no kv-cache scales)")
+  blocks = []
+  for name, group in sorted(groups.items()):
+    key = f"quantization_config.config_groups.{name}"
+    group = group if isinstance(group, dict) else {}
+    if group.get("format", q.get("format")) != "float-quantized":
+      _refuse(where, f"{key}.format", group.get("format", q.get("format")), fix)
+    w = group.get("weights") or {}
+    strategy = w.get("strategy")
+    if (w.get("num_bits"), w.get("type"), w.get("symmetric", True)) != (8, "float", True) or (
+        strategy not in _CT_BLOCKS):
+      _refuse(where, f"{key}.weights", w, "moejax reads symmetric 8-bit float weights per "
+              f"tensor, channel, group or block ({fix})")
+    block = _CT_BLOCKS[strategy](w)
+    if not _positive_pair(block) or (strategy in ("group", "block") and 0 in block):
+      _refuse(where, f"{key}.weights", w, f"strategy {strategy!r} needs its "
+              f"{'group_size' if strategy == 'group' else 'block_structure [rows, cols]'}")
+    for kind in ("input_activations", "output_activations"):
+      act = group.get(kind)
+      if act is not None and not (kind == "input_activations" and act.get("dynamic") is True):
+        _refuse(where, f"{key}.{kind}", act, "moejax reads weights with dynamic activation "
+                "scaling only (no activation scales)")
+    if block not in blocks:
+      blocks.append(block)
+  return Fp8Scales("_scale", tuple(blocks))
 
 
 def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
   """The family of `hf`; raises CheckpointError if moejax cannot represent it exactly."""
   spec = family_of(hf, where)
-  fp8_block_size(hf, where)
+  fp8_scales(hf, where)
   for key, want, why in spec.required:
     value = hf.get(key, want)
     if key == "mlp_only_layers" and value is None:

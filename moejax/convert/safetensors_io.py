@@ -7,12 +7,14 @@ in `model.safetensors.index.json` (`weight_map`: tensor name -> shard file). Rea
 file. Writing streams: the shard plan (names, shapes, dtypes) is fixed first, so each shard's
 header goes out before its data and no shard is ever assembled in memory.
 
-Block-scaled FP8 checkpoints (DeepSeek-V3, Qwen3-*-FP8, MiniMax-M2: quantization_config
-quant_method "fp8") store a projection `X.weight` as float8 e4m3 beside `X.weight_scale_inv`, one
-fp32 scale per block of `block` = (rows, cols) elements, the grid rounded up where a dimension is
-not a multiple of the block. The reader dequantizes such a weight as it reads it (value * scale,
-one fp32 rounding, as transformers does) and hides the scale tensors, so the rest of import sees
-ordinary fp32 weights.
+FP8 checkpoints store a projection `X.weight` as float8 e4m3 beside its scales, one per block of
+(rows, cols) elements, the grid rounded up where a dimension is not a multiple of the block
+(`Fp8Scales`): transformers' fine-grained FP8 (DeepSeek-V3, Qwen3-*-FP8, MiniMax-M2) as
+`X.weight_scale_inv` per 128 x 128 block; compressed-tensors' float-quantized format (the FP8
+checkpoints llm-compressor makes) as `X.weight_scale` per tensor, row, group of a row, or block.
+The reader dequantizes such a weight as it reads it (value * scale, one fp32 rounding, as
+transformers does) and hides the scale tensors, so the rest of import sees ordinary fp32
+weights.
 
 File format (https://github.com/huggingface/safetensors): 8-byte little-endian header length N,
 N bytes of JSON header ({name: {dtype, shape, data_offsets}}, "__metadata__"), then the data.
@@ -20,6 +22,7 @@ N bytes of JSON header ({name: {dtype, shape, data_offsets}}, "__metadata__"), t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import struct
@@ -42,9 +45,28 @@ READABLE_DTYPES = ("F32", "BF16", "F16")
 FP8_DTYPES = {"F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn)}
 SCALE_DTYPES = (*READABLE_DTYPES, "F8_E8M0")
 RAW_DTYPES = {**FP8_DTYPES, "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu)}
-SCALE_SUFFIX = "_scale_inv"          # X.weight -> X.weight_scale_inv
 WRITABLE_DTYPES = {"float32": ("F32", np.dtype(np.float32)),
                    "bfloat16": ("BF16", np.dtype(ml_dtypes.bfloat16))}
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Scales:
+  """How a checkpoint's FP8 weights carry their scales: weight X's scale is X + `suffix`;
+  `blocks` are the (rows, cols) one scale covers, 0 for a whole dimension, tried in order
+  against each scale's shape (compressed-tensors' strategies: tensor (0, 0), channel (1, 0),
+  group (1, g), block (r, c))."""
+  suffix: str
+  blocks: tuple[tuple[int, int], ...]
+
+
+def _grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[tuple[int, ...], tuple]:
+  """(the scale grid of an FP8 weight of `shape` in `block`s, the block's realized size)."""
+  size = tuple(n if b == 0 else b for n, b in zip(shape[-2:], block))
+  return (*shape[:-2], *(-(-n // b) for n, b in zip(shape[-2:], size))), size
+
+
+def _squeezed(shape) -> tuple[int, ...]:
+  return tuple(n for n in shape if n != 1)
 
 
 def shard_file_name(k: int, n: int) -> str:
@@ -54,10 +76,10 @@ def shard_file_name(k: int, n: int) -> str:
 class TensorReader:
   """Name -> (file, shape, dtype) for every tensor in a Hugging Face safetensors directory.
 
-  `fp8_block`: the (rows, cols) of one scale block when config.json declares block-scaled FP8
-  weights (`hf_config.fp8_block_size`), else None (an FP8 tensor is then refused)."""
+  `fp8`: how FP8 weights carry their scales when config.json declares them
+  (`hf_config.fp8_scales`), else None (an FP8 tensor is then refused)."""
 
-  def __init__(self, directory: str, fp8_block: tuple[int, int] | None = None):
+  def __init__(self, directory: str, fp8: Fp8Scales | None = None):
     self.directory = directory
     self._stack = contextlib.ExitStack()
     self._handles: dict[str, object] = {}
@@ -79,47 +101,54 @@ class TensorReader:
         self.shapes[name] = tuple(int(s) for s in sl.get_shape())
         self.dtypes[name] = sl.get_dtype()
     self.release()
-    self._scales: dict[str, tuple[str, tuple[int, int]]] = {}   # fp8 weight -> (scale, block)
+    # fp8 weight -> (its scale, the block one scale covers, the scale grid)
+    self._scales: dict[str, tuple[str, tuple[int, int], tuple[int, ...]]] = {}
     self._raw: dict[str, tuple[str, int, str, tuple]] = {}     # float8 -> file, offset, ...
-    self._pair_scales(fp8_block)
+    self._pair_scales(fp8)
 
-  def _pair_scales(self, block: tuple[int, int] | None) -> None:
-    """Pairs each FP8 weight with its scale tensor (checked against `block`), then hides the
-    scales: import sees the weights only, in fp32."""
+  def _pair_scales(self, fp8: Fp8Scales | None) -> None:
+    """Pairs each FP8 weight with its scale tensor (its shape one of `fp8.blocks`' grids), then
+    hides the scales: import sees the weights only, in fp32."""
+    suffix = fp8.suffix if fp8 else "_scale_inv"
     for name in sorted(n for n, d in self.dtypes.items() if d in FP8_DTYPES):
       where = f"{self._path(self.files[name])}: tensor {name!r}"
-      scale, shape = name + SCALE_SUFFIX, self.shapes[name]
-      if block is None:
+      scale, shape = name + suffix, self.shapes[name]
+      if fp8 is None:
         raise CheckpointError(f"{where} is {self.dtypes[name]} but config.json declares no FP8 "
-                              "quantization_config (quant_method 'fp8' with weight_block_size)")
+                              "quantization_config (quant_method 'fp8' or compressed-tensors' "
+                              "float-quantized)")
       if scale not in self.shapes:
-        raise CheckpointError(f"{where} is {self.dtypes[name]} without its block scales "
-                              f"{scale!r}; moejax reads block-scaled FP8 weights only")
+        raise CheckpointError(f"{where} is {self.dtypes[name]} without its scales {scale!r}; "
+                              "moejax reads FP8 weights with their scales only")
       if len(shape) < 2:
-        raise CheckpointError(f"{where} is {self.dtypes[name]} with shape {shape}; block-scaled "
-                              "FP8 weights have at least two dimensions")
-      grid = (*shape[:-2], -(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
-      if self.shapes[scale] != grid:
+        raise CheckpointError(f"{where} is {self.dtypes[name]} with shape {shape}; FP8 weights "
+                              "have at least two dimensions")
+      grids = [(_grid(shape, block), block) for block in fp8.blocks]
+      found = [(grid, size) for (grid, size), _ in grids
+               if _squeezed(grid) == _squeezed(self.shapes[scale])]
+      if not found:
+        wanted = " or ".join(f"{g} (blocks of {list(b)})" for (g, _), b in grids)
         raise CheckpointError(
             f"{self._path(self.files[scale])}: tensor {scale!r} has shape {self.shapes[scale]}; "
-            f"{name} {shape} in blocks of weight_block_size={list(block)} needs {grid}")
+            f"{name} {shape} needs {wanted} as config.json's quantization_config declares")
       if self.dtypes[scale] not in SCALE_DTYPES:
         raise CheckpointError(f"{self._path(self.files[scale])}: tensor {scale!r} has dtype "
                               f"{self.dtypes[scale]}; FP8 scales are read as "
                               f"{', '.join(SCALE_DTYPES)}")
-      self._scales[name] = (scale, block)
+      grid, size = found[0]
+      self._scales[name] = (scale, size, grid)
     raw = [n for n in self.shapes if self.dtypes[n] in RAW_DTYPES]
     for fname in sorted({self.files[n] for n in raw}):
       offsets = self._data_offsets(fname)
       self._raw.update({n: (fname, offsets[n], self.dtypes[n], self.shapes[n])
                         for n in raw if self.files[n] == fname})
     orphans = sorted(n for n in self.shapes
-                     if n.endswith(SCALE_SUFFIX) and n[:-len(SCALE_SUFFIX)] not in self._scales)
+                     if n.endswith(suffix) and n[:-len(suffix)] not in self._scales)
     if orphans:
       raise CheckpointError(
           f"{self._path(self.files[orphans[0]])}: tensor {orphans[0]!r} scales "
-          f"{orphans[0][:-len(SCALE_SUFFIX)]!r}, which is not stored as FP8 (F8_E4M3)")
-    self._scale_files = {scale: self.files.pop(scale) for scale, _ in self._scales.values()}
+          f"{orphans[0][:-len(suffix)]!r}, which is not stored as FP8 (F8_E4M3)")
+    self._scale_files = {scale: self.files.pop(scale) for scale, _, _ in self._scales.values()}
     for scale in self._scale_files:
       del self.shapes[scale], self.dtypes[scale]
 
@@ -195,8 +224,9 @@ class TensorReader:
     return np.asarray(block).astype(np.float32, copy=False)
 
   def _read_fp8(self, name: str, index: tuple) -> np.ndarray:
-    """`dequantize(name)[index]`, reading only the FP8 block and the scales that cover it."""
-    shape, (scale, (bm, bn)) = self.shapes[name], self._scales[name]
+    """`dequantize(name)[index]`, reading only the FP8 block (and every scale: at most one per
+    row of the weight, so far fewer than its values)."""
+    shape, (scale, (bm, bn), grid) = self.shapes[name], self._scales[name]
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
     squeeze = tuple(axis for axis, i in enumerate(index) if not isinstance(i, slice))
     ranges = [range(i, i + 1) if axis in squeeze else range(*i.indices(n))
@@ -209,7 +239,7 @@ class TensorReader:
     first_r, first_c = rows.start // bm, cols.start // bn
     scale_slices = (*slices[:-2], slice(first_r, -(-rows.stop // bm)),
                     slice(first_c, -(-cols.stop // bn)))
-    scales = self._read_plain(self._scale_files[scale], scale, scale_slices)
+    scales = self._read_plain(self._scale_files[scale], scale, ()).reshape(grid)[scale_slices]
     scales = np.repeat(np.repeat(scales, bm, axis=-2), bn, axis=-1)
     r0, c0 = rows.start - first_r * bm, cols.start - first_c * bn
     scales = scales[..., r0:r0 + len(rows), c0:c0 + len(cols)]

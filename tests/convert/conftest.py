@@ -31,7 +31,8 @@ def torch_env_problem() -> str | None:
             f"run `{SETUP}` (Python 3.11, CPU torch, transformers)")
   check = subprocess.run(   # package metadata only: importing torch here would cost seconds
       [TORCH_PYTHON, "-c", "import importlib.metadata as m\n"
-       "for p in ('safetensors', 'torch', 'transformers', 'accelerate', 'numpy'): m.version(p)"],
+       "for p in ('safetensors', 'torch', 'transformers', 'accelerate', 'compressed-tensors',"
+       " 'numpy'): m.version(p)"],
       capture_output=True, text=True, check=False)
   if check.returncode:
     return (f"the torch env {TORCH_PYTHON} is incomplete ({check.stderr.strip()[-300:]}): "

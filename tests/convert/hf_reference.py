@@ -23,6 +23,8 @@ import os
 import sys
 import traceback
 
+import fp8_configs      # tests/convert/, beside this script
+
 # Random configurations, each differing from the others and from the family presets in layers,
 # heads, kv heads, head width, experts, top-k, expert width, shared expert width, RoPE base and
 # scaling (b, qwen3_moe and deepseek_v3 YaRN), norm epsilon, top-k renormalization and how the
@@ -178,11 +180,19 @@ MODELS = {
                     norm_topk_prob=True, rope_theta=1000000.0, rms_norm_eps=1e-5),
         save=dict(max_shard_size="64KB")),
 }
-# Block-scaled FP8 copies, as the Hub's DeepSeek-V3, Qwen3-*-FP8 and MiniMax-M2 are stored: every
-# projection float8 e4m3 with one weight_scale_inv per block (non-square blocks for Qwen3, so rows
-# and columns cannot be swapped unnoticed); embeddings, head, router and norms as they were.
-FP8_MODELS = {"qwen3_moe_fp8": ("qwen3_moe", (8, 4)), "minimax_m2_fp8": ("minimax_m2", (4, 4)),
-              "deepseek_v3_b_fp8": ("deepseek_v3_b", (2, 2))}
+# FP8 copies: every projection float8 e4m3 beside its scales; embeddings, head, router and norms
+# as they were. As the Hub's DeepSeek-V3, Qwen3-*-FP8 and MiniMax-M2 are stored (transformers'
+# fine-grained FP8: one weight_scale_inv per block; non-square blocks for Qwen3, so rows and
+# columns cannot be swapped unnoticed), and as llm-compressor stores its FP8 checkpoints
+# (compressed-tensors' float-quantized format, weight_scale per row).
+# name -> (base model, compressed-tensors strategy or None, block; 0 a whole dimension)
+FP8_MODELS = {"qwen3_moe_fp8": ("qwen3_moe", None, (8, 4)),
+              "minimax_m2_fp8": ("minimax_m2", None, (4, 4)),
+              "deepseek_v3_b_fp8": ("deepseek_v3_b", None, (2, 2)),
+              "mixtral_ct_fp8": ("mixtral", "channel", (1, 0)),
+              "glm4_moe_ct_fp8": ("glm4_moe", "channel", (1, 0))}
+# (compressed-tensors' other strategies are checked against a reference of moejax's tests:
+# transformers 5.25 leaves per-tensor scales undecompressed and fails on fused experts' blocks)
 FP8_MAX = 448.0                 # largest finite float8 e4m3fn
 FP8_UNQUANTIZED = ("embed_tokens.", "lm_head.", ".gate.weight")
 TOKENS_SHAPE = (2, 16)
@@ -278,9 +288,11 @@ def make(out_dir: str) -> dict:
   return {"models": made}
 
 
-def quantize_fp8(src_dir: str, out_dir: str, block: tuple[int, int]) -> None:
+def quantize_fp8(src_dir: str, out_dir: str, strategy: str | None, block: tuple[int, int]) -> None:
   """A copy of the checkpoint at src_dir with every 2-D projection stored float8 e4m3 beside its
-  per-block scales (amax / 448, the grid rounded up), config.json declaring it."""
+  per-block scales (amax / 448, the grid rounded up; 0 in `block`: a whole dimension),
+  config.json declaring it: transformers' fine-grained FP8 (`strategy` None) or
+  compressed-tensors' float-quantized format with that weight strategy."""
   import glob
   import shutil
   torch = _torch()
@@ -288,7 +300,6 @@ def quantize_fp8(src_dir: str, out_dir: str, block: tuple[int, int]) -> None:
   from safetensors.torch import load_file, save_file
   shutil.rmtree(out_dir, ignore_errors=True)
   shutil.copytree(src_dir, out_dir)
-  bm, bn = block
   weight_map = {}
   for path in sorted(glob.glob(os.path.join(out_dir, "*.safetensors"))):
     tensors = {}
@@ -297,6 +308,7 @@ def quantize_fp8(src_dir: str, out_dir: str, block: tuple[int, int]) -> None:
         tensors[name] = w
         continue
       rows, cols = w.shape
+      bm, bn = block[0] or rows, block[1] or cols
       grid_r, grid_c = -(-rows // bm), -(-cols // bn)
       padded = torch.zeros(grid_r * bm, grid_c * bn)
       padded[:rows, :cols] = w.float()
@@ -304,7 +316,11 @@ def quantize_fp8(src_dir: str, out_dir: str, block: tuple[int, int]) -> None:
       scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
       q = (blocks / scale[:, None, :, None]).reshape(grid_r * bm, grid_c * bn)[:rows, :cols]
       tensors[name] = q.to(torch.float8_e4m3fn).contiguous()
-      tensors[name + "_scale_inv"] = scale.contiguous()
+      if strategy is None:
+        tensors[name + "_scale_inv"] = scale.contiguous()
+      else:             # llm-compressor's shapes: [1] per tensor, [rows, 1] per channel
+        scale = scale.reshape(1) if strategy == "tensor" else scale
+        tensors[name + "_scale"] = scale.contiguous()
     save_file(tensors, path, metadata={"format": "pt"})
     with safe_open(path, "pt") as f:
       weight_map.update({k: os.path.basename(path) for k in f.keys()})
@@ -318,8 +334,9 @@ def quantize_fp8(src_dir: str, out_dir: str, block: tuple[int, int]) -> None:
   config_path = os.path.join(out_dir, "config.json")
   with open(config_path) as f:
     config = json.load(f)
-  config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3",
-                                   "quant_method": "fp8", "weight_block_size": [bm, bn]}
+  # weights only: with dynamic input activations transformers' forward also rounds the
+  # activations to FP8 (inference), which import leaves to the run's compute dtype
+  config["quantization_config"] = fp8_configs.quantization_config(strategy, block)
   with open(config_path, "w") as f:
     json.dump(config, f, indent=2)
 
@@ -329,10 +346,12 @@ def make_fp8(out_dir: str) -> dict:
   transformers computes from the FP8 checkpoint) and NAME_dequantized/ (its weights, fp32)."""
   import shutil
   import numpy as np
+  torch = _torch()
+  from transformers import AutoConfig, AutoModelForCausalLM
   made = {}
-  for name, (base, block) in sorted(FP8_MODELS.items()):
+  for name, (base, strategy, block) in sorted(FP8_MODELS.items()):
     hf_dir = os.path.join(out_dir, name)
-    quantize_fp8(os.path.join(out_dir, base), hf_dir, block)
+    quantize_fp8(os.path.join(out_dir, base), hf_dir, strategy, block)
     model, info = _load(hf_dir)           # without a GPU, transformers dequantizes on load
     if info:
       raise RuntimeError(f"transformers did not read {hf_dir} whole: {info}")
@@ -340,7 +359,20 @@ def make_fp8(out_dir: str) -> dict:
                 os.path.join(out_dir, f"{name}.tokens.npy"))
     tokens = np.load(os.path.join(out_dir, f"{name}.tokens.npy"))
     np.save(os.path.join(out_dir, f"{name}.logits.npy"), _logits(model, tokens))
-    model.save_pretrained(hf_dir + "_dequantized")
+    # transformers cannot save a compressed-tensors model it loaded: its weights go into an
+    # unquantized model of the same config instead, those it kept in float8 (modules with a bias)
+    # dequantized as its forward does, value * scale in fp32
+    state = model.state_dict()
+    for key in [k for k in state if k.endswith(".weight_scale")]:
+      weight, scale = key[:-len("_scale")], state.pop(key)
+      if state[weight].dtype == torch.float8_e4m3fn:
+        state[weight] = state[weight].to(torch.float32) * scale.to(torch.float32)
+    plain = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(os.path.join(out_dir, base)), attn_implementation="eager")
+    missing, unexpected = plain.to(model.dtype).load_state_dict(state, strict=False)
+    if missing or unexpected:
+      raise RuntimeError(f"{name}: dequantized weights do not fit: {missing} {unexpected}")
+    plain.save_pretrained(hf_dir + "_dequantized")
     made[name] = hf_dir
   return made
 

@@ -17,11 +17,12 @@ from safetensors.numpy import load_file, save_file
 from moejax.convert import __main__ as cli
 from moejax.convert import safetensors_io
 from moejax.convert import config_from_hf, hf_config_from, load_hf, save_hf
-from moejax.convert.hf_config import fp8_block_size
+from moejax.convert.hf_config import fp8_scales
 from moejax.families import FAMILIES
 from moejax.errors import CheckpointError
 from moejax.models import olmoe
 from moejax.config import from_config_dict
+from tests.convert import fp8_configs
 from tests.helpers import FAMILY_CONFIGS, REPO, tiny_config
 
 SINGLE = "model.safetensors"
@@ -202,36 +203,45 @@ def dequantize_fp8(q, scales, block):
   return out
 
 
-def fp8_copy(hf_dir, out_dir, block, scale_dtype=np.float32):
-  """out_dir: hf_dir with its projections FP8 in `block`s, their scales stored as `scale_dtype`
-  (float32 or E8M0); returns the dequantized values."""
+def fp8_copy(hf_dir, out_dir, block, scale_dtype=np.float32, strategy=None):
+  """out_dir: hf_dir with its projections FP8 in `block`s (0: a whole dimension), stored as
+  transformers' fine-grained FP8 (`strategy` None: weight_scale_inv, fp32 or E8M0 scales) or as
+  compressed-tensors' float-quantized format with that weights `strategy` (weight_scale as
+  llm-compressor shapes it); returns the dequantized values."""
   os.makedirs(out_dir)
   tensors, stored, dequantized = load_file(os.path.join(hf_dir, SINGLE)), {}, {}
   for name, w in tensors.items():
     if w.ndim == 2 and "proj" in name:
-      q, scales = quantize_fp8(w, block, power_of_two=scale_dtype == E8M0)
-      stored[name], stored[name + "_scale_inv"] = q, scales.astype(scale_dtype)
-      dequantized[name] = dequantize_fp8(q, scales, block)
+      size = tuple(n if b == 0 else b for n, b in zip(w.shape, block))
+      q, scales = quantize_fp8(w, size, power_of_two=scale_dtype == E8M0)
+      suffix = "_scale_inv" if strategy is None else "_scale"
+      stored[name] = q
+      stored[name + suffix] = scales.astype(scale_dtype).reshape(
+          (1,) if strategy == "tensor" else scales.shape)
+      dequantized[name] = dequantize_fp8(q, scales, size)
     else:
       stored[name] = w
   write_safetensors(os.path.join(out_dir, SINGLE), stored)
   with open(os.path.join(hf_dir, "config.json")) as f:
     hf = json.load(f)
-  hf["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3",
-                               "quant_method": "fp8", "weight_block_size": list(block)}
+  hf["quantization_config"] = fp8_configs.quantization_config(strategy, block)
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(hf, f)
   return dequantized
 
 
-@pytest.mark.parametrize("scale_dtype", [np.float32, E8M0])
-def test_fp8_blocks_that_do_not_divide_the_weight(hf_dir, tmp_path, scale_dtype):
+@pytest.mark.parametrize("block,scale_dtype,strategy", [
+    ((3, 5), np.float32, None), ((3, 5), E8M0, None),
+    ((0, 0), np.float32, "tensor"), ((1, 0), np.float32, "channel"),
+    ((1, 5), np.float32, "group"), ((3, 5), np.float32, "block")])
+def test_fp8_blocks_that_do_not_divide_the_weight(hf_dir, tmp_path, block, scale_dtype, strategy):
   """3 x 5 blocks over 32 x 32 and 16 x 32 projections (the scale grid rounded up, as DeepSeek-V3's
-  576-row kv_a_proj_with_mqa in 128-row blocks), scales in fp32 or E8M0: import equals the
+  576-row kv_a_proj_with_mqa in 128-row blocks), scales in fp32 or E8M0; and compressed-tensors'
+  strategies (one scale per tensor, row, 5 columns of a row, 3 x 5 block): import equals the
   unquantized checkpoint of the block-by-block dequantized values, bit for bit, read whole and
   read in 8 devices' blocks."""
   fp8_dir, plain_dir = str(tmp_path / "fp8"), str(tmp_path / "plain")
-  dequantized = fp8_copy(hf_dir, fp8_dir, (3, 5), scale_dtype)
+  dequantized = fp8_copy(hf_dir, fp8_dir, block, scale_dtype, strategy)
   assert len(dequantized) > 10
   os.makedirs(plain_dir)
   tensors = load_file(os.path.join(hf_dir, SINGLE))
@@ -275,15 +285,15 @@ def test_fp8_checkpoints_that_do_not_hold_together(hf_dir, tmp_path):
 
   edit_config(fp8_dir, quantization_config={"quant_method": "fp8", "weight_block_size": [8, 8]})
   first = "model.layers.0.mlp.experts.0.down_proj.weight"     # the first FP8 tensor by name
-  assert f"{first}_scale_inv' has shape (8, 2); {first} (32, 16) in blocks of " \
-      "weight_block_size=[8, 8] needs (4, 2)" in load_error(fp8_dir)
+  assert f"{first}_scale_inv' has shape (8, 2); {first} (32, 16) needs (4, 2) (blocks of " \
+      "[8, 8]) as config.json's quantization_config declares" in load_error(fp8_dir)
   edit_config(fp8_dir, quantization_config=None)
   assert f"tensor {first!r} is F8_E4M3 but config.json declares no FP8 quantization_config" in \
       load_error(fp8_dir)
   edit_config(fp8_dir, quantization_config={"quant_method": "fp8", "weight_block_size": [4, 8]})
   assert load_hf(fp8_dir)[0] is not None
   rewrite(lambda t: t.pop(name + "_scale_inv"))
-  assert f"tensor {name!r} is F8_E4M3 without its block scales {name + '_scale_inv'!r}" in \
+  assert f"tensor {name!r} is F8_E4M3 without its scales {name + '_scale_inv'!r}" in \
       load_error(fp8_dir)
   rewrite(lambda t: t.update({name: t[name].astype(np.float32),
                               name + "_scale_inv": np.ones((8, 4), np.float32)}))
@@ -345,6 +355,17 @@ def test_export_refuses_what_hf_olmoe_cannot_hold(model, tmp_path):
 
 
 # What each family's config.json may not ask for, and the field the one-line refusal names.
+# compressed-tensors' float-quantized format as llm-compressor writes it (FP8 per channel,
+# activations quantized dynamically per token)
+CT_FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized",
+          "quantization_status": "compressed", "ignore": ["lm_head"],
+          "config_groups": {"group_0": {
+              "targets": ["Linear"],
+              "weights": {"num_bits": 8, "type": "float", "symmetric": True,
+                          "strategy": "channel", "dynamic": False},
+              "input_activations": {"num_bits": 8, "type": "float", "symmetric": True,
+                                    "strategy": "token", "dynamic": True}}}}
+
 FAMILY_REFUSALS = [
     ("mixtral", dict(sliding_window=4096), "sliding_window=4096 is not supported"),
     ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise=0.1 is not supported"),
@@ -356,9 +377,26 @@ FAMILY_REFUSALS = [
     ("qwen3_moe", dict(use_sliding_window=True), "use_sliding_window=True is not supported"),
     ("qwen3_moe", dict(attention_bias=True), "attention_bias=True is not supported"),
     ("deepseek_v3", dict(rope_interleave=False), "rope_interleave=False is not supported"),
-    ("deepseek_v3", dict(quantization_config={"quant_method": "compressed-tensors"}),
-     "quantization_config={'quant_method': 'compressed-tensors'} is not supported: moejax "
-     "dequantizes block-scaled FP8 only"),
+    ("deepseek_v3", dict(quantization_config={"quant_method": "bitsandbytes"}),
+     "quantization_config={'quant_method': 'bitsandbytes'} is not supported: moejax "
+     "dequantizes FP8 weights only"),
+    ("glm4_moe", dict(quantization_config=dict(CT_FP8, config_groups={"group_0": dict(
+        CT_FP8["config_groups"]["group_0"], format="pack-quantized")})),
+     "quantization_config.config_groups.group_0.format='pack-quantized' is not supported"),
+    ("qwen3_moe", dict(quantization_config=dict(CT_FP8, config_groups={"group_0": dict(
+        CT_FP8["config_groups"]["group_0"], weights={"num_bits": 4, "type": "int",
+                                                     "strategy": "group", "group_size": 128})})),
+     "quantization_config.config_groups.group_0.weights={'num_bits': 4, 'type': 'int', "
+     "'strategy': 'group', 'group_size': 128} is not supported: moejax reads symmetric 8-bit "
+     "float weights"),
+    ("mixtral", dict(quantization_config=dict(CT_FP8, config_groups={"group_0": dict(
+        CT_FP8["config_groups"]["group_0"], input_activations={"num_bits": 8, "type": "float",
+                                                               "dynamic": False})})),
+     "input_activations={'num_bits': 8, 'type': 'float', 'dynamic': False} is not supported"),
+    ("olmoe", dict(quantization_config=dict(CT_FP8, config_groups={"group_0": dict(
+        CT_FP8["config_groups"]["group_0"], weights={"num_bits": 8, "type": "float",
+                                                     "strategy": "block"})})),
+     "strategy 'block' needs its block_structure [rows, cols]"),
     ("qwen3_moe", dict(quantization_config={"quant_method": "fp8", "activation_scheme": "static"}),
      "quantization_config.activation_scheme='static' is not supported"),
     ("mixtral", dict(quantization_config={"quant_method": "fp8", "fmt": "e5m2"}),
@@ -655,7 +693,10 @@ def test_deepseek_v3_published_yarn_reads_as_the_v3_preset():
   fp8 = dict(hf, quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3",
                                       "quant_method": "fp8", "weight_block_size": [128, 128]})
   assert config_from_hf(fp8, base=v3) == got
-  assert fp8_block_size(fp8) == (128, 128) and fp8_block_size(hf) is None
+  assert fp8_scales(fp8).blocks == ((128, 128),) and fp8_scales(hf) is None
+  # llm-compressor's FP8_DYNAMIC: per-row weight scales, activations quantized only at inference
+  ct = fp8_scales(dict(hf, quantization_config=CT_FP8))
+  assert (ct.suffix, ct.blocks) == ("_scale", ((1, 0),))
   # transformers' rules: a null factor is max_position_embeddings / original; a top-level
   # original_max_position_embeddings wins over the rope dict's.
   no_factor = dict(hf, rope_scaling={**hf["rope_scaling"], "factor": None})

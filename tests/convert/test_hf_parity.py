@@ -26,7 +26,8 @@ RoPE base, norm epsilon and top-k renormalization; "b", "qwen3_moe", "deepseek_v
 "deepseek_v3" scale RoPE by YaRN (attention factor from the factor, given, and from DeepSeek's
 two mscales, equal and not). FP8 copies of "qwen3_moe" (8 x 4 blocks), "minimax_m2" (4 x 4) and
 "deepseek_v3_b" (2 x 2), stored as the Hub's FP8 checkpoints are (float8 e4m3 projections beside
-per-block weight_scale_inv), against what transformers computes from them.
+per-block weight_scale_inv), and of "mixtral" and "glm4_moe" in compressed-tensors' format (one
+weight_scale per row), against what transformers computes from them.
 """
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ from moejax.train.state import state_layout
 MODELS = ("a", "b", "mixtral", "qwen2_moe", "qwen3_moe", "minimax_m2", "ernie4_5_moe", "glm4_moe",
           "dots1", "deepseek_v2", "deepseek_v3", "deepseek_v3_b", "glm4_moe_lite")
 SAVED_FUSED = ("b", "qwen2_moe", "dots1", "deepseek_v3")
-FP8_MODELS = ("qwen3_moe_fp8", "minimax_m2_fp8", "deepseek_v3_b_fp8")
+FP8_MODELS = ("qwen3_moe_fp8", "minimax_m2_fp8", "deepseek_v3_b_fp8", "mixtral_ct_fp8",
+              "glm4_moe_ct_fp8")
 
 
 def fp32_logits(cfg, params, tokens):
@@ -108,15 +110,16 @@ def test_logits_match_transformers_fp32(name, hf_models, imported):
 
 @pytest.mark.parametrize("name", FP8_MODELS)
 def test_fp8_checkpoints_import_as_transformers_dequantizes_them(name, hf_models, imported):
-  """Block-scaled FP8 imports to transformers' own dequantized weights bit for bit, and to its
-  logits; quantization moved those logits well past the bound, so the scales were applied."""
+  """FP8 imports to transformers' own dequantized weights bit for bit, and to its logits;
+  quantization moved those logits well past the bound, so the scales were applied."""
   hf_dir, tokens, want = hf_models[name]
+  base = name.removesuffix("_fp8").removesuffix("_ct")
   cfg, params = imported[name]
   dequantized_cfg, dequantized = load_hf(hf_dir + "_dequantized")
-  assert cfg == dequantized_cfg == imported[name.removesuffix("_fp8")][0]
+  assert cfg == dequantized_cfg == imported[base][0]
   assert_same_bits(params, dequantized)
   assert_logits_close(fp32_logits(cfg, params, tokens), want)
-  unquantized = hf_models[name.removesuffix("_fp8")][2]
+  unquantized = hf_models[base][2]
   assert np.max(np.abs(unquantized - want)) > 1e-2 * np.max(np.abs(want))
 
 
