@@ -7,7 +7,7 @@ rather than converted into a different model. Each family fixes some options of 
 (`FAMILY_SPECS`); the rest are read from its fields:
 
   config.json                          moejax
-  model_type                           model.family
+  model_type                           model.family (kimi_k2: deepseek_v3, MODEL_TYPE_ALIASES)
   vocab_size                           model.vocab_size
   hidden_size                          model.d_model
   num_hidden_layers                    model.num_layers
@@ -224,6 +224,15 @@ FAMILY_SPECS = {
 }
 assert tuple(FAMILY_SPECS) == FAMILIES
 MODEL_TYPES = {spec.model_type: name for name, spec in FAMILY_SPECS.items()}
+# model_type values of checkpoints published with another family's architecture under their own
+# name: Kimi-K2 is DeepSeek-V3's (its README's advice for frameworks without "kimi_k2": read it
+# as "deepseek_v3"). Exports write the family's own model_type.
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
+
+
+def _canonical(model_type):
+  return MODEL_TYPE_ALIASES.get(model_type, model_type) if isinstance(model_type, str) else (
+      model_type)
 
 
 def _get(hf: dict, key: str, kind, where: str, default=None):
@@ -365,9 +374,10 @@ def _rope_to_hf(m) -> dict:
 def family_of(hf: dict, where: str = "config.json") -> FamilySpec:
   if not isinstance(hf, dict):
     raise CheckpointError(f"{where}: expected a JSON object")
-  model_type = hf.get("model_type")
-  if model_type not in MODEL_TYPES:
-    valid = ", ".join(f"{s.model_type!r} ({s.architecture})" for s in FAMILY_SPECS.values())
+  model_type = _canonical(hf.get("model_type"))
+  if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
+    valid = ", ".join([f"{s.model_type!r} ({s.architecture})" for s in FAMILY_SPECS.values()]
+                      + [f"{k!r} (as {v!r})" for k, v in MODEL_TYPE_ALIASES.items()])
     raise CheckpointError(f"{where}: model_type={model_type!r} cannot be converted (valid: "
                           f"{valid})")
   return FAMILY_SPECS[MODEL_TYPES[model_type]]
@@ -818,7 +828,7 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
   maximum length) come from `base`, e.g. the config.json the parameters were imported from."""
   spec = check_exportable(cfg)
   m, moe = cfg.model, cfg.moe
-  if base and base.get("model_type") != spec.model_type:
+  if base and _canonical(base.get("model_type")) != spec.model_type:
     base = None      # another family's fields would not belong
   hf = copy.deepcopy(base) if base else {
       "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,

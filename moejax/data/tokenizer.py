@@ -66,6 +66,11 @@ class HFTokenizer:
     if os.path.isdir(path):
       path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(path):
+      beside = os.path.dirname(path)
+      if os.path.isfile(os.path.join(beside, "tiktoken.model")):   # Kimi-K2's, for one
+        raise DataError(f"{path}: tokenizer file not found; {beside} holds a tiktoken tokenizer "
+                        "(tiktoken.model), which moejax does not read: set --config.data.tokenizer "
+                        "to a tokenizer.json of the same vocabulary")
       raise DataError(f"{path}: tokenizer file not found")
     try:
       self._tok = tokenizers.Tokenizer.from_file(path)

@@ -43,7 +43,7 @@ import pytest
 from safetensors import safe_open
 
 from moejax.convert import __main__ as cli
-from moejax.convert import hf_names, load_hf, read_hf_config, save_hf
+from moejax.convert import hf_config_from, hf_names, load_hf, read_hf_config, save_hf
 from moejax.models import olmoe
 from moejax.sharding import hook
 from moejax.sharding.mesh import make_mesh
@@ -121,6 +121,26 @@ def test_fp8_checkpoints_import_as_transformers_dequantizes_them(name, hf_models
   assert_logits_close(fp32_logits(cfg, params, tokens), want)
   unquantized = hf_models[base][2]
   assert np.max(np.abs(unquantized - want)) > 1e-2 * np.max(np.abs(want))
+
+
+def test_kimi_k2_reads_as_deepseek_v3(hf_models, imported, tmp_path):
+  """Kimi-K2's config.json names its own model_type over DeepSeek-V3's architecture (its README:
+  frameworks without "kimi_k2" read it as "deepseek_v3"): the same config and weights; an
+  export says deepseek_v3 and keeps the checkpoint's other fields."""
+  import shutil
+  kimi = str(tmp_path / "kimi")
+  shutil.copytree(hf_models["deepseek_v3_b"][0], kimi)
+  hf = read_hf_config(kimi)
+  hf.update(model_type="kimi_k2", max_position_embeddings=777,
+            auto_map={"AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
+  with open(os.path.join(kimi, "config.json"), "w") as f:
+    json.dump(hf, f)
+  cfg, params = load_hf(kimi)
+  assert cfg == imported["deepseek_v3_b"][0]
+  assert_same_bits(params, imported["deepseek_v3_b"][1])
+  exported = hf_config_from(cfg, hf)
+  assert exported["model_type"] == "deepseek_v3" and "auto_map" not in exported
+  assert exported["max_position_embeddings"] == 777
 
 
 def test_config_mapping(hf_models, imported):

@@ -63,6 +63,10 @@ def test_missing_tokenizer_file(tmp_path):
   path = str(tmp_path / "nope.json")
   with pytest.raises(DataError, match=f"^{re.escape(path)}: tokenizer file not found$"):
     load_tokenizer(path)
+  # A checkpoint that ships a tiktoken tokenizer instead (Kimi-K2): said so, with the way out.
+  (tmp_path / "tiktoken.model").write_text("aGVsbG8= 0\n")
+  with pytest.raises(DataError, match="holds a tiktoken tokenizer .* set --config.data.tokenizer"):
+    load_tokenizer(str(tmp_path))
 
 
 @pytest.mark.parametrize("content", ["{not json", json.dumps({"model": 3})])
