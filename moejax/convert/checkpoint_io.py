@@ -56,7 +56,7 @@ def _init_from_hf_config(cfg: Config) -> dict | None:
   if not cfg.init_from or not os.path.isdir(cfg.init_from):
     return None
   from moejax.convert.hf import read_hf_config
-  from moejax.convert.hf_config import FAMILY_SPECS
+  from moejax.convert.hf_config import FAMILY_SPECS, canonical_model_type
   found = _find_hf_config(cfg.init_from)
   if found is None and is_hf_dir(cfg.init_from):
     try:
@@ -64,7 +64,8 @@ def _init_from_hf_config(cfg: Config) -> dict | None:
     except CheckpointError:
       return None
   if not isinstance(found, dict) or (
-      found.get("model_type") != FAMILY_SPECS[cfg.model.family].model_type):
+      canonical_model_type(found.get("model_type"))
+      != FAMILY_SPECS[cfg.model.family].model_type):
     return None
   return found
 

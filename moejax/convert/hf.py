@@ -12,9 +12,9 @@ parameter.
 `save_hf(params, cfg, dir)` writes config.json and safetensors shards (with an index when more than
 one), tensor by tensor, in the per-expert layout of the family's Hub checkpoints (the name table is
 in `moejax.convert.hf_names`). fp32 export followed by import gives back every parameter bit for
-bit. FP8 checkpoints (quantization_config quant_method "fp8", or compressed-tensors'
-float-quantized format) import dequantized to fp32, as transformers dequantizes them; exports are
-unquantized.
+bit. Quantized checkpoints (quantization_config quant_method "fp8", or compressed-tensors'
+float-quantized FP8 and pack-quantized integer formats) import dequantized to fp32
+(`safetensors_io.WeightScales`); exports are unquantized.
 """
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def load_hf(hf_dir: str, *, shardings=None, base: Config | None = None) -> tuple
   where = os.path.join(hf_dir, CONFIG_FILE)
   cfg = hf_config.config_from_hf(hf, base, where=where)
   params: dict = {}
-  with TensorReader(hf_dir, fp8=hf_config.fp8_scales(hf, where)) as reader:
+  with TensorReader(hf_dir, scales=hf_config.weight_scales(hf, where)) as reader:
     experts = hf_names.detect_expert_layout(reader.names())
     _check_tensors(reader, cfg, experts)
     for leaf in hf_names.leaf_maps(cfg, experts):

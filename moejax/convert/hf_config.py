@@ -2,8 +2,8 @@
 
 Only what moejax models is carried over; a config that asks for something moejax does not model
 (clipped q/k/v, output-projection biases, RoPE scaled other than by YaRN, sliding windows,
-another activation, quantizations other than FP8) is refused with one line naming the field,
-rather than converted into a different model. Each family fixes some options of the decoder
+another activation, quantizations moejax cannot dequantize) is refused with one line naming the
+field, rather than converted into a different model. Each family fixes some options of the decoder
 (`FAMILY_SPECS`); the rest are read from its fields:
 
   config.json                          moejax
@@ -68,7 +68,7 @@ import math
 from moejax.config import Config, ModelConfig, validate
 from moejax.errors import CheckpointError, ConfigError
 from moejax.convert.hf_names import MTP_FAMILIES
-from moejax.convert.safetensors_io import Fp8Scales
+from moejax.convert.safetensors_io import WeightScales
 from moejax.families import FAMILIES
 
 
@@ -230,7 +230,8 @@ MODEL_TYPES = {spec.model_type: name for name, spec in FAMILY_SPECS.items()}
 MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 
 
-def _canonical(model_type):
+def canonical_model_type(model_type):
+  """The family's model_type a config.json's `model_type` stands for (itself unless aliased)."""
   return MODEL_TYPE_ALIASES.get(model_type, model_type) if isinstance(model_type, str) else (
       model_type)
 
@@ -374,7 +375,7 @@ def _rope_to_hf(m) -> dict:
 def family_of(hf: dict, where: str = "config.json") -> FamilySpec:
   if not isinstance(hf, dict):
     raise CheckpointError(f"{where}: expected a JSON object")
-  model_type = _canonical(hf.get("model_type"))
+  model_type = canonical_model_type(hf.get("model_type"))
   if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
     valid = ", ".join([f"{s.model_type!r} ({s.architecture})" for s in FAMILY_SPECS.values()]
                       + [f"{k!r} (as {v!r})" for k, v in MODEL_TYPE_ALIASES.items()])
@@ -411,71 +412,90 @@ def _positive_pair(block) -> bool:
           and all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in block))
 
 
-def fp8_scales(hf: dict, where: str = "config.json") -> Fp8Scales | None:
-  """How the FP8 weights of a checkpoint carry their scales, None for an unquantized one:
-  transformers' fine-grained FP8 (quant_method "fp8": DeepSeek-V3, Qwen3-*-FP8, MiniMax-M2) or
-  compressed-tensors' float-quantized format (8-bit float weights per tensor, row, group or
-  block; activations quantized dynamically or not at all). Every other quantization is refused:
-  its weights would read wrong."""
+def weight_scales(hf: dict, where: str = "config.json") -> WeightScales | None:
+  """How the quantized weights of a checkpoint carry their scales, None for an unquantized one:
+  transformers' fine-grained FP8 (quant_method "fp8": DeepSeek-V3, Qwen3-*-FP8, MiniMax-M2), or
+  compressed-tensors' float-quantized (8-bit float) and pack-quantized (symmetric 4- or 8-bit
+  integer: Kimi-K2-Thinking's experts) formats, per tensor, row, group or block, activations
+  quantized dynamically or not at all. Every other quantization is refused: its weights would
+  read wrong."""
   q = hf.get("quantization_config")
   if q is None:
     return None
-  fix = ("moejax dequantizes FP8 weights only (quant_method 'fp8', or 'compressed-tensors' "
-         "with format 'float-quantized'); dequantize other formats to bfloat16 first")
+  fix = ("moejax dequantizes FP8 and symmetric integer weights only (quant_method 'fp8', or "
+         "'compressed-tensors' with format 'float-quantized' or 'pack-quantized'); dequantize "
+         "other formats to bfloat16 first")
   method = q.get("quant_method") if isinstance(q, dict) else None
   if method == "fp8":
     if q.get("fmt") not in _FP8_FORMATS:
-      _refuse(where, "quantization_config.fmt", q["fmt"], fix)
+      _refuse(where, "quantization_config.fmt", q["fmt"], "moejax reads e4m3 FP8 weights only")
     if q.get("activation_scheme") not in (None, "dynamic"):
       _refuse(where, "quantization_config.activation_scheme", q["activation_scheme"],
               "moejax reads weights with dynamic activation scaling only (no activation scales)")
-    block = q.get("weight_block_size")
-    if block is None:
-      return Fp8Scales("_scale_inv", (FP8_DEFAULT_BLOCK,))
+    if "weight_block_size" not in q:
+      return WeightScales("_scale_inv", (FP8_DEFAULT_BLOCK,))
+    block = q["weight_block_size"]
+    if block is None:             # transformers: one scale per tensor
+      return WeightScales("_scale_inv", ((0, 0),))
     if not _positive_pair(block) or 0 in block:
       _refuse(where, "quantization_config.weight_block_size", block,
               "expected [rows, cols], two positive integers (per-tensor or per-channel FP8 "
               "scales are not read)")
-    return Fp8Scales("_scale_inv", (tuple(block),))
+    return WeightScales("_scale_inv", (tuple(block),))
   if method != "compressed-tensors":
     _refuse(where, "quantization_config", q, fix)
   groups = q.get("config_groups")
   if not isinstance(groups, dict) or not groups:
     _refuse(where, "quantization_config.config_groups", groups, "expected the groups of "
-            "compressed-tensors' float-quantized format")
+            "compressed-tensors' float-quantized or pack-quantized format")
   if q.get("kv_cache_scheme") is not None:
     _refuse(where, "quantization_config.kv_cache_scheme", q["kv_cache_scheme"],
             "moejax reads weights only (no kv-cache scales)")
-  blocks = []
+  for field in ("transform_config", "sparsity_config"):
+    if q.get(field):           # rotated or sparse-compressed weights would read as plain ones
+      _refuse(where, f"quantization_config.{field}", q[field], "moejax reads weights stored "
+              "as they are used (no rotations, no sparse compression)")
+  blocks, int_bits = [], []
   for name, group in sorted(groups.items()):
     key = f"quantization_config.config_groups.{name}"
     group = group if isinstance(group, dict) else {}
-    if group.get("format", q.get("format")) != "float-quantized":
-      _refuse(where, f"{key}.format", group.get("format", q.get("format")), fix)
+    fmt = group.get("format", q.get("format"))
     w = group.get("weights") or {}
+    if not isinstance(w, dict):
+      _refuse(where, f"{key}.weights", w, "expected compressed-tensors' weights scheme (a JSON "
+              "object)")
     strategy = w.get("strategy")
-    if (w.get("num_bits"), w.get("type"), w.get("symmetric", True)) != (8, "float", True) or (
-        strategy not in _CT_BLOCKS):
-      _refuse(where, f"{key}.weights", w, "moejax reads symmetric 8-bit float weights per "
-              f"tensor, channel, group or block ({fix})")
+    number = (w.get("num_bits"), w.get("type"), w.get("symmetric", True))
+    if fmt not in ("float-quantized", "pack-quantized"):
+      _refuse(where, f"{key}.format", fmt, fix)
+    if (number not in ((8, "float", True),) if fmt == "float-quantized"
+        else number not in ((4, "int", True), (8, "int", True))) or strategy not in _CT_BLOCKS:
+      _refuse(where, f"{key}.weights", w, "moejax reads symmetric 8-bit float "
+              "(float-quantized) or 4- and 8-bit integer (pack-quantized) weights per tensor, "
+              f"channel, group or block ({fix})")
     block = _CT_BLOCKS[strategy](w)
     if not _positive_pair(block) or (strategy in ("group", "block") and 0 in block):
       _refuse(where, f"{key}.weights", w, f"strategy {strategy!r} needs its "
               f"{'group_size' if strategy == 'group' else 'block_structure [rows, cols]'}")
     for kind in ("input_activations", "output_activations"):
       act = group.get(kind)
-      if act is not None and not (kind == "input_activations" and act.get("dynamic") is True):
+      if act is not None and not (kind == "input_activations" and isinstance(act, dict)
+                                  and act.get("dynamic") is True):
         _refuse(where, f"{key}.{kind}", act, "moejax reads weights with dynamic activation "
                 "scaling only (no activation scales)")
     if block not in blocks:
       blocks.append(block)
-  return Fp8Scales("_scale", tuple(blocks))
+    if fmt == "pack-quantized" and number[0] not in int_bits:
+      int_bits.append(number[0])
+  # compressed-tensors dequantizes in the scale's dtype (x_q.to(scale.dtype) * scale): a bf16
+  # scale rounds each value to bf16, as transformers' and vLLM's weights then are
+  return WeightScales("_scale", tuple(blocks), tuple(int_bits), in_scale_dtype=True)
 
 
 def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
   """The family of `hf`; raises CheckpointError if moejax cannot represent it exactly."""
   spec = family_of(hf, where)
-  fp8_scales(hf, where)
+  weight_scales(hf, where)
   for key, want, why in spec.required:
     value = hf.get(key, want)
     if key == "mlp_only_layers" and value is None:
@@ -828,7 +848,7 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
   maximum length) come from `base`, e.g. the config.json the parameters were imported from."""
   spec = check_exportable(cfg)
   m, moe = cfg.model, cfg.moe
-  if base and _canonical(base.get("model_type")) != spec.model_type:
+  if base and canonical_model_type(base.get("model_type")) != spec.model_type:
     base = None      # another family's fields would not belong
   hf = copy.deepcopy(base) if base else {
       "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,

@@ -7,14 +7,15 @@ in `model.safetensors.index.json` (`weight_map`: tensor name -> shard file). Rea
 file. Writing streams: the shard plan (names, shapes, dtypes) is fixed first, so each shard's
 header goes out before its data and no shard is ever assembled in memory.
 
-FP8 checkpoints store a projection `X.weight` as float8 e4m3 beside its scales, one per block of
-(rows, cols) elements, the grid rounded up where a dimension is not a multiple of the block
-(`Fp8Scales`): transformers' fine-grained FP8 (DeepSeek-V3, Qwen3-*-FP8, MiniMax-M2) as
-`X.weight_scale_inv` per 128 x 128 block; compressed-tensors' float-quantized format (the FP8
-checkpoints llm-compressor makes) as `X.weight_scale` per tensor, row, group of a row, or block.
-The reader dequantizes such a weight as it reads it (value * scale, one fp32 rounding, as
-transformers does) and hides the scale tensors, so the rest of import sees ordinary fp32
-weights.
+Quantized checkpoints store a projection `X.weight` as float8 e4m3, or as 4- or 8-bit integers
+packed into int32 words (`X.weight_packed` with its `X.weight_shape`), beside its scales, one per
+block of (rows, cols) elements, the grid rounded up where a dimension is not a multiple of the
+block (`WeightScales`): transformers' fine-grained FP8 (DeepSeek-V3, Qwen3-*-FP8, MiniMax-M2) as
+`X.weight_scale_inv` per 128 x 128 block; compressed-tensors' float-quantized and pack-quantized
+formats (llm-compressor's checkpoints; Kimi-K2-Thinking's INT4 experts) as `X.weight_scale` per
+tensor, row, group of a row, or block. The reader dequantizes such a weight as it reads it
+(value * scale, one fp32 rounding: exact for the integers) and hides the scale tensors, so the
+rest of import sees ordinary fp32 weights.
 
 File format (https://github.com/huggingface/safetensors): 8-byte little-endian header length N,
 N bytes of JSON header ({name: {dtype, shape, data_offsets}}, "__metadata__"), then the data.
@@ -39,6 +40,7 @@ INDEX_FILE = "model.safetensors.index.json"
 
 # Dtypes whose every value an fp32 parameter holds exactly.
 READABLE_DTYPES = ("F32", "BF16", "F16")
+SIXTEEN_BIT = {"BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16)}
 # Weights read through their block scales, and the scales' dtypes: fp32 ones, or powers of two
 # (E8M0, DeepSeek's "ue8m0" scale format). safetensors' numpy reader has no float8 dtypes (it
 # looks for numpy.float8_e4m3fn), so float8 tensors are read from the mapped file directly.
@@ -50,13 +52,20 @@ WRITABLE_DTYPES = {"float32": ("F32", np.dtype(np.float32)),
 
 
 @dataclasses.dataclass(frozen=True)
-class Fp8Scales:
-  """How a checkpoint's FP8 weights carry their scales: weight X's scale is X + `suffix`;
+class WeightScales:
+  """How a checkpoint's quantized weights carry their scales: weight X's scale is X + `suffix`;
   `blocks` are the (rows, cols) one scale covers, 0 for a whole dimension, tried in order
   against each scale's shape (compressed-tensors' strategies: tensor (0, 0), channel (1, 0),
-  group (1, g), block (r, c))."""
+  group (1, g), block (r, c)); `int_bits`, the widths of packed integer weights it may hold
+  (compressed-tensors' pack-quantized: X.weight_packed, symmetric, offset by 2**(bits - 1))."""
   suffix: str
   blocks: tuple[tuple[int, int], ...]
+  int_bits: tuple[int, ...] = ()
+  in_scale_dtype: bool = False   # value * scale rounded to a 16-bit scale's dtype
+                                 # (compressed-tensors'); else exact in fp32 (transformers' FP8)
+
+
+PACKED_SUFFIX, SHAPE_SUFFIX = "_packed", "_shape"     # X.weight_packed, X.weight_shape
 
 
 def _grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[tuple[int, ...], tuple]:
@@ -76,10 +85,10 @@ def shard_file_name(k: int, n: int) -> str:
 class TensorReader:
   """Name -> (file, shape, dtype) for every tensor in a Hugging Face safetensors directory.
 
-  `fp8`: how FP8 weights carry their scales when config.json declares them
-  (`hf_config.fp8_scales`), else None (an FP8 tensor is then refused)."""
+  `scales`: how quantized weights carry their scales when config.json declares them
+  (`hf_config.weight_scales`), else None (a quantized tensor is then refused)."""
 
-  def __init__(self, directory: str, fp8: Fp8Scales | None = None):
+  def __init__(self, directory: str, scales: WeightScales | None = None):
     self.directory = directory
     self._stack = contextlib.ExitStack()
     self._handles: dict[str, object] = {}
@@ -101,31 +110,72 @@ class TensorReader:
         self.shapes[name] = tuple(int(s) for s in sl.get_shape())
         self.dtypes[name] = sl.get_dtype()
     self.release()
-    # fp8 weight -> (its scale, the block one scale covers, the scale grid)
-    self._scales: dict[str, tuple[str, tuple[int, int], tuple[int, ...]]] = {}
+    # quantized weight -> (its scale, the block one scale covers, the scale grid, the dtype the
+    # product is rounded to or None)
+    self._scales: dict[str, tuple[str, tuple[int, int], tuple[int, ...], np.dtype | None]] = {}
     self._raw: dict[str, tuple[str, int, str, tuple]] = {}     # float8 -> file, offset, ...
-    self._pair_scales(fp8)
+    self._packed: dict[str, tuple[str, int]] = {}   # X.weight -> (X.weight_packed, bits)
+    self._unpack_names(scales)
+    self._pair_scales(scales)
 
-  def _pair_scales(self, fp8: Fp8Scales | None) -> None:
-    """Pairs each FP8 weight with its scale tensor (its shape one of `fp8.blocks`' grids), then
-    hides the scales: import sees the weights only, in fp32."""
-    suffix = fp8.suffix if fp8 else "_scale_inv"
-    for name in sorted(n for n, d in self.dtypes.items() if d in FP8_DTYPES):
+  def _unpack_names(self, scales: WeightScales | None) -> None:
+    """Each packed integer weight X.weight_packed (+ X.weight_shape) listed as X.weight, of the
+    shape it holds, its width found from the words per row."""
+    for packed in sorted(n for n in self.shapes if n.endswith(PACKED_SUFFIX)):
+      name = packed[:-len(PACKED_SUFFIX)]
+      where = f"{self._path(self.files[packed])}: tensor {packed!r}"
+      if self.dtypes[packed] != "I32":
+        raise CheckpointError(f"{where} has dtype {self.dtypes[packed]}; packed weights are I32 "
+                              "words")
+      if scales is None or not scales.int_bits:
+        raise CheckpointError(f"{where} holds packed integer weights but config.json declares "
+                              "no compressed-tensors pack-quantized group")
+      shape_name = name + SHAPE_SUFFIX
+      if shape_name not in self.shapes or name in self.shapes:
+        raise CheckpointError(f"{where} needs {shape_name!r} beside it (and no {name!r})")
+      shape = tuple(int(n) for n in self._read_ints(self.files[shape_name], shape_name, ()))
+      packed_shape = self.shapes[packed]
+      bits = [b for b in scales.int_bits
+              if len(shape) >= 2 and packed_shape[:-1] == shape[:-1]
+              and packed_shape[-1] == -(-shape[-1] * b // 32)]
+      if not bits:
+        raise CheckpointError(f"{where} has shape {packed_shape}, which packs no {shape} of "
+                              f"{' or '.join(map(str, scales.int_bits))}-bit integers")
+      self.files[name], self.shapes[name] = self.files[packed], shape
+      self.dtypes[name] = f"I{bits[0]} packed"
+      self._packed[name] = (packed, bits[0])
+      for hidden in (shape_name, packed):
+        if hidden != packed:
+          del self.files[hidden]
+        del self.shapes[hidden], self.dtypes[hidden]
+
+  def _pair_scales(self, scales: WeightScales | None) -> None:
+    """Pairs each quantized weight with its scale tensor (its shape one of `scales.blocks`'
+    grids), then hides the scales: import sees the weights only, in fp32."""
+    suffix = scales.suffix if scales else "_scale_inv"
+    quantized = sorted(n for n, d in self.dtypes.items() if d in FP8_DTYPES or n in self._packed)
+    for name in quantized:
       where = f"{self._path(self.files[name])}: tensor {name!r}"
       scale, shape = name + suffix, self.shapes[name]
-      if fp8 is None:
+      if scales is None:
         raise CheckpointError(f"{where} is {self.dtypes[name]} but config.json declares no FP8 "
                               "quantization_config (quant_method 'fp8' or compressed-tensors' "
                               "float-quantized)")
       if scale not in self.shapes:
         raise CheckpointError(f"{where} is {self.dtypes[name]} without its scales {scale!r}; "
-                              "moejax reads FP8 weights with their scales only")
+                              "moejax reads quantized weights with their scales only")
       if len(shape) < 2:
-        raise CheckpointError(f"{where} is {self.dtypes[name]} with shape {shape}; FP8 weights "
-                              "have at least two dimensions")
-      grids = [(_grid(shape, block), block) for block in fp8.blocks]
-      found = [(grid, size) for (grid, size), _ in grids
-               if _squeezed(grid) == _squeezed(self.shapes[scale])]
+        raise CheckpointError(f"{where} is {self.dtypes[name]} with shape {shape}; quantized "
+                              "weights have at least two dimensions")
+      grids = [(_grid(shape, block), block) for block in scales.blocks]
+      found = ([(grid, size) for (grid, size), _ in grids if grid == self.shapes[scale]]
+               or [(grid, size) for (grid, size), _ in grids
+                   if _squeezed(grid) == _squeezed(self.shapes[scale])])
+      if len({grid for grid, _ in found}) > 1:
+        raise CheckpointError(
+            f"{self._path(self.files[scale])}: tensor {scale!r} has shape {self.shapes[scale]}, "
+            f"which reads as more than one of the quantization_config's blocks for {name} "
+            f"{shape} ({', '.join(str(list(size)) for _, size in found)})")
       if not found:
         wanted = " or ".join(f"{g} (blocks of {list(b)})" for (g, _), b in grids)
         raise CheckpointError(
@@ -133,10 +183,11 @@ class TensorReader:
             f"{name} {shape} needs {wanted} as config.json's quantization_config declares")
       if self.dtypes[scale] not in SCALE_DTYPES:
         raise CheckpointError(f"{self._path(self.files[scale])}: tensor {scale!r} has dtype "
-                              f"{self.dtypes[scale]}; FP8 scales are read as "
+                              f"{self.dtypes[scale]}; scales are read as "
                               f"{', '.join(SCALE_DTYPES)}")
       grid, size = found[0]
-      self._scales[name] = (scale, size, grid)
+      self._scales[name] = (scale, size, grid, SIXTEEN_BIT.get(self.dtypes[scale])
+                            if scales.in_scale_dtype else None)
     raw = [n for n in self.shapes if self.dtypes[n] in RAW_DTYPES]
     for fname in sorted({self.files[n] for n in raw}):
       offsets = self._data_offsets(fname)
@@ -147,8 +198,8 @@ class TensorReader:
     if orphans:
       raise CheckpointError(
           f"{self._path(self.files[orphans[0]])}: tensor {orphans[0]!r} scales "
-          f"{orphans[0][:-len(suffix)]!r}, which is not stored as FP8 (F8_E4M3)")
-    self._scale_files = {scale: self.files.pop(scale) for scale, _, _ in self._scales.values()}
+          f"{orphans[0][:-len(suffix)]!r}, which is not stored quantized (F8_E4M3 or packed)")
+    self._scale_files = {entry[0]: self.files.pop(entry[0]) for entry in self._scales.values()}
     for scale in self._scale_files:
       del self.shapes[scale], self.dtypes[scale]
 
@@ -210,8 +261,29 @@ class TensorReader:
     """`tensor[index]` as fp32, reading only that block (index: ints and step-1 slices)."""
     self.check_dtype(name)
     if name in self._scales:
-      return self._read_fp8(name, index)
+      return self._read_scaled(name, index)
     return self._read_plain(self.files[name], name, index)
+
+  def _read_ints(self, fname: str, name: str, index: tuple) -> np.ndarray:
+    sl = self._open(fname).get_slice(name)
+    return np.asarray(sl[index] if index else sl[:])
+
+  def _unpack(self, name: str, slices: tuple) -> np.ndarray:
+    """Packed integer weight `name`'s [slices] as fp32: value i of a row sits at bits
+    [i * bits, (i + 1) * bits) of the row's int32 words, stored plus 2**(bits - 1)
+    (compressed-tensors' pack_to_int32); only the words the block covers are read."""
+    packed, bits = self._packed[name]
+    per_word = 32 // bits
+    cols = range(*slices[-1].indices(self.shapes[name][-1]))
+    first = cols.start // per_word
+    words = self._read_ints(self.files[name], packed,
+                            (*slices[:-1], slice(first, -(-cols.stop // per_word))))
+    shifts = np.arange(per_word, dtype=np.uint32) * np.uint32(bits)
+    values = (words.view(np.uint32)[..., None] >> shifts) & np.uint32((1 << bits) - 1)
+    values = values.reshape(*words.shape[:-1], -1)
+    start = cols.start - first * per_word
+    values = values[..., start:start + len(cols)]
+    return (values.astype(np.int32) - (1 << (bits - 1))).astype(np.float32)
 
   def _read_plain(self, fname: str, name: str, index: tuple) -> np.ndarray:
     if name in self._raw:
@@ -223,27 +295,35 @@ class TensorReader:
     block = sl[index] if index else sl[:]
     return np.asarray(block).astype(np.float32, copy=False)
 
-  def _read_fp8(self, name: str, index: tuple) -> np.ndarray:
-    """`dequantize(name)[index]`, reading only the FP8 block (and every scale: at most one per
-    row of the weight, so far fewer than its values)."""
-    shape, (scale, (bm, bn), grid) = self.shapes[name], self._scales[name]
+  def _read_scaled(self, name: str, index: tuple) -> np.ndarray:
+    """`dequantize(name)[index]`, reading only the block of its values (and every scale: at
+    most one per row of the weight, so far fewer than its values)."""
+    shape, (scale, (bm, bn), grid, rounding) = self.shapes[name], self._scales[name]
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
     squeeze = tuple(axis for axis, i in enumerate(index) if not isinstance(i, slice))
-    ranges = [range(i, i + 1) if axis in squeeze else range(*i.indices(n))
+    for axis in squeeze:
+      if not -shape[axis] <= index[axis] < shape[axis]:
+        raise IndexError(f"index {index[axis]} is out of bounds for axis {axis} of {name!r} "
+                         f"{shape}")
+    ranges = [range(i % n, i % n + 1) if axis in squeeze else range(*i.indices(n))
               for axis, (i, n) in enumerate(zip(index, shape))]
     if any(r.step != 1 for r in ranges):
-      raise ValueError(f"FP8 tensor {name!r}: block index {index} is not contiguous")
+      raise ValueError(f"quantized tensor {name!r}: block index {index} is not contiguous")
     slices = tuple(slice(r.start, r.stop) for r in ranges)
-    values = self._read_plain(self.files[name], name, slices)
+    values = (self._unpack(name, slices) if name in self._packed
+              else self._read_plain(self.files[name], name, slices))
     rows, cols = ranges[-2], ranges[-1]
     first_r, first_c = rows.start // bm, cols.start // bn
     scale_slices = (*slices[:-2], slice(first_r, -(-rows.stop // bm)),
                     slice(first_c, -(-cols.stop // bn)))
     scales = self._read_plain(self._scale_files[scale], scale, ()).reshape(grid)[scale_slices]
-    scales = np.repeat(np.repeat(scales, bm, axis=-2), bn, axis=-1)
-    r0, c0 = rows.start - first_r * bm, cols.start - first_c * bn
-    scales = scales[..., r0:r0 + len(rows), c0:c0 + len(cols)]
-    return (values * scales).squeeze(squeeze) if squeeze else values * scales
+    # each row's and column's scale picked by index: the block's size, never a whole block's
+    row_of = (np.arange(rows.start, rows.stop) // bm - first_r)[:, None]
+    col_of = (np.arange(cols.start, cols.stop) // bn - first_c)[None, :]
+    out = values * scales[..., row_of, col_of]
+    if rounding is not None:
+      out = out.astype(rounding).astype(np.float32)
+    return out.squeeze(squeeze) if squeeze else out
 
   def release(self):
     """Closes the open files. Their mapped pages count as this process's memory while open, so

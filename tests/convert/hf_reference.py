@@ -185,12 +185,16 @@ MODELS = {
 # fine-grained FP8: one weight_scale_inv per block; non-square blocks for Qwen3, so rows and
 # columns cannot be swapped unnoticed), and as llm-compressor stores its FP8 checkpoints
 # (compressed-tensors' float-quantized format, weight_scale per row).
-# name -> (base model, compressed-tensors strategy or None, block; 0 a whole dimension)
-FP8_MODELS = {"qwen3_moe_fp8": ("qwen3_moe", None, (8, 4)),
-              "minimax_m2_fp8": ("minimax_m2", None, (4, 4)),
-              "deepseek_v3_b_fp8": ("deepseek_v3_b", None, (2, 2)),
-              "mixtral_ct_fp8": ("mixtral", "channel", (1, 0)),
-              "glm4_moe_ct_fp8": ("glm4_moe", "channel", (1, 0))}
+# And INT4 as Kimi-K2-Thinking's experts are stored (compressed-tensors' pack-quantized format:
+# symmetric 4-bit integers packed 8 to an int32 word, a bf16 weight_scale per group of a row).
+# name -> (base model, compressed-tensors strategy or None, block (0 a whole dimension),
+#          integer bits or 0 for FP8)
+FP8_MODELS = {"qwen3_moe_fp8": ("qwen3_moe", None, (8, 4), 0),
+              "minimax_m2_fp8": ("minimax_m2", None, (4, 4), 0),
+              "deepseek_v3_b_fp8": ("deepseek_v3_b", None, (2, 2), 0),
+              "mixtral_ct_fp8": ("mixtral", "channel", (1, 0), 0),
+              "glm4_moe_ct_fp8": ("glm4_moe", "channel", (1, 0), 0),
+              "qwen3_moe_int4": ("qwen3_moe", "group", (1, 8), 4)}
 # (compressed-tensors' other strategies are checked against a reference of moejax's tests:
 # transformers 5.25 leaves per-tensor scales undecompressed and fails on fused experts' blocks)
 FP8_MAX = 448.0                 # largest finite float8 e4m3fn
@@ -288,14 +292,18 @@ def make(out_dir: str) -> dict:
   return {"models": made}
 
 
-def quantize_fp8(src_dir: str, out_dir: str, strategy: str | None, block: tuple[int, int]) -> None:
+def quantize_fp8(src_dir: str, out_dir: str, strategy: str | None, block: tuple[int, int],
+                 int_bits: int = 0) -> None:
   """A copy of the checkpoint at src_dir with every 2-D projection stored float8 e4m3 beside its
   per-block scales (amax / 448, the grid rounded up; 0 in `block`: a whole dimension),
   config.json declaring it: transformers' fine-grained FP8 (`strategy` None) or
-  compressed-tensors' float-quantized format with that weight strategy."""
+  compressed-tensors' float-quantized format with that weight strategy; with `int_bits`, its
+  pack-quantized format (symmetric integers packed by compressed-tensors' own pack_to_int32,
+  bf16 scales)."""
   import glob
   import shutil
   torch = _torch()
+  from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
   from safetensors import safe_open
   from safetensors.torch import load_file, save_file
   shutil.rmtree(out_dir, ignore_errors=True)
@@ -313,7 +321,16 @@ def quantize_fp8(src_dir: str, out_dir: str, strategy: str | None, block: tuple[
       padded = torch.zeros(grid_r * bm, grid_c * bn)
       padded[:rows, :cols] = w.float()
       blocks = padded.reshape(grid_r, bm, grid_c, bn)
-      scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
+      top = 2 ** (int_bits - 1) - 1 if int_bits else FP8_MAX
+      scale = (blocks.abs().amax(dim=(1, 3)) / top).clamp(min=1e-12)
+      if int_bits:
+        scale = scale.to(torch.bfloat16)
+        q = (blocks / scale.float()[:, None, :, None]).reshape(grid_r * bm, grid_c * bn)
+        q = q[:rows, :cols].round().clamp(-top - 1, top).to(torch.int8)
+        tensors[name + "_packed"] = pack_to_int32(q, int_bits)
+        tensors[name + "_shape"] = torch.tensor([rows, cols], dtype=torch.int32)
+        tensors[name + "_scale"] = scale.contiguous()
+        continue
       q = (blocks / scale[:, None, :, None]).reshape(grid_r * bm, grid_c * bn)[:rows, :cols]
       tensors[name] = q.to(torch.float8_e4m3fn).contiguous()
       if strategy is None:
@@ -336,7 +353,7 @@ def quantize_fp8(src_dir: str, out_dir: str, strategy: str | None, block: tuple[
     config = json.load(f)
   # weights only: with dynamic input activations transformers' forward also rounds the
   # activations to FP8 (inference), which import leaves to the run's compute dtype
-  config["quantization_config"] = fp8_configs.quantization_config(strategy, block)
+  config["quantization_config"] = fp8_configs.quantization_config(strategy, block, int_bits)
   with open(config_path, "w") as f:
     json.dump(config, f, indent=2)
 
@@ -349,15 +366,24 @@ def make_fp8(out_dir: str) -> dict:
   torch = _torch()
   from transformers import AutoConfig, AutoModelForCausalLM
   made = {}
-  for name, (base, strategy, block) in sorted(FP8_MODELS.items()):
+  for name, (base, strategy, block, int_bits) in sorted(FP8_MODELS.items()):
     hf_dir = os.path.join(out_dir, name)
-    quantize_fp8(os.path.join(out_dir, base), hf_dir, strategy, block)
-    model, info = _load(hf_dir)           # without a GPU, transformers dequantizes on load
-    if info:
-      raise RuntimeError(f"transformers did not read {hf_dir} whole: {info}")
+    quantize_fp8(os.path.join(out_dir, base), hf_dir, strategy, block, int_bits)
     shutil.copy(os.path.join(out_dir, f"{base}.tokens.npy"),
                 os.path.join(out_dir, f"{name}.tokens.npy"))
     tokens = np.load(os.path.join(out_dir, f"{name}.tokens.npy"))
+    if int_bits:
+      # transformers' own load keeps the attention compressed and cannot be saved: the
+      # reference is compressed-tensors' unpack and dequantize of every weight, and
+      # transformers' logits from those weights
+      _dequantize_packed(hf_dir, hf_dir + "_dequantized", int_bits)
+      model, info = _load(hf_dir + "_dequantized")
+      np.save(os.path.join(out_dir, f"{name}.logits.npy"), _logits(model, tokens))
+      made[name] = hf_dir
+      continue
+    model, info = _load(hf_dir)           # without a GPU, transformers dequantizes on load
+    if info:
+      raise RuntimeError(f"transformers did not read {hf_dir} whole: {info}")
     np.save(os.path.join(out_dir, f"{name}.logits.npy"), _logits(model, tokens))
     # transformers cannot save a compressed-tensors model it loaded: its weights go into an
     # unquantized model of the same config instead, those it kept in float8 (modules with a bias)
@@ -375,6 +401,49 @@ def make_fp8(out_dir: str) -> dict:
     plain.save_pretrained(hf_dir + "_dequantized")
     made[name] = hf_dir
   return made
+
+
+def _dequantize_packed(hf_dir: str, out_dir: str, int_bits: int) -> None:
+  """out_dir: the checkpoint at hf_dir with each packed weight replaced by compressed-tensors'
+  own unpack_from_int32 and dequantize of it (in the scale's dtype, then fp32); config.json
+  unquantized."""
+  import glob
+  import shutil
+  torch = _torch()
+  from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+  from compressed_tensors.quantization import QuantizationArgs
+  from compressed_tensors.quantization.lifecycle.forward import dequantize
+  from safetensors import safe_open
+  from safetensors.torch import load_file, save_file
+  shutil.rmtree(out_dir, ignore_errors=True)
+  shutil.copytree(hf_dir, out_dir)
+  weight_map = {}
+  for path in sorted(glob.glob(os.path.join(out_dir, "*.safetensors"))):
+    tensors = load_file(path)
+    for packed in [k for k in tensors if k.endswith("_packed")]:
+      name = packed[:-len("_packed")]
+      shape = torch.Size(tensors.pop(name + "_shape").tolist())
+      q = unpack_from_int32(tensors.pop(packed), int_bits, shape)
+      scale = tensors.pop(name + "_scale")
+      args = QuantizationArgs(num_bits=int_bits, type="int", symmetric=True, strategy="group",
+                              group_size=shape[1] // scale.shape[1])
+      tensors[name] = dequantize(q, scale, None, args=args).to(torch.float32)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with safe_open(path, "pt") as f:
+      weight_map.update({k: os.path.basename(path) for k in f.keys()})
+  index_path = os.path.join(out_dir, "model.safetensors.index.json")
+  if os.path.exists(index_path):
+    with open(index_path) as f:
+      index = json.load(f)
+    index["weight_map"] = dict(sorted(weight_map.items()))
+    with open(index_path, "w") as f:
+      json.dump(index, f, indent=2)
+  config_path = os.path.join(out_dir, "config.json")
+  with open(config_path) as f:
+    config = json.load(f)
+  config.pop("quantization_config")
+  with open(config_path, "w") as f:
+    json.dump(config, f, indent=2)
 
 
 def logits(hf_dir: str, tokens: str, out: str) -> dict:

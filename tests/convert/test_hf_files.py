@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 from moejax.convert import __main__ as cli
 from moejax.convert import safetensors_io
 from moejax.convert import config_from_hf, hf_config_from, load_hf, save_hf
-from moejax.convert.hf_config import fp8_scales
+from moejax.convert.hf_config import weight_scales
 from moejax.families import FAMILIES
 from moejax.errors import CheckpointError
 from moejax.models import olmoe
@@ -161,7 +161,8 @@ def test_bfloat16_and_float16_checkpoints_read_exactly(model, tmp_path):
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
-ST_DTYPES = {np.dtype(np.float32): "F32", FP8: "F8_E4M3", E8M0: "F8_E8M0"}
+ST_DTYPES = {np.dtype(np.float32): "F32", FP8: "F8_E4M3", E8M0: "F8_E8M0",
+             np.dtype(np.int32): "I32", np.dtype(ml_dtypes.bfloat16): "BF16"}
 
 
 def write_safetensors(path, tensors: dict[str, np.ndarray]) -> None:
@@ -178,22 +179,39 @@ def write_safetensors(path, tensors: dict[str, np.ndarray]) -> None:
       f.write(np.ascontiguousarray(x).tobytes())
 
 
-def quantize_fp8(w, block, power_of_two=False):
-  """(float8 values, fp32 scales) of a 2-D weight in blocks of `block`, the grid rounded up;
-  `power_of_two`: each scale rounded up to one (DeepSeek's "ue8m0" scale format)."""
+def quantize_blocks(w, block, power_of_two=False, int_bits=0):
+  """(values, fp32 scales) of a 2-D weight in blocks of `block`, the grid rounded up: float8
+  e4m3 values, or symmetric `int_bits`-bit integers; `power_of_two`: each scale rounded up to
+  one (DeepSeek's "ue8m0" scale format)."""
   (rows, cols), (bm, bn) = w.shape, block
-  q, scales = np.empty(w.shape, FP8), np.empty((-(-rows // bm), -(-cols // bn)), np.float32)
+  top = 448.0 if not int_bits else 2 ** (int_bits - 1) - 1
+  q = np.empty(w.shape, FP8 if not int_bits else np.int32)
+  scales = np.empty((-(-rows // bm), -(-cols // bn)), np.float32)
   for i in range(scales.shape[0]):
     for j in range(scales.shape[1]):
       part = w[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn]
-      scales[i, j] = np.abs(part).max() / 448.0
+      scales[i, j] = np.abs(part).max() / top
       if power_of_two:
         scales[i, j] = 2.0 ** np.ceil(np.log2(scales[i, j]))
-      q[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn] = (part / scales[i, j]).astype(FP8)
+      scaled = part / scales[i, j]
+      q[i * bm:(i + 1) * bm, j * bn:(j + 1) * bn] = (
+          scaled.astype(FP8) if not int_bits else np.clip(np.round(scaled), -top - 1, top))
   return q, scales
 
 
-def dequantize_fp8(q, scales, block):
+def pack_ints(q, bits):
+  """Row by row, value k at bits [k * bits, (k + 1) * bits) of the int32 words, plus
+  2**(bits - 1): compressed-tensors' layout, written element by element."""
+  per_word = 32 // bits
+  words = np.zeros((q.shape[0], -(-q.shape[1] // per_word)), np.uint32)
+  for r in range(q.shape[0]):
+    for k in range(q.shape[1]):
+      words[r, k // per_word] |= np.uint32(int(q[r, k]) + 2 ** (bits - 1)) << np.uint32(
+          (k % per_word) * bits)
+  return words.view(np.int32)
+
+
+def dequantize_blocks(q, scales, block):
   """The reference: each block's values times its scale, block by block."""
   out, (bm, bn) = np.empty(q.shape, np.float32), block
   for i in range(scales.shape[0]):
@@ -203,45 +221,59 @@ def dequantize_fp8(q, scales, block):
   return out
 
 
-def fp8_copy(hf_dir, out_dir, block, scale_dtype=np.float32, strategy=None):
-  """out_dir: hf_dir with its projections FP8 in `block`s (0: a whole dimension), stored as
-  transformers' fine-grained FP8 (`strategy` None: weight_scale_inv, fp32 or E8M0 scales) or as
-  compressed-tensors' float-quantized format with that weights `strategy` (weight_scale as
-  llm-compressor shapes it); returns the dequantized values."""
+def fp8_copy(hf_dir, out_dir, block, scale_dtype=np.float32, strategy=None, int_bits=0):
+  """out_dir: hf_dir with its projections quantized in `block`s (0: a whole dimension), stored
+  as transformers' fine-grained FP8 (`strategy` None: weight_scale_inv, fp32 or E8M0 scales), or
+  as compressed-tensors' float-quantized format (FP8) or, with `int_bits`, its pack-quantized
+  one (weight_packed, weight_shape) with that weights `strategy` (weight_scale as llm-compressor
+  shapes it); returns the dequantized values."""
   os.makedirs(out_dir)
   tensors, stored, dequantized = load_file(os.path.join(hf_dir, SINGLE)), {}, {}
   for name, w in tensors.items():
     if w.ndim == 2 and "proj" in name:
       size = tuple(n if b == 0 else b for n, b in zip(w.shape, block))
-      q, scales = quantize_fp8(w, size, power_of_two=scale_dtype == E8M0)
+      q, scales = quantize_blocks(w, size, scale_dtype == E8M0, int_bits)
       suffix = "_scale_inv" if strategy is None else "_scale"
-      stored[name] = q
-      stored[name + suffix] = scales.astype(scale_dtype).reshape(
-          (1,) if strategy == "tensor" else scales.shape)
-      dequantized[name] = dequantize_fp8(q, scales, size)
+      if int_bits:
+        stored[name + "_packed"] = pack_ints(q, int_bits)
+        stored[name + "_shape"] = np.array(w.shape, np.int32)
+      else:
+        stored[name] = q
+      scales = scales.astype(scale_dtype)           # what the reader sees (bf16: rounded)
+      stored[name + suffix] = scales.reshape((1,) if strategy == "tensor" else scales.shape)
+      dequantized[name] = dequantize_blocks(q, scales.astype(np.float32), size)
+      if strategy is not None and scales.dtype.itemsize == 2:
+        # compressed-tensors multiplies in the scale's dtype (x_q.to(scale.dtype) * scale)
+        dequantized[name] = dequantized[name].astype(scale_dtype).astype(np.float32)
     else:
       stored[name] = w
   write_safetensors(os.path.join(out_dir, SINGLE), stored)
   with open(os.path.join(hf_dir, "config.json")) as f:
     hf = json.load(f)
-  hf["quantization_config"] = fp8_configs.quantization_config(strategy, block)
+  hf["quantization_config"] = fp8_configs.quantization_config(strategy, block, int_bits)
   with open(os.path.join(out_dir, "config.json"), "w") as f:
     json.dump(hf, f)
   return dequantized
 
 
-@pytest.mark.parametrize("block,scale_dtype,strategy", [
-    ((3, 5), np.float32, None), ((3, 5), E8M0, None),
-    ((0, 0), np.float32, "tensor"), ((1, 0), np.float32, "channel"),
-    ((1, 5), np.float32, "group"), ((3, 5), np.float32, "block")])
-def test_fp8_blocks_that_do_not_divide_the_weight(hf_dir, tmp_path, block, scale_dtype, strategy):
+@pytest.mark.parametrize("block,scale_dtype,strategy,int_bits", [
+    ((3, 5), np.float32, None, 0), ((3, 5), E8M0, None, 0), ((0, 0), np.float32, None, 0),
+    ((0, 0), np.float32, "tensor", 0), ((1, 0), np.float32, "channel", 0),
+    ((1, 0), ml_dtypes.bfloat16, "channel", 0),
+    ((1, 5), np.float32, "group", 0), ((3, 5), np.float32, "block", 0),
+    ((1, 5), ml_dtypes.bfloat16, "group", 4), ((1, 0), np.float32, "channel", 8)])
+def test_fp8_blocks_that_do_not_divide_the_weight(hf_dir, tmp_path, block, scale_dtype, strategy,
+                                                  int_bits):
   """3 x 5 blocks over 32 x 32 and 16 x 32 projections (the scale grid rounded up, as DeepSeek-V3's
-  576-row kv_a_proj_with_mqa in 128-row blocks), scales in fp32 or E8M0; and compressed-tensors'
-  strategies (one scale per tensor, row, 5 columns of a row, 3 x 5 block): import equals the
-  unquantized checkpoint of the block-by-block dequantized values, bit for bit, read whole and
-  read in 8 devices' blocks."""
+  576-row kv_a_proj_with_mqa in 128-row blocks), scales in fp32 or E8M0, or one per tensor
+  (weight_block_size null); compressed-tensors' strategies (one scale per tensor, row (fp32 or
+  bf16, the product then rounded to bf16 as compressed-tensors rounds it), 5 columns of a row,
+  3 x 5 block); and its packed 4-bit (bf16 scales per 5 columns, as Kimi-K2-Thinking's per 32)
+  and 8-bit integers: import equals the unquantized checkpoint of the block-by-block dequantized
+  values, bit for bit, read whole and read in 8 devices' blocks (4 columns wide: half a word of
+  4-bit values)."""
   fp8_dir, plain_dir = str(tmp_path / "fp8"), str(tmp_path / "plain")
-  dequantized = fp8_copy(hf_dir, fp8_dir, block, scale_dtype, strategy)
+  dequantized = fp8_copy(hf_dir, fp8_dir, block, scale_dtype, strategy, int_bits)
   assert len(dequantized) > 10
   os.makedirs(plain_dir)
   tensors = load_file(os.path.join(hf_dir, SINGLE))
@@ -250,20 +282,71 @@ def test_fp8_blocks_that_do_not_divide_the_weight(hf_dir, tmp_path, block, scale
       open(os.path.join(plain_dir, "config.json"), "w") as g:
     g.write(f.read())
   cfg, got = load_hf(fp8_dir)
-  assert (cfg, jax.tree.structure(got)) == (load_hf(plain_dir)[0], jax.tree.structure(got))
-  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(load_hf(plain_dir)[1])):
+  plain_cfg, plain = load_hf(plain_dir)
+  assert (cfg, jax.tree.structure(got)) == (plain_cfg, jax.tree.structure(plain))
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(plain)):
     np.testing.assert_array_equal(x.view(np.uint32), y.view(np.uint32))
   assert not np.array_equal(got["layers"]["attn"]["wq"],     # quantization moved the weights
                             load_hf(hf_dir)[1]["layers"]["attn"]["wq"])
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
-  def spec(x):     # blocks of 16 x 8 rows and columns (or fewer) against 3 x 5 scale blocks
-    if x.ndim < 2 or x.shape[-2] % 2 or x.shape[-1] % 4:
-      return jax.sharding.PartitionSpec()
-    return jax.sharding.PartitionSpec(*([None] * (x.ndim - 2)), "a", "b")
-  shardings = jax.tree.map(lambda x: jax.sharding.NamedSharding(mesh, spec(x)), got)
-  _, sharded = load_hf(fp8_dir, shardings=shardings)
-  for x, y in zip(jax.tree.leaves(sharded), jax.tree.leaves(got)):
-    np.testing.assert_array_equal(np.asarray(x).view(np.uint32), y.view(np.uint32))
+  # Parameters hold the Hugging Face tensors transposed: their last axis is its rows. Blocks of
+  # 16 x 8 (or fewer) against 3 x 5 scale blocks; then all 8 devices over its columns, 4 wide,
+  # so a device's columns start mid-word of 4-bit values.
+  for axes in (("a", "b"), (("a", "b"), None)):
+    def spec(x, axes=axes):
+      ways = [2 * 4 if isinstance(a, tuple) else {"a": 2, "b": 4}.get(a, 1) for a in axes]
+      if x.ndim < 2 or x.shape[-2] % ways[0] or x.shape[-1] % ways[1]:
+        return jax.sharding.PartitionSpec()
+      return jax.sharding.PartitionSpec(*([None] * (x.ndim - 2)), *axes)
+    shardings = jax.tree.map(lambda x: jax.sharding.NamedSharding(mesh, spec(x)), got)
+    _, sharded = load_hf(fp8_dir, shardings=shardings)
+    for x, y in zip(jax.tree.leaves(sharded), jax.tree.leaves(got)):
+      np.testing.assert_array_equal(np.asarray(x).view(np.uint32), y.view(np.uint32))
+
+
+@pytest.mark.parametrize("block,scale_shape", [((3, 5), (3, 4, 3)), ((0, 0), (3,))])
+def test_quantized_reads_of_any_block_of_a_stacked_weight(tmp_path, block, scale_shape):
+  """A weight with a leading expert axis (transformers 5's fused layout), 3 x 5 blocks or one
+  scale per expert: every index import may pass (ints, negative ones too, empty and clipped
+  slices, blocks crossing scale blocks) reads as that index of the whole dequantized weight."""
+  rng = np.random.default_rng(0)
+  w = rng.normal(size=(3, 10, 12)).astype(np.float32)
+  size = tuple(n if b == 0 else b for n, b in zip(w.shape[1:], block))
+  parts = [quantize_blocks(w[e], size) for e in range(3)]
+  q = np.stack([p[0] for p in parts])
+  scales = np.stack([p[1] for p in parts])
+  whole = np.stack([dequantize_blocks(q[e], scales[e], size) for e in range(3)])
+  write_safetensors(str(tmp_path / SINGLE), {"w.weight": q,
+                                            "w.weight_scale": scales.reshape(scale_shape)})
+  reader = safetensors_io.TensorReader(
+      str(tmp_path), scales=safetensors_io.WeightScales("_scale", (block,)))
+  cases = [(), (1,), (-1,), (slice(0, 2), slice(2, 9), slice(4, 11)), (2, 7, slice(None)),
+           (0, slice(None), -3), (slice(1, 3), slice(8, 20), slice(0, 5)),
+           (slice(0, 1), slice(3, 3), slice(None))]
+  for _ in range(40):
+    cut = [sorted(rng.integers(0, n + 1, 2)) for n in w.shape]
+    cases.append(tuple(slice(int(a), int(b)) for a, b in cut))
+  for index in cases:
+    np.testing.assert_array_equal(reader.read("w.weight", index), whole[index], err_msg=index)
+  with pytest.raises(IndexError, match="out of bounds for axis 0"):
+    reader.read("w.weight", (3,))
+
+
+def test_a_scale_shape_two_strategies_could_mean_is_refused(tmp_path):
+  """Scales [4] of a [4, 32] weight, under a config with per-row and 4 x 8 block groups: one
+  per row or one per block of columns; read exactly ([1, 4]) it is the blocks."""
+  q = np.zeros((4, 32), FP8)
+  config = safetensors_io.WeightScales("_scale", ((1, 0), (4, 8)))
+  write_safetensors(str(tmp_path / SINGLE), {"w.weight": q,
+                                            "w.weight_scale": np.ones((4,), np.float32)})
+  with pytest.raises(CheckpointError, match=r"'w.weight_scale' has shape \(4,\), which reads as "
+                     r"more than one .* \(\[1, 32\], \[4, 8\]\)"):
+    safetensors_io.TensorReader(str(tmp_path), scales=config)
+  write_safetensors(str(tmp_path / SINGLE), {
+      "w.weight": np.ones((4, 32), np.float32).astype(FP8),
+      "w.weight_scale": np.array([[1, 2, 3, 4]], np.float32)})
+  read = safetensors_io.TensorReader(str(tmp_path), scales=config).read("w.weight")
+  np.testing.assert_array_equal(read[0], np.repeat([1.0, 2.0, 3.0, 4.0], 8))
 
 
 def test_fp8_checkpoints_that_do_not_hold_together(hf_dir, tmp_path):
@@ -297,7 +380,7 @@ def test_fp8_checkpoints_that_do_not_hold_together(hf_dir, tmp_path):
       load_error(fp8_dir)
   rewrite(lambda t: t.update({name: t[name].astype(np.float32),
                               name + "_scale_inv": np.ones((8, 4), np.float32)}))
-  assert f"tensor {name + '_scale_inv'!r} scales {name!r}, which is not stored as FP8" in \
+  assert f"tensor {name + '_scale_inv'!r} scales {name!r}, which is not stored quantized" in \
       load_error(fp8_dir)
 
 
@@ -379,16 +462,17 @@ FAMILY_REFUSALS = [
     ("deepseek_v3", dict(rope_interleave=False), "rope_interleave=False is not supported"),
     ("deepseek_v3", dict(quantization_config={"quant_method": "bitsandbytes"}),
      "quantization_config={'quant_method': 'bitsandbytes'} is not supported: moejax "
-     "dequantizes FP8 weights only"),
+     "dequantizes FP8 and symmetric integer weights only"),
     ("glm4_moe", dict(quantization_config=dict(CT_FP8, config_groups={"group_0": dict(
-        CT_FP8["config_groups"]["group_0"], format="pack-quantized")})),
-     "quantization_config.config_groups.group_0.format='pack-quantized' is not supported"),
+        CT_FP8["config_groups"]["group_0"], format="marlin-24")})),
+     "quantization_config.config_groups.group_0.format='marlin-24' is not supported"),
     ("qwen3_moe", dict(quantization_config=dict(CT_FP8, config_groups={"group_0": dict(
-        CT_FP8["config_groups"]["group_0"], weights={"num_bits": 4, "type": "int",
-                                                     "strategy": "group", "group_size": 128})})),
+        CT_FP8["config_groups"]["group_0"], format="pack-quantized", weights={
+            "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
+            "group_size": 128})})),
      "quantization_config.config_groups.group_0.weights={'num_bits': 4, 'type': 'int', "
-     "'strategy': 'group', 'group_size': 128} is not supported: moejax reads symmetric 8-bit "
-     "float weights"),
+     "'symmetric': False, 'strategy': 'group', 'group_size': 128} is not supported: moejax "
+     "reads symmetric 8-bit float (float-quantized) or 4- and 8-bit integer"),
     ("mixtral", dict(quantization_config=dict(CT_FP8, config_groups={"group_0": dict(
         CT_FP8["config_groups"]["group_0"], input_activations={"num_bits": 8, "type": "float",
                                                                "dynamic": False})})),
@@ -397,6 +481,15 @@ FAMILY_REFUSALS = [
         CT_FP8["config_groups"]["group_0"], weights={"num_bits": 8, "type": "float",
                                                      "strategy": "block"})})),
      "strategy 'block' needs its block_structure [rows, cols]"),
+    ("mixtral", dict(quantization_config=dict(CT_FP8, transform_config={"config_groups": {}})),
+     "quantization_config.transform_config={'config_groups': {}} is not supported: moejax reads "
+     "weights stored as they are used"),
+    ("olmoe", dict(quantization_config=dict(CT_FP8, config_groups={"group_0": dict(
+        CT_FP8["config_groups"]["group_0"], input_activations="dynamic")})),
+     "input_activations='dynamic' is not supported"),
+    ("olmoe", dict(quantization_config=dict(CT_FP8, config_groups={"group_0": dict(
+        CT_FP8["config_groups"]["group_0"], weights="fp8")})),
+     "weights='fp8' is not supported: expected compressed-tensors' weights scheme"),
     ("qwen3_moe", dict(quantization_config={"quant_method": "fp8", "activation_scheme": "static"}),
      "quantization_config.activation_scheme='static' is not supported"),
     ("mixtral", dict(quantization_config={"quant_method": "fp8", "fmt": "e5m2"}),
@@ -693,9 +786,9 @@ def test_deepseek_v3_published_yarn_reads_as_the_v3_preset():
   fp8 = dict(hf, quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3",
                                       "quant_method": "fp8", "weight_block_size": [128, 128]})
   assert config_from_hf(fp8, base=v3) == got
-  assert fp8_scales(fp8).blocks == ((128, 128),) and fp8_scales(hf) is None
+  assert weight_scales(fp8).blocks == ((128, 128),) and weight_scales(hf) is None
   # llm-compressor's FP8_DYNAMIC: per-row weight scales, activations quantized only at inference
-  ct = fp8_scales(dict(hf, quantization_config=CT_FP8))
+  ct = weight_scales(dict(hf, quantization_config=CT_FP8))
   assert (ct.suffix, ct.blocks) == ("_scale", ((1, 0),))
   # transformers' rules: a null factor is max_position_embeddings / original; a top-level
   # original_max_position_embeddings wins over the rope dict's.

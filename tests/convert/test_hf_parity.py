@@ -27,7 +27,9 @@ RoPE base, norm epsilon and top-k renormalization; "b", "qwen3_moe", "deepseek_v
 two mscales, equal and not). FP8 copies of "qwen3_moe" (8 x 4 blocks), "minimax_m2" (4 x 4) and
 "deepseek_v3_b" (2 x 2), stored as the Hub's FP8 checkpoints are (float8 e4m3 projections beside
 per-block weight_scale_inv), and of "mixtral" and "glm4_moe" in compressed-tensors' format (one
-weight_scale per row), against what transformers computes from them.
+weight_scale per row), against what transformers computes from them; an INT4 copy of
+"qwen3_moe" (compressed-tensors' pack-quantized, a bf16 scale per 8 columns of a row) against
+compressed-tensors' own unpacking.
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ MODELS = ("a", "b", "mixtral", "qwen2_moe", "qwen3_moe", "minimax_m2", "ernie4_5
           "dots1", "deepseek_v2", "deepseek_v3", "deepseek_v3_b", "glm4_moe_lite")
 SAVED_FUSED = ("b", "qwen2_moe", "dots1", "deepseek_v3")
 FP8_MODELS = ("qwen3_moe_fp8", "minimax_m2_fp8", "deepseek_v3_b_fp8", "mixtral_ct_fp8",
-              "glm4_moe_ct_fp8")
+              "glm4_moe_ct_fp8", "qwen3_moe_int4")
 
 
 def fp32_logits(cfg, params, tokens):
@@ -110,10 +112,12 @@ def test_logits_match_transformers_fp32(name, hf_models, imported):
 
 @pytest.mark.parametrize("name", FP8_MODELS)
 def test_fp8_checkpoints_import_as_transformers_dequantizes_them(name, hf_models, imported):
-  """FP8 imports to transformers' own dequantized weights bit for bit, and to its logits;
-  quantization moved those logits well past the bound, so the scales were applied."""
+  """FP8 imports to transformers' own dequantized weights bit for bit, and to its logits; INT4
+  to compressed-tensors' unpacking times the scales (transformers keeps those experts in bf16,
+  rounded) and transformers' logits from them. Quantization moved those logits well past the
+  bound, so the scales were applied."""
   hf_dir, tokens, want = hf_models[name]
-  base = name.removesuffix("_fp8").removesuffix("_ct")
+  base = name.removesuffix("_fp8").removesuffix("_int4").removesuffix("_ct")
   cfg, params = imported[name]
   dequantized_cfg, dequantized = load_hf(hf_dir + "_dequantized")
   assert cfg == dequantized_cfg == imported[base][0]
@@ -141,6 +145,10 @@ def test_kimi_k2_reads_as_deepseek_v3(hf_models, imported, tmp_path):
   exported = hf_config_from(cfg, hf)
   assert exported["model_type"] == "deepseek_v3" and "auto_map" not in exported
   assert exported["max_position_embeddings"] == 777
+  # a workdir fine-tuned from it exports with these fields too
+  from moejax.convert import checkpoint_io
+  found = checkpoint_io._init_from_hf_config(dataclasses.replace(cfg, init_from=kimi))
+  assert found is not None and found["max_position_embeddings"] == 777
 
 
 def test_config_mapping(hf_models, imported):
@@ -297,7 +305,8 @@ def test_transformers_loads_the_export(hf_models, imported, hf_reference, tmp_pa
                                                        ("b", "fsdp", (2, 4)),
                                                        ("qwen2_moe", "fsdp", (1, 8)),
                                                        ("qwen3_moe_fp8", "fsdp", (1, 8)),
-                                                       ("minimax_m2_fp8", "ep", (2, 4))])
+                                                       ("minimax_m2_fp8", "ep", (2, 4)),
+                                                       ("qwen3_moe_int4", "fsdp", (2, 4))])
 def test_load_straight_into_shards(name, placement, mesh_shape, hf_models, imported):
   """On 8 devices: each leaf lands with the train state's sharding and the same bits as the
   host load (model b reads fused gate/up halves block by block; the FP8 model's device blocks

@@ -13,6 +13,7 @@ import math
 import os
 import shutil
 import signal
+import threading
 import subprocess
 import time
 
@@ -88,15 +89,18 @@ def _poisoned(at_step: int, what: str):
 # SIGINT / SIGTERM: a stop at a step boundary, with a checkpoint there.
 
 def _signalled(at_step: int, signum: int, times: int = 1):
-  """A train-step wrapper that sends this process `signum` (`times` times) during `at_step`, as
-  Ctrl-C or a scheduler would."""
+  """A train-step wrapper that sends the main thread `signum` (`times` times) during `at_step`,
+  as Ctrl-C or a scheduler would. To the main thread, not the process: a process-wide signal may
+  land on any of XLA's threads, and two landing before the main thread runs Python's handler
+  reach it as one (a second Ctrl-C lost, under load); sent to the calling main thread, each is
+  handled before the next is sent."""
   def wrap(train_step):
     def step(state, batch):
       n = int(state.step) + 1
       out = train_step(state, batch)
       if n == at_step:
         for _ in range(times):
-          os.kill(os.getpid(), signum)
+          signal.pthread_kill(threading.main_thread().ident, signum)
       return out
     return step
   return wrap
