@@ -300,20 +300,14 @@ def quantize_fp8(src_dir: str, out_dir: str, strategy: str | None, block: tuple[
   compressed-tensors' float-quantized format with that weight strategy; with `int_bits`, its
   pack-quantized format (symmetric integers packed by compressed-tensors' own pack_to_int32,
   bf16 scales)."""
-  import glob
-  import shutil
   torch = _torch()
   from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-  from safetensors import safe_open
-  from safetensors.torch import load_file, save_file
-  shutil.rmtree(out_dir, ignore_errors=True)
-  shutil.copytree(src_dir, out_dir)
-  weight_map = {}
-  for path in sorted(glob.glob(os.path.join(out_dir, "*.safetensors"))):
-    tensors = {}
-    for name, w in load_file(path).items():
+
+  def edit(tensors: dict) -> dict:
+    out = {}
+    for name, w in tensors.items():
       if w.ndim != 2 or not name.endswith(".weight") or any(k in name for k in FP8_UNQUANTIZED):
-        tensors[name] = w
+        out[name] = w
         continue
       rows, cols = w.shape
       bm, bn = block[0] or rows, block[1] or cols
@@ -327,18 +321,38 @@ def quantize_fp8(src_dir: str, out_dir: str, strategy: str | None, block: tuple[
         scale = scale.to(torch.bfloat16)
         q = (blocks / scale.float()[:, None, :, None]).reshape(grid_r * bm, grid_c * bn)
         q = q[:rows, :cols].round().clamp(-top - 1, top).to(torch.int8)
-        tensors[name + "_packed"] = pack_to_int32(q, int_bits)
-        tensors[name + "_shape"] = torch.tensor([rows, cols], dtype=torch.int32)
-        tensors[name + "_scale"] = scale.contiguous()
+        out[name + "_packed"] = pack_to_int32(q, int_bits)
+        out[name + "_shape"] = torch.tensor([rows, cols], dtype=torch.int32)
+        out[name + "_scale"] = scale.contiguous()
         continue
       q = (blocks / scale[:, None, :, None]).reshape(grid_r * bm, grid_c * bn)[:rows, :cols]
-      tensors[name] = q.to(torch.float8_e4m3fn).contiguous()
+      out[name] = q.to(torch.float8_e4m3fn).contiguous()
       if strategy is None:
-        tensors[name + "_scale_inv"] = scale.contiguous()
+        out[name + "_scale_inv"] = scale.contiguous()
       else:             # llm-compressor's shapes: [1] per tensor, [rows, 1] per channel
         scale = scale.reshape(1) if strategy == "tensor" else scale
-        tensors[name + "_scale"] = scale.contiguous()
-    save_file(tensors, path, metadata={"format": "pt"})
+        out[name + "_scale"] = scale.contiguous()
+    return out
+
+  # weights only: with dynamic input activations transformers' forward also rounds the
+  # activations to FP8 (inference), which import leaves to the run's compute dtype
+  _rewrite_checkpoint(src_dir, out_dir, edit, lambda config: config.update(
+      quantization_config=fp8_configs.quantization_config(strategy, block, int_bits)))
+
+
+def _rewrite_checkpoint(src_dir: str, out_dir: str, edit_tensors, edit_config) -> None:
+  """out_dir: a copy of the checkpoint at src_dir, each shard's tensors through
+  `edit_tensors(dict) -> dict`, the index's weight_map following, config.json through
+  `edit_config(dict)` (in place)."""
+  import glob
+  import shutil
+  from safetensors import safe_open
+  from safetensors.torch import load_file, save_file
+  shutil.rmtree(out_dir, ignore_errors=True)
+  shutil.copytree(src_dir, out_dir)
+  weight_map = {}
+  for path in sorted(glob.glob(os.path.join(out_dir, "*.safetensors"))):
+    save_file(edit_tensors(load_file(path)), path, metadata={"format": "pt"})
     with safe_open(path, "pt") as f:
       weight_map.update({k: os.path.basename(path) for k in f.keys()})
   index_path = os.path.join(out_dir, "model.safetensors.index.json")
@@ -351,9 +365,7 @@ def quantize_fp8(src_dir: str, out_dir: str, strategy: str | None, block: tuple[
   config_path = os.path.join(out_dir, "config.json")
   with open(config_path) as f:
     config = json.load(f)
-  # weights only: with dynamic input activations transformers' forward also rounds the
-  # activations to FP8 (inference), which import leaves to the run's compute dtype
-  config["quantization_config"] = fp8_configs.quantization_config(strategy, block, int_bits)
+  edit_config(config)
   with open(config_path, "w") as f:
     json.dump(config, f, indent=2)
 
@@ -407,19 +419,12 @@ def _dequantize_packed(hf_dir: str, out_dir: str, int_bits: int) -> None:
   """out_dir: the checkpoint at hf_dir with each packed weight replaced by compressed-tensors'
   own unpack_from_int32 and dequantize of it (in the scale's dtype, then fp32); config.json
   unquantized."""
-  import glob
-  import shutil
   torch = _torch()
   from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
   from compressed_tensors.quantization import QuantizationArgs
   from compressed_tensors.quantization.lifecycle.forward import dequantize
-  from safetensors import safe_open
-  from safetensors.torch import load_file, save_file
-  shutil.rmtree(out_dir, ignore_errors=True)
-  shutil.copytree(hf_dir, out_dir)
-  weight_map = {}
-  for path in sorted(glob.glob(os.path.join(out_dir, "*.safetensors"))):
-    tensors = load_file(path)
+
+  def edit(tensors: dict) -> dict:
     for packed in [k for k in tensors if k.endswith("_packed")]:
       name = packed[:-len("_packed")]
       shape = torch.Size(tensors.pop(name + "_shape").tolist())
@@ -428,22 +433,9 @@ def _dequantize_packed(hf_dir: str, out_dir: str, int_bits: int) -> None:
       args = QuantizationArgs(num_bits=int_bits, type="int", symmetric=True, strategy="group",
                               group_size=shape[1] // scale.shape[1])
       tensors[name] = dequantize(q, scale, None, args=args).to(torch.float32)
-    save_file(tensors, path, metadata={"format": "pt"})
-    with safe_open(path, "pt") as f:
-      weight_map.update({k: os.path.basename(path) for k in f.keys()})
-  index_path = os.path.join(out_dir, "model.safetensors.index.json")
-  if os.path.exists(index_path):
-    with open(index_path) as f:
-      index = json.load(f)
-    index["weight_map"] = dict(sorted(weight_map.items()))
-    with open(index_path, "w") as f:
-      json.dump(index, f, indent=2)
-  config_path = os.path.join(out_dir, "config.json")
-  with open(config_path) as f:
-    config = json.load(f)
-  config.pop("quantization_config")
-  with open(config_path, "w") as f:
-    json.dump(config, f, indent=2)
+    return tensors
+
+  _rewrite_checkpoint(hf_dir, out_dir, edit, lambda config: config.pop("quantization_config"))
 
 
 def logits(hf_dir: str, tokens: str, out: str) -> dict:
