@@ -452,8 +452,10 @@ def weight_scales(hf: dict, where: str = "config.json") -> WeightScales | None:
     _refuse(where, "quantization_config.kv_cache_scheme", q["kv_cache_scheme"],
             "moejax reads weights only (no kv-cache scales)")
   for field in ("transform_config", "sparsity_config"):
-    if q.get(field):           # rotated or sparse-compressed weights would read as plain ones
-      _refuse(where, f"quantization_config.{field}", q[field], "moejax reads weights stored "
+    value = q.get(field)       # rotated or sparse-compressed weights would read as plain ones
+    if value and not (field == "sparsity_config" and isinstance(value, dict)
+                      and value.get("format") in (None, "dense")):
+      _refuse(where, f"quantization_config.{field}", value, "moejax reads weights stored "
               "as they are used (no rotations, no sparse compression)")
   blocks, int_bits = [], []
   for name, group in sorted(groups.items()):
@@ -473,6 +475,9 @@ def weight_scales(hf: dict, where: str = "config.json") -> WeightScales | None:
       _refuse(where, f"{key}.weights", w, "moejax reads symmetric 8-bit float "
               "(float-quantized) or 4- and 8-bit integer (pack-quantized) weights per tensor, "
               f"channel, group or block ({fix})")
+    if w.get("actorder") not in (None, False, "static", "weight"):
+      _refuse(where, f"{key}.weights.actorder", w["actorder"], "moejax reads weights stored "
+              "in their own column order (no activation-order permutation, g_idx)")
     block = _CT_BLOCKS[strategy](w)
     if not _positive_pair(block) or (strategy in ("group", "block") and 0 in block):
       _refuse(where, f"{key}.weights", w, f"strategy {strategy!r} needs its "

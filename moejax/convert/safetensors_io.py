@@ -14,8 +14,9 @@ block (`WeightScales`): transformers' fine-grained FP8 (DeepSeek-V3, Qwen3-*-FP8
 `X.weight_scale_inv` per 128 x 128 block; compressed-tensors' float-quantized and pack-quantized
 formats (llm-compressor's checkpoints; Kimi-K2-Thinking's INT4 experts) as `X.weight_scale` per
 tensor, row, group of a row, or block. The reader dequantizes such a weight as it reads it
-(value * scale, one fp32 rounding: exact for the integers) and hides the scale tensors, so the
-rest of import sees ordinary fp32 weights.
+(value * scale in fp32, as transformers' FP8 does; compressed-tensors' products rounded to a
+16-bit scale's dtype, as it rounds them) and hides the scale tensors, so the rest of import sees
+ordinary fp32 weights.
 
 File format (https://github.com/huggingface/safetensors): 8-byte little-endian header length N,
 N bytes of JSON header ({name: {dtype, shape, data_offsets}}, "__metadata__"), then the data.
@@ -66,6 +67,11 @@ class WeightScales:
 
 
 PACKED_SUFFIX, SHAPE_SUFFIX = "_packed", "_shape"     # X.weight_packed, X.weight_shape
+# Tensors of quantization schemes moejax does not read (activation order, asymmetric zero
+# points, a second-level global scale): each would leave the weights read wrong.
+UNREAD_SUFFIXES = {"_g_idx": "an activation-order permutation (actorder)",
+                   "_zero_point": "zero points (asymmetric integers)",
+                   "_global_scale": "a global scale (FP4 / tensor_group)"}
 
 
 def _grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[tuple[int, ...], tuple]:
@@ -121,6 +127,11 @@ class TensorReader:
   def _unpack_names(self, scales: WeightScales | None) -> None:
     """Each packed integer weight X.weight_packed (+ X.weight_shape) listed as X.weight, of the
     shape it holds, its width found from the words per row."""
+    for name in sorted(self.shapes):
+      for suffix, what in UNREAD_SUFFIXES.items():
+        if name.endswith(suffix):
+          raise CheckpointError(f"{self._path(self.files[name])}: tensor {name!r} holds {what}, "
+                                "which moejax does not read")
     for packed in sorted(n for n in self.shapes if n.endswith(PACKED_SUFFIX)):
       name = packed[:-len(PACKED_SUFFIX)]
       where = f"{self._path(self.files[packed])}: tensor {packed!r}"
@@ -139,8 +150,13 @@ class TensorReader:
               if len(shape) >= 2 and packed_shape[:-1] == shape[:-1]
               and packed_shape[-1] == -(-shape[-1] * b // 32)]
       if not bits:
-        raise CheckpointError(f"{where} has shape {packed_shape}, which packs no {shape} of "
-                              f"{' or '.join(map(str, scales.int_bits))}-bit integers")
+        raise CheckpointError(f"{where} has shape {packed_shape}, which does not pack {shape} "
+                              f"as {' or '.join(map(str, scales.int_bits))}-bit integers (the "
+                              "widths config.json declares)")
+      if len(bits) > 1:      # narrow enough that one word holds either width
+        raise CheckpointError(f"{where} has shape {packed_shape}, which packs {shape} as "
+                              f"{' or '.join(map(str, bits))}-bit integers alike, and "
+                              "config.json declares both widths")
       self.files[name], self.shapes[name] = self.files[packed], shape
       self.dtypes[name] = f"I{bits[0]} packed"
       self._packed[name] = (packed, bits[0])
@@ -200,8 +216,9 @@ class TensorReader:
           f"{self._path(self.files[orphans[0]])}: tensor {orphans[0]!r} scales "
           f"{orphans[0][:-len(suffix)]!r}, which is not stored quantized (F8_E4M3 or packed)")
     self._scale_files = {entry[0]: self.files.pop(entry[0]) for entry in self._scales.values()}
+    self._scale_shapes = {scale: self.shapes.pop(scale) for scale in self._scale_files}
     for scale in self._scale_files:
-      del self.shapes[scale], self.dtypes[scale]
+      del self.dtypes[scale]
 
   def _data_offsets(self, fname: str) -> dict[str, int]:
     """Each tensor's offset in `fname` (safetensors' reader does not give them)."""
@@ -296,8 +313,8 @@ class TensorReader:
     return np.asarray(block).astype(np.float32, copy=False)
 
   def _read_scaled(self, name: str, index: tuple) -> np.ndarray:
-    """`dequantize(name)[index]`, reading only the block of its values (and every scale: at
-    most one per row of the weight, so far fewer than its values)."""
+    """`dequantize(name)[index]`, reading only the block of its values and the scales that
+    cover it."""
     shape, (scale, (bm, bn), grid, rounding) = self.shapes[name], self._scales[name]
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
     squeeze = tuple(axis for axis, i in enumerate(index) if not isinstance(i, slice))
@@ -310,13 +327,19 @@ class TensorReader:
     if any(r.step != 1 for r in ranges):
       raise ValueError(f"quantized tensor {name!r}: block index {index} is not contiguous")
     slices = tuple(slice(r.start, r.stop) for r in ranges)
+    if any(len(r) == 0 for r in ranges):
+      out = np.zeros([len(r) for r in ranges], np.float32)
+      return out.squeeze(squeeze) if squeeze else out
     values = (self._unpack(name, slices) if name in self._packed
               else self._read_plain(self.files[name], name, slices))
     rows, cols = ranges[-2], ranges[-1]
     first_r, first_c = rows.start // bm, cols.start // bn
     scale_slices = (*slices[:-2], slice(first_r, -(-rows.stop // bm)),
                     slice(first_c, -(-cols.stop // bn)))
-    scales = self._read_plain(self._scale_files[scale], scale, ()).reshape(grid)[scale_slices]
+    if self._scale_shapes[scale] == grid:     # only the scales that cover the block
+      scales = self._read_plain(self._scale_files[scale], scale, scale_slices)
+    else:                                     # stored squeezed ([rows], [1], []): tiny
+      scales = self._read_plain(self._scale_files[scale], scale, ()).reshape(grid)[scale_slices]
     # each row's and column's scale picked by index: the block's size, never a whole block's
     row_of = (np.arange(rows.start, rows.stop) // bm - first_r)[:, None]
     col_of = (np.arange(cols.start, cols.stop) // bn - first_c)[None, :]

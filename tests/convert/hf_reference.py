@@ -322,7 +322,7 @@ def quantize_fp8(src_dir: str, out_dir: str, strategy: str | None, block: tuple[
         q = (blocks / scale.float()[:, None, :, None]).reshape(grid_r * bm, grid_c * bn)
         q = q[:rows, :cols].round().clamp(-top - 1, top).to(torch.int8)
         out[name + "_packed"] = pack_to_int32(q, int_bits)
-        out[name + "_shape"] = torch.tensor([rows, cols], dtype=torch.int32)
+        out[name + "_shape"] = torch.tensor([rows, cols])     # int64, as compressed-tensors
         out[name + "_scale"] = scale.contiguous()
         continue
       q = (blocks / scale[:, None, :, None]).reshape(grid_r * bm, grid_c * bn)[:rows, :cols]

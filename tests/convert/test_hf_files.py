@@ -304,32 +304,73 @@ def test_fp8_blocks_that_do_not_divide_the_weight(hf_dir, tmp_path, block, scale
       np.testing.assert_array_equal(np.asarray(x).view(np.uint32), y.view(np.uint32))
 
 
-@pytest.mark.parametrize("block,scale_shape", [((3, 5), (3, 4, 3)), ((0, 0), (3,))])
-def test_quantized_reads_of_any_block_of_a_stacked_weight(tmp_path, block, scale_shape):
-  """A weight with a leading expert axis (transformers 5's fused layout), 3 x 5 blocks or one
-  scale per expert: every index import may pass (ints, negative ones too, empty and clipped
-  slices, blocks crossing scale blocks) reads as that index of the whole dequantized weight."""
+@pytest.mark.parametrize("block,scale_shape,int_bits", [
+    ((3, 5), (3, 4, 3), 0), ((0, 0), (3,), 0), ((1, 4), (3, 10, 3), 4), ((1, 0), (3, 10, 1), 8)])
+def test_quantized_reads_of_any_block_of_a_stacked_weight(tmp_path, block, scale_shape, int_bits):
+  """A weight with a leading expert axis (transformers 5's fused layout): FP8 in 3 x 5 blocks or
+  one scale per expert, packed 4-bit integers (every nibble value) per 4 columns, 8-bit per
+  row: every index import may pass (ints, negative ones too, empty and clipped slices, blocks
+  crossing scale blocks and words) reads as that index of the whole dequantized weight."""
   rng = np.random.default_rng(0)
-  w = rng.normal(size=(3, 10, 12)).astype(np.float32)
-  size = tuple(n if b == 0 else b for n, b in zip(w.shape[1:], block))
-  parts = [quantize_blocks(w[e], size) for e in range(3)]
-  q = np.stack([p[0] for p in parts])
-  scales = np.stack([p[1] for p in parts])
-  whole = np.stack([dequantize_blocks(q[e], scales[e], size) for e in range(3)])
-  write_safetensors(str(tmp_path / SINGLE), {"w.weight": q,
-                                            "w.weight_scale": scales.reshape(scale_shape)})
-  reader = safetensors_io.TensorReader(
-      str(tmp_path), scales=safetensors_io.WeightScales("_scale", (block,)))
+  size = tuple(n if b == 0 else b for n, b in zip((10, 12), block))
+  if int_bits:
+    q = rng.integers(-2 ** (int_bits - 1), 2 ** (int_bits - 1), (3, 10, 12)).astype(np.int32)
+    scales = rng.uniform(0.5, 2.0, (3, *scale_shape[1:])).astype(np.float32)
+    stored = {"w.weight_packed": np.stack([pack_ints(q[e], int_bits) for e in range(3)]),
+              "w.weight_shape": np.array(q.shape, np.int32)}
+  else:
+    w = rng.normal(size=(3, 10, 12)).astype(np.float32)
+    parts = [quantize_blocks(w[e], size) for e in range(3)]
+    q = np.stack([p[0] for p in parts])
+    scales = np.stack([p[1] for p in parts])
+    stored = {"w.weight": q}
+  grid = (-(-10 // size[0]), -(-12 // size[1]))
+  whole = np.stack([dequantize_blocks(q[e], scales[e].reshape(grid), size) for e in range(3)])
+  stored["w.weight_scale"] = scales.reshape(scale_shape)
+  write_safetensors(str(tmp_path / SINGLE), stored)
+  reader = safetensors_io.TensorReader(str(tmp_path), scales=safetensors_io.WeightScales(
+      "_scale", (block,), (int_bits,) if int_bits else ()))
+  assert reader.shapes == {"w.weight": (3, 10, 12)}
   cases = [(), (1,), (-1,), (slice(0, 2), slice(2, 9), slice(4, 11)), (2, 7, slice(None)),
            (0, slice(None), -3), (slice(1, 3), slice(8, 20), slice(0, 5)),
-           (slice(0, 1), slice(3, 3), slice(None))]
+           (slice(0, 1), slice(3, 3), slice(None)), (slice(None), slice(None), slice(12, 12))]
   for _ in range(40):
-    cut = [sorted(rng.integers(0, n + 1, 2)) for n in w.shape]
+    cut = [sorted(rng.integers(0, n + 1, 2)) for n in q.shape]
     cases.append(tuple(slice(int(a), int(b)) for a, b in cut))
   for index in cases:
     np.testing.assert_array_equal(reader.read("w.weight", index), whole[index], err_msg=index)
   with pytest.raises(IndexError, match="out of bounds for axis 0"):
     reader.read("w.weight", (3,))
+
+
+def test_packed_weights_that_do_not_hold_together(tmp_path):
+  words = pack_ints(np.zeros((4, 3), np.int32), 8)           # 3 values: one word at 4 or 8 bits
+  ok = {"w.weight_packed": words, "w.weight_shape": np.array([4, 3], np.int32),
+        "w.weight_scale": np.ones((4, 1), np.float32)}
+  int8 = safetensors_io.WeightScales("_scale", ((1, 0),), (8,))
+
+  def error(tensors, scales=int8):
+    write_safetensors(str(tmp_path / SINGLE), tensors)
+    with pytest.raises(CheckpointError) as info:
+      safetensors_io.TensorReader(str(tmp_path), scales=scales)
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+  write_safetensors(str(tmp_path / SINGLE), ok)
+  assert safetensors_io.TensorReader(str(tmp_path), scales=int8).shapes == {"w.weight": (4, 3)}
+  assert "packed weights are I32 words" in error(
+      {**ok, "w.weight_packed": words.astype(np.float32)})
+  assert "declares no compressed-tensors pack-quantized group" in error(ok, scales=None)
+  assert "needs 'w.weight_shape' beside it" in error(
+      {k: v for k, v in ok.items() if k != "w.weight_shape"})
+  assert "packs (4, 3) as 4 or 8-bit integers alike" in error(
+      ok, safetensors_io.WeightScales("_scale", ((1, 0),), (4, 8)))
+  assert "does not pack (4, 40) as 8-bit integers" in error(
+      {**ok, "w.weight_shape": np.array([4, 40], np.int32)})
+  assert "'w.weight_g_idx' holds an activation-order permutation" in error(
+      {**ok, "w.weight_g_idx": np.zeros((3,), np.int32)})
+  assert "'w.weight_zero_point' holds zero points" in error(
+      {**ok, "w.weight_zero_point": np.zeros((4, 1), np.int32)})
 
 
 def test_a_scale_shape_two_strategies_could_mean_is_refused(tmp_path):
@@ -487,6 +528,14 @@ FAMILY_REFUSALS = [
     ("olmoe", dict(quantization_config=dict(CT_FP8, config_groups={"group_0": dict(
         CT_FP8["config_groups"]["group_0"], input_activations="dynamic")})),
      "input_activations='dynamic' is not supported"),
+    ("qwen3_moe", dict(quantization_config=dict(CT_FP8, config_groups={"group_0": dict(
+        CT_FP8["config_groups"]["group_0"], format="pack-quantized", weights={
+            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+            "group_size": 32, "actorder": "group"})})),
+     "weights.actorder='group' is not supported: moejax reads weights stored in their own "
+     "column order"),
+    ("mixtral", dict(quantization_config=dict(CT_FP8, sparsity_config={"format": "sparse-24"})),
+     "quantization_config.sparsity_config={'format': 'sparse-24'} is not supported"),
     ("olmoe", dict(quantization_config=dict(CT_FP8, config_groups={"group_0": dict(
         CT_FP8["config_groups"]["group_0"], weights="fp8")})),
      "weights='fp8' is not supported: expected compressed-tensors' weights scheme"),
@@ -790,6 +839,9 @@ def test_deepseek_v3_published_yarn_reads_as_the_v3_preset():
   # llm-compressor's FP8_DYNAMIC: per-row weight scales, activations quantized only at inference
   ct = weight_scales(dict(hf, quantization_config=CT_FP8))
   assert (ct.suffix, ct.blocks) == ("_scale", ((1, 0),))
+  # older llm-compressor output names a dense (not sparse-compressed) layout: read as it is
+  dense = dict(CT_FP8, sparsity_config={"format": "dense", "targets": []})
+  assert weight_scales(dict(hf, quantization_config=dense)).blocks == ((1, 0),)
   # transformers' rules: a null factor is max_position_embeddings / original; a top-level
   # original_max_position_embeddings wins over the rope dict's.
   no_factor = dict(hf, rope_scaling={**hf["rope_scaling"], "factor": None})

@@ -89,18 +89,21 @@ def _poisoned(at_step: int, what: str):
 # SIGINT / SIGTERM: a stop at a step boundary, with a checkpoint there.
 
 def _signalled(at_step: int, signum: int, times: int = 1):
-  """A train-step wrapper that sends the main thread `signum` (`times` times) during `at_step`,
-  as Ctrl-C or a scheduler would. To the main thread, not the process: a process-wide signal may
-  land on any of XLA's threads, and two landing before the main thread runs Python's handler
-  reach it as one (a second Ctrl-C lost, under load); sent to the calling main thread, each is
-  handled before the next is sent."""
+  """A train-step wrapper that sends `signum` (`times` times) during `at_step`, as Ctrl-C or a
+  scheduler would, each after the run's handler took the one before: two standard signals
+  pending at once are one (POSIX), and under load two sent back to back reached the handler as
+  one, a second Ctrl-C lost; a person's second Ctrl-C comes well after the first."""
   def wrap(train_step):
     def step(state, batch):
       n = int(state.step) + 1
       out = train_step(state, batch)
       if n == at_step:
-        for _ in range(times):
+        for k in range(times):
           signal.pthread_kill(threading.main_thread().ident, signum)
+          deadline = time.monotonic() + 10
+          while k + 1 < times and time.monotonic() < deadline and getattr(
+              getattr(signal.getsignal(signum), "__self__", None), "signum", None) != signum:
+            time.sleep(0.001)       # Python runs the handler between these
       return out
     return step
   return wrap
