@@ -5,8 +5,9 @@ set to it (its weights and its tokenizer.json).
   python train.py --config configs/hf.py:/models/Qwen3-235B-A22B --workdir runs/ft \
       --config.data.source=tokens --config.data.path=my_tokens
 
-For a checkpoint with no preset of its own (Qwen3-235B-A22B, GLM-4.6, a fine-tuned variant), or
-to take every field a published preset fixes from the checkpoint itself. --config.FIELD=VALUE
+For a checkpoint with no preset of its own (Qwen3-235B-A22B, GLM-4.6, Kimi-K2, a fine-tuned
+variant), or to take every field a published preset fixes from the checkpoint itself. Quantized
+weights (FP8, INT4: moejax.convert.safetensors_io) start dequantized. --config.FIELD=VALUE
 still overrides any field (placement, mesh, batch, steps, ...); moejax's defaults fill the rest.
 """
 import os
