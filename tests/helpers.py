@@ -16,6 +16,7 @@ import configs.mixtral as mixtral_configs
 import configs.olmoe as olmoe_configs
 import configs.qwen2_moe as qwen2_moe_configs
 import configs.qwen3_moe as qwen3_moe_configs
+import configs.solar_open as solar_open_configs
 from moejax.config import from_config_dict
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,7 +28,7 @@ FAMILY_CONFIGS = {"olmoe": olmoe_configs, "mixtral": mixtral_configs,
                   "minimax_m2": minimax_m2_configs, "ernie4_5_moe": ernie4_5_moe_configs,
                   "glm4_moe": glm4_moe_configs, "dots1": dots1_configs,
                   "deepseek_v2": deepseek_v2_configs, "deepseek_v3": deepseek_configs,
-                  "glm4_moe_lite": glm4_moe_lite_configs}
+                  "glm4_moe_lite": glm4_moe_lite_configs, "solar_open": solar_open_configs}
 
 
 def tiny_config(family: str = "olmoe", **overrides):

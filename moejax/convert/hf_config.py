@@ -48,10 +48,10 @@ field, rather than converted into a different model. Each family fixes some opti
  GLM-4.7-Flash (glm4_moe_lite): DeepSeek-V3's latent attention and router (its own defaults:
   no groups, routed scaling 1.8, q latent 768, one shared expert); mlp_layer_types ("dense" /
   "sparse" per layer; transformers' default the first layer dense) -> model.dense_layers
- GLM-4.5 and dots.llm1 (glm4_moe, dots1; `FamilySpec.sigmoid_moe`): standard attention, the
-  leading dense layers, shared experts, groups and routed scaling as DeepSeek-V3's (and its
-  sigmoid router with the score bias); GLM: attention_bias -> model.qkv_bias, use_qk_norm ->
-  model.qk_norm "head" / "none"
+ GLM-4.5, dots.llm1 and Solar Open (glm4_moe, dots1, solar_open; `FamilySpec.sigmoid_moe`):
+  standard attention, the leading dense layers (none in Solar Open), shared experts, groups and
+  routed scaling as DeepSeek-V3's (and its sigmoid router with the score bias); GLM and Solar
+  Open: attention_bias -> model.qkv_bias; GLM: use_qk_norm -> model.qk_norm "head" / "none"
   partial_rotary_factor (glm4_moe, minimax_m2; MiniMax's legacy rotary_dim)  model.rotary_dim
  MiniMax-M2 (minimax_m2): QK-norm over all heads' width ("full"), sigmoid scores with the score
   bias beside the gate, always renormalized
@@ -123,6 +123,8 @@ class FamilySpec:
                                        # score bias; v2: softmax, greedy or grouped by the best
   deepseek_defaults: tuple = ()        # ... (field, transformers' default) where the family's
                                        # config class differs from DeepseekV3Config
+  all_moe: bool = False                # experts in every layer: first_k_dense_replace is
+                                       # not read (transformers' SolarOpen drops the field)
   layer_types_key: str | None = None   # dense layers from this per-layer list's "dense"
                                        # entries rather than first_k_dense_replace (GLM-4.7-
                                        # Flash's mlp_layer_types; absent: the first layer dense)
@@ -221,6 +223,12 @@ FAMILY_SPECS = {
             ("attention_bias", False, "moejax attention projections have no bias"),
             ("rope_interleave", True, "moejax reads latent attention's rotary dimensions "
              "interleaved"))),
+    "solar_open": FamilySpec(
+        "solar_open", "SolarOpenForCausalLM", "none", "n_routed_experts", "moe_intermediate_size",
+        "norm_topk_prob", experts_aliases=("num_local_experts",), renormalize_default=True,
+        qkv_bias_key="attention_bias", sigmoid_moe=True, default_shared=1, default_aux=0.0,
+        default_rope_theta=1e6, default_head_dim=128, all_moe=True,
+        required=_COMMON_REQUIRED),
 }
 assert tuple(FAMILY_SPECS) == FAMILIES
 MODEL_TYPES = {spec.model_type: name for name, spec in FAMILY_SPECS.items()}
@@ -648,8 +656,10 @@ def _deepseek_fields(hf: dict, spec: FamilySpec, where: str) -> tuple[dict, dict
 def _sigmoid_moe_fields(hf: dict, spec: FamilySpec, where: str) -> tuple[dict, dict]:
   """GLM-4.5's and dots.llm1's model and moe fields (`FamilySpec.sigmoid_moe`), transformers'
   defaults for absent ones."""
-  model, moe = _leading_dense_and_shared(hf, where, spec.default_first_dense,
-                                         spec.default_shared)
+  # (all_moe: its config class has no first_k_dense_replace; transformers ignores one given)
+  model, moe = _leading_dense_and_shared(
+      {k: v for k, v in hf.items() if k != "first_k_dense_replace"} if spec.all_moe else hf,
+      where, spec.default_first_dense, spec.default_shared)
   moe.update(score="sigmoid", score_bias=True, group_score="top2",
              # null groups (dots.llm1's published config) are no grouping
              expert_groups=_get(hf, "n_group", int, where, 1) if hf.get("n_group") else 1,
@@ -784,6 +794,8 @@ def check_exportable(cfg: Config) -> FamilySpec:
       raise CheckpointError(f"config.{field}={value!r}: {what} needs {want!r}{why}; choose "
                             "another config.model.family or change the field")
 
+  if spec.all_moe:
+    need("model.dense_layers", m.dense_layers, (), " (experts in every layer)")
   if spec.deepseek or spec.sigmoid_moe:
     need("model.dense_layers", m.dense_layers, tuple(range(len(m.dense_layers))),
          " (its dense layers lead: first_k_dense_replace)")
@@ -882,10 +894,15 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
       "tie_word_embeddings": m.tie_embeddings,
       "output_router_logits": hf.get("output_router_logits", False),
   })
-  if spec.deepseek or spec.sigmoid_moe:
+  if spec.all_moe:              # fields its config class does not have
+    hf.pop("first_k_dense_replace", None)
+    hf.pop("intermediate_size", None)
+  elif spec.deepseek or spec.sigmoid_moe:
     hf.update({
         "first_k_dense_replace": len(m.dense_layers),
-        "intermediate_size": m.dense_hidden or hf.get("intermediate_size", moe.expert_hidden),
+        "intermediate_size": m.dense_hidden or hf.get("intermediate_size", moe.expert_hidden)})
+  if spec.deepseek or spec.sigmoid_moe:
+    hf.update({
         "n_shared_experts": moe.shared_expert_hidden // moe.expert_hidden,
         "n_group": moe.expert_groups, "topk_group": moe.top_groups,
         "routed_scaling_factor": moe.routed_scale})

@@ -116,11 +116,12 @@ HUB_EXPERT_NAMES = {
     "deepseek_v2": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "glm4_moe_lite": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "solar_open": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 SHARED_EXPERT_MODULE = {"qwen2_moe": "shared_expert", "glm4_moe": "shared_experts",
                         "dots1": "shared_experts", "ernie4_5_moe": "shared_experts",
                         "deepseek_v2": "shared_experts", "deepseek_v3": "shared_experts",
-                        "glm4_moe_lite": "shared_experts"}
+                        "glm4_moe_lite": "shared_experts", "solar_open": "shared_experts"}
 # Families whose checkpoints hold multi-token-prediction layers after the last one (transformers
 # does not load them either).
 MTP_FAMILIES = ("minimax_m2", "glm4_moe", "deepseek_v3", "glm4_moe_lite")

@@ -179,6 +179,17 @@ MODELS = {
                     n_routed_experts=7, num_experts_per_tok=3, moe_intermediate_size=12,
                     norm_topk_prob=True, rope_theta=1000000.0, rms_norm_eps=1e-5),
         save=dict(max_shard_size="64KB")),
+    # Solar Open: grouped-query attention with q/k/v biases and whole heads rotated, experts in
+    # every layer, one shared expert, GLM's sigmoid router with a random score bias, scaled;
+    # per expert, sharded.
+    "solar_open": dict(
+        model_type="solar_open",
+        config=dict(vocab_size=62, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=12, attention_bias=True,
+                    n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=12,
+                    n_shared_experts=1, routed_scaling_factor=1.5, norm_topk_prob=True,
+                    rms_norm_eps=1e-5),
+        save=dict(max_shard_size="64KB")),
 }
 # FP8 copies: every projection float8 e4m3 beside its scales; embeddings, head, router and norms
 # as they were. As the Hub's DeepSeek-V3, Qwen3-*-FP8 and MiniMax-M2 are stored (transformers'

@@ -766,6 +766,32 @@ def test_glm47_flash_published_config_reads_as_the_flash_preset():
   assert exported["first_k_dense_replace"] == 1 and exported["num_nextn_predict_layers"] == 0
 
 
+def test_solar_open_config_reads_as_the_open100b_preset():
+  """transformers' SolarOpenConfig defaults (its docstring's upstage/Solar-Open-100B) give the
+  open100b preset; experts in every layer whatever first_k_dense_replace says (transformers'
+  SolarOpen has no such field), and an export neither writes it nor takes dense layers."""
+  preset = from_config_dict(FAMILY_CONFIGS["solar_open"].get_config("open100b"))
+  published = {
+      "architectures": ["SolarOpenForCausalLM"], "model_type": "solar_open",
+      "vocab_size": 196608, "hidden_size": 4096, "num_hidden_layers": 48,
+      "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+      "moe_intermediate_size": 1280, "n_routed_experts": 128, "num_experts_per_tok": 8,
+      "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+      "norm_topk_prob": True, "attention_bias": False, "hidden_act": "silu",
+      "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+      "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}}
+  got = config_from_hf(published, base=preset)
+  assert got.model == preset.model and got.moe == preset.moe
+  assert config_from_hf(dict(published, first_k_dense_replace=3)).model.dense_layers == ()
+  exported = hf_config_from(got, dict(published, first_k_dense_replace=3, intermediate_size=7))
+  assert "first_k_dense_replace" not in exported and "intermediate_size" not in exported
+  dense = dataclasses.replace(got, model=dataclasses.replace(got.model, dense_layers=(0,),
+                                                             dense_hidden=64))
+  with pytest.raises(CheckpointError, match=r"model.dense_layers=\(0,\): .* needs \(\) \(experts "
+                     "in every layer"):
+    hf_config_from(dense)
+
+
 def test_partial_rotary_exports_read_back_as_the_same_width():
   """rotary_dim / head_dim can sit just below the factor transformers reads back as that width
   (int(100 * 0.58) = 57: it rotated 57 dims, and moejax refused its own export); found by
