@@ -654,8 +654,8 @@ def _deepseek_fields(hf: dict, spec: FamilySpec, where: str) -> tuple[dict, dict
 
 
 def _sigmoid_moe_fields(hf: dict, spec: FamilySpec, where: str) -> tuple[dict, dict]:
-  """GLM-4.5's and dots.llm1's model and moe fields (`FamilySpec.sigmoid_moe`), transformers'
-  defaults for absent ones."""
+  """GLM-4.5's, dots.llm1's and Solar Open's model and moe fields (`FamilySpec.sigmoid_moe`),
+  transformers' defaults for absent ones."""
   # (all_moe: its config class has no first_k_dense_replace; transformers ignores one given)
   model, moe = _leading_dense_and_shared(
       {k: v for k, v in hf.items() if k != "first_k_dense_replace"} if spec.all_moe else hf,
