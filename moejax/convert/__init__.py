@@ -10,6 +10,7 @@ Command line: `python -m moejax.convert from-hf HF_DIR OUT_DIR` and
 `python -m moejax.convert to-hf CKPT_DIR OUT_DIR` (see `moejax.convert.__main__`).
 """
 from moejax.convert.hf import load_hf, read_hf_config, save_hf
-from moejax.convert.hf_config import config_from_hf, hf_config_from
+from moejax.convert.hf_config import config_from_hf, hf_config_from, quantization_summary
 
-__all__ = ["config_from_hf", "hf_config_from", "load_hf", "read_hf_config", "save_hf"]
+__all__ = ["config_from_hf", "hf_config_from", "load_hf", "quantization_summary",
+           "read_hf_config", "save_hf"]

@@ -43,7 +43,7 @@ def _describe(cfg) -> str:
 
 def from_hf(args) -> None:
   from moejax import weights
-  from moejax.convert import hf
+  from moejax.convert import hf, quantization_summary
   weights.check_new_dir(args.out_dir)   # before reading every weight into host memory
   hf_config = hf.read_hf_config(args.hf_dir)
   cfg, params = hf.load_hf(args.hf_dir)
@@ -52,7 +52,9 @@ def from_hf(args) -> None:
                             source=os.path.abspath(args.hf_dir))
   if os.path.isfile(os.path.join(args.hf_dir, checkpoint_io.TOKENIZER_FILE)):
     weights.keep_tokenizer(args.hf_dir, args.out_dir)   # generate/evaluate find it beside them
-  print(f"wrote {args.out_dir}: {_describe(cfg)} (from {args.hf_dir})")
+  quantized = quantization_summary(hf_config)
+  print(f"wrote {args.out_dir}: {_describe(cfg)} (from {args.hf_dir}"
+        + (f"; weights {quantized}, dequantized to fp32)" if quantized else ")"))
 
 
 def to_hf(args) -> None:

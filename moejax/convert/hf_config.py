@@ -505,6 +505,36 @@ def weight_scales(hf: dict, where: str = "config.json") -> WeightScales | None:
   return WeightScales("_scale", tuple(blocks), tuple(int_bits), in_scale_dtype=True)
 
 
+def quantization_summary(hf: dict) -> str | None:
+  """How a checkpoint's weights are quantized, in a few words ("FP8 in 128 x 128 blocks",
+  "INT4 per 32 columns of a row"), None when they are not; for the lines that say a run or a
+  conversion started from dequantized weights. `weight_scales` first refuses what moejax cannot
+  read."""
+  q = hf.get("quantization_config")
+  if not isinstance(q, dict):
+    return None
+
+  def per(block) -> str:
+    rows, cols = block
+    if (rows, cols) == (0, 0):
+      return "one scale per tensor"
+    if rows == 1:
+      return "per row" if cols == 0 else f"per {cols} columns of a row"
+    return f"in {rows} x {cols} blocks"
+
+  if q.get("quant_method") == "fp8":
+    block = q["weight_block_size"] if "weight_block_size" in q else FP8_DEFAULT_BLOCK
+    return f"FP8 {per(tuple(block) if block else (0, 0))}"
+  parts = []
+  for _, group in sorted(q["config_groups"].items()):
+    w, fmt = group["weights"], group.get("format", q.get("format"))
+    kind = f"INT{w['num_bits']}" if fmt == "pack-quantized" else "FP8"
+    part = f"{kind} {per(_CT_BLOCKS[w['strategy']](w))}"
+    if part not in parts:
+      parts.append(part)
+  return ", ".join(parts)
+
+
 def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
   """The family of `hf`; raises CheckpointError if moejax cannot represent it exactly."""
   spec = family_of(hf, where)

@@ -357,7 +357,9 @@ def init_from(trainer: Trainer, path: str):
     _, params = convert.load_hf(path, shardings=shardings, base=cfg)
   else:
     params = ckpt.load_params(path, shardings=shardings)
-  log(f"moejax: initialized from {path}")
+  quantized = convert.quantization_summary(hf_config) if hf_dir else None
+  log(f"moejax: initialized from {path}"
+      + (f" (weights {quantized}, dequantized to fp32)" if quantized else ""))
   limit = hf_config.get("max_position_embeddings")
   if loaded.model.rope_scaling == "none" and cfg.model.rope_scaling != "none":
     log(f"moejax: note: the weights were trained with plain RoPE and this run scales it "

@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 from moejax.convert import __main__ as cli
 from moejax.convert import safetensors_io
 from moejax.convert import config_from_hf, hf_config_from, load_hf, save_hf
-from moejax.convert.hf_config import weight_scales
+from moejax.convert.hf_config import quantization_summary, weight_scales
 from moejax.families import FAMILIES
 from moejax.errors import CheckpointError
 from moejax.models import olmoe
@@ -865,6 +865,15 @@ def test_deepseek_v3_published_yarn_reads_as_the_v3_preset():
   # llm-compressor's FP8_DYNAMIC: per-row weight scales, activations quantized only at inference
   ct = weight_scales(dict(hf, quantization_config=CT_FP8))
   assert (ct.suffix, ct.blocks) == ("_scale", ((1, 0),))
+  # what a run started from them says
+  assert quantization_summary(fp8) == "FP8 in 128 x 128 blocks"
+  assert quantization_summary(hf) is None
+  assert quantization_summary(dict(hf, quantization_config=CT_FP8)) == "FP8 per row"
+  int4 = fp8_configs.quantization_config("group", (1, 32), 4)
+  assert quantization_summary(dict(hf, quantization_config=int4)) == "INT4 per 32 columns of a row"
+  per_tensor = fp8_configs.quantization_config(None, (0, 0))
+  assert quantization_summary(dict(hf, quantization_config=per_tensor)) == (
+      "FP8 one scale per tensor")
   # older llm-compressor output names a dense (not sparse-compressed) layout: read as it is
   dense = dict(CT_FP8, sparsity_config={"format": "dense", "targets": []})
   assert weight_scales(dict(hf, quantization_config=dense)).blocks == ((1, 0),)

@@ -329,6 +329,21 @@ def test_load_straight_into_shards(name, placement, mesh_shape, hf_models, impor
     assert {s.data.shape[1] for s in w_gate.addressable_shards} == {cfg.moe.num_experts // 8}
 
 
+def test_quantized_starts_say_the_weights_were_dequantized(hf_models, imported, tmp_path,
+                                                         capsys):
+  """from-hf and a run's init_from name the quantization they read through."""
+  from moejax.train.loop import Trainer, init_from
+  hf_dir, (cfg, params) = hf_models["qwen3_moe_int4"][0], imported["qwen3_moe_int4"]
+  ckpt = str(tmp_path / "ckpt")
+  assert cli.main(["from-hf", hf_dir, ckpt]) == 0
+  said = "(weights INT4 per 8 columns of a row, dequantized to fp32)"
+  assert f"; {said[1:]}" in capsys.readouterr().out
+  assert_same_bits(train_checkpoint.load_params(ckpt), params)
+  state = init_from(Trainer(cfg, mesh=make_mesh((1, -1), jax.devices()[:1])), hf_dir)
+  assert f"moejax: initialized from {hf_dir} {said}" in capsys.readouterr().out
+  assert_same_bits(jax.device_get(state.params), params)
+
+
 def test_cli_from_hf_then_to_hf(hf_models, imported, tmp_path, capsys):
   hf_dir = hf_models["a"][0]
   ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "hf")
