@@ -12,7 +12,7 @@ Presets:
   open100b         Solar Open 100B (transformers' SolarOpenConfig defaults, its docstring's
                    upstage/Solar-Open-100B): 48 layers, d_model 4096, 64 heads of 128 over 8 kv
                    heads (theta 1e6), 1 shared + 128 routed experts top-8 of width 1280, vocab
-                   196608; 102.6B total, 12.0B active.
+                   196608; 102.7B total, 12.1B active.
 
 open100b keeps the fine-tuning settings the published presets share
 (`moejax.config.published_fine_tuning`: --config.init_from=HF_DIR reads the checkpoint's

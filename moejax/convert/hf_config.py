@@ -110,6 +110,8 @@ class FamilySpec:
   default_aux: float | None = None     # transformers' router_aux_loss_coef default (None: the
                                        # base config's)
   default_head_dim: int | None = None  # transformers' head_dim default (None: hidden / heads)
+  default_kv_heads: int | None = None  # ... num_key_value_heads default when the field is
+                                       # absent (None: as many as the query heads; null is)
   top_k_key: str = "num_experts_per_tok"   # ... of the experts per token (ERNIE's moe_k)
   default_tie: bool = False            # transformers' tie_word_embeddings default
   aliases_win: bool = False            # an alias's value wins over its field's (attribute_map)
@@ -142,12 +144,14 @@ FAMILY_SPECS = {
     "olmoe": FamilySpec(
         "olmoe", "OlmoeForCausalLM", "full", "num_experts", "intermediate_size",
         "norm_topk_prob", z_loss_key="router_z_loss_coef", norm_over_hidden=True,
+        experts_aliases=("num_local_experts",), aliases_win=True,
         required=_COMMON_REQUIRED + (
             ("clip_qkv", None, "moejax does not clip q/k/v"),
             ("attention_bias", False, "moejax attention projections have no bias"))),
     "mixtral": FamilySpec(
         "mixtral", "MixtralForCausalLM", "none", "num_local_experts", "intermediate_size", None,
-        default_rope_theta=1e6,
+        default_rope_theta=1e6, experts_aliases=("num_experts",), aliases_win=True,
+        default_kv_heads=8,
         required=_COMMON_REQUIRED + (
             ("sliding_window", None, "moejax attends to the whole sequence"),
             ("router_jitter_noise", 0.0, "moejax's router adds no noise"))),
@@ -160,6 +164,7 @@ FAMILY_SPECS = {
         "qwen3_moe", "Qwen3MoeForCausalLM", "head", "num_experts", "moe_intermediate_size",
         "norm_topk_prob", experts_aliases=("num_local_experts",),   # transformers 5 writes it
         default_norm_eps=1e-6, dense_pattern=True,
+        aliases_win=True, default_kv_heads=4,
         required=_COMMON_REQUIRED + _NO_SLIDING_WINDOW + (
             ("attention_bias", False, "moejax attention projections have no bias"),)),
     "minimax_m2": FamilySpec(
@@ -167,6 +172,7 @@ FAMILY_SPECS = {
         None, experts_aliases=("num_experts",), default_norm_eps=1e-6, partial_rotary=1.0,
         rotary_dim_key="rotary_dim", score="sigmoid", score_bias=True, default_rope_theta=5e6,
         default_aux=0.001, default_head_dim=128,
+        aliases_win=True, default_kv_heads=8,
         required=_COMMON_REQUIRED + (
             ("router_jitter_noise", 0.0, "moejax's router adds no noise"),
             ("use_qk_norm", True, "transformers' MiniMaxM2 always normalizes q and k"),
@@ -179,6 +185,7 @@ FAMILY_SPECS = {
         "moe_intermediate_size", None, experts_aliases=("num_experts",), score_bias=True,
         top_k_key="moe_k", default_tie=True, default_rope_theta=500000.0, default_aux=0.001,
         ernie=True, aliases_win=True,
+        default_kv_heads=4,
         required=_COMMON_REQUIRED + (
             ("use_bias", False, "moejax's projections have no bias"),)),
     "glm4_moe": FamilySpec(
@@ -186,11 +193,13 @@ FAMILY_SPECS = {
         "norm_topk_prob", experts_aliases=("num_local_experts",), renormalize_default=True,
         qkv_bias_key="attention_bias", qk_norm_key="use_qk_norm", partial_rotary=0.5,
         sigmoid_moe=True, default_first_dense=1, default_shared=1, default_aux=0.0,
+        aliases_win=True, default_kv_heads=8,
         required=_COMMON_REQUIRED),
     "dots1": FamilySpec(
         "dots1", "Dots1ForCausalLM", "head", "n_routed_experts", "moe_intermediate_size",
         "norm_topk_prob", experts_aliases=("num_local_experts",), default_norm_eps=1e-6,
         sigmoid_moe=True, window_from_layer=True, default_aux=0.0,
+        aliases_win=True,
         required=_COMMON_REQUIRED + (
             ("attention_bias", False, "moejax attention projections have no bias"),)),
     "deepseek_v2": FamilySpec(
@@ -209,6 +218,7 @@ FAMILY_SPECS = {
         "deepseek_v3", "DeepseekV3ForCausalLM", "none", "n_routed_experts",
         "moe_intermediate_size", "norm_topk_prob", experts_aliases=("num_local_experts",),
         default_norm_eps=1e-6, deepseek="v3", renormalize_default=True, default_aux=0.0,
+        aliases_win=True,
         required=_COMMON_REQUIRED + (
             ("attention_bias", False, "moejax attention projections have no bias"),
             ("rope_interleave", True, "moejax reads DeepSeek's rotary dimensions interleaved"))),
@@ -219,6 +229,7 @@ FAMILY_SPECS = {
         deepseek_defaults=(("q_lora_rank", 768), ("n_group", 1), ("topk_group", 1),
                            ("routed_scaling_factor", 1.8), ("n_shared_experts", 1)),
         layer_types_key="mlp_layer_types",
+        aliases_win=True,
         required=_COMMON_REQUIRED + (
             ("attention_bias", False, "moejax attention projections have no bias"),
             ("rope_interleave", True, "moejax reads latent attention's rotary dimensions "
@@ -228,6 +239,7 @@ FAMILY_SPECS = {
         "norm_topk_prob", experts_aliases=("num_local_experts",), renormalize_default=True,
         qkv_bias_key="attention_bias", sigmoid_moe=True, default_shared=1, default_aux=0.0,
         default_rope_theta=1e6, default_head_dim=128, all_moe=True,
+        aliases_win=True, default_kv_heads=8,
         required=_COMMON_REQUIRED),
 }
 assert tuple(FAMILY_SPECS) == FAMILIES
@@ -392,6 +404,13 @@ def family_of(hf: dict, where: str = "config.json") -> FamilySpec:
   return FAMILY_SPECS[MODEL_TYPES[model_type]]
 
 
+def _kv_heads(hf: dict, spec: FamilySpec, heads: int):
+  """num_key_value_heads as transformers reads it: absent, the config class's default; null (or
+  the class's default None), as many as the query heads."""
+  kv_heads = hf["num_key_value_heads"] if "num_key_value_heads" in hf else spec.default_kv_heads
+  return kv_heads or heads
+
+
 def _head_dim(hf: dict, spec: FamilySpec, where: str) -> int:
   if spec.deepseek:      # latent attention: each head's q.k width; head_dim, if any, is Dr
     return _get(hf, "qk_nope_head_dim", int, where) + _get(hf, "qk_rope_head_dim", int, where)
@@ -519,7 +538,7 @@ def quantization_summary(hf: dict) -> str | None:
     if (rows, cols) == (0, 0):
       return "one scale per tensor"
     if rows == 1:
-      return "per row" if cols == 0 else f"per {cols} columns of a row"
+      return {0: "per row", 1: "per value"}.get(cols, f"per {cols} columns of a row")
     return f"in {rows} x {cols} blocks"
 
   if q.get("quant_method") == "fp8":
@@ -566,7 +585,7 @@ def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
     _refuse(where, "layer_types", other[0], "moejax attends to the whole sequence in every "
             "layer (needs 'full_attention')")
   heads = _get(hf, "num_attention_heads", int, where)
-  kv_heads = hf.get("num_key_value_heads") or heads
+  kv_heads = _kv_heads(hf, spec, heads)
   if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or heads % kv_heads:
     _refuse(where, "num_key_value_heads", kv_heads,
             f"must divide num_attention_heads={heads}")
@@ -760,8 +779,7 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       num_layers=_get(hf, "num_hidden_layers", int, where),
       num_heads=heads,
       # 0: as many as query heads, the typed default, so multi-head configs compare equal
-      num_kv_heads=0 if (hf.get("num_key_value_heads") or heads) == heads
-      else hf["num_key_value_heads"],
+      num_kv_heads=0 if _kv_heads(hf, spec, heads) == heads else _kv_heads(hf, spec, heads),
       head_dim=head_dim,
       rotary_dim=0 if spec.deepseek else _rotary_dim(hf, spec, head_dim, where),
       qk_norm=(spec.qk_norm if not spec.qk_norm_key

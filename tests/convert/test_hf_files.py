@@ -605,6 +605,37 @@ def test_refuses_what_a_family_asks_for_and_moejax_does_not_model(family, change
   assert expected in str(info.value) and "\n" not in str(info.value)
 
 
+ALIASED_EXPERTS = {"olmoe": "num_local_experts", "mixtral": "num_experts",
+                   "qwen3_moe": "num_local_experts", "minimax_m2": "num_experts",
+                   "ernie4_5_moe": "num_experts", "glm4_moe": "num_local_experts",
+                   "dots1": "num_local_experts", "deepseek_v3": "num_local_experts",
+                   "glm4_moe_lite": "num_local_experts", "solar_open": "num_local_experts"}
+DEFAULT_KV_HEADS = {"mixtral": 8, "qwen3_moe": 4, "minimax_m2": 8, "ernie4_5_moe": 4,
+                    "glm4_moe": 8, "solar_open": 8, "olmoe": None, "qwen2_moe": None}
+
+
+@pytest.mark.parametrize("family", sorted(ALIASED_EXPERTS))
+def test_an_experts_alias_wins_as_transformers_lets_it(family):
+  """Where transformers' attribute_map sends the alias to the experts field, a config.json that
+  gives both builds the alias's count (checked against each config class in transformers
+  5.25); export writes the field alone."""
+  hf = hf_config_from(tiny_config(family))
+  assert ALIASED_EXPERTS[family] not in hf
+  assert config_from_hf(dict(hf, **{ALIASED_EXPERTS[family]: 16})).moe.num_experts == 16
+
+
+@pytest.mark.parametrize("family", sorted(DEFAULT_KV_HEADS))
+def test_absent_kv_heads_read_as_the_config_class_default(family):
+  """No num_key_value_heads: the config class's default (transformers 5.25), else as many as the
+  query heads; null: as many as the query heads."""
+  hf = dict(hf_config_from(tiny_config(family)), num_attention_heads=16, hidden_size=128,
+            head_dim=8)
+  hf.pop("num_key_value_heads")
+  want = DEFAULT_KV_HEADS[family]
+  assert config_from_hf(hf).model.num_kv_heads == (want or 0)
+  assert config_from_hf(dict(hf, num_key_value_heads=None)).model.num_kv_heads == 0
+
+
 def test_a_null_field_reads_as_transformers_reads_it():
   """transformers declares norm_topk_prob `bool | None` and tests its truth: null is off (it was
   refused as "missing"); a null field moejax needs a value of says null, not missing."""
