@@ -439,6 +439,16 @@ def _positive_pair(block) -> bool:
           and all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in block))
 
 
+def _per(block: tuple[int, int]) -> str:
+  """What one scale covers, in words (`quantization_summary`)."""
+  rows, cols = block
+  if (rows, cols) == (0, 0):
+    return "one scale per tensor"
+  if rows == 1:
+    return {0: "per row", 1: "per value"}.get(cols, f"per {cols} columns of a row")
+  return f"in {rows} x {cols} blocks"
+
+
 def weight_scales(hf: dict, where: str = "config.json") -> WeightScales | None:
   """How the quantized weights of a checkpoint carry their scales, None for an unquantized one:
   transformers' fine-grained FP8 (quant_method "fp8": DeepSeek-V3, Qwen3-*-FP8, MiniMax-M2), or
@@ -459,16 +469,14 @@ def weight_scales(hf: dict, where: str = "config.json") -> WeightScales | None:
     if q.get("activation_scheme") not in (None, "dynamic"):
       _refuse(where, "quantization_config.activation_scheme", q["activation_scheme"],
               "moejax reads weights with dynamic activation scaling only (no activation scales)")
-    if "weight_block_size" not in q:
-      return WeightScales("_scale_inv", (FP8_DEFAULT_BLOCK,))
-    block = q["weight_block_size"]
+    block = q["weight_block_size"] if "weight_block_size" in q else FP8_DEFAULT_BLOCK
     if block is None:             # transformers: one scale per tensor
-      return WeightScales("_scale_inv", ((0, 0),))
-    if not _positive_pair(block) or 0 in block:
+      block = (0, 0)
+    elif not _positive_pair(block) or 0 in block:
       _refuse(where, "quantization_config.weight_block_size", block,
               "expected [rows, cols], two positive integers (per-tensor or per-channel FP8 "
               "scales are not read)")
-    return WeightScales("_scale_inv", (tuple(block),))
+    return WeightScales("_scale_inv", (tuple(block),), summary=f"FP8 {_per(tuple(block))}")
   if method != "compressed-tensors":
     _refuse(where, "quantization_config", q, fix)
   groups = q.get("config_groups")
@@ -484,7 +492,7 @@ def weight_scales(hf: dict, where: str = "config.json") -> WeightScales | None:
                       and value.get("format") in (None, "dense")):
       _refuse(where, f"quantization_config.{field}", value, "moejax reads weights stored "
               "as they are used (no rotations, no sparse compression)")
-  blocks, int_bits = [], []
+  blocks, int_bits, parts = [], [], []
   for name, group in sorted(groups.items()):
     key = f"quantization_config.config_groups.{name}"
     group = group if isinstance(group, dict) else {}
@@ -519,39 +527,21 @@ def weight_scales(hf: dict, where: str = "config.json") -> WeightScales | None:
       blocks.append(block)
     if fmt == "pack-quantized" and number[0] not in int_bits:
       int_bits.append(number[0])
-  # compressed-tensors dequantizes in the scale's dtype (x_q.to(scale.dtype) * scale): a bf16
-  # scale rounds each value to bf16, as transformers' and vLLM's weights then are
-  return WeightScales("_scale", tuple(blocks), tuple(int_bits), in_scale_dtype=True)
-
-
-def quantization_summary(hf: dict) -> str | None:
-  """How a checkpoint's weights are quantized, in a few words ("FP8 in 128 x 128 blocks",
-  "INT4 per 32 columns of a row"), None when they are not; for the lines that say a run or a
-  conversion started from dequantized weights. `weight_scales` first refuses what moejax cannot
-  read."""
-  q = hf.get("quantization_config")
-  if not isinstance(q, dict):
-    return None
-
-  def per(block) -> str:
-    rows, cols = block
-    if (rows, cols) == (0, 0):
-      return "one scale per tensor"
-    if rows == 1:
-      return {0: "per row", 1: "per value"}.get(cols, f"per {cols} columns of a row")
-    return f"in {rows} x {cols} blocks"
-
-  if q.get("quant_method") == "fp8":
-    block = q["weight_block_size"] if "weight_block_size" in q else FP8_DEFAULT_BLOCK
-    return f"FP8 {per(tuple(block) if block else (0, 0))}"
-  parts = []
-  for _, group in sorted(q["config_groups"].items()):
-    w, fmt = group["weights"], group.get("format", q.get("format"))
-    kind = f"INT{w['num_bits']}" if fmt == "pack-quantized" else "FP8"
-    part = f"{kind} {per(_CT_BLOCKS[w['strategy']](w))}"
+    part = f"{'INT' if fmt == 'pack-quantized' else 'FP'}{number[0]} {_per(block)}"
     if part not in parts:
       parts.append(part)
-  return ", ".join(parts)
+  # compressed-tensors dequantizes in the scale's dtype (x_q.to(scale.dtype) * scale): a bf16
+  # scale rounds each value to bf16, as transformers' and vLLM's weights then are
+  return WeightScales("_scale", tuple(blocks), tuple(int_bits), in_scale_dtype=True,
+                      summary=", ".join(parts))
+
+
+def quantization_summary(hf: dict, where: str = "config.json") -> str | None:
+  """How a checkpoint's weights are quantized, in a few words ("FP8 in 128 x 128 blocks",
+  "INT4 per 32 columns of a row"), None when they are not; for the lines that say a run or a
+  conversion started from dequantized weights."""
+  scales = weight_scales(hf, where)
+  return scales.summary if scales else None
 
 
 def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
@@ -770,6 +760,7 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
   spec = check_supported(hf, where)
   base = Config() if base is None else base
   heads = _get(hf, "num_attention_heads", int, where)
+  kv_heads = _kv_heads(hf, spec, heads)
   head_dim = _head_dim(hf, spec, where)
   model = dataclasses.replace(
       base.model,
@@ -779,7 +770,7 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       num_layers=_get(hf, "num_hidden_layers", int, where),
       num_heads=heads,
       # 0: as many as query heads, the typed default, so multi-head configs compare equal
-      num_kv_heads=0 if _kv_heads(hf, spec, heads) == heads else _kv_heads(hf, spec, heads),
+      num_kv_heads=0 if kv_heads == heads else kv_heads,
       head_dim=head_dim,
       rotary_dim=0 if spec.deepseek else _rotary_dim(hf, spec, head_dim, where),
       qk_norm=(spec.qk_norm if not spec.qk_norm_key

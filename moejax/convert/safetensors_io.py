@@ -64,6 +64,8 @@ class WeightScales:
   int_bits: tuple[int, ...] = ()
   in_scale_dtype: bool = False   # value * scale rounded to a 16-bit scale's dtype
                                  # (compressed-tensors'); else exact in fp32 (transformers' FP8)
+  summary: str = ""              # in a few words, for the lines that name it ("FP8 in 128 x 128
+                                 # blocks", "INT4 per 32 columns of a row")
 
 
 PACKED_SUFFIX, SHAPE_SUFFIX = "_packed", "_shape"     # X.weight_packed, X.weight_shape
@@ -144,7 +146,7 @@ class TensorReader:
       shape_name = name + SHAPE_SUFFIX
       if shape_name not in self.shapes or name in self.shapes:
         raise CheckpointError(f"{where} needs {shape_name!r} beside it (and no {name!r})")
-      shape = tuple(int(n) for n in self._read_ints(self.files[shape_name], shape_name, ()))
+      shape = tuple(int(n) for n in self._read_stored(self.files[shape_name], shape_name, ()))
       packed_shape = self.shapes[packed]
       bits = [b for b in scales.int_bits
               if len(shape) >= 2 and packed_shape[:-1] == shape[:-1]
@@ -160,10 +162,8 @@ class TensorReader:
       self.files[name], self.shapes[name] = self.files[packed], shape
       self.dtypes[name] = f"I{bits[0]} packed"
       self._packed[name] = (packed, bits[0])
-      for hidden in (shape_name, packed):
-        if hidden != packed:
-          del self.files[hidden]
-        del self.shapes[hidden], self.dtypes[hidden]
+      for hidden in (shape_name, packed):     # read through `name` from here on
+        del self.files[hidden], self.shapes[hidden], self.dtypes[hidden]
 
   def _pair_scales(self, scales: WeightScales | None) -> None:
     """Pairs each quantized weight with its scale tensor (its shape one of `scales.blocks`'
@@ -281,7 +281,8 @@ class TensorReader:
       return self._read_scaled(name, index)
     return self._read_plain(self.files[name], name, index)
 
-  def _read_ints(self, fname: str, name: str, index: tuple) -> np.ndarray:
+  def _read_stored(self, fname: str, name: str, index: tuple) -> np.ndarray:
+    """`tensor[index]` in its stored dtype, through safetensors (which reads only that block)."""
     sl = self._open(fname).get_slice(name)
     return np.asarray(sl[index] if index else sl[:])
 
@@ -293,7 +294,7 @@ class TensorReader:
     per_word = 32 // bits
     cols = range(*slices[-1].indices(self.shapes[name][-1]))
     first = cols.start // per_word
-    words = self._read_ints(self.files[name], packed,
+    words = self._read_stored(self.files[name], packed,
                             (*slices[:-1], slice(first, -(-cols.stop // per_word))))
     shifts = np.arange(per_word, dtype=np.uint32) * np.uint32(bits)
     values = (words.view(np.uint32)[..., None] >> shifts) & np.uint32((1 << bits) - 1)
@@ -308,9 +309,7 @@ class TensorReader:
       stored = np.memmap(self._path(fname), dtype=RAW_DTYPES[dtype], mode="r", offset=offset,
                          shape=shape)
       return np.asarray(stored[index]).astype(np.float32)
-    sl = self._open(fname).get_slice(name)
-    block = sl[index] if index else sl[:]
-    return np.asarray(block).astype(np.float32, copy=False)
+    return self._read_stored(fname, name, index).astype(np.float32, copy=False)
 
   def _read_scaled(self, name: str, index: tuple) -> np.ndarray:
     """`dequantize(name)[index]`, reading only the block of its values and the scales that
