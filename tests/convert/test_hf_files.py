@@ -490,6 +490,11 @@ CT_FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized",
               "input_activations": {"num_bits": 8, "type": "float", "symmetric": True,
                                     "strategy": "token", "dynamic": True}}}}
 
+def ct_group(**changes) -> dict:
+  """CT_FP8 with its one config group changed."""
+  return dict(CT_FP8, config_groups={"group_0": {**CT_FP8["config_groups"]["group_0"], **changes}})
+
+
 FAMILY_REFUSALS = [
     ("mixtral", dict(sliding_window=4096), "sliding_window=4096 is not supported"),
     ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise=0.1 is not supported"),
@@ -504,40 +509,33 @@ FAMILY_REFUSALS = [
     ("deepseek_v3", dict(quantization_config={"quant_method": "bitsandbytes"}),
      "quantization_config={'quant_method': 'bitsandbytes'} is not supported: moejax "
      "dequantizes FP8 and symmetric integer weights only"),
-    ("glm4_moe", dict(quantization_config=dict(CT_FP8, config_groups={"group_0": dict(
-        CT_FP8["config_groups"]["group_0"], format="marlin-24")})),
+    ("glm4_moe", dict(quantization_config=ct_group(format="marlin-24")),
      "quantization_config.config_groups.group_0.format='marlin-24' is not supported"),
-    ("qwen3_moe", dict(quantization_config=dict(CT_FP8, config_groups={"group_0": dict(
-        CT_FP8["config_groups"]["group_0"], format="pack-quantized", weights={
-            "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
-            "group_size": 128})})),
+    ("qwen3_moe", dict(quantization_config=ct_group(format="pack-quantized", weights={
+        "num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
+        "group_size": 128})),
      "quantization_config.config_groups.group_0.weights={'num_bits': 4, 'type': 'int', "
      "'symmetric': False, 'strategy': 'group', 'group_size': 128} is not supported: moejax "
      "reads symmetric 8-bit float (float-quantized) or 4- and 8-bit integer"),
-    ("mixtral", dict(quantization_config=dict(CT_FP8, config_groups={"group_0": dict(
-        CT_FP8["config_groups"]["group_0"], input_activations={"num_bits": 8, "type": "float",
-                                                               "dynamic": False})})),
+    ("mixtral", dict(quantization_config=ct_group(
+        input_activations={"num_bits": 8, "type": "float", "dynamic": False})),
      "input_activations={'num_bits': 8, 'type': 'float', 'dynamic': False} is not supported"),
-    ("olmoe", dict(quantization_config=dict(CT_FP8, config_groups={"group_0": dict(
-        CT_FP8["config_groups"]["group_0"], weights={"num_bits": 8, "type": "float",
-                                                     "strategy": "block"})})),
+    ("olmoe", dict(quantization_config=ct_group(
+        weights={"num_bits": 8, "type": "float", "strategy": "block"})),
      "strategy 'block' needs its block_structure [rows, cols]"),
     ("mixtral", dict(quantization_config=dict(CT_FP8, transform_config={"config_groups": {}})),
      "quantization_config.transform_config={'config_groups': {}} is not supported: moejax reads "
      "weights stored as they are used"),
-    ("olmoe", dict(quantization_config=dict(CT_FP8, config_groups={"group_0": dict(
-        CT_FP8["config_groups"]["group_0"], input_activations="dynamic")})),
+    ("olmoe", dict(quantization_config=ct_group(input_activations="dynamic")),
      "input_activations='dynamic' is not supported"),
-    ("qwen3_moe", dict(quantization_config=dict(CT_FP8, config_groups={"group_0": dict(
-        CT_FP8["config_groups"]["group_0"], format="pack-quantized", weights={
-            "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-            "group_size": 32, "actorder": "group"})})),
+    ("qwen3_moe", dict(quantization_config=ct_group(format="pack-quantized", weights={
+        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+        "group_size": 32, "actorder": "group"})),
      "weights.actorder='group' is not supported: moejax reads weights stored in their own "
      "column order"),
     ("mixtral", dict(quantization_config=dict(CT_FP8, sparsity_config={"format": "sparse-24"})),
      "quantization_config.sparsity_config={'format': 'sparse-24'} is not supported"),
-    ("olmoe", dict(quantization_config=dict(CT_FP8, config_groups={"group_0": dict(
-        CT_FP8["config_groups"]["group_0"], weights="fp8")})),
+    ("olmoe", dict(quantization_config=ct_group(weights="fp8")),
      "weights='fp8' is not supported: expected compressed-tensors' weights scheme"),
     ("qwen3_moe", dict(quantization_config={"quant_method": "fp8", "activation_scheme": "static"}),
      "quantization_config.activation_scheme='static' is not supported"),
