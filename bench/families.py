@@ -62,7 +62,7 @@ def train(cfg, devices: int) -> dict:
   counts = num_params(cfg)
   return {"total": counts["total"], "active": counts["active"], "first_loss": losses[0],
           "last_loss": losses[-1], "ratio": losses[-1] / losses[0],
-          "s_per_step": float(np.median(times))}
+          "s_per_step": float(np.median(times)) if times else None}
 
 
 def main(argv=None) -> int:

@@ -96,6 +96,10 @@ class ModelConfig:
   OLMoE; head: per head, Qwen3; none: Mixtral, Qwen2)."""
   qkv_bias: bool = False
   """Biases on the q, k and v projections (Qwen2-MoE)."""
+  attention_gate: bool = False
+  """Scale the attention output, before its projection, by a sigmoid gate of the token (one
+  gate value per query channel; MiniCPM5-MoE, Qwen3-Next): the q projection is twice as wide,
+  each head's query followed by its gate, as such checkpoints store it."""
   kv_lora_rank: int = 0
   """> 0: multi-head latent attention (DeepSeek-V2/V3): keys and values from a latent of this
   width, shared by the heads; 0: standard (grouped-query) attention."""
@@ -547,6 +551,9 @@ def validate(c: Config) -> None:
          f"config.model.rotary_dim={m.rotary_dim}: latent attention rotates "
          "model.qk_rope_head_dim; leave rotary_dim 0")
   _choice(m.rope_scaling, "model.rope_scaling", ROPE_SCALINGS)
+  _check(not (m.attention_gate and m.kv_lora_rank),
+         "config.model.attention_gate=True: latent attention (model.kv_lora_rank > 0) has no "
+         "output gate; leave it False")
   if m.rope_scaling == "yarn":
     _check(m.rope_factor >= 1, f"config.model.rope_factor={m.rope_factor}: YaRN's context "
            "extension factor, >= 1")
@@ -782,8 +789,9 @@ def num_params(c: Config) -> dict[str, int]:
              + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim) + h * m.v_head_dim * d)
   else:
     q_width, kv_width = h * m.head_dim, (m.num_kv_heads or h) * m.head_dim
-    attn = 2 * d * q_width + 2 * d * kv_width           # q, o; k, v
-    attn += (q_width + 2 * kv_width) if m.qkv_bias else 0
+    gates = 2 if m.attention_gate else 1                # the q projection carries the gate
+    attn = (gates + 1) * d * q_width + 2 * d * kv_width  # q (and gate), o; k, v
+    attn += (gates * q_width + 2 * kv_width) if m.qkv_bias else 0
     attn += {"full": q_width + kv_width, "head": 2 * m.head_dim, "none": 0}[m.qk_norm]
   attn += 2 * d                                         # the layer's two norms
   expert = 3 * d * moe.expert_hidden

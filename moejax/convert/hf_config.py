@@ -48,10 +48,12 @@ field, rather than converted into a different model. Each family fixes some opti
  GLM-4.7-Flash (glm4_moe_lite): DeepSeek-V3's latent attention and router (its own defaults:
   no groups, routed scaling 1.8, q latent 768, one shared expert); mlp_layer_types ("dense" /
   "sparse" per layer; transformers' default the first layer dense) -> model.dense_layers
- GLM-4.5, dots.llm1 and Solar Open (glm4_moe, dots1, solar_open; `FamilySpec.sigmoid_moe`):
-  standard attention, the leading dense layers (none in Solar Open), shared experts, groups and
-  routed scaling as DeepSeek-V3's (and its sigmoid router with the score bias); GLM and Solar
-  Open: attention_bias -> model.qkv_bias; GLM: use_qk_norm -> model.qk_norm "head" / "none"
+ GLM-4.5, dots.llm1, Solar Open and MiniCPM5-MoE (glm4_moe, dots1, solar_open, minicpm5_moe;
+  `FamilySpec.sigmoid_moe`): standard attention, the leading dense layers (none in Solar Open;
+  MiniCPM5: mlp_layer_types, else first_k_dense_replace), shared experts, groups and routed
+  scaling as DeepSeek-V3's (and its sigmoid router with the score bias); GLM and Solar Open:
+  attention_bias -> model.qkv_bias; GLM: use_qk_norm -> model.qk_norm "head" / "none";
+  MiniCPM5: always model.attention_gate (q_gate_proj: each head's query rows, then its gate's)
   partial_rotary_factor (glm4_moe, minimax_m2; MiniMax's legacy rotary_dim)  model.rotary_dim
  MiniMax-M2 (minimax_m2): QK-norm over all heads' width ("full"), sigmoid scores with the score
   bias beside the gate, always renormalized
@@ -130,6 +132,10 @@ class FamilySpec:
   layer_types_key: str | None = None   # dense layers from this per-layer list's "dense"
                                        # entries rather than first_k_dense_replace (GLM-4.7-
                                        # Flash's mlp_layer_types; absent: the first layer dense)
+  layer_types_fallback: bool = False   # ... absent: first_k_dense_replace leading dense layers
+                                       # (default_first_dense; MiniCPM5-MoE)
+  attention_gate: bool = False         # a sigmoid output gate in every attention, its weight in
+                                       # the q projection (MiniCPM5-MoE's q_gate_proj)
   # Fields that must hold these values (moejax has no equivalent of the others); export writes
   # them so.
   required: tuple = ()
@@ -241,6 +247,18 @@ FAMILY_SPECS = {
         default_rope_theta=1e6, default_head_dim=128, all_moe=True,
         aliases_win=True, default_kv_heads=8,
         required=_COMMON_REQUIRED),
+    "minicpm5_moe": FamilySpec(
+        "minicpm5_moe", "MiniCPM5MoeForCausalLM", "none", "n_routed_experts",
+        "moe_intermediate_size", "norm_topk_prob", experts_aliases=("num_local_experts",),
+        renormalize_default=True, default_norm_eps=1e-6, default_rope_theta=5e6,
+        sigmoid_moe=True, default_first_dense=1, default_shared=1, default_aux=0.0,
+        default_head_dim=128, default_kv_heads=2, layer_types_key="mlp_layer_types",
+        layer_types_fallback=True, attention_gate=True, aliases_win=True,
+        required=_COMMON_REQUIRED + (
+            ("attention_bias", False, "moejax attention projections have no bias (MiniCPM5's "
+             "would bias the output projection too)"),
+            ("use_gated_attention", True, "transformers' MiniCPM5-MoE always gates its "
+             "attention"))),
 }
 assert tuple(FAMILY_SPECS) == FAMILIES
 MODEL_TYPES = {spec.model_type: name for name, spec in FAMILY_SPECS.items()}
@@ -638,11 +656,14 @@ def _leading_dense_and_shared(hf: dict, where: str, first_dense: int,
 
 def _mlp_layer_types(hf: dict, spec: FamilySpec, where: str) -> tuple[int, ...]:
   """The dense layers of a per-layer "dense" / "sparse" list (`FamilySpec.layer_types_key`);
-  absent, transformers' default: the first layer dense."""
+  absent, transformers' default: the first layer dense, or first_k_dense_replace's leading
+  layers (`FamilySpec.layer_types_fallback`)."""
   layers = _get(hf, "num_hidden_layers", int, where)
   types = hf.get(spec.layer_types_key)
   if types is None:
-    types = ["dense"] + ["sparse"] * (layers - 1)
+    first = (_get(hf, "first_k_dense_replace", int, where, spec.default_first_dense)
+             if spec.layer_types_fallback else 1)
+    types = ["dense"] * first + ["sparse"] * (layers - first)
   if (not isinstance(types, list) or len(types) != layers
       or not all(t in ("dense", "sparse") for t in types)):
     _refuse(where, spec.layer_types_key, types,
@@ -693,12 +714,16 @@ def _deepseek_fields(hf: dict, spec: FamilySpec, where: str) -> tuple[dict, dict
 
 
 def _sigmoid_moe_fields(hf: dict, spec: FamilySpec, where: str) -> tuple[dict, dict]:
-  """GLM-4.5's, dots.llm1's and Solar Open's model and moe fields (`FamilySpec.sigmoid_moe`),
-  transformers' defaults for absent ones."""
+  """GLM-4.5's, dots.llm1's, Solar Open's and MiniCPM5's model and moe fields
+  (`FamilySpec.sigmoid_moe`), transformers' defaults for absent ones."""
   # (all_moe: its config class has no first_k_dense_replace; transformers ignores one given)
   model, moe = _leading_dense_and_shared(
       {k: v for k, v in hf.items() if k != "first_k_dense_replace"} if spec.all_moe else hf,
       where, spec.default_first_dense, spec.default_shared)
+  if spec.layer_types_key:
+    dense = _mlp_layer_types(hf, spec, where)
+    model.update(dense_layers=dense,
+                 dense_hidden=_get(hf, "intermediate_size", int, where) if dense else 0)
   moe.update(score="sigmoid", score_bias=True, group_score="top2",
              # null groups (dots.llm1's published config) are no grouping
              expert_groups=_get(hf, "n_group", int, where, 1) if hf.get("n_group") else 1,
@@ -777,6 +802,7 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
                or _get(hf, spec.qk_norm_key, bool, where, False) else "none"),
       qkv_bias=(_get(hf, spec.qkv_bias_key, bool, where, spec.qkv_bias_default)
                 if spec.qkv_bias_key else False),
+      attention_gate=spec.attention_gate,
       **_rope(hf, where, spec.default_rope_theta),
       norm_eps=_get(hf, "rms_norm_eps", float, where, spec.default_norm_eps),
       init_std=_get(hf, "initializer_range", float, where, base.model.init_std),
@@ -864,6 +890,8 @@ def check_exportable(cfg: Config) -> FamilySpec:
     need("moe.routed_scale", moe.routed_scale, 1.0, " (no routed scaling)")
   need("model.rotary_interleaved", m.rotary_interleaved, spec.ernie,
        " (how its rotary dims pair up)")
+  need("model.attention_gate", m.attention_gate, spec.attention_gate,
+       " (its attention's output gate)" if spec.attention_gate else " (no attention gate)")
   if spec.ernie:
     if _ernie_pattern(m) is None:
       raise CheckpointError(
@@ -954,11 +982,11 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
       hf.update({"topk_method": "group_limited_greedy" if moe.expert_groups > 1 else "greedy",
                  "aux_loss_alpha": moe.aux_loss_weight})
       hf.pop("router_aux_loss_coef", None)
-    if spec.layer_types_key:     # transformers reads this list; vLLM first_k_dense_replace
-      hf[spec.layer_types_key] = ["dense" if i in m.dense_layers else "sparse"
-                                  for i in range(m.num_layers)]
   elif not spec.norm_over_hidden:        # OLMoE: hidden / heads
     hf["head_dim"] = m.head_dim
+  if spec.layer_types_key:     # transformers reads this list; vLLM first_k_dense_replace
+    hf[spec.layer_types_key] = ["dense" if i in m.dense_layers else "sparse"
+                                for i in range(m.num_layers)]
   if spec.model_type in MTP_FAMILIES and spec.model_type != "minimax_m2":
     hf["num_nextn_predict_layers"] = 0    # the export holds no multi-token-prediction layer
   if spec.sigmoid_moe:

@@ -10,6 +10,8 @@ weights are stored [out, in] by torch and [in, out] by moejax, so their tails ar
   moejax leaf                 shape      Hugging Face tensor (layer i, expert e)          shape
   embed                       [V, D]     model.embed_tokens.weight                        [V, D]
   layers.attn.wq              [L, D, HD] model.layers.i.self_attn.q_proj.weight           [HD, D]^T
+                                         (with model.attention_gate [L, D, 2HD], each head's
+                                         query then gate rows: MiniCPM5's q_gate_proj)
   layers.attn.wk / wv         [L, D, GD] model.layers.i.self_attn.{k,v}_proj.weight       [GD, D]^T
   layers.attn.wo              [L, HD, D] model.layers.i.self_attn.o_proj.weight           [D, HD]^T
   layers.attn.bq / bk / bv    [L, HD|GD] model.layers.i.self_attn.{q,k,v}_proj.bias       (Qwen2)
@@ -117,11 +119,16 @@ HUB_EXPERT_NAMES = {
     "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "glm4_moe_lite": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "solar_open": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "minicpm5_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 SHARED_EXPERT_MODULE = {"qwen2_moe": "shared_expert", "glm4_moe": "shared_experts",
                         "dots1": "shared_experts", "ernie4_5_moe": "shared_experts",
                         "deepseek_v2": "shared_experts", "deepseek_v3": "shared_experts",
-                        "glm4_moe_lite": "shared_experts", "solar_open": "shared_experts"}
+                        "glm4_moe_lite": "shared_experts", "solar_open": "shared_experts",
+                        "minicpm5_moe": "shared_experts"}
+# The q projection of families whose attention has an output gate (`model.attention_gate`): each
+# head's query rows followed by its gate rows, under this name.
+GATED_Q_NAME = {"minicpm5_moe": "q_gate_proj"}
 # Families whose checkpoints hold multi-token-prediction layers after the last one (transformers
 # does not load them either).
 MTP_FAMILIES = ("minimax_m2", "glm4_moe", "deepseek_v3", "glm4_moe_lite")
@@ -156,11 +163,14 @@ def _attention_maps(cfg: Config, per_layer) -> None:
     per_layer(("attn", "wo"), (H * m.v_head_dim, D), "self_attn.o_proj.weight", True)
     return
   GD = (m.num_kv_heads or m.num_heads) * m.head_dim
-  for name, tail in (("wq", (D, HD)), ("wk", (D, GD)), ("wv", (D, GD)), ("wo", (HD, D))):
-    per_layer(("attn", name), tail, f"self_attn.{name[1]}_proj.weight", True)
+  QD = 2 * HD if m.attention_gate else HD      # each head's query and gate rows
+  q_name = GATED_Q_NAME.get(m.family, "q_proj") if m.attention_gate else "q_proj"
+  names = dict(q=q_name, k="k_proj", v="v_proj", o="o_proj")
+  for name, tail in (("wq", (D, QD)), ("wk", (D, GD)), ("wv", (D, GD)), ("wo", (HD, D))):
+    per_layer(("attn", name), tail, f"self_attn.{names[name[1]]}.weight", True)
   if m.qkv_bias:
-    for name, width in (("bq", HD), ("bk", GD), ("bv", GD)):
-      per_layer(("attn", name), (width,), f"self_attn.{name[1]}_proj.bias", False)
+    for name, width in (("bq", QD), ("bk", GD), ("bv", GD)):
+      per_layer(("attn", name), (width,), f"self_attn.{names[name[1]]}.bias", False)
   if m.qk_norm != "none":
     q_width, k_width = (HD, GD) if m.qk_norm == "full" else (m.head_dim, m.head_dim)
     per_layer(("attn", "q_norm"), (q_width,), "self_attn.q_norm.weight", False)

@@ -8,6 +8,9 @@ Letters: B batch, S sequence, D model width, H query heads, G key/value heads, D
                  heads are split (OLMoE); "head": over each head's Dh, one scale shared by the
                  heads (Qwen3); "none" (Mixtral, Qwen2).
   qkv bias       biases on the q, k and v projections, not the output one (Qwen2).
+  output gate    the output of each query channel scaled by sigmoid(x Wg) before the output
+                 projection (MiniCPM5-MoE, Qwen3-Next); Wg is stored inside Wq, each head's
+                 query columns followed by its gate columns, as the checkpoints hold them.
   latent         `LatentAttention`: DeepSeek-V2/V3's multi-head latent attention (below).
 
 Rotary embeddings (`moejax.layers.rope`: plain or YaRN-scaled) use the half-split (rotate_half)
@@ -78,7 +81,7 @@ class Attention(nnx.Module):
                norm_eps: float, init_std: float, rngs: nnx.Rngs, num_kv_heads: int = 0,
                qk_norm: str = "full", qkv_bias: bool = False,
                rope_scaling: RopeScaling = NO_SCALING, rotary_dim: int = 0,
-               rotary_interleaved: bool = False):
+               rotary_interleaved: bool = False, output_gate: bool = False):
     num_kv_heads = num_kv_heads or num_heads
     if qk_norm not in QK_NORMS:
       raise ValueError(f"qk_norm={qk_norm!r}: must be one of {', '.join(QK_NORMS)}")
@@ -86,7 +89,9 @@ class Attention(nnx.Module):
       raise ValueError(f"num_kv_heads={num_kv_heads} does not divide num_heads={num_heads}")
     q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
     init = jax.nn.initializers.normal(init_std)
-    self.wq = param(init(rngs.params(), (d_model, q_width), jnp.float32), (EMBED, Q_HEADS),
+    # With the output gate, each head's q columns are followed by its gate's.
+    wq_width = 2 * q_width if output_gate else q_width
+    self.wq = param(init(rngs.params(), (d_model, wq_width), jnp.float32), (EMBED, Q_HEADS),
                     ATTENTION)
     self.wk = param(init(rngs.params(), (d_model, kv_width), jnp.float32), (EMBED, KV_HEADS),
                     ATTENTION)
@@ -95,7 +100,7 @@ class Attention(nnx.Module):
     self.wo = param(init(rngs.params(), (q_width, d_model), jnp.float32), (HEADS, EMBED),
                     ATTENTION)
     if qkv_bias:
-      self.bq = param(jnp.zeros((q_width,), jnp.float32), (Q_HEADS,), BIASES)
+      self.bq = param(jnp.zeros((wq_width,), jnp.float32), (Q_HEADS,), BIASES)
       self.bk = param(jnp.zeros((kv_width,), jnp.float32), (KV_HEADS,), BIASES)
       self.bv = param(jnp.zeros((kv_width,), jnp.float32), (KV_HEADS,), BIASES)
     if qk_norm != "none":
@@ -103,7 +108,7 @@ class Attention(nnx.Module):
       self.q_norm = param(jnp.ones((q_norm,), jnp.float32), (NORM,), NORMS)
       self.k_norm = param(jnp.ones((k_norm,), jnp.float32), (NORM,), NORMS)
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-    self.qk_norm, self.qkv_bias = qk_norm, qkv_bias
+    self.qk_norm, self.qkv_bias, self.output_gate = qk_norm, qkv_bias, output_gate
     self.rope_theta, self.rope_scaling, self.norm_eps = rope_theta, rope_scaling, norm_eps
     self.rotary_dim = rotary_dim or head_dim      # partial rotary: its first dims only
     self.rotary_interleaved = rotary_interleaved
@@ -114,19 +119,31 @@ class Attention(nnx.Module):
   def __call__(self, x_BxSxD):
     s = x_BxSxD.shape[1]
     q, k, v = self.qkv(x_BxSxD, self.rotary_at(jnp.arange(s, dtype=jnp.float32)))
-    return self.project_out(attend(q, k, v, is_causal=True, scale=self.softmax_scale))
+    return self.project_out(attend(q, k, v, is_causal=True, scale=self.softmax_scale), x_BxSxD)
 
   def rotary_at(self, positions_S):
     """(cos, sin) [S, Dh] of these positions, this layer's RoPE (for `qkv`)."""
     return rotary_at(positions_S, self.rotary_dim, self.rope_theta, self.rope_scaling)
 
+  def _q_columns(self, part: int):
+    """(weight, bias or None) of the queries (part 0) or, with the output gate, of the gate
+    (part 1): each head's query columns are followed by its gate's in wq / bq. Slicing the
+    weight, not the projection, keeps each matmul to the columns it needs (`qkv` and
+    `project_out` are called apart by a KV-cached step)."""
+    w, b = self.wq[...], self.bq[...] if self.qkv_bias else None
+    if not self.output_gate:
+      return w, b
+    pick = lambda x: x.reshape(*x.shape[:-1], self.num_heads, 2, self.head_dim)[  # noqa: E731
+        ..., part, :].reshape(*x.shape[:-1], -1)
+    return pick(w), None if b is None else pick(b)
+
   def _project(self, x_BxSxD, w, b):
-    w = w[...].astype(x_BxSxD.dtype)
+    w = w.astype(x_BxSxD.dtype)
     if b is None:
       return dense(x_BxSxD, w)
     # The bias added in fp32: its gradient sums the cotangent over every token, which in bf16
     # loses most of it (0.52 of the true sum at 16k tokens a device).
-    y = dense(x_BxSxD, w, jnp.float32) + b[...].astype(jnp.float32)[None, None, :]
+    y = dense(x_BxSxD, w, jnp.float32) + b.astype(jnp.float32)[None, None, :]
     return y.astype(x_BxSxD.dtype)
 
   def qkv(self, x_BxSxD, rotary):
@@ -134,10 +151,10 @@ class Attention(nnx.Module):
     `rotary` = (cos, sin) [S, rotary_dim] of the tokens' positions (`self.rotary_at`, which a
     KV-cached step calls with its own positions)."""
     b, s, _ = x_BxSxD.shape
-    bias = (self.bq, self.bk, self.bv) if self.qkv_bias else (None, None, None)
-    q = self._project(x_BxSxD, self.wq, bias[0])
-    k = self._project(x_BxSxD, self.wk, bias[1])
-    v = self._project(x_BxSxD, self.wv, bias[2])
+    bk, bv = (self.bk[...], self.bv[...]) if self.qkv_bias else (None, None)
+    q = self._project(x_BxSxD, *self._q_columns(0))
+    k = self._project(x_BxSxD, self.wk[...], bk)
+    v = self._project(x_BxSxD, self.wv[...], bv)
     if self.qk_norm == "full":
       q = rms_norm(q, self.q_norm[...], self.norm_eps)
       k = rms_norm(k, self.k_norm[...], self.norm_eps)
@@ -157,9 +174,15 @@ class Attention(nnx.Module):
     return (apply_rotary(q_BxSxHxDh, cos, sin), apply_rotary(k_BxSxGxDh, cos, sin),
             v_BxSxGxDh)
 
-  def project_out(self, out_BxSxHxDh):
+  def project_out(self, out_BxSxHxDh, x_BxSxD):
+    """The heads' outputs projected back to D; `x_BxSxD` is the attention's input (the output
+    gate's)."""
     b, s = out_BxSxHxDh.shape[:2]
-    return dense(out_BxSxHxDh.reshape(b, s, -1), self.wo[...].astype(out_BxSxHxDh.dtype))
+    out_BxSxHD = out_BxSxHxDh.reshape(b, s, -1)
+    if self.output_gate:
+      gate_BxSxHD = self._project(x_BxSxD, *self._q_columns(1))
+      out_BxSxHD = out_BxSxHD * jax.nn.sigmoid(gate_BxSxHD)
+    return dense(out_BxSxHD, self.wo[...].astype(out_BxSxHD.dtype))
 
 
 def _deinterleave(x):
@@ -211,7 +234,7 @@ class LatentAttention(nnx.Module):
   def __call__(self, x_BxSxD):
     s = x_BxSxD.shape[1]
     q, k, v = self.qkv(x_BxSxD, self.rotary_at(jnp.arange(s, dtype=jnp.float32)))
-    return self.project_out(attend(q, k, v, is_causal=True, scale=self.softmax_scale))
+    return self.project_out(attend(q, k, v, is_causal=True, scale=self.softmax_scale), x_BxSxD)
 
   def rotary_at(self, positions_S):
     """(cos, sin) [S, Dr] of these positions, this layer's RoPE (for `qkv`)."""
@@ -241,6 +264,7 @@ class LatentAttention(nnx.Module):
          jnp.broadcast_to(k_rot_BxSx1xDr, (b, s, h, self.rotary_dim))], axis=-1)
     return q_BxSxHxQk, k_BxSxHxQk, kv_BxSxHx_[..., self.nope:]
 
-  def project_out(self, out_BxSxHxDv):
+  def project_out(self, out_BxSxHxDv, x_BxSxD=None):
+    """The heads' outputs projected back to D (no output gate: `x_BxSxD` is not read)."""
     b, s = out_BxSxHxDv.shape[:2]
     return dense(out_BxSxHxDv.reshape(b, s, -1), self.wo[...].astype(out_BxSxHxDv.dtype))

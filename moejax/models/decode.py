@@ -89,14 +89,15 @@ def _forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start
     layer_params, k_BxTxGxDk, v_BxTxGxDv = inputs
     layer = olmoe.layer_from_params(cfg, layer_params, group)
     attn = layer.attn
-    q, k, v = attn.qkv(layer.attn_norm(h_BxSxD), attn.rotary_at(positions_S))
+    x_BxSxD = layer.attn_norm(h_BxSxD)
+    q, k, v = attn.qkv(x_BxSxD, attn.rotary_at(positions_S))
     k_BxTxGxDk = jax.lax.dynamic_update_slice_in_dim(k_BxTxGxDk, k.astype(k_BxTxGxDk.dtype),
                                                      start, axis=1)
     v_BxTxGxDv = jax.lax.dynamic_update_slice_in_dim(v_BxTxGxDv, v.astype(v_BxTxGxDv.dtype),
                                                      start, axis=1)
     out_BxSxHxDv = attend(q, k_BxTxGxDk.astype(q.dtype), v_BxTxGxDv.astype(q.dtype),
                           mask=visible_SxT[None, None], scale=attn.softmax_scale)
-    h_BxSxD = h_BxSxD + attn.project_out(out_BxSxHxDv)
+    h_BxSxD = h_BxSxD + attn.project_out(out_BxSxHxDv, x_BxSxD)
     y_BxSxD = layer.feed_forward(layer.ffn_norm(h_BxSxD))
     return h_BxSxD + y_BxSxD, (k_BxTxGxDk, v_BxTxGxDv)
 

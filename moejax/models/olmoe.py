@@ -102,7 +102,7 @@ def _attention(cfg: Config, rngs: nnx.Rngs):
                    norm_eps=m.norm_eps, init_std=m.init_std, rngs=rngs,
                    num_kv_heads=m.num_kv_heads, qk_norm=m.qk_norm, qkv_bias=m.qkv_bias,
                    rope_scaling=rope_scaling(m), rotary_dim=m.rotary_dim,
-                   rotary_interleaved=m.rotary_interleaved)
+                   rotary_interleaved=m.rotary_interleaved, output_gate=m.attention_gate)
 
 
 class DenseLayer(nnx.Module):

@@ -44,6 +44,8 @@ class ModelShape:
   qk_norm_per_head: bool = False
   """QK-norm scales of one head's width (Qwen3) rather than of all heads' (OLMoE)."""
   qkv_bias: bool = False
+  attention_gate: bool = False
+  """A sigmoid output gate on the attention (MiniCPM5-MoE): the q projection twice as wide."""
   shared_gate: bool = False
   """A sigmoid gate (one D-vector) on the shared expert (Qwen2-MoE)."""
   shared_hidden: int = 0
@@ -73,11 +75,12 @@ class ModelShape:
            else [d * h * self.head_dim])
       return q + [d * (self.kv_lora_rank + self.qk_rope_dim),
                   self.kv_lora_rank * h * (nope + vd), h * vd * d]
-    return [d * h * self.head_dim, d * self.kv_heads * self.head_dim,
-            d * self.kv_heads * vd, h * vd * d]
+    q = d * h * self.head_dim * (2 if self.attention_gate else 1)
+    return [q, d * self.kv_heads * self.head_dim, d * self.kv_heads * vd, h * vd * d]
 
   def attention_params(self) -> int:
-    bias = (self.num_heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
+    q_bias = self.num_heads * (2 if self.attention_gate else 1)
+    bias = (q_bias + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
     return sum(self.attention_matrices()) + bias
 
   def norm_params(self) -> int:
@@ -171,8 +174,8 @@ def shape_of(cfg) -> ModelShape:
       dense_layers=len(m.dense_layers),
       dense_hidden=getattr(m, "dense_hidden", 0) or 0,
       qk_norm=m.qk_norm != "none", qk_norm_per_head=m.qk_norm == "head", qkv_bias=m.qkv_bias,
-      shared_gate=moe.shared_expert_gate, tied_embeddings=m.tie_embeddings,
-      score_bias=moe.score_bias, source="moejax config", **mla)
+      attention_gate=m.attention_gate, shared_gate=moe.shared_expert_gate,
+      tied_embeddings=m.tie_embeddings, score_bias=moe.score_bias, source="moejax config", **mla)
 
 
 def _olmoe_1b7b() -> ModelShape:

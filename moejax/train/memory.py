@@ -153,7 +153,8 @@ def memory_report(cfg: Config, num_devices: int, *,
   head_dim = m.head_dim or d // heads
   k, f, e = moe.top_k, moe.expert_hidden, moe.num_experts
   a = tokens * k
-  matmul_out = tokens * ((heads + 2 * kv) * head_dim + d) * c + tokens * e * 4 + (
+  q_heads = 2 * heads if m.attention_gate else heads     # the gate is a second q-sized output
+  matmul_out = tokens * ((q_heads + 2 * kv) * head_dim + d) * c + tokens * e * 4 + (
       a * (2 * f + d) * c) + tokens * moe.shared_expert_hidden * 3 * c
   elementwise = tokens * d * 4 * c + a * f * 4 + a * d * 4        # norms, rope, silu, combine
   per_layer_saved = {"full": tokens * d * c, "minimal": tokens * d * c + matmul_out,

@@ -190,6 +190,18 @@ MODELS = {
                     n_shared_experts=1, routed_scaling_factor=1.5, norm_topk_prob=True,
                     rms_norm_eps=1e-5),
         save=dict(max_shard_size="64KB")),
+    # MiniCPM5-MoE: grouped-query attention with a sigmoid output gate (q_gate_proj: each head's
+    # query rows then its gate rows), two leading dense layers from first_k_dense_replace (no
+    # mlp_layer_types), one shared expert, GLM's sigmoid router with a random score bias,
+    # routed scaling; fused experts, one file.
+    "minicpm5_moe": dict(
+        model_type="minicpm5_moe",
+        config=dict(vocab_size=54, hidden_size=32, intermediate_size=36, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=10,
+                    first_k_dense_replace=2, n_routed_experts=6, num_experts_per_tok=3,
+                    moe_intermediate_size=12, n_shared_experts=1, routed_scaling_factor=2.5,
+                    norm_topk_prob=True, rope_theta=100000.0, rms_norm_eps=1e-5),
+        save=dict(save_original_format=False)),
 }
 # FP8 copies: every projection float8 e4m3 beside its scales; embeddings, head, router and norms
 # as they were. As the Hub's DeepSeek-V3, Qwen3-*-FP8 and MiniMax-M2 are stored (transformers'

@@ -15,7 +15,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from moejax.convert import __main__ as cli
-from moejax.convert import safetensors_io
+from moejax.convert import hf_names, safetensors_io
 from moejax.convert import config_from_hf, hf_config_from, load_hf, save_hf
 from moejax.convert.hf_config import quantization_summary, weight_scales
 from moejax.families import FAMILIES
@@ -592,6 +592,11 @@ FAMILY_REFUSALS = [
      "as qk_rope_head_dim"),
     ("glm4_moe_lite", dict(rope_interleave=False), "rope_interleave=False is not supported"),
     ("glm4_moe_lite", dict(n_shared_experts=0), "n_shared_experts=0 is not supported"),
+    ("minicpm5_moe", dict(attention_bias=True), "attention_bias=True is not supported"),
+    ("minicpm5_moe", dict(use_gated_attention=False), "use_gated_attention=False is not "
+     "supported: transformers' MiniCPM5-MoE always gates"),
+    ("minicpm5_moe", dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5 is not "
+     "supported: MiniCPM5MoeForCausalLM rotates whole heads"),
 ]
 
 
@@ -607,9 +612,11 @@ ALIASED_EXPERTS = {"olmoe": "num_local_experts", "mixtral": "num_experts",
                    "qwen3_moe": "num_local_experts", "minimax_m2": "num_experts",
                    "ernie4_5_moe": "num_experts", "glm4_moe": "num_local_experts",
                    "dots1": "num_local_experts", "deepseek_v3": "num_local_experts",
-                   "glm4_moe_lite": "num_local_experts", "solar_open": "num_local_experts"}
+                   "glm4_moe_lite": "num_local_experts", "solar_open": "num_local_experts",
+                   "minicpm5_moe": "num_local_experts"}
 DEFAULT_KV_HEADS = {"mixtral": 8, "qwen3_moe": 4, "minimax_m2": 8, "ernie4_5_moe": 4,
-                    "glm4_moe": 8, "solar_open": 8, "olmoe": None, "qwen2_moe": None}
+                    "glm4_moe": 8, "solar_open": 8, "minicpm5_moe": 2, "olmoe": None,
+                    "qwen2_moe": None}
 
 
 @pytest.mark.parametrize("family", sorted(ALIASED_EXPERTS))
@@ -819,6 +826,40 @@ def test_solar_open_config_reads_as_the_open100b_preset():
   with pytest.raises(CheckpointError, match=r"model.dense_layers=\(0,\): .* needs \(\) \(experts "
                      "in every layer"):
     hf_config_from(dense)
+
+
+def test_minicpm5_config_reads_as_the_15b_a2b_preset():
+  """transformers' MiniCPM5MoeConfig defaults (its docstring's openbmb/MiniCPM5-15B-A2.5B) give
+  the 15b_a2b preset: the output gate always on, the dense layers from mlp_layer_types, else
+  from first_k_dense_replace (default 1) as its config class reads them; an export writes the
+  list."""
+  preset = from_config_dict(FAMILY_CONFIGS["minicpm5_moe"].get_config("15b_a2b"))
+  published = {
+      "architectures": ["MiniCPM5MoeForCausalLM"], "model_type": "minicpm5_moe",
+      "vocab_size": 130560, "hidden_size": 2048, "intermediate_size": 8192,
+      "num_hidden_layers": 28, "num_attention_heads": 32, "num_key_value_heads": 2,
+      "head_dim": 128, "max_position_embeddings": 524288, "rms_norm_eps": 1e-6,
+      "n_routed_experts": 160, "routed_scaling_factor": 3.66, "num_experts_per_tok": 16,
+      "moe_intermediate_size": 512, "n_shared_experts": 1, "norm_topk_prob": True,
+      "n_group": 1, "topk_group": 1, "hidden_act": "silu", "attention_bias": False,
+      "tie_word_embeddings": False, "pad_token_id": 1, "eos_token_id": [1, 130073],
+      "rope_parameters": {"rope_theta": 5000000.0, "rope_type": "default"}}
+  got = config_from_hf(published, base=preset)
+  assert got.model == preset.model and got.moe == preset.moe
+  assert got.model.attention_gate and got.model.dense_layers == (0,)
+  assert config_from_hf(dict(published, first_k_dense_replace=3)).model.dense_layers == (0, 1, 2)
+  listed = ["sparse"] * 27 + ["dense"]
+  assert config_from_hf(dict(published, first_k_dense_replace=3,
+                             mlp_layer_types=listed)).model.dense_layers == (27,)
+  exported = hf_config_from(got, published)
+  assert exported["mlp_layer_types"] == ["dense"] + ["sparse"] * 27
+  assert hf_names.expected_shapes(got)["model.layers.0.self_attn.q_gate_proj.weight"] == (
+      2 * 32 * 128, 2048)
+  ungated = dataclasses.replace(got, model=dataclasses.replace(got.model, attention_gate=False))
+  with pytest.raises(CheckpointError, match="model.attention_gate=False: .* needs True"):
+    hf_config_from(ungated)
+  with pytest.raises(CheckpointError, match="model.attention_gate=True: .* needs False"):
+    hf_config_from(tiny_config("qwen3_moe", **{"model.attention_gate": True}))
 
 
 def test_partial_rotary_exports_read_back_as_the_same_width():
