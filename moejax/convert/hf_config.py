@@ -136,6 +136,12 @@ class FamilySpec:
                                        # (default_first_dense; MiniCPM5-MoE)
   attention_gate: bool = False         # a sigmoid output gate in every attention, its weight in
                                        # the q projection (MiniCPM5-MoE's q_gate_proj)
+  # sigmoid_moe's fields under other names (Hy3: num_shared_experts, router_scaling_factor),
+  # transformers' routed scaling default, and whether the config has expert groups at all
+  shared_key: str = "n_shared_experts"
+  routed_scale_key: str = "routed_scaling_factor"
+  default_routed_scale: float = 1.0
+  expert_groups: bool = True
   # Fields that must hold these values (moejax has no equivalent of the others); export writes
   # them so.
   required: tuple = ()
@@ -259,6 +265,16 @@ FAMILY_SPECS = {
              "would bias the output projection too)"),
             ("use_gated_attention", True, "transformers' MiniCPM5-MoE always gates its "
              "attention"))),
+    "hy_v3": FamilySpec(
+        "hy_v3", "HYV3ForCausalLM", "head", "num_experts", "moe_intermediate_size", None,
+        experts_aliases=("num_local_experts",), default_rope_theta=11158840.0,
+        default_head_dim=128, default_kv_heads=8, sigmoid_moe=True, default_shared=1,
+        default_aux=0.0, shared_key="num_shared_experts", routed_scale_key="router_scaling_factor",
+        default_routed_scale=2.826, expert_groups=False, layer_types_key="mlp_layer_types",
+        aliases_win=True,
+        required=_COMMON_REQUIRED + (
+            ("attention_bias", False, "moejax attention projections have no bias"),
+            ("mlp_bias", False, "moejax MLPs have no bias"))),
 }
 assert tuple(FAMILY_SPECS) == FAMILIES
 MODEL_TYPES = {spec.model_type: name for name, spec in FAMILY_SPECS.items()}
@@ -612,8 +628,8 @@ def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
   if spec.ernie and _get(hf, "moe_norm_min", float, where, 1e-12) > 1e-12:
     _refuse(where, "moe_norm_min", hf["moe_norm_min"], "moejax divides the top-k weights by "
             "their sum, which transformers' clamp at the published 1e-12 never reaches")
-  if spec.sigmoid_moe and _get(hf, "n_shared_experts", int, where, spec.default_shared) < 1:
-    _refuse(where, "n_shared_experts", hf.get("n_shared_experts"),
+  if spec.sigmoid_moe and _get(hf, spec.shared_key, int, where, spec.default_shared) < 1:
+    _refuse(where, spec.shared_key, hf.get(spec.shared_key),
             "a positive count is needed (moejax's layers of this family always have a shared "
             "expert)")
   if spec.shared_expert and not hf.get("shared_expert_intermediate_size"):
@@ -641,15 +657,15 @@ def _dense_pattern(hf: dict, where: str) -> dict:
               dense_hidden=_get(hf, "intermediate_size", int, where) if dense else 0)
 
 
-def _leading_dense_and_shared(hf: dict, where: str, first_dense: int,
-                              shared: int | None) -> tuple[dict, dict]:
+def _leading_dense_and_shared(hf: dict, where: str, first_dense: int, shared: int | None,
+                              shared_key: str = "n_shared_experts") -> tuple[dict, dict]:
   """DeepSeek's, GLM-4.5's and dots.llm1's first_k_dense_replace leading dense layers (width
   intermediate_size) and n_shared_experts ungated shared experts of the routed width; the
   defaults are transformers' for absent fields (None: required)."""
   dense = tuple(range(_get(hf, "first_k_dense_replace", int, where, first_dense)))
   model = dict(dense_layers=dense,
                dense_hidden=_get(hf, "intermediate_size", int, where) if dense else 0)
-  moe = dict(shared_expert_hidden=_get(hf, "n_shared_experts", int, where, shared)
+  moe = dict(shared_expert_hidden=_get(hf, shared_key, int, where, shared)
              * _get(hf, "moe_intermediate_size", int, where), shared_expert_gate=False)
   return model, moe
 
@@ -719,16 +735,19 @@ def _sigmoid_moe_fields(hf: dict, spec: FamilySpec, where: str) -> tuple[dict, d
   # (all_moe: its config class has no first_k_dense_replace; transformers ignores one given)
   model, moe = _leading_dense_and_shared(
       {k: v for k, v in hf.items() if k != "first_k_dense_replace"} if spec.all_moe else hf,
-      where, spec.default_first_dense, spec.default_shared)
+      where, spec.default_first_dense, spec.default_shared, spec.shared_key)
   if spec.layer_types_key:
     dense = _mlp_layer_types(hf, spec, where)
     model.update(dense_layers=dense,
                  dense_hidden=_get(hf, "intermediate_size", int, where) if dense else 0)
   moe.update(score="sigmoid", score_bias=True, group_score="top2",
              # null groups (dots.llm1's published config) are no grouping
-             expert_groups=_get(hf, "n_group", int, where, 1) if hf.get("n_group") else 1,
-             top_groups=_get(hf, "topk_group", int, where, 1) if hf.get("topk_group") else 1,
-             routed_scale=_get(hf, "routed_scaling_factor", float, where, 1.0))
+             expert_groups=(_get(hf, "n_group", int, where, 1)
+                            if spec.expert_groups and hf.get("n_group") else 1),
+             top_groups=(_get(hf, "topk_group", int, where, 1)
+                         if spec.expert_groups and hf.get("topk_group") else 1),
+             routed_scale=_get(hf, spec.routed_scale_key, float, where,
+                               spec.default_routed_scale))
   return model, moe
 
 
@@ -871,6 +890,8 @@ def check_exportable(cfg: Config) -> FamilySpec:
     else:
       need("moe.score", moe.score, "sigmoid", " (it routes with sigmoids)")
       need("moe.score_bias", moe.score_bias, True, " (its router always has the bias)")
+    if not spec.expert_groups:
+      need("moe.expert_groups", moe.expert_groups, 1, " (no expert groups)")
     if moe.expert_groups > 1:
       need("moe.group_score", moe.group_score, "max" if spec.deepseek == "v2" else "top2",
            " (how its groups are scored)")
@@ -911,7 +932,7 @@ def check_exportable(cfg: Config) -> FamilySpec:
     need("moe.renormalize", moe.renormalize, True)
   need("moe.shared_expert_gate", moe.shared_expert_gate, spec.shared_expert)
   if spec.deepseek or spec.sigmoid_moe or spec.ernie:   # n shared experts of the routed width
-    count = "moe_num_shared_experts" if spec.ernie else "n_shared_experts"
+    count = "moe_num_shared_experts" if spec.ernie else spec.shared_key
     positive = not spec.ernie          # the others' layers always have one
     if (positive and not moe.shared_expert_hidden) or moe.shared_expert_hidden % moe.expert_hidden:
       raise CheckpointError(
@@ -969,10 +990,10 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
         "first_k_dense_replace": len(m.dense_layers),
         "intermediate_size": m.dense_hidden or hf.get("intermediate_size", moe.expert_hidden)})
   if spec.deepseek or spec.sigmoid_moe:
-    hf.update({
-        "n_shared_experts": moe.shared_expert_hidden // moe.expert_hidden,
-        "n_group": moe.expert_groups, "topk_group": moe.top_groups,
-        "routed_scaling_factor": moe.routed_scale})
+    hf.update({spec.shared_key: moe.shared_expert_hidden // moe.expert_hidden,
+               spec.routed_scale_key: moe.routed_scale})
+    if spec.expert_groups:
+      hf.update({"n_group": moe.expert_groups, "topk_group": moe.top_groups})
   if spec.deepseek:
     hf.update({
         "q_lora_rank": m.q_lora_rank or None, "kv_lora_rank": m.kv_lora_rank,

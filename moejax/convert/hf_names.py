@@ -27,7 +27,9 @@ weights are stored [out, in] by torch and [in, out] by moejax, so their tails ar
   layers.moe.shared_w_gate/up [L, D, Fs] model.layers.i.mlp.shared_expert.{gate,up}_proj.weight
   layers.moe.shared_w_down    [L, Fs, D] model.layers.i.mlp.shared_expert.down_proj.weight
   layers.moe.shared_gate      [L, D, 1]  model.layers.i.mlp.shared_expert_gate.weight     [1, D]^T
-                                         (DeepSeek: mlp.shared_experts.*, no gate)
+                                         (DeepSeek: mlp.shared_experts.*, no gate; Hy3's Hub
+                                         layout: mlp.shared_mlp.*, its router mlp.router.gate,
+                                         its score bias mlp.expert_bias)
   layers.moe.score_bias       [L, E]     model.layers.i.mlp.gate.e_score_correction_bias  [E]
                                          (MiniMax-M2: block_sparse_moe.e_score_correction_bias)
   layers.attn.wq_a / wq_b     latent attention (DeepSeek-V3): self_attn.q_a_proj / q_b_proj
@@ -120,23 +122,29 @@ HUB_EXPERT_NAMES = {
     "glm4_moe_lite": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "solar_open": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "minicpm5_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "hy_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 SHARED_EXPERT_MODULE = {"qwen2_moe": "shared_expert", "glm4_moe": "shared_experts",
                         "dots1": "shared_experts", "ernie4_5_moe": "shared_experts",
                         "deepseek_v2": "shared_experts", "deepseek_v3": "shared_experts",
                         "glm4_moe_lite": "shared_experts", "solar_open": "shared_experts",
-                        "minicpm5_moe": "shared_experts"}
+                        "minicpm5_moe": "shared_experts", "hy_v3": "shared_experts"}
+# ... where the Hub's layout names it otherwise (transformers renames it on load)
+HUB_SHARED_EXPERT_MODULE = {"hy_v3": "shared_mlp"}
+# The router's module under the MoE block where it is not `gate`: (Hub layout, fused layout).
+ROUTER_NAME = {"hy_v3": ("router.gate", "gate")}
 # The q projection of families whose attention has an output gate (`model.attention_gate`): each
 # head's query rows followed by its gate rows, under this name.
 GATED_Q_NAME = {"minicpm5_moe": "q_gate_proj"}
 # Families whose checkpoints hold multi-token-prediction layers after the last one (transformers
 # does not load them either).
-MTP_FAMILIES = ("minimax_m2", "glm4_moe", "deepseek_v3", "glm4_moe_lite")
+MTP_FAMILIES = ("minimax_m2", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "hy_v3")
 # Where the MoE block keeps its score bias, under its module (the others': gate.), in the Hub's
 # layout and in transformers 5's fused one.
 SCORE_BIAS_NAME = {"minimax_m2": ("e_score_correction_bias", "e_score_correction_bias"),
                    "ernie4_5_moe": ("moe_statics.e_score_correction_bias",
-                                    "gate.moe_statics.e_score_correction_bias")}
+                                    "gate.moe_statics.e_score_correction_bias"),
+                   "hy_v3": ("expert_bias", "e_score_correction_bias")}
 # ... held [1, E] rather than [E]
 SCORE_BIAS_SINGLETON = ("ernie4_5_moe",)
 # Families whose checkpoints hold multi-token-prediction tensors under names with "mtp"
@@ -208,7 +216,8 @@ def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:
                                   ("w_down", (m.dense_hidden, D), "down_proj")):
         per_layer(("mlp", name), tail, f"mlp.{hf_name}.weight", True)
       continue
-    per_layer(("moe", "router"), (D, E), f"{moe_module}.gate.weight", True)
+    router = ROUTER_NAME.get(m.family, ("gate", "gate"))[experts == FUSED]
+    per_layer(("moe", "router"), (D, E), f"{moe_module}.{router}.weight", True)
     if moe.score_bias:
       hub_bias, fused_bias = SCORE_BIAS_NAME.get(m.family, ("gate.e_score_correction_bias",) * 2)
       bias = fused_bias if experts == FUSED else hub_bias
@@ -229,6 +238,8 @@ def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:
       maps.append(LeafMap((group, "moe", name), (count, E, *tail), 2, sources))
     if Fs:
       shared = SHARED_EXPERT_MODULE.get(m.family, "shared_expert")
+      if experts != FUSED:
+        shared = HUB_SHARED_EXPERT_MODULE.get(m.family, shared)
       for name, tail, hf_name in (("shared_w_gate", (D, Fs), "gate_proj"),
                                   ("shared_w_up", (D, Fs), "up_proj"),
                                   ("shared_w_down", (Fs, D), "down_proj")):

@@ -202,6 +202,18 @@ MODELS = {
                     moe_intermediate_size=12, n_shared_experts=1, routed_scaling_factor=2.5,
                     norm_topk_prob=True, rope_theta=100000.0, rms_norm_eps=1e-5),
         save=dict(save_original_format=False)),
+    # Hy3: per-head QK-norm, two leading dense layers from mlp_layer_types, one shared expert,
+    # a sigmoid router with a random score bias, always renormalized, scaled by
+    # router_scaling_factor; the Hub's names (mlp.router.gate, mlp.expert_bias, mlp.shared_mlp,
+    # one tensor per expert), sharded.
+    "hy_v3": dict(
+        model_type="hy_v3",
+        config=dict(vocab_size=66, hidden_size=32, intermediate_size=40, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+                    mlp_layer_types=["dense", "dense", "sparse", "sparse"], num_experts=7,
+                    num_experts_per_tok=3, moe_intermediate_size=8, num_shared_experts=2,
+                    router_scaling_factor=1.7, rope_theta=50000.0, rms_norm_eps=1e-6),
+        save=dict(max_shard_size="64KB")),
 }
 # FP8 copies: every projection float8 e4m3 beside its scales; embeddings, head, router and norms
 # as they were. As the Hub's DeepSeek-V3, Qwen3-*-FP8 and MiniMax-M2 are stored (transformers'

@@ -597,6 +597,8 @@ FAMILY_REFUSALS = [
      "supported: transformers' MiniCPM5-MoE always gates"),
     ("minicpm5_moe", dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5 is not "
      "supported: MiniCPM5MoeForCausalLM rotates whole heads"),
+    ("hy_v3", dict(mlp_bias=True), "mlp_bias=True is not supported"),
+    ("hy_v3", dict(num_shared_experts=0), "num_shared_experts=0 is not supported"),
 ]
 
 
@@ -613,9 +615,9 @@ ALIASED_EXPERTS = {"olmoe": "num_local_experts", "mixtral": "num_experts",
                    "ernie4_5_moe": "num_experts", "glm4_moe": "num_local_experts",
                    "dots1": "num_local_experts", "deepseek_v3": "num_local_experts",
                    "glm4_moe_lite": "num_local_experts", "solar_open": "num_local_experts",
-                   "minicpm5_moe": "num_local_experts"}
+                   "minicpm5_moe": "num_local_experts", "hy_v3": "num_local_experts"}
 DEFAULT_KV_HEADS = {"mixtral": 8, "qwen3_moe": 4, "minimax_m2": 8, "ernie4_5_moe": 4,
-                    "glm4_moe": 8, "solar_open": 8, "minicpm5_moe": 2, "olmoe": None,
+                    "glm4_moe": 8, "solar_open": 8, "minicpm5_moe": 2, "hy_v3": 8, "olmoe": None,
                     "qwen2_moe": None}
 
 
@@ -860,6 +862,37 @@ def test_minicpm5_config_reads_as_the_15b_a2b_preset():
     hf_config_from(ungated)
   with pytest.raises(CheckpointError, match="model.attention_gate=True: .* needs False"):
     hf_config_from(tiny_config("qwen3_moe", **{"model.attention_gate": True}))
+
+
+def test_hy3_config_reads_as_the_preview_preset():
+  """transformers' HYV3Config defaults (its docstring's tencent/Hy3-preview) give the preview
+  preset: the shared experts and routed scaling under Hy3's own names, always renormalized, no
+  expert groups (n_group is not a Hy3 field: one given is not read, as transformers does not),
+  the dense layers from mlp_layer_types (absent: the first); the multi-token-prediction layer
+  after the last is not read; an export writes Hy3's names only."""
+  preset = from_config_dict(FAMILY_CONFIGS["hy_v3"].get_config("preview"))
+  published = {
+      "architectures": ["HYV3ForCausalLM"], "model_type": "hy_v3", "vocab_size": 120832,
+      "hidden_size": 4096, "intermediate_size": 13312, "num_hidden_layers": 80,
+      "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128,
+      "hidden_act": "silu", "max_position_embeddings": 131072, "initializer_range": 0.006,
+      "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "attention_bias": False,
+      "mlp_bias": False, "num_experts": 192, "num_experts_per_tok": 8,
+      "num_shared_experts": 1, "moe_intermediate_size": 1536, "router_scaling_factor": 2.826,
+      "enable_moe_fp32_combine": True,
+      "rope_parameters": {"rope_theta": 11158840.0, "rope_type": "default"}}
+  got = config_from_hf(published, base=preset)
+  assert got.model == preset.model and got.moe == preset.moe
+  assert config_from_hf(dict(published, n_group=8, topk_group=4)).moe.expert_groups == 1
+  exported = hf_config_from(got, published)
+  assert exported["num_shared_experts"] == 1 and exported["router_scaling_factor"] == 2.826
+  assert exported["mlp_layer_types"] == ["dense"] + ["sparse"] * 79
+  assert not {"n_group", "topk_group", "n_shared_experts", "routed_scaling_factor"} & set(exported)
+  assert hf_names.is_ignored("model.layers.80.mlp.router.gate.weight", got)
+  assert not hf_names.is_ignored("model.layers.79.mlp.router.gate.weight", got)
+  grouped = dataclasses.replace(got, moe=dataclasses.replace(got.moe, expert_groups=2))
+  with pytest.raises(CheckpointError, match="moe.expert_groups=2: .* needs 1 \\(no expert groups"):
+    hf_config_from(grouped)
 
 
 def test_partial_rotary_exports_read_back_as_the_same_width():
