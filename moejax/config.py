@@ -96,6 +96,15 @@ class ModelConfig:
   OLMoE; head: per head, Qwen3; none: Mixtral, Qwen2)."""
   qkv_bias: bool = False
   """Biases on the q, k and v projections (Qwen2-MoE)."""
+  sliding_window: int = 0
+  """Tokens a query of a `sliding_layers` layer sees: itself and the sliding_window - 1 before
+  it (Mixtral's, Qwen's and EXAONE's sliding_window); 0 = no sliding layers."""
+  sliding_layers: tuple = ()
+  """Indices of the layers whose attention slides within model.sliding_window, ascending; the
+  others attend to the whole sequence."""
+  nope_layers: tuple = ()
+  """Indices of the layers whose q and k are not rotated (no positional encoding: EXAONE 4's
+  global layers), ascending."""
   attention_gate: bool = False
   """Scale the attention output, before its projection, by a sigmoid gate of the token (one
   gate value per query channel; MiniCPM5-MoE, Qwen3-Next): the q projection is twice as wide,
@@ -584,6 +593,16 @@ def validate(c: Config) -> None:
          f"in [0, model.num_layers={m.num_layers}), leaving at least one MoE layer")
   _check(m.dense_hidden >= 0, f"config.model.dense_hidden={m.dense_hidden}: must be >= 0 (0: no "
          "dense layers)")
+  for field in ("sliding_layers", "nope_layers"):
+    layers = getattr(m, field)
+    _check(list(layers) == sorted(set(layers)) and all(0 <= i < m.num_layers for i in layers),
+           f"config.model.{field}={layers}: must be ascending distinct layer indices in [0, "
+           f"model.num_layers={m.num_layers})")
+  _check(m.sliding_window >= 0, f"config.model.sliding_window={m.sliding_window}: must be >= 0 "
+         "(0: no sliding layers)")
+  _check(bool(m.sliding_window) == bool(m.sliding_layers),
+         f"config.model.sliding_window={m.sliding_window} with model.sliding_layers="
+         f"{m.sliding_layers}: a window needs the layers it applies to, and layers a window > 0"),
   _check(not m.dense_layers or m.dense_hidden > 0,
          f"config.model.dense_hidden={m.dense_hidden}: model.dense_layers={m.dense_layers} "
          "needs a positive dense MLP width")

@@ -159,6 +159,16 @@ def test_unknown_preset():
     ({"model.dense_layers": (0, 1), "model.dense_hidden": 8},
      r"config.model.dense_layers=\(0, 1\): must be ascending .* at least one MoE layer"),
     ({"model.dense_layers": (0,)}, r"config.model.dense_hidden=0: model.dense_layers=\(0,\)"),
+    ({"model.sliding_window": 8}, r"config.model.sliding_window=8 with model.sliding_layers=\(\): "
+     "a window needs the layers it applies to"),
+    ({"model.sliding_layers": (1,)}, r"config.model.sliding_window=0 with model.sliding_layers="),
+    ({"model.sliding_window": 8, "model.sliding_layers": (1, 0)},
+     r"config.model.sliding_layers=\(1, 0\): must be ascending distinct layer indices"),
+    ({"model.nope_layers": (5,)}, r"config.model.nope_layers=\(5,\): must be ascending .* "
+     r"\[0, model.num_layers=2\)"),
+    ({"model.attention_gate": True, "model.kv_lora_rank": 8, "model.qk_norm": "none",
+      "model.qk_rope_head_dim": 8, "model.qk_nope_head_dim": 8, "model.v_head_dim": 8},
+     "config.model.attention_gate=True: latent attention .* has no output gate"),
     ({"model.kv_lora_rank": 8, "model.qk_rope_head_dim": 4, "model.v_head_dim": 8,
       "model.qk_norm": "none"}, r"config.model.head_dim=16: with multi-head latent attention"),
     ({"model.q_lora_rank": 8}, r"they need model.kv_lora_rank > 0"),

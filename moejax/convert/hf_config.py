@@ -1,7 +1,8 @@
 """Hugging Face config.json <-> moejax `Config`, for every family of `moejax.families`.
 
 Only what moejax models is carried over; a config that asks for something moejax does not model
-(clipped q/k/v, output-projection biases, RoPE scaled other than by YaRN, sliding windows,
+(clipped q/k/v, output-projection biases, RoPE scaled other than by YaRN, sliding windows where
+the family's transformers code has none,
 another activation, quantizations moejax cannot dequantize) is refused with one line naming the
 field, rather than converted into a different model. Each family fixes some options of the decoder
 (`FAMILY_SPECS`); the rest are read from its fields:
@@ -31,6 +32,10 @@ field, rather than converted into a different model. Each family fixes some opti
   router_aux_loss_coef                 moe.aux_loss_weight
   router_z_loss_coef (olmoe)           moe.z_loss_weight
   tie_word_embeddings                  model.tie_embeddings
+  sliding_window, layer_types          model.sliding_window, sliding_layers (Mixtral: every
+   (mixtral, dots1, exaone_moe)        layer; dots.llm1: else from max_window_layers on;
+                                       EXAONE: else by sliding_window_pattern, and its full
+                                       layers model.nope_layers); other families: none slides
   mlp_only_layers, decoder_sparse_step model.dense_layers: layer i is dense if listed or if
    (qwen2_moe, qwen3_moe)              (i + 1) % step != 0 (transformers' rule); with
                                        intermediate_size as model.dense_hidden
@@ -120,8 +125,11 @@ class FamilySpec:
   ernie: bool = False                  # ERNIE-4.5: neighbour-pair rotary, MoE layers from
                                        # moe_layer_start_index to _end_index every _interval,
                                        # moe_num_shared_experts, softmax with a selection bias
-  window_from_layer: bool = False      # layer_types, when absent, slide from max_window_layers
-                                       # on if sliding_window is set (dots.llm1)
+  sliding: str = ""                    # which layers slide within sliding_window (`_sliding`):
+                                       # "" none; "all" every layer (Mixtral); "from_layer"
+                                       # layer_types, else from max_window_layers on (dots.llm1);
+                                       # "exaone" layer_types, else all but every
+                                       # sliding_window_pattern-th, the others unrotated
   deepseek: str = ""                   # "v2" / "v3": latent attention, leading dense layers,
                                        # n_shared_experts; v3: grouped sigmoid routing with a
                                        # score bias; v2: softmax, greedy or grouped by the best
@@ -163,10 +171,9 @@ FAMILY_SPECS = {
     "mixtral": FamilySpec(
         "mixtral", "MixtralForCausalLM", "none", "num_local_experts", "intermediate_size", None,
         default_rope_theta=1e6, experts_aliases=("num_experts",), aliases_win=True,
-        default_kv_heads=8,
+        default_kv_heads=8, sliding="all",
         required=_COMMON_REQUIRED + (
-            ("sliding_window", None, "moejax attends to the whole sequence"),
-            ("router_jitter_noise", 0.0, "moejax's router adds no noise"))),
+            ("router_jitter_noise", 0.0, "moejax's router adds no noise"),)),
     "qwen2_moe": FamilySpec(
         "qwen2_moe", "Qwen2MoeForCausalLM", "none", "num_experts", "moe_intermediate_size",
         "norm_topk_prob", shared_expert=True, qkv_bias_key="qkv_bias", qkv_bias_default=True,
@@ -210,7 +217,7 @@ FAMILY_SPECS = {
     "dots1": FamilySpec(
         "dots1", "Dots1ForCausalLM", "head", "n_routed_experts", "moe_intermediate_size",
         "norm_topk_prob", experts_aliases=("num_local_experts",), default_norm_eps=1e-6,
-        sigmoid_moe=True, window_from_layer=True, default_aux=0.0,
+        sigmoid_moe=True, sliding="from_layer", default_aux=0.0,
         aliases_win=True,
         required=_COMMON_REQUIRED + (
             ("attention_bias", False, "moejax attention projections have no bias"),)),
@@ -275,6 +282,13 @@ FAMILY_SPECS = {
         required=_COMMON_REQUIRED + (
             ("attention_bias", False, "moejax attention projections have no bias"),
             ("mlp_bias", False, "moejax MLPs have no bias"))),
+    "exaone_moe": FamilySpec(
+        "exaone_moe", "ExaoneMoeForCausalLM", "head", "num_experts", "moe_intermediate_size",
+        "norm_topk_prob", renormalize_default=True, sigmoid_moe=True, default_first_dense=1,
+        default_shared=1, default_aux=0.0, shared_key="num_shared_experts",
+        default_routed_scale=2.5, layer_types_key="mlp_layer_types", layer_types_fallback=True,
+        default_kv_heads=32, sliding="exaone",
+        required=_COMMON_REQUIRED),
 }
 assert tuple(FAMILY_SPECS) == FAMILIES
 MODEL_TYPES = {spec.model_type: name for name, spec in FAMILY_SPECS.items()}
@@ -592,22 +606,11 @@ def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
       value = _SAME_AS.get((key, value), value)
     if value != want:
       _refuse(where, key, value, f"{why} (needs {want!r})")
-  layer_types = hf.get("layer_types") or []
-  if (spec.window_from_layer and not layer_types and hf.get("sliding_window") is not None
-      and _get(hf, "max_window_layers", int, where, 62) < _get(hf, "num_hidden_layers", int,
-                                                               where)):
-    _refuse(where, "max_window_layers", hf.get("max_window_layers", 62),
-            f"layers from it on attend within sliding_window={hf['sliding_window']}; moejax "
-            "attends to the whole sequence (needs sliding_window null or max_window_layers >= "
-            "num_hidden_layers)")
+  _sliding(hf, spec, where)
   attn_types = hf.get("attn_type_list") or []      # MiniMax's: 1 softmax, 0 linear attention
   if any(t != 1 for t in attn_types):
     _refuse(where, "attn_type_list", attn_types, "moejax's layers are all softmax attention "
             "(needs every entry 1)")
-  other = sorted({t for t in layer_types if t != "full_attention"})
-  if other:
-    _refuse(where, "layer_types", other[0], "moejax attends to the whole sequence in every "
-            "layer (needs 'full_attention')")
   heads = _get(hf, "num_attention_heads", int, where)
   kv_heads = _kv_heads(hf, spec, heads)
   if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or heads % kv_heads:
@@ -640,6 +643,47 @@ def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
               else _head_dim(hf, spec, where), where)
   _rope(hf, where, spec.default_rope_theta)
   return spec
+
+
+_ATTENTION_TYPES = ("full_attention", "sliding_attention")
+
+
+def _sliding(hf: dict, spec: FamilySpec, where: str) -> dict:
+  """model.sliding_window, sliding_layers and nope_layers as the family's transformers code reads
+  sliding_window, layer_types and the family's rule for absent layer_types (`spec.sliding`);
+  a sliding layer in a family transformers never slides is refused."""
+  layers = _get(hf, "num_hidden_layers", int, where)
+  types = hf.get("layer_types")
+  if types is not None and (not isinstance(types, list) or len(types) != layers
+                            or not all(t in _ATTENTION_TYPES for t in types)):
+    _refuse(where, "layer_types", types, f"expected num_hidden_layers={layers} entries, each "
+            "'full_attention' or 'sliding_attention'")
+  none = dict(sliding_window=0, sliding_layers=(), nope_layers=())
+  if not spec.sliding:
+    if types and "sliding_attention" in types:
+      _refuse(where, "layer_types", "sliding_attention", f"{spec.architecture} attends to the "
+              "whole sequence in every layer (needs 'full_attention')")
+    return none
+  if hf.get("sliding_window") is None:     # no window: every layer attends to all, rotated
+    return none
+  window = _get(hf, "sliding_window", int, where)
+  if window < 1:
+    _refuse(where, "sliding_window", window, "expected a positive number of tokens or null")
+  if spec.sliding == "all":
+    sliding = range(layers)
+  elif types is not None:
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+  elif spec.sliding == "from_layer":
+    sliding = range(_get(hf, "max_window_layers", int, where, 62), layers)
+  else:   # exaone: transformers derives the list from an integer pattern
+    pattern = _get(hf, "sliding_window_pattern", int, where, 4)
+    if pattern < 1:
+      _refuse(where, "sliding_window_pattern", pattern, "expected a positive integer")
+    sliding = [i for i in range(layers) if (i + 1) % pattern]
+  sliding = tuple(sliding)
+  nope = (tuple(i for i in range(layers) if i not in sliding) if spec.sliding == "exaone"
+          else ())
+  return dict(sliding_window=window if sliding else 0, sliding_layers=sliding, nope_layers=nope)
 
 
 def _dense_pattern(hf: dict, where: str) -> dict:
@@ -822,6 +866,7 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       qkv_bias=(_get(hf, spec.qkv_bias_key, bool, where, spec.qkv_bias_default)
                 if spec.qkv_bias_key else False),
       attention_gate=spec.attention_gate,
+      **_sliding(hf, spec, where),
       **_rope(hf, where, spec.default_rope_theta),
       norm_eps=_get(hf, "rms_norm_eps", float, where, spec.default_norm_eps),
       init_std=_get(hf, "initializer_range", float, where, base.model.init_std),
@@ -913,6 +958,15 @@ def check_exportable(cfg: Config) -> FamilySpec:
        " (how its rotary dims pair up)")
   need("model.attention_gate", m.attention_gate, spec.attention_gate,
        " (its attention's output gate)" if spec.attention_gate else " (no attention gate)")
+  full = tuple(i for i in range(m.num_layers) if i not in m.sliding_layers)
+  if not spec.sliding:
+    need("model.sliding_window", m.sliding_window, 0, " (no sliding window)")
+  elif spec.sliding == "all" and m.sliding_window:
+    need("model.sliding_layers", m.sliding_layers, tuple(range(m.num_layers)),
+         " (its sliding window covers every layer)")
+  need("model.nope_layers", m.nope_layers, full if spec.sliding == "exaone" and m.sliding_window
+       else (), " (the layers it leaves unrotated: with a sliding window, the full ones)"
+       if spec.sliding == "exaone" else " (it rotates every layer)")
   if spec.ernie:
     if _ernie_pattern(m) is None:
       raise CheckpointError(
@@ -1010,9 +1064,10 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
                                 for i in range(m.num_layers)]
   if spec.model_type in MTP_FAMILIES and spec.model_type != "minimax_m2":
     hf["num_nextn_predict_layers"] = 0    # the export holds no multi-token-prediction layer
-  if spec.sigmoid_moe:
-    if spec.window_from_layer:
-      hf.update({"sliding_window": None, "layer_types": None})
+  if spec.sliding:
+    hf["sliding_window"] = m.sliding_window or None
+    if spec.sliding != "all":      # the list wins over the family's rule
+      hf["layer_types"] = [_ATTENTION_TYPES[i in m.sliding_layers] for i in range(m.num_layers)]
   if spec.model_type == "minimax_m2" and hf.get("use_mtp"):   # ... nor MiniMax's modules
     hf.update({"use_mtp": False, "num_mtp_modules": 0})
   if spec.qk_norm_key:

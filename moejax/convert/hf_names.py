@@ -123,12 +123,14 @@ HUB_EXPERT_NAMES = {
     "solar_open": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "minicpm5_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "hy_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "exaone_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 SHARED_EXPERT_MODULE = {"qwen2_moe": "shared_expert", "glm4_moe": "shared_experts",
                         "dots1": "shared_experts", "ernie4_5_moe": "shared_experts",
                         "deepseek_v2": "shared_experts", "deepseek_v3": "shared_experts",
                         "glm4_moe_lite": "shared_experts", "solar_open": "shared_experts",
-                        "minicpm5_moe": "shared_experts", "hy_v3": "shared_experts"}
+                        "minicpm5_moe": "shared_experts", "hy_v3": "shared_experts",
+                        "exaone_moe": "shared_experts"}
 # ... where the Hub's layout names it otherwise (transformers renames it on load)
 HUB_SHARED_EXPERT_MODULE = {"hy_v3": "shared_mlp"}
 # The router's module under the MoE block where it is not `gate`: (Hub layout, fused layout).
@@ -144,12 +146,13 @@ MTP_FAMILIES = ("minimax_m2", "glm4_moe", "deepseek_v3", "glm4_moe_lite", "hy_v3
 SCORE_BIAS_NAME = {"minimax_m2": ("e_score_correction_bias", "e_score_correction_bias"),
                    "ernie4_5_moe": ("moe_statics.e_score_correction_bias",
                                     "gate.moe_statics.e_score_correction_bias"),
-                   "hy_v3": ("expert_bias", "e_score_correction_bias")}
+                   "hy_v3": ("expert_bias", "e_score_correction_bias"),
+                   "exaone_moe": ("e_score_correction_bias", "gate.e_score_correction_bias")}
 # ... held [1, E] rather than [E]
 SCORE_BIAS_SINGLETON = ("ernie4_5_moe",)
 # Families whose checkpoints hold multi-token-prediction tensors under names with "mtp"
 # (transformers' _keys_to_ignore_on_load_unexpected).
-MTP_NAMED = ("ernie4_5_moe",)
+MTP_NAMED = ("ernie4_5_moe", "exaone_moe")
 
 
 def _attention_maps(cfg: Config, per_layer) -> None:

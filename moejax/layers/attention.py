@@ -12,6 +12,9 @@ Letters: B batch, S sequence, D model width, H query heads, G key/value heads, D
                  projection (MiniCPM5-MoE, Qwen3-Next); Wg is stored inside Wq, each head's
                  query columns followed by its gate columns, as the checkpoints hold them.
   latent         `LatentAttention`: DeepSeek-V2/V3's multi-head latent attention (below).
+  sliding window `window` W > 0: each query sees itself and the W - 1 tokens before it
+                 (Mistral's, EXAONE's sliding layers); 0: the whole sequence.
+  no rotary      `rotary=False`: q and k are not rotated (EXAONE 4's global layers, NoPE).
 
 Rotary embeddings (`moejax.layers.rope`: plain or YaRN-scaled) use the half-split (rotate_half)
 convention; latent attention's rotary part is stored interleaved (pairs (x0, x1), (x2, x3), ...),
@@ -38,11 +41,13 @@ QK_NORMS = ("full", "head", "none")
 LATENT_NORM_EPS = 1e-6   # DeepSeek's latent norms use their module default, not rms_norm_eps
 
 
-def attend(q_BxSxHxDk, k_BxTxGxDk, v_BxTxGxDv, *, mask=None, is_causal=False, scale=None):
-  """Softmax attention scaled by `scale` (default 1/sqrt(Dk)). Values and keys may differ in
-  width (latent attention): `jax.nn.dot_product_attention` takes one width, so the narrower side
-  is zero-padded (zeros add nothing to q.k or to the output) and the output cut back to Dv. On
-  CUDA, where `cudnn_applies`, cuDNN's flash attention; XLA's otherwise."""
+def attend(q_BxSxHxDk, k_BxTxGxDk, v_BxTxGxDv, *, mask=None, is_causal=False, scale=None,
+           window: int = 0):
+  """Softmax attention scaled by `scale` (default 1/sqrt(Dk)); `window` W > 0: query i sees keys
+  i - W + 1 .. i (with `is_causal`). Values and keys may differ in width (latent attention):
+  `jax.nn.dot_product_attention` takes one width, so the narrower side is zero-padded (zeros add
+  nothing to q.k or to the output) and the output cut back to Dv. On CUDA, where
+  `cudnn_applies`, cuDNN's flash attention (its sliding window too); XLA's otherwise."""
   dk, dv = q_BxSxHxDk.shape[-1], v_BxTxGxDv.shape[-1]
   pad = lambda x, width: jnp.pad(x, ((0, 0),) * 3 + ((0, width - x.shape[-1]),))  # noqa: E731
   if dv < dk:
@@ -50,7 +55,8 @@ def attend(q_BxSxHxDk, k_BxTxGxDk, v_BxTxGxDv, *, mask=None, is_causal=False, sc
   elif dk < dv:
     q_BxSxHxDk, k_BxTxGxDk = pad(q_BxSxHxDk, dv), pad(k_BxTxGxDk, dv)
   xla = functools.partial(jax.nn.dot_product_attention, mask=mask, is_causal=is_causal,
-                          scale=dk ** -0.5 if scale is None else scale)
+                          scale=dk ** -0.5 if scale is None else scale,
+                          local_window_size=(window - 1, 0) if window else None)
   if not (on_gpu() and cudnn_applies(q_BxSxHxDk, k_BxTxGxDk, v_BxTxGxDv, mask)):
     return xla(q_BxSxHxDk, k_BxTxGxDk, v_BxTxGxDv)[..., :dv]
   # cuDNN's flash attention on CUDA: on an H200 at OLMoE-1B-7B's shapes (batch 8 x 4096, 16
@@ -81,7 +87,8 @@ class Attention(nnx.Module):
                norm_eps: float, init_std: float, rngs: nnx.Rngs, num_kv_heads: int = 0,
                qk_norm: str = "full", qkv_bias: bool = False,
                rope_scaling: RopeScaling = NO_SCALING, rotary_dim: int = 0,
-               rotary_interleaved: bool = False, output_gate: bool = False):
+               rotary_interleaved: bool = False, output_gate: bool = False, window: int = 0,
+               rotary: bool = True):
     num_kv_heads = num_kv_heads or num_heads
     if qk_norm not in QK_NORMS:
       raise ValueError(f"qk_norm={qk_norm!r}: must be one of {', '.join(QK_NORMS)}")
@@ -109,6 +116,7 @@ class Attention(nnx.Module):
       self.k_norm = param(jnp.ones((k_norm,), jnp.float32), (NORM,), NORMS)
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
     self.qk_norm, self.qkv_bias, self.output_gate = qk_norm, qkv_bias, output_gate
+    self.window, self.rotary = window, rotary
     self.rope_theta, self.rope_scaling, self.norm_eps = rope_theta, rope_scaling, norm_eps
     self.rotary_dim = rotary_dim or head_dim      # partial rotary: its first dims only
     self.rotary_interleaved = rotary_interleaved
@@ -119,7 +127,8 @@ class Attention(nnx.Module):
   def __call__(self, x_BxSxD):
     s = x_BxSxD.shape[1]
     q, k, v = self.qkv(x_BxSxD, self.rotary_at(jnp.arange(s, dtype=jnp.float32)))
-    return self.project_out(attend(q, k, v, is_causal=True, scale=self.softmax_scale), x_BxSxD)
+    return self.project_out(attend(q, k, v, is_causal=True, scale=self.softmax_scale,
+                                   window=self.window), x_BxSxD)
 
   def rotary_at(self, positions_S):
     """(cos, sin) [S, Dh] of these positions, this layer's RoPE (for `qkv`)."""
@@ -164,6 +173,8 @@ class Attention(nnx.Module):
     if self.qk_norm == "head":
       q_BxSxHxDh = rms_norm(q_BxSxHxDh, self.q_norm[...], self.norm_eps)
       k_BxSxGxDh = rms_norm(k_BxSxGxDh, self.k_norm[...], self.norm_eps)
+    if not self.rotary:
+      return q_BxSxHxDh, k_BxSxGxDh, v_BxSxGxDh
     cos, sin = rotary
     if self.rotary_interleaved:
       # Neighbour pairs, as halves: q and k permuted alike leave q.k unchanged (and the cache
@@ -205,7 +216,8 @@ class LatentAttention(nnx.Module):
 
   def __init__(self, d_model: int, num_heads: int, *, q_lora_rank: int, kv_lora_rank: int,
                qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rope_theta: float,
-               init_std: float, rngs: nnx.Rngs, rope_scaling: RopeScaling = NO_SCALING):
+               init_std: float, rngs: nnx.Rngs, rope_scaling: RopeScaling = NO_SCALING,
+               window: int = 0, rotary: bool = True):
     init = jax.nn.initializers.normal(init_std)
     h, qk = num_heads, qk_nope_head_dim + qk_rope_head_dim
     if q_lora_rank:
@@ -227,6 +239,7 @@ class LatentAttention(nnx.Module):
     self.num_heads, self.q_lora_rank, self.kv_lora_rank = num_heads, q_lora_rank, kv_lora_rank
     self.nope, self.rotary_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
     self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
+    self.window, self.rotary = window, rotary
     # Under YaRN DeepSeek scales all of q.k, the non-rotary part too (mscale_all_dim).
     self.softmax_scale = (qk ** -0.5) * rope_scaling.latent_softmax_scale
 
@@ -234,7 +247,8 @@ class LatentAttention(nnx.Module):
   def __call__(self, x_BxSxD):
     s = x_BxSxD.shape[1]
     q, k, v = self.qkv(x_BxSxD, self.rotary_at(jnp.arange(s, dtype=jnp.float32)))
-    return self.project_out(attend(q, k, v, is_causal=True, scale=self.softmax_scale), x_BxSxD)
+    return self.project_out(attend(q, k, v, is_causal=True, scale=self.softmax_scale,
+                                   window=self.window), x_BxSxD)
 
   def rotary_at(self, positions_S):
     """(cos, sin) [S, Dr] of these positions, this layer's RoPE (for `qkv`)."""
@@ -256,8 +270,9 @@ class LatentAttention(nnx.Module):
     kv = dense(rms_norm(c_BxSxR, self.kv_a_norm[...], LATENT_NORM_EPS), self.wkv_b[...].astype(dt))
     kv_BxSxHx_ = kv.reshape(b, s, h, self.nope + self.v_head_dim)
     cos, sin = rotary
-    q_rot = apply_rotary(_deinterleave(q_BxSxHxQk[..., self.nope:]), cos, sin)
-    k_rot_BxSx1xDr = apply_rotary(_deinterleave(k_rot_BxSxDr)[:, :, None, :], cos, sin)
+    rotate = apply_rotary if self.rotary else lambda x, cos, sin: x     # noqa: E731
+    q_rot = rotate(_deinterleave(q_BxSxHxQk[..., self.nope:]), cos, sin)
+    k_rot_BxSx1xDr = rotate(_deinterleave(k_rot_BxSxDr)[:, :, None, :], cos, sin)
     q_BxSxHxQk = jnp.concatenate([q_BxSxHxQk[..., :self.nope], q_rot], axis=-1)
     k_BxSxHxQk = jnp.concatenate(
         [kv_BxSxHx_[..., :self.nope],

@@ -85,9 +85,9 @@ def _forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start
   visible_SxT = jnp.arange(cache.max_len)[None, :] <= positions_S[:, None]   # causal, filled
   h_BxSxD = olmoe.embed(params["embed"], tokens_BxS)
 
-  def layer_step(group, h_BxSxD, inputs):
+  def layer_step(group, kind, h_BxSxD, inputs):
     layer_params, k_BxTxGxDk, v_BxTxGxDv = inputs
-    layer = olmoe.layer_from_params(cfg, layer_params, group)
+    layer = olmoe.layer_from_params(cfg, layer_params, group, kind)
     attn = layer.attn
     x_BxSxD = layer.attn_norm(h_BxSxD)
     q, k, v = attn.qkv(x_BxSxD, attn.rotary_at(positions_S))
@@ -95,18 +95,22 @@ def _forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start
                                                      start, axis=1)
     v_BxTxGxDv = jax.lax.dynamic_update_slice_in_dim(v_BxTxGxDv, v.astype(v_BxTxGxDv.dtype),
                                                      start, axis=1)
+    visible = visible_SxT
+    if kind.window:      # the sliding window: keys within W - 1 positions before the query
+      visible = visible & (positions_S[:, None] - jnp.arange(cache.max_len)[None, :]
+                           < kind.window)
     out_BxSxHxDv = attend(q, k_BxTxGxDk.astype(q.dtype), v_BxTxGxDv.astype(q.dtype),
-                          mask=visible_SxT[None, None], scale=attn.softmax_scale)
+                          mask=visible[None, None], scale=attn.softmax_scale)
     h_BxSxD = h_BxSxD + attn.project_out(out_BxSxHxDv, x_BxSxD)
     y_BxSxD = layer.feed_forward(layer.ffn_norm(h_BxSxD))
     return h_BxSxD + y_BxSxD, (k_BxTxGxDk, v_BxTxGxDv)
 
   ks, vs, position = [], [], 0     # each run of layers: its parameters, its cache's layers
-  for group, first, count in olmoe.layer_runs(cfg):
+  for group, first, count, kind in olmoe.layer_runs(cfg):
     layers = jax.tree.map(lambda x: x[first:first + count], params[group])
     cached = (cache.k_LxBxTxGxDk[position:position + count],
               cache.v_LxBxTxGxDv[position:position + count])
-    h_BxSxD, (k_L, v_L) = jax.lax.scan(functools.partial(layer_step, group), h_BxSxD,
+    h_BxSxD, (k_L, v_L) = jax.lax.scan(functools.partial(layer_step, group, kind), h_BxSxD,
                                        (layers, *cached))
     ks.append(k_L)
     vs.append(v_L)

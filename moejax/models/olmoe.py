@@ -1,7 +1,9 @@
 """The MoE decoder LM: embedding -> L x (RMSNorm, rotary attention, RMSNorm, MoE or dense MLP) ->
 RMSNorm -> LM head (untied, or the embedding's transpose). Layers run under `lax.scan` over
 stacked parameters, one scan per homogeneous run of layers: the `model.dense_layers` have a
-dense MLP (parameter group "dense_layers", stacked in model order), the others MoE ("layers").
+dense MLP (parameter group "dense_layers", stacked in model order), the others MoE ("layers");
+a run also ends where the attention's kind changes (`AttentionKind`: a sliding window, no
+rotary), which the parameters do not show.
 
 One decoder for every family (`configs/`): OLMoE, Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek
 differ only in options of the config (grouped-query or multi-head latent attention, QK-norm full
@@ -22,7 +24,9 @@ just in time (the sharding hook) and `dispatch` says where experts live.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -77,41 +81,67 @@ def layer_group_of(cfg: Config) -> list[tuple[str, int]]:
   return out
 
 
-def layer_runs(cfg: Config) -> list[tuple[str, int, int]]:
-  """(group, first index within the group, layers) of each homogeneous run of layers, in model
-  order: each run is one scan (DeepSeek's leading dense layers: two runs; Qwen2-MoE's
-  decoder_sparse_step=2: alternating runs of one layer)."""
+@dataclasses.dataclass(frozen=True)
+class AttentionKind:
+  """What differs between layers' attention without showing in their parameters: a sliding
+  window (0: the whole sequence) and whether q and k are rotated."""
+  window: int = 0
+  rotary: bool = True
+
+
+def attention_kind(cfg: Config, layer: int) -> AttentionKind:
+  """The attention kind of decoder layer `layer` (model.sliding_layers, model.nope_layers)."""
+  m = cfg.model
+  return AttentionKind(m.sliding_window if layer in m.sliding_layers else 0,
+                       layer not in m.nope_layers)
+
+
+class LayerRun(NamedTuple):
+  """Consecutive layers of one group and one attention kind: one scan."""
+  group: str
+  first: int             # the first layer's index within its group
+  count: int
+  kind: AttentionKind
+
+
+def layer_runs(cfg: Config) -> list[LayerRun]:
+  """The homogeneous runs of layers, in model order: each run is one scan (DeepSeek's leading
+  dense layers: two runs; Qwen2-MoE's decoder_sparse_step=2: alternating runs of one layer;
+  EXAONE's three sliding layers then a global one: runs of three and one)."""
   runs = []
-  for group, index in layer_group_of(cfg):
-    if runs and runs[-1][0] == group:
-      runs[-1] = (group, runs[-1][1], runs[-1][2] + 1)
+  for layer, (group, index) in enumerate(layer_group_of(cfg)):
+    kind = attention_kind(cfg, layer)
+    if runs and runs[-1].group == group and runs[-1].kind == kind:
+      runs[-1] = runs[-1]._replace(count=runs[-1].count + 1)
     else:
-      runs.append((group, index, 1))
+      runs.append(LayerRun(group, index, 1, kind))
   return runs
 
 
-def _attention(cfg: Config, rngs: nnx.Rngs):
+def _attention(cfg: Config, rngs: nnx.Rngs, kind: AttentionKind):
   m = cfg.model
   if m.kv_lora_rank:
     return LatentAttention(m.d_model, m.num_heads, q_lora_rank=m.q_lora_rank,
                            kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
                            qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
                            rope_theta=m.rope_theta, init_std=m.init_std, rngs=rngs,
-                           rope_scaling=rope_scaling(m))
+                           rope_scaling=rope_scaling(m), window=kind.window,
+                           rotary=kind.rotary)
   return Attention(m.d_model, m.num_heads, m.head_dim, rope_theta=m.rope_theta,
                    norm_eps=m.norm_eps, init_std=m.init_std, rngs=rngs,
                    num_kv_heads=m.num_kv_heads, qk_norm=m.qk_norm, qkv_bias=m.qkv_bias,
                    rope_scaling=rope_scaling(m), rotary_dim=m.rotary_dim,
-                   rotary_interleaved=m.rotary_interleaved, output_gate=m.attention_gate)
+                   rotary_interleaved=m.rotary_interleaved, output_gate=m.attention_gate,
+                   window=kind.window, rotary=kind.rotary)
 
 
 class DenseLayer(nnx.Module):
   """A layer without experts: attention, then a dense SwiGLU MLP."""
 
-  def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: Config, *, rngs: nnx.Rngs, kind: AttentionKind = AttentionKind()):
     m = cfg.model
     self.attn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
-    self.attn = _attention(cfg, rngs)
+    self.attn = _attention(cfg, rngs, kind)
     self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
     self.mlp = MLP(m.d_model, m.dense_hidden, init_std=m.init_std, rngs=rngs)
 
@@ -124,10 +154,10 @@ class DenseLayer(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-  def __init__(self, cfg: Config, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: Config, *, rngs: nnx.Rngs, kind: AttentionKind = AttentionKind()):
     m, moe = cfg.model, cfg.moe
     self.attn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
-    self.attn = _attention(cfg, rngs)
+    self.attn = _attention(cfg, rngs, kind)
     self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
     self.moe = MoEBlock(m.d_model, moe.expert_hidden,
                         moe_spec(cfg), init_std=m.init_std, rngs=rngs)
@@ -199,8 +229,8 @@ def param_meta(cfg: Config) -> dict:
 
 
 @functools.cache
-def _layer_template(cfg: Config, group: str = MOE_LAYERS):
-  return nnx.split(nnx.eval_shape(lambda: _layer_class(group)(cfg, rngs=nnx.Rngs(0))))
+def _layer_template(cfg: Config, group: str = MOE_LAYERS, kind: AttentionKind = AttentionKind()):
+  return nnx.split(nnx.eval_shape(lambda: _layer_class(group)(cfg, rngs=nnx.Rngs(0), kind=kind)))
 
 
 def _check_layer_params(want: dict, got, path: str = "") -> None:
@@ -224,10 +254,11 @@ def _check_layer_params(want: dict, got, path: str = "") -> None:
                        "(pass one layer's slice of stacked parameters)")
 
 
-def layer_from_params(cfg: Config, layer_params: dict, group: str = MOE_LAYERS):
-  """A layer module (DecoderLayer, or DenseLayer for `DENSE_LAYERS`) holding the given (one
-  layer's) parameter arrays."""
-  graphdef, template = _layer_template(cfg, group)
+def layer_from_params(cfg: Config, layer_params: dict, group: str = MOE_LAYERS,
+                      kind: AttentionKind = AttentionKind()):
+  """A layer module (DecoderLayer, or DenseLayer for `DENSE_LAYERS`) of attention `kind` holding
+  the given (one layer's) parameter arrays."""
+  graphdef, template = _layer_template(cfg, group, kind)
   _check_layer_params(nnx.to_pure_dict(template), layer_params)
   state = jax.tree.map(lambda v: v, template)
   nnx.replace_by_pure_dict(state, layer_params)
@@ -298,13 +329,13 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
   embed_VxD = gather_group("embed")
   h_BxSxD = embed(embed_VxD, tokens_BxS)
 
-  def dense_step(h_BxSxD, layer_params, consts, layer_index):
+  def dense_step(kind, h_BxSxD, layer_params, consts, layer_index):
     del consts, layer_index
-    return layer_from_params(cfg, layer_params, DENSE_LAYERS)(h_BxSxD), {}
+    return layer_from_params(cfg, layer_params, DENSE_LAYERS, kind)(h_BxSxD), {}
 
-  def moe_step(h_BxSxD, layer_params, consts, layer_index):
+  def moe_step(kind, h_BxSxD, layer_params, consts, layer_index):
     step, predicted_load_LxE, owners_L, replicas_L = consts
-    layer = layer_from_params(cfg, layer_params)
+    layer = layer_from_params(cfg, layer_params, MOE_LAYERS, kind)
 
     def at(tree):   # this layer's slice of a per-layer input
       return None if tree is None else jax.tree.map(lambda x: x[layer_index], tree)
@@ -315,7 +346,7 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
 
   counts = layer_groups(cfg)
   outputs = {group: [] for group in counts}      # per run: (aux, new states, stats)
-  for group, first, count in layer_runs(cfg):
+  for group, first, count, kind in layer_runs(cfg):
     whole = count == counts[group]                # one run holds the group: no slicing
     part = (lambda tree: tree) if whole else (    # noqa: E731
         lambda tree: jax.tree.map(lambda x: x[first:first + count], tree))
@@ -330,7 +361,8 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
       return gather(group, shards, state, rebuild_from)
 
     h_BxSxD, *out = scan_layers(
-        moe_step if group == MOE_LAYERS else dense_step, h_BxSxD, part(params[group]),
+        functools.partial(moe_step if group == MOE_LAYERS else dense_step, kind), h_BxSxD,
+        part(params[group]),
         gather_run, part(states[group]), consts, remat=remat, prefetch=prefetch)
     outputs[group].append(out)
   for group, out in outputs.items():     # the runs' outputs back in their group's layer order

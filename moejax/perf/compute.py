@@ -24,9 +24,13 @@ BACKWARD = 2.0
 
 
 def attention_flops(shape: ModelShape, seq_len: int) -> float:
-  """Forward FLOPs per token of one layer's attention (projections and the causal core)."""
+  """Forward FLOPs per token of one layer's attention (projections and the causal core; a
+  sliding layer's core over its window, averaged over the layers)."""
   vd = shape.v_head_dim or shape.head_dim
-  core = seq_len * shape.num_heads * (shape.head_dim + vd)
+  context = seq_len
+  if shape.sliding_window:
+    context -= shape.sliding_layers / shape.num_layers * max(0, seq_len - shape.sliding_window)
+  core = context * shape.num_heads * (shape.head_dim + vd)
   return 2.0 * shape.attention_params() + core
 
 

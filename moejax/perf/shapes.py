@@ -44,6 +44,10 @@ class ModelShape:
   qk_norm_per_head: bool = False
   """QK-norm scales of one head's width (Qwen3) rather than of all heads' (OLMoE)."""
   qkv_bias: bool = False
+  sliding_window: int = 0
+  """Keys a query of a sliding layer sees (0: none slides)."""
+  sliding_layers: int = 0
+  """How many layers slide within sliding_window."""
   attention_gate: bool = False
   """A sigmoid output gate on the attention (MiniCPM5-MoE): the q projection twice as wide."""
   shared_gate: bool = False
@@ -174,7 +178,8 @@ def shape_of(cfg) -> ModelShape:
       dense_layers=len(m.dense_layers),
       dense_hidden=getattr(m, "dense_hidden", 0) or 0,
       qk_norm=m.qk_norm != "none", qk_norm_per_head=m.qk_norm == "head", qkv_bias=m.qkv_bias,
-      attention_gate=m.attention_gate, shared_gate=moe.shared_expert_gate,
+      attention_gate=m.attention_gate, sliding_window=m.sliding_window,
+      sliding_layers=len(m.sliding_layers), shared_gate=moe.shared_expert_gate,
       tied_embeddings=m.tie_embeddings, score_bias=moe.score_bias, source="moejax config", **mla)
 
 

@@ -140,7 +140,7 @@ def memory_report(cfg: Config, num_devices: int, *,
   fssdp_replicas = 0
   if moe.placement == "fssdp":
     fssdp_replicas = cfg.fssdp.replica_slots * 3 * m.d_model * moe.expert_hidden
-  kept_layers = (sum(count for g, _, count in olmoe.layer_runs(cfg) if g in layer_elems)
+  kept_layers = (sum(run.count for run in olmoe.layer_runs(cfg) if run.group in layer_elems)
                  if cfg.remat == "none" else 0)
   biggest = max([f + l + fssdp_replicas * (g == "layers") for g, (f, l) in layer_elems.items()],
                 default=0)

@@ -115,7 +115,7 @@ def gathers_per_copy(cfg: Config, gatherer, group: str) -> float:
   parameter's, `gatherer.rebuilt_share` are rebuilt from its cache."""
   if not gatherer.is_stacked(group):
     return 1.0
-  runs = [count for g, _, count in olmoe.layer_runs(cfg) if g == group]
+  runs = [run.count for run in olmoe.layer_runs(cfg) if run.group == group]
   return hook.gathers_per_layer(runs, remat=cfg.remat, prefetch=cfg.prefetch)
 
 

@@ -214,6 +214,19 @@ MODELS = {
                     num_experts_per_tok=3, moe_intermediate_size=8, num_shared_experts=2,
                     router_scaling_factor=1.7, rope_theta=50000.0, rms_norm_eps=1e-6),
         save=dict(max_shard_size="64KB")),
+    # EXAONE-MoE: per-head QK-norm; sliding layers from sliding_window_pattern 3 (layers 0, 1,
+    # 3, 4 slide within 3 tokens, 2 and 5 attend to all without rotary embeddings), the dense
+    # first layer from first_k_dense_replace, one shared expert, the DeepSeek-V3 router with a
+    # random score bias in 2 groups of 3, routed scaling; per expert.
+    "exaone_moe": dict(
+        model_type="exaone_moe",
+        config=dict(vocab_size=60, hidden_size=32, intermediate_size=36, num_hidden_layers=6,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                    sliding_window=3, sliding_window_pattern=3, num_experts=6,
+                    num_experts_per_tok=2, moe_intermediate_size=12, num_shared_experts=1,
+                    n_group=2, topk_group=1, routed_scaling_factor=1.3, rms_norm_eps=1e-6,
+                    rope_theta=20000.0),
+        save=dict()),
 }
 # FP8 copies: every projection float8 e4m3 beside its scales; embeddings, head, router and norms
 # as they were. As the Hub's DeepSeek-V3, Qwen3-*-FP8 and MiniMax-M2 are stored (transformers'

@@ -496,7 +496,8 @@ def ct_group(**changes) -> dict:
 
 
 FAMILY_REFUSALS = [
-    ("mixtral", dict(sliding_window=4096), "sliding_window=4096 is not supported"),
+    ("mixtral", dict(sliding_window=0), "sliding_window=0 is not supported: expected a positive "
+     "number of tokens"),
     ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise=0.1 is not supported"),
     ("qwen2_moe", dict(mlp_only_layers=[0, 1]), "config.model.dense_layers=(0, 1): must be"),
     ("qwen2_moe", dict(mlp_only_layers=[5]), "mlp_only_layers=[5] is not supported"),
@@ -566,8 +567,13 @@ FAMILY_REFUSALS = [
     ("glm4_moe", dict(n_shared_experts=0), "n_shared_experts=0 is not supported"),
     ("glm4_moe", dict(quantization_config={"quant_method": "fp8", "weight_block_size": [128]}),
      "quantization_config.weight_block_size=[128] is not supported: expected [rows, cols]"),
-    ("dots1", dict(sliding_window=8, max_window_layers=1, layer_types=None),
-     "max_window_layers=1 is not supported: layers from it on attend within sliding_window=8"),
+    ("dots1", dict(sliding_window=8, layer_types=["sliding_attention"]),
+     "layer_types=['sliding_attention'] is not supported: expected num_hidden_layers=3 entries"),
+    ("exaone_moe", dict(sliding_window=8, layer_types=None, sliding_window_pattern="LLLG"),
+     "sliding_window_pattern='LLLG' should be int"),
+    ("glm4_moe", dict(layer_types=["full_attention", "sliding_attention", "full_attention"]),
+     "layer_types='sliding_attention' is not supported: Glm4MoeForCausalLM attends to the "
+     "whole sequence"),
     ("dots1", dict(attention_bias=True), "attention_bias=True is not supported"),
     ("minimax_m2", dict(attn_type_list=[1, 0]), "attn_type_list=[1, 0] is not supported"),
     ("ernie4_5_moe", dict(use_bias=True), "use_bias=True is not supported"),
@@ -764,12 +770,19 @@ def test_dots1_published_config_reads_as_the_142b_preset():
          "sliding_window": None, "hidden_act": "silu"}
   got = config_from_hf(hub, base=dots)
   assert got.model == dots.model and got.moe == dots.moe
-  # An export says no layer slides, whatever the base said: transformers' defaults (window 4096
-  # from layer 62 on) would make every layer past the 62nd slide.
+  # An export says which layers slide, whatever the base said: transformers' defaults (window
+  # 4096 from layer 62 on) would make every layer past the 62nd slide.
   deep = dataclasses.replace(got, model=dataclasses.replace(got.model, num_layers=64))
   for base in (None, dict(hub, sliding_window=4096, max_window_layers=62)):
     out = hf_config_from(deep, base=base)
-    assert (out["sliding_window"], out.get("layer_types")) == (None, None)
+    assert out["sliding_window"] is None and set(out["layer_types"]) == {"full_attention"}
+  # dots.llm1's rule for absent layer_types: from max_window_layers on, within sliding_window.
+  slides = config_from_hf(dict(hub, sliding_window=512, max_window_layers=60))
+  assert (slides.model.sliding_window, slides.model.sliding_layers) == (512, (60, 61))
+  out = hf_config_from(slides)
+  assert out["sliding_window"] == 512 and out["layer_types"][59:] == [
+      "full_attention", "sliding_attention", "sliding_attention"]
+  assert config_from_hf(out).model == slides.model
 
 
 def test_glm47_flash_published_config_reads_as_the_flash_preset():
@@ -893,6 +906,41 @@ def test_hy3_config_reads_as_the_preview_preset():
   grouped = dataclasses.replace(got, moe=dataclasses.replace(got.moe, expert_groups=2))
   with pytest.raises(CheckpointError, match="moe.expert_groups=2: .* needs 1 \\(no expert groups"):
     hf_config_from(grouped)
+
+
+def test_sliding_windows_read_as_each_family_slides():
+  """Mixtral's sliding_window covers every layer (its export writes the window alone, and
+  refuses a window over some layers only); EXAONE-MoE's layers slide as layer_types says, else
+  all but every sliding_window_pattern-th, and with a window its full layers are unrotated
+  (transformers' NoPE), without one every layer is rotated and none slides; a family transformers
+  never slides refuses a window."""
+  mixtral = config_from_hf(dict(hf_config_from(tiny_config("mixtral")), sliding_window=64))
+  assert (mixtral.model.sliding_window, mixtral.model.sliding_layers) == (64, (0, 1))
+  assert "layer_types" not in hf_config_from(mixtral)
+  some = dataclasses.replace(mixtral, model=dataclasses.replace(mixtral.model,
+                                                                sliding_layers=(1,)))
+  with pytest.raises(CheckpointError, match=r"model.sliding_layers=\(1,\): .* needs \(0, 1\) "
+                     r"\(its sliding window covers every layer"):
+    hf_config_from(some)
+  hf = dict(hf_config_from(tiny_config("exaone_moe")), num_hidden_layers=9, layer_types=None,
+            mlp_layer_types=None, sliding_window=16, sliding_window_pattern=4)
+  got = config_from_hf(hf).model
+  assert (got.sliding_window, got.sliding_layers, got.nope_layers) == (
+      16, (0, 1, 2, 4, 5, 6, 8), (3, 7))
+  listed = ["full_attention", "sliding_attention"] * 4 + ["full_attention"]
+  got = config_from_hf(dict(hf, layer_types=listed)).model
+  assert (got.sliding_layers, got.nope_layers) == ((1, 3, 5, 7), (0, 2, 4, 6, 8))
+  assert hf_config_from(dataclasses.replace(tiny_config("exaone_moe"), model=got))[
+      "layer_types"] == listed
+  plain = config_from_hf(dict(hf, sliding_window=None, layer_types=listed)).model
+  assert (plain.sliding_window, plain.sliding_layers, plain.nope_layers) == (0, (), ())
+  rotated = dataclasses.replace(tiny_config("exaone_moe"), model=dataclasses.replace(
+      got, nope_layers=()))
+  with pytest.raises(CheckpointError, match="model.nope_layers=\\(\\): .* needs \\(0, 2, 4, 6, 8\\)"):
+    hf_config_from(rotated)
+  with pytest.raises(CheckpointError, match="model.sliding_window=64: .* needs 0 \\(no sliding"):
+    hf_config_from(dataclasses.replace(mixtral, model=dataclasses.replace(
+        mixtral.model, family="qwen3_moe", qk_norm="head")))
 
 
 def test_partial_rotary_exports_read_back_as_the_same_width():

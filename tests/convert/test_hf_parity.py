@@ -61,7 +61,7 @@ from moejax.train.state import state_layout
 
 MODELS = ("a", "b", "mixtral", "qwen2_moe", "qwen3_moe", "minimax_m2", "ernie4_5_moe", "glm4_moe",
           "dots1", "deepseek_v2", "deepseek_v3", "deepseek_v3_b", "glm4_moe_lite", "solar_open",
-          "minicpm5_moe", "hy_v3")
+          "minicpm5_moe", "hy_v3", "exaone_moe")
 SAVED_FUSED = ("b", "qwen2_moe", "dots1", "deepseek_v3", "minicpm5_moe")
 FP8_MODELS = ("qwen3_moe_fp8", "minimax_m2_fp8", "deepseek_v3_b_fp8", "mixtral_ct_fp8",
               "glm4_moe_ct_fp8", "qwen3_moe_int4")

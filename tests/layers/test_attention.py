@@ -25,11 +25,12 @@ def test_attend_any_widths(dk, dv):
   np.testing.assert_allclose(attend(q, k, v, is_causal=True), want, rtol=1e-5, atol=1e-6)
 
 
-def _lowered_grad(platform: str, dtype=jnp.bfloat16, head_dim: int = 32, mask=None) -> str:
+def _lowered_grad(platform: str, dtype=jnp.bfloat16, head_dim: int = 32, mask=None,
+                  window: int = 0) -> str:
   q, k, v = (jax.random.normal(jax.random.key(i), (2, 64, 4, head_dim)).astype(dtype)
              for i in range(3))
-  loss = lambda q, k, v: attend(q, k, v, mask=mask, is_causal=mask is None).astype(  # noqa: E731
-      jnp.float32).sum()
+  loss = lambda q, k, v: attend(q, k, v, mask=mask, is_causal=mask is None,  # noqa: E731
+                                window=window).astype(jnp.float32).sum()
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(
       lowering_platforms=(platform,)).as_text()
 
@@ -39,8 +40,9 @@ def test_cuda_attention_is_cudnn_flash_attention_where_it_applies():
   # As on a GPU: jax checks the installed cuDNN while tracing its attention.
   with mock.patch.object(attention, "on_gpu", lambda: True), \
       mock.patch("jax._src.cudnn.fused_attention_stablehlo.check_cudnn_version", lambda: None):
-    text = _lowered_grad("cuda")
-    assert "__cudnn$fmhaSoftmax(" in text and "__cudnn$fmhaSoftmaxBackward(" in text
+    for window in (0, 16):      # a sliding window is cuDNN's too
+      text = _lowered_grad("cuda", window=window)
+      assert "__cudnn$fmhaSoftmax(" in text and "__cudnn$fmhaSoftmaxBackward(" in text
     for other in (dict(dtype=jnp.float32), dict(head_dim=160),
                   dict(mask=jnp.tril(jnp.ones((64, 64), bool)))):
       assert "cudnn" not in _lowered_grad("cuda", **other), other
@@ -66,3 +68,34 @@ def test_bias_and_embedding_gradients_sum_every_token_in_fp32():
                                  * weights_BxSx8))(table)
   np.testing.assert_allclose(np.asarray(g, np.float32)[3], want_8, rtol=4e-3)
   assert not np.any(np.asarray(g, np.float32)[[0, 1, 2, 4]])
+
+
+def _attention_out(window=0, rotary=True, x=None):
+  att = attention.Attention(8, 2, 4, rope_theta=1e4, norm_eps=1e-6, init_std=0.5,
+                            rngs=nnx.Rngs(0), qk_norm="none", window=window, rotary=rotary)
+  return np.asarray(att(x))
+
+
+def test_a_sliding_window_sees_the_window_and_no_further():
+  """window W: position i's output depends on inputs i - W + 1 .. i only: changing the input
+  just outside the window leaves it as it was, just inside changes it (the whole sequence's
+  attention sees both)."""
+  x = np.random.default_rng(0).normal(size=(1, 10, 8)).astype(np.float32)
+  outside, inside = x.copy(), x.copy()
+  outside[0, 9 - 3] += 1.0       # W = 3: position 9 sees 7, 8, 9
+  inside[0, 9 - 2] += 1.0
+  base = _attention_out(window=3, x=x)
+  np.testing.assert_array_equal(_attention_out(window=3, x=outside)[0, 9], base[0, 9])
+  assert np.max(np.abs(_attention_out(window=3, x=inside)[0, 9] - base[0, 9])) > 1e-3
+  whole = _attention_out(x=x)
+  assert np.max(np.abs(_attention_out(x=outside)[0, 9] - whole[0, 9])) > 1e-3
+
+
+def test_attention_without_rotary_does_not_see_positions():
+  """rotary=False (NoPE): the last position's output is the same whatever the order of the
+  tokens before it; rotated, it is not."""
+  x = np.random.default_rng(1).normal(size=(1, 6, 8)).astype(np.float32)
+  swapped = x[:, [1, 0, 2, 3, 4, 5]]
+  np.testing.assert_allclose(_attention_out(rotary=False, x=x)[0, 5],
+                             _attention_out(rotary=False, x=swapped)[0, 5], rtol=1e-5, atol=1e-6)
+  assert np.max(np.abs(_attention_out(x=x)[0, 5] - _attention_out(x=swapped)[0, 5])) > 1e-3
