@@ -53,7 +53,8 @@ MODELS = {
         config=dict(vocab_size=72, hidden_size=40, intermediate_size=28, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=12,
                     num_local_experts=5, num_experts_per_tok=2, rope_theta=1000000.0,
-                    rms_norm_eps=1e-5, sliding_window=None),
+                    # every layer within 6 of the 16 tokens (Mistral's sliding window)
+                    rms_norm_eps=1e-5, sliding_window=6),
         save=dict(max_shard_size="64KB")),
     "qwen2_moe": dict(
         model_type="qwen2_moe",

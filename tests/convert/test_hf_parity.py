@@ -3,8 +3,8 @@
 
 Random models (tests/convert/hf_reference.py MODELS): OLMoE "a" saved in the Hub's per-expert
 layout, sharded with an index, and "b" saved fused (transformers >= 5, save_original_format=False)
-in one file; "mixtral" (grouped-query, head_dim != hidden/heads, Hub names w1/w3/w2 under
-block_sparse_moe, sharded), "qwen2_moe" (qkv biases, gated shared expert, fused), "qwen3_moe"
+in one file; "mixtral" (grouped-query, head_dim != hidden/heads, a sliding window of 6 over every layer, Hub
+names w1/w3/w2 under block_sparse_moe, sharded), "qwen2_moe" (qkv biases, gated shared expert, fused), "qwen3_moe"
 (per-head QK-norm, one kv head; Qwen's dense layers: qwen2_moe's mlp_only_layers=[1] between
 two MoE layers, qwen3_moe's decoder_sparse_step=2), "deepseek_v3" (latent attention with a q latent, two leading
 dense layers, grouped sigmoid routing with a random score bias and routed scaling, fused) and
@@ -174,6 +174,7 @@ def test_config_mapping(hf_models, imported):
   assert (m.family, m.qk_norm, m.num_heads, m.num_kv_heads, m.head_dim) == ("mixtral", "none", 4,
                                                                            2, 12)
   assert (moe.num_experts, moe.renormalize, moe.shared_expert_hidden) == (5, True, 0)
+  assert (m.sliding_window, m.sliding_layers) == (6, (0, 1))
   m, moe = imported["qwen2_moe"][0].model, imported["qwen2_moe"][0].moe
   assert (m.family, m.qk_norm, m.qkv_bias, m.num_kv_heads) == ("qwen2_moe", "none", True, 2)
   assert (moe.expert_hidden, moe.shared_expert_hidden, moe.shared_expert_gate) == (20, 44, True)
