@@ -96,6 +96,15 @@ class ModelConfig:
   OLMoE; head: per head, Qwen3; none: Mixtral, Qwen2)."""
   qkv_bias: bool = False
   """Biases on the q, k and v projections (Qwen2-MoE)."""
+  embed_scale: float = 1.0
+  """The embedding's output is multiplied by this (Granite's embedding_multiplier)."""
+  residual_scale: float = 1.0
+  """Each sublayer's output (attention, MLP) is multiplied by this before it joins the residual
+  stream (Granite's residual_multiplier)."""
+  attention_scale: float = 0.0
+  """The softmax scale of q.k; 0 = 1/sqrt(q/k head width) (Granite's attention_multiplier)."""
+  logit_divisor: float = 1.0
+  """The logits are divided by this (Granite's logits_scaling)."""
   sliding_window: int = 0
   """Tokens a query of a `sliding_layers` layer sees: itself and the sliding_window - 1 before
   it (Mixtral's, Qwen's and EXAONE's sliding_window); 0 = no sliding layers."""
@@ -598,6 +607,11 @@ def validate(c: Config) -> None:
     _check(list(layers) == sorted(set(layers)) and all(0 <= i < m.num_layers for i in layers),
            f"config.model.{field}={layers}: must be ascending distinct layer indices in [0, "
            f"model.num_layers={m.num_layers})")
+  for field in ("embed_scale", "residual_scale", "logit_divisor"):
+    _check(getattr(m, field) > 0, f"config.model.{field}={getattr(m, field)}: must be > 0 (1: "
+           "no scaling)")
+  _check(m.attention_scale >= 0, f"config.model.attention_scale={m.attention_scale}: must be >= "
+         "0 (0: 1/sqrt(head width))")
   _check(m.sliding_window >= 0, f"config.model.sliding_window={m.sliding_window}: must be >= 0 "
          "(0: no sliding layers)")
   _check(bool(m.sliding_window) == bool(m.sliding_layers),

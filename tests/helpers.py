@@ -12,6 +12,8 @@ import configs.ernie4_5_moe as ernie4_5_moe_configs
 import configs.exaone_moe as exaone_moe_configs
 import configs.glm4_moe as glm4_moe_configs
 import configs.glm4_moe_lite as glm4_moe_lite_configs
+import configs.granitemoe as granitemoe_configs
+import configs.granitemoeshared as granitemoeshared_configs
 import configs.hy_v3 as hy_v3_configs
 import configs.minicpm5_moe as minicpm5_moe_configs
 import configs.minimax_m2 as minimax_m2_configs
@@ -33,7 +35,8 @@ FAMILY_CONFIGS = {"olmoe": olmoe_configs, "mixtral": mixtral_configs,
                   "deepseek_v2": deepseek_v2_configs, "deepseek_v3": deepseek_configs,
                   "glm4_moe_lite": glm4_moe_lite_configs, "solar_open": solar_open_configs,
                   "minicpm5_moe": minicpm5_moe_configs, "hy_v3": hy_v3_configs,
-                  "exaone_moe": exaone_moe_configs}
+                  "exaone_moe": exaone_moe_configs, "granitemoe": granitemoe_configs,
+                  "granitemoeshared": granitemoeshared_configs}
 
 
 def tiny_config(family: str = "olmoe", **overrides):

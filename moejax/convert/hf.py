@@ -210,30 +210,43 @@ def save_hf(params, cfg: Config, out_dir: str, *, dtype: str = "float32",
     os.remove(path)
 
   # Layer-major order, as the Hub's checkpoints: embedding, layer 0, layer 1, ..., norm, head.
+  # A tensor several blocks make up (Granite's fused experts) is written once, from all of them.
+  shapes = hf_names.expected_shapes(cfg, hf_names.PER_EXPERT)
   by_layer: dict[int | None, list] = {}
+  lookup: dict[str, list] = {}
   for leaf in maps:
     for lead, src in leaf.sources.items():
-      tail = leaf.tail[::-1] if src.transpose else leaf.tail
-      tail = (1, *tail) if src.singleton else tail
-      by_layer.setdefault(hf_names.hf_layer_of(src.name), []).append(
-          (src.name, tuple(tail), leaf, lead, src))
+      if src.name not in lookup:
+        by_layer.setdefault(hf_names.hf_layer_of(src.name), []).append(
+            (src.name, shapes[src.name]))
+      lookup.setdefault(src.name, []).append((leaf, lead, src))
   first = by_layer.pop(None)
   ordered = first[:1] + [e for i in sorted(by_layer) for e in by_layer[i]] + first[1:]
-  lookup = {name: (leaf, lead, src) for name, _, leaf, lead, src in ordered}
   blocks = _HostBlocks()
 
-  def produce(name: str) -> np.ndarray:
-    leaf, lead, src = lookup[name]
+  def block_of(leaf, lead, src) -> np.ndarray:
     block = blocks.get(leaf.path, _get_path(params, leaf.path, "params"), lead)
-    block = block.T if src.transpose else block
-    return block[None] if src.singleton else block
+    return block.T if src.transpose else block
+
+  def produce(name: str) -> np.ndarray:
+    parts = lookup[name]
+    if len(parts) == 1 and not parts[0][2].row_offset:
+      leaf, lead, src = parts[0]
+      block = block_of(leaf, lead, src)
+      return np.reshape(block, shapes[name]) if src.prefix else block
+    out = None
+    for leaf, lead, src in parts:
+      block = block_of(leaf, lead, src)
+      out = np.zeros(shapes[name], block.dtype) if out is None else out
+      out[src.prefix][src.row_offset:src.row_offset + block.shape[0]] = block
+    return out
 
   os.makedirs(out_dir, exist_ok=True)
   # A router with a score bias chooses experts by small margins: kept float32 beside the bias,
   # as moejax gathers them and transformers keeps them (_keep_in_fp32_modules_strict).
-  fp32 = {name for name, (leaf, _, _) in lookup.items()
-          if cfg.moe.score_bias and leaf.path[-1] in ("router", "score_bias")}
-  files = write_tensors(out_dir, [(name, shape) for name, shape, *_ in ordered], produce,
+  fp32 = {name for name, parts in lookup.items()
+          if cfg.moe.score_bias and parts[0][0].path[-1] in ("router", "score_bias")}
+  files = write_tensors(out_dir, ordered, produce,
                         dtype=dtype, max_shard_bytes=max_shard_bytes,
                         keep_fp32=fp32.__contains__)
   with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:

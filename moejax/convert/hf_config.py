@@ -150,6 +150,8 @@ class FamilySpec:
   routed_scale_key: str = "routed_scaling_factor"
   default_routed_scale: float = 1.0
   expert_groups: bool = True
+  granite: str = ""                    # Granite's multipliers (embedding, residual, attention,
+                                       # logits); "shared": shared_intermediate_size too
   # Fields that must hold these values (moejax has no equivalent of the others); export writes
   # them so.
   required: tuple = ()
@@ -289,6 +291,16 @@ FAMILY_SPECS = {
         default_routed_scale=2.5, layer_types_key="mlp_layer_types", layer_types_fallback=True,
         default_kv_heads=32, sliding="exaone",
         required=_COMMON_REQUIRED),
+    "granitemoe": FamilySpec(
+        "granitemoe", "GraniteMoeForCausalLM", "none", "num_local_experts", "intermediate_size",
+        None, default_norm_eps=1e-6, default_aux=0.001, granite="moe",
+        required=_COMMON_REQUIRED + (
+            ("attention_bias", False, "moejax attention projections have no bias"),)),
+    "granitemoeshared": FamilySpec(
+        "granitemoeshared", "GraniteMoeSharedForCausalLM", "none", "num_local_experts",
+        "intermediate_size", None, default_norm_eps=1e-6, default_aux=0.001, granite="shared",
+        required=_COMMON_REQUIRED + (
+            ("attention_bias", False, "moejax attention projections have no bias"),)),
 }
 assert tuple(FAMILY_SPECS) == FAMILIES
 MODEL_TYPES = {spec.model_type: name for name, spec in FAMILY_SPECS.items()}
@@ -646,6 +658,10 @@ def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
 
 
 _ATTENTION_TYPES = ("full_attention", "sliding_attention")
+# Granite's multipliers: model field -> config.json field (transformers' default 1.0 each; its
+# attention_multiplier is the softmax scale itself)
+_GRANITE_SCALES = {"embed_scale": "embedding_multiplier", "residual_scale": "residual_multiplier",
+                   "attention_scale": "attention_multiplier", "logit_divisor": "logits_scaling"}
 
 
 def _sliding(hf: dict, spec: FamilySpec, where: str) -> dict:
@@ -901,6 +917,12 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
                                 else _sigmoid_moe_fields(hf, spec, where))
     model = dataclasses.replace(model, **model_fields)
     moe = dataclasses.replace(moe, **moe_fields)
+  if spec.granite:
+    model = dataclasses.replace(model, **{
+        field: _get(hf, key, float, where, 1.0) for field, key in _GRANITE_SCALES.items()})
+    if spec.granite == "shared":
+      moe = dataclasses.replace(moe, shared_expert_hidden=_get(
+          hf, "shared_intermediate_size", int, where, 0), shared_expert_gate=False)
   if not moe.score_bias:
     moe = dataclasses.replace(moe, score_bias_rate=0.0)
   cfg = dataclasses.replace(base, model=model, moe=moe)
@@ -993,8 +1015,12 @@ def check_exportable(cfg: Config) -> FamilySpec:
           f"config.moe.shared_expert_hidden={moe.shared_expert_hidden}: {what} needs a "
           f"{'positive ' if positive else ''}multiple of moe.expert_hidden={moe.expert_hidden} "
           f"({count} of its width)")
-  elif not spec.shared_expert:
+  elif not spec.shared_expert and spec.granite != "shared":
     need("moe.shared_expert_hidden", moe.shared_expert_hidden, 0)
+  if not spec.granite:
+    for field, want in (("embed_scale", 1.0), ("residual_scale", 1.0), ("attention_scale", 0.0),
+                        ("logit_divisor", 1.0)):
+      need(f"model.{field}", getattr(m, field), want, " (no such multiplier)")
   if spec.norm_over_hidden and m.num_heads * m.head_dim != m.d_model:
     raise CheckpointError(
         f"config.model.num_heads * head_dim = {m.num_heads * m.head_dim} differs from d_model="
@@ -1090,6 +1116,11 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
     hf[spec.renormalize_key] = moe.renormalize
   if spec.qkv_bias_key:
     hf[spec.qkv_bias_key] = m.qkv_bias
+  if spec.granite:
+    hf.update({key: getattr(m, field) for field, key in _GRANITE_SCALES.items()})
+    hf["attention_multiplier"] = m.attention_scale or m.head_dim ** -0.5
+    if spec.granite == "shared":
+      hf["shared_intermediate_size"] = moe.shared_expert_hidden
   if spec.shared_expert:
     hf["shared_expert_intermediate_size"] = moe.shared_expert_hidden
     hf.setdefault("intermediate_size", moe.shared_expert_hidden)   # dense MLP width: unused

@@ -124,7 +124,18 @@ HUB_EXPERT_NAMES = {
     "minicpm5_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "hy_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "exaone_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "granitemoe": ("block_sparse_moe", ("gate_proj", "up_proj", "down_proj")),
+    "granitemoeshared": ("block_sparse_moe", ("gate_proj", "up_proj", "down_proj")),
 }
+# Families whose Hub layout holds each layer's experts fused too, under these names (the gate
+# rows of every expert, then its up rows: [E, 2F, D]; down: [E, D, F]): Granite's.
+HUB_FUSED_EXPERTS = {"granitemoe": ("input_linear.weight", "output_linear.weight"),
+                     "granitemoeshared": ("input_linear.weight", "output_linear.weight")}
+# The MoE block's module in transformers' fused layout where it is not `mlp`.
+FUSED_MOE_MODULE = {"granitemoe": "block_sparse_moe", "granitemoeshared": "block_sparse_moe"}
+# Shared experts held fused at the layer's level, [gate rows; up rows] then down (Granite's
+# shared_mlp.input_linear / output_linear).
+FUSED_SHARED_MODULE = {"granitemoeshared": "shared_mlp"}
 SHARED_EXPERT_MODULE = {"qwen2_moe": "shared_expert", "glm4_moe": "shared_experts",
                         "dots1": "shared_experts", "ernie4_5_moe": "shared_experts",
                         "deepseek_v2": "shared_experts", "deepseek_v3": "shared_experts",
@@ -134,7 +145,8 @@ SHARED_EXPERT_MODULE = {"qwen2_moe": "shared_expert", "glm4_moe": "shared_expert
 # ... where the Hub's layout names it otherwise (transformers renames it on load)
 HUB_SHARED_EXPERT_MODULE = {"hy_v3": "shared_mlp"}
 # The router's module under the MoE block where it is not `gate`: (Hub layout, fused layout).
-ROUTER_NAME = {"hy_v3": ("router.gate", "gate")}
+ROUTER_NAME = {"hy_v3": ("router.gate", "gate"), "granitemoe": ("router.layer", "router"),
+               "granitemoeshared": ("router.layer", "router")}
 # The q projection of families whose attention has an output gate (`model.attention_gate`): each
 # head's query rows followed by its gate rows, under this name.
 GATED_Q_NAME = {"minicpm5_moe": "q_gate_proj"}
@@ -194,7 +206,9 @@ def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:
   E, D, F, V = moe.num_experts, m.d_model, moe.expert_hidden, m.vocab_size
   Fs = moe.shared_expert_hidden
   hub_moe, (gate_name, up_name, down_name) = HUB_EXPERT_NAMES[m.family]
-  moe_module = "mlp" if experts == FUSED else hub_moe
+  moe_module = FUSED_MOE_MODULE.get(m.family, "mlp") if experts == FUSED else hub_moe
+  fused_names = (("experts.gate_up_proj", "experts.down_proj") if experts == FUSED
+                 else HUB_FUSED_EXPERTS.get(m.family))
   maps = [LeafMap(("embed",), (V, D), 0, {(): Source("model.embed_tokens.weight")})]
   # (group, the Hugging Face index of each of its layers)
   dense = list(m.dense_layers)
@@ -204,9 +218,11 @@ def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:
   for group, hf_ids in groups:
     count = len(hf_ids)
 
-    def per_layer(path, tail, suffix, transpose, group=group, hf_ids=hf_ids, singleton=False):
+    def per_layer(path, tail, suffix, transpose, group=group, hf_ids=hf_ids, singleton=False,
+                  row_offset=0):
       sources = {(i,): Source(f"{_layer(hf_i)}.{suffix}", transpose=transpose,
-                              prefix=(0,) if singleton else (), singleton=singleton)
+                              prefix=(0,) if singleton else (), singleton=singleton,
+                              row_offset=row_offset)
                  for i, hf_i in enumerate(hf_ids)}
       maps.append(LeafMap((group, *path), (len(hf_ids), *tail), 1, sources))
 
@@ -231,15 +247,21 @@ def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:
                                         ("w_down", (F, D), down_name, 0)):
       sources = {}
       for i, e in itertools.product(range(count), range(E)):
-        if experts == FUSED:
-          fused = "down_proj" if name == "w_down" else "gate_up_proj"
-          sources[(i, e)] = Source(f"{_layer(hf_ids[i])}.mlp.experts.{fused}", prefix=(e,),
+        if fused_names:
+          fused = fused_names[name == "w_down"]
+          sources[(i, e)] = Source(f"{_layer(hf_ids[i])}.{moe_module}.{fused}", prefix=(e,),
                                    row_offset=offset, transpose=True)
         else:
           sources[(i, e)] = Source(
               f"{_layer(hf_ids[i])}.{moe_module}.experts.{e}.{hf_name}.weight", transpose=True)
       maps.append(LeafMap((group, "moe", name), (count, E, *tail), 2, sources))
-    if Fs:
+    if Fs and m.family in FUSED_SHARED_MODULE:
+      shared = FUSED_SHARED_MODULE[m.family]
+      for name, tail, hf_name, offset in (("shared_w_gate", (D, Fs), "input_linear", 0),
+                                          ("shared_w_up", (D, Fs), "input_linear", Fs),
+                                          ("shared_w_down", (Fs, D), "output_linear", 0)):
+        per_layer(("moe", name), tail, f"{shared}.{hf_name}.weight", True, row_offset=offset)
+    elif Fs:
       shared = SHARED_EXPERT_MODULE.get(m.family, "shared_expert")
       if experts != FUSED:
         shared = HUB_SHARED_EXPERT_MODULE.get(m.family, shared)
@@ -257,25 +279,21 @@ def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:
 
 
 def expected_shapes(cfg: Config, experts: str = PER_EXPERT) -> dict[str, tuple[int, ...]]:
-  """Hugging Face tensor name -> the full shape `cfg` implies for it."""
-  F, E = cfg.moe.expert_hidden, cfg.moe.num_experts
+  """Hugging Face tensor name -> the full shape `cfg` implies for it: the extent of every block
+  its sources read (a fused tensor's experts along the prefix, its gate and up rows along the
+  first tail axis)."""
   shapes = {}
   for leaf in leaf_maps(cfg, experts):
     for src in leaf.sources.values():
       tail = leaf.tail[::-1] if src.transpose else leaf.tail
-      if src.name.endswith("experts.gate_up_proj"):
-        shapes[src.name] = (E, 2 * F, *tail[1:])
-      elif src.singleton:
-        shapes[src.name] = (1, *tail)
-      elif src.prefix:
-        shapes[src.name] = (E, *tail)
-      else:
-        shapes[src.name] = tuple(tail)
+      shape = (*(p + 1 for p in src.prefix), src.row_offset + tail[0], *tail[1:])
+      old = shapes.get(src.name)
+      shapes[src.name] = shape if old is None else tuple(max(a, b) for a, b in zip(old, shape))
   return shapes
 
 
 def detect_expert_layout(names) -> str:
-  return FUSED if any(n.endswith(".mlp.experts.gate_up_proj") for n in names) else PER_EXPERT
+  return FUSED if any(n.endswith(".experts.gate_up_proj") for n in names) else PER_EXPERT
 
 
 def is_ignored(name: str, cfg: Config | None = None) -> bool:

@@ -88,7 +88,7 @@ class Attention(nnx.Module):
                qk_norm: str = "full", qkv_bias: bool = False,
                rope_scaling: RopeScaling = NO_SCALING, rotary_dim: int = 0,
                rotary_interleaved: bool = False, output_gate: bool = False, window: int = 0,
-               rotary: bool = True):
+               rotary: bool = True, softmax_scale: float = 0.0):
     num_kv_heads = num_kv_heads or num_heads
     if qk_norm not in QK_NORMS:
       raise ValueError(f"qk_norm={qk_norm!r}: must be one of {', '.join(QK_NORMS)}")
@@ -121,7 +121,7 @@ class Attention(nnx.Module):
     self.rotary_dim = rotary_dim or head_dim      # partial rotary: its first dims only
     self.rotary_interleaved = rotary_interleaved
     # YaRN scales cos and sin here, not the softmax (transformers' Llama-style models).
-    self.softmax_scale = head_dim ** -0.5
+    self.softmax_scale = softmax_scale or head_dim ** -0.5
 
   @profiling.scoped("attention")
   def __call__(self, x_BxSxD):
@@ -217,7 +217,7 @@ class LatentAttention(nnx.Module):
   def __init__(self, d_model: int, num_heads: int, *, q_lora_rank: int, kv_lora_rank: int,
                qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rope_theta: float,
                init_std: float, rngs: nnx.Rngs, rope_scaling: RopeScaling = NO_SCALING,
-               window: int = 0, rotary: bool = True):
+               window: int = 0, rotary: bool = True, softmax_scale: float = 0.0):
     init = jax.nn.initializers.normal(init_std)
     h, qk = num_heads, qk_nope_head_dim + qk_rope_head_dim
     if q_lora_rank:
@@ -241,7 +241,7 @@ class LatentAttention(nnx.Module):
     self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
     self.window, self.rotary = window, rotary
     # Under YaRN DeepSeek scales all of q.k, the non-rotary part too (mscale_all_dim).
-    self.softmax_scale = (qk ** -0.5) * rope_scaling.latent_softmax_scale
+    self.softmax_scale = softmax_scale or (qk ** -0.5) * rope_scaling.latent_softmax_scale
 
   @profiling.scoped("attention")
   def __call__(self, x_BxSxD):

@@ -23,7 +23,6 @@ import numpy as np
 
 from moejax.config import Config
 from moejax.layers.attention import attend
-from moejax.layers.matmul import dense
 from moejax.layers.norm import rms_norm
 from moejax.models import olmoe
 from moejax.sharding import hook
@@ -83,7 +82,7 @@ def _forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start
   s = tokens_BxS.shape[1]
   positions_S = start + jnp.arange(s, dtype=jnp.int32)
   visible_SxT = jnp.arange(cache.max_len)[None, :] <= positions_S[:, None]   # causal, filled
-  h_BxSxD = olmoe.embed(params["embed"], tokens_BxS)
+  h_BxSxD = olmoe.embed_scaled(cfg, params["embed"], tokens_BxS)
 
   def layer_step(group, kind, h_BxSxD, inputs):
     layer_params, k_BxTxGxDk, v_BxTxGxDv = inputs
@@ -101,9 +100,11 @@ def _forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start
                            < kind.window)
     out_BxSxHxDv = attend(q, k_BxTxGxDk.astype(q.dtype), v_BxTxGxDv.astype(q.dtype),
                           mask=visible[None, None], scale=attn.softmax_scale)
-    h_BxSxD = h_BxSxD + attn.project_out(out_BxSxHxDv, x_BxSxD)
+    h_BxSxD = olmoe.join_residual(h_BxSxD, attn.project_out(out_BxSxHxDv, x_BxSxD),
+                                  layer.residual_scale)
     y_BxSxD = layer.feed_forward(layer.ffn_norm(h_BxSxD))
-    return h_BxSxD + y_BxSxD, (k_BxTxGxDk, v_BxTxGxDv)
+    return (olmoe.join_residual(h_BxSxD, y_BxSxD, layer.residual_scale),
+            (k_BxTxGxDk, v_BxTxGxDv))
 
   ks, vs, position = [], [], 0     # each run of layers: its parameters, its cache's layers
   for group, first, count, kind in olmoe.layer_runs(cfg):
@@ -117,7 +118,7 @@ def _forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start
     position += count
   h_BxSxD = rms_norm(h_BxSxD, params["final_norm"], cfg.model.norm_eps)
   head_DxV = params["embed"].T if cfg.model.tie_embeddings else params["lm_head"]
-  return (dense(h_BxSxD, head_DxV, jnp.float32),
+  return (olmoe.lm_logits(cfg, h_BxSxD, head_DxV),
           KVCache(jnp.concatenate(ks, axis=0), jnp.concatenate(vs, axis=0)))
 
 

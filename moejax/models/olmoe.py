@@ -126,13 +126,32 @@ def _attention(cfg: Config, rngs: nnx.Rngs, kind: AttentionKind):
                            qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
                            rope_theta=m.rope_theta, init_std=m.init_std, rngs=rngs,
                            rope_scaling=rope_scaling(m), window=kind.window,
-                           rotary=kind.rotary)
+                           rotary=kind.rotary, softmax_scale=m.attention_scale)
   return Attention(m.d_model, m.num_heads, m.head_dim, rope_theta=m.rope_theta,
                    norm_eps=m.norm_eps, init_std=m.init_std, rngs=rngs,
                    num_kv_heads=m.num_kv_heads, qk_norm=m.qk_norm, qkv_bias=m.qkv_bias,
                    rope_scaling=rope_scaling(m), rotary_dim=m.rotary_dim,
                    rotary_interleaved=m.rotary_interleaved, output_gate=m.attention_gate,
-                   window=kind.window, rotary=kind.rotary)
+                   window=kind.window, rotary=kind.rotary, softmax_scale=m.attention_scale)
+
+
+def join_residual(h_BxSxD, y_BxSxD, scale: float):
+  """The residual stream after a sublayer's output `y` joins it, scaled (model.residual_scale)."""
+  return h_BxSxD + (y_BxSxD if scale == 1.0 else y_BxSxD * scale)
+
+
+def embed_scaled(cfg: Config, embed_VxD, tokens_BxS):
+  """The tokens' embeddings times model.embed_scale."""
+  x_BxSxD = embed(embed_VxD, tokens_BxS)
+  scale = cfg.model.embed_scale
+  return x_BxSxD if scale == 1.0 else x_BxSxD * jnp.asarray(scale, x_BxSxD.dtype)
+
+
+def lm_logits(cfg: Config, h_BxSxD, head_DxV):
+  """fp32 logits [B, S, V], divided by model.logit_divisor."""
+  logits_BxSxV = dense(h_BxSxD, head_DxV, jnp.float32)
+  divisor = cfg.model.logit_divisor
+  return logits_BxSxV if divisor == 1.0 else logits_BxSxV / divisor
 
 
 class DenseLayer(nnx.Module):
@@ -144,13 +163,14 @@ class DenseLayer(nnx.Module):
     self.attn = _attention(cfg, rngs, kind)
     self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
     self.mlp = MLP(m.d_model, m.dense_hidden, init_std=m.init_std, rngs=rngs)
+    self.residual_scale = m.residual_scale
 
   def feed_forward(self, x_BxSxD):
     return self.mlp(x_BxSxD)
 
   def __call__(self, h_BxSxD):
-    h_BxSxD = h_BxSxD + self.attn(self.attn_norm(h_BxSxD))
-    return h_BxSxD + self.mlp(self.ffn_norm(h_BxSxD))
+    h_BxSxD = join_residual(h_BxSxD, self.attn(self.attn_norm(h_BxSxD)), self.residual_scale)
+    return join_residual(h_BxSxD, self.mlp(self.ffn_norm(h_BxSxD)), self.residual_scale)
 
 
 class DecoderLayer(nnx.Module):
@@ -161,6 +181,7 @@ class DecoderLayer(nnx.Module):
     self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
     self.moe = MoEBlock(m.d_model, moe.expert_hidden,
                         moe_spec(cfg), init_std=m.init_std, rngs=rngs)
+    self.residual_scale = m.residual_scale
 
   def feed_forward(self, x_BxSxD):
     """The MoE block alone, routed by top-k (decoding)."""
@@ -172,10 +193,10 @@ class DecoderLayer(nnx.Module):
     if dispatch.kind == "fssdp":   # issued before attention: the transfer overlaps it
       materialized = self.moe.materialize(predicted_load_E, h_BxSxD.dtype, dispatch=dispatch,
                                           owners=expert_owners, replica_state=replica_state)
-    h_BxSxD = h_BxSxD + self.attn(self.attn_norm(h_BxSxD))
+    h_BxSxD = join_residual(h_BxSxD, self.attn(self.attn_norm(h_BxSxD)), self.residual_scale)
     y_BxSxD, aux = self.moe(self.ffn_norm(h_BxSxD), dispatch=dispatch, axis_name=axis_name,
                             step=step, materialized=materialized)
-    return h_BxSxD + y_BxSxD, aux
+    return join_residual(h_BxSxD, y_BxSxD, self.residual_scale), aux
 
 
 def _layer_class(group: str):
@@ -327,7 +348,7 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
     return full
 
   embed_VxD = gather_group("embed")
-  h_BxSxD = embed(embed_VxD, tokens_BxS)
+  h_BxSxD = embed_scaled(cfg, embed_VxD, tokens_BxS)
 
   def dense_step(kind, h_BxSxD, layer_params, consts, layer_index):
     del consts, layer_index
@@ -373,5 +394,5 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
       aux_L = aux
   h_BxSxD = rms_norm(h_BxSxD, gather_group("final_norm"), cfg.model.norm_eps)
   head_DxV = embed_VxD.T if cfg.model.tie_embeddings else gather_group("lm_head")
-  logits_BxSxV = dense(h_BxSxD, head_DxV, jnp.float32)
+  logits_BxSxV = lm_logits(cfg, h_BxSxD, head_DxV)
   return logits_BxSxV, aux_L, new_states, stats

@@ -228,6 +228,28 @@ MODELS = {
                     n_group=2, topk_group=1, routed_scaling_factor=1.3, rms_norm_eps=1e-6,
                     rope_theta=20000.0),
         save=dict()),
+    # Granite MoE: grouped-query attention, softmax over the top-k logits, the four multipliers
+    # (embedding, residual, softmax scale, logits), tied embeddings; the Hub's fused layout
+    # (block_sparse_moe.input_linear [E, 2F, D], output_linear, router.layer), one file.
+    "granitemoe": dict(
+        model_type="granitemoe",
+        config=dict(vocab_size=58, hidden_size=32, intermediate_size=12, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=5,
+                    num_experts_per_tok=2, embedding_multiplier=6.0, residual_multiplier=0.3,
+                    attention_multiplier=0.2, logits_scaling=3.0, tie_word_embeddings=True,
+                    rms_norm_eps=1e-6, rope_theta=10000.0),
+        save=dict()),
+    # ... with a shared MLP (shared_mlp.input_linear: gate rows then up rows), untied; saved in
+    # transformers' own fused names (save_original_format=False), sharded.
+    "granitemoeshared": dict(
+        model_type="granitemoeshared",
+        config=dict(vocab_size=62, hidden_size=32, intermediate_size=8, num_hidden_layers=3,
+                    num_attention_heads=2, num_key_value_heads=1, num_local_experts=6,
+                    num_experts_per_tok=3, shared_intermediate_size=20,
+                    embedding_multiplier=2.0, residual_multiplier=0.7,
+                    attention_multiplier=0.1, logits_scaling=1.5, tie_word_embeddings=False,
+                    rms_norm_eps=1e-5),
+        save=dict(save_original_format=False, max_shard_size="64KB")),
 }
 # FP8 copies: every projection float8 e4m3 beside its scales; embeddings, head, router and norms
 # as they were. As the Hub's DeepSeek-V3, Qwen3-*-FP8 and MiniMax-M2 are stored (transformers'

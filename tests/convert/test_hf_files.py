@@ -604,6 +604,8 @@ FAMILY_REFUSALS = [
     ("minicpm5_moe", dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5 is not "
      "supported: MiniCPM5MoeForCausalLM rotates whole heads"),
     ("hy_v3", dict(mlp_bias=True), "mlp_bias=True is not supported"),
+    ("granitemoe", dict(attention_bias=True), "attention_bias=True is not supported"),
+    ("granitemoe", dict(logits_scaling=None), "field 'logits_scaling' is null"),
     ("hy_v3", dict(num_shared_experts=0), "num_shared_experts=0 is not supported"),
 ]
 
@@ -623,7 +625,8 @@ ALIASED_EXPERTS = {"olmoe": "num_local_experts", "mixtral": "num_experts",
                    "glm4_moe_lite": "num_local_experts", "solar_open": "num_local_experts",
                    "minicpm5_moe": "num_local_experts", "hy_v3": "num_local_experts"}
 DEFAULT_KV_HEADS = {"mixtral": 8, "qwen3_moe": 4, "minimax_m2": 8, "ernie4_5_moe": 4,
-                    "glm4_moe": 8, "solar_open": 8, "minicpm5_moe": 2, "hy_v3": 8, "olmoe": None,
+                    "glm4_moe": 8, "solar_open": 8, "minicpm5_moe": 2, "hy_v3": 8,
+                    "granitemoe": None, "olmoe": None,
                     "qwen2_moe": None}
 
 
@@ -941,6 +944,32 @@ def test_sliding_windows_read_as_each_family_slides():
   with pytest.raises(CheckpointError, match="model.sliding_window=64: .* needs 0 \\(no sliding"):
     hf_config_from(dataclasses.replace(mixtral, model=dataclasses.replace(
         mixtral.model, family="qwen3_moe", qk_norm="head")))
+
+
+def test_granite_multipliers_read_and_write():
+  """Granite's embedding_multiplier, residual_multiplier, attention_multiplier (the softmax
+  scale itself) and logits_scaling, 1.0 each when absent as transformers reads them; an export
+  of moejax's default softmax scale writes it as 1/sqrt(head_dim); shared_intermediate_size is
+  granitemoeshared's ungated shared MLP (0: none); another family holds no multiplier."""
+  hf = hf_config_from(tiny_config("granitemoe"))
+  assert (hf["embedding_multiplier"], hf["residual_multiplier"], hf["attention_multiplier"],
+          hf["logits_scaling"]) == (4.0, 0.5, 0.0625, 2.0)
+  for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier",
+              "logits_scaling"):
+    hf.pop(key)
+  m = config_from_hf(hf).model
+  assert (m.embed_scale, m.residual_scale, m.attention_scale, m.logit_divisor) == (1, 1, 1, 1)
+  default = tiny_config("granitemoe", **{"model.attention_scale": 0.0})
+  assert hf_config_from(default)["attention_multiplier"] == 16 ** -0.5
+  shared = config_from_hf(hf_config_from(tiny_config("granitemoeshared"))).moe
+  assert (shared.shared_expert_hidden, shared.shared_expert_gate) == (64, False)
+  hf = hf_config_from(tiny_config("granitemoeshared"))
+  assert config_from_hf(dict(hf, shared_intermediate_size=0)).moe.shared_expert_hidden == 0
+  with pytest.raises(CheckpointError, match="model.residual_scale=0.5: .* needs 1.0 \\(no such "
+                     "multiplier"):
+    hf_config_from(tiny_config("mixtral", **{"model.residual_scale": 0.5}))
+  with pytest.raises(CheckpointError, match="moe.shared_expert_hidden=64: .*granitemoe.* needs 0"):
+    hf_config_from(tiny_config("granitemoe", **{"moe.shared_expert_hidden": 64}))
 
 
 def test_partial_rotary_exports_read_back_as_the_same_width():

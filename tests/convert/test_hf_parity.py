@@ -25,7 +25,11 @@ sharded), "minicpm5_moe" (grouped-query attention with a sigmoid output gate in 
 projection, two leading dense layers from first_k_dense_replace, GLM's router; fused), "hy_v3"
 (per-head QK-norm, dense layers from mlp_layer_types, two shared experts, a sigmoid router with
 a random score bias under the Hub's names mlp.router.gate / mlp.expert_bias / mlp.shared_mlp,
-per expert, sharded). They
+per expert, sharded), "exaone_moe" (layers sliding within 3 of the 16 tokens from
+sliding_window_pattern, the others unrotated, grouped sigmoid routing; per expert), "granitemoe"
+(Granite's four multipliers, tied embeddings, the Hub's
+fused experts input_linear / output_linear and router.layer) and "granitemoeshared" (a shared
+MLP fused the same way; saved in transformers' fused names, sharded). They
 differ
 in layers, heads, kv heads, head width, experts, top-k, expert and shared widths, latent ranks,
 RoPE base, norm epsilon and top-k renormalization; "b", "qwen3_moe", "deepseek_v2" and
@@ -61,8 +65,8 @@ from moejax.train.state import state_layout
 
 MODELS = ("a", "b", "mixtral", "qwen2_moe", "qwen3_moe", "minimax_m2", "ernie4_5_moe", "glm4_moe",
           "dots1", "deepseek_v2", "deepseek_v3", "deepseek_v3_b", "glm4_moe_lite", "solar_open",
-          "minicpm5_moe", "hy_v3", "exaone_moe")
-SAVED_FUSED = ("b", "qwen2_moe", "dots1", "deepseek_v3", "minicpm5_moe")
+          "minicpm5_moe", "hy_v3", "exaone_moe", "granitemoe", "granitemoeshared")
+SAVED_FUSED = ("b", "qwen2_moe", "dots1", "deepseek_v3", "minicpm5_moe", "granitemoeshared")
 FP8_MODELS = ("qwen3_moe_fp8", "minimax_m2_fp8", "deepseek_v3_b_fp8", "mixtral_ct_fp8",
               "glm4_moe_ct_fp8", "qwen3_moe_int4")
 
@@ -273,7 +277,15 @@ def test_export_writes_the_hub_tensors_bit_for_bit(name, hf_models, imported, tm
   cfg, params = imported[name]
   save_hf(params, cfg, str(tmp_path / name))
   original, exported = read_all(hf_models[name][0]), read_all(str(tmp_path / name))
-  if name in SAVED_FUSED:
+  if name in SAVED_FUSED and cfg.model.family in hf_names.HUB_FUSED_EXPERTS:
+    # Granite's Hub layout is fused too, under its own names.
+    gate_up, down_name = hf_names.HUB_FUSED_EXPERTS[cfg.model.family]
+    for i in range(cfg.model.num_layers):
+      prefix = f"model.layers.{i}.block_sparse_moe"
+      for fused, hub in (("experts.gate_up_proj", gate_up), ("experts.down_proj", down_name),
+                         ("router.weight", "router.layer.weight")):
+        original[f"{prefix}.{hub}"] = original.pop(f"{prefix}.{fused}")
+  elif name in SAVED_FUSED:
     f = cfg.moe.expert_hidden
     moe_module, (gate, up, down_name) = hf_names.HUB_EXPERT_NAMES[cfg.model.family]
     for i in sorted(set(range(cfg.model.num_layers)) - set(cfg.model.dense_layers)):
