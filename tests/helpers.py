@@ -19,8 +19,10 @@ import configs.minicpm5_moe as minicpm5_moe_configs
 import configs.minimax_m2 as minimax_m2_configs
 import configs.mixtral as mixtral_configs
 import configs.olmoe as olmoe_configs
+import configs.param2moe as param2moe_configs
 import configs.qwen2_moe as qwen2_moe_configs
 import configs.qwen3_moe as qwen3_moe_configs
+import configs.sarvam_moe as sarvam_moe_configs
 import configs.solar_open as solar_open_configs
 from moejax.config import from_config_dict
 
@@ -36,7 +38,8 @@ FAMILY_CONFIGS = {"olmoe": olmoe_configs, "mixtral": mixtral_configs,
                   "glm4_moe_lite": glm4_moe_lite_configs, "solar_open": solar_open_configs,
                   "minicpm5_moe": minicpm5_moe_configs, "hy_v3": hy_v3_configs,
                   "exaone_moe": exaone_moe_configs, "granitemoe": granitemoe_configs,
-                  "granitemoeshared": granitemoeshared_configs}
+                  "granitemoeshared": granitemoeshared_configs, "sarvam_moe": sarvam_moe_configs,
+                  "param2moe": param2moe_configs}
 
 
 def tiny_config(family: str = "olmoe", **overrides):

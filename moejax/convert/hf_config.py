@@ -150,6 +150,11 @@ class FamilySpec:
   routed_scale_key: str = "routed_scaling_factor"
   default_routed_scale: float = 1.0
   expert_groups: bool = True
+  qk_norm_default: bool = False        # qk_norm_key's transformers default
+  field_aliases: tuple = ()            # (alias, field): a config.json's alias stands for the
+                                       # field, its value winning (transformers' attribute_map:
+                                       # Sarvam's num_experts, use_qkv_bias); exports write the
+                                       # field
   granite: str = ""                    # Granite's multipliers (embedding, residual, attention,
                                        # logits); "shared": shared_intermediate_size too
   # Fields that must hold these values (moejax has no equivalent of the others); export writes
@@ -161,6 +166,22 @@ _COMMON_REQUIRED = (("hidden_act", "silu", "moejax experts are SwiGLU"),)
 # Values transformers treats as the same function (its ACT2FN maps "swish" to SiLU).
 _SAME_AS = {("hidden_act", "swish"): "silu"}
 _NO_SLIDING_WINDOW = (("use_sliding_window", False, "moejax attends to the whole sequence"),)
+
+def _glm_named(model_type: str, **defaults) -> FamilySpec:
+  """Sarvam's and Param2's families: GLM-4.5's architecture (transformers runs them as
+  Glm4MoeForCausalLM) with their own defaults, the names of Sarvam's original config
+  (attribute_map) and, in the Hub's layout, their own tensor names (`hf_names`)."""
+  return FamilySpec(
+      model_type, "Glm4MoeForCausalLM", "head", "n_routed_experts", "moe_intermediate_size",
+      "norm_topk_prob", experts_aliases=("num_local_experts",), renormalize_default=True,
+      qkv_bias_key="attention_bias", qk_norm_key="use_qk_norm", qk_norm_default=True,
+      partial_rotary=1.0, sigmoid_moe=True, default_first_dense=1, default_aux=0.0,
+      default_norm_eps=1e-6, default_head_dim=64, default_routed_scale=2.5, aliases_win=True,
+      field_aliases=(("num_experts", "n_routed_experts"), ("num_shared_experts", "n_shared_experts"),
+                     ("use_qkv_bias", "attention_bias")),
+      required=_COMMON_REQUIRED, **defaults)
+
+
 
 FAMILY_SPECS = {
     "olmoe": FamilySpec(
@@ -267,7 +288,8 @@ FAMILY_SPECS = {
         "moe_intermediate_size", "norm_topk_prob", experts_aliases=("num_local_experts",),
         renormalize_default=True, default_norm_eps=1e-6, default_rope_theta=5e6,
         sigmoid_moe=True, default_first_dense=1, default_shared=1, default_aux=0.0,
-        default_head_dim=128, default_kv_heads=2, layer_types_key="mlp_layer_types",
+        default_routed_scale=3.66, default_head_dim=128, default_kv_heads=2,
+        layer_types_key="mlp_layer_types",
         layer_types_fallback=True, attention_gate=True, aliases_win=True,
         required=_COMMON_REQUIRED + (
             ("attention_bias", False, "moejax attention projections have no bias (MiniCPM5's "
@@ -301,6 +323,10 @@ FAMILY_SPECS = {
         "intermediate_size", None, default_norm_eps=1e-6, default_aux=0.001, granite="shared",
         required=_COMMON_REQUIRED + (
             ("attention_bias", False, "moejax attention projections have no bias"),)),
+    "sarvam_moe": _glm_named("sarvam_moe", default_rope_theta=8e6, default_kv_heads=4,
+                             default_shared=1),
+    "param2moe": _glm_named("param2moe", default_rope_theta=5e5, default_kv_heads=8,
+                            default_shared=2, default_tie=True),
 }
 assert tuple(FAMILY_SPECS) == FAMILIES
 MODEL_TYPES = {spec.model_type: name for name, spec in FAMILY_SPECS.items()}
@@ -604,9 +630,17 @@ def quantization_summary(hf: dict, where: str = "config.json") -> str | None:
   return scales.summary if scales else None
 
 
+def _unaliased(hf: dict, spec: FamilySpec) -> dict:
+  """`hf` with each `spec.field_aliases` alias given read as its field (the alias's value wins,
+  as transformers' attribute_map sets the field from it)."""
+  given = {field: hf[alias] for alias, field in spec.field_aliases if alias in hf}
+  return dict(hf, **given) if given else hf
+
+
 def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
   """The family of `hf`; raises CheckpointError if moejax cannot represent it exactly."""
   spec = family_of(hf, where)
+  hf = _unaliased(hf, spec)
   weight_scales(hf, where)
   for key, want, why in spec.required:
     value = hf.get(key, want)
@@ -862,6 +896,7 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
   """The moejax `Config` of a config.json of any family; fields moejax does not take from it come
   from `base` (default: `Config()`)."""
   spec = check_supported(hf, where)
+  hf = _unaliased(hf, spec)
   base = Config() if base is None else base
   heads = _get(hf, "num_attention_heads", int, where)
   kv_heads = _kv_heads(hf, spec, heads)
@@ -878,7 +913,7 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       head_dim=head_dim,
       rotary_dim=0 if spec.deepseek else _rotary_dim(hf, spec, head_dim, where),
       qk_norm=(spec.qk_norm if not spec.qk_norm_key
-               or _get(hf, spec.qk_norm_key, bool, where, False) else "none"),
+               or _get(hf, spec.qk_norm_key, bool, where, spec.qk_norm_default) else "none"),
       qkv_bias=(_get(hf, spec.qkv_bias_key, bool, where, spec.qkv_bias_default)
                 if spec.qkv_bias_key else False),
       attention_gate=spec.attention_gate,
@@ -1040,7 +1075,7 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
       "max_position_embeddings": 4096, "use_cache": True}
   # auto_map names remote code the export does not carry (trust_remote_code would fail on it)
   for stale in ("torch_dtype", "dtype", "transformers_version", "head_dim", "auto_map",
-                *spec.experts_aliases):
+                *spec.experts_aliases, *(alias for alias, _ in spec.field_aliases)):
     hf.pop(stale, None)
   hf.update({
       "architectures": [spec.architecture],

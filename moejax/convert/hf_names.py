@@ -126,7 +126,16 @@ HUB_EXPERT_NAMES = {
     "exaone_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "granitemoe": ("block_sparse_moe", ("gate_proj", "up_proj", "down_proj")),
     "granitemoeshared": ("block_sparse_moe", ("gate_proj", "up_proj", "down_proj")),
+    "sarvam_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "param2moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
+# Families whose Hub layout names the attention otherwise (transformers renames it on load):
+# its module, the fused q/k/v projection (q rows, then k, then v; bias alike), the output
+# projection, the q-norm and the k-norm; and the embedding.
+_SARVAM_ATTENTION = ("attention", "query_key_value", "dense", "query_layernorm", "key_layernorm")
+HUB_ATTENTION_NAMES = {"sarvam_moe": _SARVAM_ATTENTION, "param2moe": _SARVAM_ATTENTION}
+HUB_EMBED_NAME = {"sarvam_moe": "model.word_embeddings.weight",
+                  "param2moe": "model.word_embeddings.weight"}
 # Families whose Hub layout holds each layer's experts fused too, under these names (the gate
 # rows of every expert, then its up rows: [E, 2F, D]; down: [E, D, F]): Granite's.
 HUB_FUSED_EXPERTS = {"granitemoe": ("input_linear.weight", "output_linear.weight"),
@@ -141,7 +150,8 @@ SHARED_EXPERT_MODULE = {"qwen2_moe": "shared_expert", "glm4_moe": "shared_expert
                         "deepseek_v2": "shared_experts", "deepseek_v3": "shared_experts",
                         "glm4_moe_lite": "shared_experts", "solar_open": "shared_experts",
                         "minicpm5_moe": "shared_experts", "hy_v3": "shared_experts",
-                        "exaone_moe": "shared_experts"}
+                        "exaone_moe": "shared_experts", "sarvam_moe": "shared_experts",
+                        "param2moe": "shared_experts"}
 # ... where the Hub's layout names it otherwise (transformers renames it on load)
 HUB_SHARED_EXPERT_MODULE = {"hy_v3": "shared_mlp"}
 # The router's module under the MoE block where it is not `gate`: (Hub layout, fused layout).
@@ -159,7 +169,9 @@ SCORE_BIAS_NAME = {"minimax_m2": ("e_score_correction_bias", "e_score_correction
                    "ernie4_5_moe": ("moe_statics.e_score_correction_bias",
                                     "gate.moe_statics.e_score_correction_bias"),
                    "hy_v3": ("expert_bias", "e_score_correction_bias"),
-                   "exaone_moe": ("e_score_correction_bias", "gate.e_score_correction_bias")}
+                   "exaone_moe": ("e_score_correction_bias", "gate.e_score_correction_bias"),
+                   "sarvam_moe": ("gate.expert_bias", "gate.e_score_correction_bias"),
+                   "param2moe": ("gate.expert_bias", "gate.e_score_correction_bias")}
 # ... held [1, E] rather than [E]
 SCORE_BIAS_SINGLETON = ("ernie4_5_moe",)
 # Families whose checkpoints hold multi-token-prediction tensors under names with "mtp"
@@ -167,7 +179,7 @@ SCORE_BIAS_SINGLETON = ("ernie4_5_moe",)
 MTP_NAMED = ("ernie4_5_moe", "exaone_moe")
 
 
-def _attention_maps(cfg: Config, per_layer) -> None:
+def _attention_maps(cfg: Config, per_layer, experts: str) -> None:
   m = cfg.model
   D, HD = m.d_model, m.num_heads * m.head_dim
   if m.kv_lora_rank:          # multi-head latent attention (DeepSeek-V2/V3)
@@ -186,6 +198,21 @@ def _attention_maps(cfg: Config, per_layer) -> None:
     per_layer(("attn", "wo"), (H * m.v_head_dim, D), "self_attn.o_proj.weight", True)
     return
   GD = (m.num_kv_heads or m.num_heads) * m.head_dim
+  hub = HUB_ATTENTION_NAMES.get(m.family) if experts != FUSED else None
+  if hub:                   # q, k, v fused in one projection's rows
+    module, qkv, out, q_norm, k_norm = hub
+    for name, tail, offset in (("wq", (D, HD), 0), ("wk", (D, GD), HD),
+                               ("wv", (D, GD), HD + GD)):
+      per_layer(("attn", name), tail, f"{module}.{qkv}.weight", True, row_offset=offset)
+    per_layer(("attn", "wo"), (HD, D), f"{module}.{out}.weight", True)
+    if m.qkv_bias:
+      for name, width, offset in (("bq", HD, 0), ("bk", GD, HD), ("bv", GD, HD + GD)):
+        per_layer(("attn", name), (width,), f"{module}.{qkv}.bias", False, row_offset=offset)
+    if m.qk_norm != "none":
+      q_width, k_width = (HD, GD) if m.qk_norm == "full" else (m.head_dim, m.head_dim)
+      per_layer(("attn", "q_norm"), (q_width,), f"{module}.{q_norm}.weight", False)
+      per_layer(("attn", "k_norm"), (k_width,), f"{module}.{k_norm}.weight", False)
+    return
   QD = 2 * HD if m.attention_gate else HD      # each head's query and gate rows
   q_name = GATED_Q_NAME.get(m.family, "q_proj") if m.attention_gate else "q_proj"
   names = dict(q=q_name, k="k_proj", v="v_proj", o="o_proj")
@@ -209,7 +236,9 @@ def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:
   moe_module = FUSED_MOE_MODULE.get(m.family, "mlp") if experts == FUSED else hub_moe
   fused_names = (("experts.gate_up_proj", "experts.down_proj") if experts == FUSED
                  else HUB_FUSED_EXPERTS.get(m.family))
-  maps = [LeafMap(("embed",), (V, D), 0, {(): Source("model.embed_tokens.weight")})]
+  embed_name = (HUB_EMBED_NAME.get(m.family, "model.embed_tokens.weight") if experts != FUSED
+                else "model.embed_tokens.weight")
+  maps = [LeafMap(("embed",), (V, D), 0, {(): Source(embed_name)})]
   # (group, the Hugging Face index of each of its layers)
   dense = list(m.dense_layers)
   groups = ([("dense_layers", dense)] if dense else []) + [
@@ -226,7 +255,7 @@ def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:
                  for i, hf_i in enumerate(hf_ids)}
       maps.append(LeafMap((group, *path), (len(hf_ids), *tail), 1, sources))
 
-    _attention_maps(cfg, per_layer)
+    _attention_maps(cfg, per_layer, experts)
     per_layer(("attn_norm", "scale"), (D,), "input_layernorm.weight", False)
     per_layer(("ffn_norm", "scale"), (D,), "post_attention_layernorm.weight", False)
     if group == "dense_layers":

@@ -250,6 +250,25 @@ MODELS = {
                     attention_multiplier=0.1, logits_scaling=1.5, tie_word_embeddings=False,
                     rms_norm_eps=1e-5),
         save=dict(save_original_format=False, max_shard_size="64KB")),
+    # Sarvam-MoE: GLM-4.5's architecture under its own Hub names (attention.query_key_value
+    # with q/k/v biases, attention.dense, query_ / key_layernorm, word_embeddings,
+    # mlp.gate.expert_bias) and its original config's field names (num_experts,
+    # num_shared_experts, use_qkv_bias); per expert.
+    "sarvam_moe": dict(
+        model_type="sarvam_moe",
+        config=dict(vocab_size=56, hidden_size=32, intermediate_size=28, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=6,
+                    num_shared_experts=2, use_qkv_bias=True, num_experts_per_tok=2,
+                    moe_intermediate_size=12, routed_scaling_factor=1.5, rms_norm_eps=1e-5),
+        save=dict()),
+    # Param2: the same names, tied embeddings, no biases; transformers' fused layout, sharded.
+    "param2moe": dict(
+        model_type="param2moe",
+        config=dict(vocab_size=52, hidden_size=32, intermediate_size=20, num_hidden_layers=3,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=12,
+                    n_routed_experts=5, num_experts_per_tok=2, moe_intermediate_size=8,
+                    n_shared_experts=1, first_k_dense_replace=2, rms_norm_eps=1e-6),
+        save=dict(save_original_format=False, max_shard_size="64KB")),
 }
 # FP8 copies: every projection float8 e4m3 beside its scales; embeddings, head, router and norms
 # as they were. As the Hub's DeepSeek-V3, Qwen3-*-FP8 and MiniMax-M2 are stored (transformers'

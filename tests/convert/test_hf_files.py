@@ -605,6 +605,9 @@ FAMILY_REFUSALS = [
      "supported: MiniCPM5MoeForCausalLM rotates whole heads"),
     ("hy_v3", dict(mlp_bias=True), "mlp_bias=True is not supported"),
     ("granitemoe", dict(attention_bias=True), "attention_bias=True is not supported"),
+    ("sarvam_moe", dict(num_shared_experts=0), "n_shared_experts=0 is not supported"),
+    ("param2moe", dict(partial_rotary_factor=0.3125), "partial_rotary_factor=0.3125 is not "
+     "supported: rotates 5 of head_dim=16 dims"),
     ("granitemoe", dict(logits_scaling=None), "field 'logits_scaling' is null"),
     ("hy_v3", dict(num_shared_experts=0), "num_shared_experts=0 is not supported"),
 ]
@@ -623,10 +626,11 @@ ALIASED_EXPERTS = {"olmoe": "num_local_experts", "mixtral": "num_experts",
                    "ernie4_5_moe": "num_experts", "glm4_moe": "num_local_experts",
                    "dots1": "num_local_experts", "deepseek_v3": "num_local_experts",
                    "glm4_moe_lite": "num_local_experts", "solar_open": "num_local_experts",
-                   "minicpm5_moe": "num_local_experts", "hy_v3": "num_local_experts"}
+                   "minicpm5_moe": "num_local_experts", "hy_v3": "num_local_experts",
+                   "sarvam_moe": "num_experts", "param2moe": "num_local_experts"}
 DEFAULT_KV_HEADS = {"mixtral": 8, "qwen3_moe": 4, "minimax_m2": 8, "ernie4_5_moe": 4,
                     "glm4_moe": 8, "solar_open": 8, "minicpm5_moe": 2, "hy_v3": 8,
-                    "granitemoe": None, "olmoe": None,
+                    "granitemoe": None, "sarvam_moe": 4, "param2moe": 8, "olmoe": None,
                     "qwen2_moe": None}
 
 
@@ -865,6 +869,9 @@ def test_minicpm5_config_reads_as_the_15b_a2b_preset():
   got = config_from_hf(published, base=preset)
   assert got.model == preset.model and got.moe == preset.moe
   assert got.model.attention_gate and got.model.dense_layers == (0,)
+  # routed_scaling_factor absent: MiniCPM5MoeConfig's 3.66, not GLM-4.5's 1.0
+  unscaled = {k: v for k, v in published.items() if k != "routed_scaling_factor"}
+  assert config_from_hf(unscaled).moe.routed_scale == 3.66
   assert config_from_hf(dict(published, first_k_dense_replace=3)).model.dense_layers == (0, 1, 2)
   listed = ["sparse"] * 27 + ["dense"]
   assert config_from_hf(dict(published, first_k_dense_replace=3,
@@ -944,6 +951,39 @@ def test_sliding_windows_read_as_each_family_slides():
   with pytest.raises(CheckpointError, match="model.sliding_window=64: .* needs 0 \\(no sliding"):
     hf_config_from(dataclasses.replace(mixtral, model=dataclasses.replace(
         mixtral.model, family="qwen3_moe", qk_norm="head")))
+
+
+def test_sarvam_and_param2_configs_read_as_their_presets():
+  """transformers' SarvamMoEConfig and Param2MoeConfig defaults give the 30b and 17b_a2b
+  presets: QK-norm on and whole heads rotated when the fields are absent (GLM-4.5 would read
+  neither so), Param2 tied; Sarvam's original field names (num_experts, num_shared_experts,
+  use_qkv_bias) win over the fields as transformers' attribute_map lets them, and exports
+  write the fields alone."""
+  sarvam = from_config_dict(FAMILY_CONFIGS["sarvam_moe"].get_config("30b"))
+  published = {
+      "architectures": ["SarvamMoEForCausalLM"], "model_type": "sarvam_moe",
+      "vocab_size": 262144, "hidden_size": 4096, "intermediate_size": 8192,
+      "num_hidden_layers": 19, "num_attention_heads": 64, "num_key_value_heads": 4,
+      "head_dim": 64, "initializer_range": 0.006, "rms_norm_eps": 1e-6,
+      "moe_intermediate_size": 1024, "num_experts_per_tok": 6, "num_experts": 128,
+      "num_shared_experts": 1, "use_qkv_bias": False, "routed_scaling_factor": 2.5,
+      "first_k_dense_replace": 1, "hidden_act": "silu", "rope_theta": 8000000.0}
+  got = config_from_hf(published, base=sarvam)
+  assert got.model == sarvam.model and got.moe == sarvam.moe
+  aliased = config_from_hf(dict(published, n_routed_experts=64, n_shared_experts=3,
+                                use_qkv_bias=True, attention_bias=False))
+  assert (aliased.moe.num_experts, aliased.moe.shared_expert_hidden // 1024,
+          aliased.model.qkv_bias) == (128, 1, True)
+  exported = hf_config_from(got, published)
+  assert not {"num_experts", "num_shared_experts", "use_qkv_bias"} & set(exported)
+  assert (exported["n_routed_experts"], exported["architectures"]) == (
+      128, ["Glm4MoeForCausalLM"])
+  param2 = from_config_dict(FAMILY_CONFIGS["param2moe"].get_config("17b_a2b"))
+  got = config_from_hf({"model_type": "param2moe", "vocab_size": 128000, "hidden_size": 2048,
+                        "intermediate_size": 9216, "num_hidden_layers": 21,
+                        "num_attention_heads": 32, "moe_intermediate_size": 2048,
+                        "n_routed_experts": 64, "num_experts_per_tok": 6}, base=param2)
+  assert got.model == param2.model and got.moe == param2.moe
 
 
 def test_granite_multipliers_read_and_write():

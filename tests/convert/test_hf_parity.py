@@ -29,7 +29,9 @@ per expert, sharded), "exaone_moe" (layers sliding within 3 of the 16 tokens fro
 sliding_window_pattern, the others unrotated, grouped sigmoid routing; per expert), "granitemoe"
 (Granite's four multipliers, tied embeddings, the Hub's
 fused experts input_linear / output_linear and router.layer) and "granitemoeshared" (a shared
-MLP fused the same way; saved in transformers' fused names, sharded). They
+MLP fused the same way; saved in transformers' fused names, sharded), "sarvam_moe" (GLM-4.5 under
+Sarvam's Hub names: q/k/v and their biases fused in attention.query_key_value, and its original
+config's field names; per expert) and "param2moe" (tied; fused, sharded). They
 differ
 in layers, heads, kv heads, head width, experts, top-k, expert and shared widths, latent ranks,
 RoPE base, norm epsilon and top-k renormalization; "b", "qwen3_moe", "deepseek_v2" and
@@ -65,8 +67,10 @@ from moejax.train.state import state_layout
 
 MODELS = ("a", "b", "mixtral", "qwen2_moe", "qwen3_moe", "minimax_m2", "ernie4_5_moe", "glm4_moe",
           "dots1", "deepseek_v2", "deepseek_v3", "deepseek_v3_b", "glm4_moe_lite", "solar_open",
-          "minicpm5_moe", "hy_v3", "exaone_moe", "granitemoe", "granitemoeshared")
-SAVED_FUSED = ("b", "qwen2_moe", "dots1", "deepseek_v3", "minicpm5_moe", "granitemoeshared")
+          "minicpm5_moe", "hy_v3", "exaone_moe", "granitemoe", "granitemoeshared", "sarvam_moe",
+          "param2moe")
+SAVED_FUSED = ("b", "qwen2_moe", "dots1", "deepseek_v3", "minicpm5_moe", "granitemoeshared",
+               "param2moe")
 FP8_MODELS = ("qwen3_moe_fp8", "minimax_m2_fp8", "deepseek_v3_b_fp8", "mixtral_ct_fp8",
               "glm4_moe_ct_fp8", "qwen3_moe_int4")
 
@@ -286,6 +290,20 @@ def test_export_writes_the_hub_tensors_bit_for_bit(name, hf_models, imported, tm
                          ("router.weight", "router.layer.weight")):
         original[f"{prefix}.{hub}"] = original.pop(f"{prefix}.{fused}")
   elif name in SAVED_FUSED:
+    if cfg.model.family in hf_names.HUB_ATTENTION_NAMES:    # Sarvam's names (Param2's too)
+      module, qkv, out, q_norm, k_norm = hf_names.HUB_ATTENTION_NAMES[cfg.model.family]
+      original[hf_names.HUB_EMBED_NAME[cfg.model.family]] = original.pop(
+          "model.embed_tokens.weight")
+      for i in range(cfg.model.num_layers):
+        attn = f"model.layers.{i}.self_attn"
+        original[f"model.layers.{i}.{module}.{qkv}.weight"] = np.concatenate(
+            [original.pop(f"{attn}.{p}_proj.weight") for p in "qkv"])
+        for hub, fused in ((out, "o_proj"), (q_norm, "q_norm"), (k_norm, "k_norm")):
+          original[f"model.layers.{i}.{module}.{hub}.weight"] = original.pop(
+              f"{attn}.{fused}.weight")
+        if i not in cfg.model.dense_layers:
+          original[f"model.layers.{i}.mlp.gate.expert_bias"] = original.pop(
+              f"model.layers.{i}.mlp.gate.e_score_correction_bias")
     f = cfg.moe.expert_hidden
     moe_module, (gate, up, down_name) = hf_names.HUB_EXPERT_NAMES[cfg.model.family]
     for i in sorted(set(range(cfg.model.num_layers)) - set(cfg.model.dense_layers)):
