@@ -96,6 +96,10 @@ class ModelConfig:
   OLMoE; head: per head, Qwen3; none: Mixtral, Qwen2)."""
   qkv_bias: bool = False
   """Biases on the q, k and v projections (Qwen2-MoE)."""
+  norm_position: str = "pre"
+  """Where each layer's two RMSNorms sit: one of `moejax.models.olmoe.NORM_POSITIONS` ("pre":
+  on each sublayer's input; "post": on each sublayer's output before it joins the residual
+  stream, OLMo 2's and FlexOlmo's)."""
   embed_scale: float = 1.0
   """The embedding's output is multiplied by this (Granite's embedding_multiplier)."""
   residual_scale: float = 1.0
@@ -607,6 +611,7 @@ def validate(c: Config) -> None:
     _check(list(layers) == sorted(set(layers)) and all(0 <= i < m.num_layers for i in layers),
            f"config.model.{field}={layers}: must be ascending distinct layer indices in [0, "
            f"model.num_layers={m.num_layers})")
+  _choice(m.norm_position, "model.norm_position", ("pre", "post"))
   for field in ("embed_scale", "residual_scale", "logit_divisor"):
     _check(getattr(m, field) > 0, f"config.model.{field}={getattr(m, field)}: must be > 0 (1: "
            "no scaling)")

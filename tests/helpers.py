@@ -10,6 +10,7 @@ import configs.deepseek_v2 as deepseek_v2_configs
 import configs.dots1 as dots1_configs
 import configs.ernie4_5_moe as ernie4_5_moe_configs
 import configs.exaone_moe as exaone_moe_configs
+import configs.flex_olmo as flex_olmo_configs
 import configs.glm4_moe as glm4_moe_configs
 import configs.glm4_moe_lite as glm4_moe_lite_configs
 import configs.granitemoe as granitemoe_configs
@@ -39,7 +40,7 @@ FAMILY_CONFIGS = {"olmoe": olmoe_configs, "mixtral": mixtral_configs,
                   "minicpm5_moe": minicpm5_moe_configs, "hy_v3": hy_v3_configs,
                   "exaone_moe": exaone_moe_configs, "granitemoe": granitemoe_configs,
                   "granitemoeshared": granitemoeshared_configs, "sarvam_moe": sarvam_moe_configs,
-                  "param2moe": param2moe_configs}
+                  "param2moe": param2moe_configs, "flex_olmo": flex_olmo_configs}
 
 
 def tiny_config(family: str = "olmoe", **overrides):

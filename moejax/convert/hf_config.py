@@ -125,6 +125,7 @@ class FamilySpec:
   ernie: bool = False                  # ERNIE-4.5: neighbour-pair rotary, MoE layers from
                                        # moe_layer_start_index to _end_index every _interval,
                                        # moe_num_shared_experts, softmax with a selection bias
+  default_sliding_window: int | None = None   # sliding_window when absent (transformers')
   sliding: str = ""                    # which layers slide within sliding_window (`_sliding`):
                                        # "" none; "all" every layer (Mixtral); "from_layer"
                                        # layer_types, else from max_window_layers on (dots.llm1);
@@ -155,6 +156,7 @@ class FamilySpec:
                                        # field, its value winning (transformers' attribute_map:
                                        # Sarvam's num_experts, use_qkv_bias); exports write the
                                        # field
+  norm_position: str = "pre"           # model.norm_position (FlexOlmo: "post")
   granite: str = ""                    # Granite's multipliers (embedding, residual, attention,
                                        # logits); "shared": shared_intermediate_size too
   # Fields that must hold these values (moejax has no equivalent of the others); export writes
@@ -240,7 +242,7 @@ FAMILY_SPECS = {
     "dots1": FamilySpec(
         "dots1", "Dots1ForCausalLM", "head", "n_routed_experts", "moe_intermediate_size",
         "norm_topk_prob", experts_aliases=("num_local_experts",), default_norm_eps=1e-6,
-        sigmoid_moe=True, sliding="from_layer", default_aux=0.0,
+        sigmoid_moe=True, sliding="from_layer", default_sliding_window=4096, default_aux=0.0,
         aliases_win=True,
         required=_COMMON_REQUIRED + (
             ("attention_bias", False, "moejax attention projections have no bias"),)),
@@ -311,7 +313,7 @@ FAMILY_SPECS = {
         "norm_topk_prob", renormalize_default=True, sigmoid_moe=True, default_first_dense=1,
         default_shared=1, default_aux=0.0, shared_key="num_shared_experts",
         default_routed_scale=2.5, layer_types_key="mlp_layer_types", layer_types_fallback=True,
-        default_kv_heads=32, sliding="exaone",
+        default_kv_heads=32, sliding="exaone", default_sliding_window=4096,
         required=_COMMON_REQUIRED),
     "granitemoe": FamilySpec(
         "granitemoe", "GraniteMoeForCausalLM", "none", "num_local_experts", "intermediate_size",
@@ -327,6 +329,13 @@ FAMILY_SPECS = {
                              default_shared=1),
     "param2moe": _glm_named("param2moe", default_rope_theta=5e5, default_kv_heads=8,
                             default_shared=2, default_tie=True),
+    "flex_olmo": FamilySpec(
+        "flex_olmo", "FlexOlmoForCausalLM", "full", "num_experts", "intermediate_size",
+        "norm_topk_prob", experts_aliases=("num_local_experts",), aliases_win=True,
+        default_rope_theta=500000.0, default_norm_eps=1e-6, default_aux=0.01,
+        norm_position="post",
+        required=_COMMON_REQUIRED + (
+            ("attention_bias", False, "moejax attention projections have no bias"),)),
 }
 assert tuple(FAMILY_SPECS) == FAMILIES
 MODEL_TYPES = {spec.model_type: name for name, spec in FAMILY_SPECS.items()}
@@ -502,7 +511,8 @@ def _head_dim(hf: dict, spec: FamilySpec, where: str) -> int:
     return _get(hf, "qk_nope_head_dim", int, where) + _get(hf, "qk_rope_head_dim", int, where)
   heads = _get(hf, "num_attention_heads", int, where)
   hidden = _get(hf, "hidden_size", int, where)
-  head_dim = hf.get("head_dim") or spec.default_head_dim
+  # absent: the config class's default; null: hidden / heads, as the attention reads it
+  head_dim = hf["head_dim"] if "head_dim" in hf else spec.default_head_dim
   if spec.norm_over_hidden and head_dim is not None and head_dim * heads != hidden:
     _refuse(where, "head_dim", head_dim,
             f"OLMoE normalizes q over hidden_size={hidden}, so num_attention_heads * head_dim "
@@ -714,9 +724,12 @@ def _sliding(hf: dict, spec: FamilySpec, where: str) -> dict:
       _refuse(where, "layer_types", "sliding_attention", f"{spec.architecture} attends to the "
               "whole sequence in every layer (needs 'full_attention')")
     return none
-  if hf.get("sliding_window") is None:     # no window: every layer attends to all, rotated
+  window = hf.get("sliding_window", spec.default_sliding_window)
+  if window is None and spec.sliding == "exaone":    # its config class types it int
+    _refuse(where, "sliding_window", window, "EXAONE-MoE's config takes a number of tokens")
+  if window is None:     # no window: every layer attends to all, rotated
     return none
-  window = _get(hf, "sliding_window", int, where)
+  window = _get(hf, "sliding_window", int, where, spec.default_sliding_window)
   if window < 1:
     _refuse(where, "sliding_window", window, "expected a positive number of tokens or null")
   if spec.sliding == "all":
@@ -916,7 +929,7 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
                or _get(hf, spec.qk_norm_key, bool, where, spec.qk_norm_default) else "none"),
       qkv_bias=(_get(hf, spec.qkv_bias_key, bool, where, spec.qkv_bias_default)
                 if spec.qkv_bias_key else False),
-      attention_gate=spec.attention_gate,
+      attention_gate=spec.attention_gate, norm_position=spec.norm_position,
       **_sliding(hf, spec, where),
       **_rope(hf, where, spec.default_rope_theta),
       norm_eps=_get(hf, "rms_norm_eps", float, where, spec.default_norm_eps),
@@ -1013,6 +1026,8 @@ def check_exportable(cfg: Config) -> FamilySpec:
     need("moe.routed_scale", moe.routed_scale, 1.0, " (no routed scaling)")
   need("model.rotary_interleaved", m.rotary_interleaved, spec.ernie,
        " (how its rotary dims pair up)")
+  need("model.norm_position", m.norm_position, spec.norm_position, " (where its layers' norms "
+       "sit)")
   need("model.attention_gate", m.attention_gate, spec.attention_gate,
        " (its attention's output gate)" if spec.attention_gate else " (no attention gate)")
   full = tuple(i for i in range(m.num_layers) if i not in m.sliding_layers)
@@ -1021,9 +1036,9 @@ def check_exportable(cfg: Config) -> FamilySpec:
   elif spec.sliding == "all" and m.sliding_window:
     need("model.sliding_layers", m.sliding_layers, tuple(range(m.num_layers)),
          " (its sliding window covers every layer)")
-  need("model.nope_layers", m.nope_layers, full if spec.sliding == "exaone" and m.sliding_window
-       else (), " (the layers it leaves unrotated: with a sliding window, the full ones)"
-       if spec.sliding == "exaone" else " (it rotates every layer)")
+  need("model.nope_layers", m.nope_layers, full if spec.sliding == "exaone" else (),
+       " (it leaves its full layers unrotated)" if spec.sliding == "exaone"
+       else " (it rotates every layer)")
   if spec.ernie:
     if _ernie_pattern(m) is None:
       raise CheckpointError(
@@ -1126,7 +1141,10 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
   if spec.model_type in MTP_FAMILIES and spec.model_type != "minimax_m2":
     hf["num_nextn_predict_layers"] = 0    # the export holds no multi-token-prediction layer
   if spec.sliding:
-    hf["sliding_window"] = m.sliding_window or None
+    # EXAONE's config takes a number even where no layer slides (its full layers stay NoPE)
+    hf["sliding_window"] = m.sliding_window or (
+        (hf.get("sliding_window") or spec.default_sliding_window) if spec.sliding == "exaone"
+        else None)
     if spec.sliding != "all":      # the list wins over the family's rule
       hf["layer_types"] = [_ATTENTION_TYPES[i in m.sliding_layers] for i in range(m.num_layers)]
   if spec.model_type == "minimax_m2" and hf.get("use_mtp"):   # ... nor MiniMax's modules

@@ -11,7 +11,8 @@ weights are stored [out, in] by torch and [in, out] by moejax, so their tails ar
   embed                       [V, D]     model.embed_tokens.weight                        [V, D]
   layers.attn.wq              [L, D, HD] model.layers.i.self_attn.q_proj.weight           [HD, D]^T
                                          (with model.attention_gate [L, D, 2HD], each head's
-                                         query then gate rows: MiniCPM5's q_gate_proj)
+                                         query then gate rows; transformers' fused layout
+                                         names MiniCPM5's q_gate_proj)
   layers.attn.wk / wv         [L, D, GD] model.layers.i.self_attn.{k,v}_proj.weight       [GD, D]^T
   layers.attn.wo              [L, HD, D] model.layers.i.self_attn.o_proj.weight           [D, HD]^T
   layers.attn.bq / bk / bv    [L, HD|GD] model.layers.i.self_attn.{q,k,v}_proj.bias       (Qwen2)
@@ -19,6 +20,8 @@ weights are stored [out, in] by torch and [in, out] by moejax, so their tails ar
                                          HD / GD; Qwen3: head_dim; Mixtral, Qwen2: none)
   layers.attn_norm.scale      [L, D]     model.layers.i.input_layernorm.weight            [D]
   layers.ffn_norm.scale       [L, D]     model.layers.i.post_attention_layernorm.weight   [D]
+                                         (FlexOlmo's, on the sublayers' outputs:
+                                         post_attention_ and post_feedforward_layernorm)
   layers.moe.router           [L, D, E]  model.layers.i.MOE.gate.weight                   [E, D]^T
   layers.moe.w_gate           [L,E,D,F]  model.layers.i.MOE.experts.e.gate_proj.weight    [F, D]^T
   layers.moe.w_up             [L,E,D,F]  model.layers.i.MOE.experts.e.up_proj.weight      [F, D]^T
@@ -128,6 +131,7 @@ HUB_EXPERT_NAMES = {
     "granitemoeshared": ("block_sparse_moe", ("gate_proj", "up_proj", "down_proj")),
     "sarvam_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "param2moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "flex_olmo": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 # Families whose Hub layout names the attention otherwise (transformers renames it on load):
 # its module, the fused q/k/v projection (q rows, then k, then v; bias alike), the output
@@ -154,11 +158,15 @@ SHARED_EXPERT_MODULE = {"qwen2_moe": "shared_expert", "glm4_moe": "shared_expert
                         "param2moe": "shared_experts"}
 # ... where the Hub's layout names it otherwise (transformers renames it on load)
 HUB_SHARED_EXPERT_MODULE = {"hy_v3": "shared_mlp"}
+# A layer's two norms where they are not input_layernorm and post_attention_layernorm: FlexOlmo's
+# sit on the sublayers' outputs (model.norm_position "post").
+NORM_NAMES = {"flex_olmo": ("post_attention_layernorm", "post_feedforward_layernorm")}
 # The router's module under the MoE block where it is not `gate`: (Hub layout, fused layout).
 ROUTER_NAME = {"hy_v3": ("router.gate", "gate"), "granitemoe": ("router.layer", "router"),
                "granitemoeshared": ("router.layer", "router")}
 # The q projection of families whose attention has an output gate (`model.attention_gate`): each
-# head's query rows followed by its gate rows, under this name.
+# head's query rows followed by its gate rows, under this name in transformers' fused layout
+# (the Hub's keeps q_proj; transformers renames it on load).
 GATED_Q_NAME = {"minicpm5_moe": "q_gate_proj"}
 # Families whose checkpoints hold multi-token-prediction layers after the last one (transformers
 # does not load them either).
@@ -214,7 +222,8 @@ def _attention_maps(cfg: Config, per_layer, experts: str) -> None:
       per_layer(("attn", "k_norm"), (k_width,), f"{module}.{k_norm}.weight", False)
     return
   QD = 2 * HD if m.attention_gate else HD      # each head's query and gate rows
-  q_name = GATED_Q_NAME.get(m.family, "q_proj") if m.attention_gate else "q_proj"
+  q_name = (GATED_Q_NAME.get(m.family, "q_proj") if m.attention_gate and experts == FUSED
+            else "q_proj")
   names = dict(q=q_name, k="k_proj", v="v_proj", o="o_proj")
   for name, tail in (("wq", (D, QD)), ("wk", (D, GD)), ("wv", (D, GD)), ("wo", (HD, D))):
     per_layer(("attn", name), tail, f"self_attn.{names[name[1]]}.weight", True)
@@ -256,8 +265,9 @@ def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:
       maps.append(LeafMap((group, *path), (len(hf_ids), *tail), 1, sources))
 
     _attention_maps(cfg, per_layer, experts)
-    per_layer(("attn_norm", "scale"), (D,), "input_layernorm.weight", False)
-    per_layer(("ffn_norm", "scale"), (D,), "post_attention_layernorm.weight", False)
+    attn_norm, ffn_norm = NORM_NAMES.get(m.family, ("input_layernorm", "post_attention_layernorm"))
+    per_layer(("attn_norm", "scale"), (D,), f"{attn_norm}.weight", False)
+    per_layer(("ffn_norm", "scale"), (D,), f"{ffn_norm}.weight", False)
     if group == "dense_layers":
       for name, tail, hf_name in (("w_gate", (D, m.dense_hidden), "gate_proj"),
                                   ("w_up", (D, m.dense_hidden), "up_proj"),

@@ -88,7 +88,7 @@ def _forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start
     layer_params, k_BxTxGxDk, v_BxTxGxDv = inputs
     layer = olmoe.layer_from_params(cfg, layer_params, group, kind)
     attn = layer.attn
-    x_BxSxD = layer.attn_norm(h_BxSxD)
+    x_BxSxD = layer.attn_in(h_BxSxD)
     q, k, v = attn.qkv(x_BxSxD, attn.rotary_at(positions_S))
     k_BxTxGxDk = jax.lax.dynamic_update_slice_in_dim(k_BxTxGxDk, k.astype(k_BxTxGxDk.dtype),
                                                      start, axis=1)
@@ -100,9 +100,9 @@ def _forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start
                            < kind.window)
     out_BxSxHxDv = attend(q, k_BxTxGxDk.astype(q.dtype), v_BxTxGxDv.astype(q.dtype),
                           mask=visible[None, None], scale=attn.softmax_scale)
-    h_BxSxD = olmoe.join_residual(h_BxSxD, attn.project_out(out_BxSxHxDv, x_BxSxD),
-                                  layer.residual_scale)
-    y_BxSxD = layer.feed_forward(layer.ffn_norm(h_BxSxD))
+    y_BxSxD = layer.attn_out(attn.project_out(out_BxSxHxDv, x_BxSxD))
+    h_BxSxD = olmoe.join_residual(h_BxSxD, y_BxSxD, layer.residual_scale)
+    y_BxSxD = layer.ffn_out(layer.feed_forward(layer.ffn_in(h_BxSxD)))
     return (olmoe.join_residual(h_BxSxD, y_BxSxD, layer.residual_scale),
             (k_BxTxGxDk, v_BxTxGxDv))
 

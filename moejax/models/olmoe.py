@@ -57,6 +57,7 @@ def moe_spec(cfg: Config) -> MoESpec:
                  group_score=moe.group_score, score_bias=moe.score_bias)
 
 
+NORM_POSITIONS = ("pre", "post")   # model.norm_position
 MOE_LAYERS = "layers"           # the parameter group of the MoE layers (stacked)
 DENSE_LAYERS = "dense_layers"   # ... of the dense layers (model.dense_layers), when there are any
 LAYER_GROUPS = (DENSE_LAYERS, MOE_LAYERS)
@@ -135,6 +136,24 @@ def _attention(cfg: Config, rngs: nnx.Rngs, kind: AttentionKind):
                    window=kind.window, rotary=kind.rotary, softmax_scale=m.attention_scale)
 
 
+class _Sublayers:
+  """Where a layer's two norms sit (model.norm_position): on each sublayer's input ("pre") or
+  on its output before it joins the residual stream ("post", OLMo 2's); the KV-cached step
+  calls these too."""
+
+  def attn_in(self, h_BxSxD):
+    return self.attn_norm(h_BxSxD) if self.norm_position == "pre" else h_BxSxD
+
+  def attn_out(self, y_BxSxD):
+    return y_BxSxD if self.norm_position == "pre" else self.attn_norm(y_BxSxD)
+
+  def ffn_in(self, h_BxSxD):
+    return self.ffn_norm(h_BxSxD) if self.norm_position == "pre" else h_BxSxD
+
+  def ffn_out(self, y_BxSxD):
+    return y_BxSxD if self.norm_position == "pre" else self.ffn_norm(y_BxSxD)
+
+
 def join_residual(h_BxSxD, y_BxSxD, scale: float):
   """The residual stream after a sublayer's output `y` joins it, scaled (model.residual_scale)."""
   return h_BxSxD + (y_BxSxD if scale == 1.0 else y_BxSxD * scale)
@@ -154,7 +173,7 @@ def lm_logits(cfg: Config, h_BxSxD, head_DxV):
   return logits_BxSxV if divisor == 1.0 else logits_BxSxV / divisor
 
 
-class DenseLayer(nnx.Module):
+class DenseLayer(_Sublayers, nnx.Module):
   """A layer without experts: attention, then a dense SwiGLU MLP."""
 
   def __init__(self, cfg: Config, *, rngs: nnx.Rngs, kind: AttentionKind = AttentionKind()):
@@ -163,17 +182,19 @@ class DenseLayer(nnx.Module):
     self.attn = _attention(cfg, rngs, kind)
     self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
     self.mlp = MLP(m.d_model, m.dense_hidden, init_std=m.init_std, rngs=rngs)
-    self.residual_scale = m.residual_scale
+    self.residual_scale, self.norm_position = m.residual_scale, m.norm_position
 
   def feed_forward(self, x_BxSxD):
     return self.mlp(x_BxSxD)
 
   def __call__(self, h_BxSxD):
-    h_BxSxD = join_residual(h_BxSxD, self.attn(self.attn_norm(h_BxSxD)), self.residual_scale)
-    return join_residual(h_BxSxD, self.mlp(self.ffn_norm(h_BxSxD)), self.residual_scale)
+    h_BxSxD = join_residual(h_BxSxD, self.attn_out(self.attn(self.attn_in(h_BxSxD))),
+                            self.residual_scale)
+    return join_residual(h_BxSxD, self.ffn_out(self.mlp(self.ffn_in(h_BxSxD))),
+                         self.residual_scale)
 
 
-class DecoderLayer(nnx.Module):
+class DecoderLayer(_Sublayers, nnx.Module):
   def __init__(self, cfg: Config, *, rngs: nnx.Rngs, kind: AttentionKind = AttentionKind()):
     m, moe = cfg.model, cfg.moe
     self.attn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
@@ -181,7 +202,7 @@ class DecoderLayer(nnx.Module):
     self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
     self.moe = MoEBlock(m.d_model, moe.expert_hidden,
                         moe_spec(cfg), init_std=m.init_std, rngs=rngs)
-    self.residual_scale = m.residual_scale
+    self.residual_scale, self.norm_position = m.residual_scale, m.norm_position
 
   def feed_forward(self, x_BxSxD):
     """The MoE block alone, routed by top-k (decoding)."""
@@ -193,10 +214,11 @@ class DecoderLayer(nnx.Module):
     if dispatch.kind == "fssdp":   # issued before attention: the transfer overlaps it
       materialized = self.moe.materialize(predicted_load_E, h_BxSxD.dtype, dispatch=dispatch,
                                           owners=expert_owners, replica_state=replica_state)
-    h_BxSxD = join_residual(h_BxSxD, self.attn(self.attn_norm(h_BxSxD)), self.residual_scale)
-    y_BxSxD, aux = self.moe(self.ffn_norm(h_BxSxD), dispatch=dispatch, axis_name=axis_name,
+    h_BxSxD = join_residual(h_BxSxD, self.attn_out(self.attn(self.attn_in(h_BxSxD))),
+                            self.residual_scale)
+    y_BxSxD, aux = self.moe(self.ffn_in(h_BxSxD), dispatch=dispatch, axis_name=axis_name,
                             step=step, materialized=materialized)
-    return join_residual(h_BxSxD, y_BxSxD, self.residual_scale), aux
+    return join_residual(h_BxSxD, self.ffn_out(y_BxSxD), self.residual_scale), aux
 
 
 def _layer_class(group: str):

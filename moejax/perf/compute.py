@@ -27,9 +27,13 @@ def attention_flops(shape: ModelShape, seq_len: int) -> float:
   """Forward FLOPs per token of one layer's attention (projections and the causal core; a
   sliding layer's core over its window, averaged over the layers)."""
   vd = shape.v_head_dim or shape.head_dim
+  # The causal core is 2 FLOPs x the S/2 keys a query sees on average; a query of a sliding
+  # layer sees min(i + 1, W) keys, W - W(W - 1) / 2S on average.
   context = seq_len
-  if shape.sliding_window:
-    context -= shape.sliding_layers / shape.num_layers * max(0, seq_len - shape.sliding_window)
+  window = shape.sliding_window
+  if window and window < seq_len:
+    sliding = 2 * window - window * (window - 1) / seq_len
+    context -= shape.sliding_layers / shape.num_layers * (seq_len - sliding)
   core = context * shape.num_heads * (shape.head_dim + vd)
   return 2.0 * shape.attention_params() + core
 

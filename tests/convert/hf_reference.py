@@ -191,10 +191,10 @@ MODELS = {
                     n_shared_experts=1, routed_scaling_factor=1.5, norm_topk_prob=True,
                     rms_norm_eps=1e-5),
         save=dict(max_shard_size="64KB")),
-    # MiniCPM5-MoE: grouped-query attention with a sigmoid output gate (q_gate_proj: each head's
-    # query rows then its gate rows), two leading dense layers from first_k_dense_replace (no
-    # mlp_layer_types), one shared expert, GLM's sigmoid router with a random score bias,
-    # routed scaling; fused experts, one file.
+    # MiniCPM5-MoE: grouped-query attention with a sigmoid output gate (the Hub's q_proj, twice
+    # as wide: each head's query rows then its gate rows), two leading dense layers from
+    # first_k_dense_replace (no mlp_layer_types), one shared expert, GLM's sigmoid router with a
+    # random score bias, routed scaling; the Hub's layout (per expert), one file.
     "minicpm5_moe": dict(
         model_type="minicpm5_moe",
         config=dict(vocab_size=54, hidden_size=32, intermediate_size=36, num_hidden_layers=4,
@@ -202,7 +202,7 @@ MODELS = {
                     first_k_dense_replace=2, n_routed_experts=6, num_experts_per_tok=3,
                     moe_intermediate_size=12, n_shared_experts=1, routed_scaling_factor=2.5,
                     norm_topk_prob=True, rope_theta=100000.0, rms_norm_eps=1e-5),
-        save=dict(save_original_format=False)),
+        save=dict()),
     # Hy3: per-head QK-norm, two leading dense layers from mlp_layer_types, one shared expert,
     # a sigmoid router with a random score bias, always renormalized, scaled by
     # router_scaling_factor; the Hub's names (mlp.router.gate, mlp.expert_bias, mlp.shared_mlp,
@@ -269,6 +269,15 @@ MODELS = {
                     n_routed_experts=5, num_experts_per_tok=2, moe_intermediate_size=8,
                     n_shared_experts=1, first_k_dense_replace=2, rms_norm_eps=1e-6),
         save=dict(save_original_format=False, max_shard_size="64KB")),
+    # FlexOlmo: OLMo 2's post-sublayer norms and QK-norm over all heads' width (grouped-query
+    # here), OLMoE's softmax top-k, renormalized; per expert.
+    "flex_olmo": dict(
+        model_type="flex_olmo",
+        config=dict(vocab_size=64, hidden_size=32, intermediate_size=12, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, num_experts=5,
+                    num_experts_per_tok=2, norm_topk_prob=True, rms_norm_eps=1e-6,
+                    rope_theta=30000.0),
+        save=dict()),
 }
 # FP8 copies: every projection float8 e4m3 beside its scales; embeddings, head, router and norms
 # as they were. As the Hub's DeepSeek-V3, Qwen3-*-FP8 and MiniMax-M2 are stored (transformers'

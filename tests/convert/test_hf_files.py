@@ -605,6 +605,7 @@ FAMILY_REFUSALS = [
      "supported: MiniCPM5MoeForCausalLM rotates whole heads"),
     ("hy_v3", dict(mlp_bias=True), "mlp_bias=True is not supported"),
     ("granitemoe", dict(attention_bias=True), "attention_bias=True is not supported"),
+    ("flex_olmo", dict(attention_bias=True), "attention_bias=True is not supported"),
     ("sarvam_moe", dict(num_shared_experts=0), "n_shared_experts=0 is not supported"),
     ("param2moe", dict(partial_rotary_factor=0.3125), "partial_rotary_factor=0.3125 is not "
      "supported: rotates 5 of head_dim=16 dims"),
@@ -627,7 +628,8 @@ ALIASED_EXPERTS = {"olmoe": "num_local_experts", "mixtral": "num_experts",
                    "dots1": "num_local_experts", "deepseek_v3": "num_local_experts",
                    "glm4_moe_lite": "num_local_experts", "solar_open": "num_local_experts",
                    "minicpm5_moe": "num_local_experts", "hy_v3": "num_local_experts",
-                   "sarvam_moe": "num_experts", "param2moe": "num_local_experts"}
+                   "sarvam_moe": "num_experts", "param2moe": "num_local_experts",
+                   "flex_olmo": "num_local_experts"}
 DEFAULT_KV_HEADS = {"mixtral": 8, "qwen3_moe": 4, "minimax_m2": 8, "ernie4_5_moe": 4,
                     "glm4_moe": 8, "solar_open": 8, "minicpm5_moe": 2, "hy_v3": 8,
                     "granitemoe": None, "sarvam_moe": 4, "param2moe": 8, "olmoe": None,
@@ -786,6 +788,10 @@ def test_dots1_published_config_reads_as_the_142b_preset():
   # dots.llm1's rule for absent layer_types: from max_window_layers on, within sliding_window.
   slides = config_from_hf(dict(hub, sliding_window=512, max_window_layers=60))
   assert (slides.model.sliding_window, slides.model.sliding_layers) == (512, (60, 61))
+  # sliding_window absent is Dots1Config's 4096, from max_window_layers (62) on; null is none
+  deep_hub = dict({k: v for k, v in hub.items() if k != "sliding_window"}, num_hidden_layers=64)
+  assert config_from_hf(deep_hub).model.sliding_layers == (62, 63)
+  assert config_from_hf(dict(deep_hub, sliding_window=None)).model.sliding_layers == ()
   out = hf_config_from(slides)
   assert out["sliding_window"] == 512 and out["layer_types"][59:] == [
       "full_attention", "sliding_attention", "sliding_attention"]
@@ -878,8 +884,11 @@ def test_minicpm5_config_reads_as_the_15b_a2b_preset():
                              mlp_layer_types=listed)).model.dense_layers == (27,)
   exported = hf_config_from(got, published)
   assert exported["mlp_layer_types"] == ["dense"] + ["sparse"] * 27
-  assert hf_names.expected_shapes(got)["model.layers.0.self_attn.q_gate_proj.weight"] == (
+  # The Hub's checkpoints keep q_proj (twice as wide); transformers' fused layout q_gate_proj.
+  assert hf_names.expected_shapes(got)["model.layers.0.self_attn.q_proj.weight"] == (
       2 * 32 * 128, 2048)
+  fused = hf_names.expected_shapes(got, hf_names.FUSED)
+  assert fused["model.layers.0.self_attn.q_gate_proj.weight"] == (2 * 32 * 128, 2048)
   ungated = dataclasses.replace(got, model=dataclasses.replace(got.model, attention_gate=False))
   with pytest.raises(CheckpointError, match="model.attention_gate=False: .* needs True"):
     hf_config_from(ungated)
@@ -942,8 +951,19 @@ def test_sliding_windows_read_as_each_family_slides():
   assert (got.sliding_layers, got.nope_layers) == ((1, 3, 5, 7), (0, 2, 4, 6, 8))
   assert hf_config_from(dataclasses.replace(tiny_config("exaone_moe"), model=got))[
       "layer_types"] == listed
-  plain = config_from_hf(dict(hf, sliding_window=None, layer_types=listed)).model
-  assert (plain.sliding_window, plain.sliding_layers, plain.nope_layers) == (0, (), ())
+  # No layer slides: every layer unrotated (transformers' NoPE keys on the window's presence,
+  # and EXAONE's config always has one: absent 4096, null refused); the export says so again.
+  full = dict(hf, layer_types=["full_attention"] * 9)
+  plain = config_from_hf(full).model
+  assert (plain.sliding_window, plain.sliding_layers, plain.nope_layers) == (
+      0, (), tuple(range(9)))
+  out = hf_config_from(dataclasses.replace(tiny_config("exaone_moe"), model=plain), full)
+  assert out["sliding_window"] == 16 and config_from_hf(out).model == plain
+  absent = {k: v for k, v in hf.items() if k != "sliding_window"}
+  assert config_from_hf(absent).model.sliding_window == 4096
+  with pytest.raises(CheckpointError, match="sliding_window=None is not supported: EXAONE-MoE's "
+                     "config takes a number"):
+    config_from_hf(dict(hf, sliding_window=None))
   rotated = dataclasses.replace(tiny_config("exaone_moe"), model=dataclasses.replace(
       got, nope_layers=()))
   with pytest.raises(CheckpointError, match="model.nope_layers=\\(\\): .* needs \\(0, 2, 4, 6, 8\\)"):
@@ -984,6 +1004,22 @@ def test_sarvam_and_param2_configs_read_as_their_presets():
                         "num_attention_heads": 32, "moe_intermediate_size": 2048,
                         "n_routed_experts": 64, "num_experts_per_tok": 6}, base=param2)
   assert got.model == param2.model and got.moe == param2.moe
+
+
+def test_norm_positions_are_each_family_s_own():
+  """FlexOlmo's norms sit on the sublayers' outputs (post_attention_ and
+  post_feedforward_layernorm); another family's pre-norms cannot export as FlexOlmo, nor
+  FlexOlmo's post-norms as another family."""
+  cfg = config_from_hf(hf_config_from(tiny_config("flex_olmo")))
+  assert cfg.model.norm_position == "post"
+  names = hf_names.expected_shapes(cfg)
+  assert {"model.layers.0.post_attention_layernorm.weight",
+          "model.layers.0.post_feedforward_layernorm.weight"} <= set(names)
+  assert "model.layers.0.input_layernorm.weight" not in names
+  with pytest.raises(CheckpointError, match="model.norm_position='pre': .* needs 'post'"):
+    hf_config_from(tiny_config("flex_olmo", **{"model.norm_position": "pre"}))
+  with pytest.raises(CheckpointError, match="model.norm_position='post': .* needs 'pre'"):
+    hf_config_from(tiny_config("olmoe", **{"model.norm_position": "post"}))
 
 
 def test_granite_multipliers_read_and_write():

@@ -22,7 +22,7 @@ layers between MoE ones, softmax top-k with a [1, E] selection bias, tied embedd
 dense first layer, the shared expert and routed scaling; per expert, sharded), "solar_open"
 (grouped-query attention with q/k/v biases, experts in every layer, GLM's router; per expert,
 sharded), "minicpm5_moe" (grouped-query attention with a sigmoid output gate in the q
-projection, two leading dense layers from first_k_dense_replace, GLM's router; fused), "hy_v3"
+projection, two leading dense layers from first_k_dense_replace, GLM's router; the Hub's layout), "hy_v3"
 (per-head QK-norm, dense layers from mlp_layer_types, two shared experts, a sigmoid router with
 a random score bias under the Hub's names mlp.router.gate / mlp.expert_bias / mlp.shared_mlp,
 per expert, sharded), "exaone_moe" (layers sliding within 3 of the 16 tokens from
@@ -31,7 +31,8 @@ sliding_window_pattern, the others unrotated, grouped sigmoid routing; per exper
 fused experts input_linear / output_linear and router.layer) and "granitemoeshared" (a shared
 MLP fused the same way; saved in transformers' fused names, sharded), "sarvam_moe" (GLM-4.5 under
 Sarvam's Hub names: q/k/v and their biases fused in attention.query_key_value, and its original
-config's field names; per expert) and "param2moe" (tied; fused, sharded). They
+config's field names; per expert), "param2moe" (tied; fused, sharded) and "flex_olmo" (norms on
+the sublayers' outputs, QK-norm over all heads' width with grouped-query attention). They
 differ
 in layers, heads, kv heads, head width, experts, top-k, expert and shared widths, latent ranks,
 RoPE base, norm epsilon and top-k renormalization; "b", "qwen3_moe", "deepseek_v2" and
@@ -68,9 +69,8 @@ from moejax.train.state import state_layout
 MODELS = ("a", "b", "mixtral", "qwen2_moe", "qwen3_moe", "minimax_m2", "ernie4_5_moe", "glm4_moe",
           "dots1", "deepseek_v2", "deepseek_v3", "deepseek_v3_b", "glm4_moe_lite", "solar_open",
           "minicpm5_moe", "hy_v3", "exaone_moe", "granitemoe", "granitemoeshared", "sarvam_moe",
-          "param2moe")
-SAVED_FUSED = ("b", "qwen2_moe", "dots1", "deepseek_v3", "minicpm5_moe", "granitemoeshared",
-               "param2moe")
+          "param2moe", "flex_olmo")
+SAVED_FUSED = ("b", "qwen2_moe", "dots1", "deepseek_v3", "granitemoeshared", "param2moe")
 FP8_MODELS = ("qwen3_moe_fp8", "minimax_m2_fp8", "deepseek_v3_b_fp8", "mixtral_ct_fp8",
               "glm4_moe_ct_fp8", "qwen3_moe_int4")
 

@@ -103,9 +103,12 @@ def test_flops_closed_form_and_shapes():
   assert s.total_params() == 6_919_161_856        # the published count (moejax num_params)
   assert cp.expert_flops(s) == 2 * 3 * 2048 * 1024
   assert cp.attention_flops(s, 1024) == 2 * 4 * 2048 * 2048 + 1024 * 16 * 256
-  # Half of the 16 layers sliding within 256 keys: the core over (1024 + 256) / 2 keys a layer.
+  # Half of the 16 layers sliding within 256 keys: a sliding query sees 256 - 256 * 255 / 2048
+  # keys on average where a full one sees 512 (the core's 1024 counts 2 FLOPs a key).
   slides = dataclasses.replace(s, sliding_window=256, sliding_layers=8)
-  assert cp.attention_flops(slides, 1024) == 2 * 4 * 2048 * 2048 + 640 * 16 * 256
+  sliding = 2 * (256 - 256 * 255 / 2048)
+  assert cp.attention_flops(slides, 1024) == pytest.approx(
+      2 * 4 * 2048 * 2048 + (1024 + sliding) / 2 * 16 * 256)
   # The gated q projection counts twice (MiniCPM5-MoE).
   gated = dataclasses.replace(s, attention_gate=True)
   assert cp.attention_flops(gated, 1024) - cp.attention_flops(s, 1024) == 2 * 2048 * 2048

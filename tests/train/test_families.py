@@ -10,7 +10,8 @@ tests/convert/test_hf_parity.py and not trained sharded again. GLM-4.5 (grouped-
 with q/k/v biases, per-head QK-norm, half of each head rotated, a dense first layer, a shared
 expert, grouped sigmoid routing with a score bias) trains under ep; MiniCPM5-MoE (the attention's
 output gate, its weight gathered inside the q projection's) under fsdp; EXAONE-MoE (sliding and
-unrotated layers: its MoE layers in two scans, the gathers prefetched across them) under fsdp.
+unrotated layers: its MoE layers in two scans, the gathers prefetched across them) under fsdp;
+FlexOlmo (norms on the sublayers' outputs) under ep.
 
 The other techniques run on the families where their own tests run them: the codec gathers
 Qwen2-MoE's biases and shared expert bit-exactly (tests/sharding/test_gatherer.py); admission acts
@@ -25,7 +26,7 @@ import pytest
 from tests.helpers import run_steps, tiny_config
 
 FAMILY_PLACEMENTS = {"mixtral": "fsdp", "qwen2_moe": "ep", "glm4_moe": "ep", "minicpm5_moe": "fsdp",
-                     "exaone_moe": "fsdp"}
+                     "exaone_moe": "fsdp", "flex_olmo": "ep"}
 SETTINGS = {"steps": 2, "compute_dtype": "float32"}
 TOLERANCE = 1e-5   # max |difference| per leaf, relative to its max |gradient| (measured ~5e-7)
 
