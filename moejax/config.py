@@ -96,6 +96,9 @@ class ModelConfig:
   OLMoE; head: per head, Qwen3; none: Mixtral, Qwen2)."""
   qkv_bias: bool = False
   """Biases on the q, k and v projections (Qwen2-MoE)."""
+  qk_norm_after_rope: bool = False
+  """Per-head QK-norm (qk_norm "head") of the rotated q and k rather than before the rotation
+  (Hunyuan-A13B)."""
   norm_position: str = "pre"
   """Where each layer's two RMSNorms sit: one of `moejax.models.olmoe.NORM_POSITIONS` ("pre":
   on each sublayer's input; "post": on each sublayer's output before it joins the residual
@@ -612,6 +615,9 @@ def validate(c: Config) -> None:
            f"config.model.{field}={layers}: must be ascending distinct layer indices in [0, "
            f"model.num_layers={m.num_layers})")
   _choice(m.norm_position, "model.norm_position", ("pre", "post"))
+  _check(not m.qk_norm_after_rope or m.qk_norm == "head",
+         f"config.model.qk_norm_after_rope=True needs model.qk_norm='head' (here "
+         f"{m.qk_norm!r}): the norm is per head")
   for field in ("embed_scale", "residual_scale", "logit_divisor"):
     _check(getattr(m, field) > 0, f"config.model.{field}={getattr(m, field)}: must be > 0 (1: "
            "no scaling)")

@@ -15,6 +15,7 @@ import configs.glm4_moe as glm4_moe_configs
 import configs.glm4_moe_lite as glm4_moe_lite_configs
 import configs.granitemoe as granitemoe_configs
 import configs.granitemoeshared as granitemoeshared_configs
+import configs.hunyuan_v1_moe as hunyuan_v1_moe_configs
 import configs.hy_v3 as hy_v3_configs
 import configs.minicpm5_moe as minicpm5_moe_configs
 import configs.minimax_m2 as minimax_m2_configs
@@ -40,7 +41,8 @@ FAMILY_CONFIGS = {"olmoe": olmoe_configs, "mixtral": mixtral_configs,
                   "minicpm5_moe": minicpm5_moe_configs, "hy_v3": hy_v3_configs,
                   "exaone_moe": exaone_moe_configs, "granitemoe": granitemoe_configs,
                   "granitemoeshared": granitemoeshared_configs, "sarvam_moe": sarvam_moe_configs,
-                  "param2moe": param2moe_configs, "flex_olmo": flex_olmo_configs}
+                  "param2moe": param2moe_configs, "flex_olmo": flex_olmo_configs,
+                  "hunyuan_v1_moe": hunyuan_v1_moe_configs}
 
 
 def tiny_config(family: str = "olmoe", **overrides):

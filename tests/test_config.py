@@ -161,6 +161,8 @@ def test_unknown_preset():
     ({"model.dense_layers": (0,)}, r"config.model.dense_hidden=0: model.dense_layers=\(0,\)"),
     ({"model.residual_scale": 0.0}, r"config.model.residual_scale=0.0: must be > 0"),
     ({"model.norm_position": "sandwich"}, r"config.model.norm_position='sandwich'"),
+    ({"model.qk_norm_after_rope": True}, r"config.model.qk_norm_after_rope=True needs "
+     r"model.qk_norm='head' \(here 'full'\)"),
     ({"model.attention_scale": -1.0}, r"config.model.attention_scale=-1.0: must be >= 0"),
     ({"model.sliding_window": 8}, r"config.model.sliding_window=8 with model.sliding_layers=\(\): "
      "a window needs the layers it applies to"),

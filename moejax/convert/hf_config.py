@@ -157,6 +157,10 @@ class FamilySpec:
                                        # Sarvam's num_experts, use_qkv_bias); exports write the
                                        # field
   norm_position: str = "pre"           # model.norm_position (FlexOlmo: "post")
+  hunyuan: bool = False                # Hunyuan-A13B: QK-norm after RoPE, a shared MLP of the
+                                       # experts' width, NTK-alpha RoPE, per-layer lists
+  layer_lists: tuple = ()              # fields a config may give per layer; moejax takes one
+                                       # value each (all entries equal)
   granite: str = ""                    # Granite's multipliers (embedding, residual, attention,
                                        # logits); "shared": shared_intermediate_size too
   # Fields that must hold these values (moejax has no equivalent of the others); export writes
@@ -336,6 +340,15 @@ FAMILY_SPECS = {
         norm_position="post",
         required=_COMMON_REQUIRED + (
             ("attention_bias", False, "moejax attention projections have no bias"),)),
+    "hunyuan_v1_moe": FamilySpec(
+        "hunyuan_v1_moe", "HunYuanMoEV1ForCausalLM", "head", "num_experts", "intermediate_size",
+        None, top_k_key="moe_topk", default_aux=0.0, hunyuan=True,
+        layer_lists=("num_experts", "moe_topk", "num_shared_expert", "moe_intermediate_size"),
+        required=_COMMON_REQUIRED + (
+            ("attention_bias", False, "moejax attention projections have no bias"),
+            ("use_qk_norm", True, "transformers' HunYuan always normalizes q and k"),
+            ("use_cla", False, "moejax has no cross-layer attention"),
+            ("use_mixed_mlp_moe", True, "transformers' HunYuan always adds its shared MLP"))),
 }
 assert tuple(FAMILY_SPECS) == FAMILIES
 MODEL_TYPES = {spec.model_type: name for name, spec in FAMILY_SPECS.items()}
@@ -385,9 +398,11 @@ def _rope_dict(hf: dict) -> tuple:
   return None, "rope_scaling"
 
 
-def _rope(hf: dict, where: str, default_theta: float) -> dict:
+def _rope(hf: dict, where: str, default_theta: float, alpha_head_dim: int = 0) -> dict:
   """model.rope_theta and the rope_* fields from rope_theta and rope_scaling (transformers < 5,
-  the Hub's configs) or rope_parameters (transformers >= 5), as transformers reads them."""
+  the Hub's configs) or rope_parameters (transformers >= 5), as transformers reads them.
+  `alpha_head_dim` > 0: "dynamic" with a fixed `alpha` is Hunyuan's NTK-alpha RoPE, whose
+  frequencies are plain RoPE's of base theta * alpha^(d / (d - 2)), d that head width."""
   rope, key = _rope_dict(hf)
   theta = hf.get("rope_theta", default_theta)
   fields = dict(rope_scaling="none", rope_factor=1.0, rope_original_max_len=0, **_YARN_DEFAULTS)
@@ -395,10 +410,16 @@ def _rope(hf: dict, where: str, default_theta: float) -> dict:
     if not isinstance(rope, dict):
       _refuse(where, key, rope, "expected a dict with rope_type and rope_theta")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "yarn"):
+    alpha = rope.get("alpha") if alpha_head_dim and rope_type == "dynamic" else None
+    if alpha is not None:
+      if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
+        _refuse(where, f"{key}.alpha", alpha, "expected a positive number")
+    elif rope_type not in ("default", "yarn"):
       _refuse(where, f"{key}.rope_type", rope_type,
               "moejax implements plain (default) RoPE and yarn only")
     theta = rope.get("rope_theta", theta)
+    if alpha is not None:    # Hunyuan's NTK-alpha: plain RoPE of a stretched base
+      theta = theta * alpha ** (alpha_head_dim / (alpha_head_dim - 2))
     if rope_type == "yarn":
       fields.update(_yarn(hf, rope, f"{where}: {key}"))
   if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
@@ -640,17 +661,24 @@ def quantization_summary(hf: dict, where: str = "config.json") -> str | None:
   return scales.summary if scales else None
 
 
-def _unaliased(hf: dict, spec: FamilySpec) -> dict:
+def _unaliased(hf: dict, spec: FamilySpec, where: str = "config.json") -> dict:
   """`hf` with each `spec.field_aliases` alias given read as its field (the alias's value wins,
-  as transformers' attribute_map sets the field from it)."""
+  as transformers' attribute_map sets the field from it), and each `spec.layer_lists` field
+  given per layer read as its one value."""
   given = {field: hf[alias] for alias, field in spec.field_aliases if alias in hf}
+  for key in spec.layer_lists:
+    values = hf.get(key)
+    if isinstance(values, list):
+      if not values or any(v != values[0] for v in values):
+        _refuse(where, key, values, "moejax's layers are alike (needs one value for all)")
+      given[key] = values[0]
   return dict(hf, **given) if given else hf
 
 
 def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
   """The family of `hf`; raises CheckpointError if moejax cannot represent it exactly."""
   spec = family_of(hf, where)
-  hf = _unaliased(hf, spec)
+  hf = _unaliased(hf, spec, where)
   weight_scales(hf, where)
   for key, want, why in spec.required:
     value = hf.get(key, want)
@@ -697,7 +725,7 @@ def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
   # (DeepSeek: only its refusal of a partial factor; the rotated width is qk_rope_head_dim)
   _rotary_dim(hf, spec, _get(hf, "qk_rope_head_dim", int, where) if spec.deepseek
               else _head_dim(hf, spec, where), where)
-  _rope(hf, where, spec.default_rope_theta)
+  _rope(hf, where, spec.default_rope_theta, _head_dim(hf, spec, where) if spec.hunyuan else 0)
   return spec
 
 
@@ -909,7 +937,7 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
   """The moejax `Config` of a config.json of any family; fields moejax does not take from it come
   from `base` (default: `Config()`)."""
   spec = check_supported(hf, where)
-  hf = _unaliased(hf, spec)
+  hf = _unaliased(hf, spec, where)
   base = Config() if base is None else base
   heads = _get(hf, "num_attention_heads", int, where)
   kv_heads = _kv_heads(hf, spec, heads)
@@ -931,7 +959,7 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
                 if spec.qkv_bias_key else False),
       attention_gate=spec.attention_gate, norm_position=spec.norm_position,
       **_sliding(hf, spec, where),
-      **_rope(hf, where, spec.default_rope_theta),
+      **_rope(hf, where, spec.default_rope_theta, head_dim if spec.hunyuan else 0),
       norm_eps=_get(hf, "rms_norm_eps", float, where, spec.default_norm_eps),
       init_std=_get(hf, "initializer_range", float, where, base.model.init_std),
       tie_embeddings=_get(hf, "tie_word_embeddings", bool, where, spec.default_tie),
@@ -965,6 +993,10 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
                                 else _sigmoid_moe_fields(hf, spec, where))
     model = dataclasses.replace(model, **model_fields)
     moe = dataclasses.replace(moe, **moe_fields)
+  if spec.hunyuan:     # its shared MLP is as wide as the experts (both intermediate_size)
+    model = dataclasses.replace(model, qk_norm_after_rope=True)
+    moe = dataclasses.replace(moe, shared_expert_hidden=moe.expert_hidden,
+                              shared_expert_gate=False)
   if spec.granite:
     model = dataclasses.replace(model, **{
         field: _get(hf, key, float, where, 1.0) for field, key in _GRANITE_SCALES.items()})
@@ -1028,6 +1060,11 @@ def check_exportable(cfg: Config) -> FamilySpec:
        " (how its rotary dims pair up)")
   need("model.norm_position", m.norm_position, spec.norm_position, " (where its layers' norms "
        "sit)")
+  need("model.qk_norm_after_rope", m.qk_norm_after_rope, spec.hunyuan,
+       " (where its QK-norm sits)")
+  if spec.hunyuan:
+    need("moe.shared_expert_hidden", moe.shared_expert_hidden, moe.expert_hidden,
+         " (its shared MLP is as wide as an expert: both intermediate_size)")
   need("model.attention_gate", m.attention_gate, spec.attention_gate,
        " (its attention's output gate)" if spec.attention_gate else " (no attention gate)")
   full = tuple(i for i in range(m.num_layers) if i not in m.sliding_layers)
@@ -1065,7 +1102,7 @@ def check_exportable(cfg: Config) -> FamilySpec:
           f"config.moe.shared_expert_hidden={moe.shared_expert_hidden}: {what} needs a "
           f"{'positive ' if positive else ''}multiple of moe.expert_hidden={moe.expert_hidden} "
           f"({count} of its width)")
-  elif not spec.shared_expert and spec.granite != "shared":
+  elif not spec.shared_expert and spec.granite != "shared" and not spec.hunyuan:
     need("moe.shared_expert_hidden", moe.shared_expert_hidden, 0)
   if not spec.granite:
     for field, want in (("embed_scale", 1.0), ("residual_scale", 1.0), ("attention_scale", 0.0),
@@ -1169,6 +1206,8 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
     hf[spec.renormalize_key] = moe.renormalize
   if spec.qkv_bias_key:
     hf[spec.qkv_bias_key] = m.qkv_bias
+  if spec.hunyuan:      # the per-layer fields other readers take, as one value each
+    hf.update({"moe_intermediate_size": moe.expert_hidden, "num_shared_expert": 1})
   if spec.granite:
     hf.update({key: getattr(m, field) for field, key in _GRANITE_SCALES.items()})
     hf["attention_multiplier"] = m.attention_scale or m.head_dim ** -0.5

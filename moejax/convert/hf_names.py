@@ -132,7 +132,10 @@ HUB_EXPERT_NAMES = {
     "sarvam_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "param2moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "flex_olmo": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "hunyuan_v1_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
+# The attention's q and k norms where they are not q_norm and k_norm (both layouts).
+QK_NORM_NAMES = {"hunyuan_v1_moe": ("query_layernorm", "key_layernorm")}
 # Families whose Hub layout names the attention otherwise (transformers renames it on load):
 # its module, the fused q/k/v projection (q rows, then k, then v; bias alike), the output
 # projection, the q-norm and the k-norm; and the embedding.
@@ -155,7 +158,7 @@ SHARED_EXPERT_MODULE = {"qwen2_moe": "shared_expert", "glm4_moe": "shared_expert
                         "glm4_moe_lite": "shared_experts", "solar_open": "shared_experts",
                         "minicpm5_moe": "shared_experts", "hy_v3": "shared_experts",
                         "exaone_moe": "shared_experts", "sarvam_moe": "shared_experts",
-                        "param2moe": "shared_experts"}
+                        "param2moe": "shared_experts", "hunyuan_v1_moe": "shared_mlp"}
 # ... where the Hub's layout names it otherwise (transformers renames it on load)
 HUB_SHARED_EXPERT_MODULE = {"hy_v3": "shared_mlp"}
 # A layer's two norms where they are not input_layernorm and post_attention_layernorm: FlexOlmo's
@@ -163,7 +166,8 @@ HUB_SHARED_EXPERT_MODULE = {"hy_v3": "shared_mlp"}
 NORM_NAMES = {"flex_olmo": ("post_attention_layernorm", "post_feedforward_layernorm")}
 # The router's module under the MoE block where it is not `gate`: (Hub layout, fused layout).
 ROUTER_NAME = {"hy_v3": ("router.gate", "gate"), "granitemoe": ("router.layer", "router"),
-               "granitemoeshared": ("router.layer", "router")}
+               "granitemoeshared": ("router.layer", "router"),
+               "hunyuan_v1_moe": ("gate.wg", "gate.wg")}
 # The q projection of families whose attention has an output gate (`model.attention_gate`): each
 # head's query rows followed by its gate rows, under this name in transformers' fused layout
 # (the Hub's keeps q_proj; transformers renames it on load).
@@ -232,8 +236,9 @@ def _attention_maps(cfg: Config, per_layer, experts: str) -> None:
       per_layer(("attn", name), (width,), f"self_attn.{names[name[1]]}.bias", False)
   if m.qk_norm != "none":
     q_width, k_width = (HD, GD) if m.qk_norm == "full" else (m.head_dim, m.head_dim)
-    per_layer(("attn", "q_norm"), (q_width,), "self_attn.q_norm.weight", False)
-    per_layer(("attn", "k_norm"), (k_width,), "self_attn.k_norm.weight", False)
+    q_norm, k_norm = QK_NORM_NAMES.get(m.family, ("q_norm", "k_norm"))
+    per_layer(("attn", "q_norm"), (q_width,), f"self_attn.{q_norm}.weight", False)
+    per_layer(("attn", "k_norm"), (k_width,), f"self_attn.{k_norm}.weight", False)
 
 
 def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:

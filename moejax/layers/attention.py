@@ -88,7 +88,7 @@ class Attention(nnx.Module):
                qk_norm: str = "full", qkv_bias: bool = False,
                rope_scaling: RopeScaling = NO_SCALING, rotary_dim: int = 0,
                rotary_interleaved: bool = False, output_gate: bool = False, window: int = 0,
-               rotary: bool = True, softmax_scale: float = 0.0):
+               rotary: bool = True, softmax_scale: float = 0.0, qk_norm_after_rope: bool = False):
     num_kv_heads = num_kv_heads or num_heads
     if qk_norm not in QK_NORMS:
       raise ValueError(f"qk_norm={qk_norm!r}: must be one of {', '.join(QK_NORMS)}")
@@ -117,6 +117,7 @@ class Attention(nnx.Module):
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
     self.qk_norm, self.qkv_bias, self.output_gate = qk_norm, qkv_bias, output_gate
     self.window, self.rotary = window, rotary
+    self.qk_norm_after_rope = qk_norm_after_rope
     self.rope_theta, self.rope_scaling, self.norm_eps = rope_theta, rope_scaling, norm_eps
     self.rotary_dim = rotary_dim or head_dim      # partial rotary: its first dims only
     self.rotary_interleaved = rotary_interleaved
@@ -170,11 +171,21 @@ class Attention(nnx.Module):
     q_BxSxHxDh = q.reshape(b, s, self.num_heads, self.head_dim)
     k_BxSxGxDh = k.reshape(b, s, self.num_kv_heads, self.head_dim)
     v_BxSxGxDh = v.reshape(b, s, self.num_kv_heads, self.head_dim)
-    if self.qk_norm == "head":
-      q_BxSxHxDh = rms_norm(q_BxSxHxDh, self.q_norm[...], self.norm_eps)
-      k_BxSxGxDh = rms_norm(k_BxSxGxDh, self.k_norm[...], self.norm_eps)
+    head_norm = self.qk_norm == "head"
+    if head_norm and not self.qk_norm_after_rope:
+      q_BxSxHxDh, k_BxSxGxDh = self._head_norm(q_BxSxHxDh, k_BxSxGxDh)
+    q_BxSxHxDh, k_BxSxGxDh = self._rotate(q_BxSxHxDh, k_BxSxGxDh, rotary)
+    if head_norm and self.qk_norm_after_rope:      # Hunyuan-A13B: the rotated q and k
+      q_BxSxHxDh, k_BxSxGxDh = self._head_norm(q_BxSxHxDh, k_BxSxGxDh)
+    return q_BxSxHxDh, k_BxSxGxDh, v_BxSxGxDh
+
+  def _head_norm(self, q_BxSxHxDh, k_BxSxGxDh):
+    return (rms_norm(q_BxSxHxDh, self.q_norm[...], self.norm_eps),
+            rms_norm(k_BxSxGxDh, self.k_norm[...], self.norm_eps))
+
+  def _rotate(self, q_BxSxHxDh, k_BxSxGxDh, rotary):
     if not self.rotary:
-      return q_BxSxHxDh, k_BxSxGxDh, v_BxSxGxDh
+      return q_BxSxHxDh, k_BxSxGxDh
     cos, sin = rotary
     if self.rotary_interleaved:
       # Neighbour pairs, as halves: q and k permuted alike leave q.k unchanged (and the cache
@@ -182,8 +193,7 @@ class Attention(nnx.Module):
       q_BxSxHxDh, k_BxSxGxDh = (jnp.concatenate(
           [_deinterleave(x[..., :self.rotary_dim]), x[..., self.rotary_dim:]], axis=-1)
           for x in (q_BxSxHxDh, k_BxSxGxDh))
-    return (apply_rotary(q_BxSxHxDh, cos, sin), apply_rotary(k_BxSxGxDh, cos, sin),
-            v_BxSxGxDh)
+    return apply_rotary(q_BxSxHxDh, cos, sin), apply_rotary(k_BxSxGxDh, cos, sin)
 
   def project_out(self, out_BxSxHxDh, x_BxSxD):
     """The heads' outputs projected back to D; `x_BxSxD` is the attention's input (the output

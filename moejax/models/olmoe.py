@@ -133,7 +133,8 @@ def _attention(cfg: Config, rngs: nnx.Rngs, kind: AttentionKind):
                    num_kv_heads=m.num_kv_heads, qk_norm=m.qk_norm, qkv_bias=m.qkv_bias,
                    rope_scaling=rope_scaling(m), rotary_dim=m.rotary_dim,
                    rotary_interleaved=m.rotary_interleaved, output_gate=m.attention_gate,
-                   window=kind.window, rotary=kind.rotary, softmax_scale=m.attention_scale)
+                   window=kind.window, rotary=kind.rotary, softmax_scale=m.attention_scale,
+                   qk_norm_after_rope=m.qk_norm_after_rope)
 
 
 class _Sublayers:

@@ -278,6 +278,17 @@ MODELS = {
                     num_experts_per_tok=2, norm_topk_prob=True, rms_norm_eps=1e-6,
                     rope_theta=30000.0),
         save=dict()),
+    # Hunyuan-A13B: per-head QK-norm after RoPE (query_ / key_layernorm), a per-layer list of
+    # one value (moe_topk), a shared MLP of intermediate_size beside the experts,
+    # the router's gate.wg, NTK-alpha RoPE ("dynamic" with alpha); per expert.
+    "hunyuan_v1_moe": dict(
+        model_type="hunyuan_v1_moe",
+        config=dict(vocab_size=70, hidden_size=32, intermediate_size=12, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                    num_experts=6, moe_topk=[2, 2], rms_norm_eps=1e-5,
+                    rope_parameters=dict(type="dynamic", alpha=50.0, factor=1.0,
+                                         rope_theta=10000.0)),
+        save=dict()),
 }
 # FP8 copies: every projection float8 e4m3 beside its scales; embeddings, head, router and norms
 # as they were. As the Hub's DeepSeek-V3, Qwen3-*-FP8 and MiniMax-M2 are stored (transformers'

@@ -606,6 +606,11 @@ FAMILY_REFUSALS = [
     ("hy_v3", dict(mlp_bias=True), "mlp_bias=True is not supported"),
     ("granitemoe", dict(attention_bias=True), "attention_bias=True is not supported"),
     ("flex_olmo", dict(attention_bias=True), "attention_bias=True is not supported"),
+    ("hunyuan_v1_moe", dict(use_cla=True), "use_cla=True is not supported"),
+    ("hunyuan_v1_moe", dict(moe_topk=[2, 3]), "moe_topk=[2, 3] is not supported: moejax's layers "
+     "are alike"),
+    ("hunyuan_v1_moe", dict(rope_scaling={"type": "dynamic", "factor": 2.0}),
+     "rope_scaling.rope_type='dynamic' is not supported"),
     ("sarvam_moe", dict(num_shared_experts=0), "n_shared_experts=0 is not supported"),
     ("param2moe", dict(partial_rotary_factor=0.3125), "partial_rotary_factor=0.3125 is not "
      "supported: rotates 5 of head_dim=16 dims"),
@@ -1004,6 +1009,28 @@ def test_sarvam_and_param2_configs_read_as_their_presets():
                         "num_attention_heads": 32, "moe_intermediate_size": 2048,
                         "n_routed_experts": 64, "num_experts_per_tok": 6}, base=param2)
   assert got.model == param2.model and got.moe == param2.moe
+
+
+def test_hunyuan_reads_its_rope_lists_and_shared_mlp():
+  """Hunyuan-A13B: NTK-alpha RoPE ("dynamic" with a fixed alpha) is plain RoPE of base
+  theta * alpha^(d / (d - 2)), per-layer lists of one value read as it, the shared MLP as wide
+  as the experts (both intermediate_size), QK-norm after RoPE; an export writes one value each
+  and needs the shared MLP the experts' width."""
+  hf = dict(hf_config_from(tiny_config("hunyuan_v1_moe")), num_experts=8, moe_topk=[2, 2],
+            moe_intermediate_size=[64, 64], num_shared_expert=[1, 1],
+            rope_scaling={"type": "dynamic", "alpha": 1000.0, "factor": 1.0})
+  hf.pop("rope_parameters", None)
+  got = config_from_hf(hf)
+  assert got.model.rope_theta == pytest.approx(10000.0 * 1000.0 ** (16 / 14))
+  assert (got.moe.top_k, got.moe.shared_expert_hidden, got.model.qk_norm_after_rope) == (
+      2, 64, True)
+  out = hf_config_from(got, hf)
+  assert (out["moe_topk"], out["moe_intermediate_size"], out["num_shared_expert"]) == (2, 64, 1)
+  narrow = dataclasses.replace(got, moe=dataclasses.replace(got.moe, shared_expert_hidden=32))
+  with pytest.raises(CheckpointError, match="moe.shared_expert_hidden=32: .* needs 64"):
+    hf_config_from(narrow)
+  with pytest.raises(CheckpointError, match="model.qk_norm_after_rope=True: .* needs False"):
+    hf_config_from(tiny_config("qwen3_moe", **{"model.qk_norm_after_rope": True}))
 
 
 def test_norm_positions_are_each_family_s_own():

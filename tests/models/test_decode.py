@@ -43,7 +43,7 @@ def _family_model(family):
 
 @pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "glm4_moe", "ernie4_5_moe", "deepseek_v3",
                                     "minicpm5_moe", "exaone_moe", "granitemoeshared",
-                                    "flex_olmo"])
+                                    "flex_olmo", "hunyuan_v1_moe"])
 def test_cached_logits_equal_the_full_forward(family, model, prompt):
   """OLMoE; Qwen2-MoE: a grouped-query cache of 2 kv heads, qkv biases, a gated shared
   expert; DeepSeek: latent attention's per-head keys (with the shared rotary part) and narrower
@@ -51,7 +51,8 @@ def test_cached_logits_equal_the_full_forward(family, model, prompt):
   head rotated; ERNIE-4.5: neighbour-pair rotary (the cache holds k permuted); MiniCPM5-MoE:
   the attention's output gate, computed from the new tokens alone; EXAONE-MoE: three layers
   sliding within 3 tokens of the cache, the fourth unrotated; Granite: its four multipliers and a
-  shared MLP; FlexOlmo: norms on the sublayers' outputs. All but OLMoE with YaRN RoPE."""
+  shared MLP; FlexOlmo: norms on the sublayers' outputs; Hunyuan: QK-norm of the rotated q and k
+  (the cache holds k normed). All but OLMoE with YaRN RoPE."""
   cfg, params = model if family == "olmoe" else _family_model(family)
   tokens_BxN, logits_BxNxV = decode.generate(cfg, params, prompt, max_new_tokens=NEW)
   assert tokens_BxN.shape == (2, prompt.shape[1] + NEW)
