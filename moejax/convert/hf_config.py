@@ -65,6 +65,17 @@ field, rather than converted into a different model. Each family fixes some opti
  ERNIE-4.5 (ernie4_5_moe): moe_k, moe_num_experts, moe_num_shared_experts; moe_layer_start_index
   / _end_index / _interval -> model.dense_layers; neighbour-pair rotary
   (model.rotary_interleaved); softmax scores with moe_statics' [1, E] selection bias
+ Hy3 (hy_v3): GLM-4.5's kind of router under num_shared_experts / router_scaling_factor, no
+  groups, always renormalized; EXAONE-MoE (exaone_moe): the same with num_shared_experts and
+  groups, sliding_window / layer_types as above
+ Sarvam-MoE and Param2 (sarvam_moe, param2moe): GLM-4.5's fields with their defaults, and
+  num_experts / num_shared_experts / use_qkv_bias as aliases that win (field_aliases)
+ Granite (granitemoe, granitemoeshared): embedding_multiplier, residual_multiplier,
+  attention_multiplier, logits_scaling -> model.embed_scale, residual_scale, attention_scale,
+  logit_divisor; shared_intermediate_size -> moe.shared_expert_hidden (ungated)
+ FlexOlmo (flex_olmo): model.norm_position "post"; Hunyuan-A13B (hunyuan_v1_moe): moe_topk,
+  QK-norm after RoPE, a shared MLP of intermediate_size, "dynamic" RoPE with alpha as plain
+  RoPE of base theta * alpha^(d / (d - 2)), per-layer lists of one value
 """
 from __future__ import annotations
 
