@@ -20,6 +20,7 @@ from moejax.codec.replicas import REPLICA_CODECS
 from moejax.codec.word import DELTA_BITS
 from moejax.data.sources import SOURCES as DATA_SOURCES
 from moejax.layers.attention import QK_NORMS
+from moejax.layers.norm import NORM_POSITIONS
 from moejax.layers.rope import ROPE_SCALINGS, RopeScaling
 from moejax.families import FAMILIES
 from moejax.errors import ConfigError
@@ -100,7 +101,7 @@ class ModelConfig:
   """Per-head QK-norm (qk_norm "head") of the rotated q and k rather than before the rotation
   (Hunyuan-A13B)."""
   norm_position: str = "pre"
-  """Where each layer's two RMSNorms sit: one of `moejax.models.olmoe.NORM_POSITIONS` ("pre":
+  """Where each layer's two RMSNorms sit: one of `moejax.layers.norm.NORM_POSITIONS` ("pre":
   on each sublayer's input; "post": on each sublayer's output before it joins the residual
   stream, OLMo 2's and FlexOlmo's)."""
   embed_scale: float = 1.0
@@ -614,7 +615,7 @@ def validate(c: Config) -> None:
     _check(list(layers) == sorted(set(layers)) and all(0 <= i < m.num_layers for i in layers),
            f"config.model.{field}={layers}: must be ascending distinct layer indices in [0, "
            f"model.num_layers={m.num_layers})")
-  _choice(m.norm_position, "model.norm_position", ("pre", "post"))
+  _choice(m.norm_position, "model.norm_position", NORM_POSITIONS)
   _check(not m.qk_norm_after_rope or m.qk_norm == "head",
          f"config.model.qk_norm_after_rope=True needs model.qk_norm='head' (here "
          f"{m.qk_norm!r}): the norm is per head")

@@ -199,7 +199,6 @@ def _glm_named(model_type: str, **defaults) -> FamilySpec:
       required=_COMMON_REQUIRED, **defaults)
 
 
-
 FAMILY_SPECS = {
     "olmoe": FamilySpec(
         "olmoe", "OlmoeForCausalLM", "full", "num_experts", "intermediate_size",
@@ -734,9 +733,10 @@ def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
     _refuse(where, "shared_expert_intermediate_size", hf.get("shared_expert_intermediate_size"),
             "a positive width is needed (the shared expert is always there)")
   # (DeepSeek: only its refusal of a partial factor; the rotated width is qk_rope_head_dim)
-  _rotary_dim(hf, spec, _get(hf, "qk_rope_head_dim", int, where) if spec.deepseek
-              else _head_dim(hf, spec, where), where)
-  _rope(hf, where, spec.default_rope_theta, _head_dim(hf, spec, where) if spec.hunyuan else 0)
+  head_dim = _head_dim(hf, spec, where)
+  _rotary_dim(hf, spec, _get(hf, "qk_rope_head_dim", int, where) if spec.deepseek else head_dim,
+              where)
+  _rope(hf, where, spec.default_rope_theta, head_dim if spec.hunyuan else 0)
   return spec
 
 
@@ -1116,9 +1116,9 @@ def check_exportable(cfg: Config) -> FamilySpec:
   elif not spec.shared_expert and spec.granite != "shared" and not spec.hunyuan:
     need("moe.shared_expert_hidden", moe.shared_expert_hidden, 0)
   if not spec.granite:
-    for field, want in (("embed_scale", 1.0), ("residual_scale", 1.0), ("attention_scale", 0.0),
-                        ("logit_divisor", 1.0)):
-      need(f"model.{field}", getattr(m, field), want, " (no such multiplier)")
+    for field in _GRANITE_SCALES:     # each at ModelConfig's default: no scaling
+      need(f"model.{field}", getattr(m, field), getattr(ModelConfig(), field),
+           " (no such multiplier)")
   if spec.norm_over_hidden and m.num_heads * m.head_dim != m.d_model:
     raise CheckpointError(
         f"config.model.num_heads * head_dim = {m.num_heads * m.head_dim} differs from d_model="

@@ -210,35 +210,31 @@ def _attention_maps(cfg: Config, per_layer, experts: str) -> None:
     per_layer(("attn", "wo"), (H * m.v_head_dim, D), "self_attn.o_proj.weight", True)
     return
   GD = (m.num_kv_heads or m.num_heads) * m.head_dim
+  QD = 2 * HD if m.attention_gate else HD      # each head's query and gate rows
+  # (tensor, first row) of q, k and v; the module, output projection and q/k norms
   hub = HUB_ATTENTION_NAMES.get(m.family) if experts != FUSED else None
   if hub:                   # q, k, v fused in one projection's rows
     module, qkv, out, q_norm, k_norm = hub
-    for name, tail, offset in (("wq", (D, HD), 0), ("wk", (D, GD), HD),
-                               ("wv", (D, GD), HD + GD)):
-      per_layer(("attn", name), tail, f"{module}.{qkv}.weight", True, row_offset=offset)
-    per_layer(("attn", "wo"), (HD, D), f"{module}.{out}.weight", True)
-    if m.qkv_bias:
-      for name, width, offset in (("bq", HD, 0), ("bk", GD, HD), ("bv", GD, HD + GD)):
-        per_layer(("attn", name), (width,), f"{module}.{qkv}.bias", False, row_offset=offset)
-    if m.qk_norm != "none":
-      q_width, k_width = (HD, GD) if m.qk_norm == "full" else (m.head_dim, m.head_dim)
-      per_layer(("attn", "q_norm"), (q_width,), f"{module}.{q_norm}.weight", False)
-      per_layer(("attn", "k_norm"), (k_width,), f"{module}.{k_norm}.weight", False)
-    return
-  QD = 2 * HD if m.attention_gate else HD      # each head's query and gate rows
-  q_name = (GATED_Q_NAME.get(m.family, "q_proj") if m.attention_gate and experts == FUSED
-            else "q_proj")
-  names = dict(q=q_name, k="k_proj", v="v_proj", o="o_proj")
-  for name, tail in (("wq", (D, QD)), ("wk", (D, GD)), ("wv", (D, GD)), ("wo", (HD, D))):
-    per_layer(("attn", name), tail, f"self_attn.{names[name[1]]}.weight", True)
+    projections = ((qkv, 0), (qkv, QD), (qkv, QD + GD))
+  else:
+    module, out = "self_attn", "o_proj"
+    q_norm, k_norm = QK_NORM_NAMES.get(m.family, ("q_norm", "k_norm"))
+    gated = m.attention_gate and experts == FUSED
+    q_name = GATED_Q_NAME.get(m.family, "q_proj") if gated else "q_proj"
+    projections = ((q_name, 0), ("k_proj", 0), ("v_proj", 0))
+  parts = tuple(zip("qkv", (QD, GD, GD), projections))
+  for part, width, (tensor, offset) in parts:
+    per_layer(("attn", f"w{part}"), (D, width), f"{module}.{tensor}.weight", True,
+              row_offset=offset)
+  per_layer(("attn", "wo"), (HD, D), f"{module}.{out}.weight", True)
   if m.qkv_bias:
-    for name, width in (("bq", QD), ("bk", GD), ("bv", GD)):
-      per_layer(("attn", name), (width,), f"self_attn.{names[name[1]]}.bias", False)
+    for part, width, (tensor, offset) in parts:
+      per_layer(("attn", f"b{part}"), (width,), f"{module}.{tensor}.bias", False,
+                row_offset=offset)
   if m.qk_norm != "none":
     q_width, k_width = (HD, GD) if m.qk_norm == "full" else (m.head_dim, m.head_dim)
-    q_norm, k_norm = QK_NORM_NAMES.get(m.family, ("q_norm", "k_norm"))
-    per_layer(("attn", "q_norm"), (q_width,), f"self_attn.{q_norm}.weight", False)
-    per_layer(("attn", "k_norm"), (k_width,), f"self_attn.{k_norm}.weight", False)
+    per_layer(("attn", "q_norm"), (q_width,), f"{module}.{q_norm}.weight", False)
+    per_layer(("attn", "k_norm"), (k_width,), f"{module}.{k_norm}.weight", False)
 
 
 def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:

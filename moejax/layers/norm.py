@@ -8,6 +8,10 @@ from flax import nnx
 from moejax import profiling
 from moejax.sharding.axes import NORM, NORMS, param
 
+# Where a decoder layer's two norms sit (model.norm_position): on each sublayer's input, or on
+# its output before it joins the residual stream (OLMo 2's).
+NORM_POSITIONS = ("pre", "post")
+
 
 @profiling.scoped("norm")
 def rms_norm(x, scale, eps: float):

@@ -57,7 +57,6 @@ def moe_spec(cfg: Config) -> MoESpec:
                  group_score=moe.group_score, score_bias=moe.score_bias)
 
 
-NORM_POSITIONS = ("pre", "post")   # model.norm_position
 MOE_LAYERS = "layers"           # the parameter group of the MoE layers (stacked)
 DENSE_LAYERS = "dense_layers"   # ... of the dense layers (model.dense_layers), when there are any
 LAYER_GROUPS = (DENSE_LAYERS, MOE_LAYERS)
