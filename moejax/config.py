@@ -101,9 +101,9 @@ class ModelConfig:
   """Per-head QK-norm (qk_norm "head") of the rotated q and k rather than before the rotation
   (Hunyuan-A13B)."""
   norm_position: str = "pre"
-  """Where each layer's two RMSNorms sit: one of `moejax.layers.norm.NORM_POSITIONS` ("pre":
-  on each sublayer's input; "post": on each sublayer's output before it joins the residual
-  stream, OLMo 2's and FlexOlmo's)."""
+  """Where each layer's RMSNorms sit: one of `moejax.layers.norm.NORM_POSITIONS` ("pre": on
+  each sublayer's input; "post": on each sublayer's output before it joins the residual
+  stream, OLMo 2's and FlexOlmo's; "sandwich": both, four norms a layer, AfMoE's)."""
   embed_scale: float = 1.0
   """The embedding's output is multiplied by this (Granite's embedding_multiplier)."""
   residual_scale: float = 1.0
@@ -126,6 +126,9 @@ class ModelConfig:
   """Scale the attention output, before its projection, by a sigmoid gate of the token (one
   gate value per query channel; MiniCPM5-MoE, Qwen3-Next): the q projection is twice as wide,
   each head's query followed by its gate, as such checkpoints store it."""
+  attention_gate_own: bool = False
+  """With attention_gate: the gate's weight is its own [D, H*Dh] parameter (attn.wg, AfMoE's
+  gate_proj) rather than columns of the q projection."""
   kv_lora_rank: int = 0
   """> 0: multi-head latent attention (DeepSeek-V2/V3): keys and values from a latent of this
   width, shared by the heads; 0: standard (grouped-query) attention."""
@@ -616,6 +619,9 @@ def validate(c: Config) -> None:
            f"config.model.{field}={layers}: must be ascending distinct layer indices in [0, "
            f"model.num_layers={m.num_layers})")
   _choice(m.norm_position, "model.norm_position", NORM_POSITIONS)
+  _check(m.attention_gate or not m.attention_gate_own,
+         "config.model.attention_gate_own=True: needs model.attention_gate=True (the gate whose "
+         "weight it is)")
   _check(not m.qk_norm_after_rope or m.qk_norm == "head",
          f"config.model.qk_norm_after_rope=True needs model.qk_norm='head' (here "
          f"{m.qk_norm!r}): the norm is per head")
@@ -834,11 +840,12 @@ def num_params(c: Config) -> dict[str, int]:
              + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim) + h * m.v_head_dim * d)
   else:
     q_width, kv_width = h * m.head_dim, (m.num_kv_heads or h) * m.head_dim
-    gates = 2 if m.attention_gate else 1                # the q projection carries the gate
+    gates = 2 if m.attention_gate else 1                # the q projection (or wg): the gate
     attn = (gates + 1) * d * q_width + 2 * d * kv_width  # q (and gate), o; k, v
-    attn += (gates * q_width + 2 * kv_width) if m.qkv_bias else 0
+    q_biases = 1 if m.attention_gate_own else gates     # an own gate weight has no bias
+    attn += (q_biases * q_width + 2 * kv_width) if m.qkv_bias else 0
     attn += {"full": q_width + kv_width, "head": 2 * m.head_dim, "none": 0}[m.qk_norm]
-  attn += 2 * d                                         # the layer's two norms
+  attn += (4 if m.norm_position == "sandwich" else 2) * d     # the layer's norms
   expert = 3 * d * moe.expert_hidden
   shared = 3 * d * moe.shared_expert_hidden + (d if moe.shared_expert_gate else 0)
   router = d * moe.num_experts + (moe.num_experts if moe.score_bias else 0)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import configs.deepseek as deepseek_configs
+import configs.afmoe as afmoe_configs
 import configs.deepseek_v2 as deepseek_v2_configs
 import configs.dots1 as dots1_configs
 import configs.ernie4_5_moe as ernie4_5_moe_configs
@@ -42,6 +43,7 @@ FAMILY_CONFIGS = {"olmoe": olmoe_configs, "mixtral": mixtral_configs,
                   "exaone_moe": exaone_moe_configs, "granitemoe": granitemoe_configs,
                   "granitemoeshared": granitemoeshared_configs, "sarvam_moe": sarvam_moe_configs,
                   "param2moe": param2moe_configs, "flex_olmo": flex_olmo_configs,
+                  "afmoe": afmoe_configs,
                   "hunyuan_v1_moe": hunyuan_v1_moe_configs}
 
 

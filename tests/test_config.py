@@ -160,7 +160,9 @@ def test_unknown_preset():
      r"config.model.dense_layers=\(0, 1\): must be ascending .* at least one MoE layer"),
     ({"model.dense_layers": (0,)}, r"config.model.dense_hidden=0: model.dense_layers=\(0,\)"),
     ({"model.residual_scale": 0.0}, r"config.model.residual_scale=0.0: must be > 0"),
-    ({"model.norm_position": "sandwich"}, r"config.model.norm_position='sandwich'"),
+    ({"model.norm_position": "middle"}, r"config.model.norm_position='middle'"),
+    ({"model.attention_gate_own": True}, r"config.model.attention_gate_own=True: needs "
+     "model.attention_gate=True"),
     ({"model.qk_norm_after_rope": True}, r"config.model.qk_norm_after_rope=True needs "
      r"model.qk_norm='head' \(here 'full'\)"),
     ({"model.attention_scale": -1.0}, r"config.model.attention_scale=-1.0: must be >= 0"),

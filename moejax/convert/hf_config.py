@@ -141,7 +141,8 @@ class FamilySpec:
                                        # "" none; "all" every layer (Mixtral); "from_layer"
                                        # layer_types, else from max_window_layers on (dots.llm1);
                                        # "exaone" layer_types, else all but every
-                                       # sliding_window_pattern-th, the others unrotated
+                                       # sliding_window_pattern-th, the others unrotated;
+                                       # "afmoe" the same by global_attn_every_n_layers
   deepseek: str = ""                   # "v2" / "v3": latent attention, leading dense layers,
                                        # n_shared_experts; v3: grouped sigmoid routing with a
                                        # score bias; v2: softmax, greedy or grouped by the best
@@ -155,7 +156,11 @@ class FamilySpec:
   layer_types_fallback: bool = False   # ... absent: first_k_dense_replace leading dense layers
                                        # (default_first_dense; MiniCPM5-MoE)
   attention_gate: bool = False         # a sigmoid output gate in every attention, its weight in
-                                       # the q projection (MiniCPM5-MoE's q_gate_proj)
+                                       # the q projection (MiniCPM5-MoE's q_gate_proj) ...
+  attention_gate_own: bool = False     # ... or its own (AfMoE's gate_proj)
+  first_dense_key: str = "first_k_dense_replace"   # sigmoid_moe's leading dense layers (AfMoE:
+                                       # num_dense_layers)
+  mup: bool = False                    # mup_enabled: the embedding scaled by sqrt(hidden_size)
   # sigmoid_moe's fields under other names (Hy3: num_shared_experts, router_scaling_factor),
   # transformers' routed scaling default, and whether the config has expert groups at all
   shared_key: str = "n_shared_experts"
@@ -359,6 +364,15 @@ FAMILY_SPECS = {
             ("use_qk_norm", True, "transformers' HunYuan always normalizes q and k"),
             ("use_cla", False, "moejax has no cross-layer attention"),
             ("use_mixed_mlp_moe", True, "transformers' HunYuan always adds its shared MLP"))),
+    "afmoe": FamilySpec(
+        "afmoe", "AfmoeForCausalLM", "head", "num_experts", "moe_intermediate_size", None,
+        default_head_dim=128, sigmoid_moe=True, default_first_dense=1, default_shared=2,
+        default_aux=0.0, shared_key="num_shared_experts", routed_scale_key="route_scale",
+        expert_groups=False, first_dense_key="num_dense_layers", attention_gate=True,
+        attention_gate_own=True, norm_position="sandwich", sliding="afmoe",
+        default_sliding_window=1024, mup=True,
+        required=_COMMON_REQUIRED + (
+            ("attention_bias", False, "moejax attention projections have no bias"),)),
 }
 assert tuple(FAMILY_SPECS) == FAMILIES
 MODEL_TYPES = {spec.model_type: name for name, spec in FAMILY_SPECS.items()}
@@ -741,6 +755,9 @@ def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
 
 
 _ATTENTION_TYPES = ("full_attention", "sliding_attention")
+# Families whose absent layer_types come from every n-th layer attending to all (this field n),
+# those full layers unrotated (NoPE): EXAONE-MoE's and AfMoE's.
+_PATTERNED = {"exaone": "sliding_window_pattern", "afmoe": "global_attn_every_n_layers"}
 # Granite's multipliers: model field -> config.json field (transformers' default 1.0 each; its
 # attention_multiplier is the softmax scale itself)
 _GRANITE_SCALES = {"embed_scale": "embedding_multiplier", "residual_scale": "residual_multiplier",
@@ -764,8 +781,9 @@ def _sliding(hf: dict, spec: FamilySpec, where: str) -> dict:
               "whole sequence in every layer (needs 'full_attention')")
     return none
   window = hf.get("sliding_window", spec.default_sliding_window)
-  if window is None and spec.sliding == "exaone":    # its config class types it int
-    _refuse(where, "sliding_window", window, "EXAONE-MoE's config takes a number of tokens")
+  if window is None and spec.sliding in _PATTERNED:    # its config class types it int
+    _refuse(where, "sliding_window", window, f"{spec.architecture}'s sliding layers need a "
+            "number of tokens")
   if window is None:     # no window: every layer attends to all, rotated
     return none
   window = _get(hf, "sliding_window", int, where, spec.default_sliding_window)
@@ -777,13 +795,14 @@ def _sliding(hf: dict, spec: FamilySpec, where: str) -> dict:
     sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
   elif spec.sliding == "from_layer":
     sliding = range(_get(hf, "max_window_layers", int, where, 62), layers)
-  else:   # exaone: transformers derives the list from an integer pattern
-    pattern = _get(hf, "sliding_window_pattern", int, where, 4)
+  else:   # EXAONE, AfMoE: transformers derives the list from an integer pattern
+    key = _PATTERNED[spec.sliding]
+    pattern = _get(hf, key, int, where, 4)
     if pattern < 1:
-      _refuse(where, "sliding_window_pattern", pattern, "expected a positive integer")
+      _refuse(where, key, pattern, "expected a positive integer")
     sliding = [i for i in range(layers) if (i + 1) % pattern]
   sliding = tuple(sliding)
-  nope = (tuple(i for i in range(layers) if i not in sliding) if spec.sliding == "exaone"
+  nope = (tuple(i for i in range(layers) if i not in sliding) if spec.sliding in _PATTERNED
           else ())
   return dict(sliding_window=window if sliding else 0, sliding_layers=sliding, nope_layers=nope)
 
@@ -804,11 +823,12 @@ def _dense_pattern(hf: dict, where: str) -> dict:
 
 
 def _leading_dense_and_shared(hf: dict, where: str, first_dense: int, shared: int | None,
-                              shared_key: str = "n_shared_experts") -> tuple[dict, dict]:
+                              shared_key: str = "n_shared_experts",
+                              dense_key: str = "first_k_dense_replace") -> tuple[dict, dict]:
   """DeepSeek's, GLM-4.5's and dots.llm1's first_k_dense_replace leading dense layers (width
   intermediate_size) and n_shared_experts ungated shared experts of the routed width; the
   defaults are transformers' for absent fields (None: required)."""
-  dense = tuple(range(_get(hf, "first_k_dense_replace", int, where, first_dense)))
+  dense = tuple(range(_get(hf, dense_key, int, where, first_dense)))
   model = dict(dense_layers=dense,
                dense_hidden=_get(hf, "intermediate_size", int, where) if dense else 0)
   moe = dict(shared_expert_hidden=_get(hf, shared_key, int, where, shared)
@@ -881,7 +901,8 @@ def _sigmoid_moe_fields(hf: dict, spec: FamilySpec, where: str) -> tuple[dict, d
   # (all_moe: its config class has no first_k_dense_replace; transformers ignores one given)
   model, moe = _leading_dense_and_shared(
       {k: v for k, v in hf.items() if k != "first_k_dense_replace"} if spec.all_moe else hf,
-      where, spec.default_first_dense, spec.default_shared, spec.shared_key)
+      where, spec.default_first_dense, spec.default_shared, spec.shared_key,
+      spec.first_dense_key)
   if spec.layer_types_key:
     dense = _mlp_layer_types(hf, spec, where)
     model.update(dense_layers=dense,
@@ -968,7 +989,8 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
                or _get(hf, spec.qk_norm_key, bool, where, spec.qk_norm_default) else "none"),
       qkv_bias=(_get(hf, spec.qkv_bias_key, bool, where, spec.qkv_bias_default)
                 if spec.qkv_bias_key else False),
-      attention_gate=spec.attention_gate, norm_position=spec.norm_position,
+      attention_gate=spec.attention_gate, attention_gate_own=spec.attention_gate_own,
+      norm_position=spec.norm_position,
       **_sliding(hf, spec, where),
       **_rope(hf, where, spec.default_rope_theta, head_dim if spec.hunyuan else 0),
       norm_eps=_get(hf, "rms_norm_eps", float, where, spec.default_norm_eps),
@@ -1008,6 +1030,8 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
     model = dataclasses.replace(model, qk_norm_after_rope=True)
     moe = dataclasses.replace(moe, shared_expert_hidden=moe.expert_hidden,
                               shared_expert_gate=False)
+  if spec.mup and _get(hf, "mup_enabled", bool, where, False):
+    model = dataclasses.replace(model, embed_scale=math.sqrt(model.d_model))
   if spec.granite:
     model = dataclasses.replace(model, **{
         field: _get(hf, key, float, where, 1.0) for field, key in _GRANITE_SCALES.items()})
@@ -1078,15 +1102,19 @@ def check_exportable(cfg: Config) -> FamilySpec:
          " (its shared MLP is as wide as an expert: both intermediate_size)")
   need("model.attention_gate", m.attention_gate, spec.attention_gate,
        " (its attention's output gate)" if spec.attention_gate else " (no attention gate)")
+  if spec.attention_gate:
+    need("model.attention_gate_own", m.attention_gate_own, spec.attention_gate_own,
+         " (the gate's weight its own projection)" if spec.attention_gate_own
+         else " (the gate's weight in the q projection)")
   full = tuple(i for i in range(m.num_layers) if i not in m.sliding_layers)
   if not spec.sliding:
     need("model.sliding_window", m.sliding_window, 0, " (no sliding window)")
   elif spec.sliding == "all" and m.sliding_window:
     need("model.sliding_layers", m.sliding_layers, tuple(range(m.num_layers)),
          " (its sliding window covers every layer)")
-  need("model.nope_layers", m.nope_layers, full if spec.sliding == "exaone" else (),
-       " (it leaves its full layers unrotated)" if spec.sliding == "exaone"
-       else " (it rotates every layer)")
+  patterned = spec.sliding in _PATTERNED
+  need("model.nope_layers", m.nope_layers, full if patterned else (),
+       " (it leaves its full layers unrotated)" if patterned else " (it rotates every layer)")
   if spec.ernie:
     if _ernie_pattern(m) is None:
       raise CheckpointError(
@@ -1117,8 +1145,11 @@ def check_exportable(cfg: Config) -> FamilySpec:
     need("moe.shared_expert_hidden", moe.shared_expert_hidden, 0)
   if not spec.granite:
     for field in _GRANITE_SCALES:     # each at ModelConfig's default: no scaling
+      if spec.mup and field == "embed_scale" and m.embed_scale == math.sqrt(m.d_model):
+        continue                      # mup_enabled
       need(f"model.{field}", getattr(m, field), getattr(ModelConfig(), field),
-           " (no such multiplier)")
+           " (no such multiplier)" if not spec.mup or field != "embed_scale"
+           else f" or sqrt(d_model) = {math.sqrt(m.d_model)!r} (mup_enabled)")
   if spec.norm_over_hidden and m.num_heads * m.head_dim != m.d_model:
     raise CheckpointError(
         f"config.model.num_heads * head_dim = {m.num_heads * m.head_dim} differs from d_model="
@@ -1165,7 +1196,7 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
     hf.pop("intermediate_size", None)
   elif spec.deepseek or spec.sigmoid_moe:
     hf.update({
-        "first_k_dense_replace": len(m.dense_layers),
+        spec.first_dense_key: len(m.dense_layers),
         "intermediate_size": m.dense_hidden or hf.get("intermediate_size", moe.expert_hidden)})
   if spec.deepseek or spec.sigmoid_moe:
     hf.update({spec.shared_key: moe.shared_expert_hidden // moe.expert_hidden,
@@ -1189,9 +1220,10 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
   if spec.model_type in MTP_FAMILIES and spec.model_type != "minimax_m2":
     hf["num_nextn_predict_layers"] = 0    # the export holds no multi-token-prediction layer
   if spec.sliding:
-    # EXAONE's config takes a number even where no layer slides (its full layers stay NoPE)
+    # EXAONE's and AfMoE's configs take a number even where no layer slides (their full layers
+    # stay NoPE)
     hf["sliding_window"] = m.sliding_window or (
-        (hf.get("sliding_window") or spec.default_sliding_window) if spec.sliding == "exaone"
+        (hf.get("sliding_window") or spec.default_sliding_window) if spec.sliding in _PATTERNED
         else None)
     if spec.sliding != "all":      # the list wins over the family's rule
       hf["layer_types"] = [_ATTENTION_TYPES[i in m.sliding_layers] for i in range(m.num_layers)]
@@ -1219,6 +1251,8 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
     hf[spec.qkv_bias_key] = m.qkv_bias
   if spec.hunyuan:      # the per-layer fields other readers take, as one value each
     hf.update({"moe_intermediate_size": moe.expert_hidden, "num_shared_expert": 1})
+  if spec.mup:
+    hf["mup_enabled"] = m.embed_scale != 1.0
   if spec.granite:
     hf.update({key: getattr(m, field) for field, key in _GRANITE_SCALES.items()})
     hf["attention_multiplier"] = m.attention_scale or m.head_dim ** -0.5

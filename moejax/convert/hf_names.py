@@ -21,7 +21,12 @@ weights are stored [out, in] by torch and [in, out] by moejax, so their tails ar
   layers.attn_norm.scale      [L, D]     model.layers.i.input_layernorm.weight            [D]
   layers.ffn_norm.scale       [L, D]     model.layers.i.post_attention_layernorm.weight   [D]
                                          (FlexOlmo's, on the sublayers' outputs:
-                                         post_attention_ and post_feedforward_layernorm)
+                                         post_attention_ and post_feedforward_layernorm;
+                                         AfMoE's input_ and pre_mlp_layernorm)
+  layers.attn_post_norm.scale [L, D]     (model.norm_position "sandwich", AfMoE)
+  layers.ffn_post_norm.scale  [L, D]     model.layers.i.post_{attention,mlp}_layernorm.weight
+  layers.attn.wg              [L, D, HD] model.layers.i.self_attn.gate_proj.weight        [HD, D]^T
+                                         (model.attention_gate_own, AfMoE)
   layers.moe.router           [L, D, E]  model.layers.i.MOE.gate.weight                   [E, D]^T
   layers.moe.w_gate           [L,E,D,F]  model.layers.i.MOE.experts.e.gate_proj.weight    [F, D]^T
   layers.moe.w_up             [L,E,D,F]  model.layers.i.MOE.experts.e.up_proj.weight      [F, D]^T
@@ -133,6 +138,7 @@ HUB_EXPERT_NAMES = {
     "param2moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "flex_olmo": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "hunyuan_v1_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "afmoe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 # The attention's q and k norms where they are not q_norm and k_norm (both layouts).
 QK_NORM_NAMES = {"hunyuan_v1_moe": ("query_layernorm", "key_layernorm")}
@@ -158,16 +164,20 @@ SHARED_EXPERT_MODULE = {"qwen2_moe": "shared_expert", "glm4_moe": "shared_expert
                         "glm4_moe_lite": "shared_experts", "solar_open": "shared_experts",
                         "minicpm5_moe": "shared_experts", "hy_v3": "shared_experts",
                         "exaone_moe": "shared_experts", "sarvam_moe": "shared_experts",
-                        "param2moe": "shared_experts", "hunyuan_v1_moe": "shared_mlp"}
+                        "param2moe": "shared_experts", "hunyuan_v1_moe": "shared_mlp",
+                        "afmoe": "shared_experts"}
 # ... where the Hub's layout names it otherwise (transformers renames it on load)
 HUB_SHARED_EXPERT_MODULE = {"hy_v3": "shared_mlp"}
 # A layer's two norms where they are not input_layernorm and post_attention_layernorm: FlexOlmo's
-# sit on the sublayers' outputs (model.norm_position "post").
-NORM_NAMES = {"flex_olmo": ("post_attention_layernorm", "post_feedforward_layernorm")}
+# sit on the sublayers' outputs (model.norm_position "post"); AfMoE's input norms, then its
+# output norms (model.norm_position "sandwich": attn_post_norm, ffn_post_norm).
+NORM_NAMES = {"flex_olmo": ("post_attention_layernorm", "post_feedforward_layernorm"),
+              "afmoe": ("input_layernorm", "pre_mlp_layernorm")}
+POST_NORM_NAMES = ("post_attention_layernorm", "post_mlp_layernorm")
 # The router's module under the MoE block where it is not `gate`: (Hub layout, fused layout).
 ROUTER_NAME = {"hy_v3": ("router.gate", "gate"), "granitemoe": ("router.layer", "router"),
                "granitemoeshared": ("router.layer", "router"),
-               "hunyuan_v1_moe": ("gate.wg", "gate.wg")}
+               "hunyuan_v1_moe": ("gate.wg", "gate.wg"), "afmoe": ("router.gate", "router.gate")}
 # The q projection of families whose attention has an output gate (`model.attention_gate`): each
 # head's query rows followed by its gate rows, under this name in transformers' fused layout
 # (the Hub's keeps q_proj; transformers renames it on load).
@@ -183,7 +193,8 @@ SCORE_BIAS_NAME = {"minimax_m2": ("e_score_correction_bias", "e_score_correction
                    "hy_v3": ("expert_bias", "e_score_correction_bias"),
                    "exaone_moe": ("e_score_correction_bias", "gate.e_score_correction_bias"),
                    "sarvam_moe": ("gate.expert_bias", "gate.e_score_correction_bias"),
-                   "param2moe": ("gate.expert_bias", "gate.e_score_correction_bias")}
+                   "param2moe": ("gate.expert_bias", "gate.e_score_correction_bias"),
+                   "afmoe": ("expert_bias", "expert_bias")}
 # ... held [1, E] rather than [E]
 SCORE_BIAS_SINGLETON = ("ernie4_5_moe",)
 # Families whose checkpoints hold multi-token-prediction tensors under names with "mtp"
@@ -210,7 +221,8 @@ def _attention_maps(cfg: Config, per_layer, experts: str) -> None:
     per_layer(("attn", "wo"), (H * m.v_head_dim, D), "self_attn.o_proj.weight", True)
     return
   GD = (m.num_kv_heads or m.num_heads) * m.head_dim
-  QD = 2 * HD if m.attention_gate else HD      # each head's query and gate rows
+  # each head's query and gate rows (unless the gate has its own projection)
+  QD = 2 * HD if m.attention_gate and not m.attention_gate_own else HD
   # (tensor, first row) of q, k and v; the module, output projection and q/k norms
   hub = HUB_ATTENTION_NAMES.get(m.family) if experts != FUSED else None
   if hub:                   # q, k, v fused in one projection's rows
@@ -219,7 +231,7 @@ def _attention_maps(cfg: Config, per_layer, experts: str) -> None:
   else:
     module, out = "self_attn", "o_proj"
     q_norm, k_norm = QK_NORM_NAMES.get(m.family, ("q_norm", "k_norm"))
-    gated = m.attention_gate and experts == FUSED
+    gated = m.attention_gate and not m.attention_gate_own and experts == FUSED
     q_name = GATED_Q_NAME.get(m.family, "q_proj") if gated else "q_proj"
     projections = ((q_name, 0), ("k_proj", 0), ("v_proj", 0))
   parts = tuple(zip("qkv", (QD, GD, GD), projections))
@@ -227,6 +239,8 @@ def _attention_maps(cfg: Config, per_layer, experts: str) -> None:
     per_layer(("attn", f"w{part}"), (D, width), f"{module}.{tensor}.weight", True,
               row_offset=offset)
   per_layer(("attn", "wo"), (HD, D), f"{module}.{out}.weight", True)
+  if m.attention_gate_own:
+    per_layer(("attn", "wg"), (D, HD), f"{module}.gate_proj.weight", True)
   if m.qkv_bias:
     for part, width, (tensor, offset) in parts:
       per_layer(("attn", f"b{part}"), (width,), f"{module}.{tensor}.bias", False,
@@ -269,6 +283,9 @@ def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:
     attn_norm, ffn_norm = NORM_NAMES.get(m.family, ("input_layernorm", "post_attention_layernorm"))
     per_layer(("attn_norm", "scale"), (D,), f"{attn_norm}.weight", False)
     per_layer(("ffn_norm", "scale"), (D,), f"{ffn_norm}.weight", False)
+    if m.norm_position == "sandwich":
+      for path, name in zip(("attn_post_norm", "ffn_post_norm"), POST_NORM_NAMES):
+        per_layer((path, "scale"), (D,), f"{name}.weight", False)
     if group == "dense_layers":
       for name, tail, hf_name in (("w_gate", (D, m.dense_hidden), "gate_proj"),
                                   ("w_up", (D, m.dense_hidden), "up_proj"),

@@ -10,7 +10,8 @@ Letters: B batch, S sequence, D model width, H query heads, G key/value heads, D
   qkv bias       biases on the q, k and v projections, not the output one (Qwen2).
   output gate    the output of each query channel scaled by sigmoid(x Wg) before the output
                  projection (MiniCPM5-MoE, Qwen3-Next); Wg is stored inside Wq, each head's
-                 query columns followed by its gate columns, as the checkpoints hold them.
+                 query columns followed by its gate columns, as the checkpoints hold them; or,
+                 `gate_own`, its own parameter wg [D, H*Dh] (AfMoE's gate_proj).
   latent         `LatentAttention`: DeepSeek-V2/V3's multi-head latent attention (below).
   sliding window `window` W > 0: each query sees itself and the W - 1 tokens before it
                  (Mistral's, EXAONE's sliding layers); 0: the whole sequence.
@@ -88,7 +89,8 @@ class Attention(nnx.Module):
                qk_norm: str = "full", qkv_bias: bool = False,
                rope_scaling: RopeScaling = NO_SCALING, rotary_dim: int = 0,
                rotary_interleaved: bool = False, output_gate: bool = False, window: int = 0,
-               rotary: bool = True, softmax_scale: float = 0.0, qk_norm_after_rope: bool = False):
+               rotary: bool = True, softmax_scale: float = 0.0, qk_norm_after_rope: bool = False,
+               gate_own: bool = False):
     num_kv_heads = num_kv_heads or num_heads
     if qk_norm not in QK_NORMS:
       raise ValueError(f"qk_norm={qk_norm!r}: must be one of {', '.join(QK_NORMS)}")
@@ -96,10 +98,15 @@ class Attention(nnx.Module):
       raise ValueError(f"num_kv_heads={num_kv_heads} does not divide num_heads={num_heads}")
     q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
     init = jax.nn.initializers.normal(init_std)
-    # With the output gate, each head's q columns are followed by its gate's.
-    wq_width = 2 * q_width if output_gate else q_width
+    # With the output gate, each head's q columns are followed by its gate's (or, gate_own, the
+    # gate has its own weight, sharded as wq).
+    gate_in_q = output_gate and not gate_own
+    wq_width = 2 * q_width if gate_in_q else q_width
     self.wq = param(init(rngs.params(), (d_model, wq_width), jnp.float32), (EMBED, Q_HEADS),
                     ATTENTION)
+    if output_gate and gate_own:
+      self.wg = param(init(rngs.params(), (d_model, q_width), jnp.float32), (EMBED, Q_HEADS),
+                      ATTENTION)
     self.wk = param(init(rngs.params(), (d_model, kv_width), jnp.float32), (EMBED, KV_HEADS),
                     ATTENTION)
     self.wv = param(init(rngs.params(), (d_model, kv_width), jnp.float32), (EMBED, KV_HEADS),
@@ -116,6 +123,7 @@ class Attention(nnx.Module):
       self.k_norm = param(jnp.ones((k_norm,), jnp.float32), (NORM,), NORMS)
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
     self.qk_norm, self.qkv_bias, self.output_gate = qk_norm, qkv_bias, output_gate
+    self.gate_own = output_gate and gate_own
     self.window, self.rotary = window, rotary
     self.qk_norm_after_rope = qk_norm_after_rope
     self.rope_theta, self.rope_scaling, self.norm_eps = rope_theta, rope_scaling, norm_eps
@@ -141,6 +149,8 @@ class Attention(nnx.Module):
     weight, not the projection, keeps each matmul to the columns it needs (`qkv` and
     `project_out` are called apart by a KV-cached step)."""
     w, b = self.wq[...], self.bq[...] if self.qkv_bias else None
+    if self.gate_own:
+      return (self.wg[...], None) if part else (w, b)
     if not self.output_gate:
       return w, b
     pick = lambda x: x.reshape(*x.shape[:-1], self.num_heads, 2, self.head_dim)[  # noqa: E731

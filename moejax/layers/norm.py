@@ -8,9 +8,9 @@ from flax import nnx
 from moejax import profiling
 from moejax.sharding.axes import NORM, NORMS, param
 
-# Where a decoder layer's two norms sit (model.norm_position): on each sublayer's input, or on
-# its output before it joins the residual stream (OLMo 2's).
-NORM_POSITIONS = ("pre", "post")
+# Where a decoder layer's norms sit (model.norm_position): on each sublayer's input, on its
+# output before it joins the residual stream (OLMo 2's), or both (AfMoE's sandwich).
+NORM_POSITIONS = ("pre", "post", "sandwich")
 
 
 @profiling.scoped("norm")

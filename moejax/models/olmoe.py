@@ -133,25 +133,38 @@ def _attention(cfg: Config, rngs: nnx.Rngs, kind: AttentionKind):
                    rope_scaling=rope_scaling(m), rotary_dim=m.rotary_dim,
                    rotary_interleaved=m.rotary_interleaved, output_gate=m.attention_gate,
                    window=kind.window, rotary=kind.rotary, softmax_scale=m.attention_scale,
-                   qk_norm_after_rope=m.qk_norm_after_rope)
+                   qk_norm_after_rope=m.qk_norm_after_rope, gate_own=m.attention_gate_own)
 
 
 class _Sublayers:
-  """Where a layer's two norms sit (model.norm_position): on each sublayer's input ("pre") or
-  on its output before it joins the residual stream ("post", OLMo 2's); the KV-cached step
+  """Where a layer's norms sit (model.norm_position): on each sublayer's input ("pre"), on its
+  output before it joins the residual stream ("post", OLMo 2's; the same two norms), or both
+  ("sandwich", AfMoE's: two more norms, attn_post_norm and ffn_post_norm); the KV-cached step
   calls these too."""
 
+  def _make_norms(self, m) -> None:
+    self.attn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
+    self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
+    if m.norm_position == "sandwich":
+      self.attn_post_norm = RMSNorm(m.d_model, eps=m.norm_eps)
+      self.ffn_post_norm = RMSNorm(m.d_model, eps=m.norm_eps)
+    self.residual_scale, self.norm_position = m.residual_scale, m.norm_position
+
   def attn_in(self, h_BxSxD):
-    return self.attn_norm(h_BxSxD) if self.norm_position == "pre" else h_BxSxD
+    return h_BxSxD if self.norm_position == "post" else self.attn_norm(h_BxSxD)
 
   def attn_out(self, y_BxSxD):
-    return y_BxSxD if self.norm_position == "pre" else self.attn_norm(y_BxSxD)
+    if self.norm_position == "pre":
+      return y_BxSxD
+    return (self.attn_norm if self.norm_position == "post" else self.attn_post_norm)(y_BxSxD)
 
   def ffn_in(self, h_BxSxD):
-    return self.ffn_norm(h_BxSxD) if self.norm_position == "pre" else h_BxSxD
+    return h_BxSxD if self.norm_position == "post" else self.ffn_norm(h_BxSxD)
 
   def ffn_out(self, y_BxSxD):
-    return y_BxSxD if self.norm_position == "pre" else self.ffn_norm(y_BxSxD)
+    if self.norm_position == "pre":
+      return y_BxSxD
+    return (self.ffn_norm if self.norm_position == "post" else self.ffn_post_norm)(y_BxSxD)
 
 
 def join_residual(h_BxSxD, y_BxSxD, scale: float):
@@ -178,11 +191,9 @@ class DenseLayer(_Sublayers, nnx.Module):
 
   def __init__(self, cfg: Config, *, rngs: nnx.Rngs, kind: AttentionKind = AttentionKind()):
     m = cfg.model
-    self.attn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
+    self._make_norms(m)
     self.attn = _attention(cfg, rngs, kind)
-    self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
     self.mlp = MLP(m.d_model, m.dense_hidden, init_std=m.init_std, rngs=rngs)
-    self.residual_scale, self.norm_position = m.residual_scale, m.norm_position
 
   def feed_forward(self, x_BxSxD):
     return self.mlp(x_BxSxD)
@@ -197,12 +208,10 @@ class DenseLayer(_Sublayers, nnx.Module):
 class DecoderLayer(_Sublayers, nnx.Module):
   def __init__(self, cfg: Config, *, rngs: nnx.Rngs, kind: AttentionKind = AttentionKind()):
     m, moe = cfg.model, cfg.moe
-    self.attn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
+    self._make_norms(m)
     self.attn = _attention(cfg, rngs, kind)
-    self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
     self.moe = MoEBlock(m.d_model, moe.expert_hidden,
                         moe_spec(cfg), init_std=m.init_std, rngs=rngs)
-    self.residual_scale, self.norm_position = m.residual_scale, m.norm_position
 
   def feed_forward(self, x_BxSxD):
     """The MoE block alone, routed by top-k (decoding)."""

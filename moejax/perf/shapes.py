@@ -50,6 +50,8 @@ class ModelShape:
   """How many layers slide within sliding_window."""
   attention_gate: bool = False
   """A sigmoid output gate on the attention (MiniCPM5-MoE): the q projection twice as wide."""
+  residual_norms: int = 2
+  """RMSNorms of one layer on the residual stream (4 with AfMoE's sandwich norms)."""
   shared_gate: bool = False
   """A sigmoid gate (one D-vector) on the shared expert (Qwen2-MoE)."""
   shared_hidden: int = 0
@@ -88,14 +90,15 @@ class ModelShape:
     return sum(self.attention_matrices()) + bias
 
   def norm_params(self) -> int:
-    """Layer norms of one layer (two, plus QK-norms, or latent attention's latent norms)."""
+    """Layer norms of one layer (two or four, plus QK-norms, or latent attention's latent
+    norms)."""
     extra = 0
     if self.attention == "mla":
       extra = self.q_lora_rank + self.kv_lora_rank
     elif self.qk_norm:
       extra = (2 * self.head_dim if self.qk_norm_per_head
                else (self.num_heads + self.kv_heads) * self.head_dim)
-    return 2 * self.d_model + extra
+    return self.residual_norms * self.d_model + extra
 
   def expert_params(self) -> int:
     """One routed expert."""
@@ -179,6 +182,7 @@ def shape_of(cfg) -> ModelShape:
       dense_hidden=getattr(m, "dense_hidden", 0) or 0,
       qk_norm=m.qk_norm != "none", qk_norm_per_head=m.qk_norm == "head", qkv_bias=m.qkv_bias,
       attention_gate=m.attention_gate, sliding_window=m.sliding_window,
+      residual_norms=4 if m.norm_position == "sandwich" else 2,
       sliding_layers=len(m.sliding_layers), shared_gate=moe.shared_expert_gate,
       tied_embeddings=m.tie_embeddings, score_bias=moe.score_bias, source="moejax config", **mla)
 

@@ -289,6 +289,19 @@ MODELS = {
                     rope_parameters=dict(type="dynamic", alpha=50.0, factor=1.0,
                                          rope_theta=10000.0)),
         save=dict()),
+    # AfMoE: sandwich norms, per-head QK-norm, the output gate's own gate_proj, layers 0, 1, 3, 4
+    # sliding within 3 tokens (global_attn_every_n_layers 3; 2 and 5 global, unrotated), the
+    # embedding scaled by sqrt(hidden) (mup_enabled), a dense first layer, two shared experts,
+    # sigmoid top-k with a random expert_bias, renormalized and scaled; per expert.
+    "afmoe": dict(
+        model_type="afmoe",
+        config=dict(vocab_size=68, hidden_size=32, intermediate_size=40, num_hidden_layers=6,
+                    num_dense_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=8, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=12,
+                    num_shared_experts=2, route_scale=1.6, global_attn_every_n_layers=3,
+                    sliding_window=3, mup_enabled=True, rms_norm_eps=1e-5,
+                    rope_theta=40000.0),
+        save=dict()),
 }
 # FP8 copies: every projection float8 e4m3 beside its scales; embeddings, head, router and norms
 # as they were. As the Hub's DeepSeek-V3, Qwen3-*-FP8 and MiniMax-M2 are stored (transformers'

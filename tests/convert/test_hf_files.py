@@ -616,6 +616,11 @@ FAMILY_REFUSALS = [
      "supported: rotates 5 of head_dim=16 dims"),
     ("granitemoe", dict(logits_scaling=None), "field 'logits_scaling' is null"),
     ("hy_v3", dict(num_shared_experts=0), "num_shared_experts=0 is not supported"),
+    ("afmoe", dict(attention_bias=True), "attention_bias=True is not supported"),
+    ("afmoe", dict(sliding_window=None), "sliding_window=None is not supported: "
+     "AfmoeForCausalLM's sliding layers need a number of tokens"),
+    ("afmoe", dict(layer_types=None, global_attn_every_n_layers=0),
+     "global_attn_every_n_layers=0 is not supported"),
 ]
 
 
@@ -638,7 +643,7 @@ ALIASED_EXPERTS = {"olmoe": "num_local_experts", "mixtral": "num_experts",
 DEFAULT_KV_HEADS = {"mixtral": 8, "qwen3_moe": 4, "minimax_m2": 8, "ernie4_5_moe": 4,
                     "glm4_moe": 8, "solar_open": 8, "minicpm5_moe": 2, "hy_v3": 8,
                     "granitemoe": None, "sarvam_moe": 4, "param2moe": 8, "olmoe": None,
-                    "qwen2_moe": None}
+                    "qwen2_moe": None, "afmoe": None}
 
 
 @pytest.mark.parametrize("family", sorted(ALIASED_EXPERTS))
@@ -966,8 +971,8 @@ def test_sliding_windows_read_as_each_family_slides():
   assert out["sliding_window"] == 16 and config_from_hf(out).model == plain
   absent = {k: v for k, v in hf.items() if k != "sliding_window"}
   assert config_from_hf(absent).model.sliding_window == 4096
-  with pytest.raises(CheckpointError, match="sliding_window=None is not supported: EXAONE-MoE's "
-                     "config takes a number"):
+  with pytest.raises(CheckpointError, match="sliding_window=None is not supported: "
+                     "ExaoneMoeForCausalLM's sliding layers need a number"):
     config_from_hf(dict(hf, sliding_window=None))
   rotated = dataclasses.replace(tiny_config("exaone_moe"), model=dataclasses.replace(
       got, nope_layers=()))
@@ -1047,6 +1052,42 @@ def test_norm_positions_are_each_family_s_own():
     hf_config_from(tiny_config("flex_olmo", **{"model.norm_position": "pre"}))
   with pytest.raises(CheckpointError, match="model.norm_position='post': .* needs 'pre'"):
     hf_config_from(tiny_config("olmoe", **{"model.norm_position": "post"}))
+
+
+def test_afmoe_reads_its_names_pattern_and_mup():
+  """AfMoE: sandwich norms (input_ / pre_mlp_layernorm in, post_attention_ / post_mlp_layernorm
+  out), the gate's own gate_proj, the router's router.gate and expert_bias, num_dense_layers,
+  num_shared_experts, route_scale; absent layer_types, every global_attn_every_n_layers-th layer
+  global and unrotated; mup_enabled scales the embedding by sqrt(hidden_size), and an export
+  takes only that scale or none."""
+  cfg = tiny_config("afmoe", **{"moe.routed_scale": 1.5})
+  hf = hf_config_from(cfg)
+  assert (hf["num_dense_layers"], hf["num_shared_experts"], hf["route_scale"],
+          hf["mup_enabled"]) == (1, 2, 1.5, False)
+  assert "first_k_dense_replace" not in hf and "n_shared_experts" not in hf
+  names = set(hf_names.expected_shapes(cfg))
+  layer = "model.layers.1"
+  assert {f"{layer}.{n}.weight" for n in ("input_layernorm", "post_attention_layernorm",
+                                          "pre_mlp_layernorm", "post_mlp_layernorm",
+                                          "self_attn.gate_proj", "mlp.router.gate")} <= names
+  assert f"{layer}.mlp.expert_bias" in names
+  assert hf_names.expected_shapes(cfg)[f"{layer}.self_attn.q_proj.weight"] == (64, 64)
+  six = dict(hf, num_hidden_layers=6, layer_types=None, global_attn_every_n_layers=2,
+             sliding_window=16, mup_enabled=True)
+  got = config_from_hf(six).model
+  assert (got.sliding_window, got.sliding_layers, got.nope_layers) == (16, (0, 2, 4), (1, 3, 5))
+  assert got.embed_scale == 8.0 and (got.norm_position, got.attention_gate_own) == (
+      "sandwich", True)
+  back = hf_config_from(dataclasses.replace(cfg, model=got))
+  assert back["mup_enabled"] is True and config_from_hf(back).model == got
+  with pytest.raises(CheckpointError, match=r"model.embed_scale=2.0: .* sqrt\(d_model\)"):
+    hf_config_from(tiny_config("afmoe", **{"model.embed_scale": 2.0}))
+  with pytest.raises(CheckpointError, match="model.attention_gate_own=False: .* needs True"):
+    hf_config_from(tiny_config("afmoe", **{"model.attention_gate_own": False}))
+  with pytest.raises(CheckpointError, match="model.norm_position='post': .* needs 'sandwich'"):
+    hf_config_from(tiny_config("afmoe", **{"model.norm_position": "post"}))
+  with pytest.raises(CheckpointError, match="model.attention_gate_own=True: .* needs False"):
+    hf_config_from(tiny_config("minicpm5_moe", **{"model.attention_gate_own": True}))
 
 
 def test_granite_multipliers_read_and_write():

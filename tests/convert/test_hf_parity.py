@@ -33,7 +33,9 @@ MLP fused the same way; saved in transformers' fused names, sharded), "sarvam_mo
 Sarvam's Hub names: q/k/v and their biases fused in attention.query_key_value, and its original
 config's field names; per expert), "param2moe" (tied; fused, sharded) and "flex_olmo" (norms on
 the sublayers' outputs, QK-norm over all heads' width with grouped-query attention),
-"hunyuan_v1_moe" (QK-norm after RoPE, a shared MLP, NTK-alpha RoPE, per-layer lists). They
+"hunyuan_v1_moe" (QK-norm after RoPE, a shared MLP, NTK-alpha RoPE, per-layer lists), "afmoe"
+(sandwich norms, the output gate's own projection, sliding and unrotated layers from
+global_attn_every_n_layers, the embedding scaled by mup_enabled, two shared experts). They
 differ
 in layers, heads, kv heads, head width, experts, top-k, expert and shared widths, latent ranks,
 RoPE base, norm epsilon and top-k renormalization; "b", "qwen3_moe", "deepseek_v2" and
@@ -70,7 +72,7 @@ from moejax.train.state import state_layout
 MODELS = ("a", "b", "mixtral", "qwen2_moe", "qwen3_moe", "minimax_m2", "ernie4_5_moe", "glm4_moe",
           "dots1", "deepseek_v2", "deepseek_v3", "deepseek_v3_b", "glm4_moe_lite", "solar_open",
           "minicpm5_moe", "hy_v3", "exaone_moe", "granitemoe", "granitemoeshared", "sarvam_moe",
-          "param2moe", "flex_olmo", "hunyuan_v1_moe")
+          "param2moe", "flex_olmo", "hunyuan_v1_moe", "afmoe")
 SAVED_FUSED = ("b", "qwen2_moe", "dots1", "deepseek_v3", "granitemoeshared", "param2moe")
 FP8_MODELS = ("qwen3_moe_fp8", "minimax_m2_fp8", "deepseek_v3_b_fp8", "mixtral_ct_fp8",
               "glm4_moe_ct_fp8", "qwen3_moe_int4")
