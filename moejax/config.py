@@ -119,6 +119,10 @@ class ModelConfig:
   sliding_layers: tuple = ()
   """Indices of the layers whose attention slides within model.sliding_window, ascending; the
   others attend to the whole sequence."""
+  sliding_rope_theta: float = 0.0
+  """> 0: the sliding layers rotate by plain RoPE of this base (Mellum's and Gemma 3's local
+  layers; rope_theta and rope_scaling then apply to the other layers only); 0: one RoPE for
+  all."""
   nope_layers: tuple = ()
   """Indices of the layers whose q and k are not rotated (no positional encoding: EXAONE 4's
   global layers), ascending."""
@@ -635,6 +639,9 @@ def validate(c: Config) -> None:
   _check(bool(m.sliding_window) == bool(m.sliding_layers),
          f"config.model.sliding_window={m.sliding_window} with model.sliding_layers="
          f"{m.sliding_layers}: a window needs the layers it applies to, and layers a window > 0"),
+  _check(0 <= m.sliding_rope_theta < math.inf and (m.sliding_layers or not m.sliding_rope_theta),
+         f"config.model.sliding_rope_theta={m.sliding_rope_theta}: must be >= 0 and finite, and "
+         "> 0 only with model.sliding_layers (0: the sliding layers rotate as the others)")
   _check(not m.dense_layers or m.dense_hidden > 0,
          f"config.model.dense_hidden={m.dense_hidden}: model.dense_layers={m.dense_layers} "
          "needs a positive dense MLP width")

@@ -18,6 +18,7 @@ import configs.granitemoe as granitemoe_configs
 import configs.granitemoeshared as granitemoeshared_configs
 import configs.hunyuan_v1_moe as hunyuan_v1_moe_configs
 import configs.hy_v3 as hy_v3_configs
+import configs.mellum as mellum_configs
 import configs.minicpm5_moe as minicpm5_moe_configs
 import configs.minimax_m2 as minimax_m2_configs
 import configs.mixtral as mixtral_configs
@@ -43,7 +44,7 @@ FAMILY_CONFIGS = {"olmoe": olmoe_configs, "mixtral": mixtral_configs,
                   "exaone_moe": exaone_moe_configs, "granitemoe": granitemoe_configs,
                   "granitemoeshared": granitemoeshared_configs, "sarvam_moe": sarvam_moe_configs,
                   "param2moe": param2moe_configs, "flex_olmo": flex_olmo_configs,
-                  "afmoe": afmoe_configs,
+                  "afmoe": afmoe_configs, "mellum": mellum_configs,
                   "hunyuan_v1_moe": hunyuan_v1_moe_configs}
 
 

@@ -163,6 +163,8 @@ def test_unknown_preset():
     ({"model.norm_position": "middle"}, r"config.model.norm_position='middle'"),
     ({"model.attention_gate_own": True}, r"config.model.attention_gate_own=True: needs "
      "model.attention_gate=True"),
+    ({"model.sliding_rope_theta": 1e4}, r"config.model.sliding_rope_theta=10000.0: .* > 0 only "
+     "with model.sliding_layers"),
     ({"model.qk_norm_after_rope": True}, r"config.model.qk_norm_after_rope=True needs "
      r"model.qk_norm='head' \(here 'full'\)"),
     ({"model.attention_scale": -1.0}, r"config.model.attention_scale=-1.0: must be >= 0"),

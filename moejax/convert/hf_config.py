@@ -85,7 +85,7 @@ import math
 
 from moejax.config import Config, ModelConfig, validate
 from moejax.errors import CheckpointError, ConfigError
-from moejax.convert.hf_names import MTP_FAMILIES
+from moejax.convert.hf_names import MTP_FAMILIES, MTP_NAMED
 from moejax.convert.safetensors_io import WeightScales
 from moejax.families import FAMILIES
 
@@ -142,7 +142,8 @@ class FamilySpec:
                                        # layer_types, else from max_window_layers on (dots.llm1);
                                        # "exaone" layer_types, else all but every
                                        # sliding_window_pattern-th, the others unrotated;
-                                       # "afmoe" the same by global_attn_every_n_layers
+                                       # "afmoe" the same by global_attn_every_n_layers;
+                                       # "listed" layer_types, else none
   deepseek: str = ""                   # "v2" / "v3": latent attention, leading dense layers,
                                        # n_shared_experts; v3: grouped sigmoid routing with a
                                        # score bias; v2: softmax, greedy or grouped by the best
@@ -161,6 +162,11 @@ class FamilySpec:
   first_dense_key: str = "first_k_dense_replace"   # sigmoid_moe's leading dense layers (AfMoE:
                                        # num_dense_layers)
   mup: bool = False                    # mup_enabled: the embedding scaled by sqrt(hidden_size)
+  rope_per_type: bool = False          # rope_parameters holds one RoPE dict per layer type
+                                       # (Mellum's; the sliding layers' plain RoPE:
+                                       # model.sliding_rope_theta)
+  first_dense_default: int = 1         # layer_types_key absent and no first_k_dense_replace
+                                       # fallback: this many leading dense layers
   # sigmoid_moe's fields under other names (Hy3: num_shared_experts, router_scaling_factor),
   # transformers' routed scaling default, and whether the config has expert groups at all
   shared_key: str = "n_shared_experts"
@@ -373,6 +379,15 @@ FAMILY_SPECS = {
         default_sliding_window=1024, mup=True,
         required=_COMMON_REQUIRED + (
             ("attention_bias", False, "moejax attention projections have no bias"),)),
+    "mellum": FamilySpec(
+        "mellum", "MellumForCausalLM", "head", "num_local_experts", "moe_intermediate_size",
+        "norm_topk_prob", experts_aliases=("num_experts",), aliases_win=True,
+        renormalize_default=True, default_norm_eps=1e-6, default_head_dim=128,
+        default_kv_heads=4, default_aux=0.001, layer_types_key="mlp_layer_types",
+        first_dense_default=0, sliding="listed", default_sliding_window=1024,
+        rope_per_type=True,
+        required=_COMMON_REQUIRED + (
+            ("attention_bias", False, "moejax attention projections have no bias"),)),
 }
 assert tuple(FAMILY_SPECS) == FAMILIES
 MODEL_TYPES = {spec.model_type: name for name, spec in FAMILY_SPECS.items()}
@@ -449,6 +464,47 @@ def _rope(hf: dict, where: str, default_theta: float, alpha_head_dim: int = 0) -
   if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
     _refuse(where, "rope_theta", theta, "expected a positive number")
   return dict(fields, rope_theta=float(theta))
+
+
+# Mellum's config class defaults, per layer type
+_TYPED_ROPE_DEFAULTS = {"full_attention": {"rope_type": "default", "rope_theta": 500000.0},
+                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+
+
+def _typed_rope(hf: dict, where: str, sliding_layers: tuple, layers: int) -> dict:
+  """model.rope_* and sliding_rope_theta from a rope_parameters of one RoPE dict per layer
+  type (Mellum's): the full layers' RoPE as `_rope` reads it (plain or YaRN), the sliding
+  layers' plain RoPE of its own base. transformers reads only the types layer_types uses, and
+  rotates whole heads (a partial factor would not broadcast)."""
+  if hf.get("rope_scaling"):
+    _refuse(where, "rope_scaling", hf["rope_scaling"], "this family reads rope_parameters, one "
+            "RoPE dict per layer type")
+  rope = hf.get("rope_parameters")
+  rope = _TYPED_ROPE_DEFAULTS if rope is None else rope
+  if not isinstance(rope, dict) or not all(isinstance(rope.get(t), dict) for t in (
+      _ATTENTION_TYPES[1] if i in sliding_layers else _ATTENTION_TYPES[0]
+      for i in range(layers))):
+    _refuse(where, "rope_parameters", rope, "expected one RoPE dict for each layer type "
+            "layer_types uses ('full_attention', 'sliding_attention')")
+  for kind, params in rope.items():
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+      _refuse(where, f"rope_parameters.{kind}.partial_rotary_factor",
+              params["partial_rotary_factor"], "transformers rotates whole heads here (needs "
+              "1.0)")
+  full = rope.get("full_attention", _TYPED_ROPE_DEFAULTS["full_attention"])
+  fields = _rope(dict(hf, rope_parameters=full, rope_theta=None), f"{where}: full_attention",
+                 1.0)
+  if not sliding_layers:
+    return dict(fields, sliding_rope_theta=0.0)
+  local = _rope(dict(hf, rope_parameters=rope["sliding_attention"], rope_theta=None),
+                f"{where}: sliding_attention", 1.0)
+  if local == fields:            # one RoPE for all
+    return dict(fields, sliding_rope_theta=0.0)
+  if local["rope_scaling"] != "none":
+    _refuse(where, "rope_parameters.sliding_attention.rope_type", "yarn", "moejax's sliding "
+            "layers take the full layers' RoPE or plain RoPE of their own base "
+            "(model.sliding_rope_theta)")
+  return dict(fields, sliding_rope_theta=local["rope_theta"])
 
 
 def _rotary_dim(hf: dict, spec: FamilySpec, head_dim: int, where: str) -> int:
@@ -750,8 +806,17 @@ def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
   head_dim = _head_dim(hf, spec, where)
   _rotary_dim(hf, spec, _get(hf, "qk_rope_head_dim", int, where) if spec.deepseek else head_dim,
               where)
-  _rope(hf, where, spec.default_rope_theta, head_dim if spec.hunyuan else 0)
+  _rope_fields(hf, spec, where, head_dim)
   return spec
+
+
+def _rope_fields(hf: dict, spec: FamilySpec, where: str, head_dim: int) -> dict:
+  """model.rope_* (and sliding_rope_theta) of `hf` as its family reads them."""
+  if spec.rope_per_type:
+    return _typed_rope(hf, where, _sliding(hf, spec, where)["sliding_layers"],
+                       _get(hf, "num_hidden_layers", int, where))
+  return dict(_rope(hf, where, spec.default_rope_theta, head_dim if spec.hunyuan else 0),
+              sliding_rope_theta=0.0)
 
 
 _ATTENTION_TYPES = ("full_attention", "sliding_attention")
@@ -795,6 +860,8 @@ def _sliding(hf: dict, spec: FamilySpec, where: str) -> dict:
     sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
   elif spec.sliding == "from_layer":
     sliding = range(_get(hf, "max_window_layers", int, where, 62), layers)
+  elif spec.sliding == "listed":      # no list: every layer attends to all
+    sliding = ()
   else:   # EXAONE, AfMoE: transformers derives the list from an integer pattern
     key = _PATTERNED[spec.sliding]
     pattern = _get(hf, key, int, where, 4)
@@ -844,7 +911,7 @@ def _mlp_layer_types(hf: dict, spec: FamilySpec, where: str) -> tuple[int, ...]:
   types = hf.get(spec.layer_types_key)
   if types is None:
     first = (_get(hf, "first_k_dense_replace", int, where, spec.default_first_dense)
-             if spec.layer_types_fallback else 1)
+             if spec.layer_types_fallback else spec.first_dense_default)
     types = ["dense"] * first + ["sparse"] * (layers - first)
   if (not isinstance(types, list) or len(types) != layers
       or not all(t in ("dense", "sparse") for t in types)):
@@ -992,7 +1059,7 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       attention_gate=spec.attention_gate, attention_gate_own=spec.attention_gate_own,
       norm_position=spec.norm_position,
       **_sliding(hf, spec, where),
-      **_rope(hf, where, spec.default_rope_theta, head_dim if spec.hunyuan else 0),
+      **_rope_fields(hf, spec, where, head_dim),
       norm_eps=_get(hf, "rms_norm_eps", float, where, spec.default_norm_eps),
       init_std=_get(hf, "initializer_range", float, where, base.model.init_std),
       tie_embeddings=_get(hf, "tie_word_embeddings", bool, where, spec.default_tie),
@@ -1000,6 +1067,10 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       dense_layers=(), dense_hidden=0)
   if spec.dense_pattern:
     model = dataclasses.replace(model, **_dense_pattern(hf, where))
+  if spec.layer_types_key and not (spec.deepseek or spec.sigmoid_moe):    # Mellum
+    dense = _mlp_layer_types(hf, spec, where)
+    model = dataclasses.replace(model, dense_layers=dense, dense_hidden=_get(
+        hf, "intermediate_size", int, where) if dense else 0)
   moe = dataclasses.replace(
       base.moe,
       num_experts=_aliased(hf, spec, spec.experts_key, spec.experts_aliases, where),
@@ -1085,7 +1156,7 @@ def check_exportable(cfg: Config) -> FamilySpec:
   else:
     need("moe.score", moe.score, spec.score, f" (it routes with {spec.score} scores)")
     need("model.kv_lora_rank", m.kv_lora_rank, 0, " (no latent attention)")
-    if not spec.dense_pattern and not spec.ernie:
+    if not spec.dense_pattern and not spec.ernie and not spec.layer_types_key:
       need("model.dense_layers", m.dense_layers, (), " (no dense layers)")
     need("moe.score_bias", moe.score_bias, spec.score_bias,
          " (its router has the score bias)" if spec.score_bias else " (no score bias)")
@@ -1112,6 +1183,8 @@ def check_exportable(cfg: Config) -> FamilySpec:
   elif spec.sliding == "all" and m.sliding_window:
     need("model.sliding_layers", m.sliding_layers, tuple(range(m.num_layers)),
          " (its sliding window covers every layer)")
+  if not spec.rope_per_type:
+    need("model.sliding_rope_theta", m.sliding_rope_theta, 0.0, " (one RoPE for every layer)")
   patterned = spec.sliding in _PATTERNED
   need("model.nope_layers", m.nope_layers, full if patterned else (),
        " (it leaves its full layers unrotated)" if patterned else " (it rotates every layer)")
@@ -1217,6 +1290,12 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
   if spec.layer_types_key:     # transformers reads this list; vLLM first_k_dense_replace
     hf[spec.layer_types_key] = ["dense" if i in m.dense_layers else "sparse"
                                 for i in range(m.num_layers)]
+    if not (spec.deepseek or spec.sigmoid_moe):      # Mellum: the dense MLP's width
+      hf["intermediate_size"] = m.dense_hidden or hf.get("intermediate_size", moe.expert_hidden)
+  if spec.model_type in MTP_NAMED and spec.layer_types_key:   # Mellum: no MTP layer written
+    hf.update({"num_nextn_predict_layers": None, "mtp_layer_types": None,
+               "mtp_mlp_layer_types": None})
+    hf.pop("num_mtp_layers", None)
   if spec.model_type in MTP_FAMILIES and spec.model_type != "minimax_m2":
     hf["num_nextn_predict_layers"] = 0    # the export holds no multi-token-prediction layer
   if spec.sliding:
@@ -1278,7 +1357,14 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
     # transformers before 4.54 takes the factor from max_position_embeddings / original
     hf["max_position_embeddings"] = max(hf.get("max_position_embeddings") or 0,
                                         round(m.rope_original_max_len * m.rope_factor))
-  if isinstance(hf.get("rope_parameters"), dict):     # transformers >= 5's own layout
+  if spec.rope_per_type:     # one dict per layer type; the sliding layers' own plain RoPE
+    full = {"rope_theta": m.rope_theta, **rope}
+    hf["rope_parameters"] = {"full_attention": full, "sliding_attention": (
+        {"rope_type": "default", "rope_theta": m.sliding_rope_theta} if m.sliding_rope_theta
+        else full)}
+    hf.pop("rope_scaling", None)      # even null, transformers would read it over the dicts
+    hf.pop("rope_theta")
+  elif isinstance(hf.get("rope_parameters"), dict):     # transformers >= 5's own layout
     hf["rope_parameters"] = {"rope_theta": m.rope_theta, **rope}
     hf["rope_scaling"] = None                         # it would win over rope_parameters
   else:

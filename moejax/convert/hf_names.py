@@ -139,6 +139,7 @@ HUB_EXPERT_NAMES = {
     "flex_olmo": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "hunyuan_v1_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "afmoe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "mellum": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 # The attention's q and k norms where they are not q_norm and k_norm (both layouts).
 QK_NORM_NAMES = {"hunyuan_v1_moe": ("query_layernorm", "key_layernorm")}
@@ -199,7 +200,7 @@ SCORE_BIAS_NAME = {"minimax_m2": ("e_score_correction_bias", "e_score_correction
 SCORE_BIAS_SINGLETON = ("ernie4_5_moe",)
 # Families whose checkpoints hold multi-token-prediction tensors under names with "mtp"
 # (transformers' _keys_to_ignore_on_load_unexpected).
-MTP_NAMED = ("ernie4_5_moe", "exaone_moe")
+MTP_NAMED = ("ernie4_5_moe", "exaone_moe", "mellum")
 
 
 def _attention_maps(cfg: Config, per_layer, experts: str) -> None:

@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 
 from moejax.config import Config, rope_scaling
-from moejax.layers.attention import Attention, LatentAttention
+from moejax.layers.attention import NO_SCALING, Attention, LatentAttention
 from moejax.layers.matmul import dense
 from moejax.layers.mlp import MLP
 from moejax.placement.dispatch import LOCAL, Dispatch
@@ -84,16 +84,20 @@ def layer_group_of(cfg: Config) -> list[tuple[str, int]]:
 @dataclasses.dataclass(frozen=True)
 class AttentionKind:
   """What differs between layers' attention without showing in their parameters: a sliding
-  window (0: the whole sequence) and whether q and k are rotated."""
+  window (0: the whole sequence), whether q and k are rotated, and by which RoPE (rope_theta >
+  0: plain RoPE of this base, the sliding layers' own; 0: the model's)."""
   window: int = 0
   rotary: bool = True
+  rope_theta: float = 0.0
 
 
 def attention_kind(cfg: Config, layer: int) -> AttentionKind:
-  """The attention kind of decoder layer `layer` (model.sliding_layers, model.nope_layers)."""
+  """The attention kind of decoder layer `layer` (model.sliding_layers, model.nope_layers,
+  model.sliding_rope_theta)."""
   m = cfg.model
-  return AttentionKind(m.sliding_window if layer in m.sliding_layers else 0,
-                       layer not in m.nope_layers)
+  sliding = layer in m.sliding_layers
+  return AttentionKind(m.sliding_window if sliding else 0, layer not in m.nope_layers,
+                       m.sliding_rope_theta if sliding else 0.0)
 
 
 class LayerRun(NamedTuple):
@@ -120,17 +124,20 @@ def layer_runs(cfg: Config) -> list[LayerRun]:
 
 def _attention(cfg: Config, rngs: nnx.Rngs, kind: AttentionKind):
   m = cfg.model
+  # a kind's own RoPE is plain; the model's may be scaled
+  theta, scaling = (kind.rope_theta, NO_SCALING) if kind.rope_theta else (m.rope_theta,
+                                                                          rope_scaling(m))
   if m.kv_lora_rank:
     return LatentAttention(m.d_model, m.num_heads, q_lora_rank=m.q_lora_rank,
                            kv_lora_rank=m.kv_lora_rank, qk_nope_head_dim=m.qk_nope_head_dim,
                            qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
-                           rope_theta=m.rope_theta, init_std=m.init_std, rngs=rngs,
-                           rope_scaling=rope_scaling(m), window=kind.window,
+                           rope_theta=theta, init_std=m.init_std, rngs=rngs,
+                           rope_scaling=scaling, window=kind.window,
                            rotary=kind.rotary, softmax_scale=m.attention_scale)
-  return Attention(m.d_model, m.num_heads, m.head_dim, rope_theta=m.rope_theta,
+  return Attention(m.d_model, m.num_heads, m.head_dim, rope_theta=theta,
                    norm_eps=m.norm_eps, init_std=m.init_std, rngs=rngs,
                    num_kv_heads=m.num_kv_heads, qk_norm=m.qk_norm, qkv_bias=m.qkv_bias,
-                   rope_scaling=rope_scaling(m), rotary_dim=m.rotary_dim,
+                   rope_scaling=scaling, rotary_dim=m.rotary_dim,
                    rotary_interleaved=m.rotary_interleaved, output_gate=m.attention_gate,
                    window=kind.window, rotary=kind.rotary, softmax_scale=m.attention_scale,
                    qk_norm_after_rope=m.qk_norm_after_rope, gate_own=m.attention_gate_own)

@@ -302,6 +302,23 @@ MODELS = {
                     sliding_window=3, mup_enabled=True, rms_norm_eps=1e-5,
                     rope_theta=40000.0),
         save=dict()),
+    # Mellum: per-head QK-norm, layers 0, 2, 3 sliding within 3 tokens by their own plain RoPE
+    # (rope_parameters per layer type), layer 1 attending to all under YaRN, layer 1's MLP dense
+    # between MoE ones (mlp_layer_types), softmax top-k not renormalized; per expert.
+    "mellum": dict(
+        model_type="mellum",
+        config=dict(vocab_size=74, hidden_size=32, intermediate_size=36, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=6,
+                    num_experts_per_tok=2, moe_intermediate_size=12, norm_topk_prob=False,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                 "sliding_attention"],
+                    mlp_layer_types=["sparse", "dense", "sparse", "sparse"], sliding_window=3,
+                    rope_parameters={
+                        "full_attention": dict(rope_type="yarn", rope_theta=300000.0, factor=4.0,
+                                               original_max_position_embeddings=8),
+                        "sliding_attention": dict(rope_type="default", rope_theta=5000.0)},
+                    max_position_embeddings=32, rms_norm_eps=1e-6),
+        save=dict()),
 }
 # FP8 copies: every projection float8 e4m3 beside its scales; embeddings, head, router and norms
 # as they were. As the Hub's DeepSeek-V3, Qwen3-*-FP8 and MiniMax-M2 are stored (transformers'

@@ -617,6 +617,20 @@ FAMILY_REFUSALS = [
     ("granitemoe", dict(logits_scaling=None), "field 'logits_scaling' is null"),
     ("hy_v3", dict(num_shared_experts=0), "num_shared_experts=0 is not supported"),
     ("afmoe", dict(attention_bias=True), "attention_bias=True is not supported"),
+    ("mellum", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4}),
+     "rope_parameters={'rope_type': 'default', 'rope_theta': 10000.0} is not supported: "
+     "expected one RoPE dict for each layer type"),
+    ("mellum", dict(rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0,
+                              "original_max_position_embeddings": 64}}),
+     "rope_parameters.sliding_attention.rope_type='yarn' is not supported"),
+    ("mellum", dict(rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6,
+                           "partial_rotary_factor": 0.5},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+     "rope_parameters.full_attention.partial_rotary_factor=0.5 is not supported"),
+    ("mellum", dict(attention_bias=True), "attention_bias=True is not supported"),
     ("afmoe", dict(sliding_window=None), "sliding_window=None is not supported: "
      "AfmoeForCausalLM's sliding layers need a number of tokens"),
     ("afmoe", dict(layer_types=None, global_attn_every_n_layers=0),
@@ -639,11 +653,11 @@ ALIASED_EXPERTS = {"olmoe": "num_local_experts", "mixtral": "num_experts",
                    "glm4_moe_lite": "num_local_experts", "solar_open": "num_local_experts",
                    "minicpm5_moe": "num_local_experts", "hy_v3": "num_local_experts",
                    "sarvam_moe": "num_experts", "param2moe": "num_local_experts",
-                   "flex_olmo": "num_local_experts"}
+                   "flex_olmo": "num_local_experts", "mellum": "num_experts"}
 DEFAULT_KV_HEADS = {"mixtral": 8, "qwen3_moe": 4, "minimax_m2": 8, "ernie4_5_moe": 4,
                     "glm4_moe": 8, "solar_open": 8, "minicpm5_moe": 2, "hy_v3": 8,
                     "granitemoe": None, "sarvam_moe": 4, "param2moe": 8, "olmoe": None,
-                    "qwen2_moe": None, "afmoe": None}
+                    "qwen2_moe": None, "afmoe": None, "mellum": 4}
 
 
 @pytest.mark.parametrize("family", sorted(ALIASED_EXPERTS))
@@ -1088,6 +1102,40 @@ def test_afmoe_reads_its_names_pattern_and_mup():
     hf_config_from(tiny_config("afmoe", **{"model.norm_position": "post"}))
   with pytest.raises(CheckpointError, match="model.attention_gate_own=True: .* needs False"):
     hf_config_from(tiny_config("minicpm5_moe", **{"model.attention_gate_own": True}))
+
+
+def test_mellum_reads_rope_per_layer_type_and_dense_layers_anywhere():
+  """Mellum's rope_parameters hold one dict per layer type: the full layers' RoPE is the model's
+  (YaRN too), the sliding layers' plain RoPE of its own base is model.sliding_rope_theta (the
+  same dict as the full layers': 0, one RoPE); absent, its config class's bases 500000 and
+  10000. Its dense layers sit anywhere (mlp_layer_types, absent: none); exports write both
+  back, and no MTP layer."""
+  cfg = tiny_config("mellum")
+  hf = hf_config_from(cfg)
+  assert hf["rope_parameters"] == {
+      "full_attention": {"rope_type": "default", "rope_theta": 500000.0},
+      "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+  assert "rope_theta" not in hf and hf["num_local_experts"] == 8
+  assert (hf["mlp_layer_types"], hf["intermediate_size"]) == (
+      ["sparse", "dense", "sparse", "sparse"], 128)
+  assert hf["num_nextn_predict_layers"] is None and config_from_hf(hf, base=cfg) == cfg
+  default = {k: v for k, v in hf.items() if k not in ("rope_parameters", "mlp_layer_types")}
+  got = config_from_hf(default).model
+  assert (got.rope_theta, got.sliding_rope_theta, got.dense_layers) == (500000.0, 10000.0, ())
+  same = dict(hf, rope_parameters={t: {"rope_type": "default", "rope_theta": 1e6}
+                                   for t in ("full_attention", "sliding_attention")})
+  assert config_from_hf(same).model.sliding_rope_theta == 0.0
+  yarn = tiny_config("mellum", **{"model.sliding_rope_theta": 0.0, **YARN})
+  out = hf_config_from(yarn)["rope_parameters"]
+  assert out["sliding_attention"] == out["full_attention"]
+  assert out["full_attention"]["rope_type"] == "yarn" and config_from_hf(
+      hf_config_from(yarn), base=yarn) == yarn
+  full_only = dict(hf, layer_types=None, rope_parameters={
+      "full_attention": {"rope_type": "default", "rope_theta": 1e6}})
+  got = config_from_hf(full_only).model
+  assert (got.sliding_layers, got.sliding_rope_theta, got.rope_theta) == ((), 0.0, 1e6)
+  with pytest.raises(CheckpointError, match="model.sliding_rope_theta=10000.0: .* needs 0.0"):
+    hf_config_from(tiny_config("exaone_moe", **{"model.sliding_rope_theta": 10000.0}))
 
 
 def test_granite_multipliers_read_and_write():
