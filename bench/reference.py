@@ -42,7 +42,8 @@ def check_modelled(cfg: Config) -> None:
   m, moe = cfg.model, cfg.moe
   plain = dict(qk_norm="full", num_kv_heads=0, qkv_bias=False, kv_lora_rank=0, dense_layers=(),
                rotary_dim=0, rotary_interleaved=False, rope_scaling="none",
-               tie_embeddings=False, attention_gate=False, sliding_window=0, nope_layers=(),
+               tie_embeddings=False, attention_gate=False, attention_sinks=False,
+               sliding_window=0, nope_layers=(),
                norm_position="pre", embed_scale=1.0, residual_scale=1.0, attention_scale=0.0,
                logit_divisor=1.0)
   routing = dict(score="softmax", renormalize=False, score_bias=False, expert_groups=1,

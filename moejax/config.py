@@ -130,6 +130,9 @@ class ModelConfig:
   """Scale the attention output, before its projection, by a sigmoid gate of the token (one
   gate value per query channel; MiniCPM5-MoE, Qwen3-Next): the q projection is twice as wide,
   each head's query followed by its gate, as such checkpoints store it."""
+  attention_sinks: bool = False
+  """A learned logit per query head in each query's softmax denominator, adding no value
+  (attn.sinks; gpt-oss's and Granite SWA's attention sinks)."""
   attention_gate_own: bool = False
   """With attention_gate: the gate's weight is its own [D, H*Dh] parameter (attn.wg, AfMoE's
   gate_proj) rather than columns of the q projection."""
@@ -623,6 +626,9 @@ def validate(c: Config) -> None:
            f"config.model.{field}={layers}: must be ascending distinct layer indices in [0, "
            f"model.num_layers={m.num_layers})")
   _choice(m.norm_position, "model.norm_position", NORM_POSITIONS)
+  _check(not (m.attention_sinks and m.kv_lora_rank),
+         "config.model.attention_sinks=True: latent attention (model.kv_lora_rank > 0) has no "
+         "sinks")
   _check(m.attention_gate or not m.attention_gate_own,
          "config.model.attention_gate_own=True: needs model.attention_gate=True (the gate whose "
          "weight it is)")
@@ -852,6 +858,7 @@ def num_params(c: Config) -> dict[str, int]:
     q_biases = 1 if m.attention_gate_own else gates     # an own gate weight has no bias
     attn += (q_biases * q_width + 2 * kv_width) if m.qkv_bias else 0
     attn += {"full": q_width + kv_width, "head": 2 * m.head_dim, "none": 0}[m.qk_norm]
+    attn += h if m.attention_sinks else 0                # one sink logit per head
   attn += (4 if m.norm_position == "sandwich" else 2) * d     # the layer's norms
   expert = 3 * d * moe.expert_hidden
   shared = 3 * d * moe.shared_expert_hidden + (d if moe.shared_expert_gate else 0)

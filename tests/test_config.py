@@ -163,6 +163,9 @@ def test_unknown_preset():
     ({"model.norm_position": "middle"}, r"config.model.norm_position='middle'"),
     ({"model.attention_gate_own": True}, r"config.model.attention_gate_own=True: needs "
      "model.attention_gate=True"),
+    ({"model.attention_sinks": True, "model.kv_lora_rank": 8, "model.qk_rope_head_dim": 8,
+      "model.qk_nope_head_dim": 8, "model.v_head_dim": 16},
+     r"config.model.attention_sinks=True: latent attention"),
     ({"model.sliding_rope_theta": 1e4}, r"config.model.sliding_rope_theta=10000.0: .* > 0 only "
      "with model.sliding_layers"),
     ({"model.qk_norm_after_rope": True}, r"config.model.qk_norm_after_rope=True needs "

@@ -143,7 +143,8 @@ class FamilySpec:
                                        # "exaone" layer_types, else all but every
                                        # sliding_window_pattern-th, the others unrotated;
                                        # "afmoe" the same by global_attn_every_n_layers;
-                                       # "listed" layer_types, else none
+                                       # "listed" layer_types, else none; "granite_swa"
+                                       # layer_types, else all but every 4th from layer 0
   deepseek: str = ""                   # "v2" / "v3": latent attention, leading dense layers,
                                        # n_shared_experts; v3: grouped sigmoid routing with a
                                        # score bias; v2: softmax, greedy or grouped by the best
@@ -165,6 +166,9 @@ class FamilySpec:
   rope_per_type: bool = False          # rope_parameters holds one RoPE dict per layer type
                                        # (Mellum's; the sliding layers' plain RoPE:
                                        # model.sliding_rope_theta)
+  attention_sinks: bool = False        # a sink logit per head in every attention (self_attn.sinks)
+  layer_thetas: bool = False           # layer_rope_theta: a RoPE base per layer, 0 unrotated
+                                       # (Granite SWA)
   first_dense_default: int = 1         # layer_types_key absent and no first_k_dense_replace
                                        # fallback: this many leading dense layers
   # sigmoid_moe's fields under other names (Hy3: num_shared_experts, router_scaling_factor),
@@ -377,6 +381,13 @@ FAMILY_SPECS = {
         expert_groups=False, first_dense_key="num_dense_layers", attention_gate=True,
         attention_gate_own=True, norm_position="sandwich", sliding="afmoe",
         default_sliding_window=1024, mup=True,
+        required=_COMMON_REQUIRED + (
+            ("attention_bias", False, "moejax attention projections have no bias"),)),
+    "granitemoe_swa": FamilySpec(
+        "granitemoe_swa", "GraniteMoeSWAForCausalLM", "none", "num_local_experts",
+        "intermediate_size", None, default_norm_eps=1e-6, default_aux=0.001, granite="shared",
+        sliding="granite_swa", default_sliding_window=128, attention_sinks=True,
+        layer_thetas=True,
         required=_COMMON_REQUIRED + (
             ("attention_bias", False, "moejax attention projections have no bias"),)),
     "mellum": FamilySpec(
@@ -815,8 +826,39 @@ def _rope_fields(hf: dict, spec: FamilySpec, where: str, head_dim: int) -> dict:
   if spec.rope_per_type:
     return _typed_rope(hf, where, _sliding(hf, spec, where)["sliding_layers"],
                        _get(hf, "num_hidden_layers", int, where))
-  return dict(_rope(hf, where, spec.default_rope_theta, head_dim if spec.hunyuan else 0),
-              sliding_rope_theta=0.0)
+  fields = dict(_rope(hf, where, spec.default_rope_theta, head_dim if spec.hunyuan else 0),
+                sliding_rope_theta=0.0)
+  if spec.layer_thetas:
+    fields.update(_layer_thetas(hf, where, _sliding(hf, spec, where)["sliding_layers"], fields))
+  return fields
+
+
+def _layer_thetas(hf: dict, where: str, sliding_layers: tuple, fields: dict) -> dict:
+  """model.rope_theta, sliding_rope_theta and nope_layers from layer_rope_theta (Granite SWA:
+  each layer's RoPE base, 0 unrotated; absent, the RoPE dict's for all): the full layers' one
+  base is the model's, the sliding layers' one base their own (plain RoPE: refused beside a
+  scaled one); a kind whose layers differ in base is refused."""
+  layers = _get(hf, "num_hidden_layers", int, where)
+  thetas = hf.get("layer_rope_theta")
+  if thetas is None:
+    return {}
+  if (not isinstance(thetas, list) or len(thetas) != layers
+      or not all(isinstance(t, (int, float)) and not isinstance(t, bool) and t >= 0
+                 for t in thetas)):
+    _refuse(where, "layer_rope_theta", thetas, f"expected num_hidden_layers={layers} numbers, "
+            "each a RoPE base or 0 (unrotated)")
+  full = {float(t) for i, t in enumerate(thetas) if t and i not in sliding_layers}
+  local = {float(t) for i, t in enumerate(thetas) if t and i in sliding_layers}
+  if len(full) > 1 or len(local) > 1:
+    _refuse(where, "layer_rope_theta", thetas, "moejax's layers of one kind (sliding or not) "
+            "share one RoPE base")
+  theta = full.pop() if full else local.pop() if local and not full else fields["rope_theta"]
+  local_theta = local.pop() if local else theta
+  if local_theta != theta and fields["rope_scaling"] != "none":
+    _refuse(where, "layer_rope_theta", thetas, "moejax's sliding layers take the model's RoPE "
+            "or plain RoPE of their own base, not a scaled one of their own")
+  return dict(rope_theta=theta, sliding_rope_theta=0.0 if local_theta == theta else local_theta,
+              nope_layers=tuple(i for i, t in enumerate(thetas) if not t))
 
 
 _ATTENTION_TYPES = ("full_attention", "sliding_attention")
@@ -862,6 +904,8 @@ def _sliding(hf: dict, spec: FamilySpec, where: str) -> dict:
     sliding = range(_get(hf, "max_window_layers", int, where, 62), layers)
   elif spec.sliding == "listed":      # no list: every layer attends to all
     sliding = ()
+  elif spec.sliding == "granite_swa":
+    sliding = [i for i in range(layers) if i % 4]
   else:   # EXAONE, AfMoE: transformers derives the list from an integer pattern
     key = _PATTERNED[spec.sliding]
     pattern = _get(hf, key, int, where, 4)
@@ -1057,9 +1101,9 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       qkv_bias=(_get(hf, spec.qkv_bias_key, bool, where, spec.qkv_bias_default)
                 if spec.qkv_bias_key else False),
       attention_gate=spec.attention_gate, attention_gate_own=spec.attention_gate_own,
+      attention_sinks=spec.attention_sinks,
       norm_position=spec.norm_position,
-      **_sliding(hf, spec, where),
-      **_rope_fields(hf, spec, where, head_dim),
+      **{**_sliding(hf, spec, where), **_rope_fields(hf, spec, where, head_dim)},
       norm_eps=_get(hf, "rms_norm_eps", float, where, spec.default_norm_eps),
       init_std=_get(hf, "initializer_range", float, where, base.model.init_std),
       tie_embeddings=_get(hf, "tie_word_embeddings", bool, where, spec.default_tie),
@@ -1183,11 +1227,14 @@ def check_exportable(cfg: Config) -> FamilySpec:
   elif spec.sliding == "all" and m.sliding_window:
     need("model.sliding_layers", m.sliding_layers, tuple(range(m.num_layers)),
          " (its sliding window covers every layer)")
-  if not spec.rope_per_type:
+  if not (spec.rope_per_type or spec.layer_thetas):
     need("model.sliding_rope_theta", m.sliding_rope_theta, 0.0, " (one RoPE for every layer)")
   patterned = spec.sliding in _PATTERNED
-  need("model.nope_layers", m.nope_layers, full if patterned else (),
-       " (it leaves its full layers unrotated)" if patterned else " (it rotates every layer)")
+  if not spec.layer_thetas:         # Granite SWA: any layer unrotated (layer_rope_theta 0)
+    need("model.nope_layers", m.nope_layers, full if patterned else (),
+         " (it leaves its full layers unrotated)" if patterned else " (it rotates every layer)")
+  need("model.attention_sinks", m.attention_sinks, spec.attention_sinks,
+       " (its attention's sinks)" if spec.attention_sinks else " (no attention sinks)")
   if spec.ernie:
     if _ernie_pattern(m) is None:
       raise CheckpointError(
@@ -1332,6 +1379,10 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
     hf.update({"moe_intermediate_size": moe.expert_hidden, "num_shared_expert": 1})
   if spec.mup:
     hf["mup_enabled"] = m.embed_scale != 1.0
+  if spec.layer_thetas:      # each layer's base: 0 unrotated, the sliding layers' own if any
+    hf["layer_rope_theta"] = [
+        0.0 if i in m.nope_layers else (m.sliding_rope_theta or m.rope_theta)
+        if i in m.sliding_layers else m.rope_theta for i in range(m.num_layers)]
   if spec.granite:
     hf.update({key: getattr(m, field) for field, key in _GRANITE_SCALES.items()})
     hf["attention_multiplier"] = m.attention_scale or m.head_dim ** -0.5

@@ -27,6 +27,8 @@ weights are stored [out, in] by torch and [in, out] by moejax, so their tails ar
   layers.ffn_post_norm.scale  [L, D]     model.layers.i.post_{attention,mlp}_layernorm.weight
   layers.attn.wg              [L, D, HD] model.layers.i.self_attn.gate_proj.weight        [HD, D]^T
                                          (model.attention_gate_own, AfMoE)
+  layers.attn.sinks           [L, H]     model.layers.i.self_attn.sinks                   [H]
+                                         (model.attention_sinks, Granite SWA)
   layers.moe.router           [L, D, E]  model.layers.i.MOE.gate.weight                   [E, D]^T
   layers.moe.w_gate           [L,E,D,F]  model.layers.i.MOE.experts.e.gate_proj.weight    [F, D]^T
   layers.moe.w_up             [L,E,D,F]  model.layers.i.MOE.experts.e.up_proj.weight      [F, D]^T
@@ -139,6 +141,7 @@ HUB_EXPERT_NAMES = {
     "flex_olmo": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "hunyuan_v1_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "afmoe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "granitemoe_swa": ("block_sparse_moe", ("gate_proj", "up_proj", "down_proj")),
     "mellum": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 # The attention's q and k norms where they are not q_norm and k_norm (both layouts).
@@ -153,12 +156,15 @@ HUB_EMBED_NAME = {"sarvam_moe": "model.word_embeddings.weight",
 # Families whose Hub layout holds each layer's experts fused too, under these names (the gate
 # rows of every expert, then its up rows: [E, 2F, D]; down: [E, D, F]): Granite's.
 HUB_FUSED_EXPERTS = {"granitemoe": ("input_linear.weight", "output_linear.weight"),
-                     "granitemoeshared": ("input_linear.weight", "output_linear.weight")}
+                     "granitemoeshared": ("input_linear.weight", "output_linear.weight"),
+                     # Granite SWA's: transformers' own fused names (it converts no other)
+                     "granitemoe_swa": ("experts.gate_up_proj", "experts.down_proj")}
 # The MoE block's module in transformers' fused layout where it is not `mlp`.
-FUSED_MOE_MODULE = {"granitemoe": "block_sparse_moe", "granitemoeshared": "block_sparse_moe"}
+FUSED_MOE_MODULE = {"granitemoe": "block_sparse_moe", "granitemoeshared": "block_sparse_moe",
+                    "granitemoe_swa": "block_sparse_moe"}
 # Shared experts held fused at the layer's level, [gate rows; up rows] then down (Granite's
 # shared_mlp.input_linear / output_linear).
-FUSED_SHARED_MODULE = {"granitemoeshared": "shared_mlp"}
+FUSED_SHARED_MODULE = {"granitemoeshared": "shared_mlp", "granitemoe_swa": "shared_mlp"}
 SHARED_EXPERT_MODULE = {"qwen2_moe": "shared_expert", "glm4_moe": "shared_experts",
                         "dots1": "shared_experts", "ernie4_5_moe": "shared_experts",
                         "deepseek_v2": "shared_experts", "deepseek_v3": "shared_experts",
@@ -178,7 +184,8 @@ POST_NORM_NAMES = ("post_attention_layernorm", "post_mlp_layernorm")
 # The router's module under the MoE block where it is not `gate`: (Hub layout, fused layout).
 ROUTER_NAME = {"hy_v3": ("router.gate", "gate"), "granitemoe": ("router.layer", "router"),
                "granitemoeshared": ("router.layer", "router"),
-               "hunyuan_v1_moe": ("gate.wg", "gate.wg"), "afmoe": ("router.gate", "router.gate")}
+               "hunyuan_v1_moe": ("gate.wg", "gate.wg"), "afmoe": ("router.gate", "router.gate"),
+               "granitemoe_swa": ("router", "router")}
 # The q projection of families whose attention has an output gate (`model.attention_gate`): each
 # head's query rows followed by its gate rows, under this name in transformers' fused layout
 # (the Hub's keeps q_proj; transformers renames it on load).
@@ -240,6 +247,8 @@ def _attention_maps(cfg: Config, per_layer, experts: str) -> None:
     per_layer(("attn", f"w{part}"), (D, width), f"{module}.{tensor}.weight", True,
               row_offset=offset)
   per_layer(("attn", "wo"), (HD, D), f"{module}.{out}.weight", True)
+  if m.attention_sinks:
+    per_layer(("attn", "sinks"), (m.num_heads,), f"{module}.sinks", False)
   if m.attention_gate_own:
     per_layer(("attn", "wg"), (D, HD), f"{module}.gate_proj.weight", True)
   if m.qkv_bias:

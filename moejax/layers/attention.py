@@ -16,6 +16,9 @@ Letters: B batch, S sequence, D model width, H query heads, G key/value heads, D
   sliding window `window` W > 0: each query sees itself and the W - 1 tokens before it
                  (Mistral's, EXAONE's sliding layers); 0: the whole sequence.
   no rotary      `rotary=False`: q and k are not rotated (EXAONE 4's global layers, NoPE).
+  sinks          a learned logit per query head that joins each query's softmax denominator
+                 and adds no value (gpt-oss's and Granite SWA's attention sinks): the output is
+                 scaled by sigmoid(logsumexp(scores) - sink).
 
 Rotary embeddings (`moejax.layers.rope`: plain or YaRN-scaled) use the half-split (rotate_half)
 convention; latent attention's rotary part is stored interleaved (pairs (x0, x1), (x2, x3), ...),
@@ -35,20 +38,24 @@ from moejax.layers.matmul import dense
 from moejax.layers.norm import rms_norm
 from moejax.layers.rope import (NO_SCALING, RopeScaling, apply_rotary, rotary_at,  # noqa: F401
                                 rotary_tables)
-from moejax.sharding.axes import (ATTENTION, BIASES, EMBED, HEADS, KV_HEADS, LATENT, NORM, NORMS,
-                                  Q_HEADS, param)
+from moejax.sharding.axes import (ATTENTION, BIASES, EMBED, HEAD, HEADS, KV_HEADS, LATENT, NORM,
+                                  NORMS, Q_HEADS, param)
 
 QK_NORMS = ("full", "head", "none")
 LATENT_NORM_EPS = 1e-6   # DeepSeek's latent norms use their module default, not rms_norm_eps
 
 
 def attend(q_BxSxHxDk, k_BxTxGxDk, v_BxTxGxDv, *, mask=None, is_causal=False, scale=None,
-           window: int = 0):
+           window: int = 0, sinks_H=None):
   """Softmax attention scaled by `scale` (default 1/sqrt(Dk)); `window` W > 0: query i sees keys
-  i - W + 1 .. i (with `is_causal`). Values and keys may differ in width (latent attention):
-  `jax.nn.dot_product_attention` takes one width, so the narrower side is zero-padded (zeros add
-  nothing to q.k or to the output) and the output cut back to Dv. On CUDA, where
-  `cudnn_applies`, cuDNN's flash attention (its sliding window too); XLA's otherwise."""
+  i - W + 1 .. i (with `is_causal`); `sinks_H`: each head's sink logit (`attend_with_sinks`).
+  Values and keys may differ in width (latent attention): `jax.nn.dot_product_attention` takes
+  one width, so the narrower side is zero-padded (zeros add nothing to q.k or to the output)
+  and the output cut back to Dv. On CUDA, where `cudnn_applies`, cuDNN's flash attention (its
+  sliding window too); XLA's otherwise."""
+  if sinks_H is not None:
+    return attend_with_sinks(q_BxSxHxDk, k_BxTxGxDk, v_BxTxGxDv, sinks_H, mask=mask,
+                             is_causal=is_causal, scale=scale, window=window)
   dk, dv = q_BxSxHxDk.shape[-1], v_BxTxGxDv.shape[-1]
   pad = lambda x, width: jnp.pad(x, ((0, 0),) * 3 + ((0, width - x.shape[-1]),))  # noqa: E731
   if dv < dk:
@@ -67,6 +74,37 @@ def attend(q_BxSxHxDk, k_BxTxGxDk, v_BxTxGxDv, *, mask=None, is_causal=False, sc
   cudnn = functools.partial(xla, implementation="cudnn")
   out = lax.platform_dependent(q_BxSxHxDk, k_BxTxGxDk, v_BxTxGxDv, cuda=cudnn, default=xla)
   return out[..., :dv]
+
+
+def attend_with_sinks(q_BxSxHxDk, k_BxTxGxDk, v_BxTxGxDv, sinks_H, *, mask=None,
+                      is_causal=False, scale=None, window: int = 0):
+  """Softmax attention whose denominator also holds exp(sink) per head: the scores in fp32, one
+  sink column per head appended before the softmax and dropped after it. Written out (XLA's
+  materialized form) because neither `jax.nn.dot_product_attention` nor cuDNN takes a sink,
+  and its logsumexp residual carries no gradient. `mask` [B or 1, 1, S, T] bool, as `attend`."""
+  b, s, h, dk = q_BxSxHxDk.shape
+  t, g = k_BxTxGxDk.shape[1], k_BxTxGxDk.shape[2]
+  q_BxSxGxRxDk = q_BxSxHxDk.reshape(b, s, g, h // g, dk)
+  scores_BxGxRxSxT = jnp.einsum("bsgrd,btgd->bgrst", q_BxSxGxRxDk, k_BxTxGxDk,
+                                preferred_element_type=jnp.float32)
+  scores_BxGxRxSxT = scores_BxGxRxSxT * (dk ** -0.5 if scale is None else scale)
+  visible_SxT = jnp.ones((s, t), bool)
+  if is_causal:       # queries are the last s of the t positions
+    offset_S = jnp.arange(s)[:, None] + (t - s)
+    visible_SxT = jnp.arange(t)[None, :] <= offset_S
+    if window:
+      visible_SxT = visible_SxT & (offset_S - jnp.arange(t)[None, :] < window)
+  visible = visible_SxT[None, None, None]
+  if mask is not None:       # [B|1, 1, S, T]
+    visible = visible & mask[:, :, None]
+  scores_BxGxRxSxT = jnp.where(visible, scores_BxGxRxSxT, -jnp.inf)
+  sinks_GxR = sinks_H.astype(jnp.float32).reshape(g, h // g)
+  sink_BxGxRxSx1 = jnp.broadcast_to(sinks_GxR[None, :, :, None, None],
+                                    (b, g, h // g, s, 1))
+  probs = jax.nn.softmax(jnp.concatenate([scores_BxGxRxSxT, sink_BxGxRxSx1], axis=-1),
+                         axis=-1)[..., :t]
+  out_BxSxGxRxDv = jnp.einsum("bgrst,btgd->bsgrd", probs.astype(v_BxTxGxDv.dtype), v_BxTxGxDv)
+  return out_BxSxGxRxDv.reshape(b, s, h, v_BxTxGxDv.shape[-1])
 
 
 def on_gpu() -> bool:
@@ -90,7 +128,7 @@ class Attention(nnx.Module):
                rope_scaling: RopeScaling = NO_SCALING, rotary_dim: int = 0,
                rotary_interleaved: bool = False, output_gate: bool = False, window: int = 0,
                rotary: bool = True, softmax_scale: float = 0.0, qk_norm_after_rope: bool = False,
-               gate_own: bool = False):
+               gate_own: bool = False, sinks: bool = False):
     num_kv_heads = num_kv_heads or num_heads
     if qk_norm not in QK_NORMS:
       raise ValueError(f"qk_norm={qk_norm!r}: must be one of {', '.join(QK_NORMS)}")
@@ -113,6 +151,8 @@ class Attention(nnx.Module):
                     ATTENTION)
     self.wo = param(init(rngs.params(), (q_width, d_model), jnp.float32), (HEADS, EMBED),
                     ATTENTION)
+    if sinks:     # zero logits: transformers' init
+      self.sinks = param(jnp.zeros((num_heads,), jnp.float32), (HEAD,), BIASES)
     if qkv_bias:
       self.bq = param(jnp.zeros((wq_width,), jnp.float32), (Q_HEADS,), BIASES)
       self.bk = param(jnp.zeros((kv_width,), jnp.float32), (KV_HEADS,), BIASES)
@@ -124,6 +164,7 @@ class Attention(nnx.Module):
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
     self.qk_norm, self.qkv_bias, self.output_gate = qk_norm, qkv_bias, output_gate
     self.gate_own = output_gate and gate_own
+    self.has_sinks = sinks
     self.window, self.rotary = window, rotary
     self.qk_norm_after_rope = qk_norm_after_rope
     self.rope_theta, self.rope_scaling, self.norm_eps = rope_theta, rope_scaling, norm_eps
@@ -137,7 +178,11 @@ class Attention(nnx.Module):
     s = x_BxSxD.shape[1]
     q, k, v = self.qkv(x_BxSxD, self.rotary_at(jnp.arange(s, dtype=jnp.float32)))
     return self.project_out(attend(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                   window=self.window), x_BxSxD)
+                                   window=self.window, sinks_H=self.sinks_H()), x_BxSxD)
+
+  def sinks_H(self):
+    """Each head's sink logit [H] (fp32), or None without sinks."""
+    return self.sinks[...] if self.has_sinks else None
 
   def rotary_at(self, positions_S):
     """(cos, sin) [S, Dh] of these positions, this layer's RoPE (for `qkv`)."""
@@ -298,6 +343,10 @@ class LatentAttention(nnx.Module):
         [kv_BxSxHx_[..., :self.nope],
          jnp.broadcast_to(k_rot_BxSx1xDr, (b, s, h, self.rotary_dim))], axis=-1)
     return q_BxSxHxQk, k_BxSxHxQk, kv_BxSxHx_[..., self.nope:]
+
+  def sinks_H(self):
+    """None: latent attention has no sinks."""
+    return None
 
   def project_out(self, out_BxSxHxDv, x_BxSxD=None):
     """The heads' outputs projected back to D (no output gate: `x_BxSxD` is not read)."""

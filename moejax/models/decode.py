@@ -99,7 +99,8 @@ def _forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start
       visible = visible & (positions_S[:, None] - jnp.arange(cache.max_len)[None, :]
                            < kind.window)
     out_BxSxHxDv = attend(q, k_BxTxGxDk.astype(q.dtype), v_BxTxGxDv.astype(q.dtype),
-                          mask=visible[None, None], scale=attn.softmax_scale)
+                          mask=visible[None, None], scale=attn.softmax_scale,
+                          sinks_H=attn.sinks_H())
     y_BxSxD = layer.attn_out(attn.project_out(out_BxSxHxDv, x_BxSxD))
     h_BxSxD = olmoe.join_residual(h_BxSxD, y_BxSxD, layer.residual_scale)
     y_BxSxD = layer.ffn_out(layer.feed_forward(layer.ffn_in(h_BxSxD)))

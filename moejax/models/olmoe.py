@@ -140,7 +140,8 @@ def _attention(cfg: Config, rngs: nnx.Rngs, kind: AttentionKind):
                    rope_scaling=scaling, rotary_dim=m.rotary_dim,
                    rotary_interleaved=m.rotary_interleaved, output_gate=m.attention_gate,
                    window=kind.window, rotary=kind.rotary, softmax_scale=m.attention_scale,
-                   qk_norm_after_rope=m.qk_norm_after_rope, gate_own=m.attention_gate_own)
+                   qk_norm_after_rope=m.qk_norm_after_rope, gate_own=m.attention_gate_own,
+                   sinks=m.attention_sinks)
 
 
 class _Sublayers:

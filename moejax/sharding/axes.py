@@ -16,6 +16,7 @@ Logical axes:
   EXPERT        the experts of a layer: one weight matrix per expert
   EXPERT_SCORE  the router's output, one score per expert (a feature axis, not separate experts)
   NORM          a norm's scale
+  HEAD          one value per query head (attention sinks); in no rules table: replicated
   LAYERS        the stacked axis of scanned layers (added by the model that stacks them); never
                 sharded
 Groups: EMBEDDINGS, ATTENTION, BIASES, ROUTER, ROUTER_FP32, ROUTER_BIAS, NORMS, EXPERTS (routed),
@@ -46,8 +47,10 @@ LATENT = "latent"
 EXPERT = "expert"
 EXPERT_SCORE = "expert_score"
 NORM = "norm"
+HEAD = "head"
 LAYERS = "layers"
-AXES = (VOCAB, EMBED, Q_HEADS, KV_HEADS, HEADS, MLP, LATENT, EXPERT, EXPERT_SCORE, NORM, LAYERS)
+AXES = (VOCAB, EMBED, Q_HEADS, KV_HEADS, HEADS, MLP, LATENT, EXPERT, EXPERT_SCORE, NORM, HEAD,
+        LAYERS)
 
 EMBEDDINGS = "embeddings"
 ATTENTION = "attention"

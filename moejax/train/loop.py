@@ -298,9 +298,8 @@ class Trainer:
 _WEIGHT_FIELDS = {
     "model": ("vocab_size", "d_model", "num_layers", "num_heads", "head_dim", "num_kv_heads",
               "qk_norm", "qkv_bias", "qk_norm_after_rope", "attention_gate", "attention_gate_own",
-              "sliding_window", "sliding_layers", "sliding_rope_theta", "nope_layers",
-              "norm_position", "embed_scale",
-              "residual_scale", "attention_scale",
+              "attention_sinks", "sliding_window", "sliding_layers", "sliding_rope_theta",
+              "nope_layers", "norm_position", "embed_scale", "residual_scale", "attention_scale",
               "logit_divisor", "rope_theta", "rotary_dim", "rotary_interleaved", "norm_eps",
               "dense_layers", "dense_hidden", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
               "qk_rope_head_dim", "v_head_dim", "tie_embeddings"),

@@ -302,6 +302,19 @@ MODELS = {
                     sliding_window=3, mup_enabled=True, rms_norm_eps=1e-5,
                     rope_theta=40000.0),
         save=dict()),
+    # Granite SWA: attention sinks, layers 1-3 sliding within 3 tokens (absent layer_types:
+    # every 4th from layer 0 global), a RoPE base per layer (layer 0 unrotated, the sliding
+    # layers' own base, layer 4's the model's), Granite's multipliers, a shared MLP; saved in
+    # its own (transformers') fused names.
+    "granitemoe_swa": dict(
+        model_type="granitemoe_swa",
+        config=dict(vocab_size=66, hidden_size=32, intermediate_size=12, num_hidden_layers=5,
+                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=5,
+                    num_experts_per_tok=2, shared_intermediate_size=16, sliding_window=3,
+                    layer_rope_theta=[0, 8000.0, 8000.0, 8000.0, 60000.0],
+                    embedding_multiplier=3.0, residual_multiplier=0.6,
+                    attention_multiplier=0.3, logits_scaling=2.0, rms_norm_eps=1e-6),
+        save=dict()),
     # Mellum: per-head QK-norm, layers 0, 2, 3 sliding within 3 tokens by their own plain RoPE
     # (rope_parameters per layer type), layer 1 attending to all under YaRN, layer 1's MLP dense
     # between MoE ones (mlp_layer_types), softmax top-k not renormalized; per expert.

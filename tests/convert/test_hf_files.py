@@ -631,6 +631,13 @@ FAMILY_REFUSALS = [
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
      "rope_parameters.full_attention.partial_rotary_factor=0.5 is not supported"),
     ("mellum", dict(attention_bias=True), "attention_bias=True is not supported"),
+    ("granitemoe_swa", dict(layer_rope_theta=[0, 1e4, 2e4, 1e4]), "layer_rope_theta=[0, "
+     "10000.0, 20000.0, 10000.0] is not supported: moejax's layers of one kind"),
+    ("granitemoe_swa", dict(layer_rope_theta=[0, 1e4]), "expected num_hidden_layers=4 numbers"),
+    ("granitemoe_swa", dict(layer_rope_theta=[1e6, 1e4, 1e4, 1e4], rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0,
+        "original_max_position_embeddings": 64}),
+     "not a scaled one of their own"),
     ("afmoe", dict(sliding_window=None), "sliding_window=None is not supported: "
      "AfmoeForCausalLM's sliding layers need a number of tokens"),
     ("afmoe", dict(layer_types=None, global_attn_every_n_layers=0),
@@ -1136,6 +1143,31 @@ def test_mellum_reads_rope_per_layer_type_and_dense_layers_anywhere():
   assert (got.sliding_layers, got.sliding_rope_theta, got.rope_theta) == ((), 0.0, 1e6)
   with pytest.raises(CheckpointError, match="model.sliding_rope_theta=10000.0: .* needs 0.0"):
     hf_config_from(tiny_config("exaone_moe", **{"model.sliding_rope_theta": 10000.0}))
+
+
+def test_granite_swa_reads_a_rope_base_per_layer_and_sinks():
+  """Granite SWA: layer_rope_theta's global layers' base is the model's, the sliding layers'
+  their own (the same: 0), 0 unrotated (any layer); absent, the RoPE dict's for all; absent
+  layer_types, every 4th layer from 0 global; sinks always, exported with the per-layer list."""
+  cfg = tiny_config("granitemoe_swa")
+  hf = hf_config_from(cfg)
+  assert hf["layer_rope_theta"] == [0.0, 10000.0, 10000.0, 10000.0]
+  assert hf["layer_types"] == ["full_attention"] + ["sliding_attention"] * 3
+  assert config_from_hf(hf, base=cfg) == cfg
+  assert "model.layers.3.self_attn.sinks" in hf_names.expected_shapes(cfg)
+  six = dict(hf, num_hidden_layers=6, layer_types=None,
+             layer_rope_theta=[5e5, 1e4, 0, 1e4, 5e5, 1e4])
+  got = config_from_hf(six).model
+  assert (got.sliding_layers, got.nope_layers, got.rope_theta, got.sliding_rope_theta) == (
+      (1, 2, 3, 5), (2,), 5e5, 1e4)
+  assert hf_config_from(dataclasses.replace(cfg, model=got))["layer_rope_theta"] == [
+      5e5, 1e4, 0.0, 1e4, 5e5, 1e4]
+  plain = config_from_hf({k: v for k, v in six.items() if k != "layer_rope_theta"}).model
+  assert (plain.nope_layers, plain.sliding_rope_theta) == ((), 0.0)
+  with pytest.raises(CheckpointError, match="model.attention_sinks=False: .* needs True"):
+    hf_config_from(tiny_config("granitemoe_swa", **{"model.attention_sinks": False}))
+  with pytest.raises(CheckpointError, match="model.attention_sinks=True: .* needs False"):
+    hf_config_from(tiny_config("granitemoeshared", **{"model.attention_sinks": True}))
 
 
 def test_granite_multipliers_read_and_write():

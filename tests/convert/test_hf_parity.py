@@ -37,7 +37,9 @@ the sublayers' outputs, QK-norm over all heads' width with grouped-query attenti
 (sandwich norms, the output gate's own projection, sliding and unrotated layers from
 global_attn_every_n_layers, the embedding scaled by mup_enabled, two shared experts) and
 "mellum" (RoPE per layer type: the sliding layers' plain RoPE of their own base, the full
-layer's YaRN; a dense layer between MoE ones from mlp_layer_types). They
+layer's YaRN; a dense layer between MoE ones from mlp_layer_types), "granitemoe_swa" (attention
+sinks, a RoPE base per layer: one unrotated, the sliding layers' own; Granite's multipliers and
+shared MLP; its own fused names). They
 differ
 in layers, heads, kv heads, head width, experts, top-k, expert and shared widths, latent ranks,
 RoPE base, norm epsilon and top-k renormalization; "b", "qwen3_moe", "deepseek_v2" and
@@ -74,7 +76,8 @@ from moejax.train.state import state_layout
 MODELS = ("a", "b", "mixtral", "qwen2_moe", "qwen3_moe", "minimax_m2", "ernie4_5_moe", "glm4_moe",
           "dots1", "deepseek_v2", "deepseek_v3", "deepseek_v3_b", "glm4_moe_lite", "solar_open",
           "minicpm5_moe", "hy_v3", "exaone_moe", "granitemoe", "granitemoeshared", "sarvam_moe",
-          "param2moe", "flex_olmo", "hunyuan_v1_moe", "afmoe", "mellum")
+          "param2moe", "flex_olmo", "hunyuan_v1_moe", "afmoe", "mellum",
+          "granitemoe_swa")
 SAVED_FUSED = ("b", "qwen2_moe", "dots1", "deepseek_v3", "granitemoeshared", "param2moe")
 FP8_MODELS = ("qwen3_moe_fp8", "minimax_m2_fp8", "deepseek_v3_b_fp8", "mixtral_ct_fp8",
               "glm4_moe_ct_fp8", "qwen3_moe_int4")
@@ -128,10 +131,11 @@ def test_logits_match_transformers_fp32(name, hf_models, imported):
     plain = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, rope_scaling="none"))
     with pytest.raises(AssertionError):
       assert_logits_close(fp32_logits(plain, params, tokens), want, rel=1e-2)
-  if cfg.model.sliding_rope_theta:      # the sliding layers' own RoPE moves them too
+  if cfg.model.sliding_rope_theta:      # the sliding layers' own RoPE moves them too (within
+    # a window of 3 by at most two positions' rotation: a smaller move than YaRN's)
     one = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, sliding_rope_theta=0.0))
     with pytest.raises(AssertionError):
-      assert_logits_close(fp32_logits(one, params, tokens), want, rel=1e-2)
+      assert_logits_close(fp32_logits(one, params, tokens), want, rel=1e-4)
 
 
 @pytest.mark.parametrize("name", FP8_MODELS)

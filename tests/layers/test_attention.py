@@ -99,3 +99,36 @@ def test_attention_without_rotary_does_not_see_positions():
   np.testing.assert_allclose(_attention_out(rotary=False, x=x)[0, 5],
                              _attention_out(rotary=False, x=swapped)[0, 5], rtol=1e-5, atol=1e-6)
   assert np.max(np.abs(_attention_out(x=x)[0, 5] - _attention_out(x=swapped)[0, 5])) > 1e-3
+
+
+def test_sinks_join_the_softmax_denominator_and_carry_its_gradient():
+  """With sinks the output is the plain attention's scaled by sigmoid(logsumexp(scores) - sink)
+  per head (grouped-query, sliding window); a sink far below every score changes nothing; the
+  gradient reaches q, k and the sinks through the denominator as the written-out softmax's
+  does (a logsumexp taken beside the attention, as jax's residual, would carry none)."""
+  b, s, h, g, d, window = 2, 7, 4, 2, 8, 3
+  q = jax.random.normal(jax.random.key(0), (b, s, h, d))
+  k, v = (jax.random.normal(jax.random.key(i), (b, s, g, d)) for i in (1, 2))
+  sinks_H = jax.random.normal(jax.random.key(3), (h,))
+  plain = attend(q, k, v, is_causal=True, window=window)
+  np.testing.assert_allclose(attend(q, k, v, is_causal=True, window=window,
+                                    sinks_H=jnp.full((h,), -1e9)), plain, atol=1e-6)
+
+  def written_out(q, k, sinks_H):
+    kk, vv = jnp.repeat(k, h // g, axis=2), jnp.repeat(v, h // g, axis=2)
+    scores = jnp.einsum("bshd,bthd->bhst", q, kk) / np.sqrt(d)
+    i, j = np.arange(s)[:, None], np.arange(s)[None, :]
+    scores = jnp.where((j <= i) & (i - j < window), scores, -jnp.inf)
+    lse_BxHxS = jax.nn.logsumexp(scores, axis=-1)
+    out = jnp.einsum("bhst,bthd->bshd", jax.nn.softmax(scores, axis=-1), vv)
+    return out * jax.nn.sigmoid(lse_BxHxS - sinks_H[None, :, None]).transpose(0, 2, 1)[..., None]
+
+  got = attend(q, k, v, is_causal=True, window=window, sinks_H=sinks_H)
+  np.testing.assert_allclose(got, written_out(q, k, sinks_H), atol=1e-6)
+  assert float(jnp.max(jnp.abs(got - plain))) > 1e-2
+  loss = lambda f: lambda q, k, s_: jnp.sum(f(q, k, s_) ** 2)  # noqa: E731
+  ours = jax.grad(loss(lambda q, k, s_: attend(q, k, v, is_causal=True, window=window,
+                                                 sinks_H=s_)), argnums=(0, 1, 2))(q, k, sinks_H)
+  want = jax.grad(loss(written_out), argnums=(0, 1, 2))(q, k, sinks_H)
+  for a, w in zip(ours, want):
+    np.testing.assert_allclose(a, w, atol=1e-5)
