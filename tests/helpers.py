@@ -12,6 +12,7 @@ import configs.dots1 as dots1_configs
 import configs.ernie4_5_moe as ernie4_5_moe_configs
 import configs.exaone_moe as exaone_moe_configs
 import configs.flex_olmo as flex_olmo_configs
+import configs.flint as flint_configs
 import configs.glm4_moe as glm4_moe_configs
 import configs.glm4_moe_lite as glm4_moe_lite_configs
 import configs.granitemoe as granitemoe_configs
@@ -46,7 +47,7 @@ FAMILY_CONFIGS = {"olmoe": olmoe_configs, "mixtral": mixtral_configs,
                   "granitemoeshared": granitemoeshared_configs, "sarvam_moe": sarvam_moe_configs,
                   "param2moe": param2moe_configs, "flex_olmo": flex_olmo_configs,
                   "afmoe": afmoe_configs, "mellum": mellum_configs,
-                  "granitemoe_swa": granitemoe_swa_configs,
+                  "granitemoe_swa": granitemoe_swa_configs, "flint": flint_configs,
                   "hunyuan_v1_moe": hunyuan_v1_moe_configs}
 
 

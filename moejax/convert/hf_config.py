@@ -104,12 +104,14 @@ class FamilySpec:
   # transformers' defaults for fields a config.json may leave out
   default_rope_theta: float = 10000.0
   default_norm_eps: float = 1e-5
-  shared_expert: bool = False          # a gated shared expert in every layer (Qwen2-MoE)
+  shared_expert: bool = False          # a gated shared expert in every layer (Qwen2-MoE) ...
+  shared_gate: bool = True             # ... without its gate (Flint)
   qkv_bias_key: str | None = None      # ... of q/k/v biases; None: never
   qkv_bias_default: bool = False
   renormalize_default: bool = False    # transformers' default when renormalize_key is absent
   z_loss_key: str | None = None        # ... of the router z-loss weight, if it has one
   dense_pattern: bool = False          # dense layers from mlp_only_layers / decoder_sparse_step
+  default_mlp_only: tuple = ()         # ... mlp_only_layers absent or null (Flint: (0, 1))
   qk_norm_key: str | None = None       # ... of whether qk_norm is on (GLM's use_qk_norm: "none"
                                        # when false)
   partial_rotary: float | None = None  # partial_rotary_factor when absent; None: always 1 (the
@@ -144,7 +146,10 @@ class FamilySpec:
                                        # sliding_window_pattern-th, the others unrotated;
                                        # "afmoe" the same by global_attn_every_n_layers;
                                        # "listed" layer_types, else none; "granite_swa"
-                                       # layer_types, else all but every 4th from layer 0
+                                       # layer_types, else all but every 4th from layer 0;
+                                       # "flint" layer_types, else all but layers 0, 1, every
+                                       # 4th from 1 and the last, the others unrotated (all
+                                       # without a window)
   deepseek: str = ""                   # "v2" / "v3": latent attention, leading dense layers,
                                        # n_shared_experts; v3: grouped sigmoid routing with a
                                        # score bias; v2: softmax, greedy or grouped by the best
@@ -388,6 +393,14 @@ FAMILY_SPECS = {
         "intermediate_size", None, default_norm_eps=1e-6, default_aux=0.001, granite="shared",
         sliding="granite_swa", default_sliding_window=128, attention_sinks=True,
         layer_thetas=True,
+        required=_COMMON_REQUIRED + (
+            ("attention_bias", False, "moejax attention projections have no bias"),)),
+    "flint": FamilySpec(
+        "flint", "FlintForCausalLM", "head", "num_experts", "moe_intermediate_size",
+        "norm_topk_prob", renormalize_default=True, shared_expert=True, shared_gate=False,
+        default_norm_eps=1e-6, default_head_dim=128, default_kv_heads=4, default_aux=0.0005,
+        dense_pattern=True, default_mlp_only=(0, 1), score="sigmoid", sliding="flint",
+        default_sliding_window=513, attention_sinks=True,
         required=_COMMON_REQUIRED + (
             ("attention_bias", False, "moejax attention projections have no bias"),)),
     "mellum": FamilySpec(
@@ -865,6 +878,8 @@ _ATTENTION_TYPES = ("full_attention", "sliding_attention")
 # Families whose absent layer_types come from every n-th layer attending to all (this field n),
 # those full layers unrotated (NoPE): EXAONE-MoE's and AfMoE's.
 _PATTERNED = {"exaone": "sliding_window_pattern", "afmoe": "global_attn_every_n_layers"}
+# ... and every family whose full layers are unrotated wherever layers slide
+_FULL_UNROTATED = (*_PATTERNED, "flint")
 # Granite's multipliers: model field -> config.json field (transformers' default 1.0 each; its
 # attention_multiplier is the softmax scale itself)
 _GRANITE_SCALES = {"embed_scale": "embedding_multiplier", "residual_scale": "residual_multiplier",
@@ -891,8 +906,8 @@ def _sliding(hf: dict, spec: FamilySpec, where: str) -> dict:
   if window is None and spec.sliding in _PATTERNED:    # its config class types it int
     _refuse(where, "sliding_window", window, f"{spec.architecture}'s sliding layers need a "
             "number of tokens")
-  if window is None:     # no window: every layer attends to all, rotated
-    return none
+  if window is None:     # no window: every layer attends to all, rotated (Flint's: unrotated)
+    return dict(none, nope_layers=tuple(range(layers))) if spec.sliding == "flint" else none
   window = _get(hf, "sliding_window", int, where, spec.default_sliding_window)
   if window < 1:
     _refuse(where, "sliding_window", window, "expected a positive number of tokens or null")
@@ -906,6 +921,8 @@ def _sliding(hf: dict, spec: FamilySpec, where: str) -> dict:
     sliding = ()
   elif spec.sliding == "granite_swa":
     sliding = [i for i in range(layers) if i % 4]
+  elif spec.sliding == "flint":
+    sliding = [i for i in range(2, layers - 1) if i % 4 != 1]
   else:   # EXAONE, AfMoE: transformers derives the list from an integer pattern
     key = _PATTERNED[spec.sliding]
     pattern = _get(hf, key, int, where, 4)
@@ -913,16 +930,18 @@ def _sliding(hf: dict, spec: FamilySpec, where: str) -> dict:
       _refuse(where, key, pattern, "expected a positive integer")
     sliding = [i for i in range(layers) if (i + 1) % pattern]
   sliding = tuple(sliding)
-  nope = (tuple(i for i in range(layers) if i not in sliding) if spec.sliding in _PATTERNED
-          else ())
+  nope = (tuple(i for i in range(layers) if i not in sliding)
+          if spec.sliding in _FULL_UNROTATED else ())
   return dict(sliding_window=window if sliding else 0, sliding_layers=sliding, nope_layers=nope)
 
 
-def _dense_pattern(hf: dict, where: str) -> dict:
-  """Qwen-MoE's dense layers: those in mlp_only_layers and those off decoder_sparse_step."""
+def _dense_pattern(hf: dict, where: str, default_listed: tuple = ()) -> dict:
+  """Qwen-MoE's dense layers: those in mlp_only_layers (absent or null: `default_listed`) and
+  those off decoder_sparse_step."""
   layers = _get(hf, "num_hidden_layers", int, where)
   step = _get(hf, "decoder_sparse_step", int, where, 1)
-  listed = hf.get("mlp_only_layers") or []
+  listed = hf.get("mlp_only_layers")
+  listed = list(default_listed) if listed is None else listed
   if step < 1:
     _refuse(where, "decoder_sparse_step", step, "expected a positive integer")
   if not isinstance(listed, list) or not all(isinstance(i, int) and 0 <= i < layers
@@ -1110,7 +1129,7 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       kv_lora_rank=0, q_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0,
       dense_layers=(), dense_hidden=0)
   if spec.dense_pattern:
-    model = dataclasses.replace(model, **_dense_pattern(hf, where))
+    model = dataclasses.replace(model, **_dense_pattern(hf, where, spec.default_mlp_only))
   if spec.layer_types_key and not (spec.deepseek or spec.sigmoid_moe):    # Mellum
     dense = _mlp_layer_types(hf, spec, where)
     model = dataclasses.replace(model, dense_layers=dense, dense_hidden=_get(
@@ -1122,7 +1141,7 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       expert_hidden=_get(hf, spec.expert_hidden_key, int, where),
       shared_expert_hidden=(_get(hf, "shared_expert_intermediate_size", int, where)
                             if spec.shared_expert else 0),
-      shared_expert_gate=spec.shared_expert,
+      shared_expert_gate=spec.shared_expert and spec.shared_gate,
       score=spec.score,
       # transformers declares it `bool | None` and tests its truth: null is off
       renormalize=((hf.get(spec.renormalize_key, spec.renormalize_default) is not None
@@ -1229,7 +1248,7 @@ def check_exportable(cfg: Config) -> FamilySpec:
          " (its sliding window covers every layer)")
   if not (spec.rope_per_type or spec.layer_thetas):
     need("model.sliding_rope_theta", m.sliding_rope_theta, 0.0, " (one RoPE for every layer)")
-  patterned = spec.sliding in _PATTERNED
+  patterned = spec.sliding in _FULL_UNROTATED
   if not spec.layer_thetas:         # Granite SWA: any layer unrotated (layer_rope_theta 0)
     need("model.nope_layers", m.nope_layers, full if patterned else (),
          " (it leaves its full layers unrotated)" if patterned else " (it rotates every layer)")
@@ -1252,7 +1271,7 @@ def check_exportable(cfg: Config) -> FamilySpec:
     need("model.qkv_bias", m.qkv_bias, False)
   if spec.renormalize_key is None:
     need("moe.renormalize", moe.renormalize, True)
-  need("moe.shared_expert_gate", moe.shared_expert_gate, spec.shared_expert)
+  need("moe.shared_expert_gate", moe.shared_expert_gate, spec.shared_expert and spec.shared_gate)
   if spec.deepseek or spec.sigmoid_moe or spec.ernie:   # n shared experts of the routed width
     count = "moe_num_shared_experts" if spec.ernie else spec.shared_key
     positive = not spec.ernie          # the others' layers always have one

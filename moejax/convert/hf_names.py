@@ -28,7 +28,8 @@ weights are stored [out, in] by torch and [in, out] by moejax, so their tails ar
   layers.attn.wg              [L, D, HD] model.layers.i.self_attn.gate_proj.weight        [HD, D]^T
                                          (model.attention_gate_own, AfMoE)
   layers.attn.sinks           [L, H]     model.layers.i.self_attn.sinks                   [H]
-                                         (model.attention_sinks, Granite SWA)
+                                         (model.attention_sinks, Granite SWA; Flint's Hub
+                                         layout: self_attn.softmax_offset)
   layers.moe.router           [L, D, E]  model.layers.i.MOE.gate.weight                   [E, D]^T
   layers.moe.w_gate           [L,E,D,F]  model.layers.i.MOE.experts.e.gate_proj.weight    [F, D]^T
   layers.moe.w_up             [L,E,D,F]  model.layers.i.MOE.experts.e.up_proj.weight      [F, D]^T
@@ -142,8 +143,11 @@ HUB_EXPERT_NAMES = {
     "hunyuan_v1_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "afmoe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "granitemoe_swa": ("block_sparse_moe", ("gate_proj", "up_proj", "down_proj")),
+    "flint": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "mellum": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
+# The attention's sinks where the Hub's layout names them otherwise (transformers: sinks).
+HUB_SINKS_NAME = {"flint": "softmax_offset"}
 # The attention's q and k norms where they are not q_norm and k_norm (both layouts).
 QK_NORM_NAMES = {"hunyuan_v1_moe": ("query_layernorm", "key_layernorm")}
 # Families whose Hub layout names the attention otherwise (transformers renames it on load):
@@ -248,7 +252,8 @@ def _attention_maps(cfg: Config, per_layer, experts: str) -> None:
               row_offset=offset)
   per_layer(("attn", "wo"), (HD, D), f"{module}.{out}.weight", True)
   if m.attention_sinks:
-    per_layer(("attn", "sinks"), (m.num_heads,), f"{module}.sinks", False)
+    sinks = HUB_SINKS_NAME.get(m.family, "sinks") if experts != FUSED else "sinks"
+    per_layer(("attn", "sinks"), (m.num_heads,), f"{module}.{sinks}", False)
   if m.attention_gate_own:
     per_layer(("attn", "wg"), (D, HD), f"{module}.gate_proj.weight", True)
   if m.qkv_bias:

@@ -315,6 +315,19 @@ MODELS = {
                     embedding_multiplier=3.0, residual_multiplier=0.6,
                     attention_multiplier=0.3, logits_scaling=2.0, rms_norm_eps=1e-6),
         save=dict()),
+    # Flint: sinks (under the Hub's name softmax_offset), per-head QK-norm, layers 2, 3 and 5
+    # sliding within 3 tokens (absent layer_types: all but 0, 1, every 4th from 1 and the last),
+    # the others unrotated, the first two dense (mlp_only_layers absent), sigmoid top-k
+    # renormalized, an ungated shared expert; per expert.
+    "flint": dict(
+        model_type="flint",
+        config=dict(vocab_size=70, hidden_size=32, intermediate_size=28, num_hidden_layers=7,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=6,
+                    num_experts_per_tok=2, moe_intermediate_size=12,
+                    shared_expert_intermediate_size=20, sliding_window=3,
+                    rope_parameters=dict(rope_type="default", rope_theta=20000.0),
+                    rms_norm_eps=1e-6),
+        save=dict()),
     # Mellum: per-head QK-norm, layers 0, 2, 3 sliding within 3 tokens by their own plain RoPE
     # (rope_parameters per layer type), layer 1 attending to all under YaRN, layer 1's MLP dense
     # between MoE ones (mlp_layer_types), softmax top-k not renormalized; per expert.

@@ -634,6 +634,7 @@ FAMILY_REFUSALS = [
     ("granitemoe_swa", dict(layer_rope_theta=[0, 1e4, 2e4, 1e4]), "layer_rope_theta=[0, "
      "10000.0, 20000.0, 10000.0] is not supported: moejax's layers of one kind"),
     ("granitemoe_swa", dict(layer_rope_theta=[0, 1e4]), "expected num_hidden_layers=4 numbers"),
+    ("flint", dict(attention_bias=True), "attention_bias=True is not supported"),
     ("granitemoe_swa", dict(layer_rope_theta=[1e6, 1e4, 1e4, 1e4], rope_parameters={
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0,
         "original_max_position_embeddings": 64}),
@@ -664,7 +665,7 @@ ALIASED_EXPERTS = {"olmoe": "num_local_experts", "mixtral": "num_experts",
 DEFAULT_KV_HEADS = {"mixtral": 8, "qwen3_moe": 4, "minimax_m2": 8, "ernie4_5_moe": 4,
                     "glm4_moe": 8, "solar_open": 8, "minicpm5_moe": 2, "hy_v3": 8,
                     "granitemoe": None, "sarvam_moe": 4, "param2moe": 8, "olmoe": None,
-                    "qwen2_moe": None, "afmoe": None, "mellum": 4}
+                    "qwen2_moe": None, "afmoe": None, "mellum": 4, "flint": 4}
 
 
 @pytest.mark.parametrize("family", sorted(ALIASED_EXPERTS))
@@ -1168,6 +1169,33 @@ def test_granite_swa_reads_a_rope_base_per_layer_and_sinks():
     hf_config_from(tiny_config("granitemoe_swa", **{"model.attention_sinks": False}))
   with pytest.raises(CheckpointError, match="model.attention_sinks=True: .* needs False"):
     hf_config_from(tiny_config("granitemoeshared", **{"model.attention_sinks": True}))
+
+
+def test_flint_reads_its_layer_rules_sinks_and_ungated_shared_expert():
+  """Flint: absent layer_types, layers 0, 1, every 4th from 1 and the last global, unrotated,
+  the rest sliding and rotated; no window, every layer global and unrotated (transformers
+  rotates only where a layer slides); absent or null mlp_only_layers, the first two dense;
+  the Hub's sinks are self_attn.softmax_offset; the shared expert has no gate."""
+  cfg = tiny_config("flint")
+  hf = hf_config_from(cfg)
+  assert hf["mlp_only_layers"] == [0, 1] and "shared_expert_intermediate_size" in hf
+  assert config_from_hf(hf, base=cfg) == cfg
+  names = hf_names.expected_shapes(cfg)
+  assert "model.layers.2.self_attn.softmax_offset" in names
+  assert "model.layers.2.mlp.shared_expert.gate_proj.weight" in names
+  assert not any("shared_expert_gate" in n for n in names)
+  nine = {k: v for k, v in hf.items() if k not in ("layer_types", "mlp_only_layers")}
+  nine.update(num_hidden_layers=9, sliding_window=16)
+  got = config_from_hf(nine).model
+  assert (got.sliding_layers, got.nope_layers, got.dense_layers) == (
+      (2, 3, 4, 6, 7), (0, 1, 5, 8), (0, 1))
+  assert config_from_hf(dict(nine, mlp_only_layers=[])).model.dense_layers == ()
+  unwindowed = config_from_hf(dict(nine, sliding_window=None)).model
+  assert (unwindowed.sliding_layers, unwindowed.nope_layers) == ((), tuple(range(9)))
+  back = hf_config_from(dataclasses.replace(cfg, model=unwindowed))
+  assert back["sliding_window"] is None and config_from_hf(back).model == unwindowed
+  with pytest.raises(CheckpointError, match="moe.shared_expert_gate=True: .* needs False"):
+    hf_config_from(tiny_config("flint", **{"moe.shared_expert_gate": True}))
 
 
 def test_granite_multipliers_read_and_write():

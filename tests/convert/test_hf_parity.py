@@ -39,7 +39,9 @@ global_attn_every_n_layers, the embedding scaled by mup_enabled, two shared expe
 "mellum" (RoPE per layer type: the sliding layers' plain RoPE of their own base, the full
 layer's YaRN; a dense layer between MoE ones from mlp_layer_types), "granitemoe_swa" (attention
 sinks, a RoPE base per layer: one unrotated, the sliding layers' own; Granite's multipliers and
-shared MLP; its own fused names). They
+shared MLP; its own fused names) and "flint" (sinks under the Hub's softmax_offset, sliding
+layers rotated and the global ones not, two dense layers, sigmoid top-k without a bias, an
+ungated shared expert). They
 differ
 in layers, heads, kv heads, head width, experts, top-k, expert and shared widths, latent ranks,
 RoPE base, norm epsilon and top-k renormalization; "b", "qwen3_moe", "deepseek_v2" and
@@ -77,7 +79,7 @@ MODELS = ("a", "b", "mixtral", "qwen2_moe", "qwen3_moe", "minimax_m2", "ernie4_5
           "dots1", "deepseek_v2", "deepseek_v3", "deepseek_v3_b", "glm4_moe_lite", "solar_open",
           "minicpm5_moe", "hy_v3", "exaone_moe", "granitemoe", "granitemoeshared", "sarvam_moe",
           "param2moe", "flex_olmo", "hunyuan_v1_moe", "afmoe", "mellum",
-          "granitemoe_swa")
+          "granitemoe_swa", "flint")
 SAVED_FUSED = ("b", "qwen2_moe", "dots1", "deepseek_v3", "granitemoeshared", "param2moe")
 FP8_MODELS = ("qwen3_moe_fp8", "minimax_m2_fp8", "deepseek_v3_b_fp8", "mixtral_ct_fp8",
               "glm4_moe_ct_fp8", "qwen3_moe_int4")
