@@ -212,6 +212,9 @@ class MoEConfig:
   score_bias: bool = False
   """A per-expert bias added to the scores for the top-k choice only, not to the weights
   (DeepSeek-V3's e_score_correction_bias; auxiliary-loss-free balancing)."""
+  score_bias_on_logits: bool = False
+  """The score bias is added to the router's logits, before the score function, for the choice
+  (Kolibri's), rather than to the scores."""
   score_bias_rate: float = 0.0
   """Each step the bias of an expert above the mean load drops by this much, one below it rises
   (DeepSeek-V3's bias update speed, 0.001); 0 = the bias stays as loaded."""
@@ -683,6 +686,8 @@ def validate(c: Config) -> None:
          f"{moe.expert_groups}] with enough experts for moe.top_k={moe.top_k}")
   _check(moe.score_bias_rate >= 0,
          f"config.moe.score_bias_rate={moe.score_bias_rate}: must be >= 0 (0 = fixed)")
+  _check(moe.score_bias or not moe.score_bias_on_logits,
+         "config.moe.score_bias_on_logits=True needs moe.score_bias=True (the bias it places)")
   _check(moe.score_bias or moe.score_bias_rate == 0,
          f"config.moe.score_bias_rate={moe.score_bias_rate} needs moe.score_bias=True (a bias to "
          "update)")

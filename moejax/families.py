@@ -10,7 +10,8 @@ FAMILIES = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "minimax_m2", "ernie4_
             "glm4_moe", "dots1", "deepseek_v2", "deepseek_v3", "glm4_moe_lite", "solar_open",
             "minicpm5_moe", "hy_v3", "exaone_moe", "granitemoe", "granitemoeshared", "sarvam_moe",
             "param2moe", "flex_olmo", "hunyuan_v1_moe", "afmoe",
-            "granitemoe_swa", "flint", "mellum")
+            "granitemoe_swa", "flint", "kolibri1",
+            "mellum")
 
 # The config file of each family's presets (configs/NAME.py), where it is not the family's name.
 _CONFIG_NAMES = {"deepseek_v3": "deepseek"}

@@ -20,6 +20,7 @@ import configs.granitemoe_swa as granitemoe_swa_configs
 import configs.granitemoeshared as granitemoeshared_configs
 import configs.hunyuan_v1_moe as hunyuan_v1_moe_configs
 import configs.hy_v3 as hy_v3_configs
+import configs.kolibri1 as kolibri1_configs
 import configs.mellum as mellum_configs
 import configs.minicpm5_moe as minicpm5_moe_configs
 import configs.minimax_m2 as minimax_m2_configs
@@ -48,6 +49,7 @@ FAMILY_CONFIGS = {"olmoe": olmoe_configs, "mixtral": mixtral_configs,
                   "param2moe": param2moe_configs, "flex_olmo": flex_olmo_configs,
                   "afmoe": afmoe_configs, "mellum": mellum_configs,
                   "granitemoe_swa": granitemoe_swa_configs, "flint": flint_configs,
+                  "kolibri1": kolibri1_configs,
                   "hunyuan_v1_moe": hunyuan_v1_moe_configs}
 
 

@@ -166,6 +166,8 @@ def test_unknown_preset():
     ({"model.attention_sinks": True, "model.kv_lora_rank": 8, "model.qk_rope_head_dim": 8,
       "model.qk_nope_head_dim": 8, "model.v_head_dim": 16},
      r"config.model.attention_sinks=True: latent attention"),
+    ({"moe.score_bias_on_logits": True}, r"config.moe.score_bias_on_logits=True needs "
+     "moe.score_bias=True"),
     ({"model.sliding_rope_theta": 1e4}, r"config.model.sliding_rope_theta=10000.0: .* > 0 only "
      "with model.sliding_layers"),
     ({"model.qk_norm_after_rope": True}, r"config.model.qk_norm_after_rope=True needs "

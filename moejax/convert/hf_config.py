@@ -127,6 +127,7 @@ class FamilySpec:
                                        # rotary_dim), read when no partial_rotary_factor is given
   score: str = "softmax"               # the router's scores and score bias, where neither
   score_bias: bool = False             # `deepseek` nor `sigmoid_moe` sets them (MiniMax-M2)
+  bias_on_logits: bool = False         # ... the bias added to the logits (Kolibri)
   default_aux: float | None = None     # transformers' router_aux_loss_coef default (None: the
                                        # base config's)
   default_head_dim: int | None = None  # transformers' head_dim default (None: hidden / heads)
@@ -149,7 +150,9 @@ class FamilySpec:
                                        # layer_types, else all but every 4th from layer 0;
                                        # "flint" layer_types, else all but layers 0, 1, every
                                        # 4th from 1 and the last, the others unrotated (all
-                                       # without a window)
+                                       # without a window); "kolibri" layer_types, else all
+                                       # but every 5th, the others unrotated (none without a
+                                       # window)
   deepseek: str = ""                   # "v2" / "v3": latent attention, leading dense layers,
                                        # n_shared_experts; v3: grouped sigmoid routing with a
                                        # score bias; v2: softmax, greedy or grouped by the best
@@ -403,6 +406,13 @@ FAMILY_SPECS = {
         default_sliding_window=513, attention_sinks=True,
         required=_COMMON_REQUIRED + (
             ("attention_bias", False, "moejax attention projections have no bias"),)),
+    "kolibri1": FamilySpec(
+        "kolibri1", "Kolibri1ForCausalLM", "head", "num_local_experts", "moe_intermediate_size",
+        "norm_topk_prob", experts_aliases=("num_experts",), aliases_win=True, shared_expert=True, shared_gate=False, score="sigmoid",
+        score_bias=True, bias_on_logits=True, default_norm_eps=1e-6, default_head_dim=128,
+        default_kv_heads=4, default_aux=0.0, norm_position="sandwich", sliding="kolibri",
+        default_sliding_window=513,
+        required=_COMMON_REQUIRED),
     "mellum": FamilySpec(
         "mellum", "MellumForCausalLM", "head", "num_local_experts", "moe_intermediate_size",
         "norm_topk_prob", experts_aliases=("num_experts",), aliases_win=True,
@@ -879,7 +889,7 @@ _ATTENTION_TYPES = ("full_attention", "sliding_attention")
 # those full layers unrotated (NoPE): EXAONE-MoE's and AfMoE's.
 _PATTERNED = {"exaone": "sliding_window_pattern", "afmoe": "global_attn_every_n_layers"}
 # ... and every family whose full layers are unrotated wherever layers slide
-_FULL_UNROTATED = (*_PATTERNED, "flint")
+_FULL_UNROTATED = (*_PATTERNED, "flint", "kolibri")
 # Granite's multipliers: model field -> config.json field (transformers' default 1.0 each; its
 # attention_multiplier is the softmax scale itself)
 _GRANITE_SCALES = {"embed_scale": "embedding_multiplier", "residual_scale": "residual_multiplier",
@@ -923,6 +933,8 @@ def _sliding(hf: dict, spec: FamilySpec, where: str) -> dict:
     sliding = [i for i in range(layers) if i % 4]
   elif spec.sliding == "flint":
     sliding = [i for i in range(2, layers - 1) if i % 4 != 1]
+  elif spec.sliding == "kolibri":
+    sliding = [i for i in range(layers) if (i + 1) % 5]
   else:   # EXAONE, AfMoE: transformers derives the list from an integer pattern
     key = _PATTERNED[spec.sliding]
     pattern = _get(hf, key, int, where, 4)
@@ -1142,7 +1154,7 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       shared_expert_hidden=(_get(hf, "shared_expert_intermediate_size", int, where)
                             if spec.shared_expert else 0),
       shared_expert_gate=spec.shared_expert and spec.shared_gate,
-      score=spec.score,
+      score=spec.score, score_bias_on_logits=spec.bias_on_logits,
       # transformers declares it `bool | None` and tests its truth: null is off
       renormalize=((hf.get(spec.renormalize_key, spec.renormalize_default) is not None
                     and _get(hf, spec.renormalize_key, bool, where, spec.renormalize_default))
@@ -1225,6 +1237,9 @@ def check_exportable(cfg: Config) -> FamilySpec:
          " (its router has the score bias)" if spec.score_bias else " (no score bias)")
     need("moe.expert_groups", moe.expert_groups, 1, " (no expert groups)")
     need("moe.routed_scale", moe.routed_scale, 1.0, " (no routed scaling)")
+  if moe.score_bias:
+    need("moe.score_bias_on_logits", moe.score_bias_on_logits, spec.bias_on_logits,
+         " (where its router adds the bias)")
   need("model.rotary_interleaved", m.rotary_interleaved, spec.ernie,
        " (how its rotary dims pair up)")
   need("model.norm_position", m.norm_position, spec.norm_position, " (where its layers' norms "
@@ -1248,7 +1263,8 @@ def check_exportable(cfg: Config) -> FamilySpec:
          " (its sliding window covers every layer)")
   if not (spec.rope_per_type or spec.layer_thetas):
     need("model.sliding_rope_theta", m.sliding_rope_theta, 0.0, " (one RoPE for every layer)")
-  patterned = spec.sliding in _FULL_UNROTATED
+  # (Kolibri's full layers are unrotated only where some layer slides)
+  patterned = spec.sliding in _FULL_UNROTATED and (m.sliding_layers or spec.sliding != "kolibri")
   if not spec.layer_thetas:         # Granite SWA: any layer unrotated (layer_rope_theta 0)
     need("model.nope_layers", m.nope_layers, full if patterned else (),
          " (it leaves its full layers unrotated)" if patterned else " (it rotates every layer)")

@@ -144,6 +144,7 @@ HUB_EXPERT_NAMES = {
     "afmoe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "granitemoe_swa": ("block_sparse_moe", ("gate_proj", "up_proj", "down_proj")),
     "flint": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "kolibri1": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "mellum": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 # The attention's sinks where the Hub's layout names them otherwise (transformers: sinks).
@@ -176,7 +177,7 @@ SHARED_EXPERT_MODULE = {"qwen2_moe": "shared_expert", "glm4_moe": "shared_expert
                         "minicpm5_moe": "shared_experts", "hy_v3": "shared_experts",
                         "exaone_moe": "shared_experts", "sarvam_moe": "shared_experts",
                         "param2moe": "shared_experts", "hunyuan_v1_moe": "shared_mlp",
-                        "afmoe": "shared_experts"}
+                        "afmoe": "shared_experts", "kolibri1": "shared_experts"}
 # ... where the Hub's layout names it otherwise (transformers renames it on load)
 HUB_SHARED_EXPERT_MODULE = {"hy_v3": "shared_mlp"}
 # A layer's two norms where they are not input_layernorm and post_attention_layernorm: FlexOlmo's
@@ -184,7 +185,14 @@ HUB_SHARED_EXPERT_MODULE = {"hy_v3": "shared_mlp"}
 # output norms (model.norm_position "sandwich": attn_post_norm, ffn_post_norm).
 NORM_NAMES = {"flex_olmo": ("post_attention_layernorm", "post_feedforward_layernorm"),
               "afmoe": ("input_layernorm", "pre_mlp_layernorm")}
-POST_NORM_NAMES = ("post_attention_layernorm", "post_mlp_layernorm")
+# ... and the output norms (Hub layout, transformers' fused one)
+POST_NORM_NAMES = {
+    "afmoe": (("post_attention_layernorm", "post_mlp_layernorm"),) * 2,
+    "kolibri1": (("post_attn_norm", "post_ffn_norm"),
+                 ("post_self_attn_layernorm", "post_mlp_layernorm"))}
+# A score bias the Hub's layout keeps outside the MoE block, under the layer (Kolibri's; its
+# fused layout: mlp.gate.e_score_correction_bias).
+HUB_LAYER_SCORE_BIAS = {"kolibri1": "moe.router.expert_bias"}
 # The router's module under the MoE block where it is not `gate`: (Hub layout, fused layout).
 ROUTER_NAME = {"hy_v3": ("router.gate", "gate"), "granitemoe": ("router.layer", "router"),
                "granitemoeshared": ("router.layer", "router"),
@@ -299,7 +307,8 @@ def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:
     per_layer(("attn_norm", "scale"), (D,), f"{attn_norm}.weight", False)
     per_layer(("ffn_norm", "scale"), (D,), f"{ffn_norm}.weight", False)
     if m.norm_position == "sandwich":
-      for path, name in zip(("attn_post_norm", "ffn_post_norm"), POST_NORM_NAMES):
+      post = POST_NORM_NAMES.get(m.family, POST_NORM_NAMES["afmoe"])[experts == FUSED]
+      for path, name in zip(("attn_post_norm", "ffn_post_norm"), post):
         per_layer((path, "scale"), (D,), f"{name}.weight", False)
     if group == "dense_layers":
       for name, tail, hf_name in (("w_gate", (D, m.dense_hidden), "gate_proj"),
@@ -312,7 +321,10 @@ def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:
     if moe.score_bias:
       hub_bias, fused_bias = SCORE_BIAS_NAME.get(m.family, ("gate.e_score_correction_bias",) * 2)
       bias = fused_bias if experts == FUSED else hub_bias
-      per_layer(("moe", "score_bias"), (E,), f"{moe_module}.{bias}", False,
+      path = f"{moe_module}.{bias}"
+      if experts != FUSED and m.family in HUB_LAYER_SCORE_BIAS:
+        path = HUB_LAYER_SCORE_BIAS[m.family]
+      per_layer(("moe", "score_bias"), (E,), path, False,
                 singleton=m.family in SCORE_BIAS_SINGLETON)
     for name, tail, hf_name, offset in (("w_gate", (D, F), gate_name, 0),
                                         ("w_up", (D, F), up_name, F),

@@ -64,6 +64,7 @@ class MoESpec:
   top_groups: int = 1                     # ... of which a token uses the best (topk_group)
   group_score: str = "top2"               # ... scored by their two best experts, or the best
   score_bias: bool = False                # a selection-only score bias (e_score_correction_bias)
+  bias_on_logits: bool = False            # ... added to the logits rather than the scores
 
   def __post_init__(self):
     """ValueError naming the field, so a block built from a bad spec fails here, not with a
@@ -249,7 +250,8 @@ class MoEBlock(nnx.Module):
       weights_TxK, experts_TxK, scores_TxE = router_lib.top_k_route(
           logits_TxE, spec.top_k, score=spec.score, renormalize=spec.renormalize,
           bias_E=self.score_bias[...] if spec.score_bias else None, groups=spec.groups,
-          top_groups=spec.top_groups, scale=spec.routed_scale, group_score=spec.group_score)
+          top_groups=spec.top_groups, scale=spec.routed_scale, group_score=spec.group_score,
+          bias_on_logits=spec.bias_on_logits)
       if mask_T is not None:    # padding: empty slots (expert E), which nothing keeps
         experts_TxK = jnp.where(mask_T[:, None], experts_TxK, spec.num_experts)
         weights_TxK = jnp.where(mask_T[:, None], weights_TxK, 0.0)
@@ -268,7 +270,7 @@ class MoEBlock(nnx.Module):
         allowed_TxE = None
         if spec.admission == "reroute":   # rerouted assignments stay in the token's groups
           allowed_TxE = router_lib.allowed_experts(
-              scores_TxE, bias_E=self.score_bias[...] if spec.score_bias else None,
+              logits_TxE if spec.bias_on_logits else scores_TxE, bias_E=self.score_bias[...] if spec.score_bias else None,
               groups=spec.groups, top_groups=spec.top_groups, group_score=spec.group_score)
         admitted = admission_lib.admit(x_TxD, router_DxE, experts_TxK, weights_TxK, scores_TxE,
                                        capacity_E=capacity_E, threshold=spec.threshold,

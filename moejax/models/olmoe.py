@@ -54,7 +54,8 @@ def moe_spec(cfg: Config) -> MoESpec:
                  locality_weight=r.locality_weight, shared_hidden=moe.shared_expert_hidden,
                  shared_gate=moe.shared_expert_gate, routed_scale=moe.routed_scale,
                  groups=moe.expert_groups, top_groups=moe.top_groups,
-                 group_score=moe.group_score, score_bias=moe.score_bias)
+                 group_score=moe.group_score, score_bias=moe.score_bias,
+                 bias_on_logits=moe.score_bias_on_logits)
 
 
 MOE_LAYERS = "layers"           # the parameter group of the MoE layers (stacked)

@@ -36,11 +36,14 @@ def router_scores(logits_TxE: jax.Array, score: str = "softmax") -> jax.Array:
 
 def top_k_route(logits_TxE: jax.Array, k: int, *, score: str = "softmax",
                 renormalize: bool = False, bias_E: jax.Array | None = None, groups: int = 1,
-                top_groups: int = 1, scale: float = 1.0, group_score: str = "top2"):
+                top_groups: int = 1, scale: float = 1.0, group_score: str = "top2",
+                bias_on_logits: bool = False):
   """Token-side top-k.
 
   `bias_E` (DeepSeek-V3's auxiliary-loss-free balancing) is added to the scores for the choice
-  only: the weights are the unbiased scores of the chosen experts, and no gradient reaches it.
+  only: the weights are the unbiased scores of the chosen experts, and no gradient reaches it;
+  `bias_on_logits`: added to the logits instead (Kolibri's; the same choice unless biased, the
+  score functions being monotone per token).
   `groups` > 1 (group-limited top-k): the experts split into `groups` equal groups, each scored by
   the sum of its two best (biased) scores (`group_score="top2"`) or its best ("max"); a token
   chooses among the experts of its `top_groups` best groups. After the optional renormalization the weights are multiplied by `scale`
@@ -50,7 +53,8 @@ def top_k_route(logits_TxE: jax.Array, k: int, *, score: str = "softmax",
   (`lax.top_k` order), so the choice is deterministic.
   """
   scores_TxE = router_scores(logits_TxE, score)
-  choice_TxE = _choice(scores_TxE, bias_E)
+  choice_TxE = _choice(logits_TxE if bias_on_logits and bias_E is not None else scores_TxE,
+                       bias_E)
   if groups > 1:
     allowed_TxE = _allowed(choice_TxE, groups, top_groups, group_score)
     choice_TxE = jnp.where(allowed_TxE, choice_TxE, -jnp.inf)

@@ -305,7 +305,7 @@ _WEIGHT_FIELDS = {
               "qk_rope_head_dim", "v_head_dim", "tie_embeddings"),
     "moe": ("num_experts", "top_k", "expert_hidden", "shared_expert_hidden",
             "shared_expert_gate", "score", "renormalize", "routed_scale", "expert_groups",
-            "top_groups", "group_score", "score_bias"),
+            "top_groups", "group_score", "score_bias", "score_bias_on_logits"),
 }
 
 

@@ -328,6 +328,19 @@ MODELS = {
                     rope_parameters=dict(rope_type="default", rope_theta=20000.0),
                     rms_norm_eps=1e-6),
         save=dict()),
+    # Kolibri: sandwich norms (the Hub's post_attn_norm / post_ffn_norm), per-head QK-norm,
+    # layers 0-3 and 5 sliding within 3 tokens (absent layer_types: all but every 5th), layer 4
+    # global and unrotated, sigmoid scores chosen by the logits plus a random bias (the Hub's
+    # moe.router.expert_bias), renormalized, an ungated shared expert; per expert.
+    "kolibri1": dict(
+        model_type="kolibri1",
+        config=dict(vocab_size=76, hidden_size=32, num_hidden_layers=6, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8, num_experts=7, num_experts_per_tok=2,
+                    moe_intermediate_size=12, shared_expert_intermediate_size=16,
+                    norm_topk_prob=True, sliding_window=3,
+                    rope_parameters=dict(rope_type="default", rope_theta=30000.0),
+                    rms_norm_eps=1e-6),
+        save=dict()),
     # Mellum: per-head QK-norm, layers 0, 2, 3 sliding within 3 tokens by their own plain RoPE
     # (rope_parameters per layer type), layer 1 attending to all under YaRN, layer 1's MLP dense
     # between MoE ones (mlp_layer_types), softmax top-k not renormalized; per expert.

@@ -635,6 +635,7 @@ FAMILY_REFUSALS = [
      "10000.0, 20000.0, 10000.0] is not supported: moejax's layers of one kind"),
     ("granitemoe_swa", dict(layer_rope_theta=[0, 1e4]), "expected num_hidden_layers=4 numbers"),
     ("flint", dict(attention_bias=True), "attention_bias=True is not supported"),
+    ("kolibri1", dict(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
     ("granitemoe_swa", dict(layer_rope_theta=[1e6, 1e4, 1e4, 1e4], rope_parameters={
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 2.0,
         "original_max_position_embeddings": 64}),
@@ -661,11 +662,12 @@ ALIASED_EXPERTS = {"olmoe": "num_local_experts", "mixtral": "num_experts",
                    "glm4_moe_lite": "num_local_experts", "solar_open": "num_local_experts",
                    "minicpm5_moe": "num_local_experts", "hy_v3": "num_local_experts",
                    "sarvam_moe": "num_experts", "param2moe": "num_local_experts",
-                   "flex_olmo": "num_local_experts", "mellum": "num_experts"}
+                   "flex_olmo": "num_local_experts", "mellum": "num_experts",
+                   "kolibri1": "num_experts"}
 DEFAULT_KV_HEADS = {"mixtral": 8, "qwen3_moe": 4, "minimax_m2": 8, "ernie4_5_moe": 4,
                     "glm4_moe": 8, "solar_open": 8, "minicpm5_moe": 2, "hy_v3": 8,
                     "granitemoe": None, "sarvam_moe": 4, "param2moe": 8, "olmoe": None,
-                    "qwen2_moe": None, "afmoe": None, "mellum": 4, "flint": 4}
+                    "qwen2_moe": None, "afmoe": None, "mellum": 4, "flint": 4, "kolibri1": 4}
 
 
 @pytest.mark.parametrize("family", sorted(ALIASED_EXPERTS))
@@ -1196,6 +1198,34 @@ def test_flint_reads_its_layer_rules_sinks_and_ungated_shared_expert():
   assert back["sliding_window"] is None and config_from_hf(back).model == unwindowed
   with pytest.raises(CheckpointError, match="moe.shared_expert_gate=True: .* needs False"):
     hf_config_from(tiny_config("flint", **{"moe.shared_expert_gate": True}))
+
+
+def test_kolibri_reads_its_layer_rule_names_and_logit_bias():
+  """Kolibri: absent layer_types, every 5th layer global and unrotated; without a window no layer
+  slides and every layer rotates; the Hub's output norms post_attn_norm / post_ffn_norm and its
+  score bias moe.router.expert_bias (transformers' post_self_attn_layernorm, post_mlp_layernorm,
+  mlp.gate.e_score_correction_bias); the bias joins the logits, which an export requires."""
+  cfg = tiny_config("kolibri1")
+  hf = hf_config_from(cfg)
+  assert config_from_hf(hf, base=cfg) == cfg and cfg.moe.score_bias_on_logits
+  hub, fused = hf_names.expected_shapes(cfg), hf_names.expected_shapes(cfg, hf_names.FUSED)
+  for name in ("post_attn_norm.weight", "post_ffn_norm.weight", "moe.router.expert_bias",
+               "post_attention_layernorm.weight"):
+    assert f"model.layers.1.{name}" in hub
+  for name in ("post_self_attn_layernorm.weight", "post_mlp_layernorm.weight",
+               "mlp.gate.e_score_correction_bias"):
+    assert f"model.layers.1.{name}" in fused
+  ten = dict(hf, num_hidden_layers=10, layer_types=None, sliding_window=64)
+  got = config_from_hf(ten).model
+  assert (got.sliding_layers, got.nope_layers) == ((0, 1, 2, 3, 5, 6, 7, 8), (4, 9))
+  plain = config_from_hf(dict(ten, sliding_window=None)).model
+  assert (plain.sliding_layers, plain.nope_layers) == ((), ())
+  back = hf_config_from(dataclasses.replace(cfg, model=plain))
+  assert back["sliding_window"] is None and config_from_hf(back).model == plain
+  with pytest.raises(CheckpointError, match="moe.score_bias_on_logits=False: .* needs True"):
+    hf_config_from(tiny_config("kolibri1", **{"moe.score_bias_on_logits": False}))
+  with pytest.raises(CheckpointError, match="moe.score_bias_on_logits=True: .* needs False"):
+    hf_config_from(tiny_config("deepseek_v3", **{"moe.score_bias_on_logits": True}))
 
 
 def test_granite_multipliers_read_and_write():

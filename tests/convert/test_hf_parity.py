@@ -41,7 +41,9 @@ layer's YaRN; a dense layer between MoE ones from mlp_layer_types), "granitemoe_
 sinks, a RoPE base per layer: one unrotated, the sliding layers' own; Granite's multipliers and
 shared MLP; its own fused names) and "flint" (sinks under the Hub's softmax_offset, sliding
 layers rotated and the global ones not, two dense layers, sigmoid top-k without a bias, an
-ungated shared expert). They
+ungated shared expert), "kolibri1" (sandwich norms under the Hub's post_attn_norm / post_ffn_norm,
+unrotated global layers, the score bias added to the logits, under the Hub's
+moe.router.expert_bias). They
 differ
 in layers, heads, kv heads, head width, experts, top-k, expert and shared widths, latent ranks,
 RoPE base, norm epsilon and top-k renormalization; "b", "qwen3_moe", "deepseek_v2" and
@@ -79,7 +81,7 @@ MODELS = ("a", "b", "mixtral", "qwen2_moe", "qwen3_moe", "minimax_m2", "ernie4_5
           "dots1", "deepseek_v2", "deepseek_v3", "deepseek_v3_b", "glm4_moe_lite", "solar_open",
           "minicpm5_moe", "hy_v3", "exaone_moe", "granitemoe", "granitemoeshared", "sarvam_moe",
           "param2moe", "flex_olmo", "hunyuan_v1_moe", "afmoe", "mellum",
-          "granitemoe_swa", "flint")
+          "granitemoe_swa", "flint", "kolibri1")
 SAVED_FUSED = ("b", "qwen2_moe", "dots1", "deepseek_v3", "granitemoeshared", "param2moe")
 FP8_MODELS = ("qwen3_moe_fp8", "minimax_m2_fp8", "deepseek_v3_b_fp8", "mixtral_ct_fp8",
               "glm4_moe_ct_fp8", "qwen3_moe_int4")
@@ -133,6 +135,11 @@ def test_logits_match_transformers_fp32(name, hf_models, imported):
     plain = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, rope_scaling="none"))
     with pytest.raises(AssertionError):
       assert_logits_close(fp32_logits(plain, params, tokens), want, rel=1e-2)
+  if cfg.moe.score_bias_on_logits:      # the bias on the scores would choose other experts
+    on_scores = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe,
+                                                                 score_bias_on_logits=False))
+    with pytest.raises(AssertionError):
+      assert_logits_close(fp32_logits(on_scores, params, tokens), want, rel=1e-2)
   if cfg.model.sliding_rope_theta:      # the sliding layers' own RoPE moves them too (within
     # a window of 3 by at most two positions' rotation: a smaller move than YaRN's)
     one = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, sliding_rope_theta=0.0))

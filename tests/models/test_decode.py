@@ -35,7 +35,8 @@ YARN = {"model.rope_scaling": "yarn", "model.rope_factor": 4.0, "model.rope_orig
 def _family_model(family):
   yarn = dict(YARN, **({"model.rope_mscale": 0.9, "model.rope_mscale_all_dim": 0.7}
                        if family == "deepseek_v3" else {}))
-  if family in ("exaone_moe", "afmoe", "mellum", "granitemoe_swa", "flint"):  # a window they pass
+  if family in ("exaone_moe", "afmoe", "mellum", "granitemoe_swa", "flint", "kolibri1"):
+    # a window the generated positions pass
     yarn["model.sliding_window"] = 3
   cfg = tiny_config(family, **{"model.init_std": 0.1}, **yarn)   # logits that vary
   return cfg, olmoe.init_params(cfg, jax.random.key(1))
@@ -44,7 +45,7 @@ def _family_model(family):
 @pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "glm4_moe", "ernie4_5_moe", "deepseek_v3",
                                     "minicpm5_moe", "exaone_moe", "granitemoeshared",
                                     "flex_olmo", "hunyuan_v1_moe", "afmoe", "mellum",
-                                    "granitemoe_swa", "flint"])
+                                    "granitemoe_swa", "flint", "kolibri1"])
 def test_cached_logits_equal_the_full_forward(family, model, prompt):
   """OLMoE; Qwen2-MoE: a grouped-query cache of 2 kv heads, qkv biases, a gated shared
   expert; DeepSeek: latent attention's per-head keys (with the shared rotary part) and narrower

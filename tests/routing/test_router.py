@@ -65,6 +65,21 @@ def test_bias_groups_and_scale_by_hand():
   np.testing.assert_array_equal(grad, np.zeros(4))
 
 
+def test_a_bias_on_the_logits_ranks_by_logit_plus_bias():
+  """Kolibri's choice: top-k of logits + bias, weighted by the unbiased sigmoid scores; with
+  bias 2.5 on expert 0 and logits 0, 3, 3.2 it differs from top-k of scores + bias."""
+  logits = jnp.asarray([[0.0, 3.0, 3.2]], jnp.float32)
+  bias = jnp.asarray([2.5, 0.0, 0.0])
+  w, e, _ = router.top_k_route(logits, 2, score="sigmoid", bias_E=bias, bias_on_logits=True)
+  np.testing.assert_array_equal(e, [[2, 1]])                 # 2.5, 3, 3.2
+  np.testing.assert_allclose(w, jax.nn.sigmoid(jnp.asarray([[3.2, 3.0]])), rtol=1e-6)
+  _, e, _ = router.top_k_route(logits, 2, score="sigmoid", bias_E=bias)
+  np.testing.assert_array_equal(e, [[0, 2]])                 # 3.0, 0.95, 0.96
+  grad = jax.grad(lambda b: jnp.sum(router.top_k_route(
+      logits, 2, score="sigmoid", bias_E=b, bias_on_logits=True)[0]))(jnp.zeros(3))
+  np.testing.assert_array_equal(grad, np.zeros(3))
+
+
 def test_balance_moves_the_bias_against_the_load():
   from moejax.routing import balance
   bias = balance.updated_bias(jnp.zeros((2, 4)), jnp.asarray([[5, 1, 1, 1], [2, 2, 2, 2]]), 1e-3)
