@@ -521,17 +521,25 @@ def _typed_rope(hf: dict, where: str, sliding_layers: tuple, layers: int) -> dic
     _refuse(where, "rope_parameters", rope, "expected one RoPE dict for each layer type "
             "layer_types uses ('full_attention', 'sliding_attention')")
   for kind, params in rope.items():
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
+    if isinstance(params, dict) and params.get("partial_rotary_factor", 1.0) != 1.0:
       _refuse(where, f"rope_parameters.{kind}.partial_rotary_factor",
               params["partial_rotary_factor"], "transformers rotates whole heads here (needs "
               "1.0)")
-  full = rope.get("full_attention", _TYPED_ROPE_DEFAULTS["full_attention"])
-  fields = _rope(dict(hf, rope_parameters=full, rope_theta=None), f"{where}: full_attention",
-                 1.0)
+  # transformers reads YaRN's original context from the type's dict (else
+  # max_position_embeddings, never the top-level field) and its truncate from the outer dict,
+  # which has none: always on
+  outer = {k: v for k, v in hf.items() if k != "original_max_position_embeddings"}
+
+  def read(kind: str) -> dict:
+    params = {k: v for k, v in rope[kind].items() if k != "truncate"}
+    return _rope(dict(outer, rope_parameters=params, rope_theta=None), f"{where}: {kind}", 1.0)
+
+  fields = read("full_attention") if isinstance(rope.get("full_attention"), dict) else _rope(
+      dict(outer, rope_parameters=_TYPED_ROPE_DEFAULTS["full_attention"], rope_theta=None),
+      where, 1.0)
   if not sliding_layers:
     return dict(fields, sliding_rope_theta=0.0)
-  local = _rope(dict(hf, rope_parameters=rope["sliding_attention"], rope_theta=None),
-                f"{where}: sliding_attention", 1.0)
+  local = read("sliding_attention")
   if local == fields:            # one RoPE for all
     return dict(fields, sliding_rope_theta=0.0)
   if local["rope_scaling"] != "none":
@@ -1263,8 +1271,14 @@ def check_exportable(cfg: Config) -> FamilySpec:
          " (its sliding window covers every layer)")
   if not (spec.rope_per_type or spec.layer_thetas):
     need("model.sliding_rope_theta", m.sliding_rope_theta, 0.0, " (one RoPE for every layer)")
-  # (Kolibri's full layers are unrotated only where some layer slides)
-  patterned = spec.sliding in _FULL_UNROTATED and (m.sliding_layers or spec.sliding != "kolibri")
+  if spec.rope_per_type and m.rope_scaling == "yarn":
+    need("model.rope_truncate", m.rope_truncate, True, " (transformers truncates its per-type "
+         "YaRN always)")
+  rotated_sliding = [i for i in m.sliding_layers if i not in m.nope_layers]
+  if spec.layer_thetas and m.rope_scaling != "none" and rotated_sliding:
+    need("model.sliding_rope_theta", m.sliding_rope_theta, 0.0, " (its per-layer bases all "
+         "take the model's YaRN: the sliding layers cannot rotate by plain RoPE of their own)")
+  patterned = spec.sliding in _FULL_UNROTATED
   if not spec.layer_thetas:         # Granite SWA: any layer unrotated (layer_rope_theta 0)
     need("model.nope_layers", m.nope_layers, full if patterned else (),
          " (it leaves its full layers unrotated)" if patterned else " (it rotates every layer)")
@@ -1381,11 +1395,12 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
   if spec.model_type in MTP_FAMILIES and spec.model_type != "minimax_m2":
     hf["num_nextn_predict_layers"] = 0    # the export holds no multi-token-prediction layer
   if spec.sliding:
-    # EXAONE's and AfMoE's configs take a number even where no layer slides (their full layers
-    # stay NoPE)
+    # A number even where no layer slides where transformers needs one: EXAONE's, AfMoE's
+    # and Flint's configs type it int, Granite SWA's and Kolibri's models build the sliding mask
+    # whatever the layers (their full layers stay NoPE, or rotate by their bases)
+    numeric = spec.sliding in (*_FULL_UNROTATED, "granite_swa")
     hf["sliding_window"] = m.sliding_window or (
-        (hf.get("sliding_window") or spec.default_sliding_window) if spec.sliding in _PATTERNED
-        else None)
+        (hf.get("sliding_window") or spec.default_sliding_window) if numeric else None)
     if spec.sliding != "all":      # the list wins over the family's rule
       hf["layer_types"] = [_ATTENTION_TYPES[i in m.sliding_layers] for i in range(m.num_layers)]
   if spec.model_type == "minimax_m2" and hf.get("use_mtp"):   # ... nor MiniMax's modules

@@ -39,7 +39,7 @@ from moejax.layers.norm import rms_norm
 from moejax.layers.rope import (NO_SCALING, RopeScaling, apply_rotary, rotary_at,  # noqa: F401
                                 rotary_tables)
 from moejax.sharding.axes import (ATTENTION, BIASES, EMBED, HEAD, HEADS, KV_HEADS, LATENT, NORM,
-                                  NORMS, Q_HEADS, param)
+                                  NORMS, Q_HEADS, SINKS, param)
 
 QK_NORMS = ("full", "head", "none")
 LATENT_NORM_EPS = 1e-6   # DeepSeek's latent norms use their module default, not rms_norm_eps
@@ -152,7 +152,7 @@ class Attention(nnx.Module):
     self.wo = param(init(rngs.params(), (q_width, d_model), jnp.float32), (HEADS, EMBED),
                     ATTENTION)
     if sinks:     # zero logits: transformers' init
-      self.sinks = param(jnp.zeros((num_heads,), jnp.float32), (HEAD,), BIASES)
+      self.sinks = param(jnp.zeros((num_heads,), jnp.float32), (HEAD,), SINKS)
     if qkv_bias:
       self.bq = param(jnp.zeros((wq_width,), jnp.float32), (Q_HEADS,), BIASES)
       self.bk = param(jnp.zeros((kv_width,), jnp.float32), (KV_HEADS,), BIASES)

@@ -52,6 +52,8 @@ class ModelShape:
   """A sigmoid output gate on the attention (MiniCPM5-MoE): the q projection twice as wide."""
   attention_sinks: bool = False
   """A sink logit per query head (gpt-oss, Granite SWA)."""
+  attention_gate_own: bool = False
+  """The output gate's weight its own projection (AfMoE), which has no bias."""
   residual_norms: int = 2
   """RMSNorms of one layer on the residual stream (4 with AfMoE's sandwich norms)."""
   shared_gate: bool = False
@@ -87,7 +89,7 @@ class ModelShape:
     return [q, d * self.kv_heads * self.head_dim, d * self.kv_heads * vd, h * vd * d]
 
   def attention_params(self) -> int:
-    q_bias = self.num_heads * (2 if self.attention_gate else 1)
+    q_bias = self.num_heads * (2 if self.attention_gate and not self.attention_gate_own else 1)
     bias = (q_bias + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
     return sum(self.attention_matrices()) + bias + (self.num_heads if self.attention_sinks else 0)
 
@@ -185,7 +187,7 @@ def shape_of(cfg) -> ModelShape:
       qk_norm=m.qk_norm != "none", qk_norm_per_head=m.qk_norm == "head", qkv_bias=m.qkv_bias,
       attention_gate=m.attention_gate, sliding_window=m.sliding_window,
       residual_norms=4 if m.norm_position == "sandwich" else 2,
-      attention_sinks=m.attention_sinks,
+      attention_sinks=m.attention_sinks, attention_gate_own=m.attention_gate_own,
       sliding_layers=len(m.sliding_layers), shared_gate=moe.shared_expert_gate,
       tied_embeddings=m.tie_embeddings, score_bias=moe.score_bias, source="moejax config", **mla)
 

@@ -711,8 +711,11 @@ YARN = {"model.rope_scaling": "yarn", "model.rope_factor": 4.0, "model.rope_orig
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("rope", ["plain", "yarn"])
 def test_every_family_config_round_trips(family, rope):
+  yarn = dict(YARN)
+  if family == "mellum":     # transformers truncates Mellum's per-type YaRN always
+    yarn["model.rope_truncate"] = True
   cfg = tiny_config(family, **{"moe.aux_loss_weight": 0.03, "model.rope_theta": 5e5},
-                    **(YARN if rope == "yarn" else {}))
+                    **(yarn if rope == "yarn" else {}))
   hf = hf_config_from(cfg)
   assert hf["model_type"] == family
   assert config_from_hf(hf, base=cfg) == cfg
@@ -1135,15 +1138,26 @@ def test_mellum_reads_rope_per_layer_type_and_dense_layers_anywhere():
   same = dict(hf, rope_parameters={t: {"rope_type": "default", "rope_theta": 1e6}
                                    for t in ("full_attention", "sliding_attention")})
   assert config_from_hf(same).model.sliding_rope_theta == 0.0
-  yarn = tiny_config("mellum", **{"model.sliding_rope_theta": 0.0, **YARN})
+  yarn = tiny_config("mellum", **{"model.sliding_rope_theta": 0.0, **YARN,
+                                  "model.rope_truncate": True})
   out = hf_config_from(yarn)["rope_parameters"]
   assert out["sliding_attention"] == out["full_attention"]
   assert out["full_attention"]["rope_type"] == "yarn" and config_from_hf(
       hf_config_from(yarn), base=yarn) == yarn
   full_only = dict(hf, layer_types=None, rope_parameters={
-      "full_attention": {"rope_type": "default", "rope_theta": 1e6}})
+      "full_attention": {"rope_type": "default", "rope_theta": 1e6}, "sliding_attention": None})
   got = config_from_hf(full_only).model
   assert (got.sliding_layers, got.sliding_rope_theta, got.rope_theta) == ((), 0.0, 1e6)
+  # transformers takes YaRN's original context from the type's dict (never the top level) and
+  # always truncates (it reads truncate from the outer dict)
+  yarn_hf = dict(hf, original_max_position_embeddings=4, rope_parameters={
+      "full_attention": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                         "original_max_position_embeddings": 64, "truncate": False},
+      "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+  got = config_from_hf(yarn_hf).model
+  assert (got.rope_original_max_len, got.rope_truncate, got.sliding_rope_theta) == (64, True, 1e4)
+  with pytest.raises(CheckpointError, match="model.rope_truncate=False: .* needs True"):
+    hf_config_from(tiny_config("mellum", **YARN))
   with pytest.raises(CheckpointError, match="model.sliding_rope_theta=10000.0: .* needs 0.0"):
     hf_config_from(tiny_config("exaone_moe", **{"model.sliding_rope_theta": 10000.0}))
 
@@ -1169,6 +1183,14 @@ def test_granite_swa_reads_a_rope_base_per_layer_and_sinks():
   assert (plain.nope_layers, plain.sliding_rope_theta) == ((), 0.0)
   with pytest.raises(CheckpointError, match="model.attention_sinks=False: .* needs True"):
     hf_config_from(tiny_config("granitemoe_swa", **{"model.attention_sinks": False}))
+  # transformers scales every layer's base by the model's YaRN: no plain base of their own for
+  # rotated sliding layers; no sliding layer at all still writes a window (its model builds the
+  # sliding mask whatever the layers)
+  with pytest.raises(CheckpointError, match="model.sliding_rope_theta=5000.0: .* needs 0.0"):
+    hf_config_from(tiny_config("granitemoe_swa", **YARN, **{"model.sliding_rope_theta": 5e3}))
+  none_slide = tiny_config("granitemoe_swa", **{"model.sliding_window": 0,
+                                                "model.sliding_layers": ()})
+  assert hf_config_from(none_slide)["sliding_window"] == 128
   with pytest.raises(CheckpointError, match="model.attention_sinks=True: .* needs False"):
     hf_config_from(tiny_config("granitemoeshared", **{"model.attention_sinks": True}))
 
@@ -1194,8 +1216,9 @@ def test_flint_reads_its_layer_rules_sinks_and_ungated_shared_expert():
   assert config_from_hf(dict(nine, mlp_only_layers=[])).model.dense_layers == ()
   unwindowed = config_from_hf(dict(nine, sliding_window=None)).model
   assert (unwindowed.sliding_layers, unwindowed.nope_layers) == ((), tuple(range(9)))
+  # FlintConfig types the window int: the export gives one, its layers all global
   back = hf_config_from(dataclasses.replace(cfg, model=unwindowed))
-  assert back["sliding_window"] is None and config_from_hf(back).model == unwindowed
+  assert back["sliding_window"] == 513 and config_from_hf(back).model == unwindowed
   with pytest.raises(CheckpointError, match="moe.shared_expert_gate=True: .* needs False"):
     hf_config_from(tiny_config("flint", **{"moe.shared_expert_gate": True}))
 
@@ -1220,8 +1243,14 @@ def test_kolibri_reads_its_layer_rule_names_and_logit_bias():
   assert (got.sliding_layers, got.nope_layers) == ((0, 1, 2, 3, 5, 6, 7, 8), (4, 9))
   plain = config_from_hf(dict(ten, sliding_window=None)).model
   assert (plain.sliding_layers, plain.nope_layers) == ((), ())
-  back = hf_config_from(dataclasses.replace(cfg, model=plain))
-  assert back["sliding_window"] is None and config_from_hf(back).model == plain
+  # ... which transformers cannot run (its model builds the sliding mask whatever the layers),
+  # nor export: with a window and every layer global, every layer is unrotated
+  with pytest.raises(CheckpointError, match=r"model.nope_layers=\(\): .* needs \(0, 1, "):
+    hf_config_from(dataclasses.replace(cfg, model=plain))
+  global_only = config_from_hf(dict(ten, layer_types=["full_attention"] * 10)).model
+  assert (global_only.sliding_layers, global_only.nope_layers) == ((), tuple(range(10)))
+  back = hf_config_from(dataclasses.replace(cfg, model=global_only))
+  assert back["sliding_window"] == 513 and config_from_hf(back).model == global_only
   with pytest.raises(CheckpointError, match="moe.score_bias_on_logits=False: .* needs True"):
     hf_config_from(tiny_config("kolibri1", **{"moe.score_bias_on_logits": False}))
   with pytest.raises(CheckpointError, match="moe.score_bias_on_logits=True: .* needs False"):

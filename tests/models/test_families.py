@@ -12,7 +12,7 @@ from moejax import config as config_lib
 from moejax.models import olmoe
 from moejax.families import FAMILIES
 from moejax.sharding import axes
-from tests.helpers import FAMILY_CONFIGS
+from tests.helpers import FAMILY_CONFIGS, tiny_config
 
 CASES = [(family, preset) for family in FAMILIES for preset in FAMILY_CONFIGS[family].PRESETS]
 PUBLISHED = [(family, preset) for family in FAMILIES
@@ -92,3 +92,25 @@ def test_the_perf_models_shape_counts_the_same_parameters(family, preset):
   from moejax.perf.shapes import shape_of
   cfg = preset_config(family, preset)
   assert shape_of(cfg).total_params() == config_lib.num_params(cfg)["total"]
+
+
+def test_the_perf_models_shape_counts_an_own_gate_without_bias():
+  """AfMoE's gate has its own weight and no bias: with q/k/v biases, the q bias is H*Dh wide."""
+  from moejax.perf.shapes import shape_of
+  cfg = tiny_config("afmoe", **{"model.qkv_bias": True})
+  assert shape_of(cfg).total_params() == config_lib.num_params(cfg)["total"]
+  leaves = sum(x.size for x in jax.tree.leaves(jax.eval_shape(
+      lambda: olmoe.init_params(cfg, jax.random.key(0)))))
+  assert leaves == config_lib.num_params(cfg)["total"]
+
+
+def test_sinks_are_float32_replicated_and_undecayed():
+  """Attention sinks (one softmax logit per head): their own group, gathered or cast in float32
+  (Flint keeps them so), without weight decay, and on no sharded axis."""
+  from moejax.sharding import layout
+  cfg = tiny_config("granitemoe_swa")
+  meta = olmoe.param_meta(cfg)["layers"]["attn"]["sinks"]
+  assert (meta.group, meta.axes[-1]) == (axes.SINKS, axes.HEAD)
+  assert axes.SINKS in axes.FLOAT32_GROUPS and axes.SINKS in axes.NO_DECAY
+  for placement in ("fsdp", "ep", "fssdp"):
+    assert layout.layout_for(meta, layout.RULES[placement], 8).kind == layout.REPLICATE
