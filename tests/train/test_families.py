@@ -11,9 +11,9 @@ with q/k/v biases, per-head QK-norm, half of each head rotated, a dense first la
 expert, grouped sigmoid routing with a score bias) trains under ep; MiniCPM5-MoE (the attention's
 output gate, its weight gathered inside the q projection's) under fsdp; EXAONE-MoE (sliding and
 unrotated layers: its MoE layers in two scans, the gathers prefetched across them) under fsdp;
-FlexOlmo (norms on the sublayers' outputs) under ep; AfMoE (sandwich norms, the output gate's own
-weight gathered beside wq, sliding and unrotated layers) under fsdp; Granite SWA (attention
-sinks, replicated where every other layer parameter is sharded) under fsdp.
+FlexOlmo (norms on the sublayers' outputs) under ep; Granite SWA (attention sinks, replicated
+where every other layer parameter is sharded) under fsdp. (AfMoE's own gate weight is a plain
+matrix on wq's axes, its sandwich norms plain norm scales: nothing a placement treats apart.)
 
 The other techniques run on the families where their own tests run them: the codec gathers
 Qwen2-MoE's biases and shared expert bit-exactly (tests/sharding/test_gatherer.py); admission acts
@@ -28,10 +28,9 @@ import pytest
 from tests.helpers import run_steps, tiny_config
 
 FAMILY_PLACEMENTS = {"mixtral": "fsdp", "qwen2_moe": "ep", "glm4_moe": "ep", "minicpm5_moe": "fsdp",
-                     "exaone_moe": "fsdp", "flex_olmo": "ep", "afmoe": "fsdp",
-                     "granitemoe_swa": "fsdp"}
-# (clip_norm above any first gradient norm here: run_steps reads the gradients unclipped; AfMoE's
-# sandwich norms put unit-RMS sublayer outputs on the residual stream: its first norm is above 1)
+                     "exaone_moe": "fsdp", "flex_olmo": "ep", "granitemoe_swa": "fsdp"}
+# (clip_norm above any first gradient norm here: run_steps reads the gradients unclipped; sandwich
+# norms, as AfMoE's, put unit-RMS sublayer outputs on the residual stream: first norms above 1)
 SETTINGS = {"steps": 2, "compute_dtype": "float32", "optim.clip_norm": 100.0}
 TOLERANCE = 1e-5   # max |difference| per leaf, relative to its max |gradient| (measured ~5e-7)
 
