@@ -46,8 +46,8 @@ def check_modelled(cfg: Config) -> None:
                sliding_window=0, nope_layers=(),
                norm_position="pre", embed_scale=1.0, residual_scale=1.0, attention_scale=0.0,
                logit_divisor=1.0)
-  routing = dict(score="softmax", renormalize=False, score_bias=False, expert_groups=1,
-                 shared_expert_hidden=0, routed_scale=1.0)
+  routing = dict(score="softmax", renormalize=False, score_bias=False, router_float32=False,
+                 expert_groups=1, shared_expert_hidden=0, routed_scale=1.0)
   for group, fields in (("model", plain), ("moe", routing)):
     for field, want in fields.items():
       value = getattr(getattr(cfg, group), field)

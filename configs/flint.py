@@ -1,7 +1,8 @@
 """Flint configs (Hugging Face flint): grouped-query attention with per-head QK-norm and a
 learned sink per head (model.attention_sinks), the sliding layers rotated and the global ones
 not (NoPE), the first two layers dense (mlp_only_layers), then sigmoid-scored experts without a
-score bias, top-k renormalized, beside an ungated shared expert.
+score bias, top-k renormalized (the router kept in float32, as Flint's checkpoints keep it),
+beside an ungated shared expert.
 
   python train.py --config configs/flint.py:tiny --workdir runs/flint_tiny
 
@@ -28,7 +29,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   preset = arg or "tiny"
   c = default_config_dict()
   c.model.update(family="flint", qk_norm="head", norm_eps=1e-6, attention_sinks=True)
-  c.moe.update(score="sigmoid", renormalize=True, aux_loss_weight=0.0005, z_loss_weight=0.0)
+  c.moe.update(score="sigmoid", renormalize=True, router_float32=True, aux_loss_weight=0.0005,
+               z_loss_weight=0.0)
   if preset == "tiny":
     c.model.update(num_layers=5, dense_layers=(0, 1), dense_hidden=128, num_kv_heads=2,
                    sliding_window=32, sliding_layers=(2, 3), nope_layers=(0, 1, 4))

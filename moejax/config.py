@@ -215,6 +215,9 @@ class MoEConfig:
   score_bias_on_logits: bool = False
   """The score bias is added to the router's logits, before the score function, for the choice
   (Kolibri's), rather than to the scores."""
+  router_float32: bool = False
+  """Gather and apply the router in float32 under any compute dtype, as with a score bias (which
+  always does): Flint's checkpoints and transformers keep its router so."""
   score_bias_rate: float = 0.0
   """Each step the bias of an expert above the mean load drops by this much, one below it rises
   (DeepSeek-V3's bias update speed, 0.001); 0 = the bias stays as loaded."""

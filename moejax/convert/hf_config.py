@@ -128,6 +128,7 @@ class FamilySpec:
   score: str = "softmax"               # the router's scores and score bias, where neither
   score_bias: bool = False             # `deepseek` nor `sigmoid_moe` sets them (MiniMax-M2)
   bias_on_logits: bool = False         # ... the bias added to the logits (Kolibri)
+  router_float32: bool = False         # its router kept in float32 (Flint): moe.router_float32
   default_aux: float | None = None     # transformers' router_aux_loss_coef default (None: the
                                        # base config's)
   default_head_dim: int | None = None  # transformers' head_dim default (None: hidden / heads)
@@ -403,7 +404,7 @@ FAMILY_SPECS = {
         "norm_topk_prob", renormalize_default=True, shared_expert=True, shared_gate=False,
         default_norm_eps=1e-6, default_head_dim=128, default_kv_heads=4, default_aux=0.0005,
         dense_pattern=True, default_mlp_only=(0, 1), score="sigmoid", sliding="flint",
-        default_sliding_window=513, attention_sinks=True,
+        default_sliding_window=513, attention_sinks=True, router_float32=True,
         required=_COMMON_REQUIRED + (
             ("attention_bias", False, "moejax attention projections have no bias"),)),
     "kolibri1": FamilySpec(
@@ -1163,6 +1164,7 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
                             if spec.shared_expert else 0),
       shared_expert_gate=spec.shared_expert and spec.shared_gate,
       score=spec.score, score_bias_on_logits=spec.bias_on_logits,
+      router_float32=spec.router_float32 or base.moe.router_float32,
       # transformers declares it `bool | None` and tests its truth: null is off
       renormalize=((hf.get(spec.renormalize_key, spec.renormalize_default) is not None
                     and _get(hf, spec.renormalize_key, bool, where, spec.renormalize_default))

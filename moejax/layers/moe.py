@@ -65,6 +65,7 @@ class MoESpec:
   group_score: str = "top2"               # ... scored by their two best experts, or the best
   score_bias: bool = False                # a selection-only score bias (e_score_correction_bias)
   bias_on_logits: bool = False            # ... added to the logits rather than the scores
+  router_float32: bool = False            # the router in float32 (always with a score bias)
 
   def __post_init__(self):
     """ValueError naming the field, so a block built from a bad spec fails here, not with a
@@ -169,9 +170,10 @@ class MoEBlock(nnx.Module):
                rngs: nnx.Rngs):
     e, d, f = spec.num_experts, d_model, expert_hidden
     init = jax.nn.initializers.normal(init_std)
-    # With a score bias (DeepSeek-V3) the router is gathered in float32, as its bias is.
+    # With a score bias (DeepSeek-V3) the router is gathered in float32, as its bias is; so it is
+    # where asked (Flint).
     self.router = param(init(rngs.params(), (d, e), jnp.float32), (EMBED, EXPERT_SCORE),
-                        ROUTER_FP32 if spec.score_bias else ROUTER)
+                        ROUTER_FP32 if spec.score_bias or spec.router_float32 else ROUTER)
     if spec.score_bias:
       self.score_bias = param(jnp.zeros((e,), jnp.float32), (EXPERT_SCORE,), ROUTER_BIAS)
     self.w_gate = param(init(rngs.params(), (e, d, f), jnp.float32), (EXPERT, EMBED, MLP), EXPERTS)

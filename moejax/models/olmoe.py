@@ -55,7 +55,7 @@ def moe_spec(cfg: Config) -> MoESpec:
                  shared_gate=moe.shared_expert_gate, routed_scale=moe.routed_scale,
                  groups=moe.expert_groups, top_groups=moe.top_groups,
                  group_score=moe.group_score, score_bias=moe.score_bias,
-                 bias_on_logits=moe.score_bias_on_logits)
+                 bias_on_logits=moe.score_bias_on_logits, router_float32=moe.router_float32)
 
 
 MOE_LAYERS = "layers"           # the parameter group of the MoE layers (stacked)

@@ -1199,9 +1199,16 @@ def test_flint_reads_its_layer_rules_sinks_and_ungated_shared_expert():
   """Flint: absent layer_types, layers 0, 1, every 4th from 1 and the last global, unrotated,
   the rest sliding and rotated; no window, every layer global and unrotated (transformers
   rotates only where a layer slides); absent or null mlp_only_layers, the first two dense;
-  the Hub's sinks are self_attn.softmax_offset; the shared expert has no gate."""
+  the Hub's sinks are self_attn.softmax_offset; the shared expert has no gate; the router is
+  kept in float32, as transformers keeps it."""
+  from moejax.models import olmoe
+  from moejax.sharding import axes
   cfg = tiny_config("flint")
   hf = hf_config_from(cfg)
+  assert config_from_hf(hf).moe.router_float32
+  assert olmoe.param_meta(cfg)["layers"]["moe"]["router"].group == axes.ROUTER_FP32
+  assert olmoe.param_meta(tiny_config("qwen3_moe"))["layers"]["moe"]["router"].group == (
+      axes.ROUTER)
   assert hf["mlp_only_layers"] == [0, 1] and "shared_expert_intermediate_size" in hf
   assert config_from_hf(hf, base=cfg) == cfg
   names = hf_names.expected_shapes(cfg)
