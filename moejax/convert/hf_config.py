@@ -531,13 +531,12 @@ def _typed_rope(hf: dict, where: str, sliding_layers: tuple, layers: int) -> dic
   # which has none: always on
   outer = {k: v for k, v in hf.items() if k != "original_max_position_embeddings"}
 
-  def read(kind: str) -> dict:
-    params = {k: v for k, v in rope[kind].items() if k != "truncate"}
+  def read(kind: str) -> dict:     # (no layer of an absent kind: its class default, unused)
+    params = rope.get(kind) if isinstance(rope.get(kind), dict) else _TYPED_ROPE_DEFAULTS[kind]
+    params = {k: v for k, v in params.items() if k != "truncate"}
     return _rope(dict(outer, rope_parameters=params, rope_theta=None), f"{where}: {kind}", 1.0)
 
-  fields = read("full_attention") if isinstance(rope.get("full_attention"), dict) else _rope(
-      dict(outer, rope_parameters=_TYPED_ROPE_DEFAULTS["full_attention"], rope_theta=None),
-      where, 1.0)
+  fields = read("full_attention")
   if not sliding_layers:
     return dict(fields, sliding_rope_theta=0.0)
   local = read("sliding_attention")
@@ -813,7 +812,7 @@ def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
       value = _SAME_AS.get((key, value), value)
     if value != want:
       _refuse(where, key, value, f"{why} (needs {want!r})")
-  _sliding(hf, spec, where)
+  sliding = _sliding(hf, spec, where)
   attn_types = hf.get("attn_type_list") or []      # MiniMax's: 1 softmax, 0 linear attention
   if any(t != 1 for t in attn_types):
     _refuse(where, "attn_type_list", attn_types, "moejax's layers are all softmax attention "
@@ -849,19 +848,19 @@ def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
   head_dim = _head_dim(hf, spec, where)
   _rotary_dim(hf, spec, _get(hf, "qk_rope_head_dim", int, where) if spec.deepseek else head_dim,
               where)
-  _rope_fields(hf, spec, where, head_dim)
+  _rope_fields(hf, spec, where, head_dim, sliding["sliding_layers"])
   return spec
 
 
-def _rope_fields(hf: dict, spec: FamilySpec, where: str, head_dim: int) -> dict:
+def _rope_fields(hf: dict, spec: FamilySpec, where: str, head_dim: int,
+                 sliding_layers: tuple) -> dict:
   """model.rope_* (and sliding_rope_theta) of `hf` as its family reads them."""
   if spec.rope_per_type:
-    return _typed_rope(hf, where, _sliding(hf, spec, where)["sliding_layers"],
-                       _get(hf, "num_hidden_layers", int, where))
+    return _typed_rope(hf, where, sliding_layers, _get(hf, "num_hidden_layers", int, where))
   fields = dict(_rope(hf, where, spec.default_rope_theta, head_dim if spec.hunyuan else 0),
                 sliding_rope_theta=0.0)
   if spec.layer_thetas:
-    fields.update(_layer_thetas(hf, where, _sliding(hf, spec, where)["sliding_layers"], fields))
+    fields.update(_layer_thetas(hf, where, sliding_layers, fields))
   return fields
 
 
@@ -1125,6 +1124,7 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
   heads = _get(hf, "num_attention_heads", int, where)
   kv_heads = _kv_heads(hf, spec, heads)
   head_dim = _head_dim(hf, spec, where)
+  sliding = _sliding(hf, spec, where)
   model = dataclasses.replace(
       base.model,
       family=MODEL_TYPES[spec.model_type],
@@ -1143,7 +1143,7 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       attention_gate=spec.attention_gate, attention_gate_own=spec.attention_gate_own,
       attention_sinks=spec.attention_sinks,
       norm_position=spec.norm_position,
-      **{**_sliding(hf, spec, where), **_rope_fields(hf, spec, where, head_dim)},
+      **{**sliding, **_rope_fields(hf, spec, where, head_dim, sliding["sliding_layers"])},
       norm_eps=_get(hf, "rms_norm_eps", float, where, spec.default_norm_eps),
       init_std=_get(hf, "initializer_range", float, where, base.model.init_std),
       tie_embeddings=_get(hf, "tie_word_embeddings", bool, where, spec.default_tie),

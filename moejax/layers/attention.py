@@ -89,11 +89,9 @@ def attend_with_sinks(q_BxSxHxDk, k_BxTxGxDk, v_BxTxGxDv, sinks_H, *, mask=None,
                                 preferred_element_type=jnp.float32)
   scores_BxGxRxSxT = scores_BxGxRxSxT * (dk ** -0.5 if scale is None else scale)
   visible_SxT = jnp.ones((s, t), bool)
-  if is_causal:       # queries are the last s of the t positions
-    offset_S = jnp.arange(s)[:, None] + (t - s)
-    visible_SxT = jnp.arange(t)[None, :] <= offset_S
-    if window:
-      visible_SxT = visible_SxT & (offset_S - jnp.arange(t)[None, :] < window)
+  if is_causal:       # query i sees keys j <= i (as jax.nn.dot_product_attention's is_causal)
+    distance_SxT = jnp.arange(s)[:, None] - jnp.arange(t)[None, :]
+    visible_SxT = (distance_SxT >= 0) & ((distance_SxT < window) if window else True)
   visible = visible_SxT[None, None, None]
   if mask is not None:       # [B|1, 1, S, T]
     visible = visible & mask[:, :, None]

@@ -272,7 +272,8 @@ class MoEBlock(nnx.Module):
         allowed_TxE = None
         if spec.admission == "reroute":   # rerouted assignments stay in the token's groups
           allowed_TxE = router_lib.allowed_experts(
-              logits_TxE if spec.bias_on_logits else scores_TxE, bias_E=self.score_bias[...] if spec.score_bias else None,
+              logits_TxE if spec.bias_on_logits else scores_TxE,
+              bias_E=self.score_bias[...] if spec.score_bias else None,
               groups=spec.groups, top_groups=spec.top_groups, group_score=spec.group_score)
         admitted = admission_lib.admit(x_TxD, router_DxE, experts_TxK, weights_TxK, scores_TxE,
                                        capacity_E=capacity_E, threshold=spec.threshold,
