@@ -209,7 +209,7 @@ def tile_sweep(rounds: int):
       # The group sizes as an argument, as in the train step (a constant would let XLA fix the
       # loop's trip count).
       loss = lambda x, sizes, *w, k=kernel, m=m: jax.numpy.sum(   # noqa: E731
-          k(x, sizes, *w, m).astype("float32") ** 2)
+          k(x, sizes, w, m).astype("float32") ** 2)
       fn = jax.jit(jax.grad(loss, argnums=(0, 2, 3, 4)))
       jax.block_until_ready(fn(x, sizes, *w))
       calls[f"{kname} M={m}"] = (fn, [])

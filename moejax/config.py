@@ -26,6 +26,7 @@ from moejax.families import FAMILIES
 from moejax.errors import ConfigError
 from moejax.placement import PLACEMENTS
 from moejax.placement.dispatch import OVERFLOW_POLICIES
+from moejax.placement.experts import ACTIVATIONS
 from moejax.routing.admission import POLICIES as ADMISSIONS
 from moejax.routing.router import GROUP_SCORES, SCORE_FUNCTIONS as SCORES
 from moejax.sharding.hook import COMPUTE_DTYPES
@@ -97,6 +98,8 @@ class ModelConfig:
   OLMoE; head: per head, Qwen3; none: Mixtral, Qwen2)."""
   qkv_bias: bool = False
   """Biases on the q, k and v projections (Qwen2-MoE)."""
+  attention_out_bias: bool = False
+  """A bias on the attention's output projection (gpt-oss)."""
   qk_norm_after_rope: bool = False
   """Per-head QK-norm (qk_norm "head") of the rotated q and k rather than before the rotation
   (Hunyuan-A13B)."""
@@ -218,6 +221,19 @@ class MoEConfig:
   router_float32: bool = False
   """Gather and apply the router in float32 under any compute dtype, as with a score bias (which
   always does): Flint's checkpoints and transformers keep its router so."""
+  router_bias: bool = False
+  """A trained bias added to the router's logits, for the choice and the weights alike
+  (gpt-oss's router.bias); unlike score_bias, it learns from the loss."""
+  expert_bias: bool = False
+  """Biases on each expert's gate, up and down projections (gpt-oss), placed with the experts."""
+  activation: str = "swiglu"
+  """The experts' activation: one of `moejax.placement.experts.ACTIVATIONS` (swiglu:
+  silu(gate) * up; swiglu_clamped: gpt-oss's, gate clipped above at swiglu_limit and up to
+  [-swiglu_limit, swiglu_limit], then gate * sigmoid(swiglu_alpha * gate) * (up + 1))."""
+  swiglu_alpha: float = 1.702
+  """swiglu_clamped's sigmoid slope (gpt-oss's swiglu_alpha)."""
+  swiglu_limit: float = 7.0
+  """swiglu_clamped's clamp (gpt-oss's swiglu_limit)."""
   score_bias_rate: float = 0.0
   """Each step the bias of an expert above the mean load drops by this much, one below it rises
   (DeepSeek-V3's bias update speed, 0.001); 0 = the bias stays as loaded."""
@@ -670,9 +686,10 @@ def validate(c: Config) -> None:
            f"config.model.head_dim={m.head_dim}: with multi-head latent attention it is the q/k "
            f"head width, model.qk_nope_head_dim + qk_rope_head_dim = "
            f"{m.qk_nope_head_dim + m.qk_rope_head_dim}")
-    _check(m.num_kv_heads in (0, m.num_heads) and m.qk_norm == "none" and not m.qkv_bias,
+    _check(m.num_kv_heads in (0, m.num_heads) and m.qk_norm == "none" and not m.qkv_bias
+           and not m.attention_out_bias,
            "config.model.kv_lora_rank > 0 (multi-head latent attention) takes no num_kv_heads, "
-           "qk_norm or qkv_bias: set them to 0, 'none' and False")
+           "qk_norm, qkv_bias or attention_out_bias: set them to 0, 'none', False and False")
   else:
     _check(not (m.q_lora_rank or m.qk_nope_head_dim or m.qk_rope_head_dim or m.v_head_dim),
            "config.model.q_lora_rank / qk_nope_head_dim / qk_rope_head_dim / v_head_dim are "
@@ -689,6 +706,15 @@ def validate(c: Config) -> None:
          f"{moe.expert_groups}] with enough experts for moe.top_k={moe.top_k}")
   _check(moe.score_bias_rate >= 0,
          f"config.moe.score_bias_rate={moe.score_bias_rate}: must be >= 0 (0 = fixed)")
+  _choice(moe.activation, "moe.activation", ACTIVATIONS)
+  for field in ("swiglu_alpha", "swiglu_limit"):
+    _check(0 < getattr(moe, field) < math.inf,
+           f"config.moe.{field}={getattr(moe, field)}: must be positive and finite")
+  _check(moe.activation == "swiglu_clamped"
+         or (moe.swiglu_alpha, moe.swiglu_limit) == (MoEConfig.swiglu_alpha,
+                                                     MoEConfig.swiglu_limit),
+         f"config.moe.swiglu_alpha/swiglu_limit ({moe.swiglu_alpha}, {moe.swiglu_limit}) apply to "
+         "moe.activation='swiglu_clamped' only: set it, or leave them at their defaults")
   _check(moe.score_bias or not moe.score_bias_on_logits,
          "config.moe.score_bias_on_logits=True needs moe.score_bias=True (the bias it places)")
   _check(moe.score_bias or moe.score_bias_rate == 0,
@@ -865,12 +891,13 @@ def num_params(c: Config) -> dict[str, int]:
     attn = (gates + 1) * d * q_width + 2 * d * kv_width  # q (and gate), o; k, v
     q_biases = 1 if m.attention_gate_own else gates     # an own gate weight has no bias
     attn += (q_biases * q_width + 2 * kv_width) if m.qkv_bias else 0
+    attn += d if m.attention_out_bias else 0
     attn += {"full": q_width + kv_width, "head": 2 * m.head_dim, "none": 0}[m.qk_norm]
     attn += h if m.attention_sinks else 0                # one sink logit per head
   attn += (4 if m.norm_position == "sandwich" else 2) * d     # the layer's norms
-  expert = 3 * d * moe.expert_hidden
+  expert = 3 * d * moe.expert_hidden + ((2 * moe.expert_hidden + d) if moe.expert_bias else 0)
   shared = 3 * d * moe.shared_expert_hidden + (d if moe.shared_expert_gate else 0)
-  router = d * moe.num_experts + (moe.num_experts if moe.score_bias else 0)
+  router = d * moe.num_experts + moe.num_experts * (moe.score_bias + moe.router_bias)
   moe_layers = m.num_layers - len(m.dense_layers)
   dense = len(m.dense_layers) * (attn + 3 * d * m.dense_hidden)
   embed = (1 if m.tie_embeddings else 2) * m.vocab_size * d + d   # + final norm

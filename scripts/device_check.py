@@ -197,7 +197,7 @@ def step_ragged(dims: dict) -> dict:
   grouped_err = float(jnp.max(jnp.abs(y_grouped.astype(jnp.float32) - y_dense))) / scale
   # The static-capacity path (XLA:CPU's branch) on this platform: both timed (step-speed issue).
   static = jax.jit(experts._tiled_swiglu)
-  y_static = static(xs, group_sizes, *w)
+  y_static = static(xs, group_sizes, tuple(w))
   static_err = float(jnp.max(jnp.abs(y_static.astype(jnp.float32) - y_dense))) / scale
   # SparseAllGather (ragged on GPU): every device's one slot holds the next device's expert 0,
   # so each owner fills one slot: the send and gradient rows sized by that bound (owner_sends).
@@ -277,7 +277,8 @@ def step_grouped(dims: dict) -> dict:
   flops = 6 * a * d * f
   out = {"rows": a, "experts": g, "d": d, "f": f, "forward_flops": flops,
          "hopper_usable": hopper.usable(x, *w)}
-  impls = {"ragged_dot": experts._ragged_swiglu, "tiles": experts._tiled_swiglu}
+  impls = {"ragged_dot": lambda x, s, *w: experts._ragged_swiglu(x, s, w),
+           "tiles": lambda x, s, *w: experts._tiled_swiglu(x, s, w)}
   if out["hopper_usable"]:
     impls = {"hopper": hopper.kernel_swiglu(d, f), **impls}
   grads = {}

@@ -17,6 +17,7 @@ import configs.glm4_moe as glm4_moe_configs
 import configs.glm4_moe_lite as glm4_moe_lite_configs
 import configs.granitemoe as granitemoe_configs
 import configs.granitemoe_swa as granitemoe_swa_configs
+import configs.gpt_oss as gpt_oss_configs
 import configs.granitemoeshared as granitemoeshared_configs
 import configs.hunyuan_v1_moe as hunyuan_v1_moe_configs
 import configs.hy_v3 as hy_v3_configs
@@ -49,7 +50,7 @@ FAMILY_CONFIGS = {"olmoe": olmoe_configs, "mixtral": mixtral_configs,
                   "param2moe": param2moe_configs, "flex_olmo": flex_olmo_configs,
                   "afmoe": afmoe_configs, "mellum": mellum_configs,
                   "granitemoe_swa": granitemoe_swa_configs, "flint": flint_configs,
-                  "kolibri1": kolibri1_configs,
+                  "kolibri1": kolibri1_configs, "gpt_oss": gpt_oss_configs,
                   "hunyuan_v1_moe": hunyuan_v1_moe_configs}
 
 

@@ -72,7 +72,12 @@ def _read_source(reader: TensorReader, src: hf_names.Source, tail_slices: list) 
   if src.row_offset:
     first = hf_slices[0]
     hf_slices[0] = slice(first.start + src.row_offset, first.stop + src.row_offset)
+  if src.stride > 1:      # the columns the block's take, every stride-th, read as one range
+    last = hf_slices[-1]
+    hf_slices[-1] = slice(last.start * src.stride, last.stop * src.stride)
   block = reader.read(src.name, (*src.prefix, *hf_slices))
+  if src.stride > 1:
+    block = block[..., src.column::src.stride]
   return block.T if src.transpose else block
 
 
@@ -230,7 +235,7 @@ def save_hf(params, cfg: Config, out_dir: str, *, dtype: str = "float32",
 
   def produce(name: str) -> np.ndarray:
     parts = lookup[name]
-    if len(parts) == 1 and not parts[0][2].row_offset:
+    if len(parts) == 1 and not parts[0][2].row_offset and parts[0][2].stride == 1:
       leaf, lead, src = parts[0]
       block = block_of(leaf, lead, src)
       return np.reshape(block, shapes[name]) if src.prefix else block
@@ -238,7 +243,10 @@ def save_hf(params, cfg: Config, out_dir: str, *, dtype: str = "float32",
     for leaf, lead, src in parts:
       block = block_of(leaf, lead, src)
       out = np.zeros(shapes[name], block.dtype) if out is None else out
-      out[src.prefix][src.row_offset:src.row_offset + block.shape[0]] = block
+      if src.stride > 1:
+        out[src.prefix][..., src.column::src.stride] = block
+      else:
+        out[src.prefix][src.row_offset:src.row_offset + block.shape[0]] = block
     return out
 
   os.makedirs(out_dir, exist_ok=True)

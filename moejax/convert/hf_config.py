@@ -86,7 +86,7 @@ import math
 from moejax.config import Config, ModelConfig, validate
 from moejax.errors import CheckpointError, ConfigError
 from moejax.convert.hf_names import MTP_FAMILIES, MTP_NAMED
-from moejax.convert.safetensors_io import WeightScales
+from moejax.convert.safetensors_io import MXFP4_SCALES, WeightScales
 from moejax.families import FAMILIES
 
 
@@ -153,7 +153,8 @@ class FamilySpec:
                                        # 4th from 1 and the last, the others unrotated (all
                                        # without a window); "kolibri" layer_types, else all
                                        # but every 5th, the others unrotated (none without a
-                                       # window)
+                                       # window); "gpt_oss" layer_types, else every other from
+                                       # layer 0
   deepseek: str = ""                   # "v2" / "v3": latent attention, leading dense layers,
                                        # n_shared_experts; v3: grouped sigmoid routing with a
                                        # score bias; v2: softmax, greedy or grouped by the best
@@ -198,6 +199,11 @@ class FamilySpec:
                                        # value each (all entries equal)
   granite: str = ""                    # Granite's multipliers (embedding, residual, attention,
                                        # logits); "shared": shared_intermediate_size too
+  gpt_oss: bool = False                # gpt-oss: attention_bias on q, k, v and o alike, a router
+                                       # bias, biased experts with the clamped SwiGLU
+                                       # (swiglu_alpha, swiglu_limit)
+  default_rope: tuple = ()             # (key, value) of the RoPE dict its config class sets
+                                       # when config.json gives none (gpt-oss: YaRN)
   # Fields that must hold these values (moejax has no equivalent of the others); export writes
   # them so.
   required: tuple = ()
@@ -423,6 +429,16 @@ FAMILY_SPECS = {
         rope_per_type=True,
         required=_COMMON_REQUIRED + (
             ("attention_bias", False, "moejax attention projections have no bias"),)),
+    "gpt_oss": FamilySpec(
+        "gpt_oss", "GptOssForCausalLM", "none", "num_local_experts", "intermediate_size", None,
+        experts_aliases=("num_experts",), aliases_win=True, default_rope_theta=150000.0,
+        default_head_dim=64, default_kv_heads=8, default_aux=0.001,
+        qkv_bias_key="attention_bias", qkv_bias_default=True, sliding="gpt_oss",
+        default_sliding_window=128, attention_sinks=True, gpt_oss=True,
+        default_rope=(("rope_type", "yarn"), ("factor", 32.0), ("beta_fast", 32.0),
+                      ("beta_slow", 1.0), ("truncate", False),
+                      ("original_max_position_embeddings", 4096)),
+        required=_COMMON_REQUIRED),
 }
 assert tuple(FAMILY_SPECS) == FAMILIES
 MODEL_TYPES = {spec.model_type: name for name, spec in FAMILY_SPECS.items()}
@@ -690,7 +706,8 @@ def _per(block: tuple[int, int]) -> str:
 
 def weight_scales(hf: dict, where: str = "config.json") -> WeightScales | None:
   """How the quantized weights of a checkpoint carry their scales, None for an unquantized one:
-  transformers' fine-grained FP8 (quant_method "fp8": DeepSeek-V3, Qwen3-*-FP8, MiniMax-M2), or
+  gpt-oss's MXFP4 experts (quant_method "mxfp4": FP4 values with a power-of-two scale per 32,
+  `safetensors_io.MXFP4_SCALES`), transformers' fine-grained FP8 (quant_method "fp8": DeepSeek-V3, Qwen3-*-FP8, MiniMax-M2), or
   compressed-tensors' float-quantized (8-bit float) and pack-quantized (symmetric 4- or 8-bit
   integer: Kimi-K2-Thinking's experts) formats, per tensor, row, group or block, activations
   quantized dynamically or not at all. Every other quantization is refused: its weights would
@@ -698,10 +715,12 @@ def weight_scales(hf: dict, where: str = "config.json") -> WeightScales | None:
   q = hf.get("quantization_config")
   if q is None:
     return None
-  fix = ("moejax dequantizes FP8 and symmetric integer weights only (quant_method 'fp8', or "
-         "'compressed-tensors' with format 'float-quantized' or 'pack-quantized'); dequantize "
-         "other formats to bfloat16 first")
+  fix = ("moejax dequantizes FP8, MXFP4 experts and symmetric integer weights only "
+         "(quant_method 'fp8', 'mxfp4', or 'compressed-tensors' with format 'float-quantized' "
+         "or 'pack-quantized'); dequantize other formats to bfloat16 first")
   method = q.get("quant_method") if isinstance(q, dict) else None
+  if method == "mxfp4":        # gpt-oss's experts; the rest of its checkpoint stays bf16
+    return MXFP4_SCALES
   if method == "fp8":
     if q.get("fmt") not in _FP8_FORMATS:
       _refuse(where, "quantization_config.fmt", q["fmt"], "moejax reads e4m3 FP8 weights only")
@@ -857,6 +876,8 @@ def _rope_fields(hf: dict, spec: FamilySpec, where: str, head_dim: int,
   """model.rope_* (and sliding_rope_theta) of `hf` as its family reads them."""
   if spec.rope_per_type:
     return _typed_rope(hf, where, sliding_layers, _get(hf, "num_hidden_layers", int, where))
+  if spec.default_rope and _rope_dict(hf)[0] is None:     # its config class's RoPE
+    hf = dict(hf, rope_parameters=dict(spec.default_rope))
   fields = dict(_rope(hf, where, spec.default_rope_theta, head_dim if spec.hunyuan else 0),
                 sliding_rope_theta=0.0)
   if spec.layer_thetas:
@@ -943,6 +964,8 @@ def _sliding(hf: dict, spec: FamilySpec, where: str) -> dict:
     sliding = [i for i in range(2, layers - 1) if i % 4 != 1]
   elif spec.sliding == "kolibri":
     sliding = [i for i in range(layers) if (i + 1) % 5]
+  elif spec.sliding == "gpt_oss":
+    sliding = [i for i in range(layers) if i % 2 == 0]
   else:   # EXAONE, AfMoE: transformers derives the list from an integer pattern
     key = _PATTERNED[spec.sliding]
     pattern = _get(hf, key, int, where, 4)
@@ -1194,6 +1217,16 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
     if spec.granite == "shared":
       moe = dataclasses.replace(moe, shared_expert_hidden=_get(
           hf, "shared_intermediate_size", int, where, 0), shared_expert_gate=False)
+  if spec.gpt_oss:         # attention_bias biases the output projection too
+    model = dataclasses.replace(model, attention_out_bias=model.qkv_bias)
+    moe = dataclasses.replace(
+        moe, router_bias=True, expert_bias=True, activation="swiglu_clamped",
+        swiglu_alpha=_get(hf, "swiglu_alpha", float, where, 1.702),
+        swiglu_limit=_get(hf, "swiglu_limit", float, where, 7.0))
+  else:
+    model = dataclasses.replace(model, attention_out_bias=False)
+    moe = dataclasses.replace(moe, router_bias=False, expert_bias=False, activation="swiglu",
+                              swiglu_alpha=1.702, swiglu_limit=7.0)
   if not moe.score_bias:
     moe = dataclasses.replace(moe, score_bias_rate=0.0)
   cfg = dataclasses.replace(base, model=model, moe=moe)
@@ -1286,6 +1319,15 @@ def check_exportable(cfg: Config) -> FamilySpec:
          " (it leaves its full layers unrotated)" if patterned else " (it rotates every layer)")
   need("model.attention_sinks", m.attention_sinks, spec.attention_sinks,
        " (its attention's sinks)" if spec.attention_sinks else " (no attention sinks)")
+  need("moe.router_bias", moe.router_bias, spec.gpt_oss,
+       " (its router's bias)" if spec.gpt_oss else " (no router bias)")
+  need("moe.expert_bias", moe.expert_bias, spec.gpt_oss,
+       " (its experts' biases)" if spec.gpt_oss else " (no expert biases)")
+  need("moe.activation", moe.activation, "swiglu_clamped" if spec.gpt_oss else "swiglu",
+       " (its experts' activation)")
+  need("model.attention_out_bias", m.attention_out_bias, m.qkv_bias and spec.gpt_oss,
+       " (attention_bias biases q, k, v and o alike)" if spec.gpt_oss
+       else " (no output-projection bias)")
   if spec.ernie:
     if _ernie_pattern(m) is None:
       raise CheckpointError(
@@ -1431,6 +1473,8 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
     hf.update({"moe_intermediate_size": moe.expert_hidden, "num_shared_expert": 1})
   if spec.mup:
     hf["mup_enabled"] = m.embed_scale != 1.0
+  if spec.gpt_oss:
+    hf.update({"swiglu_alpha": moe.swiglu_alpha, "swiglu_limit": moe.swiglu_limit})
   if spec.layer_thetas:      # each layer's base: 0 unrotated, the sliding layers' own if any
     hf["layer_rope_theta"] = [
         0.0 if i in m.nope_layers else (m.sliding_rope_theta or m.rope_theta)
@@ -1467,7 +1511,8 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
         else full)}
     hf.pop("rope_scaling", None)      # even null, transformers would read it over the dicts
     hf.pop("rope_theta")
-  elif isinstance(hf.get("rope_parameters"), dict):     # transformers >= 5's own layout
+  elif isinstance(hf.get("rope_parameters"), dict) or spec.default_rope:
+    # transformers >= 5's own layout (and where no dict would read as the class's YaRN)
     hf["rope_parameters"] = {"rope_theta": m.rope_theta, **rope}
     hf["rope_scaling"] = None                         # it would win over rope_parameters
   else:

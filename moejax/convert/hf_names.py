@@ -62,6 +62,17 @@ renamed `mlp`):
   model.layers.i.mlp.experts.down_proj     [E, D, F]
   model.layers.i.mlp.gate.weight           [E, D]
 Import reads either layout; export writes the per-expert one.
+
+gpt-oss (one layout, transformers' names; the Hub's MXFP4 experts read through
+`safetensors_io`, dequantized): linear weights [out, in]^T as above, its experts [in, out] as
+they are, gate and up interleaved, and biases on q, k, v, o, the router and the experts:
+  layers.attn.bo              [L, D]     model.layers.i.self_attn.o_proj.bias
+  layers.moe.router / router_b           model.layers.i.mlp.router.weight [E, D]^T / .bias [E]
+  layers.moe.w_gate / w_up    [L,E,D,F]  model.layers.i.mlp.experts.gate_up_proj [E, D, 2F],
+                                         columns 0, 2, 4, ... / 1, 3, 5, ...
+  layers.moe.b_gate / b_up    [L, E, F]  model.layers.i.mlp.experts.gate_up_proj_bias [E, 2F], alike
+  layers.moe.w_down           [L,E,F,D]  model.layers.i.mlp.experts.down_proj [E, F, D]
+  layers.moe.b_down           [L, E, D]  model.layers.i.mlp.experts.down_proj_bias [E, D]
 """
 from __future__ import annotations
 
@@ -85,12 +96,16 @@ class Source:
   `row_offset` shifts the first tail axis (the gate or up half of a fused gate_up tensor), and
   `transpose` swaps the two tail axes to get moejax's [in, out]. `singleton`: the tensor has one
   more leading axis of size 1 (ERNIE's [1, E] score bias), read at index 0 and written back so.
+  `stride` > 1: the block's last axis is the tensor's entries `column`, `column + stride`, ...
+  (gpt-oss's fused gate_up_proj: gate and up alternate).
   """
   name: str
   prefix: tuple[int, ...] = ()
   row_offset: int = 0
   transpose: bool = False
   singleton: bool = False
+  stride: int = 1          # the block is every `stride`-th entry of the tensor's last axis,
+  column: int = 0          # from this one (gpt-oss's gate and up, interleaved)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +161,11 @@ HUB_EXPERT_NAMES = {
     "flint": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "kolibri1": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "mellum": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "gpt_oss": ("mlp", ("gate_proj", "up_proj", "down_proj")),    # (unused: INTERLEAVED_EXPERTS)
 }
+# Families whose experts are held fused in both layouts, [in, out], gate and up interleaved
+# (every other column), with biases: (gate_up, down) under the MoE block's module.
+INTERLEAVED_EXPERTS = {"gpt_oss": ("experts.gate_up_proj", "experts.down_proj")}
 # The attention's sinks where the Hub's layout names them otherwise (transformers: sinks).
 HUB_SINKS_NAME = {"flint": "softmax_offset"}
 # The attention's q and k norms where they are not q_norm and k_norm (both layouts).
@@ -197,7 +216,7 @@ HUB_LAYER_SCORE_BIAS = {"kolibri1": "moe.router.expert_bias"}
 ROUTER_NAME = {"hy_v3": ("router.gate", "gate"), "granitemoe": ("router.layer", "router"),
                "granitemoeshared": ("router.layer", "router"),
                "hunyuan_v1_moe": ("gate.wg", "gate.wg"), "afmoe": ("router.gate", "router.gate"),
-               "granitemoe_swa": ("router", "router")}
+               "granitemoe_swa": ("router", "router"), "gpt_oss": ("router", "router")}
 # The q projection of families whose attention has an output gate (`model.attention_gate`): each
 # head's query rows followed by its gate rows, under this name in transformers' fused layout
 # (the Hub's keeps q_proj; transformers renames it on load).
@@ -259,6 +278,8 @@ def _attention_maps(cfg: Config, per_layer, experts: str) -> None:
     per_layer(("attn", f"w{part}"), (D, width), f"{module}.{tensor}.weight", True,
               row_offset=offset)
   per_layer(("attn", "wo"), (HD, D), f"{module}.{out}.weight", True)
+  if m.attention_out_bias:
+    per_layer(("attn", "bo"), (D,), f"{module}.{out}.bias", False)
   if m.attention_sinks:
     sinks = HUB_SINKS_NAME.get(m.family, "sinks") if experts != FUSED else "sinks"
     per_layer(("attn", "sinks"), (m.num_heads,), f"{module}.{sinks}", False)
@@ -318,6 +339,8 @@ def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:
       continue
     router = ROUTER_NAME.get(m.family, ("gate", "gate"))[experts == FUSED]
     per_layer(("moe", "router"), (D, E), f"{moe_module}.{router}.weight", True)
+    if moe.router_bias:
+      per_layer(("moe", "router_b"), (E,), f"{moe_module}.{router}.bias", False)
     if moe.score_bias:
       hub_bias, fused_bias = SCORE_BIAS_NAME.get(m.family, ("gate.e_score_correction_bias",) * 2)
       bias = fused_bias if experts == FUSED else hub_bias
@@ -326,19 +349,23 @@ def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:
         path = HUB_LAYER_SCORE_BIAS[m.family]
       per_layer(("moe", "score_bias"), (E,), path, False,
                 singleton=m.family in SCORE_BIAS_SINGLETON)
-    for name, tail, hf_name, offset in (("w_gate", (D, F), gate_name, 0),
-                                        ("w_up", (D, F), up_name, F),
-                                        ("w_down", (F, D), down_name, 0)):
-      sources = {}
-      for i, e in itertools.product(range(count), range(E)):
-        if fused_names:
-          fused = fused_names[name == "w_down"]
-          sources[(i, e)] = Source(f"{_layer(hf_ids[i])}.{moe_module}.{fused}", prefix=(e,),
-                                   row_offset=offset, transpose=True)
-        else:
-          sources[(i, e)] = Source(
-              f"{_layer(hf_ids[i])}.{moe_module}.experts.{e}.{hf_name}.weight", transpose=True)
-      maps.append(LeafMap((group, "moe", name), (count, E, *tail), 2, sources))
+    if m.family in INTERLEAVED_EXPERTS:
+      maps.extend(_interleaved_expert_maps(cfg, group, hf_ids, f"{moe_module}.",
+                                           moe.expert_bias))
+    else:
+      for name, tail, hf_name, offset in (("w_gate", (D, F), gate_name, 0),
+                                          ("w_up", (D, F), up_name, F),
+                                          ("w_down", (F, D), down_name, 0)):
+        sources = {}
+        for i, e in itertools.product(range(count), range(E)):
+          if fused_names:
+            fused = fused_names[name == "w_down"]
+            sources[(i, e)] = Source(f"{_layer(hf_ids[i])}.{moe_module}.{fused}", prefix=(e,),
+                                     row_offset=offset, transpose=True)
+          else:
+            sources[(i, e)] = Source(
+                f"{_layer(hf_ids[i])}.{moe_module}.experts.{e}.{hf_name}.weight", transpose=True)
+        maps.append(LeafMap((group, "moe", name), (count, E, *tail), 2, sources))
     if Fs and m.family in FUSED_SHARED_MODULE:
       shared = FUSED_SHARED_MODULE[m.family]
       for name, tail, hf_name, offset in (("shared_w_gate", (D, Fs), "input_linear", 0),
@@ -362,6 +389,27 @@ def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:
   return maps
 
 
+def _interleaved_expert_maps(cfg: Config, group: str, hf_ids: list, module: str,
+                             bias: bool) -> list[LeafMap]:
+  """gpt-oss's experts: gate_up_proj [E, D, 2F] (gate in the even columns, up in the odd ones)
+  and down_proj [E, F, D], [in, out] as moejax holds them; their biases alike."""
+  moe, D = cfg.moe, cfg.model.d_model
+  E, F = moe.num_experts, moe.expert_hidden
+  gate_up, down = INTERLEAVED_EXPERTS[cfg.model.family]
+  leaves = [("w_gate", (D, F), gate_up, 0), ("w_up", (D, F), gate_up, 1),
+            ("w_down", (F, D), down, None)]
+  if bias:
+    leaves += [("b_gate", (F,), gate_up + "_bias", 0), ("b_up", (F,), gate_up + "_bias", 1),
+               ("b_down", (D,), down + "_bias", None)]
+  maps = []
+  for name, tail, tensor, column in leaves:
+    sources = {(i, e): Source(f"{_layer(hf_i)}.{module}{tensor}", prefix=(e,),
+                              stride=1 if column is None else 2, column=column or 0)
+               for (i, hf_i), e in itertools.product(enumerate(hf_ids), range(E))}
+    maps.append(LeafMap((group, "moe", name), (len(hf_ids), E, *tail), 2, sources))
+  return maps
+
+
 def expected_shapes(cfg: Config, experts: str = PER_EXPERT) -> dict[str, tuple[int, ...]]:
   """Hugging Face tensor name -> the full shape `cfg` implies for it: the extent of every block
   its sources read (a fused tensor's experts along the prefix, its gate and up rows along the
@@ -369,8 +417,10 @@ def expected_shapes(cfg: Config, experts: str = PER_EXPERT) -> dict[str, tuple[i
   shapes = {}
   for leaf in leaf_maps(cfg, experts):
     for src in leaf.sources.values():
-      tail = leaf.tail[::-1] if src.transpose else leaf.tail
-      shape = (*(p + 1 for p in src.prefix), src.row_offset + tail[0], *tail[1:])
+      tail = list(leaf.tail[::-1] if src.transpose else leaf.tail)
+      tail[0] += src.row_offset
+      tail[-1] *= src.stride
+      shape = (*(p + 1 for p in src.prefix), *tail)
       old = shapes.get(src.name)
       shapes[src.name] = shape if old is None else tuple(max(a, b) for a, b in zip(old, shape))
   return shapes

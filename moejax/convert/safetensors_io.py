@@ -18,6 +18,12 @@ tensor, row, group of a row, or block. The reader dequantizes such a weight as i
 16-bit scale's dtype, as it rounds them) and hides the scale tensors, so the rest of import sees
 ordinary fp32 weights.
 
+MXFP4 checkpoints (quantization_config quant_method "mxfp4": OpenAI's gpt-oss) store each expert
+projection `P` [E, C, R] as two uint8 tensors, `P_blocks` [E, R, C/32, 16] (two FP4 e2m1 codes a
+byte, low nibble first) and `P_scales` [E, R, C/32] (one E8M0 exponent, 2**(byte - 127), per 32
+values along C); the reader lists the pair as `P` ("MXFP4") and reads it as transformers'
+`convert_moe_packed_tensors` dequantizes it (exact in fp32), axes swapped back to [E, C, R].
+
 File format (https://github.com/huggingface/safetensors): 8-byte little-endian header length N,
 N bytes of JSON header ({name: {dtype, shape, data_offsets}}, "__metadata__"), then the data.
 """
@@ -66,6 +72,22 @@ class WeightScales:
                                  # (compressed-tensors'); else exact in fp32 (transformers' FP8)
   summary: str = ""              # in a few words, for the lines that name it ("FP8 in 128 x 128
                                  # blocks", "INT4 per 32 columns of a row")
+  mxfp4: bool = False            # expert projections P stored as P_blocks + P_scales (gpt-oss)
+
+
+# What `hf_config.weight_scales` returns for quant_method "mxfp4": no per-weight scale blocks
+# (the FP8 and packed paths refuse their tensors); P_blocks + P_scales pairs read as P.
+MXFP4_SCALES = WeightScales("_scales", (), mxfp4=True, summary="MXFP4 experts (FP4 per 32 values)")
+MXFP4_BLOCK = 32                                       # values one E8M0 scale covers
+BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"    # P_blocks, P_scales
+MXFP4_DTYPE = "MXFP4"                                  # the dtype `TensorReader.dtypes` lists P as
+FP4_E2M1 = np.array([+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0,
+                     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+# byte -> its two values (low nibble first): one gather decodes a block's 16 bytes to 32 values
+FP4_PAIRS = np.stack([FP4_E2M1[np.arange(256) & 15], FP4_E2M1[np.arange(256) >> 4]], axis=-1)
+# The E8M0 NaN: refused where read (transformers' ldexp reads it as 2**128, inf for codes
+# of 1 and up; no checkpoint should hold it).
+E8M0_NAN = 255
 
 
 PACKED_SUFFIX, SHAPE_SUFFIX = "_packed", "_shape"     # X.weight_packed, X.weight_shape
@@ -123,8 +145,59 @@ class TensorReader:
     self._scales: dict[str, tuple[str, tuple[int, int], tuple[int, ...], np.dtype | None]] = {}
     self._raw: dict[str, tuple[str, int, str, tuple]] = {}     # float8 -> file, offset, ...
     self._packed: dict[str, tuple[str, int]] = {}   # X.weight -> (X.weight_packed, bits)
+    self._mxfp4: dict[str, tuple[str, str, str]] = {}   # P -> (P_blocks, P_scales, scales' file)
+    self._pair_mxfp4(scales)
     self._unpack_names(scales)
     self._pair_scales(scales)
+
+  def _pair_mxfp4(self, scales: WeightScales | None) -> None:
+    """Each MXFP4 pair P_blocks [E, R, G, 16] + P_scales [E, R, G] listed as P [E, G * 32, R],
+    the layout transformers' convert_moe_packed_tensors gives it; the pair hidden."""
+    paired = sorted(n[:-len(BLOCKS_SUFFIX)] for n in self.shapes if n.endswith(BLOCKS_SUFFIX)
+                    and n[:-len(BLOCKS_SUFFIX)] + SCALES_SUFFIX in self.shapes)
+    if scales is None or not scales.mxfp4:
+      if paired:
+        name = paired[0]
+        raise CheckpointError(
+            f"{self._path(self.files[name + BLOCKS_SUFFIX])}: tensors {name + BLOCKS_SUFFIX!r} "
+            f"and {name + SCALES_SUFFIX!r} hold MXFP4 weights, but config.json declares no "
+            "quantization_config with quant_method 'mxfp4'")
+      return
+    for name in sorted(self.shapes):
+      for suffix, other, what in ((BLOCKS_SUFFIX, SCALES_SUFFIX, "blocks without their scales"),
+                                  (SCALES_SUFFIX, BLOCKS_SUFFIX, "scales without their blocks")):
+        if name.endswith(suffix) and name[:-len(suffix)] + other not in self.shapes:
+          raise CheckpointError(
+              f"{self._path(self.files[name])}: tensor {name!r} holds MXFP4 {what} "
+              f"{name[:-len(suffix)] + other!r}; moejax reads MXFP4 weights as the pair only")
+    for name in paired:
+      blocks, scales_name = name + BLOCKS_SUFFIX, name + SCALES_SUFFIX
+      for part in (blocks, scales_name):
+        if self.dtypes[part] != "U8":
+          raise CheckpointError(f"{self._path(self.files[part])}: tensor {part!r} has dtype "
+                                f"{self.dtypes[part]}; MXFP4 blocks and scales are U8")
+      shape = self.shapes[blocks]
+      if len(shape) != 4 or shape[-1] != MXFP4_BLOCK // 2:
+        # transformers swaps axes 1 and 2 of the values: the last two for 4-D blocks only
+        raise CheckpointError(
+            f"{self._path(self.files[blocks])}: tensor {blocks!r} has shape {shape}; MXFP4 "
+            "blocks are [experts, rows, blocks of 32 values, 16 bytes] (as transformers' "
+            "convert_moe_packed_tensors reads them)")
+      if self.shapes[scales_name] != shape[:-1]:
+        raise CheckpointError(
+            f"{self._path(self.files[scales_name])}: tensor {scales_name!r} has shape "
+            f"{self.shapes[scales_name]}; {blocks} {shape} needs one scale per block, "
+            f"{shape[:-1]}")
+      if name in self.shapes:
+        raise CheckpointError(f"{self._path(self.files[name])}: tensor {name!r} is stored beside "
+                              f"its MXFP4 blocks {blocks!r}; a checkpoint holds one or the other")
+      experts, rows, groups, _ = shape
+      self._mxfp4[name] = (blocks, scales_name, self.files[scales_name])
+      self.files[name] = self.files[blocks]
+      self.shapes[name] = (experts, groups * MXFP4_BLOCK, rows)
+      self.dtypes[name] = MXFP4_DTYPE
+      for hidden in (blocks, scales_name):     # read through `name` from here on
+        del self.files[hidden], self.shapes[hidden], self.dtypes[hidden]
 
   def _unpack_names(self, scales: WeightScales | None) -> None:
     """Each packed integer weight X.weight_packed (+ X.weight_shape) listed as X.weight, of the
@@ -173,7 +246,7 @@ class TensorReader:
     for name in quantized:
       where = f"{self._path(self.files[name])}: tensor {name!r}"
       scale, shape = name + suffix, self.shapes[name]
-      if scales is None:
+      if scales is None or scales.mxfp4:
         raise CheckpointError(f"{where} is {self.dtypes[name]} but config.json declares no FP8 "
                               "quantization_config (quant_method 'fp8' or compressed-tensors' "
                               "float-quantized)")
@@ -269,7 +342,7 @@ class TensorReader:
 
   def check_dtype(self, name: str) -> None:
     dtype = self.dtypes[name]
-    if dtype not in READABLE_DTYPES and name not in self._scales:
+    if dtype not in READABLE_DTYPES and name not in self._scales and name not in self._mxfp4:
       raise CheckpointError(
           f"{self._path(self.files[name])}: tensor {name!r} has dtype {dtype}; moejax keeps fp32 "
           f"parameters and reads only {', '.join(READABLE_DTYPES)} (which fp32 holds exactly)")
@@ -279,6 +352,8 @@ class TensorReader:
     self.check_dtype(name)
     if name in self._scales:
       return self._read_scaled(name, index)
+    if name in self._mxfp4:
+      return self._read_mxfp4(name, index)
     return self._read_plain(self.files[name], name, index)
 
   def _read_stored(self, fname: str, name: str, index: tuple) -> np.ndarray:
@@ -311,10 +386,10 @@ class TensorReader:
       return np.asarray(stored[index]).astype(np.float32)
     return self._read_stored(fname, name, index).astype(np.float32, copy=False)
 
-  def _read_scaled(self, name: str, index: tuple) -> np.ndarray:
-    """`dequantize(name)[index]`, reading only the block of its values and the scales that
-    cover it."""
-    shape, (scale, (bm, bn), grid, rounding) = self.shapes[name], self._scales[name]
+  def _block_ranges(self, name: str, index: tuple) -> tuple[list[range], tuple[int, ...]]:
+    """Quantized tensor `name`'s [index] (ints and step-1 slices) as each axis' range, and the
+    axes an int drops."""
+    shape = self.shapes[name]
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
     squeeze = tuple(axis for axis, i in enumerate(index) if not isinstance(i, slice))
     for axis in squeeze:
@@ -325,6 +400,13 @@ class TensorReader:
               for axis, (i, n) in enumerate(zip(index, shape))]
     if any(r.step != 1 for r in ranges):
       raise ValueError(f"quantized tensor {name!r}: block index {index} is not contiguous")
+    return ranges, squeeze
+
+  def _read_scaled(self, name: str, index: tuple) -> np.ndarray:
+    """`dequantize(name)[index]`, reading only the block of its values and the scales that
+    cover it."""
+    scale, (bm, bn), grid, rounding = self._scales[name]
+    ranges, squeeze = self._block_ranges(name, index)
     slices = tuple(slice(r.start, r.stop) for r in ranges)
     if any(len(r) == 0 for r in ranges):
       out = np.zeros([len(r) for r in ranges], np.float32)
@@ -345,6 +427,36 @@ class TensorReader:
     out = values * scales[..., row_of, col_of]
     if rounding is not None:
       out = out.astype(rounding).astype(np.float32)
+    return out.squeeze(squeeze) if squeeze else out
+
+  def _read_mxfp4(self, name: str, index: tuple) -> np.ndarray:
+    """MXFP4 `name` [E, C, R]'s [index] as fp32, reading only the rows and 32-value blocks of
+    P_blocks and P_scales [E, R, C/32, ...] that cover it: each value its FP4 code times
+    2**(scale byte - 127), exact in fp32 (bit for bit transformers' float32 dequantization)."""
+    blocks, scales_name, scales_file = self._mxfp4[name]
+    ranges, squeeze = self._block_ranges(name, index)
+    if any(len(r) == 0 for r in ranges):
+      out = np.zeros([len(r) for r in ranges], np.float32)
+      return out.squeeze(squeeze) if squeeze else out
+    experts, cols, rows = ranges
+    first_g = cols.start // MXFP4_BLOCK
+    stored = (slice(experts.start, experts.stop), slice(rows.start, rows.stop),
+              slice(first_g, -(-cols.stop // MXFP4_BLOCK)))
+    codes = self._read_stored(self.files[name], blocks, stored)           # [e, r, g, 16]
+    exponents = self._read_stored(scales_file, scales_name, stored)      # [e, r, g]
+    if (exponents == E8M0_NAN).any():
+      e, r, g = (int(i) for i in np.argwhere(exponents == E8M0_NAN)[0])
+      raise CheckpointError(
+          f"{self._path(scales_file)}: tensor {scales_name!r} holds the E8M0 NaN scale (byte 255) "
+          f"at [{experts.start + e}, {rows.start + r}, {first_g + g}]; valid scales are bytes "
+          "0 to 254")
+    # E8M0 byte b is exactly 2**(b - 127) as fp32 (2**-127 a subnormal)
+    scales = exponents.view(RAW_DTYPES["F8_E8M0"]).astype(np.float32)
+    with np.errstate(over="ignore"):      # 2 * 2**127 and up: inf, as transformers' ldexp gives
+      values = FP4_PAIRS[codes].reshape(*exponents.shape, MXFP4_BLOCK) * scales[..., None]
+    start = cols.start - first_g * MXFP4_BLOCK
+    values = values.reshape(*exponents.shape[:2], -1)[..., start:start + len(cols)]
+    out = np.ascontiguousarray(values.swapaxes(-1, -2))                   # [e, c, r]
     return out.squeeze(squeeze) if squeeze else out
 
   def release(self):

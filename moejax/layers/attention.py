@@ -8,6 +8,7 @@ Letters: B batch, S sequence, D model width, H query heads, G key/value heads, D
                  heads are split (OLMoE); "head": over each head's Dh, one scale shared by the
                  heads (Qwen3); "none" (Mixtral, Qwen2).
   qkv bias       biases on the q, k and v projections, not the output one (Qwen2).
+  out bias       a bias on the output projection (gpt-oss, beside qkv bias).
   output gate    the output of each query channel scaled by sigmoid(x Wg) before the output
                  projection (MiniCPM5-MoE, Qwen3-Next); Wg is stored inside Wq, each head's
                  query columns followed by its gate columns, as the checkpoints hold them; or,
@@ -126,7 +127,7 @@ class Attention(nnx.Module):
                rope_scaling: RopeScaling = NO_SCALING, rotary_dim: int = 0,
                rotary_interleaved: bool = False, output_gate: bool = False, window: int = 0,
                rotary: bool = True, softmax_scale: float = 0.0, qk_norm_after_rope: bool = False,
-               gate_own: bool = False, sinks: bool = False):
+               gate_own: bool = False, sinks: bool = False, out_bias: bool = False):
     num_kv_heads = num_kv_heads or num_heads
     if qk_norm not in QK_NORMS:
       raise ValueError(f"qk_norm={qk_norm!r}: must be one of {', '.join(QK_NORMS)}")
@@ -155,6 +156,8 @@ class Attention(nnx.Module):
       self.bq = param(jnp.zeros((wq_width,), jnp.float32), (Q_HEADS,), BIASES)
       self.bk = param(jnp.zeros((kv_width,), jnp.float32), (KV_HEADS,), BIASES)
       self.bv = param(jnp.zeros((kv_width,), jnp.float32), (KV_HEADS,), BIASES)
+    if out_bias:
+      self.bo = param(jnp.zeros((d_model,), jnp.float32), (EMBED,), BIASES)
     if qk_norm != "none":
       q_norm, k_norm = (q_width, kv_width) if qk_norm == "full" else (head_dim, head_dim)
       self.q_norm = param(jnp.ones((q_norm,), jnp.float32), (NORM,), NORMS)
@@ -162,7 +165,7 @@ class Attention(nnx.Module):
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
     self.qk_norm, self.qkv_bias, self.output_gate = qk_norm, qkv_bias, output_gate
     self.gate_own = output_gate and gate_own
-    self.has_sinks = sinks
+    self.has_sinks, self.out_bias = sinks, out_bias
     self.window, self.rotary = window, rotary
     self.qk_norm_after_rope = qk_norm_after_rope
     self.rope_theta, self.rope_scaling, self.norm_eps = rope_theta, rope_scaling, norm_eps
@@ -256,7 +259,7 @@ class Attention(nnx.Module):
     if self.output_gate:
       gate_BxSxHD = self._project(x_BxSxD, *self._q_columns(1))
       out_BxSxHD = out_BxSxHD * jax.nn.sigmoid(gate_BxSxHD)
-    return dense(out_BxSxHD, self.wo[...].astype(out_BxSxHD.dtype))
+    return self._project(out_BxSxHD, self.wo[...], self.bo[...] if self.out_bias else None)
 
 
 def _deinterleave(x):

@@ -35,13 +35,14 @@ from jax.sharding import PartitionSpec as P
 from moejax import profiling
 from moejax.layers.matmul import dense
 from moejax.placement import dispatch as dispatch_lib
+from moejax.placement import experts as experts_lib
 from moejax.routing import admission as admission_lib
 from moejax.routing import router as router_lib
 from moejax.routing import stats as stats_lib
 from moejax.placement import fssdp as sparse
 from moejax.layers.mlp import swiglu, swiglu_weights
-from moejax.sharding.axes import (EMBED, EXPERT, EXPERT_SCORE, EXPERTS, MLP, ROUTER, ROUTER_BIAS,
-                                  ROUTER_FP32, SHARED_EXPERTS, param)
+from moejax.sharding.axes import (BIASES, EMBED, EXPERT, EXPERT_SCORE, EXPERTS, MLP, ROUTER,
+                                  ROUTER_BIAS, ROUTER_FP32, SHARED_EXPERTS, param)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,16 @@ class MoESpec:
   score_bias: bool = False                # a selection-only score bias (e_score_correction_bias)
   bias_on_logits: bool = False            # ... added to the logits rather than the scores
   router_float32: bool = False            # the router in float32 (always with a score bias)
+  router_bias: bool = False               # a trained bias in the router's logits (gpt-oss)
+  expert_bias: bool = False               # biases on the experts' projections (gpt-oss)
+  activation: str = "swiglu"              # the experts': "swiglu" | "swiglu_clamped" (gpt-oss)
+  swiglu_alpha: float = 1.702             # ... its sigmoid's slope
+  swiglu_limit: float = 7.0               # ... and clamp
+
+  @property
+  def expert_fn(self) -> experts_lib.ExpertFn:
+    return experts_lib.ExpertFn(self.activation, self.swiglu_alpha, self.swiglu_limit,
+                                self.expert_bias)
 
   def __post_init__(self):
     """ValueError naming the field, so a block built from a bad spec fails here, not with a
@@ -96,6 +107,11 @@ class MoESpec:
     for field in ("warmup_steps", "locality_weight", "shared_hidden"):
       need(0 <= getattr(self, field) < math.inf,
            f"{field}={getattr(self, field)}: must be >= 0 and finite")
+    need(self.activation in experts_lib.ACTIVATIONS,
+         f"activation={self.activation!r}: must be one of {', '.join(experts_lib.ACTIVATIONS)}")
+    for field in ("swiglu_alpha", "swiglu_limit"):
+      need(0 < getattr(self, field) < math.inf,
+           f"{field}={getattr(self, field)}: must be positive and finite")
     need(self.shared_hidden > 0 or not self.shared_gate,
          "shared_gate=True needs a shared expert (shared_hidden > 0)")
     need(self.groups >= 1 and self.num_experts % self.groups == 0
@@ -176,9 +192,15 @@ class MoEBlock(nnx.Module):
                         ROUTER_FP32 if spec.score_bias or spec.router_float32 else ROUTER)
     if spec.score_bias:
       self.score_bias = param(jnp.zeros((e,), jnp.float32), (EXPERT_SCORE,), ROUTER_BIAS)
+    if spec.router_bias:
+      self.router_b = param(jnp.zeros((e,), jnp.float32), (EXPERT_SCORE,), BIASES)
     self.w_gate = param(init(rngs.params(), (e, d, f), jnp.float32), (EXPERT, EMBED, MLP), EXPERTS)
     self.w_up = param(init(rngs.params(), (e, d, f), jnp.float32), (EXPERT, EMBED, MLP), EXPERTS)
     self.w_down = param(init(rngs.params(), (e, f, d), jnp.float32), (EXPERT, MLP, EMBED), EXPERTS)
+    if spec.expert_bias:     # placed with the experts (their expert axis), not decayed
+      self.b_gate = param(jnp.zeros((e, f), jnp.float32), (EXPERT, MLP), BIASES)
+      self.b_up = param(jnp.zeros((e, f), jnp.float32), (EXPERT, MLP), BIASES)
+      self.b_down = param(jnp.zeros((e, d), jnp.float32), (EXPERT, EMBED), BIASES)
     if spec.shared_hidden:
       self.shared_w_gate, self.shared_w_up, self.shared_w_down = swiglu_weights(
           d, spec.shared_hidden, SHARED_EXPERTS, init, rngs)
@@ -186,6 +208,13 @@ class MoEBlock(nnx.Module):
         self.shared_gate = param(init(rngs.params(), (d, 1), jnp.float32), (EMBED, EXPERT_SCORE),
                                  ROUTER)
     self.spec = spec
+
+  def expert_weights(self, dtype) -> tuple:
+    """The expert arrays `spec.expert_fn` takes, in `dtype`: (w_gate, w_up, w_down) and, with
+    expert biases, (b_gate, b_up, b_down)."""
+    names = ("w_gate", "w_up", "w_down") + (("b_gate", "b_up", "b_down")
+                                            if self.spec.expert_bias else ())
+    return tuple(getattr(self, name)[...].astype(dtype) for name in names)
 
   def shared_expert(self, x_TxD):
     """The shared expert's output [T, D] in x's dtype (SwiGLU, then the gate if any)."""
@@ -202,10 +231,8 @@ class MoEBlock(nnx.Module):
     (heterogeneous ownership) the expert weights hold this device's experts of the layer by rank
     (`fssdp.owned_windows`); with `replica_state` (the replica codec) slots that kept their
     expert receive patches."""
-    w = (self.w_gate[...].astype(dtype), self.w_up[...].astype(dtype),
-         self.w_down[...].astype(dtype))
-    return sparse.materialize(predicted_load_E, *w, dispatch=dispatch, owners=owners,
-                              replica_state=replica_state)
+    return sparse.materialize(predicted_load_E, *self.expert_weights(dtype), dispatch=dispatch,
+                              owners=owners, replica_state=replica_state)
 
   def __call__(self, x_BxSxD, *, dispatch: dispatch_lib.Dispatch = dispatch_lib.LOCAL,
                axis_name=None, step=0, materialized=None, token_mask=None):
@@ -249,6 +276,8 @@ class MoEBlock(nnx.Module):
       # Router: logits in fp32 for a stable softmax and z-loss (from fp32 inputs when the router
       # is kept in fp32).
       logits_TxE = dense(x_TxD.astype(router_DxE.dtype), router_DxE, jnp.float32)
+      if spec.router_bias:
+        logits_TxE = logits_TxE + self.router_b[...].astype(jnp.float32)
       weights_TxK, experts_TxK, scores_TxE = router_lib.top_k_route(
           logits_TxE, spec.top_k, score=spec.score, renormalize=spec.renormalize,
           bias_E=self.score_bias[...] if spec.score_bias else None, groups=spec.groups,
@@ -291,18 +320,17 @@ class MoEBlock(nnx.Module):
                                                local_load_E=aux["admitted_load_E"],
                                                mask_T=mask_T)
     with profiling.scope("experts"):
-      w = (self.w_gate[...].astype(x_TxD.dtype), self.w_up[...].astype(x_TxD.dtype),
-           self.w_down[...].astype(x_TxD.dtype))
+      w, fn = self.expert_weights(x_TxD.dtype), spec.expert_fn
       if dispatch.kind == "local":
-        y_TxD, dropped = dispatch_lib.local_experts(x_TxD, experts_TxK, weights_TxK, *w)
+        y_TxD, dropped = dispatch_lib.local_experts(x_TxD, experts_TxK, weights_TxK, *w, fn=fn)
       elif dispatch.kind == "ep":
         y_TxD, dropped, received, needed = dispatch_lib.ep_experts(
-            x_TxD, experts_TxK, weights_TxK, *w, dispatch=dispatch)
+            x_TxD, experts_TxK, weights_TxK, *w, dispatch=dispatch, fn=fn)
         aux["placement"] = sparse.ep_stats(experts_TxK, received, needed, dispatch, d,
                                            w[0].shape[0], x_TxD.dtype.itemsize)
       elif dispatch.kind == "fssdp":
         y_TxD, dropped, aux["placement"], replica_state = sparse.fssdp_experts(
-            x_TxD, experts_TxK, weights_TxK, materialized, dispatch=dispatch)
+            x_TxD, experts_TxK, weights_TxK, materialized, dispatch=dispatch, fn=fn)
         if replica_state is not None:
           aux["replica_state"] = replica_state
       else:

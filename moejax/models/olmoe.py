@@ -55,7 +55,10 @@ def moe_spec(cfg: Config) -> MoESpec:
                  shared_gate=moe.shared_expert_gate, routed_scale=moe.routed_scale,
                  groups=moe.expert_groups, top_groups=moe.top_groups,
                  group_score=moe.group_score, score_bias=moe.score_bias,
-                 bias_on_logits=moe.score_bias_on_logits, router_float32=moe.router_float32)
+                 bias_on_logits=moe.score_bias_on_logits, router_float32=moe.router_float32,
+                 router_bias=moe.router_bias, expert_bias=moe.expert_bias,
+                 activation=moe.activation, swiglu_alpha=moe.swiglu_alpha,
+                 swiglu_limit=moe.swiglu_limit)
 
 
 MOE_LAYERS = "layers"           # the parameter group of the MoE layers (stacked)
@@ -142,7 +145,7 @@ def _attention(cfg: Config, rngs: nnx.Rngs, kind: AttentionKind):
                    rotary_interleaved=m.rotary_interleaved, output_gate=m.attention_gate,
                    window=kind.window, rotary=kind.rotary, softmax_scale=m.attention_scale,
                    qk_norm_after_rope=m.qk_norm_after_rope, gate_own=m.attention_gate_own,
-                   sinks=m.attention_sinks)
+                   sinks=m.attention_sinks, out_bias=m.attention_out_bias)
 
 
 class _Sublayers:

@@ -44,6 +44,12 @@ class ModelShape:
   qk_norm_per_head: bool = False
   """QK-norm scales of one head's width (Qwen3) rather than of all heads' (OLMoE)."""
   qkv_bias: bool = False
+  attention_out_bias: bool = False
+  """A bias on the attention's output projection (gpt-oss)."""
+  expert_bias: bool = False
+  """Biases on each expert's projections (gpt-oss): 2F + D more per expert."""
+  router_bias: bool = False
+  """A trained bias in the router's logits (gpt-oss): E more per layer."""
   sliding_window: int = 0
   """Keys a query of a sliding layer sees (0: none slides)."""
   sliding_layers: int = 0
@@ -91,7 +97,8 @@ class ModelShape:
   def attention_params(self) -> int:
     q_bias = self.num_heads * (2 if self.attention_gate and not self.attention_gate_own else 1)
     bias = (q_bias + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
-    return sum(self.attention_matrices()) + bias + (self.num_heads if self.attention_sinks else 0)
+    return (sum(self.attention_matrices()) + bias + (self.num_heads if self.attention_sinks else 0)
+            + (self.d_model if self.attention_out_bias else 0))
 
   def norm_params(self) -> int:
     """Layer norms of one layer (two or four, plus QK-norms, or latent attention's latent
@@ -106,10 +113,12 @@ class ModelShape:
 
   def expert_params(self) -> int:
     """One routed expert."""
-    return 3 * self.d_model * self.expert_hidden
+    bias = 2 * self.expert_hidden + self.d_model if self.expert_bias else 0
+    return 3 * self.d_model * self.expert_hidden + bias
 
   def router_params(self) -> int:
-    return self.d_model * self.num_experts + (self.num_experts if self.score_bias else 0)
+    return self.d_model * self.num_experts + self.num_experts * (self.score_bias
+                                                                 + self.router_bias)
 
   def shared_params(self) -> int:
     return 3 * self.d_model * self.shared_hidden + (self.d_model if self.shared_gate else 0)
@@ -189,7 +198,9 @@ def shape_of(cfg) -> ModelShape:
       residual_norms=4 if m.norm_position == "sandwich" else 2,
       attention_sinks=m.attention_sinks, attention_gate_own=m.attention_gate_own,
       sliding_layers=len(m.sliding_layers), shared_gate=moe.shared_expert_gate,
-      tied_embeddings=m.tie_embeddings, score_bias=moe.score_bias, source="moejax config", **mla)
+      tied_embeddings=m.tie_embeddings, score_bias=moe.score_bias,
+      attention_out_bias=m.attention_out_bias, expert_bias=moe.expert_bias,
+      router_bias=moe.router_bias, source="moejax config", **mla)
 
 
 def _olmoe_1b7b() -> ModelShape:

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from moejax.placement.experts import run_sorted
+from moejax.placement.experts import SWIGLU, ExpertFn, run_sorted
 from moejax.sharding.prefetch import recomputes
 
 
@@ -92,16 +92,17 @@ def combine(y_AxD, weights_TxK):
   return jnp.einsum("tkd,tk->td", y_TxKxD, weights_TxK.astype(jnp.float32))
 
 
-def local_experts(x_TxD, experts_TxK, weights_TxK, w_gate, w_up, w_down):
-  """All experts held here. Returns (y_TxD fp32, overflow count 0)."""
+def local_experts(x_TxD, experts_TxK, weights_TxK, *ws, fn: ExpertFn = SWIGLU):
+  """All experts held here (`ws`: the expert arrays of `fn`, `moejax.placement.experts`).
+  Returns (y_TxD fp32, overflow count 0)."""
   t, k = experts_TxK.shape
   x_AxD = jnp.repeat(x_TxD, k, axis=0)
-  y_AxD = run_sorted(x_AxD, experts_TxK.reshape(-1), w_gate.shape[0], w_gate, w_up, w_down)
+  y_AxD = run_sorted(x_AxD, experts_TxK.reshape(-1), ws[0].shape[0], *ws, fn=fn)
   return combine(y_AxD, weights_TxK), jnp.zeros((), jnp.int32)
 
 
-def exchange(x_TxD, dest_A, local_id_A, weights_TxK, w_gate, w_up, w_down, *,
-             dispatch: Dispatch, num_groups: int):
+def exchange(x_TxD, dest_A, local_id_A, weights_TxK, ws, *, dispatch: Dispatch,
+             num_groups: int, fn: ExpertFn = SWIGLU):
   """Sends assignment a (token a // K) to device dest_A[a] (N = nowhere), where it runs through
   local expert group local_id_A[a] of the receiver's `num_groups` weight groups, and brings the
   result back. Returns (y_TxD fp32, assignments dropped for lack of buffer room here,
@@ -127,8 +128,8 @@ def exchange(x_TxD, dest_A, local_id_A, weights_TxK, w_gate, w_up, w_down, *,
   blocks = dict(axes=axes, num_devices=n, capacity=c)
   recv_g, received_N = _send_groups(send_g, sent_N, num_groups, **blocks)
   recv_x = send_blocks(send_x, sent_N, received_N, 0, **blocks)
-  y_recv = run_sorted(recv_x, recv_g, num_groups, w_gate, w_up, w_down,   # zeros where no group
-                      packed=False)
+  y_recv = run_sorted(recv_x, recv_g, num_groups, *ws, packed=False,   # zeros where no group
+                      fn=fn)
   y_back = send_blocks(y_recv, received_N, sent_N, 0, **blocks)
   y_AxD = jnp.where(fits_A[:, None], y_back[jnp.minimum(slot_A, n * c - 1)], 0)
   dropped = jnp.sum(valid_A & ~fits_A).astype(jnp.int32)
@@ -203,15 +204,16 @@ def _send_blocks_bwd(fill, axes, n, c, platform, counts, g_NCxR):
 _send_blocks.defvjp(_send_blocks_fwd, _send_blocks_bwd)
 
 
-def ep_experts(x_TxD, experts_TxK, weights_TxK, w_gate, w_up, w_down, *, dispatch: Dispatch):
+def ep_experts(x_TxD, experts_TxK, weights_TxK, *ws, dispatch: Dispatch,
+               fn: ExpertFn = SWIGLU):
   """Expert parallel: experts [El, ...] here (device d owns experts d*El .. d*El+El-1).
   Returns `exchange`'s (y_TxD fp32, dropped here, received here, rows needed)."""
   n = dispatch.num_devices
-  el = w_gate.shape[0]
+  el = ws[0].shape[0]
   expert_A = experts_TxK.reshape(-1)
   dest_A = jnp.where(expert_A < el * n, expert_A // el, n)
-  return exchange(x_TxD, dest_A, expert_A % el, weights_TxK, w_gate, w_up, w_down,
-                  dispatch=dispatch, num_groups=el)
+  return exchange(x_TxD, dest_A, expert_A % el, weights_TxK, ws, dispatch=dispatch,
+                  num_groups=el, fn=fn)
 
 
 def ep_a2a_bytes(tokens_per_device: int, top_k: int, d_model: int, num_devices: int,

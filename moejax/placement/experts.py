@@ -18,15 +18,66 @@ rows each expert takes; rows past the sum of the group sizes come out as zeros.
            its expert's weights. Static shapes: at most A/M + G tiles, so the padding costs at
            most G*M rows. The batched matmul runs over every tile, so rows that are an exchange
            buffer's empty slots (`packed=False`) always take the loop, which skips them.
+
+What an expert computes is an `ExpertFn`: SwiGLU, or gpt-oss's clamped SwiGLU, with or without
+per-expert biases. The weights travel as one tuple with the expert axis first,
+(w_gate, w_up, w_down) or, with biases, (w_gate, w_up, w_down, b_gate, b_up, b_down): every
+placement moves, gathers and reduces them alike. Hopper's kernels take plain SwiGLU only; other
+functions take `ragged_dot` there.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+
+ACTIVATIONS = ("swiglu", "swiglu_clamped")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertFn:
+  """h = act(x W_gate + b_gate, x W_up + b_up); y = h W_down + b_down (biases with `bias`).
+  `activation`: "swiglu", silu(g) * u; "swiglu_clamped" (gpt-oss), g clipped above at `limit`
+  and u to [-limit, limit], then g * sigmoid(alpha * g) * (u + 1). Hashable: a static argument."""
+  activation: str = "swiglu"
+  alpha: float = 1.702
+  limit: float = 7.0
+  bias: bool = False
+
+  def __post_init__(self):
+    if self.activation not in ACTIVATIONS:
+      raise ValueError(f"ExpertFn.activation={self.activation!r}: must be one of "
+                       f"{', '.join(ACTIVATIONS)}")
+
+  @property
+  def num_weights(self) -> int:
+    return 6 if self.bias else 3
+
+  def act(self, gate, up):
+    if self.activation == "swiglu":
+      return jax.nn.silu(gate) * up
+    gate = jnp.minimum(gate, self.limit)
+    up = jnp.clip(up, -self.limit, self.limit)
+    return gate * jax.nn.sigmoid(self.alpha * gate) * (up + 1)
+
+
+SWIGLU = ExpertFn()
+
+
+def check_weights(ws, fn: ExpertFn) -> None:
+  if len(ws) != fn.num_weights:
+    raise ValueError(f"{fn} takes {fn.num_weights} expert arrays, got {len(ws)}")
+
+
+def _row_groups(group_sizes_G, num_rows: int):
+  """[A] the group of each sorted row (rows past the groups: the last group; they are masked)."""
+  return jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes_G), jnp.arange(num_rows),
+                                      side="right"), group_sizes_G.shape[0] - 1)
 
 
 # Which CPU kernel for packed rows (every row routed), by the mean rows per expert (measured in
@@ -55,12 +106,19 @@ def tile_rows(num_rows: int, num_groups: int, packed: bool = True) -> int:
   return int(min(128, max(16, 1 << (mean.bit_length() - 1))))
 
 
-def _ragged_swiglu(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD):
+def _ragged_swiglu(x_AxD, group_sizes_G, ws, fn: ExpertFn = SWIGLU):
   dtype = x_AxD.dtype
+  w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD = ws[:3]
   gate_AxF = lax.ragged_dot(x_AxD, w_gate_GxDxF, group_sizes_G, preferred_element_type=jnp.float32)
   up_AxF = lax.ragged_dot(x_AxD, w_up_GxDxF, group_sizes_G, preferred_element_type=jnp.float32)
-  h_AxF = (jax.nn.silu(gate_AxF) * up_AxF).astype(dtype)
+  if fn.bias:
+    group_A = _row_groups(group_sizes_G, x_AxD.shape[0])
+    gate_AxF = gate_AxF + ws[3][group_A].astype(jnp.float32)
+    up_AxF = up_AxF + ws[4][group_A].astype(jnp.float32)
+  h_AxF = fn.act(gate_AxF, up_AxF).astype(dtype)
   y_AxD = lax.ragged_dot(h_AxF, w_down_GxFxD, group_sizes_G, preferred_element_type=jnp.float32)
+  if fn.bias:
+    y_AxD = y_AxD + ws[5][group_A].astype(jnp.float32)
   rows_used = jnp.sum(group_sizes_G)
   return jnp.where(jnp.arange(x_AxD.shape[0])[:, None] < rows_used, y_AxD, 0.0).astype(dtype)
 
@@ -118,11 +176,6 @@ def _used_tiles(group_sizes_G, m: int):
   return jnp.sum((group_sizes_G + m - 1) // m)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _looped(x_AxD, group_sizes_G, w_gate, w_up, w_down, m: int):
-  return _looped_fwd(x_AxD, group_sizes_G, w_gate, w_up, w_down, m)[0]
-
-
 # Under a caller's `shard_map(check_vma=True)` (moejax's own run with check_vma=False, where no
 # array is typed varying and these do nothing): a loop's carry must type as its body's output,
 # and a custom VJP's cotangent as its primal.
@@ -149,111 +202,156 @@ def _cotangent_of(primal, ct):
   return lax.psum(ct, tuple(sorted(axes))) if axes else ct
 
 
-def _looped_fwd(x_AxD, group_sizes_G, w_gate, w_up, w_down, m):
+def _looped(x_AxD, group_sizes_G, ws, m: int, fn: ExpertFn = SWIGLU):
+  """The loop kernel: `ws` the expert arrays (`ExpertFn.num_weights` of them), M rows a tile."""
+  return _looped_op(x_AxD, group_sizes_G, tuple(ws), m, fn)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _looped_op(x_AxD, group_sizes_G, ws, m: int, fn: ExpertFn):
+  return _looped_fwd(x_AxD, group_sizes_G, ws, m, fn)[0]
+
+
+def _looped_fwd(x_AxD, group_sizes_G, ws, m, fn):
   dtype = x_AxD.dtype
+  w_gate, w_up, w_down = ws[:3]
   f = w_gate.shape[-1]
   num_tiles, group_T, src_P, slot_A = _tile_plan(group_sizes_G, x_AxD.shape[0], m)
   x_TlxMxD = _rows_to_tiles(x_AxD, src_P, num_tiles, m)
   # Gate and up as one [D, 2F] product per tile (half the small matmuls; the loop's cost here
   # is per operation, not per flop).
   w_gu_GxDx2F = jnp.concatenate([w_gate, w_up], axis=-1)
+  b_gu_Gx2F = jnp.concatenate([ws[3], ws[4]], axis=-1) if fn.bias else None
 
   def tile(t, y_TlxMxD):
     e = group_T[t]
     x32 = lax.dynamic_index_in_dim(x_TlxMxD, t, keepdims=False).astype(_F32)
     gu_Mx2F = x32 @ _w(w_gu_GxDx2F, e)
-    h_MxF = (jax.nn.silu(gu_Mx2F[:, :f]) * gu_Mx2F[:, f:]).astype(dtype).astype(_F32)
-    y_MxD = (h_MxF @ _w(w_down, e)).astype(dtype)
-    return lax.dynamic_update_index_in_dim(y_TlxMxD, y_MxD, t, 0)
+    if fn.bias:
+      gu_Mx2F = gu_Mx2F + _w(b_gu_Gx2F, e)[None]
+    h_MxF = fn.act(gu_Mx2F[:, :f], gu_Mx2F[:, f:]).astype(dtype).astype(_F32)
+    y_MxD = h_MxF @ _w(w_down, e)
+    if fn.bias:     # padding rows get the bias too: `_tiles_to_rows` leaves them out
+      y_MxD = y_MxD + _w(ws[5], e)[None]
+    return lax.dynamic_update_index_in_dim(y_TlxMxD, y_MxD.astype(dtype), t, 0)
 
   # The backward recomputes each tile's gate and up (one product) rather than keep them: a
   # [tiles, M, 2F] fp32 buffer, written in full (zeros) whatever the rows used.
   y_TlxMxD = lax.fori_loop(0, _used_tiles(group_sizes_G, m), tile,
                            _loop_zeros(x_TlxMxD.shape, dtype, x_TlxMxD, w_gu_GxDx2F, w_down))
-  residuals = (x_TlxMxD, group_T, src_P, slot_A, group_sizes_G, w_gu_GxDx2F, w_down)
+  residuals = (x_TlxMxD, group_T, src_P, slot_A, group_sizes_G, w_gu_GxDx2F, w_down, b_gu_Gx2F,
+               ws[5] if fn.bias else None)
   return _tiles_to_rows(y_TlxMxD, slot_A), residuals
 
 
-def _looped_bwd(m, residuals, dy_AxD):
-  x_TlxMxD, group_T, src_P, slot_A, group_sizes_G, w_gu_GxDx2F, w_down = residuals
+def _act_grads(fn: ExpertFn, gate_MxF, up_MxF, dh_MxF):
+  """(h, d gate, d up) of the activation at (gate, up) for cotangent dh, in fp32."""
+  if fn.activation == "swiglu":    # by hand: the form the default kernel was measured with
+    sig = jax.nn.sigmoid(gate_MxF)
+    silu = gate_MxF * sig
+    return (silu * up_MxF, dh_MxF * up_MxF * (sig * (1 + gate_MxF * (1 - sig))),
+            dh_MxF * silu)
+  h_MxF, vjp = jax.vjp(fn.act, gate_MxF, up_MxF)
+  return (h_MxF, *vjp(dh_MxF))
+
+
+def _looped_bwd(m, fn, residuals, dy_AxD):
+  (x_TlxMxD, group_T, src_P, slot_A, group_sizes_G, w_gu_GxDx2F, w_down, b_gu_Gx2F,
+   b_down) = residuals
   dtype = x_TlxMxD.dtype
   f = w_down.shape[1]
   dy_TlxMxD = _rows_to_tiles(dy_AxD, src_P, x_TlxMxD.shape[0], m)
 
   def tile(t, carry):
-    dw_gu, dw_down, dx_TlxMxD = carry
+    dw_gu, dw_down, dx_TlxMxD, db_gu, db_down = carry
     e = group_T[t]
     x32 = lax.dynamic_index_in_dim(x_TlxMxD, t, keepdims=False).astype(_F32)
     dy32 = lax.dynamic_index_in_dim(dy_TlxMxD, t, keepdims=False).astype(_F32)
     w_gu_Dx2F = _w(w_gu_GxDx2F, e)
     gu_Mx2F = x32 @ w_gu_Dx2F
-    gate_MxF, up_MxF = gu_Mx2F[:, :f], gu_Mx2F[:, f:]
-    sig = jax.nn.sigmoid(gate_MxF)
-    silu = gate_MxF * sig
-    h_MxF = (silu * up_MxF).astype(dtype).astype(_F32)
+    if fn.bias:
+      gu_Mx2F = gu_Mx2F + _w(b_gu_Gx2F, e)[None]
     dh_MxF = (dy32 @ _w(w_down, e).T).astype(dtype).astype(_F32)
-    dgu_Mx2F = jnp.concatenate([dh_MxF * up_MxF * (sig * (1 + gate_MxF * (1 - sig))),
-                                dh_MxF * silu], axis=-1)
+    h_MxF, dgate_MxF, dup_MxF = _act_grads(fn, gu_Mx2F[:, :f], gu_Mx2F[:, f:], dh_MxF)
+    h_MxF = h_MxF.astype(dtype).astype(_F32)
+    dgu_Mx2F = jnp.concatenate([dgate_MxF, dup_MxF], axis=-1)
     dx_MxD = (dgu_Mx2F @ w_gu_Dx2F.T).astype(dtype)
+    if fn.bias:     # padding rows: dy 0, so dh and the gate/up cotangents 0
+      db_gu = db_gu.at[e].add(jnp.sum(dgu_Mx2F, axis=0))
+      db_down = db_down.at[e].add(jnp.sum(dy32, axis=0))
     return (dw_gu.at[e].add(x32.T @ dgu_Mx2F), dw_down.at[e].add(h_MxF.T @ dy32),
-            lax.dynamic_update_index_in_dim(dx_TlxMxD, dx_MxD, t, 0))
+            lax.dynamic_update_index_in_dim(dx_TlxMxD, dx_MxD, t, 0), db_gu, db_down)
 
   inputs = (x_TlxMxD, dy_TlxMxD, w_gu_GxDx2F, w_down)
-  init = (_loop_zeros(w_gu_GxDx2F.shape, _F32, *inputs), _loop_zeros(w_down.shape, _F32, *inputs),
-          _loop_zeros(x_TlxMxD.shape, dtype, *inputs))
-  dw_gu, dw_down, dx_TlxMxD = lax.fori_loop(0, _used_tiles(group_sizes_G, m), tile, init)
+  zeros = lambda a: None if a is None else _loop_zeros(a.shape, _F32, *inputs)   # noqa: E731
+  init = (zeros(w_gu_GxDx2F), zeros(w_down), _loop_zeros(x_TlxMxD.shape, dtype, *inputs),
+          zeros(b_gu_Gx2F), zeros(b_down))
+  dw_gu, dw_down, dx_TlxMxD, db_gu, db_down = lax.fori_loop(
+      0, _used_tiles(group_sizes_G, m), tile, init)
   no_grad = np.zeros(group_sizes_G.shape, jax.dtypes.float0)
-  dw_gate, dw_up = dw_gu[..., :f].astype(w_down.dtype), dw_gu[..., f:].astype(w_down.dtype)
-  return (_tiles_to_rows(dx_TlxMxD, slot_A), no_grad, _cotangent_of(w_gu_GxDx2F, dw_gate),
-          _cotangent_of(w_gu_GxDx2F, dw_up), _cotangent_of(w_down, dw_down.astype(w_down.dtype)))
+  wdtype = w_down.dtype
+  d_ws = [_cotangent_of(w_gu_GxDx2F, dw_gu[..., :f].astype(wdtype)),
+          _cotangent_of(w_gu_GxDx2F, dw_gu[..., f:].astype(wdtype)),
+          _cotangent_of(w_down, dw_down.astype(wdtype))]
+  if fn.bias:
+    d_ws += [_cotangent_of(b_gu_Gx2F, db_gu[..., :f].astype(b_gu_Gx2F.dtype)),
+             _cotangent_of(b_gu_Gx2F, db_gu[..., f:].astype(b_gu_Gx2F.dtype)),
+             _cotangent_of(b_down, db_down.astype(b_down.dtype))]
+  return _tiles_to_rows(dx_TlxMxD, slot_A), no_grad, tuple(d_ws)
 
 
-_looped.defvjp(_looped_fwd, _looped_bwd)
+_looped_op.defvjp(_looped_fwd, _looped_bwd)
 
 
-def _batched(x_AxD, group_sizes_G, w_gate, w_up, w_down, m: int):
+def _batched(x_AxD, group_sizes_G, ws, m: int, fn: ExpertFn = SWIGLU):
   """All tiles in one batched matmul per projection, weights taken per tile (autodiff)."""
   dtype = x_AxD.dtype
   num_tiles, group_T, src_P, slot_A = _tile_plan(group_sizes_G, x_AxD.shape[0], m)
   x_TlxMxD = _rows_to_tiles(x_AxD, src_P, num_tiles, m).astype(_F32)
   per_tile = lambda w: jnp.take(w, group_T, axis=0).astype(_F32)   # noqa: E731
-  gate = jnp.einsum("tmd,tdf->tmf", x_TlxMxD, per_tile(w_gate))
-  up = jnp.einsum("tmd,tdf->tmf", x_TlxMxD, per_tile(w_up))
-  h_TlxMxF = (jax.nn.silu(gate) * up).astype(dtype).astype(_F32)
-  y_TlxMxD = jnp.einsum("tmf,tfd->tmd", h_TlxMxF, per_tile(w_down)).astype(dtype)
-  return _tiles_to_rows(y_TlxMxD, slot_A)
+  gate = jnp.einsum("tmd,tdf->tmf", x_TlxMxD, per_tile(ws[0]))
+  up = jnp.einsum("tmd,tdf->tmf", x_TlxMxD, per_tile(ws[1]))
+  if fn.bias:
+    gate, up = gate + per_tile(ws[3])[:, None], up + per_tile(ws[4])[:, None]
+  h_TlxMxF = fn.act(gate, up).astype(dtype).astype(_F32)
+  y_TlxMxD = jnp.einsum("tmf,tfd->tmd", h_TlxMxF, per_tile(ws[2]))
+  if fn.bias:
+    y_TlxMxD = y_TlxMxD + per_tile(ws[5])[:, None]
+  return _tiles_to_rows(y_TlxMxD.astype(dtype), slot_A)
 
 
-def _tiled_swiglu(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD, packed=True):
+def _tiled_swiglu(x_AxD, group_sizes_G, ws, fn: ExpertFn = SWIGLU, packed=True):
   (a, _), g = x_AxD.shape, group_sizes_G.shape[0]
   kernel = _batched if _batched_kernel(a, g, packed) else _looped
-  return kernel(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD,
-                tile_rows(a, g, packed))
+  return kernel(x_AxD, group_sizes_G, ws, tile_rows(a, g, packed), fn)
 
 
-def _gpu_swiglu(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD):
+def _gpu_swiglu(x_AxD, group_sizes_G, ws, fn: ExpertFn = SWIGLU):
   from moejax.placement import hopper
-  if hopper.usable(x_AxD, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD):
-    swiglu = hopper.kernel_swiglu(*w_gate_GxDxF.shape[1:])
-    return swiglu(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD)
-  return _ragged_swiglu(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD)
+  if fn == SWIGLU and hopper.usable(x_AxD, *ws):
+    swiglu = hopper.kernel_swiglu(*ws[0].shape[1:])
+    return swiglu(x_AxD, group_sizes_G, *ws)
+  return _ragged_swiglu(x_AxD, group_sizes_G, ws, fn)
 
 
-def grouped_swiglu(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD, *,
-                   packed: bool = True):
-  """`packed`: the rows are the routed assignments; False: a static exchange buffer whose empty
-  slots (rows past the groups) may be most of it."""
-  return lax.platform_dependent(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD,
-                                cpu=functools.partial(_tiled_swiglu, packed=packed),
-                                cuda=_gpu_swiglu, default=_ragged_swiglu)
+def grouped_swiglu(x_AxD, group_sizes_G, *ws, packed: bool = True, fn: ExpertFn = SWIGLU):
+  """`ws`: the expert arrays (`ExpertFn`), G experts each. `packed`: the rows are the routed
+  assignments; False: a static exchange buffer whose empty slots (rows past the groups) may be
+  most of it."""
+  check_weights(ws, fn)
+  return lax.platform_dependent(
+      x_AxD, group_sizes_G, tuple(ws),
+      cpu=functools.partial(_tiled_swiglu, fn=fn, packed=packed),
+      cuda=functools.partial(_gpu_swiglu, fn=fn),
+      default=functools.partial(_ragged_swiglu, fn=fn))
 
 
-def run_sorted(x_AxD, expert_A, num_local_experts: int, w_gate, w_up, w_down, *,
-               packed: bool = True):
+def run_sorted(x_AxD, expert_A, num_local_experts: int, *ws, packed: bool = True,
+               fn: ExpertFn = SWIGLU):
   """Runs each row through expert `expert_A[a]` (ids >= num_local_experts: no expert, zeros;
-  `packed=False` where most rows may be such, as in an exchange buffer)."""
+  `packed=False` where most rows may be such, as in an exchange buffer). `ws`: the expert
+  arrays, as `grouped_swiglu`."""
   order_A = jnp.argsort(expert_A, stable=True)
   group_sizes_G = jnp.bincount(expert_A, length=num_local_experts).astype(jnp.int32)
-  y_sorted_AxD = grouped_swiglu(x_AxD[order_A], group_sizes_G, w_gate, w_up, w_down,
-                                packed=packed)
+  y_sorted_AxD = grouped_swiglu(x_AxD[order_A], group_sizes_G, *ws, packed=packed, fn=fn)
   return jnp.zeros_like(y_sorted_AxD).at[order_A].set(y_sorted_AxD)

@@ -50,6 +50,7 @@ from moejax import profiling
 from moejax.codec import bits
 from moejax.codec import replicas as replicas_lib
 from moejax.placement.dispatch import Dispatch, exchange
+from moejax.placement.experts import SWIGLU, ExpertFn
 from moejax.routing import router as router_lib
 from moejax.placement import ownership, planner
 
@@ -419,16 +420,17 @@ class Materialized(NamedTuple):
 
 
 @profiling.scoped("replicas")
-def materialize(predicted_load_E, w_gate, w_up, w_down, *, dispatch: Dispatch,
-                owners: Owners | None = None, replica_state: dict | None = None) -> Materialized:
-  """This step's plan and weights. w_* hold this device's experts of the layer by rank
+def materialize(predicted_load_E, *ws, dispatch: Dispatch, owners: Owners | None = None,
+                replica_state: dict | None = None) -> Materialized:
+  """This step's plan and weights. `ws` (the expert arrays, `moejax.placement.experts`) hold
+  this device's experts of the layer by rank
   (`owners`; default: even, C = El). The plan prefers the devices that held an expert last step
   (`replica_state["held"]`); with `dispatch.replica_codec` those slots receive patches. The
   preference applies with the codec off too, so the plans, and so the losses, do not depend on
   the codec; it costs the modelled straggler at most `planner.PREFER_WITHIN`."""
   n = dispatch.num_devices
   if owners is None:
-    owners = even_owners(w_gate.shape[0] * n, n)
+    owners = even_owners(ws[0].shape[0] * n, n)
   codec = dispatch.replica_codec
   coded = codec is not None and replica_state is not None
   held_ExN = None if replica_state is None else held_by_device(replica_state["held"],
@@ -438,7 +440,6 @@ def materialize(predicted_load_E, w_gate, w_up, w_down, *, dispatch: Dispatch,
       devices_per_node=dispatch.devices_per_node, replica_slots=dispatch.replica_slots,
       overlap_degree=dispatch.overlap_degree, prefer_ExN=held_ExN,
       owner_sends=dispatch.owner_sends)
-  ws = (w_gate, w_up, w_down)
   if not coded:
     weights = tuple(jnp.concatenate([w, sparse_all_gather(w, plan.replica_expert_NxM,
                                                           dispatch=dispatch, owners=owners)],
@@ -543,14 +544,14 @@ def _replica_bytes(plan, choice_NxM, dispatch: Dispatch, num_experts: int, exper
   return (sent + n * (n - 1) * codec.agree_bytes(owned)) / n ** 2, plain / n ** 2
 
 
-def fssdp_experts(x_TxD, experts_TxK, weights_TxK, mat: Materialized, *, dispatch: Dispatch):
+def fssdp_experts(x_TxD, experts_TxK, weights_TxK, mat: Materialized, *, dispatch: Dispatch,
+                  fn: ExpertFn = SWIGLU):
   """Runs each assignment on one holder of its expert (`mat`: this step's `materialize`).
   Returns (y_TxD fp32, assignments dropped, placement stats, the layer's next replica state
   (None without the replica codec))."""
   n, dpn = dispatch.num_devices, dispatch.devices_per_node
   owners, coding = mat.owners, mat.coding
-  w_gate = mat.weights[0]
-  c = w_gate.shape[0] - dispatch.replica_slots
+  c = mat.weights[0].shape[0] - dispatch.replica_slots
   e = owners.owner_E.shape[0]
   expert_bytes = sum(math.prod(w.shape[1:]) * w.dtype.itemsize for w in mat.weights)
   me = lax.axis_index(dispatch.axis_names)
@@ -558,7 +559,6 @@ def fssdp_experts(x_TxD, experts_TxK, weights_TxK, mat: Materialized, *, dispatc
   source_load_NxE = lax.all_gather(counts_E, dispatch.axis_names, axis=0, tiled=False)
 
   def run(plan, weights, late_bytes):
-    w_gate, w_up, w_down = weights
     send_ExN = planner.balanced_send(plan.holders_ExN, source_load_NxE,
                                      devices_per_node=dpn)[me]
     dest_TxK = planner.dispatch_devices(experts_TxK, me, plan, devices_per_node=dpn,
@@ -569,8 +569,8 @@ def fssdp_experts(x_TxD, experts_TxK, weights_TxK, mat: Materialized, *, dispatc
     replica_A = plan.replica_slot_ExN[safe_e, jnp.minimum(dest_A, n - 1)]
     local_id_A = jnp.where(owned_A, owners.rank_E[safe_e], c + jnp.maximum(replica_A, 0))
     y_TxD, dropped, received, needed = exchange(
-        x_TxD, dest_A, local_id_A, weights_TxK, w_gate, w_up, w_down, dispatch=dispatch,
-        num_groups=c + dispatch.replica_slots)
+        x_TxD, dest_A, local_id_A, weights_TxK, weights, dispatch=dispatch,
+        num_groups=c + dispatch.replica_slots, fn=fn)
     stats = placement_stats(received, needed, dest_A, dispatch, x_TxD.shape[-1],
                             x_TxD.dtype.itemsize)
     stats["replicas"] = plan.num_replicas.astype(jnp.float32) / n

@@ -84,7 +84,8 @@ def replica_codec_of(cfg: Config) -> ReplicaCodec | None:
   if (cfg.moe.placement != "fssdp"
       or cfg.fssdp.resolved_replica_codec(cfg.codec.mode) == "off"):
     return None
-  return ReplicaCodec(3 * cfg.model.d_model * cfg.moe.expert_hidden, cfg.compute_dtype)
+  d, f = cfg.model.d_model, cfg.moe.expert_hidden
+  return ReplicaCodec(3 * d * f + ((2 * f + d) if cfg.moe.expert_bias else 0), cfg.compute_dtype)
 
 
 def state_layout(cfg: Config, mesh, tx: optax.GradientTransformation) -> StateLayout:

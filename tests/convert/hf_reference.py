@@ -358,6 +358,18 @@ MODELS = {
                         "sliding_attention": dict(rope_type="default", rope_theta=5000.0)},
                     max_position_embeddings=32, rms_norm_eps=1e-6),
         save=dict()),
+    # gpt-oss: biases on q, k, v and o, sinks, layers 0 and 2 sliding within 3 tokens (absent
+    # layer_types: every other from layer 0), its config class's YaRN (absent rope_parameters:
+    # x32 from 4096, untruncated), a router with a bias, softmax over the top-2 logits, experts
+    # with biases and the clamped SwiGLU at a limit the values cross (0.3) and another slope;
+    # its one layout (gate and up interleaved, [in, out]). MXFP4 copy: test_hf_parity.py.
+    "gpt_oss": dict(
+        model_type="gpt_oss",
+        config=dict(vocab_size=78, hidden_size=32, intermediate_size=32, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                    num_local_experts=6, num_experts_per_tok=2, sliding_window=3,
+                    swiglu_limit=0.3, swiglu_alpha=1.5, rms_norm_eps=1e-5),
+        save=dict()),
 }
 # FP8 copies: every projection float8 e4m3 beside its scales; embeddings, head, router and norms
 # as they were. As the Hub's DeepSeek-V3, Qwen3-*-FP8 and MiniMax-M2 are stored (transformers'
@@ -391,9 +403,17 @@ def _torch():
 def _load(hf_dir):
   torch = _torch()
   from transformers import AutoModelForCausalLM
+  extra = {}
+  with open(os.path.join(hf_dir, "config.json")) as f:
+    quantization = json.load(f).get("quantization_config") or {}
+  if quantization.get("quant_method") == "mxfp4":
+    # on CPU transformers would fetch Triton kernels from the Hub (offline here): its own
+    # dequantizing load instead (convert_moe_packed_tensors)
+    from transformers import Mxfp4Config
+    extra["quantization_config"] = Mxfp4Config(dequantize=True)
   model, info = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
                                                      attn_implementation="eager",
-                                                     output_loading_info=True)
+                                                     output_loading_info=True, **extra)
   return model.eval(), {k: sorted(map(str, v)) for k, v in info.items() if v}
 
 

@@ -509,7 +509,7 @@ FAMILY_REFUSALS = [
     ("deepseek_v3", dict(rope_interleave=False), "rope_interleave=False is not supported"),
     ("deepseek_v3", dict(quantization_config={"quant_method": "bitsandbytes"}),
      "quantization_config={'quant_method': 'bitsandbytes'} is not supported: moejax "
-     "dequantizes FP8 and symmetric integer weights only"),
+     "dequantizes FP8, MXFP4 experts and symmetric integer weights only"),
     ("glm4_moe", dict(quantization_config=ct_group(format="marlin-24")),
      "quantization_config.config_groups.group_0.format='marlin-24' is not supported"),
     ("qwen3_moe", dict(quantization_config=ct_group(format="pack-quantized", weights={

@@ -38,7 +38,8 @@ TWO_DIGITS = {("qwen2_moe", "57b_a14b", "active"): "cut",
 # without its 0.21B embedding, 2.66B with it; GLM-4.5-Air's 12B: 12.80B without, 13.42B with;
 # GLM-4.5's 32B: 32.86B without; V2's 21B and V3's 37B count it).
 WITHOUT_EMBEDDING = {("deepseek_v2", "lite"), ("glm4_moe", "air"), ("glm4_moe", "glm45"),
-                     ("minimax_m2", "m2"), ("glm4_moe_lite", "flash"), ("minicpm5_moe", "15b_a2b")}
+                     ("minimax_m2", "m2"), ("glm4_moe_lite", "flash"), ("minicpm5_moe", "15b_a2b"),
+                     ("gpt_oss", "20b"), ("gpt_oss", "120b")}
 
 
 def preset_config(family: str, preset: str) -> config_lib.Config:

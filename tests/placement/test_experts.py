@@ -36,12 +36,12 @@ def test_tiled_equals_ragged_values_and_grads():
       return y, vjp(cot)
     return jax.jit(run)(x, *w)
 
-  y_ragged, g_ragged = value_and_grads(experts._ragged_swiglu)
+  y_ragged, g_ragged = value_and_grads(lambda x, gs, *w: experts._ragged_swiglu(x, gs, w))
   used = int(sum(sizes))
   # Both CPU kernels (the loop with its hand-written backward, the batched one by autodiff); the
   # loop also at a tile that pads most groups' rows several times over.
   for kernel, m in ((experts._looped, 16), (experts._looped, 64), (experts._batched, 16)):
-    y_tiled, g_tiled = value_and_grads(lambda x, gs, *w, k=kernel, m=m: k(x, gs, *w, m))
+    y_tiled, g_tiled = value_and_grads(lambda x, gs, *w, k=kernel, m=m: k(x, gs, w, m))
     assert not np.any(np.asarray(y_tiled[used:]))
     # Same products, fp32 sums in another order, one bf16 rounding: within a bf16 ulp or two.
     y_ragged_f32 = np.asarray(y_ragged, np.float32)
@@ -50,7 +50,7 @@ def test_tiled_equals_ragged_values_and_grads():
     for a, b in zip(g_tiled, g_ragged):
       a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
       np.testing.assert_allclose(a, b, rtol=1e-2, atol=1e-2 * np.max(np.abs(b)))
-  assert jax.eval_shape(experts._tiled_swiglu, x, gs, *w).dtype == BF16
+  assert jax.eval_shape(experts._tiled_swiglu, x, gs, w).dtype == BF16
 
 
 def test_run_sorted_is_per_row_expert():
@@ -73,6 +73,69 @@ def test_run_sorted_is_per_row_expert():
     want = h @ f32(wd[e])
     # one bf16 rounding of the output apart (an ulp is 2^-8 of the value)
     np.testing.assert_allclose(f32(y[r]), want, rtol=8e-3, atol=1e-3 * np.max(np.abs(want)))
+
+
+CLAMPED = experts.ExpertFn("swiglu_clamped", alpha=1.702, limit=0.05, bias=True)
+
+
+def test_clamped_swiglu_with_biases_every_kernel():
+  """gpt-oss's experts (biases, a clamp the values cross: limit 0.05): each CPU kernel equals
+  the ragged one, values and gradients (the biases' too), and run_sorted equals each row through
+  its own expert, the torch formula written out in numpy."""
+  sizes = (9, 0, 21, 3, 40)
+  rows = sum(sizes) + 5
+  g, d, f = len(sizes), 16, 24
+  key = jax.random.key(3)
+  x = jax.random.normal(key, (rows, d)).astype(BF16)
+  gs = jnp.asarray(sizes, jnp.int32)
+  b = [(0.05 * jax.random.normal(jax.random.fold_in(key, i), shape)).astype(BF16)
+       for i, shape in enumerate(((g, f), (g, f), (g, d)))]
+  w = (*_weights(jax.random.fold_in(key, 9), g, d, f), *b)
+  cot = jax.random.normal(jax.random.fold_in(key, 10), (rows, d))
+
+  def value_and_grads(fn):
+    def run(x, w):
+      y, vjp = jax.vjp(lambda x, w: fn(x, gs, w).astype(jnp.float32), x, w)
+      return y, vjp(cot)
+    return jax.jit(run)(x, w)
+
+  y_ragged, (dx_ragged, dw_ragged) = value_and_grads(
+      lambda x, gs, w: experts._ragged_swiglu(x, gs, w, CLAMPED))
+  used = sum(sizes)
+  assert not np.any(np.asarray(y_ragged[used:]))
+  for kernel, m in ((experts._looped, 16), (experts._batched, 16)):
+    y, (dx, dw) = value_and_grads(lambda x, gs, w, k=kernel, m=m: k(x, gs, w, m, CLAMPED))
+    assert not np.any(np.asarray(y[used:]))
+    for a, want in zip((y, dx, *dw), (y_ragged, dx_ragged, *dw_ragged)):
+      a, want = np.asarray(a, np.float32), np.asarray(want, np.float32)
+      assert np.any(want)
+      np.testing.assert_allclose(a, want, rtol=1e-2, atol=1e-2 * np.max(np.abs(want)))
+
+  expert = np.repeat(np.arange(g + 1), sizes + (5,))   # g: no expert
+  perm = np.random.default_rng(1).permutation(rows)
+  y = jax.jit(lambda x, e, *w: experts.run_sorted(x, e, g, *w, fn=CLAMPED))(
+      x[perm], expert[perm], *w)
+  f32 = lambda a: np.asarray(a, np.float32)   # noqa: E731
+  xs, ws = f32(x[perm]), [f32(a) for a in w]
+  for r in range(rows):
+    e = expert[perm][r]
+    if e == g:
+      assert not np.any(f32(y[r]))
+      continue
+    gate = np.minimum(xs[r] @ ws[0][e] + ws[3][e], 0.05)
+    up = np.clip(xs[r] @ ws[1][e] + ws[4][e], -0.05, 0.05)
+    h = gate / (1 + np.exp(-1.702 * gate)) * (up + 1)
+    want = h.astype(jnp.bfloat16).astype(np.float32) @ ws[2][e] + ws[5][e]
+    np.testing.assert_allclose(f32(y[r]), want, rtol=8e-3, atol=1e-3 * np.max(np.abs(want)))
+  gpu = _lowered(lambda x, gs, *w: experts.grouped_swiglu(x, gs, *w, fn=CLAMPED),
+                 (x, gs, *w), "cuda")
+  assert "ragged_dot" in gpu
+  try:
+    experts.grouped_swiglu(x, gs, *w[:3], fn=CLAMPED)
+  except ValueError as e:
+    assert "takes 6 expert arrays, got 3" in str(e)
+  else:
+    raise AssertionError("three arrays for a biased ExpertFn were taken")
 
 
 def test_tile_rows_bounds():
