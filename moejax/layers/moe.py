@@ -277,7 +277,7 @@ class MoEBlock(nnx.Module):
       # is kept in fp32).
       logits_TxE = dense(x_TxD.astype(router_DxE.dtype), router_DxE, jnp.float32)
       if spec.router_bias:
-        logits_TxE = logits_TxE + self.router_b[...].astype(jnp.float32)
+        logits_TxE = logits_TxE + self.router_b[...].astype(jnp.float32)[None, :]
       weights_TxK, experts_TxK, scores_TxE = router_lib.top_k_route(
           logits_TxE, spec.top_k, score=spec.score, renormalize=spec.renormalize,
           bias_E=self.score_bias[...] if spec.score_bias else None, groups=spec.groups,

@@ -1264,6 +1264,81 @@ def test_kolibri_reads_its_layer_rule_names_and_logit_bias():
     hf_config_from(tiny_config("deepseek_v3", **{"moe.score_bias_on_logits": True}))
 
 
+# gpt-oss-20b's config.json as the Hub has it (openai/gpt-oss-20b)
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+    "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+    "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64,
+    "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
+    "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
+    "quantization_config": {"modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+        "lm_head"], "quant_method": "mxfp4"},
+    "rms_norm_eps": 1e-05, "rope_scaling": {
+        "beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+        "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
+    "swiglu_limit": 7.0, "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088}
+
+
+def test_gpt_oss_reads_its_biases_layer_rule_default_yarn_and_mxfp4():
+  """gpt-oss: the Hub's 20b config.json reads as the 20b preset (its MXFP4 experts declared;
+  its router_aux_loss_coef 0.9 taken as given); attention_bias biases q, k, v and o alike
+  (off: none); absent layer_types, every other layer from 0 slides; absent RoPE dicts, its config
+  class's YaRN (x32 from 4096, untruncated, base 150000); absent swiglu_alpha / swiglu_limit,
+  1.702 / 7.0; the tensors under transformers' names, gate and up interleaved [in, out]; an
+  export of plain RoPE says so (no dict would read as the class's YaRN); and the options no other
+  family holds are refused on their export."""
+  preset = from_config_dict(FAMILY_CONFIGS["gpt_oss"].get_config("20b"))
+  got = config_from_hf(GPT_OSS_20B, base=preset)
+  assert got.model == preset.model
+  assert got.moe == dataclasses.replace(preset.moe, aux_loss_weight=0.9)
+  assert weight_scales(GPT_OSS_20B) is safetensors_io.MXFP4_SCALES
+  assert quantization_summary(GPT_OSS_20B) == "MXFP4 experts (FP4 per 32 values)"
+  assert "quantization_config" not in hf_config_from(got)
+  cfg = tiny_config("gpt_oss")
+  hf = hf_config_from(cfg)
+  assert hf["attention_bias"] and config_from_hf(hf, base=cfg) == cfg
+  unbiased = config_from_hf(dict(hf, attention_bias=False)).model
+  assert not unbiased.qkv_bias and not unbiased.attention_out_bias
+  six = {k: v for k, v in hf.items() if k not in ("layer_types", "rope_parameters",
+                                                   "rope_scaling", "rope_theta",
+                                                   "swiglu_alpha", "swiglu_limit")}
+  six["num_hidden_layers"] = 6
+  got = config_from_hf(six)
+  assert got.model.sliding_layers == (0, 2, 4) and got.model.nope_layers == ()
+  assert (got.model.rope_scaling, got.model.rope_factor, got.model.rope_original_max_len,
+          got.model.rope_truncate, got.model.rope_theta) == ("yarn", 32.0, 4096, False, 150000.0)
+  assert (got.moe.swiglu_alpha, got.moe.swiglu_limit) == (1.702, 7.0)
+  plain = tiny_config("gpt_oss", **{"model.rope_scaling": "none", "model.rope_factor": 1.0,
+                                    "model.rope_original_max_len": 0,
+                                    "model.rope_truncate": True})
+  back = hf_config_from(plain)
+  assert back["rope_parameters"]["rope_type"] == "default" and back["rope_scaling"] is None
+  assert config_from_hf(back, base=plain) == plain
+  shapes = hf_names.expected_shapes(cfg)
+  e, d, f = cfg.moe.num_experts, cfg.model.d_model, cfg.moe.expert_hidden
+  assert shapes["model.layers.1.mlp.experts.gate_up_proj"] == (e, d, 2 * f)
+  assert shapes["model.layers.1.mlp.experts.gate_up_proj_bias"] == (e, 2 * f)
+  assert shapes["model.layers.1.mlp.experts.down_proj"] == (e, f, d)
+  assert shapes["model.layers.1.mlp.experts.down_proj_bias"] == (e, d)
+  for name in ("mlp.router.weight", "mlp.router.bias", "self_attn.o_proj.bias",
+               "self_attn.sinks"):
+    assert f"model.layers.1.{name}" in shapes
+  assert shapes == hf_names.expected_shapes(cfg, hf_names.FUSED)
+  for family, field, value, why in (
+      ("gpt_oss", "moe.activation", "swiglu", "needs 'swiglu_clamped'"),
+      ("gpt_oss", "model.attention_out_bias", False, "needs True"),
+      ("olmoe", "moe.expert_bias", True, "needs False"),
+      ("qwen2_moe", "moe.router_bias", True, "needs False"),
+      ("qwen2_moe", "model.attention_out_bias", True, "needs False")):
+    with pytest.raises(CheckpointError, match=f"config.{field}={value!r}: .* {why}"):
+      hf_config_from(tiny_config(family, **{field: value}))
+
+
 def test_granite_multipliers_read_and_write():
   """Granite's embedding_multiplier, residual_multiplier, attention_multiplier (the softmax
   scale itself) and logits_scaling, 1.0 each when absent as transformers reads them; an export

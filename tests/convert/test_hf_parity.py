@@ -43,7 +43,9 @@ shared MLP; its own fused names) and "flint" (sinks under the Hub's softmax_offs
 layers rotated and the global ones not, two dense layers, sigmoid top-k without a bias, an
 ungated shared expert), "kolibri1" (sandwich norms under the Hub's post_attn_norm / post_ffn_norm,
 unrotated global layers, the score bias added to the logits, under the Hub's
-moe.router.expert_bias). They
+moe.router.expert_bias), "gpt_oss" (biases on q, k, v, o, the router and the experts,
+sinks, alternate sliding layers, its config class's YaRN, the clamped SwiGLU, gate and up
+interleaved; and an MXFP4 copy of its experts, as the Hub's gpt-oss checkpoints are stored). They
 differ
 in layers, heads, kv heads, head width, experts, top-k, expert and shared widths, latent ranks,
 RoPE base, norm epsilon and top-k renormalization; "b", "qwen3_moe", "deepseek_v2" and
@@ -81,7 +83,7 @@ MODELS = ("a", "b", "mixtral", "qwen2_moe", "qwen3_moe", "minimax_m2", "ernie4_5
           "dots1", "deepseek_v2", "deepseek_v3", "deepseek_v3_b", "glm4_moe_lite", "solar_open",
           "minicpm5_moe", "hy_v3", "exaone_moe", "granitemoe", "granitemoeshared", "sarvam_moe",
           "param2moe", "flex_olmo", "hunyuan_v1_moe", "afmoe", "mellum",
-          "granitemoe_swa", "flint", "kolibri1")
+          "granitemoe_swa", "flint", "kolibri1", "gpt_oss")
 SAVED_FUSED = ("b", "qwen2_moe", "dots1", "deepseek_v3", "granitemoeshared", "param2moe")
 FP8_MODELS = ("qwen3_moe_fp8", "minimax_m2_fp8", "deepseek_v3_b_fp8", "mixtral_ct_fp8",
               "glm4_moe_ct_fp8", "qwen3_moe_int4")
@@ -140,6 +142,10 @@ def test_logits_match_transformers_fp32(name, hf_models, imported):
                                                                  score_bias_on_logits=False))
     with pytest.raises(AssertionError):
       assert_logits_close(fp32_logits(on_scores, params, tokens), want, rel=1e-2)
+  if cfg.moe.activation == "swiglu_clamped":    # the clamp binds: unclamped moves the logits
+    free = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, swiglu_limit=1e9))
+    with pytest.raises(AssertionError):
+      assert_logits_close(fp32_logits(free, params, tokens), want, rel=1e-2)
   if cfg.model.sliding_rope_theta:      # the sliding layers' own RoPE moves them too (within
     # a window of 3 by at most two positions' rotation: a smaller move than YaRN's)
     one = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, sliding_rope_theta=0.0))
@@ -162,6 +168,51 @@ def test_fp8_checkpoints_import_as_transformers_dequantizes_them(name, hf_models
   assert_logits_close(fp32_logits(cfg, params, tokens), want)
   unquantized = hf_models[base][2]
   assert np.max(np.abs(unquantized - want)) > 1e-2 * np.max(np.abs(want))
+
+
+def test_mxfp4_experts_import_as_transformers_dequantizes_them(hf_models, imported,
+                                                              hf_reference, tmp_path):
+  """gpt-oss as the Hub stores it: each expert projection as MXFP4 blocks and scales
+  (quant_method "mxfp4"), the rest unquantized. moejax's import equals transformers' logits from
+  the same file (its own dequantizing load), which quantization moved far from the unquantized
+  model's; the experts read dequantized into ep shards (3 of 6 a device) as on the host; the
+  export is unquantized
+  and reads back bit for bit."""
+  from tests.convert.test_mxfp4 import quantize_mxfp4
+  from safetensors.numpy import save_file
+  hf_dir, tokens, unquantized = hf_models["gpt_oss"]
+  out = str(tmp_path / "gpt_oss_mxfp4")
+  tensors = {}
+  for name, value in read_all(hf_dir).items():
+    if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+      tensors[name + "_blocks"], tensors[name + "_scales"] = quantize_mxfp4(value)
+    else:
+      tensors[name] = value
+  os.makedirs(out)
+  save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+  hf = dict(read_hf_config(hf_dir), quantization_config={
+      "quant_method": "mxfp4", "modules_to_not_convert": [
+          "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+          "lm_head"]})
+  with open(os.path.join(out, "config.json"), "w") as f:
+    json.dump(hf, f)
+  np.save(str(tmp_path / "tokens.npy"), tokens)
+  reply = hf_reference.call("logits", hf_dir=out, tokens=str(tmp_path / "tokens.npy"),
+                            out=str(tmp_path / "logits.npy"))
+  assert reply["loading_info"] == {}, reply["loading_info"]
+  want = np.load(str(tmp_path / "logits.npy"))
+  cfg, params = load_hf(out)
+  assert cfg == imported["gpt_oss"][0]
+  assert_logits_close(fp32_logits(cfg, params, tokens), want)
+  assert np.max(np.abs(unquantized - want)) > 1e-2 * np.max(np.abs(want))
+  ep = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, placement="ep"))
+  mesh = make_mesh((1, 2), jax.devices()[:2])      # 6 experts: 3 a device
+  shardings = state_layout(ep, mesh, make_optimizer(ep)).shardings.params
+  _, sharded = load_hf(out, shardings=shardings)
+  assert_same_bits(jax.device_get(sharded), params)
+  save_hf(params, cfg, str(tmp_path / "export"))
+  assert "quantization_config" not in read_hf_config(str(tmp_path / "export"))
+  assert_same_bits(load_hf(str(tmp_path / "export"))[1], params)
 
 
 def test_kimi_k2_reads_as_deepseek_v3(hf_models, imported, tmp_path):

@@ -56,8 +56,9 @@ def test_cached_logits_equal_the_full_forward(family, model, prompt):
   shared MLP; FlexOlmo: norms on the sublayers' outputs; Hunyuan: QK-norm of the rotated q and k
   (the cache holds k normed); AfMoE: sandwich norms and the gate's own projection; Mellum: the
   sliding layers' own plain RoPE beside the global layer's YaRN; Granite SWA: attention sinks
-  over the cache (Flint's and Kolibri's layers hold no option these do not). All but OLMoE with
-  YaRN RoPE."""
+  over the cache (Flint's and Kolibri's layers hold no option these do not; gpt-oss's output
+  bias is in `project_out`, which the cached step shares, and its experts are the forward's).
+  All but OLMoE with YaRN RoPE."""
   cfg, params = model if family == "olmoe" else _family_model(family)
   tokens_BxN, logits_BxNxV = decode.generate(cfg, params, prompt, max_new_tokens=NEW)
   assert tokens_BxN.shape == (2, prompt.shape[1] + NEW)

@@ -136,7 +136,7 @@ E2, D, F, M2 = 2 * N, 4, 8, 2          # two experts per device, two replica slo
 
 def _coded_setup(owner_sends: int = 0):
   from moejax.codec import replicas
-  codec = replicas.ReplicaCodec(3 * D * F, "bfloat16")
+  codec = replicas.ReplicaCodec(3 * D * F + 2 * F + D, "bfloat16")   # biased experts
   mesh = Mesh(np.array(jax.devices()[:N]), ("devices",))
   dispatch = Dispatch(kind="fssdp", axis_names=("devices",), num_devices=N, devices_per_node=4,
                       replica_slots=M2, replica_codec=codec, owner_sends=owner_sends)
@@ -189,7 +189,8 @@ def _two_coded_steps(owner_sends: int = 0):
   `owner_sends`: the dispatch's bound on the slots one owner fills (sizes the GPU forms)."""
   codec, owners, fn, _, _, _ = _coded_setup(owner_sends)
   rng = np.random.default_rng(1)
-  shapes = ((E2, D, F), (E2, D, F), (E2, F, D))
+  # gpt-oss's six expert arrays: the three matrices, then the biases (b_gate, b_up, b_down)
+  shapes = ((E2, D, F), (E2, D, F), (E2, F, D), (E2, F), (E2, F), (E2, D))
   w0 = [rng.standard_normal(s).astype(jnp.bfloat16) for s in shapes]
   w0[0].reshape(-1)[:4] = np.array([0x7fbf, 0x8000, 0x7f80, 0xffc1], np.uint16).view(jnp.bfloat16)
   g = tuple(jnp.asarray(rng.standard_normal((N, M2) + s[1:]).astype(jnp.bfloat16)) for s in shapes)
@@ -319,7 +320,7 @@ def test_each_platform_lowers_its_own_coded_sparse_all_gather():
   fwd = jax.jit(jax.shard_map(lambda *a: body(*a)[0], mesh=mesh,
                               in_specs=(P("devices"), P("devices"), P(), state_specs),
                               out_specs=P("devices"), check_vma=False))
-  shapes = ((N, 2, D, F), (N, 2, D, F), (N, 2, F, D))
+  shapes = ((N, 2, D, F), (N, 2, D, F), (N, 2, F, D), (N, 2, F), (N, 2, F), (N, 2, D))
   ws = tuple(jnp.zeros(s, jnp.bfloat16) for s in shapes)
   g = tuple(jnp.zeros((N, M2) + s[2:], jnp.bfloat16) for s in shapes)
   state = {"held": jnp.zeros((N, M2), jnp.int32), "cache": jnp.zeros((N, M2, codec.values),

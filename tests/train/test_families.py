@@ -12,7 +12,10 @@ expert, grouped sigmoid routing with a score bias) trains under ep; MiniCPM5-MoE
 output gate, its weight gathered inside the q projection's) under fsdp; EXAONE-MoE (sliding and
 unrotated layers: its MoE layers in two scans, the gathers prefetched across them) under fsdp;
 FlexOlmo (norms on the sublayers' outputs) under ep; Granite SWA (attention sinks, replicated
-where every other layer parameter is sharded) under fsdp. (AfMoE's own gate weight is a plain
+where every other layer parameter is sharded) under fsdp; gpt-oss (biases on the router and the
+experts, owned with the experts, the clamped SwiGLU in the exchange's kernel) under ep (its
+biases' replicas under fssdp: tests/placement/test_fssdp.py's coded and plain
+SparseAllGather of six expert arrays). (AfMoE's own gate weight is a plain
 matrix on wq's axes, its sandwich norms plain norm scales: nothing a placement treats apart.)
 
 The other techniques run on the families where their own tests run them: the codec gathers
@@ -28,7 +31,8 @@ import pytest
 from tests.helpers import run_steps, tiny_config
 
 FAMILY_PLACEMENTS = {"mixtral": "fsdp", "qwen2_moe": "ep", "glm4_moe": "ep", "minicpm5_moe": "fsdp",
-                     "exaone_moe": "fsdp", "flex_olmo": "ep", "granitemoe_swa": "fsdp"}
+                     "exaone_moe": "fsdp", "flex_olmo": "ep", "granitemoe_swa": "fsdp",
+                     "gpt_oss": "ep"}
 # (clip_norm above any first gradient norm here: run_steps reads the gradients unclipped; sandwich
 # norms, as AfMoE's, put unit-RMS sublayer outputs on the residual stream: first norms above 1)
 SETTINGS = {"steps": 2, "compute_dtype": "float32", "optim.clip_norm": 100.0}
