@@ -89,11 +89,15 @@ FP8_MODELS = ("qwen3_moe_fp8", "minimax_m2_fp8", "deepseek_v3_b_fp8", "mixtral_c
               "glm4_moe_ct_fp8", "qwen3_moe_int4")
 
 
-def fp32_logits(cfg, params, tokens):
+@functools.cache
+def _fp32_forward(cfg):
+  """One compiled forward per config: the quantized copies share their base model's."""
   gather = functools.partial(hook.local_gather, dtype=jnp.float32)
-  logits, _ = jax.jit(lambda p, t: olmoe.forward(cfg, p, t, gather=gather, remat="none"))(
-      params, tokens)
-  return np.asarray(logits)
+  return jax.jit(lambda p, t: olmoe.forward(cfg, p, t, gather=gather, remat="none")[0])
+
+
+def fp32_logits(cfg, params, tokens):
+  return np.asarray(_fp32_forward(cfg)(params, tokens))
 
 
 def assert_logits_close(got, want, rel=1e-5):
