@@ -15,8 +15,10 @@ Presets:
                    2880, vocabulary 201088, YaRN x32 from 4096, window 128 on even layers.
   120b             gpt-oss-120b: the same with 36 layers and 128 experts.
 
-The Hub's checkpoints (MXFP4 experts) import dequantized: `python -m moejax.convert import
-openai/gpt-oss-20b ...`, or train from one's own config.json: `--config configs/hf.py:DIR`.
+The published presets take tokens from the checkpoint's tokenizer.json
+(data.tokenizer=init_from): fine-tune with --config.init_from=HF_DIR, a download of
+openai/gpt-oss-20b (its MXFP4 experts read dequantized), or convert it once with
+`python -m moejax.convert from-hf HF_DIR CKPT_DIR`.
 
 Each preset sets only what differs from the typed defaults in moejax/config.py.
 """
