@@ -895,7 +895,7 @@ def num_params(c: Config) -> dict[str, int]:
     attn += {"full": q_width + kv_width, "head": 2 * m.head_dim, "none": 0}[m.qk_norm]
     attn += h if m.attention_sinks else 0                # one sink logit per head
   attn += (4 if m.norm_position == "sandwich" else 2) * d     # the layer's norms
-  expert = 3 * d * moe.expert_hidden + ((2 * moe.expert_hidden + d) if moe.expert_bias else 0)
+  expert = expert_values(c)
   shared = 3 * d * moe.shared_expert_hidden + (d if moe.shared_expert_gate else 0)
   router = d * moe.num_experts + moe.num_experts * (moe.score_bias + moe.router_bias)
   moe_layers = m.num_layers - len(m.dense_layers)
@@ -904,6 +904,12 @@ def num_params(c: Config) -> dict[str, int]:
   total = embed + dense + moe_layers * (attn + router + shared + moe.num_experts * expert)
   active = embed + dense + moe_layers * (attn + router + shared + moe.top_k * expert)
   return {"total": total, "active": active}
+
+
+def expert_values(c: Config) -> int:
+  """Values of one routed expert: its three matrices, and its biases where it has them."""
+  d, f = c.model.d_model, c.moe.expert_hidden
+  return 3 * d * f + ((2 * f + d) if c.moe.expert_bias else 0)
 
 
 def num_moe_layers(c: Config) -> int:

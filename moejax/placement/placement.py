@@ -75,6 +75,8 @@ class Placement:
   expert_paths: tuple = ()
   itemsize: int = 2                   # bytes of one compute-dtype value (config.compute_dtype)
   replica_codec: Any = None           # fssdp: `codec.replicas.ReplicaCodec`; None = plain
+  expert_values: int = 0              # values of one expert (`config.expert_values`); 0: its
+                                      # three matrices
 
   # -- static ------------------------------------------------------------------------------------
   @property
@@ -125,8 +127,13 @@ class Placement:
 
   @property
   def expert_bytes(self) -> int:
-    """Bytes of one expert's three matrices in the compute dtype."""
-    return 3 * self.d_model * self.expert_hidden * self.itemsize
+    """Bytes of one expert (its matrices, and biases where it has them) in the compute
+    dtype."""
+    return self._expert_values * self.itemsize
+
+  @property
+  def _expert_values(self) -> int:
+    return self.expert_values or 3 * self.d_model * self.expert_hidden
 
   # -- state -------------------------------------------------------------------------------------
   def init_state(self) -> FssdpState | None:
@@ -229,7 +236,7 @@ class Placement:
         np.asarray(planner.predict(pstate.history)), np.asarray(pstate.owner_LxE),
         self.num_devices, self.devices_per_node, max_per_layer=self.max_per_layer,
         # fp32 master weights and two Adam moments, whatever the compute dtype
-        bytes_per_expert=3 * self.d_model * self.expert_hidden * 4 * 3)
+        bytes_per_expert=self._expert_values * 4 * 3)
     params, opt_state = self.permute((params, opt_state), resharding.perm_LxE, shardings,
                                      donate=True)
     owner = jax.device_put(resharding.owner_LxE, pstate.owner_LxE.sharding)

@@ -38,7 +38,7 @@ import math
 import jax
 import numpy as np
 
-from moejax.config import Config, num_moe_layers
+from moejax.config import Config, expert_values, num_moe_layers
 from moejax.errors import ConfigError
 from moejax.placement import ownership, planner
 
@@ -139,7 +139,7 @@ def memory_report(cfg: Config, num_devices: int, *,
       layer_elems[group] = (full, local)
   fssdp_replicas = 0
   if moe.placement == "fssdp":
-    fssdp_replicas = cfg.fssdp.replica_slots * 3 * m.d_model * moe.expert_hidden
+    fssdp_replicas = cfg.fssdp.replica_slots * expert_values(cfg)
   kept_layers = (sum(run.count for run in olmoe.layer_runs(cfg) if run.group in layer_elems)
                  if cfg.remat == "none" else 0)
   biggest = max([f + l + fssdp_replicas * (g == "layers") for g, (f, l) in layer_elems.items()],
@@ -178,7 +178,7 @@ def memory_report(cfg: Config, num_devices: int, *,
   # gradient rows, sends its M replicas' gradients in fp32 and sums the C owned experts' in fp32.
   sends = planner.resolve_owner_sends(cfg.fssdp.resolved_owner_sends(), n,
                                       cfg.fssdp.replica_slots)
-  expert = 3 * m.d_model * moe.expert_hidden
+  expert = expert_values(cfg)
   owned = cfg.fssdp.max_per_layer or ownership.default_max_per_layer(e, max(n, 1))
   replica_rows = sends * expert * (c + 4)           # one gather's send rows and SpRS's rows
   if owns and n > 1 and moe.placement == "fssdp":
@@ -195,7 +195,7 @@ def memory_report(cfg: Config, num_devices: int, *,
       # gathered from them beside the packed send buffer (uint32 words, about the expert's
       # bytes each; the packed buffer replaces the plain send rows).
       per_layer = owned + cfg.fssdp.replica_slots
-      placement += 2 * num_moe_layers(cfg) * (per_layer * 3 * d * f * c + 1)
+      placement += 2 * num_moe_layers(cfg) * (per_layer * expert * c + 1)
       exchange += (2 * owned + sends) * expert * c
   if moe.placement == "fssdp" and cfg.fssdp.calibrate:
     # Calibration's late SparseAllGather (every step; it moves only a re-plan's new replicas)

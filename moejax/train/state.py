@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moejax.codec.gather import CodecSpec
 from moejax.codec.replicas import ReplicaCodec
-from moejax.config import Config, num_moe_layers
+from moejax.config import Config, expert_values, num_moe_layers
 from moejax.models import olmoe
 from moejax.placement import Placement
 from moejax.sharding import axes, hook, layout as layout_lib
@@ -70,6 +70,7 @@ def placement_for(cfg: Config, num_devices_: int, devices_per_node: int,
   param_meta = olmoe.param_meta(cfg) if param_meta is None else param_meta
   return Placement(moe.placement, num_moe_layers(cfg), moe.num_experts, moe.top_k,
                    cfg.model.d_model, moe.expert_hidden, num_devices_, devices_per_node, DEVICES,
+                   expert_values=expert_values(cfg),
                    dispatch_capacity_factor=moe.dispatch_capacity_factor,
                    dispatch_overflow=moe.dispatch_overflow, replica_slots=f.replica_slots,
                    overlap_degree=f.overlap_degree, owner_sends=f.resolved_owner_sends(),
@@ -84,8 +85,7 @@ def replica_codec_of(cfg: Config) -> ReplicaCodec | None:
   if (cfg.moe.placement != "fssdp"
       or cfg.fssdp.resolved_replica_codec(cfg.codec.mode) == "off"):
     return None
-  d, f = cfg.model.d_model, cfg.moe.expert_hidden
-  return ReplicaCodec(3 * d * f + ((2 * f + d) if cfg.moe.expert_bias else 0), cfg.compute_dtype)
+  return ReplicaCodec(expert_values(cfg), cfg.compute_dtype)
 
 
 def state_layout(cfg: Config, mesh, tx: optax.GradientTransformation) -> StateLayout:
