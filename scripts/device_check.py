@@ -305,6 +305,52 @@ def step_grouped(dims: dict) -> dict:
       raise AssertionError(f"grouped {name} differs from the dense product: {out[name]}")
   if grad_err > 2e-2:   # the kernels' backward (transpose_rhs, transposed_ragged_dot)
     raise AssertionError(f"Hopper gradients differ from ragged_dot's by {grad_err:.3g}")
+  out["gpt_oss"] = _grouped_gpt_oss(dims)
+  return out
+
+
+def _grouped_gpt_oss(dims: dict) -> dict:
+  """gpt-oss's experts (biases, the clamped SwiGLU, widths 2880: not multiples of the kernels'
+  128, so zero-padded to 2944) by the Hopper op where it applies, against `ragged_dot`'s path of
+  the same function: forward and gradients, and their times."""
+  import jax
+  import jax.numpy as jnp
+  from moejax.placement import experts, hopper
+
+  a, g, d = dims["gpt_oss_rows"], dims["gpt_oss_experts"], dims["gpt_oss_width"]
+  fn = experts.ExpertFn("swiglu_clamped", bias=True)
+  keys = jax.random.split(jax.random.key(2), 9)
+  sizes = jnp.bincount(jnp.sort(jax.random.randint(keys[0], (a,), 0, g)), length=g)
+  sizes = sizes.astype(jnp.int32)
+  x = jax.random.normal(keys[1], (a, d), jnp.float32).astype(jnp.bfloat16)
+  shapes = ((g, d, d), (g, d, d), (g, d, d), (g, d), (g, d), (g, d))
+  ws = [(jax.random.normal(k, s, jnp.float32) * 0.02).astype(jnp.bfloat16)
+        for k, s in zip(keys[2:8], shapes)]
+  dy = jax.random.normal(keys[8], (a, d), jnp.float32).astype(jnp.bfloat16)
+  flops = 6 * a * d * d
+  out = {"rows": a, "experts": g, "width": d, "padded_width": hopper.padded_width(d),
+         "hopper_usable": hopper.usable(x, *ws)}
+  impls = {"ragged_dot": lambda x, *w: experts._ragged_swiglu(x, sizes, w, fn)}
+  if out["hopper_usable"]:
+    impls["hopper_padded"] = lambda x, *w: hopper.padded_call(
+        lambda dd, ff: hopper.kernel_swiglu(dd, ff, fn), x, sizes, w)
+  results = {}
+  for name, impl in impls.items():
+    try:
+      y, grads, figures = _forward_backward(impl, (x, *ws), dy, flops)
+      results[name] = (y, grads)
+      out[name] = figures
+    except Exception as e:   # a failure is a figure too
+      out[name] = {"error": f"{type(e).__name__}: {e}"[:600]}
+  if len(results) == 2:
+    (y_h, g_h), (y_r, g_r) = results["hopper_padded"], results["ragged_dot"]
+    rel = lambda p, q: float(jnp.max(jnp.abs(p.astype(jnp.float32) - q.astype(jnp.float32)))  # noqa: E731
+                             / max(float(jnp.max(jnp.abs(q.astype(jnp.float32)))), 1e-30))
+    out["hopper_rel_err_vs_ragged_dot"] = rel(y_h, y_r)
+    out["hopper_grad_rel_err_vs_ragged_dot"] = max(rel(p, q) for p, q in zip(g_h, g_r))
+    if max(out["hopper_rel_err_vs_ragged_dot"], out["hopper_grad_rel_err_vs_ragged_dot"]) > 2e-2:
+      raise AssertionError(f"gpt-oss experts on the padded Hopper op differ from ragged_dot: "
+                           f"{out}")
   return out
 
 
@@ -785,14 +831,16 @@ FULL = {"codec_values": 1 << 24, "ragged_tokens": 4096, "ragged_d": 2048, "ragge
         "layer_model": {}, "child_timeout_s": 130, "grouped_rows": 16384, "grouped_experts": 64,
         "grouped_d": 2048, "grouped_f": 1024, "attn_batch": 8, "attn_seq": 4096, "attn_heads": 16,
         "attn_head_dim": 128, "tiles_rows": 16384, "tiles_experts": 64, "tiles_d": 2048,
-        "tiles_f": 1024, "profile_calls": 3, "profile_top": 30}
+        "tiles_f": 1024, "profile_calls": 3, "profile_top": 30, "gpt_oss_rows": 4096,
+        "gpt_oss_experts": 8, "gpt_oss_width": 2880}
 # Tiny shapes (the tiny preset's width for the "1b7b" steps), on CPU.
 DRY = {"codec_values": 1 << 14, "ragged_tokens": 32, "ragged_d": 64, "ragged_f": 64,
        "train_steps": 5, "layer_preset": "tiny", "layer_batch": 8, "layer_seq": 64,
        "layer_model": {}, "child_timeout_s": 240, "dry": True, "grouped_rows": 512,
        "grouped_experts": 8, "grouped_d": 128, "grouped_f": 128, "attn_batch": 2, "attn_seq": 64,
        "attn_heads": 4, "attn_head_dim": 32, "tiles_rows": 512, "tiles_experts": 8,
-       "tiles_d": 512, "tiles_f": 512, "profile_calls": 2, "profile_top": 10}
+       "tiles_d": 512, "tiles_f": 512, "profile_calls": 2, "profile_top": 10, "gpt_oss_rows": 256,
+       "gpt_oss_experts": 4, "gpt_oss_width": 96}
 
 
 def main() -> int:

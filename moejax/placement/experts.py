@@ -7,7 +7,8 @@ rows each expert takes; rows past the sum of the group sizes come out as zeros.
   Hopper   jax's Pallas Mosaic GPU grouped matmuls (`hopper.py`): XLA:GPU rewrites
            `ragged_dot` into a dense dot over every expert (64 GiB for one OLMoE-1B-7B layer's
            operand at batch 8 x 4096 on an H200), so on compute capability 9.x, for 16-bit
-           floats with D and F multiples of 128, the kernels jax ships for it run instead.
+           floats, the kernels jax ships for it run instead (D and F zero-padded to multiples
+           of 128 where they are not).
   GPU/TPU  otherwise `lax.ragged_dot`: the backend's grouped matmul.
   CPU      row tiles: XLA:CPU lowers `ragged_dot` to a dense matmul over every expert, masked
            (G times the routed work, measured 7-10x slower at G=8 and growing with G). Here
@@ -22,8 +23,8 @@ rows each expert takes; rows past the sum of the group sizes come out as zeros.
 What an expert computes is an `ExpertFn`: SwiGLU, or gpt-oss's clamped SwiGLU, with or without
 per-expert biases. The weights travel as one tuple with the expert axis first,
 (w_gate, w_up, w_down) or, with biases, (w_gate, w_up, w_down, b_gate, b_up, b_down): every
-placement moves, gathers and reduces them alike. Hopper's kernels take plain SwiGLU only; other
-functions take `ragged_dot` there.
+placement moves, gathers and reduces them alike; every kernel takes every function (Hopper's
+with widths zero-padded to its tiles where they are not multiples, as gpt-oss's 2880).
 """
 from __future__ import annotations
 
@@ -328,9 +329,9 @@ def _tiled_swiglu(x_AxD, group_sizes_G, ws, fn: ExpertFn = SWIGLU, packed=True):
 
 def _gpu_swiglu(x_AxD, group_sizes_G, ws, fn: ExpertFn = SWIGLU):
   from moejax.placement import hopper
-  if fn == SWIGLU and hopper.usable(x_AxD, *ws):
-    swiglu = hopper.kernel_swiglu(*ws[0].shape[1:])
-    return swiglu(x_AxD, group_sizes_G, *ws)
+  if hopper.usable(x_AxD, *ws):
+    return hopper.padded_call(lambda d, f: hopper.kernel_swiglu(d, f, fn), x_AxD, group_sizes_G,
+                              ws)
   return _ragged_swiglu(x_AxD, group_sizes_G, ws, fn)
 
 

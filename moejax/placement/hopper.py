@@ -14,9 +14,12 @@ Both accumulate in fp32 and write the inputs' dtype (bf16): gate/up and the weig
 rounded to bf16 once, where `_ragged_swiglu` keeps gate/up in fp32. Rows past the groups' sum
 are not written by the kernel: they are masked to zero here, in the output and the gradients.
 
-`swiglu_with(ops)` builds the op over any pair of grouped products, so the VJP is tested on CPU
-with `lax.ragged_dot` in their place (tests/placement/test_hopper.py); the kernels themselves run
-only on a GPU of compute capability 9.x (the device check times them against the alternatives).
+`swiglu_with(ops, fn)` builds the op over any pair of grouped products, so the VJP is tested on
+CPU with `lax.ragged_dot` in their place (tests/placement/test_hopper.py); the kernels themselves
+run only on a GPU of compute capability 9.x (the device check times them against the
+alternatives). `fn` (`experts.ExpertFn`): SwiGLU, or gpt-oss's clamped SwiGLU with biases (the
+biases added in fp32 between the kernels, their gradients summed per expert). Widths the tiles
+do not take (gpt-oss's 2880) are zero-padded to them (`padded_call`), which is exact.
 
 Letters: A rows, D model width, F expert hidden width, G experts.
 """
@@ -30,6 +33,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from moejax.placement import experts as experts_lib
 
 ENABLED = True   # the device check turns the kernels off for its later steps if they are wrong
 
@@ -93,42 +98,70 @@ def _rows_in_groups(a: int, group_sizes_G) -> jax.Array:
   return (jnp.arange(a) < jnp.sum(group_sizes_G))[:, None]
 
 
-def swiglu_with(ops: GroupedOps):
-  """y_AxD = (silu(x Wg) * (x Wu)) Wd per row's expert, as a custom_vjp over `ops`."""
+def swiglu_with(ops: GroupedOps, fn: experts_lib.ExpertFn = experts_lib.SWIGLU):
+  """y_AxD = act(x Wg [+ bg], x Wu [+ bu]) Wd [+ bd] per row's expert (`fn`: SwiGLU or gpt-oss's
+  clamped one, biases or not), as a custom_vjp over `ops`: `swiglu(x, group_sizes, *ws)`."""
+
+  def swiglu(x_AxD, group_sizes_G, *ws):
+    experts_lib.check_weights(ws, fn)
+    return op(x_AxD, group_sizes_G, tuple(ws))
 
   @jax.custom_vjp
-  def swiglu(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD):
-    return fwd(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD)[0]
+  def op(x_AxD, group_sizes_G, ws):
+    return fwd(x_AxD, group_sizes_G, ws)[0]
 
-  def fwd(x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD):
+  def pre_activation(gate_AxF, up_AxF, group_A, ws):
+    """gate and up in fp32, each expert's bias added."""
+    gate, up = gate_AxF.astype(jnp.float32), up_AxF.astype(jnp.float32)
+    if fn.bias:
+      gate = gate + ws[3][group_A].astype(jnp.float32)
+      up = up + ws[4][group_A].astype(jnp.float32)
+    return gate, up
+
+  def fwd(x_AxD, group_sizes_G, ws):
+    w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD = ws[:3]
     used_Ax1 = _rows_in_groups(x_AxD.shape[0], group_sizes_G)
+    group_A = experts_lib._row_groups(group_sizes_G, x_AxD.shape[0]) if fn.bias else None
     gate_AxF = ops.ragged(x_AxD, w_gate_GxDxF, group_sizes_G)
     up_AxF = ops.ragged(x_AxD, w_up_GxDxF, group_sizes_G)
-    h_AxF = (jax.nn.silu(gate_AxF.astype(jnp.float32)) * up_AxF.astype(jnp.float32))
+    h_AxF = fn.act(*pre_activation(gate_AxF, up_AxF, group_A, ws))
     h_AxF = jnp.where(used_Ax1, h_AxF, 0.0).astype(x_AxD.dtype)
-    y_AxD = jnp.where(used_Ax1, ops.ragged(h_AxF, w_down_GxFxD, group_sizes_G), 0)
-    return y_AxD.astype(x_AxD.dtype), (x_AxD, group_sizes_G, w_gate_GxDxF, w_up_GxDxF,
-                                       w_down_GxFxD, gate_AxF, up_AxF, h_AxF)
+    y_AxD = ops.ragged(h_AxF, w_down_GxFxD, group_sizes_G)
+    if fn.bias:
+      y_AxD = y_AxD.astype(jnp.float32) + ws[5][group_A].astype(jnp.float32)
+    y_AxD = jnp.where(used_Ax1, y_AxD, 0)
+    return y_AxD.astype(x_AxD.dtype), (x_AxD, group_sizes_G, ws, gate_AxF, up_AxF, h_AxF)
 
   def bwd(residuals, dy_AxD):
-    x_AxD, group_sizes_G, w_gate, w_up, w_down, gate_AxF, up_AxF, h_AxF = residuals
+    x_AxD, group_sizes_G, ws, gate_AxF, up_AxF, h_AxF = residuals
+    w_gate, w_up, w_down = ws[:3]
     dtype = x_AxD.dtype
     used_Ax1 = _rows_in_groups(x_AxD.shape[0], group_sizes_G)
+    group_A = experts_lib._row_groups(group_sizes_G, x_AxD.shape[0]) if fn.bias else None
     dy_AxD = jnp.where(used_Ax1, dy_AxD, 0).astype(dtype)
     dh_AxF = ops.ragged(dy_AxD, w_down, group_sizes_G, transpose=True).astype(jnp.float32)
-    gate, up = gate_AxF.astype(jnp.float32), up_AxF.astype(jnp.float32)
-    sig = jax.nn.sigmoid(gate)
-    dgate_AxF = jnp.where(used_Ax1, dh_AxF * up * sig * (1 + gate * (1 - sig)), 0).astype(dtype)
-    dup_AxF = jnp.where(used_Ax1, dh_AxF * gate * sig, 0).astype(dtype)
+    gate, up = pre_activation(gate_AxF, up_AxF, group_A, ws)
+    if fn == experts_lib.SWIGLU:     # by hand, as the kernels were first measured
+      sig = jax.nn.sigmoid(gate)
+      dgate_AxF, dup_AxF = dh_AxF * up * sig * (1 + gate * (1 - sig)), dh_AxF * gate * sig
+    else:
+      _, dgate_AxF, dup_AxF = experts_lib._act_grads(fn, gate, up, dh_AxF)
+    dgate32_AxF = jnp.where(used_Ax1, dgate_AxF, 0)
+    dup32_AxF = jnp.where(used_Ax1, dup_AxF, 0)
+    dgate_AxF, dup_AxF = dgate32_AxF.astype(dtype), dup32_AxF.astype(dtype)
     dx_AxD = (ops.ragged(dgate_AxF, w_gate, group_sizes_G, transpose=True).astype(jnp.float32)
               + ops.ragged(dup_AxF, w_up, group_sizes_G, transpose=True).astype(jnp.float32))
     dx_AxD = jnp.where(used_Ax1, dx_AxD, 0).astype(dtype)
-    dw_gate = ops.transposed(x_AxD, dgate_AxF, group_sizes_G).astype(w_gate.dtype)
-    dw_up = ops.transposed(x_AxD, dup_AxF, group_sizes_G).astype(w_up.dtype)
-    dw_down = ops.transposed(h_AxF, dy_AxD, group_sizes_G).astype(w_down.dtype)
-    return dx_AxD, None, dw_gate, dw_up, dw_down
+    d_ws = [ops.transposed(x_AxD, dgate_AxF, group_sizes_G).astype(w_gate.dtype),
+            ops.transposed(x_AxD, dup_AxF, group_sizes_G).astype(w_up.dtype),
+            ops.transposed(h_AxF, dy_AxD, group_sizes_G).astype(w_down.dtype)]
+    if fn.bias:      # each expert's rows summed in fp32, before the kernels' bf16 rounding
+      g = group_sizes_G.shape[0]     # (rows past the groups are zeros)
+      d_ws += [jax.ops.segment_sum(t.astype(jnp.float32), group_A, g).astype(b.dtype)
+               for t, b in ((dgate32_AxF, ws[3]), (dup32_AxF, ws[4]), (dy_AxD, ws[5]))]
+    return dx_AxD, None, tuple(d_ws)
 
-  swiglu.defvjp(fwd, bwd)
+  op.defvjp(fwd, bwd)
   return swiglu
 
 
@@ -156,27 +189,50 @@ def tiles_for(d: int, f: int) -> tuple[dict, dict]:
   return BASE_RAGGED_TILES, BASE_TRANSPOSED_TILES
 
 
-def usable(x_AxD, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD) -> bool:
+def usable(x_AxD, *ws) -> bool:
   """The kernels apply: a Hopper GPU (compute capability 9.x), one 16-bit float dtype for rows
-  and weights, D and F multiples of the base tiles' width; other shapes take the fallback path."""
+  and expert arrays. Widths that are not multiples of the base tiles' are padded to them
+  (`padded_call`)."""
   if not ENABLED:
     return False
   cc = _compute_capability()
   if cc is None or not str(cc).startswith("9"):
     return False
-  dtypes = {jnp.dtype(v.dtype) for v in (x_AxD, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD)}
-  d, f = w_gate_GxDxF.shape[1:]
+  dtypes = {jnp.dtype(v.dtype) for v in (x_AxD, *ws)}
+  return len(dtypes) == 1 and dtypes <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}
+
+
+def padded_width(n: int) -> int:
+  """`n` rounded up to what the base tiles take."""
   m = width_multiple(BASE_RAGGED_TILES, BASE_TRANSPOSED_TILES)
-  return (len(dtypes) == 1 and dtypes <= {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}
-          and d % m == 0 and f % m == 0)
+  return -(-n // m) * m
 
 
-def kernel_swiglu(d: int, f: int):
-  """The SwiGLU op over the kernels at `tiles_for(d, f)`."""
+def padded_call(swiglu_at, x_AxD, group_sizes_G, ws):
+  """`swiglu_at(d, f)(x, group_sizes, *ws)` with D and F zero-padded to `padded_width` (gpt-oss's
+  2880 to 2944): padded input columns are zeros, padded hidden units have zero weights and
+  biases, so their gate and up are 0 and so is their activation (silu(0) * up, and the clamped
+  SwiGLU's 0 * sigmoid(0) * (up + 1)); the output's padded columns are cut. Exact, and the
+  padding's gradients are cut with it."""
+  d, f = ws[0].shape[1:]
+  dp, fp = padded_width(d), padded_width(f)
+  if (dp, fp) == (d, f):
+    return swiglu_at(d, f)(x_AxD, group_sizes_G, *ws)
+  pad = lambda a, widths: jnp.pad(a, [(0, 0)] + [(0, w - n) for n, w in  # noqa: E731
+                                                   zip(a.shape[1:], widths)])
+  widths = ((dp, fp), (dp, fp), (fp, dp), (fp,), (fp,), (dp,))
+  padded = tuple(pad(w, wd) for w, wd in zip(ws, widths))
+  y_AxDp = swiglu_at(dp, fp)(jnp.pad(x_AxD, [(0, 0), (0, dp - d)]), group_sizes_G, *padded)
+  return y_AxDp[:, :d]
+
+
+def kernel_swiglu(d: int, f: int, fn: experts_lib.ExpertFn = experts_lib.SWIGLU):
+  """The expert op (`fn`) over the kernels at `tiles_for(d, f)`."""
   ragged, transposed = tiles_for(d, f)
-  return _kernel_swiglu_at(tuple(ragged.items()), tuple(transposed.items()))
+  return _kernel_swiglu_at(tuple(ragged.items()), tuple(transposed.items()), fn)
 
 
 @functools.cache
-def _kernel_swiglu_at(ragged_items: tuple, transposed_items: tuple):
-  return swiglu_with(kernel_ops(dict(ragged_items), dict(transposed_items)))
+def _kernel_swiglu_at(ragged_items: tuple, transposed_items: tuple,
+                      fn: experts_lib.ExpertFn = experts_lib.SWIGLU):
+  return swiglu_with(kernel_ops(dict(ragged_items), dict(transposed_items)), fn)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.placement import hopper
+from moejax.placement import experts, hopper
 
 A, D, F, G = 96, 128, 128, 4
 
@@ -75,5 +75,73 @@ def test_tuned_tiles_where_the_widths_take_them():
   w = jnp.zeros((4, 512, 512), jnp.bfloat16)
   gs = jnp.array([64, 64, 64, 64], jnp.int32)
   text = jax.jit(hopper.kernel_swiglu(512, 512)).trace(x, gs, w, w, w).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("mosaic_gpu") >= 3
+
+
+CLAMPED = experts.ExpertFn("swiglu_clamped", alpha=1.702, limit=0.2, bias=True)
+
+
+def _biases(g, d, f, key=7):
+  keys = jax.random.split(jax.random.key(key), 3)
+  return [(jax.random.normal(k, s, jnp.float32) * 0.1).astype(jnp.bfloat16)
+          for k, s in zip(keys, ((g, f), (g, f), (g, d)))]
+
+
+def _autodiff_clamped(x, gs, wg, wu, wd, bg, bu, bd):
+  """The same products as the Hopper op, biases added in fp32, by autodiff."""
+  ops = hopper.reference_ops()
+  used = (jnp.arange(x.shape[0]) < jnp.sum(gs))[:, None]
+  group = experts._row_groups(gs, x.shape[0])
+  f32 = lambda a: a.astype(jnp.float32)   # noqa: E731
+  gate = f32(ops.ragged(x, wg, gs)) + f32(bg[group])
+  up = f32(ops.ragged(x, wu, gs)) + f32(bu[group])
+  h = jnp.where(used, CLAMPED.act(gate, up), 0).astype(x.dtype)
+  y = f32(ops.ragged(h, wd, gs)) + f32(bd[group])
+  return jnp.where(used, y, 0).astype(x.dtype)
+
+
+def test_clamped_biased_vjp_equals_autodiff_and_padding_is_exact():
+  """gpt-oss's experts on the Hopper op: values equal autodiff of the same products, gradients
+  (the biases' summed per expert) within bf16 rounding, rows past the groups zero; its widths
+  (2880) are not multiples of the kernels' 128, so they are zero-padded (`padded_call`), which
+  gives the unpadded op's values and gradients (here D = F = 100 padded to 128)."""
+  pad_rows = 25
+  x, gs, w, dy = _inputs(pad_rows)
+  x = x.at[A - pad_rows:].set(1e4)
+  ws = (*w, *_biases(G, D, F))
+  swiglu = jax.jit(hopper.swiglu_with(hopper.reference_ops(), CLAMPED))
+  y, grads = _value_and_grads(swiglu, x, gs, ws, dy)
+  # (the reference's biases in fp32: autodiff would sum their gradients in bf16, the op in fp32)
+  ws_ref = (*ws[:3], *(b.astype(jnp.float32) for b in ws[3:]))
+  y_ref, grads_ref = _value_and_grads(jax.jit(_autodiff_clamped), x, gs, ws_ref, dy)
+  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_ref, np.float32))
+  assert not np.any(np.asarray(y[A - pad_rows:], np.float32))
+  for name, g, g_ref in zip(("x", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down"),
+                            grads, grads_ref):
+    g, g_ref = np.asarray(g, np.float32), np.asarray(g_ref, np.float32)
+    scale = np.max(np.abs(g_ref))
+    assert scale > 0, name
+    assert np.max(np.abs(g - g_ref)) <= 4e-3 * scale, name
+
+  d, f = 100, 100
+  xs, ws_small, dys = x[:, :d], tuple(a[..., :d] if i in (2, 5) else a for i, a in enumerate(
+      (ws[0][:, :d, :f], ws[1][:, :d, :f], ws[2][:, :f, :d], ws[3][:, :f], ws[4][:, :f],
+       ws[5][:, :d]))), dy[:, :d]
+  op = hopper.swiglu_with(hopper.reference_ops(), CLAMPED)
+  padded = jax.jit(lambda x, gs, *w: hopper.padded_call(lambda d, f: op, x, gs, w))
+  assert hopper.padded_width(d) == 128
+  y_p, grads_p = _value_and_grads(padded, xs, gs, ws_small, dys)
+  y_u, grads_u = _value_and_grads(jax.jit(op), xs, gs, ws_small, dys)
+  for a, b in zip((y_p, *grads_p), (y_u, *grads_u)):
+    assert a.shape == b.shape
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    np.testing.assert_allclose(a, b, rtol=0, atol=8e-3 * np.max(np.abs(b)))
+
+
+def test_clamped_kernel_forward_lowers_for_cuda():
+  x, gs, w, _ = _inputs()
+  ws = (*w, *_biases(G, D, F))
+  text = jax.jit(hopper.kernel_swiglu(D, F, CLAMPED)).trace(x, gs, *ws).lower(
       lowering_platforms=("cuda",)).as_text()
   assert text.count("mosaic_gpu") >= 3
