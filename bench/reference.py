@@ -40,14 +40,16 @@ def check_modelled(cfg: Config) -> None:
   """ValueError naming the first option of `cfg` this floor does not write (it is OLMoE's step:
   a config with other options would be timed against different math)."""
   m, moe = cfg.model, cfg.moe
-  plain = dict(qk_norm="full", num_kv_heads=0, qkv_bias=False, kv_lora_rank=0, dense_layers=(),
+  plain = dict(qk_norm="full", num_kv_heads=0, qkv_bias=False, attention_out_bias=False,
+               kv_lora_rank=0, dense_layers=(),
                rotary_dim=0, rotary_interleaved=False, rope_scaling="none",
                tie_embeddings=False, attention_gate=False, attention_sinks=False,
                sliding_window=0, nope_layers=(),
                norm_position="pre", embed_scale=1.0, residual_scale=1.0, attention_scale=0.0,
                logit_divisor=1.0)
   routing = dict(score="softmax", renormalize=False, score_bias=False, router_float32=False,
-                 expert_groups=1, shared_expert_hidden=0, routed_scale=1.0)
+                 expert_groups=1, shared_expert_hidden=0, routed_scale=1.0, router_bias=False,
+                 expert_bias=False, activation="swiglu")
   for group, fields in (("model", plain), ("moe", routing)):
     for field, want in fields.items():
       value = getattr(getattr(cfg, group), field)

@@ -220,7 +220,9 @@ class MoEConfig:
   (Kolibri's), rather than to the scores."""
   router_float32: bool = False
   """Gather and apply the router in float32 under any compute dtype, as with a score bias (which
-  always does): Flint's checkpoints and transformers keep its router so."""
+  always does): Flint's checkpoints and transformers keep its router so. (A trained router bias,
+  moe.router_bias, is gathered in the compute dtype, as gpt-oss's transformers code runs it,
+  and added to the fp32 logits.)"""
   router_bias: bool = False
   """A trained bias added to the router's logits, for the choice and the weights alike
   (gpt-oss's router.bias); unlike score_bias, it learns from the loss."""

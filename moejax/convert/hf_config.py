@@ -707,7 +707,8 @@ def _per(block: tuple[int, int]) -> str:
 def weight_scales(hf: dict, where: str = "config.json") -> WeightScales | None:
   """How the quantized weights of a checkpoint carry their scales, None for an unquantized one:
   gpt-oss's MXFP4 experts (quant_method "mxfp4": FP4 values with a power-of-two scale per 32,
-  `safetensors_io.MXFP4_SCALES`), transformers' fine-grained FP8 (quant_method "fp8": DeepSeek-V3, Qwen3-*-FP8, MiniMax-M2), or
+  `safetensors_io.MXFP4_SCALES`), transformers' fine-grained FP8 (quant_method "fp8":
+  DeepSeek-V3, Qwen3-*-FP8, MiniMax-M2), or
   compressed-tensors' float-quantized (8-bit float) and pack-quantized (symmetric 4- or 8-bit
   integer: Kimi-K2-Thinking's experts) formats, per tensor, row, group or block, activations
   quantized dynamically or not at all. Every other quantization is refused: its weights would
@@ -1440,9 +1441,9 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
     hf["num_nextn_predict_layers"] = 0    # the export holds no multi-token-prediction layer
   if spec.sliding:
     # A number even where no layer slides where transformers needs one: EXAONE's, AfMoE's
-    # and Flint's configs type it int, Granite SWA's and Kolibri's models build the sliding mask
-    # whatever the layers (their full layers stay NoPE, or rotate by their bases)
-    numeric = spec.sliding in (*_FULL_UNROTATED, "granite_swa")
+    # and Flint's configs type it int, Granite SWA's, Kolibri's and gpt-oss's models build the
+    # sliding mask whatever the layers (their full layers stay NoPE, or rotate by their bases)
+    numeric = spec.sliding in (*_FULL_UNROTATED, "granite_swa", "gpt_oss")
     hf["sliding_window"] = m.sliding_window or (
         (hf.get("sliding_window") or spec.default_sliding_window) if numeric else None)
     if spec.sliding != "all":      # the list wins over the family's rule
@@ -1475,6 +1476,8 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
     hf["mup_enabled"] = m.embed_scale != 1.0
   if spec.gpt_oss:
     hf.update({"swiglu_alpha": moe.swiglu_alpha, "swiglu_limit": moe.swiglu_limit})
+    if "experts_per_token" in hf:     # the Hub's copy of the top-k (other readers take it)
+      hf["experts_per_token"] = moe.top_k
   if spec.layer_thetas:      # each layer's base: 0 unrotated, the sliding layers' own if any
     hf["layer_rope_theta"] = [
         0.0 if i in m.nope_layers else (m.sliding_rope_theta or m.rope_theta)

@@ -112,14 +112,14 @@ def _ragged_swiglu(x_AxD, group_sizes_G, ws, fn: ExpertFn = SWIGLU):
   w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD = ws[:3]
   gate_AxF = lax.ragged_dot(x_AxD, w_gate_GxDxF, group_sizes_G, preferred_element_type=jnp.float32)
   up_AxF = lax.ragged_dot(x_AxD, w_up_GxDxF, group_sizes_G, preferred_element_type=jnp.float32)
-  if fn.bias:
+  if fn.bias:      # cast, then gathered: their gradients scatter-add over the rows in fp32
     group_A = _row_groups(group_sizes_G, x_AxD.shape[0])
-    gate_AxF = gate_AxF + ws[3][group_A].astype(jnp.float32)
-    up_AxF = up_AxF + ws[4][group_A].astype(jnp.float32)
+    gate_AxF = gate_AxF + ws[3].astype(jnp.float32)[group_A]
+    up_AxF = up_AxF + ws[4].astype(jnp.float32)[group_A]
   h_AxF = fn.act(gate_AxF, up_AxF).astype(dtype)
   y_AxD = lax.ragged_dot(h_AxF, w_down_GxFxD, group_sizes_G, preferred_element_type=jnp.float32)
   if fn.bias:
-    y_AxD = y_AxD + ws[5][group_A].astype(jnp.float32)
+    y_AxD = y_AxD + ws[5].astype(jnp.float32)[group_A]
   rows_used = jnp.sum(group_sizes_G)
   return jnp.where(jnp.arange(x_AxD.shape[0])[:, None] < rows_used, y_AxD, 0.0).astype(dtype)
 
@@ -310,14 +310,16 @@ def _batched(x_AxD, group_sizes_G, ws, m: int, fn: ExpertFn = SWIGLU):
   num_tiles, group_T, src_P, slot_A = _tile_plan(group_sizes_G, x_AxD.shape[0], m)
   x_TlxMxD = _rows_to_tiles(x_AxD, src_P, num_tiles, m).astype(_F32)
   per_tile = lambda w: jnp.take(w, group_T, axis=0).astype(_F32)   # noqa: E731
+  # the biases cast first: their gradients sum over the tiles in fp32
+  bias_per_tile = lambda b: jnp.take(b.astype(_F32), group_T, axis=0)[:, None]  # noqa: E731
   gate = jnp.einsum("tmd,tdf->tmf", x_TlxMxD, per_tile(ws[0]))
   up = jnp.einsum("tmd,tdf->tmf", x_TlxMxD, per_tile(ws[1]))
   if fn.bias:
-    gate, up = gate + per_tile(ws[3])[:, None], up + per_tile(ws[4])[:, None]
+    gate, up = gate + bias_per_tile(ws[3]), up + bias_per_tile(ws[4])
   h_TlxMxF = fn.act(gate, up).astype(dtype).astype(_F32)
   y_TlxMxD = jnp.einsum("tmf,tfd->tmd", h_TlxMxF, per_tile(ws[2]))
   if fn.bias:
-    y_TlxMxD = y_TlxMxD + per_tile(ws[5])[:, None]
+    y_TlxMxD = y_TlxMxD + bias_per_tile(ws[5])
   return _tiles_to_rows(y_TlxMxD.astype(dtype), slot_A)
 
 

@@ -297,7 +297,8 @@ class Trainer:
 # What the weights fix: their shapes, and the options that change what the same weights compute.
 _WEIGHT_FIELDS = {
     "model": ("vocab_size", "d_model", "num_layers", "num_heads", "head_dim", "num_kv_heads",
-              "qk_norm", "qkv_bias", "attention_out_bias", "qk_norm_after_rope", "attention_gate", "attention_gate_own",
+              "qk_norm", "qkv_bias", "attention_out_bias", "qk_norm_after_rope", "attention_gate",
+              "attention_gate_own",
               "attention_sinks", "sliding_window", "sliding_layers", "sliding_rope_theta",
               "nope_layers", "norm_position", "embed_scale", "residual_scale", "attention_scale",
               "logit_divisor", "rope_theta", "rotary_dim", "rotary_interleaved", "norm_eps",

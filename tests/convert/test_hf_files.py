@@ -1299,7 +1299,16 @@ def test_gpt_oss_reads_its_biases_layer_rule_default_yarn_and_mxfp4():
   assert weight_scales(GPT_OSS_20B) is safetensors_io.MXFP4_SCALES
   assert quantization_summary(GPT_OSS_20B) == "MXFP4 experts (FP4 per 32 values)"
   assert "quantization_config" not in hf_config_from(got)
+  # exported onto the Hub's config.json: its copy of the top-k follows the model's
+  two = dataclasses.replace(got, moe=dataclasses.replace(got.moe, top_k=2))
+  assert hf_config_from(two, GPT_OSS_20B)["experts_per_token"] == 2
   cfg = tiny_config("gpt_oss")
+  # no layer slides: a window all the same (transformers' GptOssModel builds the sliding mask
+  # whatever the layers, and fails on a null window)
+  unwindowed = tiny_config("gpt_oss", **{"model.sliding_window": 0, "model.sliding_layers": ()})
+  back = hf_config_from(unwindowed)
+  assert back["sliding_window"] == 128 and set(back["layer_types"]) == {"full_attention"}
+  assert config_from_hf(back, base=unwindowed) == unwindowed
   hf = hf_config_from(cfg)
   assert hf["attention_bias"] and config_from_hf(hf, base=cfg) == cfg
   unbiased = config_from_hf(dict(hf, attention_bias=False)).model

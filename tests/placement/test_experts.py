@@ -138,6 +138,38 @@ def test_clamped_swiglu_with_biases_every_kernel():
     raise AssertionError("three arrays for a biased ExpertFn were taken")
 
 
+def test_bf16_bias_gradients_sum_in_fp32_in_every_kernel():
+  """Thousands of rows an expert in bf16: each kernel's bias gradients (the sum of an expert's
+  rows) stay within bf16 rounding of an fp32 reference; gathered before their cast, they would
+  be summed in bf16 (0.6 relative error measured for ragged_dot's, 0.03 for the batched tiles')."""
+  sizes = (2048, 2048)
+  rows, (g, d, f) = sum(sizes), (len(sizes), 16, 24)
+  key = jax.random.key(11)
+  x = jax.random.normal(key, (rows, d)).astype(BF16)
+  gs = jnp.asarray(sizes, jnp.int32)
+  b = [(0.05 * jax.random.normal(jax.random.fold_in(key, i), shape)).astype(BF16)
+       for i, shape in enumerate(((g, f), (g, f), (g, d)))]
+  w = (*_weights(jax.random.fold_in(key, 9), g, d, f), *b)
+  cot = jax.random.normal(jax.random.fold_in(key, 10), (rows, d)).astype(BF16)
+  fn = experts.ExpertFn("swiglu_clamped", bias=True)
+
+  def bias_grads(kernel, x, w):
+    _, vjp = jax.vjp(lambda w: kernel(x, gs, w), w)
+    return [gr.astype(jnp.float32) for gr in vjp(cot.astype(x.dtype))[0][3:]]
+
+  f32 = lambda a: a.astype(jnp.float32)   # noqa: E731
+  want = jax.jit(lambda x, w: bias_grads(lambda x, gs, w: experts._ragged_swiglu(x, gs, w, fn),
+                                         x, w))(f32(x), tuple(map(f32, w)))
+  assert experts._batched_kernel(rows, g, packed=True)
+  for kernel in (lambda x, gs, w: experts._ragged_swiglu(x, gs, w, fn),
+                 lambda x, gs, w: experts._batched(x, gs, w, 128, fn),
+                 lambda x, gs, w: experts._looped(x, gs, w, 128, fn)):
+    got = jax.jit(lambda x, w, k=kernel: bias_grads(k, x, w))(x, w)
+    for a, b_ in zip(got, want):
+      a, b_ = np.asarray(a), np.asarray(b_)
+      assert np.max(np.abs(a - b_)) <= 1e-2 * np.max(np.abs(b_))
+
+
 def test_tile_rows_bounds():
   assert experts.tile_rows(4096, 8) == 128
   assert experts.tile_rows(2048, 128) == 16
