@@ -28,7 +28,6 @@ with widths zero-padded to its tiles where they are not multiples, as gpt-oss's 
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -36,50 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-
-ACTIVATIONS = ("swiglu", "swiglu_clamped")
-
-
-@dataclasses.dataclass(frozen=True)
-class ExpertFn:
-  """h = act(x W_gate + b_gate, x W_up + b_up); y = h W_down + b_down (biases with `bias`).
-  `activation`: "swiglu", silu(g) * u; "swiglu_clamped" (gpt-oss), g clipped above at `limit`
-  and u to [-limit, limit], then g * sigmoid(alpha * g) * (u + 1). Hashable: a static argument."""
-  activation: str = "swiglu"
-  alpha: float = 1.702
-  limit: float = 7.0
-  bias: bool = False
-
-  def __post_init__(self):
-    if self.activation not in ACTIVATIONS:
-      raise ValueError(f"ExpertFn.activation={self.activation!r}: must be one of "
-                       f"{', '.join(ACTIVATIONS)}")
-
-  @property
-  def num_weights(self) -> int:
-    return 6 if self.bias else 3
-
-  def act(self, gate, up):
-    if self.activation == "swiglu":
-      return jax.nn.silu(gate) * up
-    gate = jnp.minimum(gate, self.limit)
-    up = jnp.clip(up, -self.limit, self.limit)
-    return gate * jax.nn.sigmoid(self.alpha * gate) * (up + 1)
-
-
-SWIGLU = ExpertFn()
-
-
-def check_weights(ws, fn: ExpertFn) -> None:
-  if len(ws) != fn.num_weights:
-    raise ValueError(f"{fn} takes {fn.num_weights} expert arrays, got {len(ws)}")
-
-
-def _row_groups(group_sizes_G, num_rows: int):
-  """[A] the group of each sorted row (rows past the groups: the last group; they are masked)."""
-  return jnp.minimum(jnp.searchsorted(jnp.cumsum(group_sizes_G), jnp.arange(num_rows),
-                                      side="right"), group_sizes_G.shape[0] - 1)
-
+# ACTIVATIONS, SWIGLU and ExpertFn are part of this module's interface too
+from moejax.placement.expert_fn import (ACTIVATIONS, SWIGLU, ExpertFn, act_grads,  # noqa: F401
+                                        check_weights, row_groups)
 
 # Which CPU kernel for packed rows (every row routed), by the mean rows per expert (measured in
 # the train step, bench/step.py): from BATCHED_FROM rows up, one batched matmul over all tiles
@@ -113,7 +71,7 @@ def _ragged_swiglu(x_AxD, group_sizes_G, ws, fn: ExpertFn = SWIGLU):
   gate_AxF = lax.ragged_dot(x_AxD, w_gate_GxDxF, group_sizes_G, preferred_element_type=jnp.float32)
   up_AxF = lax.ragged_dot(x_AxD, w_up_GxDxF, group_sizes_G, preferred_element_type=jnp.float32)
   if fn.bias:      # cast, then gathered: their gradients scatter-add over the rows in fp32
-    group_A = _row_groups(group_sizes_G, x_AxD.shape[0])
+    group_A = row_groups(group_sizes_G, x_AxD.shape[0])
     gate_AxF = gate_AxF + ws[3].astype(jnp.float32)[group_A]
     up_AxF = up_AxF + ws[4].astype(jnp.float32)[group_A]
   h_AxF = fn.act(gate_AxF, up_AxF).astype(dtype)
@@ -245,17 +203,6 @@ def _looped_fwd(x_AxD, group_sizes_G, ws, m, fn):
   return _tiles_to_rows(y_TlxMxD, slot_A), residuals
 
 
-def _act_grads(fn: ExpertFn, gate_MxF, up_MxF, dh_MxF):
-  """(h, d gate, d up) of the activation at (gate, up) for cotangent dh, in fp32."""
-  if fn.activation == "swiglu":    # by hand: the form the default kernel was measured with
-    sig = jax.nn.sigmoid(gate_MxF)
-    silu = gate_MxF * sig
-    return (silu * up_MxF, dh_MxF * up_MxF * (sig * (1 + gate_MxF * (1 - sig))),
-            dh_MxF * silu)
-  h_MxF, vjp = jax.vjp(fn.act, gate_MxF, up_MxF)
-  return (h_MxF, *vjp(dh_MxF))
-
-
 def _looped_bwd(m, fn, residuals, dy_AxD):
   (x_TlxMxD, group_T, src_P, slot_A, group_sizes_G, w_gu_GxDx2F, w_down, b_gu_Gx2F,
    b_down) = residuals
@@ -273,7 +220,7 @@ def _looped_bwd(m, fn, residuals, dy_AxD):
     if fn.bias:
       gu_Mx2F = gu_Mx2F + _w(b_gu_Gx2F, e)[None]
     dh_MxF = (dy32 @ _w(w_down, e).T).astype(dtype).astype(_F32)
-    h_MxF, dgate_MxF, dup_MxF = _act_grads(fn, gu_Mx2F[:, :f], gu_Mx2F[:, f:], dh_MxF)
+    h_MxF, dgate_MxF, dup_MxF = act_grads(fn, gu_Mx2F[:, :f], gu_Mx2F[:, f:], dh_MxF)
     h_MxF = h_MxF.astype(dtype).astype(_F32)
     dgu_Mx2F = jnp.concatenate([dgate_MxF, dup_MxF], axis=-1)
     dx_MxD = (dgu_Mx2F @ w_gu_Dx2F.T).astype(dtype)

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from moejax.placement import experts as experts_lib
+from moejax.placement import expert_fn as experts_lib
 
 ENABLED = True   # the device check turns the kernels off for its later steps if they are wrong
 
@@ -121,7 +121,7 @@ def swiglu_with(ops: GroupedOps, fn: experts_lib.ExpertFn = experts_lib.SWIGLU):
   def fwd(x_AxD, group_sizes_G, ws):
     w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD = ws[:3]
     used_Ax1 = _rows_in_groups(x_AxD.shape[0], group_sizes_G)
-    group_A = experts_lib._row_groups(group_sizes_G, x_AxD.shape[0]) if fn.bias else None
+    group_A = experts_lib.row_groups(group_sizes_G, x_AxD.shape[0]) if fn.bias else None
     gate_AxF = ops.ragged(x_AxD, w_gate_GxDxF, group_sizes_G)
     up_AxF = ops.ragged(x_AxD, w_up_GxDxF, group_sizes_G)
     h_AxF = fn.act(*pre_activation(gate_AxF, up_AxF, group_A, ws))
@@ -137,7 +137,7 @@ def swiglu_with(ops: GroupedOps, fn: experts_lib.ExpertFn = experts_lib.SWIGLU):
     w_gate, w_up, w_down = ws[:3]
     dtype = x_AxD.dtype
     used_Ax1 = _rows_in_groups(x_AxD.shape[0], group_sizes_G)
-    group_A = experts_lib._row_groups(group_sizes_G, x_AxD.shape[0]) if fn.bias else None
+    group_A = experts_lib.row_groups(group_sizes_G, x_AxD.shape[0]) if fn.bias else None
     dy_AxD = jnp.where(used_Ax1, dy_AxD, 0).astype(dtype)
     dh_AxF = ops.ragged(dy_AxD, w_down, group_sizes_G, transpose=True).astype(jnp.float32)
     gate, up = pre_activation(gate_AxF, up_AxF, group_A, ws)
@@ -145,7 +145,7 @@ def swiglu_with(ops: GroupedOps, fn: experts_lib.ExpertFn = experts_lib.SWIGLU):
       sig = jax.nn.sigmoid(gate)
       dgate_AxF, dup_AxF = dh_AxF * up * sig * (1 + gate * (1 - sig)), dh_AxF * gate * sig
     else:
-      _, dgate_AxF, dup_AxF = experts_lib._act_grads(fn, gate, up, dh_AxF)
+      _, dgate_AxF, dup_AxF = experts_lib.act_grads(fn, gate, up, dh_AxF)
     dgate32_AxF = jnp.where(used_Ax1, dgate_AxF, 0)
     dup32_AxF = jnp.where(used_Ax1, dup_AxF, 0)
     dgate_AxF, dup_AxF = dgate32_AxF.astype(dtype), dup32_AxF.astype(dtype)

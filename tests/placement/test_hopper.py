@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moejax.placement import experts, hopper
+from moejax.placement import expert_fn, experts, hopper
 
 A, D, F, G = 96, 128, 128, 4
 
@@ -92,7 +92,7 @@ def _autodiff_clamped(x, gs, wg, wu, wd, bg, bu, bd):
   """The same products as the Hopper op, biases added in fp32, by autodiff."""
   ops = hopper.reference_ops()
   used = (jnp.arange(x.shape[0]) < jnp.sum(gs))[:, None]
-  group = experts._row_groups(gs, x.shape[0])
+  group = expert_fn.row_groups(gs, x.shape[0])
   f32 = lambda a: a.astype(jnp.float32)   # noqa: E731
   gate = f32(ops.ragged(x, wg, gs)) + f32(bg[group])
   up = f32(ops.ragged(x, wu, gs)) + f32(bu[group])
