@@ -219,7 +219,7 @@ def step_ragged(dims: dict) -> dict:
          "ep_s": _timed(ep, x, ids, weights, *w),
          "local_s": _timed(local, x, ids, weights, *w), "grouped_rel_err": grouped_err,
          "grouped_s": _timed(grouped, xs, group_sizes, *w), "grouped_static_rel_err": static_err,
-         "grouped_static_s": _timed(static, xs, group_sizes, *w), **coded}
+         "grouped_static_s": _timed(static, xs, group_sizes, tuple(w)), **coded}
   if (ep_err > 1e-2 or grouped_err > 2e-2 or static_err > 2e-2 or not spag_exact
       or not coded["coded_spag_exact"]
       or coded["coded_spag_patched_slots"] == 0):
