@@ -45,8 +45,8 @@ def check_modelled(cfg: Config) -> None:
                rotary_dim=0, rotary_interleaved=False, rope_scaling="none",
                tie_embeddings=False, attention_gate=False, attention_sinks=False,
                sliding_window=0, nope_layers=(),
-               norm_position="pre", embed_scale=1.0, residual_scale=1.0, attention_scale=0.0,
-               logit_divisor=1.0)
+               norm_position="pre", norm_kind="rms", embed_scale=1.0, residual_scale=1.0,
+               attention_scale=0.0, logit_divisor=1.0)
   routing = dict(score="softmax", renormalize=False, score_bias=False, router_float32=False,
                  expert_groups=1, shared_expert_hidden=0, routed_scale=1.0, router_bias=False,
                  expert_bias=False, activation="swiglu")

@@ -20,7 +20,7 @@ from moejax.codec.replicas import REPLICA_CODECS
 from moejax.codec.word import DELTA_BITS
 from moejax.data.sources import SOURCES as DATA_SOURCES
 from moejax.layers.attention import QK_NORMS
-from moejax.layers.norm import NORM_POSITIONS
+from moejax.layers.norm import NORM_KINDS, NORM_POSITIONS
 from moejax.layers.rope import ROPE_SCALINGS, RopeScaling
 from moejax.families import FAMILIES
 from moejax.errors import ConfigError
@@ -104,9 +104,14 @@ class ModelConfig:
   """Per-head QK-norm (qk_norm "head") of the rotated q and k rather than before the rotation
   (Hunyuan-A13B)."""
   norm_position: str = "pre"
-  """Where each layer's RMSNorms sit: one of `moejax.layers.norm.NORM_POSITIONS` ("pre": on
+  """Where each layer's norms sit: one of `moejax.layers.norm.NORM_POSITIONS` ("pre": on
   each sublayer's input; "post": on each sublayer's output before it joins the residual
-  stream, OLMo 2's and FlexOlmo's; "sandwich": both, four norms a layer, AfMoE's)."""
+  stream, OLMo 2's and FlexOlmo's; "sandwich": both, four norms a layer, AfMoE's; "parallel":
+  one norm whose output attention and the MLP read side by side, both outputs joining the
+  residual stream, Cohere's)."""
+  norm_kind: str = "rms"
+  """What the residual stream's norms compute: one of `moejax.layers.norm.NORM_KINDS` (rms:
+  RMSNorm; layer: LayerNorm without a bias, mean subtracted, Cohere's)."""
   embed_scale: float = 1.0
   """The embedding's output is multiplied by this (Granite's embedding_multiplier)."""
   residual_scale: float = 1.0
@@ -244,6 +249,9 @@ class MoEConfig:
   (Qwen2-MoE's shared_expert_intermediate_size; DeepSeek's shared experts summed); 0 = none."""
   shared_expert_gate: bool = False
   """Scale the shared expert's output by a sigmoid gate of the token (Qwen2-MoE)."""
+  shared_expert_scale: float = 1.0
+  """Multiplies the shared expert's output (Cohere2-MoE's "average" of routed and shared:
+  0.5, with moe.routed_scale 0.5)."""
   aux_loss_weight: float = 0.01
   """Weight of the load-balancing loss."""
   z_loss_weight: float = 0.001
@@ -632,6 +640,11 @@ def validate(c: Config) -> None:
          f"{m.num_heads} (0 = num_heads)")
   _check(moe.shared_expert_hidden >= 0,
          f"config.moe.shared_expert_hidden={moe.shared_expert_hidden}: must be >= 0 (0 = none)")
+  _check(0 < moe.shared_expert_scale < math.inf,
+         f"config.moe.shared_expert_scale={moe.shared_expert_scale}: must be positive and finite")
+  _check(moe.shared_expert_scale == 1.0 or moe.shared_expert_hidden > 0,
+         f"config.moe.shared_expert_scale={moe.shared_expert_scale} needs a shared expert "
+         "(moe.shared_expert_hidden > 0)")
   _check(not moe.shared_expert_gate or moe.shared_expert_hidden > 0,
          "config.moe.shared_expert_gate=True needs moe.shared_expert_hidden > 0 (a shared "
          "expert to gate)")
@@ -650,6 +663,7 @@ def validate(c: Config) -> None:
            f"config.model.{field}={layers}: must be ascending distinct layer indices in [0, "
            f"model.num_layers={m.num_layers})")
   _choice(m.norm_position, "model.norm_position", NORM_POSITIONS)
+  _choice(m.norm_kind, "model.norm_kind", NORM_KINDS)
   _check(not (m.attention_sinks and m.kv_lora_rank),
          "config.model.attention_sinks=True: latent attention (model.kv_lora_rank > 0) has no "
          "sinks")
@@ -896,7 +910,7 @@ def num_params(c: Config) -> dict[str, int]:
     attn += d if m.attention_out_bias else 0
     attn += {"full": q_width + kv_width, "head": 2 * m.head_dim, "none": 0}[m.qk_norm]
     attn += h if m.attention_sinks else 0                # one sink logit per head
-  attn += (4 if m.norm_position == "sandwich" else 2) * d     # the layer's norms
+  attn += {"sandwich": 4, "parallel": 1}.get(m.norm_position, 2) * d   # the layer's norms
   expert = expert_values(c)
   shared = 3 * d * moe.shared_expert_hidden + (d if moe.shared_expert_gate else 0)
   router = d * moe.num_experts + moe.num_experts * (moe.score_bias + moe.router_bias)

@@ -7,6 +7,7 @@ import sys
 
 import configs.deepseek as deepseek_configs
 import configs.afmoe as afmoe_configs
+import configs.cohere2_moe as cohere2_moe_configs
 import configs.deepseek_v2 as deepseek_v2_configs
 import configs.dots1 as dots1_configs
 import configs.ernie4_5_moe as ernie4_5_moe_configs
@@ -51,6 +52,7 @@ FAMILY_CONFIGS = {"olmoe": olmoe_configs, "mixtral": mixtral_configs,
                   "afmoe": afmoe_configs, "mellum": mellum_configs,
                   "granitemoe_swa": granitemoe_swa_configs, "flint": flint_configs,
                   "kolibri1": kolibri1_configs, "gpt_oss": gpt_oss_configs,
+                  "cohere2_moe": cohere2_moe_configs,
                   "hunyuan_v1_moe": hunyuan_v1_moe_configs}
 
 

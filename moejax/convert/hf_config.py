@@ -154,7 +154,10 @@ class FamilySpec:
                                        # without a window); "kolibri" layer_types, else all
                                        # but every 5th, the others unrotated (none without a
                                        # window); "gpt_oss" layer_types, else every other from
-                                       # layer 0
+                                       # layer 0; "cohere" layer_types, else the first
+                                       # first_k_dense_replace layers by
+                                       # prefix_dense_sliding_window_pattern, the rest by
+                                       # sliding_window_pattern (every n-th global)
   deepseek: str = ""                   # "v2" / "v3": latent attention, leading dense layers,
                                        # n_shared_experts; v3: grouped sigmoid routing with a
                                        # score bias; v2: softmax, greedy or grouped by the best
@@ -202,6 +205,11 @@ class FamilySpec:
   gpt_oss: bool = False                # gpt-oss: attention_bias on q, k, v and o alike, a router
                                        # bias, biased experts with the clamped SwiGLU
                                        # (swiglu_alpha, swiglu_limit)
+  cohere: bool = False                 # Cohere2-MoE: parallel blocks, LayerNorm unless
+                                       # rms_norm_eps, attention_bias on q, k, v and o,
+                                       # interleaved rotary, NoPE on the full layers (dense ones
+                                       # rotated when prefix_dense_sliding_window_pattern is 1),
+                                       # the shared experts summed or averaged, logit_scale
   default_rope: tuple = ()             # (key, value) of the RoPE dict its config class sets
                                        # when config.json gives none (gpt-oss: YaRN)
   # Fields that must hold these values (moejax has no equivalent of the others); export writes
@@ -438,6 +446,13 @@ FAMILY_SPECS = {
         default_rope=(("rope_type", "yarn"), ("factor", 32.0), ("beta_fast", 32.0),
                       ("beta_slow", 1.0), ("truncate", False),
                       ("original_max_position_embeddings", 4096)),
+        required=_COMMON_REQUIRED),
+    "cohere2_moe": FamilySpec(
+        "cohere2_moe", "Cohere2MoeForCausalLM", "none", "num_experts", "intermediate_size",
+        "norm_topk_prob", renormalize_default=True, default_head_dim=128, default_tie=True,
+        qkv_bias_key="attention_bias", layer_types_key="mlp_layer_types",
+        layer_types_fallback=True, first_dense_default=0, norm_position="parallel",
+        sliding="cohere", default_sliding_window=4096, cohere=True,
         required=_COMMON_REQUIRED),
 }
 assert tuple(FAMILY_SPECS) == FAMILIES
@@ -967,6 +982,8 @@ def _sliding(hf: dict, spec: FamilySpec, where: str) -> dict:
     sliding = [i for i in range(layers) if (i + 1) % 5]
   elif spec.sliding == "gpt_oss":
     sliding = [i for i in range(layers) if i % 2 == 0]
+  elif spec.sliding == "cohere":
+    sliding = _cohere_sliding(hf, where, layers)
   else:   # EXAONE, AfMoE: transformers derives the list from an integer pattern
     key = _PATTERNED[spec.sliding]
     pattern = _get(hf, key, int, where, 4)
@@ -977,6 +994,58 @@ def _sliding(hf: dict, spec: FamilySpec, where: str) -> dict:
   nope = (tuple(i for i in range(layers) if i not in sliding)
           if spec.sliding in _FULL_UNROTATED else ())
   return dict(sliding_window=window if sliding else 0, sliding_layers=sliding, nope_layers=nope)
+
+
+_COHERE_COMBINE = {"sum": 1.0, "average": 0.5}   # shared_expert_combination_strategy -> the
+                                                  # routed and shared outputs' scale
+
+
+def _cohere_sliding(hf: dict, where: str, layers: int) -> list[int]:
+  """Cohere2-MoE's sliding layers without layer_types: the first first_k_dense_replace layers
+  slide but every prefix_dense_sliding_window_pattern-th, the rest but every
+  sliding_window_pattern-th (counted from the first of them)."""
+  first = _get(hf, "first_k_dense_replace", int, where, 0)
+  patterns = []
+  for key, default in (("prefix_dense_sliding_window_pattern", 1), ("sliding_window_pattern", 4)):
+    n = _get(hf, key, int, where, default)
+    if n < 1:
+      _refuse(where, key, n, "expected a positive integer")
+    patterns.append(n)
+  prefix, rest = patterns
+  return ([i for i in range(min(first, layers)) if (i + 1) % prefix]
+          + [first + i for i in range(layers - first) if (i + 1) % rest])
+
+
+def _cohere_fields(hf: dict, where: str, sliding_layers: tuple, dense: tuple) -> tuple[dict, dict]:
+  """Cohere2-MoE's model and moe fields (`FamilySpec.cohere`)."""
+  layers = _get(hf, "num_hidden_layers", int, where)
+  rms = hf.get("rms_norm_eps") is not None
+  eps = _get(hf, "rms_norm_eps" if rms else "layer_norm_eps", float, where, 1e-5)
+  scale = _get(hf, "logit_scale", float, where, 0.0625)
+  if not 0 < scale < math.inf:
+    _refuse(where, "logit_scale", scale, "expected a positive number")
+  prefix = _get(hf, "prefix_dense_sliding_window_pattern", int, where, 1)
+  # transformers rotates the sliding layers, and the dense ones where the prefix pattern is 1
+  rotated = set(sliding_layers) | (set(dense) if prefix == 1 else set())
+  expert_hidden = _get(hf, "intermediate_size", int, where)
+  dense_hidden = hf.get("prefix_dense_intermediate_size") or expert_hidden
+  model = dict(norm_kind="rms" if rms else "layer", norm_eps=eps, logit_divisor=1.0 / scale,
+               rotary_interleaved=True, dense_hidden=dense_hidden if dense else 0,
+               nope_layers=tuple(i for i in range(layers) if i not in rotated))
+  selection = hf.get("expert_selection_fn", "softmax")
+  if selection not in ("softmax", "sigmoid"):
+    _refuse(where, "expert_selection_fn", selection, "expected 'softmax' or 'sigmoid'")
+  shared = _get(hf, "num_shared_experts", int, where, 0)
+  combine = hf.get("shared_expert_combination_strategy", "average")
+  if shared and combine not in _COHERE_COMBINE:
+    _refuse(where, "shared_expert_combination_strategy", combine, "expected 'sum' or 'average'")
+  both = _COHERE_COMBINE[combine] if shared else 1.0
+  # a softmax over the top-k logits is the top-k of a softmax renormalized, whatever
+  # norm_topk_prob says; sigmoids are renormalized where it says so
+  renormalize = selection == "softmax" or _get(hf, "norm_topk_prob", bool, where, True)
+  moe = dict(score=selection, renormalize=renormalize, shared_expert_hidden=shared * expert_hidden,
+             shared_expert_gate=False, routed_scale=both, shared_expert_scale=both)
+  return model, moe
 
 
 def _dense_pattern(hf: dict, where: str, default_listed: tuple = ()) -> dict:
@@ -1168,7 +1237,9 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       attention_sinks=spec.attention_sinks,
       norm_position=spec.norm_position,
       **{**sliding, **_rope_fields(hf, spec, where, head_dim, sliding["sliding_layers"])},
-      norm_eps=_get(hf, "rms_norm_eps", float, where, spec.default_norm_eps),
+      # (Cohere: rms_norm_eps null means LayerNorm, read with its eps by _cohere_fields)
+      norm_eps=(_get(hf, "rms_norm_eps", float, where, spec.default_norm_eps)
+                if not spec.cohere else spec.default_norm_eps),
       init_std=_get(hf, "initializer_range", float, where, base.model.init_std),
       tie_embeddings=_get(hf, "tie_word_embeddings", bool, where, spec.default_tie),
       kv_lora_rank=0, q_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0,
@@ -1218,14 +1289,23 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
     if spec.granite == "shared":
       moe = dataclasses.replace(moe, shared_expert_hidden=_get(
           hf, "shared_intermediate_size", int, where, 0), shared_expert_gate=False)
-  if spec.gpt_oss:         # attention_bias biases the output projection too
+  if spec.cohere:
+    model_fields, moe_fields = _cohere_fields(hf, where, model.sliding_layers, model.dense_layers)
+    model = dataclasses.replace(model, **model_fields)
+    moe = dataclasses.replace(moe, **moe_fields)
+  else:
+    model = dataclasses.replace(model, norm_kind="rms")
+    moe = dataclasses.replace(moe, shared_expert_scale=1.0)
+  if spec.gpt_oss or spec.cohere:      # attention_bias biases the output projection too
     model = dataclasses.replace(model, attention_out_bias=model.qkv_bias)
+  if spec.gpt_oss:
     moe = dataclasses.replace(
         moe, router_bias=True, expert_bias=True, activation="swiglu_clamped",
         swiglu_alpha=_get(hf, "swiglu_alpha", float, where, 1.702),
         swiglu_limit=_get(hf, "swiglu_limit", float, where, 7.0))
   else:
-    model = dataclasses.replace(model, attention_out_bias=False)
+    if not spec.cohere:
+      model = dataclasses.replace(model, attention_out_bias=False)
     moe = dataclasses.replace(moe, router_bias=False, expert_bias=False, activation="swiglu",
                               swiglu_alpha=1.702, swiglu_limit=7.0)
   if not moe.score_bias:
@@ -1272,6 +1352,29 @@ def check_exportable(cfg: Config) -> FamilySpec:
     elif not m.kv_lora_rank:
       raise CheckpointError(f"config.model.kv_lora_rank=0: {what} has latent attention only; "
                             "choose another config.model.family or set the latent fields")
+  elif spec.cohere:
+    need("model.kv_lora_rank", m.kv_lora_rank, 0, " (no latent attention)")
+    need("moe.score_bias", moe.score_bias, False, " (no score bias)")
+    need("moe.expert_groups", moe.expert_groups, 1, " (no expert groups)")
+    if moe.score == "softmax":
+      need("moe.renormalize", moe.renormalize, True, " (its softmax is over the top-k logits)")
+    if moe.score not in ("softmax", "sigmoid"):
+      need("moe.score", moe.score, "softmax", " (or sigmoid: expert_selection_fn)")
+    both = (moe.routed_scale, moe.shared_expert_scale)
+    if both not in ((1.0, 1.0), (0.5, 0.5)) or (both != (1.0, 1.0)
+                                                and not moe.shared_expert_hidden):
+      raise CheckpointError(
+          f"config.moe.routed_scale={moe.routed_scale}, shared_expert_scale="
+          f"{moe.shared_expert_scale}: {what} sums its routed and shared experts (1.0, 1.0) or "
+          "averages them (0.5, 0.5, with a shared expert); choose another config.model.family "
+          "or change the fields")
+    full = set(range(m.num_layers)) - set(m.sliding_layers)
+    ways = {tuple(sorted(full)), tuple(sorted(full - set(m.dense_layers)))}
+    if tuple(sorted(m.nope_layers)) not in ways:
+      raise CheckpointError(
+          f"config.model.nope_layers={m.nope_layers!r}: {what} leaves its full layers unrotated "
+          f"(or all but its dense ones): {' or '.join(map(str, sorted(ways)))}; choose another "
+          "config.model.family or change the field")
   else:
     need("moe.score", moe.score, spec.score, f" (it routes with {spec.score} scores)")
     need("model.kv_lora_rank", m.kv_lora_rank, 0, " (no latent attention)")
@@ -1284,7 +1387,7 @@ def check_exportable(cfg: Config) -> FamilySpec:
   if moe.score_bias:
     need("moe.score_bias_on_logits", moe.score_bias_on_logits, spec.bias_on_logits,
          " (where its router adds the bias)")
-  need("model.rotary_interleaved", m.rotary_interleaved, spec.ernie,
+  need("model.rotary_interleaved", m.rotary_interleaved, spec.ernie or spec.cohere,
        " (how its rotary dims pair up)")
   need("model.norm_position", m.norm_position, spec.norm_position, " (where its layers' norms "
        "sit)")
@@ -1315,7 +1418,8 @@ def check_exportable(cfg: Config) -> FamilySpec:
     need("model.sliding_rope_theta", m.sliding_rope_theta, 0.0, " (its per-layer bases all "
          "take the model's YaRN: the sliding layers cannot rotate by plain RoPE of their own)")
   patterned = spec.sliding in _FULL_UNROTATED
-  if not spec.layer_thetas:         # Granite SWA: any layer unrotated (layer_rope_theta 0)
+  if not (spec.layer_thetas or spec.cohere):   # Granite SWA: any layer unrotated
+    # (layer_rope_theta 0); Cohere: its own rule, above
     need("model.nope_layers", m.nope_layers, full if patterned else (),
          " (it leaves its full layers unrotated)" if patterned else " (it rotates every layer)")
   need("model.attention_sinks", m.attention_sinks, spec.attention_sinks,
@@ -1326,9 +1430,13 @@ def check_exportable(cfg: Config) -> FamilySpec:
        " (its experts' biases)" if spec.gpt_oss else " (no expert biases)")
   need("moe.activation", moe.activation, "swiglu_clamped" if spec.gpt_oss else "swiglu",
        " (its experts' activation)")
-  need("model.attention_out_bias", m.attention_out_bias, m.qkv_bias and spec.gpt_oss,
-       " (attention_bias biases q, k, v and o alike)" if spec.gpt_oss
+  need("model.attention_out_bias", m.attention_out_bias,
+       m.qkv_bias and (spec.gpt_oss or spec.cohere),
+       " (attention_bias biases q, k, v and o alike)" if spec.gpt_oss or spec.cohere
        else " (no output-projection bias)")
+  if not spec.cohere:
+    need("model.norm_kind", m.norm_kind, "rms", " (RMSNorm)")
+    need("moe.shared_expert_scale", moe.shared_expert_scale, 1.0, " (no shared-expert scale)")
   if spec.ernie:
     if _ernie_pattern(m) is None:
       raise CheckpointError(
@@ -1355,12 +1463,19 @@ def check_exportable(cfg: Config) -> FamilySpec:
           f"config.moe.shared_expert_hidden={moe.shared_expert_hidden}: {what} needs a "
           f"{'positive ' if positive else ''}multiple of moe.expert_hidden={moe.expert_hidden} "
           f"({count} of its width)")
+  elif spec.cohere:
+    if moe.shared_expert_hidden % moe.expert_hidden:
+      raise CheckpointError(
+          f"config.moe.shared_expert_hidden={moe.shared_expert_hidden}: {what} needs a multiple "
+          f"of moe.expert_hidden={moe.expert_hidden} (num_shared_experts of its width)")
   elif not spec.shared_expert and spec.granite != "shared" and not spec.hunyuan:
     need("moe.shared_expert_hidden", moe.shared_expert_hidden, 0)
   if not spec.granite:
     for field in _GRANITE_SCALES:     # each at ModelConfig's default: no scaling
       if spec.mup and field == "embed_scale" and m.embed_scale == math.sqrt(m.d_model):
         continue                      # mup_enabled
+      if spec.cohere and field == "logit_divisor":
+        continue                      # logit_scale
       need(f"model.{field}", getattr(m, field), getattr(ModelConfig(), field),
            " (no such multiplier)" if not spec.mup or field != "embed_scale"
            else f" or sqrt(d_model) = {math.sqrt(m.d_model)!r} (mup_enabled)")
@@ -1431,7 +1546,7 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
   if spec.layer_types_key:     # transformers reads this list; vLLM first_k_dense_replace
     hf[spec.layer_types_key] = ["dense" if i in m.dense_layers else "sparse"
                                 for i in range(m.num_layers)]
-    if not (spec.deepseek or spec.sigmoid_moe):      # Mellum: the dense MLP's width
+    if not (spec.deepseek or spec.sigmoid_moe or spec.cohere):   # Mellum: the dense MLP's
       hf["intermediate_size"] = m.dense_hidden or hf.get("intermediate_size", moe.expert_hidden)
   if spec.model_type in MTP_NAMED and spec.layer_types_key:   # Mellum: no MTP layer written
     hf.update({"num_nextn_predict_layers": None, "mtp_layer_types": None,
@@ -1474,6 +1589,21 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
     hf.update({"moe_intermediate_size": moe.expert_hidden, "num_shared_expert": 1})
   if spec.mup:
     hf["mup_enabled"] = m.embed_scale != 1.0
+  if spec.cohere:
+    full = set(range(m.num_layers)) - set(m.sliding_layers)
+    rotated_dense = bool(full & set(m.dense_layers) - set(m.nope_layers))
+    prefix = hf.get("prefix_dense_sliding_window_pattern") or 1
+    hf.update({
+        "rms_norm_eps": m.norm_eps if m.norm_kind == "rms" else None,
+        "layer_norm_eps": m.norm_eps if m.norm_kind == "layer" else hf.get("layer_norm_eps",
+                                                                             1e-5),
+        "logit_scale": 1.0 / m.logit_divisor, "expert_selection_fn": moe.score,
+        "num_shared_experts": moe.shared_expert_hidden // moe.expert_hidden,
+        "shared_expert_combination_strategy": "average" if moe.routed_scale == 0.5 else "sum",
+        "prefix_dense_intermediate_size": m.dense_hidden or None,
+        # (layer_types written: the patterns only say which dense layers rotate)
+        "prefix_dense_sliding_window_pattern": 1 if rotated_dense else (
+            prefix if prefix != 1 or not full & set(m.dense_layers) else 2)})
   if spec.gpt_oss:
     hf.update({"swiglu_alpha": moe.swiglu_alpha, "swiglu_limit": moe.swiglu_limit})
     if "experts_per_token" in hf:     # the Hub's copy of the top-k (other readers take it)

@@ -162,6 +162,7 @@ HUB_EXPERT_NAMES = {
     "kolibri1": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "mellum": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "gpt_oss": ("mlp", ("gate_proj", "up_proj", "down_proj")),    # (unused: INTERLEAVED_EXPERTS)
+    "cohere2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
 }
 # Families whose experts are held fused in both layouts, [in, out], gate and up interleaved
 # (every other column), with biases: (gate_up, down) under the MoE block's module.
@@ -196,7 +197,8 @@ SHARED_EXPERT_MODULE = {"qwen2_moe": "shared_expert", "glm4_moe": "shared_expert
                         "minicpm5_moe": "shared_experts", "hy_v3": "shared_experts",
                         "exaone_moe": "shared_experts", "sarvam_moe": "shared_experts",
                         "param2moe": "shared_experts", "hunyuan_v1_moe": "shared_mlp",
-                        "afmoe": "shared_experts", "kolibri1": "shared_experts"}
+                        "afmoe": "shared_experts", "kolibri1": "shared_experts",
+                        "cohere2_moe": "shared_experts"}
 # ... where the Hub's layout names it otherwise (transformers renames it on load)
 HUB_SHARED_EXPERT_MODULE = {"hy_v3": "shared_mlp"}
 # A layer's two norms where they are not input_layernorm and post_attention_layernorm: FlexOlmo's
@@ -326,7 +328,8 @@ def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:
     _attention_maps(cfg, per_layer, experts)
     attn_norm, ffn_norm = NORM_NAMES.get(m.family, ("input_layernorm", "post_attention_layernorm"))
     per_layer(("attn_norm", "scale"), (D,), f"{attn_norm}.weight", False)
-    per_layer(("ffn_norm", "scale"), (D,), f"{ffn_norm}.weight", False)
+    if m.norm_position != "parallel":      # the parallel block's one norm feeds both
+      per_layer(("ffn_norm", "scale"), (D,), f"{ffn_norm}.weight", False)
     if m.norm_position == "sandwich":
       post = POST_NORM_NAMES.get(m.family, POST_NORM_NAMES["afmoe"])[experts == FUSED]
       for path, name in zip(("attn_post_norm", "ffn_post_norm"), post):

@@ -60,6 +60,7 @@ class MoESpec:
   locality_weight: float = 0.0            # > 0: add the locality loss (ep placement)
   shared_hidden: int = 0                  # width of the shared expert; 0 = none
   shared_gate: bool = False               # scale the shared expert by sigmoid(x . w) (Qwen2-MoE)
+  shared_scale: float = 1.0               # ... and by this (Cohere2-MoE's average: 0.5)
   routed_scale: float = 1.0               # multiplies the routed weights (routed_scaling_factor)
   groups: int = 1                         # group-limited top-k: expert groups (n_group) ...
   top_groups: int = 1                     # ... of which a token uses the best (topk_group)
@@ -101,7 +102,7 @@ class MoESpec:
          f"admission={self.admission!r}: must be one of {', '.join(admission_lib.POLICIES)}")
     need(-1.0 <= self.threshold <= 1.0, f"threshold={self.threshold}: a cosine similarity, in "
          "[-1, 1]")
-    for field in ("capacity_factor", "capacity_factor_warmup", "routed_scale"):
+    for field in ("capacity_factor", "capacity_factor_warmup", "routed_scale", "shared_scale"):
       need(0 < getattr(self, field) < math.inf,
            f"{field}={getattr(self, field)}: must be positive and finite")
     for field in ("warmup_steps", "locality_weight", "shared_hidden"):
@@ -223,6 +224,8 @@ class MoEBlock(nnx.Module):
     if self.spec.shared_gate:
       gate_Tx1 = jax.nn.sigmoid(dense(x_TxD, self.shared_gate[...].astype(dtype), jnp.float32))
       y_TxD = (gate_Tx1 * y_TxD.astype(jnp.float32)).astype(dtype)
+    if self.spec.shared_scale != 1.0:
+      y_TxD = (y_TxD.astype(jnp.float32) * self.spec.shared_scale).astype(dtype)
     return y_TxD
 
   def materialize(self, predicted_load_E, dtype, *, dispatch: dispatch_lib.Dispatch,

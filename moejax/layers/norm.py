@@ -1,4 +1,5 @@
-"""RMSNorm (statistics in fp32, output in the input's dtype)."""
+"""RMSNorm, or LayerNorm without a bias (Cohere's; `kind="layer"`): statistics in fp32, output
+in the input's dtype."""
 from __future__ import annotations
 
 import jax
@@ -9,8 +10,13 @@ from moejax import profiling
 from moejax.sharding.axes import NORM, NORMS, param
 
 # Where a decoder layer's norms sit (model.norm_position): on each sublayer's input, on its
-# output before it joins the residual stream (OLMo 2's), or both (AfMoE's sandwich).
-NORM_POSITIONS = ("pre", "post", "sandwich")
+# output before it joins the residual stream (OLMo 2's), both (AfMoE's sandwich), or one norm
+# whose output both sublayers read side by side, their outputs summed into the residual stream
+# (Cohere's parallel block).
+NORM_POSITIONS = ("pre", "post", "sandwich", "parallel")
+# What the residual stream's norms compute (model.norm_kind): RMSNorm, or LayerNorm (mean
+# subtracted, no bias: Cohere's).
+NORM_KINDS = ("rms", "layer")
 
 
 @profiling.scoped("norm")
@@ -21,10 +27,26 @@ def rms_norm(x, scale, eps: float):
   return (y * scale).astype(x.dtype)
 
 
+@profiling.scoped("norm")
+def layer_norm(x, scale, eps: float):
+  x32 = x.astype(jnp.float32)
+  centred = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+  y = centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + eps)
+  scale = scale.astype(jnp.float32).reshape((1,) * (x.ndim - 1) + scale.shape)
+  return (y * scale).astype(x.dtype)
+
+
+def norm(x, scale, eps: float, kind: str = "rms"):
+  """The residual stream's norm of `kind` (`NORM_KINDS`)."""
+  return (layer_norm if kind == "layer" else rms_norm)(x, scale, eps)
+
+
 class RMSNorm(nnx.Module):
-  def __init__(self, dim: int, *, eps: float = 1e-5):
+  """A norm's scale, and `norm` of its kind (RMSNorm unless `kind="layer"`)."""
+
+  def __init__(self, dim: int, *, eps: float = 1e-5, kind: str = "rms"):
     self.scale = param(jnp.ones((dim,), jnp.float32), (NORM,), NORMS)
-    self.eps = eps
+    self.eps, self.kind = eps, kind
 
   def __call__(self, x):
-    return rms_norm(x, self.scale[...], self.eps)
+    return norm(x, self.scale[...], self.eps, self.kind)

@@ -23,7 +23,7 @@ import numpy as np
 
 from moejax.config import Config
 from moejax.layers.attention import attend
-from moejax.layers.norm import rms_norm
+from moejax.layers.norm import norm
 from moejax.models import olmoe
 from moejax.sharding import hook
 
@@ -88,24 +88,27 @@ def _forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start
     layer_params, k_BxTxGxDk, v_BxTxGxDv = inputs
     layer = olmoe.layer_from_params(cfg, layer_params, group, kind)
     attn = layer.attn
-    x_BxSxD = layer.attn_in(h_BxSxD)
-    q, k, v = attn.qkv(x_BxSxD, attn.rotary_at(positions_S))
-    k_BxTxGxDk = jax.lax.dynamic_update_slice_in_dim(k_BxTxGxDk, k.astype(k_BxTxGxDk.dtype),
-                                                     start, axis=1)
-    v_BxTxGxDv = jax.lax.dynamic_update_slice_in_dim(v_BxTxGxDv, v.astype(v_BxTxGxDv.dtype),
-                                                     start, axis=1)
-    visible = visible_SxT
-    if kind.window:      # the sliding window: keys within W - 1 positions before the query
-      visible = visible & (positions_S[:, None] - jnp.arange(cache.max_len)[None, :]
-                           < kind.window)
-    out_BxSxHxDv = attend(q, k_BxTxGxDk.astype(q.dtype), v_BxTxGxDv.astype(q.dtype),
-                          mask=visible[None, None], scale=attn.softmax_scale,
-                          sinks_H=attn.sinks_H())
-    y_BxSxD = layer.attn_out(attn.project_out(out_BxSxHxDv, x_BxSxD))
-    h_BxSxD = olmoe.join_residual(h_BxSxD, y_BxSxD, layer.residual_scale)
-    y_BxSxD = layer.ffn_out(layer.feed_forward(layer.ffn_in(h_BxSxD)))
-    return (olmoe.join_residual(h_BxSxD, y_BxSxD, layer.residual_scale),
-            (k_BxTxGxDk, v_BxTxGxDv))
+    cached = {}
+
+    def attention(x_BxSxD):
+      q, k, v = attn.qkv(x_BxSxD, attn.rotary_at(positions_S))
+      k_all = jax.lax.dynamic_update_slice_in_dim(k_BxTxGxDk, k.astype(k_BxTxGxDk.dtype),
+                                                  start, axis=1)
+      v_all = jax.lax.dynamic_update_slice_in_dim(v_BxTxGxDv, v.astype(v_BxTxGxDv.dtype),
+                                                  start, axis=1)
+      cached["kv"] = (k_all, v_all)
+      visible = visible_SxT
+      if kind.window:      # the sliding window: keys within W - 1 positions before the query
+        visible = visible & (positions_S[:, None] - jnp.arange(cache.max_len)[None, :]
+                             < kind.window)
+      out_BxSxHxDv = attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype),
+                            mask=visible[None, None], scale=attn.softmax_scale,
+                            sinks_H=attn.sinks_H())
+      return attn.project_out(out_BxSxHxDv, x_BxSxD)
+
+    h_BxSxD, _ = layer.sublayers(h_BxSxD, attention,
+                                 lambda x: (layer.feed_forward(x), None))
+    return h_BxSxD, cached["kv"]
 
   ks, vs, position = [], [], 0     # each run of layers: its parameters, its cache's layers
   for group, first, count, kind in olmoe.layer_runs(cfg):
@@ -117,7 +120,7 @@ def _forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start
     ks.append(k_L)
     vs.append(v_L)
     position += count
-  h_BxSxD = rms_norm(h_BxSxD, params["final_norm"], cfg.model.norm_eps)
+  h_BxSxD = norm(h_BxSxD, params["final_norm"], cfg.model.norm_eps, cfg.model.norm_kind)
   head_DxV = params["embed"].T if cfg.model.tie_embeddings else params["lm_head"]
   return (olmoe.lm_logits(cfg, h_BxSxD, head_DxV),
           KVCache(jnp.concatenate(ks, axis=0), jnp.concatenate(vs, axis=0)))

@@ -39,7 +39,7 @@ from moejax.layers.matmul import dense
 from moejax.layers.mlp import MLP
 from moejax.placement.dispatch import LOCAL, Dispatch
 from moejax.layers.moe import MoEBlock, MoESpec
-from moejax.layers.norm import RMSNorm, rms_norm
+from moejax.layers.norm import RMSNorm, norm
 from moejax.sharding import axes
 from moejax.sharding.axes import EMBED, EMBEDDINGS, NORM, NORMS, VOCAB, param
 from moejax.sharding.hook import COMPUTE_DTYPES, local_gather
@@ -52,7 +52,8 @@ def moe_spec(cfg: Config) -> MoESpec:
                  admission=r.admission, threshold=r.threshold, capacity_factor=r.admission_capacity_factor,
                  capacity_factor_warmup=r.admission_capacity_factor_warmup, warmup_steps=r.warmup_steps,
                  locality_weight=r.locality_weight, shared_hidden=moe.shared_expert_hidden,
-                 shared_gate=moe.shared_expert_gate, routed_scale=moe.routed_scale,
+                 shared_gate=moe.shared_expert_gate, shared_scale=moe.shared_expert_scale,
+                 routed_scale=moe.routed_scale,
                  groups=moe.expert_groups, top_groups=moe.top_groups,
                  group_score=moe.group_score, score_bias=moe.score_bias,
                  bias_on_logits=moe.score_bias_on_logits, router_float32=moe.router_float32,
@@ -155,12 +156,28 @@ class _Sublayers:
   calls these too."""
 
   def _make_norms(self, m) -> None:
-    self.attn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
-    self.ffn_norm = RMSNorm(m.d_model, eps=m.norm_eps)
+    make = lambda: RMSNorm(m.d_model, eps=m.norm_eps, kind=m.norm_kind)   # noqa: E731
+    self.attn_norm = make()
+    if m.norm_position != "parallel":      # the parallel block's one norm feeds both
+      self.ffn_norm = make()
     if m.norm_position == "sandwich":
-      self.attn_post_norm = RMSNorm(m.d_model, eps=m.norm_eps)
-      self.ffn_post_norm = RMSNorm(m.d_model, eps=m.norm_eps)
+      self.attn_post_norm = make()
+      self.ffn_post_norm = make()
     self.residual_scale, self.norm_position = m.residual_scale, m.norm_position
+
+  def sublayers(self, h_BxSxD, attention, feed_forward):
+    """The layer's residual stream after `attention(x)` and `feed_forward(x)` (which returns
+    (y, aux)) on their inputs: one after the other, or side by side on one norm's output
+    (the parallel block); -> (h, aux)."""
+    if self.norm_position == "parallel":
+      x_BxSxD = self.attn_norm(h_BxSxD)
+      y_attn = attention(x_BxSxD)
+      y_ffn, aux = feed_forward(x_BxSxD)
+      return join_residual(h_BxSxD, y_attn + y_ffn, self.residual_scale), aux
+    h_BxSxD = join_residual(h_BxSxD, self.attn_out(attention(self.attn_in(h_BxSxD))),
+                            self.residual_scale)
+    y_BxSxD, aux = feed_forward(self.ffn_in(h_BxSxD))
+    return join_residual(h_BxSxD, self.ffn_out(y_BxSxD), self.residual_scale), aux
 
   def attn_in(self, h_BxSxD):
     return h_BxSxD if self.norm_position == "post" else self.attn_norm(h_BxSxD)
@@ -211,10 +228,7 @@ class DenseLayer(_Sublayers, nnx.Module):
     return self.mlp(x_BxSxD)
 
   def __call__(self, h_BxSxD):
-    h_BxSxD = join_residual(h_BxSxD, self.attn_out(self.attn(self.attn_in(h_BxSxD))),
-                            self.residual_scale)
-    return join_residual(h_BxSxD, self.ffn_out(self.mlp(self.ffn_in(h_BxSxD))),
-                         self.residual_scale)
+    return self.sublayers(h_BxSxD, self.attn, lambda x: (self.mlp(x), None))[0]
 
 
 class DecoderLayer(_Sublayers, nnx.Module):
@@ -235,11 +249,8 @@ class DecoderLayer(_Sublayers, nnx.Module):
     if dispatch.kind == "fssdp":   # issued before attention: the transfer overlaps it
       materialized = self.moe.materialize(predicted_load_E, h_BxSxD.dtype, dispatch=dispatch,
                                           owners=expert_owners, replica_state=replica_state)
-    h_BxSxD = join_residual(h_BxSxD, self.attn_out(self.attn(self.attn_in(h_BxSxD))),
-                            self.residual_scale)
-    y_BxSxD, aux = self.moe(self.ffn_in(h_BxSxD), dispatch=dispatch, axis_name=axis_name,
-                            step=step, materialized=materialized)
-    return join_residual(h_BxSxD, self.ffn_out(y_BxSxD), self.residual_scale), aux
+    return self.sublayers(h_BxSxD, self.attn, lambda x: self.moe(
+        x, dispatch=dispatch, axis_name=axis_name, step=step, materialized=materialized))
 
 
 def _layer_class(group: str):
@@ -435,7 +446,7 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
     aux, new_states[group], stats[group] = joined
     if group == MOE_LAYERS:
       aux_L = aux
-  h_BxSxD = rms_norm(h_BxSxD, gather_group("final_norm"), cfg.model.norm_eps)
+  h_BxSxD = norm(h_BxSxD, gather_group("final_norm"), cfg.model.norm_eps, cfg.model.norm_kind)
   head_DxV = embed_VxD.T if cfg.model.tie_embeddings else gather_group("lm_head")
   logits_BxSxV = lm_logits(cfg, h_BxSxD, head_DxV)
   return logits_BxSxV, aux_L, new_states, stats

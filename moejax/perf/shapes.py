@@ -61,7 +61,8 @@ class ModelShape:
   attention_gate_own: bool = False
   """The output gate's weight its own projection (AfMoE), which has no bias."""
   residual_norms: int = 2
-  """RMSNorms of one layer on the residual stream (4 with AfMoE's sandwich norms)."""
+  """Norms of one layer on the residual stream (4 with AfMoE's sandwich norms, 1 in Cohere's
+  parallel block)."""
   shared_gate: bool = False
   """A sigmoid gate (one D-vector) on the shared expert (Qwen2-MoE)."""
   shared_hidden: int = 0
@@ -195,7 +196,7 @@ def shape_of(cfg) -> ModelShape:
       dense_hidden=getattr(m, "dense_hidden", 0) or 0,
       qk_norm=m.qk_norm != "none", qk_norm_per_head=m.qk_norm == "head", qkv_bias=m.qkv_bias,
       attention_gate=m.attention_gate, sliding_window=m.sliding_window,
-      residual_norms=4 if m.norm_position == "sandwich" else 2,
+      residual_norms={"sandwich": 4, "parallel": 1}.get(m.norm_position, 2),
       attention_sinks=m.attention_sinks, attention_gate_own=m.attention_gate_own,
       sliding_layers=len(m.sliding_layers), shared_gate=moe.shared_expert_gate,
       tied_embeddings=m.tie_embeddings, score_bias=moe.score_bias,

@@ -298,16 +298,17 @@ class Trainer:
 _WEIGHT_FIELDS = {
     "model": ("vocab_size", "d_model", "num_layers", "num_heads", "head_dim", "num_kv_heads",
               "qk_norm", "qkv_bias", "attention_out_bias", "qk_norm_after_rope", "attention_gate",
-              "attention_gate_own",
-              "attention_sinks", "sliding_window", "sliding_layers", "sliding_rope_theta",
-              "nope_layers", "norm_position", "embed_scale", "residual_scale", "attention_scale",
-              "logit_divisor", "rope_theta", "rotary_dim", "rotary_interleaved", "norm_eps",
-              "dense_layers", "dense_hidden", "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim",
-              "qk_rope_head_dim", "v_head_dim", "tie_embeddings"),
+              "attention_gate_own", "attention_sinks", "sliding_window", "sliding_layers",
+              "sliding_rope_theta", "nope_layers", "norm_position", "norm_kind", "embed_scale",
+              "residual_scale", "attention_scale", "logit_divisor", "rope_theta", "rotary_dim",
+              "rotary_interleaved", "norm_eps", "dense_layers", "dense_hidden", "kv_lora_rank",
+              "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+              "tie_embeddings"),
     "moe": ("num_experts", "top_k", "expert_hidden", "shared_expert_hidden",
             "shared_expert_gate", "score", "renormalize", "routed_scale", "expert_groups",
             "top_groups", "group_score", "score_bias", "score_bias_on_logits", "router_bias",
-            "expert_bias", "activation", "swiglu_alpha", "swiglu_limit"),
+            "expert_bias", "activation", "swiglu_alpha", "swiglu_limit",
+            "shared_expert_scale"),
 }
 
 

@@ -370,6 +370,35 @@ MODELS = {
                     num_local_experts=6, num_experts_per_tok=2, sliding_window=3,
                     swiglu_limit=0.3, swiglu_alpha=1.5, rms_norm_eps=1e-5),
         save=dict()),
+    # Cohere2-MoE: parallel blocks, LayerNorm (no rms_norm_eps), neighbour-pair rotary, layer 0
+    # dense and rotated (first_k_dense_replace 1, prefix pattern 1), MoE layers 1, 2 and 4
+    # sliding within 3 tokens, layer 3 global and unrotated (sliding_window_pattern 3), softmax
+    # over the top-2 logits, a shared expert averaged with the routed ones, logit_scale 0.25,
+    # tied embeddings; "b": RMSNorm, biases on q, k, v and o, two dense layers unrotated (prefix
+    # pattern 2: layer 1 global), sigmoid top-2 not renormalized, the shared experts summed.
+    "cohere2_moe": dict(
+        model_type="cohere2_moe",
+        config=dict(vocab_size=82, hidden_size=32, intermediate_size=12, num_hidden_layers=5,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=6,
+                    num_experts_per_tok=2, num_shared_experts=1,
+                    shared_expert_combination_strategy="average", expert_selection_fn="softmax",
+                    first_k_dense_replace=1, prefix_dense_intermediate_size=24,
+                    prefix_dense_sliding_window_pattern=1, sliding_window_pattern=3,
+                    sliding_window=3, logit_scale=0.25, layer_norm_eps=1e-5,
+                    rope_parameters=dict(rope_type="default", rope_theta=20000.0)),
+        save=dict()),
+    "cohere2_moe_b": dict(
+        model_type="cohere2_moe",
+        config=dict(vocab_size=70, hidden_size=32, intermediate_size=16, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=4, head_dim=8, num_experts=5,
+                    num_experts_per_tok=2, num_shared_experts=2,
+                    shared_expert_combination_strategy="sum", expert_selection_fn="sigmoid",
+                    norm_topk_prob=False, first_k_dense_replace=2,
+                    prefix_dense_intermediate_size=20, prefix_dense_sliding_window_pattern=2,
+                    sliding_window_pattern=2, sliding_window=3, logit_scale=0.5,
+                    rms_norm_eps=1e-6, attention_bias=True, tie_word_embeddings=False,
+                    rope_parameters=dict(rope_type="default", rope_theta=30000.0)),
+        save=dict(save_original_format=False)),
 }
 # FP8 copies: every projection float8 e4m3 beside its scales; embeddings, head, router and norms
 # as they were. As the Hub's DeepSeek-V3, Qwen3-*-FP8 and MiniMax-M2 are stored (transformers'

@@ -1348,6 +1348,62 @@ def test_gpt_oss_reads_its_biases_layer_rule_default_yarn_and_mxfp4():
       hf_config_from(tiny_config(family, **{field: value}))
 
 
+def test_cohere2_reads_its_layer_rules_norms_router_and_combination():
+  """Cohere2-MoE: absent layer_types and mlp_layer_types, the first first_k_dense_replace layers
+  dense, sliding but every prefix_dense_sliding_window_pattern-th, the rest but every
+  sliding_window_pattern-th; the full layers unrotated but the dense ones where the prefix
+  pattern is 1; LayerNorm unless rms_norm_eps; softmax always renormalized (over the top-k
+  logits), sigmoids where norm_topk_prob says; the shared experts averaged (0.5 and 0.5) or
+  summed; logit_scale as a divisor; what an export cannot say is refused."""
+  cfg = tiny_config("cohere2_moe")
+  hf = hf_config_from(cfg)
+  assert config_from_hf(hf, base=cfg) == cfg
+  assert hf["rms_norm_eps"] is None and hf["logit_scale"] == 1 / 16
+  assert hf["shared_expert_combination_strategy"] == "average"
+  names = hf_names.expected_shapes(cfg)
+  assert "model.layers.1.input_layernorm.weight" in names
+  assert not any("post_attention_layernorm" in n for n in names)
+  eight = {k: v for k, v in hf.items() if k not in ("layer_types", "mlp_layer_types")}
+  eight.update(num_hidden_layers=8, first_k_dense_replace=2, sliding_window_pattern=4,
+               prefix_dense_sliding_window_pattern=1)
+  got = config_from_hf(eight).model
+  assert (got.dense_layers, got.sliding_layers, got.nope_layers) == (
+      (0, 1), (2, 3, 4, 6, 7), (5,))
+  got = config_from_hf(dict(eight, prefix_dense_sliding_window_pattern=2)).model
+  assert (got.sliding_layers, got.nope_layers) == ((0, 2, 3, 4, 6, 7), (1, 5))
+  rms = config_from_hf(dict(hf, rms_norm_eps=1e-6)).model
+  assert (rms.norm_kind, rms.norm_eps) == ("rms", 1e-6)
+  assert config_from_hf(dict(hf, layer_norm_eps=1e-3)).model.norm_eps == 1e-3
+  summed = config_from_hf(dict(hf, shared_expert_combination_strategy="sum")).moe
+  assert (summed.routed_scale, summed.shared_expert_scale) == (1.0, 1.0)
+  alone = config_from_hf(dict(hf, num_shared_experts=0)).moe
+  assert (alone.routed_scale, alone.shared_expert_scale, alone.shared_expert_hidden) == (
+      1.0, 1.0, 0)
+  assert config_from_hf(dict(hf, norm_topk_prob=False)).moe.renormalize
+  sig = config_from_hf(dict(hf, expert_selection_fn="sigmoid", norm_topk_prob=False)).moe
+  assert (sig.score, sig.renormalize) == ("sigmoid", False)
+  for changes, expected in ((dict(expert_selection_fn="relu"), "expert_selection_fn='relu'"),
+                            (dict(shared_expert_combination_strategy="max"),
+                             "shared_expert_combination_strategy='max'"),
+                            (dict(logit_scale=0.0), "logit_scale=0.0")):
+    with pytest.raises(CheckpointError, match=expected):
+      config_from_hf(dict(hf, **changes))
+  # the dense layer global and unrotated: the export says prefix pattern 2
+  unrotated = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
+                                                                 nope_layers=(0, 3)))
+  back = hf_config_from(unrotated)
+  assert back["prefix_dense_sliding_window_pattern"] == 2
+  assert config_from_hf(back, base=unrotated) == unrotated
+  for family, overrides, match in (
+      ("cohere2_moe", {"moe.shared_expert_scale": 1.0}, "routed_scale=0.5, shared_expert_scale"),
+      ("cohere2_moe", {"model.nope_layers": (1, 3)}, r"model.nope_layers=\(1, 3\)"),
+      ("olmoe", {"model.norm_kind": "layer"}, "model.norm_kind='layer'"),
+      ("qwen2_moe", {"moe.shared_expert_scale": 0.5}, "moe.shared_expert_scale=0.5"),
+      ("olmoe", {"model.norm_position": "parallel"}, "model.norm_position='parallel'")):
+    with pytest.raises(CheckpointError, match=match):
+      hf_config_from(tiny_config(family, **overrides))
+
+
 def test_granite_multipliers_read_and_write():
   """Granite's embedding_multiplier, residual_multiplier, attention_multiplier (the softmax
   scale itself) and logits_scaling, 1.0 each when absent as transformers reads them; an export

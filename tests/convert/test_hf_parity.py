@@ -45,7 +45,11 @@ ungated shared expert), "kolibri1" (sandwich norms under the Hub's post_attn_nor
 unrotated global layers, the score bias added to the logits, under the Hub's
 moe.router.expert_bias), "gpt_oss" (biases on q, k, v, o, the router and the experts,
 sinks, alternate sliding layers, its config class's YaRN, the clamped SwiGLU, gate and up
-interleaved; and an MXFP4 copy of its experts, as the Hub's gpt-oss checkpoints are stored). They
+interleaved; and an MXFP4 copy of its experts, as the Hub's gpt-oss checkpoints are stored),
+"cohere2_moe" (parallel blocks, LayerNorm, neighbour-pair rotary, NoPE global MoE layers beside a
+rotated dense one, softmax top-k, a shared expert averaged in, logit_scale, tied) and
+"cohere2_moe_b" (RMSNorm, q/k/v/o biases, unrotated dense layers, sigmoid top-k not
+renormalized, shared experts summed; fused). They
 differ
 in layers, heads, kv heads, head width, experts, top-k, expert and shared widths, latent ranks,
 RoPE base, norm epsilon and top-k renormalization; "b", "qwen3_moe", "deepseek_v2" and
@@ -83,8 +87,9 @@ MODELS = ("a", "b", "mixtral", "qwen2_moe", "qwen3_moe", "minimax_m2", "ernie4_5
           "dots1", "deepseek_v2", "deepseek_v3", "deepseek_v3_b", "glm4_moe_lite", "solar_open",
           "minicpm5_moe", "hy_v3", "exaone_moe", "granitemoe", "granitemoeshared", "sarvam_moe",
           "param2moe", "flex_olmo", "hunyuan_v1_moe", "afmoe", "mellum",
-          "granitemoe_swa", "flint", "kolibri1", "gpt_oss")
-SAVED_FUSED = ("b", "qwen2_moe", "dots1", "deepseek_v3", "granitemoeshared", "param2moe")
+          "granitemoe_swa", "flint", "kolibri1", "gpt_oss", "cohere2_moe", "cohere2_moe_b")
+SAVED_FUSED = ("b", "qwen2_moe", "dots1", "deepseek_v3", "granitemoeshared", "param2moe",
+               "cohere2_moe_b")
 FP8_MODELS = ("qwen3_moe_fp8", "minimax_m2_fp8", "deepseek_v3_b_fp8", "mixtral_ct_fp8",
               "glm4_moe_ct_fp8", "qwen3_moe_int4")
 
