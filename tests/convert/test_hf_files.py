@@ -1358,7 +1358,7 @@ def test_cohere2_reads_its_layer_rules_norms_router_and_combination():
   cfg = tiny_config("cohere2_moe")
   hf = hf_config_from(cfg)
   assert config_from_hf(hf, base=cfg) == cfg
-  assert hf["rms_norm_eps"] is None and hf["logit_scale"] == 1 / 16
+  assert hf["rms_norm_eps"] is None and hf["logit_scale"] == 1 / 4
   assert hf["shared_expert_combination_strategy"] == "average"
   names = hf_names.expected_shapes(cfg)
   assert "model.layers.1.input_layernorm.weight" in names
