@@ -1000,6 +1000,16 @@ _COHERE_COMBINE = {"sum": 1.0, "average": 0.5}   # shared_expert_combination_str
                                                   # routed and shared outputs' scale
 
 
+def _reciprocal(x: float) -> float:
+  """1 / x, or a neighbouring float whose reciprocal is exactly x where 1 / x's is not (so
+  logit_scale and model.logit_divisor read back as they were written)."""
+  r = 1.0 / x
+  exact = [c for c in (r, math.nextafter(r, math.inf), math.nextafter(r, -math.inf))
+           if 1.0 / c == x]
+  return min(exact, key=lambda c: len(repr(c))) if exact else r   # the shortest: 49.0, not
+                                                                  # 49.00000000000001
+
+
 def _cohere_sliding(hf: dict, where: str, layers: int) -> list[int]:
   """Cohere2-MoE's sliding layers without layer_types: the first first_k_dense_replace layers
   slide but every prefix_dense_sliding_window_pattern-th, the rest but every
@@ -1028,8 +1038,16 @@ def _cohere_fields(hf: dict, where: str, sliding_layers: tuple, dense: tuple) ->
   # transformers rotates the sliding layers, and the dense ones where the prefix pattern is 1
   rotated = set(sliding_layers) | (set(dense) if prefix == 1 else set())
   expert_hidden = _get(hf, "intermediate_size", int, where)
-  dense_hidden = hf.get("prefix_dense_intermediate_size") or expert_hidden
-  model = dict(norm_kind="rms" if rms else "layer", norm_eps=eps, logit_divisor=1.0 / scale,
+  dense_hidden = expert_hidden      # null: the dense MLP as wide as an expert (transformers')
+  if hf.get("prefix_dense_intermediate_size") is not None:
+    dense_hidden = _get(hf, "prefix_dense_intermediate_size", int, where)
+    if dense_hidden < 1:
+      _refuse(where, "prefix_dense_intermediate_size", dense_hidden,
+              "expected a positive width or null")
+  # (a null sliding_window reads as transformers' layers mean it, every layer attending to all,
+  # the dense ones rotated by the prefix rule; transformers 5.25 itself cannot run it)
+  model = dict(norm_kind="rms" if rms else "layer", norm_eps=eps,
+               logit_divisor=_reciprocal(scale),
                rotary_interleaved=True, dense_hidden=dense_hidden if dense else 0,
                nope_layers=tuple(i for i in range(layers) if i not in rotated))
   selection = hf.get("expert_selection_fn", "softmax")
@@ -1556,9 +1574,10 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
     hf["num_nextn_predict_layers"] = 0    # the export holds no multi-token-prediction layer
   if spec.sliding:
     # A number even where no layer slides where transformers needs one: EXAONE's, AfMoE's
-    # and Flint's configs type it int, Granite SWA's, Kolibri's and gpt-oss's models build the
-    # sliding mask whatever the layers (their full layers stay NoPE, or rotate by their bases)
-    numeric = spec.sliding in (*_FULL_UNROTATED, "granite_swa", "gpt_oss")
+    # and Flint's configs type it int, Granite SWA's, Kolibri's, gpt-oss's and Cohere2-MoE's
+    # models build the sliding mask whatever the layers (their full layers stay NoPE, or rotate
+    # by their bases)
+    numeric = spec.sliding in (*_FULL_UNROTATED, "granite_swa", "gpt_oss", "cohere")
     hf["sliding_window"] = m.sliding_window or (
         (hf.get("sliding_window") or spec.default_sliding_window) if numeric else None)
     if spec.sliding != "all":      # the list wins over the family's rule
@@ -1597,7 +1616,7 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
         "rms_norm_eps": m.norm_eps if m.norm_kind == "rms" else None,
         "layer_norm_eps": m.norm_eps if m.norm_kind == "layer" else hf.get("layer_norm_eps",
                                                                              1e-5),
-        "logit_scale": 1.0 / m.logit_divisor, "expert_selection_fn": moe.score,
+        "logit_scale": _reciprocal(m.logit_divisor), "expert_selection_fn": moe.score,
         "num_shared_experts": moe.shared_expert_hidden // moe.expert_hidden,
         "shared_expert_combination_strategy": "average" if moe.routed_scale == 0.5 else "sum",
         "prefix_dense_intermediate_size": m.dense_hidden or None,

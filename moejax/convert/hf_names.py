@@ -20,6 +20,8 @@ weights are stored [out, in] by torch and [in, out] by moejax, so their tails ar
                                          HD / GD; Qwen3: head_dim; Mixtral, Qwen2: none)
   layers.attn_norm.scale      [L, D]     model.layers.i.input_layernorm.weight            [D]
   layers.ffn_norm.scale       [L, D]     model.layers.i.post_attention_layernorm.weight   [D]
+                                         (none in a parallel block: Cohere2-MoE's one norm
+                                         is input_layernorm)
                                          (FlexOlmo's, on the sublayers' outputs:
                                          post_attention_ and post_feedforward_layernorm;
                                          AfMoE's input_ and pre_mlp_layernorm)

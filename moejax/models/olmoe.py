@@ -151,9 +151,10 @@ def _attention(cfg: Config, rngs: nnx.Rngs, kind: AttentionKind):
 
 class _Sublayers:
   """Where a layer's norms sit (model.norm_position): on each sublayer's input ("pre"), on its
-  output before it joins the residual stream ("post", OLMo 2's; the same two norms), or both
-  ("sandwich", AfMoE's: two more norms, attn_post_norm and ffn_post_norm); the KV-cached step
-  calls these too."""
+  output before it joins the residual stream ("post", OLMo 2's; the same two norms), both
+  ("sandwich", AfMoE's: two more norms, attn_post_norm and ffn_post_norm), or one norm whose
+  output both sublayers read side by side ("parallel", Cohere's: attn_norm alone); the
+  KV-cached step calls these too (`sublayers`)."""
 
   def _make_norms(self, m) -> None:
     make = lambda: RMSNorm(m.d_model, eps=m.norm_eps, kind=m.norm_kind)   # noqa: E731
@@ -169,11 +170,12 @@ class _Sublayers:
     """The layer's residual stream after `attention(x)` and `feed_forward(x)` (which returns
     (y, aux)) on their inputs: one after the other, or side by side on one norm's output
     (the parallel block); -> (h, aux)."""
-    if self.norm_position == "parallel":
+    if self.norm_position == "parallel":     # (residual + attention) + MLP, as Cohere sums
       x_BxSxD = self.attn_norm(h_BxSxD)
       y_attn = attention(x_BxSxD)
       y_ffn, aux = feed_forward(x_BxSxD)
-      return join_residual(h_BxSxD, y_attn + y_ffn, self.residual_scale), aux
+      h_BxSxD = join_residual(h_BxSxD, y_attn, self.residual_scale)
+      return join_residual(h_BxSxD, y_ffn, self.residual_scale), aux
     h_BxSxD = join_residual(h_BxSxD, self.attn_out(attention(self.attn_in(h_BxSxD))),
                             self.residual_scale)
     y_BxSxD, aux = feed_forward(self.ffn_in(h_BxSxD))

@@ -1394,6 +1394,21 @@ def test_cohere2_reads_its_layer_rules_norms_router_and_combination():
   back = hf_config_from(unrotated)
   assert back["prefix_dense_sliding_window_pattern"] == 2
   assert config_from_hf(back, base=unrotated) == unrotated
+  # no layer slides: a window all the same (transformers builds the sliding mask whatever the
+  # layers, and fails on a null window)
+  unwindowed = dataclasses.replace(cfg, model=dataclasses.replace(
+      cfg.model, sliding_window=0, sliding_layers=(), nope_layers=(1, 2, 3)))
+  back = hf_config_from(unwindowed)
+  assert back["sliding_window"] == 4096 and set(back["layer_types"]) == {"full_attention"}
+  assert config_from_hf(back, base=unwindowed) == unwindowed
+  # a logit scale whose reciprocal is inexact reads back as written, both ways
+  for divisor in (49.0, 3.0, 0.3):
+    scaled = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, logit_divisor=divisor))
+    assert config_from_hf(hf_config_from(scaled), base=scaled) == scaled
+  assert config_from_hf(dict(hf, logit_scale=0.3)).model.logit_divisor * 0.3 == pytest.approx(1)
+  assert hf_config_from(config_from_hf(dict(hf, logit_scale=0.3)))["logit_scale"] == 0.3
+  with pytest.raises(CheckpointError, match="prefix_dense_intermediate_size=0"):
+    config_from_hf(dict(hf, prefix_dense_intermediate_size=0))
   for family, overrides, match in (
       ("cohere2_moe", {"moe.shared_expert_scale": 1.0}, "routed_scale=0.5, shared_expert_scale"),
       ("cohere2_moe", {"model.nope_layers": (1, 3)}, r"model.nope_layers=\(1, 3\)"),
