@@ -17,7 +17,7 @@ are not written by the kernel: they are masked to zero here, in the output and t
 `swiglu_with(ops, fn)` builds the op over any pair of grouped products, so the VJP is tested on
 CPU with `lax.ragged_dot` in their place (tests/placement/test_hopper.py); the kernels themselves
 run only on a GPU of compute capability 9.x (the device check times them against the
-alternatives). `fn` (`experts.ExpertFn`): SwiGLU, or gpt-oss's clamped SwiGLU with biases (the
+alternatives). `fn` (`expert_fn.ExpertFn`): SwiGLU, or gpt-oss's clamped SwiGLU with biases (the
 biases added in fp32 between the kernels, their gradients summed per expert). Widths the tiles
 do not take (gpt-oss's 2880) are zero-padded to them (`padded_call`), which is exact.
 
@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from moejax.placement import expert_fn as experts_lib
+from moejax.placement import expert_fn as expert_fn_lib
 
 ENABLED = True   # the device check turns the kernels off for its later steps if they are wrong
 
@@ -98,12 +98,12 @@ def _rows_in_groups(a: int, group_sizes_G) -> jax.Array:
   return (jnp.arange(a) < jnp.sum(group_sizes_G))[:, None]
 
 
-def swiglu_with(ops: GroupedOps, fn: experts_lib.ExpertFn = experts_lib.SWIGLU):
+def swiglu_with(ops: GroupedOps, fn: expert_fn_lib.ExpertFn = expert_fn_lib.SWIGLU):
   """y_AxD = act(x Wg [+ bg], x Wu [+ bu]) Wd [+ bd] per row's expert (`fn`: SwiGLU or gpt-oss's
   clamped one, biases or not), as a custom_vjp over `ops`: `swiglu(x, group_sizes, *ws)`."""
 
   def swiglu(x_AxD, group_sizes_G, *ws):
-    experts_lib.check_weights(ws, fn)
+    expert_fn_lib.check_weights(ws, fn)
     return op(x_AxD, group_sizes_G, tuple(ws))
 
   @jax.custom_vjp
@@ -121,7 +121,7 @@ def swiglu_with(ops: GroupedOps, fn: experts_lib.ExpertFn = experts_lib.SWIGLU):
   def fwd(x_AxD, group_sizes_G, ws):
     w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD = ws[:3]
     used_Ax1 = _rows_in_groups(x_AxD.shape[0], group_sizes_G)
-    group_A = experts_lib.row_groups(group_sizes_G, x_AxD.shape[0]) if fn.bias else None
+    group_A = expert_fn_lib.row_groups(group_sizes_G, x_AxD.shape[0]) if fn.bias else None
     gate_AxF = ops.ragged(x_AxD, w_gate_GxDxF, group_sizes_G)
     up_AxF = ops.ragged(x_AxD, w_up_GxDxF, group_sizes_G)
     h_AxF = fn.act(*pre_activation(gate_AxF, up_AxF, group_A, ws))
@@ -137,15 +137,15 @@ def swiglu_with(ops: GroupedOps, fn: experts_lib.ExpertFn = experts_lib.SWIGLU):
     w_gate, w_up, w_down = ws[:3]
     dtype = x_AxD.dtype
     used_Ax1 = _rows_in_groups(x_AxD.shape[0], group_sizes_G)
-    group_A = experts_lib.row_groups(group_sizes_G, x_AxD.shape[0]) if fn.bias else None
+    group_A = expert_fn_lib.row_groups(group_sizes_G, x_AxD.shape[0]) if fn.bias else None
     dy_AxD = jnp.where(used_Ax1, dy_AxD, 0).astype(dtype)
     dh_AxF = ops.ragged(dy_AxD, w_down, group_sizes_G, transpose=True).astype(jnp.float32)
     gate, up = pre_activation(gate_AxF, up_AxF, group_A, ws)
-    if fn == experts_lib.SWIGLU:     # by hand, as the kernels were first measured
+    if fn == expert_fn_lib.SWIGLU:     # by hand, as the kernels were first measured
       sig = jax.nn.sigmoid(gate)
       dgate_AxF, dup_AxF = dh_AxF * up * sig * (1 + gate * (1 - sig)), dh_AxF * gate * sig
     else:
-      _, dgate_AxF, dup_AxF = experts_lib.act_grads(fn, gate, up, dh_AxF)
+      _, dgate_AxF, dup_AxF = expert_fn_lib.act_grads(fn, gate, up, dh_AxF)
     dgate32_AxF = jnp.where(used_Ax1, dgate_AxF, 0)
     dup32_AxF = jnp.where(used_Ax1, dup_AxF, 0)
     dgate_AxF, dup_AxF = dgate32_AxF.astype(dtype), dup32_AxF.astype(dtype)
@@ -226,7 +226,7 @@ def padded_call(swiglu_at, x_AxD, group_sizes_G, ws):
   return y_AxDp[:, :d]
 
 
-def kernel_swiglu(d: int, f: int, fn: experts_lib.ExpertFn = experts_lib.SWIGLU):
+def kernel_swiglu(d: int, f: int, fn: expert_fn_lib.ExpertFn = expert_fn_lib.SWIGLU):
   """The expert op (`fn`) over the kernels at `tiles_for(d, f)`."""
   ragged, transposed = tiles_for(d, f)
   return _kernel_swiglu_at(tuple(ragged.items()), tuple(transposed.items()), fn)
@@ -234,5 +234,5 @@ def kernel_swiglu(d: int, f: int, fn: experts_lib.ExpertFn = experts_lib.SWIGLU)
 
 @functools.cache
 def _kernel_swiglu_at(ragged_items: tuple, transposed_items: tuple,
-                      fn: experts_lib.ExpertFn = experts_lib.SWIGLU):
+                      fn: expert_fn_lib.ExpertFn = expert_fn_lib.SWIGLU):
   return swiglu_with(kernel_ops(dict(ragged_items), dict(transposed_items)), fn)
