@@ -95,7 +95,8 @@ class ModelConfig:
   """Key/value heads (grouped-query attention), dividing num_heads; 0 = num_heads."""
   qk_norm: str = "full"
   """RMSNorm of q and k: one of `moejax.layers.attention.QK_NORMS` (full: over all heads' width,
-  OLMoE; head: per head, Qwen3; none: Mixtral, Qwen2)."""
+  OLMoE; head: per head, Qwen3; l2: per head without a scale, of the rotated q and k, on the
+  rotated layers only, Llama 4's; none: Mixtral, Qwen2)."""
   qkv_bias: bool = False
   """Biases on the q, k and v projections (Qwen2-MoE)."""
   attention_out_bias: bool = False
@@ -134,6 +135,19 @@ class ModelConfig:
   nope_layers: tuple = ()
   """Indices of the layers whose q and k are not rotated (no positional encoding: EXAONE 4's
   global layers), ascending."""
+  nope_temperature: float = 0.0
+  """> 0: the `nope_layers`' queries are scaled by 1 + nope_temperature * ln(1 + floor((position
+  + 1) / nope_temperature_floor)), sharper attention far into a long context (Llama 4's
+  attn_temperature_tuning with attn_scale); 0: not scaled."""
+  nope_temperature_floor: int = 8192
+  """The positions one step of nope_temperature covers (Llama 4's floor_scale)."""
+  attention_chunk: int = 0
+  """Tokens of one attention chunk: a query of a `chunked_layers` layer sees the keys before it
+  within its own chunk of positions [n * chunk, (n + 1) * chunk) (Llama 4's
+  attention_chunk_size); 0 = no chunked layers."""
+  chunked_layers: tuple = ()
+  """Indices of the layers whose attention stays within its chunk (model.attention_chunk),
+  ascending; none of them sliding."""
   attention_gate: bool = False
   """Scale the attention output, before its projection, by a sigmoid gate of the token (one
   gate value per query channel; MiniCPM5-MoE, Qwen3-Next): the q projection is twice as wide,
@@ -169,7 +183,9 @@ class ModelConfig:
   rope_scaling: str = "none"
   """RoPE frequency scaling: one of `moejax.layers.rope.ROPE_SCALINGS`; "yarn" extends a context
   of rope_original_max_len positions by rope_factor (YaRN; DeepSeek-V3's published weights,
-  Qwen's long-context configs). The rope_* fields below are YaRN's, read only under "yarn"."""
+  Qwen's long-context configs); "llama3" does so by Llama 3's rule (Llama 4's published
+  weights). The rope_* fields below are theirs, read only under a scaling (factor and
+  original_max_len by both, the beta and mscale fields by YaRN, the freq factors by Llama 3's)."""
   rope_factor: float = 1.0
   """YaRN: how many times the original context the model is to reach (>= 1)."""
   rope_original_max_len: int = 0
@@ -189,6 +205,12 @@ class ModelConfig:
   """YaRN: scales cos and sin by this instead of the mscale rule above; 0: that rule."""
   rope_truncate: bool = True
   """YaRN: round the correction range to whole pairs (transformers' `truncate`)."""
+  rope_low_freq_factor: float = 1.0
+  """Llama 3's scaling: pairs whose wavelength exceeds rope_original_max_len / this are slowed
+  by rope_factor."""
+  rope_high_freq_factor: float = 4.0
+  """Llama 3's scaling: pairs whose wavelength is below rope_original_max_len / this keep their
+  frequency; those between the two blend."""
   norm_eps: float = 1e-5
   """RMSNorm epsilon (layer norms and QK-norm)."""
   init_std: float = 0.02
@@ -244,6 +266,9 @@ class MoEConfig:
   score_bias_rate: float = 0.0
   """Each step the bias of an expert above the mean load drops by this much, one below it rises
   (DeepSeek-V3's bias update speed, 0.001); 0 = the bias stays as loaded."""
+  weights_on_input: bool = False
+  """Each routed expert's weight scales the token on its way in, not the expert's output
+  (Llama 4's: expert(w * x) rather than w * expert(x)); the outputs are then summed."""
   shared_expert_hidden: int = 0
   """Hidden width of the shared expert every token passes through besides its routed ones
   (Qwen2-MoE's shared_expert_intermediate_size; DeepSeek's shared experts summed); 0 = none."""
@@ -622,12 +647,19 @@ def validate(c: Config) -> None:
   _check(not (m.attention_gate and m.kv_lora_rank),
          "config.model.attention_gate=True: latent attention (model.kv_lora_rank > 0) has no "
          "output gate; leave it False")
-  if m.rope_scaling == "yarn":
-    _check(m.rope_factor >= 1, f"config.model.rope_factor={m.rope_factor}: YaRN's context "
-           "extension factor, >= 1")
+  if m.rope_scaling != "none":
+    name = "YaRN" if m.rope_scaling == "yarn" else "Llama 3's scaling"
+    _check(m.rope_factor >= 1, f"config.model.rope_factor={m.rope_factor}: {name}'s context "
+           "extension factor, >= 1".replace("scaling's", "scaling"))
     _check(m.rope_original_max_len > 0,
-           f"config.model.rope_original_max_len={m.rope_original_max_len}: YaRN needs the "
+           f"config.model.rope_original_max_len={m.rope_original_max_len}: {name} needs the "
            "context the weights were pretrained on (original_max_position_embeddings), > 0")
+  if m.rope_scaling == "llama3":
+    _check(m.rope_high_freq_factor >= m.rope_low_freq_factor > 0,
+           f"config.model.rope_low_freq_factor={m.rope_low_freq_factor}, rope_high_freq_factor="
+           f"{m.rope_high_freq_factor}: Llama 3's scaling needs high >= low > 0 (1 and 4 by "
+           "default)")
+  if m.rope_scaling == "yarn":
     _check(m.rope_beta_fast > m.rope_beta_slow > 0,
            f"config.model.rope_beta_fast={m.rope_beta_fast}, rope_beta_slow={m.rope_beta_slow}: "
            "YaRN needs rope_beta_fast > rope_beta_slow > 0 (rotations over the original "
@@ -657,7 +689,7 @@ def validate(c: Config) -> None:
          f"in [0, model.num_layers={m.num_layers}), leaving at least one MoE layer")
   _check(m.dense_hidden >= 0, f"config.model.dense_hidden={m.dense_hidden}: must be >= 0 (0: no "
          "dense layers)")
-  for field in ("sliding_layers", "nope_layers"):
+  for field in ("sliding_layers", "nope_layers", "chunked_layers"):
     layers = getattr(m, field)
     _check(list(layers) == sorted(set(layers)) and all(0 <= i < m.num_layers for i in layers),
            f"config.model.{field}={layers}: must be ascending distinct layer indices in [0, "
@@ -683,6 +715,21 @@ def validate(c: Config) -> None:
   _check(bool(m.sliding_window) == bool(m.sliding_layers),
          f"config.model.sliding_window={m.sliding_window} with model.sliding_layers="
          f"{m.sliding_layers}: a window needs the layers it applies to, and layers a window > 0"),
+  _check(m.attention_chunk >= 0 and bool(m.attention_chunk) == bool(m.chunked_layers),
+         f"config.model.attention_chunk={m.attention_chunk} with model.chunked_layers="
+         f"{m.chunked_layers}: a chunk (> 0) needs the layers it applies to, and chunked layers "
+         "a chunk > 0")
+  both = sorted(set(m.chunked_layers) & set(m.sliding_layers))
+  _check(not both, f"config.model.chunked_layers and model.sliding_layers share layers {both}: "
+         "a layer's attention slides or stays within its chunk, not both")
+  _check(0 <= m.nope_temperature < math.inf and m.nope_temperature_floor > 0
+         and (m.nope_layers or not m.nope_temperature),
+         f"config.model.nope_temperature={m.nope_temperature}, nope_temperature_floor="
+         f"{m.nope_temperature_floor}: the scale must be >= 0 and finite (> 0 only with "
+         "model.nope_layers, the layers it scales) and the floor > 0")
+  _check(m.qk_norm != "l2" or not m.kv_lora_rank,
+         "config.model.qk_norm='l2': latent attention (model.kv_lora_rank > 0) normalizes its "
+         "latents, not q and k; use 'none'")
   _check(0 <= m.sliding_rope_theta < math.inf and (m.sliding_layers or not m.sliding_rope_theta),
          f"config.model.sliding_rope_theta={m.sliding_rope_theta}: must be >= 0 and finite, and "
          "> 0 only with model.sliding_layers (0: the sliding layers rotate as the others)")
@@ -864,7 +911,10 @@ def unused_settings(c: Config) -> list[str]:
        "the codec is chosen at run time (codec.mode='auto', or codec.select=True)"),
       ("model", ("dense_hidden",), bool(c.model.dense_layers), "model.dense_layers is not empty"),
       ("moe", ("group_score",), c.moe.expert_groups > 1, "moe.expert_groups > 1"),
-      ("model", YARN_FIELDS, c.model.rope_scaling != "none", "model.rope_scaling is 'yarn'")]
+      ("model", YARN_FIELDS, c.model.rope_scaling != "none",
+       "model.rope_scaling is 'yarn' or 'llama3'"),
+      ("model", ("nope_temperature_floor",), c.model.nope_temperature > 0,
+       "model.nope_temperature > 0")]
   for group, fields, read, when in unread:
     if read:
       continue
@@ -877,8 +927,8 @@ def unused_settings(c: Config) -> list[str]:
   return notes
 
 
-# model.rope_<x> for each field <x> of RopeScaling but its kind (model.rope_scaling): YaRN's
-# settings, read only under rope_scaling="yarn".
+# model.rope_<x> for each field <x> of RopeScaling but its kind (model.rope_scaling): YaRN's and
+# Llama 3's settings, read only under a scaling.
 YARN_FIELDS = tuple(f"rope_{f.name}" for f in dataclasses.fields(RopeScaling) if f.name != "kind")
 
 
@@ -908,7 +958,7 @@ def num_params(c: Config) -> dict[str, int]:
     q_biases = 1 if m.attention_gate_own else gates     # an own gate weight has no bias
     attn += (q_biases * q_width + 2 * kv_width) if m.qkv_bias else 0
     attn += d if m.attention_out_bias else 0
-    attn += {"full": q_width + kv_width, "head": 2 * m.head_dim, "none": 0}[m.qk_norm]
+    attn += {"full": q_width + kv_width, "head": 2 * m.head_dim, "l2": 0, "none": 0}[m.qk_norm]
     attn += h if m.attention_sinks else 0                # one sink logit per head
   attn += {"sandwich": 4, "parallel": 1}.get(m.norm_position, 2) * d   # the layer's norms
   expert = expert_values(c)

@@ -27,6 +27,7 @@ import configs.mellum as mellum_configs
 import configs.minicpm5_moe as minicpm5_moe_configs
 import configs.minimax_m2 as minimax_m2_configs
 import configs.mixtral as mixtral_configs
+import configs.llama4 as llama4_configs
 import configs.olmoe as olmoe_configs
 import configs.param2moe as param2moe_configs
 import configs.qwen2_moe as qwen2_moe_configs
@@ -52,7 +53,7 @@ FAMILY_CONFIGS = {"olmoe": olmoe_configs, "mixtral": mixtral_configs,
                   "afmoe": afmoe_configs, "mellum": mellum_configs,
                   "granitemoe_swa": granitemoe_swa_configs, "flint": flint_configs,
                   "kolibri1": kolibri1_configs, "gpt_oss": gpt_oss_configs,
-                  "cohere2_moe": cohere2_moe_configs,
+                  "cohere2_moe": cohere2_moe_configs, "llama4": llama4_configs,
                   "hunyuan_v1_moe": hunyuan_v1_moe_configs}
 
 

@@ -304,7 +304,14 @@ def test_values_that_would_train_wrong_or_end_in_nan_are_refused_by_name(field, 
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"model.rope_scaling": "ntk"}, "config.model.rope_scaling='ntk': must be one of none, yarn"),
+    ({"model.rope_scaling": "ntk"},
+     "config.model.rope_scaling='ntk': must be one of none, yarn, llama3"),
+    ({"model.rope_scaling": "llama3"}, "config.model.rope_original_max_len=0: Llama 3's scaling "
+     "needs the context the weights were pretrained on (original_max_position_embeddings), > 0"),
+    ({"model.rope_scaling": "llama3", "model.rope_original_max_len": 64,
+      "model.rope_low_freq_factor": 4.0, "model.rope_high_freq_factor": 1.0},
+     "config.model.rope_low_freq_factor=4.0, rope_high_freq_factor=1.0: Llama 3's scaling needs "
+     "high >= low > 0 (1 and 4 by default)"),
     ({"model.rotary_dim": 7}, "config.model.rotary_dim=7: an even width up to model.head_dim=16 "
      "(0 = the whole head)"),
     ({"model.rotary_dim": 32}, "config.model.rotary_dim=32: an even width up to "

@@ -36,21 +36,23 @@ DEFAULT_MAX_SHARD_BYTES = 5_000_000_000     # transformers' default max_shard_si
 
 
 def read_hf_config(hf_dir: str) -> dict:
+  """config.json of `hf_dir`: its text model's where it is a multimodal config
+  (`hf_config.text_model_config`: Llama 4's)."""
   path = os.path.join(hf_dir, CONFIG_FILE)
   if not os.path.isdir(hf_dir):
     raise CheckpointError(f"{hf_dir}: not a directory (a Hugging Face checkpoint directory with "
                           f"{CONFIG_FILE} and safetensors files is expected)")
   try:
     with open(path) as f:
-      return json.load(f)
+      return hf_config.text_model_config(json.load(f), path)
   except FileNotFoundError:
     raise CheckpointError(f"{path}: missing (not a Hugging Face checkpoint directory)") from None
   except (OSError, ValueError) as e:
     raise CheckpointError(f"{path}: not readable JSON ({e})") from None
 
 
-def _check_tensors(reader: TensorReader, cfg: Config, experts: str) -> None:
-  expected = hf_names.expected_shapes(cfg, experts)
+def _check_tensors(reader: TensorReader, cfg: Config, experts: str, prefix: str) -> None:
+  expected = hf_names.expected_shapes(cfg, experts, prefix)
   for name, shape in expected.items():
     if name not in reader.shapes:
       raise CheckpointError(f"{reader.directory}: tensor {name!r} is missing (config.json implies "
@@ -60,7 +62,7 @@ def _check_tensors(reader: TensorReader, cfg: Config, experts: str) -> None:
                             f"but config.json implies {shape}")
     reader.check_dtype(name)
   unexpected = sorted(n for n in reader.shapes
-                      if n not in expected and not hf_names.is_ignored(n, cfg))
+                      if n not in expected and not hf_names.is_ignored(n, cfg, prefix))
   if unexpected:
     raise CheckpointError(f"{reader.directory}: tensor {unexpected[0]!r} has no place in a moejax "
                           f"{cfg.model.family} model as config.json describes it "
@@ -72,12 +74,12 @@ def _read_source(reader: TensorReader, src: hf_names.Source, tail_slices: list) 
   if src.row_offset:
     first = hf_slices[0]
     hf_slices[0] = slice(first.start + src.row_offset, first.stop + src.row_offset)
-  if src.stride > 1:      # the columns the block's take, every stride-th, read as one range
-    last = hf_slices[-1]
-    hf_slices[-1] = slice(last.start * src.stride, last.stop * src.stride)
+  if src.by_column:      # the columns the block's take, every stride-th, read as one range
+    columns = src.columns(hf_slices[-1].start, hf_slices[-1].stop)
+    hf_slices[-1] = slice(columns.start, columns.stop)
   block = reader.read(src.name, (*src.prefix, *hf_slices))
   if src.stride > 1:
-    block = block[..., src.column::src.stride]
+    block = block[..., ::src.stride]
   return block.T if src.transpose else block
 
 
@@ -128,8 +130,9 @@ def load_hf(hf_dir: str, *, shardings=None, base: Config | None = None) -> tuple
   params: dict = {}
   with TensorReader(hf_dir, scales=hf_config.weight_scales(hf, where)) as reader:
     experts = hf_names.detect_expert_layout(reader.names())
-    _check_tensors(reader, cfg, experts)
-    for leaf in hf_names.leaf_maps(cfg, experts):
+    prefix = hf_names.text_prefix(reader.names())    # a multimodal checkpoint's text model
+    _check_tensors(reader, cfg, experts, prefix)
+    for leaf in hf_names.leaf_maps(cfg, experts, prefix):
       if shardings is None:
         value = _read_block(reader, leaf, ())
       else:
@@ -235,7 +238,7 @@ def save_hf(params, cfg: Config, out_dir: str, *, dtype: str = "float32",
 
   def produce(name: str) -> np.ndarray:
     parts = lookup[name]
-    if len(parts) == 1 and not parts[0][2].row_offset and parts[0][2].stride == 1:
+    if len(parts) == 1 and not parts[0][2].row_offset and not parts[0][2].by_column:
       leaf, lead, src = parts[0]
       block = block_of(leaf, lead, src)
       return np.reshape(block, shapes[name]) if src.prefix else block
@@ -243,8 +246,8 @@ def save_hf(params, cfg: Config, out_dir: str, *, dtype: str = "float32",
     for leaf, lead, src in parts:
       block = block_of(leaf, lead, src)
       out = np.zeros(shapes[name], block.dtype) if out is None else out
-      if src.stride > 1:
-        out[src.prefix][..., src.column::src.stride] = block
+      if src.by_column:
+        out[src.prefix][..., src.columns(0, block.shape[-1])] = block
       else:
         out[src.prefix][src.row_offset:src.row_offset + block.shape[0]] = block
     return out

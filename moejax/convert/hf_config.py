@@ -1,7 +1,7 @@
 """Hugging Face config.json <-> moejax `Config`, for every family of `moejax.families`.
 
 Only what moejax models is carried over; a config that asks for something moejax does not model
-(clipped q/k/v, output-projection biases, RoPE scaled other than by YaRN, sliding windows where
+(clipped q/k/v, RoPE scaled other than by YaRN or Llama 3's rule, sliding windows where
 the family's transformers code has none,
 another activation, quantizations moejax cannot dequantize) is refused with one line naming the
 field, rather than converted into a different model. Each family fixes some options of the decoder
@@ -21,6 +21,9 @@ field, rather than converted into a different model. Each family fixes some opti
    embeddings, beta_fast, beta_slow,    rope_mscale, rope_mscale_all_dim,
    mscale, mscale_all_dim,              rope_attention_factor, rope_truncate
    attention_factor, truncate)
+  ... llama3 (factor, original_max_     model.rope_scaling="llama3", rope_factor,
+   position_embeddings, low_freq_      rope_original_max_len, rope_low_freq_factor /
+   factor, high_freq_factor)            _high_freq_factor
   rms_norm_eps                         model.norm_eps
   initializer_range                    model.init_std
   qkv_bias (qwen2_moe)                 model.qkv_bias
@@ -76,6 +79,15 @@ field, rather than converted into a different model. Each family fixes some opti
  FlexOlmo (flex_olmo): model.norm_position "post"; Hunyuan-A13B (hunyuan_v1_moe): moe_topk,
   QK-norm after RoPE, a shared MLP of intermediate_size, "dynamic" RoPE with alpha as plain
   RoPE of base theta * alpha^(d / (d - 2)), per-layer lists of one value
+ Llama 4 (llama4_text; a multimodal llama4 config.json is read as its text_config, by
+  `text_model_config`): no_rope_layers (1 rotated; empty: every no_rope_layer_interval-th
+  unrotated) -> model.nope_layers; attention_chunk_size and layer_types ("chunked_attention";
+  absent: the rotated layers) -> model.attention_chunk, chunked_layers; attn_temperature_tuning,
+  attn_scale, floor_scale -> model.nope_temperature, nope_temperature_floor; use_qk_norm ->
+  model.qk_norm "l2" / "none"; moe_layers (else every interleave_moe_layer_step-th) and
+  intermediate_size_mlp -> model.dense_layers, dense_hidden; always neighbour-pair rotary, a
+  shared expert of the experts' width, sigmoid top-k not renormalized, the weights on the
+  experts' inputs (moe.weights_on_input)
 """
 from __future__ import annotations
 
@@ -210,6 +222,7 @@ class FamilySpec:
                                        # interleaved rotary, NoPE on the full layers (dense ones
                                        # rotated when prefix_dense_sliding_window_pattern is 1),
                                        # the shared experts summed or averaged, logit_scale
+  llama4: bool = False                 # Llama 4: `_llama4_fields`
   default_rope: tuple = ()             # (key, value) of the RoPE dict its config class sets
                                        # when config.json gives none (gpt-oss: YaRN)
   # Fields that must hold these values (moejax has no equivalent of the others); export writes
@@ -454,6 +467,11 @@ FAMILY_SPECS = {
         layer_types_fallback=True, first_dense_default=0, norm_position="parallel",
         sliding="cohere", default_sliding_window=4096, cohere=True,
         required=_COMMON_REQUIRED),
+    "llama4": FamilySpec(
+        "llama4_text", "Llama4ForCausalLM", "l2", "num_local_experts", "intermediate_size", None,
+        default_rope_theta=500000.0, default_head_dim=128, default_kv_heads=8, default_aux=0.001,
+        qkv_bias_key="attention_bias", qk_norm_key="use_qk_norm", qk_norm_default=True,
+        score="sigmoid", llama4=True, required=_COMMON_REQUIRED),
 }
 assert tuple(FAMILY_SPECS) == FAMILIES
 MODEL_TYPES = {spec.model_type: name for name, spec in FAMILY_SPECS.items()}
@@ -461,6 +479,28 @@ MODEL_TYPES = {spec.model_type: name for name, spec in FAMILY_SPECS.items()}
 # name: Kimi-K2 is DeepSeek-V3's (its README's advice for frameworks without "kimi_k2": read it
 # as "deepseek_v3"). Exports write the family's own model_type.
 MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
+# Multimodal configs whose text model is a family's: model_type -> the text_config's model_type
+# (Llama 4's published checkpoints are Llama4ForConditionalGeneration).
+TEXT_CONFIG_WRAPPERS = {"llama4": "llama4_text"}
+
+
+def text_model_config(hf, where: str = "config.json"):
+  """The config.json of the text model: `hf` itself, or the text_config of a multimodal config
+  (`TEXT_CONFIG_WRAPPERS`), with the outer quantization_config where it has none."""
+  if not isinstance(hf, dict) or hf.get("model_type") not in TEXT_CONFIG_WRAPPERS:
+    return hf
+  text = hf.get("text_config")
+  want = TEXT_CONFIG_WRAPPERS[hf["model_type"]]
+  if not isinstance(text, dict):
+    raise CheckpointError(f"{where}: model_type={hf['model_type']!r} needs text_config, the "
+                          f"{want} config of its text model (got {text!r})")
+  text = dict(text)
+  if text.setdefault("model_type", want) != want:
+    raise CheckpointError(f"{where}: text_config.model_type={text['model_type']!r}; a "
+                          f"{hf['model_type']} config's text model is {want!r}")
+  if "quantization_config" in hf:
+    text.setdefault("quantization_config", hf["quantization_config"])
+  return text
 
 
 def canonical_model_type(model_type):
@@ -492,6 +532,9 @@ _YARN_KEYS = dict(rope_beta_fast="beta_fast", rope_beta_slow="beta_slow", rope_m
                   rope_mscale_all_dim="mscale_all_dim",
                   rope_attention_factor="attention_factor", rope_truncate="truncate")
 _YARN_DEFAULTS = {field: getattr(ModelConfig(), field) for field in _YARN_KEYS}
+_LLAMA3_KEYS = dict(rope_low_freq_factor="low_freq_factor",
+                    rope_high_freq_factor="high_freq_factor")
+_LLAMA3_DEFAULTS = {field: getattr(ModelConfig(), field) for field in _LLAMA3_KEYS}
 
 
 def _rope_dict(hf: dict) -> tuple:
@@ -510,7 +553,8 @@ def _rope(hf: dict, where: str, default_theta: float, alpha_head_dim: int = 0) -
   frequencies are plain RoPE's of base theta * alpha^(d / (d - 2)), d that head width."""
   rope, key = _rope_dict(hf)
   theta = hf.get("rope_theta", default_theta)
-  fields = dict(rope_scaling="none", rope_factor=1.0, rope_original_max_len=0, **_YARN_DEFAULTS)
+  fields = dict(rope_scaling="none", rope_factor=1.0, rope_original_max_len=0, **_YARN_DEFAULTS,
+                **_LLAMA3_DEFAULTS)
   if rope is not None:
     if not isinstance(rope, dict):
       _refuse(where, key, rope, "expected a dict with rope_type and rope_theta")
@@ -519,14 +563,16 @@ def _rope(hf: dict, where: str, default_theta: float, alpha_head_dim: int = 0) -
     if alpha is not None:
       if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
         _refuse(where, f"{key}.alpha", alpha, "expected a positive number")
-    elif rope_type not in ("default", "yarn"):
+    elif rope_type not in ("default", "yarn", "llama3"):
       _refuse(where, f"{key}.rope_type", rope_type,
-              "moejax implements plain (default) RoPE and yarn only")
+              "moejax implements plain (default) RoPE, yarn and llama3 only")
     theta = rope.get("rope_theta", theta)
     if alpha is not None:    # Hunyuan's NTK-alpha: plain RoPE of a stretched base
       theta = theta * alpha ** (alpha_head_dim / (alpha_head_dim - 2))
     if rope_type == "yarn":
       fields.update(_yarn(hf, rope, f"{where}: {key}"))
+    if rope_type == "llama3":
+      fields.update(_llama3(rope, f"{where}: {key}"))
   if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
     _refuse(where, "rope_theta", theta, "expected a positive number")
   return dict(fields, rope_theta=float(theta))
@@ -649,12 +695,30 @@ def _yarn(hf: dict, rope: dict, where: str) -> dict:
   return fields
 
 
+def _llama3(rope: dict, where: str) -> dict:
+  """Llama 3's scaling from its rope dict: every key transformers reads, which it requires."""
+  fields = dict(rope_scaling="llama3")
+  for field, key in (("rope_factor", "factor"),
+                     ("rope_original_max_len", "original_max_position_embeddings"),
+                     *_LLAMA3_KEYS.items()):
+    value = rope.get(key)
+    kind = int if field == "rope_original_max_len" else float
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+        or (kind is int and not isinstance(value, int)) or value <= 0):
+      raise CheckpointError(f"{where}: llama3 needs {key}, a positive "
+                            f"{'integer' if kind is int else 'number'} (got {value!r})")
+    fields[field] = kind(value)
+  return fields
+
+
 def _rope_to_hf(m) -> dict:
   """The rope dict of `m`'s RoPE (transformers' keys; rope_theta left to the caller)."""
   if m.rope_scaling == "none":
     return {"rope_type": "default"}
   out = {"rope_type": m.rope_scaling, "factor": m.rope_factor,
          "original_max_position_embeddings": m.rope_original_max_len}
+  if m.rope_scaling == "llama3":
+    return dict(out, **{key: getattr(m, field) for field, key in _LLAMA3_KEYS.items()})
   for field, key in _YARN_KEYS.items():
     if getattr(m, field) != _YARN_DEFAULTS[field] or field.startswith("rope_beta"):
       out[key] = getattr(m, field)
@@ -834,6 +898,7 @@ def _unaliased(hf: dict, spec: FamilySpec, where: str = "config.json") -> dict:
 
 def check_supported(hf: dict, where: str = "config.json") -> FamilySpec:
   """The family of `hf`; raises CheckpointError if moejax cannot represent it exactly."""
+  hf = text_model_config(hf, where)
   spec = family_of(hf, where)
   hf = _unaliased(hf, spec, where)
   weight_scales(hf, where)
@@ -946,12 +1011,14 @@ def _sliding(hf: dict, spec: FamilySpec, where: str) -> dict:
   sliding_window, layer_types and the family's rule for absent layer_types (`spec.sliding`);
   a sliding layer in a family transformers never slides is refused."""
   layers = _get(hf, "num_hidden_layers", int, where)
+  none = dict(sliding_window=0, sliding_layers=(), nope_layers=())
+  if spec.llama4:         # no sliding layer; its layer_types are chunks (`_llama4_fields`)
+    return none
   types = hf.get("layer_types")
   if types is not None and (not isinstance(types, list) or len(types) != layers
                             or not all(t in _ATTENTION_TYPES for t in types)):
     _refuse(where, "layer_types", types, f"expected num_hidden_layers={layers} entries, each "
             "'full_attention' or 'sliding_attention'")
-  none = dict(sliding_window=0, sliding_layers=(), nope_layers=())
   if not spec.sliding:
     if types and "sliding_attention" in types:
       _refuse(where, "layer_types", "sliding_attention", f"{spec.architecture} attends to the "
@@ -1063,6 +1130,70 @@ def _cohere_fields(hf: dict, where: str, sliding_layers: tuple, dense: tuple) ->
   renormalize = selection == "softmax" or _get(hf, "norm_topk_prob", bool, where, True)
   moe = dict(score=selection, renormalize=renormalize, shared_expert_hidden=shared * expert_hidden,
              shared_expert_gate=False, routed_scale=both, shared_expert_scale=both)
+  return model, moe
+
+
+def _layer_list(hf: dict, key: str, where: str, layers: int, valid: tuple):
+  """A per-layer list field (`layers` entries, each one of `valid`), or None where absent."""
+  values = hf.get(key)
+  if values is not None and (not isinstance(values, list) or len(values) != layers
+                             or not all(v in valid for v in values)):
+    _refuse(where, key, values, f"expected num_hidden_layers={layers} entries, each one of "
+            f"{', '.join(map(repr, valid))}")
+  return values
+
+
+def _positive(hf: dict, key: str, where: str, default, kind=int):
+  value = _get(hf, key, kind, where, default)
+  if value <= 0 or (kind is float and not math.isfinite(value)):
+    _refuse(where, key, value, "expected a positive number")
+  return value
+
+
+def _llama4_fields(hf: dict, where: str, expert_hidden: int) -> tuple[dict, dict]:
+  """Llama 4's model and moe fields (`FamilySpec.llama4`), as transformers' Llama4TextConfig
+  fills in what config.json leaves out."""
+  layers = _get(hf, "num_hidden_layers", int, where)
+  rotated = _layer_list(hf, "no_rope_layers", where, layers, (0, 1))
+  if not rotated:       # absent or empty: every no_rope_layer_interval-th layer unrotated
+    interval = _positive(hf, "no_rope_layer_interval", where, 4)
+    rotated = [int((i + 1) % interval != 0) for i in range(layers)]
+  nope = tuple(i for i, r in enumerate(rotated) if not r)
+  chunk = hf.get("attention_chunk_size", 8192)
+  if chunk is not None:
+    chunk = _positive(hf, "attention_chunk_size", where, 8192)
+  types = _layer_list(hf, "layer_types", where, layers, ("chunked_attention", "full_attention"))
+  if types is None:
+    types = ["chunked_attention" if r and chunk is not None else "full_attention"
+             for r in rotated]
+  chunked = tuple(i for i, t in enumerate(types) if t == "chunked_attention")
+  if chunked and chunk is None:
+    _refuse(where, "layer_types", types, "chunked layers need attention_chunk_size (null)")
+  tuning = hf.get("attn_temperature_tuning", True)     # tested for truth (Scout's is 4)
+  if not isinstance(tuning, (bool, int, float)):
+    _refuse(where, "attn_temperature_tuning", tuning, "expected true, false or a number")
+  scale = _get(hf, "attn_scale", float, where, 0.1)
+  floor = _positive(hf, "floor_scale", where, 8192, float)
+  if floor != int(floor):
+    _refuse(where, "floor_scale", floor, "moejax's nope_temperature_floor is a whole number of "
+            "positions")
+  temperature = scale if tuning and nope else 0.0
+  moe_layers = hf.get("moe_layers")
+  if moe_layers is None:
+    step = _positive(hf, "interleave_moe_layer_step", where, 1)
+    moe_layers = list(range(step - 1, layers, step))
+  if not isinstance(moe_layers, list) or not all(
+      isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in moe_layers):
+    _refuse(where, "moe_layers", moe_layers, f"expected layer indices below {layers}")
+  dense = tuple(i for i in range(layers) if i not in moe_layers)
+  model = dict(nope_layers=nope, attention_chunk=chunk if chunked else 0, chunked_layers=chunked,
+               nope_temperature=temperature,
+               nope_temperature_floor=int(floor) if temperature else ModelConfig(
+               ).nope_temperature_floor,
+               rotary_interleaved=True, dense_layers=dense,
+               dense_hidden=_positive(hf, "intermediate_size_mlp", where, 16384) if dense else 0)
+  moe = dict(renormalize=False, weights_on_input=True, shared_expert_hidden=expert_hidden,
+             shared_expert_gate=False)
   return model, moe
 
 
@@ -1228,7 +1359,9 @@ def _ernie_fields(hf: dict, where: str) -> tuple[dict, dict]:
 
 def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.json") -> Config:
   """The moejax `Config` of a config.json of any family; fields moejax does not take from it come
-  from `base` (default: `Config()`)."""
+  from `base` (default: `Config()`). A multimodal config is read as its text model's
+  (`text_model_config`)."""
+  hf = text_model_config(hf, where)
   spec = check_supported(hf, where)
   hf = _unaliased(hf, spec, where)
   base = Config() if base is None else base
@@ -1314,7 +1447,16 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
   else:
     model = dataclasses.replace(model, norm_kind="rms")
     moe = dataclasses.replace(moe, shared_expert_scale=1.0)
-  if spec.gpt_oss or spec.cohere:      # attention_bias biases the output projection too
+  if spec.llama4:
+    model_fields, moe_fields = _llama4_fields(hf, where, moe.expert_hidden)
+    model = dataclasses.replace(model, **model_fields)
+    moe = dataclasses.replace(moe, **moe_fields)
+  else:
+    defaults = ModelConfig()
+    model = dataclasses.replace(model, **{field: getattr(defaults, field) for field in (
+        "attention_chunk", "chunked_layers", "nope_temperature", "nope_temperature_floor")})
+    moe = dataclasses.replace(moe, weights_on_input=False)
+  if spec.gpt_oss or spec.cohere or spec.llama4:   # attention_bias biases o too
     model = dataclasses.replace(model, attention_out_bias=model.qkv_bias)
   if spec.gpt_oss:
     moe = dataclasses.replace(
@@ -1322,7 +1464,7 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
         swiglu_alpha=_get(hf, "swiglu_alpha", float, where, 1.702),
         swiglu_limit=_get(hf, "swiglu_limit", float, where, 7.0))
   else:
-    if not spec.cohere:
+    if not (spec.cohere or spec.llama4):
       model = dataclasses.replace(model, attention_out_bias=False)
     moe = dataclasses.replace(moe, router_bias=False, expert_bias=False, activation="swiglu",
                               swiglu_alpha=1.702, swiglu_limit=7.0)
@@ -1396,7 +1538,7 @@ def check_exportable(cfg: Config) -> FamilySpec:
   else:
     need("moe.score", moe.score, spec.score, f" (it routes with {spec.score} scores)")
     need("model.kv_lora_rank", m.kv_lora_rank, 0, " (no latent attention)")
-    if not spec.dense_pattern and not spec.ernie and not spec.layer_types_key:
+    if not (spec.dense_pattern or spec.ernie or spec.layer_types_key or spec.llama4):
       need("model.dense_layers", m.dense_layers, (), " (no dense layers)")
     need("moe.score_bias", moe.score_bias, spec.score_bias,
          " (its router has the score bias)" if spec.score_bias else " (no score bias)")
@@ -1405,7 +1547,7 @@ def check_exportable(cfg: Config) -> FamilySpec:
   if moe.score_bias:
     need("moe.score_bias_on_logits", moe.score_bias_on_logits, spec.bias_on_logits,
          " (where its router adds the bias)")
-  need("model.rotary_interleaved", m.rotary_interleaved, spec.ernie or spec.cohere,
+  need("model.rotary_interleaved", m.rotary_interleaved, spec.ernie or spec.cohere or spec.llama4,
        " (how its rotary dims pair up)")
   need("model.norm_position", m.norm_position, spec.norm_position, " (where its layers' norms "
        "sit)")
@@ -1436,7 +1578,7 @@ def check_exportable(cfg: Config) -> FamilySpec:
     need("model.sliding_rope_theta", m.sliding_rope_theta, 0.0, " (its per-layer bases all "
          "take the model's YaRN: the sliding layers cannot rotate by plain RoPE of their own)")
   patterned = spec.sliding in _FULL_UNROTATED
-  if not (spec.layer_thetas or spec.cohere):   # Granite SWA: any layer unrotated
+  if not (spec.layer_thetas or spec.cohere or spec.llama4):   # Granite SWA: any unrotated
     # (layer_rope_theta 0); Cohere: its own rule, above
     need("model.nope_layers", m.nope_layers, full if patterned else (),
          " (it leaves its full layers unrotated)" if patterned else " (it rotates every layer)")
@@ -1448,10 +1590,20 @@ def check_exportable(cfg: Config) -> FamilySpec:
        " (its experts' biases)" if spec.gpt_oss else " (no expert biases)")
   need("moe.activation", moe.activation, "swiglu_clamped" if spec.gpt_oss else "swiglu",
        " (its experts' activation)")
-  need("model.attention_out_bias", m.attention_out_bias,
-       m.qkv_bias and (spec.gpt_oss or spec.cohere),
-       " (attention_bias biases q, k, v and o alike)" if spec.gpt_oss or spec.cohere
+  both_biased = spec.gpt_oss or spec.cohere or spec.llama4
+  need("model.attention_out_bias", m.attention_out_bias, m.qkv_bias and both_biased,
+       " (attention_bias biases q, k, v and o alike)" if both_biased
        else " (no output-projection bias)")
+  need("moe.weights_on_input", moe.weights_on_input, spec.llama4,
+       " (its routed weights scale the experts' inputs)" if spec.llama4
+       else " (its routed weights scale the experts' outputs)")
+  if not spec.llama4:
+    need("model.attention_chunk", m.attention_chunk, 0, " (no chunked attention)")
+    need("model.nope_temperature", m.nope_temperature, 0.0, " (no query temperature)")
+  else:
+    need("moe.renormalize", moe.renormalize, False, " (it never renormalizes the top-k)")
+    need("moe.shared_expert_hidden", moe.shared_expert_hidden, moe.expert_hidden,
+         " (a shared expert as wide as a routed one: both intermediate_size)")
   if not spec.cohere:
     need("model.norm_kind", m.norm_kind, "rms", " (RMSNorm)")
     need("moe.shared_expert_scale", moe.shared_expert_scale, 1.0, " (no shared-expert scale)")
@@ -1470,7 +1622,7 @@ def check_exportable(cfg: Config) -> FamilySpec:
     need("model.rotary_dim", m.rotary_dim, 0, " (it rotates whole heads)")
   if not spec.qkv_bias_key:
     need("model.qkv_bias", m.qkv_bias, False)
-  if spec.renormalize_key is None:
+  if spec.renormalize_key is None and not spec.llama4:
     need("moe.renormalize", moe.renormalize, True)
   need("moe.shared_expert_gate", moe.shared_expert_gate, spec.shared_expert and spec.shared_gate)
   if spec.deepseek or spec.sigmoid_moe or spec.ernie:   # n shared experts of the routed width
@@ -1486,7 +1638,7 @@ def check_exportable(cfg: Config) -> FamilySpec:
       raise CheckpointError(
           f"config.moe.shared_expert_hidden={moe.shared_expert_hidden}: {what} needs a multiple "
           f"of moe.expert_hidden={moe.expert_hidden} (num_shared_experts of its width)")
-  elif not spec.shared_expert and spec.granite != "shared" and not spec.hunyuan:
+  elif not (spec.shared_expert or spec.granite == "shared" or spec.hunyuan or spec.llama4):
     need("moe.shared_expert_hidden", moe.shared_expert_hidden, 0)
   if not spec.granite:
     for field in _GRANITE_SCALES:     # each at ModelConfig's default: no scaling
@@ -1623,6 +1775,21 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
         # (layer_types written: the patterns only say which dense layers rotate)
         "prefix_dense_sliding_window_pattern": 1 if rotated_dense else (
             prefix if prefix != 1 or not full & set(m.dense_layers) else 2)})
+  if spec.llama4:
+    moe_layers = [i for i in range(m.num_layers) if i not in m.dense_layers]
+    steps = [s for s in range(1, m.num_layers + 1)
+             if moe_layers == list(range(s - 1, m.num_layers, s))]
+    hf.update({
+        "no_rope_layers": [int(i not in m.nope_layers) for i in range(m.num_layers)],
+        "attention_chunk_size": m.attention_chunk or None,
+        "layer_types": ["chunked_attention" if i in m.chunked_layers else "full_attention"
+                        for i in range(m.num_layers)],
+        "attn_temperature_tuning": m.nope_temperature > 0,
+        "attn_scale": m.nope_temperature or hf.get("attn_scale", 0.1),
+        "floor_scale": m.nope_temperature_floor,
+        # the list wins; the step as other readers (vLLM) take it, where one gives the list
+        "moe_layers": moe_layers, "interleave_moe_layer_step": steps[0] if steps else 1,
+        "intermediate_size_mlp": m.dense_hidden or hf.get("intermediate_size_mlp", 16384)})
   if spec.gpt_oss:
     hf.update({"swiglu_alpha": moe.swiglu_alpha, "swiglu_limit": moe.swiglu_limit})
     if "experts_per_token" in hf:     # the Hub's copy of the top-k (other readers take it)

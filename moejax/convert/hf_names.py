@@ -75,6 +75,18 @@ they are, gate and up interleaved, and biases on q, k, v, o, the router and the 
   layers.moe.b_gate / b_up    [L, E, F]  model.layers.i.mlp.experts.gate_up_proj_bias [E, 2F], alike
   layers.moe.w_down           [L,E,F,D]  model.layers.i.mlp.experts.down_proj [E, F, D]
   layers.moe.b_down           [L, E, D]  model.layers.i.mlp.experts.down_proj_bias [E, D]
+
+Llama 4 (one layout, transformers' names, under feed_forward): its experts [in, out] as they
+are, gate and up as the two halves of gate_up_proj; the dense layers' MLP and the shared expert
+under feed_forward too:
+  layers.moe.router           [L, D, E]  model.layers.i.feed_forward.router.weight [E, D]^T
+  layers.moe.w_gate / w_up    [L,E,D,F]  model.layers.i.feed_forward.experts.gate_up_proj
+                                         [E, D, 2F], columns 0 .. F-1 / F .. 2F-1
+  layers.moe.w_down           [L,E,F,D]  model.layers.i.feed_forward.experts.down_proj [E, F, D]
+  layers.moe.shared_w_*                  model.layers.i.feed_forward.shared_expert.*_proj.weight
+  dense_layers.mlp.w_*                   model.layers.i.feed_forward.*_proj.weight
+Its published checkpoints are multimodal (Llama4ForConditionalGeneration): each name above
+under language_model. (`text_prefix`), beside the vision encoder's, which import leaves.
 """
 from __future__ import annotations
 
@@ -107,7 +119,20 @@ class Source:
   transpose: bool = False
   singleton: bool = False
   stride: int = 1          # the block is every `stride`-th entry of the tensor's last axis,
-  column: int = 0          # from this one (gpt-oss's gate and up, interleaved)
+  column: int = 0          # from this one (gpt-oss's gate and up, interleaved; Llama 4's up:
+                           # stride 1 from column F)
+  in_columns: bool = False   # the block is part of the last axis (Llama 4's gate, column 0)
+
+  @property
+  def by_column(self) -> bool:
+    """The block is a column range or stride of its tensor's last axis."""
+    return self.in_columns or self.stride > 1 or self.column > 0
+
+  def columns(self, start: int, stop: int) -> slice:
+    """The tensor's last-axis entries of the block's columns start .. stop - 1."""
+    return slice(self.column + start * self.stride,
+                 self.column + (stop - 1) * self.stride + 1 if stop > start else
+                 self.column + start * self.stride, self.stride)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,12 +188,18 @@ HUB_EXPERT_NAMES = {
     "flint": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "kolibri1": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "mellum": ("mlp", ("gate_proj", "up_proj", "down_proj")),
-    "gpt_oss": ("mlp", ("gate_proj", "up_proj", "down_proj")),    # (unused: INTERLEAVED_EXPERTS)
+    "gpt_oss": ("mlp", ("gate_proj", "up_proj", "down_proj")),    # (unused: IN_OUT_EXPERTS)
     "cohere2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "llama4": ("feed_forward", ("gate_proj", "up_proj", "down_proj")),   # (IN_OUT_EXPERTS)
 }
-# Families whose experts are held fused in both layouts, [in, out], gate and up interleaved
-# (every other column), with biases: (gate_up, down) under the MoE block's module.
-INTERLEAVED_EXPERTS = {"gpt_oss": ("experts.gate_up_proj", "experts.down_proj")}
+# Families whose experts are held fused in both layouts, [in, out]: (gate_up, down) under the
+# MoE block's module, and how gate and up share gate_up's columns ("interleaved": every other
+# one, gpt-oss's, with biases; "halves": gate's then up's, Llama 4's).
+IN_OUT_EXPERTS = {"gpt_oss": ("experts.gate_up_proj", "experts.down_proj", "interleaved"),
+                  "llama4": ("experts.gate_up_proj", "experts.down_proj", "halves")}
+# The MoE block's module in both layouts where it is not `mlp` (Llama 4's feed_forward, which
+# also holds its dense layers' MLP and its shared expert).
+FEED_FORWARD_MODULE = {"llama4": "feed_forward"}
 # The attention's sinks where the Hub's layout names them otherwise (transformers: sinks).
 HUB_SINKS_NAME = {"flint": "softmax_offset"}
 # The attention's q and k norms where they are not q_norm and k_norm (both layouts).
@@ -200,7 +231,7 @@ SHARED_EXPERT_MODULE = {"qwen2_moe": "shared_expert", "glm4_moe": "shared_expert
                         "exaone_moe": "shared_experts", "sarvam_moe": "shared_experts",
                         "param2moe": "shared_experts", "hunyuan_v1_moe": "shared_mlp",
                         "afmoe": "shared_experts", "kolibri1": "shared_experts",
-                        "cohere2_moe": "shared_experts"}
+                        "cohere2_moe": "shared_experts", "llama4": "shared_expert"}
 # ... where the Hub's layout names it otherwise (transformers renames it on load)
 HUB_SHARED_EXPERT_MODULE = {"hy_v3": "shared_mlp"}
 # A layer's two norms where they are not input_layernorm and post_attention_layernorm: FlexOlmo's
@@ -220,7 +251,8 @@ HUB_LAYER_SCORE_BIAS = {"kolibri1": "moe.router.expert_bias"}
 ROUTER_NAME = {"hy_v3": ("router.gate", "gate"), "granitemoe": ("router.layer", "router"),
                "granitemoeshared": ("router.layer", "router"),
                "hunyuan_v1_moe": ("gate.wg", "gate.wg"), "afmoe": ("router.gate", "router.gate"),
-               "granitemoe_swa": ("router", "router"), "gpt_oss": ("router", "router")}
+               "granitemoe_swa": ("router", "router"), "gpt_oss": ("router", "router"),
+               "llama4": ("router", "router")}
 # The q projection of families whose attention has an output gate (`model.attention_gate`): each
 # head's query rows followed by its gate rows, under this name in transformers' fused layout
 # (the Hub's keeps q_proj; transformers renames it on load).
@@ -293,19 +325,44 @@ def _attention_maps(cfg: Config, per_layer, experts: str) -> None:
     for part, width, (tensor, offset) in parts:
       per_layer(("attn", f"b{part}"), (width,), f"{module}.{tensor}.bias", False,
                 row_offset=offset)
-  if m.qk_norm != "none":
+  if m.qk_norm in ("full", "head"):      # ("l2" has no scale)
     q_width, k_width = (HD, GD) if m.qk_norm == "full" else (m.head_dim, m.head_dim)
     per_layer(("attn", "q_norm"), (q_width,), f"{module}.{q_norm}.weight", False)
     per_layer(("attn", "k_norm"), (k_width,), f"{module}.{k_norm}.weight", False)
 
 
-def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:
-  """One LeafMap per moejax parameter, in the order of the exported files."""
+# The prefix of a multimodal checkpoint's text-model tensors (Llama4ForConditionalGeneration's
+# language_model), whose other tensors (the vision encoder's) hold no moejax parameter.
+TEXT_PREFIXES = ("language_model.",)
+
+
+def text_prefix(names) -> str:
+  """The prefix every text-model tensor of a checkpoint holding `names` has ("" for a text
+  model's own checkpoint)."""
+  for prefix in TEXT_PREFIXES:
+    if any(n.startswith(prefix + "model.") for n in names):
+      return prefix
+  return ""
+
+
+def leaf_maps(cfg: Config, experts: str = PER_EXPERT, prefix: str = "") -> list[LeafMap]:
+  """One LeafMap per moejax parameter, in the order of the exported files; `prefix` before every
+  tensor name (`text_prefix`)."""
+  maps = _leaf_maps(cfg, experts)
+  if not prefix:
+    return maps
+  return [dataclasses.replace(leaf, sources={
+      lead: dataclasses.replace(src, name=prefix + src.name) for lead, src in leaf.sources.items()})
+      for leaf in maps]
+
+
+def _leaf_maps(cfg: Config, experts: str) -> list[LeafMap]:
   m, moe = cfg.model, cfg.moe
   E, D, F, V = moe.num_experts, m.d_model, moe.expert_hidden, m.vocab_size
   Fs = moe.shared_expert_hidden
   hub_moe, (gate_name, up_name, down_name) = HUB_EXPERT_NAMES[m.family]
-  moe_module = FUSED_MOE_MODULE.get(m.family, "mlp") if experts == FUSED else hub_moe
+  feed_forward = FEED_FORWARD_MODULE.get(m.family, "mlp")
+  moe_module = FUSED_MOE_MODULE.get(m.family, feed_forward) if experts == FUSED else hub_moe
   fused_names = (("experts.gate_up_proj", "experts.down_proj") if experts == FUSED
                  else HUB_FUSED_EXPERTS.get(m.family))
   embed_name = (HUB_EMBED_NAME.get(m.family, "model.embed_tokens.weight") if experts != FUSED
@@ -340,7 +397,7 @@ def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:
       for name, tail, hf_name in (("w_gate", (D, m.dense_hidden), "gate_proj"),
                                   ("w_up", (D, m.dense_hidden), "up_proj"),
                                   ("w_down", (m.dense_hidden, D), "down_proj")):
-        per_layer(("mlp", name), tail, f"mlp.{hf_name}.weight", True)
+        per_layer(("mlp", name), tail, f"{feed_forward}.{hf_name}.weight", True)
       continue
     router = ROUTER_NAME.get(m.family, ("gate", "gate"))[experts == FUSED]
     per_layer(("moe", "router"), (D, E), f"{moe_module}.{router}.weight", True)
@@ -354,9 +411,8 @@ def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:
         path = HUB_LAYER_SCORE_BIAS[m.family]
       per_layer(("moe", "score_bias"), (E,), path, False,
                 singleton=m.family in SCORE_BIAS_SINGLETON)
-    if m.family in INTERLEAVED_EXPERTS:
-      maps.extend(_interleaved_expert_maps(cfg, group, hf_ids, f"{moe_module}.",
-                                           moe.expert_bias))
+    if m.family in IN_OUT_EXPERTS:
+      maps.extend(_in_out_expert_maps(cfg, group, hf_ids, f"{moe_module}.", moe.expert_bias))
     else:
       for name, tail, hf_name, offset in (("w_gate", (D, F), gate_name, 0),
                                           ("w_up", (D, F), up_name, F),
@@ -384,7 +440,7 @@ def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:
       for name, tail, hf_name in (("shared_w_gate", (D, Fs), "gate_proj"),
                                   ("shared_w_up", (D, Fs), "up_proj"),
                                   ("shared_w_down", (Fs, D), "down_proj")):
-        per_layer(("moe", name), tail, f"mlp.{shared}.{hf_name}.weight", True)
+        per_layer(("moe", name), tail, f"{feed_forward}.{shared}.{hf_name}.weight", True)
       if moe.shared_expert_gate:
         per_layer(("moe", "shared_gate"), (D, 1), "mlp.shared_expert_gate.weight", True)
 
@@ -394,37 +450,43 @@ def leaf_maps(cfg: Config, experts: str = PER_EXPERT) -> list[LeafMap]:
   return maps
 
 
-def _interleaved_expert_maps(cfg: Config, group: str, hf_ids: list, module: str,
-                             bias: bool) -> list[LeafMap]:
-  """gpt-oss's experts: gate_up_proj [E, D, 2F] (gate in the even columns, up in the odd ones)
-  and down_proj [E, F, D], [in, out] as moejax holds them; their biases alike."""
+def _in_out_expert_maps(cfg: Config, group: str, hf_ids: list, module: str,
+                        bias: bool) -> list[LeafMap]:
+  """Experts held [in, out] as moejax holds them: gate_up_proj [E, D, 2F] (gpt-oss: gate in the
+  even columns, up in the odd ones; Llama 4: gate's F columns, then up's) and down_proj
+  [E, F, D]; their biases alike."""
   moe, D = cfg.moe, cfg.model.d_model
   E, F = moe.num_experts, moe.expert_hidden
-  gate_up, down = INTERLEAVED_EXPERTS[cfg.model.family]
-  leaves = [("w_gate", (D, F), gate_up, 0), ("w_up", (D, F), gate_up, 1),
-            ("w_down", (F, D), down, None)]
+  gate_up, down, split = IN_OUT_EXPERTS[cfg.model.family]
+  # (stride, column) of gate's and up's columns
+  gate, up = ((2, 0), (2, 1)) if split == "interleaved" else ((1, 0), (1, F))
+  whole = (1, 0)
+  leaves = [("w_gate", (D, F), gate_up, gate), ("w_up", (D, F), gate_up, up),
+            ("w_down", (F, D), down, whole)]
   if bias:
-    leaves += [("b_gate", (F,), gate_up + "_bias", 0), ("b_up", (F,), gate_up + "_bias", 1),
-               ("b_down", (D,), down + "_bias", None)]
+    leaves += [("b_gate", (F,), gate_up + "_bias", gate), ("b_up", (F,), gate_up + "_bias", up),
+               ("b_down", (D,), down + "_bias", whole)]
   maps = []
-  for name, tail, tensor, column in leaves:
+  for name, tail, tensor, (stride, column) in leaves:
     sources = {(i, e): Source(f"{_layer(hf_i)}.{module}{tensor}", prefix=(e,),
-                              stride=1 if column is None else 2, column=column or 0)
+                              stride=stride, column=column,
+                              in_columns=tensor.startswith(gate_up))
                for (i, hf_i), e in itertools.product(enumerate(hf_ids), range(E))}
     maps.append(LeafMap((group, "moe", name), (len(hf_ids), E, *tail), 2, sources))
   return maps
 
 
-def expected_shapes(cfg: Config, experts: str = PER_EXPERT) -> dict[str, tuple[int, ...]]:
+def expected_shapes(cfg: Config, experts: str = PER_EXPERT,
+                    prefix: str = "") -> dict[str, tuple[int, ...]]:
   """Hugging Face tensor name -> the full shape `cfg` implies for it: the extent of every block
   its sources read (a fused tensor's experts along the prefix, its gate and up rows along the
   first tail axis)."""
   shapes = {}
-  for leaf in leaf_maps(cfg, experts):
+  for leaf in leaf_maps(cfg, experts, prefix):
     for src in leaf.sources.values():
       tail = list(leaf.tail[::-1] if src.transpose else leaf.tail)
       tail[0] += src.row_offset
-      tail[-1] *= src.stride
+      tail[-1] = src.columns(0, tail[-1]).stop
       shape = (*(p + 1 for p in src.prefix), *tail)
       old = shapes.get(src.name)
       shapes[src.name] = shape if old is None else tuple(max(a, b) for a, b in zip(old, shape))
@@ -435,12 +497,17 @@ def detect_expert_layout(names) -> str:
   return FUSED if any(n.endswith(".experts.gate_up_proj") for n in names) else PER_EXPERT
 
 
-def is_ignored(name: str, cfg: Config | None = None) -> bool:
-  """Tensors that hold no moejax parameter: recomputed rotary tables; with `cfg`, layers past
+def is_ignored(name: str, cfg: Config | None = None, prefix: str = "") -> bool:
+  """Tensors that hold no moejax parameter: recomputed rotary tables; with `prefix`, those
+  outside the text model (a multimodal checkpoint's vision encoder); with `cfg`, layers past
   its last (DeepSeek-V3's and GLM-4.5's multi-token-prediction layers, which transformers does
   not load either) and a tied LM head's copy of the embedding."""
   if name.endswith(IGNORED_SUFFIXES):
     return True
+  if prefix:
+    if not name.startswith(prefix):
+      return True
+    name = name[len(prefix):]
   if cfg is None:
     return False
   if cfg.model.family in MTP_NAMED and "mtp" in name:

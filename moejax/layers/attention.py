@@ -6,7 +6,8 @@ Letters: B batch, S sequence, D model width, H query heads, G key/value heads, D
                  Qwen); G = H is multi-head attention (OLMoE).
   QK-norm        "full": RMSNorm over the whole projected q (width H*Dh) and k (G*Dh) before the
                  heads are split (OLMoE); "head": over each head's Dh, one scale shared by the
-                 heads (Qwen3); "none" (Mixtral, Qwen2).
+                 heads (Qwen3); "l2": over each head's Dh without a scale, of the rotated q and
+                 k, on rotated layers only (Llama 4); "none" (Mixtral, Qwen2).
   qkv bias       biases on the q, k and v projections, not the output one (Qwen2).
   out bias       a bias on the output projection (gpt-oss, beside qkv bias).
   output gate    the output of each query channel scaled by sigmoid(x Wg) before the output
@@ -16,7 +17,12 @@ Letters: B batch, S sequence, D model width, H query heads, G key/value heads, D
   latent         `LatentAttention`: DeepSeek-V2/V3's multi-head latent attention (below).
   sliding window `window` W > 0: each query sees itself and the W - 1 tokens before it
                  (Mistral's, EXAONE's sliding layers); 0: the whole sequence.
-  no rotary      `rotary=False`: q and k are not rotated (EXAONE 4's global layers, NoPE).
+  chunks         `chunk` C > 0: each query sees the keys before it within its chunk of positions
+                 [n C, (n + 1) C) (Llama 4's chunked layers): the sequence is cut into chunks
+                 that attend causally each on its own, as a batch.
+  no rotary      `rotary=False`: q and k are not rotated (EXAONE 4's global layers, NoPE);
+                 `temperature` (scale, floor) > 0 then multiplies each query at position p by
+                 1 + scale ln(1 + floor((p + 1) / floor)) (Llama 4's NoPE layers).
   sinks          a learned logit per query head that joins each query's softmax denominator
                  and adds no value (gpt-oss's and Granite SWA's attention sinks): the output is
                  scaled by sigmoid(logsumexp(scores) - sink).
@@ -42,18 +48,36 @@ from moejax.layers.rope import (NO_SCALING, RopeScaling, apply_rotary, rotary_at
 from moejax.sharding.axes import (ATTENTION, BIASES, EMBED, HEAD, HEADS, KV_HEADS, LATENT, NORM,
                                   NORMS, Q_HEADS, SINKS, param)
 
-QK_NORMS = ("full", "head", "none")
+QK_NORMS = ("full", "head", "l2", "none")
 LATENT_NORM_EPS = 1e-6   # DeepSeek's latent norms use their module default, not rms_norm_eps
 
 
 def attend(q_BxSxHxDk, k_BxTxGxDk, v_BxTxGxDv, *, mask=None, is_causal=False, scale=None,
-           window: int = 0, sinks_H=None):
+           window: int = 0, sinks_H=None, chunk: int = 0):
   """Softmax attention scaled by `scale` (default 1/sqrt(Dk)); `window` W > 0: query i sees keys
-  i - W + 1 .. i (with `is_causal`); `sinks_H`: each head's sink logit (`attend_with_sinks`).
+  i - W + 1 .. i (with `is_causal`); `chunk` C > 0 (with `is_causal`, queries and keys the same
+  positions, no mask): query i sees keys C floor(i / C) .. i; `sinks_H`: each head's sink logit
+  (`attend_with_sinks`).
   Values and keys may differ in width (latent attention): `jax.nn.dot_product_attention` takes
   one width, so the narrower side is zero-padded (zeros add nothing to q.k or to the output)
   and the output cut back to Dv. On CUDA, where `cudnn_applies`, cuDNN's flash attention (its
   sliding window too); XLA's otherwise."""
+  s = q_BxSxHxDk.shape[1]
+  if chunk and s > chunk:
+    if not is_causal or mask is not None or k_BxTxGxDk.shape[1] != s:
+      raise ValueError("attend: chunk needs is_causal self-attention without a mask (a cached "
+                       "step masks the chunk itself)")
+    # The chunks as a batch, each causal on its own: padding to whole chunks adds keys after
+    # every real query, which causality hides from them.
+    b, n = q_BxSxHxDk.shape[0], -(-s // chunk)
+
+    def fold(x):
+      x = jnp.pad(x, ((0, 0), (0, n * chunk - s), (0, 0), (0, 0)))
+      return x.reshape(b * n, chunk, *x.shape[2:])
+
+    out = attend(fold(q_BxSxHxDk), fold(k_BxTxGxDk), fold(v_BxTxGxDv), is_causal=True,
+                 scale=scale, window=window, sinks_H=sinks_H)
+    return out.reshape(b, n * chunk, *out.shape[2:])[:, :s]
   if sinks_H is not None:
     return attend_with_sinks(q_BxSxHxDk, k_BxTxGxDk, v_BxTxGxDv, sinks_H, mask=mask,
                              is_causal=is_causal, scale=scale, window=window)
@@ -127,7 +151,8 @@ class Attention(nnx.Module):
                rope_scaling: RopeScaling = NO_SCALING, rotary_dim: int = 0,
                rotary_interleaved: bool = False, output_gate: bool = False, window: int = 0,
                rotary: bool = True, softmax_scale: float = 0.0, qk_norm_after_rope: bool = False,
-               gate_own: bool = False, sinks: bool = False, out_bias: bool = False):
+               gate_own: bool = False, sinks: bool = False, out_bias: bool = False,
+               chunk: int = 0, temperature: tuple[float, int] = (0.0, 0)):
     num_kv_heads = num_kv_heads or num_heads
     if qk_norm not in QK_NORMS:
       raise ValueError(f"qk_norm={qk_norm!r}: must be one of {', '.join(QK_NORMS)}")
@@ -158,7 +183,7 @@ class Attention(nnx.Module):
       self.bv = param(jnp.zeros((kv_width,), jnp.float32), (KV_HEADS,), BIASES)
     if out_bias:
       self.bo = param(jnp.zeros((d_model,), jnp.float32), (EMBED,), BIASES)
-    if qk_norm != "none":
+    if qk_norm in ("full", "head"):
       q_norm, k_norm = (q_width, kv_width) if qk_norm == "full" else (head_dim, head_dim)
       self.q_norm = param(jnp.ones((q_norm,), jnp.float32), (NORM,), NORMS)
       self.k_norm = param(jnp.ones((k_norm,), jnp.float32), (NORM,), NORMS)
@@ -166,7 +191,9 @@ class Attention(nnx.Module):
     self.qk_norm, self.qkv_bias, self.output_gate = qk_norm, qkv_bias, output_gate
     self.gate_own = output_gate and gate_own
     self.has_sinks, self.out_bias = sinks, out_bias
-    self.window, self.rotary = window, rotary
+    self.window, self.rotary, self.chunk = window, rotary, chunk
+    # Llama 4's query temperature, on unrotated layers only
+    self.temperature = (0.0, 0) if rotary else tuple(temperature)
     self.qk_norm_after_rope = qk_norm_after_rope
     self.rope_theta, self.rope_scaling, self.norm_eps = rope_theta, rope_scaling, norm_eps
     self.rotary_dim = rotary_dim or head_dim      # partial rotary: its first dims only
@@ -179,15 +206,22 @@ class Attention(nnx.Module):
     s = x_BxSxD.shape[1]
     q, k, v = self.qkv(x_BxSxD, self.rotary_at(jnp.arange(s, dtype=jnp.float32)))
     return self.project_out(attend(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                   window=self.window, sinks_H=self.sinks_H()), x_BxSxD)
+                                   window=self.window, sinks_H=self.sinks_H(),
+                                   chunk=self.chunk), x_BxSxD)
 
   def sinks_H(self):
     """Each head's sink logit [H] (fp32), or None without sinks."""
     return self.sinks[...] if self.has_sinks else None
 
   def rotary_at(self, positions_S):
-    """(cos, sin) [S, Dh] of these positions, this layer's RoPE (for `qkv`)."""
-    return rotary_at(positions_S, self.rotary_dim, self.rope_theta, self.rope_scaling)
+    """(cos, sin) [S, Dh] of these positions, this layer's RoPE, and the queries' temperature
+    [S] (fp32; None without one) (for `qkv`)."""
+    scale, floor = self.temperature
+    q_scale_S = None
+    if scale:      # computed as transformers does, in fp32 from the positions
+      q_scale_S = jnp.log1p(jnp.floor((positions_S.astype(jnp.float32) + 1.0) / floor)) * scale + 1
+    return (*rotary_at(positions_S, self.rotary_dim, self.rope_theta, self.rope_scaling),
+            q_scale_S)
 
   def _q_columns(self, part: int):
     """(weight, bias or None) of the queries (part 0) or, with the output gate, of the gate
@@ -214,8 +248,8 @@ class Attention(nnx.Module):
 
   def qkv(self, x_BxSxD, rotary):
     """q [B, S, H, Dh], k and v [B, S, G, Dh]: projected, QK-normed, q and k rotated by
-    `rotary` = (cos, sin) [S, rotary_dim] of the tokens' positions (`self.rotary_at`, which a
-    KV-cached step calls with its own positions)."""
+    `rotary` = (cos, sin) [S, rotary_dim] and the queries' temperature [S] or None of the
+    tokens' positions (`self.rotary_at`, which a KV-cached step calls with its own positions)."""
     b, s, _ = x_BxSxD.shape
     bk, bv = (self.bk[...], self.bv[...]) if self.qkv_bias else (None, None)
     q = self._project(x_BxSxD, *self._q_columns(0))
@@ -233,6 +267,14 @@ class Attention(nnx.Module):
     q_BxSxHxDh, k_BxSxGxDh = self._rotate(q_BxSxHxDh, k_BxSxGxDh, rotary)
     if head_norm and self.qk_norm_after_rope:      # Hunyuan-A13B: the rotated q and k
       q_BxSxHxDh, k_BxSxGxDh = self._head_norm(q_BxSxHxDh, k_BxSxGxDh)
+    if self.qk_norm == "l2" and self.rotary:       # Llama 4: unscaled, rotated layers only
+      ones = jnp.ones((self.head_dim,), jnp.float32)
+      q_BxSxHxDh = rms_norm(q_BxSxHxDh, ones, self.norm_eps)
+      k_BxSxGxDh = rms_norm(k_BxSxGxDh, ones, self.norm_eps)
+    q_scale_S = rotary[2] if len(rotary) > 2 else None
+    if q_scale_S is not None:
+      q_BxSxHxDh = (q_BxSxHxDh.astype(jnp.float32) * q_scale_S[None, :, None, None]).astype(
+          q_BxSxHxDh.dtype)
     return q_BxSxHxDh, k_BxSxGxDh, v_BxSxGxDh
 
   def _head_norm(self, q_BxSxHxDh, k_BxSxGxDh):
@@ -242,7 +284,7 @@ class Attention(nnx.Module):
   def _rotate(self, q_BxSxHxDh, k_BxSxGxDh, rotary):
     if not self.rotary:
       return q_BxSxHxDh, k_BxSxGxDh
-    cos, sin = rotary
+    cos, sin = rotary[:2]
     if self.rotary_interleaved:
       # Neighbour pairs, as halves: q and k permuted alike leave q.k unchanged (and the cache
       # holds k permuted, consistently).
@@ -283,7 +325,8 @@ class LatentAttention(nnx.Module):
   def __init__(self, d_model: int, num_heads: int, *, q_lora_rank: int, kv_lora_rank: int,
                qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rope_theta: float,
                init_std: float, rngs: nnx.Rngs, rope_scaling: RopeScaling = NO_SCALING,
-               window: int = 0, rotary: bool = True, softmax_scale: float = 0.0):
+               window: int = 0, rotary: bool = True, softmax_scale: float = 0.0,
+               chunk: int = 0):
     init = jax.nn.initializers.normal(init_std)
     h, qk = num_heads, qk_nope_head_dim + qk_rope_head_dim
     if q_lora_rank:
@@ -305,7 +348,7 @@ class LatentAttention(nnx.Module):
     self.num_heads, self.q_lora_rank, self.kv_lora_rank = num_heads, q_lora_rank, kv_lora_rank
     self.nope, self.rotary_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
     self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
-    self.window, self.rotary = window, rotary
+    self.window, self.rotary, self.chunk = window, rotary, chunk
     # Under YaRN DeepSeek scales all of q.k, the non-rotary part too (mscale_all_dim).
     self.softmax_scale = softmax_scale or (qk ** -0.5) * rope_scaling.latent_softmax_scale
 
@@ -314,7 +357,7 @@ class LatentAttention(nnx.Module):
     s = x_BxSxD.shape[1]
     q, k, v = self.qkv(x_BxSxD, self.rotary_at(jnp.arange(s, dtype=jnp.float32)))
     return self.project_out(attend(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                   window=self.window), x_BxSxD)
+                                   window=self.window, chunk=self.chunk), x_BxSxD)
 
   def rotary_at(self, positions_S):
     """(cos, sin) [S, Dr] of these positions, this layer's RoPE (for `qkv`)."""

@@ -5,9 +5,10 @@ One step per stage, each replaceable:
 The router's options: softmax or sigmoid scores, renormalized or not, scaled (`routed_scale`),
 chosen among the best expert groups (`groups`, `top_groups`) and with a selection-only per-expert
 bias (`score_bias`, moved from the load by the train step: `moejax.routing.balance`),
-plus, with `shared_hidden` > 0, a shared expert every token passes through (DeepSeek's shared
-experts side by side as one SwiGLU of their summed width; Qwen2-MoE's scaled by a sigmoid gate
-of the token, `shared_gate`). The shared expert is a dense layer parameter: it is gathered like
+the routed weights applied to the experts' outputs, or to their inputs (`weights_on_input`,
+Llama 4's), plus, with `shared_hidden` > 0, a shared expert every token passes through
+(DeepSeek's shared experts side by side as one SwiGLU of their summed width; Qwen2-MoE's scaled
+by a sigmoid gate of the token, `shared_gate`). The shared expert is a dense layer parameter: it is gathered like
 attention, never placed like the routed experts, and routing, admission and telemetry ignore it.
 Letters: B batch, S sequence, T = B*S tokens, D width, E experts, K chosen per token, F expert
 hidden width.
@@ -73,6 +74,7 @@ class MoESpec:
   activation: str = "swiglu"              # the experts': "swiglu" | "swiglu_clamped" (gpt-oss)
   swiglu_alpha: float = 1.702             # ... its sigmoid's slope
   swiglu_limit: float = 7.0               # ... and clamp
+  weights_on_input: bool = False          # expert(w x), not w expert(x) (Llama 4)
 
   @property
   def expert_fn(self) -> experts_lib.ExpertFn:
@@ -272,6 +274,7 @@ class MoEBlock(nnx.Module):
       # Padding zeroed before anything reads it: the outputs below are masked, but a NaN or inf
       # in a padded row would still reach the router's and shared expert's gradients (0 x inf).
       x_TxD = jnp.where(mask_T[:, None], x_TxD, jnp.zeros((), x_TxD.dtype))
+    x_shared_TxD = x_TxD     # the shared expert's input (x_TxD may become the assignments')
     with profiling.scope("router"):
       router_DxE = self.router[...]
       if router_DxE.dtype != jnp.float32:
@@ -324,6 +327,15 @@ class MoEBlock(nnx.Module):
                                                mask_T=mask_T)
     with profiling.scope("experts"):
       w, fn = self.expert_weights(x_TxD.dtype), spec.expert_fn
+      t, k = experts_TxK.shape
+      if spec.weights_on_input:
+        # Each assignment its own token, scaled by its weight on the way in (in fp32), routed to
+        # its one expert with weight 1; the K outputs are summed below. The dispatch sees the
+        # same T*K rows it repeats otherwise.
+        x_TxD = (jnp.repeat(x_TxD, k, axis=0).astype(jnp.float32)
+                 * weights_TxK.reshape(-1, 1).astype(jnp.float32)).astype(x_TxD.dtype)
+        experts_TxK = experts_TxK.reshape(-1, 1)
+        weights_TxK = jnp.ones_like(weights_TxK).reshape(-1, 1)
       if dispatch.kind == "local":
         y_TxD, dropped = dispatch_lib.local_experts(x_TxD, experts_TxK, weights_TxK, *w, fn=fn)
       elif dispatch.kind == "ep":
@@ -339,9 +351,11 @@ class MoEBlock(nnx.Module):
       else:
         raise ValueError(f"unknown dispatch kind {dispatch.kind!r}")
     aux["dropped"] = dropped
+    if spec.weights_on_input:      # the K assignments' outputs back to their token, in fp32
+      y_TxD = y_TxD.reshape(t, k, d).sum(axis=1)
     y_TxD = y_TxD.astype(x_BxSxD.dtype)
     if spec.shared_hidden:
-      y_TxD = y_TxD + self.shared_expert(x_TxD)
+      y_TxD = y_TxD + self.shared_expert(x_shared_TxD)
     if mask_T is not None:
       y_TxD = jnp.where(mask_T[:, None], y_TxD, jnp.zeros((), y_TxD.dtype))
     return y_TxD.reshape(b, s, d), aux

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (RoPE): plain, or with YaRN's context extension.
+"""Rotary position embeddings (RoPE): plain, or with YaRN's or Llama 3's context extension.
 
 Letters: S sequence, Dh the rotated width (a head's, or latent attention's rotary part).
 
@@ -12,6 +12,12 @@ published weights and Qwen's long-context configs use it. The formulas are trans
 (`_compute_yarn_parameters`, `yarn_get_mscale`, `yarn_apply_mscale`), so imported weights compute
 what they compute there: the correction range in float64 on the host, the frequencies in
 float32.
+
+Llama 3's scaling (Llama 3.1 and Llama 4's published weights; transformers'
+`_compute_llama3_parameters`) divides by `factor` the frequencies whose wavelength exceeds
+`original_max_len / low_freq_factor`, keeps those shorter than `original_max_len /
+high_freq_factor`, and blends the ones between by how many times they turn over the original
+context; cos and sin are not scaled.
 """
 from __future__ import annotations
 
@@ -20,7 +26,7 @@ import math
 
 import jax.numpy as jnp
 
-ROPE_SCALINGS = ("none", "yarn")
+ROPE_SCALINGS = ("none", "yarn", "llama3")
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -30,8 +36,9 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-  """How RoPE's frequencies are scaled: `kind` one of ROPE_SCALINGS; the rest is YaRN's and read
-  only under "yarn" (the fields of transformers' rope_parameters of that name)."""
+  """How RoPE's frequencies are scaled: `kind` one of ROPE_SCALINGS; factor and original_max_len
+  are read by both scalings, the beta and mscale fields by "yarn", the freq factors by "llama3"
+  (the fields of transformers' rope_parameters of those names)."""
   kind: str = "none"
   factor: float = 1.0
   original_max_len: int = 0
@@ -41,6 +48,8 @@ class RopeScaling:
   mscale_all_dim: float = 0.0
   attention_factor: float = 0.0      # 0: from factor and the mscales
   truncate: bool = True
+  low_freq_factor: float = 1.0       # llama3: wavelengths above original_max_len / this: / factor
+  high_freq_factor: float = 4.0      # ... below original_max_len / this: kept
 
   def __post_init__(self):
     if self.kind not in ROPE_SCALINGS:
@@ -49,7 +58,7 @@ class RopeScaling:
   @property
   def table_scale(self) -> float:
     """Multiplies cos and sin: YaRN's attention factor (1 without scaling)."""
-    if self.kind == "none":
+    if self.kind != "yarn":
       return 1.0
     if self.attention_factor:
       return self.attention_factor
@@ -61,7 +70,7 @@ class RopeScaling:
   def latent_softmax_scale(self) -> float:
     """Multiplies latent attention's softmax scale 1/sqrt(Dn + Dr): DeepSeek scales the whole
     q.k, the parts without rotary too, by mscale(factor, mscale_all_dim)^2."""
-    if self.kind == "none" or not self.mscale_all_dim:
+    if self.kind != "yarn" or not self.mscale_all_dim:
       return 1.0
     return yarn_mscale(self.factor, self.mscale_all_dim) ** 2
 
@@ -86,6 +95,8 @@ def inv_frequencies(dim: int, theta: float, scaling: RopeScaling = NO_SCALING):
   extrapolated = 1.0 / base_freq
   if scaling.kind == "none":
     return extrapolated
+  if scaling.kind == "llama3":
+    return _llama3_frequencies(extrapolated, scaling)
   interpolated = 1.0 / (scaling.factor * base_freq)
   low, high = scaling.correction_range(dim, theta)
   if low == high:
@@ -93,6 +104,22 @@ def inv_frequencies(dim: int, theta: float, scaling: RopeScaling = NO_SCALING):
   ramp = jnp.clip((jnp.arange(dim // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
   keep = 1.0 - ramp
   return interpolated * (1.0 - keep) + extrapolated * keep
+
+
+def _llama3_frequencies(inv_freq, scaling: RopeScaling):
+  """Llama 3's scaled frequencies (see the module docstring), in float32 as transformers'."""
+  context = scaling.original_max_len
+  wavelength = 2 * math.pi / inv_freq
+  scaled = jnp.where(wavelength > context / scaling.low_freq_factor, inv_freq / scaling.factor,
+                     inv_freq)
+  if scaling.high_freq_factor == scaling.low_freq_factor:   # no band between: nothing to blend
+    return scaled
+  smooth = (context / wavelength - scaling.low_freq_factor) / (
+      scaling.high_freq_factor - scaling.low_freq_factor)
+  blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+  between = ((wavelength >= context / scaling.high_freq_factor)
+             & (wavelength <= context / scaling.low_freq_factor))
+  return jnp.where(between, blended, scaled)
 
 
 def rotary_tables(seq_len: int, head_dim: int, theta: float,

@@ -2,8 +2,8 @@
 RMSNorm -> LM head (untied, or the embedding's transpose). Layers run under `lax.scan` over
 stacked parameters, one scan per homogeneous run of layers: the `model.dense_layers` have a
 dense MLP (parameter group "dense_layers", stacked in model order), the others MoE ("layers");
-a run also ends where the attention's kind changes (`AttentionKind`: a sliding window, no
-rotary), which the parameters do not show.
+a run also ends where the attention's kind changes (`AttentionKind`: a sliding window, a
+chunk, no rotary), which the parameters do not show.
 
 One decoder for every family (`configs/`): OLMoE, Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek
 differ only in options of the config (grouped-query or multi-head latent attention, QK-norm full
@@ -59,7 +59,7 @@ def moe_spec(cfg: Config) -> MoESpec:
                  bias_on_logits=moe.score_bias_on_logits, router_float32=moe.router_float32,
                  router_bias=moe.router_bias, expert_bias=moe.expert_bias,
                  activation=moe.activation, swiglu_alpha=moe.swiglu_alpha,
-                 swiglu_limit=moe.swiglu_limit)
+                 swiglu_limit=moe.swiglu_limit, weights_on_input=moe.weights_on_input)
 
 
 MOE_LAYERS = "layers"           # the parameter group of the MoE layers (stacked)
@@ -89,20 +89,23 @@ def layer_group_of(cfg: Config) -> list[tuple[str, int]]:
 @dataclasses.dataclass(frozen=True)
 class AttentionKind:
   """What differs between layers' attention without showing in their parameters: a sliding
-  window (0: the whole sequence), whether q and k are rotated, and by which RoPE (rope_theta >
-  0: plain RoPE of this base, the sliding layers' own; 0: the model's)."""
+  window (0: the whole sequence), a chunk the attention stays within (0: none), whether q and k
+  are rotated, and by which RoPE (rope_theta > 0: plain RoPE of this base, the sliding layers'
+  own; 0: the model's)."""
   window: int = 0
   rotary: bool = True
   rope_theta: float = 0.0
+  chunk: int = 0
 
 
 def attention_kind(cfg: Config, layer: int) -> AttentionKind:
   """The attention kind of decoder layer `layer` (model.sliding_layers, model.nope_layers,
-  model.sliding_rope_theta)."""
+  model.sliding_rope_theta, model.chunked_layers)."""
   m = cfg.model
   sliding = layer in m.sliding_layers
   return AttentionKind(m.sliding_window if sliding else 0, layer not in m.nope_layers,
-                       m.sliding_rope_theta if sliding else 0.0)
+                       m.sliding_rope_theta if sliding else 0.0,
+                       m.attention_chunk if layer in m.chunked_layers else 0)
 
 
 class LayerRun(NamedTuple):
@@ -138,7 +141,8 @@ def _attention(cfg: Config, rngs: nnx.Rngs, kind: AttentionKind):
                            qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
                            rope_theta=theta, init_std=m.init_std, rngs=rngs,
                            rope_scaling=scaling, window=kind.window,
-                           rotary=kind.rotary, softmax_scale=m.attention_scale)
+                           rotary=kind.rotary, softmax_scale=m.attention_scale,
+                           chunk=kind.chunk)
   return Attention(m.d_model, m.num_heads, m.head_dim, rope_theta=theta,
                    norm_eps=m.norm_eps, init_std=m.init_std, rngs=rngs,
                    num_kv_heads=m.num_kv_heads, qk_norm=m.qk_norm, qkv_bias=m.qkv_bias,
@@ -146,7 +150,8 @@ def _attention(cfg: Config, rngs: nnx.Rngs, kind: AttentionKind):
                    rotary_interleaved=m.rotary_interleaved, output_gate=m.attention_gate,
                    window=kind.window, rotary=kind.rotary, softmax_scale=m.attention_scale,
                    qk_norm_after_rope=m.qk_norm_after_rope, gate_own=m.attention_gate_own,
-                   sinks=m.attention_sinks, out_bias=m.attention_out_bias)
+                   sinks=m.attention_sinks, out_bias=m.attention_out_bias, chunk=kind.chunk,
+                   temperature=(m.nope_temperature, m.nope_temperature_floor))
 
 
 class _Sublayers:

@@ -25,7 +25,8 @@ BACKWARD = 2.0
 
 def attention_flops(shape: ModelShape, seq_len: int) -> float:
   """Forward FLOPs per token of one layer's attention (projections and the causal core; a
-  sliding layer's core over its window, averaged over the layers)."""
+  sliding layer's core over its window, a chunked layer's within its chunk, averaged over the
+  layers)."""
   vd = shape.v_head_dim or shape.head_dim
   # The causal core is 2 FLOPs x the S/2 keys a query sees on average; a query of a sliding
   # layer sees min(i + 1, W) keys, W - W(W - 1) / 2S on average.
@@ -34,6 +35,11 @@ def attention_flops(shape: ModelShape, seq_len: int) -> float:
   if window and window < seq_len:
     sliding = 2 * window - window * (window - 1) / seq_len
     context -= shape.sliding_layers / shape.num_layers * (seq_len - sliding)
+  chunk = shape.attention_chunk
+  if chunk and chunk < seq_len:    # a query at offset j of its chunk sees j + 1 keys
+    whole, rest = divmod(seq_len, chunk)
+    chunked = (whole * chunk * (chunk + 1) + rest * (rest + 1)) / seq_len
+    context -= shape.chunked_layers / shape.num_layers * (seq_len - chunked)
   core = context * shape.num_heads * (shape.head_dim + vd)
   return 2.0 * shape.attention_params() + core
 

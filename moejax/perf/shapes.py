@@ -54,6 +54,10 @@ class ModelShape:
   """Keys a query of a sliding layer sees (0: none slides)."""
   sliding_layers: int = 0
   """How many layers slide within sliding_window."""
+  attention_chunk: int = 0
+  """Tokens of one attention chunk (Llama 4's; 0: none)."""
+  chunked_layers: int = 0
+  """How many layers attend within their chunk."""
   attention_gate: bool = False
   """A sigmoid output gate on the attention (MiniCPM5-MoE): the q projection twice as wide."""
   attention_sinks: bool = False
@@ -194,7 +198,9 @@ def shape_of(cfg) -> ModelShape:
       shared_hidden=getattr(moe, "shared_expert_hidden", 0) or 0,
       dense_layers=len(m.dense_layers),
       dense_hidden=getattr(m, "dense_hidden", 0) or 0,
-      qk_norm=m.qk_norm != "none", qk_norm_per_head=m.qk_norm == "head", qkv_bias=m.qkv_bias,
+      qk_norm=m.qk_norm in ("full", "head"), qk_norm_per_head=m.qk_norm == "head",
+      qkv_bias=m.qkv_bias, attention_chunk=m.attention_chunk,
+      chunked_layers=len(m.chunked_layers),
       attention_gate=m.attention_gate, sliding_window=m.sliding_window,
       residual_norms={"sandwich": 4, "parallel": 1}.get(m.norm_position, 2),
       attention_sinks=m.attention_sinks, attention_gate_own=m.attention_gate_own,

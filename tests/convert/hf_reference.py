@@ -399,6 +399,22 @@ MODELS = {
                     rms_norm_eps=1e-6, attention_bias=True, tie_word_embeddings=False,
                     rope_parameters=dict(rope_type="default", rope_theta=30000.0)),
         save=dict(save_original_format=False)),
+    # Llama 4: layers 0 and 2 dense (interleave_moe_layer_step 2), layers 0-2 rotated (Llama 3's
+    # scaling, neighbour pairs) with the unscaled per-head QK-norm and chunks of 5 of the 16
+    # tokens, layer 3 unrotated over all of them with its queries' temperature (floor 4, scale
+    # 0.5), sigmoid top-2 scaling the experts' inputs, a shared expert; its one layout (gate
+    # and up halves of gate_up_proj, [in, out]).
+    "llama4": dict(
+        model_type="llama4_text",
+        config=dict(vocab_size=66, hidden_size=32, intermediate_size=12,
+                    intermediate_size_mlp=20, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=8, num_local_experts=5,
+                    num_experts_per_tok=2, interleave_moe_layer_step=2, attention_chunk_size=5,
+                    floor_scale=4, attn_scale=0.5, rms_norm_eps=1e-5,
+                    rope_parameters=dict(rope_type="llama3", rope_theta=50000.0, factor=8.0,
+                                         low_freq_factor=1.0, high_freq_factor=4.0,
+                                         original_max_position_embeddings=8)),
+        save=dict()),
 }
 # FP8 copies: every projection float8 e4m3 beside its scales; embeddings, head, router and norms
 # as they were. As the Hub's DeepSeek-V3, Qwen3-*-FP8 and MiniMax-M2 are stored (transformers'

@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 from moejax.convert import __main__ as cli
 from moejax.convert import hf_names, safetensors_io
 from moejax.convert import config_from_hf, hf_config_from, load_hf, save_hf
-from moejax.convert.hf_config import quantization_summary, weight_scales
+from moejax.convert.hf_config import MODEL_TYPES, quantization_summary, weight_scales
 from moejax.families import FAMILIES
 from moejax.errors import CheckpointError
 from moejax.models import olmoe
@@ -717,7 +717,7 @@ def test_every_family_config_round_trips(family, rope):
   cfg = tiny_config(family, **{"moe.aux_loss_weight": 0.03, "model.rope_theta": 5e5},
                     **(yarn if rope == "yarn" else {}))
   hf = hf_config_from(cfg)
-  assert hf["model_type"] == family
+  assert MODEL_TYPES[hf["model_type"]] == family     # (Llama 4's text model: llama4_text)
   assert config_from_hf(hf, base=cfg) == cfg
   # in transformers 5's layout too (rope_parameters, kept when the base config has it)
   v5 = hf_config_from(cfg, base={**hf, "rope_parameters": {"rope_type": "default"}})
@@ -1619,3 +1619,90 @@ def test_cli_from_hf_refuses_a_used_directory(hf_dir, tmp_path, capsys, monkeypa
   monkeypatch.setattr(safetensors_io.TensorReader, "read", no_read)
   assert cli.main(["from-hf", hf_dir, str(out)]) == 2
   assert "not empty" in capsys.readouterr().err
+
+
+# Llama-4-Scout-17B-16E's config.json as the Hub has it (a multimodal Llama 4 config; the vision
+# config shortened to its model_type)
+LLAMA4_SCOUT = {
+    "architectures": ["Llama4ForConditionalGeneration"], "boi_token_index": 200080,
+    "model_type": "llama4", "vision_config": {"model_type": "llama4_vision_model"},
+    "text_config": {
+        "attention_bias": False, "attention_chunk_size": 8192, "attention_dropout": 0.0,
+        "attn_scale": 0.1, "attn_temperature_tuning": 4, "bos_token_id": 200000,
+        "eos_token_id": [200001, 200007, 200008], "floor_scale": 8192,
+        "for_llm_compressor": False, "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120,
+        "initializer_range": 0.02, "interleave_moe_layer_step": 1, "intermediate_size": 8192,
+        "intermediate_size_mlp": 16384, "max_position_embeddings": 262144,
+        "model_type": "llama4_text", "moe_layers": list(range(48)),
+        "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(48)],
+        "num_attention_heads": 40, "num_experts_per_tok": 1, "num_hidden_layers": 48,
+        "num_key_value_heads": 8, "num_local_experts": 16, "output_router_logits": False,
+        "pad_token_id": 200018, "rms_norm_eps": 1e-05,
+        "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_theta": 500000.0, "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0,
+        "torch_dtype": "bfloat16", "use_cache": True, "use_qk_norm": True,
+        "vocab_size": 202048}}
+
+
+def test_llama4_reads_its_text_model_layer_rules_and_llama3_rope():
+  """Llama 4: Scout's multimodal config.json reads as its text model, the scout preset (its
+  attn_temperature_tuning 4 is on); Maverick's fields (experts every other layer, no QK-norm, no
+  RoPE scaling) as the maverick preset; absent lists, transformers' rules (every 4th layer
+  unrotated, the rotated ones chunked; MoE every interleave_moe_layer_step-th); an export reads
+  back as it was, the tensors under feed_forward with gate and up the halves of one [in, out]
+  tensor; what it cannot read or write is refused, one line naming the field."""
+  scout = from_config_dict(FAMILY_CONFIGS["llama4"].get_config("scout"))
+  got = config_from_hf(LLAMA4_SCOUT, base=scout)
+  assert got.model == scout.model and got.moe == scout.moe
+  maverick = from_config_dict(FAMILY_CONFIGS["llama4"].get_config("maverick"))
+  text = dict(LLAMA4_SCOUT["text_config"], interleave_moe_layer_step=2, use_qk_norm=False,
+              num_local_experts=128, rope_scaling=None, max_position_embeddings=1048576)
+  del text["moe_layers"], text["no_rope_layers"]
+  got = config_from_hf(text, base=maverick)
+  assert got.model == maverick.model and got.moe == maverick.moe
+  cfg = tiny_config("llama4")
+  hf = hf_config_from(cfg)
+  assert hf["model_type"] == "llama4_text" and hf["architectures"] == ["Llama4ForCausalLM"]
+  assert (hf["moe_layers"], hf["interleave_moe_layer_step"], hf["no_rope_layers"]) == (
+      [1, 3], 2, [1, 1, 1, 0])
+  assert hf["rope_scaling"]["rope_type"] == "llama3" and hf["floor_scale"] == 8
+  assert config_from_hf(hf, base=cfg) == cfg
+  bare = {k: v for k, v in hf.items() if k not in ("layer_types", "no_rope_layers",
+                                                   "moe_layers")}
+  assert config_from_hf(bare, base=cfg) == cfg     # the same from transformers' rules
+  unchunked = config_from_hf(dict(bare, attention_chunk_size=None)).model
+  assert (unchunked.attention_chunk, unchunked.chunked_layers) == (0, ())
+  cold = config_from_hf(dict(hf, attn_temperature_tuning=False)).model
+  assert cold.nope_temperature == 0.0
+  shapes = hf_names.expected_shapes(cfg)
+  e, d, f = cfg.moe.num_experts, cfg.model.d_model, cfg.moe.expert_hidden
+  assert shapes["model.layers.1.feed_forward.experts.gate_up_proj"] == (e, d, 2 * f)
+  assert shapes["model.layers.1.feed_forward.experts.down_proj"] == (e, f, d)
+  assert shapes["model.layers.1.feed_forward.router.weight"] == (e, d)
+  assert shapes["model.layers.1.feed_forward.shared_expert.up_proj.weight"] == (f, d)
+  assert shapes["model.layers.0.feed_forward.down_proj.weight"] == (d, cfg.model.dense_hidden)
+  assert not any("q_norm" in name for name in shapes)
+  for changes, match in (
+      (dict(layer_types=["sliding_attention"] * 4), "layer_types="),
+      (dict(layer_types=["chunked_attention"] * 4, attention_chunk_size=None),
+       "chunked layers need attention_chunk_size"),
+      (dict(floor_scale=2.5), "floor_scale=2.5"),
+      (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
+       "llama3 needs original_max_position_embeddings"),
+      (dict(moe_layers=[7]), "moe_layers=")):
+    with pytest.raises(CheckpointError, match=match):
+      config_from_hf(dict(hf, **changes))
+  with pytest.raises(CheckpointError, match="needs text_config"):
+    config_from_hf({"model_type": "llama4"})
+  for family, field, value, why in (
+      ("llama4", "moe.weights_on_input", False, "needs True"),
+      ("llama4", "moe.renormalize", True, "needs False"),
+      ("llama4", "moe.shared_expert_hidden", 0, "needs 64"),
+      ("olmoe", "moe.weights_on_input", True, "needs False"),
+      ("olmoe", "model.attention_chunk", 8, "needs 0")):
+    overrides = {field: value}
+    if field == "model.attention_chunk":
+      overrides["model.chunked_layers"] = (0,)
+    with pytest.raises(CheckpointError, match=f"config.{field}={value!r}: .* {why}"):
+      hf_config_from(tiny_config(family, **overrides))

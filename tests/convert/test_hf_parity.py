@@ -49,7 +49,10 @@ interleaved; and an MXFP4 copy of its experts, as the Hub's gpt-oss checkpoints 
 "cohere2_moe" (parallel blocks, LayerNorm, neighbour-pair rotary, NoPE global MoE layers beside a
 rotated dense one, softmax top-k, a shared expert averaged in, logit_scale, tied) and
 "cohere2_moe_b" (RMSNorm, q/k/v/o biases, unrotated dense layers, sigmoid top-k not
-renormalized, shared experts summed; fused). They
+renormalized, shared experts summed; fused), "llama4" (dense layers between MoE ones,
+chunked rotated layers with Llama 3's scaling and the unscaled QK-norm, an unrotated one with the
+queries' temperature, sigmoid top-2 on the experts' inputs, a shared expert; gate and up halves
+of one [in, out] tensor). They
 differ
 in layers, heads, kv heads, head width, experts, top-k, expert and shared widths, latent ranks,
 RoPE base, norm epsilon and top-k renormalization; "b", "qwen3_moe", "deepseek_v2" and
@@ -76,6 +79,7 @@ from safetensors import safe_open
 
 from moejax.convert import __main__ as cli
 from moejax.convert import hf_config_from, hf_names, load_hf, read_hf_config, save_hf
+from moejax.errors import CheckpointError
 from moejax.models import olmoe
 from moejax.sharding import hook
 from moejax.sharding.mesh import make_mesh
@@ -87,7 +91,8 @@ MODELS = ("a", "b", "mixtral", "qwen2_moe", "qwen3_moe", "minimax_m2", "ernie4_5
           "dots1", "deepseek_v2", "deepseek_v3", "deepseek_v3_b", "glm4_moe_lite", "solar_open",
           "minicpm5_moe", "hy_v3", "exaone_moe", "granitemoe", "granitemoeshared", "sarvam_moe",
           "param2moe", "flex_olmo", "hunyuan_v1_moe", "afmoe", "mellum",
-          "granitemoe_swa", "flint", "kolibri1", "gpt_oss", "cohere2_moe", "cohere2_moe_b")
+          "granitemoe_swa", "flint", "kolibri1", "gpt_oss", "cohere2_moe", "cohere2_moe_b",
+          "llama4")
 SAVED_FUSED = ("b", "qwen2_moe", "dots1", "deepseek_v3", "granitemoeshared", "param2moe",
                "cohere2_moe_b")
 FP8_MODELS = ("qwen3_moe_fp8", "minimax_m2_fp8", "deepseek_v3_b_fp8", "mixtral_ct_fp8",
@@ -246,6 +251,36 @@ def test_kimi_k2_reads_as_deepseek_v3(hf_models, imported, tmp_path):
   from moejax.convert import checkpoint_io
   found = checkpoint_io._init_from_hf_config(dataclasses.replace(cfg, init_from=kimi))
   assert found is not None and found["max_position_embeddings"] == 777
+
+
+def test_llama4_multimodal_checkpoint_reads_its_text_model(hf_models, imported, tmp_path):
+  """Llama 4 as the Hub publishes it, Llama4ForConditionalGeneration: the text model's tensors
+  under language_model. beside the vision encoder's, its config.json the text_config of a
+  llama4 config. The import is the text model's own, bit for bit, the vision tensors left; an
+  export writes the text model (llama4_text) with the checkpoint's fields."""
+  from safetensors.numpy import save_file
+  hf_dir = hf_models["llama4"][0]
+  wrapped = str(tmp_path / "llama4_multimodal")
+  os.makedirs(wrapped)
+  tensors = {f"language_model.{k}": v for k, v in read_all(hf_dir).items()}
+  tensors["vision_model.patch_embedding.linear.weight"] = np.ones((4, 3), np.float32)
+  tensors["multi_modal_projector.linear_1.weight"] = np.ones((2, 4), np.float32)
+  save_file(tensors, os.path.join(wrapped, "model.safetensors"))
+  with open(os.path.join(hf_dir, "config.json")) as f:
+    text = json.load(f)
+  with open(os.path.join(wrapped, "config.json"), "w") as f:
+    json.dump({"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
+               "text_config": dict(text, max_position_embeddings=555),
+               "vision_config": {"model_type": "llama4_vision_model"}}, f)
+  cfg, params = load_hf(wrapped)
+  assert cfg == imported["llama4"][0]
+  assert_same_bits(params, imported["llama4"][1])
+  exported = hf_config_from(cfg, read_hf_config(wrapped))
+  assert (exported["model_type"], exported["max_position_embeddings"]) == ("llama4_text", 555)
+  del tensors["language_model.model.norm.weight"]
+  save_file(tensors, os.path.join(wrapped, "model.safetensors"))
+  with pytest.raises(CheckpointError, match="'language_model.model.norm.weight' is missing"):
+    load_hf(wrapped)
 
 
 def test_config_mapping(hf_models, imported):

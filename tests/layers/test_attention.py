@@ -132,3 +132,39 @@ def test_sinks_join_the_softmax_denominator_and_carry_its_gradient():
   want = jax.grad(loss(written_out), argnums=(0, 1, 2))(q, k, sinks_H)
   for a, w in zip(ours, want):
     np.testing.assert_allclose(a, w, atol=1e-5)
+
+
+@pytest.mark.parametrize("seq,sinks", [(11, False), (12, True)])
+def test_chunked_attention_equals_the_masked_sequence(seq, sinks):
+  """Llama 4's chunks of 4: each query sees the keys before it in its own chunk. The chunks run
+  as a batch (11 tokens padded to 12); the values and gradients equal attention over the whole
+  sequence under that mask, with sinks too."""
+  q, k, v = (jax.random.normal(jax.random.key(i), (2, seq, 4, 8)) for i in range(3))
+  k, v = k[:, :, :2], v[:, :, :2]         # grouped-query: 2 kv heads
+  sinks_H = jnp.asarray([0.5, -1.0, 0.0, 2.0]) if sinks else None
+  pos = np.arange(seq)
+  mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] // 4 == pos[:, None] // 4)
+
+  def chunked(q, k, v):
+    return attend(q, k, v, is_causal=True, chunk=4, sinks_H=sinks_H)
+
+  def masked(q, k, v):
+    return attend(q, k, v, mask=jnp.asarray(mask)[None, None], sinks_H=sinks_H)
+
+  cot = jax.random.normal(jax.random.key(9), (2, seq, 4, 8))
+
+  @jax.jit
+  def both(q, k, v):      # one compile for all of it
+    outs = []
+    for f in (chunked, masked):
+      y, vjp = jax.vjp(f, q, k, v)
+      outs.append((y, vjp(cot)))
+    return outs, attend(q, k, v, is_causal=True, sinks_H=sinks_H)
+
+  ((got, got_grads), (want, want_grads)), plain = both(q, k, v)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+  for g, w in zip(got_grads, want_grads):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+  assert not np.allclose(got, plain, atol=1e-3)       # the chunks hide keys
+  with pytest.raises(ValueError, match="chunk needs is_causal self-attention"):
+    attend(q, k, v, mask=jnp.asarray(mask)[None, None], chunk=4)

@@ -38,6 +38,53 @@ def test_block_equals_per_token_loop():
   assert int(aux["load_E"].sum()) == 20 * 2
 
 
+def test_weights_on_the_inputs_equal_a_per_token_loop_and_ep_on_8_devices():
+  """Llama 4's routing: sigmoid top-2, each weight scaling the token going into its expert,
+  plus a shared expert: the block equals a per-token loop of expert(w x); on 8 devices under ep
+  the same values and gradients (the router's through the inputs' scaling), as one device."""
+  from jax.sharding import PartitionSpec as P
+
+  from moejax.placement.dispatch import Dispatch
+  spec = MoESpec(num_experts=8, top_k=2, score="sigmoid", weights_on_input=True,
+                 shared_hidden=12)
+  block = MoEBlock(16, 24, spec, init_std=0.3, rngs=nnx.Rngs(0))
+  x = np.random.default_rng(1).normal(size=(8, 4, 16)).astype(np.float32)
+  graphdef, state = nnx.split(block)
+  router = np.asarray(block.router[...])
+  wg, wu, wd = (np.asarray(getattr(block, n)[...]) for n in ("w_gate", "w_up", "w_down"))
+  sg, su, sd = (np.asarray(getattr(block, f"shared_{n}")[...]) for n in ("w_gate", "w_up",
+                                                                          "w_down"))
+  silu = lambda g: g / (1 + np.exp(-g))     # noqa: E731
+  want = np.zeros((32, 16), np.float32)
+  for t, xt in enumerate(x.reshape(32, 16)):
+    scores = 1 / (1 + np.exp(-(xt @ router)))
+    for e in np.argsort(-scores, kind="stable")[:2]:
+      xe = scores[e] * xt
+      want[t] += (silu(xe @ wg[e]) * (xe @ wu[e])) @ wd[e]
+    want[t] += (silu(xt @ sg) * (xt @ su)) @ sd
+
+  def loss(state, x, run):
+    y = run(state, x)
+    return jnp.sum(y ** 2), y
+
+  local = lambda state, x: nnx.merge(graphdef, state)(x)[0]   # noqa: E731
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  dispatch = Dispatch(kind="ep", axis_names=("data",), num_devices=8)
+  specs = jax.tree.map(lambda v: P("data") if v.ndim == 3 else P(), state)
+  ep = jax.shard_map(lambda state, x: nnx.merge(graphdef, state)(
+      x, axis_name="data", dispatch=dispatch)[0], mesh=mesh, in_specs=(specs, P("data")),
+      out_specs=P("data"), check_vma=False)
+  (got_loss, y), grads = jax.jit(jax.value_and_grad(
+      lambda s, x: loss(s, x, ep), has_aux=True))(state, jnp.asarray(x))
+  (want_loss, y_local), want_grads = jax.jit(jax.value_and_grad(
+      lambda s, x: loss(s, x, local), has_aux=True))(state, jnp.asarray(x))
+  np.testing.assert_allclose(np.asarray(y_local).reshape(32, 16), want, rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(y_local), rtol=1e-5, atol=1e-5)
+  assert np.any(np.asarray(want_grads["router"][...]))
+  for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * float(jnp.abs(ref).max()))
+
+
 def test_drop_into_an_nnx_model():
   class Model(nnx.Module):
     def __init__(self, rngs):

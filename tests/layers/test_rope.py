@@ -44,5 +44,25 @@ def test_attention_factor_rules():
   assert rope.RopeScaling().table_scale == rope.RopeScaling().latent_softmax_scale == 1.0
   cos, sin = rope.rotary_at(np.arange(5), 8, 1e4, rope.RopeScaling(**yarn, attention_factor=2.0))
   np.testing.assert_allclose(np.asarray(cos) ** 2 + np.asarray(sin) ** 2, 4.0, rtol=1e-6)
-  with pytest.raises(ValueError, match="rope scaling 'ntk': must be one of none, yarn"):
+  with pytest.raises(ValueError, match="rope scaling 'ntk': must be one of none, yarn, llama3"):
     rope.RopeScaling(kind="ntk")
+
+
+def test_llama3_keeps_short_wavelengths_slows_long_ones_and_blends_between():
+  """Llama 3's scaling (Scout's: x8, frequency factors 1 and 4, 8192 positions) by hand: a
+  wavelength under 8192 / 4 keeps its frequency, one over 8192 is slowed 8x, one between blends
+  by how many times it turns over the 8192 positions; cos and sin are not scaled."""
+  scout = rope.RopeScaling(kind="llama3", factor=8.0, original_max_len=8192,
+                           low_freq_factor=1.0, high_freq_factor=4.0)
+  plain = np.asarray(rope.inv_frequencies(128, 5e5), np.float64)
+  got = np.asarray(rope.inv_frequencies(128, 5e5, scout), np.float64)
+  wavelength = 2 * np.pi / plain
+  short, long = wavelength < 2048, wavelength > 8192
+  assert short.any() and long.any() and (~short & ~long).any()
+  np.testing.assert_array_equal(got[short], plain[short])
+  np.testing.assert_allclose(got[long], plain[long] / 8, rtol=1e-6)
+  smooth = (8192 / wavelength[~short & ~long] - 1) / 3
+  between = plain[~short & ~long]
+  np.testing.assert_allclose(got[~short & ~long], (1 - smooth) * between / 8 + smooth * between,
+                             rtol=1e-5)
+  assert scout.table_scale == scout.latent_softmax_scale == 1.0

@@ -38,13 +38,16 @@ def _family_model(family):
   if family in ("afmoe", "mellum", "granitemoe_swa", "cohere2_moe"):
     # a window the generated positions pass
     yarn["model.sliding_window"] = 3
+  if family == "llama4":      # its own scaling; chunks and temperature steps the positions pass
+    yarn = {"model.rope_original_max_len": 4, "model.attention_chunk": 4,
+            "model.nope_temperature_floor": 2}
   cfg = tiny_config(family, **{"model.init_std": 0.1}, **yarn)   # logits that vary
   return cfg, olmoe.init_params(cfg, jax.random.key(1))
 
 
 @pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "glm4_moe", "deepseek_v3",
                                     "minicpm5_moe", "flex_olmo", "hunyuan_v1_moe", "afmoe",
-                                    "mellum", "granitemoe_swa", "cohere2_moe"])
+                                    "mellum", "granitemoe_swa", "cohere2_moe", "llama4"])
 def test_cached_logits_equal_the_full_forward(family, model, prompt):
   """OLMoE; Qwen2-MoE: a grouped-query cache of 2 kv heads, qkv biases, a gated shared
   expert; DeepSeek: latent attention's per-head keys (with the shared rotary part) and narrower
@@ -56,9 +59,11 @@ def test_cached_logits_equal_the_full_forward(family, model, prompt):
   cache, Granite's four multipliers and a shared MLP; Cohere2-MoE: parallel blocks (the cached
   step's attention and MLP read one LayerNorm's output), neighbour-pair rotary (the cache holds
   k permuted; ERNIE-4.5's), two layers sliding within 3 tokens of the cache and one unrotated
-  (EXAONE-MoE's kinds). (Flint's and Kolibri's layers hold no option these do not; gpt-oss's
-  output bias is in `project_out`, which the cached step shares, and its experts are the
-  forward's.) All but OLMoE with YaRN RoPE."""
+  (EXAONE-MoE's kinds); Llama 4: chunks of 4 the cache masks, the unrotated layer's query
+  temperature at the cached positions, the unscaled QK-norm of the rotated q and k, Llama 3's
+  RoPE scaling, the experts' inputs weighted. (Flint's and Kolibri's layers hold no option
+  these do not; gpt-oss's output bias is in `project_out`, which the cached step shares, and
+  its experts are the forward's.) All but OLMoE and Llama 4 with YaRN RoPE."""
   cfg, params = model if family == "olmoe" else _family_model(family)
   tokens_BxN, logits_BxNxV = decode.generate(cfg, params, prompt, max_new_tokens=NEW)
   assert tokens_BxN.shape == (2, prompt.shape[1] + NEW)
