@@ -727,6 +727,9 @@ def validate(c: Config) -> None:
          f"config.model.nope_temperature={m.nope_temperature}, nope_temperature_floor="
          f"{m.nope_temperature_floor}: the scale must be >= 0 and finite (> 0 only with "
          "model.nope_layers, the layers it scales) and the floor > 0")
+  _check(not (m.nope_temperature and m.kv_lora_rank),
+         f"config.model.nope_temperature={m.nope_temperature}: latent attention "
+         "(model.kv_lora_rank > 0) has no query temperature; leave it 0")
   _check(m.qk_norm != "l2" or not m.kv_lora_rank,
          "config.model.qk_norm='l2': latent attention (model.kv_lora_rank > 0) normalizes its "
          "latents, not q and k; use 'none'")

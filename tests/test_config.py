@@ -391,3 +391,28 @@ def test_fssdp_fields_bind_only_under_fssdp():
   assert note.startswith("config.routing.locality_weight=0.5 has no effect")
   assert not config_lib.unused_settings(tiny_config(**{"routing.locality_weight": 0.5,
                                                         "moe.placement": "ep"}))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"model.attention_chunk": 8}, "config.model.attention_chunk=8 with model.chunked_layers=(): "
+     "a chunk (> 0) needs the layers it applies to, and chunked layers a chunk > 0"),
+    ({"model.attention_chunk": 8, "model.chunked_layers": (0,), "model.sliding_window": 4,
+      "model.sliding_layers": (0, 1)}, "config.model.chunked_layers and model.sliding_layers "
+     "share layers [0]: a layer's attention slides or stays within its chunk, not both"),
+    ({"model.nope_temperature": 0.1}, "config.model.nope_temperature=0.1, "
+     "nope_temperature_floor=8192: the scale must be >= 0 and finite (> 0 only with "
+     "model.nope_layers, the layers it scales) and the floor > 0")])
+def test_chunk_and_temperature_settings_are_refused_by_name(overrides, message):
+  with pytest.raises(ConfigError) as e:
+    tiny_config(**overrides)
+  assert str(e.value) == message
+
+
+def test_latent_attention_refuses_llama4s_query_options():
+  """Latent attention has neither the unscaled QK-norm nor the query temperature: refused, not
+  ignored (the temperature was, found by review)."""
+  for overrides, field in (({"model.qk_norm": "l2"}, "qk_norm='l2'"),
+                           ({"model.nope_layers": (1,), "model.nope_temperature": 0.5},
+                            "nope_temperature=0.5")):
+    with pytest.raises(ConfigError, match=f"config.model.{field}: latent attention"):
+      tiny_config("deepseek_v3", **overrides)

@@ -147,6 +147,7 @@ class FamilySpec:
   default_kv_heads: int | None = None  # ... num_key_value_heads default when the field is
                                        # absent (None: as many as the query heads; null is)
   top_k_key: str = "num_experts_per_tok"   # ... of the experts per token (ERNIE's moe_k)
+  default_top_k: int | None = None     # ... its transformers default (None: required)
   default_tie: bool = False            # transformers' tie_word_embeddings default
   aliases_win: bool = False            # an alias's value wins over its field's (attribute_map)
   ernie: bool = False                  # ERNIE-4.5: neighbour-pair rotary, MoE layers from
@@ -471,7 +472,8 @@ FAMILY_SPECS = {
         "llama4_text", "Llama4ForCausalLM", "l2", "num_local_experts", "intermediate_size", None,
         default_rope_theta=500000.0, default_head_dim=128, default_kv_heads=8, default_aux=0.001,
         qkv_bias_key="attention_bias", qk_norm_key="use_qk_norm", qk_norm_default=True,
-        score="sigmoid", llama4=True, required=_COMMON_REQUIRED),
+        score="sigmoid", llama4=True, default_top_k=1,
+        required=_COMMON_REQUIRED),
 }
 assert tuple(FAMILY_SPECS) == FAMILIES
 MODEL_TYPES = {spec.model_type: name for name, spec in FAMILY_SPECS.items()}
@@ -572,7 +574,7 @@ def _rope(hf: dict, where: str, default_theta: float, alpha_head_dim: int = 0) -
     if rope_type == "yarn":
       fields.update(_yarn(hf, rope, f"{where}: {key}"))
     if rope_type == "llama3":
-      fields.update(_llama3(rope, f"{where}: {key}"))
+      fields.update(_llama3(rope, f"{where}: {key}", hf.get("max_position_embeddings")))
   if isinstance(theta, bool) or not isinstance(theta, (int, float)) or theta <= 0:
     _refuse(where, "rope_theta", theta, "expected a positive number")
   return dict(fields, rope_theta=float(theta))
@@ -695,13 +697,15 @@ def _yarn(hf: dict, rope: dict, where: str) -> dict:
   return fields
 
 
-def _llama3(rope: dict, where: str) -> dict:
+def _llama3(rope: dict, where: str, max_positions=None) -> dict:
   """Llama 3's scaling from its rope dict: every key transformers reads, which it requires."""
   fields = dict(rope_scaling="llama3")
   for field, key in (("rope_factor", "factor"),
                      ("rope_original_max_len", "original_max_position_embeddings"),
                      *_LLAMA3_KEYS.items()):
     value = rope.get(key)
+    if field == "rope_original_max_len" and value is None:   # transformers' fallback
+      value = max_positions
     kind = int if field == "rope_original_max_len" else float
     if (isinstance(value, bool) or not isinstance(value, (int, float))
         or (kind is int and not isinstance(value, int)) or value <= 0):
@@ -961,6 +965,9 @@ def _rope_fields(hf: dict, spec: FamilySpec, where: str, head_dim: int,
     hf = dict(hf, rope_parameters=dict(spec.default_rope))
   fields = dict(_rope(hf, where, spec.default_rope_theta, head_dim if spec.hunyuan else 0),
                 sliding_rope_theta=0.0)
+  if spec.deepseek and fields["rope_scaling"] == "llama3":
+    _refuse(where, "rope_type", "llama3", "moejax's latent attention takes YaRN's softmax "
+            "scale only (DeepSeek's checkpoints scale RoPE by yarn)")
   if spec.layer_thetas:
     fields.update(_layer_thetas(hf, where, sliding_layers, fields))
   return fields
@@ -1134,13 +1141,14 @@ def _cohere_fields(hf: dict, where: str, sliding_layers: tuple, dense: tuple) ->
 
 
 def _layer_list(hf: dict, key: str, where: str, layers: int, valid: tuple):
-  """A per-layer list field (`layers` entries, each one of `valid`), or None where absent."""
-  values = hf.get(key)
-  if values is not None and (not isinstance(values, list) or len(values) != layers
-                             or not all(v in valid for v in values)):
+  """A per-layer list field (an entry per layer, each one of `valid`; transformers reads the
+  first `layers` of a longer one), or None where absent, null or empty."""
+  values = hf.get(key) or None
+  if values is not None and (not isinstance(values, list) or len(values) < layers
+                             or not all(v in valid for v in values[:layers])):
     _refuse(where, key, values, f"expected num_hidden_layers={layers} entries, each one of "
             f"{', '.join(map(repr, valid))}")
-  return values
+  return None if values is None else values[:layers]
 
 
 def _positive(hf: dict, key: str, where: str, default, kind=int):
@@ -1310,7 +1318,8 @@ def _sigmoid_moe_fields(hf: dict, spec: FamilySpec, where: str) -> tuple[dict, d
   return model, moe
 
 
-def _aliased(hf: dict, spec: FamilySpec, key: str, aliases: tuple, where: str) -> int:
+def _aliased(hf: dict, spec: FamilySpec, key: str, aliases: tuple, where: str,
+             default: int | None = None) -> int:
   """An integer config.json may hold under `key` or an alias: the key's, else the first alias
   given. Where transformers' attribute_map sends the alias to the field
   (`FamilySpec.aliases_win`: ERNIE's num_experts_per_tok over moe_k), the alias's value is the
@@ -1318,7 +1327,7 @@ def _aliased(hf: dict, spec: FamilySpec, key: str, aliases: tuple, where: str) -
   given = [k for k in aliases if k != key and hf.get(k) is not None]
   if spec.aliases_win and given:
     return _get(hf, given[0], int, where)
-  return _get(hf, key, int, where, hf[given[0]] if given else None)
+  return _get(hf, key, int, where, hf[given[0]] if given else default)
 
 
 def _ernie_layers(hf: dict, where: str) -> tuple[int, int, int]:
@@ -1394,7 +1403,11 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       init_std=_get(hf, "initializer_range", float, where, base.model.init_std),
       tie_embeddings=_get(hf, "tie_word_embeddings", bool, where, spec.default_tie),
       kv_lora_rank=0, q_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0, v_head_dim=0,
-      dense_layers=(), dense_hidden=0)
+      dense_layers=(), dense_hidden=0,
+      # the options only some families set (below), at their defaults for the others, so
+      # nothing of `base`'s family carries over
+      rotary_interleaved=False, qk_norm_after_rope=False,
+      **{field: getattr(ModelConfig(), field) for field in _GRANITE_SCALES})
   if spec.dense_pattern:
     model = dataclasses.replace(model, **_dense_pattern(hf, where, spec.default_mlp_only))
   if spec.layer_types_key and not (spec.deepseek or spec.sigmoid_moe):    # Mellum
@@ -1404,7 +1417,8 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
   moe = dataclasses.replace(
       base.moe,
       num_experts=_aliased(hf, spec, spec.experts_key, spec.experts_aliases, where),
-      top_k=_aliased(hf, spec, spec.top_k_key, ("num_experts_per_tok",), where),
+      top_k=_aliased(hf, spec, spec.top_k_key, ("num_experts_per_tok",), where,
+                     spec.default_top_k),
       expert_hidden=_get(hf, spec.expert_hidden_key, int, where),
       shared_expert_hidden=(_get(hf, "shared_expert_intermediate_size", int, where)
                             if spec.shared_expert else 0),

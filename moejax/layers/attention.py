@@ -67,17 +67,25 @@ def attend(q_BxSxHxDk, k_BxTxGxDk, v_BxTxGxDv, *, mask=None, is_causal=False, sc
     if not is_causal or mask is not None or k_BxTxGxDk.shape[1] != s:
       raise ValueError("attend: chunk needs is_causal self-attention without a mask (a cached "
                        "step masks the chunk itself)")
+    spec = _explicit_spec(q_BxSxHxDk)
     # The chunks as a batch, each causal on its own: padding to whole chunks adds keys after
-    # every real query, which causality hides from them.
+    # every real query, which causality hides from them. (Under an Explicit mesh the batch
+    # axis keeps its sharding, the chunks minor to it.)
     b, n = q_BxSxHxDk.shape[0], -(-s // chunk)
+
+    def reshape(x, shape):
+      if spec is None:
+        return x.reshape(shape)
+      return jax.lax.reshape(x, shape, out_sharding=jax.sharding.PartitionSpec(
+          spec[0], *(None,) * (len(shape) - 1)))
 
     def fold(x):
       x = jnp.pad(x, ((0, 0), (0, n * chunk - s), (0, 0), (0, 0)))
-      return x.reshape(b * n, chunk, *x.shape[2:])
+      return reshape(x, (b * n, chunk, *x.shape[2:]))
 
     out = attend(fold(q_BxSxHxDk), fold(k_BxTxGxDk), fold(v_BxTxGxDv), is_causal=True,
                  scale=scale, window=window, sinks_H=sinks_H)
-    return out.reshape(b, n * chunk, *out.shape[2:])[:, :s]
+    return reshape(out, (b, n * chunk, *out.shape[2:]))[:, :s]
   if sinks_H is not None:
     return attend_with_sinks(q_BxSxHxDk, k_BxTxGxDk, v_BxTxGxDv, sinks_H, mask=mask,
                              is_causal=is_causal, scale=scale, window=window)
@@ -99,6 +107,16 @@ def attend(q_BxSxHxDk, k_BxTxGxDk, v_BxTxGxDv, *, mask=None, is_causal=False, sc
   cudnn = functools.partial(xla, implementation="cudnn")
   out = lax.platform_dependent(q_BxSxHxDk, k_BxTxGxDk, v_BxTxGxDv, cuda=cudnn, default=xla)
   return out[..., :dv]
+
+
+def _explicit_spec(x):
+  """x's PartitionSpec where it is typed with a mesh's Explicit axes, else None."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if not any(kind == jax.sharding.AxisType.Explicit for kind in getattr(mesh, "axis_types", ())):
+    return None
+  spec = tuple(sharding.spec)
+  return spec + (None,) * (x.ndim - len(spec))
 
 
 def attend_with_sinks(q_BxSxHxDk, k_BxTxGxDk, v_BxTxGxDv, sinks_H, *, mask=None,

@@ -303,12 +303,13 @@ _WEIGHT_FIELDS = {
               "residual_scale", "attention_scale", "logit_divisor", "rope_theta", "rotary_dim",
               "rotary_interleaved", "norm_eps", "dense_layers", "dense_hidden", "kv_lora_rank",
               "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-              "tie_embeddings"),
+              "tie_embeddings", "attention_chunk", "chunked_layers", "nope_temperature",
+              "nope_temperature_floor"),
     "moe": ("num_experts", "top_k", "expert_hidden", "shared_expert_hidden",
             "shared_expert_gate", "score", "renormalize", "routed_scale", "expert_groups",
             "top_groups", "group_score", "score_bias", "score_bias_on_logits", "router_bias",
             "expert_bias", "activation", "swiglu_alpha", "swiglu_limit",
-            "shared_expert_scale"),
+            "shared_expert_scale", "weights_on_input"),
 }
 
 
@@ -335,6 +336,8 @@ def _first_mismatch(loaded: Config, cfg: Config) -> str | None:
         a, b = a or loaded.model.head_dim, b or cfg.model.head_dim
       if field == "group_score" and loaded.moe.expert_groups == 1:    # read only with groups
         continue
+      if field == "nope_temperature_floor" and not loaded.model.nope_temperature:
+        continue                       # read only with a temperature
       if a is not None and a != b:
         return f"config.{group}.{field}={b!r}, but the weights have {a!r}"
   return None

@@ -496,6 +496,10 @@ def ct_group(**changes) -> dict:
 
 
 FAMILY_REFUSALS = [
+    ("deepseek_v3", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 64}),
+     "rope_type='llama3' is not supported: moejax's latent attention takes YaRN's softmax scale"),
     ("mixtral", dict(sliding_window=0), "sliding_window=0 is not supported: expected a positive "
      "number of tokens"),
     ("mixtral", dict(router_jitter_noise=0.1), "router_jitter_noise=0.1 is not supported"),
@@ -1671,6 +1675,17 @@ def test_llama4_reads_its_text_model_layer_rules_and_llama3_rope():
   bare = {k: v for k, v in hf.items() if k not in ("layer_types", "no_rope_layers",
                                                    "moe_layers")}
   assert config_from_hf(bare, base=cfg) == cfg     # the same from transformers' rules
+  # an empty list is transformers' rule too (Scout's first config.json had one), a longer one
+  # read to the model's layers; absent top-k is 1, absent original context the maximum
+  assert config_from_hf(dict(bare, no_rope_layers=[]), base=cfg) == cfg
+  assert config_from_hf(dict(hf, no_rope_layers=hf["no_rope_layers"] + [0]), base=cfg) == cfg
+  assert config_from_hf({k: v for k, v in hf.items() if k != "num_experts_per_tok"}).moe.top_k == 1
+  rope = {k: v for k, v in hf["rope_scaling"].items() if k != "original_max_position_embeddings"}
+  got = config_from_hf(dict(hf, rope_scaling=rope, max_position_embeddings=96)).model
+  assert got.rope_original_max_len == 96
+  # another family's options do not carry over from the base (found by review)
+  mixtral = tiny_config("mixtral")
+  assert config_from_hf(hf_config_from(mixtral), base=cfg).model == mixtral.model
   unchunked = config_from_hf(dict(bare, attention_chunk_size=None)).model
   assert (unchunked.attention_chunk, unchunked.chunked_layers) == (0, ())
   cold = config_from_hf(dict(hf, attn_temperature_tuning=False)).model
@@ -1689,8 +1704,9 @@ def test_llama4_reads_its_text_model_layer_rules_and_llama3_rope():
        "chunked layers need attention_chunk_size"),
       (dict(floor_scale=2.5), "floor_scale=2.5"),
       (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
-       "llama3 needs original_max_position_embeddings"),
-      (dict(moe_layers=[7]), "moe_layers=")):
+       "llama3 needs low_freq_factor"),
+      (dict(moe_layers=[7]), "moe_layers="),
+      (dict(no_rope_layers=[1, 0]), "no_rope_layers=")):
     with pytest.raises(CheckpointError, match=match):
       config_from_hf(dict(hf, **changes))
   with pytest.raises(CheckpointError, match="needs text_config"):

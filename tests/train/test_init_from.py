@@ -71,6 +71,18 @@ def test_a_mismatch_names_any_option_that_changes_what_the_weights_compute():
   assert _first_mismatch(glm, tiny_config("glm4_moe", **{"model.rotary_dim": 16})) is None
   assert _first_mismatch(glm, tiny_config("glm4_moe")) == (
       "config.model.rotary_dim=8, but the weights have 16")
+  # Llama 4's options change what its weights compute (found by review): the weights' place on
+  # the experts' side, the chunks, the NoPE layers' temperature
+  llama4 = tiny_config("llama4")
+  assert _first_mismatch(llama4, tiny_config("llama4", **{"moe.weights_on_input": False})) == (
+      "config.moe.weights_on_input=False, but the weights have True")
+  assert "config.model.attention_chunk=8" in _first_mismatch(llama4, tiny_config(
+      "llama4", **{"model.attention_chunk": 8}))
+  assert "config.model.nope_temperature_floor=2" in _first_mismatch(llama4, tiny_config(
+      "llama4", **{"model.nope_temperature_floor": 2}))
+  cold = tiny_config("llama4", **{"model.nope_temperature": 0.0})
+  assert _first_mismatch(cold, tiny_config("llama4", **{"model.nope_temperature": 0.0,
+                                                         "model.nope_temperature_floor": 2})) is None
   ungrouped = {"moe.expert_groups": 1, "moe.top_groups": 1}
   assert _first_mismatch(tiny_config("deepseek_v2", **ungrouped), tiny_config(
       "deepseek_v2", **ungrouped, **{"moe.group_score": "top2"})) is None
