@@ -242,9 +242,11 @@ SHAPES: dict[str, ModelShape] = {s.name: s for s in (
                source="mistralai/Mixtral-8x7B-v0.1 config.json"),
     ModelShape("Llama-4-Scout-17B-16E", d_model=5120, num_layers=48, vocab_size=202048,
                num_heads=40, num_kv_heads=8, head_dim=128, num_experts=16, top_k=1,
-               expert_hidden=8192, shared_hidden=8192,
+               expert_hidden=8192, shared_hidden=8192, attention_chunk=8192,
+               chunked_layers=36,
                source="meta-llama/Llama-4-Scout-17B-16E config.json (text model): every layer "
-                      "MoE, 16 experts top-1 plus one shared expert of width 8192"),
+                      "MoE, 16 experts top-1 plus one shared expert of width 8192, three layers "
+                      "of four within chunks of 8192 (configs/llama4.py:scout)"),
     ModelShape("DeepSeek-V3", d_model=7168, num_layers=61, vocab_size=129280, num_heads=128,
                head_dim=192, v_head_dim=128, attention="mla", q_lora_rank=1536,
                kv_lora_rank=512, qk_rope_dim=64, num_experts=256, top_k=8, expert_hidden=2048,

@@ -120,6 +120,16 @@ def test_flops_closed_form_and_shapes():
   keep = ("d_model", "num_layers", "vocab_size", "num_heads", "head_dim", "num_experts",
           "top_k", "expert_hidden", "qk_norm", "tied_embeddings")
   assert {k: getattr(got, k) for k in keep} == {k: getattr(s, k) for k in keep}
+  # Llama 4 Scout's record is its preset's shape; its chunked layers' core is the chunk's
+  import configs.llama4
+  scout = shape_of(from_config_dict(configs.llama4.get_config("scout")))
+  assert dataclasses.replace(scout, name="", source="") == dataclasses.replace(
+      SHAPES["Llama-4-Scout-17B-16E"], name="", source="")
+  unchunked = dataclasses.replace(scout, attention_chunk=0, chunked_layers=0)
+  long = 4 * 8192
+  core = lambda shape: cp.attention_flops(shape, long) - 2 * shape.attention_params()  # noqa: E731
+  # three layers of four see 4097 keys on average instead of 16384: 0.25 + 0.75 * 8193 / 32768
+  assert core(scout) / core(unchunked) == pytest.approx(0.25 + 0.75 * 8193 / 32768)
 
 
 def test_schedule_overlap_and_critical_path():
