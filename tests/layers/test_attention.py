@@ -26,11 +26,11 @@ def test_attend_any_widths(dk, dv):
 
 
 def _lowered_grad(platform: str, dtype=jnp.bfloat16, head_dim: int = 32, mask=None,
-                  window: int = 0) -> str:
+                  window: int = 0, chunk: int = 0) -> str:
   q, k, v = (jax.random.normal(jax.random.key(i), (2, 64, 4, head_dim)).astype(dtype)
              for i in range(3))
   loss = lambda q, k, v: attend(q, k, v, mask=mask, is_causal=mask is None,  # noqa: E731
-                                window=window).astype(jnp.float32).sum()
+                                window=window, chunk=chunk).astype(jnp.float32).sum()
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(
       lowering_platforms=(platform,)).as_text()
 
@@ -40,8 +40,8 @@ def test_cuda_attention_is_cudnn_flash_attention_where_it_applies():
   # As on a GPU: jax checks the installed cuDNN while tracing its attention.
   with mock.patch.object(attention, "on_gpu", lambda: True), \
       mock.patch("jax._src.cudnn.fused_attention_stablehlo.check_cudnn_version", lambda: None):
-    for window in (0, 16):      # a sliding window is cuDNN's too
-      text = _lowered_grad("cuda", window=window)
+    for window, chunk in ((0, 0), (16, 0), (0, 24)):   # a sliding window is cuDNN's too, and
+      text = _lowered_grad("cuda", window=window, chunk=chunk)   # Llama 4's chunks as a batch
       assert "__cudnn$fmhaSoftmax(" in text and "__cudnn$fmhaSoftmaxBackward(" in text
     for other in (dict(dtype=jnp.float32), dict(head_dim=160),
                   dict(mask=jnp.tril(jnp.ones((64, 64), bool)))):
