@@ -729,6 +729,14 @@ def _rope_to_hf(m) -> dict:
   return out
 
 
+def _rope_scaling_field(m, rope: dict):
+  """config.json's rope_scaling for `m`'s RoPE dict: null without scaling (transformers < 5's
+  field, which a config class's default YaRN would not fill where it is given)."""
+  if m.rope_scaling == "none":
+    return None
+  return {k: v for k, v in rope.items() if k != "partial_rotary_factor"}
+
+
 def family_of(hf: dict, where: str = "config.json") -> FamilySpec:
   if not isinstance(hf, dict):
     raise CheckpointError(f"{where}: expected a JSON object")
@@ -1847,9 +1855,10 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
   elif isinstance(hf.get("rope_parameters"), dict) or spec.default_rope:
     # transformers >= 5's own layout (and where no dict would read as the class's YaRN)
     hf["rope_parameters"] = {"rope_theta": m.rope_theta, **rope}
-    hf["rope_scaling"] = None                         # it would win over rope_parameters
+    # the same scaling where transformers 4 (and readers of its field) look for it; it wins over
+    # rope_parameters in transformers 5, so it says the same, or nothing
+    hf["rope_scaling"] = _rope_scaling_field(m, rope)
   else:
     hf.pop("rope_parameters", None)
-    hf["rope_scaling"] = None if m.rope_scaling == "none" else {
-        k: v for k, v in rope.items() if k != "partial_rotary_factor"}
+    hf["rope_scaling"] = _rope_scaling_field(m, rope)
   return dict(sorted(hf.items()))
