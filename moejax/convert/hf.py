@@ -102,6 +102,44 @@ def _read_block(reader: TensorReader, leaf: hf_names.LeafMap, index: tuple) -> n
   return out
 
 
+def _column_groups(maps: list) -> list[list]:
+  """`maps` in order, leaves whose every block is a column selection of the same tensor block
+  as another leaf's grouped (gpt-oss's gate and up, every other column of gate_up_proj; Llama
+  4's halves of it): a group is read together, each tensor block once."""
+  groups, index = [], {}
+  for leaf in maps:
+    sources = leaf.sources.values()
+    key = None
+    if leaf.lead and all(s.by_column and not s.transpose and not s.row_offset for s in sources):
+      key = (leaf.shape[:leaf.lead],
+             tuple(sorted((lead, s.name, s.prefix) for lead, s in leaf.sources.items())))
+    if key is not None and key in index:
+      groups[index[key]].append(leaf)
+      continue
+    if key is not None:
+      index[key] = len(groups)
+    groups.append([leaf])
+  return groups
+
+
+def _read_columns_together(reader: TensorReader, group: list) -> list[np.ndarray]:
+  """Each leaf of a `_column_groups` group, whole, reading each tensor block once (a quantized
+  one dequantized once: gpt-oss's interleaved MXFP4 gate_up_proj was read whole for gate and
+  again for up)."""
+  first = group[0]
+  outs = [np.empty(leaf.shape, np.float32) for leaf in group]
+  layer = None
+  for lead in itertools.product(*(range(n) for n in first.shape[:first.lead])):
+    if lead[0] != layer:
+      reader.release()     # keep at most one layer's source pages mapped
+      layer = lead[0]
+    src = first.sources[lead]
+    block = reader.read(src.name, src.prefix)
+    for leaf, out in zip(group, outs):
+      out[lead] = block[..., leaf.sources[lead].columns(0, leaf.shape[-1])]
+  return outs
+
+
 def _set_path(tree: dict, path: tuple, value) -> None:
   for key in path[:-1]:
     tree = tree.setdefault(key, {})
@@ -132,14 +170,20 @@ def load_hf(hf_dir: str, *, shardings=None, base: Config | None = None) -> tuple
     experts = hf_names.detect_expert_layout(reader.names())
     prefix = hf_names.text_prefix(reader.names())    # a multimodal checkpoint's text model
     _check_tensors(reader, cfg, experts, prefix)
-    for leaf in hf_names.leaf_maps(cfg, experts, prefix):
-      if shardings is None:
-        value = _read_block(reader, leaf, ())
-      else:
-        sharding = (shardings if isinstance(shardings, jax.sharding.Sharding)
-                    else _get_path(shardings, leaf.path, "shardings"))
-        value = jax.make_array_from_callback(
-            leaf.shape, sharding, lambda index, leaf=leaf: _read_block(reader, leaf, index))
+    maps = hf_names.leaf_maps(cfg, experts, prefix)
+    if shardings is None:        # on the host: leaves sharing tensor blocks read together
+      for group in _column_groups(maps):
+        values = (_read_columns_together(reader, group) if len(group) > 1
+                  else [_read_block(reader, group[0], ())])
+        for leaf, value in zip(group, values):
+          _set_path(params, leaf.path, value)
+        reader.release()
+      return cfg, params
+    for leaf in maps:         # each device's shard reads its own block
+      sharding = (shardings if isinstance(shardings, jax.sharding.Sharding)
+                  else _get_path(shardings, leaf.path, "shardings"))
+      value = jax.make_array_from_callback(
+          leaf.shape, sharding, lambda index, leaf=leaf: _read_block(reader, leaf, index))
       _set_path(params, leaf.path, value)
       reader.release()
   return cfg, params

@@ -185,13 +185,16 @@ def test_fp8_checkpoints_import_as_transformers_dequantizes_them(name, hf_models
 
 
 def test_mxfp4_experts_import_as_transformers_dequantizes_them(hf_models, imported,
-                                                              hf_reference, tmp_path):
+                                                              hf_reference, tmp_path,
+                                                              monkeypatch):
   """gpt-oss as the Hub stores it: each expert projection as MXFP4 blocks and scales
   (quant_method "mxfp4"), the rest unquantized. moejax's import equals transformers' logits from
   the same file (its own dequantizing load), which quantization moved far from the unquantized
-  model's; the experts read dequantized into ep shards (3 of 6 a device) as on the host; the
-  export is unquantized
-  and reads back bit for bit."""
+  model's, dequantizing each expert's block once (gate and up, interleaved in one tensor, were
+  read whole for each); the experts read dequantized into ep shards (3 of 6 a device) as on the
+  host; the export is unquantized and reads back bit for bit."""
+  from collections import Counter
+  from moejax.convert.safetensors_io import TensorReader
   from tests.convert.test_mxfp4 import quantize_mxfp4
   from safetensors.numpy import save_file
   hf_dir, tokens, unquantized = hf_models["gpt_oss"]
@@ -215,7 +218,17 @@ def test_mxfp4_experts_import_as_transformers_dequantizes_them(hf_models, import
                             out=str(tmp_path / "logits.npy"))
   assert reply["loading_info"] == {}, reply["loading_info"]
   want = np.load(str(tmp_path / "logits.npy"))
+  reads, dequantize = Counter(), TensorReader._read_mxfp4
+
+  def counted(reader, name, index):
+    reads[name] += 1
+    return dequantize(reader, name, index)
+
+  monkeypatch.setattr(TensorReader, "_read_mxfp4", counted)
   cfg, params = load_hf(out)
+  monkeypatch.setattr(TensorReader, "_read_mxfp4", dequantize)
+  experts = cfg.moe.num_experts
+  assert len(reads) == 2 * cfg.model.num_layers and set(reads.values()) == {experts}, reads
   assert cfg == imported["gpt_oss"][0]
   assert_logits_close(fp32_logits(cfg, params, tokens), want)
   assert np.max(np.abs(unquantized - want)) > 1e-2 * np.max(np.abs(want))
