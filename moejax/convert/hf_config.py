@@ -971,6 +971,8 @@ def _rope_fields(hf: dict, spec: FamilySpec, where: str, head_dim: int,
     return _typed_rope(hf, where, sliding_layers, _get(hf, "num_hidden_layers", int, where))
   if spec.default_rope and _rope_dict(hf)[0] is None:     # its config class's RoPE
     hf = dict(hf, rope_parameters=dict(spec.default_rope))
+  if spec.cohere:     # transformers' Cohere2MoeConfig keeps rope_scaling apart, unread
+    hf = {k: v for k, v in hf.items() if k != "rope_scaling"}
   fields = dict(_rope(hf, where, spec.default_rope_theta, head_dim if spec.hunyuan else 0),
                 sliding_rope_theta=0.0)
   if spec.deepseek and fields["rope_scaling"] == "llama3":
@@ -1529,6 +1531,10 @@ def check_exportable(cfg: Config) -> FamilySpec:
     if moe.expert_groups > 1:
       need("moe.group_score", moe.group_score, "max" if spec.deepseek == "v2" else "top2",
            " (how its groups are scored)")
+    if spec.deepseek and m.rope_scaling == "llama3":
+      raise CheckpointError(f"config.model.rope_scaling='llama3': {what} scales latent "
+                            "attention's RoPE by yarn only here (transformers would change its "
+                            "softmax scale); choose another config.model.family or 'yarn'")
     if spec.sigmoid_moe:
       need("model.kv_lora_rank", m.kv_lora_rank, 0, " (no latent attention)")
     elif not m.kv_lora_rank:
@@ -1852,7 +1858,7 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
         else full)}
     hf.pop("rope_scaling", None)      # even null, transformers would read it over the dicts
     hf.pop("rope_theta")
-  elif isinstance(hf.get("rope_parameters"), dict) or spec.default_rope:
+  elif isinstance(hf.get("rope_parameters"), dict) or spec.default_rope or spec.cohere:
     # transformers >= 5's own layout (and where no dict would read as the class's YaRN)
     hf["rope_parameters"] = {"rope_theta": m.rope_theta, **rope}
     # the same scaling where transformers 4 (and readers of its field) look for it; it wins over

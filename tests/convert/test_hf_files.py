@@ -1413,6 +1413,14 @@ def test_cohere2_reads_its_layer_rules_norms_router_and_combination():
   assert hf_config_from(config_from_hf(dict(hf, logit_scale=0.3)))["logit_scale"] == 0.3
   with pytest.raises(CheckpointError, match="prefix_dense_intermediate_size=0"):
     config_from_hf(dict(hf, prefix_dense_intermediate_size=0))
+  # its config class keeps rope_scaling apart and runs rope_parameters alone (found by review:
+  # a YaRN export without a base wrote rope_scaling only, which transformers ran as plain RoPE)
+  yarn = tiny_config("cohere2_moe", **{"model.rope_scaling": "yarn", "model.rope_factor": 4.0,
+                                        "model.rope_original_max_len": 64})
+  out = hf_config_from(yarn)
+  assert out["rope_parameters"]["rope_type"] == "yarn" and config_from_hf(out, base=yarn) == yarn
+  ignored = dict(out, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+  assert config_from_hf(ignored).model.rope_scaling == "none"
   for family, overrides, match in (
       ("cohere2_moe", {"moe.shared_expert_scale": 1.0}, "routed_scale=0.5, shared_expert_scale"),
       ("cohere2_moe", {"model.nope_layers": (1, 3)}, r"model.nope_layers=\(1, 3\)"),
@@ -1715,6 +1723,11 @@ def test_llama4_reads_its_text_model_layer_rules_and_llama3_rope():
       config_from_hf(dict(hf, **changes))
   with pytest.raises(CheckpointError, match="needs text_config"):
     config_from_hf({"model_type": "llama4"})
+  # latent attention's families read yarn only, so they export it only (found by review)
+  with pytest.raises(CheckpointError, match="config.model.rope_scaling='llama3': .* yarn only"):
+    hf_config_from(tiny_config("deepseek_v3", **{"model.rope_scaling": "llama3",
+                                                 "model.rope_factor": 8.0,
+                                                 "model.rope_original_max_len": 64}))
   for family, field, value, why in (
       ("llama4", "moe.weights_on_input", False, "needs True"),
       ("llama4", "moe.renormalize", True, "needs False"),
