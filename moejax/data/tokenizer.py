@@ -156,7 +156,9 @@ def _declared_eos(directory: str, vocab: dict) -> str | None:
     return token
   by_id = {i: t for t, i in vocab.items()}
   for name in ("config.json", "hf_config.json"):
-    ids = read_json(os.path.join(directory, name)).get("eos_token_id")
+    config = read_json(os.path.join(directory, name))
+    text = config.get("text_config")       # a multimodal config's text model (Llama 4's)
+    ids = config.get("eos_token_id", text.get("eos_token_id") if isinstance(text, dict) else None)
     for i in ids if isinstance(ids, list) else [ids]:
       if isinstance(i, int) and i in by_id:
         return by_id[i]

@@ -101,13 +101,16 @@ def test_hf_eos_is_the_one_the_checkpoint_declares(tmp_path):
   raw = Tokenizer(models.WordLevel(vocab, unk_token="a"))
   raw.pre_tokenizer = pre_tokenizers.Whitespace()
   declared = {"tokenizer_config.json": {"eos_token": {"content": eos, "special": True}},
-              "config.json": {"eos_token_id": 1}, "hf_config.json": {"eos_token_id": [1, 2]}}
+              "config.json": {"eos_token_id": 1}, "hf_config.json": {"eos_token_id": [1, 2]},
+              # a multimodal config.json (Llama 4's) declares it for its text model
+              "multimodal/config.json": {"model_type": "llama4",
+                                         "text_config": {"eos_token_id": [1, 2]}}}
   for name, content in [(None, None), *declared.items()]:
-    folder = tmp_path / (name or "none")
+    folder = tmp_path / (name.split("/")[0] if name else "none")
     folder.mkdir()
     raw.save(str(folder / "tokenizer.json"))
     if name:
-      (folder / name).write_text(json.dumps(content), encoding="utf-8")
+      (folder / name.split("/")[-1]).write_text(json.dumps(content), encoding="utf-8")
     tok = load_tokenizer(str(folder))
     if name is None:                       # nothing declared: the first candidate in the vocab
       assert (tok.eos_token, tok.eos_id) == ("</s>", 2)
