@@ -20,7 +20,9 @@ records its error and the others still run. Steps:
   schedule   the compiled tiny train step's async collectives: start/done pairs and the
              instructions scheduled between each pair (0 pairs on one device, or on XLA:CPU)
   attention  causal attention at OLMoE-1B-7B's shapes: moejax's (XLA's materialized path) beside
-             cuDNN's flash attention (GPU only), forward and forward+backward
+             cuDNN's flash attention (GPU only), forward and forward+backward; and Llama 4's
+             chunked attention (chunks of a quarter of the sequence run as a batch: cuDNN's on
+             GPU) against the same chunks masked in XLA's path
   grouped    the experts' grouped matmuls at OLMoE-1B-7B's expert shapes, forward and
              forward+backward: jax's Hopper kernels (the GPU default where they apply), XLA's
              ragged_dot, and XLA:CPU's row tiles, each against a dense per-expert product
@@ -454,7 +456,9 @@ def step_tiles(dims: dict) -> dict:
 def step_attention(dims: dict) -> dict:
   """Causal attention at OLMoE-1B-7B's shapes (moejax's `layers.attention.attend`: XLA's
   materialized path) beside `jax.nn.dot_product_attention(implementation="cudnn")` (flash
-  attention; GPU only), forward and forward+backward."""
+  attention; GPU only), forward and forward+backward; and moejax's chunked attention (Llama 4's:
+  chunks of a quarter of the sequence folded into the batch, so cuDNN's on GPU) beside XLA's
+  path under the chunks' mask, whose outputs it must equal."""
   import jax
   import jax.numpy as jnp
   from moejax.layers import attention
@@ -468,16 +472,28 @@ def step_attention(dims: dict) -> dict:
   if jax.default_backend() == "gpu":
     impls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=True, scale=d ** -0.5, implementation="cudnn")
-  out = {"batch": b, "seq": t, "heads": h, "head_dim": d, "forward_flops": flops}
+  chunk = max(1, t // 4)
+  positions = jnp.arange(t)
+  in_chunk = ((positions[None, :] <= positions[:, None])
+              & (positions[None, :] // chunk == positions[:, None] // chunk))[None, None]
+  impls["chunked"] = lambda q, k, v: attention.attend(q, k, v, is_causal=True, chunk=chunk)
+  impls["chunked_masked_xla"] = lambda q, k, v: attention.attend(q, k, v, mask=in_chunk)
+  out = {"batch": b, "seq": t, "heads": h, "head_dim": d, "forward_flops": flops,
+         "chunk": chunk}
   ys = {}
   for name, fn in impls.items():
     try:
-      ys[name], _, out[name] = _forward_backward(fn, (q, k, v), dy, flops)
+      ys[name], _, out[name] = _forward_backward(
+          fn, (q, k, v), dy, flops * chunk / t if name.startswith("chunked") else flops)
     except Exception as e:
       out[name] = {"error": f"{type(e).__name__}: {e}"[:600]}
-  if "cudnn" in ys and "xla" in ys:
-    a, c = ys["xla"].astype(jnp.float32), ys["cudnn"].astype(jnp.float32)
-    out["cudnn_max_abs_diff"] = float(jnp.max(jnp.abs(a - c)))
+  for name, (a, c) in (("cudnn", ("xla", "cudnn")),
+                       ("chunked", ("chunked_masked_xla", "chunked"))):
+    if a in ys and c in ys:
+      out[f"{name}_max_abs_diff"] = float(jnp.max(jnp.abs(
+          ys[a].astype(jnp.float32) - ys[c].astype(jnp.float32))))
+  if "error" in out["chunked"]:     # moejax's own path: a failure is the step's
+    raise RuntimeError(f"chunked attention: {out['chunked']['error']}")
   return out
 
 
