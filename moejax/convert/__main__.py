@@ -46,7 +46,8 @@ def from_hf(args) -> None:
   from moejax.convert import hf, quantization_summary
   weights.check_new_dir(args.out_dir)   # before reading every weight into host memory
   hf_config = hf.read_hf_config(args.hf_dir)
-  cfg, params = hf.load_hf(args.hf_dir)
+  cfg, params = hf.load_hf(args.hf_dir, progress=lambda line: print(line, file=sys.stderr,
+                                                                     flush=True))
   from moejax.convert import checkpoint_io   # orbax: imported once there is something to save
   checkpoint_io.save_params(args.out_dir, cfg, params, hf_config=hf_config,
                             source=os.path.abspath(args.hf_dir))

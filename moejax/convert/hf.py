@@ -18,10 +18,13 @@ float-quantized FP8 and pack-quantized integer formats) import dequantized to fp
 """
 from __future__ import annotations
 
+import datetime
 import glob
 import itertools
 import json
+import math
 import os
+import time
 
 import jax
 import numpy as np
@@ -83,7 +86,40 @@ def _read_source(reader: TensorReader, src: hf_names.Source, tail_slices: list) 
   return block.T if src.transpose else block
 
 
-def _read_block(reader: TensorReader, leaf: hf_names.LeafMap, index: tuple) -> np.ndarray:
+class ReadProgress:
+  """Progress of an import, by parameters read: `report(line)` at most every `every_s`
+  seconds, and once at the end (a Scout or Maverick import reads 100-800 GB)."""
+
+  def __init__(self, total: int, report, where: str, every_s: float = 10.0):
+    self.total, self.report, self.where, self.every_s = total, report, where, every_s
+    self.done, self.start = 0, time.monotonic()
+    self.last = self.start
+
+  def add(self, count: int) -> None:
+    self.done += count
+    now = time.monotonic()
+    if now - self.last >= self.every_s and self.done < self.total:
+      self.last = now
+      elapsed = now - self.start
+      eta = elapsed * (self.total - self.done) / max(self.done, 1)
+      self.report(f"moejax: read {_count(self.done)} of {_count(self.total)} parameters "
+                  f"({100 * self.done / self.total:.0f}%) from {self.where}, ETA "
+                  f"{datetime.timedelta(seconds=int(eta))}")
+
+  def finish(self) -> None:
+    """The closing line, where the import took long enough to have reported along the way."""
+    elapsed = time.monotonic() - self.start
+    if elapsed >= self.every_s:
+      self.report(f"moejax: read {_count(self.total)} parameters from {self.where} in "
+                  f"{datetime.timedelta(seconds=int(elapsed))}")
+
+
+def _count(n: int) -> str:
+  return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
+
+
+def _read_block(reader: TensorReader, leaf: hf_names.LeafMap, index: tuple,
+                progress: ReadProgress | None = None) -> np.ndarray:
   """`leaf[index]` (index: one step-1 slice per axis, as make_array_from_callback passes)."""
   index = tuple(index) + (slice(None),) * (len(leaf.shape) - len(index))
   ranges = [range(*s.indices(n)) for s, n in zip(index, leaf.shape)]
@@ -99,6 +135,8 @@ def _read_block(reader: TensorReader, leaf: hf_names.LeafMap, index: tuple) -> n
       reader.release()     # keep at most one layer's source pages mapped
       layer = pairs[0][1]
     out[local] = _read_source(reader, source, tail_slices)
+    if progress is not None:
+      progress.add(out[local].size)
   return out
 
 
@@ -122,7 +160,8 @@ def _column_groups(maps: list) -> list[list]:
   return groups
 
 
-def _read_columns_together(reader: TensorReader, group: list) -> list[np.ndarray]:
+def _read_columns_together(reader: TensorReader, group: list,
+                           progress: ReadProgress | None = None) -> list[np.ndarray]:
   """Each leaf of a `_column_groups` group, whole, reading each tensor block once (a quantized
   one dequantized once: gpt-oss's interleaved MXFP4 gate_up_proj was read whole for gate and
   again for up)."""
@@ -137,6 +176,8 @@ def _read_columns_together(reader: TensorReader, group: list) -> list[np.ndarray
     block = reader.read(src.name, src.prefix)
     for leaf, out in zip(group, outs):
       out[lead] = block[..., leaf.sources[lead].columns(0, leaf.shape[-1])]
+      if progress is not None:
+        progress.add(out[lead].size)
   return outs
 
 
@@ -155,12 +196,14 @@ def _get_path(tree, path: tuple, what: str):
   return node
 
 
-def load_hf(hf_dir: str, *, shardings=None, base: Config | None = None) -> tuple[Config, dict]:
+def load_hf(hf_dir: str, *, shardings=None, base: Config | None = None,
+            progress=None) -> tuple[Config, dict]:
   """Reads a Hugging Face checkpoint directory (any family) into (Config, params).
 
   `shardings`: optional pytree of `jax.sharding.Sharding` with the structure of params (or one
   Sharding for all); each leaf is then a global `jax.Array` laid out so, built shard by shard.
   `base`: the Config whose non-model fields (training, data, mesh...) the result keeps.
+  `progress`: a callable given a line every 10 s and at the end (parameters read, ETA).
   """
   hf = read_hf_config(hf_dir)
   where = os.path.join(hf_dir, CONFIG_FILE)
@@ -171,21 +214,27 @@ def load_hf(hf_dir: str, *, shardings=None, base: Config | None = None) -> tuple
     prefix = hf_names.text_prefix(reader.names())    # a multimodal checkpoint's text model
     _check_tensors(reader, cfg, experts, prefix)
     maps = hf_names.leaf_maps(cfg, experts, prefix)
+    counter = None if progress is None else ReadProgress(
+        sum(math.prod(leaf.shape) for leaf in maps), progress, hf_dir)
     if shardings is None:        # on the host: leaves sharing tensor blocks read together
       for group in _column_groups(maps):
-        values = (_read_columns_together(reader, group) if len(group) > 1
-                  else [_read_block(reader, group[0], ())])
+        values = (_read_columns_together(reader, group, counter) if len(group) > 1
+                  else [_read_block(reader, group[0], (), counter)])
         for leaf, value in zip(group, values):
           _set_path(params, leaf.path, value)
         reader.release()
-      return cfg, params
-    for leaf in maps:         # each device's shard reads its own block
-      sharding = (shardings if isinstance(shardings, jax.sharding.Sharding)
-                  else _get_path(shardings, leaf.path, "shardings"))
-      value = jax.make_array_from_callback(
-          leaf.shape, sharding, lambda index, leaf=leaf: _read_block(reader, leaf, index))
-      _set_path(params, leaf.path, value)
-      reader.release()
+    else:
+      for leaf in maps:         # each device's shard reads its own block
+        sharding = (shardings if isinstance(shardings, jax.sharding.Sharding)
+                    else _get_path(shardings, leaf.path, "shardings"))
+        value = jax.make_array_from_callback(
+            leaf.shape, sharding, lambda index, leaf=leaf: _read_block(reader, leaf, index))
+        _set_path(params, leaf.path, value)
+        reader.release()
+        if counter is not None:    # (by leaf: shards of a replicated leaf are read again)
+          counter.add(math.prod(leaf.shape))
+    if counter is not None:
+      counter.finish()
   return cfg, params
 
 

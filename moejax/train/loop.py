@@ -363,7 +363,7 @@ def init_from(trainer: Trainer, path: str):
     raise ConfigError(f"config.init_from={path!r}: {mismatch}; use a config with the "
                       "model's shapes")
   if hf_dir:
-    _, params = convert.load_hf(path, shardings=shardings, base=cfg)
+    _, params = convert.load_hf(path, shardings=shardings, base=cfg, progress=log)
   else:
     params = ckpt.load_params(path, shardings=shardings)
   quantized = convert.quantization_summary(hf_config) if hf_dir else None

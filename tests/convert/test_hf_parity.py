@@ -296,6 +296,30 @@ def test_llama4_multimodal_checkpoint_reads_its_text_model(hf_models, imported, 
     load_hf(wrapped)
 
 
+def test_an_import_reports_its_progress(hf_models, imported, monkeypatch):
+  """A long import (Scout and Maverick read 100-800 GB) says how far it is: parameters read,
+  the share and an ETA every so often, and the total at the end; on the host and into shards
+  (there by leaf), the same parameters either way."""
+  from moejax.convert import hf as hf_lib
+  monkeypatch.setattr(hf_lib.ReadProgress, "__init__", functools.partialmethod(
+      hf_lib.ReadProgress.__init__, every_s=0.0))         # report at every block
+  hf_dir = hf_models["llama4"][0]
+  lines = []
+  cfg, params = load_hf(hf_dir, progress=lines.append)
+  assert_same_bits(params, imported["llama4"][1])
+  total = sum(x.size for x in jax.tree.leaves(params))
+  shares = [int(line.split("(")[1].split("%")[0]) for line in lines[:-1]]
+  assert len(shares) > 10 and shares == sorted(shares) and shares[-1] < 100
+  assert all(f"of {total:,} parameters" in line and "ETA" in line for line in lines[:-1])
+  assert lines[-1].startswith(f"moejax: read {total:,} parameters from {hf_dir} in ")
+  sharded_lines = []
+  mesh = make_mesh((1, 2), jax.devices()[:2])
+  shardings = state_layout(cfg, mesh, make_optimizer(cfg)).shardings.params
+  _, sharded = load_hf(hf_dir, shardings=shardings, progress=sharded_lines.append)
+  assert_same_bits(jax.device_get(sharded), params)
+  assert sharded_lines[-1].rsplit(" in ", 1)[0] == lines[-1].rsplit(" in ", 1)[0]
+
+
 def test_config_mapping(hf_models, imported):
   cfg, _ = imported["b"]
   m, moe = cfg.model, cfg.moe
