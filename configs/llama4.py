@@ -1,6 +1,6 @@
 """Llama 4 configs (Hugging Face llama4 / llama4_text; Meta's Llama 4 Scout and Maverick, their
 text model): grouped-query attention in which three layers of four rotate q and k (neighbour
-pairs, Llama 3's RoPE scaling) and attend within 8192-token chunks (model.chunked_layers), the
+pairs; Scout's scaled by Llama 3's rule) and attend within 8192-token chunks (model.chunked_layers), the
 fourth unrotated over the whole sequence with its queries' temperature rising with the position
 (model.nope_temperature); Scout normalizes the rotated q and k per head without a scale
 (model.qk_norm "l2"). Every MoE layer has a shared expert beside one routed expert of a sigmoid

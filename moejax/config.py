@@ -183,13 +183,15 @@ class ModelConfig:
   rope_scaling: str = "none"
   """RoPE frequency scaling: one of `moejax.layers.rope.ROPE_SCALINGS`; "yarn" extends a context
   of rope_original_max_len positions by rope_factor (YaRN; DeepSeek-V3's published weights,
-  Qwen's long-context configs); "llama3" does so by Llama 3's rule (Llama 4's published
-  weights). The rope_* fields below are theirs, read only under a scaling (factor and
+  Qwen's long-context configs); "llama3" does so by Llama 3's rule (Llama 4 Scout's
+  published weights). The rope_* fields below are theirs, read only under a scaling (factor and
   original_max_len by both, the beta and mscale fields by YaRN, the freq factors by Llama 3's)."""
   rope_factor: float = 1.0
-  """YaRN: how many times the original context the model is to reach (>= 1)."""
+  """YaRN and Llama 3's scaling: how many times the original context the model is to reach
+  (>= 1)."""
   rope_original_max_len: int = 0
-  """YaRN: the context the weights were pretrained on (original_max_position_embeddings)."""
+  """YaRN and Llama 3's scaling: the context the weights were pretrained on
+  (original_max_position_embeddings)."""
   rope_beta_fast: float = 32.0
   """YaRN: rotary pairs turning more than this many times over the original context keep their
   frequency."""

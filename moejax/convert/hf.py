@@ -88,7 +88,8 @@ def _read_source(reader: TensorReader, src: hf_names.Source, tail_slices: list) 
 
 class ReadProgress:
   """Progress of an import, by parameters read: `report(line)` at most every `every_s`
-  seconds, and once at the end (a Scout or Maverick import reads 100-800 GB)."""
+  seconds, and once at the end where it took that long (a Scout or Maverick import reads about
+  220-800 GB)."""
 
   def __init__(self, total: int, report, where: str, every_s: float = 10.0):
     self.total, self.report, self.where, self.every_s = total, report, where, every_s
@@ -203,7 +204,8 @@ def load_hf(hf_dir: str, *, shardings=None, base: Config | None = None,
   `shardings`: optional pytree of `jax.sharding.Sharding` with the structure of params (or one
   Sharding for all); each leaf is then a global `jax.Array` laid out so, built shard by shard.
   `base`: the Config whose non-model fields (training, data, mesh...) the result keeps.
-  `progress`: a callable given a line every 10 s and at the end (parameters read, ETA).
+  `progress`: a callable given a line every 10 s (parameters read, ETA) and at the end where it
+  took that long.
   """
   hf = read_hf_config(hf_dir)
   where = os.path.join(hf_dir, CONFIG_FILE)

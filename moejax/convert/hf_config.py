@@ -587,7 +587,7 @@ _TYPED_ROPE_DEFAULTS = {"full_attention": {"rope_type": "default", "rope_theta":
 
 def _typed_rope(hf: dict, where: str, sliding_layers: tuple, layers: int) -> dict:
   """model.rope_* and sliding_rope_theta from a rope_parameters of one RoPE dict per layer
-  type (Mellum's): the full layers' RoPE as `_rope` reads it (plain or YaRN), the sliding
+  type (Mellum's): the full layers' RoPE as `_rope` reads it (plain, YaRN or Llama 3's), the sliding
   layers' plain RoPE of its own base. transformers reads only the types layer_types uses, and
   rotates whole heads (a partial factor would not broadcast)."""
   if hf.get("rope_scaling"):

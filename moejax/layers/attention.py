@@ -27,7 +27,7 @@ Letters: B batch, S sequence, D model width, H query heads, G key/value heads, D
                  and adds no value (gpt-oss's and Granite SWA's attention sinks): the output is
                  scaled by sigmoid(logsumexp(scores) - sink).
 
-Rotary embeddings (`moejax.layers.rope`: plain or YaRN-scaled) use the half-split (rotate_half)
+Rotary embeddings (`moejax.layers.rope`: plain, YaRN- or Llama 3-scaled) use the half-split (rotate_half)
 convention; latent attention's rotary part is stored interleaved (pairs (x0, x1), (x2, x3), ...),
 as DeepSeek's checkpoints are.
 """

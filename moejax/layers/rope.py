@@ -13,7 +13,7 @@ published weights and Qwen's long-context configs use it. The formulas are trans
 what they compute there: the correction range in float64 on the host, the frequencies in
 float32.
 
-Llama 3's scaling (Llama 3.1 and Llama 4's published weights; transformers'
+Llama 3's scaling (Llama 3.1's and Llama 4 Scout's published weights; transformers'
 `_compute_llama3_parameters`) divides by `factor` the frequencies whose wavelength exceeds
 `original_max_len / low_freq_factor`, keeps those shorter than `original_max_len /
 high_freq_factor`, and blends the ones between by how many times they turn over the original

@@ -297,7 +297,7 @@ def test_llama4_multimodal_checkpoint_reads_its_text_model(hf_models, imported, 
 
 
 def test_an_import_reports_its_progress(hf_models, imported, monkeypatch):
-  """A long import (Scout and Maverick read 100-800 GB) says how far it is: parameters read,
+  """A long import (Scout and Maverick read about 220-800 GB) says how far it is: parameters read,
   the share and an ETA every so often, and the total at the end; on the host and into shards
   (there by leaf), the same parameters either way."""
   from moejax.convert import hf as hf_lib
