@@ -128,17 +128,25 @@ def _read_block(reader: TensorReader, leaf: hf_names.LeafMap, index: tuple,
     raise ValueError(f"block index {index} of {'.'.join(leaf.path)} is not contiguous")
   out = np.empty([len(r) for r in ranges], np.float32)
   tail_slices = [slice(r.start, r.stop) for r in ranges[leaf.lead:]]
-  layer = None
-  for pairs in itertools.product(*(enumerate(r) for r in ranges[:leaf.lead])):
+  leads = itertools.product(*(enumerate(r) for r in ranges[:leaf.lead]))
+  for pairs in _by_layer(reader, leads, layer_of=lambda pairs: pairs[0][1]):
     local = tuple(p[0] for p in pairs)
     source = leaf.sources[tuple(p[1] for p in pairs)]
-    if leaf.lead and pairs[0][1] != layer:
-      reader.release()     # keep at most one layer's source pages mapped
-      layer = pairs[0][1]
     out[local] = _read_source(reader, source, tail_slices)
     if progress is not None:
       progress.add(out[local].size)
   return out
+
+
+def _by_layer(reader: TensorReader, leads, layer_of):
+  """`leads` in order, the reader's mapped pages released at each new layer (`layer_of(lead)`),
+  so at most one layer's source pages stay mapped."""
+  layer = None
+  for lead in leads:
+    if lead and layer_of(lead) != layer:
+      reader.release()
+      layer = layer_of(lead)
+    yield lead
 
 
 def _column_groups(maps: list) -> list[list]:
@@ -168,11 +176,8 @@ def _read_columns_together(reader: TensorReader, group: list,
   again for up)."""
   first = group[0]
   outs = [np.empty(leaf.shape, np.float32) for leaf in group]
-  layer = None
-  for lead in itertools.product(*(range(n) for n in first.shape[:first.lead])):
-    if lead[0] != layer:
-      reader.release()     # keep at most one layer's source pages mapped
-      layer = lead[0]
+  leads = itertools.product(*(range(n) for n in first.shape[:first.lead]))
+  for lead in _by_layer(reader, leads, layer_of=lambda lead: lead[0]):
     src = first.sources[lead]
     block = reader.read(src.name, src.prefix)
     for leaf, out in zip(group, outs):

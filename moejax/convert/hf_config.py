@@ -1417,7 +1417,9 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       # the options only some families set (below), at their defaults for the others, so
       # nothing of `base`'s family carries over
       rotary_interleaved=False, qk_norm_after_rope=False,
-      **{field: getattr(ModelConfig(), field) for field in _GRANITE_SCALES})
+      **{field: getattr(ModelConfig(), field) for field in (
+          *_GRANITE_SCALES, "attention_chunk", "chunked_layers", "nope_temperature",
+          "nope_temperature_floor")})
   if spec.dense_pattern:
     model = dataclasses.replace(model, **_dense_pattern(hf, where, spec.default_mlp_only))
   if spec.layer_types_key and not (spec.deepseek or spec.sigmoid_moe):    # Mellum
@@ -1445,7 +1447,7 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       z_loss_weight=(_get(hf, spec.z_loss_key, float, where, base.moe.z_loss_weight)
                      if spec.z_loss_key else base.moe.z_loss_weight),
       score_bias=spec.score_bias, expert_groups=1, top_groups=1, group_score="top2",
-      routed_scale=1.0)
+      routed_scale=1.0, weights_on_input=False)
   if spec.deepseek or spec.sigmoid_moe or spec.ernie:
     model_fields, moe_fields = (_deepseek_fields(hf, spec, where) if spec.deepseek
                                 else _ernie_fields(hf, where) if spec.ernie
@@ -1475,11 +1477,6 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
     model_fields, moe_fields = _llama4_fields(hf, where, moe.expert_hidden)
     model = dataclasses.replace(model, **model_fields)
     moe = dataclasses.replace(moe, **moe_fields)
-  else:
-    defaults = ModelConfig()
-    model = dataclasses.replace(model, **{field: getattr(defaults, field) for field in (
-        "attention_chunk", "chunked_layers", "nope_temperature", "nope_temperature_floor")})
-    moe = dataclasses.replace(moe, weights_on_input=False)
   if spec.gpt_oss or spec.cohere or spec.llama4:   # attention_bias biases o too
     model = dataclasses.replace(model, attention_out_bias=model.qkv_bias)
   if spec.gpt_oss:
