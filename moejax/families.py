@@ -1,7 +1,8 @@
 """The model families moejax imports from and exports to Hugging Face.
 
 A family names a Hugging Face architecture (`model_type` in config.json; Llama 4's is its text
-model's, `llama4_text`, or a `llama4` config's `text_config`); the decoder is one
+model's, `llama4_text`, or a `llama4` config's `text_config`; a `kimi_k25` config's text model is
+DeepSeek-V3's); the decoder is one
 (`moejax.models.olmoe`) and reads only the config's options, so a family decides the tensor
 names and config.json fields of `moejax.convert`, and which options that architecture can hold.
 """

@@ -40,7 +40,7 @@ DEFAULT_MAX_SHARD_BYTES = 5_000_000_000     # transformers' default max_shard_si
 
 def read_hf_config(hf_dir: str) -> dict:
   """config.json of `hf_dir`: its text model's where it is a multimodal config
-  (`hf_config.text_model_config`: Llama 4's)."""
+  (`hf_config.text_model_config`: Llama 4's, Kimi-K2.5's)."""
   path = os.path.join(hf_dir, CONFIG_FILE)
   if not os.path.isdir(hf_dir):
     raise CheckpointError(f"{hf_dir}: not a directory (a Hugging Face checkpoint directory with "

@@ -8,7 +8,8 @@ field, rather than converted into a different model. Each family fixes some opti
 (`FAMILY_SPECS`); the rest are read from its fields:
 
   config.json                          moejax
-  model_type                           model.family (kimi_k2: deepseek_v3, MODEL_TYPE_ALIASES)
+  model_type                           model.family (kimi_k2: deepseek_v3, MODEL_TYPE_ALIASES;
+                                        llama4, kimi_k25: their text_config's, TEXT_CONFIG_WRAPPERS)
   vocab_size                           model.vocab_size
   hidden_size                          model.d_model
   num_hidden_layers                    model.num_layers
@@ -481,9 +482,22 @@ MODEL_TYPES = {spec.model_type: name for name, spec in FAMILY_SPECS.items()}
 # name: Kimi-K2 is DeepSeek-V3's (its README's advice for frameworks without "kimi_k2": read it
 # as "deepseek_v3"). Exports write the family's own model_type.
 MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
-# Multimodal configs whose text model is a family's: model_type -> the text_config's model_type
-# (Llama 4's published checkpoints are Llama4ForConditionalGeneration).
-TEXT_CONFIG_WRAPPERS = {"llama4": "llama4_text"}
+@dataclasses.dataclass(frozen=True)
+class TextWrapper:
+  """A multimodal config whose text model is a family's: the text_config's model_type, and the
+  text model's fields transformers takes from the outer config (with their defaults there)."""
+  text_model_type: str
+  outer_fields: tuple = ()
+
+
+# Multimodal configs by model_type. Llama 4's published checkpoints are
+# Llama4ForConditionalGeneration; Kimi-K2.5's (and K2.6's) KimiK25ForConditionalGeneration, a
+# DeepSeek-V3 text model (text_config model_type kimi_k2) whose LM head transformers ties by the
+# outer tie_word_embeddings (default true), not the text_config's.
+TEXT_CONFIG_WRAPPERS = {
+    "llama4": TextWrapper("llama4_text"),
+    "kimi_k25": TextWrapper("deepseek_v3", outer_fields=(("tie_word_embeddings", True),)),
+}
 
 
 def text_model_config(hf, where: str = "config.json"):
@@ -492,16 +506,19 @@ def text_model_config(hf, where: str = "config.json"):
   if not isinstance(hf, dict) or hf.get("model_type") not in TEXT_CONFIG_WRAPPERS:
     return hf
   text = hf.get("text_config")
-  want = TEXT_CONFIG_WRAPPERS[hf["model_type"]]
+  wrapper = TEXT_CONFIG_WRAPPERS[hf["model_type"]]
+  want = wrapper.text_model_type
   if not isinstance(text, dict):
     raise CheckpointError(f"{where}: model_type={hf['model_type']!r} needs text_config, the "
                           f"{want} config of its text model (got {text!r})")
   text = dict(text)
-  if text.setdefault("model_type", want) != want:
+  if canonical_model_type(text.setdefault("model_type", want)) != want:
     raise CheckpointError(f"{where}: text_config.model_type={text['model_type']!r}; a "
                           f"{hf['model_type']} config's text model is {want!r}")
   if "quantization_config" in hf:
     text.setdefault("quantization_config", hf["quantization_config"])
+  for field, default in wrapper.outer_fields:
+    text[field] = hf.get(field, default)
   return text
 
 
@@ -743,7 +760,9 @@ def family_of(hf: dict, where: str = "config.json") -> FamilySpec:
   model_type = canonical_model_type(hf.get("model_type"))
   if not isinstance(model_type, str) or model_type not in MODEL_TYPES:
     valid = ", ".join([f"{s.model_type!r} ({s.architecture})" for s in FAMILY_SPECS.values()]
-                      + [f"{k!r} (as {v!r})" for k, v in MODEL_TYPE_ALIASES.items()])
+                      + [f"{k!r} (as {v!r})" for k, v in MODEL_TYPE_ALIASES.items()]
+                      + [f"{k!r} (its text_config, {w.text_model_type!r})"
+                         for k, w in TEXT_CONFIG_WRAPPERS.items()])
     raise CheckpointError(f"{where}: model_type={model_type!r} cannot be converted (valid: "
                           f"{valid})")
   return FAMILY_SPECS[MODEL_TYPES[model_type]]

@@ -79,6 +79,7 @@ from safetensors import safe_open
 
 from moejax.convert import __main__ as cli
 from moejax.convert import hf_config_from, hf_names, load_hf, read_hf_config, save_hf
+from moejax.convert.hf_config import FAMILY_SPECS
 from moejax.errors import CheckpointError
 from moejax.models import olmoe
 from moejax.sharding import hook
@@ -266,34 +267,71 @@ def test_kimi_k2_reads_as_deepseek_v3(hf_models, imported, tmp_path):
   assert found is not None and found["max_position_embeddings"] == 777
 
 
-def test_llama4_multimodal_checkpoint_reads_its_text_model(hf_models, imported, tmp_path):
-  """Llama 4 as the Hub publishes it, Llama4ForConditionalGeneration: the text model's tensors
-  under language_model. beside the vision encoder's, its config.json the text_config of a
-  llama4 config. The import is the text model's own, bit for bit, the vision tensors left; an
-  export writes the text model (llama4_text) with the checkpoint's fields."""
+# Multimodal checkpoints as the Hub publishes them: the family whose text model they hold, the
+# outer config's fields, the vision tensors beside the text model's.
+MULTIMODAL = {
+    "llama4": ("llama4", dict(architectures=["Llama4ForConditionalGeneration"], model_type="llama4",
+                              vision_config={"model_type": "llama4_vision_model"}),
+               ("vision_model.patch_embedding.linear.weight",
+                "multi_modal_projector.linear_1.weight")),
+    # Kimi-K2.5: a DeepSeek-V3 text model (text_config model_type kimi_k2), its LM head untied
+    # by the outer config's tie_word_embeddings
+    "kimi_k25": ("deepseek_v3", dict(architectures=["KimiK25ForConditionalGeneration"],
+                                     model_type="kimi_k25", tie_word_embeddings=False,
+                                     vision_config={"model_type": "kimi_k25_vision"}),
+                 ("vision_tower.encoder.blocks.0.wqkv.weight", "mm_projector.proj.0.weight")),
+}
+
+
+@pytest.mark.parametrize("wrapper", sorted(MULTIMODAL))
+def test_a_multimodal_checkpoint_reads_its_text_model(hf_models, imported, tmp_path, wrapper):
+  """Llama 4 and Kimi-K2.5 as the Hub publishes them (Llama4ForConditionalGeneration,
+  KimiK25ForConditionalGeneration): the text model's tensors under language_model. beside the
+  vision encoder's, its config.json the text_config of the multimodal config. The import is the
+  text model's own, bit for bit, the vision tensors left; an export writes the text model with
+  the checkpoint's fields; a missing text tensor is named with its prefix."""
   from safetensors.numpy import save_file
-  hf_dir = hf_models["llama4"][0]
-  wrapped = str(tmp_path / "llama4_multimodal")
+  family, outer, vision_names = MULTIMODAL[wrapper]
+  hf_dir = hf_models[family][0]
+  wrapped = str(tmp_path / wrapper)
   os.makedirs(wrapped)
   tensors = {f"language_model.{k}": v for k, v in read_all(hf_dir).items()}
-  tensors["vision_model.patch_embedding.linear.weight"] = np.ones((4, 3), np.float32)
-  tensors["multi_modal_projector.linear_1.weight"] = np.ones((2, 4), np.float32)
+  for name in vision_names:
+    tensors[name] = np.ones((4, 3), np.float32)
   save_file(tensors, os.path.join(wrapped, "model.safetensors"))
   with open(os.path.join(hf_dir, "config.json")) as f:
     text = json.load(f)
+  if wrapper == "kimi_k25":
+    text["model_type"] = "kimi_k2"          # as Kimi-K2.5's text_config names it
   with open(os.path.join(wrapped, "config.json"), "w") as f:
-    json.dump({"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
-               "text_config": dict(text, max_position_embeddings=555),
-               "vision_config": {"model_type": "llama4_vision_model"}}, f)
+    json.dump(dict(outer, text_config=dict(text, max_position_embeddings=555)), f)
   cfg, params = load_hf(wrapped)
-  assert cfg == imported["llama4"][0]
-  assert_same_bits(params, imported["llama4"][1])
+  assert cfg == imported[family][0]
+  assert_same_bits(params, imported[family][1])
   exported = hf_config_from(cfg, read_hf_config(wrapped))
-  assert (exported["model_type"], exported["max_position_embeddings"]) == ("llama4_text", 555)
+  assert (exported["model_type"], exported["max_position_embeddings"]) == (
+      FAMILY_SPECS[family].model_type, 555)
   del tensors["language_model.model.norm.weight"]
   save_file(tensors, os.path.join(wrapped, "model.safetensors"))
   with pytest.raises(CheckpointError, match="'language_model.model.norm.weight' is missing"):
     load_hf(wrapped)
+
+
+def test_kimi_k25_ties_its_lm_head_by_the_outer_config():
+  """transformers ties Kimi-K2.5's LM head by the multimodal config's tie_word_embeddings
+  (default true), whatever its text_config says; a text_config of another family is refused."""
+  from moejax.convert.hf_config import config_from_hf
+  text = dict(model_type="kimi_k2", vocab_size=64, hidden_size=32, num_hidden_layers=2,
+              num_attention_heads=2, n_routed_experts=4, num_experts_per_tok=2,
+              moe_intermediate_size=16, intermediate_size=64, kv_lora_rank=16, q_lora_rank=None,
+              qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1,
+              n_shared_experts=1, first_k_dense_replace=1, tie_word_embeddings=False)
+  for outer, tied in (({}, True), ({"tie_word_embeddings": False}, False),
+                      ({"tie_word_embeddings": True}, True)):
+    cfg = config_from_hf(dict(outer, model_type="kimi_k25", text_config=text))
+    assert (cfg.model.family, cfg.model.tie_embeddings) == ("deepseek_v3", tied)
+  with pytest.raises(CheckpointError, match="text_config.model_type='qwen3_moe'"):
+    config_from_hf({"model_type": "kimi_k25", "text_config": dict(text, model_type="qwen3_moe")})
 
 
 def test_an_import_reports_its_progress(hf_models, imported, monkeypatch):
