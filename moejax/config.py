@@ -169,6 +169,15 @@ class ModelConfig:
   """MLA: the rotary part of each q/k head (one key part shared by all heads); even."""
   v_head_dim: int = 0
   """MLA: width of one value head."""
+  index_topk: int = 0
+  """> 0: DeepSeek sparse attention (DeepSeek-V3.2's DSA), on latent attention with a q latent:
+  a lightning indexer scores every visible key per query and each query attends to the
+  index_topk best only (exact dense attention while a sequence has no more keys); 0 = dense."""
+  index_heads: int = 0
+  """DSA: the indexer's query heads (index_n_heads)."""
+  index_head_dim: int = 0
+  """DSA: the width of the indexer's query and key heads, its first qk_rope_head_dim rotated
+  (index_head_dim)."""
   tie_embeddings: bool = False
   """The LM head is the embedding's transpose (no lm_head parameter)."""
   rope_theta: float = 10000.0
@@ -762,6 +771,24 @@ def validate(c: Config) -> None:
     _check(not (m.q_lora_rank or m.qk_nope_head_dim or m.qk_rope_head_dim or m.v_head_dim),
            "config.model.q_lora_rank / qk_nope_head_dim / qk_rope_head_dim / v_head_dim are "
            "multi-head latent attention's: they need model.kv_lora_rank > 0")
+  for field in ("index_topk", "index_heads", "index_head_dim"):
+    _check(getattr(m, field) >= 0, f"config.model.{field}={getattr(m, field)}: must be >= 0")
+  if m.index_topk:
+    _check(m.kv_lora_rank > 0 and m.q_lora_rank > 0,
+           f"config.model.index_topk={m.index_topk}: DeepSeek sparse attention's indexer reads "
+           "latent attention's q latent (needs model.kv_lora_rank > 0 and q_lora_rank > 0)")
+    _check(m.index_heads > 0 and m.index_head_dim >= m.qk_rope_head_dim
+           and m.index_head_dim % 2 == 0,
+           f"config.model.index_heads={m.index_heads}, index_head_dim={m.index_head_dim}: the "
+           "indexer needs heads, each even and at least model.qk_rope_head_dim="
+           f"{m.qk_rope_head_dim} wide")
+    _check(not (m.sliding_layers or m.chunked_layers),
+           f"config.model.index_topk={m.index_topk}: DeepSeek sparse attention selects among all "
+           "earlier keys (no model.sliding_layers or chunked_layers)")
+  else:
+    _check(not (m.index_heads or m.index_head_dim),
+           f"config.model.index_heads={m.index_heads}, index_head_dim={m.index_head_dim}: an "
+           "indexer needs model.index_topk > 0; leave them 0")
   _check(moe.routed_scale > 0, f"config.moe.routed_scale={moe.routed_scale}: must be positive")
   _check(moe.expert_groups > 0 and moe.num_experts % moe.expert_groups == 0
          and (moe.expert_groups == 1 or moe.num_experts // moe.expert_groups >= 2),
@@ -956,6 +983,9 @@ def num_params(c: Config) -> dict[str, int]:
             else d * h * qk)
     attn += (d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank
              + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim) + h * m.v_head_dim * d)
+    if m.index_topk:        # DSA's indexer: q from the q latent, one key head, its norm, weights
+      attn += (m.q_lora_rank * m.index_heads * m.index_head_dim + d * m.index_head_dim
+               + 2 * m.index_head_dim + d * m.index_heads)
   else:
     q_width, kv_width = h * m.head_dim, (m.num_kv_heads or h) * m.head_dim
     gates = 2 if m.attention_gate else 1                # the q projection (or wg): the gate

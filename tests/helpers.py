@@ -9,6 +9,7 @@ import configs.deepseek as deepseek_configs
 import configs.afmoe as afmoe_configs
 import configs.cohere2_moe as cohere2_moe_configs
 import configs.deepseek_v2 as deepseek_v2_configs
+import configs.deepseek_v32 as deepseek_v32_configs
 import configs.dots1 as dots1_configs
 import configs.ernie4_5_moe as ernie4_5_moe_configs
 import configs.exaone_moe as exaone_moe_configs
@@ -45,6 +46,7 @@ FAMILY_CONFIGS = {"olmoe": olmoe_configs, "mixtral": mixtral_configs,
                   "minimax_m2": minimax_m2_configs, "ernie4_5_moe": ernie4_5_moe_configs,
                   "glm4_moe": glm4_moe_configs, "dots1": dots1_configs,
                   "deepseek_v2": deepseek_v2_configs, "deepseek_v3": deepseek_configs,
+                  "deepseek_v32": deepseek_v32_configs,
                   "glm4_moe_lite": glm4_moe_lite_configs, "solar_open": solar_open_configs,
                   "minicpm5_moe": minicpm5_moe_configs, "hy_v3": hy_v3_configs,
                   "exaone_moe": exaone_moe_configs, "granitemoe": granitemoe_configs,

@@ -225,6 +225,8 @@ class FamilySpec:
                                        # rotated when prefix_dense_sliding_window_pattern is 1),
                                        # the shared experts summed or averaged, logit_scale
   llama4: bool = False                 # Llama 4: `_llama4_fields`
+  dsa: bool = False                    # DeepSeek-V3.2's sparse attention: an indexer in every
+                                       # layer (index_topk, index_n_heads, index_head_dim)
   default_rope: tuple = ()             # (key, value) of the RoPE dict its config class sets
                                        # when config.json gives none (gpt-oss: YaRN)
   # Fields that must hold these values (moejax has no equivalent of the others); export writes
@@ -333,6 +335,15 @@ FAMILY_SPECS = {
         required=_COMMON_REQUIRED + (
             ("attention_bias", False, "moejax attention projections have no bias"),
             ("rope_interleave", True, "moejax reads DeepSeek's rotary dimensions interleaved"))),
+    "deepseek_v32": FamilySpec(
+        "deepseek_v32", "DeepseekV32ForCausalLM", "none", "n_routed_experts",
+        "moe_intermediate_size", "norm_topk_prob", experts_aliases=("num_local_experts",),
+        default_norm_eps=1e-6, deepseek="v3", renormalize_default=True, default_aux=0.0,
+        deepseek_defaults=(("n_shared_experts", 1),), layer_types_key="mlp_layer_types",
+        layer_types_fallback=True, default_first_dense=3, dsa=True, aliases_win=True,
+        required=_COMMON_REQUIRED + (
+            ("attention_bias", False, "moejax attention projections have no bias"),
+            ("mlp_bias", False, "moejax MLPs have no bias"))),
     "glm4_moe_lite": FamilySpec(
         "glm4_moe_lite", "Glm4MoeLiteForCausalLM", "none", "n_routed_experts",
         "moe_intermediate_size", "norm_topk_prob", experts_aliases=("num_local_experts",),
@@ -1051,6 +1062,11 @@ def _sliding(hf: dict, spec: FamilySpec, where: str) -> dict:
   if spec.llama4:         # no sliding layer; its layer_types are chunks (`_llama4_fields`)
     return none
   types = hf.get("layer_types")
+  if spec.dsa:            # every layer's attention indexed (DeepseekV32Config's default)
+    if types is not None and types != ["indexed_attention"] * layers:
+      _refuse(where, "layer_types", types, f"{spec.architecture} indexes every layer's "
+              f"attention (needs num_hidden_layers={layers} 'indexed_attention' entries)")
+    return none
   if types is not None and (not isinstance(types, list) or len(types) != layers
                             or not all(t in _ATTENTION_TYPES for t in types)):
     _refuse(where, "layer_types", types, f"expected num_hidden_layers={layers} entries, each "
@@ -1304,6 +1320,13 @@ def _deepseek_fields(hf: dict, spec: FamilySpec, where: str) -> tuple[dict, dict
                q_lora_rank=q_lora_rank,
                qk_nope_head_dim=nope, qk_rope_head_dim=rope,
                v_head_dim=_get(hf, "v_head_dim", int, where), head_dim=nope + rope)
+  if spec.dsa:      # DeepseekV32Config's defaults
+    if not q_lora_rank:
+      _refuse(where, "q_lora_rank", hf.get("q_lora_rank"), "DeepSeek sparse attention's "
+              "indexer reads the q latent (a positive rank is needed)")
+    model.update(index_topk=_get(hf, "index_topk", int, where, 2048),
+                 index_heads=_get(hf, "index_n_heads", int, where, 64),
+                 index_head_dim=_get(hf, "index_head_dim", int, where, 128))
   if version == "v3":
     moe.update(score="sigmoid", score_bias=True, group_score="top2",
                expert_groups=_get(hf, "n_group", int, where, defaults["n_group"]),
@@ -1438,7 +1461,7 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       rotary_interleaved=False, qk_norm_after_rope=False,
       **{field: getattr(ModelConfig(), field) for field in (
           *_GRANITE_SCALES, "attention_chunk", "chunked_layers", "nope_temperature",
-          "nope_temperature_floor")})
+          "nope_temperature_floor", "index_topk", "index_heads", "index_head_dim")})
   if spec.dense_pattern:
     model = dataclasses.replace(model, **_dense_pattern(hf, where, spec.default_mlp_only))
   if spec.layer_types_key and not (spec.deepseek or spec.sigmoid_moe):    # Mellum
@@ -1551,6 +1574,10 @@ def check_exportable(cfg: Config) -> FamilySpec:
       raise CheckpointError(f"config.model.rope_scaling='llama3': {what} scales latent "
                             "attention's RoPE by yarn only here (transformers would change its "
                             "softmax scale); choose another config.model.family or 'yarn'")
+    if spec.dsa and not m.index_topk:
+      raise CheckpointError(f"config.model.index_topk=0: {what} has DeepSeek sparse attention "
+                            "in every layer; choose another config.model.family or set "
+                            "model.index_topk, index_heads and index_head_dim")
     if spec.sigmoid_moe:
       need("model.kv_lora_rank", m.kv_lora_rank, 0, " (no latent attention)")
     elif not m.kv_lora_rank:
@@ -1641,6 +1668,8 @@ def check_exportable(cfg: Config) -> FamilySpec:
   need("moe.weights_on_input", moe.weights_on_input, spec.llama4,
        " (its routed weights scale the experts' inputs)" if spec.llama4
        else " (its routed weights scale the experts' outputs)")
+  if not spec.dsa:
+    need("model.index_topk", m.index_topk, 0, " (no sparse-attention indexer)")
   if not spec.llama4:
     need("model.attention_chunk", m.attention_chunk, 0, " (no chunked attention)")
     need("model.nope_temperature", m.nope_temperature, 0.0, " (no query temperature)")
@@ -1751,6 +1780,9 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
         "q_lora_rank": m.q_lora_rank or None, "kv_lora_rank": m.kv_lora_rank,
         "qk_nope_head_dim": m.qk_nope_head_dim, "qk_rope_head_dim": m.qk_rope_head_dim,
         "v_head_dim": m.v_head_dim, "head_dim": m.qk_rope_head_dim})
+    if spec.dsa:
+      hf.update({"index_topk": m.index_topk, "index_n_heads": m.index_heads,
+                 "index_head_dim": m.index_head_dim})
     if spec.deepseek == "v2":
       hf.update({"topk_method": "group_limited_greedy" if moe.expert_groups > 1 else "greedy",
                  "aux_loss_alpha": moe.aux_loss_weight})

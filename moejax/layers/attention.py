@@ -42,14 +42,15 @@ from jax import lax
 
 from moejax import profiling
 from moejax.layers.matmul import dense
-from moejax.layers.norm import rms_norm
+from moejax.layers.norm import layer_norm, rms_norm
 from moejax.layers.rope import (NO_SCALING, RopeScaling, apply_rotary, rotary_at,  # noqa: F401
                                 rotary_tables)
-from moejax.sharding.axes import (ATTENTION, BIASES, EMBED, HEAD, HEADS, KV_HEADS, LATENT, NORM,
-                                  NORMS, Q_HEADS, SINKS, param)
+from moejax.sharding.axes import (ATTENTION, BIASES, EMBED, HEAD, HEADS, INDEXER, KV_HEADS,
+                                  LATENT, NORM, NORMS, Q_HEADS, SINKS, param)
 
 QK_NORMS = ("full", "head", "l2", "none")
 LATENT_NORM_EPS = 1e-6   # DeepSeek's latent norms use their module default, not rms_norm_eps
+INDEX_QUERY_BLOCK = 512  # queries the DSA indexer scores at once (its [Sb, Hi, T] fp32 scores)
 
 
 def attend(q_BxSxHxDk, k_BxTxGxDk, v_BxTxGxDv, *, mask=None, is_causal=False, scale=None,
@@ -344,7 +345,7 @@ class LatentAttention(nnx.Module):
                qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rope_theta: float,
                init_std: float, rngs: nnx.Rngs, rope_scaling: RopeScaling = NO_SCALING,
                window: int = 0, rotary: bool = True, softmax_scale: float = 0.0,
-               chunk: int = 0):
+               chunk: int = 0, index: tuple[int, int, int] = (0, 0, 0)):
     init = jax.nn.initializers.normal(init_std)
     h, qk = num_heads, qk_nope_head_dim + qk_rope_head_dim
     if q_lora_rank:
@@ -363,6 +364,17 @@ class LatentAttention(nnx.Module):
                             jnp.float32), (LATENT, KV_HEADS), ATTENTION)
     self.wo = param(init(rngs.params(), (h * v_head_dim, d_model), jnp.float32), (HEADS, EMBED),
                     ATTENTION)
+    self.index_topk, self.index_heads, self.index_head_dim = index
+    if self.index_topk:       # DeepSeek-V3.2's lightning indexer (`index_keys`, `select_keys`)
+      hi, di = self.index_heads, self.index_head_dim
+      self.index_wq = param(init(rngs.params(), (q_lora_rank, hi * di), jnp.float32),
+                            (LATENT, Q_HEADS), INDEXER)
+      self.index_wk = param(init(rngs.params(), (d_model, di), jnp.float32), (EMBED, KV_HEADS),
+                            INDEXER)
+      self.index_k_norm = param(jnp.ones((di,), jnp.float32), (NORM,), INDEXER)
+      self.index_k_bias = param(jnp.zeros((di,), jnp.float32), (NORM,), INDEXER)
+      self.index_weights = param(init(rngs.params(), (d_model, hi), jnp.float32), (EMBED, HEAD),
+                                 INDEXER)
     self.num_heads, self.q_lora_rank, self.kv_lora_rank = num_heads, q_lora_rank, kv_lora_rank
     self.nope, self.rotary_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
     self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
@@ -373,22 +385,88 @@ class LatentAttention(nnx.Module):
   @profiling.scoped("attention")
   def __call__(self, x_BxSxD):
     s = x_BxSxD.shape[1]
-    q, k, v = self.qkv(x_BxSxD, self.rotary_at(jnp.arange(s, dtype=jnp.float32)))
-    return self.project_out(attend(q, k, v, is_causal=True, scale=self.softmax_scale,
+    rotary = self.rotary_at(jnp.arange(s, dtype=jnp.float32))
+    q, k, v = self.qkv(x_BxSxD, rotary)
+    mask = None
+    if self.sparse_over(s):    # each query's index_topk best keys (and, with is_causal, no later)
+      causal_SxS = jnp.arange(s)[None, :] <= jnp.arange(s)[:, None]
+      mask = self.select_keys(x_BxSxD, rotary, self.index_keys(x_BxSxD, rotary),
+                              causal_SxS)[:, None]
+    return self.project_out(attend(q, k, v, mask=mask, is_causal=True, scale=self.softmax_scale,
                                    window=self.window, chunk=self.chunk), x_BxSxD)
 
   def rotary_at(self, positions_S):
     """(cos, sin) [S, Dr] of these positions, this layer's RoPE (for `qkv`)."""
     return rotary_at(positions_S, self.rotary_dim, self.rope_theta, self.rope_scaling)
 
+  def sparse_over(self, keys: int) -> bool:
+    """Whether DeepSeek sparse attention leaves out any of `keys` keys: with no more keys than
+    index_topk every visible key is selected, and attention is dense, exactly."""
+    return bool(self.index_topk) and keys > self.index_topk
+
+  def _q_latent(self, x_BxSxD):
+    return rms_norm(dense(x_BxSxD, self.wq_a[...].astype(x_BxSxD.dtype)), self.q_a_norm[...],
+                    LATENT_NORM_EPS)
+
+  def index_keys(self, x_BxSxD, rotary):
+    """The DSA indexer's keys [B, S, Di] (one head): LayerNormed, the first Dr rotated
+    half-split (not interleaved, unlike the attention's). No gradient: they only select."""
+    x_BxSxD = lax.stop_gradient(x_BxSxD)
+    k_BxSxDi = layer_norm(dense(x_BxSxD, self.index_wk[...].astype(x_BxSxD.dtype)),
+                          self.index_k_norm[...], LATENT_NORM_EPS, self.index_k_bias[...])
+    return lax.stop_gradient(self._index_rotate(k_BxSxDi[:, :, None], rotary)[:, :, 0])
+
+  def _index_rotate(self, x_BxSxNxDi, rotary):
+    return apply_rotary(x_BxSxNxDi, *rotary[:2])      # its first Dr dims
+
+  def select_keys(self, x_BxSxD, rotary, index_k_BxTxDi, visible_SxT):
+    """bool [B, S, T]: the visible keys (`visible_SxT`) among each query's index_topk best by
+    the indexer's score, sum over its heads of w_h relu(q_h . k / sqrt(Di)) with w = x Ww /
+    sqrt(Hi) (DeepSeek-V3.2's lightning indexer; in fp32, as transformers). Scored
+    INDEX_QUERY_BLOCK queries at a time, so the [Sb, Hi, T] scores stay small."""
+    x_BxSxD = lax.stop_gradient(x_BxSxD)
+    b, s, _ = x_BxSxD.shape
+    hi, di = self.index_heads, self.index_head_dim
+    q_BxSxHixDi = dense(self._q_latent(x_BxSxD), self.index_wq[...].astype(x_BxSxD.dtype))
+    q_BxSxHixDi = self._index_rotate(q_BxSxHixDi.reshape(b, s, hi, di), rotary)
+    w_BxSxHi = dense(x_BxSxD, self.index_weights[...].astype(x_BxSxD.dtype),
+                     jnp.float32) * hi ** -0.5
+    k_BxTxDi = index_k_BxTxDi.astype(jnp.float32)
+    topk = min(self.index_topk, k_BxTxDi.shape[1])
+
+    def block(args):
+      q_BxSbxHixDi, w_BxSbxHi, visible_SbxT = args
+      scores = jnp.einsum("bshd,btd->bsht", q_BxSbxHixDi.astype(jnp.float32), k_BxTxDi)
+      index_BxSbxT = jnp.einsum("bsh,bsht->bst", w_BxSbxHi,
+                                jax.nn.relu(scores * di ** -0.5))
+      index_BxSbxT = jnp.where(visible_SbxT[None], index_BxSbxT, -jnp.inf)
+      # exactly index_topk keys, ties to the earlier key (lax.top_k's order, as torch.topk's
+      # on transformers' CPU reference): a relu'd score of 0 ties often in small models
+      _, best_BxSbxK = lax.top_k(index_BxSbxT, topk)
+      pick = jax.vmap(jax.vmap(lambda row_T, keys_K: row_T.at[keys_K].set(True)))
+      return pick(jnp.zeros(index_BxSbxT.shape, bool), best_BxSbxK) & visible_SbxT[None]
+
+    n = -(-s // INDEX_QUERY_BLOCK)
+    if n == 1:
+      return lax.stop_gradient(block((q_BxSxHixDi, w_BxSxHi, visible_SxT)))
+    pad = n * INDEX_QUERY_BLOCK - s
+
+    def blocks(x, axis):
+      x = jnp.pad(x, [(0, pad) if i == axis else (0, 0) for i in range(x.ndim)])
+      x = x.reshape(*x.shape[:axis], n, INDEX_QUERY_BLOCK, *x.shape[axis + 1:])
+      return jnp.moveaxis(x, axis, 0)
+
+    selected = lax.map(block, (blocks(q_BxSxHixDi, 1), blocks(w_BxSxHi, 1),
+                               blocks(visible_SxT, 0)))           # [n, B, Sb, T]
+    selected = jnp.moveaxis(selected, 0, 1).reshape(b, n * INDEX_QUERY_BLOCK, -1)[:, :s]
+    return lax.stop_gradient(selected)
+
   def qkv(self, x_BxSxD, rotary):
     """q and k [B, S, H, Dn + Dr], v [B, S, H, Dv]; `rotary` (cos, sin) [S, Dr]."""
     b, s, _ = x_BxSxD.shape
     h, dt = self.num_heads, x_BxSxD.dtype
     if self.q_lora_rank:
-      q_latent = rms_norm(dense(x_BxSxD, self.wq_a[...].astype(dt)), self.q_a_norm[...],
-                          LATENT_NORM_EPS)
-      q = dense(q_latent, self.wq_b[...].astype(dt))
+      q = dense(self._q_latent(x_BxSxD), self.wq_b[...].astype(dt))
     else:
       q = dense(x_BxSxD, self.wq[...].astype(dt))
     q_BxSxHxQk = q.reshape(b, s, h, self.nope + self.rotary_dim)

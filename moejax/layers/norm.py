@@ -1,5 +1,5 @@
-"""RMSNorm, or LayerNorm without a bias (Cohere's; `kind="layer"`): statistics in fp32, output
-in the input's dtype."""
+"""RMSNorm, or LayerNorm without a bias (Cohere's; `kind="layer"`; with one for DeepSeek-V3.2's
+indexer keys): statistics in fp32, output in the input's dtype."""
 from __future__ import annotations
 
 import jax
@@ -28,12 +28,16 @@ def rms_norm(x, scale, eps: float):
 
 
 @profiling.scoped("norm")
-def layer_norm(x, scale, eps: float):
+def layer_norm(x, scale, eps: float, bias=None):
+  """LayerNorm; `bias` (DeepSeek-V3.2's indexer keys) added after the scale, None for none."""
   x32 = x.astype(jnp.float32)
   centred = x32 - jnp.mean(x32, axis=-1, keepdims=True)
   y = centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + eps)
-  scale = scale.astype(jnp.float32).reshape((1,) * (x.ndim - 1) + scale.shape)
-  return (y * scale).astype(x.dtype)
+  lead = (1,) * (x.ndim - 1)
+  y = y * scale.astype(jnp.float32).reshape(lead + scale.shape)
+  if bias is not None:
+    y = y + bias.astype(jnp.float32).reshape(lead + bias.shape)
+  return y.astype(x.dtype)
 
 
 def norm(x, scale, eps: float, kind: str = "rms"):

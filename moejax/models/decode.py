@@ -31,6 +31,8 @@ from moejax.sharding import hook
 class KVCache(NamedTuple):
   k_LxBxTxGxDk: jax.Array
   v_LxBxTxGxDv: jax.Array
+  # DeepSeek sparse attention's indexer keys (model.index_topk > 0), else None
+  index_k_LxBxTxDi: jax.Array | None = None
 
   @property
   def max_len(self) -> int:
@@ -48,7 +50,10 @@ def init_cache(cfg: Config, batch: int, max_len: int, dtype=jnp.float32) -> KVCa
   else:
     k_width, v_width, heads = m.head_dim, m.head_dim, m.num_kv_heads or m.num_heads
   lead = (m.num_layers, batch, max_len, heads)
-  return KVCache(jnp.zeros(lead + (k_width,), dtype), jnp.zeros(lead + (v_width,), dtype))
+  index_k = (jnp.zeros((m.num_layers, batch, max_len, m.index_head_dim), dtype)
+             if m.index_topk else None)
+  return KVCache(jnp.zeros(lead + (k_width,), dtype), jnp.zeros(lead + (v_width,), dtype),
+                 index_k)
 
 
 def cast_params(params: dict, dtype, cfg: Config | None = None) -> dict:
@@ -85,19 +90,24 @@ def _forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start
   h_BxSxD = olmoe.embed_scaled(cfg, params["embed"], tokens_BxS)
 
   def layer_step(group, kind, h_BxSxD, inputs):
-    layer_params, k_BxTxGxDk, v_BxTxGxDv = inputs
+    layer_params, k_BxTxGxDk, v_BxTxGxDv, index_k_BxTxDi = inputs
     layer = olmoe.layer_from_params(cfg, layer_params, group, kind)
     attn = layer.attn
     cached = {}
 
     def attention(x_BxSxD):
-      q, k, v = attn.qkv(x_BxSxD, attn.rotary_at(positions_S))
-      k_all = jax.lax.dynamic_update_slice_in_dim(k_BxTxGxDk, k.astype(k_BxTxGxDk.dtype),
-                                                  start, axis=1)
-      v_all = jax.lax.dynamic_update_slice_in_dim(v_BxTxGxDv, v.astype(v_BxTxGxDv.dtype),
-                                                  start, axis=1)
-      cached["kv"] = (k_all, v_all)
-      visible = visible_SxT
+      rotary = attn.rotary_at(positions_S)
+      q, k, v = attn.qkv(x_BxSxD, rotary)
+      write = lambda cache_BxTx_, new_BxSx_: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+          cache_BxTx_, new_BxSx_.astype(cache_BxTx_.dtype), start, axis=1)
+      k_all, v_all = write(k_BxTxGxDk, k), write(v_BxTxGxDv, v)
+      index_k_all = None
+      visible = visible_SxT[None]
+      if index_k_BxTxDi is not None:      # DeepSeek sparse attention: the indexer's selection
+        index_k_all = write(index_k_BxTxDi, attn.index_keys(x_BxSxD, rotary))
+        if attn.sparse_over(cache.max_len):
+          visible = attn.select_keys(x_BxSxD, rotary, index_k_all, visible_SxT)
+      cached["kv"] = (k_all, v_all, index_k_all)
       if kind.window:      # the sliding window: keys within W - 1 positions before the query
         visible = visible & (positions_S[:, None] - jnp.arange(cache.max_len)[None, :]
                              < kind.window)
@@ -105,7 +115,7 @@ def _forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start
         visible = visible & (positions_S[:, None] // kind.chunk
                              == jnp.arange(cache.max_len)[None, :] // kind.chunk)
       out_BxSxHxDv = attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype),
-                            mask=visible[None, None], scale=attn.softmax_scale,
+                            mask=visible[:, None], scale=attn.softmax_scale,
                             sinks_H=attn.sinks_H())
       return attn.project_out(out_BxSxHxDv, x_BxSxD)
 
@@ -113,20 +123,18 @@ def _forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start
                                  lambda x: (layer.feed_forward(x), None))
     return h_BxSxD, cached["kv"]
 
-  ks, vs, position = [], [], 0     # each run of layers: its parameters, its cache's layers
+  runs, position = [], 0     # each run of layers: its parameters, its cache's layers
   for group, first, count, kind in olmoe.layer_runs(cfg):
     layers = jax.tree.map(lambda x: x[first:first + count], params[group])
-    cached = (cache.k_LxBxTxGxDk[position:position + count],
-              cache.v_LxBxTxGxDv[position:position + count])
-    h_BxSxD, (k_L, v_L) = jax.lax.scan(functools.partial(layer_step, group, kind), h_BxSxD,
-                                       (layers, *cached))
-    ks.append(k_L)
-    vs.append(v_L)
+    cached = jax.tree.map(lambda x: x[position:position + count], tuple(cache))
+    h_BxSxD, cached_L = jax.lax.scan(functools.partial(layer_step, group, kind), h_BxSxD,
+                                     (layers, *cached))
+    runs.append(cached_L)
     position += count
   h_BxSxD = norm(h_BxSxD, params["final_norm"], cfg.model.norm_eps, cfg.model.norm_kind)
   head_DxV = params["embed"].T if cfg.model.tie_embeddings else params["lm_head"]
   return (olmoe.lm_logits(cfg, h_BxSxD, head_DxV),
-          KVCache(jnp.concatenate(ks, axis=0), jnp.concatenate(vs, axis=0)))
+          KVCache(*jax.tree.map(lambda *x: jnp.concatenate(x, axis=0), *runs)))
 
 
 def sample(logits_BxV, key, *, temperature: float, top_p: float):

@@ -26,7 +26,8 @@ BACKWARD = 2.0
 def attention_flops(shape: ModelShape, seq_len: int) -> float:
   """Forward FLOPs per token of one layer's attention (projections and the causal core; a
   sliding layer's core over its window, a chunked layer's within its chunk, averaged over the
-  layers)."""
+  layers; DeepSeek-V3.2's indexer scoring every earlier key, and its attention's core as dense,
+  since moejax masks the unselected keys rather than skipping them)."""
   vd = shape.v_head_dim or shape.head_dim
   # The causal core is 2 FLOPs x the S/2 keys a query sees on average; a query of a sliding
   # layer sees min(i + 1, W) keys, W - W(W - 1) / 2S on average.
@@ -41,7 +42,9 @@ def attention_flops(shape: ModelShape, seq_len: int) -> float:
     chunked = (whole * chunk * (chunk + 1) + rest * (rest + 1)) / seq_len
     context -= shape.chunked_layers / shape.num_layers * (seq_len - chunked)
   core = context * shape.num_heads * (shape.head_dim + vd)
-  return 2.0 * shape.attention_params() + core
+  # the indexer: its projections, then per earlier key each head's q.k and weight
+  index = 2.0 * shape.indexer_params() + context * shape.index_heads * (shape.index_head_dim + 1)
+  return 2.0 * shape.attention_params() + core + (index if shape.index_heads else 0.0)
 
 
 def router_flops(shape: ModelShape) -> float:

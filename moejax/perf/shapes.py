@@ -58,6 +58,9 @@ class ModelShape:
   """Tokens of one attention chunk (Llama 4's; 0: none)."""
   chunked_layers: int = 0
   """How many layers attend within their chunk."""
+  index_heads: int = 0
+  """DeepSeek sparse attention's indexer (DeepSeek-V3.2): its query heads (0: none)."""
+  index_head_dim: int = 0
   attention_gate: bool = False
   """A sigmoid output gate on the attention (MiniCPM5-MoE): the q projection twice as wide."""
   attention_sinks: bool = False
@@ -105,6 +108,12 @@ class ModelShape:
     return (sum(self.attention_matrices()) + bias + (self.num_heads if self.attention_sinks else 0)
             + (self.d_model if self.attention_out_bias else 0))
 
+  def indexer_params(self) -> int:
+    """DeepSeek-V3.2's indexer of one layer: q from the q latent, one key head with its
+    LayerNorm (scale and bias), a weight per head."""
+    hi, di = self.index_heads, self.index_head_dim
+    return self.q_lora_rank * hi * di + self.d_model * (di + hi) + 2 * di if hi else 0
+
   def norm_params(self) -> int:
     """Layer norms of one layer (two or four, plus QK-norms, or latent attention's latent
     norms)."""
@@ -137,6 +146,8 @@ class ModelShape:
   def layer_groups(self, moe: bool = True) -> dict[str, int]:
     """{group: elements} of one layer; groups as moejax's codec reports them."""
     out = {"attention": self.attention_params(), "norms": self.norm_params()}
+    if self.index_heads:
+      out["indexer"] = self.indexer_params()
     if moe:
       out["router"] = self.router_params()
       out["experts"] = self.num_experts * self.expert_params()
@@ -154,9 +165,9 @@ class ModelShape:
 
   def active_params(self) -> int:
     """Weights one token's forward multiplies by (lm head included, embedding lookup not)."""
-    moe = (self.attention_params() + self.router_params() + self.top_k * self.expert_params()
-           + self.shared_params())
-    dense = self.attention_params() + self.dense_params()
+    attention = self.attention_params() + self.indexer_params()
+    moe = attention + self.router_params() + self.top_k * self.expert_params() + self.shared_params()
+    dense = attention + self.dense_params()
     return self.moe_layers * moe + self.dense_layers * dense + self.vocab_size * self.d_model
 
   def modules_per_layer(self, moe: bool = True) -> dict[str, int]:
@@ -188,7 +199,9 @@ def shape_of(cfg) -> ModelShape:
   or untied embeddings; SwiGLU experts)."""
   m, moe = cfg.model, cfg.moe
   mla = dict(attention="mla", q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
-             qk_rope_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim) if m.kv_lora_rank else {}
+             qk_rope_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
+             index_heads=m.index_heads if m.index_topk else 0,
+             index_head_dim=m.index_head_dim if m.index_topk else 0) if m.kv_lora_rank else {}
   return ModelShape(
       name=getattr(cfg, "name", "") or f"moejax d{m.d_model} L{m.num_layers} E{moe.num_experts}",
       d_model=m.d_model, num_layers=m.num_layers, vocab_size=m.vocab_size,

@@ -20,12 +20,13 @@ Logical axes:
   LAYERS        the stacked axis of scanned layers (added by the model that stacks them); never
                 sharded
 Groups: EMBEDDINGS, ATTENTION, BIASES, ROUTER, ROUTER_FP32, ROUTER_BIAS, NORMS, EXPERTS (routed),
-SHARED_EXPERTS, DENSE_MLP, SINKS (`GROUPS`). They name the parameter's part of the model in gather
-reports and decide weight decay (none on norms and biases: `NO_DECAY`). ROUTER_BIAS is the
-selection-only score bias: no gradient reaches it (the train step moves it from the load), and it
+SHARED_EXPERTS, DENSE_MLP, SINKS, INDEXER (`GROUPS`). They name the parameter's part of the
+model in gather reports and decide weight decay (none on norms and biases: `NO_DECAY`).
+ROUTER_BIAS is the selection-only score bias: no gradient reaches it (the train step moves it from the load), and it
 is gathered in float32 (`FLOAT32_GROUPS`: a bf16 bias would reorder close scores), and so is
 the router beside it (ROUTER_FP32: DeepSeek-V3 keeps both in float32), and the attention sinks
-(SINKS: softmax logits, no weight decay; Flint keeps them in float32).
+(SINKS: softmax logits, no weight decay; Flint keeps them in float32). INDEXER (DeepSeek sparse
+attention's key selector) is left as it is by the optimizer (`FROZEN`).
 
 The model reads its declarations into a tree of `ParamMeta` (`moejax.models.olmoe.param_meta`);
 what needs them takes that tree: the layouts, the Gatherer (report groups), the optimizer (weight
@@ -64,9 +65,13 @@ ROUTER_BIAS = "router_bias"
 ROUTER_FP32 = "router_fp32"
 DENSE_MLP = "dense_mlp"
 SINKS = "sinks"
+INDEXER = "indexer"
 GROUPS = (ATTENTION, BIASES, ROUTER, ROUTER_FP32, ROUTER_BIAS, NORMS, EXPERTS, SHARED_EXPERTS,
-          DENSE_MLP, EMBEDDINGS, SINKS)
-NO_DECAY = (NORMS, BIASES, ROUTER_BIAS, SINKS)   # groups without weight decay
+          DENSE_MLP, EMBEDDINGS, SINKS, INDEXER)
+NO_DECAY = (NORMS, BIASES, ROUTER_BIAS, SINKS, INDEXER)   # groups without weight decay
+# groups the optimizer leaves as they are: no loss reaches them (DeepSeek-V3.2's indexer, whose
+# key selection has no gradient and whose own training loss moejax does not compute)
+FROZEN = (INDEXER,)
 # gathered (or cast) in float32 whatever the compute dtype
 FLOAT32_GROUPS = (ROUTER_BIAS, ROUTER_FP32, SINKS)
 

@@ -304,7 +304,7 @@ _WEIGHT_FIELDS = {
               "rotary_interleaved", "norm_eps", "dense_layers", "dense_hidden", "kv_lora_rank",
               "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
               "tie_embeddings", "attention_chunk", "chunked_layers", "nope_temperature",
-              "nope_temperature_floor"),
+              "nope_temperature_floor", "index_topk", "index_heads", "index_head_dim"),
     "moe": ("num_experts", "top_k", "expert_hidden", "shared_expert_hidden",
             "shared_expert_gate", "score", "renormalize", "routed_scale", "expert_groups",
             "top_groups", "group_score", "score_bias", "score_bias_on_logits", "router_bias",

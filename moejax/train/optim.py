@@ -24,9 +24,21 @@ def decay_mask(cfg: Config):
   return jax.tree.map(lambda meta: meta.group not in axes.NO_DECAY, olmoe.param_meta(cfg))
 
 
+def frozen_mask(cfg: Config):
+  """A tree of bools like the parameters: True where the optimizer leaves the parameter as it is
+  (`axes.FROZEN`: DeepSeek-V3.2's indexer, which no loss reaches); None where nothing is."""
+  meta = olmoe.param_meta(cfg)
+  if not any(m.group in axes.FROZEN for m in jax.tree.leaves(meta)):
+    return None
+  return jax.tree.map(lambda m: m.group in axes.FROZEN, meta)
+
+
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
   o = cfg.optim
   parts = [optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm > 0 else []
   parts.append(optax.adamw(lr_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps,
                            weight_decay=o.weight_decay, mask=decay_mask(cfg)))
+  frozen = frozen_mask(cfg)
+  if frozen is not None:       # zero updates, so weight decay cannot move them either
+    parts.append(optax.masked(optax.set_to_zero(), frozen))
   return optax.chain(*parts)

@@ -93,6 +93,25 @@ MODELS = {
                                          beta_slow=1, mscale=0.9, mscale_all_dim=0.7),
                     max_position_embeddings=256),
         save=dict(save_original_format=False)),
+    # DeepSeek-V3.2: DeepSeek-V3 with sparse attention, each of the 16 queries attending to the
+    # 5 best of its earlier keys by the indexer (16 heads of 10, 4 dims rotated half-split: with
+    # few heads a key's relu'd scores are all 0 often, and torch.topk breaks such ties its own
+    # way); dense layers by mlp_layer_types, YaRN scaling the indexer's rotation too; the Hub's
+    # layout.
+    "deepseek_v32": dict(
+        model_type="deepseek_v32",
+        config=dict(vocab_size=60, hidden_size=32, intermediate_size=40, num_hidden_layers=3,
+                    mlp_layer_types=["dense", "sparse", "sparse"], num_attention_heads=4,
+                    num_key_value_heads=4, q_lora_rank=20, kv_lora_rank=16,
+                    qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=8,
+                    n_group=2, topk_group=1, num_experts_per_tok=2, moe_intermediate_size=12,
+                    n_shared_experts=1, routed_scaling_factor=1.5, norm_topk_prob=True,
+                    index_topk=5, index_n_heads=16, index_head_dim=10,
+                    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                         original_max_position_embeddings=32, beta_fast=32,
+                                         beta_slow=1, mscale=1.0, mscale_all_dim=0.8),
+                    max_position_embeddings=128),
+        save=dict(max_shard_size="64KB")),
     # MiniMax-M2: QK-norm over all heads' width (wider than hidden), 16 of each head's 24 dims
     # rotated (its legacy rotary_dim field), sigmoid top-3 of 8 with a random score bias,
     # renormalized; the Hub's layout (block_sparse_moe, w1/w3/w2, the bias beside the gate).

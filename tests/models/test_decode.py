@@ -34,7 +34,9 @@ YARN = {"model.rope_scaling": "yarn", "model.rope_factor": 4.0, "model.rope_orig
 
 def _family_model(family):
   yarn = dict(YARN, **({"model.rope_mscale": 0.9, "model.rope_mscale_all_dim": 0.7}
-                       if family == "deepseek_v3" else {}))
+                       if family in ("deepseek_v3", "deepseek_v32") else {}))
+  if family == "deepseek_v32":   # 3 keys of the cache's 11 by an indexer of 8 heads
+    yarn.update({"model.index_topk": 3, "model.index_heads": 8})
   if family in ("afmoe", "mellum", "granitemoe_swa", "cohere2_moe"):
     # a window the generated positions pass
     yarn["model.sliding_window"] = 3
@@ -47,7 +49,8 @@ def _family_model(family):
 
 @pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "glm4_moe", "deepseek_v3",
                                     "minicpm5_moe", "flex_olmo", "hunyuan_v1_moe", "afmoe",
-                                    "mellum", "granitemoe_swa", "cohere2_moe", "llama4"])
+                                    "mellum", "granitemoe_swa", "cohere2_moe", "llama4",
+                                    "deepseek_v32"])
 def test_cached_logits_equal_the_full_forward(family, model, prompt):
   """OLMoE; Qwen2-MoE: a grouped-query cache of 2 kv heads, qkv biases, a gated shared
   expert; DeepSeek: latent attention's per-head keys (with the shared rotary part) and narrower
@@ -61,7 +64,8 @@ def test_cached_logits_equal_the_full_forward(family, model, prompt):
   k permuted; ERNIE-4.5's), two layers sliding within 3 tokens of the cache and one unrotated
   (EXAONE-MoE's kinds); Llama 4: chunks of 4 the cache masks, the unrotated layer's query
   temperature at the cached positions, the unscaled QK-norm of the rotated q and k, Llama 3's
-  RoPE scaling, the experts' inputs weighted. (Flint's and Kolibri's layers hold no option
+  RoPE scaling, the experts' inputs weighted; DeepSeek-V3.2: each query's 3 best keys by the
+indexer, whose keys the cache holds beside the attention's. (Flint's and Kolibri's layers hold no option
   these do not; gpt-oss's output bias is in `project_out`, which the cached step shares, and
   its experts are the forward's.) All but OLMoE and Llama 4 with YaRN RoPE."""
   cfg, params = model if family == "olmoe" else _family_model(family)
