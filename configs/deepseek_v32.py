@@ -7,7 +7,7 @@ head) scores each query's earlier keys and the query attends to its index_topk b
 Presets:
   tiny  (default)  configs/deepseek.py's tiny (3 layers, the first dense, latent attention, 8
                    experts top-2 in groups, one shared) with an indexer of 4 heads of 16
-                   selecting 32 keys, so the default 128-token sequences attend sparsely.
+                   selecting 32 keys, so the default 64-token sequences attend sparsely.
   v32              DeepSeek-V3.2 (deepseek-ai/DeepSeek-V3.2 config.json): DeepSeek-V3's
                    dimensions (61 layers, the first 3 dense, 128 heads of latent attention, 1
                    shared + 256 routed experts top-8 in 8 groups of which 4 are used, YaRN RoPE

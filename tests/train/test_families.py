@@ -17,7 +17,9 @@ score bias DeepSeek's; its 8-device first-step losses under fsdp, ep and fssdp a
 output gate, its weight gathered inside the q projection's) under fsdp; EXAONE-MoE (sliding and
 unrotated layers: its MoE layers in two scans, the gathers prefetched across them) under fsdp;
 FlexOlmo (norms on the sublayers' outputs) under ep; Granite SWA (attention sinks, replicated
-where every other layer parameter is sharded) under fsdp. (gpt-oss's experts, biased and with the
+where every other layer parameter is sharded) under fsdp; DeepSeek-V3.2 (each of the 64
+tokens attending to its 32 best earlier keys by the indexer, whose parameters the optimizer
+leaves as they are) under fsdp. (gpt-oss's experts, biased and with the
 clamped SwiGLU, go through the ep exchange as on one device in tests/placement/test_dispatch.py,
 their replicas through the coded and plain SparseAllGather in tests/placement/test_fssdp.py;
 its train step under fsdp and fssdp and Cohere2-MoE's parallel blocks under fsdp were measured
@@ -38,7 +40,8 @@ import pytest
 from tests.helpers import run_steps, tiny_config
 
 FAMILY_PLACEMENTS = {"qwen2_moe": "ep", "minicpm5_moe": "fsdp",
-                     "exaone_moe": "fsdp", "flex_olmo": "ep", "granitemoe_swa": "fsdp"}
+                     "exaone_moe": "fsdp", "flex_olmo": "ep", "granitemoe_swa": "fsdp",
+                     "deepseek_v32": "fsdp"}
 # (clip_norm above any first gradient norm here: run_steps reads the gradients unclipped; sandwich
 # norms, as AfMoE's, put unit-RMS sublayer outputs on the residual stream: first norms above 1)
 SETTINGS = {"steps": 2, "compute_dtype": "float32", "optim.clip_norm": 100.0}
@@ -62,3 +65,25 @@ def test_sharded_equals_single_device(family, trainer_for):
   if cfg.moe.placement == "ep":     # dropless by default: every assignment reaches its expert
     assert all(float(m["ep_dropped_frac"]) == 0.0 for m in sharded["all_metrics"])
     assert all(np.all(m["dropped_frac"] == 0.0) for m in sharded["all_metrics"])
+
+
+def test_deepseek_v32_trains_around_its_frozen_indexer(trainer_for):
+  """DeepSeek-V3.2's indexer only selects keys (no gradient reaches it) and moejax computes no
+  loss of its own for it: training leaves it bit for bit as it was (no weight decay either)
+  while the attention around it learns; the selection matters (its 32 of 64 keys)."""
+  import dataclasses
+  from moejax.models import olmoe
+  cfg = family_config("deepseek_v32")
+  trainer = trainer_for(cfg, 1)
+  before = jax.device_get(trainer.init_state().params)
+  after = run_steps(trainer)["params"]
+  for group in ("dense_layers", "layers"):
+    attn_before, attn_after = before[group]["attn"], after[group]["attn"]
+    for name in ("index_wq", "index_wk", "index_k_norm", "index_k_bias", "index_weights"):
+      np.testing.assert_array_equal(attn_after[name], attn_before[name], err_msg=name)
+    assert not np.array_equal(attn_after["wkv_b"], attn_before["wkv_b"])
+  tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (1, cfg.seq_len))
+  dense = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, index_topk=cfg.seq_len))
+  sparse_logits, _ = olmoe.forward(cfg, before, tokens)
+  dense_logits, _ = olmoe.forward(dense, before, tokens)
+  assert np.max(np.abs(np.asarray(sparse_logits) - np.asarray(dense_logits))) > 1e-3
