@@ -178,6 +178,9 @@ class ModelConfig:
   index_head_dim: int = 0
   """DSA: the width of the indexer's query and key heads, its first qk_rope_head_dim rotated
   (index_head_dim)."""
+  index_rotary_interleaved: bool = False
+  """DSA: the indexer's rotated dims pair up as neighbours (GLM-5's), not as halves
+  (DeepSeek-V3.2's)."""
   tie_embeddings: bool = False
   """The LM head is the embedding's transpose (no lm_head parameter)."""
   rope_theta: float = 10000.0
@@ -786,9 +789,10 @@ def validate(c: Config) -> None:
            f"config.model.index_topk={m.index_topk}: DeepSeek sparse attention selects among all "
            "earlier keys (no model.sliding_layers or chunked_layers)")
   else:
-    _check(not (m.index_heads or m.index_head_dim),
-           f"config.model.index_heads={m.index_heads}, index_head_dim={m.index_head_dim}: an "
-           "indexer needs model.index_topk > 0; leave them 0")
+    _check(not (m.index_heads or m.index_head_dim or m.index_rotary_interleaved),
+           f"config.model.index_heads={m.index_heads}, index_head_dim={m.index_head_dim}, "
+           f"index_rotary_interleaved={m.index_rotary_interleaved}: an indexer needs "
+           "model.index_topk > 0; leave them 0 and False")
   _check(moe.routed_scale > 0, f"config.moe.routed_scale={moe.routed_scale}: must be positive")
   _check(moe.expert_groups > 0 and moe.num_experts % moe.expert_groups == 0
          and (moe.expert_groups == 1 or moe.num_experts // moe.expert_groups >= 2),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 FAMILIES = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "minimax_m2", "ernie4_5_moe",
             "glm4_moe", "dots1", "deepseek_v2", "deepseek_v3", "deepseek_v32",
-            "glm4_moe_lite", "solar_open",
+            "glm_moe_dsa", "glm4_moe_lite", "solar_open",
             "minicpm5_moe", "hy_v3", "exaone_moe", "granitemoe", "granitemoeshared", "sarvam_moe",
             "param2moe", "flex_olmo", "hunyuan_v1_moe", "afmoe",
             "granitemoe_swa", "flint", "kolibri1",

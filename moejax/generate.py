@@ -101,7 +101,7 @@ def check_cache_fits(cfg, positions: int, dtype) -> None:
   import jax
   from moejax.models import decode
   cache = jax.eval_shape(lambda: decode.init_cache(cfg, 1, positions, dtype))
-  need = sum(x.size * x.dtype.itemsize for x in cache)
+  need = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
   limit = cache_limit_bytes(jax.devices()[0])
   if limit and need > limit:
     raise DataError(f"--max-new-tokens: a KV cache of {positions:,} positions needs "

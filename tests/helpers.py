@@ -17,6 +17,7 @@ import configs.flex_olmo as flex_olmo_configs
 import configs.flint as flint_configs
 import configs.glm4_moe as glm4_moe_configs
 import configs.glm4_moe_lite as glm4_moe_lite_configs
+import configs.glm_moe_dsa as glm_moe_dsa_configs
 import configs.granitemoe as granitemoe_configs
 import configs.granitemoe_swa as granitemoe_swa_configs
 import configs.gpt_oss as gpt_oss_configs
@@ -46,7 +47,7 @@ FAMILY_CONFIGS = {"olmoe": olmoe_configs, "mixtral": mixtral_configs,
                   "minimax_m2": minimax_m2_configs, "ernie4_5_moe": ernie4_5_moe_configs,
                   "glm4_moe": glm4_moe_configs, "dots1": dots1_configs,
                   "deepseek_v2": deepseek_v2_configs, "deepseek_v3": deepseek_configs,
-                  "deepseek_v32": deepseek_v32_configs,
+                  "deepseek_v32": deepseek_v32_configs, "glm_moe_dsa": glm_moe_dsa_configs,
                   "glm4_moe_lite": glm4_moe_lite_configs, "solar_open": solar_open_configs,
                   "minicpm5_moe": minicpm5_moe_configs, "hy_v3": hy_v3_configs,
                   "exaone_moe": exaone_moe_configs, "granitemoe": granitemoe_configs,

@@ -416,3 +416,22 @@ def test_latent_attention_refuses_llama4s_query_options():
                             "nope_temperature=0.5")):
     with pytest.raises(ConfigError, match=f"config.model.{field}: latent attention"):
       tiny_config("deepseek_v3", **overrides)
+
+
+@pytest.mark.parametrize("family, overrides, field", [
+    ("deepseek_v3", {"model.index_topk": 8}, "config.model.index_heads=0, index_head_dim=0: "),
+    ("deepseek_v32", {"model.index_head_dim": 6}, "config.model.index_heads=4, "
+     "index_head_dim=6: "),          # narrower than the 8 rotated dims
+    ("deepseek_v32", {"model.q_lora_rank": 0}, "config.model.index_topk=32: DeepSeek sparse "),
+    ("deepseek_v32", {"model.index_topk": 0}, "config.model.index_heads=4, index_head_dim=16: "
+     "an indexer needs model.index_topk > 0"),
+    ("deepseek_v32", {"model.sliding_window": 4, "model.sliding_layers": (1,)},
+     "config.model.index_topk=32: DeepSeek sparse attention selects among all earlier keys"),
+    ("olmoe", {"model.index_topk": 8, "model.index_heads": 2, "model.index_head_dim": 8},
+     "config.model.index_topk=8: DeepSeek sparse attention's indexer reads latent attention's"),
+])
+def test_sparse_attention_settings_are_refused_by_name(family, overrides, field):
+  """DeepSeek-V3.2's indexer options: refused with the field and what would be valid."""
+  with pytest.raises(ConfigError) as e:
+    tiny_config(family, **overrides)
+  assert str(e.value).startswith(field), str(e.value)

@@ -225,8 +225,10 @@ class FamilySpec:
                                        # rotated when prefix_dense_sliding_window_pattern is 1),
                                        # the shared experts summed or averaged, logit_scale
   llama4: bool = False                 # Llama 4: `_llama4_fields`
-  dsa: bool = False                    # DeepSeek-V3.2's sparse attention: an indexer in every
-                                       # layer (index_topk, index_n_heads, index_head_dim)
+  dsa: tuple = ()                      # DeepSeek sparse attention, an indexer in every layer:
+                                       # transformers' defaults of index_topk, index_n_heads,
+                                       # index_head_dim
+  dsa_interleaved: bool = False        # ... its rotated dims neighbour pairs (GLM-5's)
   default_rope: tuple = ()             # (key, value) of the RoPE dict its config class sets
                                        # when config.json gives none (gpt-oss: YaRN)
   # Fields that must hold these values (moejax has no equivalent of the others); export writes
@@ -340,7 +342,18 @@ FAMILY_SPECS = {
         "moe_intermediate_size", "norm_topk_prob", experts_aliases=("num_local_experts",),
         default_norm_eps=1e-6, deepseek="v3", renormalize_default=True, default_aux=0.0,
         deepseek_defaults=(("n_shared_experts", 1),), layer_types_key="mlp_layer_types",
-        layer_types_fallback=True, default_first_dense=3, dsa=True, aliases_win=True,
+        layer_types_fallback=True, default_first_dense=3, dsa=(2048, 64, 128), aliases_win=True,
+        required=_COMMON_REQUIRED + (
+            ("attention_bias", False, "moejax attention projections have no bias"),
+            ("mlp_bias", False, "moejax MLPs have no bias"))),
+    "glm_moe_dsa": FamilySpec(
+        "glm_moe_dsa", "GlmMoeDsaForCausalLM", "none", "n_routed_experts",
+        "moe_intermediate_size", "norm_topk_prob", experts_aliases=("num_local_experts",),
+        deepseek="v3", renormalize_default=True, default_aux=0.0,
+        deepseek_defaults=(("n_shared_experts", 1), ("q_lora_rank", 2048), ("n_group", 1),
+                           ("topk_group", 1)),
+        layer_types_key="mlp_layer_types", layer_types_fallback=True, default_first_dense=3,
+        dsa=(2048, 32, 128), dsa_interleaved=True, aliases_win=True,
         required=_COMMON_REQUIRED + (
             ("attention_bias", False, "moejax attention projections have no bias"),
             ("mlp_bias", False, "moejax MLPs have no bias"))),
@@ -1298,6 +1311,28 @@ def _mlp_layer_types(hf: dict, spec: FamilySpec, where: str) -> tuple[int, ...]:
   return tuple(i for i, t in enumerate(types) if t == "dense")
 
 
+def _every_layer_indexed(hf: dict, where: str) -> None:
+  """GLM-5's indexer_types (or the index_topk_pattern / _freq and index_skip_topk_offset they
+  come from, as transformers derives them): moejax runs every layer's own indexer; a "shared"
+  layer, reusing the previous layer's selection, is refused."""
+  layers = _get(hf, "num_hidden_layers", int, where)
+  types = hf.get("indexer_types")
+  key = "indexer_types"
+  if types is None and hf.get("index_topk_pattern") is not None:
+    key, pattern = "index_topk_pattern", hf["index_topk_pattern"]
+    types = ([{"F": "full", "S": "shared"}.get(c, c) for c in pattern]
+             if isinstance(pattern, str) else pattern)
+  elif types is None:
+    key = "index_topk_freq"
+    freq = max(_get(hf, "index_topk_freq", int, where, 1), 1)
+    offset = _get(hf, "index_skip_topk_offset", int, where, 2)
+    types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
+  if not isinstance(types, list) or types != ["full"] * layers:
+    _refuse(where, key, hf.get(key), "moejax runs every layer's own indexer (needs "
+            f"num_hidden_layers={layers} 'full' layers; a 'shared' layer reuses the previous "
+            "one's selection)")
+
+
 def _deepseek_fields(hf: dict, spec: FamilySpec, where: str) -> tuple[dict, dict]:
   """DeepSeek-V2's or V3's model and moe fields (`FamilySpec.deepseek`)."""
   version = spec.deepseek
@@ -1320,13 +1355,16 @@ def _deepseek_fields(hf: dict, spec: FamilySpec, where: str) -> tuple[dict, dict
                q_lora_rank=q_lora_rank,
                qk_nope_head_dim=nope, qk_rope_head_dim=rope,
                v_head_dim=_get(hf, "v_head_dim", int, where), head_dim=nope + rope)
-  if spec.dsa:      # DeepseekV32Config's defaults
+  if spec.dsa:      # the family's config class's defaults (`FamilySpec.dsa`)
     if not q_lora_rank:
       _refuse(where, "q_lora_rank", hf.get("q_lora_rank"), "DeepSeek sparse attention's "
               "indexer reads the q latent (a positive rank is needed)")
-    model.update(index_topk=_get(hf, "index_topk", int, where, 2048),
-                 index_heads=_get(hf, "index_n_heads", int, where, 64),
-                 index_head_dim=_get(hf, "index_head_dim", int, where, 128))
+    topk, heads, width = spec.dsa
+    model.update(index_topk=_get(hf, "index_topk", int, where, topk),
+                 index_heads=_get(hf, "index_n_heads", int, where, heads),
+                 index_head_dim=_get(hf, "index_head_dim", int, where, width),
+                 index_rotary_interleaved=spec.dsa_interleaved)
+    _every_layer_indexed(hf, where)
   if version == "v3":
     moe.update(score="sigmoid", score_bias=True, group_score="top2",
                expert_groups=_get(hf, "n_group", int, where, defaults["n_group"]),
@@ -1461,7 +1499,8 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       rotary_interleaved=False, qk_norm_after_rope=False,
       **{field: getattr(ModelConfig(), field) for field in (
           *_GRANITE_SCALES, "attention_chunk", "chunked_layers", "nope_temperature",
-          "nope_temperature_floor", "index_topk", "index_heads", "index_head_dim")})
+          "nope_temperature_floor", "index_topk", "index_heads", "index_head_dim",
+          "index_rotary_interleaved")})
   if spec.dense_pattern:
     model = dataclasses.replace(model, **_dense_pattern(hf, where, spec.default_mlp_only))
   if spec.layer_types_key and not (spec.deepseek or spec.sigmoid_moe):    # Mellum
@@ -1578,6 +1617,9 @@ def check_exportable(cfg: Config) -> FamilySpec:
       raise CheckpointError(f"config.model.index_topk=0: {what} has DeepSeek sparse attention "
                             "in every layer; choose another config.model.family or set "
                             "model.index_topk, index_heads and index_head_dim")
+    if spec.dsa:
+      need("model.index_rotary_interleaved", m.index_rotary_interleaved, spec.dsa_interleaved,
+           " (how its indexer rotates)")
     if spec.sigmoid_moe:
       need("model.kv_lora_rank", m.kv_lora_rank, 0, " (no latent attention)")
     elif not m.kv_lora_rank:

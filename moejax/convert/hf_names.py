@@ -49,8 +49,9 @@ weights are stored [out, in] by torch and [in, out] by moejax, so their tails ar
   layers.attn.q_a_norm        (or q_proj without a q latent), q_a_layernorm, kv_a_proj_with_mqa,
   layers.attn.wkv_a / wkv_b   kv_b_proj (all [out, in]^T), kv_a_layernorm, o_proj
   layers.attn.kv_a_norm
-  layers.attn.index_wq / ..    DeepSeek-V3.2's indexer: self_attn.indexer.wq_b, wk, weights_proj
-  (index_wk, index_weights,   (all [out, in]^T), k_norm.weight and k_norm.bias
+  layers.attn.index_wq / ..    DeepSeek-V3.2's and GLM-5's indexer: self_attn.indexer.wq_b, wk,
+                              weights_proj
+  (index_wk, index_weights,   (the three [out, in]^T), k_norm.weight and k_norm.bias
    index_k_norm, _k_bias)
   dense_layers.*              the dense layers (model.dense_layers: DeepSeek's first k, Qwen's
                               mlp_only_layers): the same attention and norms, and
@@ -176,6 +177,7 @@ HUB_EXPERT_NAMES = {
     "deepseek_v2": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "deepseek_v3": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "deepseek_v32": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "glm_moe_dsa": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "glm4_moe_lite": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "solar_open": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "minicpm5_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
@@ -230,7 +232,7 @@ FUSED_SHARED_MODULE = {"granitemoeshared": "shared_mlp", "granitemoe_swa": "shar
 SHARED_EXPERT_MODULE = {"qwen2_moe": "shared_expert", "glm4_moe": "shared_experts",
                         "dots1": "shared_experts", "ernie4_5_moe": "shared_experts",
                         "deepseek_v2": "shared_experts", "deepseek_v3": "shared_experts",
-                        "deepseek_v32": "shared_experts",
+                        "deepseek_v32": "shared_experts", "glm_moe_dsa": "shared_experts",
                         "glm4_moe_lite": "shared_experts", "solar_open": "shared_experts",
                         "minicpm5_moe": "shared_experts", "hy_v3": "shared_experts",
                         "exaone_moe": "shared_experts", "sarvam_moe": "shared_experts",
@@ -264,8 +266,8 @@ ROUTER_NAME = {"hy_v3": ("router.gate", "gate"), "granitemoe": ("router.layer", 
 GATED_Q_NAME = {"minicpm5_moe": "q_gate_proj"}
 # Families whose checkpoints hold multi-token-prediction layers after the last one (transformers
 # does not load them either).
-MTP_FAMILIES = ("minimax_m2", "glm4_moe", "deepseek_v3", "deepseek_v32", "glm4_moe_lite",
-                "hy_v3")
+MTP_FAMILIES = ("minimax_m2", "glm4_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa",
+                "glm4_moe_lite", "hy_v3")
 # Where the MoE block keeps its score bias, under its module (the others': gate.), in the Hub's
 # layout and in transformers 5's fused one.
 SCORE_BIAS_NAME = {"minimax_m2": ("e_score_correction_bias", "e_score_correction_bias"),

@@ -345,7 +345,8 @@ class LatentAttention(nnx.Module):
                qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rope_theta: float,
                init_std: float, rngs: nnx.Rngs, rope_scaling: RopeScaling = NO_SCALING,
                window: int = 0, rotary: bool = True, softmax_scale: float = 0.0,
-               chunk: int = 0, index: tuple[int, int, int] = (0, 0, 0)):
+               chunk: int = 0, index: tuple[int, int, int] = (0, 0, 0),
+               index_interleaved: bool = False):
     init = jax.nn.initializers.normal(init_std)
     h, qk = num_heads, qk_nope_head_dim + qk_rope_head_dim
     if q_lora_rank:
@@ -365,6 +366,7 @@ class LatentAttention(nnx.Module):
     self.wo = param(init(rngs.params(), (h * v_head_dim, d_model), jnp.float32), (HEADS, EMBED),
                     ATTENTION)
     self.index_topk, self.index_heads, self.index_head_dim = index
+    self.index_interleaved = index_interleaved
     if self.index_topk:       # DeepSeek-V3.2's lightning indexer (`index_keys`, `select_keys`)
       hi, di = self.index_heads, self.index_head_dim
       self.index_wq = param(init(rngs.params(), (q_lora_rank, hi * di), jnp.float32),
@@ -410,14 +412,19 @@ class LatentAttention(nnx.Module):
 
   def index_keys(self, x_BxSxD, rotary):
     """The DSA indexer's keys [B, S, Di] (one head): LayerNormed, the first Dr rotated
-    half-split (not interleaved, unlike the attention's). No gradient: they only select."""
+    (`_index_rotate`). No gradient: they only select."""
     x_BxSxD = lax.stop_gradient(x_BxSxD)
     k_BxSxDi = layer_norm(dense(x_BxSxD, self.index_wk[...].astype(x_BxSxD.dtype)),
                           self.index_k_norm[...], LATENT_NORM_EPS, self.index_k_bias[...])
     return lax.stop_gradient(self._index_rotate(k_BxSxDi[:, :, None], rotary)[:, :, 0])
 
   def _index_rotate(self, x_BxSxNxDi, rotary):
-    return apply_rotary(x_BxSxNxDi, *rotary[:2])      # its first Dr dims
+    """The first Dr dims rotated: as halves (DeepSeek-V3.2), or as neighbour pairs (GLM-5),
+    taken apart into halves first (q and k alike, so q.k is the pairs')."""
+    if self.index_interleaved:
+      x_BxSxNxDi = jnp.concatenate([_deinterleave(x_BxSxNxDi[..., :self.rotary_dim]),
+                                    x_BxSxNxDi[..., self.rotary_dim:]], axis=-1)
+    return apply_rotary(x_BxSxNxDi, *rotary[:2])
 
   def select_keys(self, x_BxSxD, rotary, index_k_BxTxDi, visible_SxT):
     """bool [B, S, T]: the visible keys (`visible_SxT`) among each query's index_topk best by
@@ -440,8 +447,8 @@ class LatentAttention(nnx.Module):
       index_BxSbxT = jnp.einsum("bsh,bsht->bst", w_BxSbxHi,
                                 jax.nn.relu(scores * di ** -0.5))
       index_BxSbxT = jnp.where(visible_SbxT[None], index_BxSbxT, -jnp.inf)
-      # exactly index_topk keys, ties to the earlier key (lax.top_k's order, as torch.topk's
-      # on transformers' CPU reference): a relu'd score of 0 ties often in small models
+      # exactly index_topk keys, ties to the earlier key (lax.top_k's order; torch.topk's is
+      # its own): a key whose heads all relu to 0 ties with others so, often with few heads
       _, best_BxSbxK = lax.top_k(index_BxSbxT, topk)
       pick = jax.vmap(jax.vmap(lambda row_T, keys_K: row_T.at[keys_K].set(True)))
       return pick(jnp.zeros(index_BxSbxT.shape, bool), best_BxSbxK) & visible_SbxT[None]

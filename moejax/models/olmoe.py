@@ -143,7 +143,8 @@ def _attention(cfg: Config, rngs: nnx.Rngs, kind: AttentionKind):
                            rope_scaling=scaling, window=kind.window,
                            rotary=kind.rotary, softmax_scale=m.attention_scale,
                            chunk=kind.chunk,
-                           index=(m.index_topk, m.index_heads, m.index_head_dim))
+                           index=(m.index_topk, m.index_heads, m.index_head_dim),
+                           index_interleaved=m.index_rotary_interleaved)
   return Attention(m.d_model, m.num_heads, m.head_dim, rope_theta=theta,
                    norm_eps=m.norm_eps, init_std=m.init_std, rngs=rngs,
                    num_kv_heads=m.num_kv_heads, qk_norm=m.qk_norm, qkv_bias=m.qkv_bias,

@@ -112,6 +112,18 @@ MODELS = {
                                          beta_slow=1, mscale=1.0, mscale_all_dim=0.8),
                     max_position_embeddings=128),
         save=dict(max_shard_size="64KB")),
+    # GLM-5: DeepSeek-V3.2's sparse attention with the indexer's 6 rotated dims in neighbour
+    # pairs, each of the 16 queries keeping its 6 best keys; no expert groups, the first layer
+    # dense by first_k_dense_replace, transformers' default RoPE; fused.
+    "glm_moe_dsa": dict(
+        model_type="glm_moe_dsa",
+        config=dict(vocab_size=52, hidden_size=36, intermediate_size=44, num_hidden_layers=3,
+                    first_k_dense_replace=1, num_attention_heads=3, num_key_value_heads=3,
+                    q_lora_rank=24, kv_lora_rank=12, qk_nope_head_dim=10, qk_rope_head_dim=6,
+                    v_head_dim=14, n_routed_experts=6, num_experts_per_tok=2,
+                    moe_intermediate_size=12, n_shared_experts=1, routed_scaling_factor=2.0,
+                    index_topk=6, index_n_heads=16, index_head_dim=8, rms_norm_eps=1e-5),
+        save=dict(save_original_format=False)),
     # MiniMax-M2: QK-norm over all heads' width (wider than hidden), 16 of each head's 24 dims
     # rotated (its legacy rotary_dim field), sigmoid top-3 of 8 with a random score bias,
     # renormalized; the Hub's layout (block_sparse_moe, w1/w3/w2, the bias beside the gate).

@@ -1739,3 +1739,34 @@ def test_llama4_reads_its_text_model_layer_rules_and_llama3_rope():
       overrides["model.chunked_layers"] = (0,)
     with pytest.raises(CheckpointError, match=f"config.{field}={value!r}: .* {why}"):
       hf_config_from(tiny_config(family, **overrides))
+
+
+def test_deepseek_v32_indexer_converts_only_as_its_family():
+  """DeepSeek-V3.2's indexer exports as DeepSeek-V3.2 (or GLM-5) only, which always has one; its
+  layer_types name every layer indexed and its indexer needs the q latent."""
+  with pytest.raises(CheckpointError, match=r"config.model.index_topk=8: .* needs 0 \(no "
+                     "sparse-attention indexer\)"):
+    hf_config_from(tiny_config("deepseek_v3", **{"model.index_topk": 8, "model.index_heads": 2,
+                                                 "model.index_head_dim": 8}))
+  with pytest.raises(CheckpointError, match="config.model.index_topk=0: .* DeepSeek sparse "
+                     "attention in every layer"):
+    hf_config_from(tiny_config("deepseek_v32", **{"model.index_topk": 0,
+                                                  "model.index_heads": 0,
+                                                  "model.index_head_dim": 0}))
+  hf = hf_config_from(tiny_config("deepseek_v32"))
+  for key, bad in (("layer_types", ["full_attention"] * 3), ("q_lora_rank", None)):
+    with pytest.raises(CheckpointError, match=f"{key}="):
+      config_from_hf(dict(hf, **{key: bad}))
+  # GLM-5: every layer runs its own indexer, rotated in neighbour pairs; a layer reusing the
+  # previous one's selection ("shared", as transformers derives it) is refused
+  glm = hf_config_from(tiny_config("glm_moe_dsa"))
+  assert config_from_hf(glm).model.index_rotary_interleaved
+  assert config_from_hf(dict(glm, indexer_types=["full"] * 3)) == config_from_hf(glm)
+  for changes, key in (({"indexer_types": ["full", "shared", "full"]}, "indexer_types"),
+                       ({"index_topk_pattern": "FSF"}, "index_topk_pattern"),
+                       ({"index_topk_freq": 2}, "index_topk_freq")):
+    with pytest.raises(CheckpointError, match=f"{key}=.* every layer's own indexer"):
+      config_from_hf(dict(glm, **changes))
+  with pytest.raises(CheckpointError, match="config.model.index_rotary_interleaved=False: .* "
+                     "needs True"):
+    hf_config_from(tiny_config("glm_moe_dsa", **{"model.index_rotary_interleaved": False}))

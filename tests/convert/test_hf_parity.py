@@ -89,14 +89,14 @@ from moejax.train.optim import make_optimizer
 from moejax.train.state import state_layout
 
 MODELS = ("a", "b", "mixtral", "qwen2_moe", "qwen3_moe", "minimax_m2", "ernie4_5_moe", "glm4_moe",
-          "dots1", "deepseek_v2", "deepseek_v3", "deepseek_v3_b", "deepseek_v32", "glm4_moe_lite",
-          "solar_open",
+          "dots1", "deepseek_v2", "deepseek_v3", "deepseek_v3_b", "deepseek_v32", "glm_moe_dsa",
+          "glm4_moe_lite", "solar_open",
           "minicpm5_moe", "hy_v3", "exaone_moe", "granitemoe", "granitemoeshared", "sarvam_moe",
           "param2moe", "flex_olmo", "hunyuan_v1_moe", "afmoe", "mellum",
           "granitemoe_swa", "flint", "kolibri1", "gpt_oss", "cohere2_moe", "cohere2_moe_b",
           "llama4")
-SAVED_FUSED = ("b", "qwen2_moe", "dots1", "deepseek_v3", "granitemoeshared", "param2moe",
-               "cohere2_moe_b")
+SAVED_FUSED = ("b", "qwen2_moe", "dots1", "deepseek_v3", "glm_moe_dsa", "granitemoeshared",
+               "param2moe", "cohere2_moe_b")
 FP8_MODELS = ("qwen3_moe_fp8", "minimax_m2_fp8", "deepseek_v3_b_fp8", "mixtral_ct_fp8",
               "glm4_moe_ct_fp8", "qwen3_moe_int4")
 

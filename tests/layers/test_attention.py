@@ -182,3 +182,36 @@ def test_chunked_attention_keeps_an_explicit_batch_sharding():
     got = run(jax.device_put(x, NamedSharding(mesh, P("data"))))
     assert jax.typeof(got).sharding.spec[0] == "data"
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_sparse_attention_selects_each_querys_best_keys():
+  """DeepSeek-V3.2's indexer: each query keeps exactly index_topk of its visible keys, the best
+  by sum_h w_h relu(q_h . k / sqrt(Di)) (numpy's reference of the formula, on the module's own
+  projections); scored a block of queries at a time (a 13-token sequence in blocks of 4, the
+  last padded) as in one piece; attention over the selection equals attention under that mask."""
+  from moejax.layers.attention import LatentAttention
+  s, topk, hi, di = 13, 5, 16, 12
+  attn = LatentAttention(32, 4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                         qk_rope_head_dim=4, v_head_dim=8, rope_theta=10000.0, init_std=0.3,
+                         rngs=nnx.Rngs(0), index=(topk, hi, di))
+  x = jax.random.normal(jax.random.key(1), (2, s, 32))
+  rotary = attn.rotary_at(jnp.arange(s, dtype=jnp.float32))
+  keys = attn.index_keys(x, rotary)
+  causal = jnp.arange(s)[None, :] <= jnp.arange(s)[:, None]
+  selected = np.asarray(attn.select_keys(x, rotary, keys, causal))
+  with mock.patch.object(attention, "INDEX_QUERY_BLOCK", 4):
+    np.testing.assert_array_equal(attn.select_keys(x, rotary, keys, causal), selected)
+  q = np.asarray(attn._index_rotate((attn._q_latent(x) @ attn.index_wq[...]).reshape(
+      2, s, hi, di), rotary))
+  w = np.asarray(x @ attn.index_weights[...]) / np.sqrt(hi)
+  score = np.einsum("bsh,bsht->bst", w, np.maximum(
+      np.einsum("bshd,btd->bsht", q, np.asarray(keys)) / np.sqrt(di), 0))
+  for b in range(2):
+    for i in range(s):
+      best = np.argsort(-score[b, i, :i + 1], kind="stable")[:topk]
+      assert sorted(np.nonzero(selected[b, i])[0]) == sorted(best), (b, i)
+  q_, k_, v_ = attn.qkv(x, rotary)
+  masked = attend(q_, k_, v_, mask=jnp.asarray(selected)[:, None], is_causal=True,
+                  scale=attn.softmax_scale)
+  np.testing.assert_allclose(attn(x), attn.project_out(masked), rtol=1e-5, atol=1e-6)
+  assert attn.sparse_over(s) and not attn.sparse_over(topk)

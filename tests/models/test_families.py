@@ -34,13 +34,14 @@ TWO_DIGITS = {("qwen2_moe", "57b_a14b", "active"): "cut",
               ("ernie4_5_moe", "a3b", "total"): "cut",     # 21.83B is "21B"
               ("ernie4_5_moe", "a3b", "active"): "cut1",   # 3.35B is "3B": one digit
               ("glm4_moe_lite", "flash", "active"): "cut1",   # 3.58B is "A3B"
-              ("llama4", "maverick", "active"): "cut"}      # 17.18B is "17B"
+              ("llama4", "maverick", "active"): "cut",      # 17.18B is "17B"
+              ("glm_moe_dsa", "glm5", "active"): "cut"}     # 40.83B is "40B"
 # Published active counts that leave the input embedding out (DeepSeek-V2-Lite's 2.4B: 2.45B
 # without its 0.21B embedding, 2.66B with it; GLM-4.5-Air's 12B: 12.80B without, 13.42B with;
-# GLM-4.5's 32B: 32.86B without; V2's 21B and V3's 37B count it).
+# GLM-4.5's 32B: 32.86B without; GLM-5's 40B: 40.83B without; V2's 21B and V3's 37B count it).
 WITHOUT_EMBEDDING = {("deepseek_v2", "lite"), ("glm4_moe", "air"), ("glm4_moe", "glm45"),
                      ("minimax_m2", "m2"), ("glm4_moe_lite", "flash"), ("minicpm5_moe", "15b_a2b"),
-                     ("gpt_oss", "20b"), ("gpt_oss", "120b")}
+                     ("gpt_oss", "20b"), ("gpt_oss", "120b"), ("glm_moe_dsa", "glm5")}
 
 
 def preset_config(family: str, preset: str) -> config_lib.Config:
