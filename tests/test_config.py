@@ -423,8 +423,8 @@ def test_latent_attention_refuses_llama4s_query_options():
     ("deepseek_v32", {"model.index_head_dim": 6}, "config.model.index_heads=4, "
      "index_head_dim=6: "),          # narrower than the 8 rotated dims
     ("deepseek_v32", {"model.q_lora_rank": 0}, "config.model.index_topk=32: DeepSeek sparse "),
-    ("deepseek_v32", {"model.index_topk": 0}, "config.model.index_heads=4, index_head_dim=16: "
-     "an indexer needs model.index_topk > 0"),
+    ("deepseek_v32", {"model.index_topk": 0}, "config.model.index_heads=4, index_head_dim=16, "
+     "index_rotary_interleaved=False: an indexer needs model.index_topk > 0"),
     ("deepseek_v32", {"model.sliding_window": 4, "model.sliding_layers": (1,)},
      "config.model.index_topk=32: DeepSeek sparse attention selects among all earlier keys"),
     ("olmoe", {"model.index_topk": 8, "model.index_heads": 2, "model.index_head_dim": 8},

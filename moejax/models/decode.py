@@ -110,10 +110,10 @@ def _forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start
       cached["kv"] = (k_all, v_all, index_k_all)
       if kind.window:      # the sliding window: keys within W - 1 positions before the query
         visible = visible & (positions_S[:, None] - jnp.arange(cache.max_len)[None, :]
-                             < kind.window)
+                             < kind.window)[None]
       if kind.chunk:       # the chunk: keys in the query's own chunk of positions
         visible = visible & (positions_S[:, None] // kind.chunk
-                             == jnp.arange(cache.max_len)[None, :] // kind.chunk)
+                             == jnp.arange(cache.max_len)[None, :] // kind.chunk)[None]
       out_BxSxHxDv = attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype),
                             mask=visible[:, None], scale=attn.softmax_scale,
                             sinks_H=attn.sinks_H())
