@@ -17,7 +17,9 @@ Presets:
 
 The indexer only selects (no gradient reaches it) and moejax does not compute DeepSeek's
 indexer training loss, so training leaves the imported indexer as it is (`axes.FROZEN`);
-sequences no longer than index_topk attend densely, exactly as without it.
+sequences no longer than index_topk attend densely, exactly as without it. From scratch the
+indexer keeps its random initialization and selects by noise: set model.index_topk to the
+sequence length or more (dense attention) until moejax trains it.
 
 Each preset sets only what differs from the typed defaults in moejax/config.py.
 """
