@@ -346,7 +346,7 @@ class LatentAttention(nnx.Module):
                init_std: float, rngs: nnx.Rngs, rope_scaling: RopeScaling = NO_SCALING,
                window: int = 0, rotary: bool = True, softmax_scale: float = 0.0,
                chunk: int = 0, index: tuple[int, int, int] = (0, 0, 0),
-               index_interleaved: bool = False):
+               index_interleaved: bool = False, index_loss: bool = False):
     init = jax.nn.initializers.normal(init_std)
     h, qk = num_heads, qk_nope_head_dim + qk_rope_head_dim
     if q_lora_rank:
@@ -367,6 +367,7 @@ class LatentAttention(nnx.Module):
                     ATTENTION)
     self.index_topk, self.index_heads, self.index_head_dim = index
     self.index_interleaved = index_interleaved
+    self.index_loss = bool(self.index_topk) and index_loss     # `with_index_loss`
     if self.index_topk:       # DeepSeek-V3.2's lightning indexer (`index_keys`, `select_keys`)
       hi, di = self.index_heads, self.index_head_dim
       self.index_wq = param(init(rngs.params(), (q_lora_rank, hi * di), jnp.float32),
@@ -401,6 +402,90 @@ class LatentAttention(nnx.Module):
     """(cos, sin) [S, Dr] of these positions, this layer's RoPE (for `qkv`)."""
     return rotary_at(positions_S, self.rotary_dim, self.rope_theta, self.rope_scaling)
 
+  def with_index_loss(self, x_BxSxD):
+    """(the attention's output, the indexer's loss summed over the queries): DeepSeek-V3.2's
+    L_I, per query the KL divergence of the indexer's softmax over the keys the attention saw
+    (its selection, or every earlier key while there are no more than index_topk) from the
+    attention's own distribution over them averaged over the heads. Only the indexer gets its
+    gradient: its inputs are detached, the attention's distribution is a constant."""
+    s = x_BxSxD.shape[1]
+    rotary = self.rotary_at(jnp.arange(s, dtype=jnp.float32))
+    q, k, v = self.qkv(x_BxSxD, rotary)
+    index_k = self.index_keys(x_BxSxD, rotary)
+    causal_SxS = jnp.arange(s)[None, :] <= jnp.arange(s)[:, None]
+    mask = None
+    if self.sparse_over(s):
+      mask = self.select_keys(x_BxSxD, rotary, index_k, causal_SxS)[:, None]
+    out = attend(q, k, v, mask=mask, is_causal=True, scale=self.softmax_scale)
+    seen_BxSxT = causal_SxS[None] if mask is None else mask[:, 0]
+    loss = self._index_kl(x_BxSxD, rotary, index_k, lax.stop_gradient(q), lax.stop_gradient(k),
+                          seen_BxSxT)
+    return self.project_out(out, x_BxSxD), loss
+
+  def _index_queries(self, x_BxSxD, rotary):
+    """The indexer's queries [B, S, Hi, Di] and head weights [B, S, Hi] (fp32, / sqrt(Hi)), from
+    the attention's q latent detached (its loss trains the indexer alone)."""
+    b, s, _ = x_BxSxD.shape
+    hi, di = self.index_heads, self.index_head_dim
+    q_latent = lax.stop_gradient(self._q_latent(x_BxSxD))
+    q_BxSxHixDi = dense(q_latent, self.index_wq[...].astype(x_BxSxD.dtype))
+    q_BxSxHixDi = self._index_rotate(q_BxSxHixDi.reshape(b, s, hi, di), rotary)
+    w_BxSxHi = dense(x_BxSxD, self.index_weights[...].astype(x_BxSxD.dtype),
+                     jnp.float32) * hi ** -0.5
+    return q_BxSxHixDi, w_BxSxHi
+
+  def _index_scores(self, q_BxSbxHixDi, w_BxSbxHi, k_BxTxDi):
+    """The indexer's scores [B, Sb, T] (fp32): sum_h w_h relu(q_h . k / sqrt(Di))."""
+    scores = jnp.einsum("bshd,btd->bsht", q_BxSbxHixDi.astype(jnp.float32),
+                        k_BxTxDi.astype(jnp.float32))
+    return jnp.einsum("bsh,bsht->bst", w_BxSbxHi,
+                      jax.nn.relu(scores * self.index_head_dim ** -0.5))
+
+  def _by_query_blocks(self, fn, per_query, per_query_axes):
+    """fn over INDEX_QUERY_BLOCK queries at a time (a [Sb, Hi, T] block of scores stays small):
+    `per_query` arrays cut along their `per_query_axes` (the last block padded), the results
+    (each [B, Sb, ...]) joined along the queries again."""
+    s = per_query[0].shape[per_query_axes[0]]
+    n = -(-s // INDEX_QUERY_BLOCK)
+    if n == 1:
+      return fn(*per_query)
+    pad = n * INDEX_QUERY_BLOCK - s
+
+    def blocks(x, axis):
+      x = jnp.pad(x, [(0, pad) if i == axis else (0, 0) for i in range(x.ndim)])
+      x = x.reshape(*x.shape[:axis], n, INDEX_QUERY_BLOCK, *x.shape[axis + 1:])
+      return jnp.moveaxis(x, axis, 0)
+
+    out = lax.map(lambda args: fn(*args),
+                  tuple(blocks(x, axis) for x, axis in zip(per_query, per_query_axes)))
+    join = lambda y: jnp.moveaxis(y, 0, 1).reshape(     # noqa: E731
+        y.shape[1], n * INDEX_QUERY_BLOCK, *y.shape[3:])[:, :s]
+    return jax.tree.map(join, out)
+
+  def _index_kl(self, x_BxSxD, rotary, index_k_BxTxDi, q_BxSxHxDk, k_BxTxHxDk, seen_BxSxT):
+    """The indexer's KL loss summed over the queries (`with_index_loss`); `seen_BxSxT` the keys
+    each query's attention saw (at least itself)."""
+    x_BxSxD = lax.stop_gradient(x_BxSxD)
+    q_BxSxHixDi, w_BxSxHi = self._index_queries(x_BxSxD, rotary)
+    # A large finite floor, not -inf: a padded block's rows see nothing, and a softmax of -infs
+    # would put NaN into the gradient though the rows are dropped.
+    floor = jnp.finfo(jnp.float32).min / 2
+
+    def block(q_i, w_i, q_a, seen_BxSbxT):
+      index_BxSbxT = jnp.where(seen_BxSbxT, self._index_scores(q_i, w_i, index_k_BxTxDi), floor)
+      log_q = jax.nn.log_softmax(index_BxSbxT, axis=-1)
+      scores_BxHxSbxT = jnp.einsum("bshd,bthd->bhst", q_a, k_BxTxHxDk,
+                                   preferred_element_type=jnp.float32) * self.softmax_scale
+      p_BxSbxT = jnp.mean(jax.nn.softmax(jnp.where(seen_BxSbxT[:, None], scores_BxHxSbxT, floor),
+                                         axis=-1), axis=1)
+      terms = p_BxSbxT * (jnp.log(jnp.where(p_BxSbxT > 0, p_BxSbxT, 1.0)) - log_q)
+      return jnp.sum(jnp.where(seen_BxSbxT, terms, 0.0), axis=-1)       # [B, Sb]
+
+    seen = jnp.broadcast_to(seen_BxSxT, (x_BxSxD.shape[0], *seen_BxSxT.shape[1:]))
+    kl_BxS = self._by_query_blocks(block, (q_BxSxHixDi, w_BxSxHi, q_BxSxHxDk, seen),
+                                   (1, 1, 1, 1))
+    return jnp.sum(kl_BxS)
+
   def sparse_over(self, keys: int) -> bool:
     """Whether DeepSeek sparse attention leaves out any of `keys` keys: with no more keys than
     index_topk every visible key is selected, and attention is dense, exactly."""
@@ -412,11 +497,11 @@ class LatentAttention(nnx.Module):
 
   def index_keys(self, x_BxSxD, rotary):
     """The DSA indexer's keys [B, S, Di] (one head): LayerNormed, the first Dr rotated
-    (`_index_rotate`). No gradient: they only select."""
+    (`_index_rotate`). Their input detached: only the indexer's loss reaches them."""
     x_BxSxD = lax.stop_gradient(x_BxSxD)
     k_BxSxDi = layer_norm(dense(x_BxSxD, self.index_wk[...].astype(x_BxSxD.dtype)),
                           self.index_k_norm[...], LATENT_NORM_EPS, self.index_k_bias[...])
-    return lax.stop_gradient(self._index_rotate(k_BxSxDi[:, :, None], rotary)[:, :, 0])
+    return self._index_rotate(k_BxSxDi[:, :, None], rotary)[:, :, 0]
 
   def _index_rotate(self, x_BxSxNxDi, rotary):
     """The first Dr dims rotated: as halves (DeepSeek-V3.2), or as neighbour pairs (GLM-5),
@@ -429,44 +514,23 @@ class LatentAttention(nnx.Module):
   def select_keys(self, x_BxSxD, rotary, index_k_BxTxDi, visible_SxT):
     """bool [B, S, T]: the visible keys (`visible_SxT`) among each query's index_topk best by
     the indexer's score, sum over its heads of w_h relu(q_h . k / sqrt(Di)) with w = x Ww /
-    sqrt(Hi) (DeepSeek-V3.2's lightning indexer; in fp32, as transformers). Scored
-    INDEX_QUERY_BLOCK queries at a time, so the [Sb, Hi, T] scores stay small."""
+    sqrt(Hi) (DeepSeek-V3.2's lightning indexer; in fp32, as transformers). No gradient."""
     x_BxSxD = lax.stop_gradient(x_BxSxD)
-    b, s, _ = x_BxSxD.shape
-    hi, di = self.index_heads, self.index_head_dim
-    q_BxSxHixDi = dense(self._q_latent(x_BxSxD), self.index_wq[...].astype(x_BxSxD.dtype))
-    q_BxSxHixDi = self._index_rotate(q_BxSxHixDi.reshape(b, s, hi, di), rotary)
-    w_BxSxHi = dense(x_BxSxD, self.index_weights[...].astype(x_BxSxD.dtype),
-                     jnp.float32) * hi ** -0.5
-    k_BxTxDi = index_k_BxTxDi.astype(jnp.float32)
+    k_BxTxDi = lax.stop_gradient(index_k_BxTxDi)
+    q_BxSxHixDi, w_BxSxHi = self._index_queries(x_BxSxD, rotary)
     topk = min(self.index_topk, k_BxTxDi.shape[1])
 
-    def block(args):
-      q_BxSbxHixDi, w_BxSbxHi, visible_SbxT = args
-      scores = jnp.einsum("bshd,btd->bsht", q_BxSbxHixDi.astype(jnp.float32), k_BxTxDi)
-      index_BxSbxT = jnp.einsum("bsh,bsht->bst", w_BxSbxHi,
-                                jax.nn.relu(scores * di ** -0.5))
-      index_BxSbxT = jnp.where(visible_SbxT[None], index_BxSbxT, -jnp.inf)
+    def block(q_BxSbxHixDi, w_BxSbxHi, visible_SbxT):
+      index_BxSbxT = jnp.where(visible_SbxT[None],
+                               self._index_scores(q_BxSbxHixDi, w_BxSbxHi, k_BxTxDi), -jnp.inf)
       # exactly index_topk keys, ties to the earlier key (lax.top_k's order; torch.topk's is
       # its own): a key whose heads all relu to 0 ties with others so, often with few heads
       _, best_BxSbxK = lax.top_k(index_BxSbxT, topk)
       pick = jax.vmap(jax.vmap(lambda row_T, keys_K: row_T.at[keys_K].set(True)))
       return pick(jnp.zeros(index_BxSbxT.shape, bool), best_BxSbxK) & visible_SbxT[None]
 
-    n = -(-s // INDEX_QUERY_BLOCK)
-    if n == 1:
-      return lax.stop_gradient(block((q_BxSxHixDi, w_BxSxHi, visible_SxT)))
-    pad = n * INDEX_QUERY_BLOCK - s
-
-    def blocks(x, axis):
-      x = jnp.pad(x, [(0, pad) if i == axis else (0, 0) for i in range(x.ndim)])
-      x = x.reshape(*x.shape[:axis], n, INDEX_QUERY_BLOCK, *x.shape[axis + 1:])
-      return jnp.moveaxis(x, axis, 0)
-
-    selected = lax.map(block, (blocks(q_BxSxHixDi, 1), blocks(w_BxSxHi, 1),
-                               blocks(visible_SxT, 0)))           # [n, B, Sb, T]
-    selected = jnp.moveaxis(selected, 0, 1).reshape(b, n * INDEX_QUERY_BLOCK, -1)[:, :s]
-    return lax.stop_gradient(selected)
+    return lax.stop_gradient(self._by_query_blocks(
+        block, (q_BxSxHixDi, w_BxSxHi, visible_SxT), (1, 1, 0)))
 
   def qkv(self, x_BxSxD, rotary):
     """q and k [B, S, H, Dn + Dr], v [B, S, H, Dv]; `rotary` (cos, sin) [S, Dr]."""

@@ -144,7 +144,8 @@ def _attention(cfg: Config, rngs: nnx.Rngs, kind: AttentionKind):
                            rotary=kind.rotary, softmax_scale=m.attention_scale,
                            chunk=kind.chunk,
                            index=(m.index_topk, m.index_heads, m.index_head_dim),
-                           index_interleaved=m.index_rotary_interleaved)
+                           index_interleaved=m.index_rotary_interleaved,
+                           index_loss=m.index_loss_weight > 0)
   return Attention(m.d_model, m.num_heads, m.head_dim, rope_theta=theta,
                    norm_eps=m.norm_eps, init_std=m.init_std, rngs=rngs,
                    num_kv_heads=m.num_kv_heads, qk_norm=m.qk_norm, qkv_bias=m.qkv_bias,
@@ -187,6 +188,20 @@ class _Sublayers:
                             self.residual_scale)
     y_BxSxD, aux = feed_forward(self.ffn_in(h_BxSxD))
     return join_residual(h_BxSxD, self.ffn_out(y_BxSxD), self.residual_scale), aux
+
+  def attention_and_losses(self):
+    """(the layer's attention as `sublayers` calls it, the list its indexer's loss lands in
+    when it computes one: DeepSeek-V3.2's, training)."""
+    losses = []
+    if not getattr(self.attn, "index_loss", False):
+      return self.attn, losses
+
+    def attention(x_BxSxD):
+      y_BxSxD, loss = self.attn.with_index_loss(x_BxSxD)
+      losses.append(loss)
+      return y_BxSxD
+
+    return attention, losses
 
   def attn_in(self, h_BxSxD):
     return h_BxSxD if self.norm_position == "post" else self.attn_norm(h_BxSxD)
@@ -237,7 +252,13 @@ class DenseLayer(_Sublayers, nnx.Module):
     return self.mlp(x_BxSxD)
 
   def __call__(self, h_BxSxD):
-    return self.sublayers(h_BxSxD, self.attn, lambda x: (self.mlp(x), None))[0]
+    return self.with_aux(h_BxSxD)[0]
+
+  def with_aux(self, h_BxSxD):
+    """(h, aux): aux {"index_loss"} where the attention's indexer computes its loss, else {}."""
+    attention, losses = self.attention_and_losses()
+    h_BxSxD, _ = self.sublayers(h_BxSxD, attention, lambda x: (self.mlp(x), None))
+    return h_BxSxD, ({"index_loss": losses[0]} if losses else {})
 
 
 class DecoderLayer(_Sublayers, nnx.Module):
@@ -258,8 +279,10 @@ class DecoderLayer(_Sublayers, nnx.Module):
     if dispatch.kind == "fssdp":   # issued before attention: the transfer overlaps it
       materialized = self.moe.materialize(predicted_load_E, h_BxSxD.dtype, dispatch=dispatch,
                                           owners=expert_owners, replica_state=replica_state)
-    return self.sublayers(h_BxSxD, self.attn, lambda x: self.moe(
+    attention, losses = self.attention_and_losses()
+    h_BxSxD, aux = self.sublayers(h_BxSxD, attention, lambda x: self.moe(
         x, dispatch=dispatch, axis_name=axis_name, step=step, materialized=materialized))
+    return h_BxSxD, (dict(aux, index_loss=losses[0]) if losses else aux)
 
 
 def _layer_class(group: str):
@@ -397,7 +420,8 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
   `replica_state_L` (fssdp's replica codec, stacked over the MoE layers) what each layer's
   replica slots held last step (its next value is `aux_L["replica_state"]`).
   Returns (logits_BxSxV, aux_L, new_states, stats) with stats {group: stats of its gathers}
-  (a layer group's stacked over its layers); aux_L covers the MoE layers.
+  (a layer group's stacked over its layers); aux_L covers the MoE layers, but "index_loss"
+  (DeepSeek-V3.2's indexers training: each layer's loss summed over its queries), every layer.
   """
   check_tokens(cfg, tokens_BxS)
   if gather is None:
@@ -415,7 +439,7 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
 
   def dense_step(kind, h_BxSxD, layer_params, consts, layer_index):
     del consts, layer_index
-    return layer_from_params(cfg, layer_params, DENSE_LAYERS, kind)(h_BxSxD), {}
+    return layer_from_params(cfg, layer_params, DENSE_LAYERS, kind).with_aux(h_BxSxD)
 
   def moe_step(kind, h_BxSxD, layer_params, consts, layer_index):
     step, predicted_load_LxE, owners_L, replicas_L = consts
@@ -449,12 +473,17 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
         part(params[group]),
         gather_run, part(states[group]), consts, remat=remat, prefetch=prefetch)
     outputs[group].append(out)
+  index_losses = []      # DeepSeek-V3.2's indexers' losses, every layer's
   for group, out in outputs.items():     # the runs' outputs back in their group's layer order
     joined = out[0] if len(out) == 1 else jax.tree.map(
         lambda *xs: jnp.concatenate(xs, axis=0), *out)
     aux, new_states[group], stats[group] = joined
+    if "index_loss" in aux:
+      index_losses.append(aux.pop("index_loss"))
     if group == MOE_LAYERS:
       aux_L = aux
+  if index_losses:       # [every layer]: the one entry of aux_L not over the MoE layers only
+    aux_L = dict(aux_L, index_loss=jnp.concatenate(index_losses))
   h_BxSxD = norm(h_BxSxD, gather_group("final_norm"), cfg.model.norm_eps, cfg.model.norm_kind)
   head_DxV = embed_VxD.T if cfg.model.tie_embeddings else gather_group("lm_head")
   logits_BxSxV = lm_logits(cfg, h_BxSxD, head_DxV)

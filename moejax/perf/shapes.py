@@ -166,7 +166,8 @@ class ModelShape:
   def active_params(self) -> int:
     """Weights one token's forward multiplies by (lm head included, embedding lookup not)."""
     attention = self.attention_params() + self.indexer_params()
-    moe = attention + self.router_params() + self.top_k * self.expert_params() + self.shared_params()
+    moe = (attention + self.router_params() + self.top_k * self.expert_params()
+           + self.shared_params())
     dense = attention + self.dense_params()
     return self.moe_layers * moe + self.dense_layers * dense + self.vocab_size * self.d_model
 

@@ -26,7 +26,8 @@ ROUTER_BIAS is the selection-only score bias: no gradient reaches it (the train 
 is gathered in float32 (`FLOAT32_GROUPS`: a bf16 bias would reorder close scores), and so is
 the router beside it (ROUTER_FP32: DeepSeek-V3 keeps both in float32), and the attention sinks
 (SINKS: softmax logits, no weight decay; Flint keeps them in float32). INDEXER (DeepSeek sparse
-attention's key selector) is left as it is by the optimizer (`FROZEN`).
+attention's key selector) learns from a loss of its own only (`OWN_LOSS`): its gradients are
+clipped apart from the others', and with that loss's weight 0 the optimizer leaves it as it is.
 
 The model reads its declarations into a tree of `ParamMeta` (`moejax.models.olmoe.param_meta`);
 what needs them takes that tree: the layouts, the Gatherer (report groups), the optimizer (weight
@@ -69,9 +70,9 @@ INDEXER = "indexer"
 GROUPS = (ATTENTION, BIASES, ROUTER, ROUTER_FP32, ROUTER_BIAS, NORMS, EXPERTS, SHARED_EXPERTS,
           DENSE_MLP, EMBEDDINGS, SINKS, INDEXER)
 NO_DECAY = (NORMS, BIASES, ROUTER_BIAS, SINKS, INDEXER)   # groups without weight decay
-# groups the optimizer leaves as they are: no loss reaches them (DeepSeek-V3.2's indexer, whose
-# key selection has no gradient and whose own training loss moejax does not compute)
-FROZEN = (INDEXER,)
+# groups trained by a loss of their own alone (DeepSeek-V3.2's indexer: its KL loss, its inputs
+# detached, its selection without gradient), model.index_loss_weight
+OWN_LOSS = (INDEXER,)
 # gathered (or cast) in float32 whatever the compute dtype
 FLOAT32_GROUPS = (ROUTER_BIAS, ROUTER_FP32, SINKS)
 

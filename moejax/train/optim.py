@@ -24,21 +24,27 @@ def decay_mask(cfg: Config):
   return jax.tree.map(lambda meta: meta.group not in axes.NO_DECAY, olmoe.param_meta(cfg))
 
 
-def frozen_mask(cfg: Config):
-  """A tree of bools like the parameters: True where the optimizer leaves the parameter as it is
-  (`axes.FROZEN`: DeepSeek-V3.2's indexer, which no loss reaches); None where nothing is."""
+def own_loss_mask(cfg: Config):
+  """A tree of bools like the parameters: True for those a loss of their own alone trains
+  (`axes.OWN_LOSS`: DeepSeek-V3.2's indexer); None where the model has none."""
   meta = olmoe.param_meta(cfg)
-  if not any(m.group in axes.FROZEN for m in jax.tree.leaves(meta)):
+  if not any(m.group in axes.OWN_LOSS for m in jax.tree.leaves(meta)):
     return None
-  return jax.tree.map(lambda m: m.group in axes.FROZEN, meta)
+  return jax.tree.map(lambda m: m.group in axes.OWN_LOSS, meta)
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
   o = cfg.optim
-  parts = [optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm > 0 else []
+  own = own_loss_mask(cfg)
+  parts = []
+  if o.clip_norm > 0:
+    clip = optax.clip_by_global_norm(o.clip_norm)
+    # apart: the indexer's gradients must not scale the rest's (nor theirs the indexer's)
+    parts = [clip] if own is None else [
+        optax.masked(clip, jax.tree.map(lambda x: not x, own)), optax.masked(clip, own)]
   parts.append(optax.adamw(lr_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps,
                            weight_decay=o.weight_decay, mask=decay_mask(cfg)))
-  frozen = frozen_mask(cfg)
-  if frozen is not None:       # zero updates, so weight decay cannot move them either
-    parts.append(optax.masked(optax.set_to_zero(), frozen))
+  if own is not None and not cfg.model.index_loss_weight:
+    # their loss off: zero updates, so nothing moves them (weight decay neither)
+    parts.append(optax.masked(optax.set_to_zero(), own))
   return optax.chain(*parts)

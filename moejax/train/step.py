@@ -70,7 +70,11 @@ def _loss_share(cfg: Config, lay: StateLayout, params, batch, step, gather_state
   locality_share = jnp.mean(aux_L["locality_loss"])
   loss = (ce_share + cfg.moe.aux_loss_weight * aux_share + cfg.moe.z_loss_weight * z_share
           + cfg.routing.locality_weight * locality_share)
-  parts = {"loss": ce_share, "aux_loss": aux_share, "z_loss": z_share,
+  extra = {}
+  if "index_loss" in aux_L:    # DeepSeek-V3.2's indexers: KL per token, averaged over layers
+    extra["index_loss"] = jnp.mean(aux_L["index_loss"]) / global_tokens
+    loss = loss + cfg.model.index_loss_weight * extra["index_loss"]
+  parts = {"loss": ce_share, "aux_loss": aux_share, "z_loss": z_share, **extra,
            "locality_loss": locality_share, "routing_L": aux_L["routing"],
            "ep_dropped_L": aux_L["dropped"].astype(jnp.float32),
            "load_LxE": aux_L["load_E"].astype(jnp.float32),

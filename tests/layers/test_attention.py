@@ -215,3 +215,54 @@ def test_sparse_attention_selects_each_querys_best_keys():
                   scale=attn.softmax_scale)
   np.testing.assert_allclose(attn(x), attn.project_out(masked), rtol=1e-5, atol=1e-6)
   assert attn.sparse_over(s) and not attn.sparse_over(topk)
+
+
+def test_the_indexer_loss_is_the_kl_to_the_attention_and_trains_the_indexer_alone():
+  """DeepSeek-V3.2's indexer loss (`with_index_loss`): per query, KL(p || softmax(I)) over the
+  keys the attention saw, p its softmax averaged over the heads (numpy's reference), summed over
+  the queries, with the selection (13 queries of 5 keys) and without (5 tokens, dense: every
+  earlier key); by blocks of queries as in one; its gradient reaches the indexer's parameters
+  only, and steps along it lower it."""
+  from moejax.layers.attention import LatentAttention
+  attn = LatentAttention(32, 4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                         qk_rope_head_dim=4, v_head_dim=8, rope_theta=10000.0, init_std=0.3,
+                         rngs=nnx.Rngs(0), index=(5, 16, 12), index_loss=True)
+  graph, params = nnx.split(attn)
+
+  def run(params, x):
+    return nnx.merge(graph, params).with_index_loss(x)
+
+  for s in (13, 5):
+    x = jax.random.normal(jax.random.key(s), (2, s, 32))
+    out, loss = jax.jit(run)(params, x)
+    np.testing.assert_allclose(out, attn(x), rtol=1e-5, atol=1e-6)
+    rotary = attn.rotary_at(jnp.arange(s, dtype=jnp.float32))
+    keys = attn.index_keys(x, rotary)
+    causal = np.tril(np.ones((s, s), bool))
+    seen = (np.asarray(attn.select_keys(x, rotary, keys, jnp.asarray(causal))) if s > 5
+            else np.broadcast_to(causal, (2, s, s)))
+    q, w = (np.asarray(a, np.float64) for a in attn._index_queries(x, rotary))
+    index = np.einsum("bsh,bsht->bst", w, np.maximum(
+        np.einsum("bshd,btd->bsht", q, np.asarray(keys, np.float64)) / np.sqrt(12), 0))
+    q_a, k_a, _ = (np.asarray(a, np.float64) for a in attn.qkv(x, rotary))
+    scores = np.einsum("bshd,bthd->bhst", q_a, k_a) * attn.softmax_scale
+    scores = np.where(seen[:, None], scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    p = (p / p.sum(-1, keepdims=True)).mean(1)
+    index = np.where(seen, index, -np.inf)
+    log_q = index - index.max(-1, keepdims=True)
+    log_q = log_q - np.log(np.exp(log_q).sum(-1, keepdims=True))
+    want = np.sum(np.where(seen & (p > 0), p * (np.log(np.where(p > 0, p, 1)) - log_q), 0))
+    np.testing.assert_allclose(float(loss), want, rtol=1e-4)
+    with mock.patch.object(attention, "INDEX_QUERY_BLOCK", 4):
+      np.testing.assert_allclose(float(run(params, x)[1]), float(loss), rtol=1e-6)
+  grads = jax.jit(jax.grad(lambda p: run(p, x)[1]))(params)
+  for path, g in jax.tree_util.tree_leaves_with_path(grads):
+    name = str(path[0].key)
+    assert (np.any(np.asarray(g) != 0)) == name.startswith("index_"), name
+  step = jax.jit(lambda p: jax.tree.map(lambda a, g: a - 0.05 * g, p, jax.grad(
+      lambda p: run(p, x)[1])(p)))
+  trained = params
+  for _ in range(5):
+    trained = step(trained)
+  assert float(run(trained, x)[1]) < 0.8 * float(run(params, x)[1])

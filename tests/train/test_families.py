@@ -18,8 +18,8 @@ output gate, its weight gathered inside the q projection's) under fsdp; EXAONE-M
 unrotated layers: its MoE layers in two scans, the gathers prefetched across them) under fsdp;
 FlexOlmo (norms on the sublayers' outputs) under ep; Granite SWA (attention sinks, replicated
 where every other layer parameter is sharded) under fsdp; DeepSeek-V3.2 (each of the 64
-tokens attending to its 32 best earlier keys by the indexer, whose parameters the optimizer
-leaves as they are) under fsdp. (gpt-oss's experts, biased and with the
+tokens attending to its 32 best earlier keys by the indexer, which its own KL loss trains) under
+fsdp. (gpt-oss's experts, biased and with the
 clamped SwiGLU, go through the ep exchange as on one device in tests/placement/test_dispatch.py,
 their replicas through the coded and plain SparseAllGather in tests/placement/test_fssdp.py;
 its train step under fsdp and fssdp and Cohere2-MoE's parallel blocks under fsdp were measured
@@ -67,21 +67,34 @@ def test_sharded_equals_single_device(family, trainer_for):
     assert all(np.all(m["dropped_frac"] == 0.0) for m in sharded["all_metrics"])
 
 
-def test_deepseek_v32_trains_around_its_frozen_indexer(trainer_for):
-  """DeepSeek-V3.2's indexer only selects keys (no gradient reaches it) and moejax computes no
-  loss of its own for it: training leaves it bit for bit as it was (no weight decay either)
-  while the attention around it learns; the selection matters (its 32 of 64 keys)."""
+def test_deepseek_v32_indexer_learns_from_its_own_loss_alone(trainer_for):
+  """DeepSeek-V3.2's indexer learns from its KL loss only (model.index_loss_weight, default 1):
+  every other parameter's first gradient and the language-model loss are those of the same model
+  with the indexer frozen (weight 0), which training leaves bit for bit as it was (no weight
+  decay either) while the attention around it learns; the selection matters (32 of 64 keys)."""
   import dataclasses
   from moejax.models import olmoe
   cfg = family_config("deepseek_v32")
-  trainer = trainer_for(cfg, 1)
-  before = jax.device_get(trainer.init_state().params)
-  after = run_steps(trainer)["params"]
+  frozen = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, index_loss_weight=0.0))
+  before = jax.device_get(trainer_for(cfg, 1).init_state().params)
+  trained, still = run_steps(trainer_for(cfg, 1)), run_steps(trainer_for(frozen, 1))
+  np.testing.assert_allclose(trained["losses"][0], still["losses"][0], rtol=1e-6)
+  index_losses = [float(m["index_loss"]) for m in trained["all_metrics"]]
+  assert all(loss > 0 for loss in index_losses) and "index_loss" not in still["metrics"]
+  names = ("index_wq", "index_wk", "index_k_norm", "index_k_bias", "index_weights")
   for group in ("dense_layers", "layers"):
-    attn_before, attn_after = before[group]["attn"], after[group]["attn"]
-    for name in ("index_wq", "index_wk", "index_k_norm", "index_k_bias", "index_weights"):
-      np.testing.assert_array_equal(attn_after[name], attn_before[name], err_msg=name)
-    assert not np.array_equal(attn_after["wkv_b"], attn_before["wkv_b"])
+    for name in names:
+      np.testing.assert_array_equal(still["params"][group]["attn"][name],
+                                    before[group]["attn"][name], err_msg=name)
+      assert not np.array_equal(trained["params"][group]["attn"][name],
+                                before[group]["attn"][name]), name
+    assert not np.array_equal(still["params"][group]["attn"]["wkv_b"],
+                              before[group]["attn"]["wkv_b"])
+  for path, g, g0 in zip(jax.tree_util.tree_leaves_with_path(trained["grads"]),
+                         jax.tree.leaves(trained["grads"]), jax.tree.leaves(still["grads"])):
+    if not any(getattr(k, "key", None) in names for k in path[0]):
+      np.testing.assert_allclose(g, g0, rtol=1e-5, atol=1e-7 * np.max(np.abs(g0)),
+                                 err_msg=jax.tree_util.keystr(path[0]))
   tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (1, cfg.seq_len))
   dense = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, index_topk=cfg.seq_len))
   sparse_logits, _ = olmoe.forward(cfg, before, tokens)

@@ -44,3 +44,30 @@ def test_gradients_are_clipped_to_the_global_norm(clip_norm):
   mu = optax.tree_utils.tree_get(state, "mu")
   want = (1 - cfg.optim.b1) * (clip_norm if clip_norm else norm)
   np.testing.assert_allclose(float(optax.tree.norm(mu)), want, rtol=1e-5)
+
+
+def test_the_indexer_is_clipped_apart_and_frozen_without_its_loss():
+  """DeepSeek-V3.2's indexer (axes.OWN_LOSS) and the rest are clipped to the global norm each
+  on its own, so neither's gradients scale the other's; with model.index_loss_weight 0 the
+  optimizer leaves it as it is (no weight decay either)."""
+  from moejax.sharding import axes
+  for weight in (1.0, 0.0):
+    cfg = tiny_config("deepseek_v32", **{"optim.clip_norm": 0.5, "model.index_loss_weight": weight,
+                                         "optim.weight_decay": 0.1, "optim.warmup_steps": 0})
+    meta = olmoe.param_meta(cfg)
+    own = jax.tree.map(lambda m: m.group in axes.OWN_LOSS, meta)
+    params = jax.tree.map(lambda m: np.ones(m.shape, np.float32), meta)
+    tx = optim.make_optimizer(cfg)
+    for scale in (3.0, 300.0):       # the indexer's gradients grow; the rest's stay
+      grads = jax.tree.map(lambda p, o: np.full(p.shape, scale if o else 3.0, np.float32),
+                           params, own)
+      updates, state = jax.jit(tx.update)(grads, jax.jit(tx.init)(params), params)
+      mu = optax.tree_utils.tree_get(state, "mu")
+      rest = [m for m, o in zip(jax.tree.leaves(mu), jax.tree.leaves(own)) if not o]
+      indexer = [m for m, o in zip(jax.tree.leaves(mu), jax.tree.leaves(own)) if o]
+      want = (1 - cfg.optim.b1) * 0.5
+      np.testing.assert_allclose(float(optax.tree.norm(rest)), want, rtol=1e-5)
+      np.testing.assert_allclose(float(optax.tree.norm(indexer)), want, rtol=1e-5)
+      moved = [np.any(np.asarray(u) != 0) for u, o in zip(jax.tree.leaves(updates),
+                                                          jax.tree.leaves(own)) if o]
+      assert all(moved) if weight else not any(moved)
