@@ -15,11 +15,9 @@ Presets:
                    keys; 671.9B total, 38.4B active (the indexers' 0.85B in both). The published
                    weights are FP8, dequantized on import: --config.init_from=DIR.
 
-The indexer only selects (no gradient reaches it) and moejax does not compute DeepSeek's
-indexer training loss, so training leaves the imported indexer as it is (`axes.FROZEN`);
-sequences no longer than index_topk attend densely, exactly as without it. From scratch the
-indexer keeps its random initialization and selects by noise: set model.index_topk to the
-sequence length or more (dense attention) until moejax trains it.
+The selection carries no gradient: the indexer learns from its own KL loss
+(model.index_loss_weight, default 1; 0 freezes it), detached from the rest of the model.
+Sequences no longer than index_topk attend densely, exactly as without an indexer.
 
 Each preset sets only what differs from the typed defaults in moejax/config.py.
 """

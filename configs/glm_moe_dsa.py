@@ -15,7 +15,7 @@ Presets:
                    154880; RoPE base transformers' default 10000 (a checkpoint's own is read by
                    `--config configs/hf.py:DIR`).
 
-The indexer is frozen in training, as DeepSeek-V3.2's (configs/deepseek_v32.py).
+Its indexer trains by its own loss, as DeepSeek-V3.2's (configs/deepseek_v32.py).
 
 Each preset sets only what differs from the typed defaults in moejax/config.py.
 """

@@ -61,6 +61,8 @@ class ModelShape:
   index_heads: int = 0
   """DeepSeek sparse attention's indexer (DeepSeek-V3.2): its query heads (0: none)."""
   index_head_dim: int = 0
+  index_loss: bool = False
+  """The indexer trains by its KL loss, which reads the attention's distribution (its q.k again)."""
   attention_gate: bool = False
   """A sigmoid output gate on the attention (MiniCPM5-MoE): the q projection twice as wide."""
   attention_sinks: bool = False
@@ -202,7 +204,8 @@ def shape_of(cfg) -> ModelShape:
   mla = dict(attention="mla", q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
              qk_rope_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
              index_heads=m.index_heads if m.index_topk else 0,
-             index_head_dim=m.index_head_dim if m.index_topk else 0) if m.kv_lora_rank else {}
+             index_head_dim=m.index_head_dim if m.index_topk else 0,
+             index_loss=bool(m.index_topk and m.index_loss_weight)) if m.kv_lora_rank else {}
   return ModelShape(
       name=getattr(cfg, "name", "") or f"moejax d{m.d_model} L{m.num_layers} E{moe.num_experts}",
       d_model=m.d_model, num_layers=m.num_layers, vocab_size=m.vocab_size,

@@ -20,6 +20,7 @@ CASES = [
     ("routing.py", ["--steps", "2"], "argument --steps: must be >= 3, got 2"),
     ("soak.py", ["--steps", "250"], "argument --steps: must be a multiple of 100, got 250"),
     ("families.py", ["--steps", "1"], "argument --steps: must be >= 2, got 1"),
+    ("indexer.py", ["--steps", "1"], "argument --steps: must be >= 2, got 1"),
     ("projection.py", ["--plot", "/nonexistent/dir/p.png"], "argument --plot: no folder"),
 ]
 
