@@ -1,6 +1,6 @@
 """DeepSeek sparse attention's indexer, trained by its own loss against left as initialized: the
 tiny DeepSeek-V3.2 preset (each of 64 tokens attending to its 32 best earlier keys) trains
-side by side with model.index_loss_weight 1 (the default) and 0 (the indexer frozen), on the
+side by side with model.train_indexer True (the default) and False (the indexer frozen), on the
 built-in corpus, one device, the same data and initial weights.
 
   python bench/indexer.py            # 300 steps each (~1 min on 2 cores)
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
   trained_cfg = dataclasses.replace(trained_cfg, checkpoint=dataclasses.replace(
       trained_cfg.checkpoint, every=args.steps))
   frozen_cfg = dataclasses.replace(trained_cfg, model=dataclasses.replace(
-      trained_cfg.model, index_loss_weight=0.0))
+      trained_cfg.model, train_indexer=False))
   runs = {}
   with tempfile.TemporaryDirectory() as root:
     for name, cfg in (("trained", trained_cfg), ("frozen", frozen_cfg)):

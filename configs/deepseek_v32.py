@@ -16,7 +16,7 @@ Presets:
                    weights are FP8, dequantized on import: --config.init_from=DIR.
 
 The selection carries no gradient: the indexer learns from its own KL loss
-(model.index_loss_weight, default 1; 0 freezes it), detached from the rest of the model.
+(model.train_indexer, default True; False freezes it), detached from the rest of the model.
 Sequences no longer than index_topk attend densely, exactly as without an indexer.
 
 Each preset sets only what differs from the typed defaults in moejax/config.py.

@@ -181,11 +181,12 @@ class ModelConfig:
   index_rotary_interleaved: bool = False
   """DSA: the indexer's rotated dims pair up as neighbours (GLM-5's), not as halves
   (DeepSeek-V3.2's)."""
-  index_loss_weight: float = 1.0
-  """DSA: the weight of the indexer's own loss (DeepSeek-V3.2's L_I: per query, the KL
-  divergence of the indexer's softmax from the attention's distribution averaged over its heads,
-  over the selected keys), which alone trains the indexer (its inputs are detached, and the
-  selection carries no gradient); 0 freezes the indexer (`axes.OWN_LOSS`)."""
+  train_indexer: bool = True
+  """DSA: train the indexer by its own loss (DeepSeek-V3.2's L_I: per query, the KL divergence of
+  the indexer's softmax from the attention's distribution averaged over its heads, over the keys
+  the attention saw), which alone reaches it (its inputs are detached, the selection carries no
+  gradient); False freezes it (`axes.OWN_LOSS`). A switch, not a weight: the indexer's gradients
+  are clipped apart and Adam undoes any constant scale of them."""
   tie_embeddings: bool = False
   """The LM head is the embedding's transpose (no lm_head parameter)."""
   rope_theta: float = 10000.0
@@ -793,9 +794,6 @@ def validate(c: Config) -> None:
     _check(not (m.sliding_layers or m.chunked_layers),
            f"config.model.index_topk={m.index_topk}: DeepSeek sparse attention selects among all "
            "earlier keys (no model.sliding_layers or chunked_layers)")
-    _check(0 <= m.index_loss_weight < math.inf,
-           f"config.model.index_loss_weight={m.index_loss_weight}: must be >= 0 and finite (0 "
-           "freezes the indexer)")
   else:
     _check(not (m.index_heads or m.index_head_dim or m.index_rotary_interleaved),
            f"config.model.index_heads={m.index_heads}, index_head_dim={m.index_head_dim}, "

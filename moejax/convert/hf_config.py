@@ -343,6 +343,7 @@ FAMILY_SPECS = {
         default_norm_eps=1e-6, deepseek="v3", renormalize_default=True, default_aux=0.0,
         deepseek_defaults=(("n_shared_experts", 1),), layer_types_key="mlp_layer_types",
         layer_types_fallback=True, default_first_dense=3, dsa=(2048, 64, 128), aliases_win=True,
+        field_aliases=(("num_experts", "n_routed_experts"),),     # its __post_init__'s
         required=_COMMON_REQUIRED + (
             ("attention_bias", False, "moejax attention projections have no bias"),
             ("mlp_bias", False, "moejax MLPs have no bias"))),
@@ -354,6 +355,7 @@ FAMILY_SPECS = {
                            ("topk_group", 1)),
         layer_types_key="mlp_layer_types", layer_types_fallback=True, default_first_dense=3,
         dsa=(2048, 32, 128), dsa_interleaved=True, aliases_win=True,
+        field_aliases=(("num_experts", "n_routed_experts"),),
         required=_COMMON_REQUIRED + (
             ("attention_bias", False, "moejax attention projections have no bias"),
             ("mlp_bias", False, "moejax MLPs have no bias"))),

@@ -527,7 +527,9 @@ class LatentAttention(nnx.Module):
       # its own): a key whose heads all relu to 0 ties with others so, often with few heads
       _, best_BxSbxK = lax.top_k(index_BxSbxT, topk)
       pick = jax.vmap(jax.vmap(lambda row_T, keys_K: row_T.at[keys_K].set(True)))
-      return pick(jnp.zeros(index_BxSbxT.shape, bool), best_BxSbxK) & visible_SbxT[None]
+      # (zeros_like: typed with the scores' batch sharding under an Explicit mesh, as the
+      # indices are, which vmap needs; found by review)
+      return pick(jnp.zeros_like(index_BxSbxT, bool), best_BxSbxK) & visible_SbxT[None]
 
     return lax.stop_gradient(self._by_query_blocks(
         block, (q_BxSxHixDi, w_BxSxHi, visible_SxT), (1, 1, 0)))

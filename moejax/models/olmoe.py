@@ -145,7 +145,7 @@ def _attention(cfg: Config, rngs: nnx.Rngs, kind: AttentionKind):
                            chunk=kind.chunk,
                            index=(m.index_topk, m.index_heads, m.index_head_dim),
                            index_interleaved=m.index_rotary_interleaved,
-                           index_loss=m.index_loss_weight > 0)
+                           index_loss=m.train_indexer)
   return Attention(m.d_model, m.num_heads, m.head_dim, rope_theta=theta,
                    norm_eps=m.norm_eps, init_std=m.init_std, rngs=rngs,
                    num_kv_heads=m.num_kv_heads, qk_norm=m.qk_norm, qkv_bias=m.qkv_bias,

@@ -43,10 +43,12 @@ def attention_flops(shape: ModelShape, seq_len: int) -> float:
     context -= shape.chunked_layers / shape.num_layers * (seq_len - chunked)
   core = context * shape.num_heads * (shape.head_dim + vd)
   # the indexer: its projections, then per earlier key each head's q.k and weight; training it,
-  # the attention's q.k again for the distribution its loss compares with
-  index = 2.0 * shape.indexer_params() + context * shape.index_heads * (shape.index_head_dim + 1)
+  # its loss scores the keys again beside the attention's q.k (its distribution). (The backward
+  # factor is applied to all of it, though the selection and that q.k have no backward.)
+  scoring = context * shape.index_heads * (shape.index_head_dim + 1)
+  index = 2.0 * shape.indexer_params() + scoring
   if shape.index_loss:
-    index += context * shape.num_heads * shape.head_dim
+    index += scoring + context * shape.num_heads * shape.head_dim
   return 2.0 * shape.attention_params() + core + (index if shape.index_heads else 0.0)
 
 

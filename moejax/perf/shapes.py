@@ -205,7 +205,7 @@ def shape_of(cfg) -> ModelShape:
              qk_rope_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
              index_heads=m.index_heads if m.index_topk else 0,
              index_head_dim=m.index_head_dim if m.index_topk else 0,
-             index_loss=bool(m.index_topk and m.index_loss_weight)) if m.kv_lora_rank else {}
+             index_loss=bool(m.index_topk and m.train_indexer)) if m.kv_lora_rank else {}
   return ModelShape(
       name=getattr(cfg, "name", "") or f"moejax d{m.d_model} L{m.num_layers} E{moe.num_experts}",
       d_model=m.d_model, num_layers=m.num_layers, vocab_size=m.vocab_size,

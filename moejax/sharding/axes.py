@@ -71,7 +71,7 @@ GROUPS = (ATTENTION, BIASES, ROUTER, ROUTER_FP32, ROUTER_BIAS, NORMS, EXPERTS, S
           DENSE_MLP, EMBEDDINGS, SINKS, INDEXER)
 NO_DECAY = (NORMS, BIASES, ROUTER_BIAS, SINKS, INDEXER)   # groups without weight decay
 # groups trained by a loss of their own alone (DeepSeek-V3.2's indexer: its KL loss, its inputs
-# detached, its selection without gradient), model.index_loss_weight
+# detached, its selection without gradient), model.train_indexer
 OWN_LOSS = (INDEXER,)
 # gathered (or cast) in float32 whatever the compute dtype
 FLOAT32_GROUPS = (ROUTER_BIAS, ROUTER_FP32, SINKS)

@@ -21,7 +21,8 @@ no devices, no compile (`jax.eval_shape` only), so it answers for a cluster you 
                   expert hidden rows, and fssdp's replica rows: Q = fssdp.owner_sends send
                   rows (compute dtype) and SparseReduceScatter's Q fp32 receive rows
 
-It models the program a GPU runs (attention in the fused kernel, no score matrix kept; bf16
+It models the program a GPU runs (attention in the fused kernel, no score matrix kept, but
+DeepSeek sparse attention's past index_topk keys: `sparse_attention_bytes`; bf16
 matmuls accumulate in fp32 without upcast copies of the weights). XLA:CPU's buffers differ: it
 upcasts every bf16 dot to fp32 copies and keeps small scratch for each fusion
 (tests/sharding/test_memory.py: the state and batch exactly, the whole within 10% for the tiny
@@ -68,6 +69,22 @@ class MemoryReport:
     rows = [f"{name:<12} {_gib(b):>11}" for name, b in self.components.items()]
     return "\n".join(rows + [f"{'total':<12} {_gib(self.total):>11}"])
 
+
+
+def sparse_attention_bytes(cfg: Config, tokens: int) -> int:
+  """One layer's extra working bytes of DeepSeek sparse attention over `tokens` local tokens:
+  past index_topk keys the masked attention materializes its fp32 scores and probabilities
+  [b, H, S, S] and the mask; the indexer scores a block of queries at a time, [b, Sb, Hi, S] fp32,
+  and, training it, its loss also holds the attention's [b, H, Sb, S] fp32."""
+  from moejax.layers.attention import INDEX_QUERY_BLOCK
+  m, s = cfg.model, cfg.seq_len
+  if not m.index_topk:
+    return 0
+  b, block = tokens // s, min(s, INDEX_QUERY_BLOCK)
+  out = b * block * s * 4 * (m.index_heads + (m.num_heads if m.train_indexer else 0))
+  if s > m.index_topk:
+    out += b * s * s * (2 * m.num_heads * 4 + 1)
+  return out
 
 def _gib(nbytes: float) -> str:
   """Binary units sized to the figure: a tiny preset's parts read in KiB or MiB, not 0.00 GiB."""
@@ -160,7 +177,7 @@ def memory_report(cfg: Config, num_devices: int, *,
   per_layer_saved = {"full": tokens * d * c, "minimal": tokens * d * c + matmul_out,
                      "none": tokens * d * c + matmul_out + elementwise}[cfg.remat]
   layers = m.num_layers
-  working = 2 * (tokens * d * c + matmul_out + elementwise)
+  working = 2 * (tokens * d * c + matmul_out + elementwise) + sparse_attention_bytes(cfg, tokens)
   logits = 2 * tokens * v * 4
   activations = layers * per_layer_saved + working + logits
 

@@ -44,7 +44,7 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
         optax.masked(clip, jax.tree.map(lambda x: not x, own)), optax.masked(clip, own)]
   parts.append(optax.adamw(lr_schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps,
                            weight_decay=o.weight_decay, mask=decay_mask(cfg)))
-  if own is not None and not cfg.model.index_loss_weight:
+  if own is not None and not cfg.model.train_indexer:
     # their loss off: zero updates, so nothing moves them (weight decay neither)
     parts.append(optax.masked(optax.set_to_zero(), own))
   return optax.chain(*parts)

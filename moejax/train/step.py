@@ -73,7 +73,7 @@ def _loss_share(cfg: Config, lay: StateLayout, params, batch, step, gather_state
   extra = {}
   if "index_loss" in aux_L:    # DeepSeek-V3.2's indexers: KL per token, averaged over layers
     extra["index_loss"] = jnp.mean(aux_L["index_loss"]) / global_tokens
-    loss = loss + cfg.model.index_loss_weight * extra["index_loss"]
+    loss = loss + extra["index_loss"]      # it alone reaches the indexer (model.train_indexer)
   parts = {"loss": ce_share, "aux_loss": aux_share, "z_loss": z_share, **extra,
            "locality_loss": locality_share, "routing_L": aux_L["routing"],
            "ep_dropped_L": aux_L["dropped"].astype(jnp.float32),

@@ -1743,9 +1743,10 @@ def test_llama4_reads_its_text_model_layer_rules_and_llama3_rope():
 
 def test_deepseek_v32_indexer_converts_only_as_its_family():
   """DeepSeek-V3.2's indexer exports as DeepSeek-V3.2 (or GLM-5) only, which always has one; its
-  layer_types name every layer indexed and its indexer needs the q latent."""
+  layer_types name every layer indexed, its indexer needs the q latent, and num_experts stands
+  for n_routed_experts as in transformers' config classes."""
   with pytest.raises(CheckpointError, match=r"config.model.index_topk=8: .* needs 0 \(no "
-                     "sparse-attention indexer\)"):
+                     r"sparse-attention indexer\)"):
     hf_config_from(tiny_config("deepseek_v3", **{"model.index_topk": 8, "model.index_heads": 2,
                                                  "model.index_head_dim": 8}))
   with pytest.raises(CheckpointError, match="config.model.index_topk=0: .* DeepSeek sparse "
@@ -1757,6 +1758,11 @@ def test_deepseek_v32_indexer_converts_only_as_its_family():
   for key, bad in (("layer_types", ["full_attention"] * 3), ("q_lora_rank", None)):
     with pytest.raises(CheckpointError, match=f"{key}="):
       config_from_hf(dict(hf, **{key: bad}))
+  # transformers' configs of both take num_experts for n_routed_experts, it winning (review)
+  for family in ("deepseek_v32", "glm_moe_dsa"):
+    base = hf_config_from(tiny_config(family))
+    assert config_from_hf(dict(base, num_experts=16)).moe.num_experts == 16
+    assert "num_experts" not in hf_config_from(tiny_config(family), dict(base, num_experts=16))
   # GLM-5: every layer runs its own indexer, rotated in neighbour pairs; a layer reusing the
   # previous one's selection ("shared", as transformers derives it) is refused
   glm = hf_config_from(tiny_config("glm_moe_dsa"))

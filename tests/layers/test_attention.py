@@ -184,37 +184,65 @@ def test_chunked_attention_keeps_an_explicit_batch_sharding():
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def _sparse_attention(**options):
+  """A small latent attention with DeepSeek-V3.2's indexer (5 keys per query, 16 heads of 12),
+  its parameters, and `jitted(name)`: a fresh jitted function of (parameters, *args) calling
+  its method `name` (fresh: traced again, so a patched INDEX_QUERY_BLOCK takes effect)."""
+  from moejax.layers.attention import LatentAttention
+  attn = LatentAttention(32, 4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                         qk_rope_head_dim=4, v_head_dim=8, rope_theta=10000.0, init_std=0.3,
+                         rngs=nnx.Rngs(0), index=(5, 16, 12), **options)
+  graph, params = nnx.split(attn)
+
+  def jitted(name):
+    return jax.jit(lambda p, *args: getattr(nnx.merge(graph, p), name)(*args))
+  return attn, params, jitted
+
+
+def _indexer_parts(attn, x):
+  """(rotary, the indexer's keys; those keys, its queries and head weights, the attention's q
+  and k in float64 numpy)."""
+  s = x.shape[1]
+  rotary = attn.rotary_at(jnp.arange(s, dtype=jnp.float32))
+  keys = attn.index_keys(x, rotary)
+  q, w = attn._index_queries(x, rotary)
+  q_a, k_a, _ = attn.qkv(x, rotary)
+  return rotary, keys, *(np.asarray(a, np.float64) for a in (keys, q, w, q_a, k_a))
+
+
 def test_sparse_attention_selects_each_querys_best_keys():
   """DeepSeek-V3.2's indexer: each query keeps exactly index_topk of its visible keys, the best
   by sum_h w_h relu(q_h . k / sqrt(Di)) (numpy's reference of the formula, on the module's own
   projections); scored a block of queries at a time (a 13-token sequence in blocks of 4, the
-  last padded) as in one piece; attention over the selection equals attention under that mask."""
-  from moejax.layers.attention import LatentAttention
-  s, topk, hi, di = 13, 5, 16, 12
-  attn = LatentAttention(32, 4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
-                         qk_rope_head_dim=4, v_head_dim=8, rope_theta=10000.0, init_std=0.3,
-                         rngs=nnx.Rngs(0), index=(topk, hi, di))
-  x = jax.random.normal(jax.random.key(1), (2, s, 32))
-  rotary = attn.rotary_at(jnp.arange(s, dtype=jnp.float32))
-  keys = attn.index_keys(x, rotary)
+  last padded) as in one piece; attention over the selection equals attention under that mask;
+  under a mesh of Explicit axes the batch keeps its sharding (found by review)."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  attn, params, jitted = _sparse_attention()
+  s, topk = 13, 5
+  x = jax.random.normal(jax.random.key(1), (8, s, 32))
+  rotary, keys, keys_np, q, w, q_a, k_a = _indexer_parts(attn, x)
   causal = jnp.arange(s)[None, :] <= jnp.arange(s)[:, None]
-  selected = np.asarray(attn.select_keys(x, rotary, keys, causal))
+  selected = np.asarray(jitted("select_keys")(params, x, rotary, keys, causal))
   with mock.patch.object(attention, "INDEX_QUERY_BLOCK", 4):
-    np.testing.assert_array_equal(attn.select_keys(x, rotary, keys, causal), selected)
-  q = np.asarray(attn._index_rotate((attn._q_latent(x) @ attn.index_wq[...]).reshape(
-      2, s, hi, di), rotary))
-  w = np.asarray(x @ attn.index_weights[...]) / np.sqrt(hi)
+    np.testing.assert_array_equal(jitted("select_keys")(params, x, rotary, keys, causal),
+                                  selected)
   score = np.einsum("bsh,bsht->bst", w, np.maximum(
-      np.einsum("bshd,btd->bsht", q, np.asarray(keys)) / np.sqrt(di), 0))
-  for b in range(2):
+      np.einsum("bshd,btd->bsht", q, keys_np) / np.sqrt(12), 0))
+  for b in range(x.shape[0]):
     for i in range(s):
       best = np.argsort(-score[b, i, :i + 1], kind="stable")[:topk]
       assert sorted(np.nonzero(selected[b, i])[0]) == sorted(best), (b, i)
-  q_, k_, v_ = attn.qkv(x, rotary)
-  masked = attend(q_, k_, v_, mask=jnp.asarray(selected)[:, None], is_causal=True,
+  call = jitted("__call__")
+  want = np.asarray(call(params, x))
+  masked = attend(*attn.qkv(x, rotary), mask=jnp.asarray(selected)[:, None], is_causal=True,
                   scale=attn.softmax_scale)
-  np.testing.assert_allclose(attn(x), attn.project_out(masked), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(want, attn.project_out(masked), rtol=1e-5, atol=1e-6)
   assert attn.sparse_over(s) and not attn.sparse_over(topk)
+  mesh = jax.make_mesh((8,), ("data",))
+  with jax.set_mesh(mesh):
+    got = call(params, jax.device_put(x, NamedSharding(mesh, P("data"))))
+    assert jax.typeof(got).sharding.spec[0] == "data"
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_indexer_loss_is_the_kl_to_the_attention_and_trains_the_indexer_alone():
@@ -222,44 +250,36 @@ def test_the_indexer_loss_is_the_kl_to_the_attention_and_trains_the_indexer_alon
   keys the attention saw, p its softmax averaged over the heads (numpy's reference), summed over
   the queries, with the selection (13 queries of 5 keys) and without (5 tokens, dense: every
   earlier key); by blocks of queries as in one; its gradient reaches the indexer's parameters
-  only, and steps along it lower it."""
-  from moejax.layers.attention import LatentAttention
-  attn = LatentAttention(32, 4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
-                         qk_rope_head_dim=4, v_head_dim=8, rope_theta=10000.0, init_std=0.3,
-                         rngs=nnx.Rngs(0), index=(5, 16, 12), index_loss=True)
-  graph, params = nnx.split(attn)
-
-  def run(params, x):
-    return nnx.merge(graph, params).with_index_loss(x)
-
+  only, the output's never does, and steps along the loss's lower it."""
+  attn, params, jitted = _sparse_attention(index_loss=True)
+  run = jitted("with_index_loss")
   for s in (13, 5):
     x = jax.random.normal(jax.random.key(s), (2, s, 32))
-    out, loss = jax.jit(run)(params, x)
-    np.testing.assert_allclose(out, attn(x), rtol=1e-5, atol=1e-6)
-    rotary = attn.rotary_at(jnp.arange(s, dtype=jnp.float32))
-    keys = attn.index_keys(x, rotary)
+    out, loss = run(params, x)
+    rotary, keys, _, q, w, q_a, k_a = _indexer_parts(attn, x)
     causal = np.tril(np.ones((s, s), bool))
     seen = (np.asarray(attn.select_keys(x, rotary, keys, jnp.asarray(causal))) if s > 5
             else np.broadcast_to(causal, (2, s, s)))
-    q, w = (np.asarray(a, np.float64) for a in attn._index_queries(x, rotary))
     index = np.einsum("bsh,bsht->bst", w, np.maximum(
         np.einsum("bshd,btd->bsht", q, np.asarray(keys, np.float64)) / np.sqrt(12), 0))
-    q_a, k_a, _ = (np.asarray(a, np.float64) for a in attn.qkv(x, rotary))
-    scores = np.einsum("bshd,bthd->bhst", q_a, k_a) * attn.softmax_scale
-    scores = np.where(seen[:, None], scores, -np.inf)
+    scores = np.where(seen[:, None], np.einsum("bshd,bthd->bhst", q_a, k_a) * attn.softmax_scale,
+                      -np.inf)
     p = np.exp(scores - scores.max(-1, keepdims=True))
     p = (p / p.sum(-1, keepdims=True)).mean(1)
     index = np.where(seen, index, -np.inf)
     log_q = index - index.max(-1, keepdims=True)
     log_q = log_q - np.log(np.exp(log_q).sum(-1, keepdims=True))
-    want = np.sum(np.where(seen & (p > 0), p * (np.log(np.where(p > 0, p, 1)) - log_q), 0))
-    np.testing.assert_allclose(float(loss), want, rtol=1e-4)
+    terms = p * (np.log(np.where(p > 0, p, 1)) - np.where(seen, log_q, 0))
+    np.testing.assert_allclose(float(loss), np.sum(np.where(seen, terms, 0)), rtol=1e-4)
     with mock.patch.object(attention, "INDEX_QUERY_BLOCK", 4):
-      np.testing.assert_allclose(float(run(params, x)[1]), float(loss), rtol=1e-6)
-  grads = jax.jit(jax.grad(lambda p: run(p, x)[1]))(params)
-  for path, g in jax.tree_util.tree_leaves_with_path(grads):
-    name = str(path[0].key)
-    assert (np.any(np.asarray(g) != 0)) == name.startswith("index_"), name
+      np.testing.assert_allclose(float(jitted("with_index_loss")(params, x)[1]), float(loss),
+                                 rtol=1e-6)
+  for part, indexer_only in ((1, True), (0, False)):      # the loss; the output (an LM loss)
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(run(p, x)[part] ** 2)))(params)
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+      name = str(path[0].key)
+      assert bool(np.any(np.asarray(g) != 0)) == (name.startswith("index_") == indexer_only), (
+          part, name)
   step = jax.jit(lambda p: jax.tree.map(lambda a, g: a - 0.05 * g, p, jax.grad(
       lambda p: run(p, x)[1])(p)))
   trained = params

@@ -131,14 +131,14 @@ def test_flops_closed_form_and_shapes():
   # three layers of four see 4097 keys on average instead of 16384: 0.25 + 0.75 * 8193 / 32768
   assert core(scout) / core(unchunked) == pytest.approx(0.25 + 0.75 * 8193 / 32768)
   # DeepSeek-V3.2's is V3's plus its indexer: projections, each head's q.k and weight per key,
-  # and, training it by its loss, the attention's q.k again
+  # and, training it by its loss, those scores and the attention's q.k again
   import configs.deepseek
   import configs.deepseek_v32
   v3 = shape_of(from_config_dict(configs.deepseek.get_config("v3")))
   v32 = shape_of(from_config_dict(configs.deepseek_v32.get_config("v32")))
   assert v32.indexer_params() == 1536 * 64 * 128 + 7168 * (128 + 64) + 2 * 128
   assert v32.total_params() - v3.total_params() == 61 * v32.indexer_params()
-  extra = 2 * v32.indexer_params() + 4096 * (64 * 129 + 128 * 192)
+  extra = 2 * v32.indexer_params() + 4096 * (2 * 64 * 129 + 128 * 192)
   assert cp.attention_flops(v32, 4096) - cp.attention_flops(v3, 4096) == pytest.approx(extra)
 
 

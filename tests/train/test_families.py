@@ -67,34 +67,22 @@ def test_sharded_equals_single_device(family, trainer_for):
     assert all(np.all(m["dropped_frac"] == 0.0) for m in sharded["all_metrics"])
 
 
-def test_deepseek_v32_indexer_learns_from_its_own_loss_alone(trainer_for):
-  """DeepSeek-V3.2's indexer learns from its KL loss only (model.index_loss_weight, default 1):
-  every other parameter's first gradient and the language-model loss are those of the same model
-  with the indexer frozen (weight 0), which training leaves bit for bit as it was (no weight
-  decay either) while the attention around it learns; the selection matters (32 of 64 keys)."""
+def test_deepseek_v32_trains_its_indexer_by_its_own_loss(trainer_for):
+  """DeepSeek-V3.2's train step: the indexer's loss (every layer's, logged as index_loss) moves
+  the indexer, the language-model loss the rest (that neither reaches the other's parameters:
+  tests/layers/test_attention.py; that model.train_indexer=False leaves the indexer as it is:
+  tests/train/test_optim.py); the selection matters (32 of the 64 keys)."""
   import dataclasses
   from moejax.models import olmoe
   cfg = family_config("deepseek_v32")
-  frozen = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, index_loss_weight=0.0))
   before = jax.device_get(trainer_for(cfg, 1).init_state().params)
-  trained, still = run_steps(trainer_for(cfg, 1)), run_steps(trainer_for(frozen, 1))
-  np.testing.assert_allclose(trained["losses"][0], still["losses"][0], rtol=1e-6)
-  index_losses = [float(m["index_loss"]) for m in trained["all_metrics"]]
-  assert all(loss > 0 for loss in index_losses) and "index_loss" not in still["metrics"]
-  names = ("index_wq", "index_wk", "index_k_norm", "index_k_bias", "index_weights")
+  trained = run_steps(trainer_for(cfg, 1))
+  assert all(float(m["index_loss"]) > 0 for m in trained["all_metrics"])
   for group in ("dense_layers", "layers"):
-    for name in names:
-      np.testing.assert_array_equal(still["params"][group]["attn"][name],
-                                    before[group]["attn"][name], err_msg=name)
+    for name in ("index_wq", "index_wk", "index_k_norm", "index_k_bias", "index_weights",
+                 "wkv_b"):
       assert not np.array_equal(trained["params"][group]["attn"][name],
                                 before[group]["attn"][name]), name
-    assert not np.array_equal(still["params"][group]["attn"]["wkv_b"],
-                              before[group]["attn"]["wkv_b"])
-  for path, g, g0 in zip(jax.tree_util.tree_leaves_with_path(trained["grads"]),
-                         jax.tree.leaves(trained["grads"]), jax.tree.leaves(still["grads"])):
-    if not any(getattr(k, "key", None) in names for k in path[0]):
-      np.testing.assert_allclose(g, g0, rtol=1e-5, atol=1e-7 * np.max(np.abs(g0)),
-                                 err_msg=jax.tree_util.keystr(path[0]))
   tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (1, cfg.seq_len))
   dense = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, index_topk=cfg.seq_len))
   sparse_logits, _ = olmoe.forward(cfg, before, tokens)

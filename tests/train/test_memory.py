@@ -138,3 +138,22 @@ def test_fssdp_replica_rows_do_not_grow_with_the_device_count():
           == 2 * 256 * 2 * per_row + fp32_sums[256])
   assert (exchange("fssdp", 256, owner_sends=6) - exchange("ep", 256)
           == 2 * 6 * per_row + fp32_sums[256])
+
+
+def test_sparse_attention_counts_its_materialized_scores():
+  """DeepSeek-V3.2 at 4096 tokens a sequence, one a device: past index_topk keys the masked
+  attention holds its fp32 scores and probabilities and the mask ([H, S, S] each: 17 GiB with
+  the indexer's blocks, found by review: the estimate had counted fused attention), not held
+  with no more keys than index_topk; without training the indexer, its loss's blocks go too."""
+  from configs import deepseek_v32
+  cfg = from_config_dict(deepseek_v32.get_config("v32"))
+  cd = deepseek_v32.get_config("v32")
+  cd.model.index_topk = 4096
+  short = from_config_dict(cd)
+  activations = lambda c: memory_report(c, 64).components["activations"]   # noqa: E731
+  scores = 4096 * 4096 * (2 * 128 * 4 + 1)
+  blocks = 512 * 4096 * 4 * (64 + 128)
+  assert activations(cfg) - activations(short) == scores
+  frozen = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, train_indexer=False))
+  assert activations(cfg) - activations(frozen) == 512 * 4096 * 4 * 128
+  assert (scores + blocks) / 2 ** 30 == pytest.approx(17.5, abs=0.1)

@@ -48,11 +48,11 @@ def test_gradients_are_clipped_to_the_global_norm(clip_norm):
 
 def test_the_indexer_is_clipped_apart_and_frozen_without_its_loss():
   """DeepSeek-V3.2's indexer (axes.OWN_LOSS) and the rest are clipped to the global norm each
-  on its own, so neither's gradients scale the other's; with model.index_loss_weight 0 the
+  on its own, so neither's gradients scale the other's; with model.train_indexer False the
   optimizer leaves it as it is (no weight decay either)."""
   from moejax.sharding import axes
-  for weight in (1.0, 0.0):
-    cfg = tiny_config("deepseek_v32", **{"optim.clip_norm": 0.5, "model.index_loss_weight": weight,
+  for train in (True, False):
+    cfg = tiny_config("deepseek_v32", **{"optim.clip_norm": 0.5, "model.train_indexer": train,
                                          "optim.weight_decay": 0.1, "optim.warmup_steps": 0})
     meta = olmoe.param_meta(cfg)
     own = jax.tree.map(lambda m: m.group in axes.OWN_LOSS, meta)
@@ -70,4 +70,4 @@ def test_the_indexer_is_clipped_apart_and_frozen_without_its_loss():
       np.testing.assert_allclose(float(optax.tree.norm(indexer)), want, rtol=1e-5)
       moved = [np.any(np.asarray(u) != 0) for u, o in zip(jax.tree.leaves(updates),
                                                           jax.tree.leaves(own)) if o]
-      assert all(moved) if weight else not any(moved)
+      assert all(moved) if train else not any(moved)
