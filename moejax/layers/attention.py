@@ -110,6 +110,31 @@ def attend(q_BxSxHxDk, k_BxTxGxDk, v_BxTxGxDv, *, mask=None, is_causal=False, sc
   return out[..., :dv]
 
 
+def attend_selected(q_BxSxHxDk, k_BxTxGxDk, v_BxTxGxDv, selected_BxSxT, *, scale=None,
+                    block: int | None = None):
+  """Softmax attention of each query over the keys `selected_BxSxT` marks (DeepSeek sparse
+  attention's selection, causal already), `block` queries at a time (default
+  INDEX_QUERY_BLOCK), each block rematerialized in the backward: a masked attention holds its
+  scores, fp32 [B, H, Sb, T], which for the whole sequence at once is [B, H, S, T] (at
+  DeepSeek-V3.2's 128 heads and 4096 tokens, 16 GiB a sequence with the probabilities)."""
+  block = INDEX_QUERY_BLOCK if block is None else block
+  s = q_BxSxHxDk.shape[1]
+  one = jax.checkpoint(lambda q, mask: attend(q, k_BxTxGxDk, v_BxTxGxDv, mask=mask[:, None],
+                                              scale=scale))
+  if s <= block:
+    return one(q_BxSxHxDk, selected_BxSxT)
+  n = -(-s // block)
+  pad = n * block - s
+
+  def blocks(x):      # [B, S, ...] -> [n, B, block, ...], the last block padded (no key seen)
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.moveaxis(x.reshape(x.shape[0], n, block, *x.shape[2:]), 1, 0)
+
+  out = lax.map(lambda args: one(*args), (blocks(q_BxSxHxDk), blocks(selected_BxSxT)))
+  out = jnp.moveaxis(out, 0, 1)
+  return out.reshape(out.shape[0], n * block, *out.shape[3:])[:, :s]
+
+
 def _explicit_spec(x):
   """x's PartitionSpec where it is typed with a mesh's Explicit axes, else None."""
   sharding = getattr(jax.typeof(x), "sharding", None)
@@ -390,12 +415,12 @@ class LatentAttention(nnx.Module):
     s = x_BxSxD.shape[1]
     rotary = self.rotary_at(jnp.arange(s, dtype=jnp.float32))
     q, k, v = self.qkv(x_BxSxD, rotary)
-    mask = None
-    if self.sparse_over(s):    # each query's index_topk best keys (and, with is_causal, no later)
+    if self.sparse_over(s):    # each query's index_topk best earlier keys
       causal_SxS = jnp.arange(s)[None, :] <= jnp.arange(s)[:, None]
-      mask = self.select_keys(x_BxSxD, rotary, self.index_keys(x_BxSxD, rotary),
-                              causal_SxS)[:, None]
-    return self.project_out(attend(q, k, v, mask=mask, is_causal=True, scale=self.softmax_scale,
+      selected = self.select_keys(x_BxSxD, rotary, self.index_keys(x_BxSxD, rotary), causal_SxS)
+      return self.project_out(attend_selected(q, k, v, selected, scale=self.softmax_scale),
+                              x_BxSxD)
+    return self.project_out(attend(q, k, v, is_causal=True, scale=self.softmax_scale,
                                    window=self.window, chunk=self.chunk), x_BxSxD)
 
   def rotary_at(self, positions_S):
@@ -413,11 +438,12 @@ class LatentAttention(nnx.Module):
     q, k, v = self.qkv(x_BxSxD, rotary)
     index_k = self.index_keys(x_BxSxD, rotary)
     causal_SxS = jnp.arange(s)[None, :] <= jnp.arange(s)[:, None]
-    mask = None
     if self.sparse_over(s):
-      mask = self.select_keys(x_BxSxD, rotary, index_k, causal_SxS)[:, None]
-    out = attend(q, k, v, mask=mask, is_causal=True, scale=self.softmax_scale)
-    seen_BxSxT = causal_SxS[None] if mask is None else mask[:, 0]
+      seen_BxSxT = self.select_keys(x_BxSxD, rotary, index_k, causal_SxS)
+      out = attend_selected(q, k, v, seen_BxSxT, scale=self.softmax_scale)
+    else:
+      seen_BxSxT = causal_SxS[None]
+      out = attend(q, k, v, is_causal=True, scale=self.softmax_scale)
     loss = self._index_kl(x_BxSxD, rotary, index_k, lax.stop_gradient(q), lax.stop_gradient(k),
                           seen_BxSxT)
     return self.project_out(out, x_BxSxD), loss

@@ -22,7 +22,7 @@ no devices, no compile (`jax.eval_shape` only), so it answers for a cluster you 
                   rows (compute dtype) and SparseReduceScatter's Q fp32 receive rows
 
 It models the program a GPU runs (attention in the fused kernel, no score matrix kept, but
-DeepSeek sparse attention's past index_topk keys: `sparse_attention_bytes`; bf16
+DeepSeek sparse attention's, a block of queries at a time: `sparse_attention_bytes`; bf16
 matmuls accumulate in fp32 without upcast copies of the weights). XLA:CPU's buffers differ: it
 upcasts every bf16 dot to fp32 copies and keeps small scratch for each fusion
 (tests/sharding/test_memory.py: the state and batch exactly, the whole within 10% for the tiny
@@ -73,9 +73,10 @@ class MemoryReport:
 
 def sparse_attention_bytes(cfg: Config, tokens: int) -> int:
   """One layer's extra working bytes of DeepSeek sparse attention over `tokens` local tokens:
-  past index_topk keys the masked attention materializes its fp32 scores and probabilities
-  [b, H, S, S] and the mask; the indexer scores a block of queries at a time, [b, Sb, Hi, S] fp32,
-  and, training it, its loss also holds the attention's [b, H, Sb, S] fp32."""
+  past index_topk keys the attention over the selection (`attention.attend_selected`) holds a
+  block of queries' fp32 scores and probabilities [b, H, Sb, S] and the whole mask [b, S, S];
+  the indexer scores a block of queries at a time, [b, Sb, Hi, S] fp32, and, training it, its
+  loss also holds the attention's [b, H, Sb, S] fp32."""
   from moejax.layers.attention import INDEX_QUERY_BLOCK
   m, s = cfg.model, cfg.seq_len
   if not m.index_topk:
@@ -83,7 +84,7 @@ def sparse_attention_bytes(cfg: Config, tokens: int) -> int:
   b, block = tokens // s, min(s, INDEX_QUERY_BLOCK)
   out = b * block * s * 4 * (m.index_heads + (m.num_heads if m.train_indexer else 0))
   if s > m.index_topk:
-    out += b * s * s * (2 * m.num_heads * 4 + 1)
+    out += b * block * s * 2 * m.num_heads * 4 + b * s * s
   return out
 
 def _gib(nbytes: float) -> str:

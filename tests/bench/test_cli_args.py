@@ -21,6 +21,7 @@ CASES = [
     ("soak.py", ["--steps", "250"], "argument --steps: must be a multiple of 100, got 250"),
     ("families.py", ["--steps", "1"], "argument --steps: must be >= 2, got 1"),
     ("indexer.py", ["--steps", "1"], "argument --steps: must be >= 2, got 1"),
+    ("indexer.py", ["--seq", "512"], "argument --seq: must be >= 513, got 512"),
     ("projection.py", ["--plot", "/nonexistent/dir/p.png"], "argument --plot: no folder"),
 ]
 

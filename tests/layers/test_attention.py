@@ -214,7 +214,8 @@ def test_sparse_attention_selects_each_querys_best_keys():
   """DeepSeek-V3.2's indexer: each query keeps exactly index_topk of its visible keys, the best
   by sum_h w_h relu(q_h . k / sqrt(Di)) (numpy's reference of the formula, on the module's own
   projections); scored a block of queries at a time (a 13-token sequence in blocks of 4, the
-  last padded) as in one piece; attention over the selection equals attention under that mask;
+  last padded) as in one piece; attention over the selection equals attention under that mask,
+  by blocks of queries too (gradients alike);
   under a mesh of Explicit axes the batch keeps its sharding (found by review)."""
   from jax.sharding import NamedSharding, PartitionSpec as P
   attn, params, jitted = _sparse_attention()
@@ -234,9 +235,18 @@ def test_sparse_attention_selects_each_querys_best_keys():
       assert sorted(np.nonzero(selected[b, i])[0]) == sorted(best), (b, i)
   call = jitted("__call__")
   want = np.asarray(call(params, x))
-  masked = attend(*attn.qkv(x, rotary), mask=jnp.asarray(selected)[:, None], is_causal=True,
+  qkv = attn.qkv(x, rotary)
+  masked = attend(*qkv, mask=jnp.asarray(selected)[:, None], is_causal=True,
                   scale=attn.softmax_scale)
   np.testing.assert_allclose(want, attn.project_out(masked), rtol=1e-5, atol=1e-6)
+  # over the selection a block of queries at a time (blocks of 4, the last padded), each
+  # rematerialized: the whole masked attention's output and gradients
+  def grads(block):
+    return jax.jit(jax.grad(lambda q, k, v: jnp.sum(jnp.sin(attention.attend_selected(
+        q, k, v, jnp.asarray(selected), scale=attn.softmax_scale, block=block))), (0, 1, 2)))
+
+  for whole, blocked in zip(grads(s)(*qkv), grads(4)(*qkv)):
+    np.testing.assert_allclose(blocked, whole, rtol=1e-5, atol=1e-6)
   assert attn.sparse_over(s) and not attn.sparse_over(topk)
   mesh = jax.make_mesh((8,), ("data",))
   with jax.set_mesh(mesh):
