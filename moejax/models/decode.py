@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moejax.config import Config
-from moejax.layers.attention import attend
+from moejax.layers.attention import attend, attend_selected
 from moejax.layers.norm import norm
 from moejax.models import olmoe
 from moejax.sharding import hook
@@ -114,9 +114,14 @@ def _forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start
       if kind.chunk:       # the chunk: keys in the query's own chunk of positions
         visible = visible & (positions_S[:, None] // kind.chunk
                              == jnp.arange(cache.max_len)[None, :] // kind.chunk)[None]
-      out_BxSxHxDv = attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype),
-                            mask=visible[:, None], scale=attn.softmax_scale,
-                            sinks_H=attn.sinks_H())
+      if index_k_all is not None:     # by blocks of queries: a long prompt's scores stay small
+        out_BxSxHxDv = attend_selected(q, k_all.astype(q.dtype), v_all.astype(q.dtype),
+                                       jnp.broadcast_to(visible, (q.shape[0], *visible.shape[1:])),
+                                       scale=attn.softmax_scale)
+      else:
+        out_BxSxHxDv = attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype),
+                              mask=visible[:, None], scale=attn.softmax_scale,
+                              sinks_H=attn.sinks_H())
       return attn.project_out(out_BxSxHxDv, x_BxSxD)
 
     h_BxSxD, _ = layer.sublayers(h_BxSxD, attention,
