@@ -74,7 +74,9 @@ class MemoryReport:
 def sparse_attention_bytes(cfg: Config, tokens: int) -> int:
   """One layer's extra working bytes of DeepSeek sparse attention over `tokens` local tokens:
   past index_topk keys the attention over the selection (`attention.attend_selected`) holds a
-  block of queries' fp32 scores and probabilities [b, H, Sb, S] and the whole mask [b, S, S];
+  block of queries' fp32 scores and probabilities [b, H, Sb, S] and, in the backward, their
+  gradients beside them (XLA:CPU measured 4.1 such arrays), fp32 copies of k and v, and the mask
+  [b, S, S] with its padded copy;
   the indexer scores a block of queries at a time, [b, Sb, Hi, S] fp32, and, training it, its
   loss also holds the attention's [b, H, Sb, S] fp32."""
   from moejax.layers.attention import INDEX_QUERY_BLOCK
@@ -84,7 +86,9 @@ def sparse_attention_bytes(cfg: Config, tokens: int) -> int:
   b, block = tokens // s, min(s, INDEX_QUERY_BLOCK)
   out = b * block * s * 4 * (m.index_heads + (m.num_heads if m.train_indexer else 0))
   if s > m.index_topk:
-    out += b * block * s * 2 * m.num_heads * 4 + b * s * s
+    heads = m.num_heads
+    out += (b * block * s * 4 * heads * 4 + 2 * b * s * s
+            + b * s * heads * (m.head_dim + m.v_head_dim) * 4)
   return out
 
 def _gib(nbytes: float) -> str:

@@ -142,19 +142,19 @@ def test_fssdp_replica_rows_do_not_grow_with_the_device_count():
 
 def test_sparse_attention_counts_its_materialized_scores():
   """DeepSeek-V3.2 at 4096 tokens a sequence, one a device: past index_topk keys the attention
-  over the selection holds a block of 512 queries' fp32 scores and probabilities [H, 512, S]
-  and the mask (found by review: the estimate had counted fused attention), not held with no
-  more keys than index_topk; the indexer's blocks beside them (3.5 GiB in all); without
-  training the indexer, its loss's blocks go."""
+  over the selection holds a block of 512 queries' fp32 scores, probabilities and their
+  gradients [H, 512, S], fp32 k and v, and the mask twice (found by review: the estimate had
+  counted fused attention), none of it with no more keys than index_topk; the indexer's
+  blocks beside them (6.2 GiB in all); without training the indexer, its loss's blocks go."""
   from configs import deepseek_v32
   cfg = from_config_dict(deepseek_v32.get_config("v32"))
   cd = deepseek_v32.get_config("v32")
   cd.model.index_topk = 4096
   short = from_config_dict(cd)
   activations = lambda c: memory_report(c, 64).components["activations"]   # noqa: E731
-  scores = 512 * 4096 * 2 * 128 * 4 + 4096 * 4096
+  scores = 512 * 4096 * 4 * 128 * 4 + 2 * 4096 * 4096 + 4096 * 128 * (192 + 128) * 4
   blocks = 512 * 4096 * 4 * (64 + 128)
   assert activations(cfg) - activations(short) == scores
   frozen = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, train_indexer=False))
   assert activations(cfg) - activations(frozen) == 512 * 4096 * 4 * 128
-  assert (scores + blocks) / 2 ** 30 == pytest.approx(3.5, abs=0.1)
+  assert (scores + blocks) / 2 ** 30 == pytest.approx(6.2, abs=0.1)
