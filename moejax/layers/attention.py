@@ -118,25 +118,36 @@ def attend_selected(q_BxSxHxDk, k_BxTxGxDk, v_BxTxGxDv, selected_BxSxT, *, scale
   scores, fp32 [B, H, Sb, T], which for the whole sequence at once is [B, H, S, T] (at
   DeepSeek-V3.2's 128 heads and 4096 tokens, 16 GiB a sequence with the probabilities)."""
   block = INDEX_QUERY_BLOCK if block is None else block
-  s, dtype = q_BxSxHxDk.shape[1], q_BxSxHxDk.dtype
+  dtype = q_BxSxHxDk.dtype
   # k and v enter every block: their gradients sum over the blocks, which in their own dtype
   # (bf16) would round once per block (0.0036 -> 0.0083 relative error from 8 to 256 blocks,
   # found by review); read as fp32 copies, the sum runs in fp32 and rounds once.
   k32, v32 = (x.astype(jnp.float32) for x in (k_BxTxGxDk, v_BxTxGxDv))
   one = jax.checkpoint(lambda q, mask: attend(q, k32.astype(dtype), v32.astype(dtype),
                                               mask=mask[:, None], scale=scale))
-  if s <= block:
-    return one(q_BxSxHxDk, selected_BxSxT)
+  return by_query_blocks(one, (q_BxSxHxDk, selected_BxSxT), (1, 1), block)
+
+
+def by_query_blocks(fn, per_query, per_query_axes, block: int):
+  """fn over `block` queries at a time: the `per_query` arrays cut along their
+  `per_query_axes` (the last block padded: padded queries see no key), fn's results (each
+  [B, Sb, ...]) joined along the queries again; one call where one block holds them all."""
+  s = per_query[0].shape[per_query_axes[0]]
   n = -(-s // block)
+  if n == 1:
+    return fn(*per_query)
   pad = n * block - s
 
-  def blocks(x):      # [B, S, ...] -> [n, B, block, ...], the last block padded (no key seen)
-    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-    return jnp.moveaxis(x.reshape(x.shape[0], n, block, *x.shape[2:]), 1, 0)
+  def blocks(x, axis):
+    x = jnp.pad(x, [(0, pad) if i == axis else (0, 0) for i in range(x.ndim)])
+    x = x.reshape(*x.shape[:axis], n, block, *x.shape[axis + 1:])
+    return jnp.moveaxis(x, axis, 0)
 
-  out = lax.map(lambda args: one(*args), (blocks(q_BxSxHxDk), blocks(selected_BxSxT)))
-  out = jnp.moveaxis(out, 0, 1)
-  return out.reshape(out.shape[0], n * block, *out.shape[3:])[:, :s]
+  out = lax.map(lambda args: fn(*args),
+                tuple(blocks(x, axis) for x, axis in zip(per_query, per_query_axes)))
+  join = lambda y: jnp.moveaxis(y, 0, 1).reshape(     # noqa: E731
+      y.shape[1], n * block, *y.shape[3:])[:, :s]
+  return jax.tree.map(join, out)
 
 
 def _explicit_spec(x):
@@ -414,18 +425,8 @@ class LatentAttention(nnx.Module):
     # Under YaRN DeepSeek scales all of q.k, the non-rotary part too (mscale_all_dim).
     self.softmax_scale = softmax_scale or (qk ** -0.5) * rope_scaling.latent_softmax_scale
 
-  @profiling.scoped("attention")
   def __call__(self, x_BxSxD):
-    s = x_BxSxD.shape[1]
-    rotary = self.rotary_at(jnp.arange(s, dtype=jnp.float32))
-    q, k, v = self.qkv(x_BxSxD, rotary)
-    if self.sparse_over(s):    # each query's index_topk best earlier keys
-      causal_SxS = jnp.arange(s)[None, :] <= jnp.arange(s)[:, None]
-      selected = self.select_keys(x_BxSxD, rotary, self.index_keys(x_BxSxD, rotary), causal_SxS)
-      return self.project_out(attend_selected(q, k, v, selected, scale=self.softmax_scale),
-                              x_BxSxD)
-    return self.project_out(attend(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                   window=self.window, chunk=self.chunk), x_BxSxD)
+    return self._attention(x_BxSxD, with_loss=False)[0]
 
   def rotary_at(self, positions_S):
     """(cos, sin) [S, Dr] of these positions, this layer's RoPE (for `qkv`)."""
@@ -437,19 +438,29 @@ class LatentAttention(nnx.Module):
     (its selection, or every earlier key while there are no more than index_topk) from the
     attention's own distribution over them averaged over the heads. Only the indexer gets its
     gradient: its inputs are detached, the attention's distribution is a constant."""
+    return self._attention(x_BxSxD, with_loss=True)
+
+  @profiling.scoped("attention")
+  def _attention(self, x_BxSxD, with_loss: bool):
+    """(output, the indexer's loss or None): past index_topk keys each query attends to its
+    index_topk best earlier keys, else to every earlier one (the window's or chunk's)."""
     s = x_BxSxD.shape[1]
     rotary = self.rotary_at(jnp.arange(s, dtype=jnp.float32))
     q, k, v = self.qkv(x_BxSxD, rotary)
-    index_k = self.index_keys(x_BxSxD, rotary)
+    sparse = self.sparse_over(s)
+    index_k = self.index_keys(x_BxSxD, rotary) if sparse or with_loss else None
     causal_SxS = jnp.arange(s)[None, :] <= jnp.arange(s)[:, None]
-    if self.sparse_over(s):
+    if sparse:
       seen_BxSxT = self.select_keys(x_BxSxD, rotary, index_k, causal_SxS)
       out = attend_selected(q, k, v, seen_BxSxT, scale=self.softmax_scale)
     else:
       seen_BxSxT = causal_SxS[None]
-      out = attend(q, k, v, is_causal=True, scale=self.softmax_scale)
-    loss = self._index_kl(x_BxSxD, rotary, index_k, lax.stop_gradient(q), lax.stop_gradient(k),
-                          seen_BxSxT)
+      out = attend(q, k, v, is_causal=True, scale=self.softmax_scale, window=self.window,
+                   chunk=self.chunk)
+    loss = None
+    if with_loss:
+      loss = self._index_kl(x_BxSxD, rotary, index_k, lax.stop_gradient(q),
+                            lax.stop_gradient(k), seen_BxSxT)
     return self.project_out(out, x_BxSxD), loss
 
   def _index_queries(self, x_BxSxD, rotary):
@@ -471,27 +482,6 @@ class LatentAttention(nnx.Module):
     return jnp.einsum("bsh,bsht->bst", w_BxSbxHi,
                       jax.nn.relu(scores * self.index_head_dim ** -0.5))
 
-  def _by_query_blocks(self, fn, per_query, per_query_axes):
-    """fn over INDEX_QUERY_BLOCK queries at a time (a [Sb, Hi, T] block of scores stays small):
-    `per_query` arrays cut along their `per_query_axes` (the last block padded), the results
-    (each [B, Sb, ...]) joined along the queries again."""
-    s = per_query[0].shape[per_query_axes[0]]
-    n = -(-s // INDEX_QUERY_BLOCK)
-    if n == 1:
-      return fn(*per_query)
-    pad = n * INDEX_QUERY_BLOCK - s
-
-    def blocks(x, axis):
-      x = jnp.pad(x, [(0, pad) if i == axis else (0, 0) for i in range(x.ndim)])
-      x = x.reshape(*x.shape[:axis], n, INDEX_QUERY_BLOCK, *x.shape[axis + 1:])
-      return jnp.moveaxis(x, axis, 0)
-
-    out = lax.map(lambda args: fn(*args),
-                  tuple(blocks(x, axis) for x, axis in zip(per_query, per_query_axes)))
-    join = lambda y: jnp.moveaxis(y, 0, 1).reshape(     # noqa: E731
-        y.shape[1], n * INDEX_QUERY_BLOCK, *y.shape[3:])[:, :s]
-    return jax.tree.map(join, out)
-
   def _index_kl(self, x_BxSxD, rotary, index_k_BxTxDi, q_BxSxHxDk, k_BxTxHxDk, seen_BxSxT):
     """The indexer's KL loss summed over the queries (`with_index_loss`); `seen_BxSxT` the keys
     each query's attention saw (at least itself)."""
@@ -512,8 +502,8 @@ class LatentAttention(nnx.Module):
       return jnp.sum(jnp.where(seen_BxSbxT, terms, 0.0), axis=-1)       # [B, Sb]
 
     seen = jnp.broadcast_to(seen_BxSxT, (x_BxSxD.shape[0], *seen_BxSxT.shape[1:]))
-    kl_BxS = self._by_query_blocks(block, (q_BxSxHixDi, w_BxSxHi, q_BxSxHxDk, seen),
-                                   (1, 1, 1, 1))
+    kl_BxS = by_query_blocks(block, (q_BxSxHixDi, w_BxSxHi, q_BxSxHxDk, seen), (1, 1, 1, 1),
+                             INDEX_QUERY_BLOCK)
     return jnp.sum(kl_BxS)
 
   def sparse_over(self, keys: int) -> bool:
@@ -561,8 +551,8 @@ class LatentAttention(nnx.Module):
       # indices are, which vmap needs; found by review)
       return pick(jnp.zeros_like(index_BxSbxT, bool), best_BxSbxK) & visible_SbxT[None]
 
-    return lax.stop_gradient(self._by_query_blocks(
-        block, (q_BxSxHixDi, w_BxSxHi, visible_SxT), (1, 1, 0)))
+    return lax.stop_gradient(by_query_blocks(
+        block, (q_BxSxHixDi, w_BxSxHi, visible_SxT), (1, 1, 0), INDEX_QUERY_BLOCK))
 
   def qkv(self, x_BxSxD, rotary):
     """q and k [B, S, H, Dn + Dr], v [B, S, H, Dv]; `rotary` (cos, sin) [S, Dr]."""

@@ -115,8 +115,7 @@ def _forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start
         visible = visible & (positions_S[:, None] // kind.chunk
                              == jnp.arange(cache.max_len)[None, :] // kind.chunk)[None]
       if index_k_all is not None:     # by blocks of queries: a long prompt's scores stay small
-        out_BxSxHxDv = attend_selected(q, k_all.astype(q.dtype), v_all.astype(q.dtype),
-                                       jnp.broadcast_to(visible, (q.shape[0], *visible.shape[1:])),
+        out_BxSxHxDv = attend_selected(q, k_all.astype(q.dtype), v_all.astype(q.dtype), visible,
                                        scale=attn.softmax_scale)
       else:
         out_BxSxHxDv = attend(q, k_all.astype(q.dtype), v_all.astype(q.dtype),
