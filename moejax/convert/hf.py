@@ -40,22 +40,42 @@ DEFAULT_MAX_SHARD_BYTES = 5_000_000_000     # transformers' default max_shard_si
 
 def read_hf_config(hf_dir: str) -> dict:
   """config.json of `hf_dir`: its text model's where it is a multimodal config
-  (`hf_config.text_model_config`: Llama 4's, Kimi-K2.5's)."""
+  (`hf_config.text_model_config`: Llama 4's, Kimi-K2.5's, Qwen3-VL-MoE's)."""
+  return hf_config.text_model_config(_read_config_json(hf_dir),
+                                     os.path.join(hf_dir, CONFIG_FILE))
+
+
+def _read_config_json(hf_dir: str) -> dict:
   path = os.path.join(hf_dir, CONFIG_FILE)
   if not os.path.isdir(hf_dir):
     raise CheckpointError(f"{hf_dir}: not a directory (a Hugging Face checkpoint directory with "
                           f"{CONFIG_FILE} and safetensors files is expected)")
   try:
     with open(path) as f:
-      return hf_config.text_model_config(json.load(f), path)
+      return json.load(f)
   except FileNotFoundError:
     raise CheckpointError(f"{path}: missing (not a Hugging Face checkpoint directory)") from None
   except (OSError, ValueError) as e:
     raise CheckpointError(f"{path}: not readable JSON ({e})") from None
 
 
-def _check_tensors(reader: TensorReader, cfg: Config, experts: str, prefix: str) -> None:
-  expected = hf_names.expected_shapes(cfg, experts, prefix)
+def _expert_layout(reader: TensorReader, cfg: Config, wrapper, layout) -> str:
+  """How the checkpoint holds its experts (`hf_names`' layouts): by their names, and for a
+  multimodal config whose fused experts may be [in, out] (Qwen3-VL-MoE's Hub layout), by the
+  first one's shape as transformers tells them apart: [out, in] where the shape is that."""
+  experts = hf_names.detect_expert_layout(reader.names())
+  if experts != hf_names.FUSED or wrapper is None or not wrapper.in_out_experts:
+    return experts
+  out_in = hf_names.expected_shapes(cfg, hf_names.FUSED, layout)
+  name = next((n for n in out_in if n.endswith(".experts.gate_up_proj")), None)
+  if name is None or reader.shapes.get(name) == out_in[name]:
+    return experts
+  return hf_names.IN_OUT_HALVES
+
+
+def _check_tensors(reader: TensorReader, cfg: Config, experts: str,
+                   layout: hf_names.TextLayout) -> None:
+  expected = hf_names.expected_shapes(cfg, experts, layout)
   for name, shape in expected.items():
     if name not in reader.shapes:
       raise CheckpointError(f"{reader.directory}: tensor {name!r} is missing (config.json implies "
@@ -65,7 +85,7 @@ def _check_tensors(reader: TensorReader, cfg: Config, experts: str, prefix: str)
                             f"but config.json implies {shape}")
     reader.check_dtype(name)
   unexpected = sorted(n for n in reader.shapes
-                      if n not in expected and not hf_names.is_ignored(n, cfg, prefix))
+                      if n not in expected and not hf_names.is_ignored(n, cfg, layout))
   if unexpected:
     raise CheckpointError(f"{reader.directory}: tensor {unexpected[0]!r} has no place in a moejax "
                           f"{cfg.model.family} model as config.json describes it "
@@ -212,15 +232,17 @@ def load_hf(hf_dir: str, *, shardings=None, base: Config | None = None,
   `progress`: a callable given a line every 10 s (parameters read, ETA) and at the end where it
   took that long.
   """
-  hf = read_hf_config(hf_dir)
+  raw = _read_config_json(hf_dir)
   where = os.path.join(hf_dir, CONFIG_FILE)
+  hf = hf_config.text_model_config(raw, where)
+  wrapper = hf_config.text_wrapper(raw)        # a multimodal checkpoint's text model
+  layout = hf_names.TEXT_MODEL if wrapper is None else wrapper.layout
   cfg = hf_config.config_from_hf(hf, base, where=where)
   params: dict = {}
   with TensorReader(hf_dir, scales=hf_config.weight_scales(hf, where)) as reader:
-    experts = hf_names.detect_expert_layout(reader.names())
-    prefix = hf_names.text_prefix(reader.names())    # a multimodal checkpoint's text model
-    _check_tensors(reader, cfg, experts, prefix)
-    maps = hf_names.leaf_maps(cfg, experts, prefix)
+    experts = _expert_layout(reader, cfg, wrapper, layout)
+    _check_tensors(reader, cfg, experts, layout)
+    maps = hf_names.leaf_maps(cfg, experts, layout)
     counter = None if progress is None else ReadProgress(
         sum(math.prod(leaf.shape) for leaf in maps), progress, hf_dir)
     if shardings is None:        # on the host: leaves sharing tensor blocks read together

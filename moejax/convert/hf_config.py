@@ -9,7 +9,8 @@ field, rather than converted into a different model. Each family fixes some opti
 
   config.json                          moejax
   model_type                           model.family (kimi_k2: deepseek_v3, MODEL_TYPE_ALIASES;
-                                        llama4, kimi_k25: their text_config's, TEXT_CONFIG_WRAPPERS)
+                                        llama4, kimi_k25, qwen3_vl_moe: their text_config's,
+                                        TEXT_CONFIG_WRAPPERS)
   vocab_size                           model.vocab_size
   hidden_size                          model.d_model
   num_hidden_layers                    model.num_layers
@@ -98,7 +99,7 @@ import math
 
 from moejax.config import Config, ModelConfig, validate
 from moejax.errors import CheckpointError, ConfigError
-from moejax.convert.hf_names import MTP_FAMILIES, MTP_NAMED
+from moejax.convert.hf_names import MTP_FAMILIES, MTP_NAMED, TextLayout
 from moejax.convert.safetensors_io import MXFP4_SCALES, WeightScales
 from moejax.families import FAMILIES
 
@@ -510,41 +511,84 @@ MODEL_TYPES = {spec.model_type: name for name, spec in FAMILY_SPECS.items()}
 MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 @dataclasses.dataclass(frozen=True)
 class TextWrapper:
-  """A multimodal config whose text model is a family's: the text_config's model_type, and the
-  text model's fields transformers takes from the outer config (with their defaults there)."""
+  """A multimodal config whose text model is a family's: the text_config's model_type (and the
+  other names its text_config may carry for it), the text model's fields transformers takes
+  from the outer config (with their defaults there), the text config class's defaults where
+  they differ from the family's (set where absent), fields that hold one value whatever the
+  config says (set), RoPE keys that change nothing for text, and where the checkpoint keeps the
+  text model's tensors (`hf_names.TextLayout`); `in_out_experts`: its fused experts may be held
+  [in, out] (told apart by shape, as transformers reads them)."""
   text_model_type: str
   outer_fields: tuple = ()
+  text_model_types: tuple = ()
+  text_defaults: tuple = ()
+  fixed_fields: tuple = ()
+  text_rope_keys: tuple = ()
+  layout: TextLayout = TextLayout(outer="language_model.")
+  in_out_experts: bool = False
 
 
 # Multimodal configs by model_type. Llama 4's published checkpoints are
 # Llama4ForConditionalGeneration; Kimi-K2.5's (and K2.6's) KimiK25ForConditionalGeneration, a
 # DeepSeek-V3 text model (text_config model_type kimi_k2) whose LM head transformers ties by the
-# outer tie_word_embeddings (default true), not the text_config's.
+# outer tie_word_embeddings (default true), not the text_config's. Qwen3-VL-MoE's
+# (Qwen3VLMoeForConditionalGeneration) text model is Qwen3-MoE's: its router always
+# renormalizes the top-k (no norm_topk_prob), its LM head tied by the outer config (default
+# false), its multimodal RoPE (mrope_section) plain RoPE for text, whose three position ids are
+# equal; its tensors under model.language_model. (`hf_names.TextLayout`), lm_head beside it.
 TEXT_CONFIG_WRAPPERS = {
     "llama4": TextWrapper("llama4_text"),
     "kimi_k25": TextWrapper("deepseek_v3", outer_fields=(("tie_word_embeddings", True),)),
+    "qwen3_vl_moe": TextWrapper(
+        "qwen3_moe", outer_fields=(("tie_word_embeddings", False),),
+        text_model_types=("qwen3_vl_moe_text",),
+        # Qwen3VLMoeTextConfig's defaults where Qwen3MoeConfig's differ
+        text_defaults=(("num_attention_heads", 16), ("num_key_value_heads", 16),
+                       ("num_experts", 60), ("num_experts_per_tok", 4),
+                       ("moe_intermediate_size", 1408), ("intermediate_size", 5632),
+                       ("max_position_embeddings", 128000), ("rope_theta", 500000.0)),
+        fixed_fields=(("norm_topk_prob", True),),
+        text_rope_keys=("mrope_section", "mrope_interleaved"),
+        layout=TextLayout(inner="language_model."), in_out_experts=True),
 }
+
+
+def text_wrapper(hf) -> TextWrapper | None:
+  """The `TextWrapper` of a multimodal config.json (None for a text model's own)."""
+  return TEXT_CONFIG_WRAPPERS.get(hf.get("model_type")) if isinstance(hf, dict) else None
 
 
 def text_model_config(hf, where: str = "config.json"):
   """The config.json of the text model: `hf` itself, or the text_config of a multimodal config
   (`TEXT_CONFIG_WRAPPERS`), with the outer quantization_config where it has none."""
-  if not isinstance(hf, dict) or hf.get("model_type") not in TEXT_CONFIG_WRAPPERS:
+  wrapper = text_wrapper(hf)
+  if wrapper is None:
     return hf
   text = hf.get("text_config")
-  wrapper = TEXT_CONFIG_WRAPPERS[hf["model_type"]]
   want = wrapper.text_model_type
   if not isinstance(text, dict):
     raise CheckpointError(f"{where}: model_type={hf['model_type']!r} needs text_config, the "
                           f"{want} config of its text model (got {text!r})")
   text = dict(text)
-  if canonical_model_type(text.setdefault("model_type", want)) != want:
-    raise CheckpointError(f"{where}: text_config.model_type={text['model_type']!r}; a "
-                          f"{hf['model_type']} config's text model is {want!r}")
+  given = text.setdefault("model_type", want)
+  if given in wrapper.text_model_types:
+    text["model_type"] = want
+  elif canonical_model_type(given) != want:
+    names = " or ".join(repr(t) for t in (want, *wrapper.text_model_types))
+    raise CheckpointError(f"{where}: text_config.model_type={given!r}; a "
+                          f"{hf['model_type']} config's text model is {names}")
   if "quantization_config" in hf:
     text.setdefault("quantization_config", hf["quantization_config"])
   for field, default in wrapper.outer_fields:
     text[field] = hf.get(field, default)
+  rope, _ = _rope_dict(text)
+  for field, default in wrapper.text_defaults:
+    if not (field == "rope_theta" and isinstance(rope, dict) and "rope_theta" in rope):
+      text.setdefault(field, default)
+  text.update(wrapper.fixed_fields)
+  for key in ("rope_scaling", "rope_parameters"):
+    if isinstance(text.get(key), dict) and wrapper.text_rope_keys:
+      text[key] = {k: v for k, v in text[key].items() if k not in wrapper.text_rope_keys}
   return text
 
 

@@ -90,7 +90,10 @@ under feed_forward too:
   layers.moe.shared_w_*                  model.layers.i.feed_forward.shared_expert.*_proj.weight
   dense_layers.mlp.w_*                   model.layers.i.feed_forward.*_proj.weight
 Its published checkpoints are multimodal (Llama4ForConditionalGeneration): each name above
-under language_model. (`text_prefix`), beside the vision encoder's, which import leaves.
+under language_model. (`TextLayout`), beside the vision encoder's, which import leaves.
+Qwen3-VL-MoE's hold a Qwen3-MoE text model under model.language_model. with transformers' fused
+expert names, [in, out] on the Hub (`IN_OUT_HALVES`, Llama 4's halves), [out, in] where
+transformers 5 saved them (`FUSED`).
 """
 from __future__ import annotations
 
@@ -101,6 +104,9 @@ from moejax.config import Config
 
 PER_EXPERT = "per_expert"
 FUSED = "fused"
+# transformers' fused names held [in, out], gate's columns then up's (Qwen3-VL-MoE's Hub layout;
+# transformers reads it by shape, `hf.load_hf`)
+IN_OUT_HALVES = "in_out_halves"
 
 # Tensors some checkpoints carry that hold no parameter (recomputed rotary tables).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -348,29 +354,46 @@ def _attention_maps(cfg: Config, per_layer, experts: str) -> None:
     per_layer(("attn", "k_norm"), (k_width,), f"{module}.{k_norm}.weight", False)
 
 
-# The prefix of a multimodal checkpoint's text-model tensors (Llama4ForConditionalGeneration's
-# language_model), whose other tensors (the vision encoder's) hold no moejax parameter.
-TEXT_PREFIXES = ("language_model.",)
+@dataclasses.dataclass(frozen=True)
+class TextLayout:
+  """Where a multimodal checkpoint keeps its text model's tensors, beside the vision encoder's
+  (which hold no moejax parameter): every name under `outer` (Llama 4's and Kimi-K2.5's
+  language_model.model.layers..., language_model.lm_head.weight), or the model's own under
+  model.`inner` (Qwen3-VL-MoE's model.language_model.layers..., lm_head.weight as it is). The
+  default holds a text model's own names."""
+  outer: str = ""
+  inner: str = ""
+
+  def name(self, text_name: str) -> str:
+    """The checkpoint's name of the text model's tensor `text_name`."""
+    if self.inner and text_name.startswith("model."):
+      text_name = "model." + self.inner + text_name[len("model."):]
+    return self.outer + text_name
+
+  def text_name(self, name: str) -> str | None:
+    """The text model's name of the checkpoint's tensor `name`; None outside the text model."""
+    if not name.startswith(self.outer):
+      return None
+    name = name[len(self.outer):]
+    if self.inner and name.startswith("model."):
+      inside = name[len("model."):]
+      return "model." + inside[len(self.inner):] if inside.startswith(self.inner) else None
+    return name
 
 
-def text_prefix(names) -> str:
-  """The prefix every text-model tensor of a checkpoint holding `names` has ("" for a text
-  model's own checkpoint)."""
-  for prefix in TEXT_PREFIXES:
-    if any(n.startswith(prefix + "model.") for n in names):
-      return prefix
-  return ""
+TEXT_MODEL = TextLayout()
 
 
-def leaf_maps(cfg: Config, experts: str = PER_EXPERT, prefix: str = "") -> list[LeafMap]:
-  """One LeafMap per moejax parameter, in the order of the exported files; `prefix` before every
-  tensor name (`text_prefix`)."""
+def leaf_maps(cfg: Config, experts: str = PER_EXPERT,
+              layout: TextLayout = TEXT_MODEL) -> list[LeafMap]:
+  """One LeafMap per moejax parameter, in the order of the exported files; its tensors named as
+  `layout` places them."""
   maps = _leaf_maps(cfg, experts)
-  if not prefix:
+  if layout == TEXT_MODEL:
     return maps
   return [dataclasses.replace(leaf, sources={
-      lead: dataclasses.replace(src, name=prefix + src.name) for lead, src in leaf.sources.items()})
-      for leaf in maps]
+      lead: dataclasses.replace(src, name=layout.name(src.name))
+      for lead, src in leaf.sources.items()}) for leaf in maps]
 
 
 def _leaf_maps(cfg: Config, experts: str) -> list[LeafMap]:
@@ -428,8 +451,10 @@ def _leaf_maps(cfg: Config, experts: str) -> list[LeafMap]:
         path = HUB_LAYER_SCORE_BIAS[m.family]
       per_layer(("moe", "score_bias"), (E,), path, False,
                 singleton=m.family in SCORE_BIAS_SINGLETON)
-    if m.family in IN_OUT_EXPERTS:
-      maps.extend(_in_out_expert_maps(cfg, group, hf_ids, f"{moe_module}.", moe.expert_bias))
+    if m.family in IN_OUT_EXPERTS or experts == IN_OUT_HALVES:
+      held = IN_OUT_EXPERTS.get(m.family, ("experts.gate_up_proj", "experts.down_proj", "halves"))
+      maps.extend(_in_out_expert_maps(cfg, group, hf_ids, f"{moe_module}.", moe.expert_bias,
+                                      held))
     else:
       for name, tail, hf_name, offset in (("w_gate", (D, F), gate_name, 0),
                                           ("w_up", (D, F), up_name, F),
@@ -468,13 +493,13 @@ def _leaf_maps(cfg: Config, experts: str) -> list[LeafMap]:
 
 
 def _in_out_expert_maps(cfg: Config, group: str, hf_ids: list, module: str,
-                        bias: bool) -> list[LeafMap]:
+                        bias: bool, held: tuple) -> list[LeafMap]:
   """Experts held [in, out] as moejax holds them: gate_up_proj [E, D, 2F] (gpt-oss: gate in the
   even columns, up in the odd ones; Llama 4: gate's F columns, then up's) and down_proj
   [E, F, D]; their biases alike."""
   moe, D = cfg.moe, cfg.model.d_model
   E, F = moe.num_experts, moe.expert_hidden
-  gate_up, down, split = IN_OUT_EXPERTS[cfg.model.family]
+  gate_up, down, split = held
   # (stride, column) of gate's and up's columns
   gate, up = ((2, 0), (2, 1)) if split == "interleaved" else ((1, 0), (1, F))
   whole = (1, 0)
@@ -494,12 +519,12 @@ def _in_out_expert_maps(cfg: Config, group: str, hf_ids: list, module: str,
 
 
 def expected_shapes(cfg: Config, experts: str = PER_EXPERT,
-                    prefix: str = "") -> dict[str, tuple[int, ...]]:
+                    layout: TextLayout = TEXT_MODEL) -> dict[str, tuple[int, ...]]:
   """Hugging Face tensor name -> the full shape `cfg` implies for it: the extent of every block
   its sources read (a fused tensor's experts along the prefix, its gate and up rows along the
   first tail axis)."""
   shapes = {}
-  for leaf in leaf_maps(cfg, experts, prefix):
+  for leaf in leaf_maps(cfg, experts, layout):
     for src in leaf.sources.values():
       tail = list(leaf.tail[::-1] if src.transpose else leaf.tail)
       tail[0] += src.row_offset
@@ -514,17 +539,16 @@ def detect_expert_layout(names) -> str:
   return FUSED if any(n.endswith(".experts.gate_up_proj") for n in names) else PER_EXPERT
 
 
-def is_ignored(name: str, cfg: Config | None = None, prefix: str = "") -> bool:
-  """Tensors that hold no moejax parameter: recomputed rotary tables; with `prefix`, those
-  outside the text model (a multimodal checkpoint's vision encoder); with `cfg`, layers past
+def is_ignored(name: str, cfg: Config | None = None, layout: TextLayout = TEXT_MODEL) -> bool:
+  """Tensors that hold no moejax parameter: recomputed rotary tables; those outside the text
+  model as `layout` places it (a multimodal checkpoint's vision encoder); with `cfg`, layers past
   its last (DeepSeek-V3's and GLM-4.5's multi-token-prediction layers, which transformers does
   not load either) and a tied LM head's copy of the embedding."""
   if name.endswith(IGNORED_SUFFIXES):
     return True
-  if prefix:
-    if not name.startswith(prefix):
-      return True
-    name = name[len(prefix):]
+  name = layout.text_name(name)
+  if name is None:
+    return True
   if cfg is None:
     return False
   if cfg.model.family in MTP_NAMED and "mtp" in name:

@@ -2,7 +2,8 @@
 made by scripts/setup_torch_env.sh), never in the moejax env.
 
   make OUT_DIR                  small random models of each family, saved with save_pretrained,
-                                and their fp32 reference logits on random tokens (MODELS below):
+                                and their fp32 reference logits on random tokens (MODELS and
+                                MULTIMODAL_MODELS below, the latter on text alone):
                                 OUT_DIR/NAME/ (the checkpoint), OUT_DIR/NAME.tokens.npy,
                                 OUT_DIR/NAME.logits.npy; then FP8 copies of some (FP8_MODELS),
                                 the logits transformers computes from them (dequantizing on CPU)
@@ -447,6 +448,27 @@ MODELS = {
                                          original_max_position_embeddings=8)),
         save=dict()),
 }
+# Multimodal models (AutoModelForImageTextToText), their logits on text alone. Qwen3-VL-MoE:
+# a Qwen3-MoE text model (always renormalizing its top-3 of 6, layer 1 dense), interleaved
+# multimodal RoPE, a one-block vision encoder; saved as transformers 5 saves it (experts
+# [out, in]; the Hub's [in, out] copy is the test's).
+MULTIMODAL_MODELS = {
+    "qwen3_vl_moe": dict(
+        model_type="qwen3_vl_moe",
+        config=dict(
+            tie_word_embeddings=False,
+            text_config=dict(vocab_size=70, hidden_size=32, intermediate_size=40,
+                             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=16, num_experts=6, num_experts_per_tok=3,
+                             moe_intermediate_size=12, rms_norm_eps=1e-6, mlp_only_layers=[1],
+                             rope_parameters=dict(rope_type="default", rope_theta=300000.0,
+                                                  mrope_section=[2, 3, 3],
+                                                  mrope_interleaved=True)),
+            vision_config=dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2,
+                               out_hidden_size=32, patch_size=4, num_position_embeddings=16,
+                               deepstack_visual_indexes=[0])),
+        save=dict()),
+}
 # FP8 copies: every projection float8 e4m3 beside its scales; embeddings, head, router and norms
 # as they were. As the Hub's DeepSeek-V3, Qwen3-*-FP8 and MiniMax-M2 are stored (transformers'
 # fine-grained FP8: one weight_scale_inv per block; non-square blocks for Qwen3, so rows and
@@ -545,20 +567,23 @@ def token_losses(hf_dir: str, inputs: str, targets: str, out: str) -> dict:
 def make(out_dir: str) -> dict:
   import numpy as np
   torch = _torch()
-  from transformers import AutoConfig, AutoModelForCausalLM
+  from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
   os.makedirs(out_dir, exist_ok=True)
   made = {}
-  for seed, (name, spec) in enumerate(sorted(MODELS.items())):
+  specs = [(name, spec, AutoModelForCausalLM) for name, spec in sorted(MODELS.items())] + [
+      (name, spec, AutoModelForImageTextToText) for name, spec in MULTIMODAL_MODELS.items()]
+  for seed, (name, spec, auto) in enumerate(specs):
     torch.manual_seed(seed)
     config = AutoConfig.for_model(spec["model_type"], **spec["config"],
                                   initializer_range=WEIGHT_STD, pad_token_id=None,
                                   eos_token_id=None, bos_token_id=None)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model = auto.from_config(config, attn_implementation="eager")
     model = model.to(torch.float32).eval()
     _randomize(model, torch)
     hf_dir = os.path.join(out_dir, name)
     model.save_pretrained(hf_dir, **spec["save"])
-    tokens = np.random.default_rng(seed).integers(0, config.vocab_size, TOKENS_SHAPE)
+    tokens = np.random.default_rng(seed).integers(0, config.get_text_config().vocab_size,
+                                                  TOKENS_SHAPE)
     tokens = tokens.astype(np.int32)
     np.save(os.path.join(out_dir, f"{name}.tokens.npy"), tokens)
     np.save(os.path.join(out_dir, f"{name}.logits.npy"), _logits(model, tokens))

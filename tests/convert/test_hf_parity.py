@@ -70,6 +70,7 @@ import dataclasses
 import functools
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -316,6 +317,42 @@ def test_a_multimodal_checkpoint_reads_its_text_model(hf_models, imported, tmp_p
   save_file(tensors, os.path.join(wrapped, "model.safetensors"))
   with pytest.raises(CheckpointError, match="'language_model.model.norm.weight' is missing"):
     load_hf(wrapped)
+
+
+def test_qwen3_vl_moe_reads_its_text_model_as_transformers_runs_it(hf_models, tmp_path):
+  """Qwen3-VL-MoE (Qwen3VLMoeForConditionalGeneration) read as its Qwen3-MoE text model: as
+  transformers 5 saves it (experts [out, in]) and as the Hub holds it ([in, out]: transformers
+  tells them apart by shape), bit for bit alike; its text-only logits are transformers'; the
+  router renormalizes though the config has no norm_topk_prob; the export is a Qwen3-MoE
+  checkpoint without the multimodal RoPE's keys."""
+  from safetensors.numpy import save_file
+  hf_dir, tokens, want = hf_models["qwen3_vl_moe"]
+  cfg, params = load_hf(hf_dir)
+  assert (cfg.model.family, cfg.moe.renormalize, cfg.model.tie_embeddings) == (
+      "qwen3_moe", True, False)
+  assert_logits_close(fp32_logits(cfg, params, tokens), want)
+  unnormalized = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, renormalize=False))
+  with pytest.raises(AssertionError):
+    assert_logits_close(fp32_logits(unnormalized, params, tokens), want, rel=1e-2)
+  hub = str(tmp_path / "hub")
+  os.makedirs(hub)
+  tensors = read_all(hf_dir)
+  experts = [n for n in tensors if ".mlp.experts." in n]
+  assert experts and all(n.startswith("model.language_model.") for n in experts)
+  tensors.update({n: np.ascontiguousarray(np.swapaxes(tensors[n], 1, 2)) for n in experts})
+  save_file(tensors, os.path.join(hub, "model.safetensors"))
+  shutil.copy(os.path.join(hf_dir, "config.json"), hub)
+  hub_cfg, hub_params = load_hf(hub)
+  assert hub_cfg == cfg
+  assert_same_bits(hub_params, params)
+  exported = hf_config_from(cfg, read_hf_config(hf_dir))
+  assert exported["model_type"] == "qwen3_moe" and "mrope_section" not in json.dumps(exported)
+  from moejax.convert.hf_config import config_from_hf
+  assert config_from_hf(exported).model == cfg.model
+  del tensors["model.language_model.norm.weight"]
+  save_file(tensors, os.path.join(hub, "model.safetensors"))
+  with pytest.raises(CheckpointError, match="'model.language_model.norm.weight' is missing"):
+    load_hf(hub)
 
 
 def test_kimi_k25_ties_its_lm_head_by_the_outer_config():
