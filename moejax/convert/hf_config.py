@@ -9,8 +9,8 @@ field, rather than converted into a different model. Each family fixes some opti
 
   config.json                          moejax
   model_type                           model.family (kimi_k2: deepseek_v3, MODEL_TYPE_ALIASES;
-                                        llama4, kimi_k25, qwen3_vl_moe: their text_config's,
-                                        TEXT_CONFIG_WRAPPERS)
+                                        llama4, kimi_k25, qwen3_vl_moe, glm4v_moe: their
+                                        text_config's, TEXT_CONFIG_WRAPPERS)
   vocab_size                           model.vocab_size
   hidden_size                          model.d_model
   num_hidden_layers                    model.num_layers
@@ -536,6 +536,7 @@ class TextWrapper:
 # renormalizes the top-k (no norm_topk_prob), its LM head tied by the outer config (default
 # false), its multimodal RoPE (mrope_section) plain RoPE for text, whose three position ids are
 # equal; its tensors under model.language_model. (`hf_names.TextLayout`), lm_head beside it.
+# GLM-4.5V's and GLM-4.6V's (Glm4vMoeForConditionalGeneration) is GLM-4.5's, laid out as Qwen3-VL's.
 TEXT_CONFIG_WRAPPERS = {
     "llama4": TextWrapper("llama4_text"),
     "kimi_k25": TextWrapper("deepseek_v3", outer_fields=(("tie_word_embeddings", True),)),
@@ -550,6 +551,15 @@ TEXT_CONFIG_WRAPPERS = {
         fixed_fields=(("norm_topk_prob", True),),
         text_rope_keys=("mrope_section", "mrope_interleaved"),
         layout=TextLayout(inner="language_model."), in_out_experts=True),
+    "glm4v_moe": TextWrapper(
+        "glm4_moe", outer_fields=(("tie_word_embeddings", False),),
+        text_model_types=("glm4v_moe_text",),
+        # Glm4vMoeTextConfig's defaults where Glm4MoeConfig's differ
+        text_defaults=(("attention_bias", True), ("vocab_size", 151424),
+                       ("max_position_embeddings", 65536), ("router_aux_loss_coef", 0.0001)),
+        fixed_fields=(("use_qk_norm", False),),
+        text_rope_keys=("mrope_section",),
+        layout=TextLayout(inner="language_model.")),
 }
 
 

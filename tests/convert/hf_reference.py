@@ -468,6 +468,24 @@ MULTIMODAL_MODELS = {
                                out_hidden_size=32, patch_size=4, num_position_embeddings=16,
                                deepstack_visual_indexes=[0])),
         save=dict()),
+    # GLM-4.5V / GLM-4.6V: a GLM-4.5 text model (grouped sigmoid top-2 of 6 with its score
+    # bias, a shared expert, layer 0 dense, half of each head rotated, biased q/k/v), its
+    # multimodal RoPE in sections, a one-block vision encoder
+    "glm4v_moe": dict(
+        model_type="glm4v_moe",
+        config=dict(
+            text_config=dict(vocab_size=74, hidden_size=32, intermediate_size=44,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=12, n_routed_experts=6, num_experts_per_tok=2,
+                             n_shared_experts=1, moe_intermediate_size=12, n_group=2,
+                             topk_group=1, first_k_dense_replace=1, routed_scaling_factor=1.5,
+                             rms_norm_eps=1e-5,
+                             rope_parameters=dict(rope_type="default", rope_theta=20000.0,
+                                                  partial_rotary_factor=0.5,
+                                                  mrope_section=[1, 1, 1])),
+            vision_config=dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2,
+                               out_hidden_size=32, patch_size=4, image_size=16)),
+        save=dict()),
 }
 # FP8 copies: every projection float8 e4m3 beside its scales; embeddings, head, router and norms
 # as they were. As the Hub's DeepSeek-V3, Qwen3-*-FP8 and MiniMax-M2 are stored (transformers'

@@ -319,18 +319,46 @@ def test_a_multimodal_checkpoint_reads_its_text_model(hf_models, imported, tmp_p
     load_hf(wrapped)
 
 
-def test_qwen3_vl_moe_reads_its_text_model_as_transformers_runs_it(hf_models, tmp_path):
-  """Qwen3-VL-MoE (Qwen3VLMoeForConditionalGeneration) read as its Qwen3-MoE text model: as
-  transformers 5 saves it (experts [out, in]) and as the Hub holds it ([in, out]: transformers
-  tells them apart by shape), bit for bit alike; its text-only logits are transformers'; the
-  router renormalizes though the config has no norm_topk_prob; the export is a Qwen3-MoE
-  checkpoint without the multimodal RoPE's keys."""
+# Multimodal models transformers built and saved (hf_reference.MULTIMODAL_MODELS): the family of
+# their text model
+MULTIMODAL_SAVED = {"qwen3_vl_moe": "qwen3_moe", "glm4v_moe": "glm4_moe"}
+
+
+@pytest.mark.parametrize("name", sorted(MULTIMODAL_SAVED))
+def test_a_multimodal_model_reads_as_transformers_runs_it(name, hf_models, tmp_path):
+  """Qwen3-VL-MoE and GLM-4.5V as transformers saves them (Qwen3VLMoe- and
+  Glm4vMoeForConditionalGeneration): read as their text model, whose logits on text are
+  transformers'; the export is the text model's family's checkpoint without the multimodal
+  RoPE's keys, read back as the same model; a missing text tensor is named as the checkpoint
+  names it."""
+  from safetensors.numpy import save_file
+  from moejax.convert.hf_config import config_from_hf
+  hf_dir, tokens, want = hf_models[name]
+  cfg, params = load_hf(hf_dir)
+  assert cfg.model.family == MULTIMODAL_SAVED[name] and not cfg.model.tie_embeddings
+  assert_logits_close(fp32_logits(cfg, params, tokens), want)
+  exported = hf_config_from(cfg, read_hf_config(hf_dir))
+  assert exported["model_type"] == FAMILY_SPECS[cfg.model.family].model_type
+  assert "mrope" not in json.dumps(exported)
+  assert config_from_hf(exported).model == cfg.model
+  broken = str(tmp_path / "broken")
+  os.makedirs(broken)
+  tensors = read_all(hf_dir)
+  del tensors["model.language_model.norm.weight"]
+  save_file(tensors, os.path.join(broken, "model.safetensors"))
+  shutil.copy(os.path.join(hf_dir, "config.json"), broken)
+  with pytest.raises(CheckpointError, match="'model.language_model.norm.weight' is missing"):
+    load_hf(broken)
+
+
+def test_qwen3_vl_moe_experts_read_in_either_layout(hf_models, tmp_path):
+  """Qwen3-VL-MoE's fused experts as the Hub holds them ([in, out]) and as transformers 5 saves
+  them ([out, in]), told apart by shape as transformers does, import bit for bit alike; its
+  router renormalizes the top-k though the config has no norm_topk_prob."""
   from safetensors.numpy import save_file
   hf_dir, tokens, want = hf_models["qwen3_vl_moe"]
   cfg, params = load_hf(hf_dir)
-  assert (cfg.model.family, cfg.moe.renormalize, cfg.model.tie_embeddings) == (
-      "qwen3_moe", True, False)
-  assert_logits_close(fp32_logits(cfg, params, tokens), want)
+  assert cfg.moe.renormalize
   unnormalized = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, renormalize=False))
   with pytest.raises(AssertionError):
     assert_logits_close(fp32_logits(unnormalized, params, tokens), want, rel=1e-2)
@@ -345,14 +373,6 @@ def test_qwen3_vl_moe_reads_its_text_model_as_transformers_runs_it(hf_models, tm
   hub_cfg, hub_params = load_hf(hub)
   assert hub_cfg == cfg
   assert_same_bits(hub_params, params)
-  exported = hf_config_from(cfg, read_hf_config(hf_dir))
-  assert exported["model_type"] == "qwen3_moe" and "mrope_section" not in json.dumps(exported)
-  from moejax.convert.hf_config import config_from_hf
-  assert config_from_hf(exported).model == cfg.model
-  del tensors["model.language_model.norm.weight"]
-  save_file(tensors, os.path.join(hub, "model.safetensors"))
-  with pytest.raises(CheckpointError, match="'model.language_model.norm.weight' is missing"):
-    load_hf(hub)
 
 
 def test_kimi_k25_ties_its_lm_head_by_the_outer_config():
