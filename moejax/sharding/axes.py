@@ -16,17 +16,20 @@ Logical axes:
   EXPERT        the experts of a layer: one weight matrix per expert
   EXPERT_SCORE  the router's output, one score per expert (a feature axis, not separate experts)
   NORM          a norm's scale
-  HEAD          one value per query head (attention sinks); in no rules table: replicated
+  HEAD          one value per query head (attention sinks; linear attention's per value
+                head); in no rules table: replicated
+  CONV          a causal convolution's taps (linear attention's); in no rules table: replicated
   LAYERS        the stacked axis of scanned layers (added by the model that stacks them); never
                 sharded
 Groups: EMBEDDINGS, ATTENTION, BIASES, ROUTER, ROUTER_FP32, ROUTER_BIAS, NORMS, EXPERTS (routed),
-SHARED_EXPERTS, DENSE_MLP, SINKS, INDEXER (`GROUPS`). They name the parameter's part of the
+SHARED_EXPERTS, DENSE_MLP, SINKS, INDEXER, DECAY (`GROUPS`). They name the parameter's part of the
 model in gather reports and decide weight decay (none on norms and biases: `NO_DECAY`).
 ROUTER_BIAS is the selection-only score bias: no gradient reaches it (the train step moves it from the load), and it
 is gathered in float32 (`FLOAT32_GROUPS`: a bf16 bias would reorder close scores), and so is
 the router beside it (ROUTER_FP32: DeepSeek-V3 keeps both in float32), and the attention sinks
-(SINKS: softmax logits, no weight decay; Flint keeps them in float32). INDEXER (DeepSeek sparse
-attention's key selector) learns from a loss of its own only (`OWN_LOSS`): its gradients are
+(SINKS: softmax logits, no weight decay; Flint keeps them in float32), and linear attention's
+decay rates and time-step biases (DECAY: exponentiated; no weight decay, as FLA trains them).
+INDEXER (DeepSeek sparse attention's key selector) learns from a loss of its own only (`OWN_LOSS`): its gradients are
 clipped apart from the others', and with that loss's weight 0 the optimizer leaves it as it is.
 
 The model reads its declarations into a tree of `ParamMeta` (`moejax.models.olmoe.param_meta`);
@@ -51,9 +54,10 @@ EXPERT = "expert"
 EXPERT_SCORE = "expert_score"
 NORM = "norm"
 HEAD = "head"
+CONV = "conv"
 LAYERS = "layers"
 AXES = (VOCAB, EMBED, Q_HEADS, KV_HEADS, HEADS, MLP, LATENT, EXPERT, EXPERT_SCORE, NORM, HEAD,
-        LAYERS)
+        CONV, LAYERS)
 
 EMBEDDINGS = "embeddings"
 ATTENTION = "attention"
@@ -67,14 +71,15 @@ ROUTER_FP32 = "router_fp32"
 DENSE_MLP = "dense_mlp"
 SINKS = "sinks"
 INDEXER = "indexer"
+DECAY = "decay"     # linear attention's decay rates and time-step biases (a_log, dt_bias)
 GROUPS = (ATTENTION, BIASES, ROUTER, ROUTER_FP32, ROUTER_BIAS, NORMS, EXPERTS, SHARED_EXPERTS,
-          DENSE_MLP, EMBEDDINGS, SINKS, INDEXER)
-NO_DECAY = (NORMS, BIASES, ROUTER_BIAS, SINKS, INDEXER)   # groups without weight decay
+          DENSE_MLP, EMBEDDINGS, SINKS, INDEXER, DECAY)
+NO_DECAY = (NORMS, BIASES, ROUTER_BIAS, SINKS, INDEXER, DECAY)  # groups without weight decay
 # groups trained by a loss of their own alone (DeepSeek-V3.2's indexer: its KL loss, its inputs
 # detached, its selection without gradient), model.train_indexer
 OWN_LOSS = (INDEXER,)
 # gathered (or cast) in float32 whatever the compute dtype
-FLOAT32_GROUPS = (ROUTER_BIAS, ROUTER_FP32, SINKS)
+FLOAT32_GROUPS = (ROUTER_BIAS, ROUTER_FP32, SINKS, DECAY)
 
 
 @dataclasses.dataclass(frozen=True)

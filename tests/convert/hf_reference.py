@@ -11,6 +11,7 @@ made by scripts/setup_torch_env.sh), never in the moejax env.
   logits HF_DIR TOKENS OUT      loads HF_DIR with transformers, writes fp32 logits for TOKENS
   (serve only) random_model     a random model from a config.json dict, saved to a directory
   (serve only) token_losses     per-token cross-entropy of a model on inputs/targets
+  (serve only) gated_delta_net  Qwen3-Next's linear attention layer's output on hidden states
   serve                         the two commands above as JSON lines on stdin -> one JSON reply
                                 line each on stdout ({"cmd": "make", "args": {...}}), so a test
                                 session imports torch once
@@ -763,8 +764,25 @@ def logits(hf_dir: str, tokens: str, out: str) -> dict:
   return {"loading_info": info}
 
 
+def gated_delta_net(config: dict, weights: str, inputs: str, out: str) -> dict:
+  """transformers' Qwen3-Next linear attention layer (Qwen3NextGatedDeltaNet) of `config` with the
+  tensors of the .npz `weights` (its own names), on the fp32 hidden states in `inputs`
+  ([B, S, D] .npy) without a cache: its output to `out`."""
+  import numpy as np
+  torch = _torch()
+  from transformers import Qwen3NextConfig
+  from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
+  layer = Qwen3NextGatedDeltaNet(Qwen3NextConfig(**config), 0).to(torch.float32).eval()
+  with np.load(weights) as tensors:
+    layer.load_state_dict({k: torch.from_numpy(tensors[k]) for k in tensors.files})
+  with torch.no_grad():
+    y = layer(torch.from_numpy(np.load(inputs)))
+  np.save(out, y.numpy())
+  return {"out": out}
+
+
 COMMANDS = {"make": make, "logits": logits, "random_model": random_model,
-            "token_losses": token_losses}
+            "token_losses": token_losses, "gated_delta_net": gated_delta_net}
 
 
 def serve() -> None:
