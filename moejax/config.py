@@ -112,7 +112,8 @@ class ModelConfig:
   residual stream, Cohere's)."""
   norm_kind: str = "rms"
   """What the residual stream's norms compute: one of `moejax.layers.norm.NORM_KINDS` (rms:
-  RMSNorm; layer: LayerNorm without a bias, mean subtracted, Cohere's)."""
+  RMSNorm; layer: LayerNorm without a bias, mean subtracted, Cohere's; rms_zero_centered:
+  RMSNorm scaled by 1 + its stored weight, Qwen3-Next's, whose QK-norm is so too)."""
   embed_scale: float = 1.0
   """The embedding's output is multiplied by this (Granite's embedding_multiplier)."""
   residual_scale: float = 1.0
@@ -148,6 +149,20 @@ class ModelConfig:
   chunked_layers: tuple = ()
   """Indices of the layers whose attention stays within its chunk (model.attention_chunk),
   ascending; none of them sliding."""
+  linear_layers: tuple = ()
+  """Indices of the layers whose attention is Gated DeltaNet linear attention
+  (`moejax.layers.linear_attention`; Qwen3-Next's linear_attention layers), ascending; the
+  others softmax attention. Their width: the linear_* fields below."""
+  linear_key_heads: int = 0
+  """Linear attention: q/k heads (linear_num_key_heads)."""
+  linear_value_heads: int = 0
+  """Linear attention: value heads, a multiple of linear_key_heads (linear_num_value_heads)."""
+  linear_key_dim: int = 0
+  """Linear attention: width of a q/k head (linear_key_head_dim)."""
+  linear_value_dim: int = 0
+  """Linear attention: width of a value head (linear_value_head_dim)."""
+  linear_conv_taps: int = 4
+  """Linear attention: taps of the causal convolution over q, k and v (linear_conv_kernel_dim)."""
   attention_gate: bool = False
   """Scale the attention output, before its projection, by a sigmoid gate of the token (one
   gate value per query channel; MiniCPM5-MoE, Qwen3-Next): the q projection is twice as wide,
@@ -619,6 +634,40 @@ def _floats(obj, prefix: str = ""):
       yield prefix + f.name, value
 
 
+def _validate_linear(c: Config) -> None:
+  """model.linear_layers and their widths (Gated DeltaNet)."""
+  m = c.model
+  layers = m.linear_layers
+  _check(list(layers) == sorted(set(layers)) and all(0 <= i < m.num_layers for i in layers),
+         f"config.model.linear_layers={layers}: must be ascending distinct layer indices in [0, "
+         f"model.num_layers={m.num_layers})")
+  widths = ("linear_key_heads", "linear_value_heads", "linear_key_dim", "linear_value_dim")
+  if not layers:
+    _check(not any(getattr(m, f) for f in widths),
+           "config.model.linear_key_heads / linear_value_heads / linear_key_dim / "
+           "linear_value_dim size linear attention: they need model.linear_layers")
+    return
+  for field in widths:
+    _check(getattr(m, field) > 0, f"config.model.{field}={getattr(m, field)}: "
+           f"model.linear_layers={layers} need it > 0")
+  _check(m.linear_value_heads % m.linear_key_heads == 0,
+         f"config.model.linear_value_heads={m.linear_value_heads}: must be a multiple of "
+         f"model.linear_key_heads={m.linear_key_heads} (each key head serves as many value heads)")
+  _check(m.linear_conv_taps >= 1, f"config.model.linear_conv_taps={m.linear_conv_taps}: must be "
+         ">= 1")
+  _check(not m.kv_lora_rank, "config.model.linear_layers: not with latent attention "
+         "(model.kv_lora_rank > 0)")
+  _check(m.norm_position == "pre", f"config.model.linear_layers: need model.norm_position='pre' "
+         f"(here {m.norm_position!r})")
+  other = sorted(set(layers) & set(m.sliding_layers + m.chunked_layers + m.nope_layers))
+  _check(not other, f"config.model.linear_layers share layers {other} with model.sliding_layers "
+         "/ chunked_layers / nope_layers, which are softmax attention's")
+  _check(c.moe.placement != "fssdp", "config.model.linear_layers: moe.placement='fssdp' does not "
+         "take them yet; use 'fsdp' or 'ep'")
+  _check(not c.moe.score_bias, "config.model.linear_layers: moe.score_bias is not balanced on "
+         "linear layers yet; leave it False")
+
+
 def validate(c: Config) -> None:
   """Cross-field checks that do not need devices (mesh checks live in sharding.mesh)."""
   m, moe = c.model, c.moe
@@ -799,6 +848,7 @@ def validate(c: Config) -> None:
            f"config.model.index_heads={m.index_heads}, index_head_dim={m.index_head_dim}, "
            f"index_rotary_interleaved={m.index_rotary_interleaved}: an indexer needs "
            "model.index_topk > 0; leave them 0 and False")
+  _validate_linear(c)
   _check(moe.routed_scale > 0, f"config.moe.routed_scale={moe.routed_scale}: must be positive")
   _check(moe.expert_groups > 0 and moe.num_experts % moe.expert_groups == 0
          and (moe.expert_groups == 1 or moe.num_experts // moe.expert_groups >= 2),

@@ -42,7 +42,7 @@ from jax import lax
 
 from moejax import profiling
 from moejax.layers.matmul import dense
-from moejax.layers.norm import layer_norm, rms_norm
+from moejax.layers.norm import initial_scale, layer_norm, norm, rms_norm
 from moejax.layers.rope import (NO_SCALING, RopeScaling, apply_rotary, rotary_at,  # noqa: F401
                                 rotary_tables)
 from moejax.sharding.axes import (ATTENTION, BIASES, EMBED, HEAD, HEADS, INDEXER, KV_HEADS,
@@ -211,7 +211,8 @@ class Attention(nnx.Module):
                rotary_interleaved: bool = False, output_gate: bool = False, window: int = 0,
                rotary: bool = True, softmax_scale: float = 0.0, qk_norm_after_rope: bool = False,
                gate_own: bool = False, sinks: bool = False, out_bias: bool = False,
-               chunk: int = 0, temperature: tuple[float, int] = (0.0, 0)):
+               chunk: int = 0, temperature: tuple[float, int] = (0.0, 0),
+               norm_kind: str = "rms"):
     num_kv_heads = num_kv_heads or num_heads
     if qk_norm not in QK_NORMS:
       raise ValueError(f"qk_norm={qk_norm!r}: must be one of {', '.join(QK_NORMS)}")
@@ -244,8 +245,9 @@ class Attention(nnx.Module):
       self.bo = param(jnp.zeros((d_model,), jnp.float32), (EMBED,), BIASES)
     if qk_norm in ("full", "head"):
       q_norm, k_norm = (q_width, kv_width) if qk_norm == "full" else (head_dim, head_dim)
-      self.q_norm = param(jnp.ones((q_norm,), jnp.float32), (NORM,), NORMS)
-      self.k_norm = param(jnp.ones((k_norm,), jnp.float32), (NORM,), NORMS)
+      self.q_norm = param(initial_scale(q_norm, norm_kind), (NORM,), NORMS)
+      self.k_norm = param(initial_scale(k_norm, norm_kind), (NORM,), NORMS)
+    self.norm_kind = norm_kind     # of the QK-norm's scale: plain, or zero-centered (1 + w)
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
     self.qk_norm, self.qkv_bias, self.output_gate = qk_norm, qkv_bias, output_gate
     self.gate_own = output_gate and gate_own
@@ -315,8 +317,8 @@ class Attention(nnx.Module):
     k = self._project(x_BxSxD, self.wk[...], bk)
     v = self._project(x_BxSxD, self.wv[...], bv)
     if self.qk_norm == "full":
-      q = rms_norm(q, self.q_norm[...], self.norm_eps)
-      k = rms_norm(k, self.k_norm[...], self.norm_eps)
+      q = norm(q, self.q_norm[...], self.norm_eps, self.norm_kind)
+      k = norm(k, self.k_norm[...], self.norm_eps, self.norm_kind)
     q_BxSxHxDh = q.reshape(b, s, self.num_heads, self.head_dim)
     k_BxSxGxDh = k.reshape(b, s, self.num_kv_heads, self.head_dim)
     v_BxSxGxDh = v.reshape(b, s, self.num_kv_heads, self.head_dim)
@@ -337,8 +339,8 @@ class Attention(nnx.Module):
     return q_BxSxHxDh, k_BxSxGxDh, v_BxSxGxDh
 
   def _head_norm(self, q_BxSxHxDh, k_BxSxGxDh):
-    return (rms_norm(q_BxSxHxDh, self.q_norm[...], self.norm_eps),
-            rms_norm(k_BxSxGxDh, self.k_norm[...], self.norm_eps))
+    return (norm(q_BxSxHxDh, self.q_norm[...], self.norm_eps, self.norm_kind),
+            norm(k_BxSxGxDh, self.k_norm[...], self.norm_eps, self.norm_kind))
 
   def _rotate(self, q_BxSxHxDh, k_BxSxGxDh, rotary):
     if not self.rotary:

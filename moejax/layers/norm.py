@@ -1,5 +1,7 @@
 """RMSNorm, or LayerNorm without a bias (Cohere's; `kind="layer"`; with one for DeepSeek-V3.2's
-indexer keys): statistics in fp32, output in the input's dtype."""
+indexer keys), or zero-centered RMSNorm (Qwen3-Next's; `kind="rms_zero_centered"`: the stored
+weight w scales by 1 + w, so it starts at 0 and weight decay pulls it to the identity):
+statistics in fp32, output in the input's dtype."""
 from __future__ import annotations
 
 import jax
@@ -14,9 +16,10 @@ from moejax.sharding.axes import NORM, NORMS, param
 # whose output both sublayers read side by side, their outputs summed into the residual stream
 # (Cohere's parallel block).
 NORM_POSITIONS = ("pre", "post", "sandwich", "parallel")
-# What the residual stream's norms compute (model.norm_kind): RMSNorm, or LayerNorm (mean
-# subtracted, no bias: Cohere's).
-NORM_KINDS = ("rms", "layer")
+# What the residual stream's norms compute (model.norm_kind): RMSNorm, LayerNorm (mean
+# subtracted, no bias: Cohere's), or RMSNorm scaled by 1 + its weight (Qwen3-Next's, its QK-norm
+# too).
+NORM_KINDS = ("rms", "layer", "rms_zero_centered")
 
 
 @profiling.scoped("norm")
@@ -42,14 +45,21 @@ def layer_norm(x, scale, eps: float, bias=None):
 
 def norm(x, scale, eps: float, kind: str = "rms"):
   """The residual stream's norm of `kind` (`NORM_KINDS`)."""
+  if kind == "rms_zero_centered":     # 1 + w in fp32, as transformers' Qwen3NextRMSNorm
+    return rms_norm(x, scale.astype(jnp.float32) + 1.0, eps)
   return (layer_norm if kind == "layer" else rms_norm)(x, scale, eps)
+
+
+def initial_scale(dim: int, kind: str = "rms"):
+  """A norm's stored weight that scales by 1: ones, zeros for the zero-centered kind."""
+  return (jnp.zeros if kind == "rms_zero_centered" else jnp.ones)((dim,), jnp.float32)
 
 
 class RMSNorm(nnx.Module):
   """A norm's scale, and `norm` of its kind (RMSNorm unless `kind="layer"`)."""
 
   def __init__(self, dim: int, *, eps: float = 1e-5, kind: str = "rms"):
-    self.scale = param(jnp.ones((dim,), jnp.float32), (NORM,), NORMS)
+    self.scale = param(initial_scale(dim, kind), (NORM,), NORMS)
     self.eps, self.kind = eps, kind
 
   def __call__(self, x):

@@ -2,8 +2,10 @@
 RMSNorm -> LM head (untied, or the embedding's transpose). Layers run under `lax.scan` over
 stacked parameters, one scan per homogeneous run of layers: the `model.dense_layers` have a
 dense MLP (parameter group "dense_layers", stacked in model order), the others MoE ("layers");
-a run also ends where the attention's kind changes (`AttentionKind`: a sliding window, a
-chunk, no rotary), which the parameters do not show.
+the `model.linear_layers` (Gated DeltaNet linear attention, other parameters than softmax
+attention's) stack apart: "linear_layers" (MoE) and "dense_linear_layers". A run also ends where
+the attention's kind changes (`AttentionKind`: a sliding window, a chunk, no rotary), which the
+parameters do not show.
 
 One decoder for every family (`configs/`): OLMoE, Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek
 differ only in options of the config (grouped-query or multi-head latent attention, QK-norm full
@@ -35,11 +37,12 @@ from flax import nnx
 
 from moejax.config import Config, rope_scaling
 from moejax.layers.attention import NO_SCALING, Attention, LatentAttention
+from moejax.layers.linear_attention import GatedDeltaNet
 from moejax.layers.matmul import dense
 from moejax.layers.mlp import MLP
 from moejax.placement.dispatch import LOCAL, Dispatch
 from moejax.layers.moe import MoEBlock, MoESpec
-from moejax.layers.norm import RMSNorm, norm
+from moejax.layers.norm import RMSNorm, initial_scale, norm
 from moejax.sharding import axes
 from moejax.sharding.axes import EMBED, EMBEDDINGS, NORM, NORMS, VOCAB, param
 from moejax.sharding.hook import COMPUTE_DTYPES, local_gather
@@ -64,26 +67,44 @@ def moe_spec(cfg: Config) -> MoESpec:
 
 MOE_LAYERS = "layers"           # the parameter group of the MoE layers (stacked)
 DENSE_LAYERS = "dense_layers"   # ... of the dense layers (model.dense_layers), when there are any
-LAYER_GROUPS = (DENSE_LAYERS, MOE_LAYERS)
+# ... of the layers with linear attention (model.linear_layers), MoE and dense
+LINEAR_MOE_LAYERS = "linear_layers"
+LINEAR_DENSE_LAYERS = "dense_linear_layers"
+LAYER_GROUPS = (DENSE_LAYERS, MOE_LAYERS, LINEAR_DENSE_LAYERS, LINEAR_MOE_LAYERS)
+MOE_GROUPS = (MOE_LAYERS, LINEAR_MOE_LAYERS)
+LINEAR_GROUPS = (LINEAR_DENSE_LAYERS, LINEAR_MOE_LAYERS)
+
+
+def _group(cfg: Config, layer: int) -> str:
+  m = cfg.model
+  if layer in m.linear_layers:
+    return LINEAR_DENSE_LAYERS if layer in m.dense_layers else LINEAR_MOE_LAYERS
+  return DENSE_LAYERS if layer in m.dense_layers else MOE_LAYERS
 
 
 def layer_groups(cfg: Config) -> dict[str, int]:
-  """{stacked layer group: its layers}: the dense layers (if any) and the MoE layers, each
-  stacked in model order."""
-  dense = len(cfg.model.dense_layers)
-  groups = {DENSE_LAYERS: dense} if dense else {}
-  return dict(groups, **{MOE_LAYERS: cfg.model.num_layers - dense})
+  """{stacked layer group: its layers}, the groups that have layers (`LAYER_GROUPS` order),
+  each stacked in model order."""
+  counts = {group: 0 for group in LAYER_GROUPS}
+  for layer in range(cfg.model.num_layers):
+    counts[_group(cfg, layer)] += 1
+  return {group: n for group, n in counts.items() if n}
 
 
 def layer_group_of(cfg: Config) -> list[tuple[str, int]]:
   """(group, index within its group) of each decoder layer, in model order."""
-  dense, seen = set(cfg.model.dense_layers), {DENSE_LAYERS: 0, MOE_LAYERS: 0}
+  seen = {group: 0 for group in LAYER_GROUPS}
   out = []
   for i in range(cfg.model.num_layers):
-    group = DENSE_LAYERS if i in dense else MOE_LAYERS
+    group = _group(cfg, i)
     out.append((group, seen[group]))
     seen[group] += 1
   return out
+
+
+def group_kind(group: str) -> "AttentionKind":
+  """The attention kind a group's parameters are made for (linear or softmax attention)."""
+  return AttentionKind(linear=group in LINEAR_GROUPS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,12 +117,15 @@ class AttentionKind:
   rotary: bool = True
   rope_theta: float = 0.0
   chunk: int = 0
+  linear: bool = False      # Gated DeltaNet linear attention (model.linear_layers)
 
 
 def attention_kind(cfg: Config, layer: int) -> AttentionKind:
   """The attention kind of decoder layer `layer` (model.sliding_layers, model.nope_layers,
-  model.sliding_rope_theta, model.chunked_layers)."""
+  model.sliding_rope_theta, model.chunked_layers, model.linear_layers)."""
   m = cfg.model
+  if layer in m.linear_layers:
+    return AttentionKind(linear=True)
   sliding = layer in m.sliding_layers
   return AttentionKind(m.sliding_window if sliding else 0, layer not in m.nope_layers,
                        m.sliding_rope_theta if sliding else 0.0,
@@ -132,6 +156,11 @@ def layer_runs(cfg: Config) -> list[LayerRun]:
 
 def _attention(cfg: Config, rngs: nnx.Rngs, kind: AttentionKind):
   m = cfg.model
+  if kind.linear:
+    return GatedDeltaNet(m.d_model, key_heads=m.linear_key_heads,
+                         value_heads=m.linear_value_heads, key_dim=m.linear_key_dim,
+                         value_dim=m.linear_value_dim, conv_taps=m.linear_conv_taps,
+                         norm_eps=m.norm_eps, init_std=m.init_std, rngs=rngs)
   # a kind's own RoPE is plain; the model's may be scaled
   theta, scaling = (kind.rope_theta, NO_SCALING) if kind.rope_theta else (m.rope_theta,
                                                                           rope_scaling(m))
@@ -154,7 +183,8 @@ def _attention(cfg: Config, rngs: nnx.Rngs, kind: AttentionKind):
                    window=kind.window, rotary=kind.rotary, softmax_scale=m.attention_scale,
                    qk_norm_after_rope=m.qk_norm_after_rope, gate_own=m.attention_gate_own,
                    sinks=m.attention_sinks, out_bias=m.attention_out_bias, chunk=kind.chunk,
-                   temperature=(m.nope_temperature, m.nope_temperature_floor))
+                   temperature=(m.nope_temperature, m.nope_temperature_floor),
+                   norm_kind="rms_zero_centered" if m.norm_kind == "rms_zero_centered" else "rms")
 
 
 class _Sublayers:
@@ -286,11 +316,11 @@ class DecoderLayer(_Sublayers, nnx.Module):
 
 
 def _layer_class(group: str):
-  return DenseLayer if group == DENSE_LAYERS else DecoderLayer
+  return DecoderLayer if group in MOE_GROUPS else DenseLayer
 
 
 def _layer_params(cfg: Config, group: str, key) -> dict:
-  layer = _layer_class(group)(cfg, rngs=nnx.Rngs(params=key))
+  layer = _layer_class(group)(cfg, rngs=nnx.Rngs(params=key), kind=group_kind(group))
   return nnx.to_pure_dict(nnx.state(layer, nnx.Param))
 
 
@@ -301,7 +331,7 @@ def _outer_params(cfg: Config, k_embed, k_head) -> dict[str, nnx.Param]:
   out = {
       "embed": param(init(k_embed, (m.vocab_size, m.d_model), jnp.float32), (VOCAB, EMBED),
                      EMBEDDINGS),
-      "final_norm": param(jnp.ones((m.d_model,), jnp.float32), (NORM,), NORMS),
+      "final_norm": param(initial_scale(m.d_model, m.norm_kind), (NORM,), NORMS),
   }
   if not m.tie_embeddings:
     out["lm_head"] = param(init(k_head, (m.d_model, m.vocab_size), jnp.float32), (EMBED, VOCAB),
@@ -329,7 +359,7 @@ def param_meta(cfg: Config) -> dict:
   is_var = lambda v: isinstance(v, nnx.Variable)
   meta = {name: axes.meta_of(p) for name, p in outer.items()}
   for group, count in layer_groups(cfg).items():
-    _, layer = _layer_template(cfg, group)
+    _, layer = _layer_template(cfg, group, group_kind(group))
     stacked = functools.partial(axes.meta_of, stacked=count)
     meta[group] = nnx.to_pure_dict(jax.tree.map(stacked, layer, is_leaf=is_var))
   return meta
@@ -437,13 +467,13 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
   embed_VxD = gather_group("embed")
   h_BxSxD = embed_scaled(cfg, embed_VxD, tokens_BxS)
 
-  def dense_step(kind, h_BxSxD, layer_params, consts, layer_index):
+  def dense_step(group, kind, h_BxSxD, layer_params, consts, layer_index):
     del consts, layer_index
-    return layer_from_params(cfg, layer_params, DENSE_LAYERS, kind).with_aux(h_BxSxD)
+    return layer_from_params(cfg, layer_params, group, kind).with_aux(h_BxSxD)
 
-  def moe_step(kind, h_BxSxD, layer_params, consts, layer_index):
+  def moe_step(group, kind, h_BxSxD, layer_params, consts, layer_index):
     step, predicted_load_LxE, owners_L, replicas_L = consts
-    layer = layer_from_params(cfg, layer_params, MOE_LAYERS, kind)
+    layer = layer_from_params(cfg, layer_params, group, kind)
 
     def at(tree):   # this layer's slice of a per-layer input
       return None if tree is None else jax.tree.map(lambda x: x[layer_index], tree)
@@ -453,37 +483,43 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
                  replica_state=at(replicas_L))
 
   counts = layer_groups(cfg)
-  outputs = {group: [] for group in counts}      # per run: (aux, new states, stats)
+  num_moe = sum(counts.get(group, 0) for group in MOE_GROUPS)
+  outputs = {group: [] for group in counts}      # per run: (new states, stats)
+  moe_aux, dense_aux = [], []     # the runs' aux, in model order
+  moe_first = 0           # the run's first MoE layer among all MoE layers
   for group, first, count, kind in layer_runs(cfg):
     whole = count == counts[group]                # one run holds the group: no slicing
     part = (lambda tree: tree) if whole else (    # noqa: E731
         lambda tree: jax.tree.map(lambda x: x[first:first + count], tree))
     consts = ()
-    if group == MOE_LAYERS:
-      consts = (jnp.asarray(step, jnp.int32), part(predicted_load_LxE), part(expert_owners_L),
-                part(replica_state_L))
+    if group in MOE_GROUPS:     # per-MoE-layer inputs: this run's MoE layers
+      moe_part = (lambda tree: tree) if count == num_moe else (   # noqa: E731
+          lambda tree, a=moe_first: jax.tree.map(lambda x: x[a:a + count], tree))
+      consts = (jnp.asarray(step, jnp.int32), moe_part(predicted_load_LxE),
+                moe_part(expert_owners_L), moe_part(replica_state_L))
+      moe_first += count
 
     def gather_run(shards, state, rebuild_from=None, group=group):
       if rebuild_from is None:
         return gather(group, shards, state)
       return gather(group, shards, state, rebuild_from)
 
-    h_BxSxD, *out = scan_layers(
-        functools.partial(moe_step if group == MOE_LAYERS else dense_step, kind), h_BxSxD,
-        part(params[group]),
+    h_BxSxD, aux, *out = scan_layers(
+        functools.partial(moe_step if group in MOE_GROUPS else dense_step, group, kind),
+        h_BxSxD, part(params[group]),
         gather_run, part(states[group]), consts, remat=remat, prefetch=prefetch)
     outputs[group].append(out)
-  index_losses = []      # DeepSeek-V3.2's indexers' losses, every layer's
+    (moe_aux if group in MOE_GROUPS else dense_aux).append(aux)
+  join = lambda trees: trees[0] if len(trees) == 1 else jax.tree.map(   # noqa: E731
+      lambda *xs: jnp.concatenate(xs, axis=0), *trees)
   for group, out in outputs.items():     # the runs' outputs back in their group's layer order
-    joined = out[0] if len(out) == 1 else jax.tree.map(
-        lambda *xs: jnp.concatenate(xs, axis=0), *out)
-    aux, new_states[group], stats[group] = joined
-    if "index_loss" in aux:
-      index_losses.append(aux.pop("index_loss"))
-    if group == MOE_LAYERS:
-      aux_L = aux
-  if index_losses:       # [every layer]: the one entry of aux_L not over the MoE layers only
-    aux_L = dict(aux_L, index_loss=jnp.concatenate(index_losses))
+    new_states[group], stats[group] = join(out)
+  aux_L = join(moe_aux)
+  # DeepSeek-V3.2's indexers' losses, every layer's: the one entry of aux_L not over the MoE
+  # layers only
+  losses = [aux.pop("index_loss") for aux in [*dense_aux, aux_L] if "index_loss" in aux]
+  if losses:
+    aux_L = dict(aux_L, index_loss=jnp.concatenate(losses))
   h_BxSxD = norm(h_BxSxD, gather_group("final_norm"), cfg.model.norm_eps, cfg.model.norm_kind)
   head_DxV = embed_VxD.T if cfg.model.tie_embeddings else gather_group("lm_head")
   logits_BxSxV = lm_logits(cfg, h_BxSxD, head_DxV)
