@@ -1055,16 +1055,29 @@ def num_params(c: Config) -> dict[str, int]:
     attn += d if m.attention_out_bias else 0
     attn += {"full": q_width + kv_width, "head": 2 * m.head_dim, "l2": 0, "none": 0}[m.qk_norm]
     attn += h if m.attention_sinks else 0                # one sink logit per head
-  attn += {"sandwich": 4, "parallel": 1}.get(m.norm_position, 2) * d   # the layer's norms
+  norms = {"sandwich": 4, "parallel": 1}.get(m.norm_position, 2) * d   # the layer's norms
   expert = expert_values(c)
   shared = 3 * d * moe.shared_expert_hidden + (d if moe.shared_expert_gate else 0)
   router = d * moe.num_experts + moe.num_experts * (moe.score_bias + moe.router_bias)
+  # each layer's attention: softmax, or linear in model.linear_layers
+  attns = [(linear_attention_values(c) if i in m.linear_layers else attn) + norms
+           for i in range(m.num_layers)]
+  dense = sum(attns[i] + 3 * d * m.dense_hidden for i in m.dense_layers)
+  moe_attn = sum(a for i, a in enumerate(attns) if i not in m.dense_layers)
   moe_layers = m.num_layers - len(m.dense_layers)
-  dense = len(m.dense_layers) * (attn + 3 * d * m.dense_hidden)
   embed = (1 if m.tie_embeddings else 2) * m.vocab_size * d + d   # + final norm
-  total = embed + dense + moe_layers * (attn + router + shared + moe.num_experts * expert)
-  active = embed + dense + moe_layers * (attn + router + shared + moe.top_k * expert)
+  total = embed + dense + moe_attn + moe_layers * (router + shared + moe.num_experts * expert)
+  active = embed + dense + moe_attn + moe_layers * (router + shared + moe.top_k * expert)
   return {"total": total, "active": active}
+
+
+def linear_attention_values(c: Config) -> int:
+  """Values of one Gated DeltaNet layer's attention: q, k, v, z, b, a and output projections,
+  the convolution's taps, the decay's two values per value head and the output norm."""
+  m = c.model
+  kw, vw = m.linear_key_heads * m.linear_key_dim, m.linear_value_heads * m.linear_value_dim
+  return (m.d_model * (2 * kw + 2 * vw + 2 * m.linear_value_heads) + vw * m.d_model
+          + m.linear_conv_taps * (2 * kw + vw) + 2 * m.linear_value_heads + m.linear_value_dim)
 
 
 def expert_values(c: Config) -> int:

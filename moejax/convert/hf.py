@@ -93,6 +93,9 @@ def _check_tensors(reader: TensorReader, cfg: Config, experts: str,
 
 
 def _read_source(reader: TensorReader, src: hf_names.Source, tail_slices: list) -> np.ndarray:
+  if src.whole:         # row groups or a unit axis: the tensor read whole, then cut
+    block = src.from_tensor(reader.read(src.name, src.prefix))
+    return (block.T if src.transpose else block)[tuple(tail_slices)]
   hf_slices = list(tail_slices[::-1] if src.transpose else tail_slices)
   if src.row_offset:
     first = hf_slices[0]
@@ -360,7 +363,8 @@ def save_hf(params, cfg: Config, out_dir: str, *, dtype: str = "float32",
 
   def produce(name: str) -> np.ndarray:
     parts = lookup[name]
-    if len(parts) == 1 and not parts[0][2].row_offset and not parts[0][2].by_column:
+    if len(parts) == 1 and not (parts[0][2].row_offset or parts[0][2].by_column
+                                or parts[0][2].whole):
       leaf, lead, src = parts[0]
       block = block_of(leaf, lead, src)
       return np.reshape(block, shapes[name]) if src.prefix else block
@@ -368,7 +372,9 @@ def save_hf(params, cfg: Config, out_dir: str, *, dtype: str = "float32",
     for leaf, lead, src in parts:
       block = block_of(leaf, lead, src)
       out = np.zeros(shapes[name], block.dtype) if out is None else out
-      if src.by_column:
+      if src.whole:
+        src.into_tensor(out[src.prefix], block)
+      elif src.by_column:
         out[src.prefix][..., src.columns(0, block.shape[-1])] = block
       else:
         out[src.prefix][src.row_offset:src.row_offset + block.shape[0]] = block

@@ -230,6 +230,9 @@ class FamilySpec:
                                        # transformers' defaults of index_topk, index_n_heads,
                                        # index_head_dim
   dsa_interleaved: bool = False        # ... its rotated dims neighbour pairs (GLM-5's)
+  linear: bool = False                 # Qwen3-Next: Gated DeltaNet in layer_types'
+                                       # linear_attention layers (`_linear_fields`), zero-
+                                       # centered norms, a gated softmax attention elsewhere
   default_rope: tuple = ()             # (key, value) of the RoPE dict its config class sets
                                        # when config.json gives none (gpt-oss: YaRN)
   # Fields that must hold these values (moejax has no equivalent of the others); export writes
@@ -496,6 +499,13 @@ FAMILY_SPECS = {
         layer_types_fallback=True, first_dense_default=0, norm_position="parallel",
         sliding="cohere", default_sliding_window=4096, cohere=True,
         required=_COMMON_REQUIRED),
+    "qwen3_next": FamilySpec(
+        "qwen3_next", "Qwen3NextForCausalLM", "head", "num_experts", "moe_intermediate_size",
+        "norm_topk_prob", renormalize_default=True, shared_expert=True, dense_pattern=True,
+        default_norm_eps=1e-6, default_head_dim=256, default_kv_heads=2, default_aux=0.001,
+        partial_rotary=0.25, attention_gate=True, linear=True,
+        required=_COMMON_REQUIRED + (
+            ("attention_bias", False, "moejax attention projections have no bias"),)),
     "llama4": FamilySpec(
         "llama4_text", "Llama4ForCausalLM", "l2", "num_local_experts", "intermediate_size", None,
         default_rope_theta=500000.0, default_head_dim=128, default_kv_heads=8, default_aux=0.001,
@@ -1128,8 +1138,8 @@ def _sliding(hf: dict, spec: FamilySpec, where: str) -> dict:
   a sliding layer in a family transformers never slides is refused."""
   layers = _get(hf, "num_hidden_layers", int, where)
   none = dict(sliding_window=0, sliding_layers=(), nope_layers=())
-  if spec.llama4:         # no sliding layer; its layer_types are chunks (`_llama4_fields`)
-    return none
+  if spec.llama4 or spec.linear:   # no sliding layer; their layer_types are chunks
+    return none                    # (`_llama4_fields`), linear attention (`_linear_fields`)
   types = hf.get("layer_types")
   if spec.dsa:            # every layer's attention indexed (DeepseekV32Config's default)
     if types is not None and types != ["indexed_attention"] * layers:
@@ -1499,6 +1509,36 @@ def _ernie_pattern(m) -> tuple[int, int, int] | None:
   return None
 
 
+# model.linear_* <- config.json (Qwen3-Next), with transformers' defaults
+_LINEAR_FIELDS = {"linear_key_heads": ("linear_num_key_heads", 16),
+                  "linear_value_heads": ("linear_num_value_heads", 32),
+                  "linear_key_dim": ("linear_key_head_dim", 128),
+                  "linear_value_dim": ("linear_value_head_dim", 128),
+                  "linear_conv_taps": ("linear_conv_kernel_dim", 4)}
+_LINEAR_TYPES = ("linear_attention", "full_attention")
+
+
+def _linear_fields(hf: dict, where: str) -> dict:
+  """Qwen3-Next's model fields (`FamilySpec.linear`): model.linear_layers from layer_types
+  (absent: every full_attention_interval-th layer full, the others linear, as transformers
+  fills it), the linear_* widths, zero-centered norms."""
+  layers = _get(hf, "num_hidden_layers", int, where)
+  types = hf.get("layer_types")
+  if types is None:
+    interval = _get(hf, "full_attention_interval", int, where, 4)
+    if interval < 1:
+      _refuse(where, "full_attention_interval", interval, "expected a positive integer")
+    types = [_LINEAR_TYPES[(i + 1) % interval == 0] for i in range(layers)]
+  if (not isinstance(types, list) or len(types) != layers
+          or any(t not in _LINEAR_TYPES for t in types)):
+    _refuse(where, "layer_types", types, f"expected {layers} entries (num_hidden_layers), each "
+            f"one of {', '.join(_LINEAR_TYPES)}")
+  fields = {field: _get(hf, key, int, where, default)
+            for field, (key, default) in _LINEAR_FIELDS.items()}
+  return dict(fields, norm_kind="rms_zero_centered",
+              linear_layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"))
+
+
 def _ernie_fields(hf: dict, where: str) -> tuple[dict, dict]:
   """ERNIE-4.5's model and moe fields (`FamilySpec.ernie`)."""
   layers = _get(hf, "num_hidden_layers", int, where)
@@ -1556,7 +1596,7 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       **{field: getattr(ModelConfig(), field) for field in (
           *_GRANITE_SCALES, "attention_chunk", "chunked_layers", "nope_temperature",
           "nope_temperature_floor", "index_topk", "index_heads", "index_head_dim",
-          "index_rotary_interleaved")})
+          "index_rotary_interleaved", *_LINEAR_FIELDS, "linear_layers")})
   if spec.dense_pattern:
     model = dataclasses.replace(model, **_dense_pattern(hf, where, spec.default_mlp_only))
   if spec.layer_types_key and not (spec.deepseek or spec.sigmoid_moe):    # Mellum
@@ -1614,6 +1654,8 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
     model_fields, moe_fields = _llama4_fields(hf, where, moe.expert_hidden)
     model = dataclasses.replace(model, **model_fields)
     moe = dataclasses.replace(moe, **moe_fields)
+  if spec.linear:
+    model = dataclasses.replace(model, **_linear_fields(hf, where))
   if spec.gpt_oss or spec.cohere or spec.llama4:   # attention_bias biases o too
     model = dataclasses.replace(model, attention_out_bias=model.qkv_bias)
   if spec.gpt_oss:
@@ -1775,7 +1817,11 @@ def check_exportable(cfg: Config) -> FamilySpec:
     need("moe.renormalize", moe.renormalize, False, " (it never renormalizes the top-k)")
     need("moe.shared_expert_hidden", moe.shared_expert_hidden, moe.expert_hidden,
          " (a shared expert as wide as a routed one: both intermediate_size)")
-  if not spec.cohere:
+  if spec.linear:
+    need("model.norm_kind", m.norm_kind, "rms_zero_centered", " (its norms scale by 1 + w)")
+  else:
+    need("model.linear_layers", m.linear_layers, (), " (no linear attention)")
+  if not (spec.cohere or spec.linear):
     need("model.norm_kind", m.norm_kind, "rms", " (RMSNorm)")
     need("moe.shared_expert_scale", moe.shared_expert_scale, 1.0, " (no shared-expert scale)")
   if spec.ernie:
@@ -1964,6 +2010,10 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
         # the list wins; the step as other readers (vLLM) take it, where one gives the list
         "moe_layers": moe_layers, "interleave_moe_layer_step": steps[0] if steps else 1,
         "intermediate_size_mlp": m.dense_hidden or hf.get("intermediate_size_mlp", 16384)})
+  if spec.linear:
+    hf.pop("full_attention_interval", None)      # the list wins; transformers writes it
+    hf["layer_types"] = [_LINEAR_TYPES[i not in m.linear_layers] for i in range(m.num_layers)]
+    hf.update({key: getattr(m, field) for field, (key, _) in _LINEAR_FIELDS.items()})
   if spec.gpt_oss:
     hf.update({"swiglu_alpha": moe.swiglu_alpha, "swiglu_limit": moe.swiglu_limit})
     if "experts_per_token" in hf:     # the Hub's copy of the top-k (other readers take it)

@@ -100,6 +100,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+import numpy as np
+
 from moejax.config import Config
 
 PER_EXPERT = "per_expert"
@@ -132,6 +134,39 @@ class Source:
   column: int = 0          # from this one (gpt-oss's gate and up, interleaved; Llama 4's up:
                            # stride 1 from column F)
   in_columns: bool = False   # the block is part of the last axis (Llama 4's gate, column 0)
+  # Whole-tensor sources (`whole`): the tensor's rows are `row_groups` groups of `group_rows`,
+  # the block `group_take` rows of each from `row_offset` (Qwen3-Next's in_proj_qkvz: per key
+  # head its q, k, v and z rows; one group: a row range of a tensor with a unit axis).
+  row_groups: int = 1
+  group_rows: int = 0
+  group_take: int = 0
+  unit_axis: int = -1      # >= 0: the tensor has an axis of size 1 there after the prefix,
+                           # which the block drops (a depthwise Conv1d's [C, 1, K] weight)
+
+  @property
+  def whole(self) -> bool:
+    """The block is cut from the whole tensor by row groups or past a unit axis (read whole)."""
+    return self.row_groups > 1 or self.unit_axis >= 0
+
+  def rows(self) -> int:
+    """A `whole` source's tensor rows."""
+    return self.row_groups * self.group_rows
+
+  def from_tensor(self, tensor: np.ndarray) -> np.ndarray:
+    """A `whole` source's block (in the tensor's orientation) from the tensor."""
+    if self.unit_axis >= 0:
+      tensor = np.take(tensor, 0, axis=self.unit_axis)
+    grouped = tensor.reshape(self.row_groups, self.group_rows, *tensor.shape[1:])
+    return grouped[:, self.row_offset:self.row_offset + self.group_take].reshape(
+        self.row_groups * self.group_take, *tensor.shape[1:])
+
+  def into_tensor(self, out: np.ndarray, block: np.ndarray) -> None:
+    """Writes a `whole` source's block (in the tensor's orientation) into the tensor `out`."""
+    if self.unit_axis >= 0:
+      out = np.moveaxis(out, self.unit_axis, 0)[0]      # a view without the unit axis
+    grouped = out.reshape(self.row_groups, self.group_rows, *out.shape[1:])
+    grouped[:, self.row_offset:self.row_offset + self.group_take] = block.reshape(
+        self.row_groups, self.group_take, *block.shape[1:])
 
   @property
   def by_column(self) -> bool:
@@ -175,6 +210,7 @@ HUB_EXPERT_NAMES = {
     "olmoe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
     "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "qwen3_next": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "minimax_m2": ("block_sparse_moe", ("w1", "w3", "w2")),
     "glm4_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
@@ -235,7 +271,7 @@ FUSED_MOE_MODULE = {"granitemoe": "block_sparse_moe", "granitemoeshared": "block
 # Shared experts held fused at the layer's level, [gate rows; up rows] then down (Granite's
 # shared_mlp.input_linear / output_linear).
 FUSED_SHARED_MODULE = {"granitemoeshared": "shared_mlp", "granitemoe_swa": "shared_mlp"}
-SHARED_EXPERT_MODULE = {"qwen2_moe": "shared_expert", "glm4_moe": "shared_experts",
+SHARED_EXPERT_MODULE = {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert", "glm4_moe": "shared_experts",
                         "dots1": "shared_experts", "ernie4_5_moe": "shared_experts",
                         "deepseek_v2": "shared_experts", "deepseek_v3": "shared_experts",
                         "deepseek_v32": "shared_experts", "glm_moe_dsa": "shared_experts",
@@ -288,7 +324,35 @@ SCORE_BIAS_NAME = {"minimax_m2": ("e_score_correction_bias", "e_score_correction
 SCORE_BIAS_SINGLETON = ("ernie4_5_moe",)
 # Families whose checkpoints hold multi-token-prediction tensors under names with "mtp"
 # (transformers' _keys_to_ignore_on_load_unexpected).
-MTP_NAMED = ("ernie4_5_moe", "exaone_moe", "mellum")
+MTP_NAMED = ("ernie4_5_moe", "exaone_moe", "mellum", "qwen3_next")
+
+
+def _linear_attention_maps(cfg: Config, per_layer) -> None:
+  """Qwen3-Next's Gated DeltaNet (`linear_attn`): in_proj_qkvz's rows per key head its q, its
+  k, then its value heads' v and z; in_proj_ba's its value heads' b then a; conv1d's [C, 1, K]
+  taps over q, k and v."""
+  m = cfg.model
+  D, Hk, Hv, Dk, Dv = (m.d_model, m.linear_key_heads, m.linear_value_heads, m.linear_key_dim,
+                       m.linear_value_dim)
+  r, K = Hv // Hk, m.linear_conv_taps
+  width = 2 * Dk + 2 * r * Dv
+  for path, tail, offset, take in (("wq", Hk * Dk, 0, Dk), ("wk", Hk * Dk, Dk, Dk),
+                                   ("wv", Hv * Dv, 2 * Dk, r * Dv),
+                                   ("wz", Hv * Dv, 2 * Dk + r * Dv, r * Dv)):
+    per_layer(("attn", path), (D, tail), "linear_attn.in_proj_qkvz.weight", True,
+              row_offset=offset, row_groups=Hk, group_rows=width, group_take=take)
+  for path, offset in (("wb", 0), ("wa", r)):
+    per_layer(("attn", path), (D, Hv), "linear_attn.in_proj_ba.weight", True,
+              row_offset=offset, row_groups=Hk, group_rows=2 * r, group_take=r)
+  channels = 2 * Hk * Dk + Hv * Dv
+  for path, offset, take in (("conv_q", 0, Hk * Dk), ("conv_k", Hk * Dk, Hk * Dk),
+                             ("conv_v", 2 * Hk * Dk, Hv * Dv)):
+    per_layer(("attn", path), (K, take), "linear_attn.conv1d.weight", True, row_offset=offset,
+              group_rows=channels, group_take=take, unit_axis=1)
+  per_layer(("attn", "dt_bias"), (Hv,), "linear_attn.dt_bias", False)
+  per_layer(("attn", "a_log"), (Hv,), "linear_attn.A_log", False)
+  per_layer(("attn", "out_norm"), (Dv,), "linear_attn.norm.weight", False)
+  per_layer(("attn", "wo"), (Hv * Dv, D), "linear_attn.out_proj.weight", True)
 
 
 def _attention_maps(cfg: Config, per_layer, experts: str) -> None:
@@ -408,23 +472,29 @@ def _leaf_maps(cfg: Config, experts: str) -> list[LeafMap]:
   embed_name = (HUB_EMBED_NAME.get(m.family, "model.embed_tokens.weight") if experts != FUSED
                 else "model.embed_tokens.weight")
   maps = [LeafMap(("embed",), (V, D), 0, {(): Source(embed_name)})]
-  # (group, the Hugging Face index of each of its layers)
-  dense = list(m.dense_layers)
-  groups = ([("dense_layers", dense)] if dense else []) + [
-      ("layers", [i for i in range(m.num_layers) if i not in m.dense_layers])]
+  # (group, the Hugging Face index of each of its layers), as `olmoe.layer_groups` stacks them
+  groups = {}
+  for i in range(m.num_layers):
+    dense, linear = i in m.dense_layers, i in m.linear_layers
+    group = {(True, False): "dense_layers", (False, False): "layers",
+             (True, True): "dense_linear_layers", (False, True): "linear_layers"}[dense, linear]
+    groups.setdefault(group, []).append(i)
+  order = ("dense_layers", "layers", "dense_linear_layers", "linear_layers")
 
-  for group, hf_ids in groups:
+  for group, hf_ids in sorted(groups.items(), key=lambda item: order.index(item[0])):
     count = len(hf_ids)
 
     def per_layer(path, tail, suffix, transpose, group=group, hf_ids=hf_ids, singleton=False,
-                  row_offset=0):
+                  **where):
       sources = {(i,): Source(f"{_layer(hf_i)}.{suffix}", transpose=transpose,
-                              prefix=(0,) if singleton else (), singleton=singleton,
-                              row_offset=row_offset)
+                              prefix=(0,) if singleton else (), singleton=singleton, **where)
                  for i, hf_i in enumerate(hf_ids)}
       maps.append(LeafMap((group, *path), (len(hf_ids), *tail), 1, sources))
 
-    _attention_maps(cfg, per_layer, experts)
+    if group in ("linear_layers", "dense_linear_layers"):
+      _linear_attention_maps(cfg, per_layer)
+    else:
+      _attention_maps(cfg, per_layer, experts)
     attn_norm, ffn_norm = NORM_NAMES.get(m.family, ("input_layernorm", "post_attention_layernorm"))
     per_layer(("attn_norm", "scale"), (D,), f"{attn_norm}.weight", False)
     if m.norm_position != "parallel":      # the parallel block's one norm feeds both
@@ -433,7 +503,7 @@ def _leaf_maps(cfg: Config, experts: str) -> list[LeafMap]:
       post = POST_NORM_NAMES.get(m.family, POST_NORM_NAMES["afmoe"])[experts == FUSED]
       for path, name in zip(("attn_post_norm", "ffn_post_norm"), post):
         per_layer((path, "scale"), (D,), f"{name}.weight", False)
-    if group == "dense_layers":
+    if group in ("dense_layers", "dense_linear_layers"):
       for name, tail, hf_name in (("w_gate", (D, m.dense_hidden), "gate_proj"),
                                   ("w_up", (D, m.dense_hidden), "up_proj"),
                                   ("w_down", (m.dense_hidden, D), "down_proj")):
@@ -527,7 +597,12 @@ def expected_shapes(cfg: Config, experts: str = PER_EXPERT,
   for leaf in leaf_maps(cfg, experts, layout):
     for src in leaf.sources.values():
       tail = list(leaf.tail[::-1] if src.transpose else leaf.tail)
-      tail[0] += src.row_offset
+      if src.whole:
+        tail[0] = src.rows()
+        if src.unit_axis >= 0:
+          tail.insert(src.unit_axis, 1)
+      else:
+        tail[0] += src.row_offset
       tail[-1] = src.columns(0, tail[-1]).stop
       shape = (*(p + 1 for p in src.prefix), *tail)
       old = shapes.get(src.name)

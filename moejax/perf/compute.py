@@ -3,6 +3,12 @@
 Forward FLOPs per token (a multiply-add is 2 FLOPs):
   attention   2 * (weights of Q, K, V, O, or MLA's projections)
               + S * H * (d_qk + d_v)        (causal: each query sees S/2 keys on average)
+  linear      2 * (its projections and taps) + 2 * Hv * (C (2 Dk + Dv) + C (Dk + Dv) / 2
+              + 3 Dk Dv)                    (Gated DeltaNet by chunks of C = 64: within a
+                                             chunk k.k, q.k and their products with the
+                                             updates, the triangular solve for two
+                                             right-hand sides; across chunks the memory read
+                                             twice and updated once)
   router      2 * D * E
   experts     2 * 3 * D * F per routed assignment (counted where the assignment is computed)
   shared      2 * 3 * D * F_shared;  dense MLP  2 * 3 * D * F_dense
@@ -52,6 +58,16 @@ def attention_flops(shape: ModelShape, seq_len: int) -> float:
   return 2.0 * shape.attention_params() + core + (index if shape.index_heads else 0.0)
 
 
+LINEAR_CHUNK = 64     # moejax.layers.linear_attention.CHUNK
+
+
+def linear_attention_flops(shape: ModelShape) -> float:
+  """Forward FLOPs per token of one Gated DeltaNet layer (by chunks; the module docstring)."""
+  dk, dv, c = shape.linear_key_dim, shape.linear_value_dim, LINEAR_CHUNK
+  core = 2.0 * shape.linear_value_heads * (c * (2 * dk + dv) + c * (dk + dv) / 2 + 3 * dk * dv)
+  return 2.0 * shape.linear_attention_params() + core
+
+
 def router_flops(shape: ModelShape) -> float:
   return 2.0 * shape.router_params()
 
@@ -73,9 +89,12 @@ def head_flops(shape: ModelShape) -> float:
   return 2.0 * shape.vocab_size * shape.d_model
 
 
-def layer_flops(shape: ModelShape, seq_len: int, moe: bool = True) -> dict[str, float]:
-  """Forward FLOPs per token of one layer by part, experts at top-k assignments per token."""
-  out = {"attention": attention_flops(shape, seq_len)}
+def layer_flops(shape: ModelShape, seq_len: int, moe: bool = True,
+                linear: bool = False) -> dict[str, float]:
+  """Forward FLOPs per token of one layer by part, experts at top-k assignments per token
+  (`linear`: a layer with linear attention)."""
+  out = {"attention": linear_attention_flops(shape) if linear
+         else attention_flops(shape, seq_len)}
   if moe:
     out["router"] = router_flops(shape)
     out["experts"] = shape.top_k * expert_flops(shape)
@@ -87,9 +106,8 @@ def layer_flops(shape: ModelShape, seq_len: int, moe: bool = True) -> dict[str, 
 
 def model_flops_per_token(shape: ModelShape, seq_len: int, recompute: bool = True) -> float:
   """Training FLOPs per token of the whole model (forward, backward, recomputation)."""
-  fwd = (shape.moe_layers * sum(layer_flops(shape, seq_len, True).values())
-         + shape.dense_layers * sum(layer_flops(shape, seq_len, False).values())
-         + head_flops(shape))
+  fwd = (sum(sum(layer_flops(shape, seq_len, moe, linear).values())
+             for moe, linear in shape.layers()) + head_flops(shape))
   return fwd * (1 + BACKWARD + (1 if recompute else 0))
 
 

@@ -69,6 +69,14 @@ class ModelShape:
   """A sink logit per query head (gpt-oss, Granite SWA)."""
   attention_gate_own: bool = False
   """The output gate's weight its own projection (AfMoE), which has no bias."""
+  linear_layers: tuple = ()
+  """Indices of the layers with Gated DeltaNet linear attention (Qwen3-Next), of the widths
+  below; the others softmax attention."""
+  linear_key_heads: int = 0
+  linear_value_heads: int = 0
+  linear_key_dim: int = 0
+  linear_value_dim: int = 0
+  linear_conv_taps: int = 4
   residual_norms: int = 2
   """Norms of one layer on the residual stream (4 with AfMoE's sandwich norms, 1 in Cohere's
   parallel block)."""
@@ -110,17 +118,32 @@ class ModelShape:
     return (sum(self.attention_matrices()) + bias + (self.num_heads if self.attention_sinks else 0)
             + (self.d_model if self.attention_out_bias else 0))
 
+  def linear_attention_matrices(self) -> list[int]:
+    """Element counts of a linear-attention layer's weight matrices: q, k, v, z, b, a and the
+    output projection."""
+    d, hv = self.d_model, self.linear_value_heads
+    kw, vw = self.linear_key_heads * self.linear_key_dim, hv * self.linear_value_dim
+    return [d * kw, d * kw, d * vw, d * vw, d * hv, d * hv, vw * d]
+
+  def linear_attention_params(self) -> int:
+    """A linear-attention layer's weights: its matrices and the convolution's taps."""
+    kw = self.linear_key_heads * self.linear_key_dim
+    vw = self.linear_value_heads * self.linear_value_dim
+    return sum(self.linear_attention_matrices()) + self.linear_conv_taps * (2 * kw + vw)
+
   def indexer_params(self) -> int:
     """DeepSeek-V3.2's indexer of one layer: q from the q latent, one key head with its
     LayerNorm (scale and bias), a weight per head."""
     hi, di = self.index_heads, self.index_head_dim
     return self.q_lora_rank * hi * di + self.d_model * (di + hi) + 2 * di if hi else 0
 
-  def norm_params(self) -> int:
+  def norm_params(self, linear: bool = False) -> int:
     """Layer norms of one layer (two or four, plus QK-norms, or latent attention's latent
-    norms)."""
+    norms; linear attention's output norm and its decay's two values per value head)."""
     extra = 0
-    if self.attention == "mla":
+    if linear:
+      extra = self.linear_value_dim + 2 * self.linear_value_heads
+    elif self.attention == "mla":
       extra = self.q_lora_rank + self.kv_lora_rank
     elif self.qk_norm:
       extra = (2 * self.head_dim if self.qk_norm_per_head
@@ -145,10 +168,14 @@ class ModelShape:
   def embedding_params(self) -> int:
     return self.vocab_size * self.d_model * (1 if self.tied_embeddings else 2)
 
-  def layer_groups(self, moe: bool = True) -> dict[str, int]:
-    """{group: elements} of one layer; groups as moejax's codec reports them."""
-    out = {"attention": self.attention_params(), "norms": self.norm_params()}
-    if self.index_heads:
+  def layer_groups(self, moe: bool = True, linear: bool = False) -> dict[str, int]:
+    """{group: elements} of one layer (`linear`: one with linear attention); groups as moejax's
+    codec reports them."""
+    if linear:
+      out = {"attention": self.linear_attention_params(), "norms": self.norm_params(True)}
+    else:
+      out = {"attention": self.attention_params(), "norms": self.norm_params()}
+    if self.index_heads and not linear:
       out["indexer"] = self.indexer_params()
     if moe:
       out["router"] = self.router_params()
@@ -159,26 +186,34 @@ class ModelShape:
       out["dense"] = self.dense_params()
     return out
 
+  def is_linear(self, layer: int) -> bool:
+    return layer in self.linear_layers
+
+  def layers(self):
+    """(moe, linear) of each layer: the leading dense_layers dense."""
+    return [(i >= self.dense_layers, self.is_linear(i)) for i in range(self.num_layers)]
+
   def total_params(self) -> int:
-    moe = sum(self.layer_groups(True).values())
-    dense = sum(self.layer_groups(False).values())
-    return (self.moe_layers * moe + self.dense_layers * dense + self.embedding_params()
-            + self.d_model)
+    return (sum(sum(self.layer_groups(moe, linear).values()) for moe, linear in self.layers())
+            + self.embedding_params() + self.d_model)
 
   def active_params(self) -> int:
     """Weights one token's forward multiplies by (lm head included, embedding lookup not)."""
-    attention = self.attention_params() + self.indexer_params()
-    moe = (attention + self.router_params() + self.top_k * self.expert_params()
-           + self.shared_params())
-    dense = attention + self.dense_params()
-    return self.moe_layers * moe + self.dense_layers * dense + self.vocab_size * self.d_model
+    total = self.vocab_size * self.d_model
+    for moe, linear in self.layers():
+      total += (self.linear_attention_params() if linear
+                else self.attention_params() + self.indexer_params())
+      total += (self.router_params() + self.top_k * self.expert_params() + self.shared_params()
+                if moe else self.dense_params())
+    return total
 
-  def modules_per_layer(self, moe: bool = True) -> dict[str, int]:
+  def modules_per_layer(self, moe: bool = True, linear: bool = False) -> dict[str, int]:
     """{group: parameter tensors DeepSpeed ZeRO-3 fetches one by one} of one layer: one per
     weight matrix at or above `PERSISTENCE_THRESHOLD` elements (each expert is 3 Linear
     modules in the Hugging Face implementations)."""
     big = lambda n: int(n >= PERSISTENCE_THRESHOLD)
-    out = {"attention": sum(big(n) for n in self.attention_matrices())}
+    matrices = self.linear_attention_matrices() if linear else self.attention_matrices()
+    out = {"attention": sum(big(n) for n in matrices)}
     if moe:
       out["router"] = big(self.router_params())
       out["experts"] = 3 * self.num_experts * big(self.d_model * self.expert_hidden)
@@ -224,7 +259,10 @@ def shape_of(cfg) -> ModelShape:
       sliding_layers=len(m.sliding_layers), shared_gate=moe.shared_expert_gate,
       tied_embeddings=m.tie_embeddings, score_bias=moe.score_bias,
       attention_out_bias=m.attention_out_bias, expert_bias=moe.expert_bias,
-      router_bias=moe.router_bias, source="moejax config", **mla)
+      router_bias=moe.router_bias, source="moejax config",
+      linear_layers=tuple(m.linear_layers), linear_key_heads=m.linear_key_heads,
+      linear_value_heads=m.linear_value_heads, linear_key_dim=m.linear_key_dim,
+      linear_value_dim=m.linear_value_dim, linear_conv_taps=m.linear_conv_taps, **mla)
 
 
 def _olmoe_1b7b() -> ModelShape:

@@ -54,12 +54,12 @@ def _units(shape: ModelShape, run: Run) -> list[_Unit]:
   emb = shape.vocab_size * shape.d_model
   big = int(emb >= PERSISTENCE_THRESHOLD)
   out = [_Unit("embed", {"embeddings": _Group(emb, big)}, 0.0, False)]
-  for i in range(shape.num_layers):
-    moe = i >= shape.dense_layers
-    sizes = shape.layer_groups(moe)
-    tensors = shape.modules_per_layer(moe)
+  for i, (moe, linear) in enumerate(shape.layers()):
+    sizes = shape.layer_groups(moe, linear)
+    tensors = shape.modules_per_layer(moe, linear)
     groups = {g: _Group(n, tensors.get(g, 0)) for g, n in sizes.items()}
-    out.append(_Unit(f"layer{i}", groups, t * sum(cp.layer_flops(shape, s, moe).values()), True))
+    out.append(_Unit(f"layer{i}", groups,
+                     t * sum(cp.layer_flops(shape, s, moe, linear).values()), True))
   out.append(_Unit("head", {"embeddings": _Group(emb, big)}, t * cp.head_flops(shape), False))
   return out
 

@@ -71,6 +71,22 @@ class MemoryReport:
 
 
 
+def linear_attention_bytes(cfg: Config, tokens: int) -> int:
+  """One layer's extra working bytes of Gated DeltaNet (`model.linear_layers`) over `tokens`
+  local tokens, fp32: its projections (q, k, v, z, b, a), per chunk of 64 the decays and the
+  k.k and q.k products [Hv, 64, 64] and the updates and their changes per unit of memory
+  [Hv, 64, Dv + Dk], and the memory before each chunk [Hv, Dk, Dv], which the scan's backward
+  keeps."""
+  from moejax.layers.linear_attention import CHUNK
+  m = cfg.model
+  if not m.linear_layers:
+    return 0
+  hv, dk, dv = m.linear_value_heads, m.linear_key_dim, m.linear_value_dim
+  widths = 2 * m.linear_key_heads * dk + 2 * hv * dv + 2 * hv
+  per_token = widths + hv * (3 * CHUNK + 2 * (dk + dv))
+  return 4 * (tokens * per_token + -(-tokens // CHUNK) * hv * dk * dv)
+
+
 def sparse_attention_bytes(cfg: Config, tokens: int) -> int:
   """One layer's extra working bytes of DeepSeek sparse attention over `tokens` local tokens:
   past index_topk keys the attention over the selection (`attention.attend_selected`) holds a
@@ -182,7 +198,8 @@ def memory_report(cfg: Config, num_devices: int, *,
   per_layer_saved = {"full": tokens * d * c, "minimal": tokens * d * c + matmul_out,
                      "none": tokens * d * c + matmul_out + elementwise}[cfg.remat]
   layers = m.num_layers
-  working = 2 * (tokens * d * c + matmul_out + elementwise) + sparse_attention_bytes(cfg, tokens)
+  working = (2 * (tokens * d * c + matmul_out + elementwise) + sparse_attention_bytes(cfg, tokens)
+             + linear_attention_bytes(cfg, tokens))
   logits = 2 * tokens * v * 4
   activations = layers * per_layer_saved + working + logits
 

@@ -432,6 +432,24 @@ MODELS = {
                     rms_norm_eps=1e-6, attention_bias=True, tie_word_embeddings=False,
                     rope_parameters=dict(rope_type="default", rope_theta=30000.0)),
         save=dict(save_original_format=False)),
+    # Qwen3-Next: layers 0, 2 and 3 Gated DeltaNet (2 key heads of 8 over 4 value heads of 6,
+    # 4 taps), layer 1 softmax attention (its output gate, per-head QK-norm, a quarter of each
+    # head rotated), zero-centered norms; layer 2 dense (mlp_only_layers), the others top-2 of
+    # 6 experts beside a gated shared expert
+    "qwen3_next": dict(
+        model_type="qwen3_next",
+        config=dict(vocab_size=60, hidden_size=32, intermediate_size=40, num_hidden_layers=4,
+                    layer_types=["linear_attention", "full_attention", "linear_attention",
+                                 "linear_attention"],
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                    linear_value_head_dim=6, linear_conv_kernel_dim=4, num_experts=6,
+                    num_experts_per_tok=2, moe_intermediate_size=12,
+                    shared_expert_intermediate_size=16, norm_topk_prob=True, mlp_only_layers=[2],
+                    rms_norm_eps=1e-6,
+                    rope_parameters=dict(rope_type="default", rope_theta=20000.0,
+                                         partial_rotary_factor=0.25)),
+        save=dict()),
     # Llama 4: layers 0 and 2 dense (interleave_moe_layer_step 2), layers 0-2 rotated (Llama 3's
     # scaling, neighbour pairs) with the unscaled per-head QK-norm and chunks of 5 of the 16
     # tokens, layer 3 unrotated over all of them with its queries' temperature (floor 4, scale
