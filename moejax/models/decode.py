@@ -6,7 +6,11 @@ key/value heads, Dk / Dv key and value head widths (both the head width but with
 attention, whose cache holds its expanded per-head keys and values).
 
 `forward_cached` runs the same layers as `olmoe.forward` (the same modules, one device), with
-attention over the cache's first `start + S` positions. Routing has no admission here:
+attention over the cache's first `start + S` positions. Linear-attention layers
+(`model.linear_layers`, Gated DeltaNet) keep no keys: their state is the convolution's last
+inputs and each value head's memory (`linear_attention.LinearState`), carried from one call to
+the next, a prompt's by chunks and each new token's by the recurrence itself; the KV cache
+holds the softmax-attention layers only. Routing has no admission here:
 admission is a training-time load control whose choice for a token depends on the other tokens
 of the batch, so a cached step (one token) would route differently from the full pass; each
 token is routed by its top-k alone (`without_admission`).
@@ -23,16 +27,22 @@ import numpy as np
 
 from moejax.config import Config
 from moejax.layers.attention import attend, attend_selected
+from moejax.layers.linear_attention import LinearState
 from moejax.layers.norm import norm
 from moejax.models import olmoe
 from moejax.sharding import hook
 
 
 class KVCache(NamedTuple):
+  """Keys and values of the softmax-attention layers (L of them), and the linear-attention
+  layers' state (Ll of them; None without)."""
   k_LxBxTxGxDk: jax.Array
   v_LxBxTxGxDv: jax.Array
   # DeepSeek sparse attention's indexer keys (model.index_topk > 0), else None
   index_k_LxBxTxDi: jax.Array | None = None
+  # Gated DeltaNet: the convolution's last K - 1 inputs, and the memory (fp32)
+  conv_LxBxKxC: jax.Array | None = None
+  memory_LxBxHxDkxDv: jax.Array | None = None
 
   @property
   def max_len(self) -> int:
@@ -49,11 +59,18 @@ def init_cache(cfg: Config, batch: int, max_len: int, dtype=jnp.float32) -> KVCa
     k_width, v_width, heads = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim, m.num_heads
   else:
     k_width, v_width, heads = m.head_dim, m.head_dim, m.num_kv_heads or m.num_heads
-  lead = (m.num_layers, batch, max_len, heads)
-  index_k = (jnp.zeros((m.num_layers, batch, max_len, m.index_head_dim), dtype)
+  softmax = m.num_layers - len(m.linear_layers)
+  lead = (softmax, batch, max_len, heads)
+  index_k = (jnp.zeros((softmax, batch, max_len, m.index_head_dim), dtype)
              if m.index_topk else None)
+  conv = memory = None
+  if m.linear_layers:
+    linear, hv = len(m.linear_layers), m.linear_value_heads
+    channels = 2 * m.linear_key_heads * m.linear_key_dim + hv * m.linear_value_dim
+    conv = jnp.zeros((linear, batch, m.linear_conv_taps - 1, channels), dtype)
+    memory = jnp.zeros((linear, batch, hv, m.linear_key_dim, m.linear_value_dim), jnp.float32)
   return KVCache(jnp.zeros(lead + (k_width,), dtype), jnp.zeros(lead + (v_width,), dtype),
-                 index_k)
+                 index_k, conv, memory)
 
 
 def cast_params(params: dict, dtype, cfg: Config | None = None) -> dict:
@@ -127,18 +144,45 @@ def _forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start
                                  lambda x: (layer.feed_forward(x), None))
     return h_BxSxD, cached["kv"]
 
-  runs, position = [], 0     # each run of layers: its parameters, its cache's layers
+  def linear_step(group, kind, h_BxSxD, inputs):
+    """A Gated DeltaNet layer from its state: the new tokens by chunks (a prompt) or one token
+    by the recurrence."""
+    layer_params, conv_BxKxC, memory_BxHxDkxDv = inputs
+    layer = olmoe.layer_from_params(cfg, layer_params, group, kind)
+    state = {}
+
+    def attention(x_BxSxD):
+      y_BxSxD, state["new"] = layer.attn.with_state(
+          x_BxSxD, LinearState(conv_BxKxC, memory_BxHxDkxDv), by_token=s == 1)
+      return y_BxSxD
+
+    h_BxSxD, _ = layer.sublayers(h_BxSxD, attention, lambda x: (layer.feed_forward(x), None))
+    new = state["new"]
+    return h_BxSxD, (new.conv_BxKxC.astype(conv_BxKxC.dtype), new.memory_BxHxDkxDv)
+
+  kv_cache = tuple(cache)[:3]
+  kv_runs, linear_runs = [], []   # per run of layers: its part of the cache, updated
+  position = linear_position = 0  # where the run's layers are in the cache's
   for group, first, count, kind in olmoe.layer_runs(cfg):
     layers = jax.tree.map(lambda x: x[first:first + count], params[group])
-    cached = jax.tree.map(lambda x: x[position:position + count], tuple(cache))
+    if kind.linear:
+      at = slice(linear_position, linear_position + count)
+      h_BxSxD, state_L = jax.lax.scan(functools.partial(linear_step, group, kind), h_BxSxD,
+                                      (layers, cache.conv_LxBxKxC[at],
+                                       cache.memory_LxBxHxDkxDv[at]))
+      linear_runs.append(state_L)
+      linear_position += count
+      continue
+    cached = jax.tree.map(lambda x: x[position:position + count], kv_cache)
     h_BxSxD, cached_L = jax.lax.scan(functools.partial(layer_step, group, kind), h_BxSxD,
                                      (layers, *cached))
-    runs.append(cached_L)
+    kv_runs.append(cached_L)
     position += count
   h_BxSxD = norm(h_BxSxD, params["final_norm"], cfg.model.norm_eps, cfg.model.norm_kind)
   head_DxV = params["embed"].T if cfg.model.tie_embeddings else params["lm_head"]
-  return (olmoe.lm_logits(cfg, h_BxSxD, head_DxV),
-          KVCache(*jax.tree.map(lambda *x: jnp.concatenate(x, axis=0), *runs)))
+  join = lambda runs: jax.tree.map(lambda *x: jnp.concatenate(x, axis=0), *runs)  # noqa: E731
+  linear = join(linear_runs) if linear_runs else (None, None)
+  return (olmoe.lm_logits(cfg, h_BxSxD, head_DxV), KVCache(*join(kv_runs), *linear))
 
 
 def sample(logits_BxV, key, *, temperature: float, top_p: float):

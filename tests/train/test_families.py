@@ -13,8 +13,11 @@ its own (QK-norm per head: two norm scales per layer) is checked against transfo
 tests/convert/test_hf_parity.py and not trained sharded again; nor is GLM-4.5's (its q/k/v biases
 are Qwen2-MoE's below, its dense first layer, shared expert and grouped sigmoid routing with a
 score bias DeepSeek's; its 8-device first-step losses under fsdp, ep and fssdp are
-`bench/families.py`'s, within 2e-5 of one device's in bf16). MiniCPM5-MoE (the attention's
-output gate, its weight gathered inside the q projection's) under fsdp; EXAONE-MoE (sliding and
+`bench/families.py`'s, within 2e-5 of one device's in bf16). Qwen3-Next (three Gated DeltaNet
+layers, their projections, convolution taps and fp32-gathered decay parameters sharded as their
+own stacked group beside the softmax layer's; the attention's output gate, its weight gathered
+inside the q projection's, as MiniCPM5-MoE's, which it replaces here; zero-centered norms; a
+gated shared expert) under fsdp; EXAONE-MoE (sliding and
 unrotated layers: its MoE layers in two scans, the gathers prefetched across them) under fsdp;
 FlexOlmo (norms on the sublayers' outputs) under ep; Granite SWA (attention sinks, replicated
 where every other layer parameter is sharded) under fsdp; DeepSeek-V3.2 (each of the 64
@@ -39,7 +42,7 @@ import pytest
 
 from tests.helpers import run_steps, tiny_config
 
-FAMILY_PLACEMENTS = {"qwen2_moe": "ep", "minicpm5_moe": "fsdp",
+FAMILY_PLACEMENTS = {"qwen2_moe": "ep", "qwen3_next": "fsdp",
                      "exaone_moe": "fsdp", "flex_olmo": "ep", "granitemoe_swa": "fsdp",
                      "deepseek_v32": "fsdp"}
 # (clip_norm above any first gradient norm here: run_steps reads the gradients unclipped; sandwich
