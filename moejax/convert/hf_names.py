@@ -271,7 +271,8 @@ FUSED_MOE_MODULE = {"granitemoe": "block_sparse_moe", "granitemoeshared": "block
 # Shared experts held fused at the layer's level, [gate rows; up rows] then down (Granite's
 # shared_mlp.input_linear / output_linear).
 FUSED_SHARED_MODULE = {"granitemoeshared": "shared_mlp", "granitemoe_swa": "shared_mlp"}
-SHARED_EXPERT_MODULE = {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert", "glm4_moe": "shared_experts",
+SHARED_EXPERT_MODULE = {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert",
+                        "glm4_moe": "shared_experts",
                         "dots1": "shared_experts", "ernie4_5_moe": "shared_experts",
                         "deepseek_v2": "shared_experts", "deepseek_v3": "shared_experts",
                         "deepseek_v32": "shared_experts", "glm_moe_dsa": "shared_experts",

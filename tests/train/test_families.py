@@ -19,8 +19,7 @@ own stacked group beside the softmax layer's; the attention's output gate, its w
 inside the q projection's, as MiniCPM5-MoE's, which it replaces here; zero-centered norms; a
 gated shared expert) under fsdp; EXAONE-MoE (sliding and
 unrotated layers: its MoE layers in two scans, the gathers prefetched across them) under fsdp;
-FlexOlmo (norms on the sublayers' outputs) under ep; Granite SWA (attention sinks, replicated
-where every other layer parameter is sharded) under fsdp; DeepSeek-V3.2 (each of the 64
+DeepSeek-V3.2 (each of the 64
 tokens attending to its 32 best earlier keys by the indexer, which its own KL loss trains) under
 fsdp. (gpt-oss's experts, biased and with the
 clamped SwiGLU, go through the ep exchange as on one device in tests/placement/test_dispatch.py,
@@ -28,7 +27,10 @@ their replicas through the coded and plain SparseAllGather in tests/placement/te
 its train step under fsdp and fssdp and Cohere2-MoE's parallel blocks under fsdp were measured
 equal to one device's within 5e-7 once, not in CI: `bench/families.py` trains both under every
 placement.) (AfMoE's own gate weight is a plain
-matrix on wq's axes, its sandwich norms plain norm scales: nothing a placement treats apart.)
+matrix on wq's axes, its sandwich norms plain norm scales: nothing a placement treats apart.
+FlexOlmo's norms on the sublayers' outputs (plain norm scales) under ep and Granite SWA's
+attention sinks (per head, replicated, gathered in fp32, as Qwen3-Next's decay parameters are)
+under fsdp trained equal to one device here until Qwen3-Next's check covered theirs.)
 
 The other techniques run on the families where their own tests run them: the codec gathers
 Qwen2-MoE's biases and shared expert bit-exactly (tests/sharding/test_gatherer.py); admission acts
@@ -42,8 +44,7 @@ import pytest
 
 from tests.helpers import run_steps, tiny_config
 
-FAMILY_PLACEMENTS = {"qwen2_moe": "ep", "qwen3_next": "fsdp",
-                     "exaone_moe": "fsdp", "flex_olmo": "ep", "granitemoe_swa": "fsdp",
+FAMILY_PLACEMENTS = {"qwen2_moe": "ep", "qwen3_next": "fsdp", "exaone_moe": "fsdp",
                      "deepseek_v32": "fsdp"}
 # (clip_norm above any first gradient norm here: run_steps reads the gradients unclipped; sandwich
 # norms, as AfMoE's, put unit-RMS sublayer outputs on the residual stream: first norms above 1)
