@@ -9,6 +9,7 @@ import configs.deepseek as deepseek_configs
 import configs.afmoe as afmoe_configs
 import configs.cohere2_moe as cohere2_moe_configs
 import configs.qwen3_next as qwen3_next_configs
+import configs.qwen3_5_moe as qwen3_5_moe_configs
 import configs.deepseek_v2 as deepseek_v2_configs
 import configs.deepseek_v32 as deepseek_v32_configs
 import configs.dots1 as dots1_configs
@@ -58,7 +59,8 @@ FAMILY_CONFIGS = {"olmoe": olmoe_configs, "mixtral": mixtral_configs,
                   "granitemoe_swa": granitemoe_swa_configs, "flint": flint_configs,
                   "kolibri1": kolibri1_configs, "gpt_oss": gpt_oss_configs,
                   "cohere2_moe": cohere2_moe_configs, "llama4": llama4_configs,
-                  "hunyuan_v1_moe": hunyuan_v1_moe_configs, "qwen3_next": qwen3_next_configs}
+                  "hunyuan_v1_moe": hunyuan_v1_moe_configs, "qwen3_next": qwen3_next_configs,
+                  "qwen3_5_moe": qwen3_5_moe_configs}
 
 
 def tiny_config(family: str = "olmoe", **overrides):

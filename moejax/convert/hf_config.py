@@ -506,6 +506,13 @@ FAMILY_SPECS = {
         partial_rotary=0.25, attention_gate=True, linear=True,
         required=_COMMON_REQUIRED + (
             ("attention_bias", False, "moejax attention projections have no bias"),)),
+    "qwen3_5_moe": FamilySpec(
+        "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", "head", "num_experts",
+        "moe_intermediate_size", None, shared_expert=True, all_moe=True, default_norm_eps=1e-6,
+        default_head_dim=256, default_kv_heads=2, default_aux=0.001, partial_rotary=0.25,
+        attention_gate=True, linear=True,
+        required=_COMMON_REQUIRED + (
+            ("attention_bias", False, "moejax attention projections have no bias"),)),
     "llama4": FamilySpec(
         "llama4_text", "Llama4ForCausalLM", "l2", "num_local_experts", "intermediate_size", None,
         default_rope_theta=500000.0, default_head_dim=128, default_kv_heads=8, default_aux=0.001,
@@ -547,6 +554,7 @@ class TextWrapper:
 # false), its multimodal RoPE (mrope_section) plain RoPE for text, whose three position ids are
 # equal; its tensors under model.language_model. (`hf_names.TextLayout`), lm_head beside it.
 # GLM-4.5V's and GLM-4.6V's (Glm4vMoeForConditionalGeneration) is GLM-4.5's, laid out as Qwen3-VL's.
+# Qwen3.5-MoE's (below) is its own family's.
 TEXT_CONFIG_WRAPPERS = {
     "llama4": TextWrapper("llama4_text"),
     "kimi_k25": TextWrapper("deepseek_v3", outer_fields=(("tie_word_embeddings", True),)),
@@ -569,6 +577,12 @@ TEXT_CONFIG_WRAPPERS = {
                        ("max_position_embeddings", 65536), ("router_aux_loss_coef", 0.0001)),
         fixed_fields=(("use_qk_norm", False),),
         text_rope_keys=("mrope_section",),
+        layout=TextLayout(inner="language_model.")),
+    # Qwen3.5-MoE's (Qwen3_5MoeForConditionalGeneration): its own text model, laid out as
+    # Qwen3-VL's, its interleaved multimodal RoPE plain for text
+    "qwen3_5_moe": TextWrapper(
+        "qwen3_5_moe_text", outer_fields=(("tie_word_embeddings", False),),
+        text_rope_keys=("mrope_section", "mrope_interleaved"),
         layout=TextLayout(inner="language_model.")),
 }
 
@@ -2029,7 +2043,8 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
       hf["shared_intermediate_size"] = moe.shared_expert_hidden
   if spec.shared_expert:
     hf["shared_expert_intermediate_size"] = moe.shared_expert_hidden
-    hf.setdefault("intermediate_size", moe.shared_expert_hidden)   # dense MLP width: unused
+    if not spec.all_moe:       # (a field of the config class: its dense MLP's width, unused)
+      hf.setdefault("intermediate_size", moe.shared_expert_hidden)
   if spec.z_loss_key:
     hf[spec.z_loss_key] = moe.z_loss_weight
   for key, want, _ in spec.required:

@@ -211,6 +211,7 @@ HUB_EXPERT_NAMES = {
     "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
     "qwen2_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "qwen3_next": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+    "qwen3_5_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "minimax_m2": ("block_sparse_moe", ("w1", "w3", "w2")),
     "glm4_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
@@ -272,6 +273,7 @@ FUSED_MOE_MODULE = {"granitemoe": "block_sparse_moe", "granitemoeshared": "block
 # shared_mlp.input_linear / output_linear).
 FUSED_SHARED_MODULE = {"granitemoeshared": "shared_mlp", "granitemoe_swa": "shared_mlp"}
 SHARED_EXPERT_MODULE = {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert",
+                        "qwen3_5_moe": "shared_expert",
                         "glm4_moe": "shared_experts",
                         "dots1": "shared_experts", "ernie4_5_moe": "shared_experts",
                         "deepseek_v2": "shared_experts", "deepseek_v3": "shared_experts",
@@ -325,26 +327,40 @@ SCORE_BIAS_NAME = {"minimax_m2": ("e_score_correction_bias", "e_score_correction
 SCORE_BIAS_SINGLETON = ("ernie4_5_moe",)
 # Families whose checkpoints hold multi-token-prediction tensors under names with "mtp"
 # (transformers' _keys_to_ignore_on_load_unexpected).
-MTP_NAMED = ("ernie4_5_moe", "exaone_moe", "mellum", "qwen3_next")
+MTP_NAMED = ("ernie4_5_moe", "exaone_moe", "mellum", "qwen3_next", "qwen3_5_moe")
+
+
+# Families whose Gated DeltaNet projects q, k and v in one tensor's rows (all q, all k, all v)
+# and z, b and a in their own (Qwen3.5's), not grouped per key head (Qwen3-Next's)
+SPLIT_LINEAR_PROJECTIONS = ("qwen3_5_moe",)
 
 
 def _linear_attention_maps(cfg: Config, per_layer) -> None:
-  """Qwen3-Next's Gated DeltaNet (`linear_attn`): in_proj_qkvz's rows per key head its q, its
-  k, then its value heads' v and z; in_proj_ba's its value heads' b then a; conv1d's [C, 1, K]
-  taps over q, k and v."""
+  """Gated DeltaNet (`linear_attn`). Qwen3-Next's in_proj_qkvz's rows are, per key head, its q,
+  its k, then its value heads' v and z; in_proj_ba's its value heads' b then a. Qwen3.5's
+  in_proj_qkv holds every q, then every k, then every v; in_proj_z, in_proj_b and in_proj_a their
+  own. conv1d's [C, 1, K] taps over q, k and v."""
   m = cfg.model
   D, Hk, Hv, Dk, Dv = (m.d_model, m.linear_key_heads, m.linear_value_heads, m.linear_key_dim,
                        m.linear_value_dim)
   r, K = Hv // Hk, m.linear_conv_taps
-  width = 2 * Dk + 2 * r * Dv
-  for path, tail, offset, take in (("wq", Hk * Dk, 0, Dk), ("wk", Hk * Dk, Dk, Dk),
-                                   ("wv", Hv * Dv, 2 * Dk, r * Dv),
-                                   ("wz", Hv * Dv, 2 * Dk + r * Dv, r * Dv)):
-    per_layer(("attn", path), (D, tail), "linear_attn.in_proj_qkvz.weight", True,
-              row_offset=offset, row_groups=Hk, group_rows=width, group_take=take)
-  for path, offset in (("wb", 0), ("wa", r)):
-    per_layer(("attn", path), (D, Hv), "linear_attn.in_proj_ba.weight", True,
-              row_offset=offset, row_groups=Hk, group_rows=2 * r, group_take=r)
+  if m.family in SPLIT_LINEAR_PROJECTIONS:
+    for path, tail, offset in (("wq", Hk * Dk, 0), ("wk", Hk * Dk, Hk * Dk),
+                               ("wv", Hv * Dv, 2 * Hk * Dk)):
+      per_layer(("attn", path), (D, tail), "linear_attn.in_proj_qkv.weight", True,
+                row_offset=offset)
+    for path, tail, name in (("wz", Hv * Dv, "z"), ("wb", Hv, "b"), ("wa", Hv, "a")):
+      per_layer(("attn", path), (D, tail), f"linear_attn.in_proj_{name}.weight", True)
+  else:
+    width = 2 * Dk + 2 * r * Dv
+    for path, tail, offset, take in (("wq", Hk * Dk, 0, Dk), ("wk", Hk * Dk, Dk, Dk),
+                                     ("wv", Hv * Dv, 2 * Dk, r * Dv),
+                                     ("wz", Hv * Dv, 2 * Dk + r * Dv, r * Dv)):
+      per_layer(("attn", path), (D, tail), "linear_attn.in_proj_qkvz.weight", True,
+                row_offset=offset, row_groups=Hk, group_rows=width, group_take=take)
+    for path, offset in (("wb", 0), ("wa", r)):
+      per_layer(("attn", path), (D, Hv), "linear_attn.in_proj_ba.weight", True,
+                row_offset=offset, row_groups=Hk, group_rows=2 * r, group_take=r)
   channels = 2 * Hk * Dk + Hv * Dv
   for path, offset, take in (("conv_q", 0, Hk * Dk), ("conv_k", Hk * Dk, Hk * Dk),
                              ("conv_v", 2 * Hk * Dk, Hv * Dv)):

@@ -505,6 +505,27 @@ MULTIMODAL_MODELS = {
             vision_config=dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2,
                                out_hidden_size=32, patch_size=4, image_size=16)),
         save=dict()),
+    # Qwen3.5-MoE: its own text model (Qwen3-Next's layers, projections held apart, experts in
+    # every layer, always renormalized): layers 0, 2, 3 Gated DeltaNet, layer 1 softmax
+    "qwen3_5_moe": dict(
+        model_type="qwen3_5_moe",
+        config=dict(
+            text_config=dict(vocab_size=66, hidden_size=32, num_hidden_layers=4,
+                             layer_types=["linear_attention", "full_attention",
+                                          "linear_attention", "linear_attention"],
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             linear_num_key_heads=2, linear_num_value_heads=4,
+                             linear_key_head_dim=8, linear_value_head_dim=6,
+                             linear_conv_kernel_dim=4, num_experts=6, num_experts_per_tok=3,
+                             moe_intermediate_size=12, shared_expert_intermediate_size=16,
+                             rms_norm_eps=1e-6,
+                             rope_parameters=dict(rope_type="default", rope_theta=40000.0,
+                                                  partial_rotary_factor=0.25,
+                                                  mrope_section=[1, 1, 0],
+                                                  mrope_interleaved=True)),
+            vision_config=dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2,
+                               out_hidden_size=32, patch_size=4, num_position_embeddings=16)),
+        save=dict()),
 }
 # FP8 copies: every projection float8 e4m3 beside its scales; embeddings, head, router and norms
 # as they were. As the Hub's DeepSeek-V3, Qwen3-*-FP8 and MiniMax-M2 are stored (transformers'

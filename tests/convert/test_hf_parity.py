@@ -327,16 +327,17 @@ def test_a_multimodal_checkpoint_reads_its_text_model(hf_models, imported, tmp_p
 
 # Multimodal models transformers built and saved (hf_reference.MULTIMODAL_MODELS): the family of
 # their text model
-MULTIMODAL_SAVED = {"qwen3_vl_moe": "qwen3_moe", "glm4v_moe": "glm4_moe"}
+MULTIMODAL_SAVED = {"qwen3_vl_moe": "qwen3_moe", "glm4v_moe": "glm4_moe",
+                    "qwen3_5_moe": "qwen3_5_moe"}
 
 
 @pytest.mark.parametrize("name", sorted(MULTIMODAL_SAVED))
 def test_a_multimodal_model_reads_as_transformers_runs_it(name, hf_models, tmp_path):
-  """Qwen3-VL-MoE and GLM-4.5V as transformers saves them (Qwen3VLMoe- and
-  Glm4vMoeForConditionalGeneration): read as their text model, whose logits on text are
-  transformers'; the export is the text model's family's checkpoint without the multimodal
-  RoPE's keys, read back as the same model; a missing text tensor is named as the checkpoint
-  names it."""
+  """Qwen3-VL-MoE, GLM-4.5V and Qwen3.5-MoE as transformers saves them (Qwen3VLMoe-,
+  Glm4vMoe- and Qwen3_5MoeForConditionalGeneration): read as their text model, whose logits on
+  text are transformers'; the export is the text model's family's checkpoint without the
+  multimodal RoPE's keys, read back as the same model bit for bit; a missing text tensor is
+  named as the checkpoint names it."""
   from safetensors.numpy import save_file
   from moejax.convert.hf_config import config_from_hf
   hf_dir, tokens, want = hf_models[name]
@@ -347,6 +348,11 @@ def test_a_multimodal_model_reads_as_transformers_runs_it(name, hf_models, tmp_p
   assert exported["model_type"] == FAMILY_SPECS[cfg.model.family].model_type
   assert "mrope" not in json.dumps(exported)
   assert config_from_hf(exported).model == cfg.model
+  text = str(tmp_path / "text")
+  save_hf(params, cfg, text)
+  again_cfg, again = load_hf(text)
+  assert again_cfg.model == cfg.model
+  assert_same_bits(again, params)
   broken = str(tmp_path / "broken")
   os.makedirs(broken)
   tensors = read_all(hf_dir)

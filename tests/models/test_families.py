@@ -36,7 +36,8 @@ TWO_DIGITS = {("qwen2_moe", "57b_a14b", "active"): "cut",
               ("glm4_moe_lite", "flash", "active"): "cut1",   # 3.58B is "A3B"
               ("llama4", "maverick", "active"): "cut",      # 17.18B is "17B"
               ("glm_moe_dsa", "glm5", "active"): "cut",     # 40.83B is "40B"
-              ("qwen3_next", "80b_a3b", "active"): "cut1"}  # 3.87B is "A3B"
+              ("qwen3_next", "80b_a3b", "active"): "cut1",  # 3.87B is "A3B"
+              ("qwen3_5_moe", "35b_a3b", "active"): "cut1"}  # 3.45B is "A3B"
 # Published active counts that leave the input embedding out (DeepSeek-V2-Lite's 2.4B: 2.45B
 # without its 0.21B embedding, 2.66B with it; GLM-4.5-Air's 12B: 12.80B without, 13.42B with;
 # GLM-4.5's 32B: 32.86B without; GLM-5's 40B: 40.83B without; V2's 21B and V3's 37B count it).
