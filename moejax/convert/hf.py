@@ -175,13 +175,15 @@ def _by_layer(reader: TensorReader, leads, layer_of):
 def _column_groups(maps: list) -> list[list]:
   """`maps` in order, leaves whose every block is a column selection of the same tensor block
   as another leaf's grouped (gpt-oss's gate and up, every other column of gate_up_proj; Llama
-  4's halves of it): a group is read together, each tensor block once."""
+  4's halves of it), and leaves cut from the same whole tensors (Qwen3-Next's q, k, v and z of
+  in_proj_qkvz): a group is read together, each tensor block once."""
   groups, index = [], {}
   for leaf in maps:
     sources = leaf.sources.values()
     key = None
-    if leaf.lead and all(s.by_column and not s.transpose and not s.row_offset for s in sources):
-      key = (leaf.shape[:leaf.lead],
+    columns = all(s.by_column and not s.transpose and not s.row_offset for s in sources)
+    if leaf.lead and (columns or all(s.whole for s in sources)):
+      key = (columns, leaf.shape[:leaf.lead],
              tuple(sorted((lead, s.name, s.prefix) for lead, s in leaf.sources.items())))
     if key is not None and key in index:
       groups[index[key]].append(leaf)
@@ -196,7 +198,7 @@ def _read_columns_together(reader: TensorReader, group: list,
                            progress: ReadProgress | None = None) -> list[np.ndarray]:
   """Each leaf of a `_column_groups` group, whole, reading each tensor block once (a quantized
   one dequantized once: gpt-oss's interleaved MXFP4 gate_up_proj was read whole for gate and
-  again for up)."""
+  again for up; Qwen3-Next's in_proj_qkvz four times)."""
   first = group[0]
   outs = [np.empty(leaf.shape, np.float32) for leaf in group]
   leads = itertools.product(*(range(n) for n in first.shape[:first.lead]))
@@ -204,7 +206,12 @@ def _read_columns_together(reader: TensorReader, group: list,
     src = first.sources[lead]
     block = reader.read(src.name, src.prefix)
     for leaf, out in zip(group, outs):
-      out[lead] = block[..., leaf.sources[lead].columns(0, leaf.shape[-1])]
+      own = leaf.sources[lead]
+      if own.whole:
+        part = own.from_tensor(block)
+        out[lead] = part.T if own.transpose else part
+      else:
+        out[lead] = block[..., own.columns(0, leaf.shape[-1])]
       if progress is not None:
         progress.add(out[lead].size)
   return outs

@@ -1,6 +1,6 @@
 """RMSNorm, or LayerNorm without a bias (Cohere's; `kind="layer"`; with one for DeepSeek-V3.2's
 indexer keys), or zero-centered RMSNorm (Qwen3-Next's; `kind="rms_zero_centered"`: the stored
-weight w scales by 1 + w, so it starts at 0 and weight decay pulls it to the identity):
+weight w scales by 1 + w and starts at 0; moejax's norms take no weight decay, `axes.NO_DECAY`):
 statistics in fp32, output in the input's dtype."""
 from __future__ import annotations
 

@@ -86,7 +86,10 @@ def forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start)
   """Logits [B, S, V] (fp32) of tokens at positions start..start+S-1, and the cache with their
   keys and values written in; start + S must not exceed the cache's length (`generate` sizes it
   to the prompt plus the new tokens). `params` in the compute dtype (`cast_params`); `cfg` without
-  admission (`without_admission`)."""
+  admission (`without_admission`). With linear-attention layers the tokens must follow the
+  cache's last ones (start = the tokens it has seen): their state holds every earlier token and
+  cannot be rewound to an earlier start, as softmax layers' overwritten positions can (keep the
+  cache an earlier call returned to go back)."""
   olmoe.check_tokens(cfg, tokens_BxS)
   s = tokens_BxS.shape[1]
   if s > cache.max_len:
@@ -160,7 +163,7 @@ def _forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start
     new = state["new"]
     return h_BxSxD, (new.conv_BxKxC.astype(conv_BxKxC.dtype), new.memory_BxHxDkxDv)
 
-  kv_cache = tuple(cache)[:3]
+  kv_cache = tuple(cache)[:3]      # (no softmax layers: [0, ...] arrays, returned as they are)
   kv_runs, linear_runs = [], []   # per run of layers: its part of the cache, updated
   position = linear_position = 0  # where the run's layers are in the cache's
   for group, first, count, kind in olmoe.layer_runs(cfg):
@@ -181,8 +184,9 @@ def _forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start
   h_BxSxD = norm(h_BxSxD, params["final_norm"], cfg.model.norm_eps, cfg.model.norm_kind)
   head_DxV = params["embed"].T if cfg.model.tie_embeddings else params["lm_head"]
   join = lambda runs: jax.tree.map(lambda *x: jnp.concatenate(x, axis=0), *runs)  # noqa: E731
+  kv = join(kv_runs) if kv_runs else kv_cache
   linear = join(linear_runs) if linear_runs else (None, None)
-  return (olmoe.lm_logits(cfg, h_BxSxD, head_DxV), KVCache(*join(kv_runs), *linear))
+  return olmoe.lm_logits(cfg, h_BxSxD, head_DxV), KVCache(*kv, *linear)
 
 
 def sample(logits_BxV, key, *, temperature: float, top_p: float):

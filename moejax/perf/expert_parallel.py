@@ -43,7 +43,9 @@ and its bf16 gradient buffer (2)."""
 def themis_overlap_degree(shape: ModelShape, cluster, run: Run, calib: Calibration) -> int:
   """Themis Sec. 4.2: t = floor(T_attn * bw / Psi), bw the per-node ingress when inter-node binds."""
   net = net_of(cluster, run.gpus, calib)
-  t_attn = cp.seconds(run.tokens_per_gpu * cp.attention_flops(shape, run.seq_len),
+  flops = [cp.layer_flops(shape, run.seq_len, True, linear)["attention"]
+           for moe, linear in shape.layers() if moe]       # its MoE layers' mean attention
+  t_attn = cp.seconds(run.tokens_per_gpu * sum(flops) / len(flops),
                       cluster.gpu.peak_flops, calib.gpu(cluster.gpu.kind))
   bw = net.b_inter if net.nodes > 1 else net.b_intra
   return max(1, int(t_attn * bw / (2.0 * shape.expert_params())))
@@ -179,10 +181,13 @@ def _one_step(shape, cluster, run, system, calib, counts_LxNxE, pred_LxE, owner_
   sec = lambda flops: cp.seconds(flops, gpu.peak_flops, eff)
   psi = 2.0 * shape.expert_params()
   row = 2.0 * d
-  attn_s = sec(tok * (cp.attention_flops(shape, run.seq_len) + cp.router_flops(shape)))
   shared_s = sec(tok * cp.shared_flops(shape))
-  dense_groups = {g: v for g, v in shape.layer_groups(True).items() if g != "experts"}
-  dense_values = sum(dense_groups.values())
+  # each MoE layer's attention (softmax or linear) and router time, and its non-expert values
+  kinds = [linear for moe, linear in shape.layers() if moe]
+  attn_L = [sec(tok * (cp.layer_flops(shape, run.seq_len, True, linear)["attention"]
+                       + cp.router_flops(shape))) for linear in kinds]
+  dense_L = [sum(v for g, v in shape.layer_groups(True, linear).items() if g != "experts")
+             for linear in kinds]
   layers = []
   holders_L = []
   stragglers, inter_frac, replicas = [], [], []
@@ -241,10 +246,10 @@ def _one_step(shape, cluster, run, system, calib, counts_LxNxE, pred_LxE, owner_
                    "spag": spag, "late": late_s, "sprs": sprs, "shadow": shadow})
   p = Program()
   prev = None
-  dense_ag = net.all_gather(2 * dense_values) if system.dense == "fsdp" else 0.0
+  dense_ag_L = [net.all_gather(2 * v) if system.dense == "fsdp" else 0.0 for v in dense_L]
   # forward
   for l, L in enumerate(layers):
-    prev = _forward_layer(p, system, L, attn_s, shared_s, dense_ag, net, psi, prev)
+    prev = _forward_layer(p, system, L, attn_L[l], shared_s, dense_ag_L[l], net, psi, prev)
   head_s = sec(tok * cp.head_flops(shape))
   prev = p.add("compute", "compute", head_s, prev, "head fwd")
   prev = p.add("compute", "compute", cp.BACKWARD * head_s, prev, "head bwd")
@@ -257,7 +262,7 @@ def _one_step(shape, cluster, run, system, calib, counts_LxNxE, pred_LxE, owner_
   for l in reversed(range(len(layers))):
     L = layers[l]
     if run.remat:
-      prev = _forward_layer(p, system, L, attn_s, shared_s, dense_ag, net, psi, prev,
+      prev = _forward_layer(p, system, L, attn_L[l], shared_s, dense_ag_L[l], net, psi, prev,
                             recompute=True)
     c1 = p.add_split("a2a", "comm", L["a2a"], L["a2a_even"], prev, "combine bwd")
     eb = p.add_split("compute", "compute", cp.BACKWARD * L["exp_max"],
@@ -270,8 +275,9 @@ def _one_step(shape, cluster, run, system, calib, counts_LxNxE, pred_LxE, owner_
                         "shadow grads"))
     if system.balance == "flexmoe":
       tail.append(p.add("ar", "comm", L["sprs"], eb, "replica grads"))
-    prev = p.add("compute", "compute", cp.BACKWARD * (attn_s + shared_s), d1, "attention bwd")
-    tail.append(p.add(kind, stream, coll(4.0 * dense_values), prev, "dense grads"))
+    prev = p.add("compute", "compute", cp.BACKWARD * (attn_L[l] + shared_s), d1,
+                 "attention bwd")
+    tail.append(p.add(kind, stream, coll(4.0 * dense_L[l]), prev, "dense grads"))
   tail.append(p.add(kind, stream, coll(4.0 * head), prev, "embedding grads"))
   if amortized_bytes:
     tail.append(p.add("reshard", "comm", amortized_bytes / (net.b_inter if net.nodes > 1

@@ -197,11 +197,18 @@ def memory_report(cfg: Config, num_devices: int, *,
   elementwise = tokens * d * 4 * c + a * f * 4 + a * d * 4        # norms, rope, silu, combine
   per_layer_saved = {"full": tokens * d * c, "minimal": tokens * d * c + matmul_out,
                      "none": tokens * d * c + matmul_out + elementwise}[cfg.remat]
-  layers = m.num_layers
+  layers, linear = m.num_layers, len(m.linear_layers)
+  linear_bytes = linear_attention_bytes(cfg, tokens)
+  saved_linear = per_layer_saved
+  if linear and cfg.remat != "full":   # a linear layer keeps its own projections and its
+    # chunks' fp32 arrays (the saved dots among them) in place of q, k and v
+    projections = (2 * m.linear_key_heads * m.linear_key_dim
+                   + 2 * m.linear_value_heads * (m.linear_value_dim + 1))
+    saved_linear += tokens * (projections - (q_heads + 2 * kv) * head_dim) * c + linear_bytes
   working = (2 * (tokens * d * c + matmul_out + elementwise) + sparse_attention_bytes(cfg, tokens)
-             + linear_attention_bytes(cfg, tokens))
+             + linear_bytes)
   logits = 2 * tokens * v * 4
-  activations = layers * per_layer_saved + working + logits
+  activations = (layers - linear) * per_layer_saved + linear * saved_linear + working + logits
 
   exchange = 0
   if owns and n > 1:

@@ -86,6 +86,21 @@ indexer, whose keys the cache holds beside the attention's; Qwen3-Next: three Ga
   np.testing.assert_array_equal(tokens_BxN[:, prompt.shape[1]:], np.argmax(logits_BxNxV, -1))
 
 
+def test_a_model_of_linear_layers_alone_decodes(prompt):
+  """Every layer Gated DeltaNet: the cache holds no keys (its softmax arrays have no layers),
+  only the linear layers' state, and each generated step's logits equal the full forward's."""
+  cfg = tiny_config("qwen3_next", **{"model.init_std": 0.1, "model.num_layers": 2,
+                                     "model.linear_layers": (0, 1)})
+  params = olmoe.init_params(cfg, jax.random.key(2))
+  assert decode.init_cache(cfg, 2, 8).k_LxBxTxGxDk.shape[0] == 0
+  tokens_BxN, logits_BxNxV = decode.generate(cfg, params, prompt, max_new_tokens=3)
+  gather = functools.partial(local_gather, dtype=jnp.float32)
+  full_BxNxV, _ = olmoe.forward(decode.without_admission(cfg), params, tokens_BxN[:, :-1],
+                                gather=gather)
+  np.testing.assert_allclose(logits_BxNxV, full_BxNxV[:, prompt.shape[1] - 1:], rtol=1e-5,
+                             atol=1e-5)
+
+
 def test_sampling_is_reproducible_for_a_seed(model, prompt):
   cfg, params = model
   sample = functools.partial(decode.generate, cfg, params, prompt, max_new_tokens=NEW,
