@@ -664,8 +664,6 @@ def _validate_linear(c: Config) -> None:
          "/ chunked_layers / nope_layers, which are softmax attention's")
   _check(c.moe.placement != "fssdp", "config.model.linear_layers: moe.placement='fssdp' does not "
          "take them yet; use 'fsdp' or 'ep'")
-  _check(not c.moe.score_bias, "config.model.linear_layers: moe.score_bias is not balanced on "
-         "linear layers yet; leave it False")
 
 
 def validate(c: Config) -> None:

@@ -102,6 +102,17 @@ def layer_group_of(cfg: Config) -> list[tuple[str, int]]:
   return out
 
 
+def moe_rows(cfg: Config) -> dict[str, tuple[int, ...] | None]:
+  """{MoE layer group: the positions of its layers among all MoE layers (model order), in its
+  own order}: the rows of a step's [L, E] arrays (loads) each group's layers are; None where
+  one group holds every MoE layer."""
+  groups = [group for group, _ in layer_group_of(cfg) if group in MOE_GROUPS]
+  if len(set(groups)) == 1:
+    return {groups[0]: None}
+  return {g: tuple(i for i, group in enumerate(groups) if group == g) for g in MOE_GROUPS
+          if g in groups}
+
+
 def group_kind(group: str) -> "AttentionKind":
   """The attention kind a group's parameters are made for (linear or softmax attention)."""
   return AttentionKind(linear=group in LINEAR_GROUPS)

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-BIAS_PATH = ("layers", "moe", "score_bias")   # [L, E] in the parameter tree
+# Each MoE layer group's bias, [its layers, E] in the parameter tree: the MoE layers ("layers"),
+# and those with linear attention ("linear_layers"), whose rows of the step's [L, E] load (all MoE
+# layers in model order) `apply`'s `rows` names.
+BIAS_PATH = ("layers", "moe", "score_bias")
 
 
 def updated_bias(bias_LxE, load_LxE, rate: float):
@@ -25,11 +28,17 @@ def updated_bias(bias_LxE, load_LxE, rate: float):
   return bias_LxE + rate * jnp.sign(mean_Lx1 - load_LxE)
 
 
-def apply(params: dict, load_LxE, rate: float) -> dict:
-  """`params` with the MoE layers' score bias moved (unchanged if rate is 0)."""
+def apply(params: dict, load_LxE, rate: float, rows: dict | None = None) -> dict:
+  """`params` with the MoE layers' score bias moved (unchanged if rate is 0). `rows`: {MoE layer
+  group: the rows of `load_LxE` its layers are, in its order} (`olmoe.moe_rows`; None: one
+  group, "layers", all of them)."""
   if rate == 0:
     return params
   layers_key, moe_key, bias_key = BIAS_PATH
-  moe = params[layers_key][moe_key]
-  moe = dict(moe, **{bias_key: updated_bias(moe[bias_key], load_LxE, rate)})
-  return dict(params, **{layers_key: dict(params[layers_key], **{moe_key: moe})})
+  rows = {layers_key: None} if rows is None else rows
+  for group, at in rows.items():
+    load = load_LxE if at is None else load_LxE[jnp.asarray(at)]
+    moe = params[group][moe_key]
+    moe = dict(moe, **{bias_key: updated_bias(moe[bias_key], load, rate)})
+    params = dict(params, **{group: dict(params[group], **{moe_key: moe})})
+  return params

@@ -209,7 +209,7 @@ def make_train_step(cfg: Config, mesh, lay: StateLayout, tx: optax.GradientTrans
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       params = optax.apply_updates(state.params, updates)
     load_LxE = parts.pop("load_LxE")        # the router's choices, before admission
-    params = balance.apply(params, load_LxE, cfg.moe.score_bias_rate)
+    params = balance.apply(params, load_LxE, cfg.moe.score_bias_rate, olmoe.moe_rows(cfg))
     # The load history plans what the experts process: the assignments admission kept (the
     # router's choices when there is no admission).
     placement_state = lay.placement.next_state(state.placement, parts["admitted_load_LxE"],

@@ -86,6 +86,25 @@ def test_balance_moves_the_bias_against_the_load():
   np.testing.assert_allclose(bias, [[-1e-3, 1e-3, 1e-3, 1e-3], [0, 0, 0, 0]])
 
 
+def test_balance_moves_each_groups_bias_by_its_own_layers_loads():
+  """A hybrid model's MoE layers in two groups (linear attention on layers 0-2, softmax on 3):
+  each group's bias moves by the loads of its own layers, rows of the step's [L, E] load in
+  model order (`olmoe.moe_rows`)."""
+  from moejax.models import olmoe
+  from moejax.routing import balance
+  from tests.helpers import tiny_config
+  cfg = tiny_config("qwen3_next", **{"moe.num_experts": 4, "moe.top_k": 2})
+  rows = olmoe.moe_rows(cfg)
+  assert rows == {"layers": (3,), "linear_layers": (0, 1, 2)}
+  load_LxE = jnp.asarray([[5, 1, 1, 1], [1, 5, 1, 1], [1, 1, 5, 1], [1, 1, 1, 5]])
+  params = {g: {"moe": {"score_bias": jnp.zeros((len(r), 4))}} for g, r in rows.items()}
+  moved = balance.apply(params, load_LxE, 1.0, rows)
+  np.testing.assert_array_equal(moved["layers"]["moe"]["score_bias"], [[1, 1, 1, -1]])
+  np.testing.assert_array_equal(moved["linear_layers"]["moe"]["score_bias"],
+                                [[-1, 1, 1, 1], [1, -1, 1, 1], [1, 1, -1, 1]])
+  assert olmoe.moe_rows(tiny_config()) == {"layers": None}      # one group: every row
+
+
 def test_sigmoid_scores_by_hand():
   scores = router.router_scores(jnp.asarray([[0.0, math.log(3.0)]]), "sigmoid")
   np.testing.assert_allclose(scores, [[0.5, 0.75]], rtol=1e-6)
