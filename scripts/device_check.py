@@ -497,6 +497,42 @@ def step_attention(dims: dict) -> dict:
   return out
 
 
+def step_linear(dims: dict) -> dict:
+  """Gated DeltaNet's rule (`layers.linear_attention`) at Qwen3-Next's linear-layer shapes (32
+  value heads over 16 key heads of 128), fp32: by chunks of 64 (the training path: one batched
+  triangular solve, a scan across chunks) and token by token (the decoding path), forward and
+  forward+backward, their outputs and gradients compared."""
+  import jax
+  import jax.numpy as jnp
+  from moejax.layers import linear_attention as la
+
+  b, t, (hk, hv), w = (dims["linear_batch"], dims["linear_seq"], dims["linear_heads"],
+                       dims["linear_dim"])
+  keys = jax.random.split(jax.random.key(3), 6)
+  q, k = (jax.random.normal(key, (b, t, hk, w), jnp.float32) for key in keys[:2])
+  v, dy = (jax.random.normal(key, (b, t, hv, w), jnp.float32) for key in keys[2:4])
+  g = -jax.random.uniform(keys[4], (b, t, hv), jnp.float32, 0.0, 0.2)
+  beta = jax.random.uniform(keys[5], (b, t, hv), jnp.float32)
+  out = {"batch": b, "seq": t, "key_heads": hk, "value_heads": hv, "head_dim": w,
+         "chunk": la.CHUNK}
+  ys = {}
+  for name, rule in (("chunks", la.gated_delta_rule), ("token", la.gated_delta_rule_by_token)):
+    fn = lambda q, k, v, g, beta, rule=rule: rule(q, k, v, g, beta)[0]   # noqa: E731
+    ys[name], grads, out[name] = _forward_backward(fn, (q, k, v, g, beta), dy, 0.0)
+    ys[name] = (ys[name], grads)
+    for key in ("forward_tflops", "forward_backward_tflops"):
+      out[name].pop(key)
+  scale = lambda x: float(jnp.max(jnp.abs(x)))    # noqa: E731
+  out["max_rel_diff"] = max(
+      float(jnp.max(jnp.abs(a - c))) / max(scale(c), 1e-30)
+      for a, c in zip(jax.tree.leaves(ys["chunks"]), jax.tree.leaves(ys["token"])))
+  out["token_over_chunks_forward_backward"] = (out["token"]["forward_backward_s"]
+                                               / out["chunks"]["forward_backward_s"])
+  if not out["max_rel_diff"] < 1e-4:
+    raise AssertionError(f"chunked and token-by-token rules differ: {out['max_rel_diff']:.3g}")
+  return out
+
+
 def _coded_spag(mesh, fdispatch, replica_NxM, w, n: int, e: int) -> dict:
   """The replica codec's SparseAllGather (`fssdp.coded_sparse_all_gather`; ragged chunks on GPU):
   a first step sends plain, a second whose slots kept their experts (every value moved a unit
@@ -833,13 +869,14 @@ def step_nvcomp(dims: dict) -> dict:
 STEPS = {"env": step_env, "kernels": step_kernels, "ragged": step_ragged, "train": step_train,
          "one_layer": step_one_layer, "layer": step_layer, "schedule": step_schedule,
          "schedule8": step_schedule8, "nvcomp": step_nvcomp, "grouped": step_grouped,
-         "attention": step_attention, "tiles": step_tiles, "profile": step_profile}
+         "attention": step_attention, "tiles": step_tiles, "profile": step_profile,
+         "linear": step_linear}
 # The order of a full run: what only a GPU can tell first; `grouped` before the training steps
 # (it checks the Hopper kernels' forward and backward, and turns them off for the later steps if
 # they are wrong; XLA's ragged_dot there took about 2 minutes on an H200); the 8-GPU compile
 # (its mock topology had not answered within 2 minutes there) last.
 ORDER = ("env", "kernels", "ragged", "nvcomp", "grouped", "train", "one_layer", "layer",
-         "profile", "attention", "schedule", "schedule8")
+         "profile", "attention", "linear", "schedule", "schedule8")
 # Not in a full run (7.5 minutes of Mosaic GPU compiles on an H200): `--only tiles` (first, so the
 # steps after it run at the best tiles).
 FULL = {"codec_values": 1 << 24, "ragged_tokens": 4096, "ragged_d": 2048, "ragged_f": 1024,
@@ -848,7 +885,8 @@ FULL = {"codec_values": 1 << 24, "ragged_tokens": 4096, "ragged_d": 2048, "ragge
         "grouped_d": 2048, "grouped_f": 1024, "attn_batch": 8, "attn_seq": 4096, "attn_heads": 16,
         "attn_head_dim": 128, "tiles_rows": 16384, "tiles_experts": 64, "tiles_d": 2048,
         "tiles_f": 1024, "profile_calls": 3, "profile_top": 30, "gpt_oss_rows": 4096,
-        "gpt_oss_experts": 8, "gpt_oss_width": 2880}
+        "gpt_oss_experts": 8, "gpt_oss_width": 2880, "linear_batch": 1, "linear_seq": 4096,
+        "linear_heads": (16, 32), "linear_dim": 128}
 # Tiny shapes (the tiny preset's width for the "1b7b" steps), on CPU.
 DRY = {"codec_values": 1 << 14, "ragged_tokens": 32, "ragged_d": 64, "ragged_f": 64,
        "train_steps": 5, "layer_preset": "tiny", "layer_batch": 8, "layer_seq": 64,
@@ -856,7 +894,8 @@ DRY = {"codec_values": 1 << 14, "ragged_tokens": 32, "ragged_d": 64, "ragged_f":
        "grouped_experts": 8, "grouped_d": 128, "grouped_f": 128, "attn_batch": 2, "attn_seq": 64,
        "attn_heads": 4, "attn_head_dim": 32, "tiles_rows": 512, "tiles_experts": 8,
        "tiles_d": 512, "tiles_f": 512, "profile_calls": 2, "profile_top": 10, "gpt_oss_rows": 256,
-       "gpt_oss_experts": 4, "gpt_oss_width": 96}
+       "gpt_oss_experts": 4, "gpt_oss_width": 96, "linear_batch": 1, "linear_seq": 130,
+       "linear_heads": (2, 4), "linear_dim": 16}
 
 
 def main() -> int:

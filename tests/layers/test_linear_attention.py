@@ -105,3 +105,18 @@ def test_bf16_inputs_keep_the_recurrence_in_fp32():
   diff = got.astype(jnp.float32) - want
   err = float(jnp.sqrt(jnp.mean(diff * diff) / jnp.mean(want * want)))
   assert err < 2e-2, err
+
+
+def test_the_layer_and_its_gradient_lower_for_cuda():
+  """The layer's forward and backward lower for CUDA here (lowering only: the GPU check runs it),
+  the chunks' solve as one batched triangular solve."""
+  net = _net()
+  graphdef, state = nnx.split(net)
+
+  def loss(state, x):
+    return jnp.sum(nnx.merge(graphdef, state)(x))
+
+  x = jax.ShapeDtypeStruct((B, S, D), jnp.bfloat16)
+  half = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.bfloat16), state)
+  cuda = jax.jit(jax.grad(loss)).trace(half, x).lower(lowering_platforms=("cuda",)).as_text()
+  assert "triangular_solve" in cuda
