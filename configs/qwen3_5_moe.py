@@ -13,7 +13,8 @@ Presets:
                       Qwen/Qwen3.5-35B-A3B): 40 layers, d_model 2048, every fourth softmax
                       attention (16 heads of 256 over 2 kv heads, 64 dims rotated), the others
                       linear (16 key heads of 128, 32 value heads of 128, 4 taps), 256 experts
-                      top-8 of width 512 and a shared one of 512, vocab 248320. Reads the
+                      top-8 of width 512 and a shared one of 512, vocab 248320; RoPE base 1e7
+                      as the checkpoint has it (the class's default is 1e4). Reads the
                       checkpoint's tokenizer.json (data.tokenizer=init_from): fine-tune with
                       --config.init_from=HF_DIR (its multimodal checkpoint's text model).
 
@@ -45,7 +46,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   elif preset == "35b_a3b":
     _family(c, 40, 2048)
     c.model.update(vocab_size=248320, num_heads=16, num_kv_heads=2, head_dim=256,
-                   rotary_dim=64, norm_eps=1e-6, linear_key_heads=16, linear_value_heads=32,
+                   rotary_dim=64, rope_theta=1e7, norm_eps=1e-6, linear_key_heads=16, linear_value_heads=32,
                    linear_key_dim=128, linear_value_dim=128)
     c.moe.update(num_experts=256, top_k=8, expert_hidden=512, shared_expert_hidden=512,
                  shared_expert_gate=True, aux_loss_weight=0.001, z_loss_weight=0.0)

@@ -499,9 +499,11 @@ def step_attention(dims: dict) -> dict:
 
 def step_linear(dims: dict) -> dict:
   """Gated DeltaNet's rule (`layers.linear_attention`) at Qwen3-Next's linear-layer shapes (32
-  value heads over 16 key heads of 128), fp32: by chunks of 64 (the training path: one batched
-  triangular solve, a scan across chunks) and token by token (the decoding path), forward and
-  forward+backward, their outputs and gradients compared."""
+  value heads over 16 key heads of 128), fp32 operands: by chunks of 64 (the training path: one
+  batched triangular solve, a scan across chunks) and token by token (the decoding path), forward
+  and forward+backward, their outputs and gradients compared. At jax's default matmul precision
+  (TF32 on Ampere and later GPUs: about 5e-4 apart, emulated on CPU at these shapes; under 1e-6
+  in fp32), so the bound is 3e-3."""
   import jax
   import jax.numpy as jnp
   from moejax.layers import linear_attention as la
@@ -528,7 +530,8 @@ def step_linear(dims: dict) -> dict:
       for a, c in zip(jax.tree.leaves(ys["chunks"]), jax.tree.leaves(ys["token"])))
   out["token_over_chunks_forward_backward"] = (out["token"]["forward_backward_s"]
                                                / out["chunks"]["forward_backward_s"])
-  if not out["max_rel_diff"] < 1e-4:
+  out["matmul_precision"] = str(jax.config.jax_default_matmul_precision)
+  if not out["max_rel_diff"] < 3e-3:
     raise AssertionError(f"chunked and token-by-token rules differ: {out['max_rel_diff']:.3g}")
   return out
 

@@ -62,13 +62,18 @@ def _read_config_json(hf_dir: str) -> dict:
 def _expert_layout(reader: TensorReader, cfg: Config, wrapper, layout) -> str:
   """How the checkpoint holds its experts (`hf_names`' layouts): by their names, and for a
   multimodal config whose fused experts may be [in, out] (Qwen3-VL-MoE's Hub layout), by the
-  first one's shape as transformers tells them apart: [out, in] where the shape is that."""
+  first layer's shapes as transformers tells them apart (per tensor: [out, in] where the shape is
+  that): [out, in] where both gate_up_proj and down_proj are so shaped (a square gate_up_proj,
+  hidden = 2 x intermediate, is told by down_proj)."""
   experts = hf_names.detect_expert_layout(reader.names())
   if experts != hf_names.FUSED or wrapper is None or not wrapper.in_out_experts:
     return experts
   out_in = hf_names.expected_shapes(cfg, hf_names.FUSED, layout)
-  name = next((n for n in out_in if n.endswith(".experts.gate_up_proj")), None)
-  if name is None or reader.shapes.get(name) == out_in[name]:
+  gate_up = next((n for n in out_in if n.endswith(".experts.gate_up_proj")), None)
+  if gate_up is None:
+    return experts
+  first = (gate_up, gate_up[:-len("gate_up_proj")] + "down_proj")   # one layer's pair
+  if all(reader.shapes.get(n) == out_in.get(n) for n in first):
     return experts
   return hf_names.IN_OUT_HALVES
 

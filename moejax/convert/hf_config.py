@@ -538,6 +538,7 @@ class TextWrapper:
   text_model_type: str
   outer_fields: tuple = ()
   text_model_types: tuple = ()
+  either_fields: tuple = ()       # booleans true if the outer config or the text_config says so
   text_defaults: tuple = ()
   fixed_fields: tuple = ()
   text_rope_keys: tuple = ()
@@ -577,6 +578,8 @@ TEXT_CONFIG_WRAPPERS = {
                        ("max_position_embeddings", 65536), ("router_aux_loss_coef", 0.0001)),
         fixed_fields=(("use_qk_norm", False),),
         text_rope_keys=("mrope_section",),
+        # transformers 5 ties the head when an older save says so inside text_config
+        either_fields=("tie_word_embeddings",),
         layout=TextLayout(inner="language_model.")),
     # Qwen3.5-MoE's (Qwen3_5MoeForConditionalGeneration): its own text model, laid out as
     # Qwen3-VL's, its interleaved multimodal RoPE plain for text
@@ -614,7 +617,8 @@ def text_model_config(hf, where: str = "config.json"):
   if "quantization_config" in hf:
     text.setdefault("quantization_config", hf["quantization_config"])
   for field, default in wrapper.outer_fields:
-    text[field] = hf.get(field, default)
+    text[field] = hf.get(field, default) or (
+        field in wrapper.either_fields and text.get(field) is True)
   rope, _ = _rope_dict(text)
   for field, default in wrapper.text_defaults:
     if not (field == "rope_theta" and isinstance(rope, dict) and "rope_theta" in rope):
@@ -2026,6 +2030,9 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
         "intermediate_size_mlp": m.dense_hidden or hf.get("intermediate_size_mlp", 16384)})
   if spec.linear:
     hf.pop("full_attention_interval", None)      # the list wins; transformers writes it
+    for mtp in ("mtp_num_hidden_layers", "num_nextn_predict_layers"):
+      if mtp in hf:       # the export holds no multi-token-prediction module (`mtp.*`)
+        hf[mtp] = 0
     hf["layer_types"] = [_LINEAR_TYPES[i not in m.linear_layers] for i in range(m.num_layers)]
     hf.update({key: getattr(m, field) for field, (key, _) in _LINEAR_FIELDS.items()})
   if spec.gpt_oss:

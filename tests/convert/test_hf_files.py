@@ -1776,3 +1776,30 @@ def test_deepseek_v32_indexer_converts_only_as_its_family():
   with pytest.raises(CheckpointError, match="config.model.index_rotary_interleaved=False: .* "
                      "needs True"):
     hf_config_from(tiny_config("glm_moe_dsa", **{"model.index_rotary_interleaved": False}))
+
+
+def test_multimodal_configs_read_their_text_model_as_transformers_does():
+  """GLM-4.5V ties its head when an older save says so inside text_config (transformers 5
+  forwards it to the outer config); Qwen3-VL-MoE's text config class defaults to tied, but only
+  the outer flag (default false) ties it. A Qwen3.5-MoE export keeps no multi-token-prediction
+  layer its base config counted."""
+  text = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, moe_intermediate_size=16, hidden_act="silu")
+  glm = dict(text, model_type="glm4v_moe_text", n_routed_experts=4, num_experts_per_tok=2,
+             n_shared_experts=1, first_k_dense_replace=1, intermediate_size=64, n_group=1,
+             topk_group=1, partial_rotary_factor=0.5)
+  for outer, inner, tied in ((None, None, False), (None, True, True), (False, True, True),
+                             (True, None, True), (False, False, False)):
+    hf = {"model_type": "glm4v_moe", "text_config": dict(glm)}
+    if outer is not None:
+      hf["tie_word_embeddings"] = outer
+    if inner is not None:
+      hf["text_config"]["tie_word_embeddings"] = inner
+    assert config_from_hf(hf).model.tie_embeddings is tied, (outer, inner)
+  qwen = dict(text, model_type="qwen3_vl_moe_text", num_experts=4, num_experts_per_tok=2,
+              tie_word_embeddings=True)
+  assert not config_from_hf({"model_type": "qwen3_vl_moe", "text_config": qwen}
+                            ).model.tie_embeddings
+  cfg = tiny_config("qwen3_5_moe")
+  assert hf_config_from(cfg, dict(hf_config_from(cfg), mtp_num_hidden_layers=1))[
+      "mtp_num_hidden_layers"] == 0
