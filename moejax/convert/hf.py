@@ -99,8 +99,7 @@ def _check_tensors(reader: TensorReader, cfg: Config, experts: str,
 
 def _read_source(reader: TensorReader, src: hf_names.Source, tail_slices: list) -> np.ndarray:
   if src.whole:         # row groups or a unit axis: the tensor read whole, then cut
-    block = src.from_tensor(reader.read(src.name, src.prefix))
-    return (block.T if src.transpose else block)[tuple(tail_slices)]
+    return src.block_of(reader.read(src.name, src.prefix))[tuple(tail_slices)]
   hf_slices = list(tail_slices[::-1] if src.transpose else tail_slices)
   if src.row_offset:
     first = hf_slices[0]
@@ -212,11 +211,8 @@ def _read_columns_together(reader: TensorReader, group: list,
     block = reader.read(src.name, src.prefix)
     for leaf, out in zip(group, outs):
       own = leaf.sources[lead]
-      if own.whole:
-        part = own.from_tensor(block)
-        out[lead] = part.T if own.transpose else part
-      else:
-        out[lead] = block[..., own.columns(0, leaf.shape[-1])]
+      out[lead] = (own.block_of(block) if own.whole
+                   else block[..., own.columns(0, leaf.shape[-1])])
       if progress is not None:
         progress.add(out[lead].size)
   return outs

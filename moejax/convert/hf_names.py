@@ -103,6 +103,7 @@ import itertools
 import numpy as np
 
 from moejax.config import Config
+from moejax.models import olmoe
 
 PER_EXPERT = "per_expert"
 FUSED = "fused"
@@ -159,6 +160,11 @@ class Source:
     grouped = tensor.reshape(self.row_groups, self.group_rows, *tensor.shape[1:])
     return grouped[:, self.row_offset:self.row_offset + self.group_take].reshape(
         self.row_groups * self.group_take, *tensor.shape[1:])
+
+  def block_of(self, tensor: np.ndarray) -> np.ndarray:
+    """A `whole` source's block as moejax holds it ([in, out]: transposed where it is)."""
+    block = self.from_tensor(tensor)
+    return block.T if self.transpose else block
 
   def into_tensor(self, out: np.ndarray, block: np.ndarray) -> None:
     """Writes a `whole` source's block (in the tensor's orientation) into the tensor `out`."""
@@ -489,16 +495,12 @@ def _leaf_maps(cfg: Config, experts: str) -> list[LeafMap]:
   embed_name = (HUB_EMBED_NAME.get(m.family, "model.embed_tokens.weight") if experts != FUSED
                 else "model.embed_tokens.weight")
   maps = [LeafMap(("embed",), (V, D), 0, {(): Source(embed_name)})]
-  # (group, the Hugging Face index of each of its layers), as `olmoe.layer_groups` stacks them
-  groups = {}
-  for i in range(m.num_layers):
-    dense, linear = i in m.dense_layers, i in m.linear_layers
-    group = {(True, False): "dense_layers", (False, False): "layers",
-             (True, True): "dense_linear_layers", (False, True): "linear_layers"}[dense, linear]
-    groups.setdefault(group, []).append(i)
-  order = ("dense_layers", "layers", "dense_linear_layers", "linear_layers")
+  # (group, the Hugging Face index of each of its layers), as the model stacks them
+  groups = {group: [] for group in olmoe.layer_groups(cfg)}
+  for i, (group, _) in enumerate(olmoe.layer_group_of(cfg)):
+    groups[group].append(i)
 
-  for group, hf_ids in sorted(groups.items(), key=lambda item: order.index(item[0])):
+  for group, hf_ids in groups.items():
     count = len(hf_ids)
 
     def per_layer(path, tail, suffix, transpose, group=group, hf_ids=hf_ids, singleton=False,
@@ -508,7 +510,7 @@ def _leaf_maps(cfg: Config, experts: str) -> list[LeafMap]:
                  for i, hf_i in enumerate(hf_ids)}
       maps.append(LeafMap((group, *path), (len(hf_ids), *tail), 1, sources))
 
-    if group in ("linear_layers", "dense_linear_layers"):
+    if group in olmoe.LINEAR_GROUPS:
       _linear_attention_maps(cfg, per_layer)
     else:
       _attention_maps(cfg, per_layer, experts)
@@ -520,7 +522,7 @@ def _leaf_maps(cfg: Config, experts: str) -> list[LeafMap]:
       post = POST_NORM_NAMES.get(m.family, POST_NORM_NAMES["afmoe"])[experts == FUSED]
       for path, name in zip(("attn_post_norm", "ffn_post_norm"), post):
         per_layer((path, "scale"), (D,), f"{name}.weight", False)
-    if group in ("dense_layers", "dense_linear_layers"):
+    if group not in olmoe.MOE_GROUPS:
       for name, tail, hf_name in (("w_gate", (D, m.dense_hidden), "gate_proj"),
                                   ("w_up", (D, m.dense_hidden), "up_proj"),
                                   ("w_down", (m.dense_hidden, D), "down_proj")):

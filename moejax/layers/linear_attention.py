@@ -220,10 +220,3 @@ class GatedDeltaNet(nnx.Module):
     o = rms_norm(o, self.out_norm[...], self.norm_eps) * jax.nn.silu(z)
     y = dense(o.reshape(B, S, Hv * Dv).astype(x_BxSxD.dtype), self.wo[...])
     return y, LinearState(conv_BxKxC, memory)
-
-  def empty_state(self, batch: int, dtype) -> LinearState:
-    """The state before any token: zeros."""
-    channels = 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
-    return LinearState(jnp.zeros((batch, self.conv_q.shape[0] - 1, channels), dtype),
-                       jnp.zeros((batch, self.value_heads, self.key_dim, self.value_dim),
-                                 jnp.float32))
