@@ -662,8 +662,6 @@ def _validate_linear(c: Config) -> None:
   other = sorted(set(layers) & set(m.sliding_layers + m.chunked_layers + m.nope_layers))
   _check(not other, f"config.model.linear_layers share layers {other} with model.sliding_layers "
          "/ chunked_layers / nope_layers, which are softmax attention's")
-  _check(c.moe.placement != "fssdp", "config.model.linear_layers: moe.placement='fssdp' does not "
-         "take them yet; use 'fsdp' or 'ep'")
 
 
 def validate(c: Config) -> None:

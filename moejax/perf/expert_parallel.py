@@ -123,7 +123,9 @@ def step(shape: ModelShape, cluster, run: Run, system, calib: Calibration,
     hist = trace[s - WINDOW:s].sum(2).mean(0).astype(np.float64)      # [L, E] predicted
     if system.het_sharding and (s - WINDOW) % system.reshard_every == 0 and n > 1:
       from moejax.placement.ownership import heterogeneous_placement
-      new = heterogeneous_placement(hist, n, dpn, previous_owner_LxE=owner)
+      from moejax.placement.reshard import by_pool
+      new = by_pool(lambda h, o: heterogeneous_placement(h, n, dpn, previous_owner_LxE=o),
+                    shape.moe_pools(), hist, owner)
       moved = int((new != owner).sum())
       if s > WINDOW:
         moved_total += moved

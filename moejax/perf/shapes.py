@@ -193,6 +193,14 @@ class ModelShape:
     """(moe, linear) of each layer: the leading dense_layers dense."""
     return [(i >= self.dense_layers, self.is_linear(i)) for i in range(self.num_layers)]
 
+  def moe_pools(self) -> tuple | None:
+    """fssdp's storage pools as rows of [MoE layers, E] (`moejax.placement.reshard`, Pools): the
+    MoE layers of each attention kind, where there are both; None: one pool."""
+    kinds = [linear for moe, linear in self.layers() if moe]
+    if len(set(kinds)) < 2:
+      return None
+    return tuple(tuple(i for i, k in enumerate(kinds) if k == kind) for kind in (False, True))
+
   def total_params(self) -> int:
     return (sum(sum(self.layer_groups(moe, linear).values()) for moe, linear in self.layers())
             + self.embedding_params() + self.d_model)

@@ -73,6 +73,9 @@ class Placement:
   # Paths (key names) of the parameters holding one matrix per expert, as the model declares
   # them (`moejax.sharding.axes.expert_paths`), e.g. ("layers", "moe", "w_up").
   expert_paths: tuple = ()
+  # fssdp storage pools ((group, its rows of [L, E]), ...) where the MoE layers stack as more than
+  # one parameter group (`moejax.placement.reshard`, Pools); empty: one pool of every layer.
+  pools: tuple = ()
   itemsize: int = 2                   # bytes of one compute-dtype value (config.compute_dtype)
   replica_codec: Any = None           # fssdp: `codec.replicas.ReplicaCodec`; None = plain
   expert_values: int = 0              # values of one expert (`config.expert_values`); 0: its
@@ -84,6 +87,11 @@ class Placement:
     """fssdp: C, the most experts of one layer one device may own (the owned window's length)."""
     return self.max_per_layer_setting or ownership.default_max_per_layer(self.num_experts,
                                                                         self.num_devices)
+
+  @property
+  def pool_rows(self) -> tuple | None:
+    """Each storage pool's rows of [L, E] (`reshard.pool_rows`); None: one pool."""
+    return tuple(rows for _, rows in self.pools) or None
 
   @property
   def owns_experts(self) -> bool:
@@ -171,12 +179,21 @@ class Placement:
     if pstate is None:   # an empty history predicts flat loads; replicas go plain
       pstate = self.init_state().replace(replicas=None)
     predicted_LxE = planner.predict(pstate.history)
-    experts = {path: _at(params, path) for path in self.expert_paths}
-    owners_L, windows = fssdp.owned_windows(
-        pstate.owner_LxE, experts, me, num_devices=self.num_devices,
-        max_per_layer=self.max_per_layer)
-    for path, window in windows.items():
-      params = _replace_at(params, path, window)
+    owner_LxE, rank_parts = pstate.owner_LxE, []
+    for group, rows in self.pools or ((None, None),):   # each pool's windows from its own slots
+      experts = {path: _at(params, path) for path in self.expert_paths if group in (None, path[0])}
+      owners, windows = fssdp.owned_windows(
+          owner_LxE if rows is None else owner_LxE[np.asarray(rows)], experts, me,
+          num_devices=self.num_devices, max_per_layer=self.max_per_layer)
+      rank_parts.append((rows, owners.rank_E))
+      for path, window in windows.items():
+        params = _replace_at(params, path, window)
+    rank_LxE = rank_parts[0][1]
+    if self.pools:
+      rank_LxE = jnp.zeros_like(owner_LxE)
+      for rows, rank in rank_parts:
+        rank_LxE = rank_LxE.at[np.asarray(rows)].set(rank)
+    owners_L = fssdp.Owners(owner_LxE, rank_LxE)
     return params, owners_L, predicted_LxE, squeeze_device_axis(pstate.replicas)
 
   def next_state(self, pstate: FssdpState | None, load_LxE,
@@ -236,7 +253,7 @@ class Placement:
         np.asarray(planner.predict(pstate.history)), np.asarray(pstate.owner_LxE),
         self.num_devices, self.devices_per_node, max_per_layer=self.max_per_layer,
         # fp32 master weights and two Adam moments, whatever the compute dtype
-        bytes_per_expert=self._expert_values * 4 * 3)
+        bytes_per_expert=self._expert_values * 4 * 3, pools=self.pool_rows)
     params, opt_state = self.permute((params, opt_state), resharding.perm_LxE, shardings,
                                      donate=True)
     owner = jax.device_put(resharding.owner_LxE, pstate.owner_LxE.sharding)
@@ -251,7 +268,8 @@ class Placement:
     one place stored experts move (re-sharding, and to and from a checkpoint's canonical
     order)."""
     leaves, treedef = jax.tree.flatten(shardings)
-    return _permute_fn(tuple(leaves), treedef, self.expert_paths, donate)(tree, perm_LxE)
+    return _permute_fn(tuple(leaves), treedef, self.expert_paths, self.pools, donate)(tree,
+                                                                                      perm_LxE)
 
 
 def _at(tree, path):
@@ -267,9 +285,10 @@ def _replace_at(tree, path, value):
 
 
 @functools.cache
-def _permute_fn(shardings_leaves, treedef, expert_paths, donate: bool):
+def _permute_fn(shardings_leaves, treedef, expert_paths, pools, donate: bool):
   shardings = jax.tree.unflatten(treedef, shardings_leaves)
-  return jax.jit(functools.partial(reshard.permute_experts, expert_paths=expert_paths),
+  return jax.jit(functools.partial(reshard.permute_experts, expert_paths=expert_paths,
+                                   group_pools=pools),
                  donate_argnums=0 if donate else (), out_shardings=shardings)
 
 
@@ -295,7 +314,8 @@ class FssdpCheckpoint:
     held = np.asarray(pstate.replicas["held"].addressable_shards[0].data)[0]
     item["replica_plan"] = jax.make_array_from_callback(
         held.shape, self.state_shardings.owner_LxE, lambda index: held[index])
-    perm = reshard.to_canonical(np.asarray(pstate.owner_LxE), self.placement.num_devices)
+    perm = reshard.to_canonical(np.asarray(pstate.owner_LxE), self.placement.num_devices,
+                                self.placement.pool_rows)
     if not reshard.is_identity(perm):
       params, opt_state = self.placement.permute((state.params, state.opt_state), perm,
                                                  self.param_shardings, donate=False)
@@ -340,12 +360,14 @@ class FssdpCheckpoint:
       return state
     owner = np.asarray(item["expert_owner"])
     n = self.placement.num_devices
-    counts = ownership.experts_per_device(owner, n) if owner.max() < n else None
-    if counts is None or len(set(counts.sum(axis=0))) > 1:
+    pools = reshard.pool_rows(self.placement.pool_rows, owner.shape[0])
+    counts = ([ownership.experts_per_device(owner[list(rows)], n) for rows in pools]
+              if owner.max() < n else None)
+    if counts is None or any(len(set(c.sum(axis=0))) > 1 for c in counts):
       log(f"moejax: {where}: its expert owners are for another number of devices; experts "
           f"start from the even placement on {n} devices")
       return state
-    perm = reshard.from_canonical(owner, n)
+    perm = reshard.from_canonical(owner, n, self.placement.pool_rows)
     if not reshard.is_identity(perm):
       params, opt_state = self.placement.permute((state.params, state.opt_state), perm,
                                                  self.param_shardings, donate=True)

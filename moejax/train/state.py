@@ -75,9 +75,16 @@ def placement_for(cfg: Config, num_devices_: int, devices_per_node: int,
                    dispatch_overflow=moe.dispatch_overflow, replica_slots=f.replica_slots,
                    overlap_degree=f.overlap_degree, owner_sends=f.resolved_owner_sends(),
                    calibrate=f.calibrate, window=f.window, max_per_layer_setting=f.max_per_layer,
-                   expert_paths=axes.expert_paths(param_meta),
+                   expert_paths=axes.expert_paths(param_meta), pools=fssdp_pools(cfg),
                    itemsize=jnp.dtype(hook.COMPUTE_DTYPES[cfg.compute_dtype]).itemsize,
                    replica_codec=replica_codec_of(cfg))
+
+
+def fssdp_pools(cfg: Config) -> tuple:
+  """fssdp's storage pools, ((MoE layer group, its rows of [L, E]), ...), where the MoE layers
+  stack as more than one group (`moejax.placement.reshard`, Pools); () for one group."""
+  rows = olmoe.moe_rows(cfg)
+  return () if len(rows) == 1 else tuple(rows.items())
 
 
 def replica_codec_of(cfg: Config) -> ReplicaCodec | None:

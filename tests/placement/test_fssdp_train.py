@@ -207,6 +207,38 @@ def test_reshard_plan_moves_whole_experts_between_equal_slot_counts():
     owner = r.owner_LxE
 
 
+def test_pools_reshard_and_store_each_layer_group_within_its_own_slots():
+  """Two pools (rows 0, 2, 4 and 1, 3 of five MoE layers: a hybrid model's linear and softmax
+  MoE groups, each stacked [L_g, E, ...]): every device keeps 2 slots per layer of each pool,
+  each pool's permutation stays within its own arrays, and an expert stored under the new owners
+  sits at its position, on its owner's part of the expert axis, and goes back to canonical
+  order."""
+  pools = ((0, 2, 4), (1, 3))
+  group_pools = (("linear_layers", pools[0]), ("layers", pools[1]))
+  paths = (("linear_layers", "moe", "w"), ("layers", "moe", "w"))
+  r = reshard.plan_reshard(np.random.default_rng(1).gamma(0.5, size=(5, 16)),
+                           ownership.initial_placement(5, 16, 8), 8, 4, max_per_layer=4,
+                           bytes_per_expert=10, pools=pools)
+  assert r.moved > 0 and r.moved_bytes == 10 * r.moved
+  ids = {group: np.arange(len(rows) * 16).reshape(len(rows), 16) for group, rows in group_pools}
+  canonical = {group: {"moe": {"w": x}} for group, x in ids.items()}
+  stored = reshard.permute_experts(canonical, reshard.from_canonical(r.owner_LxE, 8, pools),
+                                   expert_paths=paths, group_pools=group_pools)
+  pos_LxE = reshard.positions(r.owner_LxE, 8, pools)
+  for group, rows in group_pools:
+    owner = r.owner_LxE[list(rows)]
+    np.testing.assert_array_equal(ownership.experts_per_device(owner, 8).sum(0),
+                                  np.full(8, 2 * len(rows)))
+    assert sorted(r.perm_LxE[list(rows)].ravel()) == list(range(16 * len(rows)))
+    np.testing.assert_array_equal(stored[group]["moe"]["w"].ravel()[pos_LxE[list(rows)]],
+                                  ids[group])
+    assert np.all(pos_LxE[list(rows)] % 16 // 2 == owner)
+  back = reshard.permute_experts(stored, reshard.to_canonical(r.owner_LxE, 8, pools),
+                                 expert_paths=paths, group_pools=group_pools)
+  for group in ids:
+    np.testing.assert_array_equal(back[group]["moe"]["w"], ids[group])
+
+
 # ------------------------------------------------------------------------------------------------
 # Resume: the load history (the predictor's window, hence every plan and re-shard) is saved.
 

@@ -40,12 +40,12 @@ design).
 """
 import jax
 import numpy as np
+import optax
 import pytest
 
 from tests.helpers import run_steps, tiny_config
 
-FAMILY_PLACEMENTS = {"qwen2_moe": "ep", "qwen3_next": "fsdp", "exaone_moe": "fsdp",
-                     "deepseek_v32": "fsdp"}
+FAMILY_PLACEMENTS = {"qwen2_moe": "ep", "exaone_moe": "fsdp", "deepseek_v32": "fsdp"}
 # (clip_norm above any first gradient norm here: run_steps reads the gradients unclipped; sandwich
 # norms, as AfMoE's, put unit-RMS sublayer outputs on the residual stream: first norms above 1)
 SETTINGS = {"steps": 2, "compute_dtype": "float32", "optim.clip_norm": 100.0}
@@ -61,14 +61,66 @@ def test_sharded_equals_single_device(family, trainer_for):
   cfg = family_config(family)
   single = run_steps(trainer_for(cfg, 1))
   sharded = run_steps(trainer_for(cfg, 8))
-  for path, g1, g8 in zip(jax.tree_util.tree_leaves_with_path(single["grads"]),
-                          jax.tree.leaves(single["grads"]), jax.tree.leaves(sharded["grads"])):
-    scale = np.max(np.abs(g1)) + 1e-12
-    assert np.max(np.abs(g1 - g8)) / scale < TOLERANCE, jax.tree_util.keystr(path[0])
+  _compare_grads(single["grads"], sharded["grads"])
   np.testing.assert_allclose(sharded["losses"], single["losses"], rtol=1e-6)
   if cfg.moe.placement == "ep":     # dropless by default: every assignment reaches its expert
     assert all(float(m["ep_dropped_frac"]) == 0.0 for m in sharded["all_metrics"])
     assert all(np.all(m["dropped_frac"] == 0.0) for m in sharded["all_metrics"])
+
+
+def _compare_grads(single, sharded):
+  for path, g1, g8 in zip(jax.tree_util.tree_leaves_with_path(single),
+                          jax.tree.leaves(single), jax.tree.leaves(sharded)):
+    scale = np.max(np.abs(g1)) + 1e-12
+    assert np.max(np.abs(g1 - g8)) / scale < TOLERANCE, jax.tree_util.keystr(path[0])
+
+
+def test_qwen3_next_fssdp_reshards_each_layer_group_within_its_own_slots(trainer_for):
+  """Qwen3-Next's MoE layers stack as two groups (three linear, one softmax), so fssdp stores
+  them as two pools (`moejax.placement.reshard`, Pools). On 2 nodes x 4 its first step equals one
+  device's; then a re-shard from skewed loads (expert 0 hot in every layer) makes the linear
+  pool heterogeneous while each pool keeps its own slot count per device, and the second step
+  (owned windows and ranks per pool) still equals one device's, as do the experts the checkpoint
+  item puts back in canonical order."""
+  from moejax.models import olmoe
+  from moejax.placement import ownership
+  from moejax.train.loop import put_batch
+  from tests.helpers import random_batches
+  cfg = tiny_config("qwen3_next", **{"moe.placement": "fssdp", "mesh.shape": (2, 4)}, **SETTINGS)
+  single = run_steps(trainer_for(cfg, 1))
+  trainer = trainer_for(cfg)
+  state = trainer.init_state()
+  first, second = [put_batch(b, trainer.mesh) for b in random_batches(cfg, 2)]
+  state, metrics = trainer.train_step(state, first)
+  losses = [float(metrics["loss"])]
+  # the even start stores experts in canonical order: the first gradients compare as they lie
+  mu = jax.device_get(optax.tree_utils.tree_get(state.opt_state, "mu"))
+  _compare_grads(single["grads"], jax.tree.map(lambda m: m / (1 - cfg.optim.b1), mu))
+  history = state.placement.history
+  hot = np.full(history.loads_WxLxE.shape, 10.0, np.float32)
+  hot[:, :, 0] = 50.0
+  state, resharding = trainer.reshard(state.replace(placement=state.placement.replace(
+      history=history._replace(loads_WxLxE=jax.device_put(hot, history.loads_WxLxE.sharding)))))
+  state, metrics = trainer.train_step(state, second)
+  losses.append(float(metrics["loss"]))
+  np.testing.assert_allclose(losses, single["losses"], rtol=1e-6)
+  owner = resharding.owner_LxE
+  assert resharding.moved > 0
+  np.testing.assert_array_equal(np.asarray(state.placement.owner_LxE), owner)
+  pools = olmoe.moe_rows(cfg)
+  assert sorted(pools) == ["layers", "linear_layers"]
+  for group, rows in pools.items():
+    count_LxN = ownership.experts_per_device(owner[list(rows)], 8)
+    np.testing.assert_array_equal(count_LxN.sum(axis=0), np.full(8, len(rows)), err_msg=group)
+  count_LxN = ownership.experts_per_device(owner[list(pools["linear_layers"])], 8)
+  assert count_LxN.max() > 1 and count_LxN.min() == 0      # heterogeneous within the pool
+  _, stored = trainer.layout.checkpoint_items[0].item(state)
+  for path, a, b in zip(jax.tree_util.tree_leaves_with_path(single["params"]),
+                        jax.tree.leaves(single["params"]),
+                        jax.tree.leaves(jax.device_get(stored.params))):
+    scale = np.max(np.abs(a)) + 1e-12
+    assert np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))) / scale < 1e-5, (
+        jax.tree_util.keystr(path))
 
 
 def test_deepseek_v32_trains_its_indexer_by_its_own_loss(trainer_for):
