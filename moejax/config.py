@@ -34,6 +34,7 @@ from moejax.sharding.prefetch import REMAT_MODES
 
 CODEC_MODES = MODES + ("auto",)            # auto: chosen per parameter at run time (config-level)
 CODEC_COMM_MODELS = ("profile", "bytes")   # read by moejax.train.codec_control, which imports us
+LINEAR_KINDS = ("gated_deltanet", "mamba2")  # model.linear_kind
 
 # Old field -> (new field, what it is). Either spelling of an old field raises a ConfigError
 # naming the new one, from a config dict (`from_config_dict`) or a --config.FIELD override.
@@ -153,6 +154,11 @@ class ModelConfig:
   """Indices of the layers whose attention is Gated DeltaNet linear attention
   (`moejax.layers.linear_attention`; Qwen3-Next's linear_attention layers), ascending; the
   others softmax attention. Their width: the linear_* fields below."""
+  linear_kind: str = "gated_deltanet"
+  """What the linear layers compute (`LINEAR_KINDS`): "gated_deltanet" (Qwen3-Next's,
+  `moejax.layers.linear_attention`) or "mamba2" (Granite-4.0-H's, `moejax.layers.state_space`;
+  its groups, state width, heads and head width are linear_key_heads, linear_key_dim,
+  linear_value_heads and linear_value_dim, its convolution biased)."""
   linear_key_heads: int = 0
   """Linear attention: q/k heads (linear_num_key_heads)."""
   linear_value_heads: int = 0
@@ -647,6 +653,7 @@ def _validate_linear(c: Config) -> None:
            "config.model.linear_key_heads / linear_value_heads / linear_key_dim / "
            "linear_value_dim size linear attention: they need model.linear_layers")
     return
+  _choice(m.linear_kind, "model.linear_kind", LINEAR_KINDS)
   for field in widths:
     _check(getattr(m, field) > 0, f"config.model.{field}={getattr(m, field)}: "
            f"model.linear_layers={layers} need it > 0")
@@ -1068,10 +1075,14 @@ def num_params(c: Config) -> dict[str, int]:
 
 
 def linear_attention_values(c: Config) -> int:
-  """Values of one Gated DeltaNet layer's attention: q, k, v, z, b, a and output projections,
-  the convolution's taps, the decay's two values per value head and the output norm."""
+  """Values of one linear layer's attention. Gated DeltaNet: q, k, v, z, b, a and output
+  projections, the convolution's taps, the decay's two values per value head and the output
+  norm; Mamba-2 as its comments say."""
   m = c.model
   kw, vw = m.linear_key_heads * m.linear_key_dim, m.linear_value_heads * m.linear_value_dim
+  if m.linear_kind == "mamba2":   # z, x, B, C, dt; taps and biases; dt_bias, a_log, d_skip; norm
+    return (m.d_model * (2 * kw + 2 * vw + m.linear_value_heads) + vw * m.d_model
+            + (m.linear_conv_taps + 1) * (2 * kw + vw) + 3 * m.linear_value_heads + vw)
   return (m.d_model * (2 * kw + 2 * vw + 2 * m.linear_value_heads) + vw * m.d_model
           + m.linear_conv_taps * (2 * kw + vw) + 2 * m.linear_value_heads + m.linear_value_dim)
 

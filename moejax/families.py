@@ -16,7 +16,7 @@ FAMILIES = ("olmoe", "mixtral", "qwen2_moe", "qwen3_moe", "minimax_m2", "ernie4_
             "param2moe", "flex_olmo", "hunyuan_v1_moe", "afmoe",
             "granitemoe_swa", "flint", "kolibri1",
             "mellum", "gpt_oss", "cohere2_moe", "qwen3_next", "qwen3_5_moe",
-            "llama4")
+            "granitemoehybrid", "llama4")
 
 # The config file of each family's presets (configs/NAME.py), where it is not the family's name.
 _CONFIG_NAMES = {"deepseek_v3": "deepseek"}

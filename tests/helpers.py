@@ -24,6 +24,7 @@ import configs.granitemoe as granitemoe_configs
 import configs.granitemoe_swa as granitemoe_swa_configs
 import configs.gpt_oss as gpt_oss_configs
 import configs.granitemoeshared as granitemoeshared_configs
+import configs.granitemoehybrid as granitemoehybrid_configs
 import configs.hunyuan_v1_moe as hunyuan_v1_moe_configs
 import configs.hy_v3 as hy_v3_configs
 import configs.kolibri1 as kolibri1_configs
@@ -53,7 +54,8 @@ FAMILY_CONFIGS = {"olmoe": olmoe_configs, "mixtral": mixtral_configs,
                   "glm4_moe_lite": glm4_moe_lite_configs, "solar_open": solar_open_configs,
                   "minicpm5_moe": minicpm5_moe_configs, "hy_v3": hy_v3_configs,
                   "exaone_moe": exaone_moe_configs, "granitemoe": granitemoe_configs,
-                  "granitemoeshared": granitemoeshared_configs, "sarvam_moe": sarvam_moe_configs,
+                  "granitemoeshared": granitemoeshared_configs,
+                  "granitemoehybrid": granitemoehybrid_configs, "sarvam_moe": sarvam_moe_configs,
                   "param2moe": param2moe_configs, "flex_olmo": flex_olmo_configs,
                   "afmoe": afmoe_configs, "mellum": mellum_configs,
                   "granitemoe_swa": granitemoe_swa_configs, "flint": flint_configs,

@@ -230,9 +230,11 @@ class FamilySpec:
                                        # transformers' defaults of index_topk, index_n_heads,
                                        # index_head_dim
   dsa_interleaved: bool = False        # ... its rotated dims neighbour pairs (GLM-5's)
-  linear: bool = False                 # Qwen3-Next: Gated DeltaNet in layer_types'
-                                       # linear_attention layers (`_linear_fields`), zero-
-                                       # centered norms, a gated softmax attention elsewhere
+  linear: str = ""                     # model.linear_kind of layer_types' linear layers
+                                       # (`_linear_fields`): "gated_deltanet" (Qwen3-Next:
+                                       # zero-centered norms, a gated softmax attention
+                                       # elsewhere) or "mamba2" (Granite-4.0-H: its mamba
+                                       # layers, NoPE unless position_embedding_type is rope)
   default_rope: tuple = ()             # (key, value) of the RoPE dict its config class sets
                                        # when config.json gives none (gpt-oss: YaRN)
   # Fields that must hold these values (moejax has no equivalent of the others); export writes
@@ -503,16 +505,24 @@ FAMILY_SPECS = {
         "qwen3_next", "Qwen3NextForCausalLM", "head", "num_experts", "moe_intermediate_size",
         "norm_topk_prob", renormalize_default=True, shared_expert=True, dense_pattern=True,
         default_norm_eps=1e-6, default_head_dim=256, default_kv_heads=2, default_aux=0.001,
-        partial_rotary=0.25, attention_gate=True, linear=True,
+        partial_rotary=0.25, attention_gate=True, linear="gated_deltanet",
         required=_COMMON_REQUIRED + (
             ("attention_bias", False, "moejax attention projections have no bias"),)),
     "qwen3_5_moe": FamilySpec(
         "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", "head", "num_experts",
         "moe_intermediate_size", None, shared_expert=True, all_moe=True, default_norm_eps=1e-6,
         default_head_dim=256, default_kv_heads=2, default_aux=0.001, partial_rotary=0.25,
-        attention_gate=True, linear=True,
+        attention_gate=True, linear="gated_deltanet",
         required=_COMMON_REQUIRED + (
             ("attention_bias", False, "moejax attention projections have no bias"),)),
+    "granitemoehybrid": FamilySpec(
+        "granitemoehybrid", "GraniteMoeHybridForCausalLM", "none", "num_local_experts",
+        "intermediate_size", None, default_norm_eps=1e-6, default_aux=0.001, granite="shared",
+        linear="mamba2",
+        required=_COMMON_REQUIRED + (
+            ("attention_bias", False, "moejax attention projections have no bias"),
+            ("mamba_conv_bias", True, "moejax's Mamba-2 convolution has a bias"),
+            ("mamba_proj_bias", False, "moejax's Mamba-2 projections have no bias"))),
     "llama4": FamilySpec(
         "llama4_text", "Llama4ForCausalLM", "l2", "num_local_experts", "intermediate_size", None,
         default_rope_theta=500000.0, default_head_dim=128, default_kv_heads=8, default_aux=0.001,
@@ -1534,12 +1544,22 @@ _LINEAR_FIELDS = {"linear_key_heads": ("linear_num_key_heads", 16),
                   "linear_value_dim": ("linear_value_head_dim", 128),
                   "linear_conv_taps": ("linear_conv_kernel_dim", 4)}
 _LINEAR_TYPES = ("linear_attention", "full_attention")
+# ... Granite-4.0-H's (granitemoehybrid), from its mamba_* fields: G, N, H, P, taps
+_MAMBA_FIELDS = {"linear_key_heads": ("mamba_n_groups", 1),
+                 "linear_key_dim": ("mamba_d_state", 256),
+                 "linear_value_heads": ("mamba_n_heads", 128),
+                 "linear_conv_taps": ("mamba_d_conv", 4)}
+# the Hub's names of its layer types (transformers reads them as _LINEAR_TYPES)
+_MAMBA_TYPES = ("mamba", "attention")
 
 
-def _linear_fields(hf: dict, where: str) -> dict:
-  """Qwen3-Next's model fields (`FamilySpec.linear`): model.linear_layers from layer_types
-  (absent: every full_attention_interval-th layer full, the others linear, as transformers
-  fills it), the linear_* widths, zero-centered norms."""
+def _linear_fields(hf: dict, spec: FamilySpec, where: str) -> dict:
+  """The linear layers' model fields (`FamilySpec.linear`): model.linear_layers from layer_types
+  (Qwen3-Next's absent: every full_attention_interval-th layer full, the others linear, as
+  transformers fills it), the linear_* widths; zero-centered norms (Gated DeltaNet) or NoPE
+  softmax layers unless position_embedding_type is "rope" (Mamba-2)."""
+  if spec.linear == "mamba2":
+    return _mamba_fields(hf, where)
   layers = _get(hf, "num_hidden_layers", int, where)
   types = hf.get("layer_types")
   if types is None:
@@ -1553,8 +1573,43 @@ def _linear_fields(hf: dict, where: str) -> dict:
             f"one of {', '.join(_LINEAR_TYPES)}")
   fields = {field: _get(hf, key, int, where, default)
             for field, (key, default) in _LINEAR_FIELDS.items()}
-  return dict(fields, norm_kind="rms_zero_centered",
+  return dict(fields, norm_kind="rms_zero_centered", linear_kind="gated_deltanet",
               linear_layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"))
+
+
+def _mamba_fields(hf: dict, where: str) -> dict:
+  layers = _get(hf, "num_hidden_layers", int, where)
+  d_model = _get(hf, "hidden_size", int, where)
+  types = hf.get("layer_types", ["mamba"] * layers)
+  if (not isinstance(types, list) or len(types) != layers
+          or any(t not in _MAMBA_TYPES + _LINEAR_TYPES for t in types)):
+    _refuse(where, "layer_types", types, f"expected {layers} entries (num_hidden_layers), each "
+            f"one of {', '.join(_MAMBA_TYPES + _LINEAR_TYPES)}")
+  fields = {field: _get(hf, key, int, where, default)
+            for field, (key, default) in _MAMBA_FIELDS.items()}
+  inner = _get(hf, "mamba_expand", int, where, 2) * d_model
+  head_dim = hf.get("mamba_d_head", "auto")
+  head_dim = inner // fields["linear_value_heads"] if head_dim == "auto" else _get(
+      hf, "mamba_d_head", int, where)
+  if head_dim * fields["linear_value_heads"] != inner:
+    _refuse(where, "mamba_d_head", head_dim, f"mamba_n_heads x mamba_d_head must be mamba_expand "
+            f"x hidden_size = {inner}")
+  limit = hf.get("time_step_limit")
+  # (transformers writes its infinite bound as {"__float__": "Infinity"})
+  bounds = [float(b["__float__"]) if isinstance(b, dict) and "__float__" in b else b
+            for b in limit] if isinstance(limit, list) else None
+  if limit is not None and (bounds is None or len(bounds) != 2
+                            or not all(isinstance(b, (int, float)) for b in bounds)
+                            or bounds[0] > 0 or bounds[1] < math.inf):
+    _refuse(where, "time_step_limit", limit, "moejax's Mamba-2 does not clamp the time step "
+            "(transformers' default (0, inf))")
+  linear = tuple(i for i, t in enumerate(types) if t in ("mamba", "linear_attention"))
+  rope = hf.get("position_embedding_type")
+  if rope not in (None, "nope", "rope"):
+    _refuse(where, "position_embedding_type", rope, "expected null, 'nope' or 'rope'")
+  return dict(fields, linear_value_dim=head_dim, linear_kind="mamba2", linear_layers=linear,
+              nope_layers=() if rope == "rope" else tuple(i for i in range(layers)
+                                                          if i not in linear))
 
 
 def _ernie_fields(hf: dict, where: str) -> tuple[dict, dict]:
@@ -1614,7 +1669,7 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
       **{field: getattr(ModelConfig(), field) for field in (
           *_GRANITE_SCALES, "attention_chunk", "chunked_layers", "nope_temperature",
           "nope_temperature_floor", "index_topk", "index_heads", "index_head_dim",
-          "index_rotary_interleaved", *_LINEAR_FIELDS, "linear_layers")})
+          "index_rotary_interleaved", *_LINEAR_FIELDS, "linear_layers", "linear_kind")})
   if spec.dense_pattern:
     model = dataclasses.replace(model, **_dense_pattern(hf, where, spec.default_mlp_only))
   if spec.layer_types_key and not (spec.deepseek or spec.sigmoid_moe):    # Mellum
@@ -1673,7 +1728,7 @@ def config_from_hf(hf: dict, base: Config | None = None, where: str = "config.js
     model = dataclasses.replace(model, **model_fields)
     moe = dataclasses.replace(moe, **moe_fields)
   if spec.linear:
-    model = dataclasses.replace(model, **_linear_fields(hf, where))
+    model = dataclasses.replace(model, **_linear_fields(hf, spec, where))
   if spec.gpt_oss or spec.cohere or spec.llama4:   # attention_bias biases o too
     model = dataclasses.replace(model, attention_out_bias=model.qkv_bias)
   if spec.gpt_oss:
@@ -1807,8 +1862,9 @@ def check_exportable(cfg: Config) -> FamilySpec:
     need("model.sliding_rope_theta", m.sliding_rope_theta, 0.0, " (its per-layer bases all "
          "take the model's YaRN: the sliding layers cannot rotate by plain RoPE of their own)")
   patterned = spec.sliding in _FULL_UNROTATED
-  if not (spec.layer_thetas or spec.cohere or spec.llama4):   # Granite SWA: any unrotated
-    # (layer_rope_theta 0); Cohere: its own rule, above
+  if not (spec.layer_thetas or spec.cohere or spec.llama4 or spec.linear == "mamba2"):
+    # Granite SWA: any unrotated (layer_rope_theta 0); Cohere and Granite-4.0-H: their own
+    # rules, above
     need("model.nope_layers", m.nope_layers, full if patterned else (),
          " (it leaves its full layers unrotated)" if patterned else " (it rotates every layer)")
   need("model.attention_sinks", m.attention_sinks, spec.attention_sinks,
@@ -1836,10 +1892,23 @@ def check_exportable(cfg: Config) -> FamilySpec:
     need("moe.shared_expert_hidden", moe.shared_expert_hidden, moe.expert_hidden,
          " (a shared expert as wide as a routed one: both intermediate_size)")
   if spec.linear:
+    need("model.linear_kind", m.linear_kind, spec.linear, "")
+  if spec.linear == "gated_deltanet":
     need("model.norm_kind", m.norm_kind, "rms_zero_centered", " (its norms scale by 1 + w)")
-  else:
+  elif not spec.linear:
     need("model.linear_layers", m.linear_layers, (), " (no linear attention)")
-  if not (spec.cohere or spec.linear):
+  if spec.linear == "mamba2":
+    softmax = tuple(i for i in range(m.num_layers) if i not in m.linear_layers)
+    if m.nope_layers not in ((), softmax):
+      raise CheckpointError(
+          f"config.model.nope_layers={m.nope_layers!r}: {what} rotates every softmax layer "
+          f"(position_embedding_type rope: ()) or none (null: {softmax!r})")
+    if (m.linear_value_heads * m.linear_value_dim) % m.d_model:
+      raise CheckpointError(
+          f"config.model.linear_value_heads x linear_value_dim = "
+          f"{m.linear_value_heads * m.linear_value_dim}: {what} needs a multiple of "
+          f"model.d_model={m.d_model} (mamba_expand x hidden_size)")
+  if not (spec.cohere or spec.linear == "gated_deltanet"):
     need("model.norm_kind", m.norm_kind, "rms", " (RMSNorm)")
     need("moe.shared_expert_scale", moe.shared_expert_scale, 1.0, " (no shared-expert scale)")
   if spec.ernie:
@@ -2028,7 +2097,14 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
         # the list wins; the step as other readers (vLLM) take it, where one gives the list
         "moe_layers": moe_layers, "interleave_moe_layer_step": steps[0] if steps else 1,
         "intermediate_size_mlp": m.dense_hidden or hf.get("intermediate_size_mlp", 16384)})
-  if spec.linear:
+  if spec.linear == "mamba2":
+    hf["layer_types"] = [_MAMBA_TYPES[i not in m.linear_layers] for i in range(m.num_layers)]
+    hf.update({key: getattr(m, field) for field, (key, _) in _MAMBA_FIELDS.items()})
+    hf.update(mamba_d_head=m.linear_value_dim,
+              mamba_expand=m.linear_value_heads * m.linear_value_dim // m.d_model,
+              position_embedding_type=None if m.nope_layers else "rope")
+    hf.pop("time_step_limit", None)
+  elif spec.linear:
     hf.pop("full_attention_interval", None)      # the list wins; transformers writes it
     for mtp in ("mtp_num_hidden_layers", "num_nextn_predict_layers"):
       if mtp in hf:       # the export holds no multi-token-prediction module (`mtp.*`)

@@ -234,6 +234,7 @@ HUB_EXPERT_NAMES = {
     "exaone_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "granitemoe": ("block_sparse_moe", ("gate_proj", "up_proj", "down_proj")),
     "granitemoeshared": ("block_sparse_moe", ("gate_proj", "up_proj", "down_proj")),
+    "granitemoehybrid": ("block_sparse_moe", ("gate_proj", "up_proj", "down_proj")),
     "sarvam_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "param2moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
     "flex_olmo": ("mlp", ("gate_proj", "up_proj", "down_proj")),
@@ -270,14 +271,16 @@ HUB_EMBED_NAME = {"sarvam_moe": "model.word_embeddings.weight",
 # rows of every expert, then its up rows: [E, 2F, D]; down: [E, D, F]): Granite's.
 HUB_FUSED_EXPERTS = {"granitemoe": ("input_linear.weight", "output_linear.weight"),
                      "granitemoeshared": ("input_linear.weight", "output_linear.weight"),
+                     "granitemoehybrid": ("input_linear.weight", "output_linear.weight"),
                      # Granite SWA's: transformers' own fused names (it converts no other)
                      "granitemoe_swa": ("experts.gate_up_proj", "experts.down_proj")}
 # The MoE block's module in transformers' fused layout where it is not `mlp`.
 FUSED_MOE_MODULE = {"granitemoe": "block_sparse_moe", "granitemoeshared": "block_sparse_moe",
-                    "granitemoe_swa": "block_sparse_moe"}
+                    "granitemoehybrid": "block_sparse_moe", "granitemoe_swa": "block_sparse_moe"}
 # Shared experts held fused at the layer's level, [gate rows; up rows] then down (Granite's
 # shared_mlp.input_linear / output_linear).
-FUSED_SHARED_MODULE = {"granitemoeshared": "shared_mlp", "granitemoe_swa": "shared_mlp"}
+FUSED_SHARED_MODULE = {"granitemoeshared": "shared_mlp", "granitemoehybrid": "shared_mlp",
+                       "granitemoe_swa": "shared_mlp"}
 SHARED_EXPERT_MODULE = {"qwen2_moe": "shared_expert", "qwen3_next": "shared_expert",
                         "qwen3_5_moe": "shared_expert",
                         "glm4_moe": "shared_experts",
@@ -308,6 +311,7 @@ HUB_LAYER_SCORE_BIAS = {"kolibri1": "moe.router.expert_bias"}
 # The router's module under the MoE block where it is not `gate`: (Hub layout, fused layout).
 ROUTER_NAME = {"hy_v3": ("router.gate", "gate"), "granitemoe": ("router.layer", "router"),
                "granitemoeshared": ("router.layer", "router"),
+               "granitemoehybrid": ("router.layer", "router"),
                "hunyuan_v1_moe": ("gate.wg", "gate.wg"), "afmoe": ("router.gate", "router.gate"),
                "granitemoe_swa": ("router", "router"), "gpt_oss": ("router", "router"),
                "llama4": ("router", "router")}
@@ -339,6 +343,29 @@ MTP_NAMED = ("ernie4_5_moe", "exaone_moe", "mellum", "qwen3_next", "qwen3_5_moe"
 # Families whose Gated DeltaNet projects q, k and v in one tensor's rows (all q, all k, all v)
 # and z, b and a in their own (Qwen3.5's), not grouped per key head (Qwen3-Next's)
 SPLIT_LINEAR_PROJECTIONS = ("qwen3_5_moe",)
+
+
+def _mamba_maps(cfg: Config, per_layer) -> None:
+  """Mamba-2 (Granite-4.0-H's `mamba`): in_proj's rows are z, x, B, C, then dt; conv1d's
+  [C, 1, K] taps and its bias over x, B and C; D is the skip, norm the gated norm's scale."""
+  m = cfg.model
+  D, K = m.d_model, m.linear_conv_taps
+  inner, bc, H = m.linear_value_heads * m.linear_value_dim, m.linear_key_heads * m.linear_key_dim, \
+      m.linear_value_heads
+  for path, tail, offset in (("wz", inner, 0), ("wx", inner, inner), ("wb", bc, 2 * inner),
+                             ("wc", bc, 2 * inner + bc), ("wdt", H, 2 * inner + 2 * bc)):
+    per_layer(("attn", path), (D, tail), "mamba.in_proj.weight", True, row_offset=offset)
+  channels = inner + 2 * bc
+  for path, offset, take in (("conv_x", 0, inner), ("conv_b", inner, bc),
+                             ("conv_c", inner + bc, bc)):
+    per_layer(("attn", path), (K, take), "mamba.conv1d.weight", True, row_offset=offset,
+              group_rows=channels, group_take=take, unit_axis=1)
+    per_layer(("attn", f"{path}_bias"), (take,), "mamba.conv1d.bias", False, row_offset=offset)
+  per_layer(("attn", "dt_bias"), (H,), "mamba.dt_bias", False)
+  per_layer(("attn", "a_log"), (H,), "mamba.A_log", False)
+  per_layer(("attn", "d_skip"), (H,), "mamba.D", False)
+  per_layer(("attn", "out_norm"), (inner,), "mamba.norm.weight", False)
+  per_layer(("attn", "wo"), (inner, D), "mamba.out_proj.weight", True)
 
 
 def _linear_attention_maps(cfg: Config, per_layer) -> None:
@@ -511,7 +538,7 @@ def _leaf_maps(cfg: Config, experts: str) -> list[LeafMap]:
       maps.append(LeafMap((group, *path), (len(hf_ids), *tail), 1, sources))
 
     if group in olmoe.LINEAR_GROUPS:
-      _linear_attention_maps(cfg, per_layer)
+      (_mamba_maps if m.linear_kind == "mamba2" else _linear_attention_maps)(cfg, per_layer)
     else:
       _attention_maps(cfg, per_layer, experts)
     attn_norm, ffn_norm = NORM_NAMES.get(m.family, ("input_layernorm", "post_attention_layernorm"))

@@ -137,10 +137,11 @@ def gated_delta_rule(q_BxSxHkxDk, k_BxSxHkxDk, v_BxSxHvxDv, g_BxSxHv, beta_BxSxH
   return jnp.swapaxes(o_BxHxSxDv, 1, 2), memory
 
 
-def causal_conv(x_BxSxC, taps_KxC, past_BxKxC=None):
-  """Depthwise causal convolution, then SiLU: y_t = silu(sum_j w_j x_{t-K+1+j}) (torch's
-  Conv1d with K - 1 zeros of left padding, cut to S), the K - 1 inputs before the first
-  `past_BxKxC` (zeros when None). Returns (y [B, S, C], the last K - 1 inputs [B, K-1, C])."""
+def causal_conv(x_BxSxC, taps_KxC, past_BxKxC=None, bias_C=None):
+  """Depthwise causal convolution, then SiLU: y_t = silu(sum_j w_j x_{t-K+1+j} + bias) (torch's
+  Conv1d with K - 1 zeros of left padding, cut to S; `bias_C` None: none), the K - 1 inputs
+  before the first `past_BxKxC` (zeros when None). Returns (y [B, S, C], the last K - 1 inputs
+  [B, K-1, C])."""
   K = taps_KxC.shape[0]
   B, S, C = x_BxSxC.shape
   past = (jnp.zeros((B, K - 1, C), x_BxSxC.dtype) if past_BxKxC is None
@@ -148,7 +149,16 @@ def causal_conv(x_BxSxC, taps_KxC, past_BxKxC=None):
   padded = jnp.concatenate([past, x_BxSxC], axis=1)                   # [B, S + K - 1, C]
   taps = taps_KxC.astype(jnp.float32)
   y = sum(padded[:, j:j + S].astype(jnp.float32) * taps[j].reshape(1, 1, C) for j in range(K))
+  if bias_C is not None:
+    y = y + bias_C.astype(jnp.float32).reshape(1, 1, C)
   return jax.nn.silu(y).astype(x_BxSxC.dtype), padded[:, S:]
+
+
+def conv_init(rngs: nnx.Rngs, taps: int, shape):
+  """torch's Conv1d default for a depthwise convolution of `taps` taps (its weights and bias):
+  uniform within 1/sqrt(taps)."""
+  bound = 1.0 / math.sqrt(taps)
+  return jax.random.uniform(rngs.params(), shape, jnp.float32, -bound, bound)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -175,12 +185,9 @@ class GatedDeltaNet(nnx.Module):
     self.wz = weight((d_model, vw), (EMBED, Q_HEADS))
     self.wb = weight((d_model, value_heads), (EMBED, HEAD))
     self.wa = weight((d_model, value_heads), (EMBED, HEAD))
-    # torch's Conv1d default: uniform within 1/sqrt(taps)
-    bound = 1.0 / math.sqrt(conv_taps)
-    conv = jax.nn.initializers.uniform(2 * bound)
     for name, width, axis in (("conv_q", kw, KV_HEADS), ("conv_k", kw, KV_HEADS),
                               ("conv_v", vw, Q_HEADS)):
-      taps = conv(rngs.params(), (conv_taps, width), jnp.float32) - bound
+      taps = conv_init(rngs, conv_taps, (conv_taps, width))
       setattr(self, name, param(taps, (CONV, axis), ATTENTION))
     # transformers' init: dt_bias 1, decay rates exp(a_log) uniform in [0.01, 16)
     self.dt_bias = param(jnp.ones((value_heads,), jnp.float32), (HEAD,), DECAY)

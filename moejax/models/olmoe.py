@@ -38,6 +38,7 @@ from flax import nnx
 from moejax.config import Config, rope_scaling
 from moejax.layers.attention import NO_SCALING, Attention, LatentAttention
 from moejax.layers.linear_attention import GatedDeltaNet
+from moejax.layers.state_space import Mamba2
 from moejax.layers.matmul import dense
 from moejax.layers.mlp import MLP
 from moejax.placement.dispatch import LOCAL, Dispatch
@@ -167,6 +168,11 @@ def layer_runs(cfg: Config) -> list[LayerRun]:
 
 def _attention(cfg: Config, rngs: nnx.Rngs, kind: AttentionKind):
   m = cfg.model
+  if kind.linear and m.linear_kind == "mamba2":
+    return Mamba2(m.d_model, groups=m.linear_key_heads, heads=m.linear_value_heads,
+                  state_dim=m.linear_key_dim, head_dim=m.linear_value_dim,
+                  conv_taps=m.linear_conv_taps, norm_eps=m.norm_eps, init_std=m.init_std,
+                  rngs=rngs)
   if kind.linear:
     return GatedDeltaNet(m.d_model, key_heads=m.linear_key_heads,
                          value_heads=m.linear_value_heads, key_dim=m.linear_key_dim,

@@ -62,9 +62,16 @@ LINEAR_CHUNK = 64     # moejax.layers.linear_attention.CHUNK
 
 
 def linear_attention_flops(shape: ModelShape) -> float:
-  """Forward FLOPs per token of one Gated DeltaNet layer (by chunks; the module docstring)."""
+  """Forward FLOPs per token of one linear layer by chunks (the module docstring). Mamba-2: per
+  group C . B over the chunk (C N), per head the chunk's decayed products (C P), C^T M and the
+  state's update (2 N P)."""
   dk, dv, c = shape.linear_key_dim, shape.linear_value_dim, LINEAR_CHUNK
-  core = 2.0 * shape.linear_value_heads * (c * (2 * dk + dv) + c * (dk + dv) / 2 + 3 * dk * dv)
+  if shape.linear_kind == "mamba2":
+    core = 2.0 * (shape.linear_key_heads * c * dk
+                  + shape.linear_value_heads * (c * dv + 2 * dk * dv))
+  else:
+    core = 2.0 * shape.linear_value_heads * (c * (2 * dk + dv) + c * (dk + dv) / 2
+                                             + 3 * dk * dv)
   return 2.0 * shape.linear_attention_params() + core
 
 

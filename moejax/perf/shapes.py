@@ -72,6 +72,7 @@ class ModelShape:
   linear_layers: tuple = ()
   """Indices of the layers with Gated DeltaNet linear attention (Qwen3-Next), of the widths
   below; the others softmax attention."""
+  linear_kind: str = "gated_deltanet"   # or "mamba2" (model.linear_kind: Granite-4.0-H's)
   linear_key_heads: int = 0
   linear_value_heads: int = 0
   linear_key_dim: int = 0
@@ -120,16 +121,20 @@ class ModelShape:
 
   def linear_attention_matrices(self) -> list[int]:
     """Element counts of a linear-attention layer's weight matrices: q, k, v, z, b, a and the
-    output projection."""
+    output projection (Mamba-2: z, x, B, C, dt and the output projection)."""
     d, hv = self.d_model, self.linear_value_heads
     kw, vw = self.linear_key_heads * self.linear_key_dim, hv * self.linear_value_dim
+    if self.linear_kind == "mamba2":
+      return [d * vw, d * vw, d * kw, d * kw, d * hv, vw * d]
     return [d * kw, d * kw, d * vw, d * vw, d * hv, d * hv, vw * d]
 
   def linear_attention_params(self) -> int:
-    """A linear-attention layer's weights: its matrices and the convolution's taps."""
+    """A linear-attention layer's weights: its matrices and the convolution's taps (Mamba-2's
+    and their biases)."""
     kw = self.linear_key_heads * self.linear_key_dim
     vw = self.linear_value_heads * self.linear_value_dim
-    return sum(self.linear_attention_matrices()) + self.linear_conv_taps * (2 * kw + vw)
+    taps = self.linear_conv_taps + (self.linear_kind == "mamba2")
+    return sum(self.linear_attention_matrices()) + taps * (2 * kw + vw)
 
   def indexer_params(self) -> int:
     """DeepSeek-V3.2's indexer of one layer: q from the q latent, one key head with its
@@ -139,9 +144,12 @@ class ModelShape:
 
   def norm_params(self, linear: bool = False) -> int:
     """Layer norms of one layer (two or four, plus QK-norms, or latent attention's latent
-    norms; linear attention's output norm and its decay's two values per value head)."""
+    norms; linear attention's output norm and its decay's two values per value head; Mamba-2's
+    gated norm over every head and its three values per head)."""
     extra = 0
-    if linear:
+    if linear and self.linear_kind == "mamba2":
+      extra = self.linear_value_heads * (self.linear_value_dim + 3)
+    elif linear:
       extra = self.linear_value_dim + 2 * self.linear_value_heads
     elif self.attention == "mla":
       extra = self.q_lora_rank + self.kv_lora_rank
@@ -268,7 +276,8 @@ def shape_of(cfg) -> ModelShape:
       tied_embeddings=m.tie_embeddings, score_bias=moe.score_bias,
       attention_out_bias=m.attention_out_bias, expert_bias=moe.expert_bias,
       router_bias=moe.router_bias, source="moejax config",
-      linear_layers=tuple(m.linear_layers), linear_key_heads=m.linear_key_heads,
+      linear_layers=tuple(m.linear_layers), linear_kind=m.linear_kind,
+      linear_key_heads=m.linear_key_heads,
       linear_value_heads=m.linear_value_heads, linear_key_dim=m.linear_key_dim,
       linear_value_dim=m.linear_value_dim, linear_conv_taps=m.linear_conv_taps, **mla)
 

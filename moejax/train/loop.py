@@ -305,7 +305,7 @@ _WEIGHT_FIELDS = {
               "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
               "tie_embeddings", "attention_chunk", "chunked_layers", "nope_temperature",
               "nope_temperature_floor", "index_topk", "index_heads", "index_head_dim",
-              "index_rotary_interleaved", "linear_layers", "linear_key_heads",
+              "index_rotary_interleaved", "linear_layers", "linear_kind", "linear_key_heads",
               "linear_value_heads", "linear_key_dim", "linear_value_dim", "linear_conv_taps"),
     "moe": ("num_experts", "top_k", "expert_hidden", "shared_expert_hidden",
             "shared_expert_gate", "score", "renormalize", "routed_scale", "expert_groups",

@@ -12,6 +12,7 @@ made by scripts/setup_torch_env.sh), never in the moejax env.
   (serve only) random_model     a random model from a config.json dict, saved to a directory
   (serve only) token_losses     per-token cross-entropy of a model on inputs/targets
   (serve only) gated_delta_net  Qwen3-Next's linear attention layer's output on hidden states
+  (serve only) mamba2  Granite-4.0-H's Mamba-2 layer's output on hidden states
   serve                         the two commands above as JSON lines on stdin -> one JSON reply
                                 line each on stdout ({"cmd": "make", "args": {...}}), so a test
                                 session imports torch once
@@ -436,6 +437,21 @@ MODELS = {
     # 4 taps), layer 1 softmax attention (its output gate, per-head QK-norm, a quarter of each
     # head rotated), zero-centered norms; layer 2 dense (mlp_only_layers), the others top-2 of
     # 6 experts beside a gated shared expert
+    # Granite-4.0-H: layers 0, 1 and 3 Mamba-2 (2 groups of state 8 over 8 heads of 8, 4 taps,
+    # chunks of 16: the 20 tokens span two), layer 2 softmax attention without position
+    # embedding; top-2 of 6 experts beside a shared MLP; the multipliers; the Hub's fused layout.
+    "granitemoehybrid": dict(
+        model_type="granitemoehybrid",
+        config=dict(vocab_size=60, hidden_size=32, intermediate_size=12, num_hidden_layers=4,
+                    layer_types=["mamba", "mamba", "attention", "mamba"],
+                    num_attention_heads=4, num_key_value_heads=2, num_local_experts=6,
+                    num_experts_per_tok=2, shared_intermediate_size=20, mamba_n_heads=8,
+                    mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
+                    mamba_expand=2, mamba_chunk_size=16, embedding_multiplier=3.0,
+                    residual_multiplier=0.6, attention_multiplier=0.15, logits_scaling=2.0,
+                    tie_word_embeddings=False, rms_norm_eps=1e-5,
+                    position_embedding_type=None),
+        save=dict()),
     "qwen3_next": dict(
         model_type="qwen3_next",
         config=dict(vocab_size=60, hidden_size=32, intermediate_size=40, num_hidden_layers=4,
@@ -807,11 +823,30 @@ def gated_delta_net(config: dict, weights: str, inputs: str, out: str) -> dict:
   """transformers' Qwen3-Next linear attention layer (Qwen3NextGatedDeltaNet) of `config` with the
   tensors of the .npz `weights` (its own names), on the fp32 hidden states in `inputs`
   ([B, S, D] .npy) without a cache: its output to `out`."""
-  import numpy as np
-  torch = _torch()
+  _torch()
   from transformers import Qwen3NextConfig
   from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
-  layer = Qwen3NextGatedDeltaNet(Qwen3NextConfig(**config), 0).to(torch.float32).eval()
+  return _run_layer(Qwen3NextGatedDeltaNet(Qwen3NextConfig(**config), 0), weights, inputs, out)
+
+
+def mamba2(config: dict, weights: str, inputs: str, out: str) -> dict:
+  """transformers' Granite-4.0-H Mamba-2 layer (GraniteMoeHybridMambaLayer, Bamba's mixer, its
+  torch path) of `config` with the tensors of the .npz `weights`, on the fp32 hidden states in
+  `inputs` without a cache: its output to `out`."""
+  _torch()
+  from transformers import GraniteMoeHybridConfig
+  from transformers.models.granitemoehybrid.modeling_granitemoehybrid import (
+      GraniteMoeHybridMambaLayer)
+  return _run_layer(GraniteMoeHybridMambaLayer(GraniteMoeHybridConfig(**config), 0), weights,
+                    inputs, out)
+
+
+def _run_layer(layer, weights: str, inputs: str, out: str) -> dict:
+  """A transformers layer in fp32 with the tensors of the .npz `weights` (its own names), on the
+  hidden states in `inputs` without a cache: its output to `out`."""
+  import numpy as np
+  torch = _torch()
+  layer = layer.to(torch.float32).eval()
   with np.load(weights) as tensors:
     layer.load_state_dict({k: torch.from_numpy(tensors[k]) for k in tensors.files})
   with torch.no_grad():
@@ -821,7 +856,7 @@ def gated_delta_net(config: dict, weights: str, inputs: str, out: str) -> dict:
 
 
 COMMANDS = {"make": make, "logits": logits, "random_model": random_model,
-            "token_losses": token_losses, "gated_delta_net": gated_delta_net}
+            "token_losses": token_losses, "gated_delta_net": gated_delta_net, "mamba2": mamba2}
 
 
 def serve() -> None:

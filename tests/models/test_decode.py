@@ -87,10 +87,13 @@ indexer, whose keys the cache holds beside the attention's; Qwen3-Next: three Ga
 
 
 def test_a_model_of_linear_layers_alone_decodes(prompt):
-  """Every layer Gated DeltaNet: the cache holds no keys (its softmax arrays have no layers),
-  only the linear layers' state, and each generated step's logits equal the full forward's."""
-  cfg = tiny_config("qwen3_next", **{"model.init_std": 0.1, "model.num_layers": 2,
-                                     "model.linear_layers": (0, 1)})
+  """Every layer Mamba-2 (Granite-4.0-H's linear layers; Gated DeltaNet's decode above): the
+  cache holds no keys (its softmax arrays have no layers), only the linear layers' state (the
+  biased convolution's last inputs, each head's memory), and each generated step's logits equal
+  the full forward's."""
+  cfg = tiny_config("granitemoehybrid", **{"model.init_std": 0.1, "model.num_layers": 2,
+                                           "model.linear_layers": (0, 1),
+                                           "model.nope_layers": ()})
   params = olmoe.init_params(cfg, jax.random.key(2))
   assert decode.init_cache(cfg, 2, 8).k_LxBxTxGxDk.shape[0] == 0
   tokens_BxN, logits_BxNxV = decode.generate(cfg, params, prompt, max_new_tokens=3)
