@@ -17,7 +17,9 @@ score bias DeepSeek's; its 8-device first-step losses under fsdp, ep and fssdp a
 layers, their projections, convolution taps and fp32-gathered decay parameters sharded as their
 own stacked group beside the softmax layer's; the attention's output gate, its weight gathered
 inside the q projection's, as MiniCPM5-MoE's, which it replaces here; zero-centered norms; a
-gated shared expert) under fsdp; EXAONE-MoE (sliding and
+gated shared expert) under fssdp, its two MoE groups two pools of expert slots, across a
+re-shard (its own test below; Granite-4.0-H's Mamba-2 layers take the same groups and pools,
+trained under every placement by `bench/families.py`); EXAONE-MoE (sliding and
 unrotated layers: its MoE layers in two scans, the gathers prefetched across them) under fsdp;
 DeepSeek-V3.2 (each of the 64
 tokens attending to its 32 best earlier keys by the indexer, which its own KL loss trains) under
