@@ -13,14 +13,18 @@ its own (QK-norm per head: two norm scales per layer) is checked against transfo
 tests/convert/test_hf_parity.py and not trained sharded again; nor is GLM-4.5's (its q/k/v biases
 are Qwen2-MoE's below, its dense first layer, shared expert and grouped sigmoid routing with a
 score bias DeepSeek's; its 8-device first-step losses under fsdp, ep and fssdp are
-`bench/families.py`'s, within 2e-5 of one device's in bf16). Qwen3-Next (three Gated DeltaNet
-layers, their projections, convolution taps and fp32-gathered decay parameters sharded as their
-own stacked group beside the softmax layer's; the attention's output gate, its weight gathered
-inside the q projection's, as MiniCPM5-MoE's, which it replaces here; zero-centered norms; a
-gated shared expert) under fssdp, its two MoE groups two pools of expert slots, across a
-re-shard (its own test below; Granite-4.0-H's Mamba-2 layers take the same groups and pools,
-trained under every placement by `bench/families.py`); EXAONE-MoE (sliding and
-unrotated layers: its MoE layers in two scans, the gathers prefetched across them) under fsdp;
+`bench/families.py`'s, within 2e-5 of one device's in bf16). Granite-4.0-H (three Mamba-2
+layers, their projections, biased convolution taps, fp32-gathered decay and skip parameters and
+per-group norm scale sharded as their own stacked group beside the softmax layer's; Granite's
+multipliers and shared MLP) under fssdp, its two MoE groups two pools of expert slots, across a
+re-shard, its linear group in two scans around the softmax layer (the partial-group runs with
+gathers prefetched across them that EXAONE-MoE's sliding and unrotated layers had here under
+fsdp; its own test below). Qwen3-Next (Gated DeltaNet layers in the same groups, with the same
+kinds of parameters as Mamba-2's; the attention's output gate, its weight gathered inside the q
+projection's, as MiniCPM5-MoE's; zero-centered norms; a gated shared expert) trained under fsdp
+equal to one device here, and under fssdp across a heterogeneous re-shard in 31 s, until
+Granite-4.0-H's check covered its groups and pools; `bench/families.py` trains both, and
+EXAONE-MoE, under every placement.
 DeepSeek-V3.2 (each of the 64
 tokens attending to its 32 best earlier keys by the indexer, which its own KL loss trains) under
 fsdp. (gpt-oss's experts, biased and with the
@@ -31,8 +35,8 @@ equal to one device's within 5e-7 once, not in CI: `bench/families.py` trains bo
 placement.) (AfMoE's own gate weight is a plain
 matrix on wq's axes, its sandwich norms plain norm scales: nothing a placement treats apart.
 FlexOlmo's norms on the sublayers' outputs (plain norm scales) under ep and Granite SWA's
-attention sinks (per head, replicated, gathered in fp32, as Qwen3-Next's decay parameters are)
-under fsdp trained equal to one device here until Qwen3-Next's check covered theirs.)
+attention sinks (per head, replicated, gathered in fp32, as the linear layers' decay parameters
+are) under fsdp trained equal to one device here until Qwen3-Next's check covered theirs.)
 
 The other techniques run on the families where their own tests run them: the codec gathers
 Qwen2-MoE's biases and shared expert bit-exactly (tests/sharding/test_gatherer.py); admission acts
@@ -47,7 +51,7 @@ import pytest
 
 from tests.helpers import run_steps, tiny_config
 
-FAMILY_PLACEMENTS = {"qwen2_moe": "ep", "exaone_moe": "fsdp", "deepseek_v32": "fsdp"}
+FAMILY_PLACEMENTS = {"qwen2_moe": "ep", "deepseek_v32": "fsdp"}
 # (clip_norm above any first gradient norm here: run_steps reads the gradients unclipped; sandwich
 # norms, as AfMoE's, put unit-RMS sublayer outputs on the residual stream: first norms above 1)
 SETTINGS = {"steps": 2, "compute_dtype": "float32", "optim.clip_norm": 100.0}
@@ -77,21 +81,24 @@ def _compare_grads(single, sharded):
     assert np.max(np.abs(g1 - g8)) / scale < TOLERANCE, jax.tree_util.keystr(path[0])
 
 
-def test_qwen3_next_fssdp_reshards_each_layer_group_within_its_own_slots(trainer_for):
-  """Qwen3-Next's MoE layers stack as two groups (three linear, one softmax), so fssdp stores
-  them as two pools (`moejax.placement.reshard`, Pools). On 2 nodes x 4 its first step equals one
-  device's; then a re-shard from skewed loads (expert 0 hot in every layer) makes the linear
-  pool heterogeneous while each pool keeps its own slot count per device, and the second step
-  (owned windows and ranks per pool) still equals one device's, as do the experts the checkpoint
-  item puts back in canonical order."""
+def test_hybrid_fssdp_reshards_each_layer_group_within_its_own_slots(trainer_for):
+  """Granite-4.0-H's MoE layers stack as two groups (Mamba-2 layers 0, 1 and 3, softmax layer
+  2), so fssdp stores them as two pools (`moejax.placement.reshard`, Pools), and the linear group
+  runs as two scans (layers 0-1, then 3: its stacked shards sliced, the gathers prefetched
+  across the runs, the per-MoE-layer owners and loads sliced by MoE-layer position). On 2 nodes
+  x 4 its first step's gradients equal one device's (Mamba-2's parameters: projections, biased
+  taps, fp32-gathered decay and skip, the per-group norm scale); then a re-shard from skewed
+  loads (expert 0 hot in every layer) makes the linear pool heterogeneous while each pool keeps
+  its own slot count per device, and the second step (owned windows and ranks per pool) still
+  equals one device's, as do the experts the checkpoint item puts back in canonical order."""
   from moejax.models import olmoe
   from moejax.placement import ownership
   from moejax.train.loop import put_batch
   from tests.helpers import random_batches
-  cfg = tiny_config("qwen3_next", **{"moe.placement": "fssdp", "mesh.shape": (2, 4),
-                                   "fssdp.calibrate": False}, **SETTINGS)
+  cfg = tiny_config("granitemoehybrid", **{"moe.placement": "fssdp", "mesh.shape": (2, 4),
+                                         "fssdp.calibrate": False}, **SETTINGS)
   # one device's reference under fsdp: the same math, and the cheaper program to compile
-  single = run_steps(trainer_for(tiny_config("qwen3_next", **SETTINGS), 1))
+  single = run_steps(trainer_for(tiny_config("granitemoehybrid", **SETTINGS), 1))
   trainer = trainer_for(cfg)
   state = trainer.init_state()
   first, second = [put_batch(b, trainer.mesh) for b in random_batches(cfg, 2)]
