@@ -12,7 +12,6 @@ made by scripts/setup_torch_env.sh), never in the moejax env.
   (serve only) random_model     a random model from a config.json dict, saved to a directory
   (serve only) token_losses     per-token cross-entropy of a model on inputs/targets
   (serve only) gated_delta_net  Qwen3-Next's linear attention layer's output on hidden states
-  (serve only) mamba2  Granite-4.0-H's Mamba-2 layer's output on hidden states
   serve                         the two commands above as JSON lines on stdin -> one JSON reply
                                 line each on stdout ({"cmd": "make", "args": {...}}), so a test
                                 session imports torch once
@@ -829,18 +828,6 @@ def gated_delta_net(config: dict, weights: str, inputs: str, out: str) -> dict:
   return _run_layer(Qwen3NextGatedDeltaNet(Qwen3NextConfig(**config), 0), weights, inputs, out)
 
 
-def mamba2(config: dict, weights: str, inputs: str, out: str) -> dict:
-  """transformers' Granite-4.0-H Mamba-2 layer (GraniteMoeHybridMambaLayer, Bamba's mixer, its
-  torch path) of `config` with the tensors of the .npz `weights`, on the fp32 hidden states in
-  `inputs` without a cache: its output to `out`."""
-  _torch()
-  from transformers import GraniteMoeHybridConfig
-  from transformers.models.granitemoehybrid.modeling_granitemoehybrid import (
-      GraniteMoeHybridMambaLayer)
-  return _run_layer(GraniteMoeHybridMambaLayer(GraniteMoeHybridConfig(**config), 0), weights,
-                    inputs, out)
-
-
 def _run_layer(layer, weights: str, inputs: str, out: str) -> dict:
   """A transformers layer in fp32 with the tensors of the .npz `weights` (its own names), on the
   hidden states in `inputs` without a cache: its output to `out`."""
@@ -856,7 +843,7 @@ def _run_layer(layer, weights: str, inputs: str, out: str) -> dict:
 
 
 COMMANDS = {"make": make, "logits": logits, "random_model": random_model,
-            "token_losses": token_losses, "gated_delta_net": gated_delta_net, "mamba2": mamba2}
+            "token_losses": token_losses, "gated_delta_net": gated_delta_net}
 
 
 def serve() -> None:

@@ -1,6 +1,7 @@
 """Mamba-2 (`moejax.layers.state_space`): the chunked recurrence against the recurrence one token
-at a time, state carried across calls, gradients. (Against transformers' Granite-4.0-H layer:
-tests/convert/test_hf_parity.py.)"""
+at a time, and their gradients. (Against transformers' Granite-4.0-H model:
+tests/convert/test_hf_parity.py; its state carried from a prompt by chunks to each new token:
+tests/models/test_decode.py.)"""
 import functools
 
 import jax
@@ -9,7 +10,6 @@ import numpy as np
 from flax import nnx
 
 from moejax.layers import state_space as ss
-from moejax.layers.linear_attention import LinearState
 
 # batch, tokens, groups, state width, heads (two per group), head width, model width
 B, S, G, N, H, P, D = 2, 150, 2, 8, 4, 6, 32
@@ -38,27 +38,6 @@ def test_chunks_compute_the_recurrence():
   o, _ = jax.jit(ss.ssd_by_token)(other_c, *ops[1:])
   np.testing.assert_array_equal(o[:, :, :2], want_o[:, :, :2])
   assert np.abs(o[:, :, 2:] - want_o[:, :, 2:]).max() > 0.1
-
-
-def test_the_state_carries_a_sequence_across_calls():
-  """The layer over 150 tokens equals it over 100 by chunks then 50 token by token from the state
-  the first call left (the convolution's last inputs, the memory)."""
-  graphdef, state = nnx.split(_net())
-
-  @functools.partial(jax.jit, static_argnums=3)
-  def forward(state, x, carried, by_token):
-    return nnx.merge(graphdef, state).with_state(x, carried, by_token=by_token)
-
-  x = jax.random.normal(jax.random.key(1), (B, S, D))
-  whole, final = forward(state, x, None, False)
-  head, mid = forward(state, x[:, :100], None, False)
-  tail, end = forward(state, x[:, 100:], mid, True)
-  np.testing.assert_allclose(jnp.concatenate([head, tail], axis=1), whole, atol=5e-5)
-  np.testing.assert_allclose(end.memory_BxHxDkxDv, final.memory_BxHxDkxDv, atol=5e-5)
-  np.testing.assert_array_equal(end.conv_BxKxC, final.conv_BxKxC)
-  assert isinstance(end, LinearState) and end.memory_BxHxDkxDv.shape == (B, H, N, P)
-  fresh, _ = forward(state, x[:, 100:], None, True)    # no state: another output
-  assert np.abs(fresh - tail).max() > 1e-3
 
 
 def test_gradients_by_chunks_are_the_recurrences():
