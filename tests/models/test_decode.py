@@ -37,7 +37,7 @@ def _family_model(family):
                        if family == "deepseek_v32" else {}))
   if family == "deepseek_v32":   # 3 keys of the cache's 11 by an indexer of 8 heads
     yarn.update({"model.index_topk": 3, "model.index_heads": 8})
-  if family in ("afmoe", "mellum", "granitemoe_swa", "cohere2_moe"):
+  if family in ("mellum", "granitemoe_swa", "cohere2_moe"):
     # a window the generated positions pass
     yarn["model.sliding_window"] = 3
   if family == "llama4":      # its own scaling; chunks and temperature steps the positions pass
@@ -48,13 +48,11 @@ def _family_model(family):
 
 
 @pytest.mark.parametrize("family", ["olmoe", "qwen2_moe",
-                                    "afmoe",
                                     "mellum", "granitemoe_swa", "cohere2_moe", "llama4",
                                     "deepseek_v32", "qwen3_next"])
 def test_cached_logits_equal_the_full_forward(family, model, prompt):
   """OLMoE; Qwen2-MoE: a grouped-query cache of 2 kv heads, qkv biases, a gated shared
-  expert; AfMoE: sandwich norms and the gate's own projection;
-  Mellum: the sliding layers' own plain RoPE beside the global layer's YaRN; Granite SWA:
+  expert; Mellum: the sliding layers' own plain RoPE beside the global layer's YaRN; Granite SWA:
   attention sinks over the cache, Granite's four multipliers and a shared MLP; Cohere2-MoE:
   parallel blocks (the cached step's attention and MLP read one LayerNorm's output), neighbour-pair rotary (the cache holds
   k permuted; ERNIE-4.5's), two layers sliding within 3 tokens of the cache and one unrotated
@@ -68,7 +66,8 @@ def test_cached_logits_equal_the_full_forward(family, model, prompt):
   each new token moves by the recurrence, beside one softmax layer's keys and values and its
   output gate, computed from the new tokens alone (MiniCPM5-MoE's, not run again), a quarter
   of each head rotated (GLM-4.5's half, run here until measured redundant), zero-centered
-  norms. (FlexOlmo's norms on the sublayers' outputs and Hunyuan's QK-norm of the rotated
+  norms. (FlexOlmo's norms on the sublayers' outputs, AfMoE's sandwich norms and its gate's own
+  projection, and Hunyuan's QK-norm of the rotated
   q and k, which the cache holds normed, are in `sublayers` and `qkv`, which the cached step
   shares; each was run here equal to the full forward until measured redundant. Flint's and
   Kolibri's layers hold no option
