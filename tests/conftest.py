@@ -61,6 +61,9 @@ XDIST_GROUPS = {
     "codec_auto": ("tests/codec/test_loop.py", "tests/codec/test_training.py",
                    "tests/report/test_report.py",
                    "tests/sharding/test_multiprocess.py"),
+    # the files that ask the torch reference (tests/convert/conftest.py): one worker builds its
+    # random models once (apart, each worker built all of them)
+    "hf_reference": ("tests/convert/test_hf_parity.py", "tests/convert/test_fine_tune.py"),
 }
 
 
@@ -181,13 +184,16 @@ _GROUP_OF = {f: g for g, files in XDIST_GROUPS.items() for f in files}
 # Seconds each heavy unit takes under `-n 2` (the "test s" column of a whole-suite run; the
 # others take a few seconds). Units start longest first, so no long unit is left for the end
 # while the other worker idles; only the order matters, not the figures.
-UNIT_SECONDS = {"tiny8": 125, "codec_auto": 123, "tests/placement/test_fssdp_train.py": 91,
-                "tests/train/test_job_faults.py": 35,
-                "tests/train/test_families.py": 32, "tests/codec/test_kernels.py": 30,
-                "tests/models/test_decode.py": 29, "tests/codec/test_gather.py": 23,
-                "tests/convert/test_fine_tune.py": 19, "tests/train/test_dispatch_growth.py": 12,
-                "tests/routing/test_sharded_admission.py": 12, "tests/codec/test_replicas.py": 11,
-                "tests/convert/test_hf_parity.py": 11, "tests/sharding/test_gatherer.py": 10}
+UNIT_SECONDS = {"tiny8": 149, "tests/placement/test_fssdp_train.py": 114, "hf_reference": 112,
+                "codec_auto": 106, "tests/train/test_families.py": 100,
+                "tests/models/test_decode.py": 73, "tests/train/test_job_faults.py": 45,
+                "tests/layers/test_attention.py": 41, "tests/layers/test_moe.py": 33,
+                "tests/codec/test_gather.py": 32, "tests/placement/test_fssdp.py": 25,
+                "tests/codec/test_kernels.py": 24, "tests/train/test_dispatch_growth.py": 21,
+                "tests/placement/test_experts.py": 16, "tests/routing/test_admission.py": 16,
+                "tests/sharding/test_gatherer.py": 15, "tests/placement/test_planner.py": 14,
+                "tests/placement/test_dispatch.py": 14, "tests/train/test_optim.py": 13,
+                "tests/routing/test_sharded_admission.py": 12, "tests/codec/test_replicas.py": 11}
 
 
 @pytest.hookimpl(optionalhook=True)
