@@ -179,20 +179,17 @@ class Placement:
     if pstate is None:   # an empty history predicts flat loads; replicas go plain
       pstate = self.init_state().replace(replicas=None)
     predicted_LxE = planner.predict(pstate.history)
-    owner_LxE, rank_parts = pstate.owner_LxE, []
+    owner_LxE = pstate.owner_LxE
+    rank_LxE = jnp.zeros_like(owner_LxE) if self.pools else None
     for group, rows in self.pools or ((None, None),):   # each pool's windows from its own slots
       experts = {path: _at(params, path) for path in self.expert_paths if group in (None, path[0])}
       owners, windows = fssdp.owned_windows(
           owner_LxE if rows is None else owner_LxE[np.asarray(rows)], experts, me,
           num_devices=self.num_devices, max_per_layer=self.max_per_layer)
-      rank_parts.append((rows, owners.rank_E))
+      rank_LxE = (owners.rank_E if rows is None
+                  else rank_LxE.at[np.asarray(rows)].set(owners.rank_E))
       for path, window in windows.items():
         params = _replace_at(params, path, window)
-    rank_LxE = rank_parts[0][1]
-    if self.pools:
-      rank_LxE = jnp.zeros_like(owner_LxE)
-      for rows, rank in rank_parts:
-        rank_LxE = rank_LxE.at[np.asarray(rows)].set(rank)
     owners_L = fssdp.Owners(owner_LxE, rank_LxE)
     return params, owners_L, predicted_LxE, squeeze_device_axis(pstate.replicas)
 

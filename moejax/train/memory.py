@@ -180,8 +180,8 @@ def memory_report(cfg: Config, num_devices: int, *,
     fssdp_replicas = cfg.fssdp.replica_slots * expert_values(cfg)
   kept_layers = (sum(run.count for run in olmoe.layer_runs(cfg) if run.group in layer_elems)
                  if cfg.remat == "none" else 0)
-  biggest = max([f + l + fssdp_replicas * (g in olmoe.MOE_GROUPS) for g, (f, l) in layer_elems.items()],
-                default=0)
+  biggest = max([f + l + fssdp_replicas * (g in olmoe.MOE_GROUPS)
+                 for g, (f, l) in layer_elems.items()], default=0)
   live = (2 if cfg.prefetch else 1)
   gathered += live * biggest * c + biggest * 4 + kept_layers * biggest * c
 

@@ -54,14 +54,16 @@ def test_cached_logits_equal_the_full_forward(family, model, prompt):
   """OLMoE; Qwen2-MoE: a grouped-query cache of 2 kv heads, qkv biases, a gated shared
   expert; Mellum: the sliding layers' own plain RoPE beside the global layer's YaRN; Granite SWA:
   attention sinks over the cache, Granite's four multipliers and a shared MLP; Cohere2-MoE:
-  parallel blocks (the cached step's attention and MLP read one LayerNorm's output), neighbour-pair rotary (the cache holds
+  parallel blocks (the cached step's attention and MLP read one LayerNorm's output),
+  neighbour-pair rotary (the cache holds
   k permuted; ERNIE-4.5's), two layers sliding within 3 tokens of the cache and one unrotated
   (EXAONE-MoE's kinds); Llama 4: chunks of 4 the cache masks, the unrotated layer's query
   temperature at the cached positions, the unscaled QK-norm of the rotated q and k, Llama 3's
   RoPE scaling, the experts' inputs weighted; DeepSeek-V3.2: DeepSeek-V3's tiny preset (latent
   attention's per-head keys with the shared rotary part and narrower values, a dense layer
   before the MoE ones, grouped sigmoid routing; run alone here until measured redundant) with
-  each query's 3 best keys by the indexer, whose keys the cache holds beside the attention's; Qwen3-Next: three Gated DeltaNet
+  each query's 3 best keys by the indexer, whose keys the cache holds beside the attention's;
+  Qwen3-Next: three Gated DeltaNet
   layers whose state (the convolution's last inputs, the memory) the prompt leaves by chunks and
   each new token moves by the recurrence, beside one softmax layer's keys and values and its
   output gate, computed from the new tokens alone (MiniCPM5-MoE's, not run again), a quarter
