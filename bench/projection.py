@@ -75,7 +75,8 @@ def olmoe_projection(calib, gpus) -> list[dict]:
   variants = [("zero3", None), ("ciera", None), ("fsdp", None),
               ("moejax-block", cd.measured("block")),
               ("moejax-auto", cd.measured("auto", "high")),
-              ("moejax-auto (low lr)", cd.measured("auto", "low"))]
+              ("moejax-auto (low lr)", cd.measured("auto", "low")),
+              ("moejax-auto-bf16rs", cd.measured("auto", "high"))]
   for n in gpus:
     run = Run(n, tokens, 1024)
     for label, ratios in variants:

@@ -29,7 +29,7 @@ from moejax.placement.dispatch import OVERFLOW_POLICIES
 from moejax.placement.experts import ACTIVATIONS
 from moejax.routing.admission import POLICIES as ADMISSIONS
 from moejax.routing.router import GROUP_SCORES, SCORE_FUNCTIONS as SCORES
-from moejax.sharding.hook import COMPUTE_DTYPES
+from moejax.sharding.hook import COMPUTE_DTYPES, REDUCE_DTYPES
 from moejax.sharding.prefetch import REMAT_MODES
 
 CODEC_MODES = MODES + ("auto",)            # auto: chosen per parameter at run time (config-level)
@@ -540,6 +540,13 @@ class Config:
   """What gathered parameters and activations are computed in: bfloat16, or float32 (exact
   comparisons with a reference, e.g. a fine-tune's first step against transformers; codec off).
   Master weights, gradients and optimizer state are float32 either way."""
+  reduce_dtype: str = "float32"
+  """What the gathered parameters' gradients are summed in across devices (the fsdp
+  reduce-scatter, the replicated parameters' all-reduce): float32, or bfloat16 (half the bytes
+  of the collective that dominates a step across nodes; each hop of the reduction rounds to bf16,
+  as PyTorch FSDP's reduce_dtype does). Parameters gathered in float32 (axes.FLOAT32_GROUPS:
+  router biases, DeepSeek-V3's router, attention sinks, linear-attention decays) and FSSDP's
+  SparseReduceScatter stay float32; the optimizer always gets float32 gradients."""
 
 
 def default_config_dict() -> ml_collections.ConfigDict:
@@ -701,6 +708,10 @@ def validate(c: Config) -> None:
     _check(value > 0, f"config.{field}={value}: must be positive")
   _choice(c.remat, "remat", REMAT_MODES)
   _choice(c.compute_dtype, "compute_dtype", tuple(COMPUTE_DTYPES))
+  _choice(c.reduce_dtype, "reduce_dtype", tuple(REDUCE_DTYPES))
+  _check(c.reduce_dtype == "float32" or c.compute_dtype == "bfloat16",
+         f"config.reduce_dtype={c.reduce_dtype!r} needs compute_dtype='bfloat16' (a float32 "
+         "computation sums its gradients in float32)")
   _check(c.compute_dtype == "bfloat16" or c.codec.mode == "off",
          f"config.compute_dtype={c.compute_dtype!r} needs codec.mode='off' (the codec gathers "
          "bfloat16 bit patterns)")

@@ -222,6 +222,10 @@ def test_unknown_preset():
                                       r"off, delta \(or '' to follow codec.mode\)"),
     ({"fssdp.replica_codec": "delta", "compute_dtype": "float32", "moe.placement": "fssdp"},
      r"config.fssdp.replica_codec='delta' needs compute_dtype='bfloat16'"),
+    ({"reduce_dtype": "float16"}, r"config.reduce_dtype='float16': must be one of float32, "
+                                  r"bfloat16"),
+    ({"reduce_dtype": "bfloat16", "compute_dtype": "float32"},
+     r"config.reduce_dtype='bfloat16' needs compute_dtype='bfloat16'"),
 ])
 def test_bad_config_values(overrides, message):
   with pytest.raises(ConfigError, match=message):

@@ -118,6 +118,8 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
     _s("fsdp", rs_bytes=4.0, description="moejax fsdp, plain bf16 gather"),
     *[_s(f"moejax-{m}", codec=m, rs_bytes=4.0, description=f"moejax fsdp, codec {m}")
       for m in ("element", "block", "word", "delta", "auto")],
+    _s("moejax-auto-bf16rs", codec="auto", rs_bytes=2.0,
+       description="moejax fsdp, codec auto, gradients reduced in bf16 (reduce_dtype)"),
     _e("ep", description="expert parallel (owners only)"),
     _e("uniform", balance="uniform", description="ep with evenly spread tokens (reference)"),
     _e("fastermoe", balance="fastermoe", description="FasterMoE-style broadcast of hot experts"),

@@ -57,11 +57,12 @@ class Gatherer:
   # its cache} (`hook.run_gathers`; what the codec's selection prices)
   rebuilt_share: dict = dataclasses.field(default_factory=dict)
   transport: str = "auto"      # how the codec payload travels (`codec.gather.TRANSPORTS`)
+  reduce_dtype: Any = hook.GRAD_DTYPE   # what bf16 leaves' gradients sum in (config.reduce_dtype)
 
   @classmethod
   def create(cls, param_meta, layouts, num_devices: int, spec: codec.CodecSpec | None,
              select=None, compute_dtype=hook.COMPUTE_DTYPE, rebuilt_share=None,
-             transport: str = "auto"):
+             transport: str = "auto", reduce_dtype=hook.GRAD_DTYPE):
     """Compresses every sharded parameter (or those `select(group, path)` accepts). The gather
     groups are the top-level keys of `param_meta`, as the model declares its parameters."""
     specs = {g: {} for g in param_meta}
@@ -71,7 +72,7 @@ class Gatherer:
         if select is None or select(group, path):
           specs[group][path] = spec
     return cls(layouts, param_meta, num_devices, specs, compute_dtype, dict(rebuilt_share or {}),
-               transport)
+               transport, reduce_dtype)
 
   @property
   def groups(self) -> tuple[str, ...]:
@@ -200,12 +201,19 @@ class Gatherer:
     """Bytes each device receives per step in the hook's gradient collectives."""
     total = 0.0
     for g in self.groups:
-      for x, lay in zip(jax.tree.leaves(self.param_meta[g]), jax.tree.leaves(self.layouts[g])):
+      for path, x, lay in zip(_leaf_paths(self.param_meta[g]), jax.tree.leaves(self.param_meta[g]),
+                              jax.tree.leaves(self.layouts[g])):
         shape = list(x.shape)
         if lay.kind == "shard":
           shape[lay.dim] //= self.num_devices
-        total += hook.scatter_bytes(shape, lay, self.num_devices)
+        total += hook.scatter_bytes(shape, lay, self.num_devices, hook.reduce_dtype_of(
+            self.leaf_dtype(g, path), self.reduce_dtype))
     return total
+
+  def leaf_dtype(self, group: str, path: str):
+    """The dtype a parameter is gathered and computed in."""
+    return (jnp.float32 if self.report_group(group, path) in axes.FLOAT32_GROUPS
+            else self.compute_dtype)
 
   # -- the hook --------------------------------------------------------------------------------
   def gather(self, group: str, shards, states: dict | None, rebuild_from: dict | None = None):
@@ -223,11 +231,10 @@ class Gatherer:
     fulls, leaf_states, leaf_stats = hook.gather_leaves(
         leaves, treedef.flatten_up_to(lays), specs,
         [states[path] if spec else None for path, spec in zip(paths, specs)],
-        dtypes=[jnp.float32 if key in axes.FLOAT32_GROUPS else self.compute_dtype
-                for key in keys],
+        dtypes=[self.leaf_dtype(group, path) for path in paths],
         rebuild_states=None if rebuild_from is None else [
             rebuild_from[path] if spec else None for path, spec in zip(paths, specs)],
-        transport=self.transport)
+        transport=self.transport, reduce_dtype=self.reduce_dtype)
     new_states, stats, per_param = {}, {}, {}
     for path, spec, key, new_state, s in zip(paths, specs, keys, leaf_states, leaf_stats):
       if spec is not None:

@@ -3,12 +3,15 @@
 Inside the `shard_map` body each parameter arrives as this device's slice (fp32 master copy).
 `gather_leaf(shard, layout, spec, state) -> (full, new_state, stats)` returns the full parameter
 in the compute dtype (bf16; fp32 with `dtype=jnp.float32`, config.compute_dtype, codec off), and
-its VJP sends the gradient home in fp32:
+its VJP sends the gradient home, summed in fp32 (or, with `reduce_dtype=jnp.bfloat16`,
+config.reduce_dtype, the bf16 leaves' gradients summed in bf16: half the bytes, each hop of the
+reduction rounding to 8 bits of mantissa; leaves gathered in fp32, `axes.FLOAT32_GROUPS`, keep
+fp32):
 
   shard      forward all_gather of the bf16 bit patterns along `layout.dim`, plain (`spec` None)
              or compressed by the codec (`spec` a `CodecSpec`, `moejax.codec`);
-             backward psum_scatter (fp32)
-  replicate  forward cast;                                    backward psum (fp32)
+             backward psum_scatter (fp32, or the reduce dtype)
+  replicate  forward cast;                                    backward psum (likewise)
   expert     forward cast (the owner uses it in place);       backward none: already complete
 
 The plain gather moves integer views, so it is bit-exact like the codec: XLA:CPU's float
@@ -45,7 +48,8 @@ from moejax.sharding.mesh import DEVICES
 
 COMPUTE_DTYPE = jnp.bfloat16
 COMPUTE_DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}   # config.compute_dtype
-GRAD_DTYPE = jnp.float32
+GRAD_DTYPE = jnp.float32          # the gradients handed to the optimizer (fp32 masters)
+REDUCE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}   # config.reduce_dtype
 _BITS_DTYPES = {2: jnp.uint16, 4: jnp.uint32}   # a compute dtype's bit patterns, by item size
 # Per-gather figures: bytes this device put into the gather collectives (static buffer capacity),
 # bytes the plain bf16 gather would have put in, values whose exponent changed, blocks with a
@@ -55,9 +59,15 @@ STAT_KEYS = ("bytes_sent", "bytes_plain", "exponent_changes", "block_changes", "
              "capacity_fill", "fallback", "dense")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def reduce_dtype_of(dtype, reduce_dtype=GRAD_DTYPE):
+  """What a leaf computed in `dtype` sums its gradient in across devices: the wider of the two
+  (bf16 leaves in `reduce_dtype`; those gathered in fp32, `axes.FLOAT32_GROUPS`, in fp32)."""
+  return max(jnp.dtype(dtype), jnp.dtype(reduce_dtype), key=lambda d: d.itemsize)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7, 8))
 def _all_gather(shards: tuple, states: tuple, rebuild: tuple, dims: tuple, axis_names, dtype,
-                specs: tuple, transport: str = "auto"):
+                specs: tuple, transport: str = "auto", reduce_dtype=GRAD_DTYPE):
   """The sharded leaves of one gather group and dtype -> (fulls, new states, codec figures).
   Plain leaves (spec None): their bit patterns in `dtype` packed into one flat buffer [N],
   gathered as [W, N], each split out and tiled along its own dim, exactly what a tiled gather of
@@ -102,21 +112,23 @@ def _all_gather(shards: tuple, states: tuple, rebuild: tuple, dims: tuple, axis_
   return tuple(fulls), tuple(new_states), tuple(raws)
 
 
-def _all_gather_fwd(shards, states, rebuild, dims, axis_names, dtype, specs, transport):
-  return _all_gather(shards, states, rebuild, dims, axis_names, dtype, specs, transport), None
+def _all_gather_fwd(shards, states, rebuild, dims, axis_names, dtype, specs, transport,
+                    reduce_dtype):
+  return _all_gather(shards, states, rebuild, dims, axis_names, dtype, specs, transport,
+                     reduce_dtype), None
 
 
-def _all_gather_bwd(dims, axis_names, dtype, specs, transport, _, cotangents):
-  """One reduce-scatter (fp32) of all the leaves' cotangents, packed like the forward's
-  buffer; the states get none."""
+def _all_gather_bwd(dims, axis_names, dtype, specs, transport, reduce_dtype, _, cotangents):
+  """One reduce-scatter (in `reduce_dtype`) of all the leaves' cotangents, packed like the
+  forward's buffer, handed back in fp32; the states get none."""
   w = lax.axis_size(axis_names)
-  pieces = [codec.untile(g.astype(GRAD_DTYPE), dim, w) for g, dim in zip(cotangents[0], dims)]
+  pieces = [codec.untile(g.astype(reduce_dtype), dim, w) for g, dim in zip(cotangents[0], dims)]
   flat_WxN = jnp.concatenate([p.reshape(w, -1) for p in pieces], axis=1)
   flat_N = lax.psum_scatter(flat_WxN.reshape(-1), axis_names, scatter_dimension=0, tiled=True)
   grads, start = [], 0
   for p in pieces:
     size = p[0].size
-    grads.append(flat_N[start:start + size].reshape(p.shape[1:]))
+    grads.append(flat_N[start:start + size].reshape(p.shape[1:]).astype(GRAD_DTYPE))
     start += size
   return tuple(grads), None, None
 
@@ -124,17 +136,17 @@ def _all_gather_bwd(dims, axis_names, dtype, specs, transport, _, cotangents):
 _all_gather.defvjp(_all_gather_fwd, _all_gather_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _replicated(x, axis_names, dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _replicated(x, axis_names, dtype, reduce_dtype=GRAD_DTYPE):
   return x.astype(dtype)
 
 
-def _replicated_fwd(x, axis_names, dtype):
-  return _replicated(x, axis_names, dtype), None
+def _replicated_fwd(x, axis_names, dtype, reduce_dtype):
+  return _replicated(x, axis_names, dtype, reduce_dtype), None
 
 
-def _replicated_bwd(axis_names, dtype, _, g):
-  return (lax.psum(g.astype(GRAD_DTYPE), axis_names),)
+def _replicated_bwd(axis_names, dtype, reduce_dtype, _, g):
+  return (lax.psum(g.astype(reduce_dtype), axis_names).astype(GRAD_DTYPE),)
 
 
 _replicated.defvjp(_replicated_fwd, _replicated_bwd)
@@ -147,10 +159,12 @@ def gather_bytes(shard_shape, layout: Layout, dtype=COMPUTE_DTYPE) -> float:
   return float(math.prod(shard_shape) * jnp.dtype(dtype).itemsize)
 
 
-def scatter_bytes(shard_shape, layout: Layout, num_devices: int) -> float:
-  """Bytes one device receives in the backward collective of one parameter: the fp32 shards of
-  the reduce-scatter, or a ring all-reduce of a replicated parameter."""
-  n, size = num_devices, math.prod(shard_shape) * jnp.dtype(GRAD_DTYPE).itemsize
+def scatter_bytes(shard_shape, layout: Layout, num_devices: int,
+                  reduce_dtype=GRAD_DTYPE) -> float:
+  """Bytes one device receives in the backward collective of one parameter: the shards of the
+  reduce-scatter (in `reduce_dtype`, `reduce_dtype_of`), or a ring all-reduce of a replicated
+  parameter."""
+  n, size = num_devices, math.prod(shard_shape) * jnp.dtype(reduce_dtype).itemsize
   if layout.kind == "shard":
     return float((n - 1) * size)
   if layout.kind == "replicate" and n > 1:
@@ -208,7 +222,7 @@ def gather_leaf(shard, layout: Layout, spec: codec.CodecSpec | None = None, stat
 
 @profiling.scoped("gather")
 def gather_leaves(shards, layouts, specs, states, axis_names=DEVICES, dtypes=None,
-                  rebuild_states=None, transport: str = "auto"):
+                  rebuild_states=None, transport: str = "auto", reduce_dtype=GRAD_DTYPE):
   """`gather_leaf` for a list of leaves (one gather group: a layer's parameters) -> (fulls,
   new_states, stats), lists in the same order. The sharded leaves of one dtype travel together:
   the plain ones as one all_gather of their packed bit patterns, the compressed ones as one
@@ -218,7 +232,8 @@ def gather_leaves(shards, layouts, specs, states, axis_names=DEVICES, dtypes=Non
   compute dtype (default all bf16). `rebuild_states`: for a gather run again on the same shards,
   the states the first one left; compressed leaves are rebuilt from their caches
   (`codec.rebuilt_gather_group`). `transport`: how the codec's payload travels
-  (`codec.gather.TRANSPORTS`)."""
+  (`codec.gather.TRANSPORTS`). `reduce_dtype`: what the bf16 leaves' gradients are summed in
+  across devices (`reduce_dtype_of`)."""
   n = len(shards)
   dtypes = [COMPUTE_DTYPE] * n if dtypes is None else list(dtypes)
   rebuild = [None] * n if rebuild_states is None else [
@@ -237,7 +252,7 @@ def gather_leaves(shards, layouts, specs, states, axis_names=DEVICES, dtypes=Non
     if layout.kind == "expert" or (alone and spec is None):
       fulls[i] = shard.astype(dtype)
     elif layout.kind == "replicate":
-      fulls[i] = _replicated(shard, axis_names, dtype)
+      fulls[i] = _replicated(shard, axis_names, dtype, reduce_dtype_of(dtype, reduce_dtype))
     else:
       if spec is not None and jnp.dtype(dtype) != jnp.dtype(COMPUTE_DTYPE):
         raise ValueError(f"the codec gathers {jnp.dtype(COMPUTE_DTYPE).name} only, not "
@@ -250,7 +265,8 @@ def gather_leaves(shards, layouts, specs, states, axis_names=DEVICES, dtypes=Non
                        tuple(states[i] if specs[i] is not None else None for i in indices),
                        tuple(rebuild[i] for i in indices),
                        tuple(layouts[i].dim for i in indices), axis_names, dtype,
-                       tuple(specs[i] for i in indices), transport)
+                       tuple(specs[i] for i in indices), transport,
+                       reduce_dtype_of(dtype, reduce_dtype))
     for i, full, new_state, raw in zip(indices, *outs):
       fulls[i] = full
       if specs[i] is None:

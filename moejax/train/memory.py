@@ -9,9 +9,10 @@ no devices, no compile (`jax.eval_shape` only), so it answers for a cluster you 
   batch           this device's inputs and targets
   gathered        compute-dtype copies of gathered weights live at once: the embedding and head
                   tables, one layer (two with prefetch) of every layer group, all layers when
-                  remat="none" keeps them for backward, plus one layer's fp32 weight gradient
-                  before its reduce-scatter; under ep/fssdp the experts are not gathered (their
-                  owned slots are cast, fssdp adds its M replicas, gathered again in backward)
+                  remat="none" keeps them for backward, plus one layer's weight gradient
+                  before its reduce-scatter (fp32, or config.reduce_dtype); under ep/fssdp the
+                  experts are not gathered (their owned slots are cast, fssdp adds its M
+                  replicas, gathered again in backward)
   activations     what the remat policy keeps per layer (`moejax.sharding.prefetch`): full, the
                   layer inputs; minimal, also every matmul output; none, also the elementwise
                   intermediates; plus one layer's working set twice (recompute and cotangents) and
@@ -183,7 +184,9 @@ def memory_report(cfg: Config, num_devices: int, *,
   biggest = max([f + l + fssdp_replicas * (g in olmoe.MOE_GROUPS)
                  for g, (f, l) in layer_elems.items()], default=0)
   live = (2 if cfg.prefetch else 1)
-  gathered += live * biggest * c + biggest * 4 + kept_layers * biggest * c
+  r = hook.reduce_dtype_of(hook.COMPUTE_DTYPES[cfg.compute_dtype],
+                           hook.REDUCE_DTYPES[cfg.reduce_dtype]).itemsize
+  gathered += live * biggest * c + biggest * r + kept_layers * biggest * c
 
   # Activations (compute dtype unless noted), per layer of T tokens here.
   d, v = m.d_model, m.vocab_size

@@ -111,7 +111,8 @@ def state_layout(cfg: Config, mesh, tx: optax.GradientTransformation) -> StateLa
   n = num_devices(mesh)
   gatherer = Gatherer.create(param_meta, layouts, n, codec_spec(cfg),
                              compute_dtype=hook.COMPUTE_DTYPES[cfg.compute_dtype],
-                             rebuilt_share=rebuilt_shares(cfg), transport=cfg.codec.transport)
+                             rebuilt_share=rebuilt_shares(cfg), transport=cfg.codec.transport,
+                             reduce_dtype=hook.REDUCE_DTYPES[cfg.reduce_dtype])
   gather_state_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), gatherer.state_specs(),
                                         is_leaf=lambda s: isinstance(s, P))
   placement = placement_of(cfg, mesh, param_meta)

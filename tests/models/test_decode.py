@@ -47,12 +47,11 @@ def _family_model(family):
   return cfg, olmoe.init_params(cfg, jax.random.key(1))
 
 
-@pytest.mark.parametrize("family", ["olmoe", "qwen2_moe",
+@pytest.mark.parametrize("family", ["olmoe",
                                     "mellum", "granitemoe_swa", "cohere2_moe", "llama4",
                                     "deepseek_v32", "qwen3_next"])
 def test_cached_logits_equal_the_full_forward(family, model, prompt):
-  """OLMoE; Qwen2-MoE: a grouped-query cache of 2 kv heads, qkv biases, a gated shared
-  expert; Mellum: the sliding layers' own plain RoPE beside the global layer's YaRN; Granite SWA:
+  """OLMoE; Mellum: the sliding layers' own plain RoPE beside the global layer's YaRN; Granite SWA:
   attention sinks over the cache, Granite's four multipliers and a shared MLP; Cohere2-MoE:
   parallel blocks (the cached step's attention and MLP read one LayerNorm's output),
   neighbour-pair rotary (the cache holds
@@ -70,8 +69,9 @@ def test_cached_logits_equal_the_full_forward(family, model, prompt):
   of each head rotated (GLM-4.5's half, run here until measured redundant), zero-centered
   norms. (FlexOlmo's norms on the sublayers' outputs, AfMoE's sandwich norms and its gate's own
   projection, and Hunyuan's QK-norm of the rotated
-  q and k, which the cache holds normed, are in `sublayers` and `qkv`, which the cached step
-  shares; each was run here equal to the full forward until measured redundant. Flint's and
+  q and k, which the cache holds normed, and Qwen2-MoE's qkv biases and gated shared expert
+  beside a grouped-query cache of 2 kv heads, are in `sublayers` and `qkv`, which the cached
+  step shares; each was run here equal to the full forward until measured redundant. Flint's and
   Kolibri's layers hold no option
   these do not; gpt-oss's output bias is in `project_out`, which the cached step shares, and
   its experts are the forward's.) All but OLMoE and Llama 4 with YaRN RoPE."""

@@ -79,6 +79,25 @@ def stablehlo_gathers(text: str) -> list[Collective]:
   return out
 
 
+_STABLEHLO_REDUCTION = re.compile(r'"stablehlo\.(reduce_scatter|all_reduce)"')
+_REGION_END = re.compile(r"^\s*\}\)\s*:.*->\s*(?P<type>\(?tensor<.*)$")
+
+
+def stablehlo_reductions(text: str) -> list[Collective]:
+  """Every reduce_scatter / all_reduce result in StableHLO text (their type follows the
+  reduction's region, on the line that closes it)."""
+  out, pending = [], []
+  for line in text.splitlines():
+    m = _STABLEHLO_REDUCTION.search(line)
+    if m:
+      pending.append(m[1].replace("_", "-"))
+    elif pending and (end := _REGION_END.match(line)):
+      op = pending.pop()
+      out += [Collective(op, dtype, _shape(dims, "x"))
+              for dims, dtype in _TENSOR.findall(end["type"])]
+  return out
+
+
 def hook_shapes(layout, num_devices: int) -> dict[str, set[tuple]]:
   """Result shapes of the hook's plain collectives: {"all-gather": [W, N] for each gather group
   and dtype (`hook.gather_leaves` packs a group's plain sharded leaves of one dtype into one

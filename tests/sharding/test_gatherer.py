@@ -60,6 +60,17 @@ def test_scatter_bytes_sum_the_hook_figure_over_leaves():
   assert g.scatter_bytes() == expected
 
 
+def test_scatter_bytes_halve_for_the_bf16_leaves_under_a_bf16_reduce():
+  meta = {**META, "decay": ParamMeta((16,), (ax.HEADS,), ax.DECAY)}   # gathered in float32
+  layouts = layout_lib.param_layouts(meta, "fsdp", N)
+  f32 = Gatherer.create(meta, layouts, N, None)
+  bf16 = Gatherer.create(meta, layouts, N, None, reduce_dtype=jnp.bfloat16)
+  decay = Gatherer.create({"decay": meta["decay"]}, {"decay": layouts["decay"]}, N, None)
+  assert decay.scatter_bytes() > 0 and bf16.leaf_dtype("decay", "") == jnp.float32
+  assert bf16.scatter_bytes() == ((f32.scatter_bytes() - decay.scatter_bytes()) / 2
+                                  + decay.scatter_bytes())
+
+
 def test_init_states_reuse_keeps_same_state_caches():
   mesh = make_mesh((1, -1))
   g = _gatherer()

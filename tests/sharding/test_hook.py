@@ -211,6 +211,55 @@ def test_a_groups_plain_gathers_travel_in_one_collective_each_way():
     np.testing.assert_allclose(np.asarray(g), expected, rtol=1e-6)
 
 
+def test_bf16_reduce_sums_the_bf16_leaves_in_bf16_and_the_fp32_leaves_in_fp32():
+  """reduce_dtype=bf16 (config.reduce_dtype): the bf16 leaves' reduce-scatter and the
+  replicated leaf's all-reduce are written in bf16 (half the bytes), the fp32-computed leaf's
+  stays fp32. The gradients come back fp32: the bf16 leaves' are bf16 values within bf16
+  rounding of the fp32 sums, the fp32 leaf's equal the fp32 reduction's."""
+  from tests.sharding import hlo
+  rng = np.random.default_rng(4)
+  shapes = [(W * 2, 3), (W, 4), (3, 4)]
+  layouts = [Layout("shard", 0), Layout("shard", 0), Layout("replicate")]
+  dtypes = [jnp.bfloat16, jnp.float32, jnp.bfloat16]
+  xs = tuple(jnp.asarray(rng.normal(size=s).astype(np.float32)) for s in shapes)
+  # each device its own weights, so each device's cotangent differs
+  weights = tuple(jnp.asarray(rng.normal(size=(W,) + s).astype(np.float32)) for s in shapes)
+  in_specs = tuple(P(AXIS) if lay.kind == "shard" else P() for lay in layouts)
+
+  def program(reduce_dtype):
+    def body(xs, weights):
+      def loss(xs):
+        fulls, _, _ = hook.gather_leaves(list(xs), layouts, [None] * 3, [None] * 3,
+                                         axis_names=AXIS, dtypes=dtypes,
+                                         reduce_dtype=reduce_dtype)
+        return sum(jnp.sum(jnp.sin(f.astype(jnp.float32)) * w[0]) for f, w in zip(fulls, weights))
+      return jax.grad(loss)(xs)
+
+    return jax.jit(jax.shard_map(body, mesh=MESH, in_specs=(in_specs, (P(AXIS),) * 3),
+                                 out_specs=in_specs, check_vma=False))
+
+  written = {}
+  for name, reduce_dtype in (("f32", jnp.float32), ("bf16", jnp.bfloat16)):
+    text = program(reduce_dtype).lower(xs, weights).as_text()
+    written[name] = sorted((c.op, c.dtype) for c in hlo.stablehlo_reductions(text))
+  assert written["f32"] == [("all-reduce", "f32"), ("reduce-scatter", "f32"),
+                            ("reduce-scatter", "f32")]
+  assert written["bf16"] == [("all-reduce", "bf16"), ("reduce-scatter", "bf16"),
+                             ("reduce-scatter", "f32")]
+  g32 = [np.asarray(g) for g in program(jnp.float32)(xs, weights)]
+  g16 = [np.asarray(g) for g in program(jnp.bfloat16)(xs, weights)]
+  assert all(g.dtype == np.float32 for g in g16)
+  np.testing.assert_array_equal(g16[1], g32[1])                 # the fp32 leaf: fp32 sums
+  for i in (0, 2):
+    as_bf16 = np.asarray(jnp.asarray(g16[i]).astype(jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_array_equal(g16[i], as_bf16)             # summed (or rounded) in bf16
+    # within bf16 rounding of the fp32 sum: at most one rounding per hop, on partial sums no
+    # larger than the sum of the devices' |cotangent| (here |w|)
+    bound = W * 2.0 ** -8 * np.abs(np.asarray(weights[i])).sum(axis=0)
+    assert np.all(np.abs(g16[i] - g32[i]) <= bound)
+    assert np.any(g16[i] != g32[i])                            # the premise: it did round
+
+
 def test_one_device_group_is_casts_without_collectives():
   """On a one-device mesh a plain group has nothing to gather or reduce: no collective in the
   program, each full leaf the cast of its shard, each gradient the cotangent in fp32 (what the
