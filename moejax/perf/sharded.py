@@ -191,7 +191,10 @@ def step(shape: ModelShape, cluster, run: Run, system, calib: Calibration,
         g.values for u in units for g in u.groups.values() if g.compressed)
   elif system.codec == "ciera":
     cache = sum(g.values for u in units for g in u.groups.values() if g.compressed)
-  state_bytes = (16.0 + (2.0 if system.rs_bytes > 2 else 0.0)) * total / run.gpus
+  # fp32 gradient shards beside master and moments where the reduction is fp32, and in moejax
+  # whatever it sums in (the optimizer gets fp32 gradients)
+  fp32_grads = system.rs_bytes > 2 or system.framework == "xla"
+  state_bytes = (16.0 + (2.0 if fp32_grads else 0.0)) * total / run.gpus
   extra = {
       "gather_ratio": sent / plain,
       "compressed_fraction": comp / plain,
