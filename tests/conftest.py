@@ -184,16 +184,17 @@ _GROUP_OF = {f: g for g, files in XDIST_GROUPS.items() for f in files}
 # Seconds each heavy unit takes under `-n 2` (the "test s" column of a whole-suite run; the
 # others take a few seconds). Units start longest first, so no long unit is left for the end
 # while the other worker idles; only the order matters, not the figures.
-UNIT_SECONDS = {"tiny8": 149, "tests/placement/test_fssdp_train.py": 114, "hf_reference": 112,
-                "codec_auto": 106, "tests/train/test_families.py": 100,
-                "tests/models/test_decode.py": 73, "tests/train/test_job_faults.py": 45,
-                "tests/layers/test_attention.py": 41, "tests/layers/test_moe.py": 33,
-                "tests/codec/test_gather.py": 32, "tests/placement/test_fssdp.py": 25,
-                "tests/codec/test_kernels.py": 24, "tests/train/test_dispatch_growth.py": 21,
-                "tests/placement/test_experts.py": 16, "tests/routing/test_admission.py": 16,
-                "tests/sharding/test_gatherer.py": 15, "tests/placement/test_planner.py": 14,
-                "tests/placement/test_dispatch.py": 14, "tests/train/test_optim.py": 13,
-                "tests/routing/test_sharded_admission.py": 12, "tests/codec/test_replicas.py": 11}
+UNIT_SECONDS = {"tiny8": 136, "hf_reference": 122, "codec_auto": 112,
+                "tests/placement/test_fssdp_train.py": 100, "tests/train/test_families.py": 80,
+                "tests/models/test_decode.py": 65, "tests/train/test_job_faults.py": 42,
+                "tests/layers/test_moe.py": 33, "tests/codec/test_gather.py": 32,
+                "tests/layers/test_attention.py": 31, "tests/placement/test_fssdp.py": 28,
+                "tests/codec/test_kernels.py": 20, "tests/placement/test_experts.py": 17,
+                "tests/train/test_dispatch_growth.py": 17, "tests/routing/test_admission.py": 14,
+                "tests/train/test_optim.py": 14, "tests/sharding/test_hook.py": 14,
+                "tests/placement/test_dispatch.py": 14, "tests/layers/test_linear_attention.py": 14,
+                "tests/placement/test_planner.py": 13, "tests/routing/test_sharded_admission.py": 13,
+                "tests/sharding/test_gatherer.py": 12}
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -324,11 +324,6 @@ def test_triton_kernels():
   fix = "run scripts/setup_triton_env.sh to create it"
   if not python.exists():
     pytest.fail(f"{python.relative_to(ROOT)} is missing: {fix}")
-  probe = subprocess.run([python, "-c", "import torch, triton, pytest"], capture_output=True,
-                         text=True, check=False)
-  if probe.returncode:
-    pytest.fail(f".venv311 lacks torch, triton or pytest ({probe.stderr.strip().splitlines()[-1]})"
-                f": {fix}")
   env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_", "PYTEST_"))}
   for test_file, interpret in (("tests/codec/kernels_triton_interp.py", "1"),
                                ("tests/codec/kernels_triton_compile.py", "0")):
@@ -340,6 +335,9 @@ def test_triton_kernels():
         timeout=1200, check=False)
     output = result.stdout + result.stderr
     summary = output.strip().splitlines()[-1] if output.strip() else ""
+    # (no import probe first: importing torch costs seconds; a missing package shows here)
+    if "No module named" in output:
+      pytest.fail(f".venv311 lacks a package ({output.strip().splitlines()[-1]}): {fix}")
     assert result.returncode == 0, f"{test_file} failed:\n{output[-6000:]}"
     assert " passed" in summary and "skipped" not in summary and "failed" not in summary, (
         f"{test_file}: {summary}")

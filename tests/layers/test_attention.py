@@ -127,9 +127,11 @@ def test_sinks_join_the_softmax_denominator_and_carry_its_gradient():
   np.testing.assert_allclose(got, written_out(q, k, sinks_H), atol=1e-6)
   assert float(jnp.max(jnp.abs(got - plain))) > 1e-2
   loss = lambda f: lambda q, k, s_: jnp.sum(f(q, k, s_) ** 2)  # noqa: E731
-  ours = jax.grad(loss(lambda q, k, s_: attend(q, k, v, is_causal=True, window=window,
-                                                 sinks_H=s_)), argnums=(0, 1, 2))(q, k, sinks_H)
-  want = jax.grad(loss(written_out), argnums=(0, 1, 2))(q, k, sinks_H)
+  # jitted: op by op, autodiff compiled each primitive apart (5 s of this test)
+  ours = jax.jit(jax.grad(loss(lambda q, k, s_: attend(q, k, v, is_causal=True, window=window,
+                                                         sinks_H=s_)), argnums=(0, 1, 2)))(
+      q, k, sinks_H)
+  want = jax.jit(jax.grad(loss(written_out), argnums=(0, 1, 2)))(q, k, sinks_H)
   for a, w in zip(ours, want):
     np.testing.assert_allclose(a, w, atol=1e-5)
 
@@ -202,11 +204,18 @@ def _sparse_attention(**options):
 def _indexer_parts(attn, x):
   """(rotary, the indexer's keys; those keys, its queries and head weights, the attention's q
   and k in float64 numpy)."""
-  s = x.shape[1]
-  rotary = attn.rotary_at(jnp.arange(s, dtype=jnp.float32))
-  keys = attn.index_keys(x, rotary)
-  q, w = attn._index_queries(x, rotary)
-  q_a, k_a, _ = attn.qkv(x, rotary)
+  graph, params = nnx.split(attn)
+
+  @jax.jit            # one program (op by op these compiled some 90 small ones)
+  def parts(params, x):
+    attn = nnx.merge(graph, params)
+    rotary = attn.rotary_at(jnp.arange(x.shape[1], dtype=jnp.float32))
+    keys = attn.index_keys(x, rotary)
+    q, w = attn._index_queries(x, rotary)
+    q_a, k_a, _ = attn.qkv(x, rotary)
+    return rotary, keys, q, w, q_a, k_a
+
+  rotary, keys, q, w, q_a, k_a = parts(params, x)
   return rotary, keys, *(np.asarray(a, np.float64) for a in (keys, q, w, q_a, k_a))
 
 

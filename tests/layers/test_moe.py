@@ -1,4 +1,5 @@
 """The MoE block against a naive per-token loop, and as a drop-in layer (NNX and Linen)."""
+import functools
 import math
 import re
 
@@ -148,7 +149,10 @@ def test_spec_refuses_bad_fields_by_name(changes, field):
     MoESpec(**{"num_experts": 8, "top_k": 2, **changes})
 
 
+@functools.lru_cache(maxsize=1)
 def _block_and_reference():
+  """A block, its input, and its one-device loss and gradients (computed once for the file's
+  tests, jitted: op by op its autodiff compiled some 150 small programs)."""
   block = MoEBlock(32, 48, MoESpec(8, 2), rngs=nnx.Rngs(0), init_std=0.2)
   x_BxSxD = jax.random.normal(jax.random.key(1), (8, 5, 32))
   graphdef, state = nnx.split(block)
@@ -157,7 +161,7 @@ def _block_and_reference():
     y, aux = nnx.merge(graphdef, state)(x)
     return jnp.sum(y ** 2) + aux["aux_loss"]
 
-  return block, x_BxSxD, graphdef, state, jax.value_and_grad(loss)(state, x_BxSxD)
+  return block, x_BxSxD, graphdef, state, jax.jit(jax.value_and_grad(loss))(state, x_BxSxD)
 
 
 @pytest.mark.parametrize("kind", ["local", "ep"])
