@@ -116,17 +116,18 @@ def test_checker_on_small_programs(fsdp8, extra_gather, gather_dtype, flagged):
     assert any(flagged in p for p in issues), issues
 
 
-def test_bf16_reduce_writes_every_gradient_reduction_of_the_step_in_bf16(trainer_for):
+def test_bf16_reduce_writes_every_gradient_reduction_of_the_step_in_bf16(fsdp8, trainer_for):
   """config.reduce_dtype='bfloat16' reaches the step: its reduce-scatters (one per gather group,
   as the fp32 step's) are written in bf16, the metrics' scatter_bytes halve. (The tiny preset has
   no parameter gathered in float32; tests/sharding/test_hook.py checks those stay fp32.)"""
   from tests.helpers import tiny_config
   trainer = trainer_for(tiny_config(reduce_dtype="bfloat16"), 8)
-  f32 = trainer_for(tiny_config(), 8)
   counts = {}
-  for name, t in (("bf16", trainer), ("f32", f32)):
-    written = hlo.stablehlo_reductions(t.train_step.lower(*t.abstract_inputs()).as_text())
+  for name, lowered in (("bf16", trainer.train_step.lower(*trainer.abstract_inputs())),
+                        ("f32", fsdp8.lowered)):
+    written = hlo.stablehlo_reductions(lowered.as_text())
     counts[name] = sorted(c.dtype for c in written if c.op == "reduce-scatter")
   assert counts["f32"] and set(counts["f32"]) == {"f32"}
   assert counts["bf16"] == ["bf16"] * len(counts["f32"])
-  assert trainer.layout.gatherer.scatter_bytes() == f32.layout.gatherer.scatter_bytes() / 2
+  assert (trainer.layout.gatherer.scatter_bytes()
+          == fsdp8.trainer.layout.gatherer.scatter_bytes() / 2)
