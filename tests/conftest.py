@@ -193,7 +193,8 @@ UNIT_SECONDS = {"tiny8": 136, "hf_reference": 122, "codec_auto": 112,
                 "tests/train/test_dispatch_growth.py": 17, "tests/routing/test_admission.py": 14,
                 "tests/train/test_optim.py": 14, "tests/sharding/test_hook.py": 14,
                 "tests/placement/test_dispatch.py": 14, "tests/layers/test_linear_attention.py": 14,
-                "tests/placement/test_planner.py": 13, "tests/routing/test_sharded_admission.py": 13,
+                "tests/placement/test_planner.py": 13,
+                "tests/routing/test_sharded_admission.py": 13,
                 "tests/sharding/test_gatherer.py": 12}
 
 

@@ -19,7 +19,8 @@ per-group norm scale sharded as their own stacked group beside the softmax layer
 multipliers and shared MLP) under fssdp, its two MoE groups two pools of expert slots, across a
 re-shard (its own test below; its preset's linear group in two scans around the softmax layer,
 partial-group runs with gathers prefetched across them, trained so here through `5cd1a1f` and
-in `bench/families.py` under every placement). Qwen3-Next (Gated DeltaNet layers in the same groups, with the same
+in `bench/families.py` under every placement). Qwen3-Next (Gated DeltaNet layers in the same
+groups, with the same
 kinds of parameters as Mamba-2's; the attention's output gate, its weight gathered inside the q
 projection's, as MiniCPM5-MoE's; zero-centered norms; a gated shared expert) trained under fsdp
 equal to one device here, and under fssdp across a heterogeneous re-shard in 31 s, until
