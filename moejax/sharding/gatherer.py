@@ -201,19 +201,17 @@ class Gatherer:
     """Bytes each device receives per step in the hook's gradient collectives."""
     total = 0.0
     for g in self.groups:
-      for path, x, lay in zip(_leaf_paths(self.param_meta[g]), jax.tree.leaves(self.param_meta[g]),
-                              jax.tree.leaves(self.layouts[g])):
+      for x, lay in zip(jax.tree.leaves(self.param_meta[g]), jax.tree.leaves(self.layouts[g])):
         shape = list(x.shape)
         if lay.kind == "shard":
           shape[lay.dim] //= self.num_devices
         total += hook.scatter_bytes(shape, lay, self.num_devices, hook.reduce_dtype_of(
-            self.leaf_dtype(g, path), self.reduce_dtype))
+            self.group_dtype(x.group), self.reduce_dtype))
     return total
 
-  def leaf_dtype(self, group: str, path: str):
-    """The dtype a parameter is gathered and computed in."""
-    return (jnp.float32 if self.report_group(group, path) in axes.FLOAT32_GROUPS
-            else self.compute_dtype)
+  def group_dtype(self, report_group: str):
+    """The dtype the parameters of a report group are gathered and computed in."""
+    return jnp.float32 if report_group in axes.FLOAT32_GROUPS else self.compute_dtype
 
   # -- the hook --------------------------------------------------------------------------------
   def gather(self, group: str, shards, states: dict | None, rebuild_from: dict | None = None):
@@ -231,7 +229,7 @@ class Gatherer:
     fulls, leaf_states, leaf_stats = hook.gather_leaves(
         leaves, treedef.flatten_up_to(lays), specs,
         [states[path] if spec else None for path, spec in zip(paths, specs)],
-        dtypes=[self.leaf_dtype(group, path) for path in paths],
+        dtypes=[self.group_dtype(key) for key in keys],
         rebuild_states=None if rebuild_from is None else [
             rebuild_from[path] if spec else None for path, spec in zip(paths, specs)],
         transport=self.transport, reduce_dtype=self.reduce_dtype)

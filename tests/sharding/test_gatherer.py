@@ -66,7 +66,7 @@ def test_scatter_bytes_halve_for_the_bf16_leaves_under_a_bf16_reduce():
   f32 = Gatherer.create(meta, layouts, N, None)
   bf16 = Gatherer.create(meta, layouts, N, None, reduce_dtype=jnp.bfloat16)
   decay = Gatherer.create({"decay": meta["decay"]}, {"decay": layouts["decay"]}, N, None)
-  assert decay.scatter_bytes() > 0 and bf16.leaf_dtype("decay", "") == jnp.float32
+  assert decay.scatter_bytes() > 0 and bf16.group_dtype(ax.DECAY) == jnp.float32
   assert bf16.scatter_bytes() == ((f32.scatter_bytes() - decay.scatter_bytes()) / 2
                                   + decay.scatter_bytes())
 
