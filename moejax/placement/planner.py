@@ -155,8 +155,8 @@ def owner_holders(owner_E, num_devices: int) -> jax.Array:
 def materialize_plan(load_E, owner_E, *, num_devices: int, devices_per_node: int,
                      replica_slots: int, overlap_degree: int, target_straggler: float = 1.05,
                      lookahead: int | None = None, source_load_NxE=None, prefer_ExN=None,
-                     prefer_within: float = PREFER_WITHIN, owner_sends: int | None = None
-                     ) -> Plan:
+                     prefer_within: float = PREFER_WITHIN, owner_sends: int | None = None,
+                     candidates=None) -> Plan:
   """Chooses this step's expert replicas for one layer (greedy, static shapes).
 
   load_E: predicted load per expert (any non-negative scale); owner_E: int32 owning device;
@@ -191,6 +191,10 @@ def materialize_plan(load_E, owner_E, *, num_devices: int, devices_per_node: int
   owner, over all its experts; a replica never sits on its owner or twice on one device.
   The owner bound sizes SparseAllGather's send rows and SparseReduceScatter's fp32 receive
   rows on the ragged (GPU) path: `owner_sends` rows per device instead of N * M.
+
+  Each chain step weighs every device as the next holder in O(N) (`candidate_loads`; its
+  definition, O(N^2), is `candidate_loads_direct`, which `candidates` may name instead): a
+  round costs O(E * J * N).
   """
   n, dpn = num_devices, devices_per_node
   if n % dpn:
@@ -205,7 +209,7 @@ def materialize_plan(load_E, owner_E, *, num_devices: int, devices_per_node: int
   owner_sends = resolve_owner_sends(owner_sends, n, replica_slots)
   plan = functools.partial(_plan, src_ExN, owner_E, n, dpn, replica_slots, overlap_degree,
                            target_straggler, lookahead, prefer_within=prefer_within,
-                           owner_sends=owner_sends)
+                           owner_sends=owner_sends, candidates=candidates or candidate_loads)
   base = plan(jnp.zeros(src_ExN.shape, jnp.bool_))
   if prefer_ExN is None:
     return base
@@ -221,8 +225,81 @@ def resolve_owner_sends(owner_sends: int | None, num_devices: int, replica_slots
   return most if not owner_sends else min(int(owner_sends), most)
 
 
+def candidate_loads(src_N, held_N, base_N, devices_per_node: int):
+  """(max_N, sos_N): the largest device load and the sum of squared device loads if device d
+  were added to the holders `held_N` of one expert (whose per-source loads are `src_N`; the
+  devices' loads from everything else `base_N`), for every d at once, in O(N).
+
+  `candidate_loads_direct` is the definition (N candidate holder sets through
+  `expert_device_load`, O(N^2)). Adding d on node g changes only node g's holders' share (one
+  more holder, d's own load no longer spread), the share from nodes without a holder (node g
+  leaves them) and the count h they split over, so each candidate is read off per-node sums:
+  holders on other nodes keep their node share and all move by the same far share c; the
+  largest non-holder load is the largest base load but d's (a top-2)."""
+  n = src_N.shape[0]
+  g = n // devices_per_node
+  held = held_N.astype(jnp.float32)
+  node_N = _node_of(n, devices_per_node)
+
+  def per_node(x):
+    return jnp.sum(x.reshape(g, devices_per_node), axis=-1)
+
+  k_G = per_node(held)
+  rest_G = per_node((1.0 - held) * src_N)
+  has_G = k_G > 0
+  near_G = jnp.where(has_G, rest_G / jnp.maximum(k_G, 1.0), 0.0)
+  far = jnp.sum(jnp.where(has_G, 0.0, rest_G))
+  a_N = base_N + src_N                                   # a holder's load before any spread
+  # Candidate d (node g_d): node g_d's share and the far share c after adding it.
+  k1_N = k_G[node_N] + 1.0
+  near1_N = (rest_G[node_N] - src_N) / k1_N
+  c_N = (far - jnp.where(has_G[node_N], 0.0, rest_G[node_N])) / (jnp.sum(held) + 1.0)
+  # Largest load: non-holders but d; holders of other nodes; holders of d's node and d.
+  top1, top2 = _top2(jnp.where(held_N, -jnp.inf, base_N))
+  other_N = jnp.where(base_N >= top1, top2, top1)
+  x_G = jnp.max(jnp.where(held_N, a_N, -jnp.inf).reshape(g, devices_per_node), axis=-1)
+  node1, node2 = _top2(x_G + near_G)
+  away_N = jnp.where(x_G[node_N] + near_G[node_N] >= node1, node2, node1) + c_N
+  own_N = jnp.maximum(x_G[node_N], a_N) + near1_N + c_N
+  max_N = jnp.maximum(jnp.maximum(other_N, away_N), own_N)
+  # Sum of squares: sum(base^2) plus each holder's (a + u)^2 - base^2, u its node share + c,
+  # per node D + 2 u P + k u^2 with D = sum src (2 base + src), P = sum a (no cancellation).
+  d_G = per_node(held * src_N * (2.0 * base_N + src_N))
+  p_G = per_node(held * a_N)
+
+  def term(d, p, k, u):
+    return d + 2.0 * u * p + k * u * u
+
+  s0 = jnp.sum(term(d_G, p_G, k_G, near_G))
+  s1 = jnp.sum(p_G + k_G * near_G)
+  h = jnp.sum(k_G)
+  everywhere_N = s0 + 2.0 * c_N * s1 + c_N * c_N * h     # every node's holders, moved by c
+  gn = node_N
+  mine_old_N = term(d_G[gn], p_G[gn], k_G[gn], near_G[gn] + c_N)
+  mine_new_N = term(d_G[gn] + src_N * (2.0 * base_N + src_N), p_G[gn] + a_N, k1_N, near1_N + c_N)
+  sos_N = jnp.sum(base_N * base_N) + jnp.maximum(everywhere_N - mine_old_N, 0.0) + mine_new_N
+  return max_N, sos_N
+
+
+def candidate_loads_direct(src_N, held_N, base_N, devices_per_node: int):
+  """`candidate_loads` by its definition: each candidate's N device loads, O(N^2)."""
+  n = src_N.shape[0]
+  plus_NxN = held_N[None, :] | jnp.eye(n, dtype=jnp.bool_)
+  loads_NxN = base_N[None, :] + expert_device_load(
+      None, plus_NxN, devices_per_node=devices_per_node, source_load_ExN=src_N[None, :])
+  return jnp.max(loads_NxN, axis=1), jnp.sum(loads_NxN * loads_NxN, axis=1)
+
+
+def _top2(x_N):
+  """(largest, second largest) of x_N (the same value twice when it occurs twice; -inf for the
+  second of a single element)."""
+  top1 = jnp.max(x_N)
+  first = jnp.argmax(x_N)
+  return top1, jnp.max(jnp.where(jnp.arange(x_N.shape[0]) == first, -jnp.inf, x_N))
+
+
 def _plan(src_ExN, owner_E, n, dpn, m, overlap_degree, target_straggler, lookahead, prefer_ExN,
-          prefer_within, owner_sends) -> Plan:
+          prefer_within, owner_sends, candidates) -> Plan:
   e = src_ExN.shape[0]
   g = n // dpn
   load_E = jnp.sum(src_ExN, axis=1)
@@ -242,12 +319,10 @@ def _plan(src_ExN, owner_E, n, dpn, m, overlap_degree, target_straggler, lookahe
     node_tiebreak_N = base_N / jnp.maximum(2.0 * jnp.max(base_N), 1e-30)
 
     def add_one(held_N, _):
-      plus_NxN = held_N[None, :] | eye_NxN
-      loads_NxN = base_N[None, :] + expert_device_load(
-          None, plus_NxN, devices_per_node=dpn, source_load_ExN=src_N[None, :])
+      max_N, sos_N = candidates(src_N, held_N, base_N, dpn)
       ok_N = allowed_N & ~held_N
-      max_N = jnp.where(ok_N, jnp.max(loads_NxN, axis=1), jnp.inf)
-      sos_N = jnp.where(ok_N, jnp.sum(loads_NxN * loads_NxN, axis=1), jnp.inf)
+      max_N = jnp.where(ok_N, max_N, jnp.inf)
+      sos_N = jnp.where(ok_N, sos_N, jnp.inf)
       tie_N = max_N <= jnp.min(max_N) + eps
       tie_N = tie_N & (sos_N <= jnp.min(jnp.where(tie_N, sos_N, jnp.inf)) + eps * mean)
       node_has_N = (jnp.sum(held_N.reshape(g, dpn), axis=1) > 0)[node_N]
