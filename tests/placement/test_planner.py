@@ -146,18 +146,24 @@ def test_candidate_loads_equal_their_definition():
       np.testing.assert_allclose(fast, direct, rtol=2e-6, err_msg=f"N={n} per node {dpn}")
 
 
-def test_plans_by_either_candidate_evaluation_are_the_same(cases):
-  """The shared cases (skews, hotspots, heterogeneous owners, bounds) planned through the
-  definition give the same replicas as the planner's own O(N) evaluation."""
+def test_plans_by_the_definition_and_in_two_phases_are_the_same(cases, monkeypatch):
+  """The shared cases (skews, hotspots, heterogeneous owners, the owner bound) planned through
+  the definition of a candidate's loads, and in two phases (`TWO_PHASE_WORK`: once t experts
+  have replicas only theirs are grown; these small cases plan in one), give the replicas of the
+  planner's default."""
   loads, owners, _, out = cases
+  monkeypatch.setattr(fp, "TWO_PHASE_WORK", 0)
 
   @jax.jit
-  def direct(load_E, owner_E):
-    return fp.materialize_plan(load_E, owner_E, candidates=fp.candidate_loads_direct,
-                               **KW).replica_expert_NxM
+  def plans(load_E, owner_E):
+    return [fp.materialize_plan(load_E, owner_E, owner_sends=sends, **options,
+                                **KW).replica_expert_NxM
+            for sends in (None, SENDS)
+            for options in ({"candidates": fp.candidate_loads_direct}, {})]
 
-  np.testing.assert_array_equal(jax.vmap(direct)(loads, owners),
-                                out["plan"].replica_expert_NxM)
+  for i, got in enumerate(jax.vmap(plans)(loads, owners)):
+    want = out["plan" if i < 2 else "bounded"].replica_expert_NxM
+    np.testing.assert_array_equal(got, want, err_msg=f"plan {i}")
 
 
 # ----------------------------------------------------------------------------- plan invariants
