@@ -10,6 +10,8 @@ records its error and the others still run. Steps:
   ragged     the ep exchange on the local devices (`ragged_all_to_all` on GPU) against the
              local experts, SparseAllGather (ragged on GPU) against the owners' rows, and the
              grouped expert matmuls (`ragged_dot` on GPU) against a dense per-expert product
+  planner    fssdp's per-layer planning (bench/planner.py) at OLMoE's and DeepSeek-V3's expert
+             counts on 32 and 64 devices: seconds a layer on this device
   train      20 steps of the tiny preset: losses, s/step
   one_layer  5 train steps of a one-layer model at the 1b7b shapes: s/step, tokens/s, peak bytes
   layer      forward and forward+backward time of one layer at the 1b7b shapes (a two-layer
@@ -869,16 +871,36 @@ def step_nvcomp(dims: dict) -> dict:
   return out
 
 
+def step_planner(dims: dict) -> dict:
+  """FSSDP's per-layer planning as a train step runs it on every device (`bench/planner.py`'s
+  `layer_planning`: the replicas with and without last step's holders preferred, the re-plan
+  from the actual counts, the balanced sends; sequential rounds of small kernels), at OLMoE's
+  and DeepSeek-V3's expert counts: what it costs a layer on this device."""
+  import jax
+  import numpy as np
+  from bench import planner as bench_planner
+
+  out = {}
+  for name, e, n, dpn, m, t in dims["planner_scales"]:
+    args = bench_planner.inputs(e, n)
+    fn = bench_planner.layer_planning(e, n, dpn, m, t, definition=False)
+    first = jax.device_get(fn(*args))[0]
+    out[name] = {"experts": e, "devices": n, "replica_slots": m, "overlap_degree": t,
+                 "replicas": int(np.sum(first < e)),
+                 "layer_s": _timed(fn, *args, repeats=dims["planner_repeats"])}
+  return out
+
+
 STEPS = {"env": step_env, "kernels": step_kernels, "ragged": step_ragged, "train": step_train,
          "one_layer": step_one_layer, "layer": step_layer, "schedule": step_schedule,
          "schedule8": step_schedule8, "nvcomp": step_nvcomp, "grouped": step_grouped,
          "attention": step_attention, "tiles": step_tiles, "profile": step_profile,
-         "linear": step_linear}
+         "linear": step_linear, "planner": step_planner}
 # The order of a full run: what only a GPU can tell first; `grouped` before the training steps
 # (it checks the Hopper kernels' forward and backward, and turns them off for the later steps if
 # they are wrong; XLA's ragged_dot there took about 2 minutes on an H200); the 8-GPU compile
 # (its mock topology had not answered within 2 minutes there) last.
-ORDER = ("env", "kernels", "ragged", "nvcomp", "grouped", "train", "one_layer", "layer",
+ORDER = ("env", "kernels", "ragged", "planner", "nvcomp", "grouped", "train", "one_layer", "layer",
          "profile", "attention", "linear", "schedule", "schedule8")
 # Not in a full run (7.5 minutes of Mosaic GPU compiles on an H200): `--only tiles` (first, so the
 # steps after it run at the best tiles).
@@ -889,7 +911,11 @@ FULL = {"codec_values": 1 << 24, "ragged_tokens": 4096, "ragged_d": 2048, "ragge
         "attn_head_dim": 128, "tiles_rows": 16384, "tiles_experts": 64, "tiles_d": 2048,
         "tiles_f": 1024, "profile_calls": 3, "profile_top": 30, "gpt_oss_rows": 4096,
         "gpt_oss_experts": 8, "gpt_oss_width": 2880, "linear_batch": 1, "linear_seq": 4096,
-        "linear_heads": (16, 32), "linear_dim": 128}
+        "linear_heads": (16, 32), "linear_dim": 128,
+        "planner_scales": (("OLMoE, 4 x 8", 64, 32, 8, 2, 4),
+                           ("DeepSeek-V3, 8 x 8", 256, 64, 8, 2, 4),
+                           ("DeepSeek-V3, 8 x 8, M=4 t=16", 256, 64, 8, 4, 16)),
+        "planner_repeats": 5}
 # Tiny shapes (the tiny preset's width for the "1b7b" steps), on CPU.
 DRY = {"codec_values": 1 << 14, "ragged_tokens": 32, "ragged_d": 64, "ragged_f": 64,
        "train_steps": 5, "layer_preset": "tiny", "layer_batch": 8, "layer_seq": 64,
@@ -898,7 +924,8 @@ DRY = {"codec_values": 1 << 14, "ragged_tokens": 32, "ragged_d": 64, "ragged_f":
        "attn_heads": 4, "attn_head_dim": 32, "tiles_rows": 512, "tiles_experts": 8,
        "tiles_d": 512, "tiles_f": 512, "profile_calls": 2, "profile_top": 10, "gpt_oss_rows": 256,
        "gpt_oss_experts": 4, "gpt_oss_width": 96, "linear_batch": 1, "linear_seq": 130,
-       "linear_heads": (2, 4), "linear_dim": 16}
+       "linear_heads": (2, 4), "linear_dim": 16,
+       "planner_scales": (("tiny, 2 x 4", 8, 8, 4, 2, 4),), "planner_repeats": 2}
 
 
 def main() -> int:

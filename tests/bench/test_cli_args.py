@@ -17,6 +17,7 @@ CASES = [
     ("codec.py", ["--composed", "--composed_steps", "3"],
      "argument --composed_steps: must be >= 10, got 3"),
     ("placement.py", ["--steps", "0"], "argument --steps: must be >= 1, got 0"),
+    ("planner.py", ["--calls", "0"], "argument --calls: must be >= 1, got 0"),
     ("routing.py", ["--steps", "2"], "argument --steps: must be >= 3, got 2"),
     ("soak.py", ["--steps", "250"], "argument --steps: must be a multiple of 100, got 250"),
     ("families.py", ["--steps", "1"], "argument --steps: must be >= 2, got 1"),
