@@ -52,6 +52,7 @@ from moejax.codec import replicas as replicas_lib
 from moejax.placement.dispatch import Dispatch, exchange
 from moejax.placement.experts import SWIGLU, ExpertFn
 from moejax.routing import router as router_lib
+from moejax.sharding.prefetch import kept_for_backward
 from moejax.placement import ownership, planner
 
 
@@ -435,11 +436,11 @@ def materialize(predicted_load_E, *ws, dispatch: Dispatch, owners: Owners | None
   coded = codec is not None and replica_state is not None
   held_ExN = None if replica_state is None else held_by_device(replica_state["held"],
                                                                owners.owner_E.shape[0])
-  plan = planner.materialize_plan(
+  plan = kept_for_backward("fssdp_plan", lambda: planner.materialize_plan(
       predicted_load_E, owners.owner_E, num_devices=n,
       devices_per_node=dispatch.devices_per_node, replica_slots=dispatch.replica_slots,
       overlap_degree=dispatch.overlap_degree, prefer_ExN=held_ExN,
-      owner_sends=dispatch.owner_sends)
+      owner_sends=dispatch.owner_sends))
   if not coded:
     weights = tuple(jnp.concatenate([w, sparse_all_gather(w, plan.replica_expert_NxM,
                                                           dispatch=dispatch, owners=owners)],
@@ -559,8 +560,8 @@ def fssdp_experts(x_TxD, experts_TxK, weights_TxK, mat: Materialized, *, dispatc
   source_load_NxE = lax.all_gather(counts_E, dispatch.axis_names, axis=0, tiled=False)
 
   def run(plan, weights, late_bytes):
-    send_ExN = planner.balanced_send(plan.holders_ExN, source_load_NxE,
-                                     devices_per_node=dpn)[me]
+    send_ExN = kept_for_backward("fssdp_send", lambda: planner.balanced_send(
+        plan.holders_ExN, source_load_NxE, devices_per_node=dpn)[me])
     dest_TxK = planner.dispatch_devices(experts_TxK, me, plan, devices_per_node=dpn,
                                         send_ExN=send_ExN)
     expert_A, dest_A = experts_TxK.reshape(-1), dest_TxK.reshape(-1)
@@ -600,13 +601,13 @@ def fssdp_experts(x_TxD, experts_TxK, weights_TxK, mat: Materialized, *, dispatc
   # differentiation would also carry both branches' residuals (on XLA:CPU the conditional cost
   # the tiny fssdp step 15 ms of 123). It is coded against the same state as the first gather:
   # both replace last step's replicas.
-  fresh, _ = planner.calibrate(
+  fresh, _ = kept_for_backward("fssdp_re_plan", lambda: planner.calibrate(
       mat.plan, jnp.sum(source_load_NxE, axis=0), owners.owner_E, num_devices=n,
       devices_per_node=dpn, replica_slots=dispatch.replica_slots,
       overlap_degree=dispatch.overlap_degree, actual_source_load_NxE=source_load_NxE,
       owner_sends=dispatch.owner_sends,
       # a replica the first plan placed moves nothing
-      prefer_ExN=mat.plan.holders_ExN)
+      prefer_ExN=mat.plan.holders_ExN))
   owned, first = tuple(w[:c] for w in mat.weights), tuple(w[c:] for w in mat.weights)
   reps, need_NxM, choice_NxM = late_replicas(
       owned, first, mat.plan.replica_expert_NxM, fresh.replica_expert_NxM, dispatch=dispatch,

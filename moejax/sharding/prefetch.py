@@ -31,12 +31,14 @@ prefetch=True    (more than one layer) the gather of layer i+1 is issued in iter
 Both give bit-identical results (tests/sharding/test_prefetch.py).
 
 `remat` (REMAT_MODES) says what a layer keeps for its backward: "full" only its input (and its
-shards), recomputing the rest; "minimal" also its matmul outputs
+shards) and what it marks `kept_for_backward` (fssdp's plans), recomputing the rest; "minimal" also its matmul outputs
 (`jax.checkpoint_policies.dots_saveable`); "none" everything. With prefetch, minimal and none
 also keep the layer's gathered weights until its backward (the saved matmuls need them), so
 backward gathers nothing.
 """
 from __future__ import annotations
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +46,37 @@ import numpy as np
 from jax import lax
 
 REMAT_MODES = ("full", "minimal", "none")
+
+
+_KEEPING: list[tuple[str, dict]] = []     # ("record" | "replay", values), while a layer traces
+
+
+@contextlib.contextmanager
+def _keeping(mode: str, values: dict | None = None):
+  values = {} if values is None else values
+  _KEEPING.append((mode, values))
+  try:
+    yield values
+  finally:
+    _KEEPING.pop()
+
+
+def kept_for_backward(name: str, compute):
+  """`compute()`, run once: a layer of the prefetched scan under remat "full" records its value
+  in the forward (beside the layer's input) and its backward, recomputing the layer, replays it
+  instead of computing it again. For values cheap to keep and costly to recompute (fssdp's plans:
+  sequential rounds of small ops, a few int32 [N, M] / [E, N] arrays); `name` is unique within a
+  layer; the value carries no gradient (a plan, not a parameter's function). Elsewhere (other
+  remat modes, no prefetch, evaluation): `compute()`, its gradient stopped alike."""
+  if not _KEEPING:
+    return jax.tree.map(lax.stop_gradient, compute())
+  mode, values = _KEEPING[-1]
+  if mode == "replay":
+    return values[name]
+  if name in values:
+    raise ValueError(f"kept_for_backward: {name!r} kept twice in one layer")
+  values[name] = jax.tree.map(lax.stop_gradient, compute())
+  return values[name]
 
 
 def recomputes(remat: str) -> bool:
@@ -111,8 +144,11 @@ def _prefetched_scan(layer_fn, gather, remat: str, num_layers: int):
         leaves, treedef = jax.tree.flatten(vjp)
         vjp_def[:] = [treedef]
         return h_out, aux, leaves
-      h_out, aux = fn(h, full)
-      return h_out, aux, (h if keep == "inputs" else None)
+      if keep != "inputs":
+        return (*fn(h, full), None)
+      with _keeping("record") as kept:
+        h_out, aux = fn(h, full)
+      return h_out, aux, (h, kept)
 
     def body(carry, i):
       h, full, _ = carry
@@ -169,7 +205,9 @@ def _prefetched_scan(layer_fn, gather, remat: str, num_layers: int):
       if full_last is not None:   # remat full: recompute the layer from its input
         # Layer i-1's gather first, then layer i's backward.
         full_prev = regather(shards_L, states_L, new_states_L, jnp.maximum(i - 1, 0))
-        vjp = jax.vjp(lambda h, full: layer_fn(h, full, consts, i), saved, full)[1]
+        h_in, kept = saved
+        with _keeping("replay", kept):
+          vjp = jax.vjp(lambda h, full: layer_fn(h, full, consts, i), h_in, full)[1]
       else:
         full_prev, vjp = full, saved
       dh, dfull = vjp((dh, daux_of(daux_kept)))

@@ -70,6 +70,43 @@ def test_remat_modes_and_prefetch_give_the_same_gradients_through_the_hook():
     np.testing.assert_allclose(a, 8 * b, rtol=1e-5, atol=1e-6)
 
 
+def test_a_value_kept_for_backward_is_computed_in_the_forward_alone():
+  """`kept_for_backward` (fssdp's plans): under remat full with prefetch the backward, which
+  recomputes each layer from its input, replays what the forward recorded rather than computing
+  it again; the gradients equal those of no prefetch, where it is computed as usual."""
+  traced = []
+
+  def layer_fn(h, full, consts, i):
+    def plan():
+      traced.append(i)
+      return jnp.round(jnp.sum(h * h))          # of the layer's input; no gradient through it
+    k = prefetch_lib.kept_for_backward("plan", plan)
+    return h + (1.0 + 0.01 * k) * jnp.tanh(h @ full["a"]) @ full["b"].T, {"k": k}
+
+  def local(shards, state):
+    return shards, state, {}
+
+  def loss(h, shards, prefetch):
+    out = prefetch_lib.scan_layers(layer_fn, h, shards, local, None, (), remat="full",
+                                   prefetch=prefetch)
+    return jnp.sum(out[0] ** 2), out[1]["k"]
+
+  key = jax.random.key(3)
+  shards = {"a": jax.random.normal(key, (LAYERS, 8, WIDTH)) * 0.3,
+            "b": jax.random.normal(jax.random.fold_in(key, 1), (LAYERS, 8, WIDTH)) * 0.3}
+  h = jax.random.normal(jax.random.fold_in(key, 2), (4, 8))
+  jax.jit(lambda h, shards: loss(h, shards, True)).lower(h, shards)
+  forward = len(traced)
+  grad = jax.grad(loss, argnums=(0, 1), has_aux=True)
+  got, k_L = jax.jit(lambda h, shards: grad(h, shards, True))(h, shards)
+  assert len(traced) == 2 * forward        # the backward traced no plan of its own
+  want, k_ref_L = jax.jit(lambda h, shards: grad(h, shards, False))(h, shards)
+  np.testing.assert_array_equal(k_L, k_ref_L)
+  assert len(set(np.asarray(k_L).tolist())) == LAYERS    # each layer its own recorded value
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 SPECS = {"delta": codec.CodecSpec("delta", delta_bits=4, warmup_steps=0, capacity_fraction=1.0,
                                   far_fraction=1.0),
          "element": codec.CodecSpec("element", warmup_steps=0, capacity_fraction=1.0)}
