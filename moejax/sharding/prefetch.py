@@ -31,8 +31,9 @@ prefetch=True    (more than one layer) the gather of layer i+1 is issued in iter
 Both give bit-identical results (tests/sharding/test_prefetch.py).
 
 `remat` (REMAT_MODES) says what a layer keeps for its backward: "full" only its input (and its
-shards) and what it marks `kept_for_backward` (fssdp's plans), recomputing the rest; "minimal" also its matmul outputs
-(`jax.checkpoint_policies.dots_saveable`); "none" everything. With prefetch, minimal and none
+shards) and, with prefetch, what it marks `kept_for_backward` (fssdp's plans), recomputing the
+rest; "minimal" also its matmul outputs (`jax.checkpoint_policies.dots_saveable`); "none"
+everything. With prefetch, minimal and none
 also keep the layer's gathered weights until its backward (the saved matmuls need them), so
 backward gathers nothing.
 """
