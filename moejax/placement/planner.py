@@ -297,7 +297,7 @@ def candidate_loads_direct(src_N, held_N, base_N, devices_per_node: int):
 
 def _top2(x_N):
   """(largest, second largest) of x_N (the same value twice when it occurs twice; -inf for the
-  second of a single element)."""
+  second of a single element: one node has one, where `lax.top_k(x, 2)` is refused)."""
   top1 = jnp.max(x_N)
   first = jnp.argmax(x_N)
   return top1, jnp.max(jnp.where(jnp.arange(x_N.shape[0]) == first, -jnp.inf, x_N))
