@@ -31,11 +31,10 @@ prefetch=True    (more than one layer) the gather of layer i+1 is issued in iter
 Both give bit-identical results (tests/sharding/test_prefetch.py).
 
 `remat` (REMAT_MODES) says what a layer keeps for its backward: "full" only its input (and its
-shards) and, with prefetch, what it marks `kept_for_backward` (fssdp's plans), recomputing the
-rest; "minimal" also its matmul outputs (`jax.checkpoint_policies.dots_saveable`); "none"
-everything. With prefetch, minimal and none
-also keep the layer's gathered weights until its backward (the saved matmuls need them), so
-backward gathers nothing.
+shards) and what it marks `kept_for_backward` (fssdp's plans), recomputing the rest; "minimal"
+also its matmul outputs (`jax.checkpoint_policies.dots_saveable`); "none" everything. With
+prefetch, minimal and none also keep the layer's gathered weights until its backward (the saved
+matmuls need them), so backward gathers nothing.
 """
 from __future__ import annotations
 
@@ -45,10 +44,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 REMAT_MODES = ("full", "minimal", "none")
 
 
+KEPT_NAME = "kept_for_backward"     # the `checkpoint_name` of what `kept_for_backward` keeps
 _KEEPING: list[tuple[str, dict]] = []     # ("record" | "replay", values), while a layer traces
 
 
@@ -63,21 +64,23 @@ def _keeping(mode: str, values: dict | None = None):
 
 
 def kept_for_backward(name: str, compute):
-  """`compute()`, run once: a layer of the prefetched scan under remat "full" records its value
-  in the forward (beside the layer's input) and its backward, recomputing the layer, replays it
-  instead of computing it again. For values cheap to keep and costly to recompute (fssdp's plans:
+  """`compute()`, run once per layer and step: the backward, which recomputes the layer, does
+  not compute it again. A layer of the prefetched scan under remat "full" records the value in
+  the forward (beside the layer's input) and its backward replays it; a layer under
+  `jax.checkpoint` (remat "minimal", or no prefetch) keeps it by `checkpointed`'s policy (it is
+  named `KEPT_NAME`). For values cheap to keep and costly to recompute (fssdp's plans:
   sequential rounds of small ops, a few int32 [N, M] / [E, N] arrays); `name` is unique within a
-  layer; the value carries no gradient (a plan, not a parameter's function). Elsewhere (other
-  remat modes, no prefetch, evaluation): `compute()`, its gradient stopped alike."""
-  if not _KEEPING:
-    return jax.tree.map(lax.stop_gradient, compute())
-  mode, values = _KEEPING[-1]
-  if mode == "replay":
-    return values[name]
-  if name in values:
-    raise ValueError(f"kept_for_backward: {name!r} kept twice in one layer")
-  values[name] = jax.tree.map(lax.stop_gradient, compute())
-  return values[name]
+  layer; the value carries no gradient (a plan, not a parameter's function)."""
+  if _KEEPING and _KEEPING[-1][0] == "replay":
+    return _KEEPING[-1][1][name]
+  # Named for `checkpointed`'s policies too: a `jax.checkpoint`ed layer keeps it as well.
+  value = jax.tree.map(lambda x: checkpoint_name(lax.stop_gradient(x), KEPT_NAME), compute())
+  if _KEEPING:
+    values = _KEEPING[-1][1]
+    if name in values:
+      raise ValueError(f"kept_for_backward: {name!r} kept twice in one layer")
+    values[name] = value
+  return value
 
 
 def recomputes(remat: str) -> bool:
@@ -86,11 +89,14 @@ def recomputes(remat: str) -> bool:
 
 
 def checkpointed(fn, remat: str):
-  """`fn` wrapped for `remat` (REMAT_MODES)."""
+  """`fn` wrapped for `remat` (REMAT_MODES); either recomputing mode keeps what the layer marks
+  `kept_for_backward`."""
+  kept = jax.checkpoint_policies.save_only_these_names(KEPT_NAME)
   if remat == "full":
-    return jax.checkpoint(fn)
+    return jax.checkpoint(fn, policy=kept)
   if remat == "minimal":
-    return jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_saveable)
+    return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_saveable, kept))
   if remat == "none":
     return fn
   raise ValueError(f"remat must be one of {REMAT_MODES}, got {remat!r}")

@@ -73,7 +73,7 @@ def test_remat_modes_and_prefetch_give_the_same_gradients_through_the_hook():
 def test_a_value_kept_for_backward_is_computed_in_the_forward_alone():
   """`kept_for_backward` (fssdp's plans): under remat full with prefetch the backward, which
   recomputes each layer from its input, replays what the forward recorded rather than computing
-  it again; the gradients equal those of no prefetch, where it is computed as usual."""
+  it again; the gradients equal those of no prefetch, where `jax.checkpoint` keeps it."""
   traced = []
 
   def layer_fn(h, full, consts, i):
@@ -105,6 +105,14 @@ def test_a_value_kept_for_backward_is_computed_in_the_forward_alone():
   assert len(set(np.asarray(k_L).tolist())) == LAYERS    # each layer its own recorded value
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  # A layer under `jax.checkpoint` (no prefetch) keeps it by its policy: the gradient's program
+  # rounds once, in the forward (twice when the backward computes the value again).
+  for remat in ("full", "minimal"):
+    def loss_checkpointed(h, shards, remat=remat):
+      out = prefetch_lib.scan_layers(layer_fn, h, shards, local, None, (), remat=remat)
+      return jnp.sum(out[0] ** 2)
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss_checkpointed, argnums=(0, 1)))(h, shards))
+    assert jaxpr.count(" round[") == 1, remat
 
 
 SPECS = {"delta": codec.CodecSpec("delta", delta_bits=4, warmup_steps=0, capacity_fraction=1.0,
