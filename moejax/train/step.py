@@ -159,8 +159,10 @@ def gather_metrics(cfg: Config, lay: StateLayout, stats: dict) -> dict:
   metrics["gather_bytes_plain"] = total["bytes_plain"]
   metrics["scatter_bytes"] = lay.gatherer.scatter_bytes()
   if lay.gatherer.enabled:
-    values = sum(v for v, _ in sizes.values())
-    blocks = sum(b for _, b in sizes.values())
+    # Python floats: a model's value count passes int32 (OLMoE-1B-7B's 6.9e9), and a Python
+    # int beyond it cannot enter a jnp operation without x64
+    values = float(sum(v for v, _ in sizes.values()))
+    blocks = float(sum(b for _, b in sizes.values()))
     metrics["exp_change_rate"] = total["exponent_changes"] / max(values, 1)
     metrics["block_change_rate"] = total["block_changes"] / max(blocks, 1)
     metrics["codec_fallbacks"] = total["fallback"]
@@ -170,8 +172,10 @@ def gather_metrics(cfg: Config, lay: StateLayout, stats: dict) -> dict:
       metrics[f"codec/{report}/bytes_sent"] = g["bytes_sent"]
       metrics[f"codec/{report}/bytes_plain"] = g["bytes_plain"]
       if report in sizes:
-        metrics[f"codec/{report}/exp_change_rate"] = g["exponent_changes"] / sizes[report][0]
-        metrics[f"codec/{report}/block_change_rate"] = g["block_changes"] / sizes[report][1]
+        metrics[f"codec/{report}/exp_change_rate"] = (g["exponent_changes"]
+                                                      / float(sizes[report][0]))
+        metrics[f"codec/{report}/block_change_rate"] = (g["block_changes"]
+                                                        / float(sizes[report][1]))
   return metrics
 
 

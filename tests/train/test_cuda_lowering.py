@@ -2,8 +2,16 @@
 GPU session's time is not spent on an error only the GPU branches have: the platform-chosen
 paths (`ragged_all_to_all` for the ep / fssdp exchange, SparseAllGather and its coded form in
 chunks, and the codec's payload; `ragged_dot` for the experts) in the composed step. Lowering
-only: nothing compiles."""
-from tests.helpers import tiny_config
+only: nothing compiles.
+
+At OLMoE-1B-7B's shapes (16 layers, 64 experts of 2048 x 1024, 6.9e9 parameters; a batch of 8
+sequences of 64 tokens), so a count that passes int32 at a real model's size fails here: the
+codec's metrics divided a jnp count by the model's value count as a Python int, which could not
+enter jax without x64 (OverflowError while tracing an fsdp codec run of this size, whose codec
+sees the experts' 6.4e9 values; under fssdp it sees the rest alone)."""
+from configs import olmoe as olmoe_configs
+from moejax.config import from_config_dict
+from moejax.train import step as step_lib
 
 # One composed case holds every GPU branch: fssdp's exchange is ep's plus SparseAllGather (plain
 # for the calibration's late gather, coded for the planned one), and the non-expert parameters
@@ -12,13 +20,31 @@ from tests.helpers import tiny_config
 # test_dispatch.py, and the codec's in tests/codec/test_gather.py.
 COMPOSED = {"moe.placement": "fssdp", "codec.mode": "element", "codec.warmup_steps": 2,
             "fssdp.replica_codec": "delta", "routing.admission": "reroute"}
+# (the same trace and lowerings take about as long as the tiny preset's: the layers are scanned)
+SIZE = {"batch_size": 8, "seq_len": 64, "mesh.shape": (2, 4),
+        "moe.dispatch_capacity_factor": 0.0}
 
 
-def test_the_composed_train_step_lowers_for_cuda(trainer_for):
-  trainer = trainer_for(tiny_config(**COMPOSED), 8)
+def _1b7b(**overrides):
+  cd = olmoe_configs.get_config("1b7b")
+  cd.update_from_flattened_dict({**SIZE, **overrides})
+  return from_config_dict(cd)
+
+
+def test_the_composed_train_step_lowers_for_cuda_at_olmoe_1b7b_size(trainer_for):
+  trainer = trainer_for(_1b7b(**COMPOSED))
+  assert trainer.layout.gatherer.enabled
   traced = trainer.train_step.trace(*trainer.abstract_inputs())
   cpu = traced.lower().as_text()
   cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
   # The variable-volume collectives are the GPU's alone; the CPU keeps static buffers.
   assert "ragged_all_to_all" in cuda and "ragged_all_to_all" not in cpu
   assert "ragged_dot" in cuda and "ragged_dot" not in cpu
+
+
+def test_the_codec_step_of_every_parameter_traces_at_olmoe_1b7b_size(trainer_for):
+  """fsdp: the codec gathers the experts too, 6.9e9 values in all (tracing alone, 2 s)."""
+  trainer = trainer_for(_1b7b(**{"codec.mode": "element", "codec.warmup_steps": 2}))
+  values = sum(v for v, _ in step_lib.codec_denominators(trainer.layout).values())
+  assert values > 2**31
+  trainer.train_step.trace(*trainer.abstract_inputs())
