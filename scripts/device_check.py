@@ -710,9 +710,18 @@ def step_schedule(dims: dict) -> dict:
   return _async_pairs(text)
 
 
+# A matmul kernel in XLA:GPU's compiled HLO: a GEMM fusion (cuBLAS or Triton), a library call
+# (cuBLAS, cuDNN, a Pallas / Triton kernel), or an unfused dot. What an async collective can hide
+# behind is these; the other instructions between its start and done are mostly small.
+_MATMUL = re.compile(r"^\s*(ROOT )?%(gemm_fusion|cublas|cudnn|triton|custom-call|dot|convolution)"
+                     r"|= \S+ (dot|convolution|custom-call)\(")
+
+
 def _async_pairs(text: str) -> dict:
-  """Async collectives' start/done pairs in compiled HLO text, and what is scheduled between."""
-  pairs = {}
+  """Async collectives' start/done pairs in compiled HLO text, what is scheduled between them
+  (instructions; matmul kernels: the compute a collective actually hides behind), and the
+  collectives that run synchronously (XLA:GPU turns a pair with nothing between into one)."""
+  pairs, kernels = {}, {}
   for comp in text.split("\n\n"):
     lines = comp.splitlines()
     starts = {}
@@ -723,9 +732,19 @@ def _async_pairs(text: str) -> dict:
       for name, (op, at) in list(starts.items()):
         if f"-done(%{name})" in line or f"-done({name})" in line:
           pairs.setdefault(op, []).append(i - at - 1)
+          kernels.setdefault(op, []).append(sum(1 for b in lines[at + 1:i] if _MATMUL.search(b)))
           del starts[name]
+  sync = [m[1] for m in re.finditer(r"= \S+ ([a-z][a-z\-]*?)\(", text)
+          if m[1] in _COLLECTIVE_OPS]
   return {"async_pairs": {op: len(v) for op, v in pairs.items()},
-          "instructions_between": {op: statistics.median(v) for op, v in pairs.items()}}
+          "instructions_between": {op: statistics.median(v) for op, v in pairs.items()},
+          "matmuls_between": {op: statistics.median(v) for op, v in kernels.items()},
+          "matmuls_between_max": {op: max(v) for op, v in kernels.items()},
+          "sync_collectives": {op: sync.count(op) for op in sorted(set(sync))}}
+
+
+_COLLECTIVE_OPS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
+                   "ragged-all-to-all", "collective-permute")
 
 
 # The 8-device variants of schedule8 (as tests/train/test_cuda_lowering.py lowers them).

@@ -23,14 +23,25 @@ ENTRY %main {
   %ragged-all-to-all-done.1 = u32[512]{0} ragged-all-to-all-done(%ragged-all-to-all-start.1)
   %all-gather-start = (u16[64]{0}, u16[512]{0}) all-gather-start(%c), dimensions={0}
   %all-gather-done = u16[512]{0} all-gather-done(%all-gather-start)
+  %all-gather.3 = u16[512]{0} all-gather(%d), dimensions={0}
+  %gemm_fusion_dot.4 = f32[64,64]{1,0} fusion(%p0, %p0), kind=kCustom, calls=%gemm
+  %all-reduce-start.5 = f32[] all-reduce-start(%e), to_apply=%add
+  %cublas-gemm.6 = (f32[64,64]{1,0}, s8[0]{0}) custom-call(%p0, %p0), custom_call_target="__cublas$gemm"
+  %gemm_fusion_dot.7 = f32[64,64]{1,0} fusion(%p0, %p0), kind=kCustom, calls=%gemm
+  %all-reduce-done.5 = f32[] all-reduce-done(%all-reduce-start.5)
 }
 """
 
 
 def test_async_pairs_name_the_whole_op_and_count_what_runs_between():
   got = device_check._async_pairs(_HLO)
-  assert got["async_pairs"] == {"ragged-all-to-all": 1, "all-gather": 1}
-  assert got["instructions_between"] == {"ragged-all-to-all": 2, "all-gather": 0}
+  assert got["async_pairs"] == {"ragged-all-to-all": 1, "all-gather": 1, "all-reduce": 1}
+  assert got["instructions_between"] == {"ragged-all-to-all": 2, "all-gather": 0,
+                                         "all-reduce": 2}
+  # the matmul kernels each pair hides behind: an unfused dot; none; a cuBLAS call and a GEMM
+  # fusion (the fusion before the start is not between)
+  assert got["matmuls_between"] == {"ragged-all-to-all": 1, "all-gather": 0, "all-reduce": 2}
+  assert got["sync_collectives"] == {"all-gather": 1}
 
 
 def test_dense_swiglu_is_each_expert_on_its_rows():

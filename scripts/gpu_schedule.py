@@ -1,0 +1,151 @@
+"""Compiles moejax's train step for GPUs on a machine without one, and reads its schedule.
+
+XLA:GPU compiles for a described device (`scripts/gpu_targets/NAME.txtpb`) once jax's CUDA
+plugin is installed (`bash scripts/setup_gpu_compile.sh`, about 140 MB, not part of the test
+set-up); nothing runs. Per variant it prints what the GPU program does with its collectives:
+how many are async, how many matmul kernels lie between each async start and done (the compute
+it can hide behind), which run synchronously (XLA:GPU makes a pair with nothing between it
+synchronous), and XLA's memory per device. The GPU check (`scripts/device_check.sh`, step
+`schedule8`) reads the same figures from a compile on a real GPU.
+
+  python scripts/gpu_schedule.py                          # tiny preset, 8 H200s, the GPU
+                                                          # check's three variants
+  python scripts/gpu_schedule.py --preset 1b7b --set batch_size=8 --set seq_len=1024
+  python scripts/gpu_schedule.py --variant fsdp --xla-flags=--xla_gpu_enable_foo=true
+
+Choices moejax makes from the local device rather than at lowering (jax's Hopper grouped-matmul
+kernels from the device's compute capability, cuDNN attention from the default backend) take
+their portable forms here (`ragged_dot`, XLA's attention): the collectives' schedule is what this
+reads; the GPU check times the kernels.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import gzip
+import json
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PLUGIN_DIR = os.path.join(REPO, ".gpu_compile")
+TARGETS = os.path.join(REPO, "scripts", "gpu_targets")
+
+
+def _parse_set(text: str):
+  key, sep, value = text.partition("=")
+  if not sep or not key:
+    raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE, e.g. batch_size=8")
+  try:
+    return key, ast.literal_eval(value)
+  except (ValueError, SyntaxError):
+    return key, value          # a bare string, e.g. moe.placement=ep
+
+
+def parse_args(argv=None, variants=()):
+  targets = sorted(f[:-len(".txtpb")] for f in os.listdir(TARGETS) if f.endswith(".txtpb"))
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--preset", default="tiny", help="configs/olmoe.py preset (default: tiny)")
+  p.add_argument("--gpus", type=int, default=8, help="GPUs, 8 per node (default: 8)")
+  p.add_argument("--target", default="h200", choices=targets, help="the GPU (default: h200)")
+  p.add_argument("--variant", action="append", choices=list(variants), default=[],
+                 help="repeatable (default: all): the GPU check's schedule8 variants")
+  p.add_argument("--set", action="append", type=_parse_set, default=[], metavar="KEY=VALUE",
+                 help="a config override for every variant, e.g. --set seq_len=1024")
+  p.add_argument("--xla-flags", default="", help="XLA flags added for the compile")
+  p.add_argument("--out", help="write each variant's compiled HLO here (VARIANT.hlo.gz)")
+  args = p.parse_args(argv)
+  if args.gpus < 1 or (args.gpus > 8 and args.gpus % 8):
+    p.error(f"argument --gpus: {args.gpus}: 1 to 8, or a multiple of 8 (8 GPUs a node)")
+  return args
+
+
+def _topology(args):
+  import jax  # noqa: F401  (after the plugin's path and the flags are set)
+  from jax.experimental import topologies
+  shape = f"1x1x{args.gpus}" if args.gpus <= 8 else f"1x{args.gpus // 8}x8"
+  with open(os.path.join(TARGETS, f"{args.target}.txtpb")) as f:
+    target = f.read()
+  return topologies.get_topology_desc(shape, "cuda", topology=shape, target_config=target)
+
+
+def compile_variant(name: str, overrides: dict, args, devices) -> tuple[dict, str]:
+  import device_check
+  from moejax.sharding.mesh import make_mesh
+  from moejax.train.loop import Trainer
+  from tests.sharding import hlo
+  sets = dict(args.set)
+  cfg = device_check._config(args.preset, **{"mesh.shape": (1, args.gpus), **overrides, **sets})
+  start = time.perf_counter()
+  trainer = Trainer(cfg, mesh=make_mesh(tuple(cfg.mesh.shape), devices))
+  # an ep/fssdp step with bounded buffers: the jitted step at its current capacity
+  step = trainer.train_step.jitted() if hasattr(trainer.train_step, "jitted") else \
+      trainer.train_step
+  compiled = step.lower(*trainer.abstract_inputs()).compile()
+  text = compiled.as_text()
+  memory = compiled.memory_analysis()
+  branches = [b for b in hlo.conditional_branches(text) if b.collectives]
+  return {**device_check._async_pairs(text),
+          "collectives_in_conditional_branches": sum(len(b.collectives) for b in branches),
+          "memory_gb": {k: round(getattr(memory, f"{k}_size_in_bytes") / 1e9, 2)
+                        for k in ("temp", "argument", "output", "alias")},
+          "compile_s": round(time.perf_counter() - start, 1)}, text
+
+
+def _print(name: str, figures: dict) -> None:
+  print(f"{name} (compiled in {figures['compile_s']} s)")
+  ops = sorted(set(figures["async_pairs"]) | set(figures["sync_collectives"]))
+  print(f"  {'op':20s} {'async':>6s} {'sync':>5s}  matmuls between start and done "
+        "(median / max)")
+  for op in ops:
+    n = figures["async_pairs"].get(op, 0)
+    between = (f"{figures['matmuls_between'][op]:g} / {figures['matmuls_between_max'][op]}"
+               if n else "-")
+    kind = "  (async copies, not collectives)" if op == "fusion" else ""
+    print(f"  {op:20s} {n:6d} {figures['sync_collectives'].get(op, 0):5d}  {between}{kind}")
+  print(f"  collectives in a conditional's branch: "
+        f"{figures['collectives_in_conditional_branches']}")
+  mem = figures["memory_gb"]
+  print(f"  XLA's memory per device: temp {mem['temp']} GB, arguments {mem['argument']} GB, "
+        f"outputs {mem['output']} GB ({mem['alias']} GB of them aliased)", flush=True)
+
+
+def main(argv=None) -> int:
+  sys.path[:0] = [REPO, os.path.join(REPO, "scripts")]
+  import device_check
+  args = parse_args(argv, device_check.SCHEDULE8)
+  if not os.path.isdir(os.path.join(PLUGIN_DIR, "jax_plugins")):
+    print(f"gpu_schedule: jax's CUDA plugin is not in {PLUGIN_DIR}: run "
+          "bash scripts/setup_gpu_compile.sh", file=sys.stderr)
+    return 2
+  # Before jax starts: the plugin on the path, the host platform for everything but the compile
+  # (no GPU here), the flags, and no autotuning (it would need the device).
+  sys.path.insert(0, PLUGIN_DIR)
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  os.environ["XLA_FLAGS"] = " ".join(
+      [os.environ.get("XLA_FLAGS", ""), "--xla_gpu_autotune_level=0", args.xla_flags]).strip()
+  devices = list(_topology(args).devices)
+  print(f"gpu_schedule: {args.preset} preset on {len(devices)} x {devices[0].device_kind} "
+        f"(compiled, not run), overrides {dict(args.set) or 'none'}", flush=True)
+  out = {}
+  for name in args.variant or list(device_check.SCHEDULE8):
+    try:
+      out[name], text = compile_variant(name, device_check.SCHEDULE8[name], args, devices)
+    except Exception as e:   # one variant's failure does not hide the others'
+      out[name] = {"error": f"{type(e).__name__}: {e}"[:1500]}
+      print(f"{name}: {out[name]['error']}", flush=True)
+      continue
+    _print(name, out[name])
+    if args.out:
+      os.makedirs(args.out, exist_ok=True)
+      with gzip.open(os.path.join(args.out, f"{name}.hlo.gz"), "wt") as f:
+        f.write(text)
+  print(json.dumps({"bench": "gpu_schedule", "preset": args.preset, "gpus": args.gpus,
+                    "target": args.target, "overrides": dict(args.set),
+                    "xla_flags": os.environ["XLA_FLAGS"], "variants": out}))
+  return 1 if any("error" in v for v in out.values()) else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
