@@ -608,7 +608,8 @@ def _forward(shards, states, axis_name, axes, specs, transport="auto"):
       valid = jnp.logical_not(invalid_K[k])
       sizes = {k: np.float32(v) for k, v in wire_bytes(shard.shape, shard.dtype, spec).items()}
       mean_count, mean_far = total_6[4] / w, total_6[5] / w
-      needed = ((0 if words else fmt.n * layout.rest_bits)
+      # the shard's bit counts as Python floats: past 2^31 at DeepSeek-V3's expert shards
+      needed = ((0.0 if words else float(fmt.n * layout.rest_bits))
                 + (fmt.fill_bits(mean_count, mean_far) if words else fmt.fill_bits(mean_count))) / 8
       stats[k] = _stats(
           bytes_sent=jnp.where(dense_P[p], sizes["dense"], sizes["compressed"]),

@@ -89,7 +89,7 @@ class Format:
   def fill_bits(self, count):
     """Bits the patch's content needs for `count` changed units (no padding, no unused slots)."""
     if self.mode == "block":
-      return self.num_blocks + count * self.block_size * self.exp_bits
+      return float(self.num_blocks) + count * self.block_size * self.exp_bits
     return count * (self.pos_bits + self.exp_bits)
 
 

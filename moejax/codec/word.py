@@ -116,7 +116,8 @@ class WordFormat:
 
   def fill_bits(self, count, far=0):
     """Bits the patch's content needs for `count` escapes, `far` of them whole values."""
-    return self.n * self.code_bits + count * self.slot_bits + far * self.value_bits
+    # a float, not a Python int: a shard's code bits pass 2^31 at DeepSeek-V3's sizes
+    return float(self.n * self.code_bits) + count * self.slot_bits + far * self.value_bits
 
 
 def changed(bits_N: jax.Array, prev_N: jax.Array) -> jax.Array:

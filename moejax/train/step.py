@@ -152,7 +152,7 @@ def gather_metrics(cfg: Config, lay: StateLayout, stats: dict) -> dict:
         rebuilt = codec.wire_bytes(lay.gatherer.shard_shape(group, path), hook.COMPUTE_DTYPE,
                                    lay.gatherer.specs[group][path])["rebuilt"]
         by_group[lay.gatherer.report_group(group, path)]["bytes_sent"] -= (
-            (jnp.sum(sent_L) - rebuilt * sent_L.size) * (n - 1) * saved)
+            (jnp.sum(sent_L) - float(rebuilt * sent_L.size)) * (n - 1) * saved)
   metrics = {}
   total = {k: sum(g[k] for g in by_group.values()) for k in hook.STAT_KEYS}
   metrics["gather_bytes"] = total["bytes_sent"]

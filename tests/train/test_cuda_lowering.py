@@ -8,7 +8,10 @@ At OLMoE-1B-7B's shapes (16 layers, 64 experts of 2048 x 1024, 6.9e9 parameters;
 sequences of 64 tokens), so a count that passes int32 at a real model's size fails here: the
 codec's metrics divided a jnp count by the model's value count as a Python int, which could not
 enter jax without x64 (OverflowError while tracing an fsdp codec run of this size, whose codec
-sees the experts' 6.4e9 values; under fssdp it sees the rest alone)."""
+sees the experts' 6.4e9 values; under fssdp it sees the rest alone). The fsdp codec step also
+traces at DeepSeek-V3's size (671B parameters), where one device's share of a layer's expert
+stack passes 2^31 bits."""
+from configs import deepseek as deepseek_configs
 from configs import olmoe as olmoe_configs
 from moejax.config import from_config_dict
 from moejax.train import step as step_lib
@@ -42,9 +45,13 @@ def test_the_composed_train_step_lowers_for_cuda_at_olmoe_1b7b_size(trainer_for)
   assert "ragged_dot" in cuda and "ragged_dot" not in cpu
 
 
-def test_the_codec_step_of_every_parameter_traces_at_olmoe_1b7b_size(trainer_for):
-  """fsdp: the codec gathers the experts too, 6.9e9 values in all (tracing alone, 2 s)."""
-  trainer = trainer_for(_1b7b(**{"codec.mode": "element", "codec.warmup_steps": 2}))
+def test_the_codec_step_of_every_parameter_traces_at_deepseek_v3_size(trainer_for):
+  """fsdp: the codec gathers the experts too, 6.7e11 values in all, 3.8e9 bits of one device's
+  share of a layer's expert stack (tracing alone: Python ints past int32 could not enter jax)."""
+  cd = deepseek_configs.get_config("v3")
+  cd.update_from_flattened_dict({**SIZE, "codec.mode": "element", "codec.select": False,
+                                 "codec.warmup_steps": 2})
+  trainer = trainer_for(from_config_dict(cd))
   values = sum(v for v, _ in step_lib.codec_denominators(trainer.layout).values())
   assert values > 2**31
   trainer.train_step.trace(*trainer.abstract_inputs())
