@@ -16,7 +16,9 @@ synchronous), and XLA's memory per device. The GPU check (`scripts/device_check.
 Choices moejax makes from the local device rather than at lowering (jax's Hopper grouped-matmul
 kernels from the device's compute capability, cuDNN attention from the default backend) take
 their portable forms here (`ragged_dot`, XLA's attention): the collectives' schedule is what this
-reads; the GPU check times the kernels.
+reads; the GPU check times the kernels. Without a device XLA cannot autotune, and a GEMM fusion
+with no default configuration stops that variant's compile (the tiny preset on 16 GPUs does;
+1b7b's shapes on 8 and 16 compile).
 """
 from __future__ import annotations
 

@@ -195,7 +195,7 @@ UNIT_SECONDS = {"tiny8": 136, "hf_reference": 122, "codec_auto": 112,
                 "tests/placement/test_dispatch.py": 14, "tests/layers/test_linear_attention.py": 14,
                 "tests/placement/test_planner.py": 13,
                 "tests/routing/test_sharded_admission.py": 13,
-                "tests/sharding/test_gatherer.py": 12}
+                "tests/sharding/test_gatherer.py": 12, "tests/train/test_cuda_lowering.py": 19}
 
 
 @pytest.hookimpl(optionalhook=True)
