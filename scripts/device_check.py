@@ -734,17 +734,18 @@ def _async_pairs(text: str) -> dict:
           pairs.setdefault(op, []).append(i - at - 1)
           kernels.setdefault(op, []).append(sum(1 for b in lines[at + 1:i] if _MATMUL.search(b)))
           del starts[name]
-  sync = [m[1] for m in re.finditer(r"= \S+ ([a-z][a-z\-]*?)\(", text)
-          if m[1] in _COLLECTIVE_OPS]
+  if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+  from tests.sharding import hlo
+  # a collective not split into start and done (its shape may be a tuple, with spaces)
+  ops = sorted(hlo.COLLECTIVE_OPS, key=len, reverse=True)   # ragged-all-to-all before all-to-all
+  sync = [m[1] for m in re.finditer(r"=\s.*?\s(" + "|".join(ops) + r")\(", text)]
   return {"async_pairs": {op: len(v) for op, v in pairs.items()},
           "instructions_between": {op: statistics.median(v) for op, v in pairs.items()},
           "matmuls_between": {op: statistics.median(v) for op, v in kernels.items()},
           "matmuls_between_max": {op: max(v) for op, v in kernels.items()},
           "sync_collectives": {op: sync.count(op) for op in sorted(set(sync))}}
 
-
-_COLLECTIVE_OPS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all",
-                   "ragged-all-to-all", "collective-permute")
 
 
 # The 8-device variants of schedule8 (as tests/train/test_cuda_lowering.py lowers them).

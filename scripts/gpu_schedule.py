@@ -72,7 +72,7 @@ def _topology(args):
   return topologies.get_topology_desc(shape, "cuda", topology=shape, target_config=target)
 
 
-def compile_variant(name: str, overrides: dict, args, devices) -> tuple[dict, str]:
+def compile_variant(overrides: dict, args, devices) -> tuple[dict, str]:
   import device_check
   from moejax.sharding.mesh import make_mesh
   from moejax.train.loop import Trainer
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
   out = {}
   for name in args.variant or list(device_check.SCHEDULE8):
     try:
-      out[name], text = compile_variant(name, device_check.SCHEDULE8[name], args, devices)
+      out[name], text = compile_variant(device_check.SCHEDULE8[name], args, devices)
     except Exception as e:   # one variant's failure does not hide the others'
       out[name] = {"error": f"{type(e).__name__}: {e}"[:1500]}
       print(f"{name}: {out[name]['error']}", flush=True)

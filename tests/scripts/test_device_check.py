@@ -24,6 +24,8 @@ ENTRY %main {
   %all-gather-start = (u16[64]{0}, u16[512]{0}) all-gather-start(%c), dimensions={0}
   %all-gather-done = u16[512]{0} all-gather-done(%all-gather-start)
   %all-gather.3 = u16[512]{0} all-gather(%d), dimensions={0}
+  %all-to-all.8 = (u16[64]{0}, u16[64]{0}) all-to-all(%d, %d), dimensions={0}
+  %ragged-all-to-all.9 = u32[512]{0} ragged-all-to-all(%a, %b, %c, %d, %e, %f)
   %gemm_fusion_dot.4 = f32[64,64]{1,0} fusion(%p0, %p0), kind=kCustom, calls=%gemm
   %all-reduce-start.5 = f32[] all-reduce-start(%e), to_apply=%add
   %cublas-gemm.6 = (f32[64,64]{1,0}, s8[0]{0}) custom-call(%p0, %p0), custom_call_target="__cublas$gemm"
@@ -41,7 +43,7 @@ def test_async_pairs_name_the_whole_op_and_count_what_runs_between():
   # the matmul kernels each pair hides behind: an unfused dot; none; a cuBLAS call and a GEMM
   # fusion (the fusion before the start is not between)
   assert got["matmuls_between"] == {"ragged-all-to-all": 1, "all-gather": 0, "all-reduce": 2}
-  assert got["sync_collectives"] == {"all-gather": 1}
+  assert got["sync_collectives"] == {"all-gather": 1, "all-to-all": 1, "ragged-all-to-all": 1}
 
 
 def test_dense_swiglu_is_each_expert_on_its_rows():
