@@ -1,11 +1,12 @@
 """The MoE decoder LM: embedding -> L x (RMSNorm, rotary attention, RMSNorm, MoE or dense MLP) ->
 RMSNorm -> LM head (untied, or the embedding's transpose). Layers run under `lax.scan` over
-stacked parameters, one scan per homogeneous run of layers: the `model.dense_layers` have a
+stacked parameters, one scan per run of equal layers or per repeating pattern of layers
+(`layer_scans`; a scan's iteration runs the pattern's period): the `model.dense_layers` have a
 dense MLP (parameter group "dense_layers", stacked in model order), the others MoE ("layers");
 the `model.linear_layers` (Gated DeltaNet linear attention, other parameters than softmax
-attention's) stack apart: "linear_layers" (MoE) and "dense_linear_layers". A run also ends where
-the attention's kind changes (`AttentionKind`: a sliding window, a chunk, no rotary), which the
-parameters do not show.
+attention's) stack apart: "linear_layers" (MoE) and "dense_linear_layers". Layers are equal
+when their group and attention kind are (`AttentionKind`: a sliding window, a chunk, no
+rotary, which the parameters do not show).
 
 One decoder for every family (`configs/`): OLMoE, Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek
 differ only in options of the config (grouped-query or multi-head latent attention, QK-norm full
@@ -47,7 +48,7 @@ from moejax.layers.norm import RMSNorm, initial_scale, norm
 from moejax.sharding import axes
 from moejax.sharding.axes import EMBED, EMBEDDINGS, NORM, NORMS, VOCAB, param
 from moejax.sharding.hook import COMPUTE_DTYPES, local_gather
-from moejax.sharding.prefetch import scan_layers
+from moejax.sharding.prefetch import Sublayer, scan_period
 
 
 def moe_spec(cfg: Config) -> MoESpec:
@@ -153,9 +154,10 @@ class LayerRun(NamedTuple):
 
 
 def layer_runs(cfg: Config) -> list[LayerRun]:
-  """The homogeneous runs of layers, in model order: each run is one scan (DeepSeek's leading
-  dense layers: two runs; Qwen2-MoE's decoder_sparse_step=2: alternating runs of one layer;
-  EXAONE's three sliding layers then a global one: runs of three and one)."""
+  """The runs of equal layers, in model order (DeepSeek's leading dense layers: two runs;
+  Qwen2-MoE's decoder_sparse_step=2: alternating runs of one layer; EXAONE's three sliding
+  layers then a global one: runs of three and one): the KV-cached decode's scans
+  (`moejax.models.decode`); training scans repeating patterns of them (`layer_scans`)."""
   runs = []
   for layer, (group, index) in enumerate(layer_group_of(cfg)):
     kind = attention_kind(cfg, layer)
@@ -164,6 +166,61 @@ def layer_runs(cfg: Config) -> list[LayerRun]:
     else:
       runs.append(LayerRun(group, index, 1, kind))
   return runs
+
+
+class LayerScan(NamedTuple):
+  """One scan of the forward pass: `period` (each layer's group, its index within the group in
+  the scan's first period, and its attention kind) repeated `repeats` times."""
+  period: tuple[tuple[str, int, AttentionKind], ...]
+  repeats: int
+
+  def layers_of(self, group: str) -> int:
+    """The scan's layers of `group`."""
+    return sum(g == group for g, _, _ in self.period) * self.repeats
+
+  @property
+  def num_layers(self) -> int:
+    return len(self.period) * self.repeats
+
+
+MAX_PERIOD = 8      # the longest repeating pattern of layers scanned as one period
+
+
+def layer_scans(cfg: Config) -> list[LayerScan]:
+  """The forward's scans, in model order: a run of equal layers is a period of one layer
+  (DeepSeek's leading dense layers, then its MoE layers: two scans); a pattern of different
+  layers that repeats is one scan over its period, which traces and compiles the pattern once
+  and prefetches across its layers (gpt-oss's alternating sliding and full layers: 18 x
+  [sliding, full]; Qwen3-Next's 12 x [linear, linear, linear, full]; Llama 4's dense / MoE and
+  chunked / unrotated layers: 12 x 4). At each layer the period covering the most layers
+  (repeated at least twice) wins, the shortest on a tie."""
+  layers = [(group, index, attention_kind(cfg, layer))
+            for layer, (group, index) in enumerate(layer_group_of(cfg))]
+  keys = [(group, kind) for group, _, kind in layers]
+
+  def repeats(i: int, p: int) -> int:
+    r = 1
+    while keys[i + r * p:i + (r + 1) * p] == keys[i:i + p]:
+      r += 1
+    return r
+
+  scans, i = [], 0
+  while i < len(keys):
+    p, r = 1, repeats(i, 1)
+    for q in range(2, min(MAX_PERIOD, (len(keys) - i) // 2) + 1):
+      rq = repeats(i, q)
+      if rq >= 2 and q * rq > p * r:
+        p, r = q, rq
+    scans.append(LayerScan(tuple(layers[i:i + p]), r))
+    i += p * r
+  return scans
+
+
+def scanned_layers(cfg: Config, group: str) -> list[tuple[int, int]]:
+  """(the group's layers in it, all its layers) for each scan holding `group`'s layers: how
+  often the scan gathers them (`hook.gathers_per_layer`)."""
+  return [(scan.layers_of(group), scan.num_layers) for scan in layer_scans(cfg)
+          if scan.layers_of(group)]
 
 
 def _attention(cfg: Config, rngs: nnx.Rngs, kind: AttentionKind):
@@ -484,13 +541,14 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
   embed_VxD = gather_group("embed")
   h_BxSxD = embed_scaled(cfg, embed_VxD, tokens_BxS)
 
-  def dense_step(group, kind, h_BxSxD, layer_params, consts, layer_index):
-    del consts, layer_index
+  def dense_step(group, kind, h_BxSxD, layer_params, consts, period):
+    del consts, period
     return layer_from_params(cfg, layer_params, group, kind).with_aux(h_BxSxD)
 
-  def moe_step(group, kind, h_BxSxD, layer_params, consts, layer_index):
+  def moe_step(group, kind, moe_per_period, moe_offset, h_BxSxD, layer_params, consts, period):
     step, predicted_load_LxE, owners_L, replicas_L = consts
     layer = layer_from_params(cfg, layer_params, group, kind)
+    layer_index = period * moe_per_period + moe_offset    # among the scan's MoE layers
 
     def at(tree):   # this layer's slice of a per-layer input
       return None if tree is None else jax.tree.map(lambda x: x[layer_index], tree)
@@ -499,44 +557,73 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
                  predicted_load_E=at(predicted_load_LxE), expert_owners=at(owners_L),
                  replica_state=at(replicas_L))
 
+  def model_order(trees):     # per layer of a period [R, ...] -> [R * n, ...], model order
+    if len(trees) == 1:
+      return trees[0]
+    return jax.tree.map(lambda *xs: jnp.stack(xs, axis=1).reshape(
+        (xs[0].shape[0] * len(xs),) + xs[0].shape[1:]), *trees)
+
   counts = layer_groups(cfg)
   num_moe = sum(counts.get(group, 0) for group in MOE_GROUPS)
-  outputs = {group: [] for group in counts}      # per run: (new states, stats)
-  moe_aux, dense_aux = [], []     # the runs' aux, in model order
-  moe_first = 0           # the run's first MoE layer among all MoE layers
-  for group, first, count, kind in layer_runs(cfg):
-    whole = count == counts[group]                # one run holds the group: no slicing
-    part = (lambda tree: tree) if whole else (    # noqa: E731
-        lambda tree: jax.tree.map(lambda x: x[first:first + count], tree))
+  outputs = {group: [] for group in counts}      # per scan: (new states, stats)
+  moe_aux, index_losses = [], []    # the scans' MoE layers' aux; the indexers' losses
+  moe_first = 0           # the scan's first MoE layer among all MoE layers
+  for scan in layer_scans(cfg):
+    groups = list(dict.fromkeys(group for group, _, _ in scan.period))   # the scan's sources
+    moe_per_period = sum(group in MOE_GROUPS for group, _, _ in scan.period)
+    sublayers, offsets, moe_offset = [], dict.fromkeys(groups, 0), 0
+    for group, _, kind in scan.period:
+
+      def gather_layer(shards, state, rebuild_from=None, group=group):
+        if rebuild_from is None:
+          return gather(group, shards, state)
+        return gather(group, shards, state, rebuild_from)
+
+      if group in MOE_GROUPS:
+        fn = functools.partial(moe_step, group, kind, moe_per_period, moe_offset)
+        moe_offset += 1
+      else:
+        fn = functools.partial(dense_step, group, kind)
+      sublayers.append(Sublayer(fn, gather_layer, groups.index(group), offsets[group]))
+      offsets[group] += 1
+
+    def part(tree, group):    # the scan's layers of a group's stacked tree
+      first = next(index for g, index, _ in scan.period if g == group)
+      count = scan.layers_of(group)
+      if count == counts[group]:     # the scan holds the group: no slicing
+        return tree
+      return jax.tree.map(lambda x: x[first:first + count], tree)
+
     consts = ()
-    if group in MOE_GROUPS:     # per-MoE-layer inputs: this run's MoE layers
+    if moe_per_period:        # per-MoE-layer inputs: this scan's MoE layers
+      count = moe_per_period * scan.repeats
       moe_part = (lambda tree: tree) if count == num_moe else (   # noqa: E731
           lambda tree, a=moe_first: jax.tree.map(lambda x: x[a:a + count], tree))
       consts = (jnp.asarray(step, jnp.int32), moe_part(predicted_load_LxE),
                 moe_part(expert_owners_L), moe_part(replica_state_L))
       moe_first += count
-
-    def gather_run(shards, state, rebuild_from=None, group=group):
-      if rebuild_from is None:
-        return gather(group, shards, state)
-      return gather(group, shards, state, rebuild_from)
-
-    h_BxSxD, aux, *out = scan_layers(
-        functools.partial(moe_step if group in MOE_GROUPS else dense_step, group, kind),
-        h_BxSxD, part(params[group]),
-        gather_run, part(states[group]), consts, remat=remat, prefetch=prefetch)
-    outputs[group].append(out)
-    (moe_aux if group in MOE_GROUPS else dense_aux).append(aux)
+    h_BxSxD, aux_P, states_S, stats_S = scan_period(
+        sublayers, h_BxSxD, [part(params[g], g) for g in groups],
+        [part(states[g], g) for g in groups], consts, remat=remat, prefetch=prefetch)
+    for group, group_states, group_stats in zip(groups, states_S, stats_S):
+      outputs[group].append((group_states, group_stats))
+    moe = [aux for (group, _, _), aux in zip(scan.period, aux_P) if group in MOE_GROUPS]
+    dense = [aux for (group, _, _), aux in zip(scan.period, aux_P) if group not in MOE_GROUPS]
+    if moe:
+      moe_aux.append(model_order(moe))
+    if dense and "index_loss" in dense[0]:
+      index_losses.append(model_order([aux["index_loss"] for aux in dense]))
   join = lambda trees: trees[0] if len(trees) == 1 else jax.tree.map(   # noqa: E731
       lambda *xs: jnp.concatenate(xs, axis=0), *trees)
-  for group, out in outputs.items():     # the runs' outputs back in their group's layer order
+  for group, out in outputs.items():     # the scans' outputs back in their group's layer order
     new_states[group], stats[group] = join(out)
   aux_L = join(moe_aux)
   # DeepSeek-V3.2's indexers' losses, every layer's: the one entry of aux_L not over the MoE
   # layers only
-  losses = [aux.pop("index_loss") for aux in [*dense_aux, aux_L] if "index_loss" in aux]
-  if losses:
-    aux_L = dict(aux_L, index_loss=jnp.concatenate(losses))
+  if "index_loss" in aux_L:
+    index_losses.append(aux_L.pop("index_loss"))
+  if index_losses:
+    aux_L = dict(aux_L, index_loss=jnp.concatenate(index_losses))
   h_BxSxD = norm(h_BxSxD, gather_group("final_norm"), cfg.model.norm_eps, cfg.model.norm_kind)
   head_DxV = embed_VxD.T if cfg.model.tie_embeddings else gather_group("lm_head")
   logits_BxSxV = lm_logits(cfg, h_BxSxD, head_DxV)

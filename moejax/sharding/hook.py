@@ -172,28 +172,31 @@ def scatter_bytes(shard_shape, layout: Layout, num_devices: int,
   return 0.0
 
 
-def run_gathers(num_layers: int, *, remat: str, prefetch: bool, rebuilt: bool = False) -> int:
-  """Gathers of each parameter of one scanned run of `num_layers` layers per step
-  (`moejax.sharding.prefetch.scan_layers`). Without prefetch every layer is gathered once, and
+def run_gathers(num_layers: int, *, remat: str, prefetch: bool, rebuilt: bool = False,
+                scanned: int | None = None) -> int:
+  """Gathers of each parameter of `num_layers` layers of one scan of `scanned` layers (default
+  `num_layers`) per step (`moejax.sharding.prefetch.scan_period`). Without prefetch every layer is gathered once, and
   again in backward when it recomputes the layer (remat full or minimal: a gather is no matmul,
   so minimal does not keep it). Prefetching gathers one layer ahead with no condition around the
   collective: the forward gathers each layer once (its last layer runs after the scan, on the
   weights the scan's last iteration gathered); under remat full backward starts from those and
-  gathers ahead too, its last iteration layer 0 again; minimal and none keep the weights for
+  gathers ahead too, its last iteration the period's last layer of period 0 again (each layer
+  kind of a period: once in forward, once in backward); minimal and none keep the weights for
   backward and gather nothing there. `rebuilt`: the compressed gathers of a
   codec parameter, whose prefetched backward gathers are rebuilt from its cache instead
   (`codec.rebuilt_gather_group`: none moves in word / delta mode, sign+mantissa only in element /
   block mode)."""
-  if prefetch and num_layers > 1:
+  if prefetch and (num_layers if scanned is None else scanned) > 1:
     return 2 * num_layers if remat == "full" and not rebuilt else num_layers
   return num_layers * (2 if prefetch_lib.recomputes(remat) else 1)
 
 
-def gathers_per_layer(run_lengths, *, remat: str, prefetch: bool, rebuilt: bool = False) -> float:
-  """Gathers per step of each layer's slice of a parameter stacked over the layers of
-  `run_lengths` (the scanned runs that hold them), on average."""
-  return (sum(run_gathers(n, remat=remat, prefetch=prefetch, rebuilt=rebuilt)
-              for n in run_lengths) / sum(run_lengths))
+def gathers_per_layer(scans, *, remat: str, prefetch: bool, rebuilt: bool = False) -> float:
+  """Gathers per step of each layer's slice of a parameter stacked over the layers of `scans`
+  ((its layers in the scan, the scan's layers) for each scan that holds them,
+  `olmoe.scanned_layers`), on average."""
+  return (sum(run_gathers(n, remat=remat, prefetch=prefetch, rebuilt=rebuilt, scanned=s)
+              for n, s in scans) / sum(n for n, _ in scans))
 
 
 def _plain_stats(shard, layout: Layout, dtype) -> dict:

@@ -7,24 +7,31 @@
 `consts` carries traced values the layer needs (e.g. the step): pass them here, never by
 closure, since a custom_vjp may not close over tracers. They get no gradient.
 Returns (h, aux_L, new_states_L, stats_L), everything but h stacked over layers.
+`scan_period` is the same over a period of different layers repeated (`Sublayer`s, each its own
+function, hook and stacked weights: gpt-oss's [sliding, full] x 18 is one scan, its pair traced
+once); `scan_layers` is its period of one layer.
 
-prefetch=False   `lax.scan(jax.checkpoint(body))`: each iteration gathers its own layer, then
-                 computes. Under remat the gather is recomputed in backward from the same state.
-prefetch=True    (more than one layer) the gather of layer i+1 is issued in iteration i,
-                 *before* layer i's compute and with no condition around it (a collective in a
-                 conditional's branch starts and finishes there, so nothing could overlap it).
-                 The scan runs layers 0..L-2; layer L-1 runs after it on the weights its last
-                 iteration gathered (inside the scan that iteration would gather layer L-1
-                 again: one more gather, encode and decode a step, a quarter of the codec delta
-                 step at the peer dims of bench/step.py). The whole scan has its own VJP
-                 (`_prefetched_scan`): under remat full the forward keeps each layer's input,
-                 and the backward scan gathers layer i-1 before layer i's recomputation and
-                 backward (starting from the forward's last gather; its own last iteration
-                 gathers layer 0 again; `gather(shards, states, new_states)` rebuilds from the
+prefetch=False   `lax.scan` of each layer under `jax.checkpoint`: each layer gathers its own
+                 weights, then computes. Under remat the gather is recomputed in backward from
+                 the same state.
+prefetch=True    (more than one layer) the gather of the next layer (across a period's end too)
+                 is issued *before* the current layer's compute and with no condition around it
+                 (a collective in a conditional's branch starts and finishes there, so nothing
+                 could overlap it).
+                 The scan runs periods 0..R-2; period R-1 runs after it, its first layer on the
+                 weights the scan's last iteration gathered (inside the scan its last layer would
+                 gather a period that does not exist: one more gather, encode and decode a step,
+                 a quarter of the codec delta step at the peer dims of bench/step.py). The whole
+                 scan has its own VJP
+                 (`_prefetched_period`): under remat full the forward keeps each layer's input,
+                 and the backward scan gathers the layer before each layer's
+                 recomputation and backward (starting from the forward's last gather; its own
+                 last iteration gathers period 0's last layer again; `gather(shards, states,
+                 new_states)` rebuilds from the
                  new states the forward's gather left what it can: the codec's word and delta
                  parameters from their caches with no collective, element and block ones from
                  their cached exponents and one all-gather of sign+mantissa), then
-                 reduce-scatters layer i's weight gradient through
+                 reduce-scatters the layer's weight gradient through
                  the gather's VJP (which needs no residual, so no gather runs for it). The
                  prefetched weights travel in the carries, never saved for backward.
                  `hook.run_gathers` counts the gathers.
@@ -39,6 +46,7 @@ matmuls need them), so backward gathers nothing.
 from __future__ import annotations
 
 import contextlib
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -121,35 +129,84 @@ def _float0_split(tree):
   return [leaf for leaf, z in zip(leaves, is_zero) if not z], rebuild
 
 
-def _prefetched_scan(layer_fn, gather, remat: str, num_layers: int):
-  """run(h, shards_L, states_L, consts) -> (h, aux_L, new_states_L, stats_L), with its own VJP:
-  both passes issue the next layer's gather before the current layer's compute, with no
-  condition around it (the forward's last layer runs after its scan, on the weights the scan
-  gathered last, which backward's first layer uses; backward's last iteration gathers layer 0
-  again, its one wasted gather per step: peeled out the same way, the step measured slower on
-  fake CPU devices, README)."""
-  index_L = jnp.arange(num_layers, dtype=jnp.int32)
+class Sublayer(NamedTuple):
+  """One layer of a scanned period (`scan_period`): `fn(h, full, consts, r) -> (h, aux)` runs it
+  in period r on its gathered weights; `gather(shards, state[, rebuild_from]) -> (full,
+  new_state, stats)` is its hook; its weights are entry `source` of the scan's stacked shards
+  and states, at row r * n + `offset` (n: the period's layers of that source)."""
+  fn: Callable
+  gather: Callable
+  source: int = 0
+  offset: int = 0
 
-  def regather(shards_L, states_L, new_states_L, i):
-    """Layer i's weights again; the codec's parameters rebuilt from the caches the forward's
-    gather left (`rebuild_from`: word / delta with no collective, element / block from their
-    cached exponents and an all-gather of sign+mantissa)."""
-    if not jax.tree.leaves(new_states_L):
-      return gather(_take(shards_L, i), _take(states_L, i))[0]
-    return gather(_take(shards_L, i), _take(states_L, i), _take(new_states_L, i))[0]
 
-  def forward(h, shards_L, states_L, consts, keep: str):
+def _period_layout(sublayers) -> list[int]:
+  """Each source's layers a period (its sublayers' offsets must be 0..n-1)."""
+  sources = sorted({sl.source for sl in sublayers})
+  if sources != list(range(len(sources))):
+    raise ValueError(f"scan_period: sources must be 0..{len(sources) - 1}, got {sources}")
+  per_source = []
+  for s in sources:
+    offsets = sorted(sl.offset for sl in sublayers if sl.source == s)
+    if offsets != list(range(len(offsets))):
+      raise ValueError(f"scan_period: source {s}'s offsets must be 0..{len(offsets) - 1}, "
+                       f"got {offsets}")
+    per_source.append(len(offsets))
+  return per_source
+
+
+def _interleave(sublayers, per_source, trees_P):
+  """Per source, its sublayers' [R, ...] outputs back in the source's row order [R * n, ...]."""
+  out = []
+  for s, n in enumerate(per_source):
+    mine = sorted((sl.offset, j) for j, sl in enumerate(sublayers) if sl.source == s)
+    if n == 1:
+      out.append(trees_P[mine[0][1]])
+      continue
+    out.append(jax.tree.map(lambda *xs: jnp.stack(xs, axis=1).reshape(
+        (xs[0].shape[0] * n,) + xs[0].shape[1:]), *[trees_P[j] for _, j in mine]))
+  return tuple(out)
+
+
+def _prefetched_period(sublayers, per_source, remat: str, repeats: int):
+  """run(h, shards_S, states_S, consts) -> (h, aux_P, new_states_P, stats_P) (per sublayer,
+  stacked over the R periods), with its own VJP: both passes issue the next layer's gather
+  before the current layer's compute, with no condition around it. The scan runs periods
+  0..R-2; period R-1 runs after it (its last layer would gather the next period's first layer,
+  which does not exist), on the weights the scan gathered last; backward starts from its last
+  layer's weights, and its last iteration gathers the period's last layer of period 0 again: the
+  one wasted gather a step (peeled out too, the step measured slower on fake CPU devices,
+  README)."""
+  num = len(sublayers)
+  index_R = jnp.arange(repeats, dtype=jnp.int32)
+
+  def take(j, r, tree_S):
+    sl = sublayers[j]
+    return _take(tree_S[sl.source], r * per_source[sl.source] + sl.offset)
+
+  def gather(j, r, shards_S, states_S):
+    return sublayers[j].gather(take(j, r, shards_S), take(j, r, states_S))
+
+  def regather(j, r, shards_S, states_S, new_states_P):
+    """Layer j of period r's weights again; the codec's parameters rebuilt from the caches the
+    forward's gather left (`rebuild_from`: word / delta with no collective, element / block from
+    their cached exponents and an all-gather of sign+mantissa)."""
+    if not jax.tree.leaves(new_states_P):
+      return gather(j, r, shards_S, states_S)[0]
+    return sublayers[j].gather(take(j, r, shards_S), take(j, r, states_S),
+                               _take(new_states_P[j], r))[0]
+
+  def forward(h, shards_S, states_S, consts, keep: str):
     """keep: "none" (no backward), "inputs" (each layer's input) or "vjp" (each layer's
     backward residuals under the remat policy, its weights among them)."""
-    full_0, state_0, stats_0 = gather(_take(shards_L, 0), _take(states_L, 0))
-    vjp_def = []
+    full_0, state_0, stats_0 = gather(0, 0, shards_S, states_S)
+    vjp_defs = [None] * num
 
-    def compute(h, full, i):
-      fn = lambda h, full: layer_fn(h, full, consts, i)   # noqa: E731
+    def compute(j, h, full, r):
+      fn = lambda h, full: sublayers[j].fn(h, full, consts, r)   # noqa: E731
       if keep == "vjp":
         (h_out, aux), vjp = jax.vjp(checkpointed(fn, remat), h, full)
-        leaves, treedef = jax.tree.flatten(vjp)
-        vjp_def[:] = [treedef]
+        leaves, vjp_defs[j] = jax.tree.flatten(vjp)
         return h_out, aux, leaves
       if keep != "inputs":
         return (*fn(h, full), None)
@@ -157,92 +214,177 @@ def _prefetched_scan(layer_fn, gather, remat: str, num_layers: int):
         h_out, aux = fn(h, full)
       return h_out, aux, (h, kept)
 
-    def body(carry, i):
-      h, full, _ = carry
-      # Layer i+1's gather first (read in place: a rolled copy of the shards as scan input would
-      # copy every layer's shards each step), then layer i's compute.
-      full_next, state_next, stats_next = gather(*_take((shards_L, states_L), i + 1))
-      h_out, aux, saved = compute(h, full, i)
-      return (h_out, full_next, i + 1), (aux, state_next, stats_next, saved)
+    def period(h, full, r, last: bool):
+      """Period r from its first layer's weights -> (h, the weights gathered last: the next
+      period's first layer's, or this one's last layer's if `last`; per layer (aux, saved); the
+      (state, stats) of each gather: layers 1.. of this period, then the next period's first)."""
+      outs, gathered = [], []
+      for j in range(num):
+        # The next layer's gather first (read in place: a rolled copy of the shards as scan
+        # input would copy every layer's shards each step), then this layer's compute.
+        nxt = (gather(j + 1, r, shards_S, states_S) if j + 1 < num else
+               None if last else gather(0, r + 1, shards_S, states_S))
+        h, aux, saved = compute(j, h, full, r)
+        outs.append((aux, saved))
+        if nxt is not None:
+          full = nxt[0]
+          gathered.append(nxt[1:])
+      return h, full, outs, gathered
 
-    # Layers 0..L-2 in the scan, each under the next one's gather; the last layer after it, on
-    # the weights its last iteration gathered (in the scan it would gather layer L-1 again). Its
-    # index comes out of the loop, traced like the body's, so its residuals have their pytree.
-    (h, full_last, i_last), (aux_s, states_next_L, stats_next_L, saved_s) = lax.scan(
-        body, (h, full_0, index_L[0]), index_L[:-1])
-    h, aux_last, saved_last = compute(h, full_last, i_last)
-    append = lambda rest, last: jax.tree.map(                # noqa: E731
-        lambda a, b: jnp.concatenate([a, b[None]], axis=0), rest, last)
-    prepend = lambda first, rest: jax.tree.map(              # noqa: E731
-        lambda a, b: jnp.concatenate([a[None], b], axis=0), first, rest)
-    saved_L = append(saved_s, saved_last)
-    if keep == "vjp":   # the layers' stacked residuals as one pytree (a VJP of [L, ...] leaves)
-      saved_L = vjp_def[0].unflatten(saved_L)
-    out = (h, append(aux_s, aux_last), prepend(state_0, states_next_L),
-           prepend(stats_0, stats_next_L))
-    return out, (saved_L, full_last)
+    def body(carry, r):
+      h, full, _ = carry
+      h, full_next, outs, gathered = period(h, full, r, last=False)
+      return (h, full_next, r + 1), (outs, gathered)
+
+    # Periods 0..R-2 in the scan, period R-1 after it. Its index comes out of the loop, traced
+    # like the body's, so its layers' residuals have the body's pytrees.
+    carry = (h, full_0, index_R[0])
+    outs_s = gathered_s = [None] * num       # nothing scanned: one period
+    if repeats > 1:
+      carry, (outs_s, gathered_s) = lax.scan(body, carry, index_R[:-1])
+    h, full_last, outs_last, gathered_last = period(*carry, last=True)
+
+    def append(rest, last):       # the scan's [R-1, ...] and the last period's -> [R, ...]
+      if repeats == 1:
+        return jax.tree.map(lambda b: b[None], last)
+      return jax.tree.map(lambda a, b: jnp.concatenate([a, b[None]], axis=0), rest, last)
+
+    def prepend(first, rest):     # the first gather's and the scan's -> [R, ...]
+      if repeats == 1:
+        return jax.tree.map(lambda a: a[None], first)
+      return jax.tree.map(lambda a, b: jnp.concatenate([a[None], b], axis=0), first, rest)
+
+    aux_P, saved_P, states_P, stats_P = [], [], [], []
+    for j in range(num):
+      rest = outs_s[j] if repeats > 1 else (None, None)
+      aux, saved = append(rest[0], outs_last[j][0]), append(rest[1], outs_last[j][1])
+      if keep == "vjp":   # the layer's stacked residuals as one pytree (a VJP of [R, ...] leaves)
+        saved = vjp_defs[j].unflatten(saved)
+      if j == 0:          # gathered first, then by the previous period's last layer
+        state, stats = prepend((state_0, stats_0), gathered_s[num - 1])
+      else:
+        state, stats = append(gathered_s[j - 1], gathered_last[j - 1])
+      aux_P.append(aux)
+      saved_P.append(saved)
+      states_P.append(state)
+      stats_P.append(stats)
+    out = (h, tuple(aux_P), tuple(states_P), tuple(stats_P))
+    return out, (tuple(saved_P), full_last)
 
   @jax.custom_vjp
-  def run(h, shards_L, states_L, consts):
-    return forward(h, shards_L, states_L, consts, "none")[0]
+  def run(h, shards_S, states_S, consts):
+    return forward(h, shards_S, states_S, consts, "none")[0]
 
-  def run_fwd(h, shards_L, states_L, consts):
+  def run_fwd(h, shards_S, states_S, consts):
     keep = "inputs" if remat == "full" else "vjp"
-    out, (saved_L, full_last) = forward(h, shards_L, states_L, consts, keep)
+    out, (saved_P, full_last) = forward(h, shards_S, states_S, consts, keep)
     # The gathers' new states (outputs of the step anyway) let backward rebuild what it can.
-    new_states_L = out[2] if keep == "inputs" else None
-    return out, (saved_L, full_last if keep == "inputs" else None, shards_L, states_L,
-                 new_states_L, consts)
+    new_states_P = out[2] if keep == "inputs" else None
+    return out, (saved_P, full_last if keep == "inputs" else None, shards_S, states_S,
+                 new_states_P, consts)
 
   def run_bwd(res, cotangents):
-    saved_L, full_last, shards_L, states_L, new_states_L, consts = res
-    saved_leaves_L, saved_def = jax.tree.flatten(saved_L)
-    dh, daux_L = cotangents[0], cotangents[1]
-    daux_kept_L, daux_of = _float0_split(daux_L)
+    saved_P, full_last, shards_S, states_S, new_states_P, consts = res
+    saved_split = [jax.tree.flatten(saved) for saved in saved_P]
+    dh, daux_P = cotangents[0], cotangents[1]
+    daux_split = [_float0_split(daux) for daux in daux_P]
 
-    def scatter(i, dfull):
+    def scatter(j, r, dfull):
       """The gather's transpose (the weight gradient's reduce-scatter; it needs no residual)."""
-      state = _take(states_L, i)
-      return jax.vjp(lambda s: gather(s, state)[0], _take(shards_L, i))[1](dfull)[0]
+      state = take(j, r, states_S)
+      return jax.vjp(lambda s: sublayers[j].gather(s, state)[0], take(j, r, shards_S))[1](dfull)[0]
 
     def body(carry, xs):
-      i, saved, daux_kept = xs
-      saved = saved_def.unflatten(saved)      # layer i's input, or its backward residuals
+      r, saved_leaves_P, daux_kept_P = xs
       dh, full = carry
-      if full_last is not None:   # remat full: recompute the layer from its input
-        # Layer i-1's gather first, then layer i's backward.
-        full_prev = regather(shards_L, states_L, new_states_L, jnp.maximum(i - 1, 0))
-        h_in, kept = saved
-        with _keeping("replay", kept):
-          vjp = jax.vjp(lambda h, full: layer_fn(h, full, consts, i), h_in, full)[1]
-      else:
-        full_prev, vjp = full, saved
-      dh, dfull = vjp((dh, daux_of(daux_kept)))
-      return (dh, full_prev), scatter(i, dfull)
+      dshards_P = [None] * num
+      for j in reversed(range(num)):
+        saved = saved_split[j][1].unflatten(saved_leaves_P[j])  # its input, or its residuals
+        if full_last is not None:   # remat full: recompute the layer from its input
+          # The previous layer's gather first, then this layer's backward.
+          full_prev = (regather(j - 1, r, shards_S, states_S, new_states_P) if j > 0 else
+                       regather(num - 1, jnp.maximum(r - 1, 0), shards_S, states_S,
+                                new_states_P))
+          h_in, kept = saved
+          with _keeping("replay", kept):
+            vjp = jax.vjp(lambda h, full, j=j: sublayers[j].fn(h, full, consts, r),
+                          h_in, full)[1]
+        else:
+          full_prev, vjp = full, saved
+        dh, dfull = vjp((dh, daux_split[j][1](daux_kept_P[j])))
+        dshards_P[j] = scatter(j, r, dfull)
+        full = full_prev
+      return (dh, full), tuple(dshards_P)
 
     carry = (dh, full_last if full_last is not None else jnp.zeros((), jnp.float32))
-    (dh, _), dshards_L = lax.scan(body, carry, (index_L, saved_leaves_L, daux_kept_L),
-                               reverse=True)
+    xs = (index_R, tuple(leaves for leaves, _ in saved_split),
+          tuple(kept for kept, _ in daux_split))
+    (dh, _), dshards_P = lax.scan(body, carry, xs, reverse=True)
     nothing = lambda t: jax.tree.map(lambda _: None, t)   # noqa: E731
-    return dh, dshards_L, nothing(states_L), nothing(consts)
+    return dh, _interleave(sublayers, per_source, dshards_P), nothing(states_S), nothing(consts)
 
   run.defvjp(run_fwd, run_bwd)
   return run
 
 
+def scan_period(sublayers, h, shards_S, states_S=None, consts=(), *, remat: str = "full",
+                prefetch: bool = False):
+  """`scan_layers` over a period of different layers (`Sublayer`s: their own function, hook and
+  stacked weights, e.g. gpt-oss's sliding and full attention layers) repeated R times: one scan,
+  each iteration running the period's layers in order; the prefetch gathers each layer ahead of
+  the one before it, across the periods' boundaries too. `shards_S` / `states_S`: per source,
+  its layers stacked [R * n, ...] in model order. Returns (h, aux_P, new_states_S, stats_S):
+  aux per sublayer [R, ...], states and stats per source [R * n, ...]."""
+  sublayers = tuple(sublayers)
+  per_source = _period_layout(sublayers)
+  states_S = (None,) * len(per_source) if states_S is None else tuple(states_S)
+  shards_S = tuple(shards_S)
+  repeats = jax.tree.leaves(shards_S[0])[0].shape[0] // per_source[0]
+  for s, (shards, n) in enumerate(zip(shards_S, per_source)):
+    if jax.tree.leaves(shards)[0].shape[0] != repeats * n:
+      raise ValueError(f"scan_period: source {s} stacks {jax.tree.leaves(shards)[0].shape[0]} "
+                       f"layers, its {n} a period x {repeats} periods expected")
+  if prefetch and repeats * len(sublayers) > 1:
+    h, aux_P, states_P, stats_P = _prefetched_period(sublayers, per_source, remat, repeats)(
+        h, shards_S, states_S, consts)
+    return (h, aux_P, *(_interleave(sublayers, per_source, t) for t in (states_P, stats_P)))
+
+  # One layer, or no prefetch: each layer gathers its own weights, then computes; under remat
+  # the gather is recomputed in backward from the same state. Each layer is checkpointed apart
+  # (one layer's activations live at a time in backward). The stacked weights enter as the
+  # scan's input, [R, n, ...] per source (a free reshape).
+  def layer(j):
+    def run(h, shards, state, r):
+      full, new_state, stats = sublayers[j].gather(shards, state)
+      h, aux = sublayers[j].fn(h, full, consts, r)
+      return h, (aux, new_state, stats)
+    return checkpointed(run, remat)
+
+  layers = [layer(j) for j in range(len(sublayers))]
+  periods = lambda tree_S: tuple(jax.tree.map(   # noqa: E731
+      lambda x, n=n: x.reshape((repeats, n) + x.shape[1:]), tree) for tree, n in
+      zip(tree_S, per_source))
+
+  def body(h, xs):
+    shards_S, states_S, r = xs
+    outs = []
+    for j, sl in enumerate(sublayers):
+      h, out = layers[j](h, _take(shards_S[sl.source], sl.offset),
+                         _take(states_S[sl.source], sl.offset), r)
+      outs.append(out)
+    return h, tuple(outs)
+
+  h, outs = lax.scan(body, h, (periods(shards_S), periods(states_S),
+                               jnp.arange(repeats, dtype=jnp.int32)))
+  aux_P = tuple(out[0] for out in outs)
+  return (h, aux_P, *(_interleave(sublayers, per_source, tuple(out[k] for out in outs))
+                      for k in (1, 2)))
+
+
 def scan_layers(layer_fn, h, shards_L, gather, states_L=None, consts=(), *, remat: str = "full",
                 prefetch: bool = False):
-  num_layers = jax.tree.leaves(shards_L)[0].shape[0]
-  index_L = jnp.arange(num_layers, dtype=jnp.int32)
-  if not prefetch or num_layers == 1:   # one layer: no next layer to gather under its compute
-    def body(h, xs):
-      layer_shards, layer_state, i = xs
-      full, new_state, stats = gather(layer_shards, layer_state)
-      h, aux = layer_fn(h, full, consts, i)
-      return h, (aux, new_state, stats)
-
-    body = checkpointed(body, remat)
-    h, (aux_L, new_states_L, stats_L) = lax.scan(body, h, (shards_L, states_L, index_L))
-    return h, aux_L, new_states_L, stats_L
-
-  return _prefetched_scan(layer_fn, gather, remat, num_layers)(h, shards_L, states_L, consts)
+  """`scan_period` of one layer: (h, aux_L, new_states_L, stats_L)."""
+  h, (aux_L,), (states_L,), (stats_L,) = scan_period(
+      [Sublayer(layer_fn, gather)], h, [shards_L], [states_L], consts, remat=remat,
+      prefetch=prefetch)
+  return h, aux_L, states_L, stats_L

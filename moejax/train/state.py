@@ -127,9 +127,9 @@ def rebuilt_shares(cfg: Config) -> dict[str, float]:
   """{layer group: share of a compressed parameter's gathers per step rebuilt from its cache}
   (`hook.run_gathers`); groups gathered once per step rebuild nothing."""
   out = {}
-  for group in {run.group for run in olmoe.layer_runs(cfg)}:
-    runs = [run.count for run in olmoe.layer_runs(cfg) if run.group == group]
-    every, moving = (hook.gathers_per_layer(runs, remat=cfg.remat, prefetch=cfg.prefetch,
+  for group in olmoe.layer_groups(cfg):
+    scans = olmoe.scanned_layers(cfg, group)
+    every, moving = (hook.gathers_per_layer(scans, remat=cfg.remat, prefetch=cfg.prefetch,
                                             rebuilt=r) for r in (False, True))
     out[group] = 1.0 - moving / every
   return out

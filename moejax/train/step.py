@@ -115,12 +115,12 @@ def make_grad_fn(cfg: Config, mesh, lay: StateLayout):
 
 def gathers_per_copy(cfg: Config, gatherer, group: str) -> float:
   """Gathers per step of one copy of a group's parameters: each layer's slice of a layer group
-  (`hook.gathers_per_layer` over the scanned runs that hold the group), else 1. Of a compressed
+  (`hook.gathers_per_layer` over the scans that hold the group), else 1. Of a compressed
   parameter's, `gatherer.rebuilt_share` are rebuilt from its cache."""
   if not gatherer.is_stacked(group):
     return 1.0
-  runs = [run.count for run in olmoe.layer_runs(cfg) if run.group == group]
-  return hook.gathers_per_layer(runs, remat=cfg.remat, prefetch=cfg.prefetch)
+  return hook.gathers_per_layer(olmoe.scanned_layers(cfg, group), remat=cfg.remat,
+                                prefetch=cfg.prefetch)
 
 
 def gather_metrics(cfg: Config, lay: StateLayout, stats: dict) -> dict:

@@ -185,9 +185,9 @@ def test_word_and_delta_bytes_count_their_forward_gathers_only(runs):
   rebuilt = 0
   for (g, p, _), row in zip(rows, np.asarray(jax.device_get(raw))):
     every = step_lib.gathers_per_copy(cfg, gatherer, g)
-    runs = [run.count for run in olmoe.layer_runs(cfg) if run.group == g]
-    moved = every if not runs else hook.gathers_per_layer(runs, remat=cfg.remat,
-                                                          prefetch=cfg.prefetch, rebuilt=True)
+    scans = olmoe.scanned_layers(cfg, g)
+    moved = every if not scans else hook.gathers_per_layer(scans, remat=cfg.remat,
+                                                           prefetch=cfg.prefetch, rebuilt=True)
     again = codec.wire_bytes(gatherer.shard_shape(g, p), jnp.bfloat16, specs[g][p])["rebuilt"]
     rebuilt += moved < every and specs[g][p].mode not in codec.WORD_MODES and again > 0
     coded_sent += (row[sent] * moved + again * (every - moved)) * (n - 1)

@@ -134,7 +134,10 @@ def test_byte_figures_and_regather_rule():
   assert hook.run_gathers(3, remat="minimal", prefetch=True) == 3
   assert hook.run_gathers(3, remat="none", prefetch=True) == 3
   assert hook.run_gathers(1, remat="full", prefetch=True) == 2
-  assert hook.gathers_per_layer([3, 1], remat="full", prefetch=True) == (6 + 2) / 4
+  assert hook.gathers_per_layer([(3, 3), (1, 1)], remat="full", prefetch=True) == (6 + 2) / 4
+  # One layer of a group in a scanned period of two (gpt-oss's [sliding, full]) is prefetched.
+  assert hook.run_gathers(1, remat="full", prefetch=True, scanned=2) == 2
+  assert hook.run_gathers(1, remat="full", prefetch=True, rebuilt=True, scanned=2) == 1
   # A word / delta parameter's prefetched backward gathers are rebuilt from its cache.
   assert hook.run_gathers(3, remat="full", prefetch=True, rebuilt=True) == 3
   assert hook.run_gathers(3, remat="full", prefetch=False, rebuilt=True) == 6

@@ -211,3 +211,115 @@ def test_prefetched_forward_gathers_each_layer_once(remat):
   assert count(lambda h, s: jax.vjp(loss, h, s)[0]) == LAYERS
   assert (count(jax.grad(loss, argnums=1))
           == hook.run_gathers(LAYERS, remat=remat, prefetch=True) + LAYERS)
+
+
+# A period of different layers (gpt-oss's [sliding, full], Llama 4's four): two "a"/"b" layers
+# around a "c" layer, each kind its own function and stacked weights, repeated PERIODS times.
+PERIODS = 3
+
+
+def _c_layer_fn(h, full, consts, r):
+  return h + jnp.sin(h @ full["c"]) * 0.5, {"r": r * 10}
+
+
+def _sublayers(gather_ab, gather_c):
+  return [prefetch_lib.Sublayer(_layer_fn, gather_ab, source=0, offset=0),
+          prefetch_lib.Sublayer(_c_layer_fn, gather_c, source=1, offset=0),
+          prefetch_lib.Sublayer(_layer_fn, gather_ab, source=0, offset=1)]
+
+
+def _sequential(h, ab, c):
+  """The same layers in model order, one after another, on whole weights."""
+  for r in range(PERIODS):
+    h = _layer_fn(h, jax.tree.map(lambda x: x[2 * r], ab), (), r)[0]
+    h = _c_layer_fn(h, jax.tree.map(lambda x: x[r], c), (), r)[0]
+    h = _layer_fn(h, jax.tree.map(lambda x: x[2 * r + 1], ab), (), r)[0]
+  return h
+
+
+def _weights(key, width=8):
+  ab = {"a": jax.random.normal(key, (2 * PERIODS, 8, width)) * 0.3,
+        "b": jax.random.normal(jax.random.fold_in(key, 1), (2 * PERIODS, 8, width)) * 0.3}
+  c = {"c": jax.random.normal(jax.random.fold_in(key, 2), (PERIODS, 8, width)) * 0.3}
+  return ab, c
+
+
+def test_a_scanned_period_of_different_layers_equals_them_in_model_order():
+  """`scan_period` through the real hook on 8 devices: in every remat mode, with and without
+  prefetch (bit-identical), gradients of the sequential layers (8 x, the devices' cotangents
+  summed by the reduce-scatter); each layer's aux stacked per sublayer, its gather's stats back
+  in its source's row order."""
+  def gather_stats(shards, state):
+    full = jax.tree.map(lambda x: hook.gather_leaf(x, Layout("shard", 1), None, None,
+                                                   axis_names=AXIS, dtype=jnp.float32)[0],
+                        shards)
+    return full, state, {"sum": sum(jnp.sum(x) for x in jax.tree.leaves(full))}
+
+  def all_grads(h, ab, c):
+    def loss(h, ab, c, remat, prefetch):
+      h, aux_P, _, stats_S = prefetch_lib.scan_period(
+          _sublayers(gather_stats, gather_stats), h, [ab, c], None, (), remat=remat,
+          prefetch=prefetch)
+      return jnp.sum(h ** 2), (aux_P, stats_S)
+    out = []
+    for remat in prefetch_lib.REMAT_MODES:
+      for prefetch in (False, True):
+        grads, (aux_P, stats_S) = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(
+            h, ab, c, remat, prefetch)
+        out.append((grads, aux_P, stats_S))
+    return out
+
+  ab, c = _weights(jax.random.key(4))
+  h = jax.random.normal(jax.random.key(5), (4, 8))
+  stacked = P(None, None, AXIS)
+  out_specs = [((P(), stacked, stacked), P(), P())] * 2 * len(prefetch_lib.REMAT_MODES)
+  results = jax.jit(jax.shard_map(all_grads, mesh=MESH, in_specs=(P(), stacked, stacked),
+                                  out_specs=out_specs, check_vma=False))(h, ab, c)
+  for plain, prefetched in zip(results[0::2], results[1::2]):
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(prefetched)):
+      np.testing.assert_array_equal(a, b)
+  reference = jax.jit(jax.grad(lambda h, ab, c: jnp.sum(_sequential(h, ab, c) ** 2),
+                               argnums=(0, 1, 2)))(h, ab, c)
+  for grads, aux_P, stats_S in results:
+    np.testing.assert_allclose(grads[0], reference[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads[1:]), jax.tree.leaves(reference[1:])):
+      np.testing.assert_allclose(a, 8 * b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(aux_P[0]["i"], np.arange(PERIODS))
+    np.testing.assert_array_equal(aux_P[1]["r"], 10 * np.arange(PERIODS))
+    np.testing.assert_allclose(stats_S[0]["sum"], [ab["a"][i].sum() + ab["b"][i].sum()
+                                                    for i in range(2 * PERIODS)], rtol=1e-5)
+    np.testing.assert_allclose(stats_S[1]["sum"], c["c"].sum(axis=(1, 2)), rtol=1e-5)
+
+
+@pytest.mark.parametrize("remat", ["full", "none"])
+def test_a_prefetched_period_gathers_as_run_gathers_prices(remat):
+  """Counted as they run: the prefetched forward of a period gathers each layer once; a step
+  gathers what `hook.run_gathers` prices for each source's layers of the scan."""
+  calls = {"ab": [], "c": []}
+
+  def counting(name):
+    def gather(shards, state):
+      jax.debug.callback(lambda: calls[name].append(1))
+      return shards, state, {}
+    return gather
+
+  def loss(h, ab, c):
+    return jnp.sum(prefetch_lib.scan_period(_sublayers(counting("ab"), counting("c")), h,
+                                            [ab, c], None, (), remat=remat,
+                                            prefetch=True)[0] ** 2)
+
+  def count(fn):
+    for v in calls.values():
+      v.clear()
+    jax.block_until_ready(jax.jit(fn)(h, ab, c))
+    jax.effects_barrier()
+    return len(calls["ab"]), len(calls["c"])
+
+  ab, c = _weights(jax.random.key(6), width=8)
+  ab = jax.tree.map(lambda x: x.reshape(x.shape[0], 8, 8), ab)
+  h = jnp.ones((4, 8))
+  assert count(loss) == (2 * PERIODS, PERIODS)
+  priced = [hook.run_gathers(n, remat=remat, prefetch=True, scanned=3 * PERIODS)
+            for n in (2 * PERIODS, PERIODS)]
+  # (the backward also traces each layer's gather once for its transpose)
+  assert count(jax.grad(loss, argnums=(1, 2))) == (priced[0] + 2 * PERIODS, priced[1] + PERIODS)

@@ -154,3 +154,42 @@ def test_deepseek_v32_trains_its_indexer_by_its_own_loss(trainer_for):
                  "wkv_b"):
       assert not np.array_equal(trained["params"][group]["attn"][name],
                                 before[group]["attn"][name]), name
+
+
+def test_a_repeating_layer_pattern_trains_sharded_as_on_one_device(trainer_for):
+  """Llama 4 Maverick's pattern at 8 layers (dense and MoE alternating; chunked layers, every
+  4th unrotated) is one scan over its period of 4 (`olmoe.layer_scans`: two layer groups, two MoE
+  layers a period whose per-layer fssdp inputs sit at period x 2 + their place), prefetched
+  across its layers. Under fssdp on 8 devices the first step's gradients equal one device's
+  (fsdp: the same math); after a re-shard that gives each MoE layer its own owners (MoE layer
+  l's experts 2l and 2l + 1 hot), the second step's loss does too, and the routed loads come back in model
+  order."""
+  from moejax.models import olmoe
+  from moejax.train.loop import put_batch
+  from tests.helpers import random_batches
+  pattern = {"model.num_layers": 8, "model.dense_layers": (0, 2, 4, 6),
+             "model.chunked_layers": (0, 1, 2, 4, 5, 6), "model.nope_layers": (3, 7),
+             "moe.num_experts": 16}      # two a device: room for owners of their own
+  cfg = tiny_config("llama4", **{"moe.placement": "fssdp", "fssdp.calibrate": False},
+                    **pattern, **SETTINGS)
+  assert [(len(s.period), s.repeats) for s in olmoe.layer_scans(cfg)] == [(4, 2)]
+  single = run_steps(trainer_for(tiny_config("llama4", **pattern, **SETTINGS), 1))
+  trainer = trainer_for(cfg, 8)
+  state = trainer.init_state()
+  first, second = [put_batch(b, trainer.mesh) for b in random_batches(cfg, 2)]
+  state, metrics = trainer.train_step(state, first)
+  losses = [float(metrics["loss"])]
+  mu = jax.device_get(optax.tree_utils.tree_get(state.opt_state, "mu"))
+  _compare_grads(single["grads"], jax.tree.map(lambda m: m / (1 - cfg.optim.b1), mu))
+  history = state.placement.history
+  hot = np.full(history.loads_WxLxE.shape, 10.0, np.float32)
+  for layer in range(hot.shape[1]):     # both of one device's experts hot, a device a layer
+    hot[:, layer, 2 * layer:2 * layer + 2] = 80.0
+  state, resharding = trainer.reshard(state.replace(placement=state.placement.replace(
+      history=history._replace(loads_WxLxE=jax.device_put(hot, history.loads_WxLxE.sharding)))))
+  assert len({tuple(row) for row in np.asarray(resharding.owner_LxE)}) == hot.shape[1]
+  state, metrics = trainer.train_step(state, second)
+  losses.append(float(metrics["loss"]))
+  np.testing.assert_allclose(losses, single["losses"], rtol=1e-6)
+  np.testing.assert_array_equal(metrics["expert_load_LxE"],
+                                single["metrics"]["expert_load_LxE"])
