@@ -24,6 +24,7 @@ CASES = [
     ("indexer.py", ["--steps", "1"], "argument --steps: must be >= 2, got 1"),
     ("indexer.py", ["--seq", "512"], "argument --seq: must be >= 513, got 512"),
     ("projection.py", ["--plot", "/nonexistent/dir/p.png"], "argument --plot: no folder"),
+    ("trace.py", ["--only", "gpt_oss:huge:fsdp"], "argument --only: gpt_oss has no preset 'huge'"),
     ("linear_attention.py", ["--seq", "512,0"],
      "argument --seq: expected comma-separated positive lengths, got '512,0'"),
 ]
