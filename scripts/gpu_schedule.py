@@ -48,7 +48,12 @@ def _parse_set(text: str):
 def parse_args(argv=None, variants=()):
   targets = sorted(f[:-len(".txtpb")] for f in os.listdir(TARGETS) if f.endswith(".txtpb"))
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  p.add_argument("--preset", default="tiny", help="configs/olmoe.py preset (default: tiny)")
+  p.add_argument("--preset", default="tiny",
+                 help="configs/olmoe.py preset, or FAMILY:PRESET of another family's config "
+                      "(gpt_oss:20b) (default: tiny)")
+  p.add_argument("--max-period", type=int, default=None,
+                 help="the longest repeating pattern of layers scanned as one period "
+                      "(olmoe.MAX_PERIOD; 1: one scan per run of equal layers, for comparison)")
   p.add_argument("--gpus", type=int, default=8, help="GPUs, 8 per node (default: 8)")
   p.add_argument("--target", default="h200", choices=targets, help="the GPU (default: h200)")
   p.add_argument("--variant", action="append", choices=list(variants), default=[],
@@ -58,6 +63,14 @@ def parse_args(argv=None, variants=()):
   p.add_argument("--xla-flags", default="", help="XLA flags added for the compile")
   p.add_argument("--out", help="write each variant's compiled HLO here (VARIANT.hlo.gz)")
   args = p.parse_args(argv)
+  if args.max_period is not None and args.max_period < 1:
+    p.error(f"argument --max-period: must be >= 1, got {args.max_period}")
+  if ":" in args.preset:
+    sys.path.insert(0, REPO)
+    from moejax.families import FAMILIES
+    family = args.preset.split(":", 1)[0]
+    if family not in FAMILIES:
+      p.error(f"argument --preset: no family {family!r}; one of {', '.join(FAMILIES)}")
   if args.gpus < 1 or (args.gpus > 8 and args.gpus % 8):
     p.error(f"argument --gpus: {args.gpus}: 1 to 8, or a multiple of 8 (8 GPUs a node)")
   return args
@@ -72,13 +85,28 @@ def _topology(args):
   return topologies.get_topology_desc(shape, "cuda", topology=shape, target_config=target)
 
 
+def _config(preset: str, **overrides):
+  """configs/olmoe.py's `preset`, or FAMILY:PRESET's, with dotted overrides."""
+  import device_check
+  if ":" not in preset:
+    return device_check._config(preset, **overrides)
+  import importlib
+  from moejax.config import from_config_dict
+  from moejax.families import config_file
+  family, name = preset.split(":", 1)
+  cd = importlib.import_module(config_file(family)[:-len(".py")].replace("/", ".")).get_config(
+      name)
+  cd.update_from_flattened_dict(overrides)
+  return from_config_dict(cd)
+
+
 def compile_variant(overrides: dict, args, devices) -> tuple[dict, str]:
   import device_check
   from moejax.sharding.mesh import make_mesh
   from moejax.train.loop import Trainer
   from tests.sharding import hlo
   sets = dict(args.set)
-  cfg = device_check._config(args.preset, **{"mesh.shape": (1, args.gpus), **overrides, **sets})
+  cfg = _config(args.preset, **{"mesh.shape": (1, args.gpus), **overrides, **sets})
   start = time.perf_counter()
   trainer = Trainer(cfg, mesh=make_mesh(tuple(cfg.mesh.shape), devices))
   # an ep/fssdp step with bounded buffers: the jitted step at its current capacity
@@ -128,6 +156,9 @@ def main(argv=None) -> int:
   os.environ["XLA_FLAGS"] = " ".join(
       [os.environ.get("XLA_FLAGS", ""), "--xla_gpu_autotune_level=0", args.xla_flags]).strip()
   devices = list(_topology(args).devices)
+  if args.max_period is not None:
+    from moejax.models import olmoe
+    olmoe.MAX_PERIOD = args.max_period
   print(f"gpu_schedule: {args.preset} preset on {len(devices)} x {devices[0].device_kind} "
         f"(compiled, not run), overrides {dict(args.set) or 'none'}", flush=True)
   out = {}

@@ -23,7 +23,9 @@ def test_overrides_are_python_literals_or_bare_strings():
 
 @pytest.mark.parametrize("argv, says", [(["--gpus", "12"], "--gpus: 12: 1 to 8, or a multiple"),
                                         (["--set", "seq_len"], "expected KEY=VALUE"),
-                                        (["--target", "h900"], "invalid choice: 'h900'")])
+                                        (["--target", "h900"], "invalid choice: 'h900'"),
+                                        (["--preset", "nosuch:20b"], "no family 'nosuch'"),
+                                        (["--max-period", "0"], "must be >= 1, got 0")])
 def test_bad_arguments_are_one_line(argv, says, capsys):
   with pytest.raises(SystemExit) as e:
     gpu_schedule.parse_args(argv, ["fsdp"])
