@@ -164,28 +164,58 @@ def _forward_cached(cfg: Config, params: dict, tokens_BxS, cache: KVCache, start
     return h_BxSxD, (new.conv_BxKxC.astype(conv_BxKxC.dtype), new.memory_BxHxDkxDv)
 
   kv_cache = tuple(cache)[:3]      # (no softmax layers: [0, ...] arrays, returned as they are)
-  kv_runs, linear_runs = [], []   # per run of layers: its part of the cache, updated
-  position = linear_position = 0  # where the run's layers are in the cache's
-  for group, first, count, kind in olmoe.layer_runs(cfg):
-    layers = jax.tree.map(lambda x: x[first:first + count], params[group])
-    if kind.linear:
-      at = slice(linear_position, linear_position + count)
-      h_BxSxD, state_L = jax.lax.scan(functools.partial(linear_step, group, kind), h_BxSxD,
-                                      (layers, cache.conv_LxBxKxC[at],
-                                       cache.memory_LxBxHxDkxDv[at]))
-      linear_runs.append(state_L)
-      linear_position += count
-      continue
-    cached = jax.tree.map(lambda x: x[position:position + count], kv_cache)
-    h_BxSxD, cached_L = jax.lax.scan(functools.partial(layer_step, group, kind), h_BxSxD,
-                                     (layers, *cached))
-    kv_runs.append(cached_L)
-    position += count
+  linear_cache = (cache.conv_LxBxKxC, cache.memory_LxBxHxDkxDv)
+  kv_scans, linear_scans = [], []   # per scan of layers: its part of the cache, updated
+  position = linear_position = 0    # where the scan's layers are in the cache's
+  for scan in olmoe.layer_scans(cfg):     # the training forward's scans: a period a step
+    repeats = scan.repeats
+    groups = list(dict.fromkeys(group for group, _, _ in scan.period))
+    kinds = [kind for _, _, kind in scan.period]
+    n_kv, n_linear = sum(not k.linear for k in kinds), sum(k.linear for k in kinds)
+
+    def periods(tree, first, n, repeats=repeats):   # rows first.. as [R, n, ...]
+      return jax.tree.map(lambda x: x[first:first + repeats * n].reshape(
+          (repeats, n) + x.shape[1:]), tree)
+
+    layers = {group: periods(params[group],
+                             next(i for g, i, _ in scan.period if g == group),
+                             sum(g == group for g, _, _ in scan.period)) for group in groups}
+    kv = periods(kv_cache, position, n_kv) if n_kv else None
+    linear = periods(linear_cache, linear_position, n_linear) if n_linear else None
+
+    def body(h_BxSxD, xs, period=scan.period):
+      layers, kv, linear = xs
+      at = dict.fromkeys(layers, 0)
+      kv_out, linear_out = [], []
+      for group, _, kind in period:
+        layer_params = jax.tree.map(lambda x, i=at[group]: x[i], layers[group])
+        at[group] += 1
+        if kind.linear:
+          i = len(linear_out)
+          h_BxSxD, state = linear_step(group, kind, h_BxSxD,
+                                       (layer_params, linear[0][i], linear[1][i]))
+          linear_out.append(state)
+        else:
+          cached = jax.tree.map(lambda x, i=len(kv_out): x[i], kv)
+          h_BxSxD, written = layer_step(group, kind, h_BxSxD, (layer_params, *cached))
+          kv_out.append(written)
+      stack = lambda outs: jax.tree.map(lambda *x: jnp.stack(x), *outs) if outs else None  # noqa
+      return h_BxSxD, (stack(kv_out), stack(linear_out))
+
+    h_BxSxD, (kv_new, linear_new) = jax.lax.scan(body, h_BxSxD, (layers, kv, linear))
+    rows = lambda tree: jax.tree.map(   # noqa: E731  [R, n, ...] -> [R * n, ...], model order
+        lambda x: x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:]), tree)
+    if n_kv:
+      kv_scans.append(rows(kv_new))
+      position += repeats * n_kv
+    if n_linear:
+      linear_scans.append(rows(linear_new))
+      linear_position += repeats * n_linear
   h_BxSxD = norm(h_BxSxD, params["final_norm"], cfg.model.norm_eps, cfg.model.norm_kind)
   head_DxV = params["embed"].T if cfg.model.tie_embeddings else params["lm_head"]
   join = lambda runs: jax.tree.map(lambda *x: jnp.concatenate(x, axis=0), *runs)  # noqa: E731
-  kv = join(kv_runs) if kv_runs else kv_cache
-  linear = join(linear_runs) if linear_runs else (None, None)
+  kv = join(kv_scans) if kv_scans else kv_cache
+  linear = join(linear_scans) if linear_scans else (None, None)
   return olmoe.lm_logits(cfg, h_BxSxD, head_DxV), KVCache(*kv, *linear)
 
 

@@ -145,29 +145,6 @@ def attention_kind(cfg: Config, layer: int) -> AttentionKind:
                        m.attention_chunk if layer in m.chunked_layers else 0)
 
 
-class LayerRun(NamedTuple):
-  """Consecutive layers of one group and one attention kind: one scan."""
-  group: str
-  first: int             # the first layer's index within its group
-  count: int
-  kind: AttentionKind
-
-
-def layer_runs(cfg: Config) -> list[LayerRun]:
-  """The runs of equal layers, in model order (DeepSeek's leading dense layers: two runs;
-  Qwen2-MoE's decoder_sparse_step=2: alternating runs of one layer; EXAONE's three sliding
-  layers then a global one: runs of three and one): the KV-cached decode's scans
-  (`moejax.models.decode`); training scans repeating patterns of them (`layer_scans`)."""
-  runs = []
-  for layer, (group, index) in enumerate(layer_group_of(cfg)):
-    kind = attention_kind(cfg, layer)
-    if runs and runs[-1].group == group and runs[-1].kind == kind:
-      runs[-1] = runs[-1]._replace(count=runs[-1].count + 1)
-    else:
-      runs.append(LayerRun(group, index, 1, kind))
-  return runs
-
-
 class LayerScan(NamedTuple):
   """One scan of the forward pass: `period` (each layer's group, its index within the group in
   the scan's first period, and its attention kind) repeated `repeats` times."""

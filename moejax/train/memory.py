@@ -179,7 +179,7 @@ def memory_report(cfg: Config, num_devices: int, *,
   fssdp_replicas = 0
   if moe.placement == "fssdp":
     fssdp_replicas = cfg.fssdp.replica_slots * expert_values(cfg)
-  kept_layers = (sum(run.count for run in olmoe.layer_runs(cfg) if run.group in layer_elems)
+  kept_layers = (sum(n for group, n in olmoe.layer_groups(cfg).items() if group in layer_elems)
                  if cfg.remat == "none" else 0)
   biggest = max([f + l + fssdp_replicas * (g in olmoe.MOE_GROUPS)
                  for g, (f, l) in layer_elems.items()], default=0)

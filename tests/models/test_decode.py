@@ -37,9 +37,11 @@ def _family_model(family):
                        if family == "deepseek_v32" else {}))
   if family == "deepseek_v32":   # 3 keys of the cache's 11 by an indexer of 8 heads
     yarn.update({"model.index_topk": 3, "model.index_heads": 8})
-  if family in ("mellum", "granitemoe_swa", "cohere2_moe"):
+  if family in ("mellum", "granitemoe_swa", "cohere2_moe", "gpt_oss"):
     # a window the generated positions pass
     yarn["model.sliding_window"] = 3
+  if family == "qwen3_next":  # a pattern twice: one scan of 2 x [linear, full]
+    yarn["model.linear_layers"] = (0, 2)
   if family == "llama4":      # its own scaling; chunks and temperature steps the positions pass
     yarn = {"model.rope_original_max_len": 4, "model.attention_chunk": 4,
             "model.nope_temperature_floor": 2}
@@ -49,7 +51,7 @@ def _family_model(family):
 
 @pytest.mark.parametrize("family", ["olmoe",
                                     "mellum", "granitemoe_swa", "cohere2_moe", "llama4",
-                                    "deepseek_v32", "qwen3_next"])
+                                    "deepseek_v32", "qwen3_next", "gpt_oss"])
 def test_cached_logits_equal_the_full_forward(family, model, prompt):
   """OLMoE; Mellum: the sliding layers' own plain RoPE beside the global layer's YaRN; Granite SWA:
   attention sinks over the cache, Granite's four multipliers and a shared MLP; Cohere2-MoE:
@@ -62,9 +64,9 @@ def test_cached_logits_equal_the_full_forward(family, model, prompt):
   attention's per-head keys with the shared rotary part and narrower values, a dense layer
   before the MoE ones, grouped sigmoid routing; run alone here until measured redundant) with
   each query's 3 best keys by the indexer, whose keys the cache holds beside the attention's;
-  Qwen3-Next: three Gated DeltaNet
-  layers whose state (the convolution's last inputs, the memory) the prompt leaves by chunks and
-  each new token moves by the recurrence, beside one softmax layer's keys and values and its
+  Qwen3-Next: [linear, full] twice (one scan over the period, `olmoe.layer_scans`), Gated
+  DeltaNet layers whose state (the convolution's last inputs, the memory) the prompt leaves by chunks and
+  each new token moves by the recurrence, beside the softmax layers' keys and values and their
   output gate, computed from the new tokens alone (MiniCPM5-MoE's, not run again), a quarter
   of each head rotated (GLM-4.5's half, run here until measured redundant), zero-centered
   norms. (FlexOlmo's norms on the sublayers' outputs, AfMoE's sandwich norms and its gate's own
@@ -74,7 +76,8 @@ def test_cached_logits_equal_the_full_forward(family, model, prompt):
   step shares; each was run here equal to the full forward until measured redundant. Flint's and
   Kolibri's layers hold no option
   these do not; gpt-oss's output bias is in `project_out`, which the cached step shares, and
-  its experts are the forward's.) All but OLMoE and Llama 4 with YaRN RoPE."""
+  its experts are the forward's.) gpt-oss: sliding and full layers alternating, one scan of
+  2 x [sliding within 3 tokens, full], attention sinks over the cache. All but OLMoE and Llama 4 with YaRN RoPE."""
   cfg, params = model if family == "olmoe" else _family_model(family)
   tokens_BxN, logits_BxNxV = decode.generate(cfg, params, prompt, max_new_tokens=NEW)
   assert tokens_BxN.shape == (2, prompt.shape[1] + NEW)
