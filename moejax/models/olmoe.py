@@ -48,7 +48,7 @@ from moejax.layers.norm import RMSNorm, initial_scale, norm
 from moejax.sharding import axes
 from moejax.sharding.axes import EMBED, EMBEDDINGS, NORM, NORMS, VOCAB, param
 from moejax.sharding.hook import COMPUTE_DTYPES, local_gather
-from moejax.sharding.prefetch import Sublayer, scan_period
+from moejax.sharding.prefetch import Sublayer, interleave_rows, scan_period
 
 
 def moe_spec(cfg: Config) -> MoESpec:
@@ -534,12 +534,6 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
                  predicted_load_E=at(predicted_load_LxE), expert_owners=at(owners_L),
                  replica_state=at(replicas_L))
 
-  def model_order(trees):     # per layer of a period [R, ...] -> [R * n, ...], model order
-    if len(trees) == 1:
-      return trees[0]
-    return jax.tree.map(lambda *xs: jnp.stack(xs, axis=1).reshape(
-        (xs[0].shape[0] * len(xs),) + xs[0].shape[1:]), *trees)
-
   counts = layer_groups(cfg)
   num_moe = sum(counts.get(group, 0) for group in MOE_GROUPS)
   outputs = {group: [] for group in counts}      # per scan: (new states, stats)
@@ -587,9 +581,9 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
     moe = [aux for (group, _, _), aux in zip(scan.period, aux_P) if group in MOE_GROUPS]
     dense = [aux for (group, _, _), aux in zip(scan.period, aux_P) if group not in MOE_GROUPS]
     if moe:
-      moe_aux.append(model_order(moe))
+      moe_aux.append(interleave_rows(moe))
     if dense and "index_loss" in dense[0]:
-      index_losses.append(model_order([aux["index_loss"] for aux in dense]))
+      index_losses.append(interleave_rows([aux["index_loss"] for aux in dense]))
   join = lambda trees: trees[0] if len(trees) == 1 else jax.tree.map(   # noqa: E731
       lambda *xs: jnp.concatenate(xs, axis=0), *trees)
   for group, out in outputs.items():     # the scans' outputs back in their group's layer order

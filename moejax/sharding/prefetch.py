@@ -155,17 +155,20 @@ def _period_layout(sublayers) -> list[int]:
   return per_source
 
 
+def interleave_rows(trees):
+  """The [R, ...] outputs of a period's n layers, in their order -> one [R * n, ...] tree, row
+  r * n + i from layer i of period r."""
+  if len(trees) == 1:
+    return trees[0]
+  return jax.tree.map(lambda *xs: jnp.stack(xs, axis=1).reshape(
+      (xs[0].shape[0] * len(xs),) + xs[0].shape[1:]), *trees)
+
+
 def _interleave(sublayers, per_source, trees_P):
   """Per source, its sublayers' [R, ...] outputs back in the source's row order [R * n, ...]."""
-  out = []
-  for s, n in enumerate(per_source):
-    mine = sorted((sl.offset, j) for j, sl in enumerate(sublayers) if sl.source == s)
-    if n == 1:
-      out.append(trees_P[mine[0][1]])
-      continue
-    out.append(jax.tree.map(lambda *xs: jnp.stack(xs, axis=1).reshape(
-        (xs[0].shape[0] * n,) + xs[0].shape[1:]), *[trees_P[j] for _, j in mine]))
-  return tuple(out)
+  return tuple(interleave_rows([trees_P[j] for _, j in sorted(
+      (sl.offset, j) for j, sl in enumerate(sublayers) if sl.source == s)])
+      for s in range(len(per_source)))
 
 
 def _prefetched_period(sublayers, per_source, remat: str, repeats: int):
