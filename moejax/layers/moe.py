@@ -135,6 +135,24 @@ def local_experts_mask(dispatch: dispatch_lib.Dispatch, num_experts: int):
   return owner_node_E == my_node
 
 
+def finish_aux(aux: dict, top_k: int, axis_name=None) -> dict:
+  """The block's aux with its per-device terms (`aux["unreduced"]`, from `defer_reductions`)
+  turned into the losses (`aux_loss`, `z_loss`, `locality_loss`: this device's shares) and the
+  statistics (`routing`). The terms may be stacked over leading axes (a scan's layers): their
+  counts are summed over `axis_name` in one collective for all of them."""
+  aux = dict(aux)
+  terms = aux.pop("unreduced")
+  total = router_lib.total_tokens(terms["tokens"], axis_name)
+  aux["aux_loss"] = router_lib.balance_from_terms(terms["balance_E"], aux["load_E"], total, top_k,
+                                                  axis_name)
+  aux["z_loss"] = router_lib.from_token_terms(terms["z"], total)
+  aux["locality_loss"] = (router_lib.from_token_terms(terms["locality"], total)
+                          if "locality" in terms else jnp.zeros_like(total))
+  aux["routing"] = stats_lib.stats_from_counts(aux["admitted_load_E"], terms["rerouted"],
+                                               terms["tokens"], top_k, axis_name)
+  return aux
+
+
 def _explicit_axes(*arrays) -> tuple[tuple, object]:
   """(the Explicit mesh axes any of `arrays` is sharded over, their mesh); ((), None) outside
   such a mesh."""
@@ -240,16 +258,21 @@ class MoEBlock(nnx.Module):
                               owners=owners, replica_state=replica_state)
 
   def __call__(self, x_BxSxD, *, dispatch: dispatch_lib.Dispatch = dispatch_lib.LOCAL,
-               axis_name=None, step=0, materialized=None, token_mask=None):
+               axis_name=None, step=0, materialized=None, token_mask=None,
+               defer_reductions=False):
     """`token_mask` [B, S] bool marks the real tokens: padding (False) routes to no expert, takes
-    no admission capacity, is left out of the losses and statistics, and its y is 0."""
+    no admission capacity, is left out of the losses and statistics, and its y is 0.
+    `defer_reductions`: aux holds the losses' and statistics' per-device terms
+    (`aux["unreduced"]`) in their place, for `finish_aux` after the caller's scan over layers:
+    the block then issues no collective of its own under fsdp."""
     _check_input(self, x_BxSxD, dispatch, materialized, token_mask)
     graphdef, state = nnx.split(self)
     explicit, mesh = _explicit_axes(x_BxSxD, *jax.tree.leaves(state),
                                     *jax.tree.leaves(materialized))
     if not explicit:
       return self._forward(x_BxSxD, dispatch=dispatch, axis_name=axis_name, step=step,
-                           materialized=materialized, token_mask=token_mask)
+                           materialized=materialized, token_mask=token_mask,
+                           defer_reductions=defer_reductions)
     # x or the weights sharded over Explicit mesh axes (jax.make_mesh's default): the sort and the
     # experts' gathers run over every token, which explicit sharding types refuse. The block
     # runs with those axes Auto (XLA's partitioner places it; the parameters enter as arguments,
@@ -258,14 +281,16 @@ class MoEBlock(nnx.Module):
     def run(state, x, step, materialized, token_mask):
       return nnx.merge(graphdef, state)._forward(x, dispatch=dispatch, axis_name=axis_name,
                                                  step=step, materialized=materialized,
-                                                 token_mask=token_mask)
+                                                 token_mask=token_mask,
+                                                 defer_reductions=defer_reductions)
 
     x_spec = jax.typeof(x_BxSxD).sharding.spec
     with jax.sharding.use_abstract_mesh(mesh):
       return jax.sharding.auto_axes(run, axes=explicit, out_sharding=(x_spec, P()))(
           state, x_BxSxD, step, materialized, token_mask)
 
-  def _forward(self, x_BxSxD, *, dispatch, axis_name, step, materialized, token_mask=None):
+  def _forward(self, x_BxSxD, *, dispatch, axis_name, step, materialized, token_mask=None,
+               defer_reductions=False):
     b, s, d = x_BxSxD.shape
     spec = self.spec
     x_TxD = x_BxSxD.reshape(b * s, d)
@@ -292,12 +317,15 @@ class MoEBlock(nnx.Module):
       if mask_T is not None:    # padding: empty slots (expert E), which nothing keeps
         experts_TxK = jnp.where(mask_T[:, None], experts_TxK, spec.num_experts)
         weights_TxK = jnp.where(mask_T[:, None], weights_TxK, 0.0)
-      aux = {
-          "aux_loss": router_lib.load_balancing_loss(scores_TxE, experts_TxK, axis_name=axis_name,
-                                                     mask_T=mask_T),
-          "z_loss": router_lib.router_z_loss(logits_TxE, axis_name=axis_name, mask_T=mask_T),
-          "load_E": router_lib.expert_counts(experts_TxK, spec.num_experts),
+      # The losses' and statistics' per-device terms; `finish_aux` sums their counts over the
+      # axis (here, or after the caller's scan over the layers: no collective in the layer).
+      unreduced = {
+          "balance_E": router_lib.balance_terms(scores_TxE, mask_T),
+          "z": router_lib.z_terms(logits_TxE, mask_T),
+          "tokens": router_lib.local_tokens(b * s, mask_T),
       }
+      # Padding's slots hold expert E, which counts nowhere.
+      aux = {"load_E": router_lib.expert_counts(experts_TxK, spec.num_experts)}
       kept_TxK = rerouted_TxK = None
       if spec.admission != "none":
         capacity_E = admission_lib.capacity_schedule(
@@ -315,16 +343,13 @@ class MoEBlock(nnx.Module):
                                        policy=spec.admission, allowed_TxE=allowed_TxE)
         experts_TxK, weights_TxK = admitted.experts_TxK, admitted.weights_TxK
         kept_TxK, rerouted_TxK = admitted.kept_TxK, admitted.rerouted_TxK
-      aux["locality_loss"] = jnp.zeros((), jnp.float32)
       if spec.locality_weight > 0 and dispatch.kind == "ep":
-        aux["locality_loss"] = router_lib.locality_loss(
-            scores_TxE, local_experts_mask(dispatch, spec.num_experts), axis_name=axis_name,
-            mask_T=mask_T)
+        unreduced["locality"] = router_lib.locality_terms(
+            scores_TxE, local_experts_mask(dispatch, spec.num_experts), mask_T)
       aux["admitted_load_E"] = router_lib.expert_counts(experts_TxK, spec.num_experts, kept_TxK)
-      aux["routing"] = stats_lib.routing_stats(experts_TxK, spec.num_experts, kept_TxK=kept_TxK,
-                                               rerouted_TxK=rerouted_TxK, axis_name=axis_name,
-                                               local_load_E=aux["admitted_load_E"],
-                                               mask_T=mask_T)
+      unreduced["rerouted"] = stats_lib.rerouted_count(experts_TxK, spec.num_experts, kept_TxK,
+                                                       rerouted_TxK, mask_T)
+      aux["unreduced"] = unreduced
     with profiling.scope("experts"):
       w, fn = self.expert_weights(x_TxD.dtype), spec.expert_fn
       t, k = experts_TxK.shape
@@ -358,4 +383,6 @@ class MoEBlock(nnx.Module):
       y_TxD = y_TxD + self.shared_expert(x_shared_TxD)
     if mask_T is not None:
       y_TxD = jnp.where(mask_T[:, None], y_TxD, jnp.zeros((), y_TxD.dtype))
+    if not defer_reductions:
+      aux = finish_aux(aux, spec.top_k, axis_name)
     return y_TxD.reshape(b, s, d), aux

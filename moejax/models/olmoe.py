@@ -43,7 +43,7 @@ from moejax.layers.state_space import Mamba2
 from moejax.layers.matmul import dense
 from moejax.layers.mlp import MLP
 from moejax.placement.dispatch import LOCAL, Dispatch
-from moejax.layers.moe import MoEBlock, MoESpec
+from moejax.layers.moe import MoEBlock, MoESpec, finish_aux
 from moejax.layers.norm import RMSNorm, initial_scale, norm
 from moejax.sharding import axes
 from moejax.sharding.axes import EMBED, EMBEDDINGS, NORM, NORMS, VOCAB, param
@@ -355,14 +355,17 @@ class DecoderLayer(_Sublayers, nnx.Module):
     return self.moe(x_BxSxD)[0]
 
   def __call__(self, h_BxSxD, *, dispatch: Dispatch = LOCAL, axis_name=None, step=0,
-               predicted_load_E=None, expert_owners=None, replica_state=None):
+               predicted_load_E=None, expert_owners=None, replica_state=None,
+               defer_reductions=False):
+    """-> (h, aux); `defer_reductions`: the MoE block's (`MoEBlock.__call__`)."""
     materialized = None
     if dispatch.kind == "fssdp":   # issued before attention: the transfer overlaps it
       materialized = self.moe.materialize(predicted_load_E, h_BxSxD.dtype, dispatch=dispatch,
                                           owners=expert_owners, replica_state=replica_state)
     attention, losses = self.attention_and_losses()
     h_BxSxD, aux = self.sublayers(h_BxSxD, attention, lambda x: self.moe(
-        x, dispatch=dispatch, axis_name=axis_name, step=step, materialized=materialized))
+        x, dispatch=dispatch, axis_name=axis_name, step=step, materialized=materialized,
+        defer_reductions=defer_reductions))
     return h_BxSxD, (dict(aux, index_loss=losses[0]) if losses else aux)
 
 
@@ -530,9 +533,12 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
     def at(tree):   # this layer's slice of a per-layer input
       return None if tree is None else jax.tree.map(lambda x: x[layer_index], tree)
 
+    # The routing losses' and statistics' counts are summed after the scans, all layers in one
+    # collective: a psum in the layer's body would hold the GPU's collective slot, and the next
+    # layer's prefetched gather could span only what follows it (scripts/gpu_schedule.py).
     return layer(h_BxSxD, dispatch=dispatch, axis_name=axis_name, step=step,
                  predicted_load_E=at(predicted_load_LxE), expert_owners=at(owners_L),
-                 replica_state=at(replicas_L))
+                 replica_state=at(replicas_L), defer_reductions=True)
 
   counts = layer_groups(cfg)
   num_moe = sum(counts.get(group, 0) for group in MOE_GROUPS)
@@ -588,7 +594,7 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
       lambda *xs: jnp.concatenate(xs, axis=0), *trees)
   for group, out in outputs.items():     # the scans' outputs back in their group's layer order
     new_states[group], stats[group] = join(out)
-  aux_L = join(moe_aux)
+  aux_L = finish_aux(join(moe_aux), cfg.moe.top_k, axis_name) if moe_aux else {}
   # DeepSeek-V3.2's indexers' losses, every layer's: the one entry of aux_L not over the MoE
   # layers only
   if "index_loss" in aux_L:

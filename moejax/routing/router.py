@@ -125,12 +125,16 @@ def expert_counts(experts_TxK: jax.Array, num_experts: int,
   return jnp.sum(one_hot_TxKxE, axis=(0, 1))
 
 
-def _token_count(num_tokens: int, mask_T, axis_name):
-  """Tokens over the axis: all of them, or those `mask_T` marks (at least 1: a batch of padding
-  alone gives losses of 0, not NaN)."""
+def local_tokens(num_tokens: int, mask_T) -> jax.Array:
+  """This device's tokens as an fp32 scalar: all `num_tokens`, or those `mask_T` marks."""
   if mask_T is None:
-    return _psum(jnp.asarray(num_tokens, jnp.float32), axis_name)
-  return jnp.maximum(_psum(jnp.sum(mask_T, dtype=jnp.float32), axis_name), 1.0)
+    return jnp.asarray(num_tokens, jnp.float32)
+  return jnp.sum(mask_T, dtype=jnp.float32)
+
+
+def total_tokens(tokens, axis_name) -> jax.Array:
+  """`local_tokens` summed over the axis, at least 1 (any leading shape)."""
+  return jnp.maximum(_psum(tokens, axis_name), 1.0)
 
 
 def _real(x_T, mask_T):
@@ -138,6 +142,28 @@ def _real(x_T, mask_T):
   if mask_T is None:
     return x_T
   return jnp.where(mask_T.reshape(mask_T.shape + (1,) * (x_T.ndim - 1)), x_T, 0.0)
+
+
+# Each loss is this device's terms (`*_terms`: sums over its tokens, the differentiable ones
+# carrying the gradient) and a finish over the axis (`*_from_terms`). The finish sums only the
+# counts, and works on terms stacked over any leading axes (layers): a model scanning its layers
+# returns the terms and sums every layer's counts in one collective after the scan, so no
+# collective sits in a layer's body (`moejax.layers.moe.finish_aux`).
+
+
+def balance_terms(scores_TxE: jax.Array, mask_T: jax.Array | None = None) -> jax.Array:
+  """`load_balancing_loss`'s differentiable term: the router's scores summed per expert over
+  this device's tokens (those `mask_T` marks), [E] fp32."""
+  return jnp.sum(_real(scores_TxE.astype(jnp.float32), mask_T), axis=0)
+
+
+def balance_from_terms(score_sum_E, counts_E, total, k: int, axis_name=None) -> jax.Array:
+  """`load_balancing_loss` from this device's score sums [..., E] and assignment counts
+  [..., E], and the tokens over the axis [...] (`total_tokens`); -> [...]."""
+  counts_E = _psum(counts_E, axis_name)
+  frac_E = jax.lax.stop_gradient(counts_E.astype(jnp.float32) / (total[..., None] * k))
+  num_experts = score_sum_E.shape[-1]
+  return num_experts * jnp.sum(frac_E * score_sum_E, axis=-1) / total
 
 
 def load_balancing_loss(scores_TxE: jax.Array, experts_TxK: jax.Array, *,
@@ -149,21 +175,42 @@ def load_balancing_loss(scores_TxE: jax.Array, experts_TxK: jax.Array, *,
   (padding left out).
   """
   num_tokens, k = experts_TxK.shape
-  num_experts = scores_TxE.shape[-1]
   valid_TxK = None if mask_T is None else jnp.broadcast_to(mask_T[:, None], experts_TxK.shape)
-  counts_E = _psum(expert_counts(experts_TxK, num_experts, valid_TxK), axis_name)
-  total_tokens = _token_count(num_tokens, mask_T, axis_name)
-  frac_E = jax.lax.stop_gradient(counts_E.astype(jnp.float32) / (total_tokens * k))
-  score_sum_E = jnp.sum(_real(scores_TxE.astype(jnp.float32), mask_T), axis=0)
-  return num_experts * jnp.sum(frac_E * score_sum_E) / total_tokens
+  counts_E = expert_counts(experts_TxK, scores_TxE.shape[-1], valid_TxK)
+  return balance_from_terms(balance_terms(scores_TxE, mask_T), counts_E,
+                            total_tokens(local_tokens(num_tokens, mask_T), axis_name), k,
+                            axis_name)
+
+
+def z_terms(logits_TxE: jax.Array, mask_T: jax.Array | None = None) -> jax.Array:
+  """`router_z_loss`'s term: logsumexp(logits)^2 summed over this device's tokens, fp32 []."""
+  lse_T = jax.nn.logsumexp(logits_TxE.astype(jnp.float32), axis=-1)
+  return jnp.sum(_real(lse_T**2, mask_T))
+
+
+def from_token_terms(term_sum, total) -> jax.Array:
+  """A per-token mean (z-loss, locality loss): this device's sum [...] over the tokens of the
+  axis [...] (`total_tokens`)."""
+  return term_sum / total
 
 
 def router_z_loss(logits_TxE: jax.Array, *, axis_name=None,
                   mask_T: jax.Array | None = None) -> jax.Array:
   """ST-MoE z-loss: mean over tokens (those `mask_T` marks) of logsumexp(logits)^2."""
-  lse_T = jax.nn.logsumexp(logits_TxE.astype(jnp.float32), axis=-1)
-  total_tokens = _token_count(lse_T.shape[0], mask_T, axis_name)
-  return jnp.sum(_real(lse_T**2, mask_T)) / total_tokens
+  return from_token_terms(z_terms(logits_TxE, mask_T),
+                          total_tokens(local_tokens(logits_TxE.shape[0], mask_T), axis_name))
+
+
+def locality_terms(scores_TxE: jax.Array, local_E: jax.Array,
+                   mask_T: jax.Array | None = None) -> jax.Array:
+  """`locality_loss`'s term: each token's fraction of score mass outside this device's group,
+  summed over its tokens, fp32 []."""
+  scores_TxE = scores_TxE.astype(jnp.float32)
+  remote_1xE = 1.0 - jnp.asarray(local_E, jnp.float32)[None, :]
+  remote_T = jnp.sum(scores_TxE * remote_1xE, axis=-1)
+  total_T = jnp.sum(scores_TxE, axis=-1)
+  frac_T = remote_T / jnp.maximum(total_T, jnp.finfo(jnp.float32).tiny)
+  return jnp.sum(_real(frac_T, mask_T))
 
 
 def locality_loss(scores_TxE: jax.Array, local_E: jax.Array, *, axis_name=None,
@@ -175,10 +222,5 @@ def locality_loss(scores_TxE: jax.Array, local_E: jax.Array, *, axis_name=None,
   score mass, so the loss lies in [0, 1] for softmax and sigmoid scores alike (for softmax the
   total is 1). The caller applies the weight.
   """
-  scores_TxE = scores_TxE.astype(jnp.float32)
-  remote_1xE = 1.0 - jnp.asarray(local_E, jnp.float32)[None, :]
-  remote_T = jnp.sum(scores_TxE * remote_1xE, axis=-1)
-  total_T = jnp.sum(scores_TxE, axis=-1)
-  frac_T = remote_T / jnp.maximum(total_T, jnp.finfo(jnp.float32).tiny)
-  total_tokens = _token_count(scores_TxE.shape[0], mask_T, axis_name)
-  return jnp.sum(_real(frac_T, mask_T)) / total_tokens
+  return from_token_terms(locality_terms(scores_TxE, local_E, mask_T),
+                          total_tokens(local_tokens(scores_TxE.shape[0], mask_T), axis_name))

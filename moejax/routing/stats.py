@@ -24,7 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from moejax.routing.router import _psum, expert_counts
+from moejax.routing.router import _psum, expert_counts, local_tokens
 
 STAT_KEYS = ("load_max", "load_mean", "load_std", "top1_share", "load_entropy",
              "experts_per_token", "dropped_frac", "rerouted_frac")
@@ -41,32 +41,55 @@ def routing_stats(experts_TxK: jax.Array, num_experts: int, *,
   nor dropped)."""
   experts_TxK = jax.lax.stop_gradient(experts_TxK)
   num_tokens, k = experts_TxK.shape
+  if local_load_E is None:
+    local_load_E = expert_counts(experts_TxK, num_experts,
+                                 kept_mask(experts_TxK, num_experts, kept_TxK, mask_T))
+  return stats_from_counts(local_load_E,
+                           rerouted_count(experts_TxK, num_experts, kept_TxK, rerouted_TxK,
+                                          mask_T),
+                           local_tokens(num_tokens, mask_T), k, axis_name)
+
+
+def kept_mask(experts_TxK, num_experts: int, kept_TxK=None, mask_T=None) -> jax.Array:
+  """[T, K] bool: the kept assignments (an expert id in [0, E), kept, of a real token)."""
   kept_mask_TxK = (experts_TxK >= 0) & (experts_TxK < num_experts)
   if kept_TxK is not None:
     kept_mask_TxK = kept_mask_TxK & kept_TxK
   if mask_T is not None:
     kept_mask_TxK = kept_mask_TxK & mask_T[:, None]
-  rerouted = jnp.zeros((), jnp.int32)
-  if rerouted_TxK is not None:
-    rerouted = jnp.sum(rerouted_TxK & kept_mask_TxK, dtype=jnp.int32)
+  return kept_mask_TxK
 
-  if local_load_E is None:
-    local_load_E = expert_counts(experts_TxK, num_experts, kept_mask_TxK)
+
+def rerouted_count(experts_TxK, num_experts: int, kept_TxK=None, rerouted_TxK=None,
+                   mask_T=None) -> jax.Array:
+  """This device's kept assignments on a rerouted expert, int32 []."""
+  if rerouted_TxK is None:
+    return jnp.zeros((), jnp.int32)
+  kept_mask_TxK = kept_mask(jax.lax.stop_gradient(experts_TxK), num_experts, kept_TxK, mask_T)
+  return jnp.sum(rerouted_TxK & kept_mask_TxK, dtype=jnp.int32)
+
+
+def stats_from_counts(local_load_E, rerouted, tokens, k: int,
+                      axis_name=None) -> dict[str, jax.Array]:
+  """STAT_KEYS from this device's counts: kept assignments per expert [..., E], rerouted
+  assignments [...] and tokens [...] (`router.local_tokens`), K slots a token; each figure
+  [...]. Works on counts stacked over layers (one collective for all of them)."""
+  num_experts = local_load_E.shape[-1]
   load_E = _psum(jax.lax.stop_gradient(local_load_E), axis_name).astype(jnp.float32)
   rerouted = _psum(rerouted, axis_name).astype(jnp.float32)
-  tokens = _psum(jnp.asarray(num_tokens, jnp.float32) if mask_T is None
-                 else jnp.sum(mask_T, dtype=jnp.float32), axis_name)
+  tokens = _psum(tokens, axis_name)
   devices = _psum(jnp.asarray(1.0, jnp.float32), axis_name)
   slots = tokens * k
   per_token, per_slot = jnp.maximum(tokens, 1.0), jnp.maximum(slots, 1.0)   # padding alone: 0
 
-  kept = jnp.sum(load_E)
-  load_max = jnp.max(load_E)
+  kept = jnp.sum(load_E, axis=-1)
+  load_max = jnp.max(load_E, axis=-1)
   load_mean = kept / num_experts
-  load_std = jnp.sqrt(jnp.mean((load_E - load_mean) ** 2))
+  load_std = jnp.sqrt(jnp.mean((load_E - load_mean[..., None]) ** 2, axis=-1))
   safe_kept = jnp.maximum(kept, 1.0)
-  p_E = load_E / safe_kept
-  nats = -jnp.sum(jnp.where(p_E > 0, p_E * jnp.log(jnp.where(p_E > 0, p_E, 1.0)), 0.0))
+  p_E = load_E / safe_kept[..., None]
+  nats = -jnp.sum(jnp.where(p_E > 0, p_E * jnp.log(jnp.where(p_E > 0, p_E, 1.0)), 0.0),
+                  axis=-1)
   stats = dict(
       load_max=load_max,
       load_mean=load_mean,

@@ -239,3 +239,57 @@ def lonely_collectives(hlo_text: str) -> list[str]:
   return [f"{name}: {', '.join(ops)}" for name, lines in comps.items()
           if (ops := [m[1] for line in lines if (m := _COLLECTIVE.search(line))])
           and not has_dot(name)]
+
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_OPCODE = re.compile(r"(?:^|\s)[a-z][\w\-]*\(")
+
+
+def _operands(line: str) -> list[str]:
+  """The instruction's operands: the names in its argument list (not the computations it
+  calls)."""
+  body = line[_INSTRUCTION.match(line).end():]
+  start = _OPCODE.search(body).end() - 1          # past the result type: the op's "("
+  depth, end = 0, start
+  for end in range(start, len(body)):
+    depth += {"(": 1, ")": -1}.get(body[end], 0)
+    if depth == 0:
+      break
+  return _OPERAND.findall(body[start:end])
+
+
+def loop_collectives_after_matmuls(hlo_text: str) -> list[str]:
+  """Collectives in a while loop's body (a layer scan's iteration) whose operands wait on a
+  matmul of the same iteration, each as "body: op (instruction)". [] when every collective of
+  every loop can be issued at its iteration's start, under the iteration's matmuls: the
+  prefetched gather of the next layer, a reduce-scatter of the gradient the previous iteration
+  computed; a gradient reduce-scattered where it is computed, or a psum of the router's counts,
+  waits on them."""
+  comps = _computations(hlo_text)
+  bodies = {name for lines in comps.values() for line in lines if " while(" in line
+            for name in re.findall(r"\bbody=%?([\w.\-]+)", line)}
+
+  def has_dot(line: str) -> bool:
+    return bool(_DOT.search(line)) or any(
+        _DOT.search(inner) for name in _called(line) for c in _reachable(comps, name)
+        for inner in comps[c])
+
+  out = []
+  for body in sorted(bodies):
+    lines = {m[1]: line for line in comps[body] if (m := _INSTRUCTION.match(line))}
+    after_dot: dict[str, bool] = {}
+
+    def waits(name: str) -> bool:       # the value depends on a matmul of this body
+      if name not in lines:
+        return False
+      if name not in after_dot:
+        after_dot[name] = False         # (a cycle cannot occur; guards the recursion)
+        line = lines[name]
+        after_dot[name] = has_dot(line) or any(waits(o) for o in _operands(line))
+      return after_dot[name]
+
+    for name, line in lines.items():
+      if (m := _COLLECTIVE.search(line)) and any(waits(o) for o in _operands(line)):
+        out.append(f"{body}: {m[1]} ({name})")
+  return out

@@ -32,6 +32,35 @@ def test_fsdp_step_has_no_collective_in_a_conditional(compiled_step):
   assert [b for b in hlo.conditional_branches(text) if b.collectives] == []
 
 
+def test_fsdp_layer_scans_sum_no_router_counts(compiled_step):
+  """The router's counts (the balance loss's, the z-loss's tokens, the statistics) are summed
+  after the layer scans, every layer in one collective: a psum of them in a layer waits on the
+  router's matmul, and on GPU held the one collective slot, so the next layer's prefetched
+  gather could span only the matmuls after it (scripts/gpu_schedule.py: one expert matmul of
+  three). What waits on a scan iteration's matmuls on XLA:CPU is only the gradient's
+  reduce-scatter, in place there (`prefetch.SCATTER_AHEAD`; ahead elsewhere, where nothing
+  waits: tests/sharding/test_prefetch.py)."""
+  text = compiled_step("fsdp", 8).compiled.as_text()
+  waiting = [x.split(": ")[1].split(" ")[0] for x in hlo.loop_collectives_after_matmuls(text)]
+  assert waiting and set(waiting) == {"reduce-scatter"}, waiting
+
+
+def test_loop_reader_flags_a_reduction_of_the_iteration_s_matmul():
+  mesh = Mesh(np.array(jax.devices()[:8]), ("d",))
+
+  def body(w_Lx4x4, x):
+    def layer(h, w):
+      h = jnp.tanh(h @ w)
+      return h, lax.psum(jnp.sum(h), "d")      # waits on the matmul
+    return lax.scan(layer, x, w_Lx4x4)
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d")), out_specs=(P("d"), P()),
+                            check_vma=False))
+  text = f.lower(jnp.ones((3, 4, 4)), jnp.ones((16, 4))).compile().as_text()
+  assert [x.split(": ")[1].split(" ")[0] for x in hlo.loop_collectives_after_matmuls(text)] == [
+      "all-reduce"]
+
+
 def test_codec_step_has_no_collective_in_a_conditional(trainer_for):
   trainer = trainer_for(tiny_config(**{"codec.mode": "element", "codec.warmup_steps": 2,
                                        "codec.transport": "single"}), 8)
