@@ -60,7 +60,8 @@ REMAT_MODES = ("full", "minimal", "none")
 # next layer processed (the one before it) runs its backward, so the collective can overlap that
 # layer's matmuls; "never" at the end of its own backward (nothing left to overlap); "auto"
 # ahead on GPU and TPU, in place on XLA:CPU, whose collectives never overlap compute (ahead
-# measured 1.07x / 1.04x the fsdp step there: one more reduce-scatter a step, bench/step.py).
+# measured 1.08x / 1.04x the fsdp step there, tiny / peer dims against the floor in one run:
+# one more reduce-scatter a step, bench/step.py).
 SCATTER_AHEAD_MODES = ("auto", "always", "never")
 SCATTER_AHEAD = "auto"
 
@@ -365,6 +366,9 @@ def _prefetched_period(sublayers, per_source, remat: str, repeats: int):
                                   first, dshards_P[0]),) + tuple(dshards_P[1:])
       return dh, dshards_P
 
+    if SCATTER_AHEAD not in SCATTER_AHEAD_MODES:
+      raise ValueError(f"prefetch.SCATTER_AHEAD must be one of {SCATTER_AHEAD_MODES}, got "
+                       f"{SCATTER_AHEAD!r}")
     if SCATTER_AHEAD == "auto":   # on XLA:CPU no collective overlaps compute: in place
       dh, dshards_P = lax.platform_dependent(dh, cpu=functools.partial(backward, False),
                                              default=functools.partial(backward, True))
