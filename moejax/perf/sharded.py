@@ -15,7 +15,8 @@ reduce-scattered after its backward. Per unit and pass:
                          unit's compute; encode before it, decode after it, on the compute
                          stream (XLA runs them as kernels among the layer's).
 Backward: recompute (remat) + backward FLOPs, then the reduce-scatter (deepspeed: `host_s` per
-tensor first); ZeRO++ gathers the backward from the node-local copy (hpZ) and reduces int4
+tensor first; moejax also reduce-scatters one layer's gradient of zeros as its backward scan
+starts, `prefetch.SCATTER_AHEAD`); ZeRO++ gathers the backward from the node-local copy (hpZ) and reduces int4
 gradients hierarchically (qgZ). The optimizer step (memory-bound) waits for the last
 reduce-scatter.
 """
@@ -146,11 +147,18 @@ def step(shape: ModelShape, cluster, run: Run, system, calib: Calibration,
     return p.add("ag", "comm", t, deps, f"{u.name} gather")
 
   last_comm = None
+  zeros_scattered = deepspeed or zpp
   for backward, seq in ((False, units), (True, units[::-1])):
     pending = {0: issue(seq[0])}
     for i, u in enumerate(seq):
       if i + 1 < len(seq):
         pending[i + 1] = issue(seq[i + 1])
+      if backward and u.layer and not zeros_scattered:
+        # moejax's backward scan reduce-scatters each layer's gradient under the backward of
+        # the layer before it, and its first layer a gradient of zeros (prefetch.SCATTER_AHEAD)
+        zeros_scattered = True
+        p.add("rs", "comm", net.reduce_scatter(system.rs_bytes * sum(
+            g.values for g in u.groups.values())), state["prev"], f"{u.name} zeros scattered")
       waits = [pending.pop(i), on_demand(u, backward)]
       dec = sum(g.decode_s for g in prefetchable(u))
       if dec:

@@ -45,6 +45,8 @@ def test_two_layer_fsdp_step_by_hand():
   assert got.seconds == pytest.approx(expected, rel=1e-9)
   assert got.exposed["ag"] == pytest.approx(2 * ag_emb + ag_layer, rel=1e-9)
   assert got.exposed["rs"] == pytest.approx(rs_layer + rs_emb, rel=1e-9)
+  # Every unit's gradient, and a layer's of zeros as the backward scan starts (hidden here).
+  assert got.busy["rs"] == pytest.approx(3 * rs_layer + 2 * rs_emb, rel=1e-9)
   assert got.exposed["compute"] == pytest.approx(3 * c_head + 6 * c_layer, rel=1e-9)
   assert sum(got.exposed.values()) == pytest.approx(got.seconds, rel=1e-12)
 
