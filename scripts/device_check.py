@@ -740,11 +740,14 @@ def _async_pairs(text: str) -> dict:
   # a collective not split into start and done (its shape may be a tuple, with spaces)
   ops = sorted(hlo.COLLECTIVE_OPS, key=len, reverse=True)   # ragged-all-to-all before all-to-all
   sync = [m[1] for m in re.finditer(r"=\s.*?\s(" + "|".join(ops) + r")\(", text)]
+  waiting = [x.split(": ")[1].split(" ")[0] for x in hlo.loop_collectives_after_matmuls(text)]
   return {"async_pairs": {op: len(v) for op, v in pairs.items()},
           "instructions_between": {op: statistics.median(v) for op, v in pairs.items()},
           "matmuls_between": {op: statistics.median(v) for op, v in kernels.items()},
           "matmuls_between_max": {op: max(v) for op, v in kernels.items()},
-          "sync_collectives": {op: sync.count(op) for op in sorted(set(sync))}}
+          "sync_collectives": {op: sync.count(op) for op in sorted(set(sync))},
+          "loop_collectives_after_matmuls": {op: waiting.count(op)
+                                             for op in sorted(set(waiting))}}
 
 
 

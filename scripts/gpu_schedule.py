@@ -136,6 +136,9 @@ def _print(name: str, figures: dict) -> None:
     print(f"  {op:20s} {n:6d} {figures['sync_collectives'].get(op, 0):5d}  {between}{kind}")
   print(f"  collectives in a conditional's branch: "
         f"{figures['collectives_in_conditional_branches']}")
+  waiting = figures["loop_collectives_after_matmuls"]
+  print("  in a loop body, waiting on its iteration's matmuls: "
+        + (", ".join(f"{op} {n}" for op, n in waiting.items()) or "none"))
   mem = figures["memory_gb"]
   print(f"  XLA's memory per device: temp {mem['temp']} GB, arguments {mem['argument']} GB, "
         f"outputs {mem['output']} GB ({mem['alias']} GB of them aliased)", flush=True)

@@ -135,12 +135,16 @@ def local_experts_mask(dispatch: dispatch_lib.Dispatch, num_experts: int):
   return owner_node_E == my_node
 
 
-def finish_aux(aux: dict, top_k: int, axis_name=None) -> dict:
+def finish_aux(aux: dict, top_k: int, axis_name=None,
+               dispatch: dispatch_lib.Dispatch = dispatch_lib.LOCAL) -> dict:
   """The block's aux with its per-device terms (`aux["unreduced"]`, from `defer_reductions`)
   turned into the losses (`aux_loss`, `z_loss`, `locality_loss`: this device's shares) and the
-  statistics (`routing`). The terms may be stacked over leading axes (a scan's layers): their
+  statistics (`routing`; under ep and fssdp, `dispatch`'s, the straggler and the dispatch rows
+  needed in `placement`). The terms may be stacked over leading axes (a scan's layers): their
   counts are summed over `axis_name` in one collective for all of them."""
   aux = dict(aux)
+  if "rows_received" in aux.get("placement", {}):
+    aux["placement"] = sparse.finish_placement(aux["placement"], dispatch)
   terms = aux.pop("unreduced")
   total = router_lib.total_tokens(terms["tokens"], axis_name)
   aux["aux_loss"] = router_lib.balance_from_terms(terms["balance_E"], aux["load_E"], total, top_k,
@@ -384,5 +388,5 @@ class MoEBlock(nnx.Module):
     if mask_T is not None:
       y_TxD = jnp.where(mask_T[:, None], y_TxD, jnp.zeros((), y_TxD.dtype))
     if not defer_reductions:
-      aux = finish_aux(aux, spec.top_k, axis_name)
+      aux = finish_aux(aux, spec.top_k, axis_name, dispatch)
     return y_TxD.reshape(b, s, d), aux

@@ -594,7 +594,7 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
       lambda *xs: jnp.concatenate(xs, axis=0), *trees)
   for group, out in outputs.items():     # the scans' outputs back in their group's layer order
     new_states[group], stats[group] = join(out)
-  aux_L = finish_aux(join(moe_aux), cfg.moe.top_k, axis_name) if moe_aux else {}
+  aux_L = finish_aux(join(moe_aux), cfg.moe.top_k, axis_name, dispatch) if moe_aux else {}
   # DeepSeek-V3.2's indexers' losses, every layer's: the one entry of aux_L not over the MoE
   # layers only
   if "index_loss" in aux_L:

@@ -106,8 +106,9 @@ def exchange(x_TxD, dest_A, local_id_A, weights_TxK, ws, *, dispatch: Dispatch,
   """Sends assignment a (token a // K) to device dest_A[a] (N = nowhere), where it runs through
   local expert group local_id_A[a] of the receiver's `num_groups` weight groups, and brings the
   result back. Returns (y_TxD fp32, assignments dropped for lack of buffer room here,
-  rows received here, rows needed: the most any device sent to one destination, the same on
-  every device)."""
+  rows received here, rows needed here: the most this device sent to one destination; their
+  max over the devices is what the buffers needed, taken after the layers,
+  `fssdp.finish_placement`: no collective for telemetry in the layer)."""
   t, k = weights_TxK.shape
   n, a, d = dispatch.num_devices, t * k, x_TxD.shape[-1]
   size = math.prod(lax.axis_size(name) for name in dispatch.axis_names)
@@ -134,7 +135,7 @@ def exchange(x_TxD, dest_A, local_id_A, weights_TxK, ws, *, dispatch: Dispatch,
   y_AxD = jnp.where(fits_A[:, None], y_back[jnp.minimum(slot_A, n * c - 1)], 0)
   dropped = jnp.sum(valid_A & ~fits_A).astype(jnp.int32)
   received = jnp.sum(received_N).astype(jnp.int32)
-  needed = lax.pmax(jnp.max(jnp.sum(onehot_AxN, axis=0)), axes).astype(jnp.int32)
+  needed = jnp.max(jnp.sum(onehot_AxN, axis=0)).astype(jnp.int32)
   return combine(y_AxD, weights_TxK), dropped, received, needed
 
 

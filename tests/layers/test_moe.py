@@ -302,34 +302,42 @@ def test_padding_holding_nan_or_inf_leaves_every_gradient_as_zero_padding_does()
       np.testing.assert_array_equal(g[...], w[...], err_msg=f"{pad} {path}")
 
 
-def test_deferred_reductions_finished_after_the_layers_equal_the_blocks_own():
-  """`defer_reductions=True`: the block issues no collective; `finish_aux` on two layers' terms
-  stacked (one collective for both, as after a scan) gives each layer's losses, statistics and
+@pytest.mark.parametrize("kind", ["local", "ep"])
+def test_deferred_reductions_finished_after_the_layers_equal_the_blocks_own(kind):
+  """`defer_reductions=True`: the block issues no collective of its own (ep: but its exchange);
+  `finish_aux` on two layers' terms stacked (one collective for both, as after a scan) gives
+  each layer's losses, routing statistics (ep: the straggler and dispatch rows needed too) and
   the losses' gradients as the block's own reductions do, under reroute admission and padding,
   on 8 devices."""
   from jax.sharding import PartitionSpec as P
 
   from moejax.layers.moe import finish_aux
+  from moejax.placement.dispatch import LOCAL, Dispatch
   mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
   spec = MoESpec(num_experts=8, top_k=2, admission="reroute", capacity_factor=0.75)
   block = MoEBlock(16, 24, spec, init_std=0.3, rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(block)
   x_LxBxSxD = jax.random.normal(jax.random.key(2), (2, 8, 6, 16))
   mask_BxS = jnp.arange(6)[None, :] < jnp.array([6, 6, 3, 6, 6, 6, 1, 6])[:, None]
+  if kind == "ep":
+    dispatch = Dispatch(kind="ep", axis_names=("data",), num_devices=8)
+    specs = jax.tree.map(lambda v: P("data") if v.ndim == 3 else P(), state)   # experts split
+  else:
+    dispatch, specs = LOCAL, jax.tree.map(lambda v: P(), state)
 
   def per_device(state, x_LxBxSxD, mask, defer):
     run = lambda x: nnx.merge(graphdef, state)(                  # noqa: E731
-        x, axis_name="data", token_mask=mask, defer_reductions=defer)[1]
+        x, axis_name="data", token_mask=mask, dispatch=dispatch, defer_reductions=defer)[1]
     auxes = [run(x) for x in x_LxBxSxD]
     if defer:
-      aux_L = finish_aux(jax.tree.map(lambda *a: jnp.stack(a), *auxes), 2, "data")
+      aux_L = finish_aux(jax.tree.map(lambda *a: jnp.stack(a), *auxes), 2, "data", dispatch)
     else:
       aux_L = jax.tree.map(lambda *a: jnp.stack(a), *auxes)
     return jax.tree.map(lambda a: a[None], aux_L)               # each device's shares
 
   def losses(state, defer):
     aux = jax.shard_map(functools.partial(per_device, defer=defer), mesh=mesh,
-                        in_specs=(P(), P(None, "data"), P("data")), out_specs=P("data"),
+                        in_specs=(specs, P(None, "data"), P("data")), out_specs=P("data"),
                         check_vma=False)(state, x_LxBxSxD, mask_BxS)
     return jnp.sum(aux["aux_loss"]) + 0.1 * jnp.sum(aux["z_loss"]), aux
 
@@ -338,6 +346,9 @@ def test_deferred_reductions_finished_after_the_layers_equal_the_blocks_own():
   (got, got_aux), got_grads = jax.jit(jax.value_and_grad(
       functools.partial(losses, defer=True), has_aux=True))(state)
   assert "unreduced" not in got_aux and float(want_aux["routing"]["rerouted_frac"].sum()) > 0
+  if kind == "ep":    # the premise: placement figures, a skew to see
+    assert float(want_aux["placement"]["straggler"].sum(axis=0).min()) > 1.0
+    assert set(got_aux["placement"]) == set(want_aux["placement"])
   np.testing.assert_allclose(got, want, rtol=1e-6)
   for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_aux),
                           jax.tree.leaves(want_aux), strict=True):
@@ -346,7 +357,8 @@ def test_deferred_reductions_finished_after_the_layers_equal_the_blocks_own():
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * float(jnp.abs(w).max()))
   # The deferred block itself: no collective (the counts wait for `finish_aux`).
   jaxpr = str(jax.make_jaxpr(lambda s, x: jax.shard_map(
-      lambda s, x: nnx.merge(graphdef, s)(x, axis_name="data", defer_reductions=True)[1],
-      mesh=mesh, in_specs=(P(), P("data")), out_specs=P(), check_vma=False)(s, x))(
+      lambda s, x: nnx.merge(graphdef, s)(x, axis_name="data", dispatch=dispatch,
+                                          defer_reductions=True)[1],
+      mesh=mesh, in_specs=(specs, P("data")), out_specs=P(), check_vma=False)(s, x))(
           state, x_LxBxSxD[0]))
-  assert "psum" not in jaxpr and "all_gather" not in jaxpr
+  assert not re.search(r"\b(psum|pmax|all_gather)\b", jaxpr)

@@ -44,6 +44,40 @@ def test_async_pairs_name_the_whole_op_and_count_what_runs_between():
   # fusion (the fusion before the start is not between)
   assert got["matmuls_between"] == {"ragged-all-to-all": 1, "all-gather": 0, "all-reduce": 2}
   assert got["sync_collectives"] == {"all-gather": 1, "all-to-all": 1, "ragged-all-to-all": 1}
+  assert got["loop_collectives_after_matmuls"] == {}        # no loop
+
+
+def test_async_pairs_count_the_loop_collectives_that_wait_on_their_iteration_s_matmuls():
+  body = """\
+%body (p: (s32[], f32[64,64], f32[64,64])) -> (s32[], f32[64,64], f32[64,64]) {
+  %p = (s32[], f32[64,64]{1,0}, f32[64,64]{1,0}) parameter(0)
+  %w = f32[64,64]{1,0} get-tuple-element(%p), index=1
+  %g = f32[64,64]{1,0} get-tuple-element(%p), index=2
+  %reduce-scatter-start = (f32[64,64]{1,0}, f32[8,64]{1,0}) reduce-scatter-start(%g), dimensions={0}
+  %gemm_fusion_dot.1 = f32[64,64]{1,0} fusion(%w, %w), kind=kCustom, calls=%gemm
+  %reduce-scatter-done = f32[8,64]{1,0} reduce-scatter-done(%reduce-scatter-start)
+  %all-reduce-start = (f32[64,64]{1,0}, f32[64,64]{1,0}) all-reduce-start(%gemm_fusion_dot.1), to_apply=%add
+  %all-reduce-done = f32[64,64]{1,0} all-reduce-done(%all-reduce-start)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %t = (s32[], f32[64,64]{1,0}, f32[64,64]{1,0}) tuple(%i, %w, %all-reduce-done)
+}
+
+%gemm (a: f32[64,64], b: f32[64,64]) -> f32[64,64] {
+  %a = f32[64,64]{1,0} parameter(0)
+  %b = f32[64,64]{1,0} parameter(1)
+  ROOT %dot = f32[64,64]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main {
+  %init = (s32[], f32[64,64]{1,0}, f32[64,64]{1,0}) parameter(0)
+  ROOT %while = (s32[], f32[64,64]{1,0}, f32[64,64]{1,0}) while(%init), condition=%cond, body=%body
+}
+"""
+  got = device_check._async_pairs(body)
+  # the reduce-scatter of the carried gradient can start with the iteration; the all-reduce of
+  # the iteration's matmul waits for it
+  assert got["loop_collectives_after_matmuls"] == {"all-reduce": 1}
+  assert got["matmuls_between"]["reduce-scatter"] == 1
 
 
 def test_dense_swiglu_is_each_expert_on_its_rows():
