@@ -18,8 +18,9 @@ hidden width.
 the router's assignment counts per expert `load_E` (before admission) and `admitted_load_E`
 (after it), `dropped` (assignments lost to a full dispatch buffer), `routing`, the telemetry of
 `moejax.routing.stats` after admission, and with fssdp's replica codec the layer's next
-`replica_state` (`moejax.codec.replicas`). The block is pure: it runs under jit, scan, remat
-and shard_map.
+`replica_state` (`moejax.codec.replicas`). With `defer_reductions`, the losses' and statistics'
+per-device terms (`unreduced`) stand in for them until `finish_aux`. The block is pure: it runs
+under jit, scan, remat and shard_map.
 """
 from __future__ import annotations
 
@@ -268,7 +269,7 @@ class MoEBlock(nnx.Module):
     no admission capacity, is left out of the losses and statistics, and its y is 0.
     `defer_reductions`: aux holds the losses' and statistics' per-device terms
     (`aux["unreduced"]`) in their place, for `finish_aux` after the caller's scan over layers:
-    the block then issues no collective of its own under fsdp."""
+    the block then issues no collective but its placement's exchanges (none under fsdp)."""
     _check_input(self, x_BxSxD, dispatch, materialized, token_mask)
     graphdef, state = nnx.split(self)
     explicit, mesh = _explicit_axes(x_BxSxD, *jax.tree.leaves(state),

@@ -32,7 +32,9 @@ prefetch=True    (more than one layer) the gather of the next layer (across a pe
                  parameters from their caches with no collective, element and block ones from
                  their cached exponents and one all-gather of sign+mantissa), then
                  reduce-scatters the layer's weight gradient through
-                 the gather's VJP (which needs no residual, so no gather runs for it). The
+                 the gather's VJP (which needs no residual, so no gather runs for it): on GPU
+                 and TPU under the next layer's backward, on XLA:CPU at once
+                 (`SCATTER_AHEAD`). The
                  prefetched weights travel in the carries, never saved for backward.
                  `hook.run_gathers` counts the gathers.
 Both give bit-identical results (tests/sharding/test_prefetch.py).
@@ -348,7 +350,7 @@ def _prefetched_period(sublayers, per_source, remat: str, repeats: int):
     def backward(ahead: bool, dh):
       # Ahead, the first period processed (R - 1) scatters a pending gradient of zeros (the one
       # extra reduce-scatter a step; peeling that period out of the loop instead kept its
-      # working set live beside the forward's: 1.4x XLA:CPU's temporaries at the tiny preset,
+      # working set live beside the forward's: 1.47x XLA:CPU's temporaries at the tiny preset,
       # and on GPU at 1b7b with 4096 tokens fssdp's 122 -> 170 GB); period 0's first layer's
       # is scattered after the loop.
       pending = (jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(
