@@ -87,6 +87,28 @@ def olmoe_projection(calib, gpus) -> list[dict]:
   return rows
 
 
+def scatter_projection(calib) -> list[dict]:
+  """OLMoE-1B-7B under moejax fsdp (plain, and codec auto with bf16 reduction) with each layer's
+  gradient reduce-scattered in place against under the next layer's backward
+  (`prefetch.SCATTER_AHEAD`), on H200 nodes: what the overlap buys, and where the one extra
+  reduce-scatter of zeros costs more than it hides."""
+  shape, cluster = get_shape("OLMoE-1B-7B"), get_cluster("h200")
+  rows = []
+  for label, ratios in (("fsdp", None), ("moejax-auto-bf16rs", cd.measured("auto", "high"))):
+    kw = {"ratios": ratios} if ratios is not None else {}
+    ahead = get_system(label)
+    in_place = dataclasses.replace(ahead, scatter_ahead=False)
+    for n in (8, 16):
+      for tokens in (4096, 16384):
+        run = Run(n, tokens, 4096)
+        a = step_time(shape, cluster, run, ahead, calib, **kw)
+        b = step_time(shape, cluster, run, in_place, calib, **kw)
+        rows.append({"system": label, "gpus": n, "tokens": tokens, "in_place_s": b.seconds,
+                     "ahead_s": a.seconds, "rs_exposed_in_place_s": b.exposed.get("rs", 0.0),
+                     "rs_exposed_ahead_s": a.exposed.get("rs", 0.0)})
+  return rows
+
+
 def deepseek_projection(calib, gpus, steps) -> dict[str, list[dict]]:
   base = get_shape("DeepSeek-V3").with_layers(4, dense_layers=0)
   cluster = get_cluster("h200")
@@ -169,6 +191,16 @@ def main():
   print("\nOLMoE-1B-7B on CIERA's testbed (A100, 8 per node, 200 Gb/s HDR IB), S=1024, "
         f"{fitted.tokens('ciera'):.0f} tokens per GPU, ms per step:")
   print(report.table(olmoe, baseline="zero3"))
+  scatter = scatter_projection(fitted)
+  print("\nOLMoE-1B-7B on H200 nodes (8 x 400 Gb/s IB), seq 4096: each layer's gradient "
+        "reduce-scattered in place (the next layer's backward waits) against ahead (under it; "
+        "one layer's zeros more), ms per step:")
+  print(f"  {'system':20s} {'GPUs':>4s} {'tokens/GPU':>10s} {'in place':>9s} {'ahead':>9s} "
+        f"{'rs exposed':>17s} {'speedup':>8s}")
+  for r in scatter:
+    print(f"  {r['system']:20s} {r['gpus']:4d} {r['tokens']:10d} {1e3 * r['in_place_s']:9.1f} "
+          f"{1e3 * r['ahead_s']:9.1f} {1e3 * r['rs_exposed_in_place_s']:8.1f} -> "
+          f"{1e3 * r['rs_exposed_ahead_s']:6.1f} {r['in_place_s'] / r['ahead_s']:7.2f}x")
   ds = deepseek_projection(fitted, (16, 32, 64), 3 if args.quick else 8)
   for name, rows in ds.items():
     print(f"\nDeepSeek-V3 shapes (4 MoE layers, 256 experts top-8, seq 4096, 4096 tokens per "
@@ -198,6 +230,9 @@ def main():
          "median_rel_error_heldout": round(summ["median_rel_error_heldout"], 4),
          "heldout_within_15pct": summ["heldout_within_15pct"],
          "heldout_points": summ["heldout_points"],
+         "projection_scatter_ahead": [
+             {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
+             for r in scatter],
          "sanity": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in s.items()}
                     for s in san],
          "projection_olmoe_s": proj(olmoe),

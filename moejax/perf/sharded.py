@@ -147,7 +147,9 @@ def step(shape: ModelShape, cluster, run: Run, system, calib: Calibration,
     return p.add("ag", "comm", t, deps, f"{u.name} gather")
 
   last_comm = None
-  zeros_scattered = deepspeed or zpp
+  zeros_scattered = deepspeed or zpp or not system.scatter_ahead
+  in_place = not (deepspeed or zpp or system.scatter_ahead)
+  last_rs = None
   for backward, seq in ((False, units), (True, units[::-1])):
     pending = {0: issue(seq[0])}
     for i, u in enumerate(seq):
@@ -164,6 +166,8 @@ def step(shape: ModelShape, cluster, run: Run, system, calib: Calibration,
       if dec:
         waits = [p.add("codec", "compute", dec, waits, f"{u.name} decode")]
       mult = (cp.BACKWARD + (1.0 if (run.remat and u.layer) else 0.0)) if backward else 1.0
+      if in_place and backward and last_rs is not None:
+        waits = waits + [last_rs]       # the unit after it waits for its reduce-scatter
       c = p.add("compute", "compute", cp.seconds(mult * u.flops, gpu.peak_flops, eff),
                 waits + [state["prev"]], f"{u.name} {'bwd' if backward else 'fwd'}")
       state["prev"] = c
@@ -184,7 +188,7 @@ def step(shape: ModelShape, cluster, run: Run, system, calib: Calibration,
           t = net.reduce_scatter(2 * full * cd.ZEROPP_INT4, "hierarchical")
         else:
           t = net.reduce_scatter(system.rs_bytes * full)
-        last_comm = p.add("rs", "comm", t, deps, f"{u.name} reduce-scatter")
+        last_comm = last_rs = p.add("rs", "comm", t, deps, f"{u.name} reduce-scatter")
   total = shape.total_params()
   opt = cp.memory_seconds(cp.OPTIMIZER_BYTES_PER_PARAM * total / run.gpus, hbm)
   p.add("optimizer", "compute", opt, (state["prev"], last_comm), "optimizer")

@@ -58,6 +58,10 @@ class System:
   """CIERA CCP: hash and pack on a side stream (decode always on the critical path)."""
   rs_bytes: float = 2.0
   """Bytes per gradient value in the reduce-scatter (moejax: fp32)."""
+  scatter_ahead: bool = True
+  """xla: a unit's gradient reduce-scatter runs under the next unit's backward (moejax on GPU,
+  `prefetch.SCATTER_AHEAD`, which also scatters one layer's gradient of zeros a step); False:
+  the next unit's backward waits for it (moejax on XLA:CPU, and before `1188d58`)."""
   # expert-parallel family
   balance: str = "none"
   """none, uniform, fastermoe, flexmoe, replicas."""
@@ -116,6 +120,8 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
     _s("ciera", framework="deepspeed", codec="ciera", select=True, overlap_codec=True,
        description="CIERA (+ pipelining)"),
     _s("fsdp", rs_bytes=4.0, description="moejax fsdp, plain bf16 gather"),
+    _s("fsdp-rs-in-place", rs_bytes=4.0, scatter_ahead=False,
+       description="moejax fsdp, each gradient reduce-scattered before the next layer's backward"),
     *[_s(f"moejax-{m}", codec=m, rs_bytes=4.0, description=f"moejax fsdp, codec {m}")
       for m in ("element", "block", "word", "delta", "auto")],
     _s("moejax-auto-bf16rs", codec="auto", rs_bytes=2.0,

@@ -47,6 +47,13 @@ def test_two_layer_fsdp_step_by_hand():
   assert got.exposed["rs"] == pytest.approx(rs_layer + rs_emb, rel=1e-9)
   # Every unit's gradient, and a layer's of zeros as the backward scan starts (hidden here).
   assert got.busy["rs"] == pytest.approx(3 * rs_layer + 2 * rs_emb, rel=1e-9)
+  # In place (XLA:CPU's order): each unit's backward waits for the reduce-scatter of the unit
+  # after it, so all four are on the critical path, and none of zeros is sent.
+  in_place = step_time(TWO_LAYERS, CLUSTER_T, Run(2, t, s, remat=False), "fsdp-rs-in-place",
+                       CAL_T)
+  assert in_place.exposed["rs"] == pytest.approx(2 * rs_layer + 2 * rs_emb, rel=1e-9)
+  assert in_place.busy["rs"] == pytest.approx(2 * rs_layer + 2 * rs_emb, rel=1e-9)
+  assert in_place.seconds == pytest.approx(expected + rs_layer + rs_emb, rel=1e-9)
   assert got.exposed["compute"] == pytest.approx(3 * c_head + 6 * c_layer, rel=1e-9)
   assert sum(got.exposed.values()) == pytest.approx(got.seconds, rel=1e-12)
 
