@@ -314,7 +314,8 @@ def test_deferred_reductions_finished_after_the_layers_equal_the_blocks_own(kind
   from moejax.layers.moe import finish_aux
   from moejax.placement.dispatch import LOCAL, Dispatch
   mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-  spec = MoESpec(num_experts=8, top_k=2, admission="reroute", capacity_factor=0.75)
+  spec = MoESpec(num_experts=8, top_k=2, admission="reroute", capacity_factor=0.75,
+                 locality_weight=0.1)
   block = MoEBlock(16, 24, spec, init_std=0.3, rngs=nnx.Rngs(0))
   graphdef, state = nnx.split(block)
   x_LxBxSxD = jax.random.normal(jax.random.key(2), (2, 8, 6, 16))
@@ -339,15 +340,17 @@ def test_deferred_reductions_finished_after_the_layers_equal_the_blocks_own(kind
     aux = jax.shard_map(functools.partial(per_device, defer=defer), mesh=mesh,
                         in_specs=(specs, P(None, "data"), P("data")), out_specs=P("data"),
                         check_vma=False)(state, x_LxBxSxD, mask_BxS)
-    return jnp.sum(aux["aux_loss"]) + 0.1 * jnp.sum(aux["z_loss"]), aux
+    return (jnp.sum(aux["aux_loss"]) + 0.1 * jnp.sum(aux["z_loss"])
+            + jnp.sum(aux["locality_loss"]), aux)
 
   (want, want_aux), want_grads = jax.jit(jax.value_and_grad(
       functools.partial(losses, defer=False), has_aux=True))(state)
   (got, got_aux), got_grads = jax.jit(jax.value_and_grad(
       functools.partial(losses, defer=True), has_aux=True))(state)
   assert "unreduced" not in got_aux and float(want_aux["routing"]["rerouted_frac"].sum()) > 0
-  if kind == "ep":    # the premise: placement figures, a skew to see
+  if kind == "ep":    # the premise: placement figures, a skew to see, a locality loss
     assert float(want_aux["placement"]["straggler"].sum(axis=0).min()) > 1.0
+    assert float(want_aux["locality_loss"].sum(axis=0).min()) > 0
     assert set(got_aux["placement"]) == set(want_aux["placement"])
   np.testing.assert_allclose(got, want, rtol=1e-6)
   for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got_aux),
