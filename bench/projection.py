@@ -90,7 +90,7 @@ def olmoe_projection(calib, gpus) -> list[dict]:
 def scatter_projection(calib) -> list[dict]:
   """OLMoE-1B-7B under moejax fsdp (plain, and codec auto with bf16 reduction) with each layer's
   gradient reduce-scattered in place against under the next layer's backward
-  (`prefetch.SCATTER_AHEAD`), on H200 nodes: what the overlap buys, and where the one extra
+  (config `scatter_ahead`), on H200 nodes: what the overlap buys, and where the one extra
   reduce-scatter of zeros costs more than it hides."""
   shape, cluster = get_shape("OLMoE-1B-7B"), get_cluster("h200")
   rows = []

@@ -30,7 +30,7 @@ from moejax.placement.experts import ACTIVATIONS
 from moejax.routing.admission import POLICIES as ADMISSIONS
 from moejax.routing.router import GROUP_SCORES, SCORE_FUNCTIONS as SCORES
 from moejax.sharding.hook import COMPUTE_DTYPES, REDUCE_DTYPES
-from moejax.sharding.prefetch import REMAT_MODES
+from moejax.sharding.prefetch import REMAT_MODES, SCATTER_AHEAD_MODES
 
 CODEC_MODES = MODES + ("auto",)            # auto: chosen per parameter at run time (config-level)
 CODEC_COMM_MODELS = ("profile", "bytes")   # read by moejax.train.codec_control, which imports us
@@ -536,6 +536,12 @@ class Config:
   """Issue layer i+1's parameter gather before layer i's compute (moejax.sharding.prefetch).
   Another program, not other math: the same in float32; bf16 losses move in the 5th-6th digit
   (XLA fuses the two programs apart), as between device counts."""
+  scatter_ahead: str = "auto"
+  """With prefetch, where the backward reduce-scatters a layer's gradient: "always" under the
+  backward of the layer before it (the collective overlaps its matmuls; one layer's gradient of
+  zeros more a step), "never" at the end of its own layer's (the next waits for it), "auto"
+  ahead on GPU/TPU and in place on XLA:CPU. Bit-identical results either way; "never" can win
+  where the network alone sets the step (bench/projection.py)."""
   compute_dtype: str = "bfloat16"
   """What gathered parameters and activations are computed in: bfloat16, or float32 (exact
   comparisons with a reference, e.g. a fine-tune's first step against transformers; codec off).
@@ -707,6 +713,7 @@ def validate(c: Config) -> None:
                        ("codec.block_size", c.codec.block_size)]:
     _check(value > 0, f"config.{field}={value}: must be positive")
   _choice(c.remat, "remat", REMAT_MODES)
+  _choice(c.scatter_ahead, "scatter_ahead", SCATTER_AHEAD_MODES)
   _choice(c.compute_dtype, "compute_dtype", tuple(COMPUTE_DTYPES))
   _choice(c.reduce_dtype, "reduce_dtype", tuple(REDUCE_DTYPES))
   _check(c.reduce_dtype == "float32" or c.compute_dtype == "bfloat16",

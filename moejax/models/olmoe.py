@@ -481,19 +481,21 @@ def check_tokens(cfg: Config, tokens_BxS) -> None:
 
 def forward(cfg: Config, params: dict, tokens_BxS, *, gather=None,
             dispatch: Dispatch = LOCAL, axis_name=None, remat: str = "full",
-            prefetch: bool = False, step=0):
+            prefetch: bool = False, step=0, scatter_ahead: str = "auto"):
   """Returns (logits_BxSxV fp32, aux) with aux a dict of per-layer arrays [L, ...]. `gather`
   None: whole parameters cast to `cfg.compute_dtype` (`hook.local_gather`)."""
   logits, aux_L, _, _ = forward_with_state(cfg, params, tokens_BxS, gather=gather,
                                            dispatch=dispatch, axis_name=axis_name, remat=remat,
-                                           prefetch=prefetch, step=step)
+                                           prefetch=prefetch, step=step,
+                                           scatter_ahead=scatter_ahead)
   return logits, aux_L
 
 
 def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
                        states=None, dispatch: Dispatch = LOCAL, axis_name=None,
                        remat: str = "full", prefetch: bool = False, step=0,
-                       predicted_load_LxE=None, expert_owners_L=None, replica_state_L=None):
+                       predicted_load_LxE=None, expert_owners_L=None, replica_state_L=None,
+                       scatter_ahead: str = "auto"):
   """The forward pass with the gather hook's state threaded through.
 
   `gather(group, shards, group_states) -> (full, new_group_states, stats)`; `states` is
@@ -503,6 +505,8 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
   layer's expert weights are owned windows (`fssdp.owned_windows`) rather than the even split;
   `replica_state_L` (fssdp's replica codec, stacked over the MoE layers) what each layer's
   replica slots held last step (its next value is `aux_L["replica_state"]`).
+  `scatter_ahead` (with prefetch): where the backward reduce-scatters a layer's weight gradient
+  (`prefetch.SCATTER_AHEAD_MODES`, config.scatter_ahead).
   Returns (logits_BxSxV, aux_L, new_states, stats) with stats {group: stats of its gathers}
   (a layer group's stacked over its layers); aux_L covers the MoE layers, but "index_loss"
   (DeepSeek-V3.2's indexers training: each layer's loss summed over its queries), every layer.
@@ -581,7 +585,8 @@ def forward_with_state(cfg: Config, params: dict, tokens_BxS, *, gather=None,
       moe_first += count
     h_BxSxD, aux_P, states_S, stats_S = scan_period(
         sublayers, h_BxSxD, [part(params[g], g) for g in groups],
-        [part(states[g], g) for g in groups], consts, remat=remat, prefetch=prefetch)
+        [part(states[g], g) for g in groups], consts, remat=remat, prefetch=prefetch,
+        scatter_ahead=scatter_ahead)
     for group, group_states, group_stats in zip(groups, states_S, stats_S):
       outputs[group].append((group_states, group_stats))
     moe = [aux for (group, _, _), aux in zip(scan.period, aux_P) if group in MOE_GROUPS]

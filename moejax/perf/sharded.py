@@ -16,7 +16,7 @@ reduce-scattered after its backward. Per unit and pass:
                          stream (XLA runs them as kernels among the layer's).
 Backward: recompute (remat) + backward FLOPs, then the reduce-scatter (deepspeed: `host_s` per
 tensor first; moejax also reduce-scatters one layer's gradient of zeros as its backward scan
-starts, `prefetch.SCATTER_AHEAD`); ZeRO++ gathers the backward from the node-local copy (hpZ) and reduces int4
+starts, config `scatter_ahead`); ZeRO++ gathers the backward from the node-local copy (hpZ) and reduces int4
 gradients hierarchically (qgZ). The optimizer step (memory-bound) waits for the last
 reduce-scatter.
 """
@@ -157,7 +157,7 @@ def step(shape: ModelShape, cluster, run: Run, system, calib: Calibration,
         pending[i + 1] = issue(seq[i + 1])
       if backward and u.layer and not zeros_scattered:
         # moejax's backward scan reduce-scatters each layer's gradient under the backward of
-        # the layer before it, and its first layer a gradient of zeros (prefetch.SCATTER_AHEAD)
+        # the layer before it, and its first layer a gradient of zeros (config scatter_ahead)
         zeros_scattered = True
         p.add("rs", "comm", net.reduce_scatter(system.rs_bytes * sum(
             g.values for g in u.groups.values())), state["prev"], f"{u.name} zeros scattered")

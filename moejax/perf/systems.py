@@ -60,7 +60,7 @@ class System:
   """Bytes per gradient value in the reduce-scatter (moejax: fp32)."""
   scatter_ahead: bool = True
   """xla: a unit's gradient reduce-scatter runs under the next unit's backward (moejax on GPU,
-  `prefetch.SCATTER_AHEAD`, which also scatters one layer's gradient of zeros a step); False:
+  config `scatter_ahead`, which also scatters one layer's gradient of zeros a step); False:
   the next unit's backward waits for it (moejax on XLA:CPU, and before `1188d58`)."""
   # expert-parallel family
   balance: str = "none"

@@ -34,7 +34,7 @@ prefetch=True    (more than one layer) the gather of the next layer (across a pe
                  reduce-scatters the layer's weight gradient through
                  the gather's VJP (which needs no residual, so no gather runs for it): on GPU
                  and TPU under the next layer's backward, on XLA:CPU at once
-                 (`SCATTER_AHEAD`). The
+                 (`scatter_ahead`). The
                  prefetched weights travel in the carries, never saved for backward.
                  `hook.run_gathers` counts the gathers.
 Both give bit-identical results (tests/sharding/test_prefetch.py).
@@ -58,14 +58,13 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 REMAT_MODES = ("full", "minimal", "none")
-# Where the prefetched backward reduce-scatters a layer's weight gradient: "always" while the
-# next layer processed (the one before it) runs its backward, so the collective can overlap that
-# layer's matmuls; "never" at the end of its own backward (nothing left to overlap); "auto"
-# ahead on GPU and TPU, in place on XLA:CPU, whose collectives never overlap compute (ahead
-# measured 1.08x / 1.04x the fsdp step there, tiny / peer dims against the floor in one run:
-# one more reduce-scatter a step, bench/step.py).
+# `scatter_ahead`: where the prefetched backward reduce-scatters a layer's weight gradient:
+# "always" while the next layer processed (the one before it) runs its backward, so the
+# collective can overlap that layer's matmuls; "never" at the end of its own backward (nothing
+# left to overlap); "auto" ahead on GPU and TPU, in place on XLA:CPU, whose collectives never
+# overlap compute (ahead measured 1.08x / 1.04x the fsdp step there, tiny / peer dims against
+# the floor in one run: one more reduce-scatter a step, bench/step.py).
 SCATTER_AHEAD_MODES = ("auto", "always", "never")
-SCATTER_AHEAD = "auto"
 
 
 KEPT_NAME = "kept_for_backward"     # the `checkpoint_name` of what `kept_for_backward` keeps
@@ -182,7 +181,8 @@ def _interleave(sublayers, per_source, trees_P):
       for s in range(len(per_source)))
 
 
-def _prefetched_period(sublayers, per_source, remat: str, repeats: int):
+def _prefetched_period(sublayers, per_source, remat: str, repeats: int,
+                       scatter_ahead: str = "auto"):
   """run(h, shards_S, states_S, consts) -> (h, aux_P, new_states_P, stats_P) (per sublayer,
   stacked over the R periods), with its own VJP: both passes issue the next layer's gather
   before the current layer's compute, with no condition around it. The scan runs periods
@@ -368,14 +368,11 @@ def _prefetched_period(sublayers, per_source, remat: str, repeats: int):
                                   first, dshards_P[0]),) + tuple(dshards_P[1:])
       return dh, dshards_P
 
-    if SCATTER_AHEAD not in SCATTER_AHEAD_MODES:
-      raise ValueError(f"prefetch.SCATTER_AHEAD must be one of {SCATTER_AHEAD_MODES}, got "
-                       f"{SCATTER_AHEAD!r}")
-    if SCATTER_AHEAD == "auto":   # on XLA:CPU no collective overlaps compute: in place
+    if scatter_ahead == "auto":   # on XLA:CPU no collective overlaps compute: in place
       dh, dshards_P = lax.platform_dependent(dh, cpu=functools.partial(backward, False),
                                              default=functools.partial(backward, True))
     else:
-      dh, dshards_P = backward(SCATTER_AHEAD == "always", dh)
+      dh, dshards_P = backward(scatter_ahead == "always", dh)
     nothing = lambda t: jax.tree.map(lambda _: None, t)   # noqa: E731
     return dh, _interleave(sublayers, per_source, dshards_P), nothing(states_S), nothing(consts)
 
@@ -384,7 +381,7 @@ def _prefetched_period(sublayers, per_source, remat: str, repeats: int):
 
 
 def scan_period(sublayers, h, shards_S, states_S=None, consts=(), *, remat: str = "full",
-                prefetch: bool = False):
+                prefetch: bool = False, scatter_ahead: str = "auto"):
   """`scan_layers` over a period of different layers (`Sublayer`s: their own function, hook and
   stacked weights, e.g. gpt-oss's sliding and full attention layers) repeated R times: one scan,
   each iteration running the period's layers in order; the prefetch gathers each layer ahead of
@@ -401,8 +398,12 @@ def scan_period(sublayers, h, shards_S, states_S=None, consts=(), *, remat: str 
       raise ValueError(f"scan_period: source {s} stacks {jax.tree.leaves(shards)[0].shape[0]} "
                        f"layers, its {n} a period x {repeats} periods expected")
   if prefetch and repeats * len(sublayers) > 1:
-    h, aux_P, states_P, stats_P = _prefetched_period(sublayers, per_source, remat, repeats)(
-        h, shards_S, states_S, consts)
+    if scatter_ahead not in SCATTER_AHEAD_MODES:
+      raise ValueError(f"scatter_ahead must be one of {SCATTER_AHEAD_MODES}, got "
+                       f"{scatter_ahead!r}")
+    h, aux_P, states_P, stats_P = _prefetched_period(sublayers, per_source, remat, repeats,
+                                                     scatter_ahead)(h, shards_S, states_S,
+                                                                    consts)
     return (h, aux_P, *(_interleave(sublayers, per_source, t) for t in (states_P, stats_P)))
 
   # One layer, or no prefetch: each layer gathers its own weights, then computes; under remat
@@ -438,9 +439,9 @@ def scan_period(sublayers, h, shards_S, states_S=None, consts=(), *, remat: str 
 
 
 def scan_layers(layer_fn, h, shards_L, gather, states_L=None, consts=(), *, remat: str = "full",
-                prefetch: bool = False):
+                prefetch: bool = False, scatter_ahead: str = "auto"):
   """`scan_period` of one layer: (h, aux_L, new_states_L, stats_L)."""
   h, (aux_L,), (states_L,), (stats_L,) = scan_period(
       [Sublayer(layer_fn, gather)], h, [shards_L], [states_L], consts, remat=remat,
-      prefetch=prefetch)
+      prefetch=prefetch, scatter_ahead=scatter_ahead)
   return h, aux_L, states_L, stats_L

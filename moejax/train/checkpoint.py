@@ -74,7 +74,8 @@ load_params = weights.load_params
 # (optim.: the optimizer's hyperparameters act on each step's update, not on its state's
 # structure, so a run that diverged resumes with a lower lr; clipping switched on or off is
 # refused apart, since it adds or drops a transformation's state.)
-MAY_DIFFER = ("steps", "log_every", "eval_every", "eval_batches", "remat", "prefetch", "mesh.",
+MAY_DIFFER = ("steps", "log_every", "eval_every", "eval_batches", "remat", "prefetch",
+              "scatter_ahead", "mesh.",
               "moe.placement", "moe.dispatch_capacity_factor", "moe.dispatch_overflow",
               "checkpoint.", "codec.", "data.path", "data.source", "init_from", "distributed.",
               "optim.")

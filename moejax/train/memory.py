@@ -11,8 +11,8 @@ no devices, no compile (`jax.eval_shape` only), so it answers for a cluster you 
                   tables, one layer (two with prefetch) of every layer group, all layers when
                   remat="none" keeps them for backward, plus one layer's weight gradient
                   before its reduce-scatter (fp32, or config.reduce_dtype), and with prefetch
-                  the layer's before it (compute dtype: it is reduce-scattered while the next
-                  layer's backward runs); under ep/fssdp the
+                  (and scatter_ahead not "never") the layer's before it (compute dtype: it is
+                  reduce-scattered while the next layer's backward runs); under ep/fssdp the
                   experts are not gathered (their owned slots are cast, fssdp adds its M
                   replicas, gathered again in backward)
   activations     what the remat policy keeps per layer (`moejax.sharding.prefetch`): full, the
@@ -188,7 +188,8 @@ def memory_report(cfg: Config, num_devices: int, *,
   live = (2 if cfg.prefetch else 1)
   r = hook.reduce_dtype_of(hook.COMPUTE_DTYPES[cfg.compute_dtype],
                            hook.REDUCE_DTYPES[cfg.reduce_dtype]).itemsize
-  gathered += live * biggest * c + biggest * r + (live - 1) * biggest * c + kept_layers * biggest * c
+  pending = 1 if cfg.prefetch and cfg.scatter_ahead != "never" else 0    # the GPU's program
+  gathered += live * biggest * c + biggest * r + pending * biggest * c + kept_layers * biggest * c
 
   # Activations (compute dtype unless noted), per layer of T tokens here.
   d, v = m.d_model, m.vocab_size

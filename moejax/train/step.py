@@ -53,7 +53,8 @@ def _forward_local(cfg: Config, lay: StateLayout, params, inputs_BxS, step, gath
   logits, aux_L, new_states, stats = olmoe.forward_with_state(
       cfg, params, inputs_BxS, gather=lay.gatherer.gather, states=states,
       dispatch=lay.placement.dispatch, axis_name=DEVICES, remat=cfg.remat,
-      prefetch=cfg.prefetch, step=step, predicted_load_LxE=predicted_LxE,
+      prefetch=cfg.prefetch, scatter_ahead=cfg.scatter_ahead, step=step,
+      predicted_load_LxE=predicted_LxE,
       expert_owners_L=owners_L, replica_state_L=replicas_L)
   return logits, aux_L, expand_device_axis(new_states), stats
 

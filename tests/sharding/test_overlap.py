@@ -38,7 +38,7 @@ def test_fsdp_layer_scans_sum_no_router_counts(compiled_step):
   router's matmul, and on GPU held the one collective slot, so the next layer's prefetched
   gather could span only the matmuls after it (scripts/gpu_schedule.py: one expert matmul of
   three). What waits on a scan iteration's matmuls on XLA:CPU is only the gradient's
-  reduce-scatter, in place there (`prefetch.SCATTER_AHEAD`; ahead elsewhere, where nothing
+  reduce-scatter, in place there (config `scatter_ahead`; ahead elsewhere, where nothing
   waits: tests/sharding/test_prefetch.py)."""
   text = compiled_step("fsdp", 8).compiled.as_text()
   waiting = [x.split(": ")[1].split(" ")[0] for x in hlo.loop_collectives_after_matmuls(text)]

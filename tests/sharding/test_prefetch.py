@@ -291,8 +291,8 @@ def test_a_scanned_period_of_different_layers_equals_them_in_model_order():
     np.testing.assert_allclose(stats_S[1]["sum"], c["c"].sum(axis=(1, 2)), rtol=1e-5)
 
 
-def test_gradients_scattered_ahead_equal_them_scattered_in_place(monkeypatch):
-  """`SCATTER_AHEAD`: weight gradients reduce-scattered while the layer processed next runs its
+def test_gradients_scattered_ahead_equal_them_scattered_in_place():
+  """`scatter_ahead`: weight gradients reduce-scattered while the layer processed next runs its
   backward equal them reduce-scattered at the end of their own (bit for bit, remat full and
   none, a period of three layers through the real hook on 8 devices). Ahead, no collective of
   a one-layer scan's backward iteration waits on its matmuls (the next layer's regather, the
@@ -311,19 +311,23 @@ def test_gradients_scattered_ahead_equal_them_scattered_in_place(monkeypatch):
   for remat in ("full", "none"):
     got = {}
     for mode in ("never", "always"):
-      monkeypatch.setattr(prefetch_lib, "SCATTER_AHEAD", mode)
       period = compiled(lambda h, ab, c: jnp.sum(prefetch_lib.scan_period(
           _sublayers(_gather, _gather), h, [ab, c], None, (), remat=remat,
-          prefetch=True)[0] ** 2), (h, ab, c))
+          prefetch=True, scatter_ahead=mode)[0] ** 2), (h, ab, c))
       got[mode] = period(h, ab, c)
       one = compiled(lambda h, ab: jnp.sum(prefetch_lib.scan_layers(
-          _layer_fn, h, ab, _gather, None, (), remat=remat, prefetch=True)[0] ** 2), (h, ab))
+          _layer_fn, h, ab, _gather, None, (), remat=remat, prefetch=True,
+          scatter_ahead=mode)[0] ** 2), (h, ab))
       waiting = [x.split(": ")[1].split(" ")[0]
                  for x in hlo.loop_collectives_after_matmuls(one.as_text())]
       assert (waiting == []) if mode == "always" else ("reduce-scatter" in waiting), (
           remat, mode, waiting)
     for a, b in zip(jax.tree.leaves(got["never"]), jax.tree.leaves(got["always"]), strict=True):
       np.testing.assert_array_equal(a, b)
+  with pytest.raises(ValueError, match=r"scatter_ahead must be one of \('auto', 'always', "
+                                       r"'never'\), got 'soon'"):
+    prefetch_lib.scan_layers(_layer_fn, h, ab, _gather, None, (), prefetch=True,
+                             scatter_ahead="soon")
 
 
 @pytest.mark.parametrize("remat", ["full", "none"])
