@@ -740,7 +740,7 @@ def _async_pairs(text: str) -> dict:
   # a collective not split into start and done (its shape may be a tuple, with spaces)
   ops = sorted(hlo.COLLECTIVE_OPS, key=len, reverse=True)   # ragged-all-to-all before all-to-all
   sync = [m[1] for m in re.finditer(r"=\s.*?\s(" + "|".join(ops) + r")\(", text)]
-  waiting = [x.split(": ")[1].split(" ")[0] for x in hlo.loop_collectives_after_matmuls(text)]
+  waiting = [c.op for c in hlo.loop_collectives_after_matmuls(text)]
   return {"async_pairs": {op: len(v) for op, v in pairs.items()},
           "instructions_between": {op: statistics.median(v) for op, v in pairs.items()},
           "matmuls_between": {op: statistics.median(v) for op, v in kernels.items()},

@@ -259,9 +259,16 @@ def _operands(line: str) -> list[str]:
   return _OPERAND.findall(body[start:end])
 
 
-def loop_collectives_after_matmuls(hlo_text: str) -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class LoopCollective:
+  body: str          # the while body's computation
+  op: str            # "reduce-scatter", ...
+  name: str          # the instruction
+
+
+def loop_collectives_after_matmuls(hlo_text: str) -> list[LoopCollective]:
   """Collectives in a while loop's body (a layer scan's iteration) whose operands wait on a
-  matmul of the same iteration, each as "body: op (instruction)". [] when every collective of
+  matmul of the same iteration. [] when every collective of
   every loop can be issued at its iteration's start, under the iteration's matmuls: the
   prefetched gather of the next layer, a reduce-scatter of the gradient the previous iteration
   computed; a gradient reduce-scattered where it is computed, or a psum of the router's counts,
@@ -291,5 +298,5 @@ def loop_collectives_after_matmuls(hlo_text: str) -> list[str]:
 
     for name, line in lines.items():
       if (m := _COLLECTIVE.search(line)) and any(waits(o) for o in _operands(line)):
-        out.append(f"{body}: {m[1]} ({name})")
+        out.append(LoopCollective(body, m[1], name))
   return out

@@ -41,7 +41,7 @@ def test_fsdp_layer_scans_sum_no_router_counts(compiled_step):
   reduce-scatter, in place there (config `scatter_ahead`; ahead elsewhere, where nothing
   waits: tests/sharding/test_prefetch.py)."""
   text = compiled_step("fsdp", 8).compiled.as_text()
-  waiting = [x.split(": ")[1].split(" ")[0] for x in hlo.loop_collectives_after_matmuls(text)]
+  waiting = [c.op for c in hlo.loop_collectives_after_matmuls(text)]
   assert waiting and set(waiting) == {"reduce-scatter"}, waiting
 
 
@@ -57,8 +57,7 @@ def test_loop_reader_flags_a_reduction_of_the_iteration_s_matmul():
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("d")), out_specs=(P("d"), P()),
                             check_vma=False))
   text = f.lower(jnp.ones((3, 4, 4)), jnp.ones((16, 4))).compile().as_text()
-  assert [x.split(": ")[1].split(" ")[0] for x in hlo.loop_collectives_after_matmuls(text)] == [
-      "all-reduce"]
+  assert [c.op for c in hlo.loop_collectives_after_matmuls(text)] == ["all-reduce"]
 
 
 def test_codec_step_has_no_collective_in_a_conditional(trainer_for):

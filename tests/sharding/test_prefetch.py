@@ -318,8 +318,7 @@ def test_gradients_scattered_ahead_equal_them_scattered_in_place():
       one = compiled(lambda h, ab: jnp.sum(prefetch_lib.scan_layers(
           _layer_fn, h, ab, _gather, None, (), remat=remat, prefetch=True,
           scatter_ahead=mode)[0] ** 2), (h, ab))
-      waiting = [x.split(": ")[1].split(" ")[0]
-                 for x in hlo.loop_collectives_after_matmuls(one.as_text())]
+      waiting = [c.op for c in hlo.loop_collectives_after_matmuls(one.as_text())]
       assert (waiting == []) if mode == "always" else ("reduce-scatter" in waiting), (
           remat, mode, waiting)
     for a, b in zip(jax.tree.leaves(got["never"]), jax.tree.leaves(got["always"]), strict=True):
