@@ -147,18 +147,18 @@ def step(shape: ModelShape, cluster, run: Run, system, calib: Calibration,
     return p.add("ag", "comm", t, deps, f"{u.name} gather")
 
   last_comm = None
-  zeros_scattered = deepspeed or zpp or not system.scatter_ahead
-  in_place = not (deepspeed or zpp or system.scatter_ahead)
+  xla = not (deepspeed or zpp)
+  ahead, in_place = xla and system.scatter_ahead, xla and not system.scatter_ahead
+  first_layer_back = next((u for u in units[::-1] if u.layer), None)
   last_rs = None
   for backward, seq in ((False, units), (True, units[::-1])):
     pending = {0: issue(seq[0])}
     for i, u in enumerate(seq):
       if i + 1 < len(seq):
         pending[i + 1] = issue(seq[i + 1])
-      if backward and u.layer and not zeros_scattered:
+      if ahead and backward and u is first_layer_back:
         # moejax's backward scan reduce-scatters each layer's gradient under the backward of
         # the layer before it, and its first layer a gradient of zeros (config scatter_ahead)
-        zeros_scattered = True
         p.add("rs", "comm", net.reduce_scatter(system.rs_bytes * sum(
             g.values for g in u.groups.values())), state["prev"], f"{u.name} zeros scattered")
       waits = [pending.pop(i), on_demand(u, backward)]
