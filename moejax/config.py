@@ -26,6 +26,8 @@ from moejax.families import FAMILIES
 from moejax.errors import ConfigError
 from moejax.placement import PLACEMENTS
 from moejax.placement.dispatch import OVERFLOW_POLICIES
+from moejax.perf.hardware import CLUSTERS
+from moejax.perf.latencies import SCHEDULE_LATENCIES
 from moejax.placement.experts import ACTIVATIONS
 from moejax.routing.admission import POLICIES as ADMISSIONS
 from moejax.routing.router import GROUP_SCORES, SCORE_FUNCTIONS as SCORES
@@ -542,6 +544,19 @@ class Config:
   zeros more a step), "never" at the end of its own layer's (the next waits for it), "auto"
   ahead on GPU/TPU and in place on XLA:CPU. Bit-identical results either way; "never" can win
   where the network alone sets the step (bench/projection.py)."""
+  schedule_latencies: str = "xla"
+  """What XLA:GPU's scheduler places each collective's start and done by: "xla", its own
+  estimate (constants: a collective is hidden by one matmul, a ragged all-to-all costs nothing,
+  so the codec's payload exchange and fssdp's runs synchronously), or "model": every
+  instruction's time from moejax's cost model (`moejax.perf.latencies`: FLOPs and bytes at the
+  GPU's calibrated rates, collectives at `schedule_cluster`'s links), given to XLA as a
+  profile; the step is then compiled twice at its first call. Another schedule, the same math
+  (bit-identical results). XLA:CPU's collectives never overlap compute: there it changes
+  nothing but the compile time."""
+  schedule_cluster: str = "auto"
+  """The cluster `schedule_latencies="model"` prices collectives on: a `moejax.perf` cluster
+  (h200, h100, themis-a, themis-b, ciera-a100), or "auto": the preset of this job's GPU kind
+  (H200 -> h200, A100 -> themis-a, any other -> h100)."""
   compute_dtype: str = "bfloat16"
   """What gathered parameters and activations are computed in: bfloat16, or float32 (exact
   comparisons with a reference, e.g. a fine-tune's first step against transformers; codec off).
@@ -714,6 +729,8 @@ def validate(c: Config) -> None:
     _check(value > 0, f"config.{field}={value}: must be positive")
   _choice(c.remat, "remat", REMAT_MODES)
   _choice(c.scatter_ahead, "scatter_ahead", SCATTER_AHEAD_MODES)
+  _choice(c.schedule_latencies, "schedule_latencies", SCHEDULE_LATENCIES)
+  _choice(c.schedule_cluster, "schedule_cluster", ("auto",) + tuple(CLUSTERS))
   _choice(c.compute_dtype, "compute_dtype", tuple(COMPUTE_DTYPES))
   _choice(c.reduce_dtype, "reduce_dtype", tuple(REDUCE_DTYPES))
   _check(c.reduce_dtype == "float32" or c.compute_dtype == "bfloat16",

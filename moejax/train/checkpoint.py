@@ -75,7 +75,7 @@ load_params = weights.load_params
 # structure, so a run that diverged resumes with a lower lr; clipping switched on or off is
 # refused apart, since it adds or drops a transformation's state.)
 MAY_DIFFER = ("steps", "log_every", "eval_every", "eval_batches", "remat", "prefetch",
-              "scatter_ahead", "mesh.",
+              "scatter_ahead", "schedule_latencies", "schedule_cluster", "mesh.",
               "moe.placement", "moe.dispatch_capacity_factor", "moe.dispatch_overflow",
               "checkpoint.", "codec.", "data.path", "data.source", "init_from", "distributed.",
               "optim.")

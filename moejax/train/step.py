@@ -238,7 +238,13 @@ def make_train_step(cfg: Config, mesh, lay: StateLayout, tx: optax.GradientTrans
 
   if trace_guard is not None:
     train_step = trace_guard(train_step)
-  return jax.jit(train_step, donate_argnums=0, out_shardings=(lay.shardings, None))
+  jitted = jax.jit(train_step, donate_argnums=0, out_shardings=(lay.shardings, None))
+  if cfg.schedule_latencies == "model":
+    from moejax.train import latency_profile
+    return latency_profile.ModelScheduledStep(
+        jitted, latency_profile.cluster_for(cfg.schedule_cluster, mesh.devices.flat[0]),
+        num_devices(mesh))
+  return jitted
 
 
 def make_eval_step(cfg: Config, mesh, lay: StateLayout):

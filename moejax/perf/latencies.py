@@ -1,0 +1,354 @@
+"""Latencies for XLA:GPU's scheduler from moejax's cost model: a profile in the format of XLA's
+profile-guided latency estimator (`--xla_gpu_pgle_profile_file_or_directory_path`).
+
+Why: XLA:GPU's latency-hiding scheduler places each collective's start and done by its own
+estimate of what every instruction costs, and without measurements that estimate is a table
+of constants (a matmul fusion "hides" a collective; `ragged-all-to-all` costs nothing, so the
+codec's payload exchange, whose start and done it places side by side, runs synchronously:
+docs/measurements.md, "The GPU schedule read without a GPU"). jax's own profile-guided
+estimation (`jax_enable_pgle`) measures the latencies in a run's first steps; this gives them
+before any run, from the program alone, the same on every process of a job (each builds the
+same profile from the same program), on any described cluster.
+
+`instruction_costs(hlo_text, gpu, net)` costs every instruction of a compiled program's
+scheduled computations (not the fusions' bodies, which run as one kernel):
+  matmul fusions and cuBLAS calls   max(FLOPs / (peak x efficiency), bytes / HBM) + a launch
+  other fusions and kernels         bytes (operands + result) / HBM bandwidth + a launch
+  collectives (start, or sync)      `moejax.perf.collectives.Net`'s alpha-beta time of its
+                                    result over its replica group (a ragged all-to-all at its
+                                    buffer's size: an upper bound)
+  loops, conditionals, calls        trip count x the body's summed costs / the dearest branch
+  tuples, parameters, bitcasts      nothing
+`profile_text(costs)` writes them (microseconds) as the text proto XLA reads. The names are
+the compiled program's; a second compile of the same lowering with the profile sees the same
+names before its scheduler (`moejax.train.latency_profile` compiles twice).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from moejax.perf.collectives import Net
+from moejax.perf.hardware import GPU
+
+SCHEDULE_LATENCIES = ("xla", "model")
+"""Config `schedule_latencies`: XLA's own estimate, or this module's profile."""
+
+KERNEL_LAUNCH_S = 2e-6
+"""A compute kernel's fixed cost (launch and tail; a few microseconds on H100-class GPUs)."""
+
+_ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+                  "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+                  "s4": 0.5, "u4": 0.5, "s2": 0.25, "u2": 0.25}
+_ARRAY = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*")
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_CALLS = re.compile(r"\bcalls=%([\w.\-]+)")
+_BODY = re.compile(r"\bbody=%([\w.\-]+)")
+_BRANCHES = re.compile(r"\b(?:branch_computations=\{([^}]*)\}|true_computation=%([\w.\-]+)|"
+                       r"false_computation=%([\w.\-]+)|to_apply=%([\w.\-]+))")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
+_CUBLAS_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+               "collective-permute", "collective-broadcast")
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
+         "partition-id", "replica-id", "opt-barrier", "add-dependency", "domain", "iota"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+  name: str
+  shape: str
+  op: str
+  operands: tuple[str, ...]
+  line: str
+
+
+def _balanced(text: str, start: int) -> int:
+  """The index just past the parenthesis that closes the one at `start`."""
+  depth = 0
+  for i in range(start, len(text)):
+    if text[i] == "(":
+      depth += 1
+    elif text[i] == ")":
+      depth -= 1
+      if depth == 0:
+        return i + 1
+  raise ValueError(f"unbalanced parentheses in HLO line: {text[:200]}")
+
+
+def parse_instruction(line: str) -> Instruction | None:
+  m = _INSTRUCTION.match(line)
+  if not m:
+    return None
+  rest = line[m.end():]
+  if rest.startswith("("):
+    end = _balanced(rest, 0)
+  else:
+    end = rest.index(" ")
+  shape, after = rest[:end], rest[end:].lstrip()
+  op_end = after.index("(")
+  op = after[:op_end]
+  args = after[op_end:_balanced(after, op_end)]
+  return Instruction(m[1], shape, op, tuple(_OPERAND.findall(args)), line)
+
+
+def parse_module(text: str) -> dict[str, list[Instruction]]:
+  """{computation name: its instructions in order} of an HLO module's text."""
+  comps: dict[str, list[Instruction]] = {}
+  current = None
+  for line in text.splitlines():
+    if current is None:
+      m = _HEADER.match(line)
+      if m:
+        current = comps.setdefault(m[1], [])
+      continue
+    if line.strip() == "}":
+      current = None
+      continue
+    inst = parse_instruction(line)
+    if inst is not None:
+      current.append(inst)
+  return comps
+
+
+def shape_bytes(shape: str) -> float:
+  """Bytes of an HLO shape (tuples summed; layouts ignored)."""
+  total = 0.0
+  for element, dims in _ARRAY.findall(shape):
+    if element not in _ELEMENT_BYTES:
+      continue        # token, opaque: nothing on the wire or in memory
+    total += _ELEMENT_BYTES[element] * math.prod(int(d) for d in dims.split(",") if d)
+  return total
+
+
+def _dims(shape: str) -> list[int]:
+  m = _ARRAY.search(shape)
+  return [int(d) for d in m[2].split(",") if d] if m else []
+
+
+def group_size(line: str, num_devices: int) -> int:
+  """The devices one collective spans, from its replica groups (all of them if none)."""
+  m = _GROUPS_LIST.search(line)
+  if m:
+    return len([d for d in m[1].split(",") if d])
+  m = _GROUPS_IOTA.search(line)
+  if m:
+    return int(m[1].split(",")[-1])
+  m = _GROUPS_MESH.search(line)
+  if m:
+    sizes = dict(re.findall(r"'?([\w]+)'?=(\d+)", m[1]))
+    axes = [a.strip().strip("'") for a in m[2].split(",") if a.strip()]
+    return math.prod(int(sizes[a]) for a in axes if a in sizes) if axes else num_devices
+  return num_devices
+
+
+def _collective_kind(inst: Instruction, comps) -> tuple[str, Instruction] | None:
+  """(kind, the instruction carrying its groups and shape) of a collective: itself, a
+  `*-start` of one, or an `async-start` wrapping one."""
+  op = inst.op[:-len("-start")] if inst.op.endswith("-start") else inst.op
+  if op in COLLECTIVES:
+    return op, inst
+  if inst.op == "async-start":
+    m = _CALLS.search(inst.line)
+    for wrapped in comps.get(m[1], []) if m else []:
+      if wrapped.op in COLLECTIVES:
+        return wrapped.op, wrapped
+  return None
+
+
+def _collective_seconds(kind: str, inst: Instruction, result_bytes: float, net: Net) -> float:
+  w = group_size(inst.line, net.gpus)
+  if w <= 1:
+    return 0.0
+  if kind in ("all-gather", "collective-broadcast"):
+    return net.all_gather(result_bytes, group=w)
+  if kind == "reduce-scatter":
+    return net.reduce_scatter(result_bytes * w, group=w)
+  if kind == "all-reduce":
+    return net.all_reduce(result_bytes, group=w)
+  if kind in ("all-to-all", "ragged-all-to-all"):
+    return net.uniform_all_to_all(result_bytes) if w == net.gpus else \
+        Net(net.cluster, w, net.intra_eff, net.inter_eff).uniform_all_to_all(result_bytes)
+  return net.sparse(result_bytes, 0.0)     # collective-permute: one peer's buffer
+
+
+def _dot_flops(comp: list[Instruction]) -> float:
+  """FLOPs of the dots in a fused computation's body."""
+  shapes = {i.name: i.shape for i in comp}
+  flops = 0.0
+  for inst in comp:
+    if inst.op not in ("dot", "convolution") or not inst.operands:
+      continue
+    lhs = _dims(shapes.get(inst.operands[0], ""))
+    m = _CONTRACTING.search(inst.line)
+    k = math.prod(lhs[int(d)] for d in m[1].split(",") if d) if m and lhs else 1
+    flops += 2.0 * math.prod(_dims(inst.shape)) * k
+  return flops
+
+
+def _cublas_flops(inst: Instruction, shapes: dict) -> float:
+  m = _CUBLAS_CONTRACTING.search(inst.line)
+  if not m or not inst.operands:
+    return 0.0
+  lhs = _dims(shapes.get(inst.operands[0], ""))
+  k = math.prod(lhs[int(d.strip('" '))] for d in m[1].split(",") if d.strip('" ')) if lhs else 1
+  return 2.0 * math.prod(_dims(inst.shape)) * k
+
+
+def instruction_costs(text: str, gpu: GPU, net: Net, efficiency: float) -> dict[str, float]:
+  """{instruction name: seconds} for every instruction of the program's scheduled
+  computations (see the module docstring). `efficiency`: the fraction of peak FLOP/s matmuls
+  reach (the calibration's, `moejax.perf.model.Calibration.gpu`)."""
+  comps = parse_module(text)
+  fused = {m for c in comps.values() for i in c if i.op == "fusion"
+           for m in _CALLS.findall(i.line)}
+  flop_rate, hbm = gpu.peak_flops * efficiency, gpu.hbm_bandwidth
+  costs: dict[str, float] = {}
+  totals: dict[str, float] = {}
+
+  def kernel(flops: float, bytes_: float) -> float:
+    return max(flops / flop_rate, bytes_ / hbm) + KERNEL_LAUNCH_S
+
+  def total(name: str) -> float:
+    """A computation's instructions, one after another."""
+    if name not in totals:
+      totals[name] = 0.0        # (a cycle cannot occur in HLO; this guards the recursion)
+      totals[name] = sum(cost(i, comps[name]) for i in comps.get(name, []))
+    return totals[name]
+
+  def cost(inst: Instruction, comp: list[Instruction]) -> float:
+    if inst.name in costs:
+      return costs[inst.name]
+    shapes = {i.name: i.shape for i in comp}
+    done_of = {i.operands[0]: i for i in comp if i.op.endswith("-done") and i.operands}
+    op = inst.op
+    collective = _collective_kind(inst, comps)
+    if collective is not None:
+      kind, carrier = collective
+      # An async pair's result is its done's (a start's shape holds its operands too); a sync
+      # collective's its own.
+      result = done_of[inst.name].shape if inst.name in done_of else carrier.shape
+      seconds = _collective_seconds(kind, carrier, shape_bytes(result), net)
+    elif op in _FREE or op.endswith("-done"):
+      seconds = 0.0
+    elif op == "while":
+      m, trips = _BODY.search(inst.line), _TRIP_COUNT.search(inst.line)
+      seconds = (int(trips[1]) if trips else 1) * (total(m[1]) if m else 0.0)
+    elif op in ("conditional", "call"):
+      names = [n for g in _BRANCHES.findall(inst.line) for part in g if part
+               for n in _OPERAND.findall(part if part.startswith("%") else "%" + part)]
+      seconds = max((total(n) for n in names), default=0.0)
+    elif op == "async-start":
+      m = _CALLS.search(inst.line)
+      seconds = total(m[1]) if m else 0.0
+    else:
+      moved = shape_bytes(inst.shape) + sum(shape_bytes(shapes.get(o, "")) for o in inst.operands)
+      flops = 0.0
+      if op == "fusion":
+        flops = sum(_dot_flops(comps.get(c, [])) for c in _CALLS.findall(inst.line))
+      elif op == "custom-call" and "cublas" in inst.line:
+        flops = _cublas_flops(inst, shapes)
+      elif op in ("dot", "convolution"):
+        flops = _dot_flops([i for i in comp if i.name in inst.operands] + [inst])
+      seconds = kernel(flops, moved)
+    costs[inst.name] = seconds
+    return seconds
+
+  for name, comp in comps.items():
+    if name in fused:
+      continue
+    for inst in comp:
+      cost(inst, comp)
+      # A collective XLA made synchronous is costed under its own name; an async start also
+      # under the name of the collective it wraps (the name a later compile's start carries
+      # then differs, the wrapped one not).
+      if inst.op == "async-start":
+        m = _CALLS.search(inst.line)
+        for wrapped in comps.get(m[1], []) if m else []:
+          if wrapped.op in COLLECTIVES:
+            costs.setdefault(wrapped.name, costs[inst.name])
+  return costs
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleTime:
+  """A compiled schedule priced by `instruction_costs`: seconds of compute, of collectives, and
+  of collectives exposed (a synchronous one whole; an async one by what its start-to-done
+  window's compute leaves uncovered), each instruction counted once per execution (loop
+  bodies times their trip count)."""
+  compute: float
+  collectives: float
+  exposed: float
+
+  @property
+  def step(self) -> float:
+    return self.compute + self.exposed
+
+
+def schedule_time(text: str, costs: dict[str, float]) -> ScheduleTime:
+  """`costs` (from `instruction_costs` of the same program) along the program's schedule: a
+  compiled module prints each computation in its schedule's order."""
+  comps = parse_module(text)
+  entry = _entry_name(text)
+  runs: dict[str, float] = {}
+
+  def visit(name: str, times: float) -> None:
+    runs[name] = runs.get(name, 0.0) + times
+    for inst in comps.get(name, []):
+      if inst.op == "while":
+        m, trips = _BODY.search(inst.line), _TRIP_COUNT.search(inst.line)
+        if m:
+          visit(m[1], times * (int(trips[1]) if trips else 1))
+      elif inst.op in ("conditional", "call"):
+        names = [n for g in _BRANCHES.findall(inst.line) for part in g if part
+                 for n in _OPERAND.findall(part if part.startswith("%") else "%" + part)]
+        for n in names[:1] if inst.op == "call" else names:
+          visit(n, times / (1 if inst.op == "call" else len(names)))
+
+  visit(entry, 1.0)
+  compute = collectives = exposed = 0.0
+  for name, times in runs.items():
+    comp = comps.get(name, [])
+    open_: dict[str, float] = {}       # async collectives in flight: seconds left to cover
+    for inst in comp:
+      seconds = costs.get(inst.name, 0.0)
+      collective = _collective_kind(inst, comps)
+      if inst.op in ("while", "conditional", "call"):
+        continue                       # their bodies are counted where they run
+      if collective is not None:
+        collectives += times * seconds
+        if inst.op.endswith("-start"):
+          open_[inst.name] = seconds
+        else:
+          exposed += times * seconds
+        continue
+      if inst.op.endswith("-done") and inst.operands and inst.operands[0] in open_:
+        exposed += times * max(open_.pop(inst.operands[0]), 0.0)
+        continue
+      compute += times * seconds
+      for k in open_:
+        open_[k] -= seconds
+  return ScheduleTime(compute, collectives, exposed)
+
+
+def _entry_name(text: str) -> str:
+  for line in text.splitlines():
+    if line.startswith("ENTRY"):
+      m = _HEADER.match(line)
+      if m:
+        return m[1]
+  raise ValueError("no ENTRY computation in the HLO text")
+
+
+def profile_text(costs: dict[str, float]) -> str:
+  """`costs` (seconds) as XLA's ProfiledInstructionsProto text (microseconds)."""
+  return "".join(f'costs {{ name: "{name}" cost_us: {seconds * 1e6:.3f} }}\n'
+                 for name, seconds in sorted(costs.items()))
