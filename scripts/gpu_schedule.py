@@ -5,13 +5,16 @@ plugin is installed (`bash scripts/setup_gpu_compile.sh`, about 140 MB, not part
 set-up); nothing runs. Per variant it prints what the GPU program does with its collectives:
 how many are async, how many matmul kernels lie between each async start and done (the compute
 it can hide behind), which run synchronously (XLA:GPU makes a pair with nothing between it
-synchronous), and XLA's memory per device. The GPU check (`scripts/device_check.sh`, step
+synchronous), each schedule priced by moejax's cost model (`moejax.perf.latencies`: the step,
+its collectives, and what of them no compute covers), and XLA's memory per device. The GPU check (`scripts/device_check.sh`, step
 `schedule8`) reads the same figures from a compile on a real GPU.
 
   python scripts/gpu_schedule.py                          # tiny preset, 8 H200s, the GPU
                                                           # check's three variants
   python scripts/gpu_schedule.py --preset 1b7b --set batch_size=8 --set seq_len=1024
   python scripts/gpu_schedule.py --variant fsdp --xla-flags=--xla_gpu_enable_foo=true
+  python scripts/gpu_schedule.py --latencies both         # XLA's own estimate beside moejax's
+                                                          # (config schedule_latencies=model)
 
 Choices moejax makes from the local device rather than at lowering (jax's Hopper grouped-matmul
 kernels from the device's compute capability, cuDNN attention from the default backend) take
@@ -60,6 +63,10 @@ def parse_args(argv=None, variants=()):
                  help="repeatable (default: all): the GPU check's schedule8 variants")
   p.add_argument("--set", action="append", type=_parse_set, default=[], metavar="KEY=VALUE",
                  help="a config override for every variant, e.g. --set seq_len=1024")
+  p.add_argument("--latencies", default="xla", choices=["xla", "model", "both"],
+                 help="what XLA's scheduler places collectives by: its own estimate, moejax's "
+                      "cost model (config schedule_latencies=model), or both side by side "
+                      "(default: xla)")
   p.add_argument("--xla-flags", default="", help="XLA flags added for the compile")
   p.add_argument("--out", help="write each variant's compiled HLO here (VARIANT.hlo.gz)")
   args = p.parse_args(argv)
@@ -100,24 +107,39 @@ def _config(preset: str, **overrides):
   return from_config_dict(cd)
 
 
-def compile_variant(overrides: dict, args, devices) -> tuple[dict, str]:
+def compile_variant(overrides: dict, args, devices, latencies: str = "xla") -> tuple[dict, str]:
+  """One variant compiled with `latencies` ("xla" or "model": config schedule_latencies)."""
   import device_check
+  from moejax.perf import latencies as _latencies
   from moejax.sharding.mesh import make_mesh
+  from moejax.train.latency_profile import ModelScheduledStep, cluster_for
   from moejax.train.loop import Trainer
   from tests.sharding import hlo
   sets = dict(args.set)
-  cfg = _config(args.preset, **{"mesh.shape": (1, args.gpus), **overrides, **sets})
+  cfg = _config(args.preset, **{"mesh.shape": (1, args.gpus), **overrides, **sets,
+                                "schedule_latencies": latencies})
   start = time.perf_counter()
   trainer = Trainer(cfg, mesh=make_mesh(tuple(cfg.mesh.shape), devices))
   # an ep/fssdp step with bounded buffers: the jitted step at its current capacity
   step = trainer.train_step.jitted() if hasattr(trainer.train_step, "jitted") else \
       trainer.train_step
-  compiled = step.lower(*trainer.abstract_inputs()).compile()
+  if isinstance(step, ModelScheduledStep):
+    compiled = step.compile(*trainer.abstract_inputs()).compiled
+    pricer = step
+  else:
+    compiled = step.lower(*trainer.abstract_inputs()).compile()
+    pricer = ModelScheduledStep(step, cluster_for("auto", devices[0]), len(devices))
   text = compiled.as_text()
+  priced = _latencies.schedule_time(text, pricer.price(text))
   memory = compiled.memory_analysis()
   branches = [b for b in hlo.conditional_branches(text) if b.collectives]
   return {**device_check._async_pairs(text),
           "collectives_in_conditional_branches": sum(len(b.collectives) for b in branches),
+          "priced_ms": {"step": round(priced.step * 1e3, 2),
+                        "compute": round(priced.compute * 1e3, 2),
+                        "collectives": round(priced.collectives * 1e3, 2),
+                        "exposed": round(priced.exposed * 1e3, 2),
+                        "cluster": pricer.cluster.name},
           "memory_gb": {k: round(getattr(memory, f"{k}_size_in_bytes") / 1e9, 2)
                         for k in ("temp", "argument", "output", "alias")},
           "compile_s": round(time.perf_counter() - start, 1)}, text
@@ -139,6 +161,10 @@ def _print(name: str, figures: dict) -> None:
   waiting = figures["loop_collectives_after_matmuls"]
   print("  in a loop body, waiting on its iteration's matmuls: "
         + (", ".join(f"{op} {n}" for op, n in waiting.items()) or "none"))
+  priced = figures["priced_ms"]
+  print(f"  priced by moejax's model ({priced['cluster']}): step {priced['step']} ms, compute "
+        f"{priced['compute']} ms, collectives {priced['collectives']} ms of which exposed "
+        f"{priced['exposed']} ms")
   mem = figures["memory_gb"]
   print(f"  XLA's memory per device: temp {mem['temp']} GB, arguments {mem['argument']} GB, "
         f"outputs {mem['output']} GB ({mem['alias']} GB of them aliased)", flush=True)
@@ -165,20 +191,23 @@ def main(argv=None) -> int:
   print(f"gpu_schedule: {args.preset} preset on {len(devices)} x {devices[0].device_kind} "
         f"(compiled, not run), overrides {dict(args.set) or 'none'}", flush=True)
   out = {}
-  for name in args.variant or list(device_check.SCHEDULE8):
-    try:
-      out[name], text = compile_variant(device_check.SCHEDULE8[name], args, devices)
-    except Exception as e:   # one variant's failure does not hide the others'
-      out[name] = {"error": f"{type(e).__name__}: {e}"[:1500]}
-      print(f"{name}: {out[name]['error']}", flush=True)
-      continue
-    _print(name, out[name])
-    if args.out:
-      os.makedirs(args.out, exist_ok=True)
-      with gzip.open(os.path.join(args.out, f"{name}.hlo.gz"), "wt") as f:
-        f.write(text)
+  modes = ["xla", "model"] if args.latencies == "both" else [args.latencies]
+  for variant in args.variant or list(device_check.SCHEDULE8):
+    for mode in modes:
+      name = variant if mode == "xla" else f"{variant}+model_latencies"
+      try:
+        out[name], text = compile_variant(device_check.SCHEDULE8[variant], args, devices, mode)
+      except Exception as e:   # one variant's failure does not hide the others'
+        out[name] = {"error": f"{type(e).__name__}: {e}"[:1500]}
+        print(f"{name}: {out[name]['error']}", flush=True)
+        continue
+      _print(name, out[name])
+      if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with gzip.open(os.path.join(args.out, f"{name}.hlo.gz"), "wt") as f:
+          f.write(text)
   print(json.dumps({"bench": "gpu_schedule", "preset": args.preset, "gpus": args.gpus,
-                    "target": args.target, "overrides": dict(args.set),
+                    "target": args.target, "latencies": args.latencies, "overrides": dict(args.set),
                     "xla_flags": os.environ["XLA_FLAGS"], "variants": out}))
   return 1 if any("error" in v for v in out.values()) else 0
 
