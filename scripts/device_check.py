@@ -758,6 +758,10 @@ SCHEDULE8 = {
     "fssdp_coded_replicas": {"moe.placement": "fssdp", "fssdp.replica_codec": "delta",
                              "moe.dispatch_capacity_factor": 0.0},
 }
+# Compiled again scheduled by moejax's latencies (config schedule_latencies="model"), as
+# VARIANT+model_latencies: the codec step, whose collectives XLA's own estimate leaves
+# synchronous.
+SCHEDULE8_MODEL_LATENCIES = ("fsdp_codec_element",)
 
 
 def step_schedule8(dims: dict) -> dict:
@@ -788,7 +792,8 @@ def step_schedule8(dims: dict) -> dict:
     result = json.loads(lines[-1]) if lines else None
     if result and result["devices"] == 8 and result.get("variants"):
       return {**result, "mock": mock, "other_tries": tries, "xla_flags": env.get("XLA_FLAGS", ""),
-              "incomplete": code != 0 or len(result["variants"]) < len(SCHEDULE8)}
+              "incomplete": code != 0 or len(result["variants"]) < len(SCHEDULE8) + len(
+                  SCHEDULE8_MODEL_LATENCIES)}
     tries[str(mock)] = (f"child {code}: " + (f"{result['devices']} device(s); " if result else "")
                         + stderr[-1500:])
   raise RuntimeError(f"no 8-device compile: {tries}")
@@ -807,14 +812,29 @@ def _schedule8_child(mock: str) -> int:
     return 0
   from moejax.train.loop import Trainer
   from tests.sharding import hlo
-  for name, overrides in SCHEDULE8.items():
+  # (the dry run: fsdp's, a third of the codec step's compile on XLA:CPU: the path, not the figure)
+  again = SCHEDULE8_MODEL_LATENCIES if out["platform"] == "gpu" else ("fsdp",)
+  runs = [(name, overrides, "xla") for name, overrides in SCHEDULE8.items()] + [
+      (f"{name}+model_latencies", SCHEDULE8[name], "model") for name in again]
+  for name, overrides, latencies in runs:
     start = time.perf_counter()
     try:
-      trainer = Trainer(_config("tiny", **overrides))
-      lowered = trainer.train_step.trace(*trainer.abstract_inputs()).lower()
-      lower_s = time.perf_counter() - start
-      print(f"schedule8 child: {name} lowered in {lower_s:.1f} s", file=sys.stderr, flush=True)
-      text = lowered.compile().as_text()
+      trainer = Trainer(_config("tiny", **overrides, schedule_latencies=latencies))
+      priced = {}
+      if latencies == "model":    # lowered once, compiled twice (moejax.train.latency_profile)
+        lower_s = 0.0
+        scheduled = trainer.train_step.compile(*trainer.abstract_inputs())
+        text = scheduled.compiled.as_text()
+        priced = {"priced_ms": {which: {k: round(getattr(t, k) * 1e3, 3)
+                                        for k in ("step", "compute", "collectives", "exposed")}
+                                for which, t in (("xla", scheduled.xla),
+                                                 ("model", scheduled.model))}}
+      else:
+        lowered = trainer.train_step.trace(*trainer.abstract_inputs()).lower()
+        lower_s = time.perf_counter() - start
+        print(f"schedule8 child: {name} lowered in {lower_s:.1f} s", file=sys.stderr,
+              flush=True)
+        text = lowered.compile().as_text()
       if os.environ.get("OUT"):   # the compiled program itself, to read what the counts mean
         with gzip.open(os.path.join(os.environ["OUT"], f"schedule8_{name}.hlo.gz"), "wt") as f:
           f.write(text)
@@ -823,7 +843,7 @@ def _schedule8_child(mock: str) -> int:
       out["variants"][name] = {
           **_async_pairs(text), "collectives": {op: ops.count(op) for op in sorted(set(ops))},
           "collectives_in_conditional_branches": sum(len(b.collectives) for b in branches),
-          "branches_with_collectives_and_dots": sum(1 for b in branches if b.dots),
+          "branches_with_collectives_and_dots": sum(1 for b in branches if b.dots), **priced,
           "lower_s": round(lower_s, 2), "compile_s": round(time.perf_counter() - start, 2)}
     except Exception as e:
       out["variants"][name] = {"error": f"{type(e).__name__}: {e}"[:1500]}

@@ -57,10 +57,16 @@ class ModelScheduledStep:
     self._calib = calibrate.load_fitted()
     self._net = net_of(cluster, num_devices, self._calib)
     self._compiled: dict = {}
+    self._last = None
     self._dir = None
 
   def __getattr__(self, name):           # lower, trace, eval_shape, ...: the jitted step's
     return getattr(self._jitted, name)
+
+  @property
+  def scheduled(self) -> list[Scheduled]:
+    """The input signatures compiled so far, in order."""
+    return list(self._compiled.values())
 
   def price(self, hlo_text: str) -> dict[str, float]:
     return latencies.instruction_costs(hlo_text, self.cluster.gpu, self._net,
@@ -85,6 +91,11 @@ class ModelScheduledStep:
                      time.perf_counter() - start)
 
   def __call__(self, *args):
+    if self._last is not None:
+      try:     # the signature of the last call (the executable checks types and shardings
+        return self._last(*args)     # before it runs anything)
+      except (TypeError, ValueError):
+        pass
     leaves, treedef = jax.tree.flatten(args)
     key = (treedef, tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x))),
                            getattr(x, "sharding", None)) for x in leaves))
@@ -94,7 +105,8 @@ class ModelScheduledStep:
       if not self._quiet:
         log(describe(scheduled, self.cluster, self.num_devices,
                      jax.devices()[0].platform))
-    return self._compiled[key].compiled(*args)
+    self._last = self._compiled[key].compiled
+    return self._last(*args)
 
 
 def describe(s: Scheduled, cluster: hardware.Cluster, num_devices: int, platform: str) -> str:

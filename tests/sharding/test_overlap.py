@@ -14,9 +14,12 @@ run it under compute outside. Read from the compiled 8-device train step (codec 
   exchange and the expert matmuls; no conditional holds a collective.
 The checker is shown to flag a collective alone in a branch.
 """
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
@@ -43,6 +46,28 @@ def test_fsdp_layer_scans_sum_no_router_counts(compiled_step):
   text = compiled_step("fsdp", 8).compiled.as_text()
   waiting = [c.op for c in hlo.loop_collectives_after_matmuls(text)]
   assert waiting and set(waiting) == {"reduce-scatter"}, waiting
+
+
+def test_the_cost_model_prices_every_instruction_of_the_step(compiled_step):
+  """`moejax.perf.latencies` (config schedule_latencies="model") on the compiled 8-device step:
+  every instruction of every computation that is not a fusion's body gets a price; the layer
+  loops cost their trip count times their bodies; on XLA:CPU every collective is exposed."""
+  from moejax.perf import calibrate, hardware, latencies
+  from moejax.perf.model import net_of
+  text = compiled_step("fsdp", 8).compiled.as_text()
+  calib = calibrate.load_fitted()
+  costs = latencies.instruction_costs(text, hardware.H200, net_of(hardware.H200_NODE, 8, calib),
+                                      calib.gpu("h200"))
+  comps = latencies.parse_module(text)
+  fused = {c for comp in comps.values() for i in comp if i.op == "fusion"
+           for c in re.findall(r"calls=%([\w.\-]+)", i.line)}
+  scheduled = [i for name, comp in comps.items() if name not in fused for i in comp]
+  assert {i.name for i in scheduled} <= set(costs)
+  loops = [i for i in scheduled if i.op == "while"]
+  assert loops and all(costs[i.name] > 0 for i in loops)
+  priced = latencies.schedule_time(text, costs)
+  assert priced.compute > 0 and priced.collectives > 0
+  assert priced.exposed == pytest.approx(priced.collectives)
 
 
 def test_loop_reader_flags_a_reduction_of_the_iteration_s_matmul():

@@ -1,0 +1,135 @@
+"""moejax's latencies for XLA:GPU's scheduler (`moejax.perf.latencies`) against hand
+computations on a small module in XLA:GPU's printed form (nothing compiled here; a compiled
+program's pricing: tests/sharding/test_overlap.py; the train step scheduled by them:
+tests/train/test_latency_profile.py)."""
+import re
+
+import pytest
+
+from moejax.perf import latencies
+from moejax.perf.collectives import Net
+from moejax.perf.hardware import GPU, LAUNCH_S, Cluster, Link
+
+GPU_T = GPU("test", "a100", 1e12, 1e11, 80e9, "round numbers")
+NET_T = Net(Cluster("test", GPU_T, 8, Link("nv", "intra", 1e9, 1e-6, ""),
+                    Link("net", "inter", 1e8, 5e-6, ""), "8 GPUs a node"), 8)
+EFF = 0.5
+
+# One layer loop of 3 iterations: the next weights' all-gather started before a matmul fusion
+# and done after it, then a synchronous reduce-scatter of the matmul's output.
+MODULE = """HloModule jit_step, is_scheduled=true
+
+%fused_dot (p0: bf16[64,128], p1: bf16[128,32]) -> f32[64,32] {
+  %p0 = bf16[64,128]{1,0} parameter(0)
+  %p1 = bf16[128,32]{1,0} parameter(1)
+  ROOT %dot.1 = f32[64,32]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+%fused_scale (q0: f32[8,32]) -> f32[8,32] {
+  %q0 = f32[8,32]{1,0} parameter(0)
+  %two = f32[] constant(2)
+  %bcast = f32[8,32]{1,0} broadcast(%two), dimensions={}
+  ROOT %mul = f32[8,32]{1,0} multiply(%q0, %bcast)
+}
+
+%body (arg: (s32[], bf16[64,128], bf16[16,32])) -> (s32[], bf16[64,128], bf16[16,32]) {
+  %arg = (s32[], bf16[64,128]{1,0}, bf16[16,32]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %x = bf16[64,128]{1,0} get-tuple-element(%arg), index=1
+  %w = bf16[16,32]{1,0} get-tuple-element(%arg), index=2
+  %ag-start = ((bf16[16,32]{1,0}), bf16[128,32]{1,0}) all-gather-start(%w), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}
+  %gemm_fusion = f32[64,32]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused_dot
+  %ag-done = bf16[128,32]{1,0} all-gather-done(%ag-start)
+  %rs = f32[8,32]{1,0} reduce-scatter(%gemm_fusion), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, to_apply=%add
+  %scaled = f32[8,32]{1,0} fusion(%rs), kind=kLoop, calls=%fused_scale
+  ROOT %next = (s32[], bf16[64,128]{1,0}, bf16[16,32]{1,0}) tuple(%i, %x, %w)
+}
+
+%cond (carg: (s32[], bf16[64,128], bf16[16,32])) -> pred[] {
+  %carg = (s32[], bf16[64,128]{1,0}, bf16[16,32]{1,0}) parameter(0)
+  %ci = s32[] get-tuple-element(%carg), index=0
+  %three = s32[] constant(3)
+  ROOT %lt = pred[] compare(%ci, %three), direction=LT
+}
+
+ENTRY %main (x0: bf16[64,128], w0: bf16[16,32]) -> (s32[], bf16[64,128], bf16[16,32]) {
+  %x0 = bf16[64,128]{1,0} parameter(0)
+  %w0 = bf16[16,32]{1,0} parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[64,128]{1,0}, bf16[16,32]{1,0}) tuple(%zero, %x0, %w0)
+  ROOT %loop = (s32[], bf16[64,128]{1,0}, bf16[16,32]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+}
+"""
+
+
+def _kernel(flops, bytes_):
+  return max(flops / (GPU_T.peak_flops * EFF), bytes_ / GPU_T.hbm_bandwidth) + \
+      latencies.KERNEL_LAUNCH_S
+
+
+def test_each_instruction_priced_by_hand():
+  costs = latencies.instruction_costs(MODULE, GPU_T, NET_T, EFF)
+  gemm = _kernel(2 * 64 * 32 * 128, 64 * 32 * 4 + 64 * 128 * 2 + 16 * 32 * 2)
+  assert costs["gemm_fusion"] == pytest.approx(gemm)
+  # The gather's result (its done's shape, not the start's tuple) over 8 GPUs of one node:
+  # 7 ring steps, 7/8 of 8 KiB at 1 GB/s.
+  gather = LAUNCH_S + 7 * 1e-6 + 7 / 8 * 128 * 32 * 2 / 1e9
+  assert costs["ag-start"] == pytest.approx(gather)
+  assert costs["ag-done"] == 0
+  # reduce-scatter: its input (8 x the result) is the buffer the ring moves.
+  assert costs["rs"] == pytest.approx(LAUNCH_S + 7 * 1e-6 + 7 / 8 * 8 * 8 * 32 * 4 / 1e9)
+  scale = _kernel(0, 2 * 8 * 32 * 4)
+  assert costs["scaled"] == pytest.approx(scale)
+  for free in ("i", "x", "w", "next", "x0", "zero", "init"):
+    assert costs[free] == 0, free
+  # The loop: 3 iterations of its body, one after another.
+  assert costs["loop"] == pytest.approx(3 * (gather + gemm + costs["rs"] + scale))
+  # Fused computations run as their fusion's one kernel: nothing inside them is priced.
+  assert not {"dot.1", "p0", "mul", "bcast"} & set(costs)
+
+
+def test_the_schedule_prices_what_compute_leaves_uncovered():
+  costs = latencies.instruction_costs(MODULE, GPU_T, NET_T, EFF)
+  priced = latencies.schedule_time(MODULE, costs)
+  # Per iteration: the gather hides behind the matmul as far as it lasts; the reduce-scatter
+  # is synchronous, exposed whole.
+  uncovered = max(costs["ag-start"] - costs["gemm_fusion"], 0.0)
+  assert costs["ag-start"] > costs["gemm_fusion"] > 0       # partly covered, here
+  assert priced.compute == pytest.approx(3 * (costs["gemm_fusion"] + costs["scaled"]))
+  assert priced.collectives == pytest.approx(3 * (costs["ag-start"] + costs["rs"]))
+  assert priced.exposed == pytest.approx(3 * (uncovered + costs["rs"]))
+  assert priced.step == pytest.approx(priced.compute + priced.exposed)
+
+
+def test_profile_text_is_xla_s_profile_in_microseconds():
+  text = latencies.profile_text({"gemm_fusion": 1.5e-4, "ag-start": 2e-6})
+  entries = re.findall(r'costs \{ name: "([^"]+)" cost_us: ([0-9.]+) \}', text)
+  assert entries == [("ag-start", "2.000"), ("gemm_fusion", "150.000")]
+  assert len(text.splitlines()) == 2
+
+
+@pytest.mark.parametrize("groups, size", [
+    ("replica_groups={{0,1,2,3},{4,5,6,7}}", 4),
+    ("replica_groups=[4,2]<=[8]", 2),
+    ("replica_groups=[2,4]<=[4,2]T(1,0)", 4),
+    ("replica_groups=mesh['node'=2,'device'=4] {'device'}", 4),
+    ("replica_groups=mesh['node'=2,'device'=4] {'node','device'}", 8),
+    ("replica_groups={}", 8),
+])
+def test_replica_groups_in_each_printed_form(groups, size):
+  assert latencies.group_size(f"%x = f32[8]{{0}} all-reduce(%y), {groups}, to_apply=%add",
+                              8) == size
+
+
+def test_shapes_of_every_form():
+  assert latencies.shape_bytes("(bf16[16,32]{1,0}, u32[8,3632]{1,0:S(1)})") == (
+      16 * 32 * 2 + 8 * 3632 * 4)
+  assert latencies.shape_bytes("pred[]") == 1
+  assert latencies.shape_bytes("(s32[], token[])") == 4
+  assert latencies.shape_bytes("s4[6]{0}") == 3
