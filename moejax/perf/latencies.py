@@ -12,7 +12,8 @@ same profile from the same program), on any described cluster.
 
 `instruction_costs(hlo_text, gpu, net)` costs every instruction of a compiled program's
 scheduled computations (not the fusions' bodies, which run as one kernel):
-  matmul fusions and cuBLAS calls   max(FLOPs / (peak x efficiency), bytes / HBM) + a launch
+  matmul fusions, cuBLAS calls and  max(FLOPs / (peak x efficiency), bytes / HBM) + a launch
+  grouped-matmul custom calls
   other fusions and kernels         bytes (operands + result) / HBM bandwidth + a launch
   collectives (start, or sync)      `moejax.perf.collectives.Net`'s alpha-beta time of its
                                     result over its replica group (a ragged all-to-all at its
@@ -203,6 +204,26 @@ def _cublas_flops(inst: Instruction, shapes: dict) -> float:
   return 2.0 * math.prod(_dims(inst.shape)) * k
 
 
+def _grouped_matmul_flops(inst: Instruction, shapes: dict) -> float:
+  """FLOPs of a custom call shaped as a grouped matmul (the Hopper kernels' `mosaic_gpu`
+  calls, `moejax.placement.hopper`): rows [M, K] by a stack [G, K, N] -> [M, N], or the
+  transposed form [M, K], [M, N] -> [G, K, N]: 2 M K N either way (each row meets one group);
+  0 for any other shape (its bytes price it)."""
+  ops = [_dims(shapes.get(o, "")) for o in inst.operands]
+  out = _dims(inst.shape)
+  rows = [d for d in ops if len(d) == 2]
+  for stack in (d for d in ops if len(d) == 3):
+    for m_k in rows:
+      if m_k[1] == stack[1] and out == [m_k[0], stack[2]]:
+        return 2.0 * m_k[0] * m_k[1] * stack[2]
+  if len(out) == 3:
+    for m_k in rows:
+      for m_n in rows:
+        if m_k is not m_n and m_k[0] == m_n[0] and [m_k[1], m_n[1]] == out[1:]:
+          return 2.0 * m_k[0] * m_k[1] * m_n[1]
+  return 0.0
+
+
 def instruction_costs(text: str, gpu: GPU, net: Net, efficiency: float) -> dict[str, float]:
   """{instruction name: seconds} for every instruction of the program's scheduled
   computations (see the module docstring). `efficiency`: the fraction of peak FLOP/s matmuls
@@ -254,8 +275,9 @@ def instruction_costs(text: str, gpu: GPU, net: Net, efficiency: float) -> dict[
       flops = 0.0
       if op == "fusion":
         flops = sum(_dot_flops(comps.get(c, [])) for c in _CALLS.findall(inst.line))
-      elif op == "custom-call" and "cublas" in inst.line:
-        flops = _cublas_flops(inst, shapes)
+      elif op == "custom-call":
+        flops = (_cublas_flops(inst, shapes) if "cublas" in inst.line else
+                 _grouped_matmul_flops(inst, shapes))
       elif op in ("dot", "convolution"):
         flops = _dot_flops([i for i in comp if i.name in inst.operands] + [inst])
       seconds = kernel(flops, moved)

@@ -127,6 +127,30 @@ def test_replica_groups_in_each_printed_form(groups, size):
                               8) == size
 
 
+def test_grouped_matmul_kernels_priced_by_their_routed_flops():
+  """The Hopper kernels' custom calls (`mosaic_gpu`: group sizes, rows, the expert stack) in
+  both forms; a custom call of another shape is priced by its bytes."""
+  comp = latencies.parse_module("""HloModule k
+
+ENTRY %main (gs: s32[8], x: bf16[1024,256], w: bf16[8,256,512], dy: bf16[1024,512]) -> f32[] {
+  %gs = s32[8]{0} parameter(0)
+  %x = bf16[1024,256]{1,0} parameter(1)
+  %w = bf16[8,256,512]{2,1,0} parameter(2)
+  %dy = bf16[1024,512]{1,0} parameter(3)
+  %fwd = bf16[1024,512]{1,0} custom-call(%gs, %x, %w), custom_call_target="mosaic_gpu_v2"
+  %dw = bf16[8,256,512]{2,1,0} custom-call(%gs, %x, %dy), custom_call_target="mosaic_gpu_v2"
+  %other = bf16[1024,256]{1,0} custom-call(%x), custom_call_target="something"
+  ROOT %r = f32[] constant(0)
+}
+""")["main"]
+  shapes = {i.name: i.shape for i in comp}
+  by_name = {i.name: i for i in comp}
+  flops = 2 * 1024 * 256 * 512
+  assert latencies._grouped_matmul_flops(by_name["fwd"], shapes) == flops
+  assert latencies._grouped_matmul_flops(by_name["dw"], shapes) == flops
+  assert latencies._grouped_matmul_flops(by_name["other"], shapes) == 0
+
+
 def test_shapes_of_every_form():
   assert latencies.shape_bytes("(bf16[16,32]{1,0}, u32[8,3632]{1,0:S(1)})") == (
       16 * 32 * 2 + 8 * 3632 * 4)
