@@ -245,11 +245,15 @@ def instruction_costs(text: str, gpu: GPU, net: Net, efficiency: float) -> dict[
       totals[name] = sum(cost(i, comps[name]) for i in comps.get(name, []))
     return totals[name]
 
+  tables: dict[int, tuple[dict, dict]] = {}
+
   def cost(inst: Instruction, comp: list[Instruction]) -> float:
     if inst.name in costs:
       return costs[inst.name]
-    shapes = {i.name: i.shape for i in comp}
-    done_of = {i.operands[0]: i for i in comp if i.op.endswith("-done") and i.operands}
+    if id(comp) not in tables:    # per computation: shapes by name, each async start's done
+      tables[id(comp)] = ({i.name: i.shape for i in comp},
+                          {i.operands[0]: i for i in comp if i.op.endswith("-done") and i.operands})
+    shapes, done_of = tables[id(comp)]
     op = inst.op
     collective = _collective_kind(inst, comps)
     if collective is not None:
