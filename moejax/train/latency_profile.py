@@ -12,6 +12,7 @@ measurements). The first call logs both schedules priced by the model.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 import time
@@ -38,6 +39,21 @@ def cluster_for(name: str, device) -> hardware.Cluster:
   return hardware.H100_NODE
 
 
+def write_profile(text: str, directory: str | None = None) -> str:
+  """The profile's path: named by its content's hash, so the compile option (and with it a key
+  of jax's persistent compilation cache) is the same for the same profile in every run, and
+  written once per host by whichever process comes first (atomically: others may read it)."""
+  directory = directory or os.path.join(tempfile.gettempdir(), "moejax_latencies")
+  os.makedirs(directory, exist_ok=True)
+  path = os.path.join(directory, hashlib.sha256(text.encode()).hexdigest()[:24] + ".pbtxt")
+  if not os.path.exists(path):
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+      f.write(text)
+    os.replace(tmp, path)
+  return path
+
+
 class Scheduled(NamedTuple):
   """One input signature's compiled step, and what the model says of both schedules."""
   compiled: object
@@ -58,7 +74,6 @@ class ModelScheduledStep:
     self._net = net_of(cluster, num_devices, self._calib)
     self._compiled: dict = {}
     self._last = None
-    self._dir = None
 
   def __getattr__(self, name):           # lower, trace, eval_shape, ...: the jitted step's
     return getattr(self._jitted, name)
@@ -79,11 +94,7 @@ class ModelScheduledStep:
     first = lowered.compile()
     first_text = first.as_text()
     costs = self.price(first_text)
-    if self._dir is None:
-      self._dir = tempfile.mkdtemp(prefix="moejax_latencies_")
-    path = os.path.join(self._dir, f"step{len(self._compiled)}.pbtxt")
-    with open(path, "w") as f:
-      f.write(latencies.profile_text(costs))
+    path = write_profile(latencies.profile_text(costs))
     second = lowered.compile(compiler_options={PROFILE_OPTION: path})
     second_text = second.as_text()
     return Scheduled(second, path, len(costs), latencies.schedule_time(first_text, costs),

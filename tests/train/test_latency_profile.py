@@ -9,7 +9,7 @@ import re
 import jax
 import numpy as np
 
-from moejax.train.latency_profile import ModelScheduledStep
+from moejax.train.latency_profile import ModelScheduledStep, write_profile
 from moejax.train.loop import put_batch
 from tests.helpers import canonical_config, random_batches
 
@@ -42,3 +42,16 @@ def test_the_model_scheduled_step_trains_bit_for_bit_as_xla_s(trainer, trainer_f
   assert scheduled.xla.step == scheduled.model.step
   logged = capsys.readouterr().out
   assert "train step scheduled by moejax's latencies" in logged and "XLA:CPU" in logged
+
+
+def test_a_profile_is_named_by_its_content(tmp_path):
+  """The same profile, the same path in every run (so the compile option, a key of jax's
+  persistent compilation cache, is too); another profile, another path."""
+  first, again = (write_profile('costs { name: "a" cost_us: 1.000 }\n', str(tmp_path))
+                  for _ in range(2))
+  other = write_profile('costs { name: "a" cost_us: 2.000 }\n', str(tmp_path))
+  assert first == again != other
+  assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+      [first.rsplit("/", 1)[1], other.rsplit("/", 1)[1]])       # no temporary file left
+  with open(other) as f:
+    assert f.read().endswith("cost_us: 2.000 }\n")
