@@ -26,8 +26,6 @@ from moejax.families import FAMILIES
 from moejax.errors import ConfigError
 from moejax.placement import PLACEMENTS
 from moejax.placement.dispatch import OVERFLOW_POLICIES
-from moejax.perf.hardware import CLUSTERS
-from moejax.perf.latencies import SCHEDULE_LATENCIES
 from moejax.placement.experts import ACTIVATIONS
 from moejax.routing.admission import POLICIES as ADMISSIONS
 from moejax.routing.router import GROUP_SCORES, SCORE_FUNCTIONS as SCORES
@@ -570,6 +568,11 @@ class Config:
   SparseReduceScatter stay float32; the optimizer always gets float32 gradients."""
 
 
+SCHEDULE_LATENCIES = ("xla", "model")
+"""Config `schedule_latencies`: XLA's own estimate, or `moejax.perf.latencies`' prices (the
+cluster, `schedule_cluster`, is checked where the step is made: `moejax.perf` reads configs)."""
+
+
 def default_config_dict() -> ml_collections.ConfigDict:
   """`Config()` as a ConfigDict: what config files start from (absl `--config.x.y=` overrides
   are type-checked against these values)."""
@@ -730,7 +733,6 @@ def validate(c: Config) -> None:
   _choice(c.remat, "remat", REMAT_MODES)
   _choice(c.scatter_ahead, "scatter_ahead", SCATTER_AHEAD_MODES)
   _choice(c.schedule_latencies, "schedule_latencies", SCHEDULE_LATENCIES)
-  _choice(c.schedule_cluster, "schedule_cluster", ("auto",) + tuple(CLUSTERS))
   _choice(c.compute_dtype, "compute_dtype", tuple(COMPUTE_DTYPES))
   _choice(c.reduce_dtype, "reduce_dtype", tuple(REDUCE_DTYPES))
   _check(c.reduce_dtype == "float32" or c.compute_dtype == "bfloat16",

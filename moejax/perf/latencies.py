@@ -33,9 +33,6 @@ import re
 from moejax.perf.collectives import Net
 from moejax.perf.hardware import GPU
 
-SCHEDULE_LATENCIES = ("xla", "model")
-"""Config `schedule_latencies`: XLA's own estimate, or this module's profile."""
-
 KERNEL_LAUNCH_S = 2e-6
 """A compute kernel's fixed cost (launch and tail; a few microseconds on H100-class GPUs)."""
 

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import jax
 
+from moejax.errors import ConfigError
 from moejax.perf import calibrate, hardware, latencies
 from moejax.perf.model import net_of
 from moejax.train.metrics import log
@@ -27,8 +28,16 @@ from moejax.train.metrics import log
 PROFILE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"
 
 
+def check_cluster(name: str) -> None:
+  """ConfigError unless `name` is "auto" or a `moejax.perf` cluster (config `schedule_cluster`)."""
+  if name != "auto" and name not in hardware.CLUSTERS:
+    raise ConfigError(f"config.schedule_cluster={name!r}: must be one of auto, "
+                      f"{', '.join(hardware.CLUSTERS)}")
+
+
 def cluster_for(name: str, device) -> hardware.Cluster:
   """`schedule_cluster`'s cluster: a named one, or for "auto" the preset of `device`'s kind."""
+  check_cluster(name)
   if name != "auto":
     return hardware.get_cluster(name)
   kind = str(getattr(device, "device_kind", "")).upper()

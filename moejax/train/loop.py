@@ -31,6 +31,7 @@ from moejax.errors import ConfigError, DataError, TrainingError
 from moejax.sharding.mesh import make_mesh, num_devices
 from moejax.train import (checkpoint as checkpoint_lib, memory, optim, state as state_lib,
                           step as step_lib, workdir as workdir_lib)
+from moejax.train import latency_profile
 from moejax.train.codec_control import CodecPolicy, specs_key
 from moejax.train.metrics import MetricsWriter, Progress, log
 from moejax.train.stop import StopRequests
@@ -165,6 +166,7 @@ class Trainer:
     self.trace_guard = trace_guard
     self.mesh = mesh if mesh is not None else make_mesh(cfg.mesh.shape)
     step_lib.check_divisibility(cfg, self.mesh)
+    latency_profile.check_cluster(cfg.schedule_cluster)
     if self.mesh.devices.flat[0].platform == "cpu":   # XLA:CPU steps malloc their buffers
       host_memory.keep_freed_memory_mapped()
     self.tx = optim.make_optimizer(cfg)

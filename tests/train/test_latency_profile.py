@@ -8,10 +8,12 @@ import re
 
 import jax
 import numpy as np
+import pytest
 
 from moejax.train.latency_profile import ModelScheduledStep, write_profile
-from moejax.train.loop import put_batch
-from tests.helpers import canonical_config, random_batches
+from moejax.errors import ConfigError
+from moejax.train.loop import Trainer, put_batch
+from tests.helpers import canonical_config, random_batches, tiny_config
 
 
 def test_the_model_scheduled_step_trains_bit_for_bit_as_xla_s(trainer, trainer_for, capsys):
@@ -55,3 +57,9 @@ def test_a_profile_is_named_by_its_content(tmp_path):
       [first.rsplit("/", 1)[1], other.rsplit("/", 1)[1]])       # no temporary file left
   with open(other) as f:
     assert f.read().endswith("cost_us: 2.000 }\n")
+
+
+def test_an_unknown_cluster_is_refused_by_name():
+  with pytest.raises(ConfigError, match=r"config.schedule_cluster='nowhere': must be one of "
+                                        r"auto, ciera-a100"):
+    Trainer(tiny_config(schedule_cluster="nowhere"))
