@@ -329,6 +329,12 @@ class MoEConfig:
   starting size (see `dispatch_overflow`); 0 = dropless: N x T x K rows per device, the worst
   case, only when asked for (at scale it does not fit: 136 GiB per device for the 1b7b preset on
   64 devices, `python train.py ... --memory_on_devices=64`)."""
+  dispatch_chunks: int = 1
+  """ep/fssdp: the token exchange in this many pieces, each piece's rows of every destination's
+  buffer sent, run through the experts and returned on its own, so one piece's exchange can
+  overlap another's expert matmuls (on GPU, with a schedule that knows what each costs:
+  `schedule_latencies="model"`). The same slots and drops; the expert weights' gradients are
+  summed over the pieces (within bf16 rounding of one exchange's). 1: one exchange."""
   dispatch_overflow: str = "grow"
   """A step whose dispatch buffers overflow: one of `moejax.placement.dispatch.OVERFLOW_POLICIES`
   (grow: no update, the buffers are resized from the measured loads and the step reruns,
@@ -948,6 +954,9 @@ def validate(c: Config) -> None:
          f"config.moe.dispatch_capacity_factor={moe.dispatch_capacity_factor}: must be >= 0 "
          "(0 = dropless)")
   _choice(moe.dispatch_overflow, "moe.dispatch_overflow", OVERFLOW_POLICIES)
+  _check(moe.dispatch_chunks >= 1,
+         f"config.moe.dispatch_chunks={moe.dispatch_chunks}: must be at least 1 (1: the "
+         "exchange in one piece)")
   _choice(c.routing.admission, "routing.admission", ADMISSIONS)
   _check(-1.0 <= c.routing.threshold <= 1.0,
          f"config.routing.threshold={c.routing.threshold}: a cosine similarity, in [-1, 1]")
@@ -1032,7 +1041,8 @@ def unused_settings(c: Config) -> list[str]:
       ("fssdp", ("replica_slots", "overlap_degree", "owner_sends", "window", "reshard_every",
                  "max_per_layer", "calibrate"), c.moe.placement == "fssdp",
        f"moe.placement='fssdp' (here {c.moe.placement!r})"),
-      ("moe", ("dispatch_capacity_factor", "dispatch_overflow"), c.moe.placement != "fsdp",
+      ("moe", ("dispatch_capacity_factor", "dispatch_overflow", "dispatch_chunks"),
+       c.moe.placement != "fsdp",
        "moe.placement is 'ep' or 'fssdp', whose tokens travel (here 'fsdp')"),
       ("routing", ("threshold", "admission_capacity_factor", "admission_capacity_factor_warmup",
                    "warmup_steps"), c.routing.admission != "none",

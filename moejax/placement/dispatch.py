@@ -10,7 +10,10 @@ Dropped assignments carry the sentinel expert id E and produce zeros.
   ep      experts partitioned over the N devices; a static per-destination buffer of C rows
           (`send_blocks`: `all_to_all` of the whole buffer on XLA:CPU, which has no
           `ragged_all_to_all`; `lax.ragged_all_to_all` of the filled rows on GPU/TPU, chosen by
-          `lax.platform_dependent`; both return the same buffer).
+          `lax.platform_dependent`; both return the same buffer). With `Dispatch.chunks` > 1
+          the buffer goes in that many pieces of C / chunks rows per destination, each out,
+          through the experts and back on its own (the same slots and drops; the pieces'
+          exchanges can overlap the other pieces' expert matmuls).
   fssdp   as ep, plus this step's replicas of hot experts (moejax.placement.planner); each
           assignment goes to one device holding its expert (`exchange` with a destination and
           the expert's index there).
@@ -51,6 +54,7 @@ class Dispatch:
   owner_sends: int = 0                # fssdp: replica slots one owner fills per step; 0 = N * M
   calibrate: bool = False             # fssdp: re-plan after gating when it pays
   replica_codec: Any = None           # fssdp: `codec.replicas.ReplicaCodec`, None = plain
+  chunks: int = 1                     # ep / fssdp: the exchange in this many independent pieces
 
 
 LOCAL = Dispatch()
@@ -126,15 +130,30 @@ def exchange(x_TxD, dest_A, local_id_A, weights_TxK, ws, *, dispatch: Dispatch,
   send_g = jnp.full((n * c + 1,), num_groups, jnp.int32).at[slot_A].set(local_id_A)[:-1]
   axes = dispatch.axis_names
   sent_N = jnp.sum(onehot_AxN * fits_A[:, None].astype(jnp.int32), axis=0)   # rows to each
-  blocks = dict(axes=axes, num_devices=n, capacity=c)
-  recv_g, received_N = _send_groups(send_g, sent_N, num_groups, **blocks)
-  recv_x = send_blocks(send_x, sent_N, received_N, 0, **blocks)
-  y_recv = run_sorted(recv_x, recv_g, num_groups, *ws, packed=False,   # zeros where no group
-                      fn=fn)
-  y_back = send_blocks(y_recv, received_N, sent_N, 0, **blocks)
+  # In `dispatch.chunks` pieces: piece j holds rows lo_j..hi_j - 1 of every destination's block
+  # (the same slots, so the same drops), and goes out, through the experts and back on its own.
+  # Nothing ties one piece's exchange to another's experts, so a scheduler can run piece j + 1's
+  # exchange under piece j's expert matmuls.
+  bounds = [j * c // dispatch.chunks for j in range(dispatch.chunks + 1)]
+  send_x_NxCxD, send_g_NxC = send_x.reshape(n, c, d), send_g.reshape(n, c)
+  y_back, received = [], jnp.zeros((), jnp.int32)
+  for lo, hi in zip(bounds[:-1], bounds[1:]):
+    if hi == lo:
+      continue
+    piece_N = jnp.clip(sent_N - lo, 0, hi - lo)
+    blocks = dict(axes=axes, num_devices=n, capacity=hi - lo)
+    recv_g, received_N = _send_groups(send_g_NxC[:, lo:hi].reshape(-1), piece_N, num_groups,
+                                      **blocks)
+    recv_x = send_blocks(send_x_NxCxD[:, lo:hi].reshape(-1, d), piece_N, received_N, 0,
+                         **blocks)
+    y_recv = run_sorted(recv_x, recv_g, num_groups, *ws, packed=False,   # zeros where no group
+                        fn=fn)
+    y_back.append(send_blocks(y_recv, received_N, piece_N, 0, **blocks).reshape(n, hi - lo, d))
+    received = received + jnp.sum(received_N).astype(jnp.int32)
+  y_back = jnp.concatenate(y_back, axis=1).reshape(n * c, d) if len(y_back) > 1 else \
+      y_back[0].reshape(n * c, d)
   y_AxD = jnp.where(fits_A[:, None], y_back[jnp.minimum(slot_A, n * c - 1)], 0)
   dropped = jnp.sum(valid_A & ~fits_A).astype(jnp.int32)
-  received = jnp.sum(received_N).astype(jnp.int32)
   needed = jnp.max(jnp.sum(onehot_AxN, axis=0)).astype(jnp.int32)
   return combine(y_AxD, weights_TxK), dropped, received, needed
 

@@ -64,6 +64,7 @@ class Placement:
   axis_names: tuple
   dispatch_capacity_factor: float = 0.0
   dispatch_overflow: str = "grow"     # `moejax.placement.dispatch.OVERFLOW_POLICIES`
+  dispatch_chunks: int = 1            # the exchange in this many pieces (`Dispatch.chunks`)
   replica_slots: int = 0
   overlap_degree: int = 0
   owner_sends: int = 0                # fssdp.owner_sends resolved (0 = no bound)
@@ -118,7 +119,8 @@ class Placement:
                     self.dispatch_capacity_factor, replica_slots=self.replica_slots,
                     overlap_degree=self.overlap_degree, owner_sends=self.owner_sends,
                     calibrate=self.calibrate,
-                    replica_codec=self.replica_codec if self.kind == "fssdp" else None)
+                    replica_codec=self.replica_codec if self.kind == "fssdp" else None,
+                    chunks=self.dispatch_chunks)
 
   def dispatch_capacity(self, tokens_per_device: int) -> int:
     """C: the dispatch buffer's rows per destination (ep/fssdp; 0 for fsdp)."""

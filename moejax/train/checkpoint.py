@@ -76,7 +76,7 @@ load_params = weights.load_params
 # refused apart, since it adds or drops a transformation's state.)
 MAY_DIFFER = ("steps", "log_every", "eval_every", "eval_batches", "remat", "prefetch",
               "scatter_ahead", "schedule_latencies", "schedule_cluster", "mesh.",
-              "moe.placement", "moe.dispatch_capacity_factor", "moe.dispatch_overflow",
+              "moe.placement", "moe.dispatch_capacity_factor", "moe.dispatch_overflow", "moe.dispatch_chunks",
               "checkpoint.", "codec.", "data.path", "data.source", "init_from", "distributed.",
               "optim.")
 

@@ -27,10 +27,11 @@ def _inputs():
 
 
 @functools.lru_cache(maxsize=None)
-def _ep(capacity_factor: float):
+def _ep(capacity_factor: float, chunks: int = 1):
   mesh = Mesh(np.array(jax.devices()[:N]), ("devices",))
   dispatch = dispatch_lib.Dispatch(kind="ep", axis_names=("devices",), num_devices=N,
-                                   devices_per_node=N, capacity_factor=capacity_factor)
+                                   devices_per_node=N, capacity_factor=capacity_factor,
+                                   chunks=chunks)
 
   def body(*args):
     y, dropped, received, needed = dispatch_lib.ep_experts(*args, dispatch=dispatch)
@@ -133,6 +134,35 @@ def test_the_gpu_exchange_gives_the_cpu_ones_results_and_gradients(monkeypatch):
   monkeypatch.setattr(lax, "platform_dependent", gpu_forms_of("moejax.placement.dispatch"))
   monkeypatch.setattr(lax, "ragged_all_to_all", emulated_ragged_all_to_all)
   assert_bits_equal(want, outputs(_ep.__wrapped__(capacity_factor)))
+
+
+def test_an_exchange_in_pieces_equals_the_whole_on_each_platform_s_form(monkeypatch):
+  """`Dispatch.chunks`: the buffer's rows go in pieces (here 3 of C = 4 rows a destination:
+  uneven), each out, through the experts and back on its own, so one piece's exchange can run
+  under another's expert matmuls. Outputs, drop counts, rows received and needed, and the
+  tokens' gradients equal one exchange's bit for bit at a capacity one source overflows; the
+  expert weights' gradients are each piece's, rounded to bf16 and then summed, so within bf16
+  rounding of one exchange's. The CPU form has one all_to_all per piece and direction; the GPU
+  form (ragged, emulated) gives the CPU form's pieces bit for bit."""
+  args, capacity_factor = _inputs(), 1.0
+  assert dispatch_lib.ep_capacity(T * K, N, capacity_factor) == 4
+  ct_TxD = jax.random.normal(jax.random.key(1), (N * T, D), jnp.float32)
+
+  def outputs(ep):
+    loss = lambda *a: jnp.sum(ep(*a)[0].astype(jnp.float32) * ct_TxD)   # noqa: E731
+    return ep(*args), jax.jit(jax.grad(loss, argnums=(0, 3, 4, 5)))(*args)
+
+  whole, pieces = outputs(_ep(capacity_factor)), outputs(_ep(capacity_factor, 3))
+  assert int(np.sum(whole[0][1])) > 0                       # the hot source overflows
+  assert_bits_equal((whole[0], whole[1][0]), (pieces[0], pieces[1][0]))
+  for want, got in zip(whole[1][1:], pieces[1][1:]):
+    want, got = np.asarray(want, np.float32), np.asarray(got, np.float32)
+    np.testing.assert_allclose(got, want, rtol=0, atol=np.abs(want).max() * 2.0 ** -7)
+  text = _ep(capacity_factor, 3).lower(*args).as_text()
+  assert text.count("all_to_all") == 3 * 3                 # ids, tokens and results, per piece
+  monkeypatch.setattr(lax, "platform_dependent", gpu_forms_of("moejax.placement.dispatch"))
+  monkeypatch.setattr(lax, "ragged_all_to_all", emulated_ragged_all_to_all)
+  assert_bits_equal(pieces, outputs(_ep.__wrapped__(capacity_factor, 3)))
 
 
 def test_grown_capacity_covers_the_need_with_a_margin_and_at_least_doubles():
