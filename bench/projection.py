@@ -109,6 +109,24 @@ def scatter_projection(calib) -> list[dict]:
   return rows
 
 
+def chunks_projection(calib, steps) -> list[dict]:
+  """DeepSeek-V3 shapes under moejax ep and fssdp on H200 nodes with the token exchange in
+  1, 2 and 4 pieces (config `moe.dispatch_chunks`): how much of the expert matmuls hides under
+  the other pieces' exchanges, against the fixed cost each piece pays."""
+  base = get_shape("DeepSeek-V3").with_layers(4, dense_layers=0)
+  cluster, tokens, rows = get_cluster("h200"), 4096, []
+  for n in (16, 64):
+    run = Run(n, tokens, 4096, remat=True)
+    trace = ld.synthetic_trace(base.num_experts, base.top_k, n, tokens, steps=5 + steps,
+                               layers=base.moe_layers, cv=0.69, seed=1)
+    for name in ("moejax-ep", "moejax-fssdp"):
+      times = {k: step_time(base, cluster, run,
+                            dataclasses.replace(get_system(name), dispatch_chunks=k), calib,
+                            trace).seconds for k in (1, 2, 4)}
+      rows.append({"system": name, "gpus": n, **{f"chunks{k}_s": t for k, t in times.items()}})
+  return rows
+
+
 def deepseek_projection(calib, gpus, steps) -> dict[str, list[dict]]:
   base = get_shape("DeepSeek-V3").with_layers(4, dense_layers=0)
   cluster = get_cluster("h200")
@@ -201,6 +219,17 @@ def main():
     print(f"  {r['system']:20s} {r['gpus']:4d} {r['tokens']:10d} {1e3 * r['in_place_s']:9.1f} "
           f"{1e3 * r['ahead_s']:9.1f} {1e3 * r['rs_exposed_in_place_s']:8.1f} -> "
           f"{1e3 * r['rs_exposed_ahead_s']:6.1f} {r['in_place_s'] / r['ahead_s']:7.2f}x")
+  chunks = chunks_projection(fitted, 3 if args.quick else 8)
+  print("\nDeepSeek-V3 shapes (4 MoE layers, 256 experts top-8, seq 4096, 4096 tokens per GPU, "
+        "trace Gamma CV 0.69) on H200 nodes: the token exchange in 1, 2 and 4 pieces "
+        "(moe.dispatch_chunks), ms per step:")
+  print(f"  {'system':14s} {'GPUs':>4s} {'1 piece':>9s} {'2 pieces':>9s} {'4 pieces':>9s} "
+        f"{'best':>7s}")
+  for r in chunks:
+    best = min((1, 2, 4), key=lambda k: r[f"chunks{k}_s"])
+    print(f"  {r['system']:14s} {r['gpus']:4d} " + " ".join(
+        f"{1e3 * r[f'chunks{k}_s']:9.1f}" for k in (1, 2, 4))
+        + f" {r['chunks1_s'] / r[f'chunks{best}_s']:6.2f}x")
   ds = deepseek_projection(fitted, (16, 32, 64), 3 if args.quick else 8)
   for name, rows in ds.items():
     print(f"\nDeepSeek-V3 shapes (4 MoE layers, 256 experts top-8, seq 4096, 4096 tokens per "
@@ -233,6 +262,9 @@ def main():
          "projection_scatter_ahead": [
              {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
              for r in scatter],
+         "projection_dispatch_chunks": [
+             {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
+             for r in chunks],
          "sanity": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in s.items()}
                     for s in san],
          "projection_olmoe_s": proj(olmoe),

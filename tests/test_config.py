@@ -155,6 +155,8 @@ def test_unknown_preset():
     ({"remat": "some"}, r"config.remat='some': must be one of full, minimal, none"),
     ({"scatter_ahead": "soon"},
      r"config.scatter_ahead='soon': must be one of auto, always, never"),
+    ({"moe.dispatch_chunks": 0},
+     r"config.moe.dispatch_chunks=0: must be at least 1"),
     ({"schedule_latencies": "measured"},
      r"config.schedule_latencies='measured': must be one of xla, model"),
     ({"moe.top_k": 9}, r"config.moe.top_k=9: must be at most moe.num_experts=8"),

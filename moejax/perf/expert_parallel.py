@@ -25,6 +25,7 @@ import numpy as np
 
 from moejax.perf import compute as cp
 from moejax.perf import loads as ld
+from moejax.perf.hardware import LAUNCH_S
 from moejax.perf.model import Calibration, Run, StepTime, mean_steps, net_of
 from moejax.perf.schedule import Program, simulate
 from moejax.perf.shapes import ModelShape
@@ -266,10 +267,8 @@ def _one_step(shape, cluster, run, system, calib, counts_LxNxE, pred_LxE, owner_
     if run.remat:
       prev = _forward_layer(p, system, L, attn_L[l], shared_s, dense_ag_L[l], net, psi, prev,
                             recompute=True)
-    c1 = p.add_split("a2a", "comm", L["a2a"], L["a2a_even"], prev, "combine bwd")
-    eb = p.add_split("compute", "compute", cp.BACKWARD * L["exp_max"],
-                     cp.BACKWARD * L["exp_mean"], c1, "experts bwd")
-    d1 = p.add_split("a2a", "comm", L["a2a"], L["a2a_even"], eb, "dispatch bwd")
+    eb, d1 = _pieces(p, system, L, prev, [], cp.BACKWARD, "",
+                     ("combine bwd", "experts bwd", "dispatch bwd"))
     if L["sprs"]:
       tail.append(p.add("sprs", "comm", L["sprs"], eb, "SpRS"))
     if L["shadow"]:
@@ -315,8 +314,24 @@ def _forward_layer(p, system, L, attn_s, shared_s, dense_ag, net, psi, prev, rec
   if L["shadow"] and not recompute:
     waits.append(p.add("bcast", "comm", net.broadcast_all(L["shadow"] * psi), a,
                        "shadow broadcast"))
-  disp = p.add_split("a2a", "comm", L["a2a"], L["a2a_even"], a, "dispatch" + tag)
   sh = p.add("compute", "compute", shared_s, a, "shared experts" + tag) if shared_s else a
-  ex = p.add_split("compute", "compute", L["exp_max"], L["exp_mean"], [disp, sh] + waits,
-                   "experts" + tag)
-  return p.add_split("a2a", "comm", L["a2a"], L["a2a_even"], ex, "combine" + tag)
+  return _pieces(p, system, L, a, [sh] + waits, 1.0, tag, ("dispatch", "experts", "combine"))[1]
+
+
+def _pieces(p, system, L, start, waits, scale, tag, names):
+  """The exchange, the experts (`scale` x their forward time) and the exchange back, in
+  `system.dispatch_chunks` pieces: piece j's first exchange goes out while piece j - 1's
+  experts run, its second after them. Returns (the last experts op, the last op)."""
+  k = system.dispatch_chunks
+  piece = lambda s: s / k + (LAUNCH_S if k > 1 else 0.0)    # noqa: E731  (each its fixed cost)
+  out = [p.add_split("a2a", "comm", piece(L["a2a"]), piece(L["a2a_even"]), start,
+                     names[0] + tag)]
+  last = None
+  for j in range(k):
+    ex = p.add_split("compute", "compute", scale * L["exp_max"] / k, scale * L["exp_mean"] / k,
+                     [out[j]] + (waits if j == 0 else []), names[1] + tag)
+    if j + 1 < k:
+      out.append(p.add_split("a2a", "comm", piece(L["a2a"]), piece(L["a2a_even"]), start,
+                             names[0] + tag))
+    last = p.add_split("a2a", "comm", piece(L["a2a"]), piece(L["a2a_even"]), ex, names[2] + tag)
+  return ex, last

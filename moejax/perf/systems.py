@@ -90,6 +90,10 @@ class System:
   replica_ratio: float = 1.0
   """Bytes of a replica its device held last step over a plain one (moejax's replica codec;
   1.0: none)."""
+  dispatch_chunks: int = 1
+  """The token exchange in this many pieces (moejax's moe.dispatch_chunks): piece j's dispatch
+  and combine run on the comm stream beside piece j - 1's experts; each piece pays the
+  collective's fixed cost."""
   description: str = ""
 
 

@@ -12,6 +12,7 @@ from moejax.perf.model import Calibration, Run
 from moejax.perf.schedule import Program, simulate
 from moejax.perf.shapes import SHAPES, ModelShape, shape_of
 from moejax.perf.step import step_time
+from moejax.perf.systems import get_system
 
 GPU_T = GPU("test", "a100", 1e12, 1e12, 80e9, "round numbers")
 CLUSTER_T = Cluster("test", GPU_T, 2, Link("nv", "intra", 1e9, 0.0, ""),
@@ -221,3 +222,25 @@ def test_sparse_gather_bytes_themis_routes_once_per_node_moejax_from_the_owner()
   kept[0, 4] = True
   assert _spag_bytes(holders, owner, 4, 10.0, kept, 0.5, direct=True) == (35.0, 35.0)
   assert _spag_bytes(holders, owner, 4, 10.0, kept, 0.5) == (10.0, 10.0)   # not all kept
+
+
+def test_dispatch_in_pieces_by_hand():
+  """moejax's `moe.dispatch_chunks` in the model: the exchange in k pieces pays the collective's
+  fixed cost per piece, and piece j's exchange runs beside piece j - 1's experts. Two GPUs,
+  uniform loads, one layer, no remat: with each piece's exchange (a) longer than its experts
+  (x), a pass goes from dispatch + experts + combine (2A + X) to 4a = 2A + 4 LAUNCH_S, forward
+  and backward alike."""
+  shape = dataclasses.replace(TWO_LAYERS, num_layers=1)
+  trace = np.full((7, 1, 2, 2), 200, np.int64)
+  run = Run(2, 400, 10, remat=False)
+  whole = step_time(shape, CLUSTER_T, run, "uniform", CAL_T, trace)
+  system = dataclasses.replace(get_system("uniform"), dispatch_chunks=2)
+  pieces = step_time(shape, CLUSTER_T, run, system, CAL_T, trace)
+  x = 400 * 384 / 5e11                       # the experts' forward: 400 rows of 384 FLOPs
+  a2a = LAUNCH_S + 200 * 16 / 1e9            # half the rows to the other GPU, 16 B each
+  assert (a2a / 2 + LAUNCH_S) > cp.BACKWARD * x / 2        # (each piece's exchange the longer)
+  assert pieces.seconds - whole.seconds == pytest.approx(8 * LAUNCH_S - (1 + cp.BACKWARD) * x)
+  assert pieces.busy["a2a"] - whole.busy["a2a"] == pytest.approx(4 * 2 * LAUNCH_S)
+  assert pieces.busy["compute"] == pytest.approx(whole.busy["compute"])
+  same = dataclasses.replace(get_system("uniform"), dispatch_chunks=1)
+  assert step_time(shape, CLUSTER_T, run, same, CAL_T, trace).seconds == whole.seconds
