@@ -174,3 +174,11 @@ def test_grown_capacity_covers_the_need_with_a_margin_and_at_least_doubles():
     factor = dispatch_lib.grown_capacity_factor(2.0, needed, a, n)
     assert rows <= dispatch_lib.ep_capacity(a, n, factor) <= rows * 1.001
   assert dispatch_lib.grown_capacity_factor(2.0, 30000, a, n) == 0.0     # dropless: all of A
+
+
+def test_the_config_s_pieces_reach_the_exchange():
+  from moejax.train.state import placement_for
+  from tests.helpers import tiny_config
+  for placement in ("ep", "fssdp"):
+    cfg = tiny_config(**{"moe.placement": placement, "moe.dispatch_chunks": 3})
+    assert placement_for(cfg, 8, 8).dispatch.chunks == 3
