@@ -1034,6 +1034,9 @@ def unused_settings(c: Config) -> list[str]:
     notes.append(f"config.routing.locality_weight={c.routing.locality_weight} has no effect: "
                  f"the locality loss favours experts on a token's node under ep "
                  f"(moe.placement={c.moe.placement!r})")
+  if c.schedule_cluster != "auto" and c.schedule_latencies != "model":
+    notes.append(f"config.schedule_cluster={c.schedule_cluster!r} has no effect: it prices the "
+                 f"schedule of schedule_latencies='model' (here {c.schedule_latencies!r})")
   if c.fssdp.replica_codec and c.moe.placement != "fssdp":
     notes.append(f"config.fssdp.replica_codec={c.fssdp.replica_codec!r} has no effect: it codes "
                  f"fssdp's expert replicas (moe.placement={c.moe.placement!r})")

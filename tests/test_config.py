@@ -401,6 +401,9 @@ def test_fssdp_fields_bind_only_under_fssdp():
   assert note.startswith("config.routing.locality_weight=0.5 has no effect")
   assert not config_lib.unused_settings(tiny_config(**{"routing.locality_weight": 0.5,
                                                         "moe.placement": "ep"}))
+  (note,) = _notes(**{"schedule_cluster": "h200"})
+  assert note.startswith("config.schedule_cluster='h200' has no effect")
+  assert not _notes(**{"schedule_cluster": "h200", "schedule_latencies": "model"})
 
 
 @pytest.mark.parametrize("overrides, message", [
