@@ -11,7 +11,8 @@ Modules: hardware (clusters as data), shapes (model shapes; `shape_of(Config)`),
 (traces and placements), schedule (streams and overlap), model (Run, Calibration, StepTime),
 sharded / expert_parallel (the step programs), step (`step_time`), systems (the techniques),
 calibrate (fit and validation on data/points.json), report (tables, plot), cli
-(`python -m moejax.perf`). Pure numpy: nothing is compiled.
+(`python -m moejax.perf`), latencies (a compiled program's instructions priced for XLA:GPU's
+scheduler: config `schedule_latencies`). Pure numpy and text: nothing is compiled.
 """
 from moejax.perf.calibrate import load_fitted
 from moejax.perf.hardware import CLUSTERS, get_cluster
