@@ -25,7 +25,6 @@ import numpy as np
 
 from moejax.perf import compute as cp
 from moejax.perf import loads as ld
-from moejax.perf.hardware import LAUNCH_S
 from moejax.perf.model import Calibration, Run, StepTime, mean_steps, net_of
 from moejax.perf.schedule import Program, simulate
 from moejax.perf.shapes import ModelShape
@@ -245,7 +244,10 @@ def _one_step(shape, cluster, run, system, calib, counts_LxNxE, pred_LxE, owner_
         late_s = net.sparse(g2, nd2)
       g3, nd3 = _spag_bytes(holders, owner_LxE[l], dpn, 2 * psi, direct=direct)   # fp32 grads
       sprs = net.sparse(g3, nd3)
-    layers.append({"a2a": a2a, "a2a_even": a2a_even, "exp_max": exp_max, "exp_mean": exp_mean,
+    # an exchange's fixed part (launch and one hop's latency), which each piece pays again
+    a2a_lat = net._lat(1, 1 if net.nodes > 1 else 0) if a2a > 0 else 0.0
+    layers.append({"a2a": a2a, "a2a_even": a2a_even, "a2a_lat": a2a_lat,
+                   "exp_max": exp_max, "exp_mean": exp_mean,
                    "spag": spag, "late": late_s, "sprs": sprs, "shadow": shadow})
   p = Program()
   prev = None
@@ -323,7 +325,10 @@ def _pieces(p, system, L, start, waits, scale, tag, names):
   `system.dispatch_chunks` pieces: piece j's first exchange goes out while piece j - 1's
   experts run, its second after them. Returns (the last experts op, the last op)."""
   k = system.dispatch_chunks
-  piece = lambda s: s / k + (LAUNCH_S if k > 1 else 0.0)    # noqa: E731  (each its fixed cost)
+  if k < 1:
+    raise ValueError(f"System.dispatch_chunks={k}: must be at least 1")
+  lat = L["a2a_lat"]
+  piece = lambda s: (s - lat) / k + lat if s > 0 else 0.0   # noqa: E731  (each its fixed cost)
   out = [p.add_split("a2a", "comm", piece(L["a2a"]), piece(L["a2a_even"]), start,
                      names[0] + tag)]
   last = None

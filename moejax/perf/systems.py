@@ -93,7 +93,7 @@ class System:
   dispatch_chunks: int = 1
   """The token exchange in this many pieces (moejax's moe.dispatch_chunks): piece j's dispatch
   and combine run on the comm stream beside piece j - 1's experts; each piece pays the
-  collective's fixed cost."""
+  exchange's fixed cost (launch and a hop's latency) again."""
   description: str = ""
 
 

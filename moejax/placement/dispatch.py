@@ -11,9 +11,10 @@ Dropped assignments carry the sentinel expert id E and produce zeros.
           (`send_blocks`: `all_to_all` of the whole buffer on XLA:CPU, which has no
           `ragged_all_to_all`; `lax.ragged_all_to_all` of the filled rows on GPU/TPU, chosen by
           `lax.platform_dependent`; both return the same buffer). With `Dispatch.chunks` > 1
-          the buffer goes in that many pieces of C / chunks rows per destination, each out,
-          through the experts and back on its own (the same slots and drops; the pieces'
-          exchanges can overlap the other pieces' expert matmuls).
+          the buffer goes in that many pieces of ceil(C / chunks) rows per destination, a
+          destination's rows dealt to them in turn, each piece out, through the experts and
+          back on its own (the same drops; the pieces' exchanges can overlap the other pieces'
+          expert matmuls).
   fssdp   as ep, plus this step's replicas of hot experts (moejax.placement.planner); each
           assignment goes to one device holding its expert (`exchange` with a destination and
           the expert's index there).
@@ -120,42 +121,50 @@ def exchange(x_TxD, dest_A, local_id_A, weights_TxK, ws, *, dispatch: Dispatch,
     raise ValueError(f"Dispatch.num_devices={n}, but its axes {dispatch.axis_names} hold {size} "
                      "devices: set num_devices to their size")
   c = ep_capacity(a, n, dispatch.capacity_factor)
+  # In `dispatch.chunks` pieces, each out, through the experts and back on its own: nothing ties
+  # one piece's exchange to another's experts, so a scheduler can run piece j + 1's exchange
+  # under piece j's expert matmuls. A destination's row `pos` goes to piece pos % pieces, at row
+  # pos // pieces there, so each piece carries its share of what is sent whatever the fill (a
+  # split by position would leave the later pieces empty: buffers are sized above the mean).
+  # The same rows fit (pos < c), so the same drops; a destination's block is pieces x rows.
+  pieces = dispatch.chunks
+  rows = -(-c // pieces)                 # rows per piece and destination
+  block = pieces * rows                  # >= c: at most pieces - 1 rows more
   valid_A = dest_A < n
   onehot_AxN = jax.nn.one_hot(dest_A, n, dtype=jnp.int32)
   pos_A = jnp.sum((jnp.cumsum(onehot_AxN, axis=0) - onehot_AxN) * onehot_AxN, axis=1)
   fits_A = valid_A & (pos_A < c)
-  slot_A = jnp.where(fits_A, dest_A * c + pos_A, n * c)          # n*c: a discard row
+  slot_A = jnp.where(fits_A, dest_A * block + (pos_A % pieces) * rows + pos_A // pieces,
+                     n * block)                                   # n * block: a discard row
   x_AxD = jnp.repeat(x_TxD, k, axis=0)
-  send_x = jnp.zeros((n * c + 1, d), x_TxD.dtype).at[slot_A].set(x_AxD)[:-1]
-  send_g = jnp.full((n * c + 1,), num_groups, jnp.int32).at[slot_A].set(local_id_A)[:-1]
+  send_x = jnp.zeros((n * block + 1, d), x_TxD.dtype).at[slot_A].set(x_AxD)[:-1]
+  send_g = jnp.full((n * block + 1,), num_groups, jnp.int32).at[slot_A].set(local_id_A)[:-1]
   axes = dispatch.axis_names
   sent_N = jnp.sum(onehot_AxN * fits_A[:, None].astype(jnp.int32), axis=0)   # rows to each
-  # In `dispatch.chunks` pieces: piece j holds rows lo_j..hi_j - 1 of every destination's block
-  # (the same slots, so the same drops), and goes out, through the experts and back on its own.
-  # Nothing ties one piece's exchange to another's experts, so a scheduler can run piece j + 1's
-  # exchange under piece j's expert matmuls.
-  bounds = [j * c // dispatch.chunks for j in range(dispatch.chunks + 1)]
-  send_x_NxCxD, send_g_NxC = send_x.reshape(n, c, d), send_g.reshape(n, c)
+  send_x_NxBxD, send_g_NxB = send_x.reshape(n, block, d), send_g.reshape(n, block)
   y_back, received = [], jnp.zeros((), jnp.int32)
-  for lo, hi in zip(bounds[:-1], bounds[1:]):
-    if hi == lo:
-      continue
-    piece_N = jnp.clip(sent_N - lo, 0, hi - lo)
-    blocks = dict(axes=axes, num_devices=n, capacity=hi - lo)
-    recv_g, received_N = _send_groups(send_g_NxC[:, lo:hi].reshape(-1), piece_N, num_groups,
+  blocks = dict(axes=axes, num_devices=n, capacity=rows)
+  for j, piece_N in enumerate(piece_counts(sent_N, pieces)):
+    lo, hi = j * rows, (j + 1) * rows
+    recv_g, received_N = _send_groups(send_g_NxB[:, lo:hi].reshape(-1), piece_N, num_groups,
                                       **blocks)
-    recv_x = send_blocks(send_x_NxCxD[:, lo:hi].reshape(-1, d), piece_N, received_N, 0,
+    recv_x = send_blocks(send_x_NxBxD[:, lo:hi].reshape(-1, d), piece_N, received_N, 0,
                          **blocks)
     y_recv = run_sorted(recv_x, recv_g, num_groups, *ws, packed=False,   # zeros where no group
                         fn=fn)
-    y_back.append(send_blocks(y_recv, received_N, piece_N, 0, **blocks).reshape(n, hi - lo, d))
+    y_back.append(send_blocks(y_recv, received_N, piece_N, 0, **blocks).reshape(n, rows, d))
     received = received + jnp.sum(received_N).astype(jnp.int32)
-  y_back = jnp.concatenate(y_back, axis=1).reshape(n * c, d) if len(y_back) > 1 else \
-      y_back[0].reshape(n * c, d)
-  y_AxD = jnp.where(fits_A[:, None], y_back[jnp.minimum(slot_A, n * c - 1)], 0)
+  y_back = (jnp.concatenate(y_back, axis=1) if pieces > 1 else y_back[0]).reshape(n * block, d)
+  y_AxD = jnp.where(fits_A[:, None], y_back[jnp.minimum(slot_A, n * block - 1)], 0)
   dropped = jnp.sum(valid_A & ~fits_A).astype(jnp.int32)
   needed = jnp.max(jnp.sum(onehot_AxN, axis=0)).astype(jnp.int32)
   return combine(y_AxD, weights_TxK), dropped, received, needed
+
+
+def piece_counts(sent_N, pieces: int) -> list:
+  """Rows each piece sends to each destination, of `sent_N` rows sent there in all: piece j
+  holds rows pos = j, j + pieces, ... (`exchange`), ceil((sent - j) / pieces) of them."""
+  return [jnp.maximum(sent_N - j + pieces - 1, 0) // pieces for j in range(pieces)]
 
 
 def _send_groups(send_g, sent_N, num_groups: int, *, axes, num_devices: int, capacity: int):

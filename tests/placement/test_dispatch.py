@@ -137,9 +137,9 @@ def test_the_gpu_exchange_gives_the_cpu_ones_results_and_gradients(monkeypatch):
 
 
 def test_an_exchange_in_pieces_equals_the_whole_on_each_platform_s_form(monkeypatch):
-  """`Dispatch.chunks`: the buffer's rows go in pieces (here 3 of C = 4 rows a destination:
-  uneven), each out, through the experts and back on its own, so one piece's exchange can run
-  under another's expert matmuls. Outputs, drop counts, rows received and needed, and the
+  """`Dispatch.chunks`: the buffer's rows go in pieces (here 3 for C = 4 rows a destination:
+  rows dealt in turn, 2 a piece, the last row of each block unused), each out, through the
+  experts and back on its own, so one piece's exchange can run under another's expert matmuls. Outputs, drop counts, rows received and needed, and the
   tokens' gradients equal one exchange's bit for bit at a capacity one source overflows; the
   expert weights' gradients are each piece's, rounded to bf16 and then summed, so within bf16
   rounding of one exchange's. The CPU form has one all_to_all per piece and direction; the GPU
@@ -182,3 +182,14 @@ def test_the_config_s_pieces_reach_the_exchange():
   for placement in ("ep", "fssdp"):
     cfg = tiny_config(**{"moe.placement": placement, "moe.dispatch_chunks": 3})
     assert placement_for(cfg, 8, 8).dispatch.chunks == 3
+
+
+def test_pieces_share_what_is_sent_whatever_the_fill():
+  """A destination's rows are dealt to the pieces in turn, so each piece carries its share
+  (buffers are sized above the mean fill: split by position, the later pieces would go empty)."""
+  sent_N = jnp.array([0, 1, 2, 5, 7, 8, 100], jnp.int32)
+  for pieces in (1, 2, 3, 4):
+    counts = np.stack([np.asarray(c) for c in dispatch_lib.piece_counts(sent_N, pieces)])
+    np.testing.assert_array_equal(counts.sum(axis=0), np.asarray(sent_N))
+    assert np.all(counts.max(axis=0) - counts.min(axis=0) <= 1)
+    assert np.all(counts[:-1] >= counts[1:])          # the first pieces take the remainder
