@@ -828,7 +828,8 @@ def _schedule8_child(mock: str) -> int:
         priced = {"priced_ms": {which: {k: round(getattr(t, k) * 1e3, 3)
                                         for k in ("step", "compute", "collectives", "exposed")}
                                 for which, t in (("xla", scheduled.xla),
-                                                 ("model", scheduled.model))}}
+                                                 ("model", scheduled.model))},
+                  "profile_names_found": round(scheduled.names_found, 4)}
       else:
         lowered = trainer.train_step.trace(*trainer.abstract_inputs()).lower()
         lower_s = time.perf_counter() - start

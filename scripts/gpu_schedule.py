@@ -123,8 +123,10 @@ def compile_variant(overrides: dict, args, devices, latencies: str = "xla") -> t
   # an ep/fssdp step with bounded buffers: the jitted step at its current capacity
   step = trainer.train_step.jitted() if hasattr(trainer.train_step, "jitted") else \
       trainer.train_step
+  found = None
   if isinstance(step, ModelScheduledStep):
-    compiled = step.compile(*trainer.abstract_inputs()).compiled
+    scheduled = step.compile(*trainer.abstract_inputs())
+    compiled, found = scheduled.compiled, round(scheduled.names_found, 4)
     pricer = step
   else:
     compiled = step.lower(*trainer.abstract_inputs()).compile()
@@ -140,6 +142,7 @@ def compile_variant(overrides: dict, args, devices, latencies: str = "xla") -> t
                         "collectives": round(priced.collectives * 1e3, 2),
                         "exposed": round(priced.exposed * 1e3, 2),
                         "cluster": pricer.cluster.name},
+          **({"profile_names_found": found} if found is not None else {}),
           "memory_gb": {k: round(getattr(memory, f"{k}_size_in_bytes") / 1e9, 2)
                         for k in ("temp", "argument", "output", "alias")},
           "compile_s": round(time.perf_counter() - start, 1)}, text
@@ -164,7 +167,9 @@ def _print(name: str, figures: dict) -> None:
   priced = figures["priced_ms"]
   print(f"  priced by moejax's model ({priced['cluster']}): step {priced['step']} ms, compute "
         f"{priced['compute']} ms, collectives {priced['collectives']} ms of which exposed "
-        f"{priced['exposed']} ms")
+        f"{priced['exposed']} ms" + (f"; {figures['profile_names_found']:.1%} of the profile's "
+                                     "names found after" if "profile_names_found" in figures
+                                     else ""))
   mem = figures["memory_gb"]
   print(f"  XLA's memory per device: temp {mem['temp']} GB, arguments {mem['argument']} GB, "
         f"outputs {mem['output']} GB ({mem['alias']} GB of them aliased)", flush=True)

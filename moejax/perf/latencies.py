@@ -30,6 +30,8 @@ import dataclasses
 import math
 import re
 
+import numpy as np
+
 from moejax.perf.collectives import Net
 from moejax.perf.hardware import GPU
 
@@ -132,20 +134,38 @@ def _dims(shape: str) -> list[int]:
   return [int(d) for d in m[2].split(",") if d] if m else []
 
 
-def group_size(line: str, num_devices: int) -> int:
-  """The devices one collective spans, from its replica groups (all of them if none)."""
+def group_devices(line: str, num_devices: int) -> list[int]:
+  """The device ids of one collective's first replica group (all devices if none given), from
+  any of its printed forms: an explicit list, an iota ([G, W]<=[dims], transposed or not), or a
+  mesh's named axes."""
   m = _GROUPS_LIST.search(line)
   if m:
-    return len([d for d in m[1].split(",") if d])
+    return [int(d) for d in m[1].split(",") if d]
   m = _GROUPS_IOTA.search(line)
   if m:
-    return int(m[1].split(",")[-1])
+    groups = [int(g) for g in m[1].split(",")]
+    rest = line[m.end():]
+    dims_m = re.match(r"\[([0-9,]+)\](?:T\(([0-9,]+)\))?", rest)
+    dims = [int(d) for d in dims_m[1].split(",")] if dims_m else [math.prod(groups)]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if dims_m and dims_m[2]:
+      ids = ids.transpose([int(p) for p in dims_m[2].split(",")])
+    return [int(d) for d in ids.reshape(groups[0], -1)[0]]
   m = _GROUPS_MESH.search(line)
   if m:
-    sizes = dict(re.findall(r"'?([\w]+)'?=(\d+)", m[1]))
-    axes = [a.strip().strip("'") for a in m[2].split(",") if a.strip()]
-    return math.prod(int(sizes[a]) for a in axes if a in sizes) if axes else num_devices
-  return num_devices
+    sizes = [(a, int(n)) for a, n in re.findall(r"'?([\w]+)'?=(\d+)", m[1])]
+    listed = {a.strip().strip("'") for a in m[2].split(",") if a.strip()}
+    ids = np.arange(math.prod(n for _, n in sizes)).reshape([n for _, n in sizes])
+    if not listed:
+      return [int(d) for d in ids.reshape(-1)]
+    first = tuple(slice(None) if a in listed else 0 for a, _ in sizes)
+    return [int(d) for d in ids[first].reshape(-1)]
+  return list(range(num_devices))
+
+
+def group_size(line: str, num_devices: int) -> int:
+  """The devices one collective spans (`group_devices`)."""
+  return len(group_devices(line, num_devices))
 
 
 def _collective_kind(inst: Instruction, comps) -> tuple[str, Instruction] | None:
@@ -163,9 +183,16 @@ def _collective_kind(inst: Instruction, comps) -> tuple[str, Instruction] | None
 
 
 def _collective_seconds(kind: str, inst: Instruction, result_bytes: float, net: Net) -> float:
-  w = group_size(inst.line, net.gpus)
+  devices = group_devices(inst.line, net.gpus)
+  w = len(devices)
   if w <= 1:
     return 0.0
+  # The group's own links: its GPUs over the nodes they sit on (device d on node d // per node),
+  # e.g. {0, 8} across two nodes of 8 prices the network, not NVLink.
+  nodes = len({d // net.cluster.gpus_per_node for d in devices})
+  if nodes > 1 or w < net.gpus:
+    net = Net(dataclasses.replace(net.cluster, gpus_per_node=-(-w // nodes)), w,
+              net.intra_eff, net.inter_eff)
   if kind in ("all-gather", "collective-broadcast"):
     return net.all_gather(result_bytes, group=w)
   if kind == "reduce-scatter":
@@ -173,9 +200,9 @@ def _collective_seconds(kind: str, inst: Instruction, result_bytes: float, net: 
   if kind == "all-reduce":
     return net.all_reduce(result_bytes, group=w)
   if kind in ("all-to-all", "ragged-all-to-all"):
-    return net.uniform_all_to_all(result_bytes) if w == net.gpus else \
-        Net(net.cluster, w, net.intra_eff, net.inter_eff).uniform_all_to_all(result_bytes)
-  return net.sparse(result_bytes, 0.0)     # collective-permute: one peer's buffer
+    return net.uniform_all_to_all(result_bytes)
+  # collective-permute: one peer's buffer, over the network when the group spans nodes
+  return net.sparse(result_bytes, result_bytes if net.nodes > 1 else 0.0)
 
 
 def _dot_flops(comp: list[Instruction]) -> float:
@@ -199,6 +226,70 @@ def _cublas_flops(inst: Instruction, shapes: dict) -> float:
   lhs = _dims(shapes.get(inst.operands[0], ""))
   k = math.prod(lhs[int(d.strip('" '))] for d in m[1].split(",") if d.strip('" ')) if lhs else 1
   return 2.0 * math.prod(_dims(inst.shape)) * k
+
+
+_SLICING = ("dynamic-slice", "slice", "gather")
+_PARAMETER = re.compile(r"\bparameter\((\d+)\)")
+
+
+def _result_bytes(inst: Instruction) -> float:
+  """A kernel's result; a cuBLAS call's scratch workspace (the s8 tuple element) left out."""
+  if inst.op == "custom-call" and inst.shape.startswith("("):
+    return sum(shape_bytes(f"{e}[{d}]") for e, d in _ARRAY.findall(inst.shape) if e != "s8")
+  return shape_bytes(inst.shape)
+
+
+def _moved_bytes(inst: Instruction, shapes: dict, comps: dict) -> float:
+  """Bytes a kernel reads and writes: its result and its operands, but an operand it only
+  slices (a layer's weights out of a stacked [L, ...] array in a scan body) counts the slices,
+  and a dynamic-update-slice (alone or as a fusion's root) writes its update in place."""
+  if inst.op in _SLICING:
+    return 2.0 * _result_bytes(inst)
+  if inst.op == "dynamic-update-slice":
+    return 2.0 * shape_bytes(shapes.get(inst.operands[1], "")) if len(inst.operands) > 1 else 0.0
+  out = _result_bytes(inst)
+  ins = [shape_bytes(shapes.get(o, "")) for o in inst.operands]
+  body = comps.get(next(iter(_CALLS.findall(inst.line)), ""), []) if inst.op == "fusion" else []
+  if body:
+    params = {}
+    for i in body:
+      m = _PARAMETER.search(i.line) if i.op == "parameter" else None
+      if m:
+        params[i.name] = int(m[1])
+    users: dict[str, list[Instruction]] = {}
+    for i in body:
+      for o in set(i.operands):
+        if o in params:
+          users.setdefault(o, []).append(i)
+    for name, index in params.items():
+      used = users.get(name, [])
+      if index < len(ins) and used and all(u.op in _SLICING and u.operands[0] == name
+                                           for u in used):
+        ins[index] = sum(_result_bytes(u) for u in used)
+    root = body[-1]
+    for i in body:
+      if i.line.lstrip().startswith("ROOT"):
+        root = i
+    if (root.op == "dynamic-update-slice" and len(root.operands) > 1
+            and root.operands[0] in params and params[root.operands[0]] < len(ins)):
+      body_shapes = {i.name: i.shape for i in body}
+      ins[params[root.operands[0]]] = 0.0            # updated in place
+      out = shape_bytes(body_shapes.get(root.operands[1], ""))
+  return out + sum(ins)
+
+
+def _attention_flops(inst: Instruction, shapes: dict) -> float:
+  """cuDNN's fused attention (`__cudnn$fmha...`, q [B, T, N, H] and k [B, S, Nk, H] as jax
+  lays them out): 4 B T N S H forward (QK^T and PV), half of it causal, 2.5x that backward."""
+  if len(inst.operands) < 2:
+    return 0.0
+  q, k = _dims(shapes.get(inst.operands[0], "")), _dims(shapes.get(inst.operands[1], ""))
+  if len(q) != 4 or len(k) != 4:
+    return 0.0
+  flops = 4.0 * q[0] * q[1] * q[2] * k[1] * q[3]
+  if "CAUSAL" in inst.line.upper():
+    flops /= 2
+  return flops * (2.5 if "backward" in inst.line.lower() else 1.0)
 
 
 def _grouped_matmul_flops(inst: Instruction, shapes: dict) -> float:
@@ -272,12 +363,13 @@ def instruction_costs(text: str, gpu: GPU, net: Net, efficiency: float) -> dict[
       m = _CALLS.search(inst.line)
       seconds = total(m[1]) if m else 0.0
     else:
-      moved = shape_bytes(inst.shape) + sum(shape_bytes(shapes.get(o, "")) for o in inst.operands)
+      moved = _moved_bytes(inst, shapes, comps)
       flops = 0.0
       if op == "fusion":
         flops = sum(_dot_flops(comps.get(c, [])) for c in _CALLS.findall(inst.line))
       elif op == "custom-call":
         flops = (_cublas_flops(inst, shapes) if "cublas" in inst.line else
+                 _attention_flops(inst, shapes) if "fmha" in inst.line else
                  _grouped_matmul_flops(inst, shapes))
       elif op in ("dot", "convolution"):
         flops = _dot_flops([i for i in comp if i.name in inst.operands] + [inst])
@@ -345,7 +437,9 @@ def schedule_time(text: str, costs: dict[str, float]) -> ScheduleTime:
       seconds = costs.get(inst.name, 0.0)
       collective = _collective_kind(inst, comps)
       if inst.op in ("while", "conditional", "call"):
-        continue                       # their bodies are counted where they run
+        for k in open_:                # (their bodies are counted where they run; a
+          open_[k] -= seconds          # collective in flight runs under them)
+        continue
       if collective is not None:
         collectives += times * seconds
         if inst.op.endswith("-start"):

@@ -52,13 +52,15 @@ def write_profile(text: str, directory: str | None = None) -> str:
   """The profile's path: named by its content's hash, so the compile option (and with it a key
   of jax's persistent compilation cache) is the same for the same profile in every run, and
   written once per host by whichever process comes first (atomically: others may read it)."""
-  directory = directory or os.path.join(tempfile.gettempdir(), "moejax_latencies")
+  # (per user: a shared folder would be its first user's)
+  directory = directory or os.path.join(tempfile.gettempdir(), f"moejax_latencies_{os.getuid()}")
   os.makedirs(directory, exist_ok=True)
   path = os.path.join(directory, hashlib.sha256(text.encode()).hexdigest()[:24] + ".pbtxt")
   if not os.path.exists(path):
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
       f.write(text)
+    os.chmod(tmp, 0o644)
     os.replace(tmp, path)
   return path
 
@@ -71,6 +73,10 @@ class Scheduled(NamedTuple):
   xla: latencies.ScheduleTime
   model: latencies.ScheduleTime
   compile_s: float
+  names_found: float
+  """The fraction of the profile's instructions the second compile's program still names (the
+  rest were renamed after scheduling: their names were matched before it, or XLA fell back to
+  its own estimate for them)."""
 
 
 class ModelScheduledStep:
@@ -106,9 +112,11 @@ class ModelScheduledStep:
     path = write_profile(latencies.profile_text(costs))
     second = lowered.compile(compiler_options={PROFILE_OPTION: path})
     second_text = second.as_text()
+    second_costs = self.price(second_text)
     return Scheduled(second, path, len(costs), latencies.schedule_time(first_text, costs),
-                     latencies.schedule_time(second_text, self.price(second_text)),
-                     time.perf_counter() - start)
+                     latencies.schedule_time(second_text, second_costs),
+                     time.perf_counter() - start,
+                     len(set(costs) & set(second_costs)) / max(len(costs), 1))
 
   def __call__(self, *args):
     if self._last is not None:
@@ -132,7 +140,8 @@ class ModelScheduledStep:
 def describe(s: Scheduled, cluster: hardware.Cluster, num_devices: int, platform: str) -> str:
   ms = lambda t: f"{t * 1e3:.1f}"     # noqa: E731
   line = (f"moejax: train step scheduled by moejax's latencies ({s.instructions} instructions "
-          f"priced on {num_devices} x {cluster.gpu.name}, cluster {cluster.name}; compiled "
+          f"priced on {num_devices} x {cluster.gpu.name}, cluster {cluster.name}, "
+          f"{s.names_found:.0%} of them found after; compiled "
           f"twice in {s.compile_s:.1f} s): priced step {ms(s.xla.step)} ms with XLA's own "
           f"schedule, {ms(s.model.step)} ms with this one (collectives exposed "
           f"{ms(s.xla.exposed)} -> {ms(s.model.exposed)} of {ms(s.model.collectives)} ms)")

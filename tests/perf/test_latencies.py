@@ -157,3 +157,86 @@ def test_shapes_of_every_form():
   assert latencies.shape_bytes("pred[]") == 1
   assert latencies.shape_bytes("(s32[], token[])") == 4
   assert latencies.shape_bytes("s4[6]{0}") == 3
+
+
+def test_a_group_across_nodes_is_priced_on_the_network():
+  """Groups by their devices, not their size: {0, 8} on nodes of 8 crosses the network, {0, 1}
+  stays on NVLink; the iota and mesh forms give the same devices as the list."""
+  net = Net(Cluster("two nodes", GPU_T, 8, Link("nv", "intra", 1e9, 1e-6, ""),
+                    Link("net", "inter", 1e8, 5e-6, ""), "2 x 8"), 16)
+  assert latencies.group_devices("replica_groups=[8,2]<=[2,8]T(1,0)", 16) == [0, 8]
+  assert latencies.group_devices("replica_groups=mesh['node'=2,'device'=8] {'node'}", 16) == [0, 8]
+  assert latencies.group_devices("replica_groups=[8,2]<=[16]", 16) == [0, 1]
+
+  def gather(groups):
+    module = f"""HloModule m
+
+ENTRY %main (x: f32[1024]) -> f32[2048] {{
+  %x = f32[1024]{{0}} parameter(0)
+  ROOT %ag = f32[2048]{{0}} all-gather(%x), replica_groups={groups}, dimensions={{0}}
+}}
+"""
+    return latencies.instruction_costs(module, GPU_T, net, EFF)["ag"]
+
+  across, within = gather("{{0,8},{1,9}}"), gather("{{0,1},{2,3}}")
+  assert within == pytest.approx(LAUNCH_S + 1e-6 + 0.5 * 8192 / 1e9)
+  assert across == pytest.approx(LAUNCH_S + 5e-6 + 0.5 * 8192 / 1e8)
+
+
+def test_sliced_and_updated_in_place_arrays_count_what_moves():
+  """A layer's weights read out of a stacked array count the slice, not the stack; a
+  dynamic-update-slice writes its update in place; a cuBLAS call's workspace is not data; cuDNN's
+  attention is priced by its FLOPs."""
+  module = """HloModule m
+
+%fused_take (s0: bf16[16,256,256], i0: s32[]) -> bf16[1,256,256] {
+  %s0 = bf16[16,256,256]{2,1,0} parameter(0)
+  %i0 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  ROOT %ds = bf16[1,256,256]{2,1,0} dynamic-slice(%s0, %i0, %z, %z), dynamic_slice_sizes={1,256,256}
+}
+
+%fused_put (u0: f32[16,256,256], u1: f32[1,256,256], u2: s32[]) -> f32[16,256,256] {
+  %u0 = f32[16,256,256]{2,1,0} parameter(0)
+  %u1 = f32[1,256,256]{2,1,0} parameter(1)
+  %u2 = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  ROOT %dus = f32[16,256,256]{2,1,0} dynamic-update-slice(%u0, %u1, %u2, %zero, %zero)
+}
+
+ENTRY %main (w: bf16[16,256,256], g: f32[16,256,256], i: s32[], d: f32[1,256,256], a: bf16[64,256], b: bf16[256,256], q: bf16[2,128,4,64], k: bf16[2,128,4,64]) -> f32[] {
+  %w = bf16[16,256,256]{2,1,0} parameter(0)
+  %g = f32[16,256,256]{2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %d = f32[1,256,256]{2,1,0} parameter(3)
+  %a = bf16[64,256]{1,0} parameter(4)
+  %b = bf16[256,256]{1,0} parameter(5)
+  %q = bf16[2,128,4,64]{3,2,1,0} parameter(6)
+  %k = bf16[2,128,4,64]{3,2,1,0} parameter(7)
+  %take = bf16[1,256,256]{2,1,0} fusion(%w, %i), kind=kLoop, calls=%fused_take
+  %put = f32[16,256,256]{2,1,0} fusion(%g, %d, %i), kind=kLoop, calls=%fused_put
+  %gemm = (bf16[64,256]{1,0}, s8[4194304]{0}) custom-call(%a, %b), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
+  %att = (bf16[2,128,4,64]{3,2,1,0}, u8[0]{0}) custom-call(%q, %k, %k), custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config":{"mask_type":"CAUSAL"}}
+  ROOT %r = f32[] constant(0)
+}
+"""
+  costs = latencies.instruction_costs(module, GPU_T, NET_T, EFF)
+  assert costs["take"] == pytest.approx(_kernel(0, 2 * 256 * 256 * 2 + 4))
+  assert costs["put"] == pytest.approx(_kernel(0, 2 * 256 * 256 * 4 + 4))
+  assert costs["gemm"] == pytest.approx(_kernel(2 * 64 * 256 * 256,
+                                                2 * (64 * 256 + 64 * 256 + 256 * 256)))
+  flops = 4 * 2 * 128 * 4 * 128 * 64 / 2                # causal
+  assert costs["att"] == pytest.approx(_kernel(flops, 2 * 4 * 2 * 128 * 4 * 64))
+
+
+def test_a_loop_covers_a_collective_in_flight_over_it():
+  module = MODULE.replace('''  ROOT %loop = (s32[], bf16[64,128]{1,0}, bf16[16,32]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}''', '''  %pre-start = ((bf16[16,32]{1,0}), bf16[128,32]{1,0}) all-gather-start(%w0), channel_id=9, replica_groups=[1,8]<=[8], dimensions={0}
+  %loop = (s32[], bf16[64,128]{1,0}, bf16[16,32]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %pre-done = bf16[128,32]{1,0} all-gather-done(%pre-start)
+  ROOT %out = (s32[], bf16[64,128]{1,0}, bf16[16,32]{1,0}) tuple(%zero, %x0, %w0)''')
+  costs = latencies.instruction_costs(module, GPU_T, NET_T, EFF)
+  base = latencies.schedule_time(MODULE, latencies.instruction_costs(MODULE, GPU_T, NET_T, EFF))
+  priced = latencies.schedule_time(module, costs)
+  assert costs["loop"] > costs["pre-start"]
+  assert priced.exposed == pytest.approx(base.exposed)        # all of it under the loop
+  assert priced.collectives == pytest.approx(base.collectives + costs["pre-start"])

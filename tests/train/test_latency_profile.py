@@ -38,6 +38,7 @@ def test_the_model_scheduled_step_trains_bit_for_bit_as_xla_s(trainer, trainer_f
   # The profile names the program's own instructions (a later compile of the same lowering
   # sees them under these names).
   assert all(f"%{n} " in text for n in names)
+  assert scheduled.names_found == 1.0
   # XLA:CPU: no collective overlaps anything, so the model's price of the step is the sum of
   # its compute and its collectives, both schedules alike.
   assert scheduled.model.exposed == scheduled.model.collectives > 0
