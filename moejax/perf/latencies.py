@@ -205,11 +205,15 @@ def _collective_seconds(kind: str, inst: Instruction, result_bytes: float, net: 
   return net.sparse(result_bytes, result_bytes if net.nodes > 1 else 0.0)
 
 
-def _dot_flops(comp: list[Instruction]) -> float:
-  """FLOPs of the dots in a fused computation's body."""
+def _dot_flops(comp: list[Instruction], comps: dict | None = None, depth: int = 0) -> float:
+  """FLOPs of the dots in a fused computation's body (and in fusions nested in it)."""
   shapes = {i.name: i.shape for i in comp}
   flops = 0.0
   for inst in comp:
+    if inst.op == "fusion" and comps is not None and depth < 4:
+      flops += sum(_dot_flops(comps.get(c, []), comps, depth + 1)
+                   for c in _CALLS.findall(inst.line))
+      continue
     if inst.op not in ("dot", "convolution") or not inst.operands:
       continue
     lhs = _dims(shapes.get(inst.operands[0], ""))
@@ -366,7 +370,7 @@ def instruction_costs(text: str, gpu: GPU, net: Net, efficiency: float) -> dict[
       moved = _moved_bytes(inst, shapes, comps)
       flops = 0.0
       if op == "fusion":
-        flops = sum(_dot_flops(comps.get(c, [])) for c in _CALLS.findall(inst.line))
+        flops = sum(_dot_flops(comps.get(c, []), comps) for c in _CALLS.findall(inst.line))
       elif op == "custom-call":
         flops = (_cublas_flops(inst, shapes) if "cublas" in inst.line else
                  _attention_flops(inst, shapes) if "fmha" in inst.line else

@@ -240,3 +240,18 @@ def test_a_loop_covers_a_collective_in_flight_over_it():
   assert costs["loop"] > costs["pre-start"]
   assert priced.exposed == pytest.approx(base.exposed)        # all of it under the loop
   assert priced.collectives == pytest.approx(base.collectives + costs["pre-start"])
+
+
+def test_a_dot_in_a_nested_fusion_is_counted():
+  module = MODULE.replace('''  %gemm_fusion = f32[64,32]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused_dot''', '''  %gemm_fusion = f32[64,32]{1,0} fusion(%x, %w), kind=kCustom, calls=%outer''').replace(
+      '''%add (a: f32[], b: f32[]) -> f32[] {''', '''%outer (o0: bf16[64,128], o1: bf16[128,32]) -> f32[64,32] {
+  %o0 = bf16[64,128]{1,0} parameter(0)
+  %o1 = bf16[128,32]{1,0} parameter(1)
+  ROOT %inner = f32[64,32]{1,0} fusion(%o0, %o1), kind=kCustom, calls=%fused_dot
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {''')
+  nested = latencies.instruction_costs(module, GPU_T, NET_T, EFF)
+  flat = latencies.instruction_costs(MODULE, GPU_T, NET_T, EFF)
+  assert nested["gemm_fusion"] == pytest.approx(flat["gemm_fusion"])
+  assert "inner" not in nested                 # inside the kernel: not scheduled on its own
