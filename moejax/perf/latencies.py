@@ -381,19 +381,13 @@ def instruction_costs(text: str, gpu: GPU, net: Net, efficiency: float) -> dict[
     costs[inst.name] = seconds
     return seconds
 
+  # Every computation but the fusions' bodies: an `async-start`'s wrapped collective is priced
+  # in its own computation under its own name, the name XLA gives it when it makes the pair
+  # synchronous, which a later compile's start wraps again.
   for name, comp in comps.items():
-    if name in fused:
-      continue
-    for inst in comp:
-      cost(inst, comp)
-      # A collective XLA made synchronous is costed under its own name; an async start also
-      # under the name of the collective it wraps (the name a later compile's start carries
-      # then differs, the wrapped one not).
-      if inst.op == "async-start":
-        m = _CALLS.search(inst.line)
-        for wrapped in comps.get(m[1], []) if m else []:
-          if wrapped.op in COLLECTIVES:
-            costs.setdefault(wrapped.name, costs[inst.name])
+    if name not in fused:
+      for inst in comp:
+        cost(inst, comp)
   return costs
 
 
