@@ -330,10 +330,10 @@ class MoEConfig:
   case, only when asked for (at scale it does not fit: 136 GiB per device for the 1b7b preset on
   64 devices, `python train.py ... --memory_on_devices=64`)."""
   dispatch_chunks: int = 1
-  """ep/fssdp: the token exchange in this many pieces, each piece's rows of every destination's
-  buffer sent, run through the experts and returned on its own, so one piece's exchange can
-  overlap another's expert matmuls (on GPU, with a schedule that knows what each costs:
-  `schedule_latencies="model"`). The same slots and drops; the expert weights' gradients are
+  """ep/fssdp: the token exchange in this many pieces (a destination's rows dealt to them in
+  turn), each sent, run through the experts and returned on its own, so one piece's exchange
+  can overlap another's expert matmuls (on GPU, with a schedule that knows what each costs:
+  `schedule_latencies="model"`). The same drops and outputs; the expert weights' gradients are
   summed over the pieces (within bf16 rounding of one exchange's). 1: one exchange."""
   dispatch_overflow: str = "grow"
   """A step whose dispatch buffers overflow: one of `moejax.placement.dispatch.OVERFLOW_POLICIES`
