@@ -825,10 +825,10 @@ def _schedule8_child(mock: str) -> int:
         lower_s = 0.0
         scheduled = trainer.train_step.compile(*trainer.abstract_inputs())
         text = scheduled.compiled.as_text()
-        priced = {"priced_ms": {which: {k: round(getattr(t, k) * 1e3, 3)
-                                        for k in ("step", "compute", "collectives", "exposed")}
-                                for which, t in (("xla", scheduled.xla),
-                                                 ("model", scheduled.model))},
+        priced = {"priced_ms": {"xla": scheduled.xla.as_ms(3),
+                                "model": scheduled.model.as_ms(3)},
+                  "most_exposed": {"xla": scheduled.xla.most_exposed(),
+                                   "model": scheduled.model.most_exposed()},
                   "profile_names_found": round(scheduled.names_found, 4)}
       else:
         lowered = trainer.train_step.trace(*trainer.abstract_inputs()).lower()

@@ -16,10 +16,12 @@ its collectives, and what of them no compute covers), and XLA's memory per devic
   python scripts/gpu_schedule.py --latencies both         # XLA's own estimate beside moejax's
                                                           # (config schedule_latencies=model)
 
-Choices moejax makes from the local device rather than at lowering (jax's Hopper grouped-matmul
-kernels from the device's compute capability, cuDNN attention from the default backend) take
-their portable forms here (`ragged_dot`, XLA's attention): the collectives' schedule is what this
-reads; the GPU check times the kernels. Without a device XLA cannot autotune, and a GEMM fusion
+The experts are jax's Hopper grouped-matmul kernels, as on the GPU itself: moejax chooses them
+from the local device's compute capability, here the target's (`placement.hopper.lowering_for`;
+`--experts ragged_dot` compiles XLA's `ragged_dot` instead, whose dense rewrite over every expert
+is many times the routed work and its memory). Attention takes XLA's form, not cuDNN's (chosen
+from the default backend; cuDNN's graphs are built at compile time from the library, which is
+not here). The GPU check times the kernels. Without a device XLA cannot autotune, and a GEMM fusion
 with no default configuration stops that variant's compile (the tiny preset on 16 GPUs does;
 1b7b's shapes on 8 and 16 compile).
 """
@@ -63,6 +65,9 @@ def parse_args(argv=None, variants=()):
                  help="repeatable (default: all): the GPU check's schedule8 variants")
   p.add_argument("--set", action="append", type=_parse_set, default=[], metavar="KEY=VALUE",
                  help="a config override for every variant, e.g. --set seq_len=1024")
+  p.add_argument("--experts", choices=("hopper", "ragged_dot"), default="hopper",
+                 help="the experts' grouped matmuls: jax's Hopper kernels, as on the target GPU, or "
+                      "XLA's ragged_dot (dense over every expert on XLA:GPU) (default: hopper)")
   p.add_argument("--latencies", default="xla", choices=["xla", "model", "both"],
                  help="what XLA's scheduler places collectives by: its own estimate, moejax's "
                       "cost model (config schedule_latencies=model), or both side by side "
@@ -90,6 +95,20 @@ def _topology(args):
   with open(os.path.join(TARGETS, f"{args.target}.txtpb")) as f:
     target = f.read()
   return topologies.get_topology_desc(shape, "cuda", topology=shape, target_config=target)
+
+
+def _target_gpu(name: str):
+  """`placement.hopper.Target` from the target description's compute capability and SMs."""
+  import re
+  from moejax.placement import hopper
+  with open(os.path.join(TARGETS, f"{name}.txtpb")) as f:
+    text = f.read()
+  cc = re.search(r"cuda_compute_capability\s*{([^}]*)}", text)
+  major, minor = (re.search(rf"{k}:\s*(\d+)", cc[1]) if cc else None for k in ("major", "minor"))
+  cores = re.search(r"core_count:\s*(\d+)", text)
+  if major is None or cores is None:
+    raise ValueError(f"{name}.txtpb: no cuda_compute_capability major or core_count")
+  return hopper.Target(f"{major[1]}.{minor[1] if minor else 0}", int(cores[1]))
 
 
 def _config(preset: str, **overrides):
@@ -137,11 +156,8 @@ def compile_variant(overrides: dict, args, devices, latencies: str = "xla") -> t
   branches = [b for b in hlo.conditional_branches(text) if b.collectives]
   return {**device_check._async_pairs(text),
           "collectives_in_conditional_branches": sum(len(b.collectives) for b in branches),
-          "priced_ms": {"step": round(priced.step * 1e3, 2),
-                        "compute": round(priced.compute * 1e3, 2),
-                        "collectives": round(priced.collectives * 1e3, 2),
-                        "exposed": round(priced.exposed * 1e3, 2),
-                        "cluster": pricer.cluster.name},
+          "priced_ms": {**priced.as_ms(), "cluster": pricer.cluster.name},
+          "most_exposed": priced.most_exposed(),
           **({"profile_names_found": found} if found is not None else {}),
           "memory_gb": {k: round(getattr(memory, f"{k}_size_in_bytes") / 1e9, 2)
                         for k in ("temp", "argument", "output", "alias")},
@@ -170,6 +186,8 @@ def _print(name: str, figures: dict) -> None:
         f"{priced['exposed']} ms" + (f"; {figures['profile_names_found']:.1%} of the profile's "
                                      "names found after" if "profile_names_found" in figures
                                      else ""))
+  for e in figures["most_exposed"]:
+    print(f"    exposed {e['exposed_ms']} of {e['ms']} ms: {e['name']} ({e['op_name']})")
   mem = figures["memory_gb"]
   print(f"  XLA's memory per device: temp {mem['temp']} GB, arguments {mem['argument']} GB, "
         f"outputs {mem['output']} GB ({mem['alias']} GB of them aliased)", flush=True)
@@ -194,14 +212,29 @@ def main(argv=None) -> int:
     from moejax.models import olmoe
     olmoe.MAX_PERIOD = args.max_period
   print(f"gpu_schedule: {args.preset} preset on {len(devices)} x {devices[0].device_kind} "
-        f"(compiled, not run), overrides {dict(args.set) or 'none'}", flush=True)
+        f"(compiled, not run), overrides {dict(args.set) or 'none'}, experts {args.experts}",
+        flush=True)
+  import contextlib
+  from moejax.placement import hopper
   out = {}
   modes = ["xla", "model"] if args.latencies == "both" else [args.latencies]
-  for variant in args.variant or list(device_check.SCHEDULE8):
+  with contextlib.ExitStack() as stack:
+    if args.experts == "hopper":
+      stack.enter_context(hopper.lowering_for(_target_gpu(args.target)))
+    _compile_all(args, devices, modes, device_check.SCHEDULE8, out)
+  print(json.dumps({"bench": "gpu_schedule", "preset": args.preset, "gpus": args.gpus,
+                    "target": args.target, "experts": args.experts, "latencies": args.latencies,
+                    "overrides": dict(args.set), "xla_flags": os.environ["XLA_FLAGS"],
+                    "variants": out}))
+  return 1 if any("error" in v for v in out.values()) else 0
+
+
+def _compile_all(args, devices, modes, variants, out) -> None:
+  for variant in args.variant or list(variants):
     for mode in modes:
       name = variant if mode == "xla" else f"{variant}+model_latencies"
       try:
-        out[name], text = compile_variant(device_check.SCHEDULE8[variant], args, devices, mode)
+        out[name], text = compile_variant(variants[variant], args, devices, mode)
       except Exception as e:   # one variant's failure does not hide the others'
         out[name] = {"error": f"{type(e).__name__}: {e}"[:1500]}
         print(f"{name}: {out[name]['error']}", flush=True)
@@ -211,10 +244,6 @@ def main(argv=None) -> int:
         os.makedirs(args.out, exist_ok=True)
         with gzip.open(os.path.join(args.out, f"{name}.hlo.gz"), "wt") as f:
           f.write(text)
-  print(json.dumps({"bench": "gpu_schedule", "preset": args.preset, "gpus": args.gpus,
-                    "target": args.target, "latencies": args.latencies, "overrides": dict(args.set),
-                    "xla_flags": os.environ["XLA_FLAGS"], "variants": out}))
-  return 1 if any("error" in v for v in out.values()) else 0
 
 
 if __name__ == "__main__":

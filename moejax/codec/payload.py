@@ -23,6 +23,7 @@ R cached shards (rows), P patch words.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -93,7 +94,7 @@ class Format:
     return count * (self.pos_bits + self.exp_bits)
 
 
-# Above this many entries `first_true` searches a running count instead of sorting: slower to
+# Above this many entries `first_true` ranks by a running count instead of sorting: slower to
 # compile on XLA:CPU, much faster to run on long shards.
 SORT_MAX = 1 << 16
 
@@ -102,22 +103,48 @@ def first_true(mask: jax.Array, size: int, fill_value: int) -> jax.Array:
   """Indices of the first `size` True entries along the last axis, in order, padded with
   `fill_value` ([..., size] int32): `jnp.nonzero(mask, size=...)` for any leading axes. Up to
   SORT_MAX entries it is one sort of the keys (index where True, n where False), which compiles
-  far faster on XLA:CPU than nonzero; above, a binary search of the running count finds each."""
+  far faster on XLA:CPU than nonzero; above, each True entry's rank is its running count, and
+  on CPU a binary search of that count finds each slot's entry, elsewhere each entry is
+  written to its rank's slot."""
   n = mask.shape[-1]
   if n > SORT_MAX:
-    # The j-th True entry is where the running count first reaches j + 1: a binary search per
-    # slot (log n gathers of `size` entries). Not a scatter of every entry to its rank: XLA:CPU
-    # runs scatters one element at a time (7 x 430k entries: 31 -> 18 ms).
-    count = bits.running_count(mask)
-    targets = jnp.arange(1, size + 1, dtype=jnp.int32)
-    search = lambda c: jnp.searchsorted(c, targets, side="left", method="scan")  # noqa: E731
-    idx = jax.vmap(search)(count.reshape(-1, n)).reshape(mask.shape[:-1] + (size,))
-    return jnp.where(idx < n, idx.astype(jnp.int32), jnp.int32(fill_value))
+    return lax.platform_dependent(
+        mask, cpu=functools.partial(_searched_ranks, size=size, fill_value=fill_value),
+        default=functools.partial(_scattered_ranks, size=size, fill_value=fill_value))
   key = jnp.where(mask, jnp.arange(n, dtype=jnp.int32), jnp.int32(n))
   if size > n:
     key = jnp.concatenate([key, jnp.full(mask.shape[:-1] + (size - n,), n, jnp.int32)], axis=-1)
   first = lax.sort(key, dimension=key.ndim - 1)[..., :size]
   return jnp.where(first < n, first, jnp.int32(fill_value))
+
+
+def _searched_ranks(mask: jax.Array, size: int, fill_value: int) -> jax.Array:
+  """`first_true` on XLA:CPU: the j-th True entry is where the running count first reaches
+  j + 1, a binary search per slot (log n gathers of `size` entries). Not a scatter of every
+  entry to its rank: XLA:CPU runs scatters one element at a time (7 x 430k entries: 31 -> 18
+  ms)."""
+  n = mask.shape[-1]
+  count = bits.running_count(mask)
+  targets = jnp.arange(1, size + 1, dtype=jnp.int32)
+  search = lambda c: jnp.searchsorted(c, targets, side="left", method="scan")  # noqa: E731
+  idx = jax.vmap(search)(count.reshape(-1, n)).reshape(mask.shape[:-1] + (size,))
+  return jnp.where(idx < n, idx.astype(jnp.int32), jnp.int32(fill_value))
+
+
+def _scattered_ranks(mask: jax.Array, size: int, fill_value: int) -> jax.Array:
+  """`first_true` on GPU and TPU: one scatter of each True entry to the slot of its rank
+  (entries ranked past `size`, and False ones, fall outside and are dropped). The binary search
+  is log n passes over the slots: on an H200 at OLMoE-1B-7B's shapes 23 passes of a coded
+  replica's 1.5M slots in each of 16 layers, 285 ms of fssdp's step against about 5 for this
+  (`scripts/gpu_schedule.py`, priced by `moejax.perf.latencies`)."""
+  n = mask.shape[-1]
+  mask_RxN = mask.reshape(-1, n)
+  slot_RxN = jnp.where(mask_RxN, bits.running_count(mask_RxN) - 1, size)
+  rows_Rx1 = jnp.arange(mask_RxN.shape[0], dtype=jnp.int32)[:, None]
+  index_RxN = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), mask_RxN.shape)
+  first_RxS = jnp.full((mask_RxN.shape[0], size), fill_value, jnp.int32).at[
+      rows_Rx1, slot_RxN].set(index_RxN, mode="drop")
+  return first_RxS.reshape(mask.shape[:-1] + (size,))
 
 
 def encode(exp_N: jax.Array, changed: jax.Array, fmt: Format) -> tuple[jax.Array, jax.Array]:

@@ -392,18 +392,44 @@ def instruction_costs(text: str, gpu: GPU, net: Net, efficiency: float) -> dict[
 
 
 @dataclasses.dataclass(frozen=True)
+class Exposure:
+  """One collective of a priced schedule: its instruction, the jax op it came from (its
+  metadata's op_name, the scopes that say which layer part issued it), seconds no compute
+  covered and its own seconds, both over every execution."""
+  name: str
+  op_name: str
+  exposed: float
+  seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
 class ScheduleTime:
   """A compiled schedule priced by `instruction_costs`: seconds of compute, of collectives, and
   of collectives exposed (a synchronous one whole; an async one by what its start-to-done
   window's compute leaves uncovered), each instruction counted once per execution (loop
-  bodies times their trip count)."""
+  bodies times their trip count); `exposures` every collective's share, most exposed first."""
   compute: float
   collectives: float
   exposed: float
+  exposures: tuple[Exposure, ...] = ()
 
   @property
   def step(self) -> float:
     return self.compute + self.exposed
+
+  def as_ms(self, digits: int = 2) -> dict[str, float]:
+    """step, compute, collectives and exposed in milliseconds (a report's JSON)."""
+    return {k: round(getattr(self, k) * 1e3, digits)
+            for k in ("step", "compute", "collectives", "exposed")}
+
+  def most_exposed(self, n: int = 3, digits: int = 2) -> list[dict]:
+    """The `n` most exposed collectives (JSON-ready, milliseconds), where any is exposed."""
+    return [{"name": e.name, "op_name": e.op_name, "exposed_ms": round(e.exposed * 1e3, digits),
+             "ms": round(e.seconds * 1e3, digits)}
+            for e in self.exposures[:n] if round(e.exposed * 1e3, digits) > 0]
+
+
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
 def schedule_time(text: str, costs: dict[str, float]) -> ScheduleTime:
@@ -427,31 +453,39 @@ def schedule_time(text: str, costs: dict[str, float]) -> ScheduleTime:
           visit(n, times / (1 if inst.op == "call" else len(names)))
 
   visit(entry, 1.0)
-  compute = collectives = exposed = 0.0
+  compute = collectives = 0.0
+  exposures: list[Exposure] = []
+
+  def exposure(inst: Instruction, exposed: float, seconds: float) -> None:
+    op_name = _OP_NAME.search(inst.line)
+    exposures.append(Exposure(inst.name, op_name[1] if op_name else "", exposed, seconds))
+
   for name, times in runs.items():
     comp = comps.get(name, [])
-    open_: dict[str, float] = {}       # async collectives in flight: seconds left to cover
+    open_: dict[str, list] = {}        # async collectives in flight: [start, seconds left to cover]
     for inst in comp:
       seconds = costs.get(inst.name, 0.0)
       collective = _collective_kind(inst, comps)
       if inst.op in ("while", "conditional", "call"):
         for k in open_:                # (their bodies are counted where they run; a
-          open_[k] -= seconds          # collective in flight runs under them)
+          open_[k][1] -= seconds       # collective in flight runs under them)
         continue
       if collective is not None:
         collectives += times * seconds
         if inst.op.endswith("-start"):
-          open_[inst.name] = seconds
+          open_[inst.name] = [inst, seconds]
         else:
-          exposed += times * seconds
+          exposure(inst, times * seconds, times * seconds)
         continue
       if inst.op.endswith("-done") and inst.operands and inst.operands[0] in open_:
-        exposed += times * max(open_.pop(inst.operands[0]), 0.0)
+        start, left = open_.pop(inst.operands[0])
+        exposure(start, times * max(left, 0.0), times * costs.get(start.name, 0.0))
         continue
       compute += times * seconds
       for k in open_:
-        open_[k] -= seconds
-  return ScheduleTime(compute, collectives, exposed)
+        open_[k][1] -= seconds
+  exposures.sort(key=lambda e: -e.exposed)
+  return ScheduleTime(compute, collectives, sum(e.exposed for e in exposures), tuple(exposures))
 
 
 def _entry_name(text: str) -> str:

@@ -21,10 +21,15 @@ alternatives). `fn` (`expert_fn.ExpertFn`): SwiGLU, or gpt-oss's clamped SwiGLU 
 biases added in fp32 between the kernels, their gradients summed per expert). Widths the tiles
 do not take (gpt-oss's 2880) are zero-padded to them (`padded_call`), which is exact.
 
+A compile for a GPU that is not here (`scripts/gpu_schedule.py`: XLA:GPU's deviceless compile)
+names the GPU with `lowering_for(Target(...))`, so its program holds these kernels as the GPU's
+would, not `ragged_dot`'s dense rewrite.
+
 Letters: A rows, D model width, F expert hidden width, G experts.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -37,6 +42,44 @@ from jax import lax
 from moejax.placement import expert_fn as expert_fn_lib
 
 ENABLED = True   # the device check turns the kernels off for its later steps if they are wrong
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """The GPU a program is lowered for when it is not the local device: its compute capability
+  ("9.0") and its number of SMs (the transposed kernel's grid)."""
+  compute_capability: str
+  core_count: int
+
+
+_TARGET: Target | None = None
+
+
+@contextlib.contextmanager
+def lowering_for(target: Target):
+  """Within it, kernel choice and tracing take `target` for the local device (a deviceless
+  compile's; on a machine with a GPU the local device is the target and this is not needed)."""
+  global _TARGET
+  previous, _TARGET = _TARGET, target
+  try:
+    yield
+  finally:
+    _TARGET = previous
+
+
+class _JaxOnTarget:
+  """`jax` as jax's transposed kernel sees it while tracing for `_TARGET`: it sizes its grid
+  from `jax.devices()[0].core_count`, which off the GPU is a CPU device without one."""
+
+  def __init__(self, target: Target):
+    self._device = type("TargetDevice", (), {"core_count": target.core_count,
+                                             "platform": "gpu"})()
+
+  def devices(self, *args, **kwargs):
+    return [self._device]
+
+  def __getattr__(self, name):
+    return getattr(jax, name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +115,16 @@ def kernel_ops(ragged_tiles: dict | None = None,
                                       **ragged_tiles)
 
   def transposed(a, b, gs):
-    return transposed_ragged_dot_mgpu.transposed_ragged_dot(a, b, group_sizes=gs,
-                                                            **transposed_tiles)
+    if _TARGET is None:
+      return transposed_ragged_dot_mgpu.transposed_ragged_dot(a, b, group_sizes=gs,
+                                                              **transposed_tiles)
+    module_jax, transposed_ragged_dot_mgpu.jax = transposed_ragged_dot_mgpu.jax, \
+        _JaxOnTarget(_TARGET)
+    try:
+      return transposed_ragged_dot_mgpu.transposed_ragged_dot(a, b, group_sizes=gs,
+                                                              **transposed_tiles)
+    finally:
+      transposed_ragged_dot_mgpu.jax = module_jax
 
   return GroupedOps(ragged, transposed)
 
@@ -166,6 +217,8 @@ def swiglu_with(ops: GroupedOps, fn: expert_fn_lib.ExpertFn = expert_fn_lib.SWIG
 
 
 def _compute_capability() -> str | None:
+  if _TARGET is not None:
+    return _TARGET.compute_capability
   try:
     device = jax.devices()[0]
   except RuntimeError:

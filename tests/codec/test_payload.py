@@ -119,10 +119,14 @@ def test_shard_blocks_pad_less_than_one_value_per_block():
   assert small.words == 1 + 64 * 8 // 32
 
 
-@pytest.mark.parametrize("n", [37, payload.SORT_MAX + 5])
-def test_first_true_matches_nonzero(n):
-  """Both ways of ranking (a sort up to SORT_MAX entries, a cumulative sum above), rows of
-  every fill: none, fewer than `size`, more."""
+@pytest.mark.parametrize("n, form", [(37, None), (payload.SORT_MAX + 5, None),
+                                     (payload.SORT_MAX + 5, "scattered")])
+def test_first_true_matches_nonzero(n, form, monkeypatch):
+  """Every way of ranking (a sort up to SORT_MAX entries; above, a search of the running count
+  on CPU, and the GPU's scatter to each entry's rank, run here in the CPU's place), rows of every
+  fill: none, fewer than `size`, more."""
+  if form == "scattered":
+    monkeypatch.setattr(payload, "_searched_ranks", payload._scattered_ranks)
   rng = np.random.default_rng(n)
   mask = np.zeros((4, n), bool)
   mask[1, rng.choice(n, 3, replace=False)] = True
@@ -135,3 +139,11 @@ def test_first_true_matches_nonzero(n):
     np.testing.assert_array_equal(out, np.concatenate([idx, np.full(size - idx.size, -7)]))
   one = np.asarray(payload.first_true(jnp.asarray(mask[2]), 5, 0))
   np.testing.assert_array_equal(one, np.flatnonzero(mask[2])[:5])
+
+
+def test_first_true_scatters_on_gpu_and_searches_on_cpu():
+  mask = jax.ShapeDtypeStruct((3, payload.SORT_MAX + 5), jnp.bool_)
+  for platform, searched in (("cpu", True), ("cuda", False)):
+    text = jax.jit(lambda m: payload.first_true(m, 20, 0)).trace(mask).lower(
+        lowering_platforms=(platform,)).as_text()
+    assert ("stablehlo.while" in text) == searched and ("stablehlo.scatter" in text) != searched

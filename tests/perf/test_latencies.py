@@ -43,7 +43,7 @@ MODULE = """HloModule jit_step, is_scheduled=true
   %i = s32[] get-tuple-element(%arg), index=0
   %x = bf16[64,128]{1,0} get-tuple-element(%arg), index=1
   %w = bf16[16,32]{1,0} get-tuple-element(%arg), index=2
-  %ag-start = ((bf16[16,32]{1,0}), bf16[128,32]{1,0}) all-gather-start(%w), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}
+  %ag-start = ((bf16[16,32]{1,0}), bf16[128,32]{1,0}) all-gather-start(%w), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}, metadata={op_name="jit(step)/while/body/gather/all_gather" source_file="moejax/sharding/prefetch.py" source_line=1}
   %gemm_fusion = f32[64,32]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused_dot
   %ag-done = bf16[128,32]{1,0} all-gather-done(%ag-start)
   %rs = f32[8,32]{1,0} reduce-scatter(%gemm_fusion), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, to_apply=%add
@@ -105,6 +105,16 @@ def test_the_schedule_prices_what_compute_leaves_uncovered():
   assert priced.collectives == pytest.approx(3 * (costs["ag-start"] + costs["rs"]))
   assert priced.exposed == pytest.approx(3 * (uncovered + costs["rs"]))
   assert priced.step == pytest.approx(priced.compute + priced.exposed)
+  # Each collective's share, most exposed first: the synchronous reduce-scatter whole, the
+  # gather what the matmul left; named by instruction and by the jax op it came from.
+  rs, ag = priced.exposures
+  assert (rs.name, rs.exposed, rs.seconds) == ("rs", pytest.approx(3 * costs["rs"]),
+                                               pytest.approx(3 * costs["rs"]))
+  assert (ag.name, ag.exposed, ag.seconds) == ("ag-start", pytest.approx(3 * uncovered),
+                                               pytest.approx(3 * costs["ag-start"]))
+  assert ag.op_name == "jit(step)/while/body/gather/all_gather" and rs.op_name == ""
+  assert priced.as_ms(6)["exposed"] == round(priced.exposed * 1e3, 6)
+  assert [e["name"] for e in priced.most_exposed(1, 6)] == ["rs"]
 
 
 def test_profile_text_is_xla_s_profile_in_microseconds():

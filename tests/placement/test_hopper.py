@@ -1,7 +1,10 @@
 """The Hopper experts' VJP (moejax/placement/hopper.py), on CPU with `lax.ragged_dot` standing in
 for jax's Mosaic GPU kernels: value and gradients equal autodiff of the same products, rows past
-the groups come out zero; the kernels' forward lowers for CUDA here. The kernels themselves run
-in scripts/device_check.py (`grouped`) on an H200."""
+the groups come out zero; the kernels' forward lowers for CUDA here, and forward and backward
+through `experts.grouped_swiglu` for a named Hopper target (a deviceless compile's). The kernels
+themselves run in scripts/device_check.py (`grouped`) on an H200."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,6 +62,34 @@ def test_kernels_not_used_off_hopper():
   x, _, w, _ = _inputs()
   assert jax.devices()[0].platform == "cpu"
   assert not hopper.usable(x, *w)
+
+
+def test_a_named_target_lowers_both_kernels_forward_and_backward():
+  from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
+  x, gs, w, dy = _inputs()
+
+  def loss(x, *w):
+    y = experts.grouped_swiglu(x, gs, *w)
+    return jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
+
+  def cuda_text():
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(x, *w).lower(
+        lowering_platforms=("cuda",)).as_text()
+
+  # no GPU here: CUDA's branch takes ragged_dot, whose XLA:GPU rewrite is dense over every expert
+  assert "mosaic_gpu" not in cuda_text()
+  with hopper.lowering_for(hopper.Target("9.0", 132)):
+    assert hopper.usable(x, *w)
+    text = cuda_text()
+  calls = re.findall(r"custom_call @mosaic_gpu\w*\(.*-> (tensor<[^>]*>)", text)
+  # the weight gradients: the transposed kernel, [G, D, F] / [G, F, D] out
+  assert sum(t in (f"tensor<{G}x{D}x{F}xbf16>", f"tensor<{G}x{F}x{D}xbf16>") for t in calls) == 3
+  assert len(calls) >= 8, calls   # with the forward's 3 and the rows' gradients
+  assert "ragged_dot" not in text
+  assert not hopper.usable(x, *w)                      # the target ends with the block
+  assert transposed_ragged_dot_mgpu.jax is jax         # and jax is the kernel module's own again
+  with hopper.lowering_for(hopper.Target("8.0", 108)):  # an A100 takes no Hopper kernels
+    assert not hopper.usable(x, *w)
 
 
 def test_kernel_forward_lowers_for_cuda():

@@ -19,13 +19,24 @@ def test_overrides_are_python_literals_or_bare_strings():
                                   "--set", "mesh.shape=(2, 4)", "--gpus", "16"], ["fsdp"])
   assert dict(args.set) == {"seq_len": 1024, "moe.placement": "ep", "mesh.shape": (2, 4)}
   assert args.gpus == 16 and args.target == "h200" and args.variant == []
+  assert args.experts == "hopper"
+
+
+def test_the_target_names_the_gpu_the_kernels_are_chosen_for(tmp_path, monkeypatch):
+  from moejax.placement import hopper
+  assert gpu_schedule._target_gpu("h200") == hopper.Target("9.0", 132)
+  (tmp_path / "bad.txtpb").write_text("gpu_device_info { core_count: 132 }\n")
+  monkeypatch.setattr(gpu_schedule, "TARGETS", str(tmp_path))
+  with pytest.raises(ValueError, match="bad.txtpb: no cuda_compute_capability major"):
+    gpu_schedule._target_gpu("bad")
 
 
 @pytest.mark.parametrize("argv, says", [(["--gpus", "12"], "--gpus: 12: 1 to 8, or a multiple"),
                                         (["--set", "seq_len"], "expected KEY=VALUE"),
                                         (["--target", "h900"], "invalid choice: 'h900'"),
                                         (["--preset", "nosuch:20b"], "no family 'nosuch'"),
-                                        (["--max-period", "0"], "must be >= 1, got 0")])
+                                        (["--max-period", "0"], "must be >= 1, got 0"),
+                                        (["--experts", "dense"], "invalid choice: 'dense'")])
 def test_bad_arguments_are_one_line(argv, says, capsys):
   with pytest.raises(SystemExit) as e:
     gpu_schedule.parse_args(argv, ["fsdp"])
