@@ -187,7 +187,8 @@ def _print(name: str, figures: dict) -> None:
                                      "names found after" if "profile_names_found" in figures
                                      else ""))
   for e in figures["most_exposed"]:
-    print(f"    exposed {e['exposed_ms']} of {e['ms']} ms: {e['name']} ({e['op_name']})")
+    print(f"    exposed {e['exposed_ms']} of {e['ms']} ms: {e['name']}"
+          + (f" ({e['op_name']})" if e["op_name"] else ""))
   mem = figures["memory_gb"]
   print(f"  XLA's memory per device: temp {mem['temp']} GB, arguments {mem['argument']} GB, "
         f"outputs {mem['output']} GB ({mem['alias']} GB of them aliased)", flush=True)
