@@ -6,8 +6,10 @@ set-up); nothing runs. Per variant it prints what the GPU program does with its 
 how many are async, how many matmul kernels lie between each async start and done (the compute
 it can hide behind), which run synchronously (XLA:GPU makes a pair with nothing between it
 synchronous), each schedule priced by moejax's cost model (`moejax.perf.latencies`: the step,
-its collectives, and what of them no compute covers), and XLA's memory per device. The GPU check (`scripts/device_check.sh`, step
-`schedule8`) reads the same figures from a compile on a real GPU.
+its compute by part of the model (moejax's named scopes, `profiling.scope_of`), its
+collectives, what of them no compute covers and the most exposed by name), and XLA's memory per
+device. The GPU check (`scripts/device_check.sh`, step `schedule8`) reads the same figures from
+a compile on a real GPU.
 
   python scripts/gpu_schedule.py                          # tiny preset, 8 H200s, the GPU
                                                           # check's three variants
@@ -151,13 +153,16 @@ def compile_variant(overrides: dict, args, devices, latencies: str = "xla") -> t
     compiled = step.lower(*trainer.abstract_inputs()).compile()
     pricer = ModelScheduledStep(step, cluster_for("auto", devices[0]), len(devices))
   text = compiled.as_text()
-  priced = _latencies.schedule_time(text, pricer.price(text))
+  from moejax.profiling import scope_of
+  priced = _latencies.schedule_time(text, pricer.price(text), scope_of)
   memory = compiled.memory_analysis()
   branches = [b for b in hlo.conditional_branches(text) if b.collectives]
   return {**device_check._async_pairs(text),
           "collectives_in_conditional_branches": sum(len(b.collectives) for b in branches),
           "priced_ms": {**priced.as_ms(), "cluster": pricer.cluster.name},
           "most_exposed": priced.most_exposed(),
+          "compute_ms_by_part": {part: round(seconds * 1e3, 2)
+                                 for part, seconds in priced.compute_by_part.items()},
           **({"profile_names_found": found} if found is not None else {}),
           "memory_gb": {k: round(getattr(memory, f"{k}_size_in_bytes") / 1e9, 2)
                         for k in ("temp", "argument", "output", "alias")},
@@ -186,6 +191,9 @@ def _print(name: str, figures: dict) -> None:
         f"{priced['exposed']} ms" + (f"; {figures['profile_names_found']:.1%} of the profile's "
                                      "names found after" if "profile_names_found" in figures
                                      else ""))
+  parts = figures["compute_ms_by_part"]
+  print("  compute by part (moejax's scopes): " + ", ".join(
+      f"{part} {ms}" for part, ms in list(parts.items())[:8]) + " ms")
   for e in figures["most_exposed"]:
     print(f"    exposed {e['exposed_ms']} of {e['ms']} ms: {e['name']}"
           + (f" ({e['op_name']})" if e["op_name"] else ""))

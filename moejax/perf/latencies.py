@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from typing import Callable
 
 import numpy as np
 
@@ -367,6 +368,11 @@ def instruction_costs(text: str, gpu: GPU, net: Net, efficiency: float) -> dict[
       m = _CALLS.search(inst.line)
       seconds = total(m[1]) if m else 0.0
     else:
+      if op == "fusion-start" and inst.name in done_of:
+        # an async fusion (XLA:GPU's start / done pair; the start's shape holds its operands
+        # too): the kernel it wraps, with the done's result
+        inst = dataclasses.replace(inst, op="fusion", shape=done_of[inst.name].shape)
+        op = "fusion"
       moved = _moved_bytes(inst, shapes, comps)
       flops = 0.0
       if op == "fusion":
@@ -412,6 +418,9 @@ class ScheduleTime:
   collectives: float
   exposed: float
   exposures: tuple[Exposure, ...] = ()
+  compute_by_part: dict[str, float] = dataclasses.field(default_factory=dict)
+  """Compute seconds by the part `schedule_time`'s `part_of` names from each instruction's
+  op_name (empty without it), dearest first."""
 
   @property
   def step(self) -> float:
@@ -419,22 +428,26 @@ class ScheduleTime:
 
   def as_ms(self, digits: int = 2) -> dict[str, float]:
     """step, compute, collectives and exposed in milliseconds (a report's JSON)."""
-    return {k: round(getattr(self, k) * 1e3, digits)
+    return {k: round(float(getattr(self, k)) * 1e3, digits)
             for k in ("step", "compute", "collectives", "exposed")}
 
   def most_exposed(self, n: int = 3, digits: int = 2) -> list[dict]:
     """The `n` most exposed collectives (JSON-ready, milliseconds), where any is exposed."""
-    return [{"name": e.name, "op_name": e.op_name, "exposed_ms": round(e.exposed * 1e3, digits),
-             "ms": round(e.seconds * 1e3, digits)}
+    return [{"name": e.name, "op_name": e.op_name,
+             "exposed_ms": round(float(e.exposed) * 1e3, digits),
+             "ms": round(float(e.seconds) * 1e3, digits)}
             for e in self.exposures[:n] if round(e.exposed * 1e3, digits) > 0]
 
 
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
-def schedule_time(text: str, costs: dict[str, float]) -> ScheduleTime:
+def schedule_time(text: str, costs: dict[str, float],
+                  part_of: Callable[[str], str] | None = None) -> ScheduleTime:
   """`costs` (from `instruction_costs` of the same program) along the program's schedule: a
-  compiled module prints each computation in its schedule's order."""
+  compiled module prints each computation in its schedule's order. `part_of(op_name)`, where
+  given, names the part of the model each compute instruction belongs to
+  (`moejax.profiling.scope_of`: moejax's named scopes)."""
   comps = parse_module(text)
   entry = _entry_name(text)
   runs: dict[str, float] = {}
@@ -455,6 +468,7 @@ def schedule_time(text: str, costs: dict[str, float]) -> ScheduleTime:
   visit(entry, 1.0)
   compute = collectives = 0.0
   exposures: list[Exposure] = []
+  by_part: dict[str, float] = {}
 
   def exposure(inst: Instruction, exposed: float, seconds: float) -> None:
     op_name = _OP_NAME.search(inst.line)
@@ -482,10 +496,15 @@ def schedule_time(text: str, costs: dict[str, float]) -> ScheduleTime:
         exposure(start, times * max(left, 0.0), times * costs.get(start.name, 0.0))
         continue
       compute += times * seconds
+      if part_of is not None and seconds:
+        op_name = _OP_NAME.search(inst.line)
+        part = part_of(op_name[1] if op_name else "")
+        by_part[part] = by_part.get(part, 0.0) + times * seconds
       for k in open_:
         open_[k][1] -= seconds
   exposures.sort(key=lambda e: -e.exposed)
-  return ScheduleTime(compute, collectives, sum(e.exposed for e in exposures), tuple(exposures))
+  return ScheduleTime(compute, collectives, sum(e.exposed for e in exposures), tuple(exposures),
+                      dict(sorted(by_part.items(), key=lambda kv: -kv[1])))
 
 
 def _entry_name(text: str) -> str:

@@ -44,7 +44,7 @@ MODULE = """HloModule jit_step, is_scheduled=true
   %x = bf16[64,128]{1,0} get-tuple-element(%arg), index=1
   %w = bf16[16,32]{1,0} get-tuple-element(%arg), index=2
   %ag-start = ((bf16[16,32]{1,0}), bf16[128,32]{1,0}) all-gather-start(%w), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}, metadata={op_name="jit(step)/while/body/gather/all_gather" source_file="moejax/sharding/prefetch.py" source_line=1}
-  %gemm_fusion = f32[64,32]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused_dot
+  %gemm_fusion = f32[64,32]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused_dot, metadata={op_name="jit(step)/while/body/experts/dot_general"}
   %ag-done = bf16[128,32]{1,0} all-gather-done(%ag-start)
   %rs = f32[8,32]{1,0} reduce-scatter(%gemm_fusion), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, to_apply=%add
   %scaled = f32[8,32]{1,0} fusion(%rs), kind=kLoop, calls=%fused_scale
@@ -114,6 +114,12 @@ def test_the_schedule_prices_what_compute_leaves_uncovered():
                                                pytest.approx(3 * costs["ag-start"]))
   assert ag.op_name == "jit(step)/while/body/gather/all_gather" and rs.op_name == ""
   assert priced.as_ms(6)["exposed"] == round(priced.exposed * 1e3, 6)
+  # compute by part, where a namer is given (here the op_name itself; the scale has none)
+  parts = latencies.schedule_time(MODULE, costs, lambda op_name: op_name or "unnamed")
+  assert parts.compute_by_part == {
+      "jit(step)/while/body/experts/dot_general": pytest.approx(3 * costs["gemm_fusion"]),
+      "unnamed": pytest.approx(3 * costs["scaled"])}
+  assert priced.compute_by_part == {}
   assert [e["name"] for e in priced.most_exposed(1, 6)] == ["rs"]
 
 
@@ -195,7 +201,7 @@ ENTRY %main (x: f32[1024]) -> f32[2048] {{
 
 def test_sliced_and_updated_in_place_arrays_count_what_moves():
   """A layer's weights read out of a stacked array count the slice, not the stack; a
-  dynamic-update-slice writes its update in place; a cuBLAS call's workspace is not data; cuDNN's
+  dynamic-update-slice writes its update in place, also as an async fusion; a cuBLAS call's workspace is not data; cuDNN's
   attention is priced by its FLOPs."""
   module = """HloModule m
 
@@ -225,6 +231,8 @@ ENTRY %main (w: bf16[16,256,256], g: f32[16,256,256], i: s32[], d: f32[1,256,256
   %k = bf16[2,128,4,64]{3,2,1,0} parameter(7)
   %take = bf16[1,256,256]{2,1,0} fusion(%w, %i), kind=kLoop, calls=%fused_take
   %put = f32[16,256,256]{2,1,0} fusion(%g, %d, %i), kind=kLoop, calls=%fused_put
+  %put-start = ((f32[16,256,256]{2,1,0}, f32[1,256,256]{2,1,0}, s32[]), f32[16,256,256]{2,1,0}, u32[]) fusion-start(%g, %d, %i), kind=kLoop, calls=%fused_put
+  %put-done = f32[16,256,256]{2,1,0} fusion-done(%put-start)
   %gemm = (bf16[64,256]{1,0}, s8[4194304]{0}) custom-call(%a, %b), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
   %att = (bf16[2,128,4,64]{3,2,1,0}, u8[0]{0}) custom-call(%q, %k, %k), custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config":{"mask_type":"CAUSAL"}}
   ROOT %r = f32[] constant(0)
@@ -233,6 +241,8 @@ ENTRY %main (w: bf16[16,256,256], g: f32[16,256,256], i: s32[], d: f32[1,256,256
   costs = latencies.instruction_costs(module, GPU_T, NET_T, EFF)
   assert costs["take"] == pytest.approx(_kernel(0, 2 * 256 * 256 * 2 + 4))
   assert costs["put"] == pytest.approx(_kernel(0, 2 * 256 * 256 * 4 + 4))
+  # the same kernel as an async fusion (XLA:GPU's start / done pair): priced as the kernel
+  assert costs["put-start"] == costs["put"] and costs["put-done"] == 0
   assert costs["gemm"] == pytest.approx(_kernel(2 * 64 * 256 * 256,
                                                 2 * (64 * 256 + 64 * 256 + 256 * 256)))
   flops = 4 * 2 * 128 * 4 * 128 * 64 / 2                # causal
