@@ -416,3 +416,25 @@ def test_dispatch_under_shard_map(cases):
   assert np.all(plan.holders_ExN[other[v], even[v]]) and np.all(plan.holders_ExN[other[v], bal[v]])
   held_here = plan.holders_ExN[np.where(v, other, 0), src] & v
   np.testing.assert_array_equal(even[held_here], src[held_here])
+
+
+def test_quota_sweeps_unrolled_off_cpu_give_the_same_quotas(cases, monkeypatch):
+  """The GPU's unrolled re-split loop (`SWEEP_UNROLL`) is the same arithmetic: run here in the
+  CPU's place, the same quotas for every case; lowered for CUDA, its body holds SWEEP_UNROLL
+  water-fills."""
+  out = cases[3]
+  holders_BxExN, counts_BxNxE = out["plan"].holders_ExN, out["counts"]
+  quotas = jax.vmap(lambda h, c: fp.balanced_quotas(h, c, devices_per_node=DPN))
+  plain = np.asarray(jax.jit(quotas)(holders_BxExN, counts_BxNxE))
+  assert plain.sum() == counts_BxNxE.sum()
+  lowered = {p: jax.jit(quotas).trace(holders_BxExN, counts_BxNxE).lower(
+      lowering_platforms=(p,)).as_text() for p in ("cpu", "cuda")}
+  # the water-fill's sort of the holders' loads (a call of jnp.sort's function), once an
+  # iteration in the loop's body
+  assert lowered["cpu"].count("call @sort(") == 1
+  assert lowered["cuda"].count("call @sort(") == fp.SWEEP_UNROLL
+  platform_dependent = jax.lax.platform_dependent
+  monkeypatch.setattr(jax.lax, "platform_dependent",
+                      lambda *a, cpu, default: platform_dependent(*a, cpu=default,
+                                                                  default=default))
+  np.testing.assert_array_equal(np.asarray(jax.jit(quotas)(holders_BxExN, counts_BxNxE)), plain)
