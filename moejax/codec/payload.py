@@ -106,6 +106,7 @@ def first_true(mask: jax.Array, size: int, fill_value: int) -> jax.Array:
   far faster on XLA:CPU than nonzero; above, each True entry's rank is its running count, and
   on CPU a binary search of that count finds each slot's entry, elsewhere each entry is
   written to its rank's slot."""
+  mask = jnp.asarray(mask, jnp.bool_)    # (the running count reads it as bits)
   n = mask.shape[-1]
   if n > SORT_MAX:
     return lax.platform_dependent(

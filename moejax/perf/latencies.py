@@ -413,7 +413,8 @@ class ScheduleTime:
   """A compiled schedule priced by `instruction_costs`: seconds of compute, of collectives, and
   of collectives exposed (a synchronous one whole; an async one by what its start-to-done
   window's compute leaves uncovered), each instruction counted once per execution (loop
-  bodies times their trip count); `exposures` every collective's share, most exposed first."""
+  bodies times their trip count); `exposures` each synchronous collective and each async one
+  whose done it found, most exposed first."""
   compute: float
   collectives: float
   exposed: float
@@ -466,11 +467,13 @@ def schedule_time(text: str, costs: dict[str, float],
           visit(n, times / (1 if inst.op == "call" else len(names)))
 
   visit(entry, 1.0)
-  compute = collectives = 0.0
+  compute = collectives = exposed_total = 0.0
   exposures: list[Exposure] = []
   by_part: dict[str, float] = {}
 
   def exposure(inst: Instruction, exposed: float, seconds: float) -> None:
+    nonlocal exposed_total
+    exposed_total += exposed          # in schedule order, as `collectives` is summed
     op_name = _OP_NAME.search(inst.line)
     exposures.append(Exposure(inst.name, op_name[1] if op_name else "", exposed, seconds))
 
@@ -503,7 +506,7 @@ def schedule_time(text: str, costs: dict[str, float],
       for k in open_:
         open_[k][1] -= seconds
   exposures.sort(key=lambda e: -e.exposed)
-  return ScheduleTime(compute, collectives, sum(e.exposed for e in exposures), tuple(exposures),
+  return ScheduleTime(compute, collectives, exposed_total, tuple(exposures),
                       dict(sorted(by_part.items(), key=lambda kv: -kv[1])))
 
 

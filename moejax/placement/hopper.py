@@ -58,13 +58,18 @@ _TARGET: Target | None = None
 @contextlib.contextmanager
 def lowering_for(target: Target):
   """Within it, kernel choice and tracing take `target` for the local device (a deviceless
-  compile's; on a machine with a GPU the local device is the target and this is not needed)."""
+  compile's; on a machine with a GPU the local device is the target and this is not needed).
+  jax's caches are cleared on entry and exit: a trace they keep (a scan's body, a jitted
+  function) chose its kernels by the device assumed when it was made, which is not part of
+  their keys."""
   global _TARGET
   previous, _TARGET = _TARGET, target
+  jax.clear_caches()
   try:
     yield
   finally:
     _TARGET = previous
+    jax.clear_caches()
 
 
 class _JaxOnTarget:

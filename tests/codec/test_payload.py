@@ -139,6 +139,9 @@ def test_first_true_matches_nonzero(n, form, monkeypatch):
     np.testing.assert_array_equal(out, np.concatenate([idx, np.full(size - idx.size, -7)]))
   one = np.asarray(payload.first_true(jnp.asarray(mask[2]), 5, 0))
   np.testing.assert_array_equal(one, np.flatnonzero(mask[2])[:5])
+  # a mask of counts, not bools: entries other than 0 are True, whichever way it ranks
+  counts = jnp.asarray(mask.astype(np.int32) * rng.integers(1, 4, mask.shape))
+  np.testing.assert_array_equal(np.asarray(payload.first_true(counts, size, -7)), got)
 
 
 def test_first_true_scatters_on_gpu_and_searches_on_cpu():

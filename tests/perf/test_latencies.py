@@ -275,3 +275,26 @@ def test_a_dot_in_a_nested_fusion_is_counted():
   flat = latencies.instruction_costs(MODULE, GPU_T, NET_T, EFF)
   assert nested["gemm_fusion"] == pytest.approx(flat["gemm_fusion"])
   assert "inner" not in nested                 # inside the kernel: not scheduled on its own
+
+
+def test_synchronous_collectives_are_exposed_whole_summed_as_the_collectives_are():
+  module = """HloModule m, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  %r1 = f32[8]{0} all-reduce(%x), channel_id=1, replica_groups={{0,1}}, to_apply=%add
+  %r2 = f32[8]{0} all-reduce(%r1), channel_id=2, replica_groups={{0,1}}, to_apply=%add
+  %r3 = f32[8]{0} all-reduce(%r2), channel_id=3, replica_groups={{0,1}}, to_apply=%add
+  ROOT %r4 = f32[8]{0} all-reduce(%r3), channel_id=4, replica_groups={{0,1}}, to_apply=%add
+}
+"""
+  # (summed largest first, 0.1 + 0.2 + 0.3 would come out 0.6, not 0.6000000000000001)
+  priced = latencies.schedule_time(module, {"r1": 0.1, "r2": 0.2, "r3": 0.3, "r4": 0.0})
+  assert priced.exposed == priced.collectives and priced.compute == 0
+  assert [e.name for e in priced.exposures[:3]] == ["r3", "r2", "r1"]
