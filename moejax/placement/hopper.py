@@ -59,17 +59,17 @@ _TARGET: Target | None = None
 def lowering_for(target: Target):
   """Within it, kernel choice and tracing take `target` for the local device (a deviceless
   compile's; on a machine with a GPU the local device is the target and this is not needed).
-  jax's caches are cleared on entry and exit: a trace they keep (a scan's body, a jitted
-  function) chose its kernels by the device assumed when it was made, which is not part of
-  their keys."""
+  Enter it before tracing what it is for: a trace jax keeps (a scan's body traced earlier by
+  the same function) chose its kernels by the device assumed when it was made, which is not
+  part of jax's cache keys (`scripts/gpu_schedule.py` enters it before any trace).
+  `jax.clear_caches()` on entry would make that safe at the price of every compiled program of
+  the process."""
   global _TARGET
   previous, _TARGET = _TARGET, target
-  jax.clear_caches()
   try:
     yield
   finally:
     _TARGET = previous
-    jax.clear_caches()
 
 
 class _JaxOnTarget:

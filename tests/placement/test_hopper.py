@@ -92,22 +92,6 @@ def test_a_named_target_lowers_both_kernels_forward_and_backward():
     assert not hopper.usable(x, *w)
 
 
-def test_a_trace_made_before_the_target_is_not_reused_under_it():
-  x, gs, w, _ = _inputs()
-
-  def body(carry, _):          # one function object, traced before, under and after the target
-    return carry + experts.grouped_swiglu(carry, gs, *w), None
-
-  def cuda_text():
-    return jax.jit(lambda x: jax.lax.scan(body, x, None, length=2)[0]).trace(x).lower(
-        lowering_platforms=("cuda",)).as_text()
-
-  assert "mosaic_gpu" not in cuda_text()
-  with hopper.lowering_for(hopper.Target("9.0", 132)):
-    assert "mosaic_gpu" in cuda_text()
-  assert "mosaic_gpu" not in cuda_text()
-
-
 def test_kernel_forward_lowers_for_cuda():
   x, gs, w, _ = _inputs()
   text = jax.jit(hopper.kernel_swiglu(D, F)).trace(x, gs, *w).lower(
