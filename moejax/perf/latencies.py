@@ -440,7 +440,13 @@ class ScheduleTime:
             for e in self.exposures[:n] if round(e.exposed * 1e3, digits) > 0]
 
 
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')     # (an escaped quote stays inside)
+
+
+def _op_name(inst: Instruction) -> str:
+  """The jax op an instruction came from (its metadata's op_name), "" where it has none."""
+  m = _OP_NAME.search(inst.line)
+  return m[1] if m else ""
 
 
 def schedule_time(text: str, costs: dict[str, float],
@@ -474,8 +480,7 @@ def schedule_time(text: str, costs: dict[str, float],
   def exposure(inst: Instruction, exposed: float, seconds: float) -> None:
     nonlocal exposed_total
     exposed_total += exposed          # in schedule order, as `collectives` is summed
-    op_name = _OP_NAME.search(inst.line)
-    exposures.append(Exposure(inst.name, op_name[1] if op_name else "", exposed, seconds))
+    exposures.append(Exposure(inst.name, _op_name(inst), exposed, seconds))
 
   for name, times in runs.items():
     comp = comps.get(name, [])
@@ -500,8 +505,7 @@ def schedule_time(text: str, costs: dict[str, float],
         continue
       compute += times * seconds
       if part_of is not None and seconds:
-        op_name = _OP_NAME.search(inst.line)
-        part = part_of(op_name[1] if op_name else "")
+        part = part_of(_op_name(inst))
         by_part[part] = by_part.get(part, 0.0) + times * seconds
       for k in open_:
         open_[k][1] -= seconds
