@@ -339,6 +339,13 @@ class MoEConfig:
   """A step whose dispatch buffers overflow: one of `moejax.placement.dispatch.OVERFLOW_POLICIES`
   (grow: no update, the buffers are resized from the measured loads and the step reruns,
   lossless; drop: the overflow is dropped and counted in ep_dropped_frac)."""
+  receive_capacity_factor: float = 1.25
+  """ep/fssdp under dispatch_overflow="grow" with bounded buffers: each device runs
+  ceil(factor * T * K) of the rows it received through its experts, the starting size
+  (a device that receives more overflows and the step reruns with room for what it received;
+  `moejax.placement.dispatch.receive_capacity`). The receive buffer holds about
+  dispatch_capacity_factor x T x K rows, which the GPU's grouped matmuls would compute whole;
+  0 = all of them."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -954,6 +961,9 @@ def validate(c: Config) -> None:
          f"config.moe.dispatch_capacity_factor={moe.dispatch_capacity_factor}: must be >= 0 "
          "(0 = dropless)")
   _choice(moe.dispatch_overflow, "moe.dispatch_overflow", OVERFLOW_POLICIES)
+  _check(moe.receive_capacity_factor >= 0,
+         f"config.moe.receive_capacity_factor={moe.receive_capacity_factor}: must be >= 0 "
+         "(0 = every received row)")
   _check(moe.dispatch_chunks >= 1,
          f"config.moe.dispatch_chunks={moe.dispatch_chunks}: must be at least 1 (1: the "
          "exchange in one piece)")
@@ -1040,12 +1050,19 @@ def unused_settings(c: Config) -> list[str]:
   if c.fssdp.replica_codec and c.moe.placement != "fssdp":
     notes.append(f"config.fssdp.replica_codec={c.fssdp.replica_codec!r} has no effect: it codes "
                  f"fssdp's expert replicas (moe.placement={c.moe.placement!r})")
+  if (c.moe.placement != "fsdp"
+      and c.moe.receive_capacity_factor != MoEConfig.receive_capacity_factor
+      and (c.moe.dispatch_overflow != "grow" or c.moe.dispatch_capacity_factor == 0)):
+    notes.append(f"config.moe.receive_capacity_factor={c.moe.receive_capacity_factor} has no "
+                 "effect: it bounds the rows run through the experts where an overflow grows the "
+                 f"buffers (here moe.dispatch_overflow={c.moe.dispatch_overflow!r}, "
+                 f"moe.dispatch_capacity_factor={c.moe.dispatch_capacity_factor:g})")
   unread = [  # (group, fields, whether this config reads them, when it would)
       ("fssdp", ("replica_slots", "overlap_degree", "owner_sends", "window", "reshard_every",
                  "max_per_layer", "calibrate"), c.moe.placement == "fssdp",
        f"moe.placement='fssdp' (here {c.moe.placement!r})"),
-      ("moe", ("dispatch_capacity_factor", "dispatch_overflow", "dispatch_chunks"),
-       c.moe.placement != "fsdp",
+      ("moe", ("dispatch_capacity_factor", "dispatch_overflow", "dispatch_chunks",
+               "receive_capacity_factor"), c.moe.placement != "fsdp",
        "moe.placement is 'ep' or 'fssdp', whose tokens travel (here 'fsdp')"),
       ("routing", ("threshold", "admission_capacity_factor", "admission_capacity_factor_warmup",
                    "warmup_steps"), c.routing.admission != "none",

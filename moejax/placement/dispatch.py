@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +56,8 @@ class Dispatch:
   calibrate: bool = False             # fssdp: re-plan after gating when it pays
   replica_codec: Any = None           # fssdp: `codec.replicas.ReplicaCodec`, None = plain
   chunks: int = 1                     # ep / fssdp: the exchange in this many independent pieces
+  receive_capacity_factor: float = 0.0  # ep / fssdp: rows run through the experts here, of
+                                        # the receive buffer; 0 = all (`receive_capacity`)
 
 
 LOCAL = Dispatch()
@@ -75,6 +77,35 @@ def ep_capacity(num_assignments: int, num_devices: int, capacity_factor: float) 
   if capacity_factor <= 0:
     return num_assignments
   return min(num_assignments, max(1, math.ceil(capacity_factor * num_assignments / num_devices)))
+
+
+def receive_capacity(num_assignments: int, num_devices: int, capacity_factor: float,
+                     receive_factor: float, pieces: int = 1) -> int:
+  """R: the rows of one piece's receive buffer (N x ceil(C / pieces) rows) a device runs through
+  its experts: ceil(receive_factor * A / pieces), at most the buffer; the whole buffer when the
+  factor is 0 or the buffers are dropless (C = A, or one device).
+
+  Why: the receive buffer holds room for what every source may send (C rows from each of N),
+  about capacity_factor x A rows, while a device receives about A when the load is balanced
+  (fssdp's plan balances it); on GPU the grouped matmuls run over every row they are given
+  (jax's Hopper kernel computes each row tile whether or not it holds rows; XLA's `ragged_dot`
+  is a dense product), so a buffer of 2 A costs twice the routed work. The filled rows come
+  first once sorted by expert, so only the first R go through the experts; a device that
+  received more overflows, as a full dispatch buffer does."""
+  c = ep_capacity(num_assignments, num_devices, capacity_factor)
+  whole = num_devices * -(-c // pieces)
+  if receive_factor <= 0 or c >= num_assignments or num_devices <= 1:   # dropless: never cut
+    return whole
+  return min(whole, max(1, math.ceil(receive_factor * num_assignments / pieces)))
+
+
+def grown_receive_factor(receive_factor: float, needed_rows: int, num_assignments: int) -> float:
+  """The receive capacity factor after a step in which a device received `needed_rows` rows
+  (over all pieces) for its experts: room for MARGIN times that, and at least GROWTH times the
+  old rows (every growth compiles the step again)."""
+  old = math.ceil(receive_factor * num_assignments)
+  rows = max(math.ceil(MARGIN * needed_rows), math.ceil(GROWTH * old), old + 1)
+  return float(math.ceil(rows / num_assignments * 1000) / 1000)
 
 
 def grown_capacity_factor(capacity_factor: float, needed_rows: int, num_assignments: int,
@@ -110,10 +141,10 @@ def exchange(x_TxD, dest_A, local_id_A, weights_TxK, ws, *, dispatch: Dispatch,
              num_groups: int, fn: ExpertFn = SWIGLU):
   """Sends assignment a (token a // K) to device dest_A[a] (N = nowhere), where it runs through
   local expert group local_id_A[a] of the receiver's `num_groups` weight groups, and brings the
-  result back. Returns (y_TxD fp32, assignments dropped for lack of buffer room here,
-  rows received here, rows needed here: the most this device sent to one destination; their
-  max over the devices is what the buffers needed, taken after the layers,
-  `fssdp.finish_placement`: no collective for telemetry in the layer)."""
+  result back. Returns (y_TxD fp32, assignments dropped for lack of buffer room here (a full
+  dispatch buffer's at the sender, rows received past `receive_capacity` here), rows received
+  here, `Needed` here; their max over the devices is what the buffers needed, taken after the
+  layers, `fssdp.finish_placement`: no collective for telemetry in the layer)."""
   t, k = weights_TxK.shape
   n, a, d = dispatch.num_devices, t * k, x_TxD.shape[-1]
   size = math.prod(lax.axis_size(name) for name in dispatch.axis_names)
@@ -142,7 +173,12 @@ def exchange(x_TxD, dest_A, local_id_A, weights_TxK, ws, *, dispatch: Dispatch,
   axes = dispatch.axis_names
   sent_N = jnp.sum(onehot_AxN * fits_A[:, None].astype(jnp.int32), axis=0)   # rows to each
   send_x_NxBxD, send_g_NxB = send_x.reshape(n, block, d), send_g.reshape(n, block)
+  # The rows each piece runs through the experts here (`receive_capacity`); rows received past
+  # them come back as zeros and count as dropped here (a step under "grow" then reruns).
+  computed = receive_capacity(a, n, dispatch.capacity_factor, dispatch.receive_capacity_factor,
+                              pieces)
   y_back, received = [], jnp.zeros((), jnp.int32)
+  past = peak = jnp.zeros((), jnp.int32)
   blocks = dict(axes=axes, num_devices=n, capacity=rows)
   for j, piece_N in enumerate(piece_counts(sent_N, pieces)):
     lo, hi = j * rows, (j + 1) * rows
@@ -151,14 +187,25 @@ def exchange(x_TxD, dest_A, local_id_A, weights_TxK, ws, *, dispatch: Dispatch,
     recv_x = send_blocks(send_x_NxBxD[:, lo:hi].reshape(-1, d), piece_N, received_N, 0,
                          **blocks)
     y_recv = run_sorted(recv_x, recv_g, num_groups, *ws, packed=False,   # zeros where no group
-                        fn=fn)
+                        fn=fn, rows=computed)
     y_back.append(send_blocks(y_recv, received_N, piece_N, 0, **blocks).reshape(n, rows, d))
-    received = received + jnp.sum(received_N).astype(jnp.int32)
+    got = jnp.sum(received_N).astype(jnp.int32)
+    received, peak = received + got, jnp.maximum(peak, got)
+    past = past + jnp.maximum(got - computed, 0)
   y_back = (jnp.concatenate(y_back, axis=1) if pieces > 1 else y_back[0]).reshape(n * block, d)
   y_AxD = jnp.where(fits_A[:, None], y_back[jnp.minimum(slot_A, n * block - 1)], 0)
-  dropped = jnp.sum(valid_A & ~fits_A).astype(jnp.int32)
-  needed = jnp.max(jnp.sum(onehot_AxN, axis=0)).astype(jnp.int32)
+  dropped = jnp.sum(valid_A & ~fits_A).astype(jnp.int32) + past
+  needed = Needed(jnp.max(jnp.sum(onehot_AxN, axis=0)).astype(jnp.int32), peak * pieces)
   return combine(y_AxD, weights_TxK), dropped, received, needed
+
+
+class Needed(NamedTuple):
+  """What an exchange's buffers needed here: `dispatch`, the most rows this device sent to one
+  destination (C holds `dispatch_capacity_factor`'s); `receive`, the pieces times the most rows
+  one piece brought here (R holds `receive_capacity`'s per piece). Their maxima over the
+  devices size grown buffers (`grown_capacity_factor`, `grown_receive_factor`)."""
+  dispatch: jax.Array
+  receive: jax.Array
 
 
 def piece_counts(sent_N, pieces: int) -> list:
@@ -236,7 +283,7 @@ _send_blocks.defvjp(_send_blocks_fwd, _send_blocks_bwd)
 def ep_experts(x_TxD, experts_TxK, weights_TxK, *ws, dispatch: Dispatch,
                fn: ExpertFn = SWIGLU):
   """Expert parallel: experts [El, ...] here (device d owns experts d*El .. d*El+El-1).
-  Returns `exchange`'s (y_TxD fp32, dropped here, received here, rows needed)."""
+  Returns `exchange`'s (y_TxD fp32, dropped here, received here, `Needed`)."""
   n = dispatch.num_devices
   el = ws[0].shape[0]
   expert_A = experts_TxK.reshape(-1)

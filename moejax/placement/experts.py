@@ -270,10 +270,11 @@ def _batched(x_AxD, group_sizes_G, ws, m: int, fn: ExpertFn = SWIGLU):
   return _tiles_to_rows(y_TlxMxD.astype(dtype), slot_A)
 
 
-def _tiled_swiglu(x_AxD, group_sizes_G, ws, fn: ExpertFn = SWIGLU, packed=True):
+def _tiled_swiglu(x_AxD, group_sizes_G, ws, fn: ExpertFn = SWIGLU, packed=True,
+                  tiled_as: int | None = None):
   (a, _), g = x_AxD.shape, group_sizes_G.shape[0]
   kernel = _batched if _batched_kernel(a, g, packed) else _looped
-  return kernel(x_AxD, group_sizes_G, ws, tile_rows(a, g, packed), fn)
+  return kernel(x_AxD, group_sizes_G, ws, tile_rows(tiled_as or a, g, packed), fn)
 
 
 def _gpu_swiglu(x_AxD, group_sizes_G, ws, fn: ExpertFn = SWIGLU):
@@ -284,24 +285,38 @@ def _gpu_swiglu(x_AxD, group_sizes_G, ws, fn: ExpertFn = SWIGLU):
   return _ragged_swiglu(x_AxD, group_sizes_G, ws, fn)
 
 
-def grouped_swiglu(x_AxD, group_sizes_G, *ws, packed: bool = True, fn: ExpertFn = SWIGLU):
+def grouped_swiglu(x_AxD, group_sizes_G, *ws, packed: bool = True, fn: ExpertFn = SWIGLU,
+                   tiled_as: int | None = None):
   """`ws`: the expert arrays (`ExpertFn`), G experts each. `packed`: the rows are the routed
   assignments; False: a static exchange buffer whose empty slots (rows past the groups) may be
-  most of it."""
+  most of it. `tiled_as`: the row count the CPU kernel sizes its tiles for, if not these rows'
+  (a row's result depends on its tile's size in the last bits)."""
   check_weights(ws, fn)
   return lax.platform_dependent(
       x_AxD, group_sizes_G, tuple(ws),
-      cpu=functools.partial(_tiled_swiglu, fn=fn, packed=packed),
+      cpu=functools.partial(_tiled_swiglu, fn=fn, packed=packed, tiled_as=tiled_as),
       cuda=functools.partial(_gpu_swiglu, fn=fn),
       default=functools.partial(_ragged_swiglu, fn=fn))
 
 
 def run_sorted(x_AxD, expert_A, num_local_experts: int, *ws, packed: bool = True,
-               fn: ExpertFn = SWIGLU):
+               fn: ExpertFn = SWIGLU, rows: int | None = None):
   """Runs each row through expert `expert_A[a]` (ids >= num_local_experts: no expert, zeros;
   `packed=False` where most rows may be such, as in an exchange buffer). `ws`: the expert
-  arrays, as `grouped_swiglu`."""
+  arrays, as `grouped_swiglu`. `rows` (R < A): only the first R rows in expert order run (the
+  grouped matmuls are R rows long; the CPU kernel's tiles stay those of A rows, so the rows that
+  run give the same bits whatever R); any past them come out as zeros (the caller counts them:
+  `dispatch.exchange`)."""
+  a = x_AxD.shape[0]
   order_A = jnp.argsort(expert_A, stable=True)
   group_sizes_G = jnp.bincount(expert_A, length=num_local_experts).astype(jnp.int32)
+  if rows is not None and rows < a:
+    order_R = order_A[:rows]
+    ends_G = jnp.minimum(jnp.cumsum(group_sizes_G), rows)   # the groups cut at R rows
+    sizes_G = jnp.diff(ends_G, prepend=0).astype(jnp.int32)
+    y_sorted_RxD = grouped_swiglu(x_AxD[order_R], sizes_G, *ws, packed=packed, fn=fn,
+                                  tiled_as=a)
+    return jnp.zeros((a,) + y_sorted_RxD.shape[1:], y_sorted_RxD.dtype).at[order_R].set(
+        y_sorted_RxD)
   y_sorted_AxD = grouped_swiglu(x_AxD[order_A], group_sizes_G, *ws, packed=packed, fn=fn)
   return jnp.zeros_like(y_sorted_AxD).at[order_A].set(y_sorted_AxD)

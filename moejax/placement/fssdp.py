@@ -632,8 +632,8 @@ def placement_stats(received, needed, dest_A, dispatch: Dispatch, d_model: int,
                     itemsize: int = 2):
   """This device's share of the token bytes sent to other devices of the node and to other
   nodes (there and back), and the terms `finish_placement` makes the rest of from: the expert
-  rows received here and the dispatch rows this device sent to one destination at most
-  (`exchange`'s `received`, `needed`)."""
+  rows received here and what the buffers needed here (`exchange`'s `received`, `needed`: a
+  `dispatch.Needed`)."""
   n, dpn = dispatch.num_devices, dispatch.devices_per_node
   me = lax.axis_index(dispatch.axis_names)
   valid_A = dest_A < n
@@ -641,7 +641,9 @@ def placement_stats(received, needed, dest_A, dispatch: Dispatch, d_model: int,
   row_bytes = 2.0 * d_model * itemsize
   intra = jnp.sum(valid_A & same_node_A & (dest_A != me)) * row_bytes
   inter = jnp.sum(valid_A & ~same_node_A) * row_bytes
-  return {"rows_received": received.astype(jnp.int32), "rows_needed": needed.astype(jnp.int32),
+  return {"rows_received": received.astype(jnp.int32),
+          "rows_needed": needed.dispatch.astype(jnp.int32),
+          "receive_rows_needed": needed.receive.astype(jnp.int32),
           "token_bytes_intra_node": intra.astype(jnp.float32),
           "token_bytes_inter_node": inter.astype(jnp.float32)}
 
@@ -650,13 +652,15 @@ def finish_placement(stats: dict, dispatch: Dispatch) -> dict:
   """`placement_stats`' terms (stacked over any leading axes: a scan's layers, one collective
   each for all of them) -> this device's share of the straggler factor (max over devices of
   expert rows processed / their mean) and of the dispatch rows needed at one destination (the
-  max over devices; the buffers hold `dispatch_capacity` of them)."""
+  max over devices; the buffers hold `dispatch_capacity` of them) and of the rows one device
+  received for its experts (the max over devices; `receive_capacity` runs)."""
   stats = dict(stats)
   n = dispatch.num_devices
   # (no gradient: counts, out of a differentiated step)
   rows_N = lax.all_gather(lax.stop_gradient(stats.pop("rows_received")), dispatch.axis_names,
                           axis=0, tiled=False).astype(jnp.float32)
-  needed = lax.pmax(lax.stop_gradient(stats.pop("rows_needed")),
+  needed = lax.pmax(lax.stop_gradient(jnp.stack([stats.pop("rows_needed"),
+                                                  stats.pop("receive_rows_needed")])),
                     dispatch.axis_names).astype(jnp.float32)
   return {"straggler": jnp.max(rows_N, axis=0) / jnp.maximum(jnp.mean(rows_N, axis=0), 1.0) / n,
-          "dispatch_needed": needed / n, **stats}
+          "dispatch_needed": needed[0] / n, "receive_needed": needed[1] / n, **stats}

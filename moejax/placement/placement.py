@@ -32,7 +32,8 @@ from jax.sharding import PartitionSpec as P
 from moejax.codec import replicas as replicas_lib
 from moejax.errors import ConfigError
 from moejax.placement import fssdp, ownership, planner, reshard
-from moejax.placement.dispatch import LOCAL, Dispatch, ep_a2a_bytes, ep_capacity
+from moejax.placement.dispatch import (LOCAL, Dispatch, ep_a2a_bytes, ep_capacity,
+                                       receive_capacity)
 from moejax.sharding.gatherer import squeeze_device_axis
 from moejax.sharding.prefetch import recomputes
 
@@ -65,6 +66,7 @@ class Placement:
   dispatch_capacity_factor: float = 0.0
   dispatch_overflow: str = "grow"     # `moejax.placement.dispatch.OVERFLOW_POLICIES`
   dispatch_chunks: int = 1            # the exchange in this many pieces (`Dispatch.chunks`)
+  receive_capacity_factor: float = 0.0  # rows run through the experts (`dispatch.receive_capacity`)
   replica_slots: int = 0
   overlap_degree: int = 0
   owner_sends: int = 0                # fssdp.owner_sends resolved (0 = no bound)
@@ -120,7 +122,23 @@ class Placement:
                     overlap_degree=self.overlap_degree, owner_sends=self.owner_sends,
                     calibrate=self.calibrate,
                     replica_codec=self.replica_codec if self.kind == "fssdp" else None,
-                    chunks=self.dispatch_chunks)
+                    chunks=self.dispatch_chunks,
+                    receive_capacity_factor=self.applied_receive_factor)
+
+  @property
+  def applied_receive_factor(self) -> float:
+    """The receive capacity factor the exchange applies: only where an overflow grows the
+    buffers and reruns the step (under "drop" a cut would drop the last experts' rows of a busy
+    device, where the dispatch buffer drops each source's last tokens)."""
+    return self.receive_capacity_factor if self.dispatch_overflow == "grow" else 0.0
+
+  def receive_capacity(self, tokens_per_device: int) -> int:
+    """R: rows of one exchange piece's receive buffer run through the experts here (ep/fssdp)."""
+    if not self.owns_experts:
+      return 0
+    return receive_capacity(tokens_per_device * self.top_k, self.num_devices,
+                            self.dispatch_capacity_factor, self.applied_receive_factor,
+                            self.dispatch_chunks)
 
   def dispatch_capacity(self, tokens_per_device: int) -> int:
     """C: the dispatch buffer's rows per destination (ep/fssdp; 0 for fsdp)."""
@@ -218,6 +236,11 @@ class Placement:
       # device sent to one destination, per layer; the buffer holds dispatch_capacity of them
       metrics["dispatch_needed"] = jnp.round(jnp.max(metrics["dispatch_needed"]))
       metrics["dispatch_capacity"] = float(self.dispatch_capacity(tokens_per_device))
+      # the most rows one device received for its experts (pieces x one piece's), per layer;
+      # each piece runs receive_capacity of them
+      metrics["receive_needed"] = jnp.round(jnp.max(metrics["receive_needed"]))
+      metrics["receive_capacity"] = float(self.receive_capacity(tokens_per_device)
+                                          * self.dispatch_chunks)
     metrics["a2a_bytes"] = 0.0
     if self.owns_experts and n > 1:     # fssdp's tokens travel in ep's exchange buffer
       metrics["a2a_bytes"] = self.num_layers * ep_a2a_bytes(

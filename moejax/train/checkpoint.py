@@ -70,13 +70,15 @@ load_params = weights.load_params
 # (data.path and data.source may change: the data iterator checks the token stream itself, by
 # length and CRC; a run on its source files moves to the same corpus prepared.)
 # (init_from only matters when there is no checkpoint to resume.)
-# (the dispatch buffers' size changes which step may overflow, never an assignment.)
+# (the dispatch buffers' size, and the rows run through the experts, change which step may
+# overflow, never an assignment.)
 # (optim.: the optimizer's hyperparameters act on each step's update, not on its state's
 # structure, so a run that diverged resumes with a lower lr; clipping switched on or off is
 # refused apart, since it adds or drops a transformation's state.)
 MAY_DIFFER = ("steps", "log_every", "eval_every", "eval_batches", "remat", "prefetch",
               "scatter_ahead", "schedule_latencies", "schedule_cluster", "mesh.",
               "moe.placement", "moe.dispatch_capacity_factor", "moe.dispatch_overflow", "moe.dispatch_chunks",
+              "moe.receive_capacity_factor",
               "checkpoint.", "codec.", "data.path", "data.source", "init_from", "distributed.",
               "optim.")
 

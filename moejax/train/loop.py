@@ -96,33 +96,43 @@ class Compiled:
 
 @dataclasses.dataclass
 class DispatchCapacityItem:
-  """The checkpoint item "dispatch" (JSON): the dispatch capacity factor in force, so a resumed
-  run runs its next steps on the buffers the uninterrupted one had grown to (the capacity
-  changes no assignment, but the CPU expert kernel's tiling, hence float rounding, follows the
-  buffer's size), unless the resumed run configures another factor than the saved run did.
-  Registered with the Checkpointer like any feature state."""
+  """The checkpoint item "dispatch" (JSON): the dispatch and receive capacity factors in force,
+  so a resumed run runs its next steps on the buffers the uninterrupted one had grown to (the
+  capacities change no assignment, but the CPU expert kernel's tiling, hence float rounding,
+  follows the buffers' sizes), unless the resumed run configures other factors than the saved
+  run did. Registered with the Checkpointer like any feature state."""
   trainer: "Trainer"
   name: str = "dispatch"
   json: bool = True
 
   def item(self, state):
+    moe = self.trainer.cfg.moe
     return {"dispatch_capacity_factor": self.trainer.dispatch_capacity_factor,
-            "configured": self.trainer.cfg.moe.dispatch_capacity_factor}, state
+            "configured": moe.dispatch_capacity_factor,
+            "receive_capacity_factor": self.trainer.receive_capacity_factor,
+            "receive_configured": moe.receive_capacity_factor}, state
 
   def target(self, saved_keys):
     del saved_keys
     return None
 
+  # (factor, the key of its configured value, what it sizes); an older checkpoint may lack the
+  # receive capacity's: the config's then
+  FACTORS = (("dispatch_capacity_factor", "configured", "the dispatch buffers"),
+             ("receive_capacity_factor", "receive_configured", "the rows run through the experts"))
+
   def restore(self, state, item, where: str, log):
     if item is None:      # an older checkpoint: the config's capacity, grown as needed
       return state
-    configured = self.trainer.cfg.moe.dispatch_capacity_factor
-    if float(item["configured"]) == configured:
-      self.trainer.dispatch_capacity_factor = float(item["dispatch_capacity_factor"])
-    else:
-      log(f"moejax: {where} grew the dispatch buffers to factor "
-          f"{item['dispatch_capacity_factor']:g}; this run configures "
-          f"moe.dispatch_capacity_factor={configured:g} and starts from that")
+    for field, configured_key, what in self.FACTORS:
+      if field not in item:
+        continue
+      configured = getattr(self.trainer.cfg.moe, field)
+      if float(item[configured_key]) == configured:
+        setattr(self.trainer, field, float(item[field]))
+      else:
+        log(f"moejax: {where} grew {what} to factor {item[field]:g}; this run configures "
+            f"moe.{field}={configured:g} and starts from that")
     return state
 
 
@@ -138,11 +148,11 @@ class GrowingStep:
     self._trainer, self._layout, self._steps = trainer, layout, {}
 
   def jitted(self):
-    """The jitted train step at the Trainer's current dispatch capacity factor."""
-    factor = self._trainer.dispatch_capacity_factor
-    if factor not in self._steps:
-      self._steps[factor] = self._trainer.make_step(self._layout, factor)
-    return self._steps[factor]
+    """The jitted train step at the Trainer's current capacity factors."""
+    factors = self._trainer.capacity_factors
+    if factors not in self._steps:
+      self._steps[factors] = self._trainer.make_step(self._layout, *factors)
+    return self._steps[factors]
 
   def lower(self, *args):
     return self.jitted().lower(*args)
@@ -153,7 +163,8 @@ class GrowingStep:
       # Grown to dropless, the step has nothing left to overflow (and no flag).
       if not int(metrics.get("dispatch_overflow", 0)):
         return state, metrics
-      self._trainer.grow_dispatch(int(metrics["dispatch_needed"]))
+      self._trainer.grow_dispatch(int(metrics["dispatch_needed"]),
+                                  int(metrics["receive_needed"]))
 
 
 class Trainer:
@@ -175,9 +186,11 @@ class Trainer:
     if limit is not None:      # GPUs say how much they hold: stop now, not when XLA runs out
       memory.check_fits(cfg, num_devices(self.mesh), limit, tolerance=memory.TOLERANCE)
     self.layout = state_lib.state_layout(cfg, self.mesh, self.tx)
-    # ep/fssdp: the dispatch buffers' size, grown by `grow_dispatch` when a step overflows them
-    # (kept for later runs with this Trainer; a new one starts again from the config's).
+    # ep/fssdp: the dispatch buffers' size and the rows run through the experts, grown by
+    # `grow_dispatch` when a step overflows them (kept for later runs with this Trainer; a new
+    # one starts again from the config's).
     self.dispatch_capacity_factor = cfg.moe.dispatch_capacity_factor
+    self.receive_capacity_factor = cfg.moe.receive_capacity_factor
     self._tokens_per_device = cfg.batch_size * cfg.seq_len // num_devices(self.mesh)
     self.train_step = self._train_step_of(self.layout)
     self._init = state_lib.make_init(cfg, self.tx, self.layout)   # jitted once, any seed
@@ -206,50 +219,76 @@ class Trainer:
     grows = self.layout.placement.grows_dispatch(self._tokens_per_device)
     return (DispatchCapacityItem(self),) if grows else ()
 
-  def _with_capacity(self, layout, factor: float):
-    placement = dataclasses.replace(layout.placement, dispatch_capacity_factor=factor)
+  @property
+  def capacity_factors(self) -> tuple[float, float]:
+    """(dispatch, receive) capacity factors in force: what the steps are compiled for."""
+    return self.dispatch_capacity_factor, self.receive_capacity_factor
+
+  def _with_capacity(self, layout, dispatch_factor: float, receive_factor: float):
+    placement = dataclasses.replace(layout.placement, dispatch_capacity_factor=dispatch_factor,
+                                    receive_capacity_factor=receive_factor)
     return dataclasses.replace(layout, placement=placement)
 
-  def make_step(self, layout, factor: float):
-    """The jitted train step of `layout` with dispatch capacity factor `factor`."""
-    return step_lib.make_train_step(self.cfg, self.mesh, self._with_capacity(layout, factor),
-                                    self.tx, self.schedule, trace_guard=self.trace_guard)
+  def make_step(self, layout, dispatch_factor: float, receive_factor: float):
+    """The jitted train step of `layout` with these dispatch and receive capacity factors."""
+    return step_lib.make_train_step(
+        self.cfg, self.mesh, self._with_capacity(layout, dispatch_factor, receive_factor),
+        self.tx, self.schedule, trace_guard=self.trace_guard)
 
   def _train_step_of(self, layout):
     if layout.placement.grows_dispatch(self._tokens_per_device):
       return GrowingStep(self, layout)
-    return self.make_step(layout, self.dispatch_capacity_factor)
+    return self.make_step(layout, *self.capacity_factors)
 
   @property
   def eval_step(self):
-    """`step.make_eval_step`'s step at the current dispatch capacity."""
-    factor = self.dispatch_capacity_factor
-    if factor not in self._eval_steps:
-      self._eval_steps[factor] = step_lib.make_eval_step(
-          self.cfg, self.mesh, self._with_capacity(self.layout, factor))
-    return self._eval_steps[factor]
+    """`step.make_eval_step`'s step at the current capacities."""
+    factors = self.capacity_factors
+    if factors not in self._eval_steps:
+      self._eval_steps[factors] = step_lib.make_eval_step(
+          self.cfg, self.mesh, self._with_capacity(self.layout, *factors))
+    return self._eval_steps[factors]
 
-  def grow_dispatch(self, needed_rows: int) -> None:
-    """A step needed `needed_rows` rows at one destination, more than the dispatch buffer holds:
-    the capacity grows (`dispatch.grown_capacity_factor`), if the buffers still fit the device
-    (ConfigError naming the field and the bytes otherwise), and the step's callers rerun it."""
+  def grow_dispatch(self, needed_rows: int, receive_rows: int = 0) -> None:
+    """A step overflowed: a device sent `needed_rows` rows to one destination, more than the
+    dispatch buffer holds, or received `receive_rows` for its experts (pieces x one piece's),
+    more than they run (`dispatch.receive_capacity`). What overflowed grows
+    (`dispatch.grown_capacity_factor`, `dispatch.grown_receive_factor`), if the buffers still
+    fit the device (ConfigError naming the field and the bytes otherwise), and the step's
+    callers rerun it."""
     from moejax.placement import dispatch as dispatch_lib
     placement = self.layout.placement
-    old = self.dispatch_capacity_factor
+    n, pieces = placement.num_devices, placement.dispatch_chunks
+    old, old_receive = self.capacity_factors
     a = self._tokens_per_device * placement.top_k
-    new = dispatch_lib.grown_capacity_factor(old, needed_rows, a, placement.num_devices)
+    rows = lambda f: dispatch_lib.ep_capacity(a, n, f)  # noqa: E731
+    computed = lambda f, r: pieces * dispatch_lib.receive_capacity(a, n, f, r, pieces)  # noqa: E731
+    new, new_receive = old, old_receive
+    receive_overflowed = receive_rows > computed(old, old_receive)
+    # Either overflow reruns the step; without a measured one (none can be: a drop is one of
+    # them) the dispatch buffers grow, so every rerun makes progress.
+    if needed_rows > rows(old) or not receive_overflowed:
+      new = dispatch_lib.grown_capacity_factor(old, needed_rows, a, n)
+    if receive_overflowed:
+      new_receive = dispatch_lib.grown_receive_factor(old_receive, receive_rows, a)
     grown = dataclasses.replace(self.cfg, moe=dataclasses.replace(
-        self.cfg.moe, dispatch_capacity_factor=new))
+        self.cfg.moe, dispatch_capacity_factor=new, receive_capacity_factor=new_receive))
     limit = memory.device_memory_bytes(self.mesh.devices.flat[0])
     if limit is not None:
       memory.check_fits(grown, num_devices(self.mesh), limit, tolerance=memory.TOLERANCE,
-                        why=f"a step needed {needed_rows} dispatch rows at one destination")
-    rows = lambda f: dispatch_lib.ep_capacity(a, placement.num_devices, f)  # noqa: E731
-    log(f"moejax: the {placement.kind} dispatch buffers overflowed (a device sent {needed_rows} "
-        f"rows to one destination, room for {rows(old)}): moe.dispatch_capacity_factor {old:g} "
-        f"-> {f'{new:g}' if new else '0 (dropless)'} ({rows(new)} rows per destination); "
-        "rerunning the step")
-    self.dispatch_capacity_factor = new
+                        why=f"a step needed {needed_rows} dispatch rows at one destination and "
+                            f"{receive_rows} rows through one device's experts")
+    if new != old:
+      log(f"moejax: the {placement.kind} dispatch buffers overflowed (a device sent "
+          f"{needed_rows} rows to one destination, room for {rows(old)}): "
+          f"moe.dispatch_capacity_factor {old:g} -> {f'{new:g}' if new else '0 (dropless)'} "
+          f"({rows(new)} rows per destination); rerunning the step")
+    if new_receive != old_receive:
+      log(f"moejax: a device received {receive_rows} rows for its {placement.kind} experts, "
+          f"which run {computed(old, old_receive)}: moe.receive_capacity_factor "
+          f"{old_receive:g} -> {new_receive:g} ({computed(new, new_receive)} rows); rerunning "
+          "the step")
+    self.dispatch_capacity_factor, self.receive_capacity_factor = new, new_receive
 
   def adopt(self, state, current: "Compiled", specs: dict):
     """Switch from `current` to the codec choice `specs`: (state with codec states for it,
@@ -283,7 +322,7 @@ class Trainer:
         loss, dropped, needed = self.eval_step(params, b, placement_state)
         if not int(dropped) or self.cfg.moe.dispatch_overflow != "grow":
           break
-        self.grow_dispatch(int(needed))
+        self.grow_dispatch(*(int(x) for x in np.asarray(needed)))
       losses.append(float(loss))
     return float(np.mean(losses))
 

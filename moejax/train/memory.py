@@ -20,8 +20,9 @@ no devices, no compile (`jax.eval_shape` only), so it answers for a cluster you 
                   intermediates; plus one layer's working set twice (recompute and cotangents) and
                   the fp32 logits with their gradient
   exchange        ep/fssdp dispatch buffers of one MoE layer (forward and backward; every layer's
-                  forward under remat="none"): N x C rows each way and sorted by expert, the
-                  expert hidden rows, and fssdp's replica rows: Q = fssdp.owner_sends send
+                  forward under remat="none"): N x C rows each way, the rows the experts run
+                  (moe.receive_capacity_factor's) sorted by expert and their hidden rows, and
+                  fssdp's replica rows: Q = fssdp.owner_sends send
                   rows (compute dtype) and SparseReduceScatter's Q fp32 receive rows
 
 It models the program a GPU runs (attention in the fused kernel, no score matrix kept, but
@@ -138,10 +139,12 @@ def memory_report(cfg: Config, num_devices: int, *,
   check_batch_divides(cfg, n)
   from moejax.sharding.mesh import resolve_shape
   _, per_node = resolve_shape(cfg.mesh.shape, n)     # the mesh a run on n devices would build
-  placement_for(cfg, n, per_node).check()
+  placement = placement_for(cfg, n, per_node)
+  placement.check()
   m, moe = cfg.model, cfg.moe
   factor = moe.dispatch_capacity_factor if dispatch_capacity_factor is None else (
       dispatch_capacity_factor)
+  placement = dataclasses.replace(placement, dispatch_capacity_factor=factor)
   c = np.dtype(hook.COMPUTE_DTYPES[cfg.compute_dtype]).itemsize
   meta = olmoe.param_meta(cfg)
   layouts = layout_lib.param_layouts(meta, moe.placement, n)
@@ -220,10 +223,14 @@ def memory_report(cfg: Config, num_devices: int, *,
   if owns and n > 1:
     cap = ep_capacity(a, n, factor)
     rows = n * cap
+    # the rows the experts run (`dispatch.receive_capacity`, each piece's)
+    computed = min(rows, placement.receive_capacity(tokens) * moe.dispatch_chunks)
     one_way = rows * d * c
-    # Rows out and back, their sorted-by-expert copies in and out of the grouped matmul, the
-    # expert ids, and the hidden rows (gate and up accumulated in fp32, their product).
-    forward = 6 * one_way + 2 * rows * 4 + rows * f * (2 * 4 + c)
+    # Rows out and back, the computed rows' sorted-by-expert copies in and out of the grouped
+    # matmul, the expert ids, and their hidden rows (gate and up accumulated in fp32, their
+    # product).
+    forward = (4 * one_way + 2 * computed * d * c + 2 * rows * 4
+               + computed * f * (2 * 4 + c))
     exchange = forward * (num_moe_layers(cfg) if not recomputes(cfg.remat) else 1) + forward
   # fssdp's ragged SparseAllGather sends from Q rows (the most slots one owner fills, the
   # planner's fssdp.owner_sends; N x M unbounded) and its SparseReduceScatter receives Q fp32

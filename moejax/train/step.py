@@ -249,8 +249,8 @@ def make_train_step(cfg: Config, mesh, lay: StateLayout, tx: optax.GradientTrans
 
 def make_eval_step(cfg: Config, mesh, lay: StateLayout):
   """eval_step(params, batch, placement_state=None) -> (mean cross-entropy over the batch,
-  assignments dropped for lack of dispatch buffer room (the loss is exact only when 0), the most
-  dispatch rows any device sent to one destination)
+  assignments dropped for lack of buffer room (the loss is exact only when 0), [the most
+  dispatch rows any device sent to one destination, the most rows one received for its experts])
   (placement_state: TrainState.placement, where experts are stored; None = the even start)."""
   def body(params, batch, placement_state):
     # Evaluate under the post-warm-up capacity schedule: the routing regime being trained for.
@@ -262,8 +262,9 @@ def make_eval_step(cfg: Config, mesh, lay: StateLayout):
     logits_BxSxV, aux_L, _, _ = _forward_local(cfg, lay, params, batch["inputs"],
                                                cfg.routing.warmup_steps, None, placement_state)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits_BxSxV, batch["targets"])
-    needed = (jnp.max(aux_L["placement"]["dispatch_needed"]) if "placement" in aux_L
-              else jnp.zeros((), jnp.float32))
+    needed = (jnp.stack([jnp.max(aux_L["placement"][k])
+                         for k in ("dispatch_needed", "receive_needed")])
+              if "placement" in aux_L else jnp.zeros((2,), jnp.float32))
     return (jax.lax.psum(jnp.sum(ce), DEVICES) / (cfg.batch_size * cfg.seq_len),
             jax.lax.psum(jnp.sum(aux_L["dropped"]), DEVICES),
             jnp.round(jax.lax.psum(needed, DEVICES)).astype(jnp.int32))

@@ -27,15 +27,17 @@ def _inputs():
 
 
 @functools.lru_cache(maxsize=None)
-def _ep(capacity_factor: float, chunks: int = 1):
+def _ep(capacity_factor: float, chunks: int = 1, receive_factor: float = 0.0):
+  """(y, dropped, received, rows needed at one destination, rows needed by the experts) per
+  device."""
   mesh = Mesh(np.array(jax.devices()[:N]), ("devices",))
   dispatch = dispatch_lib.Dispatch(kind="ep", axis_names=("devices",), num_devices=N,
                                    devices_per_node=N, capacity_factor=capacity_factor,
-                                   chunks=chunks)
+                                   chunks=chunks, receive_capacity_factor=receive_factor)
 
   def body(*args):
     y, dropped, received, needed = dispatch_lib.ep_experts(*args, dispatch=dispatch)
-    return y, dropped[None], received[None], needed[None]
+    return y, dropped[None], received[None], needed.dispatch[None], needed.receive[None]
 
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("devices"),) * 6,
                                out_specs=P("devices"), check_vma=False))
@@ -43,7 +45,7 @@ def _ep(capacity_factor: float, chunks: int = 1):
 
 def test_dropless_ep_matches_local_experts():
   args = _inputs()
-  y, dropped, received, _ = _ep(0.0)(*args)
+  y, dropped, received, _, _ = _ep(0.0)(*args)
   want, _ = jax.jit(dispatch_lib.local_experts)(*args)
   np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
   assert int(dropped.sum()) == 0
@@ -86,7 +88,7 @@ def test_biased_clamped_experts_dispatch_as_they_run_locally():
 
 def test_capacity_drops_what_does_not_fit_and_zeroes_it():
   args = _inputs()
-  y, dropped, _, needed = _ep(1.0)(*args)
+  y, dropped, _, needed, _ = _ep(1.0)(*args)
   c = dispatch_lib.ep_capacity(T * K, N, 1.0)
   owner_NxA = np.asarray(args[1]).reshape(N, T * K) // (E // N)
   per_dest = np.stack([np.bincount(row, minlength=N) for row in owner_NxA])
@@ -101,6 +103,46 @@ def test_capacity_drops_what_does_not_fit_and_zeroes_it():
   assert want[0] == T * K - c               # the hot source overflows
   # Its tokens all went to one owner: those past the first c//K tokens came back as zeros.
   assert np.all(np.asarray(y[c // K:T]) == 0) and np.any(np.asarray(y[:c // K]) != 0)
+
+
+def test_the_experts_run_the_first_rows_a_device_received_and_count_the_rest():
+  """`Dispatch.receive_capacity_factor`: each device runs the first R = ceil(factor x T x K) rows
+  of its receive buffer in expert order (local expert, then source, then the source's order)
+  through its experts; the rows past them come back as zeros and count as dropped there.
+  Against the local experts with exactly those assignments dropped: the same outputs and
+  gradients, and each device's count. The rows a device needed are what it received."""
+  x, experts, weights, *w = _inputs()
+  experts = jax.random.randint(jax.random.key(7), (N * T, K), 0, E)    # no hot source
+  c, r = 4.0, 0.75                # C = 16 rows a destination: nothing dropped at the sender
+  rows = dispatch_lib.receive_capacity(T * K, N, c, r)
+  assert rows == 24 and dispatch_lib.receive_capacity(T * K, N, c, 0.0) == N * 16
+  ct_TxD = jax.random.normal(jax.random.key(1), (N * T, D), jnp.float32)
+  # Which assignments each device's experts run: received rows in expert order, the first R.
+  expert_NxA = np.asarray(experts).reshape(N, T * K)
+  el = E // N
+  keep_NxA = np.ones_like(expert_NxA, bool)
+  for dest in range(N):
+    rows_here = sorted((e % el, s, a) for s in range(N) for a, e in enumerate(expert_NxA[s])
+                       if e // el == dest)
+    for _, s, a in rows_here[rows:]:
+      keep_NxA[s, a] = False
+  kept = jnp.asarray(np.where(keep_NxA, expert_NxA, E).reshape(N * T, K))
+
+  def outputs(f, e):
+    loss = lambda x, *w: jnp.sum(f(x, e, weights, *w)[0].astype(jnp.float32) * ct_TxD)  # noqa
+    return f(x, e, weights, *w), jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, *w)
+
+  (y, dropped, received, needed, received_needed), grads = outputs(_ep(c, 1, r), experts)
+  (y_want, _), grads_want = outputs(jax.jit(dispatch_lib.local_experts), kept)
+  assert int(np.sum(dropped)) > 0          # some device received more than R
+  np.testing.assert_array_equal(np.asarray(dropped), np.maximum(np.asarray(received) - rows, 0))
+  np.testing.assert_array_equal(np.asarray(received_needed), np.asarray(received))
+  np.testing.assert_array_equal(np.asarray(received),
+                                np.bincount(expert_NxA.reshape(-1) // el, minlength=N))
+  np.testing.assert_allclose(np.asarray(y), np.asarray(y_want), rtol=0, atol=1e-6)
+  for g, want in zip(grads, grads_want):
+    g, want = np.asarray(g, np.float32), np.asarray(want, np.float32)
+    np.testing.assert_allclose(g, want, rtol=0, atol=1e-2 * np.max(np.abs(want)))
 
 
 @pytest.mark.parametrize("platform", ["cpu", "cuda"])
@@ -154,7 +196,9 @@ def test_an_exchange_in_pieces_equals_the_whole_on_each_platform_s_form(monkeypa
 
   whole, pieces = outputs(_ep(capacity_factor)), outputs(_ep(capacity_factor, 3))
   assert int(np.sum(whole[0][1])) > 0                       # the hot source overflows
-  assert_bits_equal((whole[0], whole[1][0]), (pieces[0], pieces[1][0]))
+  # (the rows needed by the experts: pieces x the busiest piece's, at least one exchange's)
+  assert_bits_equal((whole[0][:4], whole[1][0]), (pieces[0][:4], pieces[1][0]))
+  assert np.all(pieces[0][4] >= whole[0][4]) and np.all(pieces[0][4] <= whole[0][4] + 3 * N)
   for want, got in zip(whole[1][1:], pieces[1][1:]):
     want, got = np.asarray(want, np.float32), np.asarray(got, np.float32)
     np.testing.assert_allclose(got, want, rtol=0, atol=np.abs(want).max() * 2.0 ** -7)

@@ -45,7 +45,9 @@ def test_overflow_grows_the_buffers_reruns_the_step_and_resumes_on_the_grown_siz
   factor = trainer.dispatch_capacity_factor
   assert factor > 2.0
   with open(workdir / "checkpoints" / "2" / "dispatch" / "metadata") as f:
-    assert json.load(f) == {"dispatch_capacity_factor": factor, "configured": 2.0}
+    assert json.load(f) == {"dispatch_capacity_factor": factor, "configured": 2.0,
+                            "receive_capacity_factor": trainer.receive_capacity_factor,
+                            "receive_configured": 1.25}
 
   trainer.dispatch_capacity_factor = 2.0       # as a new process starts: the config's
   run(cfg, str(workdir), trainer=trainer)      # resumes at step 2 on the checkpoint's size
@@ -57,6 +59,10 @@ def test_overflow_grows_the_buffers_reruns_the_step_and_resumes_on_the_grown_siz
   # Lossless: nothing was dropped, and every step needed no more rows than the buffer held.
   assert all(r["ep_dropped_frac"] == 0.0 and 0 < r["dispatch_needed"] <= r["dispatch_capacity"]
              for r in resumed)
+  # The experts ran the rows each device received, and fewer than the receive buffer holds
+  # (8 destinations' blocks).
+  assert all(0 < r["receive_needed"] <= r["receive_capacity"] < 8 * r["dispatch_capacity"]
+             for r in resumed), [(r["receive_needed"], r["receive_capacity"]) for r in resumed]
   rows = resumed[0]["dispatch_capacity"]
   assert rows < cfg.batch_size * cfg.seq_len // 8 * cfg.moe.top_k      # below dropless (T x K)
 
@@ -65,3 +71,55 @@ def test_overflow_grows_the_buffers_reruns_the_step_and_resumes_on_the_grown_siz
   run(cfg, str(tmp_path / "fresh"), trainer=trainer)
   assert "overflowed" not in capsys.readouterr().out
   assert _records(tmp_path / "fresh") == resumed
+
+
+def test_a_device_receiving_more_rows_than_its_experts_run_grows_them_and_reruns(
+    trainer, tmp_path, capsys):
+  """moe.receive_capacity_factor: each device runs R = ceil(factor x T x K) of its receive
+  buffer's rows through its experts. At 0.5 (128 of the ~256 rows a device receives, in a
+  buffer of 8 x 128) the first step overflows; R grows to what the busiest device received,
+  with a margin, and the step reruns: the run equals one whose experts run every row of the
+  buffer (factor 0), figure by figure but the capacity's own."""
+  cfg = trainer.cfg
+  runs = {}
+  for receive in (0.5, 0.0):
+    trainer.dispatch_capacity_factor, trainer.receive_capacity_factor = 4.0, receive
+    run(cfg, str(tmp_path / str(receive)), trainer=trainer, stop_at=2)
+    runs[receive] = (_records(tmp_path / str(receive)), capsys.readouterr().out,
+                     trainer.receive_capacity_factor)
+  records, out, grown_factor = runs[0.5]
+  grown = [line for line in out.splitlines() if "rows for its ep experts" in line]
+  assert len(grown) == 1 and "dispatch buffers overflowed" not in out, out
+  assert grown[0].startswith("moejax: a device received ")
+  assert "moe.receive_capacity_factor 0.5 -> " in grown[0]
+  assert grown_factor >= 1.0         # at least doubled
+  assert all(r["ep_dropped_frac"] == 0.0 and r["receive_needed"] <= r["receive_capacity"]
+             for r in records)
+  assert records[0]["receive_capacity"] < 8 * 128
+  capacity = ("receive_capacity",)
+  strip = lambda rs: [{k: v for k, v in r.items() if k not in capacity} for r in rs]  # noqa: E731
+  assert strip(records) == strip(runs[0.0][0])
+  assert runs[0.0][0][0]["receive_capacity"] == 8 * 128
+
+
+def test_a_restore_takes_the_grown_factors_its_config_still_configures():
+  """The checkpoint item "dispatch": each grown factor comes back where the run configures what
+  the saved run did, else the config's stands with one line; a checkpoint from before the
+  receive capacity brings back the dispatch factor alone."""
+  import types
+  from moejax.train.loop import DispatchCapacityItem
+  cfg = tiny_config(**SMALL)
+  saved = {"dispatch_capacity_factor": 3.5, "configured": 2.0,
+           "receive_capacity_factor": 2.5, "receive_configured": 1.25}
+  for item, want, lines_want in (
+      (saved, (3.5, 2.5), []),
+      ({**saved, "receive_configured": 1.5}, (3.5, 1.25),
+       ["moejax: step 4 grew the rows run through the experts to factor 2.5; this run configures "
+        "moe.receive_capacity_factor=1.25 and starts from that"]),
+      ({"dispatch_capacity_factor": 3.5, "configured": 2.0}, (3.5, 1.25), [])):
+    trainer = types.SimpleNamespace(cfg=cfg, dispatch_capacity_factor=2.0,
+                                    receive_capacity_factor=1.25)
+    lines = []
+    DispatchCapacityItem(trainer).restore("state", item, "step 4", lines.append)
+    assert (trainer.dispatch_capacity_factor, trainer.receive_capacity_factor) == want
+    assert lines == lines_want
