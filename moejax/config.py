@@ -333,15 +333,18 @@ class MoEConfig:
   """ep/fssdp: the token exchange in this many pieces (a destination's rows dealt to them in
   turn), each sent, run through the experts and returned on its own, so one piece's exchange
   can overlap another's expert matmuls (on GPU, with a schedule that knows what each costs:
-  `schedule_latencies="model"`). The same drops and outputs; the expert weights' gradients are
-  summed over the pieces (within bf16 rounding of one exchange's). 1: one exchange."""
+  `schedule_latencies="model"`). The same dispatch drops and outputs (each piece's experts run
+  ceil(1 / pieces) of the receive capacity, so a piece may overflow it where one exchange
+  would not: the step reruns); the expert weights' gradients are summed over the pieces
+  (within bf16 rounding of one exchange's). 1: one exchange."""
   dispatch_overflow: str = "grow"
   """A step whose dispatch buffers overflow: one of `moejax.placement.dispatch.OVERFLOW_POLICIES`
   (grow: no update, the buffers are resized from the measured loads and the step reruns,
   lossless; drop: the overflow is dropped and counted in ep_dropped_frac)."""
   receive_capacity_factor: float = 1.25
   """ep/fssdp under dispatch_overflow="grow" with bounded buffers: each device runs
-  ceil(factor * T * K) of the rows it received through its experts, the starting size
+  ceil(factor * T * K) of the rows it received through its experts (ceil(1 / pieces) of that
+  per piece with `dispatch_chunks`), the starting size
   (a device that receives more overflows and the step reruns with room for what it received;
   `moejax.placement.dispatch.receive_capacity`). The receive buffer holds about
   dispatch_capacity_factor x T x K rows, which the GPU's grouped matmuls would compute whole;

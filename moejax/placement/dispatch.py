@@ -13,7 +13,8 @@ Dropped assignments carry the sentinel expert id E and produce zeros.
           `lax.platform_dependent`; both return the same buffer). With `Dispatch.chunks` > 1
           the buffer goes in that many pieces of ceil(C / chunks) rows per destination, a
           destination's rows dealt to them in turn, each piece out, through the experts and
-          back on its own (the same drops; the pieces' exchanges can overlap the other pieces'
+          back on its own (the same dispatch drops; each piece's experts run ceil(R / chunks)
+          of its rows, `receive_capacity`; the pieces' exchanges can overlap the other pieces'
           expert matmuls).
   fssdp   as ep, plus this step's replicas of hot experts (moejax.placement.planner); each
           assignment goes to one device holding its expert (`exchange` with a destination and

@@ -131,7 +131,7 @@ class DispatchCapacityItem:
       if float(item[configured_key]) == configured:
         setattr(self.trainer, field, float(item[field]))
       else:
-        log(f"moejax: {where} grew {what} to factor {item[field]:g}; this run configures "
+        log(f"moejax: {where} sized {what} by factor {item[field]:g}; this run configures "
             f"moe.{field}={configured:g} and starts from that")
     return state
 

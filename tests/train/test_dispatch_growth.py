@@ -114,7 +114,8 @@ def test_a_restore_takes_the_grown_factors_its_config_still_configures():
   for item, want, lines_want in (
       (saved, (3.5, 2.5), []),
       ({**saved, "receive_configured": 1.5}, (3.5, 1.25),
-       ["moejax: step 4 grew the rows run through the experts to factor 2.5; this run configures "
+       ["moejax: step 4 sized the rows run through the experts by factor 2.5; this run "
+        "configures "
         "moe.receive_capacity_factor=1.25 and starts from that"]),
       ({"dispatch_capacity_factor": 3.5, "configured": 2.0}, (3.5, 1.25), [])):
     trainer = types.SimpleNamespace(cfg=cfg, dispatch_capacity_factor=2.0,
