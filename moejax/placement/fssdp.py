@@ -561,7 +561,8 @@ def fssdp_experts(x_TxD, experts_TxK, weights_TxK, mat: Materialized, *, dispatc
 
   def run(plan, weights, late_bytes):
     send_ExN = kept_for_backward("fssdp_send", lambda: planner.balanced_send(
-        plan.holders_ExN, source_load_NxE, devices_per_node=dpn)[me])
+        plan.holders_ExN, source_load_NxE, devices_per_node=dpn,
+        max_shared=dispatch.overlap_degree or None)[me])
     dest_TxK = planner.dispatch_devices(experts_TxK, me, plan, devices_per_node=dpn,
                                         send_ExN=send_ExN)
     expert_A, dest_A = experts_TxK.reshape(-1), dest_TxK.reshape(-1)

@@ -524,23 +524,29 @@ def _waterfill(base_N, mask_N, amount):
   return jnp.where(jnp.any(ok_N), alloc_N, 0.0)
 
 
-# The re-splits run one expert after another, 2 E of them a layer, each a handful of kernels on
-# a few values: on GPU the loop's own step and the launches are the cost (priced in XLA:GPU's
-# compiled program, `scripts/gpu_schedule.py`'s model: OLMoE-1B-7B's 64 experts 1.81 ms a
-# layer, DeepSeek-V3's 256 7.19 ms, 0.42 s a step over its 58 MoE layers). Unrolled 4 deep,
-# XLA:GPU fuses across iterations (7 kernels an iteration -> 5.5) and steps the loop a quarter as
-# often: 1.43 / 5.65 ms, before the loop's own cost. XLA:CPU keeps the plain loop (it compiles
-# faster and runs it in microseconds).
+# The re-splits run one expert after another, each a handful of kernels on a few values: on GPU
+# the loop's own step and the launches are the cost (priced in XLA:GPU's compiled program,
+# `scripts/gpu_schedule.py`'s model). Over every expert, 2 E a layer, that was 1.81 ms a layer at
+# OLMoE-1B-7B's 64 experts and 7.19 ms at DeepSeek-V3's 256 (0.42 s a step over its 58 MoE
+# layers); unrolled 4 deep, XLA:GPU fuses across iterations (7 kernels an iteration -> 5.5) and
+# steps the loop a quarter as often: 1.43 / 5.65 ms. Now only the experts with replicas are
+# visited (2 t a layer). XLA:CPU keeps the plain loop (it compiles faster and runs it in
+# microseconds).
 SWEEP_UNROLL = 4
 
 
 def balanced_quotas(holders_ExN, source_load_NxE, *, devices_per_node: int,
-                    passes: int = 2) -> jax.Array:
+                    passes: int = 2, max_shared: int | None = None) -> jax.Array:
   """quota_ExN int32: how many of each expert's actual assignments each holder should process.
 
   Starts from the even rule's split and re-splits one expert at a time over its holders by
   water-filling against everything else (heaviest experts first, `passes` sweeps), which never
   raises the largest device load; then rounds to integers that keep every expert's total.
+  Only an expert with two or more holders has a split to change (one holder takes its whole
+  load), so the sweeps visit those: at most `max_shared` of them (a plan's overlap_degree: at
+  most that many experts get replicas; None: up to E), heaviest first. A sweep is sequential
+  (each re-split reads the others'): visiting t experts instead of E takes OLMoE-1B-7B's 2 x 64
+  steps a layer to 2 x 4, DeepSeek-V3's 2 x 256 to 2 x 4.
   """
   src_ExN = jnp.asarray(source_load_NxE).T
   load_E = jnp.sum(src_ExN, axis=1)
@@ -548,14 +554,22 @@ def balanced_quotas(holders_ExN, source_load_NxE, *, devices_per_node: int,
   alloc_ExN = expert_device_load(None, holders_ExN, devices_per_node=devices_per_node,
                                  source_load_ExN=src_ExN.astype(jnp.float32))
   order_E = jnp.argsort(-load_E, stable=True)
+  shared_E = jnp.sum(holders_ExN, axis=1) > 1
+  s = max(1, e if max_shared is None else min(e, max_shared))
+  # the shared experts first, heaviest first (a stable sort of the load order); past the shared
+  # ones a slot is left as it is
+  order_S = order_E[jnp.argsort(~shared_E[order_E], stable=True)[:s]]
+  visit_S = shared_E[order_S]
 
   def refill(i, alloc_ExN):
-    x = order_E[i % e]
+    x = order_S[i % s]
     base_N = jnp.sum(alloc_ExN, axis=0) - alloc_ExN[x]
-    return alloc_ExN.at[x].set(_waterfill(base_N, holders_ExN[x], load_E[x].astype(jnp.float32)))
+    filled_N = _waterfill(base_N, holders_ExN[x], load_E[x].astype(jnp.float32))
+    return alloc_ExN.at[x].set(jnp.where(visit_S[i % s], filled_N, alloc_ExN[x]))
 
   def sweeps(unroll: int):
-    return lambda alloc_ExN: lax.fori_loop(0, passes * e, refill, alloc_ExN, unroll=unroll)
+    return lambda alloc_ExN: lax.fori_loop(0, passes * s, refill, alloc_ExN,
+                                           unroll=min(unroll, passes * s))
 
   alloc_ExN = lax.platform_dependent(alloc_ExN, cpu=sweeps(1), default=sweeps(SWEEP_UNROLL))
   floor_ExN = jnp.where(holders_ExN, jnp.floor(alloc_ExN), 0.0).astype(jnp.int32)
@@ -574,19 +588,21 @@ def _northwest(supply_ExI, demand_ExJ):
 
 
 def balanced_send(holders_ExN, source_load_NxE, *, devices_per_node: int,
-                  passes: int = 2) -> jax.Array:
+                  passes: int = 2, max_shared: int | None = None) -> jax.Array:
   """send_NxExN int32: assignments each source sends to each device, per expert.
 
   For the actual routing counts (`source_load_NxE`, an all_gather of every device's per-expert
   counts after gating; every device computes the same table). Each holder processes its
   `balanced_quotas` share; the tokens to fill it come from its own source first, then from its
   node, then from other nodes (northwest-corner order), so only what balancing needs crosses
-  nodes. Row `send[my_device]` is `dispatch_devices`' `send_ExN`.
+  nodes. Row `send[my_device]` is `dispatch_devices`' `send_ExN`. `max_shared`: as
+  `balanced_quotas`.
   """
   counts_ExN = jnp.asarray(source_load_NxE, jnp.int32).T
   e, n = counts_ExN.shape
   g, dpn = n // devices_per_node, devices_per_node
-  quota_ExN = balanced_quotas(holders_ExN, source_load_NxE, devices_per_node=dpn, passes=passes)
+  quota_ExN = balanced_quotas(holders_ExN, source_load_NxE, devices_per_node=dpn, passes=passes,
+                              max_shared=max_shared)
   local_ExN = jnp.minimum(counts_ExN, quota_ExN)
   supply_ExN, demand_ExN = counts_ExN - local_ExN, quota_ExN - local_ExN
   node_ExGxDxD = _northwest(supply_ExN.reshape(e, g, dpn), demand_ExN.reshape(e, g, dpn))

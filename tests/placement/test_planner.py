@@ -3,6 +3,7 @@ plan functions under jit, vmap and shard_map on 8 devices."""
 import chex
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -83,6 +84,27 @@ def _counts(experts_NxTxK):
       experts_NxTxK)
 
 
+def _quotas_visiting_every_expert(holders_ExN, source_load_NxE, passes: int = 2):
+  """`balanced_quotas` as first written: every expert re-split in turn, heaviest first, one
+  holder or more (a re-split of one holder's expert gives it its whole load again)."""
+  src_ExN = source_load_NxE.T.astype(jnp.float32)
+  load_E = jnp.sum(src_ExN, axis=1)
+  alloc = fp.expert_device_load(None, holders_ExN, devices_per_node=DPN, source_load_ExN=src_ExN)
+  order_E = jnp.argsort(-load_E, stable=True)
+
+  def refill(i, alloc):
+    x = order_E[i % E]
+    base_N = jnp.sum(alloc, axis=0) - alloc[x]
+    return alloc.at[x].set(fp._waterfill(base_N, holders_ExN[x], load_E[x]))
+
+  alloc = lax.fori_loop(0, passes * E, refill, alloc)
+  floor_ExN = jnp.where(holders_ExN, jnp.floor(alloc), 0.0).astype(jnp.int32)
+  short_E = load_E.astype(jnp.int32) - jnp.sum(floor_ExN, axis=1)
+  frac_ExN = jnp.where(holders_ExN, alloc - jnp.floor(alloc), -1.0)
+  rank_ExN = jnp.argsort(jnp.argsort(-frac_ExN, axis=1, stable=True), axis=1)
+  return floor_ExN + (holders_ExN & (rank_ExN < short_E[:, None])).astype(jnp.int32)
+
+
 @jax.jit
 @chex.assert_max_traces(n=1)
 def _run(loads_BxE, owners_BxE, experts_BxNxTxK):
@@ -112,6 +134,9 @@ def _run(loads_BxE, owners_BxE, experts_BxNxTxK):
         "traffic": fp.traffic(fp.global_dispatch(experts_NxTxK, plan, devices_per_node=DPN),
                               devices_per_node=DPN),
         "counts": counts_NxE, "cal": cal, "adopted": adopted,
+        "quota_shared": fp.balanced_quotas(plan.holders_ExN, counts_NxE, devices_per_node=DPN,
+                                           max_shared=KW["overlap_degree"]),
+        "quota_every": _quotas_visiting_every_expert(plan.holders_ExN, counts_NxE),
         "cal_dest": fp.global_dispatch(experts_NxTxK, cal, devices_per_node=DPN),
     }
   return jax.vmap(one)(loads_BxE, owners_BxE, experts_BxNxTxK)
@@ -353,6 +378,16 @@ def test_balanced_send(cases):
   planned = slice(0, len(experts) - 2)             # the last two were planned for other loads
   assert np.mean(bal[planned]) < np.mean(even[planned]) - 0.03
   assert np.mean(bal[planned]) < 1.15
+
+
+def test_only_the_experts_with_replicas_are_re_split(cases):
+  """A plan gives replicas to at most overlap_degree experts; re-splitting those alone (2 x t
+  sequential steps a layer instead of 2 x E) gives the quotas of re-splitting every expert in
+  turn."""
+  _, _, experts, out = cases
+  shared = out["plan"].holders_ExN.sum(axis=2) > 1
+  assert shared.sum(axis=1).max() == KW["overlap_degree"]        # cases at the bound
+  np.testing.assert_array_equal(out["quota_shared"], out["quota_every"])
 
 
 def test_calibrate(cases):
