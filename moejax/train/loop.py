@@ -242,8 +242,11 @@ class Trainer:
 
   @property
   def eval_step(self):
-    """`step.make_eval_step`'s step at the current capacities."""
-    factors = self.capacity_factors
+    """`step.make_eval_step`'s step at the current dispatch capacity, every received row run
+    through the experts: evaluation plans no replicas (fssdp's flat prediction), so its busiest
+    owners receive more than training's, and growing the receive capacity for them would cost
+    every later train step the rows it saves."""
+    factors = (self.dispatch_capacity_factor, 0.0)
     if factors not in self._eval_steps:
       self._eval_steps[factors] = step_lib.make_eval_step(
           self.cfg, self.mesh, self._with_capacity(self.layout, *factors))
