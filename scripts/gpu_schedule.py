@@ -6,8 +6,11 @@ set-up); nothing runs. Per variant it prints what the GPU program does with its 
 how many are async, how many matmul kernels lie between each async start and done (the compute
 it can hide behind), which run synchronously (XLA:GPU makes a pair with nothing between it
 synchronous), each schedule priced by moejax's cost model (`moejax.perf.latencies`: the step,
-its compute by part of the model (moejax's named scopes, `profiling.scope_of`), its
-collectives, what of them no compute covers and the most exposed by name), and XLA's memory per
+its compute by part of the model (moejax's named scopes, `profiling.scope_of`) and, with
+`--lines N`, by the N dearest moejax source lines (each instruction's innermost moejax frame,
+`profiling.hlo_sources`, times its loops' trip counts: the forward's lines; the backward of the
+prefetched layers carries the frame that differentiates them, `sharding/prefetch.py`'s scan),
+its collectives, what of them no compute covers and the most exposed by name), and XLA's memory per
 device. The GPU check (`scripts/device_check.sh`, step `schedule8`) reads the same figures from
 a compile on a real GPU.
 
@@ -17,6 +20,7 @@ a compile on a real GPU.
   python scripts/gpu_schedule.py --variant fsdp --xla-flags=--xla_gpu_enable_foo=true
   python scripts/gpu_schedule.py --latencies both         # XLA's own estimate beside moejax's
                                                           # (config schedule_latencies=model)
+  python scripts/gpu_schedule.py --variant fssdp_coded_replicas --lines 15   # where it goes
 
 The experts are jax's Hopper grouped-matmul kernels, as on the GPU itself: moejax chooses them
 from the local device's compute capability, here the target's (`placement.hopper.lowering_for`;
@@ -76,7 +80,12 @@ def parse_args(argv=None, variants=()):
                       "(default: xla)")
   p.add_argument("--xla-flags", default="", help="XLA flags added for the compile")
   p.add_argument("--out", help="write each variant's compiled HLO here (VARIANT.hlo.gz)")
+  p.add_argument("--lines", type=int, default=0, metavar="N",
+                 help="also print the N moejax source lines of the dearest priced compute "
+                      "(default: 0)")
   args = p.parse_args(argv)
+  if args.lines < 0:
+    p.error(f"argument --lines: must be >= 0, got {args.lines}")
   if args.max_period is not None and args.max_period < 1:
     p.error(f"argument --max-period: must be >= 1, got {args.max_period}")
   if ":" in args.preset:
@@ -153,8 +162,10 @@ def compile_variant(overrides: dict, args, devices, latencies: str = "xla") -> t
     compiled = step.lower(*trainer.abstract_inputs()).compile()
     pricer = ModelScheduledStep(step, cluster_for("auto", devices[0]), len(devices))
   text = compiled.as_text()
-  from moejax.profiling import scope_of
-  priced = _latencies.schedule_time(text, pricer.price(text), scope_of)
+  from moejax.profiling import hlo_sources, scope_of
+  line_of = ({name: line for name, (_, line) in hlo_sources(text).items()} if args.lines
+             else None)
+  priced = _latencies.schedule_time(text, pricer.price(text), scope_of, line_of)
   memory = compiled.memory_analysis()
   branches = [b for b in hlo.conditional_branches(text) if b.collectives]
   return {**device_check._async_pairs(text),
@@ -163,6 +174,9 @@ def compile_variant(overrides: dict, args, devices, latencies: str = "xla") -> t
           "most_exposed": priced.most_exposed(),
           "compute_ms_by_part": {part: round(seconds * 1e3, 2)
                                  for part, seconds in priced.compute_by_part.items()},
+          **({"compute_ms_by_line": {line: round(seconds * 1e3, 2) for line, seconds
+                                     in list(priced.compute_by_line.items())[:args.lines]}}
+             if args.lines else {}),
           **({"profile_names_found": found} if found is not None else {}),
           "memory_gb": {k: round(getattr(memory, f"{k}_size_in_bytes") / 1e9, 2)
                         for k in ("temp", "argument", "output", "alias")},
@@ -194,6 +208,8 @@ def _print(name: str, figures: dict) -> None:
   parts = figures["compute_ms_by_part"]
   print("  compute by part (moejax's scopes): " + ", ".join(
       f"{part} {ms}" for part, ms in list(parts.items())[:8]) + " ms")
+  for line, ms in figures.get("compute_ms_by_line", {}).items():
+    print(f"    {ms:8.2f} ms  {line}")
   for e in figures["most_exposed"]:
     print(f"    exposed {e['exposed_ms']} of {e['ms']} ms: {e['name']}"
           + (f" ({e['op_name']})" if e["op_name"] else ""))

@@ -422,6 +422,9 @@ class ScheduleTime:
   compute_by_part: dict[str, float] = dataclasses.field(default_factory=dict)
   """Compute seconds by the part `schedule_time`'s `part_of` names from each instruction's
   op_name (empty without it), dearest first."""
+  compute_by_line: dict[str, float] = dataclasses.field(default_factory=dict)
+  """Compute seconds by the source line `schedule_time`'s `line_of` gives each instruction
+  ("?" where it gives none; empty without it), dearest first."""
 
   @property
   def step(self) -> float:
@@ -450,11 +453,13 @@ def _op_name(inst: Instruction) -> str:
 
 
 def schedule_time(text: str, costs: dict[str, float],
-                  part_of: Callable[[str], str] | None = None) -> ScheduleTime:
+                  part_of: Callable[[str], str] | None = None,
+                  line_of: dict[str, str] | None = None) -> ScheduleTime:
   """`costs` (from `instruction_costs` of the same program) along the program's schedule: a
   compiled module prints each computation in its schedule's order. `part_of(op_name)`, where
   given, names the part of the model each compute instruction belongs to
-  (`moejax.profiling.scope_of`: moejax's named scopes)."""
+  (`moejax.profiling.scope_of`: moejax's named scopes); `line_of`, where given, the source line
+  of each instruction by name (`moejax.profiling.hlo_sources`: the innermost moejax frame)."""
   comps = parse_module(text)
   entry = _entry_name(text)
   runs: dict[str, float] = {}
@@ -476,6 +481,7 @@ def schedule_time(text: str, costs: dict[str, float],
   compute = collectives = exposed_total = 0.0
   exposures: list[Exposure] = []
   by_part: dict[str, float] = {}
+  by_line: dict[str, float] = {}
 
   def exposure(inst: Instruction, exposed: float, seconds: float) -> None:
     nonlocal exposed_total
@@ -507,11 +513,15 @@ def schedule_time(text: str, costs: dict[str, float],
       if part_of is not None and seconds:
         part = part_of(_op_name(inst))
         by_part[part] = by_part.get(part, 0.0) + times * seconds
+      if line_of is not None and seconds:
+        line = line_of.get(inst.name, "?")
+        by_line[line] = by_line.get(line, 0.0) + times * seconds
       for k in open_:
         open_[k][1] -= seconds
   exposures.sort(key=lambda e: -e.exposed)
-  return ScheduleTime(compute, collectives, exposed_total, tuple(exposures),
-                      dict(sorted(by_part.items(), key=lambda kv: -kv[1])))
+  dearest = lambda d: dict(sorted(d.items(), key=lambda kv: -kv[1]))  # noqa: E731
+  return ScheduleTime(compute, collectives, exposed_total, tuple(exposures), dearest(by_part),
+                      dearest(by_line))
 
 
 def _entry_name(text: str) -> str:

@@ -119,7 +119,11 @@ def test_the_schedule_prices_what_compute_leaves_uncovered():
   assert parts.compute_by_part == {
       "jit(step)/while/body/experts/dot_general": pytest.approx(3 * costs["gemm_fusion"]),
       "unnamed": pytest.approx(3 * costs["scaled"])}
-  assert priced.compute_by_part == {}
+  assert priced.compute_by_part == {} and priced.compute_by_line == {}
+  # and by source line, from a table by instruction name (here only the matmul's)
+  lines = latencies.schedule_time(MODULE, costs, line_of={"gemm_fusion": "moejax/a.py:7"})
+  assert lines.compute_by_line == {"moejax/a.py:7": pytest.approx(3 * costs["gemm_fusion"]),
+                                   "?": pytest.approx(3 * costs["scaled"])}
   assert [e["name"] for e in priced.most_exposed(1, 6)] == ["rs"]
 
 

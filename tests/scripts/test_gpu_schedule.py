@@ -19,7 +19,7 @@ def test_overrides_are_python_literals_or_bare_strings():
                                   "--set", "mesh.shape=(2, 4)", "--gpus", "16"], ["fsdp"])
   assert dict(args.set) == {"seq_len": 1024, "moe.placement": "ep", "mesh.shape": (2, 4)}
   assert args.gpus == 16 and args.target == "h200" and args.variant == []
-  assert args.experts == "hopper"
+  assert args.experts == "hopper" and args.lines == 0
 
 
 def test_the_target_names_the_gpu_the_kernels_are_chosen_for(tmp_path, monkeypatch):
@@ -36,6 +36,7 @@ def test_the_target_names_the_gpu_the_kernels_are_chosen_for(tmp_path, monkeypat
                                         (["--target", "h900"], "invalid choice: 'h900'"),
                                         (["--preset", "nosuch:20b"], "no family 'nosuch'"),
                                         (["--max-period", "0"], "must be >= 1, got 0"),
+                                        (["--lines", "-1"], "--lines: must be >= 0, got -1"),
                                         (["--experts", "dense"], "invalid choice: 'dense'")])
 def test_bad_arguments_are_one_line(argv, says, capsys):
   with pytest.raises(SystemExit) as e:
