@@ -175,7 +175,8 @@ def make_replay(k: int, tokens: int, *, replica_slots: int, overlap_degree: int,
     per_layer = jax.vmap(lambda x, p, c: (
         fp.global_dispatch(x, p, devices_per_node=dpn),
         fp.global_dispatch(x, p, devices_per_node=dpn,
-                           send_NxExN=fp.balanced_send(p.holders_ExN, c, devices_per_node=dpn))))
+                           send_NxExN=fp.balanced_send(p.holders_ExN, c, devices_per_node=dpn,
+                                                       max_shared=overlap_degree))))
     even_2, bal_2 = jax.vmap(lambda p: per_layer(experts_LxNxTxK, p, counts_LxNxE))(both)
     ep_dest = jax.vmap(lambda x, o: fp.owner_dispatch(x, o, n))(experts_LxNxTxK, owner_LxE)
     # Replicas calibration adds after gating are fetched late, on top of the predicted ones.

@@ -61,7 +61,8 @@ def layer_planning(e: int, n: int, dpn: int, m: int, t: int, definition: bool):
                                      candidates=candidates, **kw)
     chosen, _ = planner.calibrate(first, jnp.sum(counts_NxE, axis=0), owner_E,
                                   actual_source_load_NxE=counts_NxE, fresh=fresh, **kw)
-    send = planner.balanced_send(chosen.holders_ExN, counts_NxE, devices_per_node=dpn)
+    send = planner.balanced_send(chosen.holders_ExN, counts_NxE, devices_per_node=dpn,
+                                 max_shared=t)
     return first.replica_expert_NxM, chosen.replica_expert_NxM, send
 
   return jax.jit(plan)

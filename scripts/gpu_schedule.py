@@ -8,7 +8,8 @@ it can hide behind), which run synchronously (XLA:GPU makes a pair with nothing 
 synchronous), each schedule priced by moejax's cost model (`moejax.perf.latencies`: the step,
 its compute by part of the model (moejax's named scopes, `profiling.scope_of`) and, with
 `--lines N`, by the N dearest moejax source lines (each instruction's innermost moejax frame,
-`profiling.hlo_sources`, times its loops' trip counts: the forward's lines; the backward of the
+`profiling.hlo_sources`, times its loops' trip counts and a conditional's branch by one over
+the branches, as everything is priced: the forward's lines; the backward of the
 prefetched layers carries the frame that differentiates them, `sharding/prefetch.py`'s scan),
 its collectives, what of them no compute covers and the most exposed by name), and XLA's memory per
 device. The GPU check (`scripts/device_check.sh`, step `schedule8`) reads the same figures from
@@ -208,6 +209,8 @@ def _print(name: str, figures: dict) -> None:
   parts = figures["compute_ms_by_part"]
   print("  compute by part (moejax's scopes): " + ", ".join(
       f"{part} {ms}" for part, ms in list(parts.items())[:8]) + " ms")
+  if figures.get("compute_ms_by_line"):
+    print("  compute by moejax source line:")
   for line, ms in figures.get("compute_ms_by_line", {}).items():
     print(f"    {ms:8.2f} ms  {line}")
   for e in figures["most_exposed"]:

@@ -383,7 +383,10 @@ def test_balanced_send(cases):
 def test_only_the_experts_with_replicas_are_re_split(cases):
   """A plan gives replicas to at most overlap_degree experts; re-splitting those alone (2 x t
   sequential steps a layer instead of 2 x E) gives the quotas of re-splitting every expert in
-  turn."""
+  turn. (In exact arithmetic always: a one-holder expert's re-split gives it its load again. In
+  float32 that is (L + b) - b, an ulp off where a replica's fractional share sits on its device,
+  which could break a tie between two holders' fractions the other way: one assignment moved
+  between two holders, both splits valid. These plans have none.)"""
   _, _, experts, out = cases
   shared = out["plan"].holders_ExN.sum(axis=2) > 1
   assert shared.sum(axis=1).max() == KW["overlap_degree"]        # cases at the bound
