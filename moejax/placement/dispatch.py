@@ -100,27 +100,28 @@ def receive_capacity(num_assignments: int, num_devices: int, capacity_factor: fl
   return min(whole, max(1, math.ceil(receive_factor * num_assignments / pieces)))
 
 
+def _grown(old_rows: int, needed_rows: int, num_assignments: int,
+           num_devices: int = 1) -> tuple[int, float]:
+  """(rows, factor) of a grown buffer of factor x A / N rows: room for MARGIN times the need, at
+  least GROWTH times the old rows (every growth compiles the step again); the smallest factor
+  giving at least those rows (the sizes round up), in a short decimal."""
+  rows = max(math.ceil(MARGIN * needed_rows), math.ceil(GROWTH * old_rows), old_rows + 1)
+  return rows, float(math.ceil(rows * num_devices / num_assignments * 1000) / 1000)
+
+
 def grown_receive_factor(receive_factor: float, needed_rows: int, num_assignments: int) -> float:
   """The receive capacity factor after a step in which a device received `needed_rows` rows
-  (over all pieces) for its experts: room for MARGIN times that, and at least GROWTH times the
-  old rows (every growth compiles the step again)."""
-  old = math.ceil(receive_factor * num_assignments)
-  rows = max(math.ceil(MARGIN * needed_rows), math.ceil(GROWTH * old), old + 1)
-  return float(math.ceil(rows / num_assignments * 1000) / 1000)
+  (over all pieces) for its experts (`_grown`)."""
+  return _grown(math.ceil(receive_factor * num_assignments), needed_rows, num_assignments)[1]
 
 
 def grown_capacity_factor(capacity_factor: float, needed_rows: int, num_assignments: int,
                           num_devices: int) -> float:
-  """The capacity factor after a step needed `needed_rows` rows at one destination: room for
-  MARGIN times that, and at least GROWTH times the old capacity; 0 (dropless) once that reaches
-  every assignment."""
-  old = ep_capacity(num_assignments, num_devices, capacity_factor)
-  rows = max(math.ceil(MARGIN * needed_rows), math.ceil(GROWTH * old), old + 1)
-  if rows >= num_assignments:
-    return 0.0
-  # The smallest factor with at least `rows` rows (ep_capacity rounds up), in a short decimal.
-  factor = rows * num_devices / num_assignments
-  return float(math.ceil(factor * 1000) / 1000)
+  """The capacity factor after a step needed `needed_rows` rows at one destination (`_grown`);
+  0 (dropless) once that reaches every assignment."""
+  rows, factor = _grown(ep_capacity(num_assignments, num_devices, capacity_factor), needed_rows,
+                        num_assignments, num_devices)
+  return 0.0 if rows >= num_assignments else factor
 
 
 def combine(y_AxD, weights_TxK):
