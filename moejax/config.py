@@ -25,7 +25,7 @@ from moejax.layers.rope import ROPE_SCALINGS, RopeScaling
 from moejax.families import FAMILIES
 from moejax.errors import ConfigError
 from moejax.placement import PLACEMENTS
-from moejax.placement.dispatch import OVERFLOW_POLICIES
+from moejax.placement.dispatch import EXCHANGE_BUFFERS, OVERFLOW_POLICIES
 from moejax.placement.experts import ACTIVATIONS
 from moejax.routing.admission import POLICIES as ADMISSIONS
 from moejax.routing.router import GROUP_SCORES, SCORE_FUNCTIONS as SCORES
@@ -349,6 +349,11 @@ class MoEConfig:
   `moejax.placement.dispatch.receive_capacity`). The receive buffer holds about
   dispatch_capacity_factor x T x K rows, which the GPU's grouped matmuls would compute whole;
   0 = all of them."""
+  exchange_buffers: str = "auto"
+  """ep/fssdp: the token exchange's buffers, one of `moejax.placement.dispatch.EXCHANGE_BUFFERS`
+  (blocks: N x C rows each way, every destination's block whole, the only form XLA:CPU runs;
+  packed: the T x K rows sent and the rows the experts run received, by `ragged_all_to_all`,
+  GPU/TPU; auto: packed where the mesh's devices are not CPUs)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -967,6 +972,7 @@ def validate(c: Config) -> None:
   _check(moe.receive_capacity_factor >= 0,
          f"config.moe.receive_capacity_factor={moe.receive_capacity_factor}: must be >= 0 "
          "(0 = every received row)")
+  _choice(moe.exchange_buffers, "moe.exchange_buffers", EXCHANGE_BUFFERS)
   _check(moe.dispatch_chunks >= 1,
          f"config.moe.dispatch_chunks={moe.dispatch_chunks}: must be at least 1 (1: the "
          "exchange in one piece)")
@@ -1065,7 +1071,7 @@ def unused_settings(c: Config) -> list[str]:
                  "max_per_layer", "calibrate"), c.moe.placement == "fssdp",
        f"moe.placement='fssdp' (here {c.moe.placement!r})"),
       ("moe", ("dispatch_capacity_factor", "dispatch_overflow", "dispatch_chunks",
-               "receive_capacity_factor"), c.moe.placement != "fsdp",
+               "receive_capacity_factor", "exchange_buffers"), c.moe.placement != "fsdp",
        "moe.placement is 'ep' or 'fssdp', whose tokens travel (here 'fsdp')"),
       ("routing", ("threshold", "admission_capacity_factor", "admission_capacity_factor_warmup",
                    "warmup_steps"), c.routing.admission != "none",

@@ -10,7 +10,10 @@ Dropped assignments carry the sentinel expert id E and produce zeros.
   ep      experts partitioned over the N devices; a static per-destination buffer of C rows
           (`send_blocks`: `all_to_all` of the whole buffer on XLA:CPU, which has no
           `ragged_all_to_all`; `lax.ragged_all_to_all` of the filled rows on GPU/TPU, chosen by
-          `lax.platform_dependent`; both return the same buffer). With `Dispatch.chunks` > 1
+          `lax.platform_dependent`; both return the same buffer). On GPU/TPU meshes the buffers
+          are packed instead (`Dispatch.packed`, `_packed_pieces`: the A rows sent, the rows
+          the experts run received, the same results bit for bit; a choice of shapes, so made
+          from the mesh's platform when the step is built). With `Dispatch.chunks` > 1
           the buffer goes in that many pieces of ceil(C / chunks) rows per destination, a
           destination's rows dealt to them in turn, each piece out, through the experts and
           back on its own (the same dispatch drops; each piece's experts run ceil(R / chunks)
@@ -59,6 +62,8 @@ class Dispatch:
   chunks: int = 1                     # ep / fssdp: the exchange in this many independent pieces
   receive_capacity_factor: float = 0.0  # ep / fssdp: rows run through the experts here, of
                                         # the receive buffer; 0 = all (`receive_capacity`)
+  packed: bool = False                # ep / fssdp: packed exchange buffers (`ragged_all_to_all`,
+                                      # GPU/TPU); else per-destination blocks (any platform)
 
 
 LOCAL = Dispatch()
@@ -68,6 +73,13 @@ LOCAL = Dispatch()
 #         reruns it (lossless)
 #   drop  the overflowing assignments are dropped and counted (ep_dropped_frac), as GShard does
 OVERFLOW_POLICIES = ("grow", "drop")
+# moe.exchange_buffers: the exchange's buffers.
+#   blocks  N x C rows each way, each destination's block whole (`_block_pieces`; XLA:CPU moves
+#           them whole, GPU/TPU the filled rows)
+#   packed  the rows sent, and the rows the experts run received (`_packed_pieces`;
+#           `ragged_all_to_all` only: GPU/TPU)
+#   auto    packed where the devices are not CPUs
+EXCHANGE_BUFFERS = ("auto", "blocks", "packed")
 # Growth: at least this factor over the old capacity (every growth compiles the step again, so
 # few of them), and this margin over the rows the overflowing step needed.
 GROWTH, MARGIN = 2.0, 1.25
@@ -159,30 +171,49 @@ def exchange(x_TxD, dest_A, local_id_A, weights_TxK, ws, *, dispatch: Dispatch,
   # under piece j's expert matmuls. A destination's row `pos` goes to piece pos % pieces, at row
   # pos // pieces there, so each piece carries its share of what is sent whatever the fill (a
   # split by position would leave the later pieces empty: buffers are sized above the mean).
-  # The same rows fit (pos < c), so the same drops; a destination's block is pieces x rows.
+  # The same rows fit (pos < c), so the same drops.
   pieces = dispatch.chunks
   rows = -(-c // pieces)                 # rows per piece and destination
-  block = pieces * rows                  # >= c: at most pieces - 1 rows more
   valid_A = dest_A < n
   onehot_AxN = jax.nn.one_hot(dest_A, n, dtype=jnp.int32)
   pos_A = jnp.sum((jnp.cumsum(onehot_AxN, axis=0) - onehot_AxN) * onehot_AxN, axis=1)
   fits_A = valid_A & (pos_A < c)
-  slot_A = jnp.where(fits_A, dest_A * block + (pos_A % pieces) * rows + pos_A // pieces,
-                     n * block)                                   # n * block: a discard row
   x_AxD = jnp.repeat(x_TxD, k, axis=0)
-  send_x = jnp.zeros((n * block + 1, d), x_TxD.dtype).at[slot_A].set(x_AxD)[:-1]
-  send_g = jnp.full((n * block + 1,), num_groups, jnp.int32).at[slot_A].set(local_id_A)[:-1]
-  axes = dispatch.axis_names
   sent_N = jnp.sum(onehot_AxN * fits_A[:, None].astype(jnp.int32), axis=0)   # rows to each
-  send_x_NxBxD, send_g_NxB = send_x.reshape(n, block, d), send_g.reshape(n, block)
   # The rows each piece runs through the experts here (`receive_capacity`); rows received past
   # them come back as zeros and count as dropped here (a step under "grow" then reruns).
   computed = receive_capacity(a, n, dispatch.capacity_factor, dispatch.receive_capacity_factor,
                               pieces)
-  y_back, received = [], jnp.zeros((), jnp.int32)
-  past = peak = jnp.zeros((), jnp.int32)
-  blocks = dict(axes=axes, num_devices=n, capacity=rows)
-  for j, piece_N in enumerate(piece_counts(sent_N, pieces)):
+  pieces_of = _packed_pieces if dispatch.packed else _block_pieces
+  y_back, slot_A, got = pieces_of(x_AxD, dest_A, pos_A, fits_A, local_id_A,
+                                  piece_counts(sent_N, pieces), ws, dispatch=dispatch,
+                                  num_groups=num_groups, fn=fn, rows=rows, computed=computed)
+  y_AxD = jnp.where(fits_A[:, None], y_back[jnp.minimum(slot_A, y_back.shape[0] - 1)], 0)
+  received = sum(got)
+  peak = functools.reduce(jnp.maximum, got)
+  past = sum(jnp.maximum(g - computed, 0) for g in got)
+  dropped = jnp.sum(valid_A & ~fits_A).astype(jnp.int32) + past
+  needed = Needed(jnp.max(jnp.sum(onehot_AxN, axis=0)).astype(jnp.int32), peak * pieces)
+  return combine(y_AxD, weights_TxK), dropped, received, needed
+
+
+def _block_pieces(x_AxD, dest_A, pos_A, fits_A, local_id_A, counts, ws, *, dispatch: Dispatch,
+                  num_groups: int, fn: ExpertFn, rows: int, computed: int):
+  """`exchange`'s pieces through per-destination blocks: a destination's block of the send buffer
+  is pieces x rows; each piece's receive buffer is N blocks of `rows`, the first `computed` rows
+  in expert order run. Returns (results [N x pieces x rows, D] where the rows were sent, each
+  assignment's row there (the buffer's length where it was not sent), rows each piece received
+  here)."""
+  n, d, pieces = dispatch.num_devices, x_AxD.shape[-1], len(counts)
+  block = pieces * rows                  # >= c: at most pieces - 1 rows more
+  slot_A = jnp.where(fits_A, dest_A * block + (pos_A % pieces) * rows + pos_A // pieces,
+                     n * block)                                   # n * block: a discard row
+  send_x = jnp.zeros((n * block + 1, d), x_AxD.dtype).at[slot_A].set(x_AxD)[:-1]
+  send_g = jnp.full((n * block + 1,), num_groups, jnp.int32).at[slot_A].set(local_id_A)[:-1]
+  send_x_NxBxD, send_g_NxB = send_x.reshape(n, block, d), send_g.reshape(n, block)
+  blocks = dict(axes=dispatch.axis_names, num_devices=n, capacity=rows)
+  y_back, got = [], []
+  for j, piece_N in enumerate(counts):
     lo, hi = j * rows, (j + 1) * rows
     recv_g, received_N = _send_groups(send_g_NxB[:, lo:hi].reshape(-1), piece_N, num_groups,
                                       **blocks)
@@ -191,14 +222,83 @@ def exchange(x_TxD, dest_A, local_id_A, weights_TxK, ws, *, dispatch: Dispatch,
     y_recv = run_sorted(recv_x, recv_g, num_groups, *ws, packed=False,   # zeros where no group
                         fn=fn, rows=computed)
     y_back.append(send_blocks(y_recv, received_N, piece_N, 0, **blocks).reshape(n, rows, d))
-    got = jnp.sum(received_N).astype(jnp.int32)
-    received, peak = received + got, jnp.maximum(peak, got)
-    past = past + jnp.maximum(got - computed, 0)
+    got.append(jnp.sum(received_N).astype(jnp.int32))
   y_back = (jnp.concatenate(y_back, axis=1) if pieces > 1 else y_back[0]).reshape(n * block, d)
-  y_AxD = jnp.where(fits_A[:, None], y_back[jnp.minimum(slot_A, n * block - 1)], 0)
-  dropped = jnp.sum(valid_A & ~fits_A).astype(jnp.int32) + past
-  needed = Needed(jnp.max(jnp.sum(onehot_AxN, axis=0)).astype(jnp.int32), peak * pieces)
-  return combine(y_AxD, weights_TxK), dropped, received, needed
+  return y_back, slot_A, got
+
+
+def _packed_pieces(x_AxD, dest_A, pos_A, fits_A, local_id_A, counts, ws, *, dispatch: Dispatch,
+                   num_groups: int, fn: ExpertFn, rows: int, computed: int):
+  """`exchange`'s pieces through packed buffers (`Dispatch.packed`; `ragged_all_to_all` only, so
+  GPU/TPU): piece j's rows sit in region j of the send buffer, destinations in order, each
+  region S = min(A, (A + N (pieces - 1)) // pieces) rows (piece j holds ceil((sent - j) /
+  pieces) of a destination's rows); a piece's receive buffer is its `computed` rows (R), which
+  take the sources' rows in source order while they fit. Every device computes every route
+  from one all_gather of the counts. Against `_block_pieces`: A rows sent instead of N x C =
+  capacity factor x A, R received instead of N x C; the rows a receiver takes, in expert order,
+  are the ones the blocks would run, so the results and gradients are the same bits (a piece
+  that overflows R drops other rows: the step under "grow" reruns). Returns as
+  `_block_pieces`."""
+  n, a, d, pieces = dispatch.num_devices, x_AxD.shape[0], x_AxD.shape[-1], len(counts)
+  axes = dispatch.axis_names
+  span = min(a, (a + n * (pieces - 1)) // pieces)     # S: one piece's region of the send buffer
+  me = lax.axis_index(axes)
+  count_SxPxN = lax.all_gather(jnp.stack(counts).astype(jnp.int32), axes, axis=0, tiled=False)
+  send_off_SxPxN = jnp.cumsum(count_SxPxN, axis=2) - count_SxPxN      # in the source's region
+  before_SxPxN = jnp.cumsum(count_SxPxN, axis=0) - count_SxPxN        # earlier sources' rows
+  taken_SxPxN = jnp.clip(computed - before_SxPxN, 0, count_SxPxN)     # what fits in R
+  recv_off_SxPxN = jnp.cumsum(taken_SxPxN, axis=0) - taken_SxPxN      # in the receiver's R
+  piece_A = pos_A % pieces
+  own_off_PxN = send_off_SxPxN[me]
+  slot_A = jnp.where(fits_A, piece_A * span + own_off_PxN[piece_A, jnp.minimum(dest_A, n - 1)]
+                     + pos_A // pieces, pieces * span)            # pieces * span: a discard row
+  send_x = jnp.zeros((pieces * span + 1, d), x_AxD.dtype).at[slot_A].set(x_AxD)[:-1]
+  send_g = jnp.full((pieces * span + 1,), num_groups, jnp.int32).at[slot_A].set(local_id_A)[:-1]
+  y_back, got = [], []
+  for j in range(pieces):
+    # (input offsets, send sizes, output offsets at each peer, receive sizes), out and back
+    out = (send_off_SxPxN[me, j], taken_SxPxN[me, j], recv_off_SxPxN[me, j], taken_SxPxN[:, j, me])
+    back = (recv_off_SxPxN[:, j, me], taken_SxPxN[:, j, me], send_off_SxPxN[:, j, me],
+            taken_SxPxN[me, j])
+    region = slice(j * span, (j + 1) * span)
+    recv_g = send_rows(send_g[region], out, back, num_groups, axes=axes, rows=computed)
+    recv_x = send_rows(send_x[region], out, back, 0, axes=axes, rows=computed)
+    y_recv = run_sorted(recv_x, recv_g, num_groups, *ws, packed=False, fn=fn,
+                        tiled_as=n * rows)    # the CPU kernel's tiles: the blocks' (emulation)
+    y_back.append(send_rows(y_recv, back, out, 0, axes=axes, rows=span))
+    got.append(jnp.sum(count_SxPxN[:, j, me]).astype(jnp.int32))
+  y_back = jnp.concatenate(y_back) if pieces > 1 else y_back[0]
+  return y_back, slot_A, got
+
+
+def send_rows(x_RxD, route, back, fill, *, axes, rows: int):
+  """`lax.ragged_all_to_all` of `x_RxD`'s rows along `route` (input offsets, send sizes, output
+  offsets at each peer, receive sizes: [N] each) into a buffer of `rows` rows holding `fill`
+  where nothing lands; the transpose moves the cotangent's rows back along `back` (the same
+  rows, the other way). Written out, not left to jax's transpose rule, which exchanges the
+  offsets again: here every device already knows every route (`_packed_pieces`)."""
+  return _send_rows(x_RxD, tuple(route), tuple(back), fill, axes, rows, x_RxD.shape[0])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _send_rows(x_RxD, route, back, fill, axes, rows: int, rows_in: int):
+  del back, rows_in
+  output = jnp.full((rows,) + x_RxD.shape[1:], fill, x_RxD.dtype)
+  return lax.ragged_all_to_all(x_RxD, output, *(r.astype(jnp.int32) for r in route),
+                               axis_name=axes)
+
+
+def _send_rows_fwd(x_RxD, route, back, fill, axes, rows, rows_in):
+  return _send_rows(x_RxD, route, back, fill, axes, rows, rows_in), (route, back)
+
+
+def _send_rows_bwd(fill, axes, rows, rows_in, routes, g):
+  route, back = routes
+  none = tuple(None for _ in route)
+  return _send_rows(g, back, route, 0, axes, rows_in, rows), none, none
+
+
+_send_rows.defvjp(_send_rows_fwd, _send_rows_bwd)
 
 
 class Needed(NamedTuple):

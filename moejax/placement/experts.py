@@ -300,13 +300,14 @@ def grouped_swiglu(x_AxD, group_sizes_G, *ws, packed: bool = True, fn: ExpertFn 
 
 
 def run_sorted(x_AxD, expert_A, num_local_experts: int, *ws, packed: bool = True,
-               fn: ExpertFn = SWIGLU, rows: int | None = None):
+               fn: ExpertFn = SWIGLU, rows: int | None = None, tiled_as: int | None = None):
   """Runs each row through expert `expert_A[a]` (ids >= num_local_experts: no expert, zeros;
   `packed=False` where most rows may be such, as in an exchange buffer). `ws`: the expert
   arrays, as `grouped_swiglu`. `rows` (R < A): only the first R rows in expert order run (the
   grouped matmuls are R rows long; the CPU kernel's tiles stay those of A rows, so the rows that
   run give the same bits whatever R); any past them come out as zeros (the caller counts them:
-  `dispatch.exchange`)."""
+  `dispatch.exchange`). `tiled_as`: the rows the CPU kernel sizes its tiles for, if not A (a
+  packed exchange buffer runs as the block buffer it replaces would)."""
   a = x_AxD.shape[0]
   order_A = jnp.argsort(expert_A, stable=True)
   group_sizes_G = jnp.bincount(expert_A, length=num_local_experts).astype(jnp.int32)
@@ -315,8 +316,9 @@ def run_sorted(x_AxD, expert_A, num_local_experts: int, *ws, packed: bool = True
     ends_G = jnp.minimum(jnp.cumsum(group_sizes_G), rows)   # the groups cut at R rows
     sizes_G = jnp.diff(ends_G, prepend=0).astype(jnp.int32)
     y_sorted_RxD = grouped_swiglu(x_AxD[order_R], sizes_G, *ws, packed=packed, fn=fn,
-                                  tiled_as=a)
+                                  tiled_as=tiled_as or a)
     return jnp.zeros((a,) + y_sorted_RxD.shape[1:], y_sorted_RxD.dtype).at[order_R].set(
         y_sorted_RxD)
-  y_sorted_AxD = grouped_swiglu(x_AxD[order_A], group_sizes_G, *ws, packed=packed, fn=fn)
+  y_sorted_AxD = grouped_swiglu(x_AxD[order_A], group_sizes_G, *ws, packed=packed, fn=fn,
+                                tiled_as=tiled_as)
   return jnp.zeros_like(y_sorted_AxD).at[order_A].set(y_sorted_AxD)

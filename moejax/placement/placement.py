@@ -67,6 +67,7 @@ class Placement:
   dispatch_overflow: str = "grow"     # `moejax.placement.dispatch.OVERFLOW_POLICIES`
   dispatch_chunks: int = 1            # the exchange in this many pieces (`Dispatch.chunks`)
   receive_capacity_factor: float = 0.0  # rows run through the experts (`dispatch.receive_capacity`)
+  packed_exchange: bool = False       # packed exchange buffers (`Dispatch.packed`: GPU/TPU)
   replica_slots: int = 0
   overlap_degree: int = 0
   owner_sends: int = 0                # fssdp.owner_sends resolved (0 = no bound)
@@ -123,7 +124,8 @@ class Placement:
                     calibrate=self.calibrate,
                     replica_codec=self.replica_codec if self.kind == "fssdp" else None,
                     chunks=self.dispatch_chunks,
-                    receive_capacity_factor=self.applied_receive_factor)
+                    receive_capacity_factor=self.applied_receive_factor,
+                    packed=self.packed_exchange)
 
   @property
   def applied_receive_factor(self) -> float:

@@ -20,7 +20,8 @@ no devices, no compile (`jax.eval_shape` only), so it answers for a cluster you 
                   intermediates; plus one layer's working set twice (recompute and cotangents) and
                   the fp32 logits with their gradient
   exchange        ep/fssdp dispatch buffers of one MoE layer (forward and backward; every layer's
-                  forward under remat="none"): N x C rows each way, the rows the experts run
+                  forward under remat="none"): on GPU (packed) the A = T x K rows sent and the
+                  rows the experts run received (on CPU N x C rows each way), those rows
                   (moe.receive_capacity_factor's) sorted by expert and their hidden rows, and
                   fssdp's replica rows: Q = fssdp.owner_sends send
                   rows (compute dtype) and SparseReduceScatter's Q fp32 receive rows
@@ -124,9 +125,12 @@ def _nbytes(tree) -> int:
 
 
 def memory_report(cfg: Config, num_devices: int, *,
-                  dispatch_capacity_factor: float | None = None) -> MemoryReport:
+                  dispatch_capacity_factor: float | None = None,
+                  packed_exchange: bool = True) -> MemoryReport:
   """Per-device bytes of `cfg`'s train step on `num_devices` devices (module docstring).
-  `dispatch_capacity_factor`: the ep/fssdp buffers' factor, if not the config's."""
+  `dispatch_capacity_factor`: the ep/fssdp buffers' factor, if not the config's;
+  `packed_exchange`: the GPU's packed exchange buffers (False: XLA:CPU's per-destination
+  blocks, `Dispatch.packed`)."""
   from moejax.models import olmoe
   from moejax.placement.dispatch import ep_capacity
   from moejax.sharding import axes, hook, layout as layout_lib
@@ -221,15 +225,19 @@ def memory_report(cfg: Config, num_devices: int, *,
 
   exchange = 0
   if owns and n > 1:
+    pieces = moe.dispatch_chunks
     cap = ep_capacity(a, n, factor)
-    rows = n * cap
     # the rows the experts run (`dispatch.receive_capacity`, each piece's)
-    computed = min(rows, placement.receive_capacity(tokens) * moe.dispatch_chunks)
-    one_way = rows * d * c
-    # Rows out and back, the computed rows' sorted-by-expert copies in and out of the grouped
-    # matmul, the expert ids, and their hidden rows (gate and up accumulated in fp32, their
-    # product).
-    forward = (4 * one_way + 2 * computed * d * c + 2 * rows * 4
+    computed = placement.receive_capacity(tokens) * pieces
+    # Per-destination blocks: N x C rows sent and received. Packed (GPU): the send regions
+    # (`dispatch._packed_pieces`), and the computed rows received.
+    sent = (min(a, (a + n * (pieces - 1)) // pieces) * pieces if packed_exchange
+            else n * -(-cap // pieces) * pieces)
+    received = computed if packed_exchange else n * -(-cap // pieces) * pieces
+    # Rows out and back (sent, received, the experts' results, returned), the computed rows'
+    # sorted-by-expert copies in and out of the grouped matmul, the expert ids, and their
+    # hidden rows (gate and up accumulated in fp32, their product).
+    forward = (2 * (sent + received) * d * c + 2 * computed * d * c + (sent + received) * 4
                + computed * f * (2 * 4 + c))
     exchange = forward * (num_moe_layers(cfg) if not recomputes(cfg.remat) else 1) + forward
   # fssdp's ragged SparseAllGather sends from Q rows (the most slots one owner fills, the

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from moejax.codec.gather import CodecSpec
 from moejax.codec.replicas import ReplicaCodec
 from moejax.config import Config, expert_values, num_moe_layers
+from moejax.errors import ConfigError
 from moejax.models import olmoe
 from moejax.placement import Placement
 from moejax.sharding import axes, hook, layout as layout_lib
@@ -59,11 +60,23 @@ class StateLayout:
 
 
 def placement_of(cfg: Config, mesh, param_meta=None) -> Placement:
-  return placement_for(cfg, num_devices(mesh), topology(mesh).devices_per_node, param_meta)
+  """Where `cfg`'s experts live on `mesh`."""
+  return placement_for(cfg, num_devices(mesh), topology(mesh).devices_per_node, param_meta,
+                       packed_exchange=packs_exchange(cfg, mesh))
+
+
+def packs_exchange(cfg: Config, mesh) -> bool:
+  """Whether the ep/fssdp exchange on `mesh` takes packed buffers (`Dispatch.packed`):
+  moe.exchange_buffers, "auto" where the devices have `ragged_all_to_all` (not XLA:CPU)."""
+  choice, platform = cfg.moe.exchange_buffers, mesh.devices.flat[0].platform
+  if choice == "packed" and platform == "cpu" and cfg.moe.placement != "fsdp":
+    raise ConfigError("config.moe.exchange_buffers='packed' needs ragged_all_to_all, which "
+                      "XLA:CPU has not: use 'auto' or 'blocks' on CPU devices")
+  return choice == "packed" or (choice == "auto" and platform != "cpu")
 
 
 def placement_for(cfg: Config, num_devices_: int, devices_per_node: int,
-                  param_meta=None) -> Placement:
+                  param_meta=None, *, packed_exchange: bool = False) -> Placement:
   """`placement_of` for a device count, without a mesh (`train.memory` plans devices it has
   not got)."""
   moe, f = cfg.moe, cfg.fssdp
@@ -79,7 +92,7 @@ def placement_for(cfg: Config, num_devices_: int, devices_per_node: int,
                    calibrate=f.calibrate, window=f.window, max_per_layer_setting=f.max_per_layer,
                    expert_paths=axes.expert_paths(param_meta), pools=fssdp_pools(cfg),
                    itemsize=jnp.dtype(hook.COMPUTE_DTYPES[cfg.compute_dtype]).itemsize,
-                   replica_codec=replica_codec_of(cfg))
+                   replica_codec=replica_codec_of(cfg), packed_exchange=packed_exchange)
 
 
 def fssdp_pools(cfg: Config) -> tuple:

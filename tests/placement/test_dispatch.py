@@ -1,6 +1,7 @@
 """ep token dispatch on 8 devices: the static-buffer exchange gives the single-device experts'
 results and counts what it drops; each platform lowers its own exchange (XLA:CPU the whole
-buffer's `all_to_all`, GPU `ragged_all_to_all` of the filled rows, forward and backward)."""
+buffer's `all_to_all`, GPU `ragged_all_to_all` of the filled rows, forward and backward); the
+GPU's packed buffers (`Dispatch.packed`, ragged only, emulated here) give the blocks' bits."""
 import functools
 
 import jax
@@ -27,13 +28,15 @@ def _inputs():
 
 
 @functools.lru_cache(maxsize=None)
-def _ep(capacity_factor: float, chunks: int = 1, receive_factor: float = 0.0):
+def _ep(capacity_factor: float, chunks: int = 1, receive_factor: float = 0.0,
+        packed: bool = False):
   """(y, dropped, received, rows needed at one destination, rows needed by the experts) per
-  device."""
+  device. `packed` takes `ragged_all_to_all`: call it with the emulation in place."""
   mesh = Mesh(np.array(jax.devices()[:N]), ("devices",))
   dispatch = dispatch_lib.Dispatch(kind="ep", axis_names=("devices",), num_devices=N,
                                    devices_per_node=N, capacity_factor=capacity_factor,
-                                   chunks=chunks, receive_capacity_factor=receive_factor)
+                                   chunks=chunks, receive_capacity_factor=receive_factor,
+                                   packed=packed)
 
   def body(*args):
     y, dropped, received, needed = dispatch_lib.ep_experts(*args, dispatch=dispatch)
@@ -105,12 +108,16 @@ def test_capacity_drops_what_does_not_fit_and_zeroes_it():
   assert np.all(np.asarray(y[c // K:T]) == 0) and np.any(np.asarray(y[:c // K]) != 0)
 
 
-def test_the_experts_run_the_first_rows_a_device_received_and_count_the_rest():
-  """`Dispatch.receive_capacity_factor`: each device runs the first R = ceil(factor x T x K) rows
-  of its receive buffer in expert order (local expert, then source, then the source's order)
-  through its experts; the rows past them come back as zeros and count as dropped there.
-  Against the local experts with exactly those assignments dropped: the same outputs and
-  gradients, and each device's count. The rows a device needed are what it received."""
+@pytest.mark.parametrize("packed", [False, True], ids=["blocks", "packed"])
+def test_the_experts_run_the_first_rows_a_device_received_and_count_the_rest(packed, monkeypatch):
+  """`Dispatch.receive_capacity_factor`: each device runs R = ceil(factor x T x K) of the rows it
+  received through its experts: in blocks the first R of its receive buffer in expert order
+  (local expert, then source, then the source's order); packed (GPU, emulated) the first R in
+  source order, the buffer holding R rows. The rows past them come back as zeros and count as
+  dropped there. Against the local experts with exactly those assignments dropped: the same
+  outputs and gradients, and each device's count. The rows a device needed are what it
+  received."""
+  monkeypatch.setattr(lax, "ragged_all_to_all", emulated_ragged_all_to_all)
   x, experts, weights, *w = _inputs()
   experts = jax.random.randint(jax.random.key(7), (N * T, K), 0, E)    # no hot source
   c, r = 4.0, 0.75                # C = 16 rows a destination: nothing dropped at the sender
@@ -122,8 +129,8 @@ def test_the_experts_run_the_first_rows_a_device_received_and_count_the_rest():
   el = E // N
   keep_NxA = np.ones_like(expert_NxA, bool)
   for dest in range(N):
-    rows_here = sorted((e % el, s, a) for s in range(N) for a, e in enumerate(expert_NxA[s])
-                       if e // el == dest)
+    rows_here = sorted((0 if packed else e % el, s, a) for s in range(N)
+                       for a, e in enumerate(expert_NxA[s]) if e // el == dest)
     for _, s, a in rows_here[rows:]:
       keep_NxA[s, a] = False
   kept = jnp.asarray(np.where(keep_NxA, expert_NxA, E).reshape(N * T, K))
@@ -132,7 +139,8 @@ def test_the_experts_run_the_first_rows_a_device_received_and_count_the_rest():
     loss = lambda x, *w: jnp.sum(f(x, e, weights, *w)[0].astype(jnp.float32) * ct_TxD)  # noqa
     return f(x, e, weights, *w), jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, *w)
 
-  (y, dropped, received, needed, received_needed), grads = outputs(_ep(c, 1, r), experts)
+  (y, dropped, received, needed, received_needed), grads = outputs(_ep(c, 1, r, packed),
+                                                                   experts)
   (y_want, _), grads_want = outputs(jax.jit(dispatch_lib.local_experts), kept)
   assert int(np.sum(dropped)) > 0          # some device received more than R
   np.testing.assert_array_equal(np.asarray(dropped), np.maximum(np.asarray(received) - rows, 0))
@@ -145,18 +153,23 @@ def test_the_experts_run_the_first_rows_a_device_received_and_count_the_rest():
     np.testing.assert_allclose(g, want, rtol=0, atol=1e-2 * np.max(np.abs(want)))
 
 
-@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+@pytest.mark.parametrize("platform", ["cpu", "cuda", "cuda packed"])
 def test_each_platform_lowers_its_own_exchange(platform):
   args = _inputs()
-  grad = jax.jit(jax.grad(lambda *a: jnp.sum(_ep(0.0)(*a)[0]), argnums=(0, 3)))
+  ep = _ep(0.0, packed=platform.endswith("packed"))
+  grad = jax.jit(jax.grad(lambda *a: jnp.sum(ep(*a)[0]), argnums=(0, 3)))
   unchecked = [export.DisabledSafetyCheck.custom_call("ragged_all_to_all")]
-  for fn in (_ep(0.0), grad):
-    text = export.export(fn, platforms=[platform], disabled_checks=unchecked)(*args).mlir_module()
+  for fn in (ep, grad):
+    text = export.export(fn, platforms=[platform.split()[0]],
+                         disabled_checks=unchecked)(*args).mlir_module()
     ragged = text.count("@ragged_all_to_all")
     if platform == "cpu":
       assert ragged == 0 and "stablehlo.all_to_all" in text
-    else:                     # ids and tokens out, results back (and their transposes)
+    elif platform == "cuda":  # ids and tokens out, results back (and their transposes)
       assert ragged >= 3
+    else:     # the same, and the offsets from one all_gather of the counts: no all_to_all
+      assert ragged >= 3 and "stablehlo.all_to_all" not in text
+      assert "stablehlo.all_gather" in text
 
 
 def test_the_gpu_exchange_gives_the_cpu_ones_results_and_gradients(monkeypatch):
@@ -209,6 +222,29 @@ def test_an_exchange_in_pieces_equals_the_whole_on_each_platform_s_form(monkeypa
   assert_bits_equal(pieces, outputs(_ep.__wrapped__(capacity_factor, 3)))
 
 
+@pytest.mark.parametrize("chunks,receive_factor", [(1, 0.0), (3, 0.0), (1, 1.0), (2, 2.0)])
+def test_packed_buffers_give_the_blocks_results_and_gradients(chunks, receive_factor,
+                                                             monkeypatch):
+  """`Dispatch.packed` (the GPU's exchange: A rows sent, the rows the experts run received,
+  `ragged_all_to_all` emulated from all_gathers) against the per-destination blocks (the CPU's
+  `all_to_all`): outputs, drop counts, rows received and needed, and gradients bit for bit, at
+  a capacity one source overflows, whole or in pieces, every received row run or R of them (a
+  receive factor no device overflows here: 32 rows of 64 in blocks)."""
+  args, capacity_factor = _inputs(), 1.0
+  ct_TxD = jax.random.normal(jax.random.key(1), (N * T, D), jnp.float32)
+
+  def outputs(ep):
+    loss = lambda *a: jnp.sum(ep(*a)[0].astype(jnp.float32) * ct_TxD)   # noqa: E731
+    return ep(*args), jax.jit(jax.grad(loss, argnums=(0, 3, 4, 5)))(*args)
+
+  blocks = outputs(_ep(capacity_factor, chunks, receive_factor))
+  assert int(np.sum(blocks[0][1])) > 0                      # the hot source overflows
+  rows = dispatch_lib.receive_capacity(T * K, N, capacity_factor, receive_factor, chunks)
+  assert np.all(np.asarray(blocks[0][4]) <= rows * chunks)  # no device past R
+  monkeypatch.setattr(lax, "ragged_all_to_all", emulated_ragged_all_to_all)
+  assert_bits_equal(blocks, outputs(_ep(capacity_factor, chunks, receive_factor, True)))
+
+
 def test_grown_capacity_covers_the_need_with_a_margin_and_at_least_doubles():
   a, n = 32768, 64                                  # the 1b7b preset: 4096 tokens x top-8
   assert dispatch_lib.ep_capacity(a, n, 2.0) == 1024
@@ -226,6 +262,26 @@ def test_the_config_s_pieces_reach_the_exchange():
   for placement in ("ep", "fssdp"):
     cfg = tiny_config(**{"moe.placement": placement, "moe.dispatch_chunks": 3})
     assert placement_for(cfg, 8, 8).dispatch.chunks == 3
+
+
+def test_a_mesh_of_cpu_devices_takes_the_blocks_and_others_the_packed_buffers():
+  from moejax.errors import ConfigError
+  from moejax.sharding.mesh import make_mesh
+  from moejax.train.state import placement_of
+  from tests.helpers import tiny_config
+  cfg = tiny_config(**{"moe.placement": "ep"})
+  mesh = make_mesh((1, 8), jax.devices()[:8])
+  assert not placement_of(cfg, mesh).dispatch.packed
+  # (what placement_of reads of a mesh: its shape and its devices' platform)
+  gpu = type("GpuDevice", (), {"platform": "gpu"})()
+  gpu_mesh = type("GpuMesh", (), {"shape": mesh.shape,
+                                  "devices": np.array([gpu] * 8).reshape(1, 8)})()
+  assert placement_of(cfg, gpu_mesh).dispatch.packed
+  blocks = tiny_config(**{"moe.placement": "ep", "moe.exchange_buffers": "blocks"})
+  assert not placement_of(blocks, gpu_mesh).dispatch.packed
+  packed = tiny_config(**{"moe.placement": "ep", "moe.exchange_buffers": "packed"})
+  with pytest.raises(ConfigError, match=r"moe\.exchange_buffers='packed' needs ragged"):
+    placement_of(packed, mesh)
 
 
 def test_pieces_share_what_is_sent_whatever_the_fill():
