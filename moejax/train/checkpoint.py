@@ -78,7 +78,7 @@ load_params = weights.load_params
 MAY_DIFFER = ("steps", "log_every", "eval_every", "eval_batches", "remat", "prefetch",
               "scatter_ahead", "schedule_latencies", "schedule_cluster", "mesh.",
               "moe.placement", "moe.dispatch_capacity_factor", "moe.dispatch_overflow", "moe.dispatch_chunks",
-              "moe.receive_capacity_factor",
+              "moe.receive_capacity_factor", "moe.exchange_buffers",
               "checkpoint.", "codec.", "data.path", "data.source", "init_from", "distributed.",
               "optim.")
 
