@@ -328,7 +328,10 @@ class MoEConfig:
   """ep/fssdp dispatch buffer: per destination ceil(factor * assignments / devices) rows, the
   starting size (see `dispatch_overflow`); 0 = dropless: N x T x K rows per device, the worst
   case, only when asked for (at scale it does not fit: 136 GiB per device for the 1b7b preset on
-  64 devices, `python train.py ... --memory_on_devices=64`)."""
+  64 devices). Packed exchange buffers (`exchange_buffers`, the GPU's) send from the T x K rows
+  whatever the factor: under dispatch_overflow="grow" with a receive capacity they apply no cap
+  (a cap would only drop rows and rerun the step) and `receive_capacity_factor` bounds what a
+  device receives; under "drop", or with every received row run, the cap applies."""
   dispatch_chunks: int = 1
   """ep/fssdp: the token exchange in this many pieces (a destination's rows dealt to them in
   turn), each sent, run through the experts and returned on its own, so one piece's exchange
@@ -348,7 +351,9 @@ class MoEConfig:
   (a device that receives more overflows and the step reruns with room for what it received;
   `moejax.placement.dispatch.receive_capacity`). The receive buffer holds about
   dispatch_capacity_factor x T x K rows, which the GPU's grouped matmuls would compute whole;
-  0 = all of them."""
+  0 = all of them. With dropless blocks (dispatch_capacity_factor 0, exchange_buffers
+  "blocks": the CPU's) every received row runs; packed buffers (the GPU's) hold these rows
+  alone, dropless or not."""
   exchange_buffers: str = "auto"
   """ep/fssdp: the token exchange's buffers, one of `moejax.placement.dispatch.EXCHANGE_BUFFERS`
   (blocks: N x C rows each way, every destination's block whole, the only form XLA:CPU runs;
@@ -1061,11 +1066,10 @@ def unused_settings(c: Config) -> list[str]:
                  f"fssdp's expert replicas (moe.placement={c.moe.placement!r})")
   if (c.moe.placement != "fsdp"
       and c.moe.receive_capacity_factor != MoEConfig.receive_capacity_factor
-      and (c.moe.dispatch_overflow != "grow" or c.moe.dispatch_capacity_factor == 0)):
+      and c.moe.dispatch_overflow != "grow"):
     notes.append(f"config.moe.receive_capacity_factor={c.moe.receive_capacity_factor} has no "
                  "effect: it bounds the rows run through the experts where an overflow grows the "
-                 f"buffers (here moe.dispatch_overflow={c.moe.dispatch_overflow!r}, "
-                 f"moe.dispatch_capacity_factor={c.moe.dispatch_capacity_factor:g})")
+                 f"buffers (here moe.dispatch_overflow={c.moe.dispatch_overflow!r})")
   unread = [  # (group, fields, whether this config reads them, when it would)
       ("fssdp", ("replica_slots", "overlap_degree", "owner_sends", "window", "reshard_every",
                  "max_per_layer", "calibrate"), c.moe.placement == "fssdp",

@@ -365,8 +365,6 @@ def test_settings_that_do_nothing_here_are_named():
            ({"moe.dispatch_overflow": "drop"},
             "moe.dispatch_capacity_factor=0.0, config.moe.dispatch_overflow='drop' have"),
            ({"routing.threshold": 0.5}, "routing.threshold=0.5 has"),
-           ({"moe.placement": "ep", "moe.receive_capacity_factor": 2.0},     # dropless here
-            "moe.receive_capacity_factor=2.0 has"),
            ({"moe.placement": "ep", "moe.dispatch_capacity_factor": 2.0,
              "moe.dispatch_overflow": "drop", "moe.receive_capacity_factor": 2.0},
             "moe.receive_capacity_factor=2.0 has"),
@@ -388,6 +386,8 @@ def test_settings_that_do_nothing_here_are_named():
                     {"moe.placement": "ep", "moe.dispatch_overflow": "drop"},
                     {"moe.placement": "fssdp", "moe.dispatch_capacity_factor": 2.0,
                      "moe.receive_capacity_factor": 2.0},
+                    # dropless here: it bounds what packed (GPU) buffers receive
+                    {"moe.placement": "ep", "moe.receive_capacity_factor": 2.0},
                     {"routing.admission": "strict", "routing.threshold": 0.5},
                     {"model.rope_scaling": "yarn", "model.rope_factor": 4.0,
                      "model.rope_original_max_len": 64}, {}):

@@ -93,10 +93,11 @@ def ep_capacity(num_assignments: int, num_devices: int, capacity_factor: float) 
 
 
 def receive_capacity(num_assignments: int, num_devices: int, capacity_factor: float,
-                     receive_factor: float, pieces: int = 1) -> int:
+                     receive_factor: float, pieces: int = 1, packed: bool = False) -> int:
   """R: the rows of one piece's receive buffer (N x ceil(C / pieces) rows) a device runs through
   its experts: ceil(receive_factor * A / pieces), at most the buffer; the whole buffer when the
-  factor is 0 or the buffers are dropless (C = A, or one device).
+  factor is 0, on one device, or with dropless blocks (C = A; packed buffers hold R rows, so
+  there R bounds what a dropless exchange receives).
 
   Why: the receive buffer holds room for what every source may send (C rows from each of N),
   about capacity_factor x A rows, while a device receives about A when the load is balanced
@@ -107,7 +108,7 @@ def receive_capacity(num_assignments: int, num_devices: int, capacity_factor: fl
   received more overflows, as a full dispatch buffer does."""
   c = ep_capacity(num_assignments, num_devices, capacity_factor)
   whole = num_devices * -(-c // pieces)
-  if receive_factor <= 0 or c >= num_assignments or num_devices <= 1:   # dropless: never cut
+  if receive_factor <= 0 or num_devices <= 1 or (c >= num_assignments and not packed):
     return whole
   return min(whole, max(1, math.ceil(receive_factor * num_assignments / pieces)))
 
@@ -183,7 +184,7 @@ def exchange(x_TxD, dest_A, local_id_A, weights_TxK, ws, *, dispatch: Dispatch,
   # The rows each piece runs through the experts here (`receive_capacity`); rows received past
   # them come back as zeros and count as dropped here (a step under "grow" then reruns).
   computed = receive_capacity(a, n, dispatch.capacity_factor, dispatch.receive_capacity_factor,
-                              pieces)
+                              pieces, dispatch.packed)
   pieces_of = _packed_pieces if dispatch.packed else _block_pieces
   y_back, slot_A, got = pieces_of(x_AxD, dest_A, pos_A, fits_A, local_id_A,
                                   piece_counts(sent_N, pieces), ws, dispatch=dispatch,

@@ -119,13 +119,27 @@ class Placement:
     if not self.owns_experts:
       return LOCAL
     return Dispatch(self.kind, self.axis_names, self.num_devices, self.devices_per_node,
-                    self.dispatch_capacity_factor, replica_slots=self.replica_slots,
+                    self.applied_dispatch_factor, replica_slots=self.replica_slots,
                     overlap_degree=self.overlap_degree, owner_sends=self.owner_sends,
                     calibrate=self.calibrate,
                     replica_codec=self.replica_codec if self.kind == "fssdp" else None,
                     chunks=self.dispatch_chunks,
                     receive_capacity_factor=self.applied_receive_factor,
                     packed=self.packed_exchange)
+
+  @property
+  def uncapped_sends(self) -> bool:
+    """Packed buffers whose receive capacity bounds what a device takes, where an overflow grows
+    it: a packed send buffer holds the T x K rows whatever the dispatch cap, so a cap there would
+    only drop rows and rerun steps; every row is sent. (Under "drop" the cap is the drop rule;
+    with every received row run, moe.receive_capacity_factor 0, it bounds the receive buffer.)"""
+    return (self.packed_exchange and self.dispatch_overflow == "grow"
+            and self.receive_capacity_factor > 0)
+
+  @property
+  def applied_dispatch_factor(self) -> float:
+    """The dispatch capacity factor the exchange applies: none (0) with `uncapped_sends`."""
+    return 0.0 if self.uncapped_sends else self.dispatch_capacity_factor
 
   @property
   def applied_receive_factor(self) -> float:
@@ -139,21 +153,26 @@ class Placement:
     if not self.owns_experts:
       return 0
     return receive_capacity(tokens_per_device * self.top_k, self.num_devices,
-                            self.dispatch_capacity_factor, self.applied_receive_factor,
-                            self.dispatch_chunks)
+                            self.applied_dispatch_factor, self.applied_receive_factor,
+                            self.dispatch_chunks, self.packed_exchange)
 
   def dispatch_capacity(self, tokens_per_device: int) -> int:
     """C: the dispatch buffer's rows per destination (ep/fssdp; 0 for fsdp)."""
     if not self.owns_experts:
       return 0
     return ep_capacity(tokens_per_device * self.top_k, self.num_devices,
-                       self.dispatch_capacity_factor)
+                       self.applied_dispatch_factor)
 
   def grows_dispatch(self, tokens_per_device: int) -> bool:
-    """Whether a step can overflow its dispatch buffers and is then rerun with larger ones
-    (dispatch_overflow "grow", buffers below the dropless N x T x K rows)."""
-    return (self.owns_experts and self.num_devices > 1 and self.dispatch_overflow == "grow"
-            and self.dispatch_capacity(tokens_per_device) < tokens_per_device * self.top_k)
+    """Whether a step can overflow its buffers and is then rerun with larger ones
+    (dispatch_overflow "grow"): a destination's rows past C (below the dropless T x K), or a
+    device's received rows past the rows its experts run (`receive_capacity`)."""
+    if not (self.owns_experts and self.num_devices > 1 and self.dispatch_overflow == "grow"):
+      return False
+    every_row = dataclasses.replace(self, receive_capacity_factor=0.0)
+    return (self.dispatch_capacity(tokens_per_device) < tokens_per_device * self.top_k
+            or self.receive_capacity(tokens_per_device)
+            < every_row.receive_capacity(tokens_per_device))
 
   @property
   def expert_bytes(self) -> int:

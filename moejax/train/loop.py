@@ -184,7 +184,8 @@ class Trainer:
     self.schedule = optim.lr_schedule(cfg)
     limit = memory.device_memory_bytes(self.mesh.devices.flat[0])
     if limit is not None:      # GPUs say how much they hold: stop now, not when XLA runs out
-      memory.check_fits(cfg, num_devices(self.mesh), limit, tolerance=memory.TOLERANCE)
+      memory.check_fits(cfg, num_devices(self.mesh), limit, tolerance=memory.TOLERANCE,
+                        packed_exchange=state_lib.packs_exchange(cfg, self.mesh))
     self.layout = state_lib.state_layout(cfg, self.mesh, self.tx)
     # ep/fssdp: the dispatch buffers' size and the rows run through the experts, grown by
     # `grow_dispatch` when a step overflows them (kept for later runs with this Trainer; a new
@@ -261,16 +262,21 @@ class Trainer:
     callers rerun it."""
     from moejax.placement import dispatch as dispatch_lib
     placement = self.layout.placement
-    n, pieces = placement.num_devices, placement.dispatch_chunks
+    n, pieces, t = placement.num_devices, placement.dispatch_chunks, self._tokens_per_device
     old, old_receive = self.capacity_factors
-    a = self._tokens_per_device * placement.top_k
-    rows = lambda f: dispatch_lib.ep_capacity(a, n, f)  # noqa: E731
-    computed = lambda f, r: pieces * dispatch_lib.receive_capacity(a, n, f, r, pieces)  # noqa: E731
+    a = t * placement.top_k
+    at = lambda f, r: dataclasses.replace(placement, dispatch_capacity_factor=f,  # noqa: E731
+                                          receive_capacity_factor=r)
+    rows = lambda f: at(f, old_receive).dispatch_capacity(t)  # noqa: E731
+    computed = lambda f, r: pieces * at(f, r).receive_capacity(t)  # noqa: E731
     new, new_receive = old, old_receive
     receive_overflowed = receive_rows > computed(old, old_receive)
     # Either overflow reruns the step; without a measured one (none can be: a drop is one of
-    # them) the dispatch buffers grow, so every rerun makes progress.
-    if needed_rows > rows(old) or not receive_overflowed:
+    # them) the buffer that can overflow grows, so every rerun makes progress. Packed buffers
+    # send every row (`Placement.applied_dispatch_factor`): only what a device receives can.
+    if placement.uncapped_sends:
+      receive_overflowed = True
+    elif needed_rows > rows(old) or not receive_overflowed:
       new = dispatch_lib.grown_capacity_factor(old, needed_rows, a, n)
     if receive_overflowed:
       new_receive = dispatch_lib.grown_receive_factor(old_receive, receive_rows, a)
@@ -279,7 +285,7 @@ class Trainer:
     limit = memory.device_memory_bytes(self.mesh.devices.flat[0])
     if limit is not None:
       memory.check_fits(grown, num_devices(self.mesh), limit, tolerance=memory.TOLERANCE,
-                        why=f"a step needed {needed_rows} dispatch rows at one destination and "
+                        packed_exchange=placement.packed_exchange, why=f"a step needed {needed_rows} dispatch rows at one destination and "
                             f"{receive_rows} rows through one device's experts")
     if new != old:
       log(f"moejax: the {placement.kind} dispatch buffers overflowed (a device sent "

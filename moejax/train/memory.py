@@ -143,7 +143,7 @@ def memory_report(cfg: Config, num_devices: int, *,
   check_batch_divides(cfg, n)
   from moejax.sharding.mesh import resolve_shape
   _, per_node = resolve_shape(cfg.mesh.shape, n)     # the mesh a run on n devices would build
-  placement = placement_for(cfg, n, per_node)
+  placement = placement_for(cfg, n, per_node, packed_exchange=packed_exchange)
   placement.check()
   m, moe = cfg.model, cfg.moe
   factor = moe.dispatch_capacity_factor if dispatch_capacity_factor is None else (
@@ -321,17 +321,20 @@ TOLERANCE = 1.1
 
 
 def check_fits(cfg: Config, num_devices: int, limit_bytes: int, *, why: str = "",
-               tolerance: float = 1.0) -> MemoryReport:
+               tolerance: float = 1.0, packed_exchange: bool = True) -> MemoryReport:
   """The report; ConfigError naming the largest component's field and the bytes when the step
   needs more than `tolerance` x `limit_bytes` per device (`device_memory_bytes`, or a GPU's
-  you plan for)."""
-  report = memory_report(cfg, num_devices)
+  you plan for). `packed_exchange` as `memory_report`'s."""
+  report = memory_report(cfg, num_devices, packed_exchange=packed_exchange)
   limit = limit_bytes
   if report.total > tolerance * limit:
     part = report.largest
+    field = FIELDS[part]
+    if part == "exchange" and packed_exchange and cfg.moe.dispatch_overflow == "grow":
+      field = "moe.receive_capacity_factor"     # packed buffers hold what a device receives
     reason = f" ({why})" if why else ""
     raise ConfigError(
-        f"config.{FIELDS[part]}: the train step needs about {_gib(report.total)} per device"
+        f"config.{field}: the train step needs about {_gib(report.total)} per device"
         f"{reason}, more than the device's {_gib(limit)}; {part} alone takes "
         f"{_gib(report.components[part])} (moejax.train.memory.memory_report has every part)")
   return report

@@ -293,3 +293,31 @@ def test_pieces_share_what_is_sent_whatever_the_fill():
     np.testing.assert_array_equal(counts.sum(axis=0), np.asarray(sent_N))
     assert np.all(counts.max(axis=0) - counts.min(axis=0) <= 1)
     assert np.all(counts[:-1] >= counts[1:])          # the first pieces take the remainder
+
+
+def test_packed_buffers_bound_what_a_dropless_exchange_receives():
+  """Dropless blocks (C = T x K) run every received row: their buffer holds them anyway. Packed
+  buffers hold the R rows the experts run, so R bounds them dropless too; and under "grow" the
+  placement sends packed buffers uncapped (a cap would only drop rows and rerun), so the step
+  can overflow only what a device receives."""
+  import dataclasses
+  from moejax.train.state import placement_for
+  from tests.helpers import tiny_config
+  a = T * K
+  assert dispatch_lib.receive_capacity(a, N, 0.0, 1.25) == N * a
+  assert dispatch_lib.receive_capacity(a, N, 0.0, 1.25, packed=True) == 40
+  assert dispatch_lib.receive_capacity(a, N, 0.0, 1.25, 2, packed=True) == 20
+  cfg = tiny_config(**{"moe.placement": "ep", "moe.dispatch_capacity_factor": 2.0})
+  tokens = cfg.batch_size * cfg.seq_len // 8
+  blocks, packed = (placement_for(cfg, 8, 8, packed_exchange=p) for p in (False, True))
+  assert blocks.dispatch.capacity_factor == 2.0 and packed.dispatch.capacity_factor == 0.0
+  assert packed.dispatch_capacity(tokens) == tokens * cfg.moe.top_k
+  assert blocks.grows_dispatch(tokens) and packed.grows_dispatch(tokens)
+  assert packed.receive_capacity(tokens) == blocks.receive_capacity(tokens)
+  dropless = dataclasses.replace(blocks, dispatch_capacity_factor=0.0)
+  assert not dropless.grows_dispatch(tokens)       # every received row runs: nothing to grow
+  every_row = dataclasses.replace(packed, receive_capacity_factor=0.0)   # the cap bounds it
+  assert every_row.dispatch.capacity_factor == 2.0 and every_row.grows_dispatch(tokens)
+  assert not dataclasses.replace(every_row, dispatch_capacity_factor=0.0).grows_dispatch(tokens)
+  drop = dataclasses.replace(packed, dispatch_overflow="drop")   # the cap is the drop rule
+  assert drop.dispatch.capacity_factor == 2.0 and not drop.grows_dispatch(tokens)

@@ -128,3 +128,30 @@ def test_a_restore_takes_the_grown_factors_its_config_still_configures():
     DispatchCapacityItem(trainer).restore("state", item, "step 4", lines.append)
     assert (trainer.dispatch_capacity_factor, trainer.receive_capacity_factor) == want
     assert lines == lines_want
+
+
+def test_packed_buffers_train_as_the_blocks_do(trainer, tmp_path, capsys, monkeypatch):
+  """The GPU's packed exchange buffers (`moe.exchange_buffers`: here the CPU mesh is told it
+  packs, and `ragged_all_to_all` is emulated from all_gathers) in the Trainer: they apply no
+  dispatch cap (every row is sent; a cap would only drop rows and rerun the step), so only what
+  a device receives can overflow, and the receive capacity grows; the run equals the blocks'
+  figure by figure, the capacities and the buffer-sized byte counts aside."""
+  from jax import lax
+  from moejax.train import state
+  from tests.helpers import emulated_ragged_all_to_all
+  monkeypatch.setattr(state, "packs_exchange", lambda cfg, mesh: True)
+  monkeypatch.setattr(lax, "ragged_all_to_all", emulated_ragged_all_to_all)
+  packed = Trainer(trainer.cfg)
+  assert packed.layout.placement.dispatch.packed
+  assert packed.layout.placement.dispatch.capacity_factor == 0.0      # no cap sent
+  run(trainer.cfg, str(tmp_path / "packed"), trainer=packed, stop_at=2)
+  out = capsys.readouterr().out
+  assert "dispatch buffers overflowed" not in out
+  assert "rows for its ep experts" in out and packed.receive_capacity_factor > 1.25, out
+  run(trainer.cfg, str(tmp_path / "blocks"), trainer=trainer, stop_at=2)
+  sized = ("dispatch_capacity", "receive_capacity", "a2a_bytes")
+  strip = lambda rs: [{k: v for k, v in r.items() if k not in sized} for r in rs]  # noqa: E731
+  packed_records = _records(tmp_path / "packed")
+  assert strip(packed_records) == strip(_records(tmp_path / "blocks"))
+  assert all(r["ep_dropped_frac"] == 0.0 and r["receive_needed"] <= r["receive_capacity"]
+             for r in packed_records)

@@ -32,24 +32,36 @@ def test_1b7b_full_batch_on_64_devices_fits_80_gb_with_the_default_capacities(pl
   assert report.components["optimizer"] == pytest.approx(2 * report.components["parameters"],
                                                          rel=1e-3)
   if placement != "fsdp":       # bounded buffers: a few percent of the dropless worst case
-    dropless = memory_report(_1b7b(placement=placement, dispatch_capacity_factor=0.0), 64)
-    assert 0 < report.components["exchange"] < 0.1 * dropless.components["exchange"]
+    every_row = dict(dispatch_capacity_factor=0.0, receive_capacity_factor=0.0)
+    for packed in (True, False):
+      dropless = memory_report(_1b7b(placement=placement, **every_row), 64,
+                               packed_exchange=packed)
+      bounded = memory_report(cfg, 64, packed_exchange=packed)
+      assert 0 < bounded.components["exchange"] < 0.1 * dropless.components["exchange"]
+    # Packed buffers (the GPU's) apply no dispatch cap under "grow": the same bytes dropless.
+    packed_dropless = memory_report(_1b7b(placement=placement, dispatch_capacity_factor=0.0), 64)
+    assert packed_dropless.components == report.components
+    assert bounded.components["exchange"] > report.components["exchange"]   # blocks: N x C
 
 
-def test_dropless_dispatch_at_scale_does_not_fit_and_stops_with_one_line():
+@pytest.mark.parametrize("packed", [False, True], ids=["blocks", "packed"])
+def test_dropless_dispatch_at_scale_does_not_fit_and_stops_with_one_line(packed):
   """The worst-case buffers (N x T x K rows per device), the default before capacities were
-  bounded: 110 GiB for ep alone. The error names the field that sizes them."""
-  cfg = _1b7b(placement="ep", dispatch_capacity_factor=0.0)
-  report = memory_report(cfg, 64)
+  bounded: over 100 GiB for ep alone, dropless blocks (the CPU's), or packed buffers (the
+  GPU's) whose experts run every row they may receive. The error names the field that sizes
+  them, and the bounded setting fits."""
+  bound = "receive_capacity_factor" if packed else "dispatch_capacity_factor"
+  cfg = _1b7b(placement="ep", dispatch_capacity_factor=0.0, receive_capacity_factor=0.0)
+  report = memory_report(cfg, 64, packed_exchange=packed)
   assert report.largest == "exchange" and report.components["exchange"] > GB80
   with pytest.raises(ConfigError) as e:
-    check_fits(cfg, 64, GB80)
+    check_fits(cfg, 64, GB80, packed_exchange=packed)
   message = str(e.value)
-  assert message.startswith("config.moe.dispatch_capacity_factor: the train step needs about ")
+  assert message.startswith(f"config.moe.{bound}: the train step needs about ")
   assert "more than the device's 74.51 GiB; exchange alone takes" in message
   assert "\n" not in message
-  assert check_fits(dataclasses.replace(cfg, moe=dataclasses.replace(
-      cfg.moe, dispatch_capacity_factor=2.0)), 64, GB80).total < GB80
+  fixed = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, **{bound: 2.0}))
+  assert check_fits(fixed, 64, GB80, packed_exchange=packed).total < GB80
 
 
 def test_remat_policies_order_the_activations():
