@@ -45,6 +45,7 @@ it checks the script itself, in CI. Exit status 1 if any step failed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import os
@@ -189,6 +190,15 @@ def step_ragged(dims: dict) -> dict:
   local = jax.jit(dispatch_lib.local_experts)
   y_ep, (y_local, _) = ep(x, ids, weights, *w), local(x, ids, weights, *w)
   ep_err = float(jnp.max(jnp.abs(y_ep - y_local)))
+  packed = {}
+  if jax.devices()[0].platform != "cpu":    # packed buffers: ragged_all_to_all, not on XLA:CPU
+    packed_dispatch = dataclasses.replace(dispatch, packed=True)
+    packed_ep = jax.jit(jax.shard_map(
+        lambda *a: dispatch_lib.ep_experts(*a, dispatch=packed_dispatch)[0], mesh=mesh,
+        in_specs=(P("devices"),) * 6, out_specs=P("devices"), check_vma=False))
+    packed = {"ep_packed_max_abs_diff": float(jnp.max(jnp.abs(
+                  packed_ep(x, ids, weights, *w) - y_local))),
+              "ep_packed_s": _timed(packed_ep, x, ids, weights, *w)}
 
   # Grouped matmuls against a dense product of every row with its own expert (fp32).
   a = n * t * k
@@ -223,8 +233,9 @@ def step_ragged(dims: dict) -> dict:
          "ep_s": _timed(ep, x, ids, weights, *w),
          "local_s": _timed(local, x, ids, weights, *w), "grouped_rel_err": grouped_err,
          "grouped_s": _timed(grouped, xs, group_sizes, *w), "grouped_static_rel_err": static_err,
-         "grouped_static_s": _timed(static, xs, group_sizes, tuple(w)), **coded}
-  if (ep_err > 1e-2 or grouped_err > 2e-2 or static_err > 2e-2 or not spag_exact
+         "grouped_static_s": _timed(static, xs, group_sizes, tuple(w)), **coded, **packed}
+  if (ep_err > 1e-2 or packed.get("ep_packed_max_abs_diff", 0.0) > 1e-2
+      or grouped_err > 2e-2 or static_err > 2e-2 or not spag_exact
       or not coded["coded_spag_exact"]
       or coded["coded_spag_patched_slots"] == 0):
     raise AssertionError(f"ragged paths differ from their references: {out}")

@@ -396,8 +396,10 @@ def ep_experts(x_TxD, experts_TxK, weights_TxK, *ws, dispatch: Dispatch,
 
 
 def ep_a2a_bytes(tokens_per_device: int, top_k: int, d_model: int, num_devices: int,
-                 capacity_factor: float, *, remat: str, itemsize: int = 2) -> float:
-  """Bytes per device per MoE layer per step moved by the ep all_to_alls (buffer capacity).
+                 capacity_factor: float, *, remat: str, itemsize: int = 2,
+                 packed: bool = False) -> float:
+  """Bytes per device per MoE layer per step moved by the ep all_to_alls (buffer capacity:
+  N x C rows; `packed`, the T x K rows a packed send buffer holds, at most C a destination).
 
   Forward sends tokens out and results back (2 exchanges, plus 4-byte expert ids); backward
   does the same for the cotangents (2); a recomputing remat (full, minimal: an all_to_all is no
@@ -405,8 +407,9 @@ def ep_a2a_bytes(tokens_per_device: int, top_k: int, d_model: int, num_devices: 
   """
   n = num_devices
   c = ep_capacity(tokens_per_device * top_k, n, capacity_factor)
+  rows = min(n * c, tokens_per_device * top_k) if packed else n * c
   frac = (n - 1) / n
-  one = frac * n * c * d_model * itemsize
-  ids = frac * n * c * 4
+  one = frac * rows * d_model * itemsize
+  ids = frac * rows * 4
   forward = 2 * one + ids
   return forward * (2 if recomputes(remat) else 1) + 2 * one

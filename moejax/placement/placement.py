@@ -169,7 +169,9 @@ class Placement:
     device's received rows past the rows its experts run (`receive_capacity`)."""
     if not (self.owns_experts and self.num_devices > 1 and self.dispatch_overflow == "grow"):
       return False
-    every_row = dataclasses.replace(self, receive_capacity_factor=0.0)
+    # (with every received row run, under the cap this placement sends by)
+    every_row = dataclasses.replace(self, receive_capacity_factor=0.0,
+                                    dispatch_capacity_factor=self.applied_dispatch_factor)
     return (self.dispatch_capacity(tokens_per_device) < tokens_per_device * self.top_k
             or self.receive_capacity(tokens_per_device)
             < every_row.receive_capacity(tokens_per_device))
@@ -245,7 +247,8 @@ class Placement:
 
   def metrics(self, placement_L: dict, *, tokens_per_device: int, remat: str) -> dict:
     """Per-layer figures from the layers, plus bytes moved per device and step by kind: the token
-    exchange of ep and fssdp (`a2a_bytes`, its static buffer), SparseReduceScatter
+    exchange of ep and fssdp (`a2a_bytes`, its static buffer: packed, the rows sent),
+    SparseReduceScatter
     (`sprs_bytes`, its [N, M] buffer), and
     SparseAllGather's: `spag_bytes` (its ragged form, patches included: what a GPU moves; the
     mean over devices of what each receives), `spag_bytes_plain` (the same replicas plain),
@@ -265,8 +268,8 @@ class Placement:
     metrics["a2a_bytes"] = 0.0
     if self.owns_experts and n > 1:     # fssdp's tokens travel in ep's exchange buffer
       metrics["a2a_bytes"] = self.num_layers * ep_a2a_bytes(
-          tokens_per_device, self.top_k, self.d_model, n, self.dispatch_capacity_factor,
-          remat=remat, itemsize=self.itemsize)
+          tokens_per_device, self.top_k, self.d_model, n, self.applied_dispatch_factor,
+          remat=remat, itemsize=self.itemsize, packed=self.packed_exchange)
     if self.kind == "fssdp":
       m, layers = self.replica_slots, self.num_layers
       buffer = (n - 1) / n * n * m * self.expert_bytes

@@ -196,6 +196,7 @@ class Trainer:
     self.train_step = self._train_step_of(self.layout)
     self._init = state_lib.make_init(cfg, self.tx, self.layout)   # jitted once, any seed
     self._eval_steps: dict = {}
+    self._eval_factors = None      # evaluation's grown capacities (`eval_capacity_factors`)
     # One compiled train step per codec choice (`compiled`), the config's own first.
     self._compiled = {specs_key(self.layout.gatherer.specs): Compiled(self.layout,
                                                                       self.train_step)}
@@ -242,38 +243,55 @@ class Trainer:
     return self.make_step(layout, *self.capacity_factors)
 
   @property
+  def eval_capacity_factors(self) -> tuple[float, float]:
+    """(dispatch, receive) capacity factors of evaluation, its own: it plans no replicas
+    (fssdp's flat prediction), so its busiest owners receive more than training's, and growing
+    training's capacities for them would cost every later train step the rows they save. Until
+    an evaluation overflows: training's dispatch capacity, every received row run (with packed
+    buffers, training's receive capacity: their sends are uncapped, and every row a device may
+    receive would be the dropless worst case); then what evaluation grew (`_grown`)."""
+    if self._eval_factors is not None:
+      return self._eval_factors
+    packed = self.layout.placement.packed_exchange
+    return self.dispatch_capacity_factor, self.receive_capacity_factor if packed else 0.0
+
+  @property
   def eval_step(self):
-    """`step.make_eval_step`'s step at the current dispatch capacity, every received row run
-    through the experts: evaluation plans no replicas (fssdp's flat prediction), so its busiest
-    owners receive more than training's, and growing the receive capacity for them would cost
-    every later train step the rows it saves."""
-    factors = (self.dispatch_capacity_factor, 0.0)
+    """`step.make_eval_step`'s step at `eval_capacity_factors`."""
+    factors = self.eval_capacity_factors
     if factors not in self._eval_steps:
       self._eval_steps[factors] = step_lib.make_eval_step(
           self.cfg, self.mesh, self._with_capacity(self.layout, *factors))
     return self._eval_steps[factors]
 
   def grow_dispatch(self, needed_rows: int, receive_rows: int = 0) -> None:
-    """A step overflowed: a device sent `needed_rows` rows to one destination, more than the
-    dispatch buffer holds, or received `receive_rows` for its experts (pieces x one piece's),
-    more than they run (`dispatch.receive_capacity`). What overflowed grows
-    (`dispatch.grown_capacity_factor`, `dispatch.grown_receive_factor`), if the buffers still
-    fit the device (ConfigError naming the field and the bytes otherwise), and the step's
-    callers rerun it."""
+    """A train step overflowed: a device sent `needed_rows` rows to one destination, more than
+    the dispatch buffer holds, or received `receive_rows` for its experts (pieces x one
+    piece's), more than they run (`dispatch.receive_capacity`). What overflowed grows
+    (`_grown`), and the step's callers rerun it."""
+    self.dispatch_capacity_factor, self.receive_capacity_factor = self._grown(
+        self.capacity_factors, needed_rows, receive_rows)
+
+  def _grown(self, factors: tuple, needed_rows: int, receive_rows: int,
+             what: str = "") -> tuple[float, float]:
+    """The (dispatch, receive) capacity factors after a step at `factors` overflowed
+    (`grow_dispatch`; `what`: the step, if not training's), grown where it overflowed
+    (`dispatch.grown_capacity_factor`, `dispatch.grown_receive_factor`), if the buffers still fit
+    the device (ConfigError naming the field and the bytes otherwise)."""
     from moejax.placement import dispatch as dispatch_lib
-    placement = self.layout.placement
+    old, old_receive = factors
+    at = lambda f, r: dataclasses.replace(  # noqa: E731
+        self.layout.placement, dispatch_capacity_factor=f, receive_capacity_factor=r)
+    placement = at(old, old_receive)
     n, pieces, t = placement.num_devices, placement.dispatch_chunks, self._tokens_per_device
-    old, old_receive = self.capacity_factors
     a = t * placement.top_k
-    at = lambda f, r: dataclasses.replace(placement, dispatch_capacity_factor=f,  # noqa: E731
-                                          receive_capacity_factor=r)
     rows = lambda f: at(f, old_receive).dispatch_capacity(t)  # noqa: E731
     computed = lambda f, r: pieces * at(f, r).receive_capacity(t)  # noqa: E731
     new, new_receive = old, old_receive
     receive_overflowed = receive_rows > computed(old, old_receive)
     # Either overflow reruns the step; without a measured one (none can be: a drop is one of
-    # them) the buffer that can overflow grows, so every rerun makes progress. Packed buffers
-    # send every row (`Placement.applied_dispatch_factor`): only what a device receives can.
+    # them) the buffer that can overflow grows, so every rerun makes progress. Uncapped sends
+    # (`Placement.uncapped_sends`, packed buffers): only what a device receives can overflow.
     if placement.uncapped_sends:
       receive_overflowed = True
     elif needed_rows > rows(old) or not receive_overflowed:
@@ -285,19 +303,22 @@ class Trainer:
     limit = memory.device_memory_bytes(self.mesh.devices.flat[0])
     if limit is not None:
       memory.check_fits(grown, num_devices(self.mesh), limit, tolerance=memory.TOLERANCE,
-                        packed_exchange=placement.packed_exchange, why=f"a step needed {needed_rows} dispatch rows at one destination and "
-                            f"{receive_rows} rows through one device's experts")
+                        packed_exchange=placement.packed_exchange,
+                        why=f"a{what and ' ' + what} step needed {needed_rows} dispatch rows at "
+                            f"one destination and {receive_rows} rows through one device's "
+                            "experts")
+    step = f"{what} " if what else ""
     if new != old:
       log(f"moejax: the {placement.kind} dispatch buffers overflowed (a device sent "
-          f"{needed_rows} rows to one destination, room for {rows(old)}): "
+          f"{needed_rows} rows to one destination, room for {rows(old)}): {step}"
           f"moe.dispatch_capacity_factor {old:g} -> {f'{new:g}' if new else '0 (dropless)'} "
-          f"({rows(new)} rows per destination); rerunning the step")
+          f"({rows(new)} rows per destination); rerunning the {step}step")
     if new_receive != old_receive:
       log(f"moejax: a device received {receive_rows} rows for its {placement.kind} experts, "
-          f"which run {computed(old, old_receive)}: moe.receive_capacity_factor "
+          f"which run {computed(old, old_receive)}: {step}moe.receive_capacity_factor "
           f"{old_receive:g} -> {new_receive:g} ({computed(new, new_receive)} rows); rerunning "
-          "the step")
-    self.dispatch_capacity_factor, self.receive_capacity_factor = new, new_receive
+          f"the {step}step")
+    return new, new_receive
 
   def adopt(self, state, current: "Compiled", specs: dict):
     """Switch from `current` to the codec choice `specs`: (state with codec states for it,
@@ -331,7 +352,9 @@ class Trainer:
         loss, dropped, needed = self.eval_step(params, b, placement_state)
         if not int(dropped) or self.cfg.moe.dispatch_overflow != "grow":
           break
-        self.grow_dispatch(*(int(x) for x in np.asarray(needed)))
+        self._eval_factors = self._grown(self.eval_capacity_factors,
+                                         *(int(x) for x in np.asarray(needed)),
+                                         what="evaluation")
       losses.append(float(loss))
     return float(np.mean(losses))
 

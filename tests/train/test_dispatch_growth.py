@@ -10,6 +10,7 @@ growth covers the run (deterministic: fixed seed and data).
 import json
 import os
 
+import jax
 import pytest
 
 from moejax.train.loop import Trainer, run
@@ -135,7 +136,8 @@ def test_packed_buffers_train_as_the_blocks_do(trainer, tmp_path, capsys, monkey
   packs, and `ragged_all_to_all` is emulated from all_gathers) in the Trainer: they apply no
   dispatch cap (every row is sent; a cap would only drop rows and rerun the step), so only what
   a device receives can overflow, and the receive capacity grows; the run equals the blocks'
-  figure by figure, the capacities and the buffer-sized byte counts aside."""
+  figure by figure, the capacities and the buffer-sized byte counts aside, its validation loss
+  too (evaluation at capacities of its own, grown apart from training's)."""
   from jax import lax
   from moejax.train import state
   from tests.helpers import emulated_ragged_all_to_all
@@ -144,14 +146,36 @@ def test_packed_buffers_train_as_the_blocks_do(trainer, tmp_path, capsys, monkey
   packed = Trainer(trainer.cfg)
   assert packed.layout.placement.dispatch.packed
   assert packed.layout.placement.dispatch.capacity_factor == 0.0      # no cap sent
-  run(trainer.cfg, str(tmp_path / "packed"), trainer=packed, stop_at=2)
+  run(trainer.cfg, str(tmp_path / "packed"), trainer=packed)
   out = capsys.readouterr().out
   assert "dispatch buffers overflowed" not in out
   assert "rows for its ep experts" in out and packed.receive_capacity_factor > 1.25, out
-  run(trainer.cfg, str(tmp_path / "blocks"), trainer=trainer, stop_at=2)
+  train_lines = [line for line in out.splitlines() if "rerunning the step" in line]
+  # training's factor: its own growths alone (evaluation's name themselves)
+  assert packed.receive_capacity_factor == float(
+      train_lines[-1].split("moe.receive_capacity_factor ")[1].split(" -> ")[1].split()[0])
+  assert packed.eval_capacity_factors[1] > 0      # packed evaluation: a receive capacity
+  run(trainer.cfg, str(tmp_path / "blocks"), trainer=trainer)
   sized = ("dispatch_capacity", "receive_capacity", "a2a_bytes")
+  # bytes moved: packed, the T x K rows sent; blocks, 8 destinations' blocks of C rows
+  a = trainer.cfg.batch_size * trainer.cfg.seq_len // 8 * trainer.cfg.moe.top_k
+  (p, *_), (b, *_) = (_records(tmp_path / w) for w in ("packed", "blocks"))
+  assert p["a2a_bytes"] == pytest.approx(b["a2a_bytes"] * a / (8 * b["dispatch_capacity"]))
   strip = lambda rs: [{k: v for k, v in r.items() if k not in sized} for r in rs]  # noqa: E731
   packed_records = _records(tmp_path / "packed")
   assert strip(packed_records) == strip(_records(tmp_path / "blocks"))
+  assert "val_loss" in packed_records[-1]
+  # An evaluation that overflows its receive capacity grows its own and reruns: the blocks'
+  # loss, and training's capacities untouched.
+  from moejax import evaluate
+  val = evaluate.batches(trainer.cfg, "builtin", "val", "bytes", 1)
+  params = jax.device_get(trainer.init_state().params)
+  factors = packed.capacity_factors
+  packed._eval_factors = (2.0, 0.125)             # 32 rows of a device's ~256
+  loss = evaluate.mean_loss(packed, params, val)
+  assert "rows for its ep experts, which run 32: evaluation moe.receive_capacity_factor 0.125 " \
+      in capsys.readouterr().out
+  assert packed.eval_capacity_factors[1] > 0.125 and packed.capacity_factors == factors
+  assert loss == evaluate.mean_loss(trainer, params, val)
   assert all(r["ep_dropped_frac"] == 0.0 and r["receive_needed"] <= r["receive_capacity"]
              for r in packed_records)
