@@ -3,6 +3,7 @@ results and counts what it drops; each platform lowers its own exchange (XLA:CPU
 buffer's `all_to_all`, GPU `ragged_all_to_all` of the filled rows, forward and backward); the
 GPU's packed buffers (`Dispatch.packed`, ragged only, emulated here) give the blocks' bits."""
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -314,6 +315,11 @@ def test_packed_buffers_bound_what_a_dropless_exchange_receives():
   assert packed.dispatch_capacity(tokens) == tokens * cfg.moe.top_k
   assert blocks.grows_dispatch(tokens) and packed.grows_dispatch(tokens)
   assert packed.receive_capacity(tokens) == blocks.receive_capacity(tokens)
+  # grown past the dispatch factor (2.5 x T x K > the blocks' 2 x T x K), R still bounds what a
+  # device may receive (N x T x K uncapped): the step still grows, never drops silently
+  grown = dataclasses.replace(packed, receive_capacity_factor=2.5)
+  assert grown.receive_capacity(tokens) == math.ceil(2.5 * tokens * cfg.moe.top_k)
+  assert grown.grows_dispatch(tokens)
   dropless = dataclasses.replace(blocks, dispatch_capacity_factor=0.0)
   assert not dropless.grows_dispatch(tokens)       # every received row runs: nothing to grow
   every_row = dataclasses.replace(packed, receive_capacity_factor=0.0)   # the cap bounds it
