@@ -223,24 +223,29 @@ def test_an_exchange_in_pieces_equals_the_whole_on_each_platform_s_form(monkeypa
   assert_bits_equal(pieces, outputs(_ep.__wrapped__(capacity_factor, 3)))
 
 
-@pytest.mark.parametrize("chunks,receive_factor", [(1, 0.0), (3, 0.0), (1, 1.0), (2, 2.0)])
-def test_packed_buffers_give_the_blocks_results_and_gradients(chunks, receive_factor,
-                                                             monkeypatch):
+@pytest.mark.parametrize("capacity_factor,chunks,receive_factor",
+                         [(1.0, 1, 0.0), (1.0, 3, 0.0), (2.0, 1, 1.25), (2.0, 2, 1.5)])
+def test_packed_buffers_give_the_blocks_results_and_gradients(capacity_factor, chunks,
+                                                             receive_factor, monkeypatch):
   """`Dispatch.packed` (the GPU's exchange: A rows sent, the rows the experts run received,
   `ragged_all_to_all` emulated from all_gathers) against the per-destination blocks (the CPU's
   `all_to_all`): outputs, drop counts, rows received and needed, and gradients bit for bit, at
-  a capacity one source overflows, whole or in pieces, every received row run or R of them (a
-  receive factor no device overflows here: 32 rows of 64 in blocks)."""
-  args, capacity_factor = _inputs(), 1.0
+  a capacity one source overflows, whole or in pieces, every received row run or R of them
+  (receive factors no device overflows here: R = 40 of 64 rows, 24 of 32 a piece)."""
+  args = _inputs()
   ct_TxD = jax.random.normal(jax.random.key(1), (N * T, D), jnp.float32)
 
   def outputs(ep):
     loss = lambda *a: jnp.sum(ep(*a)[0].astype(jnp.float32) * ct_TxD)   # noqa: E731
     return ep(*args), jax.jit(jax.grad(loss, argnums=(0, 3, 4, 5)))(*args)
 
-  blocks = outputs(_ep(capacity_factor, chunks, receive_factor))
+  blocks_ep = (_ep(capacity_factor, chunks) if receive_factor == 0     # shared with the above
+               else _ep(capacity_factor, chunks, receive_factor))
+  blocks = outputs(blocks_ep)
   assert int(np.sum(blocks[0][1])) > 0                      # the hot source overflows
   rows = dispatch_lib.receive_capacity(T * K, N, capacity_factor, receive_factor, chunks)
+  whole = dispatch_lib.receive_capacity(T * K, N, capacity_factor, 0.0, chunks)
+  assert (rows < whole) == (receive_factor > 0)             # the experts run R rows, or all
   assert np.all(np.asarray(blocks[0][4]) <= rows * chunks)  # no device past R
   monkeypatch.setattr(lax, "ragged_all_to_all", emulated_ragged_all_to_all)
   assert_bits_equal(blocks, outputs(_ep(capacity_factor, chunks, receive_factor, True)))
