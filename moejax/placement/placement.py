@@ -138,8 +138,11 @@ class Placement:
 
   @property
   def applied_dispatch_factor(self) -> float:
-    """The dispatch capacity factor the exchange applies: none (0) with `uncapped_sends`."""
-    return 0.0 if self.uncapped_sends else self.dispatch_capacity_factor
+    """The dispatch capacity factor the exchange applies: none (0) with `uncapped_sends`, or on
+    one device under "grow" (nothing travels, and a cap below 1 would drop rows with no step to
+    grow it: `grows_dispatch` needs two devices)."""
+    one_device = self.num_devices == 1 and self.dispatch_overflow == "grow"
+    return 0.0 if self.uncapped_sends or one_device else self.dispatch_capacity_factor
 
   @property
   def applied_receive_factor(self) -> float:

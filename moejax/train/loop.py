@@ -107,10 +107,13 @@ class DispatchCapacityItem:
 
   def item(self, state):
     moe = self.trainer.cfg.moe
+    evaluation = self.trainer._eval_factors
     return {"dispatch_capacity_factor": self.trainer.dispatch_capacity_factor,
             "configured": moe.dispatch_capacity_factor,
             "receive_capacity_factor": self.trainer.receive_capacity_factor,
-            "receive_configured": moe.receive_capacity_factor}, state
+            "receive_configured": moe.receive_capacity_factor,
+            # what evaluation grew for itself (`Trainer.eval_capacity_factors`), or None
+            "eval_capacity_factors": None if evaluation is None else list(evaluation)}, state
 
   def target(self, saved_keys):
     del saved_keys
@@ -124,6 +127,7 @@ class DispatchCapacityItem:
   def restore(self, state, item, where: str, log):
     if item is None:      # an older checkpoint: the config's capacity, grown as needed
       return state
+    kept = True
     for field, configured_key, what in self.FACTORS:
       if field not in item:
         continue
@@ -131,8 +135,11 @@ class DispatchCapacityItem:
       if float(item[configured_key]) == configured:
         setattr(self.trainer, field, float(item[field]))
       else:
+        kept = False
         log(f"moejax: {where} sized {what} by factor {item[field]:g}; this run configures "
             f"moe.{field}={configured:g} and starts from that")
+    if kept and item.get("eval_capacity_factors") is not None:
+      self.trainer._eval_factors = tuple(float(f) for f in item["eval_capacity_factors"])
     return state
 
 

@@ -330,8 +330,9 @@ def check_fits(cfg: Config, num_devices: int, limit_bytes: int, *, why: str = ""
   if report.total > tolerance * limit:
     part = report.largest
     field = FIELDS[part]
-    if part == "exchange" and packed_exchange and cfg.moe.dispatch_overflow == "grow":
-      field = "moe.receive_capacity_factor"     # packed buffers hold what a device receives
+    if (part == "exchange" and packed_exchange and cfg.moe.dispatch_overflow == "grow"
+        and cfg.moe.receive_capacity_factor > 0):   # uncapped sends: R bounds what arrives
+      field = "moe.receive_capacity_factor"
     reason = f" ({why})" if why else ""
     raise ConfigError(
         f"config.{field}: the train step needs about {_gib(report.total)} per device"

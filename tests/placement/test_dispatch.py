@@ -332,3 +332,8 @@ def test_packed_buffers_bound_what_a_dropless_exchange_receives():
   assert not dataclasses.replace(every_row, dispatch_capacity_factor=0.0).grows_dispatch(tokens)
   drop = dataclasses.replace(packed, dispatch_overflow="drop")   # the cap is the drop rule
   assert drop.dispatch.capacity_factor == 2.0 and not drop.grows_dispatch(tokens)
+  # One device under "grow": nothing travels and no step grows a cap, so none applies (a
+  # factor below 1 would drop rows silently).
+  one = placement_for(tiny_config(**{"moe.placement": "ep",
+                                     "moe.dispatch_capacity_factor": 0.5}), 1, 1)
+  assert one.dispatch.capacity_factor == 0.0 and not one.grows_dispatch(tokens * 8)

@@ -109,25 +109,28 @@ def test_a_device_receiving_more_rows_than_its_experts_run_grows_them_and_reruns
 
 def test_a_restore_takes_the_grown_factors_its_config_still_configures():
   """The checkpoint item "dispatch": each grown factor comes back where the run configures what
-  the saved run did, else the config's stands with one line; a checkpoint from before the
-  receive capacity brings back the dispatch factor alone."""
+  the saved run did, else the config's stands with one line; evaluation's own grown factors
+  come back with them (only where both do); a checkpoint from before the receive capacity
+  brings back the dispatch factor alone, one from before evaluation's own factors none."""
   import types
   from moejax.train.loop import DispatchCapacityItem
   cfg = tiny_config(**SMALL)
   saved = {"dispatch_capacity_factor": 3.5, "configured": 2.0,
-           "receive_capacity_factor": 2.5, "receive_configured": 1.25}
+           "receive_capacity_factor": 2.5, "receive_configured": 1.25,
+           "eval_capacity_factors": [4.0, 5.0]}
   for item, want, lines_want in (
-      (saved, (3.5, 2.5), []),
-      ({**saved, "receive_configured": 1.5}, (3.5, 1.25),
+      (saved, (3.5, 2.5, (4.0, 5.0)), []),
+      ({**saved, "receive_configured": 1.5}, (3.5, 1.25, None),
        ["moejax: step 4 sized the rows run through the experts by factor 2.5; this run "
         "configures "
         "moe.receive_capacity_factor=1.25 and starts from that"]),
-      ({"dispatch_capacity_factor": 3.5, "configured": 2.0}, (3.5, 1.25), [])):
+      ({"dispatch_capacity_factor": 3.5, "configured": 2.0}, (3.5, 1.25, None), [])):
     trainer = types.SimpleNamespace(cfg=cfg, dispatch_capacity_factor=2.0,
-                                    receive_capacity_factor=1.25)
+                                    receive_capacity_factor=1.25, _eval_factors=None)
     lines = []
     DispatchCapacityItem(trainer).restore("state", item, "step 4", lines.append)
-    assert (trainer.dispatch_capacity_factor, trainer.receive_capacity_factor) == want
+    assert (trainer.dispatch_capacity_factor, trainer.receive_capacity_factor,
+            trainer._eval_factors) == want
     assert lines == lines_want
 
 
@@ -154,7 +157,6 @@ def test_packed_buffers_train_as_the_blocks_do(trainer, tmp_path, capsys, monkey
   # training's factor: its own growths alone (evaluation's name themselves)
   assert packed.receive_capacity_factor == float(
       train_lines[-1].split("moe.receive_capacity_factor ")[1].split(" -> ")[1].split()[0])
-  assert packed.eval_capacity_factors[1] > 0      # packed evaluation: a receive capacity
   run(trainer.cfg, str(tmp_path / "blocks"), trainer=trainer)
   sized = ("dispatch_capacity", "receive_capacity", "a2a_bytes")
   # bytes moved: packed, the T x K rows sent; blocks, 8 destinations' blocks of C rows

@@ -44,14 +44,17 @@ def test_1b7b_full_batch_on_64_devices_fits_80_gb_with_the_default_capacities(pl
     assert bounded.components["exchange"] > report.components["exchange"]   # blocks: N x C
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["blocks", "packed"])
-def test_dropless_dispatch_at_scale_does_not_fit_and_stops_with_one_line(packed):
+@pytest.mark.parametrize("packed,receive,bound", [
+    (False, 0.0, "dispatch_capacity_factor"), (True, 0.0, "dispatch_capacity_factor"),
+    (True, 400.0, "receive_capacity_factor")], ids=["blocks", "packed", "packed uncapped"])
+def test_dropless_dispatch_at_scale_does_not_fit_and_stops_with_one_line(packed, receive, bound):
   """The worst-case buffers (N x T x K rows per device), the default before capacities were
   bounded: over 100 GiB for ep alone, dropless blocks (the CPU's), or packed buffers (the
-  GPU's) whose experts run every row they may receive. The error names the field that sizes
-  them, and the bounded setting fits."""
-  bound = "receive_capacity_factor" if packed else "dispatch_capacity_factor"
-  cfg = _1b7b(placement="ep", dispatch_capacity_factor=0.0, receive_capacity_factor=0.0)
+  GPU's) whose experts run every row they may receive, or as many as a receive capacity of 400
+  x T x K lets in (uncapped sends). The error names the field that sizes them (the dispatch cap
+  sizes capped sends' receive buffers; uncapped, the receive capacity), and its bounded setting
+  fits."""
+  cfg = _1b7b(placement="ep", dispatch_capacity_factor=0.0, receive_capacity_factor=receive)
   report = memory_report(cfg, 64, packed_exchange=packed)
   assert report.largest == "exchange" and report.components["exchange"] > GB80
   with pytest.raises(ConfigError) as e:
