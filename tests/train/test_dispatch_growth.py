@@ -48,7 +48,7 @@ def test_overflow_grows_the_buffers_reruns_the_step_and_resumes_on_the_grown_siz
   with open(workdir / "checkpoints" / "2" / "dispatch" / "metadata") as f:
     assert json.load(f) == {"dispatch_capacity_factor": factor, "configured": 2.0,
                             "receive_capacity_factor": trainer.receive_capacity_factor,
-                            "receive_configured": 1.25}
+                            "receive_configured": 1.25, "eval_capacity_factors": None}
 
   trainer.dispatch_capacity_factor = 2.0       # as a new process starts: the config's
   run(cfg, str(workdir), trainer=trainer)      # resumes at step 2 on the checkpoint's size
