@@ -149,7 +149,8 @@ class GrowingStep:
   and, when that step overflowed (it then applied nothing), grows the buffers from the loads it
   measured (`Trainer.grow_dispatch`) and reruns it on the same batch: lossless, with buffers
   sized by the loads rather than the worst case. It reads each step's overflow flag (one scalar:
-  the host waits for the step before dispatching the next). `lower` lowers the current step."""
+  the host waits for the step before dispatching the next). Anything else (`lower`, `trace`,
+  `compile` of a model-scheduled step) is the current step's."""
 
   def __init__(self, trainer: "Trainer", layout: state_lib.StateLayout):
     self._trainer, self._layout, self._steps = trainer, layout, {}
@@ -161,8 +162,10 @@ class GrowingStep:
       self._steps[factors] = self._trainer.make_step(self._layout, *factors)
     return self._steps[factors]
 
-  def lower(self, *args):
-    return self.jitted().lower(*args)
+  def __getattr__(self, name):
+    if name.startswith("_"):      # (copy, pickle: not the step's)
+      raise AttributeError(name)
+    return getattr(self.jitted(), name)
 
   def __call__(self, state, batch):
     while True:

@@ -41,6 +41,8 @@ def test_the_composed_train_step_lowers_for_cuda_at_olmoe_1b7b_size(trainer_for,
   monkeypatch.setattr(state, "packs_exchange", lambda cfg, mesh: True)
   trainer = trainer_for(_1b7b(**COMPOSED))
   assert trainer.layout.gatherer.enabled and trainer.layout.placement.dispatch.packed
+  # (packed buffers send uncapped and grow what a device receives: a GrowingStep, which traces
+  # as the step at its capacity, as scripts/device_check.py's schedule8 traces it on a GPU)
   traced = trainer.train_step.trace(*trainer.abstract_inputs())
   cpu = traced.lower().as_text()
   cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
