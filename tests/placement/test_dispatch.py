@@ -223,15 +223,14 @@ def test_an_exchange_in_pieces_equals_the_whole_on_each_platform_s_form(monkeypa
   assert_bits_equal(pieces, outputs(_ep.__wrapped__(capacity_factor, 3)))
 
 
-@pytest.mark.parametrize("capacity_factor,chunks,receive_factor",
-                         [(1.0, 1, 0.0), (1.0, 3, 0.0), (2.0, 1, 1.25), (2.0, 2, 1.5)])
+@pytest.mark.parametrize("capacity_factor,chunks,receive_factor", [(1.0, 1, 0.0), (2.0, 2, 1.5)])
 def test_packed_buffers_give_the_blocks_results_and_gradients(capacity_factor, chunks,
                                                              receive_factor, monkeypatch):
   """`Dispatch.packed` (the GPU's exchange: A rows sent, the rows the experts run received,
   `ragged_all_to_all` emulated from all_gathers) against the per-destination blocks (the CPU's
   `all_to_all`): outputs, drop counts, rows received and needed, and gradients bit for bit, at
-  a capacity one source overflows, whole or in pieces, every received row run or R of them
-  (receive factors no device overflows here: R = 40 of 64 rows, 24 of 32 a piece)."""
+  a capacity one source overflows, whole and every received row run, or in pieces with R of
+  them (a receive factor no device overflows here: R = 24 of a piece's 32 rows)."""
   args = _inputs()
   ct_TxD = jax.random.normal(jax.random.key(1), (N * T, D), jnp.float32)
 
