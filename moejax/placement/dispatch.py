@@ -209,8 +209,7 @@ def _block_pieces(x_AxD, dest_A, pos_A, fits_A, local_id_A, counts, ws, *, dispa
   block = pieces * rows                  # >= c: at most pieces - 1 rows more
   slot_A = jnp.where(fits_A, dest_A * block + (pos_A % pieces) * rows + pos_A // pieces,
                      n * block)                                   # n * block: a discard row
-  send_x = jnp.zeros((n * block + 1, d), x_AxD.dtype).at[slot_A].set(x_AxD)[:-1]
-  send_g = jnp.full((n * block + 1,), num_groups, jnp.int32).at[slot_A].set(local_id_A)[:-1]
+  send_x, send_g = _send_buffers(x_AxD, local_id_A, slot_A, n * block, num_groups)
   send_x_NxBxD, send_g_NxB = send_x.reshape(n, block, d), send_g.reshape(n, block)
   blocks = dict(axes=dispatch.axis_names, num_devices=n, capacity=rows)
   y_back, got = [], []
@@ -240,9 +239,9 @@ def _packed_pieces(x_AxD, dest_A, pos_A, fits_A, local_id_A, counts, ws, *, disp
   are the ones the blocks would run, so the results and gradients are the same bits (a piece
   that overflows R drops other rows: the step under "grow" reruns). Returns as
   `_block_pieces`."""
-  n, a, d, pieces = dispatch.num_devices, x_AxD.shape[0], x_AxD.shape[-1], len(counts)
+  n, a, pieces = dispatch.num_devices, x_AxD.shape[0], len(counts)
   axes = dispatch.axis_names
-  span = min(a, (a + n * (pieces - 1)) // pieces)     # S: one piece's region of the send buffer
+  span = packed_span(a, n, pieces)
   me = lax.axis_index(axes)
   count_SxPxN = lax.all_gather(jnp.stack(counts).astype(jnp.int32), axes, axis=0, tiled=False)
   send_off_SxPxN = jnp.cumsum(count_SxPxN, axis=2) - count_SxPxN      # in the source's region
@@ -253,8 +252,7 @@ def _packed_pieces(x_AxD, dest_A, pos_A, fits_A, local_id_A, counts, ws, *, disp
   own_off_PxN = send_off_SxPxN[me]
   slot_A = jnp.where(fits_A, piece_A * span + own_off_PxN[piece_A, jnp.minimum(dest_A, n - 1)]
                      + pos_A // pieces, pieces * span)            # pieces * span: a discard row
-  send_x = jnp.zeros((pieces * span + 1, d), x_AxD.dtype).at[slot_A].set(x_AxD)[:-1]
-  send_g = jnp.full((pieces * span + 1,), num_groups, jnp.int32).at[slot_A].set(local_id_A)[:-1]
+  send_x, send_g = _send_buffers(x_AxD, local_id_A, slot_A, pieces * span, num_groups)
   y_back, got = [], []
   for j in range(pieces):
     # (input offsets, send sizes, output offsets at each peer, receive sizes), out and back
@@ -270,6 +268,21 @@ def _packed_pieces(x_AxD, dest_A, pos_A, fits_A, local_id_A, counts, ws, *, disp
     got.append(jnp.sum(count_SxPxN[:, j, me]).astype(jnp.int32))
   y_back = jnp.concatenate(y_back) if pieces > 1 else y_back[0]
   return y_back, slot_A, got
+
+
+def packed_span(num_assignments: int, num_devices: int, pieces: int) -> int:
+  """S: the rows of one piece's region of a packed send buffer. Piece j holds ceil((sent - j) /
+  pieces) of the rows sent to each destination, at most (A + N (pieces - 1)) / pieces in all."""
+  a = num_assignments
+  return min(a, (a + num_devices * (pieces - 1)) // pieces)
+
+
+def _send_buffers(x_AxD, local_id_A, slot_A, rows: int, num_groups: int):
+  """A send buffer of `rows` rows: assignment a at row slot_A[a] (`rows`: not sent), its local
+  expert group beside it; empty rows hold zeros and group `num_groups`."""
+  send_x = jnp.zeros((rows + 1, x_AxD.shape[-1]), x_AxD.dtype).at[slot_A].set(x_AxD)[:-1]
+  send_g = jnp.full((rows + 1,), num_groups, jnp.int32).at[slot_A].set(local_id_A)[:-1]
+  return send_x, send_g
 
 
 def send_rows(x_RxD, route, back, fill, *, axes, rows: int):

@@ -132,7 +132,7 @@ def memory_report(cfg: Config, num_devices: int, *,
   `packed_exchange`: the GPU's packed exchange buffers (False: XLA:CPU's per-destination
   blocks, `Dispatch.packed`)."""
   from moejax.models import olmoe
-  from moejax.placement.dispatch import ep_capacity
+  from moejax.placement.dispatch import ep_capacity, packed_span
   from moejax.sharding import axes, hook, layout as layout_lib
   from moejax.sharding.prefetch import recomputes
   from moejax.train import optim
@@ -231,7 +231,7 @@ def memory_report(cfg: Config, num_devices: int, *,
     computed = placement.receive_capacity(tokens) * pieces
     # Per-destination blocks: N x C rows sent and received. Packed (GPU): the send regions
     # (`dispatch._packed_pieces`), and the computed rows received.
-    sent = (min(a, (a + n * (pieces - 1)) // pieces) * pieces if packed_exchange
+    sent = (packed_span(a, n, pieces) * pieces if packed_exchange
             else n * -(-cap // pieces) * pieces)
     received = computed if packed_exchange else n * -(-cap // pieces) * pieces
     # Rows out and back (sent, received, the experts' results, returned), the computed rows'
