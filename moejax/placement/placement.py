@@ -251,8 +251,7 @@ class Placement:
   def metrics(self, placement_L: dict, *, tokens_per_device: int, remat: str) -> dict:
     """Per-layer figures from the layers, plus bytes moved per device and step by kind: the token
     exchange of ep and fssdp (`a2a_bytes`, its static buffer: packed, the rows sent),
-    SparseReduceScatter
-    (`sprs_bytes`, its [N, M] buffer), and
+    SparseReduceScatter (`sprs_bytes`, its [N, M] buffer), and
     SparseAllGather's: `spag_bytes` (its ragged form, patches included: what a GPU moves; the
     mean over devices of what each receives), `spag_bytes_plain` (the same replicas plain),
     `spag_bytes_capacity` (the static [N, M] buffer XLA:CPU moves), all for every pass (remat
