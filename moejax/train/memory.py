@@ -231,9 +231,9 @@ def memory_report(cfg: Config, num_devices: int, *,
     computed = placement.receive_capacity(tokens) * pieces
     # Per-destination blocks: N x C rows sent and received. Packed (GPU): the send regions
     # (`dispatch._packed_pieces`), and the computed rows received.
-    sent = (packed_span(a, n, pieces) * pieces if packed_exchange
-            else n * -(-cap // pieces) * pieces)
-    received = computed if packed_exchange else n * -(-cap // pieces) * pieces
+    blocks = n * -(-cap // pieces) * pieces
+    sent = packed_span(a, n, pieces) * pieces if packed_exchange else blocks
+    received = computed if packed_exchange else blocks
     # Rows out and back (sent, received, the experts' results, returned), the computed rows'
     # sorted-by-expert copies in and out of the grouped matmul, the expert ids, and their
     # hidden rows (gate and up accumulated in fp32, their product).
