@@ -77,7 +77,8 @@ def batches(cfg, data: str, split: str, tokenizer_spec: str, max_batches: int | 
     return loaded.val_batches(count)
   tokenizer = load_tokenizer(tokenizer_spec)
   check_vocab(tokenizer, cfg.model.vocab_size)
-  tokens_N = (prepared.read(path, tokenizer).tokens_N if source == "tokens" else
+  corpus = prepared.read(path, tokenizer) if source == "tokens" else None
+  tokens_N = (corpus.tokens_N if corpus is not None else
               tokenizer.encode_documents(load_documents(source, path)))
   windows_WxL = iterator.windows(tokens_N, cfg.seq_len)
   count = len(windows_WxL) // cfg.batch_size
@@ -86,7 +87,8 @@ def batches(cfg, data: str, split: str, tokenizer_spec: str, max_batches: int | 
                     f"one batch of {cfg.batch_size}")
   if max_batches is not None:
     count = min(count, max_batches)
-  return iterator.WindowBatches(windows_WxL, cfg.batch_size, count)
+  return iterator.WindowBatches(windows_WxL, cfg.batch_size, count,
+                                corpus.ids if corpus is not None else None)
 
 
 def evaluation_trainer(cfg):

@@ -15,6 +15,9 @@ refuses a state from a different stream rather than silently yielding other batc
 from __future__ import annotations
 
 import collections.abc
+import dataclasses
+import functools
+import os
 import zlib
 
 import grain
@@ -38,20 +41,43 @@ def windows(tokens_N: np.ndarray, seq_len: int) -> np.ndarray:
   return view_NxL[: w * seq_len : seq_len]
 
 
-def to_example(windows_BxL: np.ndarray) -> dict[str, np.ndarray]:
-  """Batch of windows -> {"inputs": int32[B, S], "targets": int32[B, S]} (targets shifted by 1)."""
+def to_example(windows_BxL: np.ndarray, ids: IdBound | None = None) -> dict[str, np.ndarray]:
+  """Batch of windows -> {"inputs": int32[B, S], "targets": int32[B, S]} (targets shifted by 1).
+  `ids`: the bound a prepared corpus's ids must keep (`IdBound.check`)."""
+  if ids is not None:
+    ids.check(windows_BxL)
   return {
       "inputs": np.ascontiguousarray(windows_BxL[:, :-1], np.int32),
       "targets": np.ascontiguousarray(windows_BxL[:, 1:], np.int32),
   }
 
 
+@dataclasses.dataclass(frozen=True)
+class IdBound:
+  """Ids read from a file (a prepared corpus) stay below its tokenizer's vocabulary size
+  `limit`: one at or above it is a damaged file, which the model would read as an embedding row
+  of NaNs or another token's. `where` names the file."""
+  limit: int
+  where: str
+
+  def check(self, ids: np.ndarray) -> None:
+    """Raises DataError (input "path") if any of `ids` is at or above the limit."""
+    top = int(ids.max(initial=0))
+    if top >= self.limit:
+      raise DataError(f"{self.where}: token id {top} read, outside the {self.limit} ids of the "
+                      "tokenizer it was prepared with: the file is damaged (python -m "
+                      f"moejax.data.prepare --verify {os.path.dirname(self.where) or '.'} checks "
+                      "it); prepare the corpus again",
+                      "path")
+
+
 class WindowBatches(collections.abc.Sequence):
   """Batches i = 0..count-1 of consecutive windows, each made when read (an evaluation over a
   whole corpus holds one batch, not every window as int32)."""
 
-  def __init__(self, windows_WxL: np.ndarray, batch_size: int, count: int):
-    self.windows_WxL, self.batch_size, self.count = windows_WxL, batch_size, count
+  def __init__(self, windows_WxL: np.ndarray, batch_size: int, count: int,
+               ids: IdBound | None = None):
+    self.windows_WxL, self.batch_size, self.count, self.ids = windows_WxL, batch_size, count, ids
 
   def __len__(self) -> int:
     return self.count
@@ -62,7 +88,7 @@ class WindowBatches(collections.abc.Sequence):
     if not -self.count <= i < self.count:
       raise IndexError(i)
     b, i = self.batch_size, i % self.count
-    return to_example(self.windows_WxL[i * b:(i + 1) * b])
+    return to_example(self.windows_WxL[i * b:(i + 1) * b], self.ids)
 
 
 def int32_crc32(tokens_N: np.ndarray, block: int = 1 << 24) -> int:
@@ -82,12 +108,13 @@ class TrainIterator:
   """Infinite iterator of training batches; `next(it)` -> {"inputs", "targets"}: int32[B, S]."""
 
   def __init__(self, tokens_N: np.ndarray, *, batch_size: int, seq_len: int, seed: int,
-               prefetch: int = 2, fingerprint: int | None = None):
+               prefetch: int = 2, fingerprint: int | None = None, ids: IdBound | None = None):
     """`fingerprint`: what names the token stream in the state (default: the CRC-32 of its
     int32 bytes, which reads every token; a prepared corpus gives its file's, and is mapped,
     not copied: uint16 / uint32 ids become int32 a batch at a time). A state naming the stream
     by its int32 CRC-32 (a run on the corpus's source files) is still accepted then, after
-    reading every token once to check it."""
+    reading every token once to check it. `ids`: the bound a prepared corpus's ids keep,
+    checked a batch at a time."""
     self._named_by_file = fingerprint is not None
     self._tokens_N = tokens_N if self._named_by_file else None
     if fingerprint is None:
@@ -110,7 +137,7 @@ class TrainIterator:
           .shuffle(seed=shuffle_seed(seed))
           .repeat()
           .batch(batch_size, drop_remainder=True)
-          .map(to_example))
+          .map(functools.partial(to_example, ids=ids)))
     options = grain.ReadOptions(num_threads=1 if prefetch else 0, prefetch_buffer_size=prefetch)
     self._it = ds.to_iter_dataset(options).__iter__()
 

@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 
 from moejax.data import prepared
-from moejax.data.iterator import TrainIterator, num_windows, to_example, windows
+from moejax.data.iterator import IdBound, TrainIterator, num_windows, to_example, windows
 from moejax.data.sources import BUILTIN_NAME, SOURCES, load_documents
 from moejax.data.tokenizer import Tokenizer, load_tokenizer
 from moejax.errors import ConfigError, DataError
@@ -55,6 +55,7 @@ class Data:
   batch_size: int
   seq_len: int
   name: str
+  ids: IdBound | None = None   # a prepared corpus's: its ids are checked a batch at a time
 
   @property
   def num_val_batches(self) -> int:
@@ -73,7 +74,8 @@ class Data:
     windows_WxL = windows(self.val_tokens, self.seq_len)
     order_W = np.random.default_rng(_VAL_ORDER_SEED).permutation(len(windows_WxL))
     b = self.batch_size
-    return [to_example(windows_WxL[order_W[i * b:(i + 1) * b]]) for i in range(num_batches)]
+    return [to_example(windows_WxL[order_W[i * b:(i + 1) * b]], self.ids)
+            for i in range(num_batches)]
 
 
 def split_tokens(tokens_N: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -97,18 +99,18 @@ def make_data(spec: DataSpec, *, batch_size: int, seq_len: int, prefetch: int = 
     # Tokenized once by `python -m moejax.data.prepare`: mapped, not read; its CRC-32 (of the
     # whole stream, from meta.json) names the stream in the iterator's state.
     corpus = prepared.read(spec.path, tokenizer)
-    tokens_N, fingerprint = corpus.tokens_N, corpus.meta["crc32"]
+    tokens_N, fingerprint, ids = corpus.tokens_N, corpus.meta["crc32"], corpus.ids
   else:
-    tokens_N, fingerprint = _tokenize(spec, tokenizer, name, log), None
+    tokens_N, fingerprint, ids = _tokenize(spec, tokenizer, name, log), None, None
   train_N, val_N = split_tokens(tokens_N, spec.val_fraction)
   _check_fits(name, "training split", train_N, batch_size, seq_len, len(tokens_N))
   if spec.val_fraction > 0:
     _check_fits(name, f"validation split (val_fraction={spec.val_fraction})", val_N, batch_size,
                 seq_len, len(tokens_N))
   train = TrainIterator(train_N, batch_size=batch_size, seq_len=seq_len, seed=spec.seed,
-                        prefetch=prefetch, fingerprint=fingerprint)
+                        prefetch=prefetch, fingerprint=fingerprint, ids=ids)
   return Data(tokenizer=tokenizer, train=train, val_tokens=val_N, batch_size=batch_size,
-              seq_len=seq_len, name=name)
+              seq_len=seq_len, name=name, ids=ids)
 
 
 def _tokenize(spec: DataSpec, tokenizer: Tokenizer, name: str,

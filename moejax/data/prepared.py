@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from moejax.data.iterator import IdBound
 from moejax.data.sources import BUILTIN_NAME, iter_documents
 from moejax.data.tokenizer import ByteTokenizer, Tokenizer, document_chunks
 from moejax.errors import DataError
@@ -47,9 +48,12 @@ _DTYPES = ("uint16", "uint32")
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
-  """A prepared corpus opened for reading: `tokens_N` maps tokens.bin (no copy)."""
+  """A prepared corpus opened for reading: `tokens_N` maps tokens.bin (no copy); `ids`, the
+  bound its ids keep (its tokenizer's vocabulary size), for the readers to check each batch
+  against (a size check alone passes a damaged file)."""
   tokens_N: np.ndarray
   meta: dict
+  ids: IdBound
 
 
 def tokenizer_sha256(tokenizer: Tokenizer) -> str:
@@ -187,7 +191,7 @@ def read(path: str, tokenizer: Tokenizer) -> Prepared:
                     f"{meta['eos_id']} (the files beside tokenizer.json declare the EOS): "
                     "prepare the corpus again", "tokenizer")
   tokens_N = np.memmap(tokens_file, dtype=dtype, mode="r", shape=(meta["num_tokens"],))
-  return Prepared(tokens_N=tokens_N, meta=meta)
+  return Prepared(tokens_N=tokens_N, meta=meta, ids=IdBound(meta["vocab_size"], tokens_file))
 
 
 def _read_meta(path: str) -> dict:

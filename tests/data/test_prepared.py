@@ -233,3 +233,42 @@ def test_training_and_evaluation_read_a_prepared_corpus(tmp_path, word_tokenizer
   with pytest.raises(DataError, match=r"^config.data.path='.*/q': .*/q: not found"):
     training_data(dataclasses.replace(cfg, data=DataConfig("tokens", str(tmp_path / "q"),
                                                            word_tokenizer_path, 0.2)))
+
+
+def test_an_id_outside_the_tokenizer_stops_the_batch_that_reads_it(tmp_path, word_tokenizer_path):
+  """tokens.bin damaged in place (its size right, an id at or above the tokenizer's vocabulary):
+  the batch that reads it stops training, validation or evaluation with one line naming the
+  file, where the model would have read an embedding row of NaNs."""
+  import dataclasses
+  from moejax import evaluate
+  from moejax.config import Config, DataConfig
+  path, out = _corpus(tmp_path), str(tmp_path / "p")
+  tokenizer = load_tokenizer(word_tokenizer_path)
+  meta = prepared.write([("jsonl", path)], tokenizer, out)
+  spec = DataSpec("tokens", out, word_tokenizer_path, 0.2)
+  clean = make_data(spec, batch_size=2, seq_len=6)
+  epoch = clean.train.num_windows // 2 + 1
+  _take(clean.train, epoch)
+  clean.val_batches(clean.num_val_batches)
+  ids = np.memmap(os.path.join(out, "tokens.bin"), dtype=meta["dtype"], mode="r+")
+  num_train = meta["num_tokens"] - len(clean.val_tokens)
+  ids[num_train // 2] = tokenizer.vocab_size          # the first id outside
+  ids[num_train + 3] = np.iinfo(ids.dtype).max
+  ids.flush()
+  pattern = (r"^.*/p/tokens.bin: token id {} read, outside the {} ids of the tokenizer it was "
+             r"prepared with: the file is damaged \(python -m moejax.data.prepare --verify .*/p "
+             r"checks it\); prepare the corpus again(\n|$)")   # (grain adds a note below)
+  damaged = make_data(spec, batch_size=2, seq_len=6)
+  with pytest.raises(DataError, match=pattern.format(tokenizer.vocab_size,
+                                                     tokenizer.vocab_size)):
+    _take(damaged.train, epoch)
+  top = pattern.format(np.iinfo(ids.dtype).max, tokenizer.vocab_size)
+  with pytest.raises(DataError, match=top):
+    damaged.val_batches(damaged.num_val_batches)
+  cfg = dataclasses.replace(Config(), batch_size=2, seq_len=6,
+                            data=DataConfig("tokens", out, word_tokenizer_path, 0.2))
+  with pytest.raises(DataError, match=top):
+    evaluate.batches(cfg, out, "val", word_tokenizer_path)
+  batches = evaluate.batches(cfg, out, "all", word_tokenizer_path)
+  with pytest.raises(DataError, match=pattern.format(r"\d+", tokenizer.vocab_size)):
+    list(batches)
