@@ -54,7 +54,7 @@ from jax.experimental import multihost_utils
 
 from moejax import weights
 from moejax.config import Config, upgrade_saved
-from moejax.errors import CheckpointError, DataError
+from moejax.errors import CheckpointError, DataError, MoejaxError
 from moejax.train.metrics import log
 from moejax.train import state as state_lib
 from moejax.train.state import StateLayout, TrainState
@@ -101,6 +101,22 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
   return flat
 
 
+def same_tokenizer(cfg: Config, workdir: str) -> bool:
+  """Whether `cfg`'s data.tokenizer is the one its run kept in `workdir`
+  (`weights.keep_tokenizer`): byte for byte the same tokenizer.json, ending documents with the
+  same EOS id, whatever its path (the kept copy itself, a relative path, a copy on another
+  machine)."""
+  import filecmp
+  from moejax.data.tokenizer import load_tokenizer
+  kept = os.path.join(workdir, weights.TOKENIZER_FILE)
+  try:
+    given = weights.tokenizer_file(weights.tokenizer_of(cfg))
+    return (given is not None and os.path.isfile(kept) and filecmp.cmp(given, kept, shallow=False)
+            and load_tokenizer(given).eos_id == load_tokenizer(kept).eos_id)
+  except (OSError, ValueError, MoejaxError):
+    return False          # not readable as one: the paths' difference is reported
+
+
 def _may_differ(field: str) -> bool:
   return any(field == f or (f.endswith(".") and field.startswith(f)) for f in MAY_DIFFER)
 
@@ -112,10 +128,12 @@ def _show(value) -> str:
   return "no such field" if value is _ABSENT else json.dumps(value)
 
 
-def check_compatible(saved: dict, cfg: Config) -> None:
+def check_compatible(saved: dict, cfg: Config, workdir: str | None = None) -> None:
   """Raises CheckpointError naming the first field (in config order) that may not differ.
 
-  A field missing from an older checkpoint counts as its default value.
+  A field missing from an older checkpoint counts as its default value. `workdir`: the run's,
+  where its tokenizer is kept: data.tokenizer may then name it by another path
+  (`same_tokenizer`).
   """
   run = flatten(weights.config_to_dict(cfg))
   saved = flatten(upgrade_saved(saved))
@@ -125,6 +143,13 @@ def check_compatible(saved: dict, cfg: Config) -> None:
       continue
     have = saved.get(field, defaults.get(field, _ABSENT))
     want = run.get(field, _ABSENT)
+    kept = None if workdir is None else os.path.join(workdir, weights.TOKENIZER_FILE)
+    if field == "data.tokenizer" and have != want and kept is not None:
+      if same_tokenizer(cfg, workdir):
+        continue
+      if os.path.isfile(kept):
+        raise CheckpointError(f"config.{field}: checkpoint has {_show(have)}, run has "
+                              f"{_show(want)}, not byte for byte the run's {kept} with its EOS")
     if have != want:
       raise CheckpointError(f"config.{field}: checkpoint has {_show(have)}, run has {_show(want)}")
   have = saved.get("optim.clip_norm", defaults["optim.clip_norm"])
@@ -394,7 +419,7 @@ class Checkpointer:
         error = e
       if _all_agree(error is None):
         try:
-          check_compatible(saved_config, self.cfg)
+          check_compatible(saved_config, self.cfg, os.path.dirname(self.directory))
           _check_shapes("params", saved_shapes["params"], target.params)
           _check_shapes("opt_state", saved_shapes["opt_state"], target.opt_state)
           feature_targets = {}

@@ -281,6 +281,38 @@ def test_which_fields_may_differ_on_resume():
     ckpt.check_compatible(saved, tiny_config(**{"routing.locality_weight": 0.5}))
 
 
+def test_the_tokenizer_may_be_named_by_another_path_to_the_same_file(tmp_path):
+  """data.tokenizer is compared with what the run kept in its workdir (`keep_tokenizer`), not
+  by its path text: the kept copy itself, a copy elsewhere and a relative path resume; another
+  file, or the same one ending documents with another EOS, is refused naming the kept copy."""
+  import json
+  from tests.data.conftest import SENTENCES, word_level
+  source, copy, other = (tmp_path / d / "tokenizer.json" for d in ("a", "b", "c"))
+  for path in (source, copy, other):
+    path.parent.mkdir()
+  word_level(SENTENCES).save(str(source))
+  shutil.copyfile(source, copy)
+  word_level(SENTENCES + ["one more word"]).save(str(other))
+  workdir = tmp_path / "w"
+  workdir.mkdir()
+  kept = weights.keep_tokenizer(str(source), str(workdir))
+  saved = weights.config_to_dict(tiny_config(**{"data.tokenizer": str(source)}))
+  check = lambda spec, where=str(workdir): ckpt.check_compatible(   # noqa: E731
+      saved, tiny_config(**{"data.tokenizer": str(spec)}), where)
+  for spec in (kept, copy, os.path.relpath(copy), copy.parent):
+    check(spec)
+  with pytest.raises(CheckpointError, match=r'^config.data.tokenizer: checkpoint has ".*/a/'
+                                            r'tokenizer.json", run has ".*/b/tokenizer.json"$'):
+    check(copy, None)                        # no workdir to compare with: the paths differ
+  refused = (r'^config.data.tokenizer: checkpoint has ".*/a/tokenizer.json", run has ".*/{}", '
+             r"not byte for byte the run's .*/w/tokenizer.json with its EOS$")
+  with pytest.raises(CheckpointError, match=refused.format("c/tokenizer.json")):
+    check(other)
+  (copy.parent / "tokenizer_config.json").write_text(json.dumps({"eos_token": "[UNK]"}))
+  with pytest.raises(CheckpointError, match=refused.format("b")):
+    check(copy.parent)
+
+
 # ------------------------------------------------------------------------------------------------
 # Other meshes and expert placements (in process, no training: random state, exact equality).
 
