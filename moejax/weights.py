@@ -14,10 +14,18 @@ error but holds other bytes.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
+import inspect
 import json
+import logging
 import os
+import re
 import shutil
+import sys
+import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -165,6 +173,76 @@ def open_manager(directory: str, keep: int | None = None, create: bool = True, *
   return ocp.CheckpointManager(directory, options=options, item_handlers=handlers)
 
 
+# What a failed restore's abandoned reads print: each read that completes after Orbax's event
+# loop closed tries to schedule its callback there, and its thread prints the RuntimeError.
+_CLOSED_LOOP = "RuntimeError: Event loop is closed"
+_CLOSED_LOOP_LINES = re.compile(
+    r"  File \"[^\"]*asyncio/base_events\.py\", line \d+, in (?:call_soon_threadsafe|_check_closed)"
+    r"|    self\._check_closed\(\)|    raise RuntimeError\('Event loop is closed'\)|" + _CLOSED_LOOP)
+_TRACEBACK = "Traceback (most recent call last):"
+
+
+@contextlib.contextmanager
+def quiet_failed_reads():
+  """Orbax reads a checkpoint's arrays as asyncio tasks. When one read fails (a damaged file),
+  the others surface as asyncio's "exception was never retrieved" records, "Exception ignored
+  in <coroutine>" warnings and "Event loop is closed" tracebacks that TensorStore's threads
+  print: hundreds of lines with TensorStore specs around the one line that says what happened.
+  Within this block, and as it ends (the garbage collector finalizes the abandoned tasks there),
+  those are dropped; the failure itself still raises, and whatever else the block writes to
+  stderr is written after it."""
+  asyncio_log = logging.getLogger("asyncio")
+  hook = sys.unraisablehook
+
+  def unretrieved(record: logging.LogRecord) -> bool:
+    return "exception was never retrieved" not in record.getMessage()
+
+  def unraisable(u):
+    if not (inspect.iscoroutine(u.object) or isinstance(u.exc_value, RuntimeError)
+            and str(u.exc_value) == "Event loop is closed"):
+      hook(u)
+
+  asyncio_log.addFilter(unretrieved)
+  sys.unraisablehook = unraisable
+  sys.stderr.flush()
+  saved_fd = os.dup(2)
+  with tempfile.TemporaryFile() as captured:
+    os.dup2(captured.fileno(), 2)      # the threads print from C++: only the descriptor sees it
+    try:
+      yield
+    except BaseException:
+      _until_quiet(captured)    # the abandoned reads finish and print after the failure
+      raise
+    finally:
+      gc.collect()
+      sys.stderr.flush()
+      os.dup2(saved_fd, 2)
+      os.close(saved_fd)
+      sys.unraisablehook = hook
+      asyncio_log.removeFilter(unretrieved)
+      captured.seek(0)
+      text = captured.read().decode(errors="replace")
+      closed = text.count(_CLOSED_LOOP)
+      if closed:
+        text = _CLOSED_LOOP_LINES.sub("", text).replace(_TRACEBACK, "", closed)
+        text = "".join(line for line in text.splitlines(keepends=True) if line.strip())
+      sys.stderr.write(text)
+      sys.stderr.flush()
+
+
+def _until_quiet(captured, quiet_s: float = 0.2, limit_s: float = 3.0) -> None:
+  """Waits until nothing more was written to `captured` for `quiet_s` (at most `limit_s`)."""
+  start = time.monotonic()
+  size, since = -1, start
+  while time.monotonic() - start < limit_s:
+    now_size = os.fstat(captured.fileno()).st_size
+    if now_size != size:
+      size, since = now_size, time.monotonic()
+    elif time.monotonic() - since >= quiet_s:
+      return
+    time.sleep(0.02)
+
+
 def one_line(e: BaseException) -> str:
   """The innermost cause of `e` as one line (tensorstore's message names the file)."""
   while e.__cause__ is not None:
@@ -306,7 +384,8 @@ def load_params(path: str, step: int | None = None, *, mesh=None, shardings=None
     restore_args = jax.tree.map(lambda _, sh: ocp.ArrayRestoreArgs(sharding=sh), shapes,
                                 shardings)
   try:
-    with open_manager(directory, create=False, params=ocp.PyTreeCheckpointHandler()) as manager:
+    with (quiet_failed_reads(),
+          open_manager(directory, create=False, params=ocp.PyTreeCheckpointHandler()) as manager):
       restored = manager.restore(step, args=ocp.args.Composite(
           params=ocp.args.PyTreeRestore(shapes, restore_args), meta=ocp.args.JsonRestore()))
     verify("params", restored["params"], restored["meta"]["checksums"]["params"])

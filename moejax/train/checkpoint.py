@@ -432,7 +432,8 @@ class Checkpointer:
           raise CheckpointError(f"{where} does not fit this run: {e}; resume with the "
                                 "checkpoint's config or use a new --workdir") from None
         try:
-          state, meta = self._restore_state(step, layout, target, feature_targets, saved_json)
+          with weights.quiet_failed_reads():
+            state, meta = self._restore_state(step, layout, target, feature_targets, saved_json)
         except Exception as e:  # noqa: BLE001
           error = e
       if not _all_agree(error is None):
