@@ -95,6 +95,11 @@ def parse_flags(argv):
     message = [line.strip() for line in text.strip().splitlines()
                if line.strip() and not line.startswith("Pass --help")]
     detail = message[-1] if message else type(e).__name__
+    if isinstance(e, AttributeError) and "has no attribute 'get_config'" in text:
+      print(f"error: --config {_config_arg(argv)}: the file defines no get_config(); a config "
+            "file defines get_config(preset=None) returning the run's config (see "
+            "configs/olmoe.py)", file=sys.stderr)
+      sys.exit(2)
     if isinstance(e, (AttributeError, KeyError)):   # ConfigDict's way of saying "no such field"
       hint = f" ({message[1]})" if len(message) > 1 else ""   # e.g. 'Did you mean "top_k"...'
       detail = (f"unknown config field {message[0].strip(chr(34))} in a --config.FIELD "
@@ -104,6 +109,16 @@ def parse_flags(argv):
     typed = _typed_value_error(detail)
     print(f"error: {typed}" if typed else f"error: bad command line: {detail}", file=sys.stderr)
     sys.exit(2)
+
+
+def _config_arg(argv) -> str:
+  """The --config flag's value in argv (its file, with any :PRESET)."""
+  for i, arg in enumerate(argv):
+    if arg.startswith("--config="):
+      return arg.split("=", 1)[1]
+    if arg == "--config" and i + 1 < len(argv):
+      return argv[i + 1]
+  return "?"
 
 
 def _typed_value_error(detail: str) -> str | None:

@@ -1045,6 +1045,11 @@ def unused_settings(c: Config) -> list[str]:
   the same settings), but a run says so once, so a setting that does nothing is not mistaken for
   one that did."""
   notes = []
+  if c.codec.controlled and c.steps <= c.codec.warmup_steps:
+    notes.append(f"config.codec.mode={c.codec.mode!r} chooses its modes after "
+                 f"codec.warmup_steps={c.codec.warmup_steps} steps, and this run ends at "
+                 f"config.steps={c.steps}: every gather stays plain (a smaller "
+                 "codec.warmup_steps chooses sooner)")
   for field in ("reselect_every", "cache_budget_bytes"):
     value = getattr(c.codec, field)
     if value and not c.codec.controlled:

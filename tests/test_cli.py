@@ -35,6 +35,15 @@ def test_bad_command_line_is_one_line(tmp_path, args, message):
   _one_error_line(run_train([*args, "--workdir", str(tmp_path / "w")], timeout=120), message)
 
 
+def test_a_config_file_without_get_config_is_named(tmp_path):
+  path = tmp_path / "mine.py"
+  path.write_text("x = 1\n")
+  _one_error_line(run_train(["--config", f"{path}:tiny", "--workdir", str(tmp_path / "w")],
+                            timeout=120),
+                  f"error: --config {path}:tiny: the file defines no get_config(); a config file "
+                  "defines get_config(preset=None)")
+
+
 def test_a_value_of_the_wrong_type_says_what_the_field_takes():
   """absl's parser words ("invalid literal for int() with base 10: '1e3'", an ast.Name for a
   group) become what the typed config's field takes."""

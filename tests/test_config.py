@@ -394,6 +394,20 @@ def test_settings_that_do_nothing_here_are_named():
     assert _notes(**overrides) == [], overrides
 
 
+def test_a_chosen_codec_that_never_chooses_in_this_run_is_named():
+  for overrides in ({"codec.mode": "auto", "steps": 20},
+                    {"codec.mode": "element", "codec.select": True, "steps": 30}):
+    (note,) = _notes(**overrides)
+    assert note == (f"config.codec.mode={overrides['codec.mode']!r} chooses its modes after "
+                    f"codec.warmup_steps=30 steps, and this run ends at config.steps="
+                    f"{overrides['steps']}: every gather stays plain (a smaller "
+                    "codec.warmup_steps chooses sooner)")
+  for overrides in ({"codec.mode": "auto", "steps": 31},
+                    {"codec.mode": "auto", "steps": 20, "codec.warmup_steps": 5},
+                    {"codec.mode": "element", "steps": 20}):   # fixed: no choice to wait for
+    assert _notes(**overrides) == [], overrides
+
+
 def test_fssdp_fields_bind_only_under_fssdp():
   """fssdp.replica_slots / overlap_degree must be at most num_experts under fssdp; an fsdp or
   ep model of 2 experts was refused for the fssdp defaults (overlap_degree=4)."""

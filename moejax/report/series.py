@@ -174,8 +174,8 @@ def bytes_by_kind(records, _) -> Panel:
 def codec_modes(records, decisions) -> Panel:
   if decisions is None:
     return Panel("codec", "Codec mode per parameter", missing=(
-        f"no {CODEC_FILE} in the workdir: the run did not choose codec modes "
-        "(codec.mode=auto or codec.select)"))
+        f"no {CODEC_FILE} in the workdir: the run chose no codec modes (codec.mode=auto or "
+        "codec.select choose after codec.warmup_steps; other modes never do)"))
   if not decisions:
     return Panel("codec", "Codec mode per parameter", missing=(
         f"{CODEC_FILE} holds no decision yet (the run stopped before the codec chose)"))
