@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from moejax import host_memory, weights
+from moejax import families, host_memory, weights
 from moejax.config import YARN_FIELDS, Config, num_params, unused_settings
 from moejax.data import DataSpec, check_vocab, make_data
 from moejax.errors import ConfigError, DataError, TrainingError
@@ -404,13 +404,30 @@ _ROPE_FIELDS = ("rope_scaling", *YARN_FIELDS)
 
 
 def _first_mismatch(loaded: Config, cfg: Config) -> str | None:
+  """The first field of `cfg` that the weights' config `loaded` contradicts, led by the family
+  when that differs too (a family preset for another model's weights differs in many fields:
+  one line names the family and the count, not one field per rerun)."""
+  mismatches = _mismatches(loaded, cfg)
+  if not mismatches:
+    return None
+  if loaded.model.family != cfg.model.family:
+    more = f" and {len(mismatches) - 1} more field(s)" if len(mismatches) > 1 else ""
+    return (f"config.model.family={cfg.model.family!r}, but the weights are "
+            f"{loaded.model.family!r} ({mismatches[0]}{more}): train them with a preset of "
+            f"{families.config_file(loaded.model.family)} of their size, or as their own config "
+            "(--config configs/hf.py:DIR)")
+  return mismatches[0]
+
+
+def _mismatches(loaded: Config, cfg: Config) -> list[str]:
+  out = []
   if loaded.model.rope_scaling != "none":
     for field in _ROPE_FIELDS:
       a, b = getattr(loaded.model, field), getattr(cfg.model, field)
       if a != b:
-        return (f"config.model.{field}={b!r}, but the weights were trained with {a!r}"
-                + ("" if field == "rope_scaling"
-                   else f" (model.rope_scaling={loaded.model.rope_scaling!r})"))
+        out.append(f"config.model.{field}={b!r}, but the weights were trained with {a!r}"
+                   + ("" if field == "rope_scaling"
+                      else f" (model.rope_scaling={loaded.model.rope_scaling!r})"))
   for group, fields in _WEIGHT_FIELDS.items():
     for field in fields:
       a = getattr(getattr(loaded, group), field, None)
@@ -424,8 +441,8 @@ def _first_mismatch(loaded: Config, cfg: Config) -> str | None:
       if field == "nope_temperature_floor" and not loaded.model.nope_temperature:
         continue                       # read only with a temperature
       if a is not None and a != b:
-        return f"config.{group}.{field}={b!r}, but the weights have {a!r}"
-  return None
+        out.append(f"config.{group}.{field}={b!r}, but the weights have {a!r}")
+  return out
 
 
 def init_from(trainer: Trainer, path: str):
@@ -445,8 +462,9 @@ def init_from(trainer: Trainer, path: str):
             if hf_dir else ckpt.load_config(path))
   mismatch = _first_mismatch(loaded, cfg)
   if mismatch:
-    raise ConfigError(f"config.init_from={path!r}: {mismatch}; use a config with the "
-                      "model's shapes")
+    advice = ("" if loaded.model.family != cfg.model.family
+              else "; use a config with the model's shapes")
+    raise ConfigError(f"config.init_from={path!r}: {mismatch}{advice}")
   if hf_dir:
     _, params = convert.load_hf(path, shardings=shardings, base=cfg, progress=log)
   else:

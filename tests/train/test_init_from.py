@@ -53,7 +53,11 @@ def test_a_mismatch_names_any_option_that_changes_what_the_weights_compute():
   assert "config.moe.renormalize=True" in _first_mismatch(
       weights, tiny_config(**{"moe.renormalize": True}))
   qwen = tiny_config("qwen2_moe", **{"model.num_kv_heads": 4})
-  assert _first_mismatch(weights, qwen) == "config.model.qk_norm='none', but the weights have 'full'"
+  # Another family's weights: the family first, with the first field and how many more differ
+  assert _first_mismatch(weights, qwen) == (
+      "config.model.family='qwen2_moe', but the weights are 'olmoe' (config.model.qk_norm="
+      "'none', but the weights have 'full' and 3 more field(s)): train them with a preset of "
+      "configs/olmoe.py of their size, or as their own config (--config configs/hf.py:DIR)")
   # RoPE scaling: extending plain weights' context is allowed; weights trained scaled compute
   # something else under another scaling, or none.
   yarn = {"model.rope_scaling": "yarn", "model.rope_factor": 4.0,
