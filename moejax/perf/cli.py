@@ -59,11 +59,11 @@ def _parser():
   src = p.add_mutually_exclusive_group(required=True)
   src.add_argument("--config", help="moejax config file[:preset], e.g. configs/olmoe.py:1b7b")
   src.add_argument("--model", help=f"a perf-only shape: {', '.join(SHAPES)}")
-  p.add_argument("--layers", type=int, default=0, help="use only this many layers")
+  p.add_argument("--layers", type=int, default=0, help="use only this many layers (0: all)")
   p.add_argument("--cluster", default="ciera-a100", help=f"one of {', '.join(CLUSTERS)}")
   p.add_argument("--gpus", default="8,16,32,64,128", help="comma-separated GPU counts")
   p.add_argument("--systems", default="", help="comma-separated systems (moejax.perf.systems)")
-  p.add_argument("--seq-len", type=int, default=0, help="default: the config's seq_len")
+  p.add_argument("--seq-len", type=int, default=0, help="0 (default): the config's seq_len, or 4096 with --model")
   p.add_argument("--tokens-per-gpu", type=float, default=0,
                  help="default: 2 sequences (weak scaling)")
   p.add_argument("--metrics", default="", help="a run's metrics.jsonl")
@@ -150,6 +150,11 @@ def _run(args) -> int:
       skew = ld.skew_from_metrics(records)
       print(f"routing skew load_max/load_mean: mean {skew.mean():.2f} over {skew.shape[0]} "
             f"logged steps and {skew.shape[1]} layers")
+      run_experts = ld.experts_in_metrics(records)
+      if run_experts is not None and run_experts != shape.num_experts:
+        print(f"note: the metrics' run routed {run_experts} experts per layer and "
+              f"{shape.name} has {shape.num_experts}: its skew (the hottest expert's load over "
+              "the mean) is applied as measured")
     except ValueError:
       skew = None
   rows = []
@@ -173,7 +178,11 @@ def _run(args) -> int:
                                                                  calib, **kw)})
   print(f"{shape.name}: {shape.total_params() / 1e9:.2f}B parameters, {shape.num_layers} layers; "
         f"{cluster.name}; {tokens:.0f} tokens per GPU, seq {seq}; ms per step")
-  print(report.table(rows, baseline=systems[0]))
+  hbm_gb = cluster.gpu.hbm_bytes / 1e9
+  print(report.table(rows, baseline=systems[0], hbm_gb=hbm_gb))
+  if report.over_memory(rows, hbm_gb):
+    print(f"note: * needs more memory per GPU than the {cluster.gpu.kind}'s {hbm_gb:.0f} GB "
+          "(parameters, optimizer state, gradients, activations, codec caches and buffers)")
   if not calib.calibrated_gpu(cluster.gpu.kind):
     print(f"note: no measured point on {cluster.gpu.kind}: its efficiency is the A100's "
           f"({calib.gpu('a100'):.2f})")

@@ -152,6 +152,16 @@ def skew_from_metrics(records: list[dict]) -> np.ndarray:
   return np.stack(rows)
 
 
+def experts_in_metrics(records: list[dict]) -> int | None:
+  """The routed experts per layer of the run whose metrics these are (its per-layer expert
+  loads, `expert_load_LxE`), or None when no record has them."""
+  for r in records:
+    loads = r.get("expert_load_LxE")
+    if loads:
+      return len(np.atleast_2d(np.asarray(loads))[0])
+  return None
+
+
 def trace_from_skew(skew_SxL: np.ndarray, num_experts: int, top_k: int, num_devices: int,
                     tokens_per_device: int, seed: int = 0) -> np.ndarray:
   """A trace whose hottest expert of each step and layer carries `skew` times the mean load (the

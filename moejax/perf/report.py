@@ -9,10 +9,20 @@ LABELS = {"compute": "compute", "straggler": "straggler wait", "host": "framewor
           "bcast": "broadcast", "reshard": "migration", "optimizer": "optimizer"}
 
 
-def table(rows: list[dict], baseline: str | None = None) -> str:
+def over_memory(rows: list[dict], hbm_gb: float) -> int:
+  """How many rows need more memory per GPU than `hbm_gb`."""
+  return sum(r["result"].extra.get("memory_gb", 0.0) > hbm_gb for r in rows)
+
+
+def _memory(gb: float, hbm_gb: float | None) -> str:
+  return f"{gb:.1f}" + ("*" if hbm_gb is not None and gb > hbm_gb else "")
+
+
+def table(rows: list[dict], baseline: str | None = None, hbm_gb: float | None = None) -> str:
   """rows: {"gpus", "system", "result": StepTime}. Milliseconds per step: total, then the
   critical path by kind (compute, straggler wait, framework, codec kernels, then exposed
-  communication), the speedup over `baseline` at the same GPU count, memory per GPU."""
+  communication), the speedup over `baseline` at the same GPU count, memory per GPU (marked
+  `*` above `hbm_gb`, what the GPU holds)."""
   used = [k for k in KINDS if any(r["result"].exposed.get(k, 0) > 0 for r in rows)]
   head = ["gpus", "system", "step ms"] + [LABELS[k] for k in used] + ["speedup", "GB/GPU"]
   base = {}
@@ -25,7 +35,7 @@ def table(rows: list[dict], baseline: str | None = None) -> str:
     lines.append([str(r["gpus"]), r["system"], f"{res.seconds * 1e3:.1f}"]
                  + [f"{res.exposed.get(k, 0.0) * 1e3:.1f}" for k in used]
                  + [f"{sp:.2f}x" if r["gpus"] in base else "-",
-                    f"{res.extra.get('memory_gb', float('nan')):.1f}"])
+                    _memory(res.extra.get("memory_gb", float("nan")), hbm_gb)])
   return _format(lines)
 
 

@@ -15,6 +15,15 @@ def test_cli_table_and_plot(tmp_path, capsys):
   assert {r[1] for r in rows} == {"zero3", "ciera", "fsdp", "moejax-block", "moejax-auto"}
   assert all(r[-2].endswith("x") for r in rows)
   assert "all-gather" in out and "framework" in out
+  assert "*" not in out                             # 2 layers fit an A100's 80 GB
+  # Mixtral's full model on 8 H100s does not: its rows are marked, with a note
+  assert cli.main(["--model", "Mixtral-8x7B", "--cluster", "h100", "--gpus", "8,64",
+                   "--systems", "fsdp", "--plot", ""]) == 0
+  out = capsys.readouterr().out
+  memory = {r.split()[0]: r.split()[-1] for r in out.splitlines() if r.split()[:1] in (["8"], ["64"])}
+  assert memory["8"].endswith("*") and float(memory["8"][:-1]) > 80
+  assert not memory["64"].endswith("*") and float(memory["64"]) < 80
+  assert "note: * needs more memory per GPU than the h100's 80 GB" in out
 
 
 def test_cli_preset_with_metrics_and_ep(tmp_path, capsys):
@@ -23,7 +32,8 @@ def test_cli_preset_with_metrics_and_ep(tmp_path, capsys):
     f.writelines(json.dumps({"step": step, "loss": 3.0, "gather_bytes": 40.0,
                           "gather_bytes_plain": 100.0, "codec/experts/bytes_sent": 30.0,
                           "codec/experts/bytes_plain": 90.0, "load_max": [30.0, 20.0],
-                          "load_mean": [10.0, 10.0]}) + "\n" for step in range(10, 80, 10))
+                          "load_mean": [10.0, 10.0], "expert_load_LxE": [[1] * 4] * 2})
+                + "\n" for step in range(10, 80, 10))
   rc = cli.main(["--config", "configs/olmoe.py:tiny", "--cluster", "h100", "--gpus", "8",
                  "--metrics", str(metrics), "--plot", "",
                  "--systems", "fsdp,moejax-auto,moejax-ep,moejax-fssdp", "--steps", "2"])
@@ -31,6 +41,8 @@ def test_cli_preset_with_metrics_and_ep(tmp_path, capsys):
   assert rc == 0, out
   assert "codec byte ratio 0.400 of plain" in out
   assert "load_max/load_mean: mean 2.50" in out
+  assert ("note: the metrics' run routed 4 experts per layer and olmoe.py:tiny has 8: its skew "
+          "(the hottest expert's load over the mean) is applied as measured") in out
   assert "moejax-fssdp" in out and "no measured point on h100" in out
 
 
