@@ -63,16 +63,25 @@ def to_hf(args) -> None:
   from moejax.convert import checkpoint_io, hf
   hf.check_out_dir(args.out_dir, args.overwrite)   # before reading every weight
   cfg, params, hf_config = checkpoint_io.load_params(args.ckpt, args.step)
+  tokenizer = _tokenizer_file(args.ckpt, cfg)
   files = hf.save_hf(params, cfg, args.out_dir, dtype=args.dtype,
                      max_shard_bytes=args.max_shard_size, hf_config_base=hf_config,
-                     overwrite=args.overwrite)
+                     overwrite=args.overwrite, eos_token_id=_eos_id(tokenizer, cfg))
   shards = sum(f.endswith(".safetensors") for f in files)
-  tokenizer = _tokenizer_file(args.ckpt, cfg)
   if tokenizer is not None:   # transformers (and generate / evaluate) read it beside the weights
     weights.keep_tokenizer(tokenizer, args.out_dir)
   print(f"wrote {args.out_dir}: {_describe(cfg)}, {shards} safetensors file(s), {args.dtype}"
         + (f", {checkpoint_io.TOKENIZER_FILE}" if tokenizer else
            " (no tokenizer.json: the run trained on bytes or names none)"))
+
+
+def _eos_id(tokenizer: str | None, cfg) -> int | None:
+  """The EOS id the run's documents ended with: its tokenizer.json's (as it resolves beside the
+  file), the byte tokenizer's, or None when the run's tokenizer cannot be found."""
+  from moejax.data.tokenizer import ByteTokenizer, load_tokenizer
+  if tokenizer is not None:
+    return load_tokenizer(tokenizer).eos_id
+  return ByteTokenizer.eos_id if cfg.data.tokenizer == "bytes" else None
 
 
 def _tokenizer_file(ckpt: str, cfg) -> str | None:

@@ -1960,9 +1960,12 @@ def check_exportable(cfg: Config) -> FamilySpec:
   return spec
 
 
-def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float32") -> dict:
+def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float32",
+                   eos_token_id: int | None = None) -> dict:
   """A config.json of `cfg.model.family` for `cfg`. Fields moejax does not model (token ids,
-  maximum length) come from `base`, e.g. the config.json the parameters were imported from."""
+  maximum length) come from `base`, e.g. the config.json the parameters were imported from;
+  `eos_token_id` (the run's tokenizer's EOS) where `base` names none, so that generation with
+  transformers stops where the documents the model trained on ended."""
   spec = check_exportable(cfg)
   m, moe = cfg.model, cfg.moe
   if base and canonical_model_type(base.get("model_type")) != spec.model_type:
@@ -1974,6 +1977,8 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
   for stale in ("torch_dtype", "dtype", "transformers_version", "head_dim", "auto_map",
                 *spec.experts_aliases, *(alias for alias, _ in spec.field_aliases)):
     hf.pop(stale, None)
+  if hf.get("eos_token_id") is None and eos_token_id is not None:
+    hf["eos_token_id"] = eos_token_id
   hf.update({
       "architectures": [spec.architecture],
       "model_type": spec.model_type,

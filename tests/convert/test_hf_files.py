@@ -1803,3 +1803,20 @@ def test_multimodal_configs_read_their_text_model_as_transformers_does():
   cfg = tiny_config("qwen3_5_moe")
   assert hf_config_from(cfg, dict(hf_config_from(cfg), mtp_num_hidden_layers=1))[
       "mtp_num_hidden_layers"] == 0
+
+
+def test_export_names_the_eos_the_run_ended_documents_with(tmp_path):
+  """A run's export writes its tokenizer's EOS into config.json where the config.json it was
+  imported from (if any) names none: transformers' generation stops there."""
+  from tests.data.conftest import SENTENCES, word_level
+  cfg = tiny_config()
+  assert hf_config_from(cfg)["eos_token_id"] is None
+  assert hf_config_from(cfg, eos_token_id=256)["eos_token_id"] == 256
+  base = hf_config_from(cfg, eos_token_id=7)
+  assert hf_config_from(cfg, base, eos_token_id=256)["eos_token_id"] == 7     # the source's
+  path = tmp_path / "tokenizer.json"
+  word_level(SENTENCES).save(str(path))
+  eos = json.loads(path.read_text())["model"]["vocab"]["<|endoftext|>"]
+  assert cli._eos_id(str(path), cfg) == eos
+  assert cli._eos_id(None, cfg) == 256                               # the byte tokenizer's
+  assert cli._eos_id(None, tiny_config(**{"data.tokenizer": "gone.json"})) is None
