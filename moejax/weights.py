@@ -178,7 +178,8 @@ def open_manager(directory: str, keep: int | None = None, create: bool = True, *
 _CLOSED_LOOP = "RuntimeError: Event loop is closed"
 _CLOSED_LOOP_LINES = re.compile(
     r"  File \"[^\"]*asyncio/base_events\.py\", line \d+, in (?:call_soon_threadsafe|_check_closed)"
-    r"|    self\._check_closed\(\)|    raise RuntimeError\('Event loop is closed'\)|" + _CLOSED_LOOP)
+    r"|    self\._check_closed\(\)"
+    r"|    raise RuntimeError\('Event loop is closed'\)|" + _CLOSED_LOOP)
 _TRACEBACK = "Traceback (most recent call last):"
 
 

@@ -63,7 +63,8 @@ def _parser():
   p.add_argument("--cluster", default="ciera-a100", help=f"one of {', '.join(CLUSTERS)}")
   p.add_argument("--gpus", default="8,16,32,64,128", help="comma-separated GPU counts")
   p.add_argument("--systems", default="", help="comma-separated systems (moejax.perf.systems)")
-  p.add_argument("--seq-len", type=int, default=0, help="0 (default): the config's seq_len, or 4096 with --model")
+  p.add_argument("--seq-len", type=int, default=0,
+                 help="0 (default): the config's seq_len, or 4096 with --model")
   p.add_argument("--tokens-per-gpu", type=float, default=0,
                  help="default: 2 sequences (weak scaling)")
   p.add_argument("--metrics", default="", help="a run's metrics.jsonl")

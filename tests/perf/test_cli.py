@@ -20,7 +20,8 @@ def test_cli_table_and_plot(tmp_path, capsys):
   assert cli.main(["--model", "Mixtral-8x7B", "--cluster", "h100", "--gpus", "8,64",
                    "--systems", "fsdp", "--plot", ""]) == 0
   out = capsys.readouterr().out
-  memory = {r.split()[0]: r.split()[-1] for r in out.splitlines() if r.split()[:1] in (["8"], ["64"])}
+  memory = {r.split()[0]: r.split()[-1] for r in out.splitlines()
+            if r.split()[:1] in (["8"], ["64"])}
   assert memory["8"].endswith("*") and float(memory["8"][:-1]) > 80
   assert not memory["64"].endswith("*") and float(memory["64"]) < 80
   assert "note: * needs more memory per GPU than the h100's 80 GB" in out
