@@ -103,6 +103,21 @@ def evaluation_trainer(cfg):
   return Trainer(cfg, mesh=make_mesh((1, -1), devices))
 
 
+def differences_from_training(cfg, num_devices: int) -> list[str]:
+  """Where this evaluation (every assignment run, on `num_devices` local devices under fsdp)
+  computes other than the run's own validation did: its `val_loss` is then not reproduced."""
+  notes = []
+  if cfg.moe.placement != "fsdp" and cfg.moe.dispatch_overflow == "drop":
+    notes.append(f"the run's val_loss dropped the assignments past its {cfg.moe.placement} "
+                 "dispatch buffers (moe.dispatch_overflow='drop'); this evaluation runs every "
+                 "assignment")
+  if cfg.routing.admission != "none":
+    notes.append(f"routing.admission={cfg.routing.admission!r} admits each expert's capacity "
+                 f"per device: the loss depends on the device count ({num_devices} here), as "
+                 "the run's val_loss did on its own")
+  return notes
+
+
 def mean_loss(trainer, params, eval_batches) -> float:
   """The mean cross-entropy (nats/token) of host `params` over `eval_batches`."""
   import jax
@@ -122,7 +137,10 @@ def run(args) -> dict:
   cfg = dataclasses.replace(cfg, seq_len=args.seq_len or cfg.seq_len,
                             batch_size=args.batch_size or cfg.batch_size)
   eval_batches = batches(cfg, args.data, args.split, tokenizer_spec, args.batches, args.source)
-  loss = mean_loss(evaluation_trainer(cfg), params, eval_batches)
+  trainer = evaluation_trainer(cfg)
+  for note in differences_from_training(cfg, trainer.mesh.devices.size):
+    print(f"moejax: note: {note}", file=sys.stderr)
+  loss = mean_loss(trainer, params, eval_batches)
   tokens = len(eval_batches) * cfg.batch_size * cfg.seq_len
   return {"loss": loss, "perplexity": math.exp(loss), "tokens": tokens,
           "batches": len(eval_batches), "batch_size": cfg.batch_size, "seq_len": cfg.seq_len}

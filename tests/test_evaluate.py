@@ -24,6 +24,21 @@ def test_cli_validation_split_defaults_to_the_loops_batches(trained, capsys):
   assert "(1 batches of " in out               # the canonical run's eval_batches
 
 
+def test_what_the_run_computed_otherwise_is_named():
+  """Dropped dispatch rows and per-device admission capacities make a run's val_loss one that
+  evaluation (every assignment, fsdp, this host's devices) does not reproduce: said, not
+  hidden; the canonical run has neither."""
+  from tests.helpers import canonical_config, tiny_config
+  assert evaluate.differences_from_training(canonical_config("fsdp"), 8) == []
+  drop = tiny_config(**{"moe.placement": "ep", "moe.dispatch_capacity_factor": 0.5,
+                        "moe.dispatch_overflow": "drop"})
+  (note,) = evaluate.differences_from_training(drop, 8)
+  assert note.startswith("the run's val_loss dropped the assignments past its ep dispatch")
+  strict = tiny_config(**{"routing.admission": "strict"})
+  (note,) = evaluate.differences_from_training(strict, 2)
+  assert "admits each expert's capacity per device: the loss depends on the device count (2 " in note
+
+
 def test_cli_scores_a_file(trained, tmp_path, capsys):
   text = tmp_path / "held_out.jsonl"
   lines = [json.dumps({"text": f"Line {i}: the quick brown fox jumps over the lazy dog."})
