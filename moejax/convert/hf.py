@@ -54,6 +54,13 @@ def _read_config_json(hf_dir: str) -> dict:
     with open(path) as f:
       return json.load(f)
   except FileNotFoundError:
+    if os.path.isdir(os.path.join(hf_dir, "checkpoints")) or os.path.isfile(
+        os.path.join(hf_dir, "hf_config.json")):     # a workdir, or a from-hf output
+      raise CheckpointError(
+          f"{path}: missing: {hf_dir} holds moejax weights, not a Hugging Face checkpoint "
+          "(start from them with its family's preset and --config.init_from=DIR, or name the "
+          "Hugging Face directory they came from, or export them with `python -m "
+          "moejax.convert to-hf`)") from None
     raise CheckpointError(f"{path}: missing (not a Hugging Face checkpoint directory)") from None
   except (OSError, ValueError) as e:
     raise CheckpointError(f"{path}: not readable JSON ({e})") from None

@@ -1820,3 +1820,21 @@ def test_export_names_the_eos_the_run_ended_documents_with(tmp_path):
   assert cli._eos_id(str(path), cfg) == eos
   assert cli._eos_id(None, cfg) == 256                               # the byte tokenizer's
   assert cli._eos_id(None, tiny_config(**{"data.tokenizer": "gone.json"})) is None
+
+
+def test_moejax_weights_named_where_a_hugging_face_directory_is_expected(tmp_path):
+  """configs/hf.py, from-hf and load_hf on a from-hf output or a workdir say what it holds
+  and what reads it, not only that config.json is missing."""
+  from moejax.convert.hf import _read_config_json
+  empty, workdir, from_hf = (tmp_path / d for d in ("empty", "w", "imported"))
+  for d in (empty, workdir / "checkpoints", from_hf):
+    d.mkdir(parents=True)
+  (from_hf / "hf_config.json").write_text("{}")
+  with pytest.raises(CheckpointError, match=r"config.json: missing \(not a Hugging Face "
+                                            r"checkpoint directory\)$"):
+    _read_config_json(str(empty))
+  for d in (workdir, from_hf):
+    with pytest.raises(CheckpointError, match=rf"config.json: missing: {d} holds moejax weights, "
+                                              r"not a Hugging Face checkpoint \(start from them "
+                                              r"with its family's preset and --config.init_from"):
+      _read_config_json(str(d))
