@@ -74,7 +74,12 @@ def run(args) -> str:
   check_vocab(tokenizer, cfg.model.vocab_size)
   prompt_1xP = encode_prompt(tokenizer, args.prompt, cfg.model.vocab_size)
   dtype = jnp.dtype(args.dtype)
-  check_cache_fits(cfg, prompt_1xP.shape[1] + args.max_new_tokens, dtype)
+  positions = prompt_1xP.shape[1] + args.max_new_tokens
+  check_cache_fits(cfg, positions, dtype)
+  if positions > cfg.seq_len and trained_here(args.ckpt):
+    print(f"moejax: note: generating to position {positions:,}, past the run's "
+          f"seq_len={cfg.seq_len}: positions it never trained at (each new token attends to "
+          "every earlier one: time grows with the square of the length)", file=sys.stderr)
   tokens_1xN, _ = decode.generate(cfg, params, prompt_1xP, max_new_tokens=args.max_new_tokens,
                                   temperature=args.temperature, top_p=args.top_p,
                                   seed=args.seed, dtype=dtype, eos_id=tokenizer.eos_id)
@@ -83,6 +88,16 @@ def run(args) -> str:
   if new.size and new[-1] == tokenizer.eos_id:
     new = new[:-1]
   return continuation(tokenizer, prompt_ids, new)
+
+
+def trained_here(path: str) -> bool:
+  """Whether `path` holds a moejax run's checkpoint, whose config's seq_len is the length it
+  trained at (a Hugging Face directory or a from-hf output names none: theirs is a default)."""
+  import os
+  from moejax.convert.checkpoint_io import HF_CONFIG_FILE, is_hf_dir
+  path = os.path.abspath(path)
+  return not (os.path.isdir(path) and is_hf_dir(path)) and not any(
+      os.path.isfile(os.path.join(d, HF_CONFIG_FILE)) for d in (path, os.path.dirname(path)))
 
 
 def continuation(tokenizer, prompt_ids: np.ndarray, new_ids: np.ndarray) -> str:

@@ -44,6 +44,16 @@ def test_a_hugging_face_directory_generates_like_its_source(trained, tmp_path, c
   assert "no tokenizer.json beside these Hugging Face weights" in capsys.readouterr().err
   assert (_generate(capsys, str(tmp_path / "hf"), *argv, "--tokenizer", "bytes")
           == _generate(capsys, str(trained), *argv))
+  # Past the length the run trained at: a note (a Hugging Face directory names no such length)
+  assert generate.trained_here(str(trained)) and generate.trained_here(
+      str(trained / "checkpoints" / "12"))
+  (tmp_path / "imported").mkdir()
+  (tmp_path / "imported" / "hf_config.json").write_text("{}")        # a from-hf output
+  assert not generate.trained_here(str(tmp_path / "hf"))
+  assert not generate.trained_here(str(tmp_path / "imported"))
+  assert generate.main([str(trained), "--prompt", "The ", "--max-new-tokens", "61"]) == 0
+  assert ("moejax: note: generating to position 65, past the run's seq_len=64: positions it "
+          "never trained at") in capsys.readouterr().err
 
 
 def test_a_tiny_temperature_samples_like_greedy():
