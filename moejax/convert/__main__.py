@@ -66,7 +66,8 @@ def to_hf(args) -> None:
   tokenizer = _tokenizer_file(args.ckpt, cfg)
   files = hf.save_hf(params, cfg, args.out_dir, dtype=args.dtype,
                      max_shard_bytes=args.max_shard_size, hf_config_base=hf_config,
-                     overwrite=args.overwrite, eos_token_id=_eos_id(tokenizer, cfg))
+                     overwrite=args.overwrite,
+                     eos_token_id=None if hf_config else _eos_id(tokenizer, cfg))
   shards = sum(f.endswith(".safetensors") for f in files)
   if tokenizer is not None:   # transformers (and generate / evaluate) read it beside the weights
     weights.keep_tokenizer(tokenizer, args.out_dir)

@@ -347,7 +347,7 @@ def save_hf(params, cfg: Config, out_dir: str, *, dtype: str = "float32",
 
   `dtype`: "float32" (exact) or "bfloat16" (rounded to nearest even). `hf_config_base`: a
   config.json to keep fields moejax does not model from (token ids, maximum length);
-  `eos_token_id` where it names none (`hf_config.hf_config_from`). Refuses a
+  `eos_token_id` without one (`hf_config.hf_config_from`). Refuses a
   directory that already holds safetensors files unless `overwrite`, which removes them first.
   Returns the files written.
   """

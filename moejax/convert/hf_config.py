@@ -1964,21 +1964,20 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
                    eos_token_id: int | None = None) -> dict:
   """A config.json of `cfg.model.family` for `cfg`. Fields moejax does not model (token ids,
   maximum length) come from `base`, e.g. the config.json the parameters were imported from;
-  `eos_token_id` (the run's tokenizer's EOS) where `base` names none, so that generation with
-  transformers stops where the documents the model trained on ended."""
+  `eos_token_id` (the run's tokenizer's EOS) without a `base`, so that generation with
+  transformers stops where the documents a model trained from scratch ended (an imported
+  model's token ids are its source's, even where that names none)."""
   spec = check_exportable(cfg)
   m, moe = cfg.model, cfg.moe
   if base and canonical_model_type(base.get("model_type")) != spec.model_type:
     base = None      # another family's fields would not belong
   hf = copy.deepcopy(base) if base else {
-      "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+      "bos_token_id": None, "eos_token_id": eos_token_id, "pad_token_id": None,
       "max_position_embeddings": 4096, "use_cache": True}
   # auto_map names remote code the export does not carry (trust_remote_code would fail on it)
   for stale in ("torch_dtype", "dtype", "transformers_version", "head_dim", "auto_map",
                 *spec.experts_aliases, *(alias for alias, _ in spec.field_aliases)):
     hf.pop(stale, None)
-  if hf.get("eos_token_id") is None and eos_token_id is not None:
-    hf["eos_token_id"] = eos_token_id
   hf.update({
       "architectures": [spec.architecture],
       "model_type": spec.model_type,

@@ -1806,14 +1806,15 @@ def test_multimodal_configs_read_their_text_model_as_transformers_does():
 
 
 def test_export_names_the_eos_the_run_ended_documents_with(tmp_path):
-  """A run's export writes its tokenizer's EOS into config.json where the config.json it was
-  imported from (if any) names none: transformers' generation stops there."""
+  """A run trained from scratch exports its tokenizer's EOS in config.json, so transformers'
+  generation stops there; an imported model keeps its source's token ids, even none."""
   from tests.data.conftest import SENTENCES, word_level
   cfg = tiny_config()
   assert hf_config_from(cfg)["eos_token_id"] is None
   assert hf_config_from(cfg, eos_token_id=256)["eos_token_id"] == 256
-  base = hf_config_from(cfg, eos_token_id=7)
-  assert hf_config_from(cfg, base, eos_token_id=256)["eos_token_id"] == 7     # the source's
+  for source in (7, None):
+    base = hf_config_from(cfg, eos_token_id=source)
+    assert hf_config_from(cfg, base, eos_token_id=256)["eos_token_id"] == source
   path = tmp_path / "tokenizer.json"
   word_level(SENTENCES).save(str(path))
   eos = json.loads(path.read_text())["model"]["vocab"]["<|endoftext|>"]
