@@ -94,10 +94,9 @@ def trained_here(path: str) -> bool:
   """Whether `path` holds a moejax run's checkpoint, whose config's seq_len is the length it
   trained at (a Hugging Face directory or a from-hf output names none: theirs is a default)."""
   import os
-  from moejax.convert.checkpoint_io import HF_CONFIG_FILE, is_hf_dir
+  from moejax.convert.checkpoint_io import _find_hf_config, is_hf_dir
   path = os.path.abspath(path)
-  return not (os.path.isdir(path) and is_hf_dir(path)) and not any(
-      os.path.isfile(os.path.join(d, HF_CONFIG_FILE)) for d in (path, os.path.dirname(path)))
+  return not (os.path.isdir(path) and is_hf_dir(path)) and _find_hf_config(path) is None
 
 
 def continuation(tokenizer, prompt_ids: np.ndarray, new_ids: np.ndarray) -> str:

@@ -54,8 +54,10 @@ def _read_config_json(hf_dir: str) -> dict:
     with open(path) as f:
       return json.load(f)
   except FileNotFoundError:
-    if os.path.isdir(os.path.join(hf_dir, "checkpoints")) or os.path.isfile(
-        os.path.join(hf_dir, "hf_config.json")):     # a workdir, or a from-hf output
+    from moejax import weights
+    from moejax.convert.checkpoint_io import HF_CONFIG_FILE
+    if os.path.isdir(os.path.join(hf_dir, weights.SUBDIR)) or os.path.isfile(
+        os.path.join(hf_dir, HF_CONFIG_FILE)):       # a workdir, or a from-hf output
       raise CheckpointError(
           f"{path}: missing: {hf_dir} holds moejax weights, not a Hugging Face checkpoint "
           "(start from them with its family's preset and --config.init_from=DIR, or name the "

@@ -138,12 +138,12 @@ def check_compatible(saved: dict, cfg: Config, workdir: str | None = None) -> No
   run = flatten(weights.config_to_dict(cfg))
   saved = flatten(upgrade_saved(saved))
   defaults = flatten(weights.config_to_dict(Config()))
+  kept = None if workdir is None else os.path.join(workdir, weights.TOKENIZER_FILE)
   for field in [*run, *(k for k in saved if k not in run)]:
     if _may_differ(field):
       continue
     have = saved.get(field, defaults.get(field, _ABSENT))
     want = run.get(field, _ABSENT)
-    kept = None if workdir is None else os.path.join(workdir, weights.TOKENIZER_FILE)
     if field == "data.tokenizer" and have != want and kept is not None:
       if same_tokenizer(cfg, workdir):
         continue
