@@ -55,9 +55,9 @@ def _read_config_json(hf_dir: str) -> dict:
       return json.load(f)
   except FileNotFoundError:
     from moejax import weights
-    from moejax.convert.checkpoint_io import HF_CONFIG_FILE
+    # a workdir, or a from-hf output (checkpoint_io.HF_CONFIG_FILE: that module imports this one)
     if os.path.isdir(os.path.join(hf_dir, weights.SUBDIR)) or os.path.isfile(
-        os.path.join(hf_dir, HF_CONFIG_FILE)):       # a workdir, or a from-hf output
+        os.path.join(hf_dir, "hf_config.json")):
       raise CheckpointError(
           f"{path}: missing: {hf_dir} holds moejax weights, not a Hugging Face checkpoint "
           "(start from them with its family's preset and --config.init_from=DIR, or name the "
