@@ -26,7 +26,7 @@ import math
 import sys
 
 
-from moejax.errors import DataError, run_command
+from moejax.errors import DataError, MoejaxError, run_command
 
 SPLITS = ("all", "val")
 
@@ -126,6 +126,23 @@ def mean_loss(trainer, params, eval_batches) -> float:
   return trainer.evaluate(params, (put_batch(b, trainer.mesh) for b in eval_batches))
 
 
+def perplexity(loss: float) -> float:
+  """exp(loss), inf past float64's range (a diverged model's loss can pass 709 nats)."""
+  return math.exp(loss) if loss < 709.0 else math.inf
+
+
+def _why_not_finite(params) -> str:
+  """Where a non-finite loss comes from: the first non-finite parameter, or the data."""
+  import jax
+  import numpy as np
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    if not np.all(np.isfinite(np.asarray(leaf, np.float32))):
+      return (f"parameter {jax.tree_util.keystr(path)} holds non-finite values (evaluate "
+              "another step with --step)")
+  return ("every parameter is finite: the logits overflowed on this data (a diverged model, "
+          "or data unlike its training corpus)")
+
+
 def run(args) -> dict:
   if args.batches is not None and args.batches < 1:
     raise DataError(f"--batches={args.batches}: must be at least 1")
@@ -142,7 +159,10 @@ def run(args) -> dict:
     print(f"moejax: note: {note}", file=sys.stderr)
   loss = mean_loss(trainer, params, eval_batches)
   tokens = len(eval_batches) * cfg.batch_size * cfg.seq_len
-  return {"loss": loss, "perplexity": math.exp(loss), "tokens": tokens,
+  if not math.isfinite(loss):
+    raise MoejaxError(f"{args.ckpt}: the loss on {args.data} ({args.split}) is {loss} over "
+                      f"{tokens:,} tokens: {_why_not_finite(params)}")
+  return {"loss": loss, "perplexity": perplexity(loss), "tokens": tokens,
           "batches": len(eval_batches), "batch_size": cfg.batch_size, "seq_len": cfg.seq_len}
 
 

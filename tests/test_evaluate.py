@@ -74,3 +74,31 @@ def test_bad_input_is_one_line_exit_2(trained, tmp_path, capsys):
     assert evaluate.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_a_non_finite_loss_is_an_error_naming_its_source(trained, monkeypatch, capsys):
+  """A loss of nan or inf is exit 2 with one line: the first non-finite parameter when there is
+  one, else that the logits overflowed on this data (finite parameters: an LM head of 3e38,
+  finite in fp32 and bf16, whose products are not)."""
+  import jax
+  from moejax.convert import checkpoint_io
+  real_load = checkpoint_io.load_model
+
+  def with_leaf(name: str, fill: float):
+    def load(*args, **kwargs):
+      cfg, params, tok = real_load(*args, **kwargs)
+      leaf = np.asarray(params[name])
+      return cfg, {**params, name: np.full_like(leaf, fill)}, tok
+    return load
+
+  for name, fill, message in (
+      ("embed", np.nan, "parameter ['embed'] holds non-finite values"),
+      ("lm_head", 3e38, "every parameter is finite: the logits overflowed")):
+    monkeypatch.setattr(checkpoint_io, "load_model", with_leaf(name, fill))
+    assert evaluate.main([str(trained), "--data", "builtin", "--split", "val"]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert "nats/token" not in captured.out
+    assert len(err) == 1 and err[0].startswith(f"error: {trained}: the loss on builtin (val) is ")
+    assert message in err[0], err
+  assert evaluate.perplexity(800.0) == math.inf and evaluate.perplexity(1.0) == math.e

@@ -74,6 +74,7 @@ from moejax.train.metrics import log as default_log
 PROBE_STEPS = 3           # consecutive step pairs measured before each decision
 FALLBACK_LIMIT = 0.1      # share of a parameter's gathers that may fall back between decisions
 CHECK_EVERY = 10          # steps between looks at the live fallback counts
+FIXED_NOTE_LIMIT = 0.5    # share of a fixed mode's gathers falling back that is said (once)
 SELECTION_FILE = "codec_selection.json"
 RATE_KINDS = rates_lib.RATE_KINDS   # columns of the probe's counts
 PROFILE_BYTES = (4 << 10, 64 << 10, 1 << 20)
@@ -359,6 +360,10 @@ class CodecPolicy:
     self._live_since = 0
     self.comm = comm
     self.codec_seconds = codec_seconds   # {mode: (alpha, beta per value)}; None: free
+    # A fixed mode (no select): nothing is decided, but a parameter that keeps falling back is
+    # said once (its patches save nothing; the metrics only sum fallbacks over parameters).
+    self._watch = (not self.cfg.controlled and self.cfg.mode != "off"
+                   and any(gatherer.specs.values()))
     if self.cfg.mode != "off" and not gatherer.candidates():
       log(f"codec: codec.mode={self.cfg.mode!r} has nothing to compress: no parameter is "
           f"gathered on this mesh of {gatherer.num_devices} device(s)")
@@ -425,6 +430,8 @@ class CodecPolicy:
     metrics = dict(metrics)
     figures = metrics.pop(PARAM_METRIC, None)
     if not self.active:
+      if self._watch and figures is not None:
+        self._watch_fixed(step, figures)
       return metrics, None
     if figures is not None:
       self._live_prev = self._live
@@ -501,6 +508,35 @@ class CodecPolicy:
                f"{int(fallback[worst])} of {steps} gathers: deciding again at step "
                f"{step + PROBE_STEPS}")
       self._schedule(step + PROBE_STEPS, step)
+
+  def _watch_fixed(self, step: int, figures):
+    """A fixed mode's live figures: once a parameter has fallen back in more than
+    `FIXED_NOTE_LIMIT` of its gathers over `CHECK_EVERY` steps, one line names it and the remedies,
+    then the watch ends."""
+    self._live_prev = self._live
+    self._live = figures if self._live is None else self._live + figures
+    self._live_steps += 1
+    if self._live_steps % CHECK_EVERY or self._live_prev is None:
+      return
+    live = np.asarray(jax.device_get(self._live_prev))       # the step before: no stall
+    steps = self._live_steps - 1
+    fallback = live[:, hook.STAT_KEYS.index("fallback")]
+    over = fallback > FIXED_NOTE_LIMIT * steps
+    if not over.any():
+      self._live = self._live_prev = None                     # the next window starts afresh
+      self._live_steps = 0
+      return
+    self._watch = False
+    worst = int(np.argmax(fallback))
+    g, p, layer = self.gatherer.param_rows()[worst]
+    fraction = self.cfg.capacity_fraction
+    self.log(f"codec: step {step}: {g}{p} (layer {layer}) fell back to a plain gather "
+             f"{int(fallback[worst])} times in {steps} steps under codec.mode={self.cfg.mode!r} "
+             f"({int(over.sum())} of {len(over)} parameter rows fell back in more than "
+             f"{FIXED_NOTE_LIMIT:.0%} of their gathers, saving little): raise "
+             f"codec.capacity_fraction (now {fraction or 'the mode default'}), or let "
+             "codec.select=True size each capacity from measured rates and keep plain what "
+             "does not pay; metrics.jsonl's codec_fallbacks counts them every step")
 
   # -- the checkpoint item -----------------------------------------------------------------------
   def saved_decision(self) -> dict:

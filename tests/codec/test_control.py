@@ -194,3 +194,45 @@ def test_a_restored_choice_outside_this_runs_codec_config_is_decided_afresh(gath
     else:
       assert len(lines) == 1 and why in lines[0] and "deciding afresh" in lines[0], lines
       assert choice is None and policy._next is not None     # a decision comes after all
+
+
+def test_a_fixed_mode_that_keeps_falling_back_is_said_once():
+  """codec.mode=element without select decides nothing, and a parameter whose patches overflow
+  in most gathers saved nothing with no word but a summed metric: one line now names it (its
+  count over the steps watched) and the remedies, once; a window under the limit says nothing."""
+  from moejax.sharding import hook
+  from moejax.sharding.gatherer import PARAM_METRIC
+  cfg = tiny_config(**{"codec.mode": "element"})
+  mesh = make_mesh((2, 4), jax.devices()[:8])
+  fixed = state_layout(cfg, mesh, make_optimizer(cfg)).gatherer
+  lines = []
+  policy = codec_control.CodecPolicy(fixed, mesh, cfg.codec, log=lines.append)
+  assert not policy.active and policy._watch
+  rows = fixed.param_rows()
+  column = hook.STAT_KEYS.index("fallback")
+
+  def figures(row=None):
+    f = np.zeros((len(rows), len(hook.STAT_KEYS)), np.float32)
+    if row is not None:
+      f[row, column] = 1.0
+    return {PARAM_METRIC: jax.numpy.asarray(f), "loss": 1.0}
+
+  step = 0
+  for _ in range(codec_control.CHECK_EVERY):             # three in nine steps: under half
+    step += 1
+    metrics, choice = policy.after_step(step, None, figures(3 if step % 3 == 0 else None))
+    assert choice is None and PARAM_METRIC not in metrics
+  assert lines == []
+  for _ in range(3 * codec_control.CHECK_EVERY):          # row 7 falls back in every gather
+    step += 1
+    policy.after_step(step, None, figures(7))
+  g, p, layer = rows[7]
+  assert len(lines) == 1, lines
+  assert lines[0].startswith(f"codec: step {2 * codec_control.CHECK_EVERY}: {g}{p} (layer "
+                             f"{layer}) fell back to a plain gather 9 times in 9 steps under "
+                             "codec.mode='element' (1 of ")
+  assert "raise codec.capacity_fraction (now the mode default)" in lines[0]
+  # codec.mode=auto (or select) decides again on fallbacks instead; off has nothing to watch.
+  for mode in ({"codec.mode": "auto"}, {"codec.mode": "element", "codec.select": True}):
+    auto_cfg = tiny_config(**mode, **{"codec.comm_model": "bytes"})
+    assert not codec_control.CodecPolicy(fixed, mesh, auto_cfg.codec, log=print)._watch
