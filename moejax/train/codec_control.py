@@ -78,6 +78,9 @@ FIXED_NOTE_LIMIT = 0.5    # share of a fixed mode's gathers falling back that is
 SELECTION_FILE = "codec_selection.json"
 RATE_KINDS = rates_lib.RATE_KINDS   # columns of the probe's counts
 PROFILE_BYTES = (4 << 10, 64 << 10, 1 << 20)
+# codec.* fields that price a decision: a checkpoint's choice made under other values is
+# decided afresh on resume (it would otherwise stay for good with reselect_every=0).
+PRICING_FIELDS = ("comm_model", "capacity_margin", "block_size", "delta_bits")
 KEEP_RATIO = 1.5          # a capacity in use stays until the sized one is this much smaller
 
 
@@ -546,6 +549,7 @@ class CodecPolicy:
     uninterrupted one does."""
     plain = lambda a: None if a is None else np.asarray(jax.device_get(a)).tolist()  # noqa: E731
     return {"step": self.decided_at,
+            "priced_by": {f: getattr(self.cfg, f) for f in PRICING_FIELDS},
             "specs": [_spec_entry(g, p, s) for g, ps in self.specs.items()
                       for p, s in sorted(ps.items())],
             "schedule": {"next": self._next, "probe_steps": self._probe_steps,
@@ -588,6 +592,13 @@ class CodecPolicy:
     item, self.restored = self.restored, None
     if not item or item.get("step") is None:
       return None
+    priced = item.get("priced_by") or {}       # absent in checkpoints of older versions
+    for field in PRICING_FIELDS:
+      if field in priced and priced[field] != getattr(self.cfg, field):
+        self.log(f"codec: the checkpoint's codec choice (step {int(item['step'])}) was made "
+                 f"with codec.{field}={priced[field]!r}, this run's is "
+                 f"{getattr(self.cfg, field)!r}: deciding afresh")
+        return None
     candidates = set(self.base.candidates())
     specs: dict = {}
     for e in item["specs"]:

@@ -181,12 +181,20 @@ def test_a_restored_choice_outside_this_runs_codec_config_is_decided_afresh(gath
   cases = [(dict(mode="element", select=True), "codec.mode='element' does not allow"),
            (dict(cache_budget_bytes=100), "over codec.cache_budget_bytes=100"),
            (dict(), None)]
-  for overrides, why in cases:
+  # A choice priced otherwise (another comm model or margin, another block size) is decided
+  # afresh too; a checkpoint of an older version, which names no pricing, is reinstalled.
+  priced_by = {"comm_model": "bytes", "capacity_margin": 1.25, "block_size": 64, "delta_bits": 3}
+  cases += [(dict(), None, {**priced_by}),
+            (dict(comm_model="profile"), "made with codec.comm_model='bytes', this run's is "
+             "'profile'", {**priced_by}),
+            (dict(capacity_margin=2.0), "codec.capacity_margin=1.25, this run's is 2.0",
+             {**priced_by})]
+  for overrides, why, *priced in cases:
     lines = []
     policy = codec_control.CodecPolicy(
-        gatherer, mesh, _codec(reselect_every=0, comm_model="bytes", **overrides),
-        log=lines.append)
-    policy.restored = dict(saved)
+        gatherer, mesh, _codec(**{"reselect_every": 0, "comm_model": "bytes", **overrides}),
+        log=lines.append, comm=BYTES)
+    policy.restored = dict(saved, **({"priced_by": priced[0]} if priced else {}))
     choice = policy.start(5, params=None)
     if why is None:
       assert choice[g] == {p: codec.CodecSpec("delta")} and policy._next is None
