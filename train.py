@@ -38,10 +38,15 @@ def main(argv):
       from moejax.train.memory import memory_report
       if _MEMORY.value < 1:
         raise ConfigError(f"--memory_on_devices={_MEMORY.value}: must be a positive device count")
-      report = memory_report(cfg, _MEMORY.value)      # refuses a split first: no header then
+      # The devices planned are accelerators: "auto" exchange buffers are packed there.
+      blocks = cfg.moe.exchange_buffers == "blocks"
+      report = memory_report(cfg, _MEMORY.value,      # refuses a split first: no header then
+                             packed_exchange=not blocks)
+      buffers = (f", {'per-destination blocks' if blocks else 'packed'} exchange buffers"
+                 if cfg.moe.placement != "fsdp" else "")
       print(f"train-step memory per device on {_MEMORY.value} devices "
             f"(placement={cfg.moe.placement}, remat={cfg.remat}, batch {cfg.batch_size}x"
-            f"{cfg.seq_len}):")
+            f"{cfg.seq_len}{buffers}):")
       print(report.table())
       return
     distributed.maybe_initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,

@@ -326,10 +326,10 @@ class MoEConfig:
   """How experts and tokens meet: one of `moejax.placement.PLACEMENTS`."""
   dispatch_capacity_factor: float = 2.0
   """ep/fssdp dispatch buffer: per destination ceil(factor * assignments / devices) rows, the
-  starting size (see `dispatch_overflow`); 0 = dropless: N x T x K rows per device, the worst
-  case, only when asked for (at scale it does not fit: 136 GiB per device for the 1b7b preset on
-  64 devices). Packed exchange buffers (`exchange_buffers`, the GPU's) send from the T x K rows
-  whatever the factor: under dispatch_overflow="grow" with a receive capacity they apply no cap
+  starting size (see `dispatch_overflow`); 0 = dropless: N x T x min(K, experts a device
+  holds) rows per device (a token sends one row per expert), the worst case, only when asked
+  for (at scale it may not fit). Packed exchange buffers (`exchange_buffers`, the GPU's) send
+  from the T x K rows whatever the factor: under dispatch_overflow="grow" with a receive capacity they apply no cap
   (a cap would only drop rows and rerun the step) and `receive_capacity_factor` bounds what a
   device receives; under "drop", or with every received row run, the cap applies."""
   dispatch_chunks: int = 1

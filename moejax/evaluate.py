@@ -67,7 +67,12 @@ def batches(cfg, data: str, split: str, tokenizer_spec: str, max_batches: int | 
                     "(data.val_fraction=0); use --split all on a held-out file")
   if split == "val":
     spec = pipeline.DataSpec(source, path, tokenizer_spec, cfg.data.val_fraction, cfg.seed)
-    loaded = pipeline.make_data(spec, batch_size=cfg.batch_size, seq_len=cfg.seq_len)
+    try:
+      loaded = pipeline.make_data(spec, batch_size=cfg.batch_size, seq_len=cfg.seq_len)
+    except DataError as e:   # the split is training's: its training half must fit a batch too
+      raise DataError(f"--split val takes the run's validation windows, splitting {data} as "
+                      f"training did (data.val_fraction={cfg.data.val_fraction}), which fails: "
+                      f"{e}") from None
     check_vocab(loaded.tokenizer, cfg.model.vocab_size)
     # As the loop: its first eval_batches validation batches (unless --batches says otherwise).
     count = min(cfg.eval_batches if max_batches is None else max_batches, loaded.num_val_batches)
@@ -151,6 +156,10 @@ def run(args) -> dict:
       raise DataError(f"{flag}={value}: must be at least 1")
   from moejax.convert.checkpoint_io import load_model
   cfg, params, tokenizer_spec = load_model(args.ckpt, args.step, tokenizer=args.tokenizer)
+  from moejax.generate import trained_here
+  if args.seq_len and args.seq_len > cfg.seq_len and trained_here(args.ckpt):
+    print(f"moejax: note: --seq-len={args.seq_len} scores positions past the run's "
+          f"seq_len={cfg.seq_len}, which it never trained at", file=sys.stderr)
   cfg = dataclasses.replace(cfg, seq_len=args.seq_len or cfg.seq_len,
                             batch_size=args.batch_size or cfg.batch_size)
   eval_batches = batches(cfg, args.data, args.split, tokenizer_spec, args.batches, args.source)

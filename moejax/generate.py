@@ -82,7 +82,8 @@ def run(args) -> str:
           "every earlier one: time grows with the square of the length)", file=sys.stderr)
   tokens_1xN, _ = decode.generate(cfg, params, prompt_1xP, max_new_tokens=args.max_new_tokens,
                                   temperature=args.temperature, top_p=args.top_p,
-                                  seed=args.seed, dtype=dtype, eos_id=tokenizer.eos_id)
+                                  seed=args.seed, dtype=dtype, eos_id=tokenizer.eos_id,
+                                  vocab_limit=tokenizer.vocab_size)
   prompt_ids = prompt_1xP[0]
   new = np.asarray(tokens_1xN)[0, prompt_ids.size:]
   if new.size and new[-1] == tokenizer.eos_id:

@@ -113,3 +113,21 @@ def test_memory_on_devices_prints_the_report_and_trains_nothing(tmp_path, capsys
                         "batch", "gathered", "activations", "exchange", "total"]
   assert float(rows["exchange"]) == 0 and 0 < float(rows["gathered"]) < float(rows["total"]) < 80
   assert not workdir.exists()
+  # ep: the exchange buffers the config names (packed planned, as on GPUs; blocks when asked).
+  exchange = {}
+  for buffers in ("auto", "blocks"):
+    config_file = tmp_path / f"ep_{buffers}.py"
+    config_file.write_text("import configs.olmoe as olmoe\n\n\ndef get_config(arg):\n"
+                           "  c = olmoe.get_config(arg)\n  c.moe.placement = 'ep'\n"
+                           f"  c.moe.exchange_buffers = {buffers!r}\n  return c\n")
+    try:
+      train.parse_flags(["train.py", f"--config={config_file}:1b7b", "--memory_on_devices=64"])
+      train.main([])
+    finally:
+      flags.FLAGS.memory_on_devices = None
+    out = capsys.readouterr().out
+    name = "per-destination blocks" if buffers == "blocks" else "packed"
+    assert out.splitlines()[0].endswith(f"batch 64x4096, {name} exchange buffers):"), out
+    exchange[buffers] = float(dict(line.rsplit(None, 2)[:2]
+                                   for line in out.splitlines()[1:])["exchange"])
+  assert 0 < exchange["auto"] < exchange["blocks"]

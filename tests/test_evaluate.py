@@ -51,7 +51,16 @@ def test_cli_scores_a_file(trained, tmp_path, capsys):
   # Another window: the same file scored in windows of 32 tokens, 4 to a batch.
   assert evaluate.main([str(trained), "--data", str(text), "--batches", "2", "--seq-len", "32",
                         "--batch-size", "4"]) == 0
-  assert "over 256 tokens (2 batches of 4 x 32)" in capsys.readouterr().out
+  captured = capsys.readouterr()
+  assert "over 256 tokens (2 batches of 4 x 32)" in captured.out
+  assert "note" not in captured.err                 # shorter than the run's 64: no note
+  # Longer than the run trained at: said (positions it never trained at), then scored.
+  assert evaluate.main([str(trained), "--data", str(text), "--batches", "1", "--seq-len", "128",
+                        "--batch-size", "4"]) == 0
+  captured = capsys.readouterr()
+  assert "over 512 tokens (1 batches of 4 x 128)" in captured.out
+  assert ("moejax: note: --seq-len=128 scores positions past the run's seq_len=64"
+          in captured.err)
   loss = float(out.split("loss ")[1].split()[0])
   # A JSONL file by another name reads as JSONL with --source jsonl (as text by its name).
   renamed = tmp_path / "held_out.json"
@@ -66,11 +75,16 @@ def test_cli_scores_a_file(trained, tmp_path, capsys):
 def test_bad_input_is_one_line_exit_2(trained, tmp_path, capsys):
   binary = tmp_path / "bad.txt"
   binary.write_bytes(b"\xff\xfe\x00")
+  small = tmp_path / "small.txt"
+  small.write_text("a few words, far fewer than a batch")
   for argv, message in (
       ([str(tmp_path / "nothing"), "--data", "builtin"], f"{tmp_path / 'nothing'}: no such"),
       ([str(trained), "--data", str(tmp_path / "missing.txt")], "missing.txt: file not found"),
       ([str(trained), "--data", str(binary)], "bad.txt: not UTF-8 text"),
-      ([str(trained), "--data", "builtin", "--seq-len", "0"], "--seq-len=0")):
+      ([str(trained), "--data", "builtin", "--seq-len", "0"], "--seq-len=0"),
+      # a file whose training half is too small for a batch: the val split says it is training's
+      ([str(trained), "--data", str(small), "--split", "val"],
+       "--split val takes the run's validation windows, splitting")):
     assert evaluate.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err

@@ -143,6 +143,9 @@ def finish_aux(aux: dict, top_k: int, axis_name=None,
   statistics (`routing`; under ep and fssdp, `dispatch`'s, the straggler and the dispatch rows
   needed in `placement`). The terms may be stacked over leading axes (a scan's layers): their
   counts are summed over `axis_name` in one collective for all of them."""
+  if "unreduced" not in aux:
+    raise ValueError("finish_aux: this aux holds no per-device terms (aux['unreduced']): it "
+                     "comes from a call with defer_reductions=True, whose aux this finishes")
   aux = dict(aux)
   if "rows_received" in aux.get("placement", {}):
     aux["placement"] = sparse.finish_placement(aux["placement"], dispatch)
@@ -202,6 +205,13 @@ def _check_input(block, x, dispatch, materialized, token_mask=None) -> None:
                      f"{block.w_gate.shape[0]} experts here makes "
                      f"{block.w_gate.shape[0] * dispatch.num_devices}, not the spec's "
                      f"{block.spec.num_experts}: shard the experts over the dispatch's devices")
+  for name in dispatch.axis_names if dispatch.kind != "local" else ():
+    try:
+      lax.axis_size(name)
+    except NameError:
+      raise ValueError(f"MoEBlock: dispatch kind {dispatch.kind!r} exchanges over mesh axis "
+                       f"{name!r}, which is not bound here: call the block inside jax.shard_map "
+                       "over a mesh with that axis") from None
 
 
 class MoEBlock(nnx.Module):
@@ -210,6 +220,12 @@ class MoEBlock(nnx.Module):
 
   def __init__(self, d_model: int, expert_hidden: int, spec: MoESpec, *, init_std: float = 0.02,
                rngs: nnx.Rngs):
+    for name, value in (("d_model", d_model), ("expert_hidden", expert_hidden)):
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"MoEBlock: {name}={value!r}: must be a positive int")
+    if not isinstance(spec, MoESpec):
+      raise ValueError(f"MoEBlock: spec must be a moejax.layers.moe.MoESpec, got "
+                       f"{type(spec).__name__}")
     e, d, f = spec.num_experts, d_model, expert_hidden
     init = jax.nn.initializers.normal(init_std)
     # With a score bias (DeepSeek-V3) the router is gathered in float32, as its bias is; so it is
@@ -271,6 +287,10 @@ class MoEBlock(nnx.Module):
     (`aux["unreduced"]`) in their place, for `finish_aux` after the caller's scan over layers:
     the block then issues no collective but its placement's exchanges (none under fsdp)."""
     _check_input(self, x_BxSxD, dispatch, materialized, token_mask)
+    if axis_name is None and dispatch.kind != "local":
+      # Each device holds its own tokens: the losses and statistics are their shares over the
+      # exchange's axes (per-device figures summed over devices would count N times over).
+      axis_name = dispatch.axis_names
     graphdef, state = nnx.split(self)
     explicit, mesh = _explicit_axes(x_BxSxD, *jax.tree.leaves(state),
                                     *jax.tree.leaves(materialized))

@@ -241,10 +241,12 @@ def sample(logits_BxV, key, *, temperature: float, top_p: float):
 
 def generate(cfg: Config, params: dict, prompt_BxP, *, max_new_tokens: int,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, dtype=jnp.float32,
-             eos_id: int | None = None, on_token=None):
+             eos_id: int | None = None, on_token=None, vocab_limit: int | None = None):
   """Prompt [B, P] -> (tokens [B, P + N], logits [B, N, V] of each generated token's step).
   The prompt fills the cache in one pass; then one token per step. Stops early when every row
-  has produced `eos_id`. `on_token(ids_B)` is called with each new token (streaming)."""
+  has produced `eos_id`. `on_token(ids_B)` is called with each new token (streaming).
+  `vocab_limit`: ids from it on are never sampled (a model's vocabulary padded past its
+  tokenizer's: ids no text decodes to); the logits returned are the model's own."""
   cfg = without_admission(cfg)
   params = cast_params(params, dtype, cfg)
   batch, prompt_len = prompt_BxP.shape
@@ -257,6 +259,8 @@ def generate(cfg: Config, params: dict, prompt_BxP, *, max_new_tokens: int,
   for i in range(max_new_tokens):
     last_BxV = logits_BxSxV[:, -1]
     step_logits.append(last_BxV)
+    if vocab_limit is not None and vocab_limit < last_BxV.shape[-1]:
+      last_BxV = jnp.where(jnp.arange(last_BxV.shape[-1]) < vocab_limit, last_BxV, -jnp.inf)
     next_B = sample(last_BxV, jax.random.fold_in(key, i), temperature=temperature, top_p=top_p)
     if eos_id is not None:          # a row that has ended keeps emitting EOS
       next_B = jnp.where(done_B, eos_id, next_B)

@@ -94,6 +94,26 @@ def _systems(args, cfg) -> list[str]:
   return names
 
 
+def _step_memory_gb(cfg, n: int, tokens: float, seq: int, remat: bool, placement: str):
+  """GB per GPU of what the perf model's `memory_gb` (model state, gathered weights, replicas,
+  caches) leaves out: the batch, activations and, for ep/fssdp, the exchange buffers, from
+  `moejax.train.memory.memory_report` of the config at this batch (`tokens` per GPU, as
+  sequences of at most `seq`) on `n` GPUs; None where training would refuse it there."""
+  from moejax.errors import MoejaxError
+  from moejax.train.memory import memory_report
+  seq_len = int(min(seq, tokens))
+  per_gpu = max(1, round(tokens / seq_len))
+  moe = dataclasses.replace(cfg.moe, placement=placement)
+  at = dataclasses.replace(cfg, batch_size=per_gpu * n, seq_len=seq_len, moe=moe,
+                           remat=cfg.remat if remat else "none")
+  try:
+    r = memory_report(at, n, packed_exchange=cfg.moe.exchange_buffers != "blocks")
+  except (MoejaxError, ValueError):
+    return None
+  c = r.components
+  return (c["batch"] + c["activations"] + (c["exchange"] if placement != "fsdp" else 0)) / 1e9
+
+
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
   try:
@@ -126,15 +146,24 @@ def _run(args) -> int:
   else:
     shape = get_shape(args.model)
     seq = args.seq_len or 4096
+  if args.layers > shape.num_layers:
+    raise ValueError(f"--layers={args.layers}: {shape.name} has {shape.num_layers} layers "
+                     "(0: all of them)")
   if args.layers:
     shape = shape.with_layers(args.layers)
+  if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+    raise ValueError(f"--plot {args.plot}: no such directory "
+                     f"{os.path.dirname(os.path.abspath(args.plot))}")
   cluster = get_cluster(args.cluster)
   try:
-    gpus = [int(g) for g in args.gpus.split(",") if g.strip()]
+    gpus = [int(g) for g in args.gpus.split(",")]
   except ValueError:
     raise ValueError(f"--gpus {args.gpus!r}: expected comma-separated integers") from None
   if not gpus or min(gpus) < 1:
     raise ValueError(f"--gpus {args.gpus!r}: expected positive integers")
+  if 0 < args.tokens_per_gpu < 1:
+    raise ValueError(f"--tokens-per-gpu={args.tokens_per_gpu}: must be at least 1 (0: the "
+                     "default)")
   tokens = args.tokens_per_gpu or 2 * seq
   calib = cb.load_fitted()
   systems = _systems(args, cfg)
@@ -159,6 +188,8 @@ def _run(args) -> int:
     except ValueError:
       skew = None
   rows = []
+  step_memory: dict = {}      # (gpus, placement) -> GB of batch, activations, exchange
+  unmodeled: set = set()
   for n in gpus:
     run = Run(n, tokens, seq, remat=not args.no_remat)
     trace = None
@@ -175,15 +206,39 @@ def _run(args) -> int:
         kw["ratios"] = ratios
       elif system.codec in cd.CACHE_BYTES_PER_VALUE:
         kw["ratios"] = cd.measured(system.codec, args.codec_regime)
-      rows.append({"gpus": n, "system": name, "result": step_time(shape, cluster, run, system,
-                                                                 calib, **kw)})
-  print(f"{shape.name}: {shape.total_params() / 1e9:.2f}B parameters, {shape.num_layers} layers; "
+      result = step_time(shape, cluster, run, system, calib, **kw)
+      if cfg is not None and "memory_gb" in result.extra:
+        placement = ("fssdp" if name == "moejax-fssdp" else "ep") if system.family == "ep" \
+            else "fsdp"
+        key = (n, placement)
+        if key not in step_memory:
+          step_memory[key] = _step_memory_gb(cfg, n, tokens, seq, run.remat, placement)
+        if step_memory[key] is None:
+          unmodeled.add(name)
+        else:
+          result.extra["memory_gb"] += step_memory[key]
+      rows.append({"gpus": n, "system": name, "result": result})
+  total = shape.total_params()
+  size = f"{total / 1e9:.2f}B" if total >= 1e9 else f"{total / 1e6:.2f}M"
+  print(f"{shape.name}: {size} parameters, {shape.num_layers} layers; "
         f"{cluster.name}; {tokens:.0f} tokens per GPU, seq {seq}; ms per step")
   hbm_gb = cluster.gpu.hbm_bytes / 1e9
   print(report.table(rows, baseline=systems[0], hbm_gb=hbm_gb))
+  counted = ("parameters, optimizer state, gradients, gathered weights, replicas and codec "
+             "caches")
+  if cfg is not None:
+    counted += (", plus the batch, activations and ep/fssdp exchange buffers of moejax's "
+                "train step (moejax.train.memory, remat and capacities as the config sets)")
+  else:
+    counted += ("; not activations or exchange buffers (a --model shape has no moejax config: "
+                "give --config for them)")
   if report.over_memory(rows, hbm_gb):
-    print(f"note: * needs more memory per GPU than the {cluster.gpu.kind}'s {hbm_gb:.0f} GB "
-          "(parameters, optimizer state, gradients, activations, codec caches and buffers)")
+    print(f"note: * needs more memory per GPU than the {cluster.gpu.kind}'s {hbm_gb:.0f} GB")
+  print(f"note: GB/GPU counts {counted}")
+  if unmodeled:
+    print(f"note: GB/GPU of {', '.join(sorted(unmodeled))} leaves out activations and buffers "
+          "at GPU counts moejax's training refuses for this config (experts or batch not "
+          "dividing)")
   if not calib.calibrated_gpu(cluster.gpu.kind):
     print(f"note: no measured point on {cluster.gpu.kind}: its efficiency is the A100's "
           f"({calib.gpu('a100'):.2f})")

@@ -118,7 +118,16 @@ def retarget(counts_SxLxNxE: np.ndarray, num_experts: int, top_k: int, num_devic
 
 
 def read_metrics(path: str) -> list[dict]:
-  """The records of a run's metrics.jsonl (one JSON object per logged step)."""
+  """The records of a run's metrics.jsonl (one JSON object per logged step); a run's workdir
+  stands for the metrics.jsonl in it."""
+  if os.path.isdir(path):
+    inside = os.path.join(path, "metrics.jsonl")
+    if not os.path.isfile(inside):
+      raise ValueError(f"{path}: a directory without metrics.jsonl (give a run's workdir or its "
+                       "metrics.jsonl)")
+    path = inside
+  if not os.path.isfile(path):
+    raise ValueError(f"{path}: no such file (give a run's workdir or its metrics.jsonl)")
   out = []
   with open(path, encoding="utf-8") as f:
     for number, line in enumerate(f, 1):

@@ -15,7 +15,9 @@ def over_memory(rows: list[dict], hbm_gb: float) -> int:
 
 
 def _memory(gb: float, hbm_gb: float | None) -> str:
-  return f"{gb:.1f}" + ("*" if hbm_gb is not None and gb > hbm_gb else "")
+  # Two significant digits below 1 GB (a tiny preset's figures would all read 0.0).
+  text = f"{gb:.1f}" if gb >= 1 or gb != gb else f"{gb:.2g}"
+  return text + ("*" if hbm_gb is not None and gb > hbm_gb else "")
 
 
 def table(rows: list[dict], baseline: str | None = None, hbm_gb: float | None = None) -> str:

@@ -46,6 +46,9 @@ from moejax.placement.experts import SWIGLU, ExpertFn, run_sorted
 from moejax.sharding.prefetch import recomputes
 
 
+KINDS = ("local", "ep", "fssdp")
+
+
 @dataclasses.dataclass(frozen=True)
 class Dispatch:
   """How the MoE block reaches its experts (static)."""
@@ -64,6 +67,10 @@ class Dispatch:
                                         # the receive buffer; 0 = all (`receive_capacity`)
   packed: bool = False                # ep / fssdp: packed exchange buffers (`ragged_all_to_all`,
                                       # GPU/TPU); else per-destination blocks (any platform)
+
+  def __post_init__(self):
+    if self.kind not in KINDS:
+      raise ValueError(f"Dispatch.kind={self.kind!r}: must be one of {', '.join(KINDS)}")
 
 
 LOCAL = Dispatch()
@@ -85,15 +92,25 @@ EXCHANGE_BUFFERS = ("auto", "blocks", "packed")
 GROWTH, MARGIN = 2.0, 1.25
 
 
-def ep_capacity(num_assignments: int, num_devices: int, capacity_factor: float) -> int:
-  """C: rows per destination of the dispatch buffer (A = dropless when the factor is 0)."""
+def max_rows(tokens: int, top_k: int, experts_held: int) -> int:
+  """The most rows one destination can be sent: a token sends one row per expert it routes to,
+  so at most min(K, the experts that device holds for the layer) of its K go to one device."""
+  return tokens * (min(top_k, experts_held) if experts_held > 0 else top_k)
+
+
+def ep_capacity(num_assignments: int, num_devices: int, capacity_factor: float,
+                most: int | None = None) -> int:
+  """C: rows per destination of the dispatch buffer, at most `most` (`max_rows`; A when not
+  given): the dropless buffer when the factor is 0."""
+  whole = num_assignments if most is None else min(num_assignments, most)
   if capacity_factor <= 0:
-    return num_assignments
-  return min(num_assignments, max(1, math.ceil(capacity_factor * num_assignments / num_devices)))
+    return whole
+  return min(whole, max(1, math.ceil(capacity_factor * num_assignments / num_devices)))
 
 
 def receive_capacity(num_assignments: int, num_devices: int, capacity_factor: float,
-                     receive_factor: float, pieces: int = 1, packed: bool = False) -> int:
+                     receive_factor: float, pieces: int = 1, packed: bool = False,
+                     most: int | None = None) -> int:
   """R: the rows of one piece's receive buffer (N x ceil(C / pieces) rows) a device runs through
   its experts: ceil(receive_factor * A / pieces), at most the buffer; the whole buffer when the
   factor is 0, on one device, or with dropless blocks (C = A; packed buffers hold R rows, so
@@ -106,9 +123,10 @@ def receive_capacity(num_assignments: int, num_devices: int, capacity_factor: fl
   is a dense product), so a buffer of 2 A costs twice the routed work. The filled rows come
   first once sorted by expert, so only the first R go through the experts; a device that
   received more overflows, as a full dispatch buffer does."""
-  c = ep_capacity(num_assignments, num_devices, capacity_factor)
+  c = ep_capacity(num_assignments, num_devices, capacity_factor, most)
   whole = num_devices * -(-c // pieces)
-  if receive_factor <= 0 or num_devices <= 1 or (c >= num_assignments and not packed):
+  dropless = c >= (num_assignments if most is None else min(num_assignments, most))
+  if receive_factor <= 0 or num_devices <= 1 or (dropless and not packed):
     return whole
   return min(whole, max(1, math.ceil(receive_factor * num_assignments / pieces)))
 
@@ -129,12 +147,14 @@ def grown_receive_factor(receive_factor: float, needed_rows: int, num_assignment
 
 
 def grown_capacity_factor(capacity_factor: float, needed_rows: int, num_assignments: int,
-                          num_devices: int) -> float:
+                          num_devices: int, most: int | None = None) -> float:
   """The capacity factor after a step needed `needed_rows` rows at one destination (`_grown`);
-  0 (dropless) once that reaches every assignment."""
-  rows, factor = _grown(ep_capacity(num_assignments, num_devices, capacity_factor), needed_rows,
-                        num_assignments, num_devices)
-  return 0.0 if rows >= num_assignments else factor
+  0 (dropless) once that reaches the most a destination can be sent (`max_rows`; A when not
+  given)."""
+  rows, factor = _grown(ep_capacity(num_assignments, num_devices, capacity_factor, most),
+                        needed_rows, num_assignments, num_devices)
+  return 0.0 if rows >= (num_assignments if most is None else min(num_assignments, most)) else (
+      factor)
 
 
 def combine(y_AxD, weights_TxK):
@@ -166,7 +186,8 @@ def exchange(x_TxD, dest_A, local_id_A, weights_TxK, ws, *, dispatch: Dispatch,
   if size != n:    # a destination past the axis would be dropped without a count
     raise ValueError(f"Dispatch.num_devices={n}, but its axes {dispatch.axis_names} hold {size} "
                      "devices: set num_devices to their size")
-  c = ep_capacity(a, n, dispatch.capacity_factor)
+  most = max_rows(t, k, num_groups)         # a dropless buffer needs no more
+  c = ep_capacity(a, n, dispatch.capacity_factor, most)
   # In `dispatch.chunks` pieces, each out, through the experts and back on its own: nothing ties
   # one piece's exchange to another's experts, so a scheduler can run piece j + 1's exchange
   # under piece j's expert matmuls. A destination's row `pos` goes to piece pos % pieces, at row
@@ -184,7 +205,7 @@ def exchange(x_TxD, dest_A, local_id_A, weights_TxK, ws, *, dispatch: Dispatch,
   # The rows each piece runs through the experts here (`receive_capacity`); rows received past
   # them come back as zeros and count as dropped here (a step under "grow" then reruns).
   computed = receive_capacity(a, n, dispatch.capacity_factor, dispatch.receive_capacity_factor,
-                              pieces, dispatch.packed)
+                              pieces, dispatch.packed, most)
   pieces_of = _packed_pieces if dispatch.packed else _block_pieces
   y_back, slot_A, got = pieces_of(x_AxD, dest_A, pos_A, fits_A, local_id_A,
                                   piece_counts(sent_N, pieces), ws, dispatch=dispatch,
@@ -410,7 +431,7 @@ def ep_experts(x_TxD, experts_TxK, weights_TxK, *ws, dispatch: Dispatch,
 
 def ep_a2a_bytes(tokens_per_device: int, top_k: int, d_model: int, num_devices: int,
                  capacity_factor: float, *, remat: str, itemsize: int = 2,
-                 packed: bool = False) -> float:
+                 packed: bool = False, experts_held: int = 0) -> float:
   """Bytes per device per MoE layer per step moved by the ep all_to_alls (buffer capacity:
   N x C rows; `packed`, the T x K rows a packed send buffer holds, at most C a destination).
 
@@ -419,7 +440,8 @@ def ep_a2a_bytes(tokens_per_device: int, top_k: int, d_model: int, num_devices: 
   matmul) repeats the forward (2).
   """
   n = num_devices
-  c = ep_capacity(tokens_per_device * top_k, n, capacity_factor)
+  c = ep_capacity(tokens_per_device * top_k, n, capacity_factor,
+                  max_rows(tokens_per_device, top_k, experts_held))
   rows = min(n * c, tokens_per_device * top_k) if packed else n * c
   frac = (n - 1) / n
   one = frac * rows * d_model * itemsize

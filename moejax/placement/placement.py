@@ -33,7 +33,7 @@ from moejax.codec import replicas as replicas_lib
 from moejax.errors import ConfigError
 from moejax.placement import fssdp, ownership, planner, reshard
 from moejax.placement.dispatch import (LOCAL, Dispatch, ep_a2a_bytes, ep_capacity,
-                                       receive_capacity)
+                                       max_rows as dispatch_max_rows, receive_capacity)
 from moejax.sharding.gatherer import squeeze_device_axis
 from moejax.sharding.prefetch import recomputes
 
@@ -91,6 +91,21 @@ class Placement:
     """fssdp: C, the most experts of one layer one device may own (the owned window's length)."""
     return self.max_per_layer_setting or ownership.default_max_per_layer(self.num_experts,
                                                                         self.num_devices)
+
+  @property
+  def experts_held(self) -> int:
+    """ep/fssdp: the most experts of one layer a device holds (ep: E / N; fssdp: its owned
+    window and its replica slots), which bounds the rows one destination can be sent
+    (`dispatch.max_rows`); 0 for fsdp."""
+    if self.kind == "ep":
+      return self.num_experts // self.num_devices
+    if self.kind == "fssdp":
+      return self.max_per_layer + self.replica_slots
+    return 0
+
+  def max_rows(self, tokens_per_device: int) -> int:
+    """The most rows one destination can be sent (`dispatch.max_rows`): a dropless buffer."""
+    return dispatch_max_rows(tokens_per_device, self.top_k, self.experts_held)
 
   @property
   def pool_rows(self) -> tuple | None:
@@ -157,14 +172,15 @@ class Placement:
       return 0
     return receive_capacity(tokens_per_device * self.top_k, self.num_devices,
                             self.applied_dispatch_factor, self.applied_receive_factor,
-                            self.dispatch_chunks, self.packed_exchange)
+                            self.dispatch_chunks, self.packed_exchange,
+                            self.max_rows(tokens_per_device))
 
   def dispatch_capacity(self, tokens_per_device: int) -> int:
     """C: the dispatch buffer's rows per destination (ep/fssdp; 0 for fsdp)."""
     if not self.owns_experts:
       return 0
     return ep_capacity(tokens_per_device * self.top_k, self.num_devices,
-                       self.applied_dispatch_factor)
+                       self.applied_dispatch_factor, self.max_rows(tokens_per_device))
 
   def grows_dispatch(self, tokens_per_device: int) -> bool:
     """Whether a step can overflow its buffers and is then rerun with larger ones
@@ -175,7 +191,7 @@ class Placement:
     # (with every received row run, under the cap this placement sends by)
     every_row = dataclasses.replace(self, receive_capacity_factor=0.0,
                                     dispatch_capacity_factor=self.applied_dispatch_factor)
-    return (self.dispatch_capacity(tokens_per_device) < tokens_per_device * self.top_k
+    return (self.dispatch_capacity(tokens_per_device) < self.max_rows(tokens_per_device)
             or self.receive_capacity(tokens_per_device)
             < every_row.receive_capacity(tokens_per_device))
 
@@ -271,7 +287,8 @@ class Placement:
     if self.owns_experts and n > 1:     # fssdp's tokens travel in ep's exchange buffer
       metrics["a2a_bytes"] = self.num_layers * ep_a2a_bytes(
           tokens_per_device, self.top_k, self.d_model, n, self.applied_dispatch_factor,
-          remat=remat, itemsize=self.itemsize, packed=self.packed_exchange)
+          remat=remat, itemsize=self.itemsize, packed=self.packed_exchange,
+          experts_held=self.experts_held)
     if self.kind == "fssdp":
       m, layers = self.replica_slots, self.num_layers
       buffer = (n - 1) / n * n * m * self.expert_bytes

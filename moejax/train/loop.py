@@ -305,7 +305,7 @@ class Trainer:
     if placement.uncapped_sends:
       receive_overflowed = True
     elif needed_rows > rows(old) or not receive_overflowed:
-      new = dispatch_lib.grown_capacity_factor(old, needed_rows, a, n)
+      new = dispatch_lib.grown_capacity_factor(old, needed_rows, a, n, placement.max_rows(t))
     if receive_overflowed:
       new_receive = dispatch_lib.grown_receive_factor(old_receive, receive_rows, a)
     grown = dataclasses.replace(self.cfg, moe=dataclasses.replace(

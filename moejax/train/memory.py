@@ -226,7 +226,7 @@ def memory_report(cfg: Config, num_devices: int, *,
   exchange = 0
   if owns and n > 1:
     pieces = moe.dispatch_chunks
-    cap = ep_capacity(a, n, factor)
+    cap = ep_capacity(a, n, factor, placement.max_rows(tokens))
     # the rows the experts run (`dispatch.receive_capacity`, each piece's)
     computed = placement.receive_capacity(tokens) * pieces
     # Per-destination blocks: N x C rows sent and received. Packed (GPU): the send regions

@@ -181,7 +181,10 @@ def test_block_under_a_callers_shard_map_with_its_type_checks(kind):
     dispatch, specs = LOCAL, jax.tree.map(lambda v: P(), state)
 
   def per_device(state, x):
-    y, aux = nnx.merge(graphdef, state)(x, axis_name="data", dispatch=dispatch)
+    # ep names its axis once: the losses' shares default to the dispatch's axes (each device
+    # summed its own full loss before, 8x the one-device loss in all).
+    y, aux = nnx.merge(graphdef, state)(x, axis_name=None if kind == "ep" else "data",
+                                        dispatch=dispatch)
     return y, aux["aux_loss"][None]       # each device's share of the loss
 
   sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(specs, P("data")),
@@ -208,12 +211,29 @@ def test_block_refuses_bad_calls_by_name():
     with pytest.raises(ValueError, match=message):
       block(x)
   with pytest.raises(ValueError, match="^MoEBlock: dispatch kind 'fssdp' needs materialized="):
-    block(x_BxSxD, dispatch=Dispatch(kind="fssdp"))
+    block(x_BxSxD, dispatch=Dispatch(kind="fssdp", axis_names=("data",)))
   # ep over 16 devices with 8 experts, one per device: destinations past the axis were dropped
   # uncounted (output 4.0 off, aux["dropped"] 0).
   with pytest.raises(ValueError, match="^MoEBlock: ep dispatch over num_devices=16 with 8 "
                                        "experts here makes 128, not the spec's 8"):
     block(x_BxSxD, dispatch=Dispatch(kind="ep", axis_names=("data",), num_devices=16))
+  # An exchange outside shard_map (its axis unbound) was a NameError from deep in the trace; a
+  # kind that does not exist failed at the call, without the valid ones.
+  with pytest.raises(ValueError, match="^MoEBlock: dispatch kind 'ep' exchanges over mesh axis "
+                                       "'data', which is not bound here: call the block inside "
+                                       "jax.shard_map"):
+    block(x_BxSxD, dispatch=Dispatch(kind="ep", axis_names=("data",), num_devices=1))
+  with pytest.raises(ValueError, match="^Dispatch.kind='EP': must be one of local, ep, fssdp"):
+    Dispatch(kind="EP", axis_names=("data",))
+  from flax import nnx
+  from moejax.layers.moe import MoEBlock, finish_aux
+  with pytest.raises(ValueError, match=r"^finish_aux: this aux holds no per-device terms"):
+    finish_aux(block(x_BxSxD)[1], 2)
+  for args, message in (((0, 16, block.spec), "MoEBlock: d_model=0: must be a positive int"),
+                        ((16, 16.0, block.spec), "MoEBlock: expert_hidden=16.0: must be a "),
+                        ((16, 16, {"num_experts": 4}), "MoEBlock: spec must be a moejax.layers")):
+    with pytest.raises(ValueError, match=f"^{message}"):
+      MoEBlock(*args, rngs=nnx.Rngs(0))
 
 
 @pytest.mark.parametrize("sharded", ["tokens", "experts"])

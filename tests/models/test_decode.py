@@ -123,6 +123,22 @@ def test_sampling_is_reproducible_for_a_seed(model, prompt):
   np.testing.assert_array_equal(nucleus_of_one, greedy)
 
 
+def test_ids_past_the_tokenizer_s_vocabulary_are_never_sampled(model, prompt):
+  """A model's vocabulary padded past its tokenizer's (the tiny preset's 320 ids, the bytes'
+  257): ids no text decodes to were sampled at temperature 1 and vanished from the output.
+  With `vocab_limit` none is, at the same logits."""
+  cfg, params = model
+  limit = 257
+  run = functools.partial(decode.generate, cfg, params, prompt, max_new_tokens=NEW,
+                          temperature=5.0)            # a flat distribution reaches every id
+  free, logits = run(seed=0)
+  limited, limited_logits = run(seed=0, vocab_limit=limit)
+  new = np.asarray(free)[:, prompt.shape[1]:]
+  assert cfg.model.vocab_size > limit and (new >= limit).any()      # the premise
+  assert (np.asarray(limited)[:, prompt.shape[1]:] < limit).all()
+  np.testing.assert_array_equal(np.asarray(logits)[:, 0], np.asarray(limited_logits)[:, 0])
+
+
 def test_stops_when_every_row_has_ended(model, prompt):
   cfg, params = model
   greedy, _ = decode.generate(cfg, params, prompt[:1], max_new_tokens=NEW)

@@ -80,3 +80,36 @@ def test_cli_refuses_bad_numbers_config_files_and_metrics_in_one_line(tmp_path, 
   refused([*model, "--metrics", str(tmp_path / "list.jsonl")], "list.jsonl:1: a list")
   (tmp_path / "junk.jsonl").write_text('{"step": 1}\nnot json\n')
   refused([*model, "--metrics", str(tmp_path / "junk.jsonl")], "junk.jsonl:2: not JSON")
+
+
+def test_memory_per_gpu_counts_the_step_s_activations_for_a_config(tmp_path, capsys):
+  """With --config, GB/GPU adds moejax.train.memory's batch, activations and exchange buffers
+  to the model's state, so it grows with the tokens per GPU; with --model it counts the state
+  alone, and the note says which. Paths and counts that cannot be used are refused first."""
+  def memory(argv):
+    assert cli.main([*argv, "--gpus", "8", "--systems", "fsdp,moejax-ep", "--plot", ""]) == 0
+    out = capsys.readouterr().out
+    rows = [r.split() for r in out.splitlines() if r.split()[:1] == ["8"]]
+    return {r[1]: float(r[-1].rstrip("*")) for r in rows}, out
+
+  tiny = ["--config", "configs/olmoe.py:tiny", "--cluster", "h100", "--steps", "2"]
+  small, out = memory([*tiny, "--tokens-per-gpu", "128"])
+  assert "plus the batch, activations and ep/fssdp exchange buffers" in out
+  big, _ = memory([*tiny, "--tokens-per-gpu", "4096", "--seq-len", "256"])
+  assert all(big[s] > small[s] for s in small), (small, big)
+  _, out = memory(["--model", "OLMoE-1B-7B", "--layers", "2", "--steps", "2"])
+  assert "not activations or exchange buffers (a --model shape has no moejax config" in out
+
+  def refused(argv, message):
+    assert cli.main([*argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("error: ") and message in captured.err
+
+  model = ["--model", "OLMoE-1B-7B", "--gpus", "8"]
+  refused([*model, "--layers", "17", "--plot", ""], "--layers=17: OLMoE-1B-7B has 16 layers")
+  refused([*model, "--plot", str(tmp_path / "no" / "p.png")], "--plot ")
+  refused([*model, "--tokens-per-gpu", "0.5", "--plot", ""], "--tokens-per-gpu=0.5")
+  refused([*model, "--gpus", "8,,16", "--plot", ""], "--gpus")
+  refused([*model, "--metrics", str(tmp_path), "--plot", ""], "a directory without metrics.jsonl")
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+  assert cli.main([*model, "--metrics", str(tmp_path), "--plot", "", "--layers", "2"]) == 0

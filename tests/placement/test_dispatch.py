@@ -301,7 +301,7 @@ def test_pieces_share_what_is_sent_whatever_the_fill():
 
 
 def test_packed_buffers_bound_what_a_dropless_exchange_receives():
-  """Dropless blocks (C = T x K) run every received row: their buffer holds them anyway. Packed
+  """Dropless blocks (C = `max_rows`) run every received row: their buffer holds them. Packed
   buffers hold the R rows the experts run, so R bounds them dropless too; and under "grow" the
   placement sends packed buffers uncapped (a cap would only drop rows and rerun), so the step
   can overflow only what a device receives."""
@@ -316,7 +316,9 @@ def test_packed_buffers_bound_what_a_dropless_exchange_receives():
   tokens = cfg.batch_size * cfg.seq_len // 8
   blocks, packed = (placement_for(cfg, 8, 8, packed_exchange=p) for p in (False, True))
   assert blocks.dispatch.capacity_factor == 2.0 and packed.dispatch.capacity_factor == 0.0
-  assert packed.dispatch_capacity(tokens) == tokens * cfg.moe.top_k
+  # uncapped: the most a destination can be sent, one row per token (each device holds one of
+  # the 8 experts: a token's top-2 reach two devices, never two rows to one)
+  assert packed.dispatch_capacity(tokens) == packed.max_rows(tokens) == tokens
   assert blocks.grows_dispatch(tokens) and packed.grows_dispatch(tokens)
   assert packed.receive_capacity(tokens) == blocks.receive_capacity(tokens)
   # grown past the dispatch factor (2.5 x T x K > the blocks' 2 x T x K), R still bounds what a
@@ -336,3 +338,24 @@ def test_packed_buffers_bound_what_a_dropless_exchange_receives():
   one = placement_for(tiny_config(**{"moe.placement": "ep",
                                      "moe.dispatch_capacity_factor": 0.5}), 1, 1)
   assert one.dispatch.capacity_factor == 0.0 and not one.grows_dispatch(tokens * 8)
+
+
+def test_a_dropless_buffer_holds_what_one_destination_can_be_sent():
+  """A token sends one row per expert it routes to, so a destination gets at most T x min(K,
+  the experts it holds) rows: the dropless buffer (and a grown one's cap) is that, not T x K.
+  (That it drops nothing is what the dropless ep and fssdp training tests check against fsdp
+  bit for bit: the tiny preset's 8 experts on 8 devices, top-2, hold one expert a device.)"""
+  from moejax.train.state import placement_for
+  from tests.helpers import tiny_config
+  assert dispatch_lib.max_rows(T, 4, 2) == 2 * T and dispatch_lib.max_rows(T, 4, 0) == 4 * T
+  assert dispatch_lib.ep_capacity(T * 4, N, 0.0, most=2 * T) == 2 * T
+  assert dispatch_lib.ep_capacity(T * 4, N, 8.0, most=2 * T) == 2 * T   # capped there too
+  assert dispatch_lib.grown_capacity_factor(1.0, 2 * T, T * 4, N, most=2 * T) == 0.0
+  cfg = tiny_config(**{"moe.placement": "ep", "moe.dispatch_capacity_factor": 0.0})
+  tokens = cfg.batch_size * cfg.seq_len // 8
+  ep = placement_for(cfg, 8, 8)
+  assert ep.experts_held == 1 and ep.dispatch_capacity(tokens) == tokens
+  assert not ep.grows_dispatch(tokens)
+  fs = placement_for(tiny_config(**{"moe.placement": "fssdp"}), 8, 8)
+  assert fs.experts_held == fs.max_per_layer + fs.replica_slots
+  assert fs.max_rows(tokens) == tokens * min(cfg.moe.top_k, fs.experts_held)

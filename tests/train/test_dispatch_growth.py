@@ -5,7 +5,10 @@ grown size the checkpoint holds.
 
 A one-layer ep model on 8 devices (compiles fast) on the default capacity (factor 2: 64 rows per
 destination for the 256 assignments of a device), which its first step overflows; the one
-growth covers the run (deterministic: fixed seed and data).
+growth covers the run (deterministic: fixed seed and data). 16 experts, two a device: a token's
+top-2 may both reach one device, so a destination may be sent every one of a device's 256 rows
+(with one expert a device it is sent at most 128, `dispatch.max_rows`, and any growth past 128
+is dropless at once).
 """
 import json
 import os
@@ -18,7 +21,7 @@ from tests.helpers import tiny_config
 
 SMALL = {"moe.placement": "ep", "model.num_layers": 1, "remat": "none", "prefetch": False,
          "steps": 4, "log_every": 1, "eval_batches": 1, "checkpoint.every": 2,
-         "moe.dispatch_capacity_factor": 2.0}
+         "moe.dispatch_capacity_factor": 2.0, "moe.num_experts": 16}
 TIMING = ("step_time_s", "tokens_per_s")
 
 

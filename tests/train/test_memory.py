@@ -15,9 +15,11 @@ from tests.helpers import tiny_config
 GB80 = 80 * 10**9          # an 80 GB accelerator (A100/H100-80G)
 
 
-def _1b7b(**moe):
+def _1b7b(batch_size: int | None = None, **moe):
   cd = olmoe_configs.get_config("1b7b")
   cd.moe.update(**moe)
+  if batch_size:
+    cd.batch_size = batch_size
   return from_config_dict(cd)
 
 
@@ -31,13 +33,14 @@ def test_1b7b_full_batch_on_64_devices_fits_80_gb_with_the_default_capacities(pl
   assert 0.99 * whole / 64 < report.components["parameters"] < 1.01 * whole / 64
   assert report.components["optimizer"] == pytest.approx(2 * report.components["parameters"],
                                                          rel=1e-3)
-  if placement != "fsdp":       # bounded buffers: a few percent of the dropless worst case
+  if placement != "fsdp":       # bounded buffers: a fraction of the dropless worst case (N x T
+    # rows: a token sends one row to a device holding one of its experts; ep holds 1 of 64)
     every_row = dict(dispatch_capacity_factor=0.0, receive_capacity_factor=0.0)
     for packed in (True, False):
       dropless = memory_report(_1b7b(placement=placement, **every_row), 64,
                                packed_exchange=packed)
       bounded = memory_report(cfg, 64, packed_exchange=packed)
-      assert 0 < bounded.components["exchange"] < 0.1 * dropless.components["exchange"]
+      assert 0 < bounded.components["exchange"] < 0.3 * dropless.components["exchange"]
     # Packed buffers (the GPU's) apply no dispatch cap under "grow": the same bytes dropless.
     packed_dropless = memory_report(_1b7b(placement=placement, dispatch_capacity_factor=0.0), 64)
     assert packed_dropless.components == report.components
@@ -48,13 +51,14 @@ def test_1b7b_full_batch_on_64_devices_fits_80_gb_with_the_default_capacities(pl
     (False, 0.0, "dispatch_capacity_factor"), (True, 0.0, "dispatch_capacity_factor"),
     (True, 400.0, "receive_capacity_factor")], ids=["blocks", "packed", "packed uncapped"])
 def test_dropless_dispatch_at_scale_does_not_fit_and_stops_with_one_line(packed, receive, bound):
-  """The worst-case buffers (N x T x K rows per device), the default before capacities were
-  bounded: over 100 GiB for ep alone, dropless blocks (the CPU's), or packed buffers (the
-  GPU's) whose experts run every row they may receive, or as many as a receive capacity of 400
-  x T x K lets in (uncapped sends). The error names the field that sizes them (the dispatch cap
-  sizes capped sends' receive buffers; uncapped, the receive capacity), and its bounded setting
-  fits."""
-  cfg = _1b7b(placement="ep", dispatch_capacity_factor=0.0, receive_capacity_factor=receive)
+  """The worst-case buffers (N x T x min(K, experts held) rows per device), the default before
+  capacities were bounded, at 8x the preset's batch (512 x 4096): over 80 GB for ep alone,
+  dropless blocks (the CPU's), or packed buffers (the GPU's) whose experts run every row they
+  may receive, or as many as a receive capacity of 400 x T x K lets in (uncapped sends). The
+  error names the field that sizes them (the dispatch cap sizes capped sends' receive buffers;
+  uncapped, the receive capacity), and its bounded setting fits."""
+  cfg = _1b7b(placement="ep", dispatch_capacity_factor=0.0, receive_capacity_factor=receive,
+              batch_size=512)
   report = memory_report(cfg, 64, packed_exchange=packed)
   assert report.largest == "exchange" and report.components["exchange"] > GB80
   with pytest.raises(ConfigError) as e:
