@@ -1055,10 +1055,17 @@ def unused_settings(c: Config) -> list[str]:
     if value and not c.codec.controlled:
       notes.append(f"config.codec.{field}={value} has no effect: it acts on a codec chosen at "
                    "run time (codec.mode='auto', or a compressed mode with codec.select=True)")
-  if c.codec.capacity_fraction and (c.codec.mode == "off" or c.codec.controlled):
+  if c.codec.capacity_fraction and c.codec.mode == "off":
+    notes.append(f"config.codec.capacity_fraction={c.codec.capacity_fraction} has no effect: "
+                 "codec.mode='off' compresses nothing (it sizes a fixed mode's patches)")
+  elif c.codec.capacity_fraction and c.codec.controlled:
     notes.append(f"config.codec.capacity_fraction={c.codec.capacity_fraction} has no effect: it "
                  "sizes a fixed mode's patches (codec.select=False); auto and select size them "
                  "from measured rates")
+  if c.routing.admission == "reroute" and c.moe.top_k >= c.moe.num_experts:
+    notes.append(f"config.routing.admission='reroute' has no effect beyond 'strict': with "
+                 f"moe.top_k={c.moe.top_k} of moe.num_experts={c.moe.num_experts} every expert "
+                 "is already one of each token's, so a rejected assignment has nowhere to go")
   if c.routing.locality_weight and c.moe.placement != "ep":
     notes.append(f"config.routing.locality_weight={c.routing.locality_weight} has no effect: "
                  f"the locality loss favours experts on a token's node under ep "

@@ -40,7 +40,8 @@ def resolve_shape(shape: tuple, num_devices: int) -> tuple[int, int]:
     shape = tuple(num_devices // known if s == -1 else s for s in shape)
   if int(np.prod(shape)) != num_devices:
     raise ConfigError(f"config.mesh.shape={shape} needs {int(np.prod(shape))} devices, "
-                      f"but {num_devices} are available")
+                      f"but {num_devices} are available ((1, -1), the default, takes them all "
+                      "as one node)")
   return shape
 
 

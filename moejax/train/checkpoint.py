@@ -129,18 +129,22 @@ def _show(value) -> str:
 
 
 def check_compatible(saved: dict, cfg: Config, workdir: str | None = None) -> None:
-  """Raises CheckpointError naming the first field (in config order) that may not differ.
+  """Raises CheckpointError naming every field (in config order) that differs and may not, in
+  one line.
 
   A field missing from an older checkpoint counts as its default value. `workdir`: the run's,
   where its tokenizer is kept: data.tokenizer may then name it by another path
-  (`same_tokenizer`).
-  """
+  (`same_tokenizer`). fssdp.* may differ unless both runs are fssdp (a run of another placement
+  holds no fssdp state)."""
   run = flatten(weights.config_to_dict(cfg))
   saved = flatten(upgrade_saved(saved))
   defaults = flatten(weights.config_to_dict(Config()))
   kept = None if workdir is None else os.path.join(workdir, weights.TOKENIZER_FILE)
+  both_fssdp = (saved.get("moe.placement", defaults["moe.placement"]) == "fssdp"
+                and cfg.moe.placement == "fssdp")
+  differences = []
   for field in [*run, *(k for k in saved if k not in run)]:
-    if _may_differ(field):
+    if _may_differ(field) or (field.startswith("fssdp.") and not both_fssdp):
       continue
     have = saved.get(field, defaults.get(field, _ABSENT))
     want = run.get(field, _ABSENT)
@@ -148,10 +152,13 @@ def check_compatible(saved: dict, cfg: Config, workdir: str | None = None) -> No
       if same_tokenizer(cfg, workdir):
         continue
       if os.path.isfile(kept):
-        raise CheckpointError(f"config.{field}: checkpoint has {_show(have)}, run has "
-                              f"{_show(want)}, not byte for byte the run's {kept} with its EOS")
+        differences.append(f"config.{field}: checkpoint has {_show(have)}, run has "
+                           f"{_show(want)}, not byte for byte the run's {kept} with its EOS")
+        continue
     if have != want:
-      raise CheckpointError(f"config.{field}: checkpoint has {_show(have)}, run has {_show(want)}")
+      differences.append(f"config.{field}: checkpoint has {_show(have)}, run has {_show(want)}")
+  if differences:
+    raise CheckpointError("; ".join(differences))
   have = saved.get("optim.clip_norm", defaults["optim.clip_norm"])
   if (have > 0) != (cfg.optim.clip_norm > 0):
     raise CheckpointError(
@@ -430,7 +437,9 @@ class Checkpointer:
               _check_shapes(feature.name, saved, feature_targets[feature.name])
         except CheckpointError as e:
           raise CheckpointError(f"{where} does not fit this run: {e}; resume with the "
-                                "checkpoint's config or use a new --workdir") from None
+                                "checkpoint's config, or use a new --workdir "
+                                f"(--config.init_from={self.step_path(step)} starts it from "
+                                "these weights)") from None
         try:
           with weights.quiet_failed_reads():
             state, meta = self._restore_state(step, layout, target, feature_targets, saved_json)

@@ -406,6 +406,7 @@ class CodecPolicy:
     if not self.active:
       return None
     self._live_since = step
+    self._continue_log(step)       # a resumed run keeps the decisions logged up to its step
     schedule = (self.restored or {}).get("schedule")
     decided = (self.restored or {}).get("step") is not None
     last = self._restored_choice()
@@ -415,7 +416,6 @@ class CodecPolicy:
       specs, decided_at = last
       self.log(f"codec: step {step}: reinstalled the codec choice of step {decided_at} "
                f"({sum(len(v) for v in specs.values())} parameters compressed)")
-      self._continue_log(step)
       self.decided_at = decided_at
       next_step = decided_at + self.cfg.reselect_every if self.cfg.reselect_every else None
       choice = self._adopt(specs)

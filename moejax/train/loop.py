@@ -658,6 +658,23 @@ def _run(cfg: Config, workdir: str, trainer: Trainer | None, stop_at: int | None
     checkpoints.close()     # waits for the last save to commit
 
 
+# A dispatch dropping more than this share of the assignments (under "drop") is said once.
+DROP_NOTE_SHARE = 0.1
+
+
+def drop_note(step: int, record: dict, cfg: Config) -> str | None:
+  """The line saying a logged step's ep/fssdp dispatch dropped more than `DROP_NOTE_SHARE` of
+  its assignments (moe.dispatch_overflow='drop'; `record`'s ep_dropped_frac), or None."""
+  share = record.get("ep_dropped_frac", 0.0)
+  if share <= DROP_NOTE_SHARE:
+    return None
+  return (f"moejax: note: step {step}: the {cfg.moe.placement} dispatch dropped {share:.1%} of "
+          f"the routed assignments (moe.dispatch_overflow='drop', "
+          f"moe.dispatch_capacity_factor={cfg.moe.dispatch_capacity_factor:g}): those tokens "
+          "skip those experts; a larger factor drops fewer, dispatch_overflow='grow' none "
+          "(ep_dropped_frac in metrics.jsonl)")
+
+
 def _train(cfg: Config, trainer: Trainer, state, data, val_batches, writer, progress,
            checkpoints, policy, compiled, last_step: int, compile_seconds: CompileSeconds,
            stops: StopRequests) -> dict:
@@ -670,6 +687,7 @@ def _train(cfg: Config, trainer: Trainer, state, data, val_batches, writer, prog
     log(f"moejax: the checkpoint is at step {first_step - 1}, config.steps={cfg.steps}: "
         "nothing to train")
   first_step_time = 0.0
+  noted_drops = False
   reshard_moved = None
   clipped = cfg.optim.clip_norm > 0
   epoch = data.train.epoch_read
@@ -726,6 +744,9 @@ def _train(cfg: Config, trainer: Trainer, state, data, val_batches, writer, prog
       if evaluate and val_batches is not None:
         record["val_loss"] = trainer.evaluate(state.params, val_batches, state.placement)
       writer.write(record)
+      if not noted_drops and (note := drop_note(step, record, cfg)):
+        noted_drops = True
+        log(note)
       progress.update(step, record, (cfg.steps - step) * step_time)
       t_log, steps_since_log = time.perf_counter(), 0
       compile_seconds.take()               # the evaluation's compile was not the steps'

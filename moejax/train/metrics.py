@@ -92,7 +92,21 @@ def progress_line(step: int, total: int, record: dict, eta_s: float) -> str:
   val_text = f"{val:.3f}" if val is not None else "-"
   return (f"step {step:>6d}/{total} | loss {record['loss']:.3f} | val {val_text} | "
           f"{_tokens_per_s(record['tokens_per_s'])} | {record['step_time_s']:.3f} s/step | "
-          f"ETA {datetime.timedelta(seconds=int(eta_s))}")
+          f"ETA {datetime.timedelta(seconds=int(eta_s))}" + extras(record))
+
+
+def extras(record: dict) -> str:
+  """What a run's modes change, where they are on: the codec's gather bytes against plain and
+  how many of its compressed parameter rows fell back to a plain gather this step; the share of
+  assignments ep/fssdp dispatch dropped (moe.dispatch_overflow='drop')."""
+  out = ""
+  if record.get("codec_rows"):
+    ratio = record["gather_bytes"] / max(record["gather_bytes_plain"], 1.0)
+    out += (f" | gather {ratio:.2f}x plain, {int(record['codec_fallbacks'])}/"
+            f"{int(record['codec_rows'])} fell back")
+  if record.get("ep_dropped_frac"):
+    out += f" | dispatch dropped {record['ep_dropped_frac']:.1%}"
+  return out
 
 
 class Progress:
@@ -123,7 +137,7 @@ class Progress:
       return
     val = record.get("val_loss")
     status = (f"loss {record['loss']:.3f}" + (f" | val {val:.3f}" if val is not None else "")
-              + f" | {_tokens_per_s(record['tokens_per_s'])}")
+              + f" | {_tokens_per_s(record['tokens_per_s'])}" + extras(record))
     self._bar.update(self._task, completed=step, status=status)
 
   def close(self) -> None:

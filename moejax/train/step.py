@@ -168,6 +168,8 @@ def gather_metrics(cfg: Config, lay: StateLayout, stats: dict) -> dict:
     metrics["block_change_rate"] = total["block_changes"] / max(blocks, 1)
     metrics["codec_fallbacks"] = total["fallback"]
     metrics["codec_params"] = float(sum(len(v) for v in lay.gatherer.specs.values()))
+    # codec_fallbacks counts these (a parameter per layer): their share fell back this step
+    metrics["codec_rows"] = float(len(lay.gatherer.param_rows()))
     metrics.update(lay.gatherer.codec_metrics(param_stats))
     for report, g in by_group.items():
       metrics[f"codec/{report}/bytes_sent"] = g["bytes_sent"]

@@ -1,6 +1,7 @@
 """The codec controller's pieces without a train step: the choice per parameter from measured rates
 (modes, budget, hysteresis), the gatherer it builds, the mesh profile, the config fields."""
 import dataclasses
+import json
 
 import jax
 import numpy as np
@@ -168,7 +169,7 @@ def test_a_saved_schedule_of_other_shapes_is_set_aside(gatherer):
   assert int(policy._acc[0].sum()) == 4 * r * k
 
 
-def test_a_restored_choice_outside_this_runs_codec_config_is_decided_afresh(gatherer):
+def test_a_restored_choice_outside_this_runs_codec_config_is_decided_afresh(gatherer, tmp_path):
   """A resume may change codec.*: a checkpoint's choice that compresses with a mode the run's
   codec.mode does not allow, or keeps caches over its codec.cache_budget_bytes, was reinstalled
   silently (and with reselect_every=0 kept for good). Now one line says why, and the run
@@ -189,11 +190,17 @@ def test_a_restored_choice_outside_this_runs_codec_config_is_decided_afresh(gath
              "'profile'", {**priced_by}),
             (dict(capacity_margin=2.0), "codec.capacity_margin=1.25, this run's is 2.0",
              {**priced_by})]
+  # Either way the run's decision log keeps the decisions up to the step it resumes at (a fresh
+  # decision rewrote the file with its own alone).
+  logged = {"decisions": [{"step": 2}, {"step": 5}, {"step": 8}]}
   for overrides, why, *priced in cases:
     lines = []
+    workdir = tmp_path / f"w{len(list(tmp_path.iterdir()))}"
+    workdir.mkdir()
+    (workdir / codec_control.SELECTION_FILE).write_text(json.dumps(logged))
     policy = codec_control.CodecPolicy(
         gatherer, mesh, _codec(**{"reselect_every": 0, "comm_model": "bytes", **overrides}),
-        log=lines.append, comm=BYTES)
+        log=lines.append, comm=BYTES, workdir=str(workdir))
     policy.restored = dict(saved, **({"priced_by": priced[0]} if priced else {}))
     choice = policy.start(5, params=None)
     if why is None:
@@ -202,6 +209,7 @@ def test_a_restored_choice_outside_this_runs_codec_config_is_decided_afresh(gath
     else:
       assert len(lines) == 1 and why in lines[0] and "deciding afresh" in lines[0], lines
       assert choice is None and policy._next is not None     # a decision comes after all
+    assert [d["step"] for d in policy.decisions] == [2, 5]
 
 
 def test_a_fixed_mode_that_keeps_falling_back_is_said_once():

@@ -318,6 +318,19 @@ def test_which_fields_may_differ_on_resume():
     with pytest.raises(CheckpointError) as e:
       ckpt.check_compatible(saved, tiny_config(**{field: value}))
     assert str(e.value) == message
+  # Every field that differs, in one line (one try names them all).
+  with pytest.raises(CheckpointError) as e:
+    ckpt.check_compatible(saved, tiny_config(**{"moe.num_experts": 16, "seed": 1}))
+  assert str(e.value) == ("config.moe.num_experts: checkpoint has 8, run has 16; config.seed: "
+                          "checkpoint has 0, run has 1")
+  # fssdp.* held no state in a run of another placement: a move to fssdp may set them; between
+  # two fssdp runs they stay.
+  ckpt.check_compatible(saved, tiny_config(**{"moe.placement": "fssdp",
+                                              "fssdp.reshard_every": 5}))
+  fssdp_saved = weights.config_to_dict(tiny_config(**{"moe.placement": "fssdp"}))
+  with pytest.raises(CheckpointError, match=r"^config.fssdp.reshard_every: checkpoint has"):
+    ckpt.check_compatible(fssdp_saved, tiny_config(**{"moe.placement": "fssdp",
+                                                      "fssdp.reshard_every": 5}))
   # A field an older checkpoint does not have counts as its default value.
   del saved["routing"]["locality_weight"]
   ckpt.check_compatible(saved, tiny_config())
