@@ -94,26 +94,6 @@ def _systems(args, cfg) -> list[str]:
   return names
 
 
-def _step_memory_gb(cfg, n: int, tokens: float, seq: int, remat: bool, placement: str):
-  """GB per GPU of what the perf model's `memory_gb` (model state, gathered weights, replicas,
-  caches) leaves out: the batch, activations and, for ep/fssdp, the exchange buffers, from
-  `moejax.train.memory.memory_report` of the config at this batch (`tokens` per GPU, as
-  sequences of at most `seq`) on `n` GPUs; None where training would refuse it there."""
-  from moejax.errors import MoejaxError
-  from moejax.train.memory import memory_report
-  seq_len = int(min(seq, tokens))
-  per_gpu = max(1, round(tokens / seq_len))
-  moe = dataclasses.replace(cfg.moe, placement=placement)
-  at = dataclasses.replace(cfg, batch_size=per_gpu * n, seq_len=seq_len, moe=moe,
-                           remat=cfg.remat if remat else "none")
-  try:
-    r = memory_report(at, n, packed_exchange=cfg.moe.exchange_buffers != "blocks")
-  except (MoejaxError, ValueError):
-    return None
-  c = r.components
-  return (c["batch"] + c["activations"] + (c["exchange"] if placement != "fsdp" else 0)) / 1e9
-
-
 def main(argv=None) -> int:
   args = _parser().parse_args(argv)
   try:
@@ -188,8 +168,6 @@ def _run(args) -> int:
     except ValueError:
       skew = None
   rows = []
-  step_memory: dict = {}      # (gpus, placement) -> GB of batch, activations, exchange
-  unmodeled: set = set()
   for n in gpus:
     run = Run(n, tokens, seq, remat=not args.no_remat)
     trace = None
@@ -206,39 +184,24 @@ def _run(args) -> int:
         kw["ratios"] = ratios
       elif system.codec in cd.CACHE_BYTES_PER_VALUE:
         kw["ratios"] = cd.measured(system.codec, args.codec_regime)
-      result = step_time(shape, cluster, run, system, calib, **kw)
-      if cfg is not None and "memory_gb" in result.extra:
-        placement = ("fssdp" if name == "moejax-fssdp" else "ep") if system.family == "ep" \
-            else "fsdp"
-        key = (n, placement)
-        if key not in step_memory:
-          step_memory[key] = _step_memory_gb(cfg, n, tokens, seq, run.remat, placement)
-        if step_memory[key] is None:
-          unmodeled.add(name)
-        else:
-          result.extra["memory_gb"] += step_memory[key]
-      rows.append({"gpus": n, "system": name, "result": result})
+      rows.append({"gpus": n, "system": name, "result": step_time(shape, cluster, run, system,
+                                                                 calib, **kw)})
   total = shape.total_params()
   size = f"{total / 1e9:.2f}B" if total >= 1e9 else f"{total / 1e6:.2f}M"
   print(f"{shape.name}: {size} parameters, {shape.num_layers} layers; "
         f"{cluster.name}; {tokens:.0f} tokens per GPU, seq {seq}; ms per step")
   hbm_gb = cluster.gpu.hbm_bytes / 1e9
   print(report.table(rows, baseline=systems[0], hbm_gb=hbm_gb))
-  counted = ("parameters, optimizer state, gradients, gathered weights, replicas and codec "
-             "caches")
-  if cfg is not None:
-    counted += (", plus the batch, activations and ep/fssdp exchange buffers of moejax's "
-                "train step (moejax.train.memory, remat and capacities as the config sets)")
-  else:
-    counted += ("; not activations or exchange buffers (a --model shape has no moejax config: "
-                "give --config for them)")
   if report.over_memory(rows, hbm_gb):
-    print(f"note: * needs more memory per GPU than the {cluster.gpu.kind}'s {hbm_gb:.0f} GB")
-  print(f"note: GB/GPU counts {counted}")
-  if unmodeled:
-    print(f"note: GB/GPU of {', '.join(sorted(unmodeled))} leaves out activations and buffers "
-          "at GPU counts moejax's training refuses for this config (experts or batch not "
-          "dividing)")
+    print(f"note: * the state alone needs more memory per GPU than the {cluster.gpu.kind}'s "
+          f"{hbm_gb:.0f} GB")
+  # Activations and exchange buffers come from moejax.train.memory, which plans moejax's own
+  # step from a config (train imports perf: perf does not import it back).
+  full = ("python train.py --config FILE:PRESET --memory_on_devices=N" if cfg is None
+          else f"python train.py --config {args.config} --memory_on_devices=N")
+  print("note: GB/GPU is the state: parameters, optimizer state, gradients, gathered weights, "
+        f"replicas and codec caches; activations and exchange buffers come on top ({full} "
+        "gives moejax's step whole, by component)")
   if not calib.calibrated_gpu(cluster.gpu.kind):
     print(f"note: no measured point on {cluster.gpu.kind}: its efficiency is the A100's "
           f"({calib.gpu('a100'):.2f})")

@@ -24,7 +24,7 @@ def test_cli_table_and_plot(tmp_path, capsys):
             if r.split()[:1] in (["8"], ["64"])}
   assert memory["8"].endswith("*") and float(memory["8"][:-1]) > 80
   assert not memory["64"].endswith("*") and float(memory["64"]) < 80
-  assert "note: * needs more memory per GPU than the h100's 80 GB" in out
+  assert "note: * the state alone needs more memory per GPU than the h100's 80 GB" in out
 
 
 def test_cli_preset_with_metrics_and_ep(tmp_path, capsys):
@@ -82,23 +82,27 @@ def test_cli_refuses_bad_numbers_config_files_and_metrics_in_one_line(tmp_path, 
   refused([*model, "--metrics", str(tmp_path / "junk.jsonl")], "junk.jsonl:2: not JSON")
 
 
-def test_memory_per_gpu_counts_the_step_s_activations_for_a_config(tmp_path, capsys):
-  """With --config, GB/GPU adds moejax.train.memory's batch, activations and exchange buffers
-  to the model's state, so it grows with the tokens per GPU; with --model it counts the state
-  alone, and the note says which. Paths and counts that cannot be used are refused first."""
+def test_memory_per_gpu_says_what_it_counts_and_bad_paths_and_counts_are_refused(tmp_path,
+                                                                                  capsys):
+  """GB/GPU is the model state (no activations: it does not grow with the tokens per GPU), and
+  the note says so and where the whole step's memory comes from, where it used to claim
+  activations and buffers; small models read in two digits, not 0.0. Paths and counts that
+  cannot be used are refused before anything is computed."""
   def memory(argv):
     assert cli.main([*argv, "--gpus", "8", "--systems", "fsdp,moejax-ep", "--plot", ""]) == 0
     out = capsys.readouterr().out
     rows = [r.split() for r in out.splitlines() if r.split()[:1] == ["8"]]
-    return {r[1]: float(r[-1].rstrip("*")) for r in rows}, out
+    return {r[1]: r[-1] for r in rows}, out
 
   tiny = ["--config", "configs/olmoe.py:tiny", "--cluster", "h100", "--steps", "2"]
   small, out = memory([*tiny, "--tokens-per-gpu", "128"])
-  assert "plus the batch, activations and ep/fssdp exchange buffers" in out
+  assert "note: GB/GPU is the state: parameters, optimizer state" in out
+  assert ("python train.py --config configs/olmoe.py:tiny --memory_on_devices=N gives moejax's "
+          "step whole") in out
+  assert "0.27M parameters" in out.splitlines()[0]
+  assert all(float(v) > 0 for v in small.values()), small
   big, _ = memory([*tiny, "--tokens-per-gpu", "4096", "--seq-len", "256"])
-  assert all(big[s] > small[s] for s in small), (small, big)
-  _, out = memory(["--model", "OLMoE-1B-7B", "--layers", "2", "--steps", "2"])
-  assert "not activations or exchange buffers (a --model shape has no moejax config" in out
+  assert big == small
 
   def refused(argv, message):
     assert cli.main([*argv]) == 2

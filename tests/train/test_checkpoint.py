@@ -491,9 +491,11 @@ def test_a_checkpoint_whose_arrays_do_not_fit_the_run_is_refused_by_path(
   with pytest.raises(CheckpointError) as e:
     checkpoints.restore(run_layout, run_tx)
   checkpoints.close()
-  assert re.fullmatch(f"checkpoint {re.escape(str(tmp_path))}/checkpoints/3 \\(step 3\\) does not fit this "
-                      f"run: {message}; resume with the checkpoint's config or use a new "
-                      "--workdir", str(e.value)), str(e.value)
+  step3 = re.escape(f"{tmp_path}/checkpoints/3")
+  assert re.fullmatch(f"checkpoint {step3} \\(step 3\\) does not fit this run: {message}; resume "
+                      "with the checkpoint's config, or use a new --workdir "
+                      f"\\(--config.init_from={step3} starts it from these weights\\)",
+                      str(e.value)), str(e.value)
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["3"]
 
 
