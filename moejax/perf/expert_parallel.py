@@ -11,7 +11,8 @@ Per MoE layer, forward (each op on the critical GPU: the slowest device, the bus
   dispatch all-to-all   tokens to the devices holding their experts (bf16 rows of width D)
   shared experts        compute, overlapping the dispatch
   experts               the busiest device's assignments; the excess over the mean is straggler
-  combine all-to-all
+  combine all-to-all    (as dispatch's: the busiest link's excess over an even exchange is
+                        straggler too)
 Backward in reverse: [remat: the forward again], combine's transpose, expert backward, dispatch's
 transpose, [replicas: SparseReduceScatter of replica gradients, fp32, overlapping attention's
 backward], attention backward, then the dense gradients: all-reduced on their own stream (dp)
