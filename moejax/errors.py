@@ -23,7 +23,13 @@ class DataError(MoejaxError):
 
 
 class CheckpointError(MoejaxError):
-  """A checkpoint cannot be read, is incomplete, or does not match the config."""
+  """A checkpoint cannot be read, is incomplete, or does not match the config.
+  `weights_differ`: the config's model differs from the checkpoint's (its weights would not fit
+  the run either), where known."""
+
+  def __init__(self, message: str, weights_differ: bool = True):
+    super().__init__(message)
+    self.weights_differ = weights_differ
 
 
 class TrainingError(MoejaxError):

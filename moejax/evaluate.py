@@ -144,8 +144,8 @@ def _why_not_finite(params) -> str:
     if not np.all(np.isfinite(np.asarray(leaf, np.float32))):
       return (f"parameter {jax.tree_util.keystr(path)} holds non-finite values (evaluate "
               "another step with --step)")
-  return ("every parameter is finite: the logits overflowed on this data (a diverged model, "
-          "or data unlike its training corpus)")
+  return ("every parameter is finite: the forward pass overflowed on this data (logits or "
+          "activations: a diverged model, or data unlike its training corpus)")
 
 
 def run(args) -> dict:

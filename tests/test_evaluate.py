@@ -107,7 +107,7 @@ def test_a_non_finite_loss_is_an_error_naming_its_source(trained, monkeypatch, c
 
   for name, fill, message in (
       ("embed", np.nan, "parameter ['embed'] holds non-finite values"),
-      ("lm_head", 3e38, "every parameter is finite: the logits overflowed")):
+      ("lm_head", 3e38, "every parameter is finite: the forward pass overflowed")):
     monkeypatch.setattr(checkpoint_io, "load_model", with_leaf(name, fill))
     assert evaluate.main([str(trained), "--data", "builtin", "--split", "val"]) == 2
     captured = capsys.readouterr()

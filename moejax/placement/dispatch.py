@@ -71,6 +71,9 @@ class Dispatch:
   def __post_init__(self):
     if self.kind not in KINDS:
       raise ValueError(f"Dispatch.kind={self.kind!r}: must be one of {', '.join(KINDS)}")
+    if self.kind != "local" and not self.axis_names:
+      raise ValueError(f"Dispatch.kind={self.kind!r} needs axis_names: the mesh axes its "
+                       "devices span, which it exchanges over")
 
 
 LOCAL = Dispatch()
@@ -179,7 +182,10 @@ def exchange(x_TxD, dest_A, local_id_A, weights_TxK, ws, *, dispatch: Dispatch,
   result back. Returns (y_TxD fp32, assignments dropped for lack of buffer room here (a full
   dispatch buffer's at the sender, rows received past `receive_capacity` here), rows received
   here, `Needed` here; their max over the devices is what the buffers needed, taken after the
-  layers, `fssdp.finish_placement`: no collective for telemetry in the layer)."""
+  layers, `fssdp.finish_placement`: no collective for telemetry in the layer). A token's K
+  assignments name distinct experts (top-k does, and admission's reroute keeps them distinct):
+  a destination is then sent at most T x min(K, num_groups) rows, the dropless buffer
+  (`max_rows`); repeated experts in one token's row could overflow it."""
   t, k = weights_TxK.shape
   n, a, d = dispatch.num_devices, t * k, x_TxD.shape[-1]
   size = math.prod(lax.axis_size(name) for name in dispatch.axis_names)

@@ -84,6 +84,8 @@ class Placement:
   replica_codec: Any = None           # fssdp: `codec.replicas.ReplicaCodec`; None = plain
   expert_values: int = 0              # values of one expert (`config.expert_values`); 0: its
                                       # three matrices
+  rows_leave_tokens: bool = False     # the exchange sees each assignment as a token of its own
+                                      # (moe.weights_on_input): no per-token bound it can see
 
   # -- static ------------------------------------------------------------------------------------
   @property
@@ -104,7 +106,11 @@ class Placement:
     return 0
 
   def max_rows(self, tokens_per_device: int) -> int:
-    """The most rows one destination can be sent (`dispatch.max_rows`): a dropless buffer."""
+    """The most rows one destination can be sent (`dispatch.max_rows`): a dropless buffer. With
+    `rows_leave_tokens` the exchange gets T x K rows of one assignment each and bounds them by
+    T x K, so this does too (the two must agree on what is dropless)."""
+    if self.rows_leave_tokens:
+      return tokens_per_device * self.top_k
     return dispatch_max_rows(tokens_per_device, self.top_k, self.experts_held)
 
   @property
@@ -184,7 +190,7 @@ class Placement:
 
   def grows_dispatch(self, tokens_per_device: int) -> bool:
     """Whether a step can overflow its buffers and is then rerun with larger ones
-    (dispatch_overflow "grow"): a destination's rows past C (below the dropless T x K), or a
+    (dispatch_overflow "grow"): a destination's rows past C (below the dropless `max_rows`), or a
     device's received rows past the rows its experts run (`receive_capacity`)."""
     if not (self.owns_experts and self.num_devices > 1 and self.dispatch_overflow == "grow"):
       return False

@@ -143,6 +143,7 @@ def check_compatible(saved: dict, cfg: Config, workdir: str | None = None) -> No
   both_fssdp = (saved.get("moe.placement", defaults["moe.placement"]) == "fssdp"
                 and cfg.moe.placement == "fssdp")
   differences = []
+  shaped = False          # a model.* or moe.* field: init_from would refuse these weights too
   for field in [*run, *(k for k in saved if k not in run)]:
     if _may_differ(field) or (field.startswith("fssdp.") and not both_fssdp):
       continue
@@ -157,16 +158,17 @@ def check_compatible(saved: dict, cfg: Config, workdir: str | None = None) -> No
         continue
     if have != want:
       differences.append(f"config.{field}: checkpoint has {_show(have)}, run has {_show(want)}")
-  if differences:
-    raise CheckpointError("; ".join(differences))
+      shaped = shaped or field.startswith(("model.", "moe."))
   have = saved.get("optim.clip_norm", defaults["optim.clip_norm"])
   if (have > 0) != (cfg.optim.clip_norm > 0):
-    raise CheckpointError(
+    differences.append(
         f"config.optim.clip_norm: checkpoint has {_show(have)}, run has "
         f"{_show(cfg.optim.clip_norm)}: clipping switched {'off' if have > 0 else 'on'} changes "
         "the optimizer state's structure; keep it "
         f"{'on (any value > 0)' if have > 0 else 'off (0)'}, or start a new workdir from these "
         "weights (--config.init_from=CHECKPOINT)")
+  if differences:
+    raise CheckpointError("; ".join(differences), weights_differ=shaped)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -436,10 +438,12 @@ class Checkpointer:
               feature_targets[feature.name] = feature.target(_shapes(saved))
               _check_shapes(feature.name, saved, feature_targets[feature.name])
         except CheckpointError as e:
+          # init_from takes the weights alone: offered unless the model's shape or options
+          # differ, which it refuses as well
+          start = ("" if getattr(e, "weights_differ", True) else
+                   f" (--config.init_from={self.step_path(step)} starts it from these weights)")
           raise CheckpointError(f"{where} does not fit this run: {e}; resume with the "
-                                "checkpoint's config, or use a new --workdir "
-                                f"(--config.init_from={self.step_path(step)} starts it from "
-                                "these weights)") from None
+                                f"checkpoint's config, or use a new --workdir{start}") from None
         try:
           with weights.quiet_failed_reads():
             state, meta = self._restore_state(step, layout, target, feature_targets, saved_json)

@@ -668,11 +668,14 @@ def drop_note(step: int, record: dict, cfg: Config) -> str | None:
   share = record.get("ep_dropped_frac", 0.0)
   if share <= DROP_NOTE_SHARE:
     return None
-  return (f"moejax: note: step {step}: the {cfg.moe.placement} dispatch dropped {share:.1%} of "
-          f"the routed assignments (moe.dispatch_overflow='drop', "
-          f"moe.dispatch_capacity_factor={cfg.moe.dispatch_capacity_factor:g}): those tokens "
-          "skip those experts; a larger factor drops fewer, dispatch_overflow='grow' none "
-          "(ep_dropped_frac in metrics.jsonl)")
+  head = (f"moejax: note: step {step}: the {cfg.moe.placement} dispatch dropped {share:.1%} of "
+          f"the routed assignments (moe.dispatch_overflow={cfg.moe.dispatch_overflow!r}, "
+          f"moe.dispatch_capacity_factor={cfg.moe.dispatch_capacity_factor:g})")
+  if cfg.moe.dispatch_overflow != "drop":    # a step that drops is rerun larger: never here
+    return (f"{head}, which should have grown the buffers and rerun the step: a bug worth "
+            "reporting with this config")
+  return (f"{head}: those tokens skip those experts; a larger factor drops fewer, "
+          "dispatch_overflow='grow' none (ep_dropped_frac in metrics.jsonl)")
 
 
 def _train(cfg: Config, trainer: Trainer, state, data, val_batches, writer, progress,

@@ -92,7 +92,8 @@ def placement_for(cfg: Config, num_devices_: int, devices_per_node: int,
                    calibrate=f.calibrate, window=f.window, max_per_layer_setting=f.max_per_layer,
                    expert_paths=axes.expert_paths(param_meta), pools=fssdp_pools(cfg),
                    itemsize=jnp.dtype(hook.COMPUTE_DTYPES[cfg.compute_dtype]).itemsize,
-                   replica_codec=replica_codec_of(cfg), packed_exchange=packed_exchange)
+                   replica_codec=replica_codec_of(cfg), packed_exchange=packed_exchange,
+                   rows_leave_tokens=moe.weights_on_input)
 
 
 def fssdp_pools(cfg: Config) -> tuple:

@@ -2,6 +2,7 @@
 results and counts what it drops; each platform lowers its own exchange (XLA:CPU the whole
 buffer's `all_to_all`, GPU `ragged_all_to_all` of the filled rows, forward and backward); the
 GPU's packed buffers (`Dispatch.packed`, ragged only, emulated here) give the blocks' bits."""
+import dataclasses
 import functools
 import math
 
@@ -359,3 +360,36 @@ def test_a_dropless_buffer_holds_what_one_destination_can_be_sent():
   fs = placement_for(tiny_config(**{"moe.placement": "fssdp"}), 8, 8)
   assert fs.experts_held == fs.max_per_layer + fs.replica_slots
   assert fs.max_rows(tokens) == tokens * min(cfg.moe.top_k, fs.experts_held)
+
+
+@pytest.mark.parametrize("weights_on_input", [False, True])
+def test_a_step_drops_rows_only_where_its_placement_grows_and_reruns_it(weights_on_input):
+  """The Placement (what the Trainer grows and reruns, the memory report) and the exchange must
+  agree on what is dropless. With moe.weights_on_input the exchange sees T x K rows of one
+  assignment each, so it bounds a destination by T x K; a Placement bounding it by T x min(K,
+  experts held) called the buffer dropless while the exchange dropped 24% of the rows, applied
+  under "grow" with no rerun. Every token routes to experts 0 and 1 (a zero router): device 0
+  and 1 receive every token's rows."""
+  from flax import nnx
+  from jax.sharding import PartitionSpec as P
+  from moejax.layers.moe import MoEBlock, MoESpec
+  from moejax.train.state import placement_for
+  from tests.helpers import tiny_config
+  cfg = tiny_config(**{"moe.placement": "ep", "moe.weights_on_input": weights_on_input,
+                       "moe.dispatch_capacity_factor": 4.0, "moe.receive_capacity_factor": 1.25})
+  tokens = 8 * 5                                   # per device: x [64, 5, D] over 8 devices
+  placement = placement_for(cfg, N, N)
+  dispatch = dataclasses.replace(placement.dispatch, axis_names=("data",))
+  mesh = jax.make_mesh((N,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  block = MoEBlock(32, 48, MoESpec(8, 2, weights_on_input=weights_on_input), rngs=nnx.Rngs(0))
+  block.router[...] = jnp.zeros_like(block.router[...])
+  graphdef, state = nnx.split(block)
+  specs = jax.tree.map(lambda v: P("data") if v.ndim == 3 else P(), state)
+
+  def per_device(state, x):
+    return nnx.merge(graphdef, state)(x, dispatch=dispatch)[1]["dropped"][None]
+
+  dropped = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(specs, P("data")),
+                                  out_specs=P("data")))(state, jnp.ones((64, 5, 32)))
+  assert int(np.sum(dropped)) == 0 or placement.grows_dispatch(tokens), np.asarray(dropped)
+  assert placement.max_rows(tokens) == tokens * (2 if weights_on_input else 1)

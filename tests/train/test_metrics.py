@@ -47,3 +47,8 @@ def test_a_dispatch_dropping_a_large_share_is_said():
   assert note.startswith("moejax: note: step 3: the ep dispatch dropped 94.0% of the routed "
                          "assignments (moe.dispatch_overflow='drop', "
                          "moe.dispatch_capacity_factor=0.05)")
+  # Under "grow" a step that drops is rerun with larger buffers: a drop logged there is a bug,
+  # said as one, not advice to switch to the setting the run has.
+  grow = tiny_config(**{"moe.placement": "ep", "moe.dispatch_capacity_factor": 0.05})
+  note = drop_note(3, {"ep_dropped_frac": 0.5}, grow)
+  assert "moe.dispatch_overflow='grow'" in note and "a bug worth reporting" in note
