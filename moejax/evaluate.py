@@ -138,12 +138,10 @@ def perplexity(loss: float) -> float:
 
 def _why_not_finite(params) -> str:
   """Where a non-finite loss comes from: the first non-finite parameter, or the data."""
-  import jax
-  import numpy as np
-  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-    if not np.all(np.isfinite(np.asarray(leaf, np.float32))):
-      return (f"parameter {jax.tree_util.keystr(path)} holds non-finite values (evaluate "
-              "another step with --step)")
+  from moejax.weights import first_non_finite
+  bad = first_non_finite(params)
+  if bad is not None:
+    return f"parameter {bad} holds non-finite values (evaluate another step with --step)"
   return ("every parameter is finite: the forward pass overflowed on this data (logits or "
           "activations: a diverged model, or data unlike its training corpus)")
 

@@ -108,7 +108,9 @@ def tokenizer_of(cfg: Config) -> str:
   if found is None:
     raise CheckpointError(f"config.data.tokenizer={TOKENIZER_FROM_WEIGHTS!r}: no {TOKENIZER_FILE} "
                           f"beside config.init_from={cfg.init_from!r}; copy the model's "
-                          "tokenizer.json there or set config.data.tokenizer to its path")
+                          "tokenizer.json there or set config.data.tokenizer to its path (or "
+                          "to 'bytes' for weights trained on bytes, as moejax's to-hf says of "
+                          "them)")
   return found
 
 
@@ -251,6 +253,15 @@ def one_line(e: BaseException) -> str:
   text = " ".join(str(e).split())
   text = text if len(text) <= 300 else text[:297] + "..."
   return text if isinstance(e, MoejaxError) else f"{type(e).__name__}: {text}"
+
+
+def first_non_finite(params) -> str | None:
+  """The path (`jax.tree_util.keystr`) of the first parameter holding a NaN or an infinity, or
+  None: host arrays, any float dtype."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    if not np.all(np.isfinite(np.asarray(leaf, np.float32))):
+      return jax.tree_util.keystr(path)
+  return None
 
 
 def check_new_dir(out_dir: str) -> str:

@@ -18,7 +18,7 @@ import re
 import sys
 
 from moejax.config import num_params
-from moejax.errors import run_command
+from moejax.errors import CheckpointError, run_command
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -48,6 +48,16 @@ def from_hf(args) -> None:
   hf_config = hf.read_hf_config(args.hf_dir)
   cfg, params = hf.load_hf(args.hf_dir, progress=lambda line: print(line, file=sys.stderr,
                                                                      flush=True))
+  # What would make the output unusable is refused before anything is written: a tokenizer
+  # that does not load or does not fit the model, weights that are not finite.
+  tokenizer = os.path.join(args.hf_dir, "tokenizer.json")
+  if os.path.isfile(tokenizer):
+    from moejax.data.tokenizer import check_vocab, load_tokenizer
+    check_vocab(load_tokenizer(tokenizer), cfg.model.vocab_size)
+  bad = weights.first_non_finite(params)
+  if bad is not None:
+    raise CheckpointError(f"{args.hf_dir}: parameter {bad} holds NaN or infinite values: these "
+                          "weights would train to NaN; nothing was written")
   from moejax.convert import checkpoint_io   # orbax: imported once there is something to save
   checkpoint_io.save_params(args.out_dir, cfg, params, hf_config=hf_config,
                             source=os.path.abspath(args.hf_dir))

@@ -305,8 +305,11 @@ class TensorReader:
     return os.path.join(self.directory, fname)
 
   def _read_index(self) -> dict[str, str]:
-    """The index's weight_map, or {} for a single-file checkpoint."""
+    """The index's weight_map, or {} for a single-file checkpoint. A directory holding both
+    reads the single file, as transformers' `from_pretrained` does (the same weights in both)."""
     index_path = self._path(INDEX_FILE)
+    if os.path.exists(self._path(SINGLE_FILE)):
+      return {}
     if os.path.exists(index_path):
       try:
         with open(index_path) as f:
@@ -322,8 +325,6 @@ class TensorReader:
       if not weight_map:
         raise CheckpointError(f"{index_path}: the weight_map is empty")
       return weight_map
-    if os.path.exists(self._path(SINGLE_FILE)):
-      return {}
     raise CheckpointError(f"{self.directory}: no {SINGLE_FILE} or {INDEX_FILE} (a Hugging Face "
                           "checkpoint saved with safetensors is expected)")
 

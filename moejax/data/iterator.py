@@ -171,10 +171,13 @@ class TrainIterator:
         raise DataError(f"data iterator state lacks '{key}' (keys: {sorted(state)})")
       if int(state[key]) != want and not (key == "tokens_crc32" and self._named_by_file and
                                           int32_crc32(self._tokens_N) == int(state[key])):
+        back = ("; a checkpoint taken on a prepared corpus (data.source='tokens') resumes on "
+                "that directory, not on the files it was prepared from"
+                if key == "tokens_crc32" and not self._named_by_file else "")
         raise DataError(f"the checkpoint's data position is for other training data ({key} "
                         f"{int(state[key])} there, {want} now): resume with the data.source, "
                         "data.path, data.tokenizer, data.val_fraction, seed, batch_size and "
-                        "seq_len it was saved with, or train in a new --workdir")
+                        f"seq_len it was saved with, or train in a new --workdir{back}")
     if "next_batch" not in state or int(state["next_batch"]) < 0:
       raise DataError(f"data iterator state needs a non-negative 'next_batch', got "
                       f"{state.get('next_batch')!r}")

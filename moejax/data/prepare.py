@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from moejax.errors import DataError, run_command
@@ -35,8 +36,32 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
+class Stopped(BaseException):
+  """SIGTERM while preparing: unwinds as Ctrl-C does, so the partial directory is removed."""
+
+
+def _stop(signum, frame):
+  del frame
+  raise Stopped(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
+  # A stopped preparation removes what it wrote (`prepared.write`) and says so in one line:
+  # SIGTERM left its partial directory behind, Ctrl-C printed a traceback.
+  previous = signal.signal(signal.SIGTERM, _stop)
+  try:
+    return _main(args)
+  except (KeyboardInterrupt, Stopped) as e:
+    signum = e.args[0] if isinstance(e, Stopped) else signal.SIGINT
+    print(f"moejax: preparation stopped ({signal.Signals(signum).name}): nothing written"
+          + (f" to {args.out}" if args.out else ""), file=sys.stderr)
+    return 128 + int(signum)
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
+def _main(args) -> int:
 
   def body():
     from moejax.data import prepared

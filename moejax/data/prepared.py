@@ -141,7 +141,10 @@ def _write_into(directory: str, inputs: Sequence[tuple[str, str | None]], tokeni
   if not has_text:                  # as make_data refuses it
     raise DataError(f"{name}: no text after tokenization with {tokenizer.name}", "path")
   meta = {"format": FORMAT, "dtype": dtype.name, "num_tokens": num_tokens,
-          "num_documents": num_documents, "tokenizer": tokenizer.name,
+          # a path as absolute as the inputs' (a relative one named another file elsewhere)
+          "num_documents": num_documents,
+          "tokenizer": (os.path.abspath(tokenizer.name) if os.path.isfile(tokenizer.name)
+                        else tokenizer.name),
           "tokenizer_sha256": tokenizer_sha256(tokenizer),
           "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id, "crc32": crc,
           "inputs": [{"source": s, "path": os.path.abspath(p) if p else ""} for s, p in inputs]}

@@ -136,7 +136,9 @@ def read_metrics(path: str) -> list[dict]:
         continue
       try:
         record = json.loads(line)
-      except ValueError as e:
+      except json.JSONDecodeError as e:
+        if line.startswith("{") and e.pos >= len(line):
+          continue        # a record cut short (a run killed while writing), as the report skips
         raise ValueError(f"{path}:{number}: not JSON ({e})") from None
       if not isinstance(record, dict):
         raise ValueError(f"{path}:{number}: a {type(record).__name__}, where metrics.jsonl has "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 
 import numpy as np
 
@@ -46,7 +47,7 @@ def read_records(workdir: str) -> list[dict]:
   path = os.path.join(workdir, METRICS_FILE)
   if not os.path.isfile(path):
     raise ConfigError(f"{path}: no such file (a workdir that train.py has logged to holds one)")
-  by_step, last = {}, None
+  by_step, last, damaged = {}, None, []
   with open(path, encoding="utf-8") as f:
     for number, line in enumerate(f, 1):
       if not line.strip():
@@ -55,14 +56,31 @@ def read_records(workdir: str) -> list[dict]:
         record = json.loads(line)
         step = int(record["step"])
       except (ValueError, KeyError, TypeError):
+        if line.startswith('{"step": ') and _truncated(line):
+          damaged.append(number)     # half a record: a run killed while writing left it
+          continue
         raise ConfigError(f"{path}:{number}: not a metrics record (one JSON object with a "
                           "'step' per line)") from None
       if last is not None and step <= last:                # resumed from an earlier checkpoint
         by_step = {s: r for s, r in by_step.items() if s < step}
       by_step[step], last = record, step
+  if damaged:
+    print(f"moejax: note: {path}: skipped {len(damaged)} record(s) cut short (line(s) "
+          f"{', '.join(map(str, damaged))}: a run killed while writing leaves one)",
+          file=sys.stderr)
   if not by_step:
     raise ConfigError(f"{path}: holds no records yet")
   return [by_step[s] for s in sorted(by_step)]
+
+
+def _truncated(line: str) -> bool:
+  """Whether `line` is the start of a JSON object cut short (not some other damage): parsing
+  it fails at its end."""
+  try:
+    json.loads(line)
+  except json.JSONDecodeError as e:
+    return e.pos >= len(line.rstrip())
+  return False
 
 
 def read_decisions(workdir: str) -> list[dict] | None:

@@ -469,6 +469,10 @@ def init_from(trainer: Trainer, path: str):
     _, params = convert.load_hf(path, shardings=shardings, base=cfg, progress=log)
   else:
     params = ckpt.load_params(path, shardings=shardings)
+  if not _all_finite(params):     # else ten steps train, and the NaN is blamed on optim.lr
+    raise ConfigError(f"config.init_from={path!r}: the weights hold NaN or infinite values "
+                      "(python -m moejax.convert from-hf names the tensor): a run from them "
+                      "would be NaN from its first step")
   quantized = convert.quantization_summary(hf_config) if hf_dir else None
   log(f"moejax: initialized from {path}"
       + (f" (weights {quantized}, dequantized to fp32)" if quantized else ""))

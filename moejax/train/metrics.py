@@ -30,6 +30,16 @@ def to_python(value):
   return arr.tolist()
 
 
+def _ends_mid_line(path: str) -> bool:
+  """Whether the file at `path` is non-empty and its last byte is not a newline."""
+  with open(path, "rb") as f:
+    f.seek(0, os.SEEK_END)
+    if f.tell() == 0:
+      return False
+    f.seek(-1, os.SEEK_END)
+    return f.read(1) != b"\n"
+
+
 class MetricsWriter:
   """Appends records to WORKDIR/metrics.jsonl and the same numbers to TensorBoard event files
   in WORKDIR (`tensorboard=False`: the JSONL file only)."""
@@ -40,6 +50,10 @@ class MetricsWriter:
     self.path = os.path.join(workdir, "metrics.jsonl")
     self.enabled = jax.process_index() == 0
     self._file = open(self.path, "a", encoding="utf-8") if self.enabled else None
+    if self._file is not None and _ends_mid_line(self.path):
+      # A run killed while writing left half a record: ours start on a line of their own (the
+      # fragment stays one damaged line, which readers skip), never glued to it.
+      self._file.write("\n")
     self._tb = None
     if self.enabled and tensorboard:
       from tensorboardX import SummaryWriter

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -1635,6 +1636,42 @@ def test_cli_from_hf_refuses_a_used_directory(hf_dir, tmp_path, capsys, monkeypa
   monkeypatch.setattr(safetensors_io.TensorReader, "read", no_read)
   assert cli.main(["from-hf", hf_dir, str(out)]) == 2
   assert "not empty" in capsys.readouterr().err
+
+
+def test_a_directory_with_a_single_file_and_an_index_reads_the_file_as_transformers(model,
+                                                                                   tmp_path):
+  """transformers' from_pretrained takes model.safetensors where an index sits beside it; moejax
+  read the index: one directory, two sets of weights. Now both read the single file."""
+  cfg, params = model
+  both, single = tmp_path / "both", tmp_path / "single"
+  save_hf(params, cfg, str(both), max_shard_bytes=20_000)
+  assert os.path.exists(both / "model.safetensors.index.json")
+  save_hf({**params, "lm_head": np.zeros_like(params["lm_head"])}, cfg, str(single))
+  shutil.copyfile(single / "model.safetensors", both / "model.safetensors")
+  _, loaded = load_hf(str(both))
+  assert not np.any(loaded["lm_head"]) and np.array_equal(loaded["embed"], params["embed"])
+
+
+def test_cli_from_hf_writes_nothing_it_would_then_refuse(model, tmp_path, capsys):
+  """A tokenizer.json that does not load (or holds more ids than the model's vocabulary), or
+  weights holding a NaN: the whole checkpoint was written before the tokenizer failed (and a
+  NaN trained ten steps, then was blamed on the learning rate). Now refused first, nothing
+  written; the output directory is free for the next try."""
+  cfg, params = model
+  bad_tokenizer = tmp_path / "tok"
+  save_hf(params, cfg, str(bad_tokenizer))
+  (bad_tokenizer / "tokenizer.json").write_text('{"version": "1.0", "model": {')
+  nan = tmp_path / "nan"
+  embed = np.array(params["embed"], copy=True)
+  embed[0, 0] = np.nan
+  save_hf({**params, "embed": embed}, cfg, str(nan))
+  for source, message in ((bad_tokenizer, "tokenizer.json: not a valid tokenizer.json"),
+                          (nan, "parameter ['embed'] holds NaN or infinite values")):
+    out = tmp_path / f"out_{source.name}"
+    assert cli.main(["from-hf", str(source), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not out.exists() or not os.listdir(out)
 
 
 # Llama-4-Scout-17B-16E's config.json as the Hub has it (a multimodal Llama 4 config; the vision

@@ -73,6 +73,10 @@ def test_prepared_corpus_trains_on_the_source_s_batches_and_resumes(tmp_path, wo
   with pytest.raises(DataError, match=r"^the checkpoint's data position is for other training "
                                       r"data \(tokens_crc32 "):
     moved.train.set_state(other)
+  # Not back: the prepared corpus's position on the source files is refused, saying why.
+  with pytest.raises(DataError, match=r"a checkpoint taken on a prepared corpus \(data.source="
+                                      r"'tokens'\) resumes on that directory, not on the files"):
+    source.train.set_state(moved.train.get_state())
 
 
 def test_a_corpus_in_shards_is_one_stream_in_the_order_given(tmp_path):
@@ -117,6 +121,32 @@ def test_a_preparation_that_fails_leaves_nothing(tmp_path, monkeypatch):
     prepared.write([("jsonl", path)], ByteTokenizer(), out)
   assert sorted(os.listdir(tmp_path)) == ["docs.jsonl", "p"]
   assert json.load(open(os.path.join(out, "meta.json")))["inputs"][0]["source"] == "text"
+
+
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGINT"])
+def test_a_stopped_preparation_removes_what_it_wrote_in_one_line(tmp_path, monkeypatch, capsys,
+                                                                 signum):
+  """SIGTERM killed the command with its partial directory left; Ctrl-C removed it with a
+  traceback. The signal comes (really sent to this process) while tokens are written."""
+  import signal
+  import time
+  from moejax.data import prepare
+  path, out = _corpus(tmp_path), str(tmp_path / "p")
+  write_into = prepared._write_into
+
+  def signalled(directory, *args):
+    write_into(directory, *args)
+    os.kill(os.getpid(), getattr(signal, signum))
+    time.sleep(5)                                  # the handler raises before this ends
+    raise AssertionError("not stopped")
+
+  monkeypatch.setattr(prepared, "_write_into", signalled)
+  code = prepare.main(["--data", path, "--out", out])
+  assert code == 128 + getattr(signal, signum)
+  err = capsys.readouterr().err
+  assert err == f"moejax: preparation stopped ({signum}): nothing written to {out}\n", err
+  assert sorted(os.listdir(tmp_path)) == ["docs.jsonl"]
+  assert signal.getsignal(signal.SIGTERM) is not prepare._stop      # restored
 
 
 def test_documents_are_read_one_line_at_a_time(tmp_path):
@@ -272,3 +302,12 @@ def test_an_id_outside_the_tokenizer_stops_the_batch_that_reads_it(tmp_path, wor
   batches = evaluate.batches(cfg, out, "all", word_tokenizer_path)
   with pytest.raises(DataError, match=pattern.format(r"\d+", tokenizer.vocab_size)):
     list(batches)
+
+
+def test_meta_names_the_tokenizer_by_an_absolute_path(tmp_path, word_tokenizer_path, monkeypatch):
+  """A tokenizer given by a relative path was kept as typed, and the refusal of another
+  tokenizer named a file that did not resolve from where training ran."""
+  monkeypatch.chdir(os.path.dirname(word_tokenizer_path))
+  tokenizer = load_tokenizer(os.path.basename(word_tokenizer_path))
+  meta = prepared.write([("jsonl", _corpus(tmp_path))], tokenizer, str(tmp_path / "p"))
+  assert meta["tokenizer"] == os.path.abspath(word_tokenizer_path)

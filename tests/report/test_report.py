@@ -175,3 +175,24 @@ def test_a_resumed_runs_records_replace_the_abandoned_ones(tmp_path):
   (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
   got = [(r["step"], r["loss"]) for r in series.read_records(str(tmp_path))]
   assert got == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 6.0), (5, 5.0), (6, 106.0), (8, 108.0)]
+
+
+def test_a_record_cut_short_by_a_kill_is_skipped_and_never_glued_to_the_next(tmp_path, capsys):
+  """A run killed while writing leaves half a record as metrics.jsonl's last line. The resumed
+  run appended its first record onto it (two records on one line, invalid JSON) and the report
+  refused the whole run; now the writer starts a line of its own and readers skip the
+  fragment, saying so. Other damage is still refused."""
+  from moejax.train.metrics import MetricsWriter
+  whole = "".join(json.dumps({"step": s, "loss": 10.0 - s}) + "\n" for s in (1, 2, 3))
+  (tmp_path / "metrics.jsonl").write_text(whole[:-9])              # step 3 cut short
+  writer = MetricsWriter(str(tmp_path), tensorboard=False)
+  writer.write({"step": 3, "loss": 99.0})
+  writer.close()
+  lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+  assert len(lines) == 4 and lines[-1] == '{"step": 3, "loss": 99.0}'
+  got = [(r["step"], r["loss"]) for r in series.read_records(str(tmp_path))]
+  assert got == [(1, 9.0), (2, 8.0), (3, 99.0)]
+  assert "skipped 1 record(s) cut short (line(s) 3" in capsys.readouterr().err
+  (tmp_path / "metrics.jsonl").write_text(whole + "not a record\n" + whole)
+  with pytest.raises(Exception, match="metrics.jsonl:4: not a metrics record"):
+    series.read_records(str(tmp_path))

@@ -23,6 +23,19 @@ def test_init_from_a_checkpoint(trained, trainer_for):
   with pytest.raises(ConfigError, match=r"init_from=.*config.model.d_model=32, but the weights "
                                         r"have 64"):
     init_from(other, src)
+  # Weights holding a NaN: refused at once (they trained ten steps, then the NaN was blamed on
+  # the learning rate). Read through the real loader, one value made NaN.
+  real = checkpoint.load_params
+
+  def with_nan(*args, **kwargs):
+    params = real(*args, **kwargs)
+    embed = params["embed"]
+    return {**params, "embed": embed.at[0, 0].set(np.nan)}
+
+  import unittest.mock
+  with unittest.mock.patch.object(checkpoint, "load_params", with_nan):
+    with pytest.raises(ConfigError, match=r"init_from=.*: the weights hold NaN or infinite"):
+      init_from(trainer, src)
   with pytest.raises(ConfigError) as e:    # named the path only, not the field
     init_from(trainer, src + "/nowhere")
   assert str(e.value) == (f"config.init_from={src + '/nowhere'!r}: no such directory (a Hugging "
