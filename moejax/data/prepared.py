@@ -109,7 +109,11 @@ def write(inputs: Sequence[tuple[str, str | None]], tokenizer: Tokenizer, out: s
     shutil.rmtree(partial, ignore_errors=True)
     raise
   if log is not None:
-    log(f"moejax: prepared {name}: {meta['num_documents']:,} documents, "
+    eos = getattr(tokenizer, "eos_token", "")          # None: a tokenizer.json without one
+    ends = (f"each ended by id {tokenizer.eos_id}, an EOS the tokenizer lacks, added past its "
+            "ids" if eos is None else f"each ended by EOS "
+            + (f"{eos!r} (id {tokenizer.eos_id})" if eos else f"id {tokenizer.eos_id}"))
+    log(f"moejax: prepared {name}: {meta['num_documents']:,} documents ({ends}), "
         f"{meta['num_tokens']:,} tokens ({meta['dtype']}) in {out}, "
         f"{time.perf_counter() - started:.0f} s")
   return meta

@@ -597,7 +597,16 @@ def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
 
 def _run(cfg: Config, workdir: str, trainer: Trainer | None, stop_at: int | None) -> dict:
   data = training_data(cfg)
-  check_vocab(data.tokenizer, cfg.model.vocab_size)
+  try:
+    check_vocab(data.tokenizer, cfg.model.vocab_size)
+  except DataError as e:
+    if not cfg.init_from:
+      raise
+    # The model's vocabulary is the weights': a larger config.model.vocab_size would not load.
+    raise DataError(f"{data.tokenizer.name}: tokenizer vocab_size {data.tokenizer.vocab_size} "
+                    f"exceeds the {cfg.model.vocab_size} rows of config.init_from's embedding: "
+                    "the weights were trained with another tokenizer (set config.data.tokenizer "
+                    "to theirs)") from e
   if trainer is None:
     trainer = Trainer(cfg)
   elif dataclasses.replace(trainer.cfg, data=cfg.data, eval_batches=cfg.eval_batches) != cfg:

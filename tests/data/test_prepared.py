@@ -207,7 +207,8 @@ def test_prepare_command(tmp_path, capsys, erasing_tokenizer_path):
   every refusal one line and exit code 2."""
   path, out = _corpus(tmp_path), str(tmp_path / "p")
   assert prepare_main(["--data", path, "--out", out]) == 0
-  assert "moejax: prepared " in capsys.readouterr().out
+  printed = capsys.readouterr().out
+  assert "moejax: prepared " in printed and "documents (each ended by EOS id 256)" in printed
   assert prepare_main(["--verify", out]) == 0
   assert capsys.readouterr().out.strip() == f"{out}: tokens match their CRC-32"
 

@@ -133,3 +133,19 @@ def test_a_sequence_past_the_weights_positions_is_noted(trained, trainer_for, tm
   assert ("moejax: note: the weights were trained with plain RoPE and this run scales it "
           "(model.rope_scaling='yarn', rope_factor=4.0, rope_original_max_len=16): a context "
           "extension") in out and "never trained" not in out
+
+
+def test_a_tokenizer_larger_than_the_weights_vocabulary_names_the_weights(trained, tmp_path):
+  """The advice to raise config.model.vocab_size led to a second refusal (init_from's weights
+  have their own vocabulary): with init_from the line says the weights need their tokenizer."""
+  from moejax.errors import DataError
+  from moejax.train.loop import run
+  from tests.data.conftest import word_level
+  path = tmp_path / "big" / "tokenizer.json"
+  path.parent.mkdir()
+  word_level([" ".join(f"w{i}" for i in range(400))]).save(str(path))
+  cfg = canonical_config(**{"init_from": str(trained), "data.tokenizer": str(path)})
+  with pytest.raises(DataError, match=r"tokenizer vocab_size 402 exceeds the 320 rows of "
+                                      r"config.init_from's embedding: the weights were trained "
+                                      r"with another tokenizer"):
+    run(cfg, str(tmp_path / "w"))
