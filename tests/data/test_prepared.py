@@ -141,7 +141,13 @@ def test_a_stopped_preparation_removes_what_it_wrote_in_one_line(tmp_path, monke
     raise AssertionError("not stopped")
 
   monkeypatch.setattr(prepared, "_write_into", signalled)
-  code = prepare.main(["--data", path, "--out", out])
+  # Python's own Ctrl-C handler, whatever this process inherited (a job started in the
+  # background of a shell ignores SIGINT, and Python keeps that)
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    code = prepare.main(["--data", path, "--out", out])
+  finally:
+    signal.signal(signal.SIGINT, previous)
   assert code == 128 + getattr(signal, signum)
   err = capsys.readouterr().err
   assert err == f"moejax: preparation stopped ({signum}): nothing written to {out}\n", err
