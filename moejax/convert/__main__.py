@@ -81,6 +81,10 @@ def to_hf(args) -> None:
   shards = sum(f.endswith(".safetensors") for f in files)
   if tokenizer is not None:   # transformers (and generate / evaluate) read it beside the weights
     weights.keep_tokenizer(tokenizer, args.out_dir)
+  elif args.overwrite and os.path.isfile(os.path.join(args.out_dir, checkpoint_io.TOKENIZER_FILE)):
+    # the export it overwrote had one; these weights have none (bytes), and a stale one beside
+    # them would be read as theirs
+    os.remove(os.path.join(args.out_dir, checkpoint_io.TOKENIZER_FILE))
   print(f"wrote {args.out_dir}: {_describe(cfg)}, {shards} safetensors file(s), {args.dtype}"
         + (f", {checkpoint_io.TOKENIZER_FILE}" if tokenizer else
            " (no tokenizer.json: the run trained on bytes or names none)"))

@@ -1876,3 +1876,15 @@ def test_moejax_weights_named_where_a_hugging_face_directory_is_expected(tmp_pat
                                               r"not a Hugging Face checkpoint \(start from them "
                                               r"with its family's preset and --config.init_from"):
       _read_config_json(str(d))
+
+
+def test_an_overwritten_export_of_a_bytes_run_keeps_no_stale_tokenizer(trained, tmp_path, capsys):
+  """--overwrite replaced the weights of an export that had a tokenizer.json and left that file:
+  transformers and configs/hf.py then read it as the bytes-trained weights' tokenizer."""
+  out = tmp_path / "exported"
+  assert cli.main(["to-hf", str(trained), str(out)]) == 0
+  assert not (out / "tokenizer.json").exists()
+  (out / "tokenizer.json").write_text('{"stale": true}')        # as another export left it
+  assert cli.main(["to-hf", str(trained), str(out), "--overwrite"]) == 0
+  assert not (out / "tokenizer.json").exists()
+  assert "no tokenizer.json" in capsys.readouterr().out
