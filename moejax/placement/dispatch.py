@@ -437,17 +437,17 @@ def ep_experts(x_TxD, experts_TxK, weights_TxK, *ws, dispatch: Dispatch,
 
 def ep_a2a_bytes(tokens_per_device: int, top_k: int, d_model: int, num_devices: int,
                  capacity_factor: float, *, remat: str, itemsize: int = 2,
-                 packed: bool = False, experts_held: int = 0) -> float:
+                 packed: bool = False, most: int | None = None) -> float:
   """Bytes per device per MoE layer per step moved by the ep all_to_alls (buffer capacity:
-  N x C rows; `packed`, the T x K rows a packed send buffer holds, at most C a destination).
+  N x C rows, C at most `most` (`max_rows`); `packed`, the T x K rows a packed send buffer
+  holds, at most C a destination).
 
   Forward sends tokens out and results back (2 exchanges, plus 4-byte expert ids); backward
   does the same for the cotangents (2); a recomputing remat (full, minimal: an all_to_all is no
   matmul) repeats the forward (2).
   """
   n = num_devices
-  c = ep_capacity(tokens_per_device * top_k, n, capacity_factor,
-                  max_rows(tokens_per_device, top_k, experts_held))
+  c = ep_capacity(tokens_per_device * top_k, n, capacity_factor, most)
   rows = min(n * c, tokens_per_device * top_k) if packed else n * c
   frac = (n - 1) / n
   one = frac * rows * d_model * itemsize

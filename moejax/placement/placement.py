@@ -294,7 +294,7 @@ class Placement:
       metrics["a2a_bytes"] = self.num_layers * ep_a2a_bytes(
           tokens_per_device, self.top_k, self.d_model, n, self.applied_dispatch_factor,
           remat=remat, itemsize=self.itemsize, packed=self.packed_exchange,
-          experts_held=0 if self.rows_leave_tokens else self.experts_held)
+          most=self.max_rows(tokens_per_device))
     if self.kind == "fssdp":
       m, layers = self.replica_slots, self.num_layers
       buffer = (n - 1) / n * n * m * self.expert_bytes
