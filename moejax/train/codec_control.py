@@ -432,16 +432,14 @@ class CodecPolicy:
     next step on, or None)."""
     metrics = dict(metrics)
     figures = metrics.pop(PARAM_METRIC, None)
-    if not self.active:
-      if self._watch and figures is not None:
-        self._watch_fixed(step, figures)
-      return metrics, None
-    if figures is not None:
+    if figures is not None and (self.active or self._watch):
       self._live_prev = self._live
       self._live = figures if self._live is None else self._live + figures
       self._live_steps += 1
       if self._live_steps % CHECK_EVERY == 0:
-        self._check_fallbacks(step)
+        (self._check_fallbacks if self.active else self._watch_fixed)(step)
+    if not self.active:
+      return metrics, None
     choice = None
     if self._next is not None:
       if self._snap is not None:
@@ -512,16 +510,13 @@ class CodecPolicy:
                f"{step + PROBE_STEPS}")
       self._schedule(step + PROBE_STEPS, step)
 
-  def _watch_fixed(self, step: int, figures):
-    """A fixed mode's live figures: once a parameter has fallen back in more than
-    `FIXED_NOTE_LIMIT` of its gathers over `CHECK_EVERY` steps, one line names it and the remedies,
-    then the watch ends."""
-    self._live_prev = self._live
-    self._live = figures if self._live is None else self._live + figures
-    self._live_steps += 1
-    if self._live_steps % CHECK_EVERY or self._live_prev is None:
+  def _watch_fixed(self, step: int):
+    """A fixed mode's live figures (of the step before: no stall): once a parameter has fallen
+    back in more than `FIXED_NOTE_LIMIT` of its gathers over `CHECK_EVERY` steps, one line names
+    it and the remedies, then the watch ends."""
+    if self._live_prev is None:
       return
-    live = np.asarray(jax.device_get(self._live_prev))       # the step before: no stall
+    live = np.asarray(jax.device_get(self._live_prev))
     steps = self._live_steps - 1
     fallback = live[:, hook.STAT_KEYS.index("fallback")]
     over = fallback > FIXED_NOTE_LIMIT * steps
