@@ -21,6 +21,8 @@ import os
 
 import numpy as np
 
+from moejax.report.series import cut_short
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECORDED = os.path.join(REPO, "bench", "traces", "tiny_recorded.npz")
 
@@ -137,7 +139,7 @@ def read_metrics(path: str) -> list[dict]:
       try:
         record = json.loads(line)
       except json.JSONDecodeError as e:
-        if line.startswith("{") and e.pos >= len(line):
+        if cut_short(line, e):
           continue        # a record cut short (a run killed while writing), as the report skips
         raise ValueError(f"{path}:{number}: not JSON ({e})") from None
       if not isinstance(record, dict):

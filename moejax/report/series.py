@@ -55,8 +55,8 @@ def read_records(workdir: str) -> list[dict]:
       try:
         record = json.loads(line)
         step = int(record["step"])
-      except (ValueError, KeyError, TypeError):
-        if line.startswith('{"step": ') and _truncated(line):
+      except (ValueError, KeyError, TypeError) as e:
+        if line.startswith('{"step": ') and cut_short(line, e):
           damaged.append(number)     # half a record: a run killed while writing left it
           continue
         raise ConfigError(f"{path}:{number}: not a metrics record (one JSON object with a "
@@ -73,14 +73,11 @@ def read_records(workdir: str) -> list[dict]:
   return [by_step[s] for s in sorted(by_step)]
 
 
-def _truncated(line: str) -> bool:
-  """Whether `line` is the start of a JSON object cut short (not some other damage): parsing
-  it fails at its end."""
-  try:
-    json.loads(line)
-  except json.JSONDecodeError as e:
-    return e.pos >= len(line.rstrip())
-  return False
+def cut_short(line: str, error: Exception) -> bool:
+  """Whether `error`, from parsing the JSONL `line`, says it is a JSON object cut short (a run
+  killed while writing it), not some other damage: the parse failed at the line's end."""
+  return (isinstance(error, json.JSONDecodeError) and line.startswith("{")
+          and error.pos >= len(line.rstrip()))
 
 
 def read_decisions(workdir: str) -> list[dict] | None:
