@@ -74,7 +74,7 @@ def write(inputs: Sequence[tuple[str, str | None]], tokenizer: Tokenizer, out: s
   shards), into the directory `out`, as `make_data` would tokenize one of them; returns its
   meta. JSONL documents are read one at a time and encoded in the tokenizer's
   `document_chunks`, so memory holds one chunk whatever the corpus's size; a text file is one
-  document, held whole.
+  document, read whole (and encoded in pieces: `HFTokenizer._pieces`).
 
   Written in a directory of its own beside `out` (DIR.partial-*), synced, then renamed: a
   preparation that fails or is interrupted removes it, one killed leaves it (never `out`), and

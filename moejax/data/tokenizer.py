@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -19,6 +20,13 @@ from moejax.errors import DataError
 
 ENCODE_CHUNK_CHARS = 1 << 22   # characters a Hugging Face tokenizer encodes per batch
 ENCODE_CHUNK_DOCUMENTS = 1 << 14   # and at most this many documents (empty ones take no chars)
+# A longer document is encoded in pieces of about this many characters (a tokenizer holds about
+# 130 bytes a character while it encodes one text: a 25 MB document whole peaked at 3.3 GB).
+PIECE_CHARS = 1 << 20
+CUT_CHECK_CHARS = 256   # the text either side of a cut encoded whole and in two, to check it
+CUT_TRIES = 8           # candidates tried for one cut before the rest is encoded whole
+# Where a piece may end: before a space or newline between two non-space characters.
+_CUT = re.compile(r"(?<=\S)[ \n](?=\S)")
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"   # beside tokenizer.json: may declare the EOS
 # Looked up in this order in a tokenizer.json's vocabulary; the first one present is EOS.
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eos|>", "[EOS]")
@@ -78,6 +86,7 @@ class HFTokenizer:
       reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
       raise DataError(f"{path}: not a valid tokenizer.json ({reason})") from None
     self.name = path
+    self._cuts_refused = False     # a long document's first cut failed its check: none tried
     vocab = self._tok.get_vocab(with_added_tokens=True)
     if not vocab:
       raise DataError(f"{path}: tokenizer has an empty vocabulary")
@@ -106,15 +115,57 @@ class HFTokenizer:
     """`progress(documents done, documents)` after each chunk. Encoded in `document_chunks`,
     whose ids are kept as int32 and their `Encoding`s dropped (each holds offsets and token
     strings: one batch of a 60 MB JSONL peaked at 3.9 GB)."""
-    encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)   # no offsets
     eos_1 = np.full((1,), self.eos_id, np.int32)
     ids, done = [], 0
     for chunk in document_chunks(docs):
-      ids.extend(np.asarray(e.ids, np.int32) for e in encode(chunk, add_special_tokens=False))
+      pieces, ends = [], []          # a document longer than PIECE_CHARS is several pieces
+      for doc in chunk:
+        pieces.extend(self._pieces(doc))
+        ends.append(len(pieces))
+      piece_ids = []
+      for batch in document_chunks(pieces):   # a long document's pieces a batch's worth at once
+        piece_ids.extend(self._encode_batch(batch))
+      start = 0
+      for end in ends:
+        ids.append(piece_ids[start] if end == start + 1 else np.concatenate(piece_ids[start:end]))
+        start = end
       done += len(chunk)
       if progress is not None:
         progress(done, len(docs))
     return _concat_with_eos(ids, eos_1)
+
+  def _encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+    encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)   # no offsets
+    return [np.asarray(e.ids, np.int32) for e in encode(texts, add_special_tokens=False)]
+
+  def _pieces(self, doc: str) -> list[str]:
+    """`doc` cut about every PIECE_CHARS characters where the cut changes no id: before a
+    space or newline between two words, where the CUT_CHECK_CHARS either side encode to the
+    same ids whole as in two. A tokenizer that sees a text's start (one whose normalizer
+    prepends "▁" to every text, as Llama 2's) passes no check, and its documents stay whole;
+    so does a document with no such place (CUT_TRIES candidates tried for each cut)."""
+    if len(doc) <= PIECE_CHARS or self._cuts_refused:
+      return [doc]
+    pieces, start = [], 0
+    while len(doc) - start > PIECE_CHARS:
+      cut = None
+      for tries, m in enumerate(_CUT.finditer(doc, start + PIECE_CHARS)):
+        if tries == CUT_TRIES:
+          break
+        c = m.start()
+        left, right = doc[c - CUT_CHECK_CHARS:c], doc[c:c + CUT_CHECK_CHARS]
+        whole, a, b = self._encode_batch([left + right, left, right])
+        if np.array_equal(whole, np.concatenate([a, b])):
+          cut = c
+          break
+      if cut is None:
+        # no cut passed: a tokenizer that failed its first one never passes (it sees starts)
+        self._cuts_refused = not pieces
+        break
+      pieces.append(doc[start:cut])
+      start = cut
+    pieces.append(doc[start:])
+    return pieces
 
   def __repr__(self) -> str:
     return f"HFTokenizer({self.name!r})"

@@ -118,3 +118,55 @@ def test_hf_eos_is_the_one_the_checkpoint_declares(tmp_path):
       assert (tok.eos_token, tok.eos_id, tok.vocab_size) == (eos, 1, 6), name
   (tmp_path / "none" / "config.json").write_text('{"eos_token_id": 99}', encoding="utf-8")
   assert load_tokenizer(str(tmp_path / "none")).eos_id == 2    # an id outside the vocab: ignored
+
+
+def _llama2_style(path) -> str:
+  """A BPE whose normalizer prepends "▁" to every text (Llama 2's tokenizer.json): a text's
+  start is seen, so no document can be cut."""
+  from tokenizers import models, normalizers, trainers
+  from tests.data.conftest import SENTENCES
+  tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+  tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+  tok.train_from_iterator(SENTENCES * 3, trainers.BpeTrainer(vocab_size=120,
+                                                             special_tokens=["[UNK]", "</s>"]))
+  tok.save(str(path))
+  return str(path)
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "sees_starts", "added_token_across_spaces"])
+def test_a_long_document_is_encoded_in_pieces_with_the_ids_of_it_whole(
+    kind, bpe_no_eos_path, word_tokenizer_path, tmp_path, monkeypatch):
+  """A document over PIECE_CHARS is encoded in pieces (bounded memory: a 25 MB document whole
+  held 3.3 GB) only where a cut changes no id: the ids are those of the document whole."""
+  from moejax.data import tokenizer as tokenizer_lib
+  from tests.data.conftest import SENTENCES, word_level
+  monkeypatch.setattr(tokenizer_lib, "PIECE_CHARS", 40)
+  monkeypatch.setattr(tokenizer_lib, "CUT_CHECK_CHARS", 12)
+  doc = ". ".join(SENTENCES * 20) + "\nthe end"
+  if kind == "byte_level":
+    path = bpe_no_eos_path
+  elif kind == "sees_starts":
+    path = _llama2_style(tmp_path / "llama2.json")
+  else:
+    # "cat sat" one added token: a cut between its words would split it, so the check refuses
+    # those places and cuts at the next
+    raw = word_level(SENTENCES)
+    raw.add_tokens(["cat sat"])
+    path = str(tmp_path / "added.json")
+    raw.save(path)
+  tok = load_tokenizer(path)
+  raw = Tokenizer.from_file(path)
+  pieces = tok._pieces(doc)
+  assert "".join(pieces) == doc
+  if kind == "sees_starts":
+    assert pieces == [doc] and tok._cuts_refused
+  else:
+    assert len(pieces) > 20 and not tok._cuts_refused
+  if kind == "added_token_across_spaces":
+    assert not any(a.endswith("cat") and b.startswith(" sat") for a, b in zip(pieces, pieces[1:]))
+    assert raw.token_to_id("cat sat") in tok.encode(doc)
+  got = tok.encode_documents(["a b", doc, "", doc[:100]])
+  want = [raw.encode(d, add_special_tokens=False).ids + [tok.eos_id]
+          for d in ("a b", doc, "", doc[:100])]
+  assert got.tolist() == [i for ids in want for i in ids]
+  assert tok._pieces("x" * 200) == ["x" * 200] or kind == "sees_starts"   # nowhere to cut
