@@ -585,13 +585,19 @@ def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
   stop_at: stop after this step, with a checkpoint there, as if the run were interrupted (run
     again to resume); the learning-rate schedule still spans `cfg.steps`.
   """
+  created = not os.path.exists(workdir)
   prepare_workdir(workdir)
   lock = workdir_lib.WorkdirLock(workdir) if jax.process_index() == 0 else None
+  failed = True
   try:
     workdir_lib.check_same_job(weights.config_to_dict(cfg), workdir)
-    return _run(cfg, workdir, trainer, stop_at)
+    record = _run(cfg, workdir, trainer, stop_at)
+    failed = False
+    return record
   finally:
     if lock is not None:
+      if failed and created:      # under the lock: no run that waited for it starts in it first
+        workdir_lib.remove_if_unused(workdir)
       lock.release()
 
 

@@ -59,6 +59,31 @@ class WorkdirLock:
       self._file.close()
 
 
+def remove_if_unused(workdir: str) -> bool:
+  """Removes a workdir that a run created and stopped in before any step was logged or any
+  checkpoint saved (a bad data path, a compile that ran out of memory, Ctrl-C): what it holds
+  (the lock, the tokenizer's copy, an empty metrics.jsonl) was written by that start and says
+  nothing, and a workdir left behind read as a run that had begun. True if removed."""
+  import shutil
+  from moejax.data.tokenizer import TOKENIZER_CONFIG_FILE
+  from moejax.train.checkpoint import checkpoint_dir
+  from moejax.weights import TOKENIZER_FILE
+  metrics = os.path.join(workdir, "metrics.jsonl")
+  checkpoints = checkpoint_dir(workdir)
+  known = {LOCK_FILE, JOB_FILE, os.path.basename(checkpoints), os.path.basename(metrics),
+           TOKENIZER_FILE, TOKENIZER_CONFIG_FILE}
+  try:
+    if ((os.path.exists(metrics) and os.path.getsize(metrics) > 0)
+        or (os.path.isdir(checkpoints) and os.listdir(checkpoints))
+        or any(name not in known and not name.startswith("events.out.tfevents")
+               for name in os.listdir(workdir))):   # a profile, or what another tool wrote
+      return False
+    shutil.rmtree(workdir)
+  except OSError:
+    return False
+  return True
+
+
 def _digest(text: str) -> int:
   return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little") & 0x7FFFFFFF
 

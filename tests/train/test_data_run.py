@@ -107,6 +107,29 @@ def test_a_run_that_fails_on_its_data_keeps_no_tokenizer(trainer, tmp_path):
   corpus = tmp_path / "short.txt"
   corpus.write_text("the cat sat")
   cfg = _on_text(trainer.cfg, corpus, tokenizer=str(source))
-  with pytest.raises(DataError, match="corpus too small"):
-    run(cfg, str(tmp_path / "w"))                # fails before anything compiles
-  assert not (tmp_path / "w" / "tokenizer.json").exists()
+  (tmp_path / "mine").mkdir()
+  for workdir in (tmp_path / "runs" / "new", tmp_path / "mine"):
+    with pytest.raises(DataError, match="corpus too small"):
+      run(cfg, str(workdir))                     # fails before anything compiles
+    assert not (workdir / "tokenizer.json").exists()
+  # the workdir the failed start made is removed (not its parent); the user's own is kept
+  assert (tmp_path / "runs").is_dir() and not (tmp_path / "runs" / "new").exists()
+  assert (tmp_path / "mine" / "checkpoints").is_dir()
+
+
+@pytest.mark.parametrize("leftover", ["metrics", "checkpoint", "other"])
+def test_a_created_workdir_that_holds_a_result_is_kept(tmp_path, leftover):
+  from moejax.train import workdir as workdir_lib
+  workdir = tmp_path / "w"
+  (workdir / "checkpoints").mkdir(parents=True)
+  (workdir / ".lock").write_text("pid 1")
+  (workdir / "metrics.jsonl").write_text("")
+  (workdir / "events.out.tfevents.1.host").write_text("")
+  {"metrics": lambda: (workdir / "metrics.jsonl").write_text('{"step": 1}\n'),
+   "checkpoint": lambda: (workdir / "checkpoints" / "4").mkdir(),
+   "other": lambda: (workdir / "profile").mkdir()}[leftover]()
+  assert not workdir_lib.remove_if_unused(str(workdir)) and workdir.is_dir()
+  {"metrics": lambda: (workdir / "metrics.jsonl").write_text(""),
+   "checkpoint": lambda: (workdir / "checkpoints" / "4").rmdir(),
+   "other": lambda: (workdir / "profile").rmdir()}[leftover]()
+  assert workdir_lib.remove_if_unused(str(workdir)) and not workdir.exists()
