@@ -395,8 +395,10 @@ class CodecPolicy:
 
   @property
   def checkpoint_items(self) -> tuple:
-    """The decision in force as a checkpoint item of its own (`CodecDecisionItem`)."""
-    return (CodecDecisionItem(self),) if self.active else ()
+    """The decision in force as a checkpoint item of its own (`CodecDecisionItem`); a fixed mode
+    saves one too (no decision), so that a run resumed under another mode says what it leaves."""
+    fixed = self.cfg.mode != "off" and bool(self.base.candidates())
+    return (CodecDecisionItem(self),) if self.active or fixed else ()
 
   # -- the loop's two calls ----------------------------------------------------------------------
   def start(self, step: int, params) -> dict | None:
@@ -404,6 +406,12 @@ class CodecPolicy:
     Returns the choice to install now, or None (keep the run's own). A restored run reinstalls
     the decision its checkpoint holds."""
     if not self.active:
+      item, self.restored = self.restored, None
+      if item and item.get("step") is not None:   # an auto / select run's decision
+        n = len(item["specs"])
+        self.log(f"codec: the checkpoint's codec choice (step {int(item['step'])}, {n} "
+                 f"parameter{'s' * (n != 1)} compressed) is set aside: codec.mode="
+                 f"{self.cfg.mode!r} without codec.select compresses every parameter it gathers")
       return None
     self._live_since = step
     self._continue_log(step)       # a resumed run keeps the decisions logged up to its step
@@ -543,6 +551,8 @@ class CodecPolicy:
     far, the live figures behind the fallback check), so a resumed run decides when and as the
     uninterrupted one does."""
     plain = lambda a: None if a is None else np.asarray(jax.device_get(a)).tolist()  # noqa: E731
+    if not self.active:     # a fixed mode: nothing decided, nothing scheduled
+      return {"step": None, "mode": self.cfg.mode, "specs": [], "schedule": None}
     return {"step": self.decided_at,
             "priced_by": {f: getattr(self.cfg, f) for f in PRICING_FIELDS},
             "specs": [_spec_entry(g, p, s) for g, ps in self.specs.items()
@@ -754,9 +764,9 @@ class CodecDecisionItem:
     return None
 
   def restore(self, state, item, where: str, log):
-    if item is None:
-      log(f"codec: {where} holds no codec decision (written by an older version): the codec "
-          "decides afresh after its warm-up")
+    if item is None and self.policy.active:     # a fixed mode has nothing to take up
+      log(f"codec: {where} holds no codec decision (its run gathered plain, or an older "
+          "version wrote it): the codec decides afresh after its warm-up")
     self.policy.restored = item
     return state
 

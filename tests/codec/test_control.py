@@ -252,3 +252,36 @@ def test_a_fixed_mode_that_keeps_falling_back_is_said_once():
   for mode in ({"codec.mode": "auto"}, {"codec.mode": "element", "codec.select": True}):
     auto_cfg = tiny_config(**mode, **{"codec.comm_model": "bytes"})
     assert not codec_control.CodecPolicy(fixed, mesh, auto_cfg.codec, log=print)._watch
+
+
+def test_a_resume_across_fixed_and_auto_modes_says_what_it_leaves(gatherer):
+  """A fixed mode's checkpoints hold a codec item too (no decision, its mode): resumed under
+  auto it decides after its warm-up (it said "written by an older version"); an auto run's
+  choice resumed under a fixed mode is set aside with one line (it was silent). Off saves none."""
+  mesh = make_mesh((2, 4), jax.devices()[:8])
+  cfg = tiny_config(**{"codec.mode": "element"})
+  fixed_gatherer = state_layout(cfg, mesh, make_optimizer(cfg)).gatherer
+  lines = []
+  fixed = codec_control.CodecPolicy(fixed_gatherer, mesh, cfg.codec, log=lines.append)
+  (item,) = fixed.checkpoint_items
+  saved = item.item(state=None)[0]
+  assert saved == {"step": None, "mode": "element", "specs": [], "schedule": None}
+  off = codec_control.CodecPolicy(gatherer, mesh, tiny_config().codec, log=lines.append)
+  assert off.checkpoint_items == ()
+  auto = codec_control.CodecPolicy(gatherer, mesh, _codec(comm_model="bytes"),
+                                   log=lines.append)
+  auto.restored = json.loads(json.dumps(saved))         # through JSON, as a checkpoint holds it
+  assert auto.start(4, params=None) is None and auto.decided_at is None
+  assert auto._next == max(auto.cfg.warmup_steps, 4 + codec_control.PROBE_STEPS)
+  assert lines == []
+  (g, p) = next(iter(gatherer.candidates()))
+  fixed.restored = {"step": 5, "specs": [codec_control._spec_entry(g, p, codec.CodecSpec("delta"))],
+                    "schedule": None}
+  assert fixed.start(7, params=None) is None
+  assert lines == ["codec: the checkpoint's codec choice (step 5, 1 parameter compressed) is set "
+                   "aside: codec.mode='element' without codec.select compresses every parameter "
+                   "it gathers"]
+  # a checkpoint with no codec item (an off run's, or an older version's) is news to auto only
+  for policy in (fixed, auto):
+    codec_control.CodecDecisionItem(policy).restore(None, None, "checkpoint 3", lines.append)
+  assert len(lines) == 2 and lines[1].startswith("codec: checkpoint 3 holds no codec decision")
