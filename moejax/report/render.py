@@ -14,6 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.colors import BoundaryNorm, ListedColormap  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from moejax.report.series import Panel, panels, read_records  # noqa: E402
 
@@ -24,6 +25,7 @@ def _line_axes(ax, panel: Panel):
   for label, (steps, values) in panel.lines.items():
     ax.plot(steps, values, marker="." if len(steps) < 60 else None, label=label)
   ax.set_xlabel("step")
+  ax.xaxis.set_major_locator(MaxNLocator(integer=True))
   ax.set_ylabel(panel.ylabel)
   if panel.logy:
     ax.set_yscale("log")
@@ -61,6 +63,7 @@ def _heatmap_axes(fig, ax, panel: Panel, title: str, data, vmax=None):
   ax.invert_yaxis()                       # first row on top
   ax.set_title(title, fontsize="medium")
   ax.set_xlabel("step")
+  ax.xaxis.set_major_locator(MaxNLocator(integer=True))   # no tick between two steps
   step = max(1, len(rows) // 24)          # at most ~24 row labels stay readable
   ax.set_yticks(range(0, len(rows), step))
   ax.set_yticklabels(rows[::step], fontsize="x-small")

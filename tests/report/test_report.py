@@ -196,3 +196,20 @@ def test_a_record_cut_short_by_a_kill_is_skipped_and_never_glued_to_the_next(tmp
   (tmp_path / "metrics.jsonl").write_text(whole + "not a record\n" + whole)
   with pytest.raises(Exception, match="metrics.jsonl:4: not a metrics record"):
     series.read_records(str(tmp_path))
+
+
+def test_plots_of_a_short_run_tick_whole_steps_only():
+  """Three logged steps: matplotlib's own ticks fell at 1.5, 2.5 (between steps)."""
+  from moejax.report import render
+  steps = np.array([1, 2, 3])
+  panel = series.Panel("expert_load", "Expert load", heatmaps={
+      "router": (steps, np.ones((3, 4)), [f"e{i}" for i in range(4)])}, colorbar="load")
+  lines = series.Panel("loss", "Loss", lines={"train loss": (steps, np.array([3.0, 2.5, 2.0]))},
+                       ylabel="loss")
+  for p in (panel, lines):
+    fig = render.figure(p)
+    for ax in fig.axes[:1]:
+      low, high = ax.get_xlim()
+      ticks = [t for t in ax.get_xticks() if low <= t <= high]
+      assert ticks and all(float(t).is_integer() for t in ticks), (p.name, ticks)
+    render.plt.close(fig)
