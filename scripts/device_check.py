@@ -817,11 +817,21 @@ def _schedule8_env(dims: dict) -> dict:
   return env
 
 
+def _die_with_parent() -> None:
+  """In the child: the kernel kills it when this process ends, however it ends (SIGTERM from a
+  time limit runs no atexit), so a child started early never outlives the run."""
+  import ctypes
+  try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, 9)    # PR_SET_PDEATHSIG, SIGKILL (Linux)
+  except (OSError, AttributeError):
+    pass
+
+
 def _start_schedule8_child(mock, env: dict):
   import subprocess
   return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--schedule8-child",
                            str(mock)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, env=env)
+                          text=True, env=env, preexec_fn=_die_with_parent)
 
 
 # mock -> the schedule8 child a dry run started at its beginning (main)

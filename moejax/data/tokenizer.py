@@ -25,8 +25,12 @@ ENCODE_CHUNK_DOCUMENTS = 1 << 14   # and at most this many documents (empty ones
 PIECE_CHARS = 1 << 20
 CUT_CHECK_CHARS = 256   # the text either side of a cut encoded whole and in two, to check it
 CUT_TRIES = 8           # candidates tried for one cut before the rest is encoded whole
-# Where a piece may end: before a space or newline between two non-space characters.
-_CUT = re.compile(r"(?<=\S)[ \n](?=\S)")
+# Where a piece may end: after a letter or digit, before a space or newline and a non-space (not
+# after punctuation: Llama 3's pattern glues a run of it to the newline after, and a run longer
+# than the check's text merges by its whole length).
+_CUT = re.compile(r"(?<=[^\W_])[ \n](?=\S)")
+# A text whose cut any tokenizer that may cut passes: one that fails it sees a text's start.
+_PROBE = ("the cat sat on the mat", " and the dog ran in the park")
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"   # beside tokenizer.json: may declare the EOS
 # Looked up in this order in a tokenizer.json's vocabulary; the first one present is EOS.
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eos|>", "[EOS]")
@@ -86,7 +90,7 @@ class HFTokenizer:
       reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
       raise DataError(f"{path}: not a valid tokenizer.json ({reason})") from None
     self.name = path
-    self._cuts_refused = False     # a long document's first cut failed its check: none tried
+    self._cuttable = None          # whether long documents may be cut (`_may_cut`), once known
     vocab = self._tok.get_vocab(with_added_tokens=True)
     if not vocab:
       raise DataError(f"{path}: tokenizer has an empty vocabulary")
@@ -139,33 +143,45 @@ class HFTokenizer:
     return [np.asarray(e.ids, np.int32) for e in encode(texts, add_special_tokens=False)]
 
   def _pieces(self, doc: str) -> list[str]:
-    """`doc` cut about every PIECE_CHARS characters where the cut changes no id: before a
-    space or newline between two words, where the CUT_CHECK_CHARS either side encode to the
-    same ids whole as in two. A tokenizer that sees a text's start (one whose normalizer
-    prepends "▁" to every text, as Llama 2's) passes no check, and its documents stay whole;
-    so does a document with no such place (CUT_TRIES candidates tried for each cut)."""
-    if len(doc) <= PIECE_CHARS or self._cuts_refused:
+    """`doc` cut about every PIECE_CHARS characters where the cut changes no id (`_cut_keeps_ids`).
+    A tokenizer without a pre-tokenizer, or one that sees a text's start (a normalizer that
+    prepends "▁" to every text, as Llama 2's), keeps its documents whole; so does a stretch with
+    no such place (CUT_TRIES candidates tried for each cut: the rest stays one piece)."""
+    if len(doc) <= PIECE_CHARS or not self._may_cut():
       return [doc]
     pieces, start = [], 0
     while len(doc) - start > PIECE_CHARS:
-      cut = None
-      for tries, m in enumerate(_CUT.finditer(doc, start + PIECE_CHARS)):
-        if tries == CUT_TRIES:
-          break
-        c = m.start()
-        left, right = doc[c - CUT_CHECK_CHARS:c], doc[c:c + CUT_CHECK_CHARS]
-        whole, a, b = self._encode_batch([left + right, left, right])
-        if np.array_equal(whole, np.concatenate([a, b])):
-          cut = c
-          break
+      cut = next((m.start() for _, m in zip(range(CUT_TRIES),
+                                             _CUT.finditer(doc, start + PIECE_CHARS))
+                  if self._cut_keeps_ids(doc, m.start())), None)
       if cut is None:
-        # no cut passed: a tokenizer that failed its first one never passes (it sees starts)
-        self._cuts_refused = not pieces
         break
       pieces.append(doc[start:cut])
       start = cut
     pieces.append(doc[start:])
     return pieces
+
+  def _may_cut(self) -> bool:
+    """Whether documents may be cut at all: the tokenizer splits text into words before its
+    model (a pre-tokenizer) and encodes the probe text in two halves as whole."""
+    if self._cuttable is None:
+      text = "".join(_PROBE)
+      self._cuttable = (self._tok.pre_tokenizer is not None
+                        and self._cut_keeps_ids(text, len(_PROBE[0]), margin=len(_PROBE[0])))
+    return self._cuttable
+
+  def _cut_keeps_ids(self, doc: str, cut: int, margin: int = CUT_CHECK_CHARS) -> bool:
+    """Whether cutting `doc` at `cut` changes no id: in the `margin` characters either side the
+    pre-tokenizer's words do not cross the cut (nor does the word at the cut touch the text's
+    ends), and the text encodes to the same ids whole as in its two halves."""
+    left, right = doc[max(0, cut - margin):cut], doc[cut:cut + margin]
+    spans = [span for _, span in self._tok.pre_tokenizer.pre_tokenize_str(left + right)]
+    at = len(left)
+    if (any(a < at < b for a, b in spans) or sum(b <= at for _, b in spans) < 2
+        or sum(a >= at for a, _ in spans) < 2):
+      return False
+    whole, a, b = self._encode_batch([left + right, left, right])
+    return np.array_equal(whole, np.concatenate([a, b]))
 
   def __repr__(self) -> str:
     return f"HFTokenizer({self.name!r})"
