@@ -9,10 +9,33 @@ SLURM (srun) or a Kubernetes Job no flags are needed (docs/cluster.md). If a
 process is lost, the others stop with one line naming it and exit code 2 (moejax.distributed).
 """
 import os
+import re
 import sys
 
-from absl import app, flags, logging
-from ml_collections import config_flags
+import signal
+
+
+class EarlySigint:
+  """train.py's SIGINT handler until the run installs its own (`moejax.train.stop`): raises
+  KeyboardInterrupt, and remembers the signal, since Python drops an exception raised inside a
+  gc callback (jax registers one, run at every collection while modules import and programs
+  compile): checked after the imports, and taken over by the run's handler."""
+  seen = False
+
+  def __call__(self, signum, frame):
+    del signum, frame
+    EarlySigint.seen = True
+    raise KeyboardInterrupt
+
+  @staticmethod
+  def unraisable(args) -> None:
+    """sys.unraisablehook: the dropped KeyboardInterrupt is not printed (it is acted on)."""
+    if not isinstance(args.exc_value, KeyboardInterrupt):
+      sys.__unraisablehook__(args)
+
+
+from absl import app, flags, logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/olmoe.py", "Config file[:preset].")
 _WORKDIR = flags.DEFINE_string("workdir", "runs/default", "Where metrics and checkpoints go.")
@@ -32,6 +55,8 @@ def main(argv):
   from moejax.errors import ConfigError, MoejaxError
   from moejax.train.loop import run
   from moejax.train.stop import Interrupted
+  if EarlySigint.seen:           # a Ctrl-C dropped inside a gc callback while importing
+    raise KeyboardInterrupt
   try:
     cfg = from_config_dict(_CONFIG.value)
     if _MEMORY.value is not None:
@@ -107,13 +132,36 @@ def parse_flags(argv):
       sys.exit(2)
     if isinstance(e, (AttributeError, KeyError)):   # ConfigDict's way of saying "no such field"
       hint = f" ({message[1]})" if len(message) > 1 else ""   # e.g. 'Did you mean "top_k"...'
-      detail = (f"unknown config field {message[0].strip(chr(34))} in a --config.FIELD "
-                f"override{hint}") if message else detail
+      name = _unknown_field(argv) or message[0].strip(chr(34)) if message else None
+      detail = (f"unknown config field {name} in a --config.FIELD override{hint}"
+                if name else detail)
       print(f"error: bad command line: {detail}", file=sys.stderr)
       sys.exit(2)
     typed = _typed_value_error(detail)
+    detail = re.sub(r"^[A-Za-z]*Error: ", "", detail)   # a config file's ValueError: its words
     print(f"error: {typed}" if typed else f"error: bad command line: {detail}", file=sys.stderr)
     sys.exit(2)
+
+
+def _unknown_field(argv) -> str | None:
+  """The first --config.FIELD override whose dotted path the typed config lacks, quoted whole
+  (ConfigDict names only its last part: 'foo' for moe.foo)."""
+  import dataclasses
+
+  import moejax.config as config_lib
+  for field in _override_fields(argv):
+    node = config_lib.Config
+    for name in field.split("."):
+      fields = ({f.name: f for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node)
+                else None)
+      if fields is None:
+        break                      # a dict-valued field (its keys are free): not ours to judge
+      if name not in fields:
+        return repr(field)
+      node = fields[name].type
+      if isinstance(node, str):    # postponed annotations: a group's class by name
+        node = getattr(config_lib, node, node)
+  return None
 
 
 def _config_arg(argv) -> str:
@@ -156,6 +204,25 @@ def _typed_value_error(detail: str) -> str | None:
   return f"config.{field}={value}: takes {takes}" if takes else None
 
 
+def stopped_at_once() -> None:
+  """Ctrl-C before the run's own handler is in place (imports, reading the config, initializing
+  the model), or a second one (which stops at once): one line, not Python's traceback; exit
+  status 130, as Python's."""
+  print("moejax: stopped on SIGINT at once: nothing saved since the last checkpoint (rerun the "
+        "same command to resume from it)", file=sys.stderr, flush=True)
+  distributed = sys.modules.get("moejax.distributed")
+  if distributed is not None:
+    distributed.stop(130)      # multi-process: the others stop too
+  sys.stdout.flush()
+  os._exit(130)                # not interpreter exit: it would wait on Orbax's save threads
+
+
 if __name__ == "__main__":
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  app.run(main, flags_parser=parse_flags)
+  if signal.getsignal(signal.SIGINT) is signal.default_int_handler:   # not ignored (nohup, &)
+    signal.signal(signal.SIGINT, EarlySigint())
+    sys.unraisablehook = EarlySigint.unraisable
+  try:
+    app.run(main, flags_parser=parse_flags)
+  except KeyboardInterrupt:
+    stopped_at_once()

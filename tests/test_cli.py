@@ -22,8 +22,8 @@ def _one_error_line(proc, message):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--config", "configs/olmoe.py:huge"], "unknown preset 'huge'"),
-    (["--config.moe.foo=1"], "unknown config field 'foo'"),
+    (["--config", "configs/olmoe.py:huge"], "error: bad command line: unknown preset 'huge'"),
+    (["--config.moe.foo=1"], "unknown config field 'moe.foo'"),
     (["--config.moe.top_k=abc"], "error: config.moe.top_k=abc: takes an integer"),
     # No override to make absl read the file: it used to fail later, in main, with a traceback.
     (["--config", "configs/nothere.py:tiny"], "No such file or directory: 'configs/nothere.py'"),
@@ -131,3 +131,28 @@ def test_memory_on_devices_prints_the_report_and_trains_nothing(tmp_path, capsys
     exchange[buffers] = float(dict(line.rsplit(None, 2)[:2]
                                    for line in out.splitlines()[1:])["exchange"])
   assert 0 < exchange["auto"] < exchange["blocks"]
+
+
+def test_ctrl_c_before_the_run_is_one_line_and_leaves_no_workdir(tmp_path):
+  """Ctrl-C while train.py imports and reads its config (before the run's own handler): one
+  line and exit 130, not a KeyboardInterrupt traceback; the workdir it would create is not left."""
+  import os
+  import signal
+  import subprocess
+  import sys
+  import time
+  from tests.helpers import REPO, xla_flags
+  workdir = tmp_path / "w"
+  proc = subprocess.Popen(   # SIGINT as a terminal gives it (a background job inherits it ignored)
+      [sys.executable, os.path.join(REPO, "train.py"), "--config", "configs/olmoe.py:tiny",
+       "--workdir", str(workdir)], cwd=REPO, env=dict(os.environ, XLA_FLAGS=xla_flags(1)),
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+      preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+  time.sleep(0.5)                                # importing jax takes longer
+  proc.send_signal(signal.SIGINT)
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 130, err
+  assert "Traceback" not in err and err.strip().splitlines() == [
+      "moejax: stopped on SIGINT at once: nothing saved since the last checkpoint (rerun the "
+      "same command to resume from it)"], err
+  assert not workdir.exists()
