@@ -587,6 +587,7 @@ def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
   """
   created = not os.path.exists(workdir)
   prepare_workdir(workdir)
+  created = workdir_lib.created_by_job(created)     # by any process: the first makes it
   lock = workdir_lib.WorkdirLock(workdir) if jax.process_index() == 0 else None
   failed = True
   try:

@@ -59,6 +59,15 @@ class WorkdirLock:
       self._file.close()
 
 
+def created_by_job(created_here: bool) -> bool:
+  """Whether some process of the job created the workdir (each says whether it found none): in
+  a job, another process may make it before process 0, which removes it after a failed start."""
+  if jax.process_count() == 1:
+    return created_here
+  from jax.experimental import multihost_utils
+  return bool(np.any(multihost_utils.process_allgather(np.int32(created_here))))
+
+
 def remove_if_unused(workdir: str) -> bool:
   """Removes a workdir that a run created and stopped in before any step was logged or any
   checkpoint saved (a bad data path, a compile that ran out of memory, Ctrl-C): what it holds

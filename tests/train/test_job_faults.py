@@ -54,9 +54,10 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _job(tmp_path, name: str, wrapper=(), extra0=(), extra1=(), workdir1=None):
-  """Both processes of one job on 1 CPU device each; `wrapper` runs process 1 under a script,
-  `extra0` / `extra1` add arguments to process 0's / 1's, `workdir1` gives it another workdir."""
+def _job(tmp_path, name: str, wrapper=(), extra0=(), extra1=(), workdir1=None, wrapper0=()):
+  """Both processes of one job on 1 CPU device each; `wrapper` runs process 1 under a script
+  (`wrapper0` process 0), `extra0` / `extra1` add arguments to process 0's / 1's, `workdir1`
+  gives it another workdir."""
   address = f"127.0.0.1:{_free_port()}"
   env = dict(os.environ, XLA_FLAGS=xla_flags(1),
              JAX_PLATFORMS="cpu", JAX_ENABLE_COMPILATION_CACHE="false", PYTHONUNBUFFERED="1")
@@ -66,7 +67,7 @@ def _job(tmp_path, name: str, wrapper=(), extra0=(), extra1=(), workdir1=None):
   procs = []
   for i in range(2):
     workdir = workdir1 if i == 1 and workdir1 is not None else tmp_path / "job"
-    command = [sys.executable, *(wrapper if i == 1 else ()), os.path.join(REPO, "train.py"),
+    command = [sys.executable, *(wrapper if i == 1 else wrapper0), os.path.join(REPO, "train.py"),
                *MP_ARGS, *(extra1 if i == 1 else extra0), "--workdir", str(workdir),
                "--coordinator_address", address, "--num_processes=2", f"--process_id={i}"]
     with open(tmp_path / f"{name}{i}.out", "w") as out, \
@@ -154,8 +155,11 @@ def test_a_process_with_another_config_or_workdir_stops_every_process_with_one_l
   differs (process 0 used to say only that process 1 stopped with an error); nothing is trained
   or written."""
   other = tmp_path / "other"
+  late = tmp_path / "late.py"             # process 0 makes its workdir after process 1 has
+  late.write_text(LATE_WORKDIR)
   procs = _job(tmp_path, differs, extra1=["--config.seed=7"] if differs == "config" else (),
-               workdir1=other if differs == "workdir" else None)
+               workdir1=other if differs == "workdir" else None,
+               wrapper0=[str(late), str(tmp_path / "job")] if differs == "config" else ())
   try:
     codes = [proc.wait(timeout=MP_TIMEOUT_S) for proc in procs]
   finally:
@@ -176,6 +180,28 @@ def test_a_process_with_another_config_or_workdir_stops_every_process_with_one_l
   for workdir in (tmp_path / "job", other):
     assert not (workdir / "metrics.jsonl").exists()
     assert not (workdir / "checkpoints").exists() or not any((workdir / "checkpoints").iterdir())
+  # the workdir the failed start made is removed by process 0, whichever process made it first
+  # (process 1's own, in the second case, is left: only process 0 holds the lock)
+  assert not (tmp_path / "job").exists()
+
+
+# train.py whose workdir the other process makes first: its run waits for it (at most 60 s).
+LATE_WORKDIR = """
+import os, runpy, sys, time
+from moejax.train import loop
+workdir, train_py = sys.argv[1], sys.argv[2]
+sys.argv = [train_py, *sys.argv[3:]]
+original = loop.run
+
+def run(cfg, path, **kwargs):
+  deadline = time.monotonic() + 60
+  while not os.path.exists(path) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  return original(cfg, path, **kwargs)
+
+loop.run = run
+runpy.run_path(train_py, run_name="__main__")
+"""
 
 
 # train.py that stops itself (SIGSTOP: alive, connections open, silent) right after the job's
