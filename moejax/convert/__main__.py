@@ -77,7 +77,8 @@ def to_hf(args) -> None:
   files = hf.save_hf(params, cfg, args.out_dir, dtype=args.dtype,
                      max_shard_bytes=args.max_shard_size, hf_config_base=hf_config,
                      overwrite=args.overwrite,
-                     eos_token_id=None if hf_config else _eos_id(tokenizer, cfg))
+                     eos_token_id=None if hf_config else _eos_id(tokenizer, cfg),
+                     bytes_tokenizer=tokenizer is None and cfg.data.tokenizer == "bytes")
   shards = sum(f.endswith(".safetensors") for f in files)
   if tokenizer is not None:   # transformers (and generate / evaluate) read it beside the weights
     weights.keep_tokenizer(tokenizer, args.out_dir)
@@ -87,7 +88,9 @@ def to_hf(args) -> None:
     os.remove(os.path.join(args.out_dir, checkpoint_io.TOKENIZER_FILE))
   print(f"wrote {args.out_dir}: {_describe(cfg)}, {shards} safetensors file(s), {args.dtype}"
         + (f", {checkpoint_io.TOKENIZER_FILE}" if tokenizer else
-           " (no tokenizer.json: the run trained on bytes or names none)"))
+           (" (no tokenizer.json: the run trained on UTF-8 bytes, which config.json says; "
+            "generate and evaluate read it so)" if cfg.data.tokenizer == "bytes" else
+            " (no tokenizer.json: the run's tokenizer was not found; copy it there)")))
 
 
 def _eos_id(tokenizer: str | None, cfg) -> int | None:

@@ -36,6 +36,14 @@ def save_params(out_dir: str, cfg: Config, params, *, hf_config: dict | None = N
   return out_dir
 
 
+def _read_hf_json(path: str) -> dict:
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError) as e:
+    raise CheckpointError(f"{path}: not readable JSON ({e})") from None
+
+
 def _find_hf_config(path: str) -> dict | None:
   """The hf_config.json kept beside a from-hf checkpoint (path: its directory or step dir)."""
   path = os.path.abspath(path)
@@ -114,7 +122,14 @@ def load_model(path: str, step: int | None = None, *,
   found = weights.tokenizer_beside(path)
   if found is not None:
     return cfg, params, found
-  if from_hf or _find_hf_config(path) is not None:
-    raise CheckpointError(f"{path}: no {TOKENIZER_FILE} beside these Hugging Face weights; copy "
-                          "the model's tokenizer.json there or pass --tokenizer")
+  hf_json = (_read_hf_json(os.path.join(path, "config.json")) if from_hf
+             else _find_hf_config(path))
+  if hf_json is not None:
+    from moejax.convert.hf_config import TOKENIZER_KEY
+    if hf_json.get(TOKENIZER_KEY) == "bytes":       # moejax's export of a run on bytes
+      return cfg, params, "bytes"
+    what = "these Hugging Face weights" if from_hf else "this from-hf checkpoint"
+    raise CheckpointError(f"{path}: no {TOKENIZER_FILE} beside {what}; copy the model's "
+                          "tokenizer.json there or pass --tokenizer (--tokenizer bytes for a "
+                          "model trained on UTF-8 bytes)")
   return cfg, params, weights.tokenizer_of(cfg)

@@ -343,17 +343,21 @@ def check_out_dir(out_dir: str, overwrite: bool = False) -> list[str]:
 
 def save_hf(params, cfg: Config, out_dir: str, *, dtype: str = "float32",
             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, hf_config_base: dict | None = None,
-            overwrite: bool = False, eos_token_id: int | None = None) -> list[str]:
+            overwrite: bool = False, eos_token_id: int | None = None,
+            bytes_tokenizer: bool = False) -> list[str]:
   """Writes params as a Hugging Face checkpoint of `cfg.model.family` (config.json +
   safetensors) in `out_dir`.
 
   `dtype`: "float32" (exact) or "bfloat16" (rounded to nearest even). `hf_config_base`: a
   config.json to keep fields moejax does not model from (token ids, maximum length);
-  `eos_token_id` without one (`hf_config.hf_config_from`). Refuses a
+  `eos_token_id` without one (`hf_config.hf_config_from`); `bytes_tokenizer`: the weights read
+  UTF-8 bytes (no tokenizer.json), said in config.json for `load_model`. Refuses a
   directory that already holds safetensors files unless `overwrite`, which removes them first.
   Returns the files written.
   """
   hf = hf_config.hf_config_from(cfg, hf_config_base, dtype=dtype, eos_token_id=eos_token_id)
+  if bytes_tokenizer:
+    hf[hf_config.TOKENIZER_KEY] = "bytes"
   maps = hf_names.leaf_maps(cfg, hf_names.PER_EXPERT)
   _check_params(params, cfg, maps)
   existing = check_out_dir(out_dir, overwrite)

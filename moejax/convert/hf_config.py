@@ -1960,6 +1960,11 @@ def check_exportable(cfg: Config) -> FamilySpec:
   return spec
 
 
+# config.json's key naming a tokenizer that no tokenizer.json holds: "bytes" for weights trained
+# on UTF-8 bytes (moejax's to-hf of such a run), read by generate / evaluate (`load_model`).
+TOKENIZER_KEY = "moejax_tokenizer"
+
+
 def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float32",
                    eos_token_id: int | None = None) -> dict:
   """A config.json of `cfg.model.family` for `cfg`. Fields moejax does not model (token ids,

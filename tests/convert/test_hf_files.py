@@ -1887,4 +1887,17 @@ def test_an_overwritten_export_of_a_bytes_run_keeps_no_stale_tokenizer(trained, 
   (out / "tokenizer.json").write_text('{"stale": true}')        # as another export left it
   assert cli.main(["to-hf", str(trained), str(out), "--overwrite"]) == 0
   assert not (out / "tokenizer.json").exists()
-  assert "no tokenizer.json" in capsys.readouterr().out
+  assert "no tokenizer.json: the run trained on UTF-8 bytes" in capsys.readouterr().out
+  # config.json says so, and generate / evaluate read the export, and a from-hf of it, as bytes
+  # (they asked for a tokenizer.json to copy there, which a run on bytes never had)
+  from moejax.convert import checkpoint_io
+  assert json.loads((out / "config.json").read_text())["moejax_tokenizer"] == "bytes"
+  assert checkpoint_io.load_model(str(out))[2] == "bytes"
+  assert cli.main(["from-hf", str(out), str(tmp_path / "back")]) == 0
+  assert checkpoint_io.load_model(str(tmp_path / "back"))[2] == "bytes"
+  config = json.loads((out / "config.json").read_text())
+  del config["moejax_tokenizer"]                 # an export that names no tokenizer
+  (out / "config.json").write_text(json.dumps(config))
+  with pytest.raises(CheckpointError, match=r"no tokenizer.json beside these Hugging Face "
+                     r"weights; .* \(--tokenizer bytes for a model trained on UTF-8 bytes\)$"):
+    checkpoint_io.load_model(str(out))
