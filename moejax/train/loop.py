@@ -326,8 +326,11 @@ class Trainer:
     if new_receive != old_receive:
       log(f"moejax: a device received {receive_rows} rows for its {placement.kind} experts, "
           f"which run {computed(old, old_receive)}: {step}moe.receive_capacity_factor "
-          f"{old_receive:g} -> {new_receive:g} ({computed(new, new_receive)} rows); rerunning "
-          f"the {step}step")
+          f"{old_receive:g} -> {new_receive:g} ({computed(new, new_receive)} rows"
+          # the rows the experts run follow the dispatch buffer too (all it delivers, dropless)
+          + (f", with the dispatch buffer's growth above; {computed(old, new_receive)} alone"
+             if computed(new, new_receive) != computed(old, new_receive) else "")
+          + f"); rerunning the {step}step")
     return new, new_receive
 
   def adopt(self, state, current: "Compiled", specs: dict):
