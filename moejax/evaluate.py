@@ -161,6 +161,11 @@ def run(args) -> dict:
   cfg = dataclasses.replace(cfg, seq_len=args.seq_len or cfg.seq_len,
                             batch_size=args.batch_size or cfg.batch_size)
   eval_batches = batches(cfg, args.data, args.split, tokenizer_spec, args.batches, args.source)
+  windows = getattr(eval_batches, "windows_WxL", None)      # --split all: the file's windows
+  if windows is not None and args.batches is None and len(windows) % cfg.batch_size:
+    print(f"moejax: note: {len(windows) % cfg.batch_size} of {args.data}'s {len(windows):,} "
+          f"windows are left out (batches are whole: {len(eval_batches)} of {cfg.batch_size}; a "
+          "--batch-size that divides the windows scores every one)", file=sys.stderr)
   trainer = evaluation_trainer(cfg)
   for note in differences_from_training(cfg, trainer.mesh.devices.size):
     print(f"moejax: note: {note}", file=sys.stderr)
@@ -180,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     print(f"{args.data} ({args.split}): loss {result['loss']:.4f} nats/token, perplexity "
           f"{result['perplexity']:.2f} over {result['tokens']:,} tokens "
-          f"({result['batches']} batches of {result['batch_size']} x {result['seq_len']})")
+          f"({result['batches']} batch{'es' * (result['batches'] != 1)} of "
+          f"{result['batch_size']} x {result['seq_len']})")
 
   return run_command(body)
 

@@ -21,7 +21,7 @@ def test_cli_validation_split_defaults_to_the_loops_batches(trained, capsys):
   assert evaluate.main([str(trained), "--data", "builtin", "--split", "val"]) == 0
   out = capsys.readouterr().out
   assert f"loss {records(trained)[-1]['val_loss']:.4f} nats/token" in out
-  assert "(1 batches of " in out               # the canonical run's eval_batches
+  assert "(1 batch of " in out               # the canonical run's eval_batches
 
 
 def test_what_the_run_computed_otherwise_is_named():
@@ -54,11 +54,18 @@ def test_cli_scores_a_file(trained, tmp_path, capsys):
   captured = capsys.readouterr()
   assert "over 256 tokens (2 batches of 4 x 32)" in captured.out
   assert "note" not in captured.err                 # shorter than the run's 64: no note
+  # The whole file: its windows past the last whole batch are said to be left out.
+  assert evaluate.main([str(trained), "--data", str(text)]) == 0      # 170 windows of 65
+  captured = capsys.readouterr()
+  assert "over 10,240 tokens (10 batches of 16 x 64)" in captured.out
+  assert captured.err.splitlines() == [
+      f"moejax: note: 10 of {text}'s 170 windows are left out (batches are whole: 10 of 16; a "
+      "--batch-size that divides the windows scores every one)"], captured.err
   # Longer than the run trained at: said (positions it never trained at), then scored.
   assert evaluate.main([str(trained), "--data", str(text), "--batches", "1", "--seq-len", "128",
                         "--batch-size", "4"]) == 0
   captured = capsys.readouterr()
-  assert "over 512 tokens (1 batches of 4 x 128)" in captured.out
+  assert "over 512 tokens (1 batch of 4 x 128)" in captured.out
   assert ("moejax: note: --seq-len=128 scores positions past the run's seq_len=64"
           in captured.err)
   loss = float(out.split("loss ")[1].split()[0])
