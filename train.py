@@ -208,8 +208,8 @@ def stopped_at_once() -> None:
   """Ctrl-C before the run's own handler is in place (imports, reading the config, initializing
   the model), or a second one (which stops at once): one line, not Python's traceback; exit
   status 130, as Python's."""
-  print("moejax: stopped on SIGINT at once: nothing saved since the last checkpoint (rerun the "
-        "same command to resume from it)", file=sys.stderr, flush=True)
+  print("moejax: stopped on SIGINT at once: nothing saved since the last checkpoint, if there is "
+        "one", file=sys.stderr, flush=True)
   distributed = sys.modules.get("moejax.distributed")
   if distributed is not None:
     distributed.stop(130)      # multi-process: the others stop too

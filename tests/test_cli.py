@@ -134,8 +134,9 @@ def test_memory_on_devices_prints_the_report_and_trains_nothing(tmp_path, capsys
 
 
 def test_ctrl_c_before_the_run_is_one_line_and_leaves_no_workdir(tmp_path):
-  """Ctrl-C while train.py imports and reads its config (before the run's own handler): one
-  line and exit 130, not a KeyboardInterrupt traceback; the workdir it would create is not left."""
+  """Ctrl-C after train.py has made its workdir, while the model initializes (before the run's
+  own handler): one line and exit 130, not a KeyboardInterrupt traceback, and the workdir it
+  made is removed."""
   import os
   import signal
   import subprocess
@@ -148,11 +149,34 @@ def test_ctrl_c_before_the_run_is_one_line_and_leaves_no_workdir(tmp_path):
        "--workdir", str(workdir)], cwd=REPO, env=dict(os.environ, XLA_FLAGS=xla_flags(1)),
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-  time.sleep(0.5)                                # importing jax takes longer
-  proc.send_signal(signal.SIGINT)
+  deadline = time.monotonic() + 120
+  while not workdir.exists() and proc.poll() is None and time.monotonic() < deadline:
+    time.sleep(0.02)
+  proc.send_signal(signal.SIGINT)      # the run has begun: its data and model come next
   out, err = proc.communicate(timeout=120)
   assert proc.returncode == 130, err
   assert "Traceback" not in err and err.strip().splitlines() == [
-      "moejax: stopped on SIGINT at once: nothing saved since the last checkpoint (rerun the "
-      "same command to resume from it)"], err
+      "moejax: stopped on SIGINT at once: nothing saved since the last checkpoint, if there is "
+      "one"], err
   assert not workdir.exists()
+
+
+def test_a_ctrl_c_python_dropped_is_taken_up_by_the_run():
+  """Python drops a KeyboardInterrupt raised in a gc callback (jax registers one); train.py's
+  handler remembers the signal, and the run's handler takes it as a request to stop."""
+  import signal
+  import train
+  from moejax.train.stop import StopRequests
+  previous = signal.signal(signal.SIGINT, train.EarlySigint())
+  try:
+    train.EarlySigint.seen = True
+    stops = StopRequests()
+    assert stops.requested(1) and stops.signum == signal.SIGINT
+    stops.close()
+    train.EarlySigint.seen = False
+    stops = StopRequests()
+    assert not stops.requested(1)
+    stops.close()
+  finally:
+    train.EarlySigint.seen = False
+    signal.signal(signal.SIGINT, previous)

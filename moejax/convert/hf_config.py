@@ -1980,7 +1980,9 @@ def hf_config_from(cfg: Config, base: dict | None = None, *, dtype: str = "float
       "bos_token_id": None, "eos_token_id": eos_token_id, "pad_token_id": None,
       "max_position_embeddings": 4096, "use_cache": True}
   # auto_map names remote code the export does not carry (trust_remote_code would fail on it)
+  # (TOKENIZER_KEY: a base exported from a run on bytes; save_hf says it again where it holds)
   for stale in ("torch_dtype", "dtype", "transformers_version", "head_dim", "auto_map",
+                TOKENIZER_KEY,
                 *spec.experts_aliases, *(alias for alias, _ in spec.field_aliases)):
     hf.pop(stale, None)
   hf.update({

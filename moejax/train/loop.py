@@ -588,9 +588,9 @@ def run(cfg: Config, workdir: str, *, trainer: Trainer | None = None,
   stop_at: stop after this step, with a checkpoint there, as if the run were interrupted (run
     again to resume); the learning-rate schedule still spans `cfg.steps`.
   """
-  created = not os.path.exists(workdir)
+  # Asked of every process before any makes it (another's folder would read as this one's).
+  created = workdir_lib.new_to_every_process(not os.path.exists(workdir))
   prepare_workdir(workdir)
-  created = workdir_lib.created_by_job(created)     # by any process: the first makes it
   lock = workdir_lib.WorkdirLock(workdir) if jax.process_index() == 0 else None
   failed = True
   try:

@@ -59,13 +59,14 @@ class WorkdirLock:
       self._file.close()
 
 
-def created_by_job(created_here: bool) -> bool:
-  """Whether some process of the job created the workdir (each says whether it found none): in
-  a job, another process may make it before process 0, which removes it after a failed start."""
+def new_to_every_process(new_here: bool) -> bool:
+  """Whether every process of the job found no workdir before any made one (each says whether
+  it found none; the gather is the barrier): a job's failed start removes the workdir only then.
+  A folder that existed for any process (its own, where workdirs differ) is kept."""
   if jax.process_count() == 1:
-    return created_here
+    return new_here
   from jax.experimental import multihost_utils
-  return bool(np.any(multihost_utils.process_allgather(np.int32(created_here))))
+  return bool(np.all(multihost_utils.process_allgather(np.int32(new_here))))
 
 
 def remove_if_unused(workdir: str) -> bool:

@@ -1895,6 +1895,11 @@ def test_an_overwritten_export_of_a_bytes_run_keeps_no_stale_tokenizer(trained, 
   assert checkpoint_io.load_model(str(out))[2] == "bytes"
   assert cli.main(["from-hf", str(out), str(tmp_path / "back")]) == 0
   assert checkpoint_io.load_model(str(tmp_path / "back"))[2] == "bytes"
+  # an export from it of a run on another tokenizer does not inherit the key from its base
+  from moejax.convert import hf_config
+  cfg, _, base = checkpoint_io.load_params(str(tmp_path / "back"))
+  assert base["moejax_tokenizer"] == "bytes"
+  assert hf_config.TOKENIZER_KEY not in hf_config.hf_config_from(cfg, base)
   config = json.loads((out / "config.json").read_text())
   del config["moejax_tokenizer"]                 # an export that names no tokenizer
   (out / "config.json").write_text(json.dumps(config))

@@ -54,10 +54,9 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _job(tmp_path, name: str, wrapper=(), extra0=(), extra1=(), workdir1=None, wrapper0=()):
-  """Both processes of one job on 1 CPU device each; `wrapper` runs process 1 under a script
-  (`wrapper0` process 0), `extra0` / `extra1` add arguments to process 0's / 1's, `workdir1`
-  gives it another workdir."""
+def _job(tmp_path, name: str, wrapper=(), extra0=(), extra1=(), workdir1=None):
+  """Both processes of one job on 1 CPU device each; `wrapper` runs process 1 under a script,
+  `extra0` / `extra1` add arguments to process 0's / 1's, `workdir1` gives it another workdir."""
   address = f"127.0.0.1:{_free_port()}"
   env = dict(os.environ, XLA_FLAGS=xla_flags(1),
              JAX_PLATFORMS="cpu", JAX_ENABLE_COMPILATION_CACHE="false", PYTHONUNBUFFERED="1")
@@ -67,7 +66,7 @@ def _job(tmp_path, name: str, wrapper=(), extra0=(), extra1=(), workdir1=None, w
   procs = []
   for i in range(2):
     workdir = workdir1 if i == 1 and workdir1 is not None else tmp_path / "job"
-    command = [sys.executable, *(wrapper if i == 1 else wrapper0), os.path.join(REPO, "train.py"),
+    command = [sys.executable, *(wrapper if i == 1 else ()), os.path.join(REPO, "train.py"),
                *MP_ARGS, *(extra1 if i == 1 else extra0), "--workdir", str(workdir),
                "--coordinator_address", address, "--num_processes=2", f"--process_id={i}"]
     with open(tmp_path / f"{name}{i}.out", "w") as out, \
@@ -155,11 +154,11 @@ def test_a_process_with_another_config_or_workdir_stops_every_process_with_one_l
   differs (process 0 used to say only that process 1 stopped with an error); nothing is trained
   or written."""
   other = tmp_path / "other"
-  late = tmp_path / "late.py"             # process 0 makes its workdir after process 1 has
-  late.write_text(LATE_WORKDIR)
+  if differs == "workdir":      # process 0's folder is the user's: a tokenizer.json they keep
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "tokenizer.json").write_text("{}")
   procs = _job(tmp_path, differs, extra1=["--config.seed=7"] if differs == "config" else (),
-               workdir1=other if differs == "workdir" else None,
-               wrapper0=[str(late), str(tmp_path / "job")] if differs == "config" else ())
+               workdir1=other if differs == "workdir" else None)
   try:
     codes = [proc.wait(timeout=MP_TIMEOUT_S) for proc in procs]
   finally:
@@ -180,28 +179,13 @@ def test_a_process_with_another_config_or_workdir_stops_every_process_with_one_l
   for workdir in (tmp_path / "job", other):
     assert not (workdir / "metrics.jsonl").exists()
     assert not (workdir / "checkpoints").exists() or not any((workdir / "checkpoints").iterdir())
-  # the workdir the failed start made is removed by process 0, whichever process made it first
-  # (process 1's own, in the second case, is left: only process 0 holds the lock)
-  assert not (tmp_path / "job").exists()
-
-
-# train.py whose workdir the other process makes first: its run waits for it (at most 60 s).
-LATE_WORKDIR = """
-import os, runpy, sys, time
-from moejax.train import loop
-workdir, train_py = sys.argv[1], sys.argv[2]
-sys.argv = [train_py, *sys.argv[3:]]
-original = loop.run
-
-def run(cfg, path, **kwargs):
-  deadline = time.monotonic() + 60
-  while not os.path.exists(path) and time.monotonic() < deadline:
-    time.sleep(0.05)
-  return original(cfg, path, **kwargs)
-
-loop.run = run
-runpy.run_path(train_py, run_name="__main__")
-"""
+  # The workdir the failed start made is removed (by process 0); where the processes' workdirs
+  # differ, none is (process 0's existed, and went with a tokenizer.json, when process 1's
+  # new folder counted as the job's).
+  if differs == "config":
+    assert not (tmp_path / "job").exists()
+  else:
+    assert (tmp_path / "job" / "tokenizer.json").exists() and other.is_dir()
 
 
 # train.py that stops itself (SIGSTOP: alive, connections open, silent) right after the job's
