@@ -15,22 +15,27 @@ import sys
 import signal
 
 
-class EarlySigint:
-  """train.py's SIGINT handler until the run installs its own (`moejax.train.stop`): raises
-  KeyboardInterrupt, and remembers the signal, since Python drops an exception raised inside a
-  gc callback (jax registers one, run at every collection while modules import and programs
-  compile): checked after the imports, and taken over by the run's handler."""
-  seen = False
+class EarlyStop(BaseException):
+  """SIGTERM before the run's own handler is in place (`EarlySignal`): unwinds as Ctrl-C does."""
+
+
+class EarlySignal:
+  """train.py's SIGINT and SIGTERM handler until the run installs its own (`moejax.train.stop`):
+  raises KeyboardInterrupt (SIGINT) or EarlyStop (SIGTERM), and remembers the signal (`seen`),
+  since Python drops an exception raised inside a gc callback (jax registers one, run at every
+  collection while modules import and programs compile): checked after the imports, and taken
+  over by the run's handler."""
+  seen: int | None = None
 
   def __call__(self, signum, frame):
-    del signum, frame
-    EarlySigint.seen = True
-    raise KeyboardInterrupt
+    del frame
+    EarlySignal.seen = signum
+    raise KeyboardInterrupt if signum == signal.SIGINT else EarlyStop(signum)
 
   @staticmethod
   def unraisable(args) -> None:
-    """sys.unraisablehook: the dropped KeyboardInterrupt is not printed (it is acted on)."""
-    if not isinstance(args.exc_value, KeyboardInterrupt):
+    """sys.unraisablehook: a dropped stop is not printed (it is acted on)."""
+    if not isinstance(args.exc_value, (KeyboardInterrupt, EarlyStop)):
       sys.__unraisablehook__(args)
 
 
@@ -55,8 +60,8 @@ def main(argv):
   from moejax.errors import ConfigError, MoejaxError
   from moejax.train.loop import run
   from moejax.train.stop import Interrupted
-  if EarlySigint.seen:           # a Ctrl-C dropped inside a gc callback while importing
-    raise KeyboardInterrupt
+  if EarlySignal.seen is not None:      # a signal dropped inside a gc callback while importing
+    EarlySignal()(EarlySignal.seen, None)
   try:
     cfg = from_config_dict(_CONFIG.value)
     if _MEMORY.value is not None:
@@ -204,25 +209,29 @@ def _typed_value_error(detail: str) -> str | None:
   return f"config.{field}={value}: takes {takes}" if takes else None
 
 
-def stopped_at_once() -> None:
-  """Ctrl-C before the run's own handler is in place (imports, reading the config, initializing
-  the model), or a second one (which stops at once): one line, not Python's traceback; exit
-  status 130, as Python's."""
-  print("moejax: stopped on SIGINT at once: nothing saved since the last checkpoint, if there is "
-        "one", file=sys.stderr, flush=True)
+def stopped_at_once(signum: int) -> None:
+  """Ctrl-C or SIGTERM before the run's own handler is in place (imports, reading the config,
+  loading the data, initializing the model), or a second Ctrl-C (which stops at once): one line,
+  not Python's traceback or a silent death; exit status 128 + the signal."""
+  print(f"moejax: stopped on {signal.Signals(signum).name} at once: nothing saved since the "
+        "last checkpoint, if there is one", file=sys.stderr, flush=True)
   distributed = sys.modules.get("moejax.distributed")
   if distributed is not None:
-    distributed.stop(130)      # multi-process: the others stop too
+    distributed.stop(128 + signum)      # multi-process: the others stop too
   sys.stdout.flush()
-  os._exit(130)                # not interpreter exit: it would wait on Orbax's save threads
+  os._exit(128 + signum)       # not interpreter exit: it would wait on Orbax's save threads
 
 
 if __name__ == "__main__":
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  if signal.getsignal(signal.SIGINT) is signal.default_int_handler:   # not ignored (nohup, &)
-    signal.signal(signal.SIGINT, EarlySigint())
-    sys.unraisablehook = EarlySigint.unraisable
+  for sig, default in ((signal.SIGINT, signal.default_int_handler),
+                       (signal.SIGTERM, signal.SIG_DFL)):
+    if signal.getsignal(sig) is default:         # not ignored (nohup, a background job)
+      signal.signal(sig, EarlySignal())
+      sys.unraisablehook = EarlySignal.unraisable
   try:
     app.run(main, flags_parser=parse_flags)
   except KeyboardInterrupt:
-    stopped_at_once()
+    stopped_at_once(signal.SIGINT)
+  except EarlyStop as e:
+    stopped_at_once(e.args[0])

@@ -133,10 +133,12 @@ def test_memory_on_devices_prints_the_report_and_trains_nothing(tmp_path, capsys
   assert 0 < exchange["auto"] < exchange["blocks"]
 
 
-def test_ctrl_c_before_the_run_is_one_line_and_leaves_no_workdir(tmp_path):
-  """Ctrl-C after train.py has made its workdir, while the model initializes (before the run's
-  own handler): one line and exit 130, not a KeyboardInterrupt traceback, and the workdir it
-  made is removed."""
+@pytest.mark.parametrize("signum", [2, 15])             # SIGINT, SIGTERM
+def test_a_signal_before_the_run_is_one_line_and_leaves_no_workdir(tmp_path, signum):
+  """Ctrl-C or SIGTERM after train.py has made its workdir, while the model initializes (before
+  the run's own handlers): one line and exit 128 + the signal, not a KeyboardInterrupt traceback
+  (SIGINT) or a silent death that left the workdir (SIGTERM), and the workdir it made is
+  removed."""
   import os
   import signal
   import subprocess
@@ -152,31 +154,38 @@ def test_ctrl_c_before_the_run_is_one_line_and_leaves_no_workdir(tmp_path):
   deadline = time.monotonic() + 120
   while not workdir.exists() and proc.poll() is None and time.monotonic() < deadline:
     time.sleep(0.02)
-  proc.send_signal(signal.SIGINT)      # the run has begun: its data and model come next
+  proc.send_signal(signum)             # the run has begun: its data and model come next
   out, err = proc.communicate(timeout=120)
-  assert proc.returncode == 130, err
+  assert proc.returncode == 128 + signum, err
+  name = signal.Signals(signum).name
+  if not err and f"moejax: stopped on {name} after step 1, saved {workdir}/checkpoints/1" in out:
+    # Python dropped the exception: raised inside jax's gc callback, which runs at every
+    # collection while the model compiles; the run's handler took the signal up after all
+    assert (workdir / "checkpoints" / "1").is_dir()
+    return
   assert "Traceback" not in err and err.strip().splitlines() == [
-      "moejax: stopped on SIGINT at once: nothing saved since the last checkpoint, if there is "
+      f"moejax: stopped on {name} at once: nothing saved since the last checkpoint, if there is "
       "one"], err
   assert not workdir.exists()
 
 
-def test_a_ctrl_c_python_dropped_is_taken_up_by_the_run():
-  """Python drops a KeyboardInterrupt raised in a gc callback (jax registers one); train.py's
-  handler remembers the signal, and the run's handler takes it as a request to stop."""
+def test_a_signal_python_dropped_is_taken_up_by_the_run():
+  """Python drops an exception raised in a gc callback (jax registers one); train.py's handler
+  remembers the signal, and the run's handlers take it as a request to stop."""
   import signal
   import train
   from moejax.train.stop import StopRequests
-  previous = signal.signal(signal.SIGINT, train.EarlySigint())
+  previous = signal.signal(signal.SIGINT, train.EarlySignal())
   try:
-    train.EarlySigint.seen = True
-    stops = StopRequests()
-    assert stops.requested(1) and stops.signum == signal.SIGINT
-    stops.close()
-    train.EarlySigint.seen = False
+    for seen in (signal.SIGINT, signal.SIGTERM):
+      train.EarlySignal.seen = seen
+      stops = StopRequests()
+      assert stops.requested(1) and stops.signum == seen
+      stops.close()
+    train.EarlySignal.seen = None
     stops = StopRequests()
     assert not stops.requested(1)
     stops.close()
   finally:
-    train.EarlySigint.seen = False
+    train.EarlySignal.seen = None
     signal.signal(signal.SIGINT, previous)

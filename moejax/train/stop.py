@@ -50,10 +50,11 @@ class StopRequests:
       return
     for sig in (signal.SIGINT,) if self._multi else (signal.SIGINT, signal.SIGTERM):
       self._previous[sig] = signal.signal(sig, self._handle)
-    # A Ctrl-C that train.py's handler saw but Python dropped (raised in a gc callback): taken
-    # up as a request, so the run stops after its first step (train.EarlySigint).
-    if getattr(self._previous.get(signal.SIGINT), "seen", False):
-      self._handle(signal.SIGINT, None)
+    # A signal that train.py's handler saw but Python dropped (raised in a gc callback): taken
+    # up as a request, so the run stops after its first step (train.EarlySignal).
+    seen = getattr(self._previous.get(signal.SIGINT), "seen", None)
+    if seen in self._previous:
+      self._handle(seen, None)
 
   def _handle(self, signum, frame):
     del frame
