@@ -50,11 +50,7 @@ def _find_hf_config(path: str) -> dict | None:
   for directory in (path, os.path.dirname(path)):
     candidate = os.path.join(directory, HF_CONFIG_FILE)
     if os.path.isfile(candidate):
-      try:
-        with open(candidate) as f:
-          return json.load(f)
-      except (OSError, ValueError) as e:
-        raise CheckpointError(f"{candidate}: not readable JSON ({e})") from None
+      return _read_hf_json(candidate)
   return None
 
 
